@@ -1,0 +1,120 @@
+"""The one validated configuration object behind ``ZeroQStrategy`` and the Hydra recipes.
+
+Field names follow Lightning's ``DeepSpeedStrategy`` (and DeepSpeed's config keys) wherever the meaning
+is the same, so users coming from DeepSpeed can move their settings over unchanged. Every field is
+validated in ``__post_init__``; a bad value raises ``ValueError`` naming the field, the value and the fix.
+
+Options that a later milestone implements (stage 3, offload, quantized weights) are accepted by the
+schema, so recipes can name them, but rejected by ``ZeroConfig.check_supported`` with a clear
+"not supported yet" error instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+SUPPORTED_STAGES = (1, 2)
+OFFLOAD_DEVICES = ("cpu", "nvme")
+
+
+@dataclass(kw_only=True)
+class ZeroConfig:
+    """Settings of the ZeRO engine. Sizes are counted in elements, as in DeepSpeed."""
+
+    stage: int = 2
+    """ZeRO stage: 1 shards optimizer state and fp32 master weights, 2 also shards gradients, 3 also
+    shards parameters."""
+
+    reduce_bucket_size: int = 200_000_000
+    """Upper bound (elements) of one unit of consecutive parameters in stages 1/2. A unit is reduced with
+    one reduce-scatter, so this bounds the temporary gradient memory of one reduction."""
+
+    allgather_bucket_size: int = 200_000_000
+    """Upper bound (elements, counted across all ranks) of the weights gathered in one collective after
+    the optimizer step."""
+
+    overlap_comm: bool = True
+    """Run gradient reduce-scatters asynchronously on a side stream, overlapping the backward pass."""
+
+    managed_gradient_accumulation: bool = True
+    """True: the strategy knows the accumulation window from the Trainer and does the boundary work in
+    the window's last backward. False (unmanaged): any number of backward passes, then a step; all
+    boundary work runs inside the step."""
+
+    offload_optimizer: bool = False
+    """Keep fp32 master shards and optimizer state off the GPU (see ``offload_optimizer_device``)."""
+
+    offload_optimizer_device: str = "cpu"
+    """Where optimizer state lives when ``offload_optimizer`` is set: ``"cpu"`` or ``"nvme"``."""
+
+    offload_parameters: bool = False
+    """Keep parameter shards off the GPU between uses (stage 3 only)."""
+
+    offload_params_device: str = "cpu"
+    """Where parameter shards live when ``offload_parameters`` is set: ``"cpu"`` or ``"nvme"``."""
+
+    nvme_path: Optional[str] = None
+    """Directory for NVMe swap files; required when either offload device is ``"nvme"``."""
+
+    quantized_weights: bool = False
+    """Gather weights as INT8 (groups of 64, one fp32 scale each) instead of at full width."""
+
+    def __post_init__(self) -> None:
+        self.stage = _check_int("stage", self.stage, 1)
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"ZeroConfig.stage={self.stage!r} is not a ZeRO stage; use 1, 2 or 3.")
+        for name in ("reduce_bucket_size", "allgather_bucket_size"):
+            setattr(self, name, _check_int(name, getattr(self, name), 1))
+        for name in ("overlap_comm", "managed_gradient_accumulation", "offload_optimizer",
+                     "offload_parameters", "quantized_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ZeroConfig.{name}={getattr(self, name)!r} must be true or false.")
+        for name in ("offload_optimizer_device", "offload_params_device"):
+            value = getattr(self, name)
+            if value not in OFFLOAD_DEVICES:
+                raise ValueError(
+                    f"ZeroConfig.{name}={value!r} is not an offload device; use one of {OFFLOAD_DEVICES}."
+                )
+        if self.offload_parameters and self.stage != 3:
+            raise ValueError(
+                f"ZeroConfig.offload_parameters=True needs stage=3 (got stage={self.stage}): parameters are "
+                "only sharded at rest in stage 3. Set stage=3 or offload only the optimizer."
+            )
+        uses_nvme = (self.offload_optimizer and self.offload_optimizer_device == "nvme") or (
+            self.offload_parameters and self.offload_params_device == "nvme"
+        )
+        if uses_nvme and not self.nvme_path:
+            raise ValueError(
+                f"ZeroConfig.nvme_path={self.nvme_path!r}: NVMe offload needs a directory to swap to; set "
+                "nvme_path to a writable directory on a fast local disk."
+            )
+
+    def check_supported(self) -> None:
+        """Raise for options that are valid but not implemented in this release."""
+        if self.stage not in SUPPORTED_STAGES:
+            raise ValueError(
+                f"ZeroConfig.stage={self.stage} is not supported yet; stages {SUPPORTED_STAGES} are. "
+                "Use stage=2 for sharded gradients and optimizer state."
+            )
+        for name in ("offload_optimizer", "offload_parameters", "quantized_weights"):
+            if getattr(self, name):
+                raise ValueError(
+                    f"ZeroConfig.{name}=True is not supported yet in this release; set {name}=False."
+                )
+
+    def replace(self, **changes: Any) -> "ZeroConfig":
+        """A copy with ``changes`` applied (and validated)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    # Accept integral floats such as 2e8, the way DeepSpeed users write bucket sizes.
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"ZeroConfig.{name}={value!r} must be an integer.")
+    if value < minimum:
+        raise ValueError(f"ZeroConfig.{name}={value!r} must be at least {minimum}; pick a positive size.")
+    return value
