@@ -1,0 +1,75 @@
+"""Collectives used by the engine, with the version and backend differences hidden.
+
+- torch 2.13 deprecates ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` in favour of
+  ``reduce_scatter_single`` / ``all_gather_single``; torch 2.11 (our GPU machine) only has the
+  former. Same arguments; we take whichever exists.
+- Reductions use SUM and the caller divides, because AVG is NCCL-only.
+- Backends that lack a tensor collective (old gloo) fall back to ``all_reduce`` + slicing.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+_reduce_scatter_impl = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_impl = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_fallback_backends: set[str] = set()
+
+
+def _backend(group: Optional[dist.ProcessGroup]) -> str:
+    return str(dist.get_backend(group))
+
+
+def reduce_scatter(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup]) -> None:
+    """``output = sum over ranks of input``, this rank's chunk. ``input`` is ``world_size`` chunks long."""
+    backend = _backend(group)
+    if backend not in _fallback_backends:
+        try:
+            _reduce_scatter_impl(output, input, op=dist.ReduceOp.SUM, group=group)
+            return
+        except (RuntimeError, NotImplementedError):
+            if backend == "nccl":
+                raise
+            _fallback_backends.add(backend)
+    summed = input.clone()
+    dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
+    rank, n = dist.get_rank(group), output.numel()
+    output.copy_(summed[rank * n : (rank + 1) * n])
+
+
+def all_gather(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup]) -> None:
+    """``output`` = the ranks' ``input`` tensors concatenated in rank order."""
+    try:
+        _all_gather_impl(output, input, group=group)
+    except (RuntimeError, NotImplementedError):
+        if _backend(group) == "nccl":
+            raise
+        dist.all_gather(list(output.chunk(dist.get_world_size(group))), input, group=group)
+
+
+def all_reduce(tensor: Tensor, op: dist.ReduceOp.RedOpType, group: Optional[dist.ProcessGroup]) -> None:
+    dist.all_reduce(tensor, op=op, group=group)
+
+
+def broadcast(tensor: Tensor, src_rank: int, group: Optional[dist.ProcessGroup]) -> None:
+    dist.broadcast(tensor, src=dist.get_global_rank(group, src_rank) if group is not None else src_rank,
+                   group=group)
+
+
+def world(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
+    """(rank, world_size) in ``group``, or (0, 1) without a process group."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def side_stream(device: torch.device) -> Optional["torch.cuda.Stream"]:
+    return torch.cuda.Stream(device=device) if device.type == "cuda" else None

@@ -1,0 +1,493 @@
+"""The ZeRO engine for stages 1 and 2: units, shards, gradient reduction and the sharded step.
+
+Lifetimes (per unit, see ``layout.py`` for the words):
+
+- ``flat``: the full working-dtype buffer. Persistent; the module's parameters are views into it, so
+  forward and backward run on ordinary ``nn.Parameter`` objects.
+- ``master``: this rank's fp32 shard of the unit, the only copy the optimizer updates. The optimizer
+  sees one view per parameter segment, so its per-parameter state and skipping work unchanged.
+- ``grad``: this rank's fp32 gradient shard, accumulated over the window, zeroed after each step.
+
+Phases of one optimizer step:
+
+1. backward (any number of times). A post-accumulate-grad hook marks the parameter as used. If the
+   backward *reduces* (always in stage 2; in stage 1 only on the last backward of a managed window)
+   a unit is reduce-scattered as soon as all of its parameters have their gradient, in a fixed
+   order (reverse unit order) so every rank issues the same collectives; units still waiting when
+   the backward ends (unused parameters) are flushed then, with zeros for missing gradients.
+2. finalize (once, inside the step, or on the first clip): reduce whatever stage 1 left local, wait
+   for the side stream, agree on which parameters any rank used and on fp16 overflow in one MAX
+   all-reduce, unscale.
+3. step: give the optimizer the gradient of every used segment (unused segments get ``None`` so the
+   optimizer leaves value and state alone, as ``torch.optim`` does with DDP), step, write the new
+   master shards into the working buffers and all-gather them.
+
+Streams: with ``overlap_comm`` on CUDA, reductions run on a side stream that first waits for the
+compute stream; gradient tensors read there are ``record_stream``-ed before they are dropped; the
+compute stream waits for the side stream in ``finalize``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_zeroq.config import ZeroConfig
+from lightning_zeroq.zero import comm
+from lightning_zeroq.zero.layout import Segment, UnitLayout, make_layout, plan_units
+from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
+
+ELEMENTWISE_OPTIMIZERS: list[type] = [
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.Adamax,
+    torch.optim.ASGD,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Rprop,
+]
+
+
+def register_elementwise_optimizer(cls: type) -> type:
+    """Declare an optimizer class elementwise, so ZeroQ accepts it. Usable as a class decorator."""
+    if cls not in ELEMENTWISE_OPTIMIZERS:
+        ELEMENTWISE_OPTIMIZERS.append(cls)
+    return cls
+
+
+def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
+    if not isinstance(optimizer, tuple(ELEMENTWISE_OPTIMIZERS)):
+        name = type(optimizer).__name__
+        raise ValueError(
+            f"ZeroQ cannot shard optimizer {name}: it shards every parameter across ranks, so the update "
+            f"must be elementwise, and {name} is not known to be (known: "
+            f"{', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}). If {name} is elementwise, declare "
+            f"it with lightning_zeroq.register_elementwise_optimizer({name}); otherwise use DDP or FSDP."
+        )
+
+
+@dataclass(eq=False)
+class _Unit:
+    index: int
+    params: list[nn.Parameter]
+    param_ids: list[int]
+    layout: UnitLayout
+    flat: Tensor
+    master: Tensor
+    grad: Tensor
+    segments: list[Segment]
+    segment_masters: list[Tensor]
+    fired: set[int] = field(default_factory=set)
+    reduced: bool = False
+
+
+class ZeroEngine:
+    """Shards a module's trainable parameters for ZeRO stages 1 and 2 and steps an optimizer on them.
+
+    Args:
+        module: the model; its trainable parameters become views into per-unit flat buffers.
+        config: the validated ``ZeroConfig``.
+        param_dtype: dtype of the working parameters (fp32, bf16 or fp16); masters are always fp32.
+        group: the data-parallel process group (``None``: the default group, or a single process).
+        loss_scaling: use dynamic loss scaling (fp16).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: ZeroConfig,
+        *,
+        param_dtype: torch.dtype = torch.float32,
+        group: Optional[dist.ProcessGroup] = None,
+        loss_scaling: bool = False,
+    ) -> None:
+        config.check_supported()
+        self.config = config
+        self.module = module
+        self.group = group
+        self.param_dtype = param_dtype
+        self.rank, self.world_size = comm.world(group)
+        self.loss_scaler = DynamicLossScaler() if loss_scaling else None
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        params = _trainable_parameters(module)
+        devices = {p.device for p in params} | {b.device for b in module.buffers()}
+        if len(devices) > 1:
+            raise ValueError(
+                f"ZeroQ needs all parameters and buffers on one device, found {sorted(map(str, devices))}; "
+                "move the module to one device first."
+            )
+        self.device = devices.pop() if devices else torch.device("cpu")
+        self._sync_replicated_state()
+        self.units = self._build_units(params)
+        self._where = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
+        self._reduce_order = list(reversed(self.units))
+        self._stream = comm.side_stream(self.device) if config.overlap_comm else None
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+        self._used: set[int] = set()
+        self._open = False
+        self._reduce_now = False
+        self._callback_queued = False
+        self._next_reduce = 0
+        self._pending_local = False
+        self._finalized: Optional[bool] = None
+
+    # ------------------------------------------------------------------ setup
+
+    def _sync_replicated_state(self) -> None:
+        """Start from rank 0's values everywhere, as DDP does: frozen parameters and buffers here,
+        trainable parameters through their unit buffers in ``_build_units``."""
+        if self.world_size == 1:
+            return
+        with torch.no_grad():
+            for p in self.module.parameters():
+                if not p.requires_grad:
+                    comm.broadcast(p.data, 0, self.group)
+            for b in self.module.buffers():
+                comm.broadcast(b, 0, self.group)
+
+    def _build_units(self, params: list[nn.Parameter]) -> list[_Unit]:
+        units = []
+        next_id = 0
+        for index, members in enumerate(plan_units([p.numel() for p in params], self.config.reduce_bucket_size)):
+            unit_params = [params[i] for i in members]
+            layout = make_layout([p.numel() for p in unit_params], self.world_size)
+            full = torch.zeros(layout.padded_numel, dtype=torch.float32, device=self.device)
+            with torch.no_grad():
+                for p, slot in zip(unit_params, layout.slots):
+                    full[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+                if self.world_size > 1:
+                    comm.broadcast(full, 0, self.group)
+            lo, hi = layout.shard_range(self.rank)
+            master = full[lo:hi].clone()
+            flat = full.to(self.param_dtype) if self.param_dtype != torch.float32 else full
+            for p, slot in zip(unit_params, layout.slots):
+                p.data = flat[slot.offset : slot.offset + slot.numel].view(p.shape)
+            segments = layout.segments(self.rank)
+            units.append(
+                _Unit(
+                    index=index,
+                    params=unit_params,
+                    param_ids=list(range(next_id, next_id + len(unit_params))),
+                    layout=layout,
+                    flat=flat,
+                    master=master,
+                    grad=torch.zeros_like(master),
+                    segments=segments,
+                    segment_masters=[master[s.shard_start : s.shard_start + s.numel] for s in segments],
+                )
+            )
+            next_id += len(unit_params)
+        self.num_params = next_id
+        return units
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Rebind ``optimizer``'s param groups to this rank's fp32 master segments.
+
+        The optimizer object itself is kept, so LR schedulers and ``LearningRateMonitor`` that hold it
+        keep working; its state starts empty.
+        """
+        check_elementwise(optimizer)
+        group_of: dict[int, int] = {}
+        for gi, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                if id(p) in group_of:
+                    raise ValueError("A parameter appears in two optimizer param groups; list each once.")
+                group_of[id(p)] = gi
+        module_params = {id(p) for p in self.module.parameters()}
+        foreign = [k for k in group_of if k not in module_params]
+        if foreign and self.optimizer is None:
+            raise ValueError(
+                f"The optimizer holds {len(foreign)} tensor(s) that are not parameters of the module; "
+                "build the optimizer from self.parameters() in configure_optimizers."
+            )
+        new_params: list[list[Tensor]] = [[] for _ in optimizer.param_groups]
+        self._segment_table: list[tuple[Tensor, _Unit, Segment]] = []
+        for unit in self.units:
+            for seg, seg_master in zip(unit.segments, unit.segment_masters):
+                gi = group_of.get(id(unit.params[seg.param]))
+                if gi is not None:
+                    new_params[gi].append(seg_master)
+                    self._segment_table.append((seg_master, unit, seg))
+        for group, seg_params in zip(optimizer.param_groups, new_params):
+            group["params"] = seg_params
+        optimizer.state.clear()
+        self.optimizer = optimizer
+
+    # ------------------------------------------------------------------ backward
+
+    def pre_backward(self, boundary: Optional[bool] = None) -> None:
+        """Open a backward pass. ``boundary=True``: the caller knows a step follows this backward (a
+        managed accumulation window ends), so stage 1 reduces during it to overlap communication."""
+        if self._finalized is not None:
+            raise RuntimeError(
+                "backward() after the gradients were finalized for a step (clip_gradients or a step that "
+                "was skipped half-way); call the optimizer step before the next backward."
+            )
+        self._open = True
+        self._callback_queued = False
+        managed_boundary = boundary is True and self.config.managed_gradient_accumulation
+        self._reduce_now = self.config.stage >= 2 or managed_boundary
+        self._next_reduce = 0
+        for unit in self.units:
+            unit.fired.clear()
+            unit.reduced = False
+        if not self._reduce_now:
+            self._pending_local = True
+
+    def _on_grad_ready(self, param: Tensor) -> None:
+        if not self._open:
+            self.pre_backward(None)
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self.post_backward)
+            self._callback_queued = True
+        unit, i = self._where[id(param)]
+        self._used.add(unit.param_ids[i])
+        if self._reduce_now:
+            unit.fired.add(i)
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        order = self._reduce_order
+        while self._next_reduce < len(order):
+            unit = order[self._next_reduce]
+            if len(unit.fired) < len(unit.params):
+                return
+            self._reduce(unit)
+            self._next_reduce += 1
+
+    def post_backward(self) -> None:
+        """Close the backward pass: flush the units still waiting (idempotent)."""
+        if not self._open:
+            return
+        if self._reduce_now:
+            for unit in self._reduce_order[self._next_reduce :]:
+                self._reduce(unit)
+            self._next_reduce = len(self._reduce_order)
+            self._pending_local = False
+        self._open = False
+
+    def backward(self, loss: Tensor, boundary: Optional[bool] = None) -> None:
+        """``loss.backward()`` bracketed by the engine (scaled for fp16). For plain-PyTorch use."""
+        self.pre_backward(boundary)
+        (loss * self.loss_scale if self.loss_scaler is not None else loss).backward()
+        self.post_backward()
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def _comm_context(self) -> contextlib.AbstractContextManager:
+        if self._stream is None:
+            return contextlib.nullcontext()
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self._stream)
+
+    def _reduce(self, unit: _Unit) -> None:
+        """Reduce-scatter the unit's local gradients into its fp32 gradient shard."""
+        layout = unit.layout
+        with self._comm_context(), torch.no_grad():
+            flat_grad = torch.zeros(layout.padded_numel, dtype=self.param_dtype, device=self.device)
+            for p, slot in zip(unit.params, layout.slots):
+                if p.grad is not None:
+                    flat_grad[slot.offset : slot.offset + slot.numel].copy_(p.grad.reshape(-1))
+                    if self._stream is not None:
+                        p.grad.record_stream(self._stream)
+                    p.grad = None
+            if self.world_size > 1:
+                # Divide before summing so fp16/bf16 sums cannot overflow (SUM: AVG is NCCL-only).
+                flat_grad.div_(self.world_size)
+                shard = torch.empty(layout.shard_numel, dtype=self.param_dtype, device=self.device)
+                comm.reduce_scatter(shard, flat_grad, self.group)
+            else:
+                shard = flat_grad
+            unit.grad.add_(shard)
+        unit.reduced = True
+
+    # ------------------------------------------------------------------ step
+
+    def finalize_gradients(self) -> bool:
+        """Complete this window's gradient shards. Returns True if fp16 overflowed (skip the step)."""
+        if self._finalized is not None:
+            return self._finalized
+        self.post_backward()
+        if self._pending_local:
+            for unit in self._reduce_order:
+                self._reduce(unit)
+            self._pending_local = False
+        if self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        stats = torch.zeros(self.num_params + 1, device=self.device)
+        if self._used:
+            stats[list(self._used)] = 1.0
+        if self.loss_scaler is not None:
+            local = torch.stack([u.grad.sum() for u in self.units]).sum() if self.units else stats[0]
+            stats[-1] = (~torch.isfinite(local)).float()
+        if self.world_size > 1:
+            comm.all_reduce(stats, dist.ReduceOp.MAX, self.group)
+        self._used_global = stats[:-1] > 0
+        found_inf = bool(stats[-1].item() > 0)
+        if self.loss_scaler is not None and not found_inf:
+            inv = 1.0 / self.loss_scaler.scale
+            for unit in self.units:
+                unit.grad.mul_(inv)
+        self._finalized = found_inf
+        return found_inf
+
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Clip the gradient shards by the global 2-norm over all ranks; returns the norm."""
+        if self.finalize_gradients():
+            return torch.tensor(float("inf"), device=self.device)
+        local = torch.zeros((), device=self.device)
+        for unit in self.units:
+            local += unit.grad.pow(2).sum()
+        if self.world_size > 1:
+            comm.all_reduce(local, dist.ReduceOp.SUM, self.group)
+        norm = local.sqrt()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for unit in self.units:
+            unit.grad.mul_(coef)
+        return norm
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        if not self.finalize_gradients():
+            for unit in self.units:
+                unit.grad.clamp_(-clip_value, clip_value)
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> bool:
+        """Apply one optimizer update from this window's gradients. Returns False if it was skipped."""
+        if self.optimizer is None:
+            raise RuntimeError("ZeroEngine.step() needs an optimizer: call attach_optimizer() first.")
+        found_inf = self.finalize_gradients()
+        if not found_inf:
+            used = self._used_global.tolist() if self._segment_table else []
+            for seg_master, unit, seg in self._segment_table:
+                if used[unit.param_ids[seg.param]]:
+                    seg_master.grad = unit.grad[seg.shard_start : seg.shard_start + seg.numel]
+            self.optimizer.step()
+            for seg_master, _, _ in self._segment_table:
+                seg_master.grad = None
+            self.publish()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(found_inf)
+        self._end_window()
+        return not found_inf
+
+    def _end_window(self) -> None:
+        for unit in self.units:
+            unit.grad.zero_()
+            for p in unit.params:
+                p.grad = None
+        self._used.clear()
+        self._finalized = None
+        self._pending_local = False
+
+    def zero_grad(self) -> None:
+        """Drop this window's gradients without stepping."""
+        self.post_backward()
+        if self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        self._end_window()
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        """Write the master shards into the working buffers and all-gather them (every unit)."""
+        for unit in self.units:
+            shard = unit.master.to(self.param_dtype)
+            if self.world_size > 1:
+                comm.all_gather(unit.flat, shard, self.group)
+            else:
+                unit.flat.copy_(shard)
+
+    # ------------------------------------------------------------------ state
+
+    def _named_managed(self) -> Iterator[tuple[list[str], _Unit, int]]:
+        names: dict[int, list[str]] = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(name)
+        for unit in self.units:
+            for i, p in enumerate(unit.params):
+                yield names.get(id(p), []), unit, i
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """Collective: the full fp32 parameters by name on every rank (CPU tensors), frozen ones included."""
+        out: dict[str, Tensor] = {}
+        fulls = {}
+        for unit in self.units:
+            full = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=self.device)
+            if self.world_size > 1:
+                comm.all_gather(full, unit.master, self.group)
+            else:
+                full.copy_(unit.master)
+            fulls[unit.index] = full.cpu()
+        for names, unit, i in self._named_managed():
+            slot, p = unit.layout.slots[i], unit.params[i]
+            value = fulls[unit.index][slot.offset : slot.offset + slot.numel].view(p.shape).clone()
+            for name in names:
+                out[name] = value
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            if name not in out:
+                out[name] = p.detach().float().cpu().clone()
+        return out
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Set the fp32 masters (and the working copies) from full parameters by name."""
+        for names, unit, i in self._named_managed():
+            name = next((n for n in names if n in state), None)
+            if name is None:
+                continue
+            slot = unit.layout.slots[i]
+            lo, hi = unit.layout.shard_range(self.rank)
+            start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if start < end:
+                value = state[name].reshape(-1)[start - slot.offset : end - slot.offset]
+                unit.master[start - lo : end - lo].copy_(value)
+        self.publish()
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's masters, optimizer state and loss scale (for checkpoints at the same world size)."""
+        return {
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "unit_numels": [u.layout.numel for u in self.units],
+            "masters": [u.master.detach().cpu() for u in self.units],
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+        }
+
+    @torch.no_grad()
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        numels = [u.layout.numel for u in self.units]
+        if state["world_size"] != self.world_size or state["unit_numels"] != numels:
+            raise ValueError(
+                f"This sharded checkpoint was written by {state['world_size']} ranks with units "
+                f"{state['unit_numels'][:4]}...; this run has {self.world_size} ranks and units {numels[:4]}... "
+                "Resume with the same number of devices and the same reduce_bucket_size."
+            )
+        for unit, master in zip(self.units, state["masters"]):
+            unit.master.copy_(master)
+        if self.optimizer is not None and state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.loss_scaler is not None and state["loss_scaler"] is not None:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
+        self.publish()
+
+    def close(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+
+def _trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """Trainable parameters in registration order, each once (tied weights are one parameter)."""
+    return [p for p in module.parameters() if p.requires_grad]
