@@ -1,0 +1,36 @@
+"""Shared pytest configuration: the ``gpu`` marker and the session-wide distributed worker pools."""
+
+import pytest
+
+from tests.dist_pool import DistPool
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs CUDA GPUs (skipped without them)")
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    import torch  # only consulted when gpu tests were collected; is_available() creates no CUDA context
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is False)")
+        for item in gpu_items:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def dist_pool():
+    """``dist_pool(world_size) -> DistPool``; one pool per world size for the whole session."""
+    pools: dict[int, DistPool] = {}
+
+    def get(world_size: int) -> DistPool:
+        if world_size not in pools:
+            pools[world_size] = DistPool(world_size)
+        return pools[world_size]
+
+    yield get
+    for pool in pools.values():
+        pool.close()
