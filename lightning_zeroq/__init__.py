@@ -4,8 +4,14 @@
 Lightning. Importing initializes no CUDA and compiles nothing.
 """
 
+from lightning.pytorch.strategies import StrategyRegistry
+
 from lightning_zeroq.config import ZeroConfig
+from lightning_zeroq.precision import ZeroQPrecision
+from lightning_zeroq.strategy import ZeroQStrategy
 from lightning_zeroq.zero.engine import ZeroEngine, register_elementwise_optimizer
 
-__all__ = ["ZeroConfig", "ZeroEngine", "register_elementwise_optimizer"]
+ZeroQStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["ZeroConfig", "ZeroEngine", "ZeroQPrecision", "ZeroQStrategy", "register_elementwise_optimizer"]
 __version__ = "0.1.0"

@@ -59,3 +59,67 @@ def param_groups(model: nn.Module, adam: bool = True) -> list[dict]:
         {"params": first, "lr": 2e-2, "weight_decay": 0.1},
         {"params": rest, "lr": 1e-2, "weight_decay": 0.0},
     ]
+
+
+# --------------------------------------------------------------------------- Lightning
+
+
+def _lightning():
+    import lightning as L
+
+    return L
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    def __init__(self, n: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+        self.targets = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        return self.tokens[i], self.targets[i]
+
+
+def make_lit_module(optim: str = "adamw", scheduler: bool = False, manual_backwards: tuple[int, ...] = ()):
+    """A LightningModule around ``RichModel``. ``manual_backwards``: manual optimization with that many
+    backward passes per step, cycling (each on a slice of the batch)."""
+    L = _lightning()
+
+    class RichLit(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = RichModel()
+            self.automatic_optimization = not manual_backwards
+            self.losses: list[float] = []
+
+        def _loss(self, tokens: Tensor, targets: Tensor) -> Tensor:
+            use_sometimes = bool(int(tokens[0, 0]) % 3 == 0)
+            return self.model.loss((tokens, targets, use_sometimes))
+
+        def training_step(self, batch, batch_idx):
+            tokens, targets = batch
+            if self.automatic_optimization:
+                loss = self._loss(tokens, targets)
+                self.losses.append(float(loss.detach()))
+                self.log("loss", loss, sync_dist=True)
+                return loss
+            opt = self.optimizers()
+            n = manual_backwards[batch_idx % len(manual_backwards)]
+            for micro in range(n):
+                rows = slice(micro % len(tokens), micro % len(tokens) + 1)
+                self.manual_backward(self._loss(tokens[rows], targets[rows]) / n)
+            opt.step()
+            opt.zero_grad()
+
+        def configure_optimizers(self):
+            groups = param_groups(self.model)
+            opt = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[optim](groups)
+            if not scheduler:
+                return opt
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    return RichLit()

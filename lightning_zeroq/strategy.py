@@ -1,0 +1,274 @@
+"""``ZeroQStrategy``: Lightning's lifecycle in, the ZeRO engine out. Glue only; no sharding math here.
+
+Lifecycle:
+- ``__init__`` validates a ``ZeroConfig`` (keyword names as in Lightning's ``DeepSpeedStrategy``).
+- ``setup_environment`` (inherited from DDP): process group (NCCL on GPU, gloo on CPU), seeds.
+- ``setup``: move the module to the device; when fitting, build the engine once (it shards the
+  trainable parameters), call ``configure_optimizers`` and rebind the optimizer to the master shards.
+  ``setup`` runs again for every ``fit``/``validate``/``test``, so it reuses an existing engine.
+- backward: ``pre_backward`` tells the engine whether this backward ends a managed accumulation
+  window (so stage 1 reduces during it); ``post_backward`` closes it.
+- step: ``ZeroQPrecision.optimizer_step`` drives the engine (finalize, hooks and clipping, step).
+- checkpoints: a directory with ``meta.pt`` (rank 0: loops, callbacks, schedulers, the full fp32
+  ``state_dict``) and one ``zero_shard_rank*.pt`` per rank (masters and optimizer state).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Generator, Mapping, Optional
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+
+import lightning_zeroq.zero.comm as comm
+from lightning_zeroq.config import ZeroConfig
+from lightning_zeroq.precision import ZeroQPrecision
+from lightning_zeroq.zero.engine import ZeroEngine
+
+META_FILE = "meta.pt"
+SHARD_FILE = "zero_shard_rank{rank:05d}.pt"
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "zeroq": {},
+    "zeroq_stage_1": {"stage": 1},
+    "zeroq_stage_2": {"stage": 2},
+    "zeroq_stage_2_offload": {"stage": 2, "offload_optimizer": True},
+    "zeroq_stage_3": {"stage": 3},
+    "zeroq_stage_3_offload": {"stage": 3, "offload_optimizer": True, "offload_parameters": True},
+}
+
+
+class ZeroQStrategy(DDPStrategy):
+    """ZeRO stages 1 and 2 as a Lightning strategy.
+
+    Args:
+        config: a ``ZeroConfig``; keyword ``options`` override its fields.
+        **options: any ``ZeroConfig`` field: ``stage``, ``reduce_bucket_size``, ``allgather_bucket_size``,
+            ``overlap_comm``, ``managed_gradient_accumulation``, ``offload_optimizer``,
+            ``offload_optimizer_device``, ``offload_parameters``, ``offload_params_device``,
+            ``nvme_path``, ``quantized_weights``.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+        process_group_backend, timeout, start_method: as in Lightning's ``DDPStrategy``.
+    """
+
+    strategy_name = "zeroq"
+
+    def __init__(
+        self,
+        config: Optional[ZeroConfig] = None,
+        *,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[Any] = None,
+        checkpoint_io: Optional[Any] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: str = "popen",
+        **options: Any,
+    ) -> None:
+        known = {f for f in ZeroConfig.__dataclass_fields__}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(
+                f"ZeroQStrategy got unknown option(s) {unknown}; valid options are {sorted(known)}."
+            )
+        self.config = (config or ZeroConfig()).replace(**options)
+        self.config.check_supported()
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,  # type: ignore[arg-type]
+        )
+        self.engine: Optional[ZeroEngine] = None
+        if self.config.allgather_bucket_size != ZeroConfig().allgather_bucket_size and not self.config.quantized_weights:
+            rank_zero_warn(
+                f"allgather_bucket_size={self.config.allgather_bucket_size} has no effect without "
+                "quantized_weights=True: the full-width gather writes into the working buffers in place."
+            )
+
+    # ------------------------------------------------------------------ Lightning contract
+
+    @property
+    def handles_gradient_accumulation(self) -> bool:
+        # Lightning decides when to step; the engine accumulates across backward passes itself.
+        return False
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @property  # type: ignore[override]
+    def precision_plugin(self) -> ZeroQPrecision:
+        plugin = self._precision_plugin
+        return plugin if plugin is not None else ZeroQPrecision()  # type: ignore[return-value]
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        if plugin is not None and not isinstance(plugin, ZeroQPrecision):
+            plugin = ZeroQPrecision(str(plugin.precision))
+        self._precision_plugin = plugin
+
+    def setup(self, trainer: "Any") -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        self.model_to_device()
+        plugin = self.precision_plugin
+        plugin.device_type = self.root_device.type
+        if trainer.state.fn == TrainerFn.FITTING:
+            if self.engine is None:
+                self.engine = ZeroEngine(
+                    module,
+                    self.config,
+                    param_dtype=plugin.param_dtype,
+                    loss_scaling=plugin.loss_scaling,
+                )
+            self.setup_optimizers(trainer)
+            if len(self.optimizers) != 1:
+                raise ValueError(
+                    f"ZeroQStrategy supports exactly one optimizer, configure_optimizers returned "
+                    f"{len(self.optimizers)}; put all parameters in one optimizer with several param groups."
+                )
+            self.engine.attach_optimizer(self.optimizers[0])
+        elif self.engine is None:
+            self._sync_module_states()
+        plugin.engine = self.engine
+        plugin.convert_module(module)
+        self.setup_precision_plugin()
+
+    def _sync_module_states(self) -> None:
+        if not comm.is_distributed():
+            return
+        with torch.no_grad():
+            for tensor in [*self.lightning_module.parameters(), *self.lightning_module.buffers()]:
+                comm.broadcast(tensor.data, 0, None)
+
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        if self.engine is None:
+            return
+        module, trainer = self.lightning_module, self.lightning_module.trainer
+        boundary = None
+        if module.automatic_optimization and trainer.training:
+            boundary = not trainer.fit_loop._should_accumulate()
+        self.engine.pre_backward(boundary)
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        if self.engine is not None:
+            self.engine.post_backward()
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        # The engine defers or overlaps reductions itself; there is no DDP reducer to silence.
+        yield
+
+    def model_to_device(self) -> None:
+        assert self.lightning_module is not None
+        self.lightning_module.to(self.root_device)
+
+    def teardown(self) -> None:
+        # Unlike DDP, keep the module where it is: its parameters are views into the engine's buffers,
+        # and full_state_dict() must keep working after fit returns.
+        self.precision_plugin.teardown()
+        assert self.accelerator is not None
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+    # ------------------------------------------------------------------ state
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """Collective: the full fp32 parameters by name on every rank (frozen ones included)."""
+        if self.engine is not None:
+            return self.engine.full_state_dict()
+        return {n: p.detach().float().cpu().clone() for n, p in self.lightning_module.named_parameters(remove_duplicate=False)}
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Collective: buffers plus full fp32 parameters, so the checkpoint's ``state_dict`` loads anywhere."""
+        state = {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
+        state.update({k: v for k, v in self.full_state_dict().items() if k in state})
+        return state
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This rank's shard: masters and optimizer state (written to its own file)."""
+        assert self.engine is not None
+        return self.engine.sharded_state_dict()
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                f"ZeroQStrategy.save_checkpoint does not take storage_options (got {storage_options!r}); "
+                "it writes a directory of per-rank files through torch.save."
+            )
+        path = Path(self.broadcast(str(filepath)))
+        shards = checkpoint.pop("optimizer_states", None)
+        if self.is_global_zero:
+            if path.is_file():
+                path.unlink()
+            path.mkdir(parents=True, exist_ok=True)
+        self.barrier("zeroq_save_checkpoint_mkdir")
+        if shards:
+            _atomic_save(shards[0], path / SHARD_FILE.format(rank=self.global_rank))
+        if self.is_global_zero:
+            _atomic_save(checkpoint, path / META_FILE)
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(checkpoint_path)
+        if not path.is_dir():
+            rank_zero_warn(
+                f"{path} is not a ZeroQ checkpoint directory; loading its weights only, not the optimizer state."
+            )
+            return torch.load(path, map_location="cpu", weights_only=bool(weights_only))
+        meta_path = path / META_FILE
+        if not meta_path.is_file():
+            raise FileNotFoundError(f"{path} has no {META_FILE}; it is not a complete ZeroQ checkpoint.")
+        checkpoint = torch.load(meta_path, map_location="cpu", weights_only=bool(weights_only))
+        shard_path = path / SHARD_FILE.format(rank=self.global_rank)
+        fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if fitting and self.engine is not None and shard_path.is_file():
+            self.engine.load_sharded_state_dict(torch.load(shard_path, map_location="cpu", weights_only=False))
+        return checkpoint
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        state = checkpoint["state_dict"]
+        self.lightning_module.load_state_dict(state, strict=strict)
+        if self.engine is not None:
+            self.engine.load_full_state_dict(state)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # restored from the per-rank shard files in load_checkpoint
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for name, options in PRESETS.items():
+            if name in strategy_registry:
+                continue
+            strategy_registry.register(name, cls, description=f"ZeroQ with {options or 'defaults (stage 2)'}", **options)
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
