@@ -73,3 +73,37 @@ def test_matches_ddp(dist_pool, world_size: int, stage: int, managed: bool) -> N
 @pytest.mark.parametrize("stage", [1, 2])
 def test_matches_ddp_sgd_one_unit_no_clip(dist_pool, stage: int) -> None:
     dist_pool(2).run(_parity_body, stage, True, 0.0, "sgd", 10**9)
+
+
+def _overflow_body(stage: int) -> float:
+    rank = dist.get_rank()
+    model = RichModel()
+    engine = ZeroEngine(model, ZeroConfig(stage=stage, reduce_bucket_size=300), param_dtype=torch.float16,
+                        loss_scaling=True)
+    optimizer = torch.optim.AdamW(param_groups(model))
+    engine.attach_optimizer(optimizer)
+    scale = engine.loss_scale
+    before = engine.full_state_dict()
+    working = [p.detach().clone() for p in model.parameters()]
+    with torch.autocast("cpu", dtype=torch.float16):  # as ZeroQPrecision("16-mixed") runs the forward
+        loss = model.loss(make_batch(0, 0, rank))
+    engine.backward(loss * float("inf") if rank == 1 else loss)  # only rank 1 overflows
+    assert engine.step() is False, "an overflow on any rank must skip the step on every rank"
+    after = engine.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(torch.equal(a, p) for a, p in zip(working, model.parameters()))
+    assert not optimizer.state and engine.loss_scale == scale / 2
+    for attempt in range(12):  # the scaler backs off until the scaled fp16 gradients fit
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model.loss(make_batch(1, 0, rank))
+        engine.backward(loss)
+        if engine.step():
+            break
+    assert not torch.equal(before["embed.weight"], engine.full_state_dict()["embed.weight"])
+    return engine.loss_scale
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fp16_overflow_skips_step_on_every_rank(dist_pool, stage: int) -> None:
+    scales = dist_pool(2).run(_overflow_body, stage)
+    assert scales[0] == scales[1] < 2.0**16

