@@ -34,3 +34,22 @@ def dist_pool():
     yield get
     for pool in pools.values():
         pool.close()
+
+
+@pytest.fixture(scope="session")
+def gpu_pool():
+    """``gpu_pool(world_size) -> DistPool`` of NCCL workers, one GPU each; skips without enough GPUs."""
+    import torch
+
+    pools: dict[int, DistPool] = {}
+
+    def get(world_size: int) -> DistPool:
+        if torch.cuda.device_count() < world_size:
+            pytest.skip(f"needs {world_size} CUDA GPUs, found {torch.cuda.device_count()}")
+        if world_size not in pools:
+            pools[world_size] = DistPool(world_size, timeout=300.0, backend="nccl")
+        return pools[world_size]
+
+    yield get
+    for pool in pools.values():
+        pool.close()

@@ -41,16 +41,21 @@ PG_TIMEOUT_S = 60.0
 _open_pools: "weakref.WeakSet[DistPool]" = weakref.WeakSet()
 
 
-def _init_pg(store, tag: str, rank: int, world_size: int) -> None:
+def _init_pg(store, tag: str, rank: int, world_size: int, backend: str) -> None:
     from datetime import timedelta
 
+    import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", store=dist.PrefixStore(tag, store), rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=PG_TIMEOUT_S))
+    extra = {}
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        extra["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(backend, store=dist.PrefixStore(tag, store), rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=PG_TIMEOUT_S), **extra)
 
 
-def _worker_main(rank: int, world_size: int, port: int, conn) -> None:
+def _worker_main(rank: int, world_size: int, port: int, conn, backend: str = "gloo") -> None:
     os.dup2(2, 1)  # worker stdout -> the pytest process's stderr
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
                       RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0")
@@ -65,7 +70,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, None, is_master=False,
                           timeout=timedelta(seconds=PG_TIMEOUT_S))
-    _init_pg(store, "pg/", rank, world_size)
+    _init_pg(store, "pg/", rank, world_size, backend)
     import lightning.pytorch  # noqa: F401  (pre-import: this is what makes a pool worth it)
 
     env, cwd, filters = dict(os.environ), os.getcwd(), list(warnings.filters)
@@ -87,7 +92,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn) -> None:
             torch.set_num_threads(1)
             torch.set_grad_enabled(True)
             if not dist.is_initialized():  # a previous test destroyed it (on all ranks)
-                _init_pg(store, f"pg{task_id}/", rank, world_size)
+                _init_pg(store, f"pg{task_id}/", rank, world_size, backend)
             fn = importlib.import_module(mod)
             for name in qualname.split("."):
                 fn = getattr(fn, name)
@@ -110,8 +115,8 @@ def _worker_main(rank: int, world_size: int, port: int, conn) -> None:
 class DistPool:
     error_grace_s = 1.0  # after one rank fails, how long to wait for the others' answers
 
-    def __init__(self, world_size: int, timeout: float = 120.0):
-        self.world_size, self.timeout = world_size, timeout
+    def __init__(self, world_size: int, timeout: float = 120.0, backend: str = "gloo"):
+        self.world_size, self.timeout, self.backend = world_size, timeout, backend
         self._procs: list = []
         self._conns: list = []
         self._task_id = 0
@@ -128,7 +133,7 @@ class DistPool:
         ctx = mp.get_context("spawn")
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker_main, args=(rank, self.world_size, self._store.port, child),
+            p = ctx.Process(target=_worker_main, args=(rank, self.world_size, self._store.port, child, self.backend),
                             name=f"dist_pool-{self.world_size}-rank{rank}")
             p.start()
             child.close()

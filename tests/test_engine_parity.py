@@ -16,12 +16,23 @@ from tests.models import RichModel, make_batch, param_groups
 BACKWARDS_PER_STEP = [2, 5, 3, 1]
 
 
-def _parity_body(stage: int, managed: bool, clip: float, optim: str, bucket: int) -> float:
+def _device(device: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+
+
+def _to(batch, dev: torch.device):
+    tokens, targets, flag = batch
+    return tokens.to(dev), targets.to(dev), flag
+
+
+def _parity_body(stage: int, managed: bool, clip: float, optim: str, bucket: int, device: str = "cpu") -> float:
     rank = dist.get_rank()
+    dev = _device(device)
     torch.manual_seed(1234 + rank)  # different init per rank: the engine must sync from rank 0 as DDP does
-    model = RichModel()
+    model = RichModel().to(dev)
     ref_model = copy.deepcopy(model)
-    ddp = DistributedDataParallel(ref_model, find_unused_parameters=True)
+    ddp = DistributedDataParallel(ref_model, device_ids=[dev.index] if dev.type == "cuda" else None,
+                                  find_unused_parameters=True)
     opt_cls = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[optim]
     extra = {"momentum": 0.9} if optim == "sgd" else {}
     ref_opt = opt_cls(param_groups(ref_model), **extra)
@@ -32,7 +43,7 @@ def _parity_body(stage: int, managed: bool, clip: float, optim: str, bucket: int
     worst = 0.0
     for step, n in enumerate(BACKWARDS_PER_STEP):
         for micro in range(n):
-            batch = make_batch(step, micro, rank)
+            batch = _to(make_batch(step, micro, rank), dev)
             last = micro == n - 1
             engine.backward(model.loss(batch) / n, boundary=last if managed else None)
             if last:
@@ -48,11 +59,11 @@ def _parity_body(stage: int, managed: bool, clip: float, optim: str, bucket: int
         ref_opt.zero_grad(set_to_none=True)
         full = engine.full_state_dict()
         for name, p in ref_model.named_parameters(remove_duplicate=False):
-            diff = (full[name] - p.detach()).abs().max().item()
+            diff = (full[name] - p.detach().cpu()).abs().max().item()
             assert diff < 1e-5, f"step {step}: {name} differs from DDP by {diff}"
             worst = max(worst, diff)
     # Never-used parameters are untouched: value and optimizer state.
-    assert torch.equal(full["never.weight"], ref_model.never.weight.detach())
+    assert torch.equal(full["never.weight"], ref_model.never.weight.detach().cpu())
     return worst
 
 
@@ -75,9 +86,10 @@ def test_matches_ddp_sgd_one_unit_no_clip(dist_pool, stage: int) -> None:
     dist_pool(2).run(_parity_body, stage, True, 0.0, "sgd", 10**9)
 
 
-def _overflow_body(stage: int) -> float:
+def _overflow_body(stage: int, device: str = "cpu") -> float:
     rank = dist.get_rank()
-    model = RichModel()
+    dev = _device(device)
+    model = RichModel().to(dev)
     engine = ZeroEngine(model, ZeroConfig(stage=stage, reduce_bucket_size=300), param_dtype=torch.float16,
                         loss_scaling=True)
     optimizer = torch.optim.AdamW(param_groups(model))
@@ -85,8 +97,8 @@ def _overflow_body(stage: int) -> float:
     scale = engine.loss_scale
     before = engine.full_state_dict()
     working = [p.detach().clone() for p in model.parameters()]
-    with torch.autocast("cpu", dtype=torch.float16):  # as ZeroQPrecision("16-mixed") runs the forward
-        loss = model.loss(make_batch(0, 0, rank))
+    with torch.autocast(dev.type, dtype=torch.float16):  # as ZeroQPrecision("16-mixed") runs the forward
+        loss = model.loss(_to(make_batch(0, 0, rank), dev))
     engine.backward(loss * float("inf") if rank == 1 else loss)  # only rank 1 overflows
     assert engine.step() is False, "an overflow on any rank must skip the step on every rank"
     after = engine.full_state_dict()
@@ -94,8 +106,8 @@ def _overflow_body(stage: int) -> float:
     assert all(torch.equal(a, p) for a, p in zip(working, model.parameters()))
     assert not optimizer.state and engine.loss_scale == scale / 2
     for attempt in range(12):  # the scaler backs off until the scaled fp16 gradients fit
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = model.loss(make_batch(1, 0, rank))
+        with torch.autocast(dev.type, dtype=torch.float16):
+            loss = model.loss(_to(make_batch(1, 0, rank), dev))
         engine.backward(loss)
         if engine.step():
             break

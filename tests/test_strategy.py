@@ -35,21 +35,21 @@ class _Recorder:
                     self.snapshots.append(trainer.strategy.full_state_dict())
                 else:
                     self.snapshots.append(
-                        {n: p.detach().float().clone() for n, p in pl_module.named_parameters(remove_duplicate=False)}
+                        {n: p.detach().float().cpu().clone() for n, p in pl_module.named_parameters(remove_duplicate=False)}
                     )
 
         return Recorder()
 
 
 def _fit(strategy, *, precision="32-true", accumulate=1, clip=None, manual=(), epochs=2, scheduler=False,
-         max_steps=-1, ckpt_path=None, save_to=None, callbacks=(), logger=False):
+         max_steps=-1, ckpt_path=None, save_to=None, callbacks=(), logger=False, accelerator="cpu"):
     import lightning as L
 
     torch.manual_seed(100 + dist.get_rank())
     module = make_lit_module(scheduler=scheduler, manual_backwards=manual)
     recorder = _Recorder()
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=dist.get_world_size(),
         strategy=strategy,
         precision=precision,
@@ -80,12 +80,13 @@ def _assert_same(snaps, ref_snaps, tol):
             assert diff <= tol, f"step {step + 1}: {name} differs from DDP by {diff}"
 
 
-def _parity_body(stage: int, managed: bool) -> int:
+def _parity_body(stage: int, managed: bool, accelerator: str = "cpu") -> int:
     from lightning_zeroq import ZeroQStrategy
 
     strategy = ZeroQStrategy(stage=stage, reduce_bucket_size=400, managed_gradient_accumulation=managed)
-    _, _, snaps = _fit(strategy, accumulate=3, clip=0.5, scheduler=True)
-    _, _, ref = _fit("ddp_find_unused_parameters_true", accumulate=3, clip=0.5, scheduler=True)
+    _, _, snaps = _fit(strategy, accumulate=3, clip=0.5, scheduler=True, accelerator=accelerator)
+    _, _, ref = _fit("ddp_find_unused_parameters_true", accumulate=3, clip=0.5, scheduler=True,
+                     accelerator=accelerator)
     _assert_same(snaps, ref, 1e-5)
     return len(snaps)
 
@@ -98,9 +99,9 @@ def test_trainer_matches_ddp(dist_pool, world_size, stage, managed):
     assert steps[0] == 2 * 3  # 7 batches, accumulate 3: steps after batches 3, 6 and 7, two epochs
 
 
-def _manual_body(stage: int) -> None:
-    _, _, snaps = _fit(f"zeroq_stage_{stage}", manual=(2, 5, 3), epochs=1)
-    _, _, ref = _fit("ddp_find_unused_parameters_true", manual=(2, 5, 3), epochs=1)
+def _manual_body(stage: int, accelerator: str = "cpu") -> None:
+    _, _, snaps = _fit(f"zeroq_stage_{stage}", manual=(2, 5, 3), epochs=1, accelerator=accelerator)
+    _, _, ref = _fit("ddp_find_unused_parameters_true", manual=(2, 5, 3), epochs=1, accelerator=accelerator)
     _assert_same(snaps, ref, 1e-5)
 
 
@@ -109,9 +110,9 @@ def test_manual_optimization_varying_backwards(dist_pool, stage):
     dist_pool(2).run(_manual_body, stage)
 
 
-def _precision_body(precision: str) -> tuple[list[float], list[float]]:
-    _, fp32, _ = _fit("zeroq", epochs=3)
-    _, low, _ = _fit("zeroq", precision=precision, epochs=3)
+def _precision_body(precision: str, accelerator: str = "cpu") -> tuple[list[float], list[float]]:
+    _, fp32, _ = _fit("zeroq", epochs=3, accelerator=accelerator)
+    _, low, _ = _fit("zeroq", precision=precision, epochs=3, accelerator=accelerator)
     return fp32.losses, low.losses
 
 

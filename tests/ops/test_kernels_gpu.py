@@ -1,0 +1,215 @@
+"""The compiled CUDA kernels against the reference: bitwise equal codes, scales and decodes.
+
+Run on a CUDA machine (builds or loads the kernels on first use):
+    python -m pytest tests/ops/test_kernels_gpu.py -q -m gpu -rs
+With ``ZEROQ_DISABLE_EXT=1`` these tests are skipped; if the kernels fail to build they fail.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import lightning_zeroq.ops as ops
+from lightning_zeroq.ops import reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+NUM_GROUPS = [0, 1, 3, 1000, 12345]
+# Every team size of the kernels (1..32 lanes), with one and with several chunks per lane.
+GROUP_SIZES = [8, 16, 24, 32, 64, 128, 192, 256, 512, 8192]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled_kernels():
+    if os.environ.get("ZEROQ_DISABLE_EXT") == "1":
+        pytest.skip("ZEROQ_DISABLE_EXT=1: the compiled kernels are disabled")
+    backend = ops.load_cuda_backend()
+    if not ops.has_cuda_kernel():
+        pytest.fail(f"the CUDA kernels did not load (backend {backend.value}); see the log warning")
+    print(f"zeroq CUDA backend: {backend.value}")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
+
+
+def _assert_bitwise(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    actual, expected = actual.cpu(), expected.cpu()
+    if actual.is_floating_point():
+        actual, expected = _bits(actual), _bits(expected)
+    mismatches = (actual != expected).nonzero()
+    assert mismatches.numel() == 0, f"{mismatches.numel()} mismatches, first at {mismatches[:5].flatten().tolist()}"
+
+
+def _data(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Mixed magnitudes per group, zero groups, outliers and exact ties, built on the CPU."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(numel, generator=gen)
+    if numel:
+        group_scale = 10.0 ** torch.randint(-4, 4, (numel,), generator=gen).float()
+        x = x * group_scale
+        x[torch.rand(numel, generator=gen) < 0.001] *= 1000.0
+        x[: min(numel, 64)] = 0.0
+    return x.to(dtype)
+
+
+def _ties(dtype: torch.dtype) -> torch.Tensor:
+    group = torch.zeros(64)
+    group[0] = 127.0  # scale 1: every k + 0.5 below is an exact tie
+    group[1:11] = torch.tensor([0.5, 1.5, 2.5, 3.5, -0.5, -1.5, -2.5, 125.5, 126.5, -126.5])
+    half = torch.zeros(64)
+    half[0] = 63.5  # scale 0.5
+    half[1:5] = torch.tensor([0.25, 0.75, -0.25, -0.75])
+    return torch.cat([group, half]).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_groups", NUM_GROUPS)
+def test_quantize_matches_reference(dtype, num_groups):
+    x = _data(num_groups * 64, dtype, seed=num_groups)
+    codes, scales = ops.quantize_int8(x.cuda())
+    ref_codes, ref_scales = reference.quantize_int8(x, 64)
+    _assert_bitwise(codes, ref_codes)
+    _assert_bitwise(scales, ref_scales)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group_size", GROUP_SIZES)
+def test_every_group_size_matches_reference(dtype, group_size):
+    x = _data(group_size * 37, dtype, seed=group_size)
+    codes, scales = ops.quantize_int8(x.cuda(), group_size)
+    ref_codes, ref_scales = reference.quantize_int8(x, group_size)
+    _assert_bitwise(codes, ref_codes)
+    _assert_bitwise(scales, ref_scales)
+    for out_dtype in DTYPES:
+        decoded = ops.dequantize_int8(codes, scales, out_dtype, group_size)
+        _assert_bitwise(decoded, reference.dequantize_int8(ref_codes, ref_scales, group_size, out_dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ties_clamp_and_subnormal_scales(dtype):
+    x = _ties(dtype)
+    if dtype == torch.float32:
+        tiny = 2.0**-149
+        extra = torch.tensor([256.0, -256.0, 255.0, 2.0, 0, 0, 0, 0, 3.0, -1.0, 0, 0, 0, 0, 0, 0]) * tiny
+        x = torch.cat([x, extra, torch.zeros(48)])
+    codes, scales = ops.quantize_int8(x.cuda())
+    ref_codes, ref_scales = reference.quantize_int8(x, 64)
+    _assert_bitwise(codes, ref_codes)
+    _assert_bitwise(scales, ref_scales)
+    codes8, scales8 = ops.quantize_int8(x.cuda(), 8)
+    _assert_bitwise(codes8, reference.quantize_int8(x, 8)[0])
+    _assert_bitwise(scales8, reference.quantize_int8(x, 8)[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_groups", NUM_GROUPS)
+def test_pack_and_unpack_match_reference(dtype, num_groups):
+    x = _data(num_groups * 64, dtype, seed=7 + num_groups)
+    packed = ops.quantize_pack_int8(x.cuda())
+    ref_packed = torch.empty(ops.packed_nbytes(x.numel()), dtype=torch.uint8)
+    reference.quantize_pack_int8(x, 64, ref_packed)
+    _assert_bitwise(packed, ref_packed)
+    for out_dtype in DTYPES:
+        out = torch.full((x.numel(),), float("nan"), dtype=out_dtype, device="cuda")
+        ops.unpack_dequantize_int8(packed, out)
+        ref_out = torch.empty(x.numel(), dtype=out_dtype)
+        reference.unpack_dequantize_int8(ref_packed, 64, ref_out)
+        _assert_bitwise(out, ref_out)
+
+
+@pytest.mark.parametrize("offset", [1, 2, 4, 8])
+def test_unaligned_buffers_take_the_fallback_kernels(offset):
+    """Slices at odd offsets (input, packed buffer, output) give the same bits as aligned ones."""
+    n = 64 * 1001
+    x = _data(n, torch.bfloat16, seed=offset)
+    x_buf = torch.zeros(n + 8, dtype=torch.bfloat16, device="cuda")
+    x_cuda = x_buf[offset % 8 : offset % 8 + n]
+    x_cuda.copy_(x)
+    nbytes = ops.packed_nbytes(n)
+    packed_buf = torch.zeros(nbytes + 8, dtype=torch.uint8, device="cuda")
+    packed = packed_buf[offset : offset + nbytes]
+    ops.quantize_pack_int8(x_cuda, packed)
+    ref_packed = torch.empty(nbytes, dtype=torch.uint8)
+    reference.quantize_pack_int8(x, 64, ref_packed)
+    _assert_bitwise(packed, ref_packed)
+    for out_dtype in DTYPES:
+        out_buf = torch.zeros(n + 8, dtype=out_dtype, device="cuda")
+        out = out_buf[offset % 8 : offset % 8 + n]
+        ops.unpack_dequantize_int8(packed, out)
+        ref_out = torch.empty(n, dtype=out_dtype)
+        reference.unpack_dequantize_int8(ref_packed, 64, ref_out)
+        _assert_bitwise(out, ref_out)
+
+
+def test_gathered_buffer_slices_decode_per_rank():
+    """World size 3, odd group count per rank: rank slices are only 4-byte aligned."""
+    shards = [_data(64 * 333, torch.bfloat16, seed=r).cuda() for r in range(3)]
+    nbytes = ops.packed_nbytes(shards[0].numel())
+    gathered = torch.empty(3 * nbytes, dtype=torch.uint8, device="cuda")
+    for r, shard in enumerate(shards):
+        ops.quantize_pack_int8(shard, gathered[r * nbytes : (r + 1) * nbytes])
+    full = torch.empty(3 * shards[0].numel(), dtype=torch.bfloat16, device="cuda")
+    for r, part in enumerate(full.chunk(3)):
+        ops.unpack_dequantize_int8(gathered[r * nbytes : (r + 1) * nbytes], part)
+    expected = torch.cat(
+        [reference.dequantize_int8(*reference.quantize_int8(s.cpu(), 64), 64, torch.bfloat16) for s in shards]
+    )
+    _assert_bitwise(full, expected)
+
+
+def test_reference_on_cuda_matches_reference_on_cpu():
+    """The CUDA fallback (the reference run on CUDA tensors) gives the CPU reference's bits."""
+    x = _data(64 * 1000, torch.bfloat16, seed=3)
+    codes, scales = reference.quantize_int8(x.cuda(), 64)
+    ref_codes, ref_scales = reference.quantize_int8(x, 64)
+    _assert_bitwise(codes, ref_codes)
+    _assert_bitwise(scales, ref_scales)
+
+
+def test_runs_on_the_current_stream_and_device():
+    x = _data(64 * 4096, torch.float16, seed=11).cuda()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        packed = ops.quantize_pack_int8(x)
+        out = ops.unpack_dequantize_int8(packed, dtype=torch.float16)
+    stream.synchronize()
+    expected = reference.dequantize_int8(*reference.quantize_int8(x.cpu(), 64), 64, torch.float16)
+    _assert_bitwise(out, expected)
+
+
+def test_errors_on_cuda_are_value_errors():
+    x = torch.zeros(100, device="cuda")
+    with pytest.raises(ValueError, match="not a multiple of group_size 64"):
+        torch.ops.zeroq.quantize_int8(x, 64)
+    with pytest.raises(ValueError, match="got 12"):
+        torch.ops.zeroq.quantize_int8(torch.zeros(96, device="cuda"), 12)
+    with pytest.raises(ValueError, match="136"):
+        torch.ops.zeroq.quantize_pack_int8(
+            torch.zeros(128, device="cuda"), 64, torch.empty(135, dtype=torch.uint8, device="cuda")
+        )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_groups", [0, 3, 1000])
+def test_opcheck_on_cuda(dtype, num_groups):
+    x = _data(num_groups * 64, dtype, seed=5).cuda()
+    codes, scales = ops.quantize_int8(x)
+    packed = ops.quantize_pack_int8(x)
+    cases = [
+        (torch.ops.zeroq.quantize_int8.default, (x, 64)),
+        (torch.ops.zeroq.quantize_pack_int8.default, (x, 64, torch.empty_like(packed))),
+        (torch.ops.zeroq.dequantize_int8.default, (codes, scales, 64, dtype)),
+        (torch.ops.zeroq.unpack_dequantize_int8.default, (packed, 64, torch.empty_like(x))),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)

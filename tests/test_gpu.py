@@ -1,0 +1,47 @@
+"""The parity tests again on CUDA GPUs with NCCL (``overlap_comm`` on: reductions on a side stream).
+
+Run on a machine with 2 GPUs: ``python -m pytest -q -m gpu tests/test_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import test_engine_parity as engine_tests
+from tests import test_strategy as strategy_tests
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("managed", [True, False], ids=["managed", "unmanaged"])
+def test_engine_matches_ddp_nccl(gpu_pool, stage, managed):
+    worst = gpu_pool(2).run(engine_tests._parity_body, stage, managed, 0.5, "adamw", 300, "cuda")
+    print(f"stage {stage} {'managed' if managed else 'unmanaged'}: worst |zeroq - ddp| = {max(worst):.3g}")
+    assert max(worst) < 1e-5
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fp16_overflow_skips_step_nccl(gpu_pool, stage):
+    scales = gpu_pool(2).run(engine_tests._overflow_body, stage, "cuda")
+    assert scales[0] == scales[1] < 2.0**16
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("managed", [True, False], ids=["managed", "unmanaged"])
+def test_trainer_matches_ddp_nccl(gpu_pool, stage, managed):
+    steps = gpu_pool(2).run(strategy_tests._parity_body, stage, managed, "gpu")
+    assert steps[0] == 6
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_manual_optimization_nccl(gpu_pool, stage):
+    gpu_pool(2).run(strategy_tests._manual_body, stage, "gpu")
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "bf16-true"])
+def test_half_precision_follows_fp32_gpu(gpu_pool, precision):
+    fp32, low = gpu_pool(2).run(strategy_tests._precision_body, precision, "gpu")[0]
+    worst = max(abs(a - b) / abs(a) for a, b in zip(fp32, low))
+    print(f"{precision}: worst relative loss deviation from fp32 over {len(low)} steps = {worst:.4f}")
+    assert worst < 0.02 and low[-1] < low[0]
