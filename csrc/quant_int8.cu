@@ -1,0 +1,403 @@
+// INT8 group-quantization kernels: quantize (+ pack) and (unpack +) dequantize.
+//
+// Torch-free on purpose (see quant_int8.h): the torch glue in ops.cpp passes raw pointers.
+// The numerical specification is lightning_zeroq/ops/reference.py; these kernels must produce
+// bitwise the same codes, scales and decoded values, so every operation below mirrors one line
+// of the reference:
+//   absmax  = max |x| over the group, in fp32            (fmaxf/fabsf: exact, order-free)
+//   scale   = absmax / 127                                (__fdiv_rn: IEEE division, immune to
+//                                                          --use_fast_math)
+//   divisor = scale, or 1 where scale == 0                (all-zero groups give codes 0, no NaN)
+//   code    = clamp(rint(x / divisor), -127, 127)         (__fdiv_rn, then __float2int_rn:
+//                                                          round half to even; saturates, so
+//                                                          the integer clamp equals the float one)
+//   decode  = float(code) * scale, rounded to the output  (__fmul_rn, then a round-to-nearest-even
+//             dtype                                        conversion, as torch's .to(dtype))
+// Non-finite inputs have unspecified codes (fmaxf ignores NaN where torch.amax propagates it).
+//
+// Work split. Every group size G is a multiple of 8, so the unit of work is a "chunk" of 8
+// consecutive elements: one 16-byte load of bf16/fp16 input (two of fp32), 8 code bytes written
+// as two 32-bit stores. A group of C = G / 8 chunks is handled by a *team* of kTeam lanes of one
+// warp (kTeam = the largest power of two <= 32 dividing C); lane l takes chunks l, l + kTeam, ...,
+// so a warp touches contiguous memory. The team reduces absmax with warp shuffles. For G = 64
+// (the default) a team is 8 lanes with one chunk each, a warp covers 4 groups (512 contiguous
+// bytes of bf16), and the chunk stays in registers between the absmax and the encode; for larger
+// or odd multiples the lanes re-read their chunks from L1/L2 in a second pass.
+//
+// Alignment. The fast kernels need 16-byte aligned floating-point data and 4-byte aligned code
+// and scale addresses. A rank's slice of a gathered packed buffer starts at a multiple of
+// n * (G + 4) / G bytes, which is 4-byte aligned when the buffer is, so the fast path covers the
+// quantized gather; anything else (odd storage offsets) runs a simple element-wise kernel with
+// the same arithmetic.
+#include "quant_int8.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+#include <cstring>
+
+namespace zeroq {
+namespace {
+
+constexpr int kThreads = 256;            // threads per block
+constexpr int kChunk = 8;                // elements per lane and step; divides every group size
+constexpr int64_t kMaxBlocks = 1 << 20;  // larger problems loop (grid-stride)
+constexpr float kQMax = 127.0f;
+
+// ---- element formats: 8-element vector load/store and scalar conversions ----------------------
+
+template <typename T>
+struct Format;
+
+template <>
+struct Format<float> {
+  static __device__ __forceinline__ void load8(const float* p, float (&v)[kChunk]) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(p));
+    const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+    v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+  }
+  static __device__ __forceinline__ void store8(float* p, const float (&v)[kChunk]) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+  }
+  static __device__ __forceinline__ float to_float(float x) { return x; }
+  static __device__ __forceinline__ float from_float(float x) { return x; }
+};
+
+// 16-bit formats travel as uint4 = four 32-bit words of two elements each (element 2i in the low
+// half of word i: little-endian, like the tensor's memory).
+template <>
+struct Format<__nv_bfloat16> {
+  static __device__ __forceinline__ float2 unpack2(uint32_t w) {
+    // bf16 -> fp32 is exact: the bf16 bits are the high half of the fp32 bits.
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+  }
+  static __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);  // .x = lo, .y = hi; RNE
+    uint32_t w;
+    memcpy(&w, &h, sizeof(w));
+    return w;
+  }
+  static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+};
+
+template <>
+struct Format<__half> {
+  static __device__ __forceinline__ float2 unpack2(uint32_t w) {
+    __half2 h;
+    memcpy(&h, &w, sizeof(h));
+    return __half22float2(h);  // exact
+  }
+  static __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+    const __half2 h = __floats2half2_rn(lo, hi);  // RNE, overflow to inf like torch
+    uint32_t w;
+    memcpy(&w, &h, sizeof(w));
+    return w;
+  }
+  static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+  static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
+};
+
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float (&v)[kChunk]) {
+  if constexpr (sizeof(T) == 4) {
+    Format<T>::load8(p, v);
+  } else {
+    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = Format<T>::unpack2(words[i]);
+      v[2 * i] = f.x;
+      v[2 * i + 1] = f.y;
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store8(T* p, const float (&v)[kChunk]) {
+  if constexpr (sizeof(T) == 4) {
+    Format<T>::store8(p, v);
+  } else {
+    uint4 raw;
+    raw.x = Format<T>::pack2(v[0], v[1]);
+    raw.y = Format<T>::pack2(v[2], v[3]);
+    raw.z = Format<T>::pack2(v[4], v[5]);
+    raw.w = Format<T>::pack2(v[6], v[7]);
+    *reinterpret_cast<uint4*>(p) = raw;
+  }
+}
+
+// ---- the arithmetic of the format (mirrors reference.py line by line) -------------------------
+
+__device__ __forceinline__ float scale_of(float absmax) { return __fdiv_rn(absmax, kQMax); }
+
+__device__ __forceinline__ float divisor_of(float scale) { return scale == 0.0f ? 1.0f : scale; }
+
+__device__ __forceinline__ int encode(float x, float divisor) {
+  const int q = __float2int_rn(__fdiv_rn(x, divisor));
+  return max(-127, min(127, q));
+}
+
+__device__ __forceinline__ float decode(int code, float scale) {
+  return __fmul_rn(static_cast<float>(code), scale);
+}
+
+__device__ __forceinline__ uint32_t pack_codes4(int a, int b, int c, int d) {
+  return (static_cast<uint32_t>(a) & 0xffu) | ((static_cast<uint32_t>(b) & 0xffu) << 8) |
+         ((static_cast<uint32_t>(c) & 0xffu) << 16) | (static_cast<uint32_t>(d) << 24);
+}
+
+__device__ __forceinline__ int code_at(uint32_t word, int byte) {
+  return static_cast<int>(static_cast<int8_t>(static_cast<uint8_t>(word >> (8 * byte))));
+}
+
+template <int kTeam>
+__device__ __forceinline__ float team_max(float v) {
+#pragma unroll
+  for (int offset = kTeam / 2; offset > 0; offset /= 2) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset, kTeam));
+  }
+  return v;
+}
+
+// ---- fast kernels -----------------------------------------------------------------------------
+
+// One team of kTeam lanes per group; kOneChunk: each lane owns exactly one chunk (C == kTeam),
+// which then stays in registers between the absmax and the encode.
+template <typename T, int kTeam, bool kOneChunk>
+__global__ void __launch_bounds__(kThreads)
+    quantize_kernel(const T* __restrict__ x, int64_t num_groups, int chunks_per_group,
+                    int8_t* __restrict__ codes, float* __restrict__ scales) {
+  constexpr int kGroupsPerBlock = kThreads / kTeam;
+  const int lane = threadIdx.x % kTeam;
+  const int team = threadIdx.x / kTeam;
+  const int chunks_per_lane = kOneChunk ? 1 : chunks_per_group / kTeam;
+  // `first` is uniform across the block, so all 32 lanes of a warp reach the shuffles together.
+  for (int64_t first = int64_t(blockIdx.x) * kGroupsPerBlock; first < num_groups;
+       first += int64_t(gridDim.x) * kGroupsPerBlock) {
+    const int64_t group = first + team;
+    const bool active = group < num_groups;
+    const int64_t lane_chunk = group * chunks_per_group + lane;
+    float v[kChunk];
+    float absmax = 0.0f;
+    if (active) {
+      for (int k = 0; k < chunks_per_lane; ++k) {
+        load8(x + (lane_chunk + int64_t(k) * kTeam) * kChunk, v);
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) absmax = fmaxf(absmax, fabsf(v[i]));
+      }
+    }
+    absmax = team_max<kTeam>(absmax);
+    if (!active) continue;
+
+    const float scale = scale_of(absmax);
+    const float divisor = divisor_of(scale);
+    for (int k = 0; k < chunks_per_lane; ++k) {
+      const int64_t chunk = lane_chunk + int64_t(k) * kTeam;
+      if (!kOneChunk) load8(x + chunk * kChunk, v);  // second pass; the group is still cached
+      uint32_t* out = reinterpret_cast<uint32_t*>(codes + chunk * kChunk);
+      out[0] = pack_codes4(encode(v[0], divisor), encode(v[1], divisor), encode(v[2], divisor),
+                           encode(v[3], divisor));
+      out[1] = pack_codes4(encode(v[4], divisor), encode(v[5], divisor), encode(v[6], divisor),
+                           encode(v[7], divisor));
+    }
+    if (lane == 0) scales[group] = scale;
+  }
+}
+
+// Same team layout as quantize_kernel (no reduction needed; the layout gives each lane its
+// group's scale without an integer division per chunk).
+template <typename T, int kTeam>
+__global__ void __launch_bounds__(kThreads)
+    dequantize_kernel(const int8_t* __restrict__ codes, const float* __restrict__ scales,
+                      int64_t num_groups, int chunks_per_group, T* __restrict__ out) {
+  constexpr int kGroupsPerBlock = kThreads / kTeam;
+  const int lane = threadIdx.x % kTeam;
+  const int team = threadIdx.x / kTeam;
+  const int chunks_per_lane = chunks_per_group / kTeam;
+  for (int64_t group = int64_t(blockIdx.x) * kGroupsPerBlock + team; group < num_groups;
+       group += int64_t(gridDim.x) * kGroupsPerBlock) {
+    const float scale = __ldg(scales + group);
+    const int64_t lane_chunk = group * chunks_per_group + lane;
+    for (int k = 0; k < chunks_per_lane; ++k) {
+      const int64_t chunk = lane_chunk + int64_t(k) * kTeam;
+      const uint32_t* in = reinterpret_cast<const uint32_t*>(codes + chunk * kChunk);
+      const uint32_t w0 = __ldg(in);
+      const uint32_t w1 = __ldg(in + 1);
+      float v[kChunk];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        v[i] = decode(code_at(w0, i), scale);
+        v[4 + i] = decode(code_at(w1, i), scale);
+      }
+      store8(out + chunk * kChunk, v);
+    }
+  }
+}
+
+// ---- element-wise kernels for unaligned addresses (same arithmetic, scalar memory access) ----
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    quantize_unaligned_kernel(const T* __restrict__ x, int64_t num_groups, int64_t group_size,
+                              int8_t* __restrict__ codes, unsigned char* __restrict__ scale_bytes) {
+  for (int64_t group = int64_t(blockIdx.x) * kThreads + threadIdx.x; group < num_groups;
+       group += int64_t(gridDim.x) * kThreads) {
+    const T* in = x + group * group_size;
+    float absmax = 0.0f;
+    for (int64_t i = 0; i < group_size; ++i) absmax = fmaxf(absmax, fabsf(Format<T>::to_float(in[i])));
+    const float scale = scale_of(absmax);
+    const float divisor = divisor_of(scale);
+    for (int64_t i = 0; i < group_size; ++i) {
+      codes[group * group_size + i] = static_cast<int8_t>(encode(Format<T>::to_float(in[i]), divisor));
+    }
+    memcpy(scale_bytes + group * sizeof(float), &scale, sizeof(float));
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    dequantize_unaligned_kernel(const int8_t* __restrict__ codes,
+                                const unsigned char* __restrict__ scale_bytes, int64_t n,
+                                int64_t group_size, T* __restrict__ out) {
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * kThreads) {
+    float scale;
+    memcpy(&scale, scale_bytes + (i / group_size) * sizeof(float), sizeof(float));
+    out[i] = Format<T>::from_float(decode(codes[i], scale));
+  }
+}
+
+// ---- launchers --------------------------------------------------------------------------------
+
+bool is_aligned(const void* p, uintptr_t alignment) {
+  return reinterpret_cast<uintptr_t>(p) % alignment == 0;
+}
+
+unsigned int blocks_for(int64_t items, int64_t items_per_block) {
+  const int64_t blocks = (items + items_per_block - 1) / items_per_block;
+  return static_cast<unsigned int>(blocks < kMaxBlocks ? blocks : kMaxBlocks);
+}
+
+// The largest power of two <= 32 that divides the chunk count of a group.
+int team_size_for(int chunks_per_group) {
+  int team = 1;
+  while (team < 32 && chunks_per_group % (2 * team) == 0) team *= 2;
+  return team;
+}
+
+template <typename T, int kTeam>
+cudaError_t launch_quantize_team(const T* x, int64_t num_groups, int chunks_per_group,
+                                 int8_t* codes, float* scales, cudaStream_t stream) {
+  const unsigned int blocks = blocks_for(num_groups, kThreads / kTeam);
+  if (chunks_per_group == kTeam) {
+    quantize_kernel<T, kTeam, true><<<blocks, kThreads, 0, stream>>>(x, num_groups, chunks_per_group,
+                                                                     codes, scales);
+  } else {
+    quantize_kernel<T, kTeam, false><<<blocks, kThreads, 0, stream>>>(x, num_groups, chunks_per_group,
+                                                                      codes, scales);
+  }
+  return cudaGetLastError();
+}
+
+template <typename T, int kTeam>
+cudaError_t launch_dequantize_team(const int8_t* codes, const float* scales, int64_t num_groups,
+                                   int chunks_per_group, T* out, cudaStream_t stream) {
+  const unsigned int blocks = blocks_for(num_groups, kThreads / kTeam);
+  dequantize_kernel<T, kTeam><<<blocks, kThreads, 0, stream>>>(codes, scales, num_groups,
+                                                               chunks_per_group, out);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t quantize_as(const T* x, int64_t n, int64_t group_size, int8_t* codes, void* scales,
+                        cudaStream_t stream) {
+  const int64_t num_groups = n / group_size;
+  if (!(is_aligned(x, 16) && is_aligned(codes, 4) && is_aligned(scales, 4))) {
+    quantize_unaligned_kernel<T><<<blocks_for(num_groups, kThreads), kThreads, 0, stream>>>(
+        x, num_groups, group_size, codes, static_cast<unsigned char*>(scales));
+    return cudaGetLastError();
+  }
+  const int chunks = static_cast<int>(group_size / kChunk);
+  float* s = static_cast<float*>(scales);
+  switch (team_size_for(chunks)) {
+    case 1: return launch_quantize_team<T, 1>(x, num_groups, chunks, codes, s, stream);
+    case 2: return launch_quantize_team<T, 2>(x, num_groups, chunks, codes, s, stream);
+    case 4: return launch_quantize_team<T, 4>(x, num_groups, chunks, codes, s, stream);
+    case 8: return launch_quantize_team<T, 8>(x, num_groups, chunks, codes, s, stream);
+    case 16: return launch_quantize_team<T, 16>(x, num_groups, chunks, codes, s, stream);
+    default: return launch_quantize_team<T, 32>(x, num_groups, chunks, codes, s, stream);
+  }
+}
+
+template <typename T>
+cudaError_t dequantize_as(const int8_t* codes, const void* scales, int64_t n, int64_t group_size,
+                          T* out, cudaStream_t stream) {
+  if (!(is_aligned(codes, 4) && is_aligned(scales, 4) && is_aligned(out, 16))) {
+    dequantize_unaligned_kernel<T><<<blocks_for(n, kThreads), kThreads, 0, stream>>>(
+        codes, static_cast<const unsigned char*>(scales), n, group_size, out);
+    return cudaGetLastError();
+  }
+  const int64_t num_groups = n / group_size;
+  const int chunks = static_cast<int>(group_size / kChunk);
+  const float* s = static_cast<const float*>(scales);
+  switch (team_size_for(chunks)) {
+    case 1: return launch_dequantize_team<T, 1>(codes, s, num_groups, chunks, out, stream);
+    case 2: return launch_dequantize_team<T, 2>(codes, s, num_groups, chunks, out, stream);
+    case 4: return launch_dequantize_team<T, 4>(codes, s, num_groups, chunks, out, stream);
+    case 8: return launch_dequantize_team<T, 8>(codes, s, num_groups, chunks, out, stream);
+    case 16: return launch_dequantize_team<T, 16>(codes, s, num_groups, chunks, out, stream);
+    default: return launch_dequantize_team<T, 32>(codes, s, num_groups, chunks, out, stream);
+  }
+}
+
+bool valid_shape(int64_t n, int64_t group_size) {
+  return is_supported_group_size(group_size) && n >= 0 && n % group_size == 0;
+}
+
+}  // namespace
+
+bool is_supported_group_size(int64_t group_size) {
+  return group_size > 0 && group_size % kChunk == 0 && group_size <= INT_MAX;
+}
+
+cudaError_t launch_quantize_int8(const void* x, FloatKind x_kind, int64_t n, int64_t group_size,
+                                 int8_t* codes, void* scales, cudaStream_t stream) {
+  if (!valid_shape(n, group_size)) return cudaErrorInvalidValue;
+  if (n == 0) return cudaSuccess;
+  if (x == nullptr || codes == nullptr || scales == nullptr) return cudaErrorInvalidValue;
+  switch (x_kind) {
+    case FloatKind::kFloat32:
+      return quantize_as(static_cast<const float*>(x), n, group_size, codes, scales, stream);
+    case FloatKind::kBFloat16:
+      return quantize_as(static_cast<const __nv_bfloat16*>(x), n, group_size, codes, scales, stream);
+    case FloatKind::kFloat16:
+      return quantize_as(static_cast<const __half*>(x), n, group_size, codes, scales, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t launch_dequantize_int8(const int8_t* codes, const void* scales, int64_t n,
+                                   int64_t group_size, void* out, FloatKind out_kind,
+                                   cudaStream_t stream) {
+  if (!valid_shape(n, group_size)) return cudaErrorInvalidValue;
+  if (n == 0) return cudaSuccess;
+  if (codes == nullptr || scales == nullptr || out == nullptr) return cudaErrorInvalidValue;
+  switch (out_kind) {
+    case FloatKind::kFloat32:
+      return dequantize_as(codes, scales, n, group_size, static_cast<float*>(out), stream);
+    case FloatKind::kBFloat16:
+      return dequantize_as(codes, scales, n, group_size, static_cast<__nv_bfloat16*>(out), stream);
+    case FloatKind::kFloat16:
+      return dequantize_as(codes, scales, n, group_size, static_cast<__half*>(out), stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace zeroq
