@@ -46,7 +46,8 @@ def _assert_bitwise(actual: torch.Tensor, expected: torch.Tensor) -> None:
     if actual.is_floating_point():
         actual, expected = _bits(actual), _bits(expected)
     mismatches = (actual != expected).nonzero()
-    assert mismatches.numel() == 0, f"{mismatches.numel()} mismatches, first at {mismatches[:5].flatten().tolist()}"
+    first = mismatches[:5].flatten().tolist()
+    assert mismatches.numel() == 0, f"{mismatches.numel()} mismatches, first at {first}"
 
 
 def _data(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
