@@ -61,6 +61,18 @@ class ZeroConfig:
     quantized_weights: bool = False
     """Gather weights as INT8 (groups of 64, one fp32 scale each) instead of at full width."""
 
+    loss_scale: float = 0.0
+    """fp16 (``16-mixed``) only: 0 for dynamic loss scaling, a positive value for a fixed scale."""
+
+    initial_scale_power: int = 16
+    """fp16 dynamic loss scaling starts at ``2**initial_scale_power``."""
+
+    loss_scale_window: int = 1000
+    """fp16 dynamic loss scaling doubles the scale after this many steps without overflow."""
+
+    min_loss_scale: float = 1.0
+    """fp16 dynamic loss scaling never halves the scale below this."""
+
     def __post_init__(self) -> None:
         self.stage = _check_int("stage", self.stage, 1)
         if self.stage not in (1, 2, 3):
@@ -71,6 +83,14 @@ class ZeroConfig:
                      "offload_parameters", "quantized_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ZeroConfig.{name}={getattr(self, name)!r} must be true or false.")
+        if not isinstance(self.loss_scale, (int, float)) or self.loss_scale < 0:
+            raise ValueError(
+                f"ZeroConfig.loss_scale={self.loss_scale!r} must be 0 (dynamic) or a positive fixed scale."
+            )
+        self.initial_scale_power = _check_int("initial_scale_power", self.initial_scale_power, 0)
+        self.loss_scale_window = _check_int("loss_scale_window", self.loss_scale_window, 1)
+        if not isinstance(self.min_loss_scale, (int, float)) or self.min_loss_scale <= 0:
+            raise ValueError(f"ZeroConfig.min_loss_scale={self.min_loss_scale!r} must be positive, e.g. 1.")
         for name in ("offload_optimizer_device", "offload_params_device"):
             value = getattr(self, name)
             if value not in OFFLOAD_DEVICES:
@@ -116,5 +136,5 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"ZeroConfig.{name}={value!r} must be an integer.")
     if value < minimum:
-        raise ValueError(f"ZeroConfig.{name}={value!r} must be at least {minimum}; pick a positive size.")
+        raise ValueError(f"ZeroConfig.{name}={value!r} must be at least {minimum}.")
     return value

@@ -139,6 +139,7 @@ class ZeroQStrategy(DDPStrategy):
         plugin.device_type = self.root_device.type
         if trainer.state.fn == TrainerFn.FITTING:
             if self.engine is None:
+                self._warn_ineffective_loss_scaling(plugin)
                 self.engine = ZeroEngine(
                     module,
                     self.config,
@@ -157,6 +158,16 @@ class ZeroQStrategy(DDPStrategy):
         plugin.engine = self.engine
         plugin.convert_module(module)
         self.setup_precision_plugin()
+
+    def _warn_ineffective_loss_scaling(self, plugin: ZeroQPrecision) -> None:
+        default = ZeroConfig()
+        names = ("loss_scale", "initial_scale_power", "loss_scale_window", "min_loss_scale")
+        changed = [n for n in names if getattr(self.config, n) != getattr(default, n)]
+        if changed and not plugin.loss_scaling:
+            rank_zero_warn(
+                f"{', '.join(changed)} only apply to precision='16-mixed'; with precision="
+                f"{plugin.precision!r} there is no loss scaling and they are ignored."
+            )
 
     def _sync_module_states(self) -> None:
         if not comm.is_distributed():

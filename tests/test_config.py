@@ -25,6 +25,10 @@ from lightning_zeroq import ZeroConfig, ZeroEngine, ZeroQStrategy, register_elem
         ({"offload_optimizer_device": "disk"}, r"offload_optimizer_device='disk'"),
         ({"offload_parameters": True, "stage": 2}, r"offload_parameters=True needs stage=3"),
         ({"offload_optimizer": True, "offload_optimizer_device": "nvme"}, r"nvme_path=None"),
+        ({"loss_scale": -1.0}, r"loss_scale=-1.0"),
+        ({"initial_scale_power": -2}, r"initial_scale_power=-2"),
+        ({"loss_scale_window": 0}, r"loss_scale_window=0"),
+        ({"min_loss_scale": 0}, r"min_loss_scale=0"),
     ],
 )
 def test_config_rejects_bad_values(options, match):

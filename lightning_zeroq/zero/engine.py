@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.layout import Segment, UnitLayout, make_layout, plan_units
-from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
+from lightning_zeroq.zero.loss_scaler import loss_scaler_from_config
 
 ELEMENTWISE_OPTIMIZERS: list[type] = [
     torch.optim.SGD,
@@ -116,7 +116,7 @@ class ZeroEngine:
         self.group = group
         self.param_dtype = param_dtype
         self.rank, self.world_size = comm.world(group)
-        self.loss_scaler = DynamicLossScaler() if loss_scaling else None
+        self.loss_scaler = loss_scaler_from_config(config) if loss_scaling else None
         self.optimizer: Optional[torch.optim.Optimizer] = None
         params = _trainable_parameters(module)
         devices = {p.device for p in params} | {b.device for b in module.buffers()}

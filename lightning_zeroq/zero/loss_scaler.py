@@ -8,6 +8,7 @@ ranks disagree once gradients are sharded.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(kw_only=True)
@@ -19,8 +20,12 @@ class DynamicLossScaler:
     min_scale: float = 1.0
     good_steps: int = 0
     skipped_steps: int = 0
+    dynamic: bool = True
 
     def update(self, found_inf: bool) -> None:
+        if not self.dynamic:
+            self.skipped_steps += int(found_inf)
+            return
         if found_inf:
             self.scale = max(self.scale * self.backoff_factor, self.min_scale)
             self.good_steps = 0
@@ -37,3 +42,14 @@ class DynamicLossScaler:
         self.scale = float(state["scale"])
         self.good_steps = int(state["good_steps"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+def loss_scaler_from_config(config: Any) -> DynamicLossScaler:
+    """The scaler a ``ZeroConfig`` asks for (DeepSpeed's ``loss_scale``/``initial_scale_power``/...)."""
+    if config.loss_scale > 0:
+        return DynamicLossScaler(scale=float(config.loss_scale), dynamic=False)
+    return DynamicLossScaler(
+        scale=2.0 ** config.initial_scale_power,
+        growth_interval=config.loss_scale_window,
+        min_scale=float(config.min_loss_scale),
+    )
