@@ -61,6 +61,13 @@ class ZeroConfig:
     quantized_weights: bool = False
     """Gather weights as INT8 (groups of 64, one fp32 scale each) instead of at full width."""
 
+    quantized_weights_group_size: int = 64
+    """Elements per quantization group (one fp32 scale each); a positive multiple of 8."""
+
+    quantized_weights_exact_numel: int = 65536
+    """Parameters of at most this many elements (norms, biases) bypass quantization and travel
+    exactly, in their own dtype, on a side channel. 0 quantizes everything."""
+
     loss_scale: float = 0.0
     """fp16 (``16-mixed``) only: 0 for dynamic loss scaling, a positive value for a fixed scale."""
 
@@ -91,6 +98,22 @@ class ZeroConfig:
         self.loss_scale_window = _check_int("loss_scale_window", self.loss_scale_window, 1)
         if not isinstance(self.min_loss_scale, (int, float)) or self.min_loss_scale <= 0:
             raise ValueError(f"ZeroConfig.min_loss_scale={self.min_loss_scale!r} must be positive, e.g. 1.")
+        group = self.quantized_weights_group_size = _check_int(
+            "quantized_weights_group_size", self.quantized_weights_group_size, 1
+        )
+        if group % 8:
+            raise ValueError(
+                f"ZeroConfig.quantized_weights_group_size={group} must be a positive multiple of 8 "
+                "(e.g. 64): groups are packed in whole 8-byte words."
+            )
+        self.quantized_weights_exact_numel = _check_int(
+            "quantized_weights_exact_numel", self.quantized_weights_exact_numel, 0
+        )
+        if self.quantized_weights and self.allgather_bucket_size < group:
+            raise ValueError(
+                f"ZeroConfig.allgather_bucket_size={self.allgather_bucket_size} is smaller than one "
+                f"quantization group ({group} elements); raise it to at least {group}."
+            )
         for name in ("offload_optimizer_device", "offload_params_device"):
             value = getattr(self, name)
             if value not in OFFLOAD_DEVICES:
@@ -118,7 +141,9 @@ class ZeroConfig:
                 f"ZeroConfig.stage={self.stage} is not supported yet; stages {SUPPORTED_STAGES} are. "
                 "Use stage=2 for sharded gradients and optimizer state."
             )
-        for name in ("offload_optimizer", "offload_parameters", "quantized_weights"):
+        if self.quantized_weights and self.stage == 3:
+            raise ValueError("ZeroConfig.quantized_weights=True is not supported yet with stage=3.")
+        for name in ("offload_optimizer", "offload_parameters"):
             if getattr(self, name):
                 raise ValueError(
                     f"ZeroConfig.{name}=True is not supported yet in this release; set {name}=False."

@@ -26,6 +26,11 @@ from lightning_zeroq import ZeroConfig, ZeroEngine, ZeroQStrategy, register_elem
         ({"offload_parameters": True, "stage": 2}, r"offload_parameters=True needs stage=3"),
         ({"offload_optimizer": True, "offload_optimizer_device": "nvme"}, r"nvme_path=None"),
         ({"loss_scale": -1.0}, r"loss_scale=-1.0"),
+        ({"quantized_weights_group_size": 12}, r"quantized_weights_group_size=12 must be a positive multiple of 8"),
+        ({"quantized_weights_group_size": 0}, r"quantized_weights_group_size=0"),
+        ({"quantized_weights_group_size": -8}, r"quantized_weights_group_size=-8"),
+        ({"quantized_weights": True, "allgather_bucket_size": 32}, r"allgather_bucket_size=32 is smaller than one"),
+        ({"quantized_weights_exact_numel": -1}, r"quantized_weights_exact_numel=-1"),
         ({"initial_scale_power": -2}, r"initial_scale_power=-2"),
         ({"loss_scale_window": 0}, r"loss_scale_window=0"),
         ({"min_loss_scale": 0}, r"min_loss_scale=0"),
@@ -47,7 +52,7 @@ def test_float_bucket_sizes_are_accepted_as_integers():
     [
         ({"stage": 3}, r"stage=3 is not supported yet"),
         ({"offload_optimizer": True}, r"offload_optimizer=True is not supported yet"),
-        ({"quantized_weights": True}, r"quantized_weights=True is not supported yet"),
+        ({"quantized_weights": True, "stage": 3}, r"stage=3 is not supported yet"),
     ],
 )
 def test_not_implemented_options_are_rejected(options, match):

@@ -43,6 +43,9 @@ def reduce_scatter(output: Tensor, input: Tensor, group: Optional[dist.ProcessGr
 
 def all_gather(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup]) -> None:
     """``output`` = the ranks' ``input`` tensors concatenated in rank order."""
+    if not is_distributed():
+        output.copy_(input)
+        return
     try:
         _all_gather_impl(output, input, group=group)
     except (RuntimeError, NotImplementedError):

@@ -30,6 +30,7 @@ compute stream waits for the side stream in ``finalize``.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
@@ -39,8 +40,9 @@ from torch import Tensor, nn
 
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.zero import comm
-from lightning_zeroq.zero.layout import Segment, UnitLayout, make_layout, plan_units
+from lightning_zeroq.zero.layout import ALIGN, Segment, UnitLayout, make_layout, plan_units
 from lightning_zeroq.zero.loss_scaler import loss_scaler_from_config
+from lightning_zeroq.zero.quantized_gather import QuantizedGather
 
 ELEMENTWISE_OPTIMIZERS: list[type] = [
     torch.optim.SGD,
@@ -127,7 +129,20 @@ class ZeroEngine:
             )
         self.device = devices.pop() if devices else torch.device("cpu")
         self._sync_replicated_state()
+        self._align = math.lcm(ALIGN, config.quantized_weights_group_size) if config.quantized_weights else ALIGN
         self.units = self._build_units(params)
+        self._quantized_gather: Optional[QuantizedGather] = None
+        if config.quantized_weights:
+            self._quantized_gather = QuantizedGather(
+                [u.layout for u in self.units],
+                rank=self.rank,
+                group=group,
+                device=self.device,
+                group_size=config.quantized_weights_group_size,
+                exact_numel=config.quantized_weights_exact_numel,
+                bucket_numel=config.allgather_bucket_size,
+            )
+            self.publish()  # the working weights are always what a gather produces
         self._where = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
         self._reduce_order = list(reversed(self.units))
         self._stream = comm.side_stream(self.device) if config.overlap_comm else None
@@ -159,7 +174,7 @@ class ZeroEngine:
         next_id = 0
         for index, members in enumerate(plan_units([p.numel() for p in params], self.config.reduce_bucket_size)):
             unit_params = [params[i] for i in members]
-            layout = make_layout([p.numel() for p in unit_params], self.world_size)
+            layout = make_layout([p.numel() for p in unit_params], self.world_size, self._align)
             full = torch.zeros(layout.padded_numel, dtype=torch.float32, device=self.device)
             with torch.no_grad():
                 for p, slot in zip(unit_params, layout.slots):
@@ -401,6 +416,9 @@ class ZeroEngine:
     def publish(self) -> None:
         """Write the master shards into the working buffers and all-gather them (every unit)."""
         for unit in self.units:
+            if self._quantized_gather is not None:
+                self._quantized_gather.gather(unit.index, unit.master, unit.flat, unit.layout)
+                continue
             shard = unit.master.to(self.param_dtype)
             if self.world_size > 1:
                 comm.all_gather(unit.flat, shard, self.group)

@@ -1,0 +1,130 @@
+"""The INT8 weight gather: this rank's fp32 master shard -> every rank's full working buffer.
+
+Per unit and gather (all ranks run the same steps on the same sizes):
+
+1. *Side channel.* Elements of small parameters (at most ``exact_numel`` elements: norms, biases)
+   are sent exactly, in the working dtype, with one ``all_gather`` of a buffer padded to the largest
+   rank's count; they are zeroed before quantization so they cannot inflate a group's scale.
+2. *Chunks.* The shard is cut into chunks of ``chunk_numel`` elements (a multiple of the group size)
+   so that one collective gathers at most ``allgather_bucket_size`` elements across all ranks, but
+   never less than one group per rank. Per chunk: quantize+pack ``[codes | scales]`` into a send
+   buffer, one ``all_gather`` of bytes, then unpack+dequantize source rank by source rank straight
+   into that rank's slice of the persistent working buffer.
+3. *Restore* the side-channel elements into the working buffer.
+
+Every rank, the owner included, ends with the dequantized values, so all ranks hold bitwise the same
+working weights. The master shards are never touched, so quantization error does not accumulate.
+Temporary memory per chunk: ``chunk_numel`` fp32 (the masked copy) plus ``world_size + 1`` packed
+buffers of ``chunk_numel * (1 + 4 / group_size)`` bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_zeroq import ops
+from lightning_zeroq.zero import comm
+from lightning_zeroq.zero.layout import UnitLayout
+
+
+class ChunkPlan(NamedTuple):
+    chunk_numel: int
+    """Elements of each rank's shard quantized and gathered per collective (whole groups)."""
+    num_chunks: int
+
+
+def plan_chunks(shard_numel: int, world_size: int, bucket_numel: int, group_size: int) -> ChunkPlan:
+    """Chunking of one shard so a collective gathers at most ``bucket_numel`` elements over all ranks.
+
+    ``shard_numel`` is a multiple of ``group_size``. The bound never drops below one group per rank.
+    """
+    per_rank = max(group_size, (bucket_numel // world_size) // group_size * group_size)
+    chunk = min(per_rank, shard_numel) if shard_numel else group_size
+    return ChunkPlan(chunk, -(-shard_numel // chunk) if shard_numel else 0)
+
+
+@dataclass(eq=False)
+class _SidePlan:
+    """Where the exact (side-channel) elements of one unit live."""
+
+    local: Tensor
+    """Positions in this rank's shard (int64)."""
+    max_count: int
+    """The largest per-rank count: the padded size of every rank's side buffer."""
+    valid: Tensor
+    """Positions in the gathered ``[world_size * max_count]`` side buffer that hold real values."""
+    flat: Tensor
+    """Positions in the working buffer of those values, in the same order."""
+
+
+def side_positions(layout: UnitLayout, exact_numel: int, rank: int) -> list[int]:
+    """Shard positions (within ``rank``'s shard) of parameters with at most ``exact_numel`` elements."""
+    out: list[int] = []
+    for seg in layout.segments(rank):
+        if layout.slots[seg.param].numel <= exact_numel:
+            out.extend(range(seg.shard_start, seg.shard_start + seg.numel))
+    return out
+
+
+def _side_plan(layout: UnitLayout, exact_numel: int, rank: int, device: torch.device) -> Optional[_SidePlan]:
+    per_rank = [side_positions(layout, exact_numel, r) for r in range(layout.world_size)]
+    max_count = max(len(p) for p in per_rank)
+    if max_count == 0:
+        return None
+    valid, flat = [], []
+    for r, positions in enumerate(per_rank):
+        valid.extend(r * max_count + i for i in range(len(positions)))
+        flat.extend(r * layout.shard_numel + p for p in positions)
+    as_index = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+    return _SidePlan(as_index(per_rank[rank]), max_count, as_index(valid), as_index(flat))
+
+
+class QuantizedGather:
+    """Gathers units' master shards into their working buffers as INT8 (see the module docstring)."""
+
+    def __init__(
+        self,
+        layouts: Sequence[UnitLayout],
+        *,
+        rank: int,
+        group: Optional[dist.ProcessGroup],
+        device: torch.device,
+        group_size: int,
+        exact_numel: int,
+        bucket_numel: int,
+    ) -> None:
+        self.rank, self.group, self.device = rank, group, device
+        self.group_size = group_size
+        self.plans = [plan_chunks(l.shard_numel, l.world_size, bucket_numel, group_size) for l in layouts]
+        self.sides = [_side_plan(l, exact_numel, rank, device) for l in layouts]
+        if device.type == "cuda":
+            ops.load_cuda_backend()  # compile or load once now, never inside a collective
+
+    @torch.no_grad()
+    def gather(self, index: int, master: Tensor, flat: Tensor, layout: UnitLayout) -> None:
+        """Fill ``flat`` (the full working buffer) from every rank's ``master`` shard."""
+        side, plan = self.sides[index], self.plans[index]
+        world, shard_numel = layout.world_size, layout.shard_numel
+        for start in range(0, shard_numel, plan.chunk_numel):
+            n = min(plan.chunk_numel, shard_numel - start)
+            chunk = master[start : start + n].clone()
+            if side is not None:
+                inside = side.local[(side.local >= start) & (side.local < start + n)]
+                chunk[inside - start] = 0.0
+            send = ops.quantize_pack_int8(chunk, group_size=self.group_size)
+            recv = torch.empty(world * send.numel(), dtype=torch.uint8, device=self.device)
+            comm.all_gather(recv, send, self.group)
+            for r, packed in enumerate(recv.chunk(world)):
+                out = flat[r * shard_numel + start : r * shard_numel + start + n]
+                ops.unpack_dequantize_int8(packed, out, group_size=self.group_size)
+        if side is not None:
+            send = torch.zeros(side.max_count, dtype=flat.dtype, device=self.device)
+            send[: side.local.numel()] = master[side.local].to(flat.dtype)
+            recv = torch.empty(world * side.max_count, dtype=flat.dtype, device=self.device)
+            comm.all_gather(recv, send, self.group)
+            flat[side.flat] = recv[side.valid]
