@@ -45,3 +45,17 @@ def test_half_precision_follows_fp32_gpu(gpu_pool, precision):
     worst = max(abs(a - b) / abs(a) for a, b in zip(fp32, low))
     print(f"{precision}: worst relative loss deviation from fp32 over {len(low)} steps = {worst:.4f}")
     assert worst < 0.02 and low[-1] < low[0]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_quantized_reconstruction_nccl(gpu_pool, dtype):
+    from tests import test_quantized
+
+    gpu_pool(2).run(test_quantized._reconstruction_body, dtype, "cuda")
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_quantized_identical_working_weights_nccl(gpu_pool, stage):
+    from tests import test_quantized
+
+    gpu_pool(2).run(test_quantized._train_body, stage, True, 6, True, "cuda")

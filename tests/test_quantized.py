@@ -46,12 +46,13 @@ def _check_units(engine: ZeroEngine, exact_numel: int) -> None:
     """Every rank's working buffers equal the reference reconstruction and each other, bitwise."""
     world = dist.get_world_size()
     for unit in engine.units:
-        full = torch.empty(unit.layout.padded_numel)
+        full = torch.empty(unit.layout.padded_numel, device=unit.master.device)
         dist.all_gather_into_tensor(full, unit.master)
-        expected = _expected_working(full, unit.layout, exact_numel, unit.flat.dtype)
-        assert torch.equal(unit.flat, expected), (unit.index, (unit.flat.float() - expected.float()).abs().max())
-        assert not unit.flat[unit.layout.numel :].any(), "padding must stay zero"
-        flats = torch.empty(world * unit.flat.numel(), dtype=unit.flat.dtype)
+        expected = _expected_working(full.cpu(), unit.layout, exact_numel, unit.flat.dtype)
+        flat = unit.flat.cpu()
+        assert torch.equal(flat, expected), (unit.index, (flat.float() - expected.float()).abs().max())
+        assert not flat[unit.layout.numel :].any(), "padding must stay zero"
+        flats = torch.empty(world * unit.flat.numel(), dtype=unit.flat.dtype, device=unit.flat.device)
         dist.all_gather_into_tensor(flats, unit.flat)
         assert all(torch.equal(f, unit.flat) for f in flats.chunk(world))
 
@@ -64,10 +65,14 @@ class _Awkward(nn.Module):
         self.ps = nn.ParameterList(nn.Parameter(torch.randn(n) * (i + 1)) for i, n in enumerate(sizes))
 
 
-def _reconstruction_body(dtype_name: str) -> None:
+def _device(device: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+
+
+def _reconstruction_body(dtype_name: str, device: str = "cpu") -> None:
     torch.manual_seed(dist.get_rank())
     exact = 100
-    model = _Awkward([130, 90, 700, 3, 64, 1000, 99, 257, 5])  # <=100: exact; others quantized
+    model = _Awkward([130, 90, 700, 3, 64, 1000, 99, 257, 5]).to(_device(device))  # <=100 exact
     dtype = getattr(torch, dtype_name)
     engine = ZeroEngine(
         model,
@@ -80,7 +85,7 @@ def _reconstruction_body(dtype_name: str) -> None:
     full = engine.full_state_dict()
     for name, p in model.named_parameters():
         if p.numel() <= exact:
-            assert torch.equal(p.detach(), full[name].to(dtype)), name
+            assert torch.equal(p.detach().cpu(), full[name].to(dtype)), name
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -89,10 +94,11 @@ def test_reconstruction_across_group_chunk_and_shard_boundaries(dist_pool, world
     dist_pool(world_size).run(_reconstruction_body, dtype)
 
 
-def _train_body(stage: int, quantized: bool, steps: int, check: bool) -> list[float]:
+def _train_body(stage: int, quantized: bool, steps: int, check: bool, device: str = "cpu") -> list[float]:
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = RichModel()
+    dev = _device(device)
+    model = RichModel().to(dev)
     exact = 64  # quantize the embedding and the 16x16 weights; LayerNorm and biases go exactly
     config = ZeroConfig(stage=stage, reduce_bucket_size=500, quantized_weights=quantized,
                         quantized_weights_exact_numel=exact, allgather_bucket_size=512)
@@ -100,7 +106,8 @@ def _train_body(stage: int, quantized: bool, steps: int, check: bool) -> list[fl
     engine.attach_optimizer(torch.optim.AdamW(param_groups(model)))
     losses = []
     for step in range(steps):
-        loss = model.loss(make_batch(step, 0, rank))
+        tokens, targets, flag = make_batch(step, 0, rank)
+        loss = model.loss((tokens.to(dev), targets.to(dev), flag))
         engine.backward(loss)
         engine.clip_grad_norm_(1.0)
         engine.step()
