@@ -1,0 +1,422 @@
+"""``zeroq-train``: Hydra recipes in, a Lightning run with ``ZeroQStrategy`` out. The only Hydra import.
+
+Configuration:
+- The typed dataclasses (``ZeroConfig``, ``GPTConfig``, ``OptimConfig``, ``DataConfig`` and here
+  ``TrainerConfig`` and the top-level ``RunConfig``) are stored in Hydra's ConfigStore as schemas
+  (``base_config``, ``zero/base``, ``model/base``, ``data/base``, ``trainer/base``). The YAML files in
+  ``conf/`` extend them through their defaults lists, so a misspelt key or a wrong type fails when the
+  config is composed, with Hydra's message naming it. ``offload/*`` and ``quantization/*`` write into
+  the ``zero`` node (``# @package zero``).
+- ``recipes/*.yaml`` are complete runs (``# @package _global_``) stored as the ``recipe`` group, the
+  last entry of the primary defaults list: ``zeroq-train recipe=gpt1m_zero1_cpu trainer.max_steps=50``.
+- After composition every section is instantiated as its dataclass, so the ``__post_init__`` checks
+  run, then ``ZeroConfig.check_supported``. A ``ValueError`` there ends the program with one line that
+  names the value, the fix and the config key, before any process is started.
+- ``conf/`` and ``recipes/`` are found inside the package (``lightning_zeroq/conf``: real directories
+  in a wheel, links to the top-level directories in a source checkout), else at the top of the
+  checkout.
+
+Processes: the command itself is rank 0. Lightning's subprocess launcher starts ranks 1..N-1 by
+re-running the command line; with Hydra it would append ``hydra.run.dir=...``, but re-running Hydra in
+the children also re-runs ``--multirun`` sweeps and re-resolves the config. Instead, before ``fit`` the
+parent puts the composed, resolved config, its run directory and label into ``ZEROQ_CHILD_CONFIG``
+(inherited by the children); ``main`` in a child with that variable and ``LOCAL_RANK`` set skips Hydra
+and trains from it. So all ranks share the parent's run directory and config, and children create no
+output directories. After each job the parent waits for its children, destroys its process group and
+restores the launcher's environment variables, so the next job of a ``--multirun`` sweep launches
+afresh.
+
+``train`` is also what the recipe regression tests call, inside already-initialized worker processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, NoReturn, Optional, Sequence
+
+import hydra
+import lightning as L
+import torch
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from lightning.pytorch.loggers import CSVLogger
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_zeroq.config import ZeroConfig
+from lightning_zeroq.data import DataConfig, TextDataModule
+from lightning_zeroq.gpt import GPT, GPTConfig, OptimConfig
+from lightning_zeroq.precision import PARAM_DTYPES
+from lightning_zeroq.strategy import ZeroQStrategy
+
+HYDRA_VERSION_BASE = "1.3"
+CHILD_ENV = "ZEROQ_CHILD_CONFIG"
+FIGURES_SUFFIX = ".expected.json"
+RECIPE_HEADER = "# @package _global_"
+SUMMARY_PREFIX = "zeroq-train summary"
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    """The ``lightning.Trainer`` arguments a recipe sets (the strategy is always ``ZeroQStrategy``)."""
+
+    accelerator: str = "cpu"
+    """``cpu``, ``gpu``/``cuda`` or ``auto``, as in Lightning."""
+
+    devices: Any = 2
+    """Processes per node: a number, ``auto`` or a list of device indices, as in Lightning."""
+
+    num_nodes: int = 1
+    """Number of nodes."""
+
+    precision: str = "32-true"
+    """One of the precisions ``ZeroQStrategy`` owns: 32-true, bf16-mixed, 16-mixed, bf16-true."""
+
+    max_steps: int = 150
+    """Optimizer steps to train for (the learning-rate schedule ends there)."""
+
+    accumulate_grad_batches: int = 1
+    """Batches per optimizer step."""
+
+    gradient_clip_val: Optional[float] = 1.0
+    """Clip gradients to this global norm across all shards; ``null`` disables clipping."""
+
+    log_every_n_steps: int = 10
+    """How often the loss is written to the CSV log."""
+
+    enable_progress_bar: bool = True
+    """Lightning's progress bar on rank 0."""
+
+    enable_checkpointing: bool = False
+    """Save a checkpoint directory at the end of training (off: the recipes are short benchmarks)."""
+
+    logger: bool = True
+    """Write the logged loss to ``csv/metrics.csv`` in the run directory."""
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("num_nodes", 1), ("max_steps", 1), ("accumulate_grad_batches", 1),
+                              ("log_every_n_steps", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"TrainerConfig.{name}={value!r} must be an integer >= {minimum}.")
+        if self.precision not in PARAM_DTYPES:
+            raise ValueError(
+                f"TrainerConfig.precision={self.precision!r} is not a precision ZeroQStrategy owns; "
+                f"use one of {list(PARAM_DTYPES)}."
+            )
+        if self.gradient_clip_val is not None and self.gradient_clip_val <= 0:
+            raise ValueError(
+                f"TrainerConfig.gradient_clip_val={self.gradient_clip_val!r} must be positive, or null for no clipping."
+            )
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """One complete run: what ``zeroq-train`` composes from ``conf/`` and a recipe."""
+
+    seed: int = 1234
+    """Seed of model initialization and data order (the same on every rank)."""
+
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    model: GPTConfig = field(default_factory=GPTConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def __post_init__(self) -> None:
+        if self.data.seq_len > self.model.block_size:
+            raise ValueError(
+                f"DataConfig.seq_len={self.data.seq_len} exceeds GPTConfig.block_size={self.model.block_size}; "
+                "lower data.seq_len or raise model.block_size."
+            )
+        if self.model.vocab_size < 256:
+            raise ValueError(
+                f"GPTConfig.vocab_size={self.model.vocab_size} is too small for byte-level tokens; use 256."
+            )
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a run reports; the same on every rank (gathered)."""
+
+    label: str
+    world_size: int
+    num_parameters: int
+    losses: list[float]
+    """Loss of every training batch, averaged over the ranks."""
+    tokens_per_s: float
+    """Tokens consumed by all ranks per second of the training loop (set-up excluded)."""
+    peak_memory_bytes: list[int]
+    """Per rank: max RSS on CPU, ``torch.cuda.max_memory_allocated`` on GPU."""
+    memory_kind: str
+
+    @property
+    def final_loss(self) -> float:
+        return self.losses[-1] if self.losses else float("nan")
+
+    def summary(self) -> str:
+        peaks = ", ".join(f"{b / 2**20:.0f}" for b in self.peak_memory_bytes)
+        return (
+            f"{SUMMARY_PREFIX} | {self.label} | {len(self.losses)} steps on {self.world_size} ranks | "
+            f"final loss {self.final_loss:.4f} | {self.tokens_per_s:,.0f} tokens/s | "
+            f"peak memory per rank ({self.memory_kind}): {peaks} MiB"
+        )
+
+
+SECTIONS: dict[str, type] = {
+    "zero": ZeroConfig, "model": GPTConfig, "optim": OptimConfig, "data": DataConfig, "trainer": TrainerConfig,
+}
+# ValueError messages name "<Class>.<field>=<value>"; in the Hydra config that field is "<section>.<field>".
+CONFIG_KEYS = {cls.__name__: section for section, cls in SECTIONS.items()} | {"RunConfig": ""}
+
+# ---------------------------------------------------------------------------- config files
+
+
+def resource_dir(name: str) -> Path:
+    """``conf`` or ``recipes``: inside the installed package, else at the top of the source checkout."""
+    here = Path(__file__).parent
+    for candidate in (here / name, here.parent / name):
+        if candidate.is_dir():
+            return candidate.resolve()
+    raise RuntimeError(
+        f"lightning_zeroq cannot find its '{name}' directory (looked in {here} and {here.parent}); "
+        "reinstall the package (pip install lightning-zeroq) or run from a complete source checkout."
+    )
+
+
+def recipe_names() -> list[str]:
+    """Every recipe in ``recipes/``, sorted."""
+    return sorted(path.stem for path in resource_dir("recipes").glob("*.yaml"))
+
+
+def figures_path(recipe: str) -> Path:
+    """Where the regression figures of ``recipe`` are stored (beside the recipe)."""
+    return resource_dir("recipes") / f"{recipe}{FIGURES_SUFFIX}"
+
+
+def register_configs() -> None:
+    """Store the schemas and the recipes in Hydra's ConfigStore (idempotent)."""
+    store = ConfigStore.instance()
+    store.store(name="base_config", node=RunConfig)
+    for group, schema in SECTIONS.items():
+        if group != "optim":  # optim has no group: its values live in config.yaml
+            store.store(group=group, name="base", node=schema)
+    for path in sorted(resource_dir("recipes").glob("*.yaml")):
+        text = path.read_text(encoding="utf-8")
+        if not text.startswith(RECIPE_HEADER):
+            raise ValueError(
+                f"recipe {path} must start with the line '{RECIPE_HEADER}' (recipes set keys of the whole config)."
+            )
+        store.store(group="recipe", name=path.stem, node=OmegaConf.create(text), package="_global_",
+                    provider="lightning_zeroq recipes")
+
+
+def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
+    """Compose the config like ``zeroq-train <overrides>`` does, without running anything."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(resource_dir("conf")), version_base=HYDRA_VERSION_BASE,
+                               job_name="zeroq-train"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def to_run_config(cfg: DictConfig) -> RunConfig:
+    """Instantiate every section of a composed config, running its checks; ``ValueError`` if bad."""
+    sections: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+    sections.pop("hydra", None)
+    seed = sections.pop("seed", RunConfig().seed)
+    built = {name: _build(field_type, sections.pop(name, {})) for name, field_type in SECTIONS.items()}
+    for key, value in sections.items():  # only reachable with "+key=value", which bypasses the schema
+        raise ValueError(f"RunConfig.{key}={value!r} is not a config section; the sections are {sorted(SECTIONS)}.")
+    run = RunConfig(seed=seed, **built)
+    run.zero.check_supported()
+    return run
+
+
+def _build(cls: type, values: dict[str, Any]) -> Any:
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key, value in values.items():  # "+zero.stagee=2" appends past the schema; reject it here
+        if key not in known:
+            raise ValueError(f"{cls.__name__}.{key}={value!r} is not a {cls.__name__} field; "
+                             f"the fields are {sorted(known)}.")
+    return cls(**values)
+
+
+def config_error_line(err: ValueError) -> str:
+    """One line for a bad config: the checker's message plus the Hydra key of the field it names."""
+    message = " ".join(str(err).split())
+    match = re.match(r"(\w+)\.(\w+)=", message)
+    if match and match.group(1) in CONFIG_KEYS:
+        section = CONFIG_KEYS[match.group(1)]
+        key = f"{section}.{match.group(2)}" if section else match.group(2)
+        message += f" [Hydra key: {key}]"
+    return f"zeroq-train: error: {message}"
+
+
+# ---------------------------------------------------------------------------- training
+
+
+class RunRecorder(L.Callback):
+    """Records every batch's loss and the training loop's tokens and wall time on this rank."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.tokens = 0
+        self.started = 0.0
+        self.elapsed = 0.0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.losses, self.tokens, self.started = [], 0, time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
+        self.tokens += batch[:, 1:].numel()
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.elapsed = time.perf_counter() - self.started
+
+    def gather(self, trainer: L.Trainer, label: str, num_parameters: int) -> TrainResult:
+        """Collective: average the losses over the ranks, sum the tokens, collect peak memory."""
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            peak, kind = torch.cuda.max_memory_allocated(device), "CUDA max allocated"
+        else:  # Linux reports ru_maxrss in KiB
+            peak, kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "max RSS"
+        local = torch.tensor([float(self.tokens), self.elapsed, float(peak), *self.losses],
+                             dtype=torch.float64, device=device)
+        gathered = _all_gather_rows(local)
+        losses = gathered[:, 3:].mean(dim=0).tolist()
+        tokens_per_s = gathered[:, 0].sum().item() / max(gathered[:, 1].max().item(), 1e-9)
+        return TrainResult(label=label, world_size=trainer.world_size, num_parameters=num_parameters,
+                           losses=losses, tokens_per_s=tokens_per_s,
+                           peak_memory_bytes=[int(b) for b in gathered[:, 2].tolist()], memory_kind=kind)
+
+
+def _all_gather_rows(local: torch.Tensor) -> torch.Tensor:
+    """Collective: ``(world_size, n)`` on CPU, row r from rank r (``(1, n)`` without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return local.unsqueeze(0).cpu()
+    rows = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, local)
+    return torch.stack(rows).cpu()
+
+
+def train(run: RunConfig, run_dir: Path, label: str) -> TrainResult:
+    """Train ``run`` on this process's rank; every rank calls it. Rank 0 prints the summary.
+
+    Called by ``zeroq-train`` (rank 0, which launches the other ranks during ``fit``), by its children,
+    and by tests in processes that already have a process group (which is then left alone).
+    """
+    L.seed_everything(run.seed, verbose=False)
+    model = GPT(run.model, run.optim)
+    data = TextDataModule(run.data)
+    recorder = RunRecorder()
+    owns_process_group = not dist.is_initialized()
+    cfg = run.trainer
+    trainer = L.Trainer(
+        strategy=ZeroQStrategy(run.zero),
+        accelerator=cfg.accelerator,
+        devices=cfg.devices,
+        num_nodes=cfg.num_nodes,
+        precision=cfg.precision,  # type: ignore[arg-type]
+        max_steps=cfg.max_steps,
+        accumulate_grad_batches=cfg.accumulate_grad_batches,
+        gradient_clip_val=cfg.gradient_clip_val,
+        log_every_n_steps=cfg.log_every_n_steps,
+        enable_progress_bar=cfg.enable_progress_bar,
+        enable_checkpointing=cfg.enable_checkpointing,
+        logger=CSVLogger(run_dir, name="", version="csv") if cfg.logger else False,
+        default_root_dir=run_dir,
+        callbacks=[recorder],
+    )
+    if trainer.is_global_zero:
+        print(f"zeroq-train: {label}: GPT with {model.num_parameters():,} parameters, ZeRO stage "
+              f"{run.zero.stage}, data {data.source}, {cfg.accelerator} x {cfg.devices}, {cfg.precision}; "
+              f"run dir {run_dir}", flush=True)
+    trainer.fit(model, datamodule=data)
+    result = recorder.gather(trainer, label, model.num_parameters())
+    _join_children(trainer)
+    if owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+    if trainer.is_global_zero:
+        print(result.summary(), flush=True)
+    return result
+
+
+def _join_children(trainer: L.Trainer, timeout_s: float = 120.0) -> None:
+    """Wait for the processes Lightning's launcher started (rank 0 of ``zeroq-train`` only)."""
+    for proc in getattr(trainer.strategy.launcher, "procs", []):
+        code = proc.wait(timeout=timeout_s)
+        if code != 0:
+            raise RuntimeError(f"rank process {proc.args!r} exited with code {code}")
+
+
+# ---------------------------------------------------------------------------- entry points
+
+
+@contextlib.contextmanager
+def _children_inherit(cfg: DictConfig, run_dir: Path, label: str) -> Iterator[None]:
+    """Hand the resolved config to the children the launcher starts; restore the environment after."""
+    saved = dict(os.environ)
+    payload = {"config": OmegaConf.to_container(cfg, resolve=True), "run_dir": str(run_dir), "label": label}
+    os.environ[CHILD_ENV] = json.dumps(payload)
+    try:
+        yield
+    finally:  # the launcher set LOCAL_RANK, MASTER_PORT, ...: a next job must launch afresh
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _fail(err: ValueError) -> NoReturn:
+    print(config_error_line(err), file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def _hydra_task(cfg: DictConfig) -> float:
+    try:
+        run = to_run_config(cfg)
+    except ValueError as err:
+        _fail(err)
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    label = str(hydra_cfg.runtime.choices.get("recipe") or "no recipe")
+    overrides = [o for o in hydra_cfg.overrides.task if not o.startswith("recipe=")]
+    if overrides:
+        label += f" [{' '.join(overrides)}]"
+    with _children_inherit(cfg, run_dir, label):
+        return train(run, run_dir, label).final_loss
+
+
+def _run_child(payload: str) -> None:
+    spec = json.loads(payload)
+    run = to_run_config(OmegaConf.create(spec["config"]))
+    train(run, Path(spec["run_dir"]), spec["label"])
+
+
+def main() -> None:
+    """The ``zeroq-train`` console script (also ``python -m lightning_zeroq.cli``)."""
+    payload = os.environ.get(CHILD_ENV)
+    if payload is not None and "LOCAL_RANK" in os.environ:
+        _run_child(payload)
+        return
+    try:
+        register_configs()
+    except ValueError as err:
+        _fail(err)
+    task = hydra.main(version_base=HYDRA_VERSION_BASE, config_path=str(resource_dir("conf")),
+                      config_name="config")(_hydra_task)
+    task()
+
+
+if __name__ == "__main__":
+    main()
