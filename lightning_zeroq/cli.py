@@ -37,6 +37,7 @@ import json
 import os
 import re
 import resource
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -345,9 +346,11 @@ def train(run: RunConfig, run_dir: Path, label: str) -> TrainResult:
               f"run dir {run_dir}", flush=True)
     trainer.fit(model, datamodule=data)
     result = recorder.gather(trainer, label, model.num_parameters())
-    _join_children(trainer)
     if owns_process_group and dist.is_initialized():
+        # Every rank destroys its group before rank 0 waits for the others to exit: NCCL's teardown
+        # waits for the peers' teardown, so joining first would deadlock.
         dist.destroy_process_group()
+    _join_children(trainer)
     if trainer.is_global_zero:
         print(result.summary(), flush=True)
     return result
@@ -356,9 +359,14 @@ def train(run: RunConfig, run_dir: Path, label: str) -> TrainResult:
 def _join_children(trainer: L.Trainer, timeout_s: float = 120.0) -> None:
     """Wait for the processes Lightning's launcher started (rank 0 of ``zeroq-train`` only)."""
     for proc in getattr(trainer.strategy.launcher, "procs", []):
-        code = proc.wait(timeout=timeout_s)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise RuntimeError(f"a rank process (pid {proc.pid}) did not exit {timeout_s:.0f} s after training; "
+                               "killed it") from None
         if code != 0:
-            raise RuntimeError(f"rank process {proc.args!r} exited with code {code}")
+            raise RuntimeError(f"a rank process (pid {proc.pid}) exited with code {code}")
 
 
 # ---------------------------------------------------------------------------- entry points
