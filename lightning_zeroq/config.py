@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
-SUPPORTED_STAGES = (1, 2)
+SUPPORTED_STAGES = (1, 2, 3)
 OFFLOAD_DEVICES = ("cpu", "nvme")
 
 
@@ -68,6 +68,20 @@ class ZeroConfig:
     """Parameters of at most this many elements (norms, biases) bypass quantization and travel
     exactly, in their own dtype, on a side channel. 0 quantizes everything."""
 
+    stage3_wrap_classes: Optional[list[str]] = None
+    """Stage 3: class names of the modules that become units (default: the repeated blocks, found
+    automatically)."""
+
+    stage3_unit_size: Optional[int] = None
+    """Stage 3: instead of classes, make a unit of every module whose not-yet-wrapped parameters reach
+    this many elements."""
+
+    stage3_param_persistence_threshold: int = 100_000
+    """Stage 3: parameters of at most this many elements stay gathered (DeepSpeed's name and default)."""
+
+    stage3_prefetch: bool = True
+    """Stage 3: gather the next unit of the recorded order while the current one computes."""
+
     loss_scale: float = 0.0
     """fp16 (``16-mixed``) only: 0 for dynamic loss scaling, a positive value for a fixed scale."""
 
@@ -98,6 +112,24 @@ class ZeroConfig:
         self.loss_scale_window = _check_int("loss_scale_window", self.loss_scale_window, 1)
         if not isinstance(self.min_loss_scale, (int, float)) or self.min_loss_scale <= 0:
             raise ValueError(f"ZeroConfig.min_loss_scale={self.min_loss_scale!r} must be positive, e.g. 1.")
+        self.stage3_param_persistence_threshold = _check_int(
+            "stage3_param_persistence_threshold", self.stage3_param_persistence_threshold, 0
+        )
+        if self.stage3_unit_size is not None:
+            self.stage3_unit_size = _check_int("stage3_unit_size", self.stage3_unit_size, 1)
+        if self.stage3_wrap_classes is not None and (
+            isinstance(self.stage3_wrap_classes, str)
+            or not all(isinstance(c, str) and c for c in self.stage3_wrap_classes)
+        ):
+            raise ValueError(
+                f"ZeroConfig.stage3_wrap_classes={self.stage3_wrap_classes!r} must be a list of module class "
+                "names, e.g. ['Block']."
+            )
+        if self.stage3_wrap_classes and self.stage3_unit_size:
+            raise ValueError(
+                "ZeroConfig: set stage3_wrap_classes or stage3_unit_size, not both "
+                f"(got {self.stage3_wrap_classes!r} and {self.stage3_unit_size})."
+            )
         group = self.quantized_weights_group_size = _check_int(
             "quantized_weights_group_size", self.quantized_weights_group_size, 1
         )

@@ -31,7 +31,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
-import lightning_zeroq.zero.comm as comm
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.precision import ZeroQPrecision
 from lightning_zeroq.zero.engine import ZeroEngine
@@ -134,18 +133,20 @@ class ZeroQStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
-        self.model_to_device()
         plugin = self.precision_plugin
         plugin.device_type = self.root_device.type
+        if self.engine is None:
+            # The engine moves the module to the device unit by unit (stage 3 never holds it whole)
+            # and starts every rank from rank 0's values, as DDP does.
+            self._warn_ineffective_loss_scaling(plugin)
+            self.engine = ZeroEngine(
+                module,
+                self.config,
+                param_dtype=plugin.param_dtype,
+                loss_scaling=plugin.loss_scaling,
+                device=self.root_device,
+            )
         if trainer.state.fn == TrainerFn.FITTING:
-            if self.engine is None:
-                self._warn_ineffective_loss_scaling(plugin)
-                self.engine = ZeroEngine(
-                    module,
-                    self.config,
-                    param_dtype=plugin.param_dtype,
-                    loss_scaling=plugin.loss_scaling,
-                )
             self.setup_optimizers(trainer)
             if len(self.optimizers) != 1:
                 raise ValueError(
@@ -153,8 +154,6 @@ class ZeroQStrategy(DDPStrategy):
                     f"{len(self.optimizers)}; put all parameters in one optimizer with several param groups."
                 )
             self.engine.attach_optimizer(self.optimizers[0])
-        elif self.engine is None:
-            self._sync_module_states()
         plugin.engine = self.engine
         plugin.convert_module(module)
         self.setup_precision_plugin()
@@ -168,13 +167,6 @@ class ZeroQStrategy(DDPStrategy):
                 f"{', '.join(changed)} only apply to precision='16-mixed'; with precision="
                 f"{plugin.precision!r} there is no loss scaling and they are ignored."
             )
-
-    def _sync_module_states(self) -> None:
-        if not comm.is_distributed():
-            return
-        with torch.no_grad():
-            for tensor in [*self.lightning_module.parameters(), *self.lightning_module.buffers()]:
-                comm.broadcast(tensor.data, 0, None)
 
     def pre_backward(self, closure_loss: Tensor) -> None:
         if self.engine is None:
@@ -193,6 +185,26 @@ class ZeroQStrategy(DDPStrategy):
     def block_backward_sync(self) -> Generator[None, None, None]:
         # The engine defers or overlaps reductions itself; there is no DDP reducer to silence.
         yield
+
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Stage 3: modules created here (``configure_model``) live on the meta device until the
+        engine materializes them unit by unit with ``reset_parameters()``, so a model larger than one
+        device can be built."""
+        if self.config.stage == 3:
+            with torch.device("meta"):
+                yield
+        else:
+            yield
+
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        if self.config.stage == 3:  # Trainer.init_module(): never materialize the whole model
+            with torch.device("meta"):
+                yield
+        else:
+            with super().tensor_init_context(empty_init):
+                yield
 
     def model_to_device(self) -> None:
         assert self.lightning_module is not None
@@ -216,9 +228,9 @@ class ZeroQStrategy(DDPStrategy):
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Collective: buffers plus full fp32 parameters, so the checkpoint's ``state_dict`` loads anywhere."""
-        state = {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
-        state.update({k: v for k, v in self.full_state_dict().items() if k in state})
-        return state
+        full = self.full_state_dict()
+        state = self.lightning_module.state_dict(keep_vars=True)  # no data read: stage 3 may be freed
+        return {k: full[k] if k in full else v.detach().cpu() for k, v in state.items()}
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """This rank's shard: masters and optimizer state (written to its own file)."""
@@ -264,9 +276,18 @@ class ZeroQStrategy(DDPStrategy):
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         state = checkpoint["state_dict"]
-        self.lightning_module.load_state_dict(state, strict=strict)
-        if self.engine is not None:
-            self.engine.load_full_state_dict(state)
+        if self.engine is None:
+            self.lightning_module.load_state_dict(state, strict=strict)
+            return
+        managed = self.engine.load_full_state_dict(state)
+        rest = {k: v for k, v in state.items() if k not in managed}
+        missing, unexpected = self.lightning_module.load_state_dict(rest, strict=False)
+        missing = [k for k in missing if k not in managed]
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"Error loading the checkpoint's state_dict: missing keys {missing}, unexpected keys "
+                f"{unexpected}. Pass strict_loading=False to the LightningModule to ignore them."
+            )
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         pass  # restored from the per-rank shard files in load_checkpoint

@@ -42,12 +42,16 @@ class RichModel(nn.Module):
         return F.cross_entropy(logits.reshape(-1, VOCAB).float(), targets.reshape(-1))
 
 
-def make_batch(step: int, micro: int, rank: int, batch_size: int = 4) -> tuple[Tensor, Tensor, bool]:
+def make_batch(
+    step: int, micro: int, rank: int, batch_size: int = 4, uniform: bool = False
+) -> tuple[Tensor, Tensor, bool]:
+    """``uniform``: every rank takes the same path (stage 3 gathers are collectives, so with stage 3,
+    as with FSDP and DeepSpeed, all ranks must run the same modules in each forward)."""
     g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
     tokens = torch.randint(0, VOCAB, (batch_size, SEQ), generator=g)
     targets = torch.randint(0, VOCAB, (batch_size, SEQ), generator=g)
     # "sometimes" is used by some ranks on some micro-batches, and by none on step 1.
-    use_sometimes = step != 1 and (step + micro + rank) % 3 == 0
+    use_sometimes = step != 1 and (step + micro + (0 if uniform else rank)) % 3 == 0
     return tokens, targets, use_sometimes
 
 
@@ -96,7 +100,8 @@ def make_lit_module(optim: str = "adamw", scheduler: bool = False, manual_backwa
             self.losses: list[float] = []
 
         def _loss(self, tokens: Tensor, targets: Tensor) -> Tensor:
-            use_sometimes = bool(int(tokens[0, 0]) % 3 == 0)
+            # the same on every rank (stage 3 needs all ranks to run the same modules)
+            use_sometimes = self.trainer.fit_loop.epoch_loop.batch_progress.current.ready % 3 == 1
             return self.model.loss((tokens, targets, use_sometimes))
 
         def training_step(self, batch, batch_idx):

@@ -26,6 +26,10 @@ from lightning_zeroq import ZeroConfig, ZeroEngine, ZeroQStrategy, register_elem
         ({"offload_parameters": True, "stage": 2}, r"offload_parameters=True needs stage=3"),
         ({"offload_optimizer": True, "offload_optimizer_device": "nvme"}, r"nvme_path=None"),
         ({"loss_scale": -1.0}, r"loss_scale=-1.0"),
+        ({"stage3_param_persistence_threshold": -1}, r"stage3_param_persistence_threshold=-1"),
+        ({"stage3_unit_size": 0}, r"stage3_unit_size=0"),
+        ({"stage3_wrap_classes": "Block"}, r"stage3_wrap_classes='Block' must be a list"),
+        ({"stage3_wrap_classes": ["Block"], "stage3_unit_size": 10}, r"not both"),
         ({"quantized_weights_group_size": 12}, r"quantized_weights_group_size=12 must be a positive multiple of 8"),
         ({"quantized_weights_group_size": 0}, r"quantized_weights_group_size=0"),
         ({"quantized_weights_group_size": -8}, r"quantized_weights_group_size=-8"),
@@ -50,9 +54,8 @@ def test_float_bucket_sizes_are_accepted_as_integers():
 @pytest.mark.parametrize(
     "options, match",
     [
-        ({"stage": 3}, r"stage=3 is not supported yet"),
         ({"offload_optimizer": True}, r"offload_optimizer=True is not supported yet"),
-        ({"quantized_weights": True, "stage": 3}, r"stage=3 is not supported yet"),
+        ({"quantized_weights": True, "stage": 3}, r"quantized_weights=True is not supported yet with stage=3"),
     ],
 )
 def test_not_implemented_options_are_rejected(options, match):
@@ -60,7 +63,7 @@ def test_not_implemented_options_are_rejected(options, match):
         ZeroQStrategy(**options)
 
 
-@pytest.mark.parametrize("name", ["zeroq_stage_3", "zeroq_stage_2_offload", "zeroq_stage_3_offload"])
+@pytest.mark.parametrize("name", ["zeroq_stage_2_offload", "zeroq_stage_3_offload"])
 def test_registered_presets_not_implemented_yet_fail_clearly(name):
     import lightning as L
 
@@ -99,7 +102,7 @@ def test_presets_registered_and_idempotent():
     from lightning.pytorch.strategies import StrategyRegistry
 
     ZeroQStrategy.register_strategies(StrategyRegistry)  # a second registration is a no-op
-    for name, stage in [("zeroq", 2), ("zeroq_stage_1", 1), ("zeroq_stage_2", 2)]:
+    for name, stage in [("zeroq", 2), ("zeroq_stage_1", 1), ("zeroq_stage_2", 2), ("zeroq_stage_3", 3)]:
         assert StrategyRegistry.get(name).config.stage == stage
 
 
@@ -112,3 +115,16 @@ def test_import_initializes_no_cuda_and_compiles_nothing():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "ok"
     assert lightning_zeroq.__version__
+
+
+def test_stage3_unknown_wrap_class_is_named():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"no module of class \['Blok'\].*Linear"):
+        ZeroEngine(model, ZeroConfig(stage=3, stage3_wrap_classes=["Blok"]))
+
+
+def test_parameters_on_different_devices_are_rejected():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    model[1].to("meta")
+    with pytest.raises(ValueError, match=r"one device, found \['cpu', 'meta'\]"):
+        ZeroEngine(model, ZeroConfig(stage=3))

@@ -83,7 +83,10 @@ def _assert_same(snaps, ref_snaps, tol):
 def _parity_body(stage: int, managed: bool, accelerator: str = "cpu") -> int:
     from lightning_zeroq import ZeroQStrategy
 
-    strategy = ZeroQStrategy(stage=stage, reduce_bucket_size=400, managed_gradient_accumulation=managed)
+    from tests.test_engine_parity import STAGE3
+
+    extra = STAGE3 if stage == 3 else {}
+    strategy = ZeroQStrategy(stage=stage, reduce_bucket_size=400, managed_gradient_accumulation=managed, **extra)
     _, _, snaps = _fit(strategy, accumulate=3, clip=0.5, scheduler=True, accelerator=accelerator)
     _, _, ref = _fit("ddp_find_unused_parameters_true", accumulate=3, clip=0.5, scheduler=True,
                      accelerator=accelerator)
@@ -92,7 +95,7 @@ def _parity_body(stage: int, managed: bool, accelerator: str = "cpu") -> int:
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("managed", [True, False], ids=["managed", "unmanaged"])
 def test_trainer_matches_ddp(dist_pool, world_size, stage, managed):
     steps = dist_pool(world_size).run(_parity_body, stage, managed)

@@ -1,9 +1,12 @@
-"""The ZeRO engine for stages 1 and 2: units, shards, gradient reduction and the sharded step.
+"""The ZeRO engine: units, shards, gradient reduction and the sharded step, for stages 1, 2 and 3.
 
 Lifetimes (per unit, see ``layout.py`` for the words):
 
-- ``flat``: the full working-dtype buffer. Persistent; the module's parameters are views into it, so
-  forward and backward run on ordinary ``nn.Parameter`` objects.
+- ``flat``: the full working-dtype buffer; the module's parameters are views into it, so forward and
+  backward run on ordinary ``nn.Parameter`` objects. Persistent in stages 1/2 (and for stage 3's
+  root and small-parameter units); in stage 3 its *storage* exists only while the unit is gathered
+  (``stage3.py`` says when), and ``shard`` (this rank's working-dtype slice) is the source of every
+  gather.
 - ``master``: this rank's fp32 shard of the unit, the only copy the optimizer updates. The optimizer
   sees one view per parameter segment, so its per-parameter state and skipping work unchanged.
 - ``grad``: this rank's fp32 gradient shard, accumulated over the window, zeroed after each step.
@@ -88,6 +91,13 @@ class _Unit:
     grad: Tensor
     segments: list[Segment]
     segment_masters: list[Tensor]
+    module: Optional[nn.Module] = None
+    persistent: bool = True
+    shard: Optional[Tensor] = None
+    """Stage 3, transient units: this rank's working-dtype shard (``None``: gather from ``master``)."""
+    gathered: bool = True
+    ready: Optional["torch.cuda.Event"] = None
+    """Set while a prefetch on the gather stream may still be writing ``flat``."""
     fired: set[int] = field(default_factory=set)
     reduced: bool = False
 
@@ -111,6 +121,7 @@ class ZeroEngine:
         param_dtype: torch.dtype = torch.float32,
         group: Optional[dist.ProcessGroup] = None,
         loss_scaling: bool = False,
+        device: Optional[torch.device] = None,
     ) -> None:
         config.check_supported()
         self.config = config
@@ -121,16 +132,33 @@ class ZeroEngine:
         self.loss_scaler = loss_scaler_from_config(config) if loss_scaling else None
         self.optimizer: Optional[torch.optim.Optimizer] = None
         params = _trainable_parameters(module)
-        devices = {p.device for p in params} | {b.device for b in module.buffers()}
+        devices = {t.device for t in [*module.parameters(), *module.buffers()]}
         if len(devices) > 1:
             raise ValueError(
                 f"ZeroQ needs all parameters and buffers on one device, found {sorted(map(str, devices))}; "
-                "move the module to one device first."
+                "create the module on one device (the meta device is fine for stage 3)."
             )
-        self.device = devices.pop() if devices else torch.device("cpu")
+        source = devices.pop() if devices else torch.device("cpu")
+        self.device = torch.device(device) if device is not None else source
+        if self.device.type == "meta":
+            raise ValueError("ZeroEngine needs a real target device; pass device=... for a module on meta.")
         self._sync_replicated_state()
         self._align = math.lcm(ALIGN, config.quantized_weights_group_size) if config.quantized_weights else ALIGN
-        self.units = self._build_units(params)
+        if config.stage == 3:
+            from lightning_zeroq.zero.stage3 import plan_module_units
+
+            specs = plan_module_units(
+                module,
+                params,
+                wrap_classes=config.stage3_wrap_classes,
+                unit_size=config.stage3_unit_size,
+                persistence_threshold=config.stage3_param_persistence_threshold,
+            )
+        else:
+            plan = plan_units([p.numel() for p in params], config.reduce_bucket_size)
+            specs = [([params[i] for i in members], None, True) for members in plan]
+        self._gather_stream = comm.side_stream(self.device) if config.stage == 3 else None
+        self.units = self._build_units(specs)
         self._quantized_gather: Optional[QuantizedGather] = None
         if config.quantized_weights:
             self._quantized_gather = QuantizedGather(
@@ -143,6 +171,11 @@ class ZeroEngine:
                 bucket_numel=config.allgather_bucket_size,
             )
             self.publish()  # the working weights are always what a gather produces
+        self._coordinator = None
+        if config.stage == 3:
+            from lightning_zeroq.zero.stage3 import Stage3Coordinator
+
+            self._coordinator = Stage3Coordinator(self, self.units, prefetch=config.stage3_prefetch)
         self._where = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
         self._reduce_order = list(reversed(self.units))
         self._stream = comm.side_stream(self.device) if config.overlap_comm else None
@@ -158,22 +191,21 @@ class ZeroEngine:
     # ------------------------------------------------------------------ setup
 
     def _sync_replicated_state(self) -> None:
-        """Start from rank 0's values everywhere, as DDP does: frozen parameters and buffers here,
-        trainable parameters through their unit buffers in ``_build_units``."""
-        if self.world_size == 1:
-            return
+        """Move frozen parameters and buffers to the device and start from rank 0's values everywhere,
+        as DDP does (trainable parameters get the same through their unit buffers)."""
+        _materialize_meta(self.module, self.device, trainable=False)
         with torch.no_grad():
-            for p in self.module.parameters():
-                if not p.requires_grad:
-                    comm.broadcast(p.data, 0, self.group)
-            for b in self.module.buffers():
-                comm.broadcast(b, 0, self.group)
+            for t in [*(p for p in self.module.parameters() if not p.requires_grad), *self.module.buffers()]:
+                t.data = t.data.to(self.device)
+                if self.world_size > 1:
+                    comm.broadcast(t.data, 0, self.group)
 
-    def _build_units(self, params: list[nn.Parameter]) -> list[_Unit]:
+    def _build_units(self, specs: list[tuple[list[nn.Parameter], Optional[nn.Module], bool]]) -> list[_Unit]:
+        """Flatten, broadcast from rank 0 and shard each unit, one at a time (bounded memory)."""
         units = []
         next_id = 0
-        for index, members in enumerate(plan_units([p.numel() for p in params], self.config.reduce_bucket_size)):
-            unit_params = [params[i] for i in members]
+        for index, (unit_params, unit_module, persistent) in enumerate(specs):
+            _materialize_meta_params(self.module, unit_params, self.device)
             layout = make_layout([p.numel() for p in unit_params], self.world_size, self._align)
             full = torch.zeros(layout.padded_numel, dtype=torch.float32, device=self.device)
             with torch.no_grad():
@@ -187,6 +219,11 @@ class ZeroEngine:
             for p, slot in zip(unit_params, layout.slots):
                 p.data = flat[slot.offset : slot.offset + slot.numel].view(p.shape)
             segments = layout.segments(self.rank)
+            shard = None
+            if not persistent and self.param_dtype != torch.float32:
+                shard = flat[lo:hi].clone()
+            if not persistent:
+                flat.untyped_storage().resize_(0)
             units.append(
                 _Unit(
                     index=index,
@@ -198,6 +235,10 @@ class ZeroEngine:
                     grad=torch.zeros_like(master),
                     segments=segments,
                     segment_masters=[master[s.shard_start : s.shard_start + s.numel] for s in segments],
+                    module=unit_module,
+                    persistent=persistent,
+                    shard=shard,
+                    gathered=persistent,
                 )
             )
             next_id += len(unit_params)
@@ -288,6 +329,10 @@ class ZeroEngine:
                 self._reduce(unit)
             self._next_reduce = len(self._reduce_order)
             self._pending_local = False
+        if self._coordinator is not None:
+            for unit in self.units:
+                self.free_unit(unit)
+            self._coordinator.end_backward()
         self._open = False
 
     def backward(self, loss: Tensor, boundary: Optional[bool] = None) -> None:
@@ -326,6 +371,7 @@ class ZeroEngine:
                 shard = flat_grad
             unit.grad.add_(shard)
         unit.reduced = True
+        self.free_unit(unit)
 
     # ------------------------------------------------------------------ step
 
@@ -416,6 +462,12 @@ class ZeroEngine:
     def publish(self) -> None:
         """Write the master shards into the working buffers and all-gather them (every unit)."""
         for unit in self.units:
+            if not unit.persistent:
+                if unit.shard is not None:
+                    unit.shard.copy_(unit.master)
+                if unit.gathered:  # gathered outside a step (e.g. a validation forward in progress)
+                    self.free_unit(unit)
+                continue
             if self._quantized_gather is not None:
                 self._quantized_gather.gather(unit.index, unit.master, unit.flat, unit.layout)
                 continue
@@ -424,6 +476,41 @@ class ZeroEngine:
                 comm.all_gather(unit.flat, shard, self.group)
             else:
                 unit.flat.copy_(shard)
+
+    # ------------------------------------------------------------------ stage 3 gathers
+
+    @torch.no_grad()
+    def gather_unit(self, unit: _Unit, prefetch: bool = False) -> None:
+        """Give a transient unit its full working buffer (no-op if gathered). ``prefetch``: on CUDA, run
+        the all-gather on the gather stream; the first real use waits for it."""
+        current = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        if unit.gathered:
+            if unit.ready is not None and not prefetch:
+                current.wait_event(unit.ready)
+                unit.ready = None
+            return
+        flat = unit.flat
+        flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+        source = unit.shard if unit.shard is not None else unit.master
+        if prefetch and self._gather_stream is not None:
+            self._gather_stream.wait_stream(current)
+            with torch.cuda.stream(self._gather_stream):
+                comm.all_gather(flat, source, self.group)
+                unit.ready = torch.cuda.Event()
+                unit.ready.record(self._gather_stream)
+        else:
+            comm.all_gather(flat, source, self.group)
+        unit.gathered = True
+
+    def free_unit(self, unit: _Unit) -> None:
+        """Release a transient unit's full buffer (its parameters keep their shapes)."""
+        if unit.persistent or not unit.gathered:
+            return
+        if unit.ready is not None:  # prefetched and never used: let the gather finish first
+            torch.cuda.current_stream(self.device).wait_event(unit.ready)
+            unit.ready = None
+        unit.flat.untyped_storage().resize_(0)
+        unit.gathered = False
 
     # ------------------------------------------------------------------ state
 
@@ -458,9 +545,12 @@ class ZeroEngine:
         return out
 
     @torch.no_grad()
-    def load_full_state_dict(self, state: dict[str, Tensor]) -> None:
-        """Set the fp32 masters (and the working copies) from full parameters by name."""
+    def load_full_state_dict(self, state: dict[str, Tensor]) -> set[str]:
+        """Set the fp32 masters (and the working copies) from full parameters by name; returns the
+        names of the engine's parameters (all aliases of tied ones)."""
+        managed: set[str] = set()
         for names, unit, i in self._named_managed():
+            managed.update(names)
             name = next((n for n in names if n in state), None)
             if name is None:
                 continue
@@ -471,6 +561,7 @@ class ZeroEngine:
                 value = state[name].reshape(-1)[start - slot.offset : end - slot.offset]
                 unit.master[start - lo : end - lo].copy_(value)
         self.publish()
+        return managed
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's masters, optimizer state and loss scale (for checkpoints at the same world size)."""
@@ -504,8 +595,40 @@ class ZeroEngine:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        if self._coordinator is not None:
+            self._coordinator.close()
 
 
 def _trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
     """Trainable parameters in registration order, each once (tied weights are one parameter)."""
     return [p for p in module.parameters() if p.requires_grad]
+
+
+def _materialize_meta(module: nn.Module, device: torch.device, trainable: bool) -> None:
+    """Materialize the meta-device frozen parameters and buffers (``trainable=False``) with each
+    owning module's ``reset_parameters()``."""
+    for m in module.modules():
+        own = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
+        if any(t.is_meta and (trainable or not getattr(t, "requires_grad", False)) for t in own):
+            _reset_on(m, device)
+
+
+def _materialize_meta_params(module: nn.Module, params: list[nn.Parameter], device: torch.device) -> None:
+    """Materialize the owning modules of meta-device ``params`` (one unit at a time)."""
+    wanted = {id(p) for p in params if p.is_meta}
+    if not wanted:
+        return
+    for m in module.modules():
+        if any(id(p) in wanted for p in m.parameters(recurse=False)):
+            _reset_on(m, device)
+
+
+def _reset_on(m: nn.Module, device: torch.device) -> None:
+    if not hasattr(m, "reset_parameters"):
+        raise ValueError(
+            f"{type(m).__name__} has parameters or buffers on the meta device but no reset_parameters() "
+            "to initialize them; give it one, or build the model on a real device."
+        )
+    m.to_empty(device=device, recurse=False)
+    with torch.no_grad():
+        m.reset_parameters()
