@@ -299,25 +299,32 @@ def test_import_initializes_no_cuda_and_compiles_nothing(tmp_path):
         import json, torch, torch.utils.cpp_extension as cpp_extension
 
         def refuse(*args, **kwargs):
-            raise AssertionError("compiled or loaded a library")
+            raise AssertionError("compiled a library")
 
-        saved = cpp_extension.load, torch.ops.load_library
-        cpp_extension.load = cpp_extension.load_inline = torch.ops.load_library = refuse
+        loaded = []  # other packages (torchvision, imported by lightning) may load their own
+        load_library = torch.ops.load_library
+        torch.ops.load_library = lambda path: (loaded.append(str(path)), load_library(path))
+        saved_load = cpp_extension.load
+        cpp_extension.load = cpp_extension.load_inline = refuse
         import lightning_zeroq.ops as ops
+        from lightning_zeroq.ops import _library
 
         ops.dequantize_int8(*ops.quantize_int8(torch.randn(128)))  # CPU use resolves nothing
         report = {
             "cuda_initialized": torch.cuda.is_initialized(),
             "backend": ops.active_backend().value,
+            "cuda_kernels": _library.cuda_key_has_kernels(),
+            "zeroq_libraries": [p for p in loaded if "zeroq" in p],
         }
         if not torch.cuda.is_available():  # on a CUDA machine this would build the kernels
-            cpp_extension.load, torch.ops.load_library = saved
+            cpp_extension.load = saved_load
             report["backends"] = [ops.load_cuda_backend().value, ops.load_cuda_backend().value]
         print(json.dumps(report))
         """,
         ZEROQ_EXT_CACHE=str(tmp_path),
     )
     assert report["cuda_initialized"] is False and report["backend"] == "unresolved"
+    assert report["cuda_kernels"] is False and report["zeroq_libraries"] == []
     if not torch.cuda.is_available():
         assert report["backends"] == ["reference", "reference"]
         assert report["stderr"].count("compiled CUDA kernels unavailable") == 1
