@@ -16,6 +16,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <string>
 #include <tuple>
 
 #include "quant_int8.h"
@@ -23,47 +24,71 @@
 namespace zeroq {
 namespace {
 
-FloatKind float_kind(at::ScalarType dtype, const char* what) {
+// Error messages are built here as one std::string and passed to TORCH_CHECK as its only message
+// argument, which c10::str returns untouched. Streaming an integer through c10::str's
+// ostringstream from inside this library crashed (SIGSEGV in libstdc++'s num_put, in the library's
+// own copy of it) on the H200 machine with torch 2.11+cu130 and g++ 13; strings are safe.
+std::string num(int64_t value) { return std::to_string(value); }
+
+std::string shape_of(const at::Tensor& t) {
+  std::string shape = "[";
+  for (int64_t d = 0; d < t.dim(); ++d) shape += (d ? ", " : "") + num(t.size(d));
+  return shape + "]";
+}
+
+FloatKind float_kind(at::ScalarType dtype, const std::string& what) {
   switch (dtype) {
     case at::kFloat: return FloatKind::kFloat32;
     case at::kBFloat16: return FloatKind::kBFloat16;
     case at::kHalf: return FloatKind::kFloat16;
-    default:
-      TORCH_CHECK_VALUE(false, "zeroq: ", what, " must be float32, bfloat16 or float16, got ", dtype);
+    default: break;
   }
+  C10_THROW_ERROR(ValueError, "zeroq: " + what + " must be float32, bfloat16 or float16, got " +
+                                  std::string(c10::toString(dtype)));
 }
 
 void check_group_size(int64_t group_size) {
   TORCH_CHECK_VALUE(group_size > 0 && group_size % 8 == 0,
-                    "zeroq: group_size must be a positive multiple of 8, got ", group_size);
+                    "zeroq: group_size must be a positive multiple of 8, got " + num(group_size));
   TORCH_CHECK_VALUE(is_supported_group_size(group_size),
-                    "zeroq: group_size ", group_size, " is too large for the CUDA kernels");
+                    "zeroq: group_size " + num(group_size) + " is too large for the CUDA kernels");
 }
 
-void check_vector(const at::Tensor& t, const char* what, const at::Tensor& anchor) {
-  TORCH_CHECK(t.is_cuda(), "zeroq: ", what, " must be a CUDA tensor, got device ", t.device());
-  TORCH_CHECK_VALUE(t.device() == anchor.device(), "zeroq: ", what, " is on ", t.device(),
-                    " but the input is on ", anchor.device());
-  TORCH_CHECK_VALUE(t.dim() == 1, "zeroq: ", what, " must be 1-D, got shape ", t.sizes());
-  TORCH_CHECK_VALUE(t.is_contiguous(), "zeroq: ", what, " must be contiguous");
+void check_vector(const at::Tensor& t, const std::string& what, const at::Tensor& anchor) {
+  TORCH_CHECK(t.is_cuda(),
+              "zeroq: " + what + " must be a CUDA tensor, got device " + t.device().str());
+  TORCH_CHECK_VALUE(t.device() == anchor.device(), "zeroq: " + what + " is on " +
+                                                       t.device().str() + " but the input is on " +
+                                                       anchor.device().str());
+  TORCH_CHECK_VALUE(t.dim() == 1, "zeroq: " + what + " must be 1-D, got shape " + shape_of(t));
+  TORCH_CHECK_VALUE(t.is_contiguous(), "zeroq: " + what + " must be contiguous");
 }
 
-void check_multiple(int64_t n, int64_t group_size, const char* what) {
-  TORCH_CHECK_VALUE(n % group_size == 0, "zeroq: ", what, " has ", n,
-                    " elements, not a multiple of group_size ", group_size,
-                    "; pad the shard with zeros to whole groups");
+void check_dtype(const at::Tensor& t, at::ScalarType expected, const std::string& what) {
+  TORCH_CHECK_VALUE(t.scalar_type() == expected,
+                    "zeroq: " + what + " must be " + c10::toString(expected) + ", got " +
+                        c10::toString(t.scalar_type()));
+}
+
+void check_multiple(int64_t n, int64_t group_size, const std::string& what) {
+  TORCH_CHECK_VALUE(n % group_size == 0, "zeroq: " + what + " has " + num(n) +
+                                             " elements, not a multiple of group_size " +
+                                             num(group_size) +
+                                             "; pad the shard with zeros to whole groups");
 }
 
 // Packed bytes are (n / G) * (G + 4); returns n.
 int64_t numel_from_packed(int64_t packed_bytes, int64_t group_size) {
-  TORCH_CHECK_VALUE(packed_bytes % (group_size + 4) == 0, "zeroq: a packed buffer of ",
-                    packed_bytes, " bytes is not a whole number of groups of ", group_size,
-                    " (each group takes ", group_size + 4, " bytes)");
+  TORCH_CHECK_VALUE(packed_bytes % (group_size + 4) == 0,
+                    "zeroq: a packed buffer of " + num(packed_bytes) +
+                        " bytes is not a whole number of groups of " + num(group_size) +
+                        " (each group takes " + num(group_size + 4) + " bytes)");
   return packed_bytes / (group_size + 4) * group_size;
 }
 
 void check_launch(cudaError_t err) {
-  TORCH_CHECK(err == cudaSuccess, "zeroq: CUDA kernel launch failed: ", cudaGetErrorString(err));
+  TORCH_CHECK(err == cudaSuccess,
+              std::string("zeroq: CUDA kernel launch failed: ") + cudaGetErrorString(err));
 }
 
 std::tuple<at::Tensor, at::Tensor> quantize_int8_cuda(const at::Tensor& x, int64_t group_size) {
@@ -85,14 +110,14 @@ void quantize_pack_int8_cuda(const at::Tensor& x, int64_t group_size, at::Tensor
   check_vector(x, "x", x);
   check_vector(out, "out", x);
   const FloatKind kind = float_kind(x.scalar_type(), "x");
-  TORCH_CHECK_VALUE(out.scalar_type() == at::kByte, "zeroq: out must be uint8, got ",
-                    out.scalar_type());
+  check_dtype(out, at::kByte, "out");
   const int64_t n = x.numel();
   check_multiple(n, group_size, "x");
   const int64_t expected = n / group_size * (group_size + 4);
-  TORCH_CHECK_VALUE(out.numel() == expected, "zeroq: out must hold exactly ", expected,
-                    " bytes for ", n, " elements with group_size ", group_size, ", got ",
-                    out.numel());
+  TORCH_CHECK_VALUE(out.numel() == expected,
+                    "zeroq: out must hold exactly " + num(expected) + " bytes for " + num(n) +
+                        " elements with group_size " + num(group_size) + ", got " +
+                        num(out.numel()));
   const c10::cuda::CUDAGuard guard(x.device());
   uint8_t* bytes = out.data_ptr<uint8_t>();
   check_launch(launch_quantize_int8(x.data_ptr(), kind, n, group_size,
@@ -106,15 +131,14 @@ at::Tensor dequantize_int8_cuda(const at::Tensor& codes, const at::Tensor& scale
   check_vector(codes, "codes", codes);
   check_vector(scales, "scales", codes);
   const FloatKind kind = float_kind(dtype, "dtype");
-  TORCH_CHECK_VALUE(codes.scalar_type() == at::kChar, "zeroq: codes must be int8, got ",
-                    codes.scalar_type());
-  TORCH_CHECK_VALUE(scales.scalar_type() == at::kFloat, "zeroq: scales must be float32, got ",
-                    scales.scalar_type());
+  check_dtype(codes, at::kChar, "codes");
+  check_dtype(scales, at::kFloat, "scales");
   const int64_t n = codes.numel();
   check_multiple(n, group_size, "codes");
-  TORCH_CHECK_VALUE(scales.numel() == n / group_size, "zeroq: expected ", n / group_size,
-                    " scales for ", n, " codes with group_size ", group_size, ", got ",
-                    scales.numel());
+  TORCH_CHECK_VALUE(scales.numel() == n / group_size,
+                    "zeroq: expected " + num(n / group_size) + " scales for " + num(n) +
+                        " codes with group_size " + num(group_size) + ", got " +
+                        num(scales.numel()));
   const c10::cuda::CUDAGuard guard(codes.device());
   at::Tensor out = at::empty({n}, codes.options().dtype(dtype));
   check_launch(launch_dequantize_int8(codes.data_ptr<int8_t>(), scales.data_ptr(), n, group_size,
@@ -126,12 +150,12 @@ void unpack_dequantize_int8_cuda(const at::Tensor& packed, int64_t group_size, a
   check_group_size(group_size);
   check_vector(packed, "packed", packed);
   check_vector(out, "out", packed);
-  TORCH_CHECK_VALUE(packed.scalar_type() == at::kByte, "zeroq: packed must be uint8, got ",
-                    packed.scalar_type());
+  check_dtype(packed, at::kByte, "packed");
   const FloatKind kind = float_kind(out.scalar_type(), "out");
   const int64_t n = numel_from_packed(packed.numel(), group_size);
-  TORCH_CHECK_VALUE(out.numel() == n, "zeroq: a packed buffer of ", packed.numel(),
-                    " bytes decodes to ", n, " elements, but out has ", out.numel());
+  TORCH_CHECK_VALUE(out.numel() == n, "zeroq: a packed buffer of " + num(packed.numel()) +
+                                          " bytes decodes to " + num(n) +
+                                          " elements, but out has " + num(out.numel()));
   const c10::cuda::CUDAGuard guard(packed.device());
   const uint8_t* bytes = packed.data_ptr<uint8_t>();
   check_launch(launch_dequantize_int8(reinterpret_cast<const int8_t*>(bytes), bytes + n, n,
