@@ -131,7 +131,6 @@ class ZeroEngine:
         self.rank, self.world_size = comm.world(group)
         self.loss_scaler = loss_scaler_from_config(config) if loss_scaling else None
         self.optimizer: Optional[torch.optim.Optimizer] = None
-        params = _trainable_parameters(module)
         devices = {t.device for t in [*module.parameters(), *module.buffers()]}
         if len(devices) > 1:
             raise ValueError(
@@ -143,6 +142,7 @@ class ZeroEngine:
         if self.device.type == "meta":
             raise ValueError("ZeroEngine needs a real target device; pass device=... for a module on meta.")
         self._sync_replicated_state()
+        params = _trainable_parameters(module)
         self._align = math.lcm(ALIGN, config.quantized_weights_group_size) if config.quantized_weights else ALIGN
         if config.stage == 3:
             from lightning_zeroq.zero.stage3 import plan_module_units
@@ -179,7 +179,7 @@ class ZeroEngine:
         self._where = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
         self._reduce_order = list(reversed(self.units))
         self._stream = comm.side_stream(self.device) if config.overlap_comm else None
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for u in self.units for p in u.params]
         self._used: set[int] = set()
         self._open = False
         self._reduce_now = False
@@ -204,8 +204,9 @@ class ZeroEngine:
         """Flatten, broadcast from rank 0 and shard each unit, one at a time (bounded memory)."""
         units = []
         next_id = 0
+        renamed: dict[int, nn.Parameter] = {}
         for index, (unit_params, unit_module, persistent) in enumerate(specs):
-            _materialize_meta_params(self.module, unit_params, self.device)
+            _materialize_meta_params(self.module, unit_params, self.device, renamed)
             layout = make_layout([p.numel() for p in unit_params], self.world_size, self._align)
             full = torch.zeros(layout.padded_numel, dtype=torch.float32, device=self.device)
             with torch.no_grad():
@@ -610,25 +611,41 @@ def _materialize_meta(module: nn.Module, device: torch.device, trainable: bool) 
     for m in module.modules():
         own = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
         if any(t.is_meta and (trainable or not getattr(t, "requires_grad", False)) for t in own):
-            _reset_on(m, device)
+            _reset_on(module, m, device)
 
 
-def _materialize_meta_params(module: nn.Module, params: list[nn.Parameter], device: torch.device) -> None:
-    """Materialize the owning modules of meta-device ``params`` (one unit at a time)."""
+def _materialize_meta_params(
+    module: nn.Module, params: list[nn.Parameter], device: torch.device, renamed: dict[int, nn.Parameter]
+) -> None:
+    """Materialize the owning modules of the meta-device ``params`` (one unit at a time), replacing
+    the entries of ``params`` with the new parameter objects. ``renamed`` (old id -> new parameter)
+    carries replacements across units: a module's reset replaces all of its parameters at once."""
+    params[:] = [renamed.get(id(p), p) for p in params]
     wanted = {id(p) for p in params if p.is_meta}
     if not wanted:
         return
-    for m in module.modules():
+    for m in list(module.modules()):
         if any(id(p) in wanted for p in m.parameters(recurse=False)):
-            _reset_on(m, device)
+            renamed.update(_reset_on(module, m, device))
+    params[:] = [renamed.get(id(p), p) for p in params]
 
 
-def _reset_on(m: nn.Module, device: torch.device) -> None:
+def _reset_on(root: nn.Module, m: nn.Module, device: torch.device) -> dict[int, nn.Parameter]:
+    """``m.to_empty(device)`` + ``m.reset_parameters()``; parameter objects may be replaced, so every
+    module that shared an old one (tied weights) gets the new one. Returns old id -> new parameter."""
     if not hasattr(m, "reset_parameters"):
         raise ValueError(
             f"{type(m).__name__} has parameters or buffers on the meta device but no reset_parameters() "
             "to initialize them; give it one, or build the model on a real device."
         )
+    before = dict(m.named_parameters(recurse=False))
     m.to_empty(device=device, recurse=False)
     with torch.no_grad():
         m.reset_parameters()
+    renamed = {id(old): m._parameters[name] for name, old in before.items() if m._parameters[name] is not old}
+    if renamed:
+        for other in root.modules():
+            for name, p in list(other._parameters.items()):
+                if p is not None and id(p) in renamed:
+                    other._parameters[name] = renamed[id(p)]
+    return renamed

@@ -167,7 +167,7 @@ class Stage3Coordinator:
         successors = self._next[backward]
         if last is not None and last != unit.index:
             expected = successors.get(last)
-            if expected is not None and expected != unit.index and not self._warned:
+            if self.prefetch and expected is not None and expected != unit.index and not self._warned:
                 warnings.warn(
                     "ZeroQ stage 3: the model took a different path than on the recorded step; its "
                     "units are gathered on demand and the new order is learned (not an error).",

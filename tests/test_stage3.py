@@ -1,0 +1,164 @@
+"""Stage 3 specifics: units freed between uses, changing control flow, meta-device construction,
+evaluation and checkpoints through the Trainer."""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_zeroq import ZeroConfig, ZeroEngine
+from tests.models import DIM, SEQ, VOCAB
+
+ORDERS = [[0, 1, 2], [0, 1, 2], [2, 0, 1], [0, 2], [1, 2, 0], [0, 1, 2], [2], [0, 1, 2]]
+
+
+class PathModel(nn.Module):
+    """Three blocks run in an order that changes from step to step (the same on every rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(DIM, DIM), nn.GELU()) for _ in range(3))
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens: torch.Tensor, order: list[int]) -> torch.Tensor:
+        h = self.embed(tokens)
+        for i in order:
+            h = h + self.blocks[i](h)
+        return self.head(h)
+
+
+def _loss(model, step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    tokens = torch.randint(0, VOCAB, (4, SEQ), generator=g)
+    logits = model(tokens, ORDERS[step % len(ORDERS)])
+    return F.cross_entropy(logits.reshape(-1, VOCAB), tokens.roll(-1, 1).reshape(-1))
+
+
+def _path_body(prefetch: bool) -> int:
+    rank = dist.get_rank()
+    torch.manual_seed(rank)
+    model = PathModel()
+    ref = DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    engine = ZeroEngine(model, ZeroConfig(stage=3, stage3_param_persistence_threshold=100, stage3_prefetch=prefetch))
+    transient = [u for u in engine.units if not u.persistent]
+    assert [u.module for u in transient] == list(model.blocks)  # found automatically
+    engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    most_gathered = 0
+
+    def count(module, args):
+        nonlocal most_gathered
+        most_gathered = max(most_gathered, sum(u.gathered for u in transient))
+
+    for block in model.blocks:
+        block.register_forward_pre_hook(count)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(len(ORDERS)):
+            engine.backward(_loss(model, step, rank))
+            engine.clip_grad_norm_(1.0)
+            engine.step()
+            _loss(ref, step, rank).backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            assert not any(u.gathered for u in transient), "units must be freed after the step"
+            assert all(u.flat.untyped_storage().nbytes() == 0 for u in transient)
+            full = engine.full_state_dict()
+            for name, p in ref.module.named_parameters():
+                assert (full[name] - p.detach()).abs().max() < 1e-5, (step, name)
+    assert most_gathered <= (2 if prefetch else 1)  # the unit in use plus at most one prefetched
+    path_warnings = [w for w in caught if "different path" in str(w.message)]
+    assert len(path_warnings) == (1 if prefetch else 0)  # a warning at most, once, never an error
+    with torch.no_grad():  # evaluation: gathers and frees without backward
+        _loss(model, 0, rank)
+    assert sum(u.gathered for u in transient) <= int(prefetch)  # at most the prefetched next unit
+    return most_gathered
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "on-demand"])
+def test_changing_control_flow_matches_ddp(dist_pool, world_size, prefetch):
+    dist_pool(world_size).run(_path_body, prefetch)
+
+
+def _make_meta_lit():
+    import lightning as L
+
+    class MetaLit(L.LightningModule):
+        def configure_model(self) -> None:
+            if not hasattr(self, "model"):
+                self.model = PathModel()
+                self.built_on = self.model.head.weight.device.type
+
+        def training_step(self, batch, batch_idx):
+            return _loss(self.model, batch_idx, self.global_rank)
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", _loss(self.model, 0, 0), sync_dist=True)
+
+        def predict_step(self, batch, batch_idx):
+            return self.model(batch[0][:1], [0, 1, 2]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    return MetaLit()
+
+
+def _trainer(**kw):
+    import lightning as L
+
+    from lightning_zeroq import ZeroQStrategy
+
+    strategy = ZeroQStrategy(stage=3, stage3_param_persistence_threshold=100)
+    return L.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, **kw)
+
+
+def _meta_body(tmp: str) -> dict:
+    from lightning.pytorch.utilities.model_summary import ModelSummary
+
+    data = torch.utils.data.DataLoader(torch.randint(0, VOCAB, (16, SEQ)), batch_size=2)
+    module = _make_meta_lit()
+    trainer = _trainer(max_epochs=1, enable_model_summary=False)  # 4 steps: 16 samples, 2 ranks, batch 2
+    torch.manual_seed(0)
+    trainer.fit(module, data)
+    assert module.built_on == "meta"  # configure_model ran under the strategy's sharded context
+    full = trainer.strategy.full_state_dict()
+    expected_numel = sum(v.numel() for v in full.values())
+    assert ModelSummary(module).total_parameters == expected_numel  # true counts, not shard sizes
+    gathered = [torch.zeros_like(full["model.head.weight"]) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, full["model.head.weight"].contiguous())
+    assert all(torch.equal(g, gathered[0]) for g in gathered)
+    assert all(torch.isfinite(v).all() for v in full.values())
+    # evaluation entry points without gradients
+    val = trainer.validate(module, data, verbose=False)[0]["val_loss"]
+    preds = trainer.predict(module, torch.utils.data.DataLoader(torch.randint(0, VOCAB, (4, SEQ)), batch_size=2))
+    assert len(preds) == 1 and all(torch.isfinite(p) for p in preds)  # 2 batches over 2 ranks
+    # save at the epoch's end, resume for one more epoch; compare with two epochs in one go
+    ckpt = os.path.join(tmp, "s3.ckpt")
+    trainer.save_checkpoint(ckpt)
+    resumed = _trainer(max_epochs=2, enable_model_summary=False)
+    resumed.fit(_make_meta_lit(), data, ckpt_path=ckpt)
+    straight = _trainer(max_epochs=2, enable_model_summary=False)
+    torch.manual_seed(0)
+    straight.fit(_make_meta_lit(), data)
+    a, b = resumed.strategy.full_state_dict(), straight.strategy.full_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a), "resuming must continue exactly"
+    return {"val": float(val)}
+
+
+def test_meta_init_eval_summary_and_resume(dist_pool):
+    with tempfile.TemporaryDirectory() as tmp:
+        dist_pool(2).run(_meta_body, tmp)
