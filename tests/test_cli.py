@@ -8,8 +8,10 @@ temporary directory. The installed console script is exercised by ``tests/test_w
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -41,12 +43,27 @@ def error_chain(exc: BaseException) -> str:
     return "\n".join(parts)
 
 
+def run_command(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` in its own session; if it hangs, fail with every process's Python stack and kill them."""
+    env = {**env, "PYTHONFAULTHANDLER": "1"}
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGABRT)  # faulthandler: each process of the group prints its stacks
+        time.sleep(3)
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{cmd} did not finish in {timeout} s; stdout:\n{out[-3000:]}\nstderr:\n{err[-12000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def run_cli(args: list[str], cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "NODE_RANK", CHILD_ENV)}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    return subprocess.run([sys.executable, "-m", "lightning_zeroq.cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_command([sys.executable, "-m", "lightning_zeroq.cli", *args], cwd, env, timeout)
 
 
 # ---------------------------------------------------------------------------- bad configuration

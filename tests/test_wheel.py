@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from lightning_zeroq.cli import CHILD_ENV, SUMMARY_PREFIX
+from tests.test_cli import run_command
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SKIP_DIRS = {".git", ".venv", ".ci-venv", "build", "dist", "outputs", "multirun", "lightning_logs",
@@ -79,8 +80,7 @@ def test_installed_zeroq_train_trains_from_any_directory(installed: Path, tmp_pa
                             "import importlib.util; print(importlib.util.find_spec('lightning_zeroq').origin)"],
                            cwd=tmp_path, env=_clean_env(), capture_output=True, text=True, check=True).stdout
     assert where.startswith(str(installed.parent)), f"lightning_zeroq imported from {where}, not the wheel"
-    proc = subprocess.run([str(installed / "zeroq-train"), "trainer.max_steps=3"], cwd=tmp_path,
-                          env=_clean_env(), capture_output=True, text=True, timeout=300)
+    proc = run_command([str(installed / "zeroq-train"), "trainer.max_steps=3"], tmp_path, _clean_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (summary,) = [line for line in proc.stdout.splitlines() if line.startswith(SUMMARY_PREFIX)]
     assert "gpt1m_zero2_cpu" in summary and "3 steps on 2 ranks" in summary and "tokens/s" in summary
@@ -99,8 +99,7 @@ def test_installed_zeroq_train_trains_from_any_directory(installed: Path, tmp_pa
 )
 def test_installed_zeroq_train_rejects_bad_overrides(installed: Path, tmp_path: Path, override: str,
                                                      expected: str) -> None:
-    proc = subprocess.run([str(installed / "zeroq-train"), override], cwd=tmp_path, env=_clean_env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = run_command([str(installed / "zeroq-train"), override], tmp_path, _clean_env())
     assert proc.returncode != 0
     assert expected in proc.stderr
     assert "Traceback" not in proc.stderr
