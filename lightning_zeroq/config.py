@@ -173,8 +173,6 @@ class ZeroConfig:
                 f"ZeroConfig.stage={self.stage} is not supported yet; stages {SUPPORTED_STAGES} are. "
                 "Use stage=2 for sharded gradients and optimizer state."
             )
-        if self.quantized_weights and self.stage == 3:
-            raise ValueError("ZeroConfig.quantized_weights=True is not supported yet with stage=3.")
         for name in ("offload_optimizer", "offload_parameters"):
             if getattr(self, name):
                 raise ValueError(

@@ -55,7 +55,6 @@ def test_float_bucket_sizes_are_accepted_as_integers():
     "options, match",
     [
         ({"offload_optimizer": True}, r"offload_optimizer=True is not supported yet"),
-        ({"quantized_weights": True, "stage": 3}, r"quantized_weights=True is not supported yet with stage=3"),
     ],
 )
 def test_not_implemented_options_are_rejected(options, match):

@@ -46,6 +46,9 @@ def _check_units(engine: ZeroEngine, exact_numel: int) -> None:
     """Every rank's working buffers equal the reference reconstruction and each other, bitwise."""
     world = dist.get_world_size()
     for unit in engine.units:
+        if not unit.persistent:  # stage 3: look at what a gather produces
+            assert not unit.gathered
+            engine.gather_unit(unit)
         full = torch.empty(unit.layout.padded_numel, device=unit.master.device)
         dist.all_gather_into_tensor(full, unit.master)
         expected = _expected_working(full.cpu(), unit.layout, exact_numel, unit.flat.dtype)
@@ -55,6 +58,7 @@ def _check_units(engine: ZeroEngine, exact_numel: int) -> None:
         flats = torch.empty(world * unit.flat.numel(), dtype=unit.flat.dtype, device=unit.flat.device)
         dist.all_gather_into_tensor(flats, unit.flat)
         assert all(torch.equal(f, unit.flat) for f in flats.chunk(world))
+        engine.free_unit(unit)
 
 
 class _Awkward(nn.Module):
@@ -100,13 +104,16 @@ def _train_body(stage: int, quantized: bool, steps: int, check: bool, device: st
     dev = _device(device)
     model = RichModel().to(dev)
     exact = 64  # quantize the embedding and the 16x16 weights; LayerNorm and biases go exactly
+    from tests.test_engine_parity import STAGE3
+
     config = ZeroConfig(stage=stage, reduce_bucket_size=500, quantized_weights=quantized,
-                        quantized_weights_exact_numel=exact, allgather_bucket_size=512)
+                        quantized_weights_exact_numel=exact, allgather_bucket_size=512,
+                        **(STAGE3 if stage == 3 else {}))
     engine = ZeroEngine(model, config)
     engine.attach_optimizer(torch.optim.AdamW(param_groups(model)))
     losses = []
     for step in range(steps):
-        tokens, targets, flag = make_batch(step, 0, rank)
+        tokens, targets, flag = make_batch(step, 0, rank, uniform=stage == 3)
         loss = model.loss((tokens.to(dev), targets.to(dev), flag))
         engine.backward(loss)
         engine.clip_grad_norm_(1.0)
@@ -118,7 +125,7 @@ def _train_body(stage: int, quantized: bool, steps: int, check: bool, device: st
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_every_rank_holds_identical_working_weights_after_every_step(dist_pool, world_size, stage):
     dist_pool(world_size).run(_train_body, stage, True, 6, True)
 
@@ -136,3 +143,48 @@ def test_quantized_training_follows_full_width(dist_pool):
     worst = max(abs(a - b) / a for a, b in zip(plain, quant))
     assert worst < 0.02, worst
     assert quant[-1] < quant[0] - 0.1  # it trains
+
+
+def _encode_once_body() -> tuple[int, int]:
+    from lightning_zeroq import ops
+    from tests.test_engine_parity import STAGE3
+
+    rank = dist.get_rank()
+    model = RichModel()
+    engine = ZeroEngine(model, ZeroConfig(stage=3, quantized_weights=True, quantized_weights_exact_numel=64, **STAGE3))
+    engine.attach_optimizer(torch.optim.AdamW(param_groups(model)))
+    calls = 0
+    original = ops.quantize_pack_int8
+
+    def counting(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        return original(*args, **kwargs)
+
+    gathers = 0
+    original_gather = engine._quantized_gather.gather_encoded
+
+    def counting_gather(*args, **kwargs):
+        nonlocal gathers
+        gathers += 1
+        return original_gather(*args, **kwargs)
+
+    ops.quantize_pack_int8 = counting
+    engine._quantized_gather.gather_encoded = counting_gather
+    try:
+        tokens, targets, flag = make_batch(0, 0, rank, uniform=True)
+        engine.backward(model.loss((tokens, targets, True)))  # forward and backward gathers
+        quantized_in_backward = calls
+        engine.step()  # re-encodes every transient unit once
+    finally:
+        ops.quantize_pack_int8 = original
+    transient = [u for u in engine.units if not u.persistent]
+    chunks = sum(len(engine._quantized_gather.chunks(u.index, u.layout.shard_numel)) for u in transient)
+    assert quantized_in_backward == 0, "gathers within a step must reuse the step's encoded shard"
+    assert gathers >= 2 * len(transient) - 1  # forward and backward gathers (one unit may stay unused)
+    assert calls >= chunks  # the step encoded each transient unit's chunks (persistent units too)
+    return calls, gathers
+
+
+def test_stage3_quantizes_each_shard_once_per_step(dist_pool):
+    dist_pool(2).run(_encode_once_body)

@@ -45,7 +45,7 @@ from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.layout import ALIGN, Segment, UnitLayout, make_layout, plan_units
 from lightning_zeroq.zero.loss_scaler import loss_scaler_from_config
-from lightning_zeroq.zero.quantized_gather import QuantizedGather
+from lightning_zeroq.zero.quantized_gather import EncodedShard, QuantizedGather
 
 ELEMENTWISE_OPTIMIZERS: list[type] = [
     torch.optim.SGD,
@@ -95,6 +95,8 @@ class _Unit:
     persistent: bool = True
     shard: Optional[Tensor] = None
     """Stage 3, transient units: this rank's working-dtype shard (``None``: gather from ``master``)."""
+    encoded: Optional[EncodedShard] = None
+    """Stage 3 with quantized weights: this step's encoded shard, the source of every gather."""
     gathered: bool = True
     ready: Optional["torch.cuda.Event"] = None
     """Set while a prefetch on the gather stream may still be writing ``flat``."""
@@ -221,7 +223,7 @@ class ZeroEngine:
                 p.data = flat[slot.offset : slot.offset + slot.numel].view(p.shape)
             segments = layout.segments(self.rank)
             shard = None
-            if not persistent and self.param_dtype != torch.float32:
+            if not persistent and self.param_dtype != torch.float32 and not self.config.quantized_weights:
                 shard = flat[lo:hi].clone()
             if not persistent:
                 flat.untyped_storage().resize_(0)
@@ -464,7 +466,9 @@ class ZeroEngine:
         """Write the master shards into the working buffers and all-gather them (every unit)."""
         for unit in self.units:
             if not unit.persistent:
-                if unit.shard is not None:
+                if self._quantized_gather is not None:
+                    unit.encoded = self._quantized_gather.encode(unit.index, unit.master, self.param_dtype)
+                elif unit.shard is not None:
                     unit.shard.copy_(unit.master)
                 if unit.gathered:  # gathered outside a step (e.g. a validation forward in progress)
                     self.free_unit(unit)
@@ -492,16 +496,22 @@ class ZeroEngine:
             return
         flat = unit.flat
         flat.untyped_storage().resize_(flat.numel() * flat.element_size())
-        source = unit.shard if unit.shard is not None else unit.master
         if prefetch and self._gather_stream is not None:
             self._gather_stream.wait_stream(current)
             with torch.cuda.stream(self._gather_stream):
-                comm.all_gather(flat, source, self.group)
+                self._fill(unit)
                 unit.ready = torch.cuda.Event()
                 unit.ready.record(self._gather_stream)
         else:
-            comm.all_gather(flat, source, self.group)
+            self._fill(unit)
         unit.gathered = True
+
+    def _fill(self, unit: _Unit) -> None:
+        if unit.encoded is not None:
+            assert self._quantized_gather is not None
+            self._quantized_gather.gather_encoded(unit.index, unit.encoded, unit.flat, unit.layout)
+        else:
+            comm.all_gather(unit.flat, unit.shard if unit.shard is not None else unit.master, self.group)
 
     def free_unit(self, unit: _Unit) -> None:
         """Release a transient unit's full buffer (its parameters keep their shapes)."""

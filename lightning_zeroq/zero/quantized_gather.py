@@ -12,6 +12,10 @@ Per unit and gather (all ranks run the same steps on the same sizes):
    into that rank's slice of the persistent working buffer.
 3. *Restore* the side-channel elements into the working buffer.
 
+Stage 3 encodes each shard once per step (``encode``, kept as the unit's payload, about 1.06 bytes
+per element instead of the working dtype's 2) and every gather of the step (forward and backward)
+sends that payload (``gather_encoded``).
+
 Every rank, the owner included, ends with the dequantized values, so all ranks hold bitwise the same
 working weights. The master shards are never touched, so quantization error does not accumulate.
 Temporary memory per chunk: ``chunk_numel`` fp32 (the masked copy) plus ``world_size + 1`` packed
@@ -105,26 +109,68 @@ class QuantizedGather:
         if device.type == "cuda":
             ops.load_cuda_backend()  # compile or load once now, never inside a collective
 
+    def chunks(self, index: int, shard_numel: int) -> list[tuple[int, int]]:
+        step = self.plans[index].chunk_numel
+        return [(start, min(step, shard_numel - start)) for start in range(0, shard_numel, step)]
+
     @torch.no_grad()
-    def gather(self, index: int, master: Tensor, flat: Tensor, layout: UnitLayout) -> None:
-        """Fill ``flat`` (the full working buffer) from every rank's ``master`` shard."""
-        side, plan = self.sides[index], self.plans[index]
-        world, shard_numel = layout.world_size, layout.shard_numel
-        for start in range(0, shard_numel, plan.chunk_numel):
-            n = min(plan.chunk_numel, shard_numel - start)
-            chunk = master[start : start + n].clone()
-            if side is not None:
-                inside = side.local[(side.local >= start) & (side.local < start + n)]
-                chunk[inside - start] = 0.0
-            send = ops.quantize_pack_int8(chunk, group_size=self.group_size)
-            recv = torch.empty(world * send.numel(), dtype=torch.uint8, device=self.device)
-            comm.all_gather(recv, send, self.group)
-            for r, packed in enumerate(recv.chunk(world)):
-                out = flat[r * shard_numel + start : r * shard_numel + start + n]
-                ops.unpack_dequantize_int8(packed, out, group_size=self.group_size)
+    def encode_chunk(self, index: int, master: Tensor, start: int, n: int) -> Tensor:
+        """``[codes | scales]`` of ``master[start:start + n]`` with the side-channel elements zeroed."""
+        chunk = master[start : start + n].clone()
+        side = self.sides[index]
         if side is not None:
-            send = torch.zeros(side.max_count, dtype=flat.dtype, device=self.device)
-            send[: side.local.numel()] = master[side.local].to(flat.dtype)
-            recv = torch.empty(world * side.max_count, dtype=flat.dtype, device=self.device)
-            comm.all_gather(recv, send, self.group)
-            flat[side.flat] = recv[side.valid]
+            inside = side.local[(side.local >= start) & (side.local < start + n)]
+            chunk[inside - start] = 0.0
+        return ops.quantize_pack_int8(chunk, group_size=self.group_size)
+
+    @torch.no_grad()
+    def encode_side(self, index: int, master: Tensor, dtype: torch.dtype) -> Optional[Tensor]:
+        """The exact side-channel values of this rank's shard, padded to the largest rank's count."""
+        side = self.sides[index]
+        if side is None:
+            return None
+        send = torch.zeros(side.max_count, dtype=dtype, device=self.device)
+        send[: side.local.numel()] = master[side.local].to(dtype)
+        return send
+
+    @torch.no_grad()
+    def gather_chunk(self, send: Tensor, start: int, n: int, flat: Tensor, layout: UnitLayout) -> None:
+        """All-gather one chunk's packed bytes and dequantize each source rank into ``flat``."""
+        world, shard_numel = layout.world_size, layout.shard_numel
+        recv = torch.empty(world * send.numel(), dtype=torch.uint8, device=self.device)
+        comm.all_gather(recv, send, self.group)
+        for r, packed in enumerate(recv.chunk(world)):
+            out = flat[r * shard_numel + start : r * shard_numel + start + n]
+            ops.unpack_dequantize_int8(packed, out, group_size=self.group_size)
+
+    @torch.no_grad()
+    def gather_side(self, index: int, send: Optional[Tensor], flat: Tensor, layout: UnitLayout) -> None:
+        side = self.sides[index]
+        if side is None:
+            return
+        recv = torch.empty(layout.world_size * side.max_count, dtype=flat.dtype, device=self.device)
+        comm.all_gather(recv, send, self.group)
+        flat[side.flat] = recv[side.valid]
+
+    def gather(self, index: int, master: Tensor, flat: Tensor, layout: UnitLayout) -> None:
+        """Stages 1/2: encode and gather chunk by chunk (temporary memory bounded by one chunk)."""
+        for start, n in self.chunks(index, layout.shard_numel):
+            self.gather_chunk(self.encode_chunk(index, master, start, n), start, n, flat, layout)
+        self.gather_side(index, self.encode_side(index, master, flat.dtype), flat, layout)
+
+    def encode(self, index: int, master: Tensor, dtype: torch.dtype) -> "EncodedShard":
+        """Stage 3: encode the whole shard once per step; every gather of the step reuses it."""
+        chunks = [self.encode_chunk(index, master, start, n) for start, n in self.chunks(index, master.numel())]
+        return EncodedShard(chunks, self.encode_side(index, master, dtype))
+
+    def gather_encoded(self, index: int, encoded: "EncodedShard", flat: Tensor, layout: UnitLayout) -> None:
+        for send, (start, n) in zip(encoded.chunks, self.chunks(index, layout.shard_numel)):
+            self.gather_chunk(send, start, n, flat, layout)
+        self.gather_side(index, encoded.side, flat, layout)
+
+
+class EncodedShard(NamedTuple):
+    """One rank's quantized shard, as sent: packed chunks and the exact side-channel values."""
+
+    chunks: list[Tensor]
+    side: Optional[Tensor]
