@@ -173,10 +173,12 @@ class ZeroConfig:
                 f"ZeroConfig.stage={self.stage} is not supported yet; stages {SUPPORTED_STAGES} are. "
                 "Use stage=2 for sharded gradients and optimizer state."
             )
-        for name in ("offload_optimizer", "offload_parameters"):
-            if getattr(self, name):
+        for name, device in (("offload_optimizer", self.offload_optimizer_device),
+                             ("offload_parameters", self.offload_params_device)):
+            if getattr(self, name) and device == "nvme":
                 raise ValueError(
-                    f"ZeroConfig.{name}=True is not supported yet in this release; set {name}=False."
+                    f"ZeroConfig.{name}=True with device 'nvme' is not supported yet in this release; "
+                    f"use {name.replace('offload_optimizer', 'offload_optimizer_device').replace('offload_parameters', 'offload_params_device')}='cpu'."
                 )
 
     def replace(self, **changes: Any) -> "ZeroConfig":

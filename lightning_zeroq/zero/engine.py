@@ -97,6 +97,12 @@ class _Unit:
     """Stage 3, transient units: this rank's working-dtype shard (``None``: gather from ``master``)."""
     encoded: Optional[EncodedShard] = None
     """Stage 3 with quantized weights: this step's encoded shard, the source of every gather."""
+    host_grad: Optional[Tensor] = None
+    """Optimizer offload: the fp32 gradient shard the host step reads (pinned on CUDA machines)."""
+    host_fresh: bool = False
+    """``host_grad`` already holds this window's gradients (copied during the boundary backward)."""
+    staging: Optional[Tensor] = None
+    """Optimizer offload on CUDA: pinned working-dtype copy of the master for the host-to-device copy."""
     gathered: bool = True
     ready: Optional["torch.cuda.Event"] = None
     """Set while a prefetch on the gather stream may still be writing ``flat``."""
@@ -217,14 +223,21 @@ class ZeroEngine:
                 if self.world_size > 1:
                     comm.broadcast(full, 0, self.group)
             lo, hi = layout.shard_range(self.rank)
-            master = full[lo:hi].clone()
+            master = self._host(full[lo:hi]) if self.config.offload_optimizer else full[lo:hi].clone()
             flat = full.to(self.param_dtype) if self.param_dtype != torch.float32 else full
             for p, slot in zip(unit_params, layout.slots):
                 p.data = flat[slot.offset : slot.offset + slot.numel].view(p.shape)
             segments = layout.segments(self.rank)
             shard = None
-            if not persistent and self.param_dtype != torch.float32 and not self.config.quantized_weights:
-                shard = flat[lo:hi].clone()
+            if not persistent and not self.config.quantized_weights and (
+                self.param_dtype != torch.float32 or self.config.offload_optimizer or self.config.offload_parameters
+            ):
+                shard = self._host(flat[lo:hi]) if self.config.offload_parameters else flat[lo:hi].clone()
+            host_grad = staging = None
+            if self.config.offload_optimizer:
+                host_grad = self._host(torch.zeros_like(master))
+                if self.device.type == "cuda":
+                    staging = self._host(torch.empty(layout.shard_numel, dtype=self.param_dtype))
             if not persistent:
                 flat.untyped_storage().resize_(0)
             units.append(
@@ -235,18 +248,25 @@ class ZeroEngine:
                     layout=layout,
                     flat=flat,
                     master=master,
-                    grad=torch.zeros_like(master),
+                    grad=torch.zeros(layout.shard_numel, dtype=torch.float32, device=self.device),
                     segments=segments,
                     segment_masters=[master[s.shard_start : s.shard_start + s.numel] for s in segments],
                     module=unit_module,
                     persistent=persistent,
                     shard=shard,
+                    host_grad=host_grad,
+                    staging=staging,
                     gathered=persistent,
                 )
             )
             next_id += len(unit_params)
         self.num_params = next_id
         return units
+
+    def _host(self, tensor: Tensor) -> Tensor:
+        """A host copy of ``tensor``, pinned where a GPU will copy from or to it."""
+        host = tensor.detach().to("cpu", copy=True)
+        return host.pin_memory() if self.device.type == "cuda" else host
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Rebind ``optimizer``'s param groups to this rank's fp32 master segments.
@@ -278,6 +298,8 @@ class ZeroEngine:
                     self._segment_table.append((seg_master, unit, seg))
         for group, seg_params in zip(optimizer.param_groups, new_params):
             group["params"] = seg_params
+            if self.config.offload_optimizer:
+                _prefer_fast_host_step(optimizer, group)
         optimizer.state.clear()
         self.optimizer = optimizer
 
@@ -294,11 +316,13 @@ class ZeroEngine:
         self._open = True
         self._callback_queued = False
         managed_boundary = boundary is True and self.config.managed_gradient_accumulation
+        self._boundary_now = managed_boundary
         self._reduce_now = self.config.stage >= 2 or managed_boundary
         self._next_reduce = 0
         for unit in self.units:
             unit.fired.clear()
             unit.reduced = False
+            unit.host_fresh = False
         if not self._reduce_now:
             self._pending_local = True
 
@@ -373,13 +397,21 @@ class ZeroEngine:
             else:
                 shard = flat_grad
             unit.grad.add_(shard)
+            if unit.host_grad is not None and self._boundary_now:
+                # Managed window's last backward: the copy to the host overlaps the rest of backward.
+                unit.host_grad.copy_(unit.grad, non_blocking=True)
+                unit.host_fresh = True
         unit.reduced = True
         self.free_unit(unit)
 
     # ------------------------------------------------------------------ step
 
     def finalize_gradients(self) -> bool:
-        """Complete this window's gradient shards. Returns True if fp16 overflowed (skip the step)."""
+        """Complete this window's gradient shards. Returns True if fp16 overflowed (skip the step).
+
+        Unscaling and clipping are not applied here but folded into ``_grad_multiplier``, applied once
+        to the gradients the optimizer reads (on the host with offload) right before the step.
+        """
         if self._finalized is not None:
             return self._finalized
         self.post_backward()
@@ -387,8 +419,13 @@ class ZeroEngine:
             for unit in self._reduce_order:
                 self._reduce(unit)
             self._pending_local = False
+        current = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         if self._stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+            current.wait_stream(self._stream)
+        for unit in self.units:
+            if unit.host_grad is not None and not unit.host_fresh:
+                unit.host_grad.copy_(unit.grad, non_blocking=True)
+                unit.host_fresh = True
         stats = torch.zeros(self.num_params + 1, device=self.device)
         if self._used:
             stats[list(self._used)] = 1.0
@@ -398,33 +435,40 @@ class ZeroEngine:
         if self.world_size > 1:
             comm.all_reduce(stats, dist.ReduceOp.MAX, self.group)
         self._used_global = stats[:-1] > 0
-        found_inf = bool(stats[-1].item() > 0)
-        if self.loss_scaler is not None and not found_inf:
-            inv = 1.0 / self.loss_scaler.scale
-            for unit in self.units:
-                unit.grad.mul_(inv)
+        found_inf = bool(stats[-1].item() > 0)  # also waits for the copies to the host
+        self._grad_multiplier = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         self._finalized = found_inf
         return found_inf
+
+    def _step_grad(self, unit: _Unit) -> Tensor:
+        """The gradient shard the optimizer reads: on the host with optimizer offload."""
+        return unit.host_grad if unit.host_grad is not None else unit.grad
+
+    def _apply_grad_multiplier(self) -> None:
+        if self._grad_multiplier != 1.0:
+            for unit in self.units:
+                self._step_grad(unit).mul_(self._grad_multiplier)
+            self._grad_multiplier = 1.0
 
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
         """Clip the gradient shards by the global 2-norm over all ranks; returns the norm."""
         if self.finalize_gradients():
             return torch.tensor(float("inf"), device=self.device)
         local = torch.zeros((), device=self.device)
-        for unit in self.units:
+        for unit in self.units:  # the device copy: fast even when the step runs on the host
             local += unit.grad.pow(2).sum()
         if self.world_size > 1:
             comm.all_reduce(local, dist.ReduceOp.SUM, self.group)
-        norm = local.sqrt()
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for unit in self.units:
-            unit.grad.mul_(coef)
+        norm = local.sqrt() * self._grad_multiplier
+        coef = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        self._grad_multiplier *= coef
         return norm
 
     def clip_grad_value_(self, clip_value: float) -> None:
         if not self.finalize_gradients():
+            self._apply_grad_multiplier()
             for unit in self.units:
-                unit.grad.clamp_(-clip_value, clip_value)
+                self._step_grad(unit).clamp_(-clip_value, clip_value)
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> bool:
         """Apply one optimizer update from this window's gradients. Returns False if it was skipped."""
@@ -432,14 +476,20 @@ class ZeroEngine:
             raise RuntimeError("ZeroEngine.step() needs an optimizer: call attach_optimizer() first.")
         found_inf = self.finalize_gradients()
         if not found_inf:
+            self._apply_grad_multiplier()
             used = self._used_global.tolist() if self._segment_table else []
-            for seg_master, unit, seg in self._segment_table:
-                if used[unit.param_ids[seg.param]]:
-                    seg_master.grad = unit.grad[seg.shard_start : seg.shard_start + seg.numel]
-            self.optimizer.step()
-            for seg_master, _, _ in self._segment_table:
-                seg_master.grad = None
-            self.publish()
+            # With offload the host steps unit by unit, so the copy back and the gather of one unit
+            # (asynchronous on the GPU) overlap the host update of the next.
+            batches = [[u] for u in self.units] if self.config.offload_optimizer else [self.units]
+            for units in batches:
+                for seg_master, unit, seg in self._segment_table:
+                    if unit in units and used[unit.param_ids[seg.param]]:
+                        seg_master.grad = self._step_grad(unit)[seg.shard_start : seg.shard_start + seg.numel]
+                self.optimizer.step()
+                for seg_master, _, _ in self._segment_table:
+                    seg_master.grad = None
+                for unit in units:
+                    self._publish_unit(unit)
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf)
         self._end_window()
@@ -461,26 +511,37 @@ class ZeroEngine:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
         self._end_window()
 
-    @torch.no_grad()
     def publish(self) -> None:
-        """Write the master shards into the working buffers and all-gather them (every unit)."""
+        """Bring every unit's working weights up to date with its master shard."""
         for unit in self.units:
-            if not unit.persistent:
-                if self._quantized_gather is not None:
-                    unit.encoded = self._quantized_gather.encode(unit.index, unit.master, self.param_dtype)
-                elif unit.shard is not None:
-                    unit.shard.copy_(unit.master)
-                if unit.gathered:  # gathered outside a step (e.g. a validation forward in progress)
-                    self.free_unit(unit)
-                continue
+            self._publish_unit(unit)
+
+    @torch.no_grad()
+    def _publish_unit(self, unit: _Unit) -> None:
+        """Persistent units: write the master shard into the working buffer and all-gather it.
+        Stage 3 transient units: refresh the source of later gathers (working shard or encoded)."""
+        if not unit.persistent:
             if self._quantized_gather is not None:
-                self._quantized_gather.gather(unit.index, unit.master, unit.flat, unit.layout)
-                continue
-            shard = unit.master.to(self.param_dtype)
-            if self.world_size > 1:
-                comm.all_gather(unit.flat, shard, self.group)
-            else:
-                unit.flat.copy_(shard)
+                unit.encoded = self._quantized_gather.encode(unit.index, self._master_on_device(unit), self.param_dtype)
+            elif unit.shard is not None:
+                unit.shard.copy_(unit.master)
+            if unit.gathered:  # gathered outside a step (e.g. a validation forward in progress)
+                self.free_unit(unit)
+            return
+        if self._quantized_gather is not None:
+            self._quantized_gather.gather(unit.index, self._master_on_device(unit), unit.flat, unit.layout)
+        else:
+            comm.all_gather(unit.flat, self._working_shard(unit), self.group)
+
+    def _master_on_device(self, unit: _Unit) -> Tensor:
+        return unit.master.to(self.device, non_blocking=True)
+
+    def _working_shard(self, unit: _Unit) -> Tensor:
+        """This rank's master shard in the working dtype, on the device."""
+        if unit.staging is not None:  # host master: cast on the host, copy half the bytes
+            unit.staging.copy_(unit.master)
+            return unit.staging.to(self.device, non_blocking=True)
+        return unit.master.to(device=self.device, dtype=self.param_dtype)
 
     # ------------------------------------------------------------------ stage 3 gathers
 
@@ -511,7 +572,8 @@ class ZeroEngine:
             assert self._quantized_gather is not None
             self._quantized_gather.gather_encoded(unit.index, unit.encoded, unit.flat, unit.layout)
         else:
-            comm.all_gather(unit.flat, unit.shard if unit.shard is not None else unit.master, self.group)
+            source = unit.shard if unit.shard is not None else unit.master
+            comm.all_gather(unit.flat, source.to(self.device, non_blocking=True), self.group)
 
     def free_unit(self, unit: _Unit) -> None:
         """Release a transient unit's full buffer (its parameters keep their shapes)."""
@@ -540,10 +602,7 @@ class ZeroEngine:
         fulls = {}
         for unit in self.units:
             full = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=self.device)
-            if self.world_size > 1:
-                comm.all_gather(full, unit.master, self.group)
-            else:
-                full.copy_(unit.master)
+            comm.all_gather(full, self._master_on_device(unit), self.group)
             fulls[unit.index] = full.cpu()
         for names, unit, i in self._named_managed():
             slot, p = unit.layout.slots[i], unit.params[i]
@@ -659,3 +718,12 @@ def _reset_on(root: nn.Module, m: nn.Module, device: torch.device) -> dict[int, 
                 if p is not None and id(p) in renamed:
                     other._parameters[name] = renamed[id(p)]
     return renamed
+
+
+def _prefer_fast_host_step(optimizer: torch.optim.Optimizer, group: dict) -> None:
+    """Optimizer offload steps on the CPU: use torch's fused CPU kernel for Adam/AdamW, foreach for
+    other optimizers that have it (the update is the same; only the implementation differs)."""
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        group["fused"], group["foreach"] = True, False
+    elif "foreach" in optimizer.defaults and not group.get("fused"):
+        group["foreach"] = True
