@@ -54,7 +54,8 @@ def test_float_bucket_sizes_are_accepted_as_integers():
 @pytest.mark.parametrize(
     "options, match",
     [
-        ({"offload_optimizer": True}, r"offload_optimizer=True is not supported yet"),
+        ({"offload_optimizer": True, "offload_optimizer_device": "nvme", "nvme_path": "/tmp"},
+         r"offload_optimizer=True with device 'nvme' is not supported yet"),
     ],
 )
 def test_not_implemented_options_are_rejected(options, match):
@@ -62,12 +63,16 @@ def test_not_implemented_options_are_rejected(options, match):
         ZeroQStrategy(**options)
 
 
-@pytest.mark.parametrize("name", ["zeroq_stage_2_offload", "zeroq_stage_3_offload"])
-def test_registered_presets_not_implemented_yet_fail_clearly(name):
+@pytest.mark.parametrize(
+    "name, stage, params",
+    [("zeroq_stage_2_offload", 2, False), ("zeroq_stage_3_offload", 3, True)],
+)
+def test_offload_presets(name, stage, params):
     import lightning as L
 
-    with pytest.raises(ValueError, match="not supported yet"):
-        L.Trainer(strategy=name, accelerator="cpu", devices=1)
+    trainer = L.Trainer(strategy=name, accelerator="cpu", devices=1)
+    config = trainer.strategy.config
+    assert (config.stage, config.offload_optimizer, config.offload_parameters) == (stage, True, params)
 
 
 def test_unknown_option_is_named():
