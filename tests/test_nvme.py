@@ -1,0 +1,380 @@
+"""Tests of the NVMe swap space (``lightning_zeroq.zero.offload.nvme``) on a temporary directory."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+from lightning_zeroq.zero.offload import nvme
+from lightning_zeroq.zero.offload.nvme import NvmeSwapper, SwapHandle, aligned_empty
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SMALL_BUFFER = 64 * 1024  # several chunks per region, so chunking and queueing are exercised
+
+
+def _random(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(numel, generator=generator).to(dtype)
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def _unaligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor whose data does not start on a 4096-byte boundary (forces the bounce buffers)."""
+    t = aligned_empty(numel + 1, dtype)[1:]
+    assert t.data_ptr() % 4096 != 0
+    return t
+
+
+@pytest.fixture(params=[None, False], ids=["probe", "buffered"])
+def swapper(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[NvmeSwapper]:
+    sw = NvmeSwapper(tmp_path, rank=3, num_buffers=2, buffer_bytes=SMALL_BUFFER, direct_io=request.param)
+    yield sw
+    sw.close()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_round_trip_sync(swapper: NvmeSwapper, dtype: torch.dtype) -> None:
+    sizes = {"u0.master": 100_003, "u1.master": 12_345, "u2.master": 4096, "u3.master": 1}
+    for key, numel in sizes.items():
+        swapper.register(key, numel, dtype)
+    swapper.reserve()
+    sources = {key: _random(numel, dtype, seed=i) for i, (key, numel) in enumerate(sizes.items())}
+    for key, src in sources.items():
+        swapper.write(key, src)
+    for key, src in sources.items():
+        for out in (torch.empty_like(src), _unaligned_empty(src.numel(), dtype), aligned_empty(src.numel(), dtype)):
+            swapper.read(key, out)
+            assert _bitwise_equal(out, src), key
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_round_trip_async_with_prefetch(swapper: NvmeSwapper, dtype: torch.dtype) -> None:
+    numel = 77_777  # not a multiple of the alignment in bytes for any dtype
+    keys = [f"u{i}.{kind}" for i in range(3) for kind in ("master", "exp_avg", "exp_avg_sq")]
+    for key in keys:
+        swapper.register(key, numel, dtype)
+    swapper.reserve()
+    sources = {key: _random(numel, dtype, seed=i) for i, key in enumerate(keys)}
+    handles = [swapper.write_async(key, src) for key, src in sources.items()]
+    for handle in handles:
+        handle.wait()
+        assert handle.done()
+    into_out = {key: _unaligned_empty(numel, dtype) for key in keys[::2]}
+    for key in keys:
+        swapper.prefetch(key, out=into_out.get(key))
+    for key, src in sources.items():
+        out = into_out.get(key, torch.empty_like(src))
+        swapper.read(key, out)
+        assert _bitwise_equal(out, src), key
+    swapper.wait_all()
+
+
+def test_read_ahead_overlaps_write_back(swapper: NvmeSwapper) -> None:
+    """The engine's loop: read unit i+1 ahead while unit i steps and unit i-1 is written back."""
+    units, numel, kinds = 6, 50_000, ("master", "exp_avg", "exp_avg_sq")
+    for u in range(units):
+        for kind in kinds:
+            swapper.register(f"u{u}.{kind}", numel, torch.float32)
+    swapper.reserve()
+    expected = {f"u{u}.{k}": _random(numel, torch.float32, seed=10 * u + i) for u in range(units) for i, k in enumerate(kinds)}
+    for key, value in expected.items():
+        swapper.write(key, value)
+    for _ in range(2):  # two "steps"
+        working = [{kind: torch.empty(numel) for kind in kinds} for _ in range(2)]  # double-buffered
+        write_backs: list[list[SwapHandle]] = [[], []]
+        for kind in kinds:
+            swapper.prefetch(f"u0.{kind}")
+        for u in range(units):
+            if u + 1 < units:
+                for kind in kinds:
+                    swapper.prefetch(f"u{u + 1}.{kind}")
+            for handle in write_backs[u % 2]:  # unit u-2's write-back still reads this buffer
+                handle.wait()
+            current = working[u % 2]
+            write_backs[u % 2] = []
+            for kind in kinds:
+                key = f"u{u}.{kind}"
+                swapper.read(key, current[kind])
+                assert _bitwise_equal(current[kind], expected[key]), key
+                current[kind].mul_(0.5).add_(u)  # the "optimizer step"
+                expected[key] = current[kind].clone()
+                write_backs[u % 2].append(swapper.write_async(key, current[kind]))
+        swapper.wait_all()
+    for key, value in expected.items():
+        out = torch.empty(numel)
+        swapper.read(key, out)
+        assert _bitwise_equal(out, value), key
+
+
+def test_operations_on_one_key_keep_their_order(swapper: NvmeSwapper) -> None:
+    swapper.register("k", 30_000, torch.float32)
+    swapper.reserve()
+    a, b, c = (_random(30_000, torch.float32, seed=s) for s in range(3))
+    swapper.write_async("k", a)
+    swapper.prefetch("k")  # issued after the write: must see a
+    out = torch.empty(30_000)
+    swapper.read("k", out)
+    assert _bitwise_equal(out, a)
+    swapper.prefetch("k")
+    swapper.write_async("k", b)  # makes the read-ahead stale
+    swapper.read("k", out)
+    assert _bitwise_equal(out, b)
+    swapper.prefetch("k")
+    swapper.write("k", c)
+    swapper.read("k", out)
+    assert _bitwise_equal(out, c)
+
+
+def test_empty_region(swapper: NvmeSwapper) -> None:
+    swapper.register("empty", 0, torch.float32)
+    swapper.reserve()
+    swapper.write("empty", torch.empty(0))
+    swapper.prefetch("empty")
+    swapper.read("empty", torch.empty(0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Direct I/O and its fallback
+# ---------------------------------------------------------------------------------------------
+
+
+def test_direct_io_is_probed_and_reported(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    nvme._warned_buffered.clear()
+    with caplog.at_level(logging.WARNING, logger=nvme.__name__):
+        sw = NvmeSwapper(tmp_path, buffer_bytes=SMALL_BUFFER)
+        sw.register("k", 10_001, torch.float32)
+        sw.reserve()
+    fallback_logged = any("O_DIRECT not supported" in r.getMessage() for r in caplog.records)
+    assert sw.direct_io is not None
+    assert fallback_logged == (not sw.direct_io), f"direct_io={sw.direct_io}, log: {caplog.text}"
+    src = _random(10_001, torch.float32, seed=0)
+    sw.write("k", src)
+    out = torch.empty_like(src)
+    sw.read("k", out)
+    assert _bitwise_equal(out, src)
+    sw.close()
+
+
+def _reject_o_direct(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_open = os.open
+
+    def fake_open(path, flags, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(nvme.os, "open", fake_open)
+
+
+def test_fallback_to_buffered_io_warns_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _reject_o_direct(monkeypatch)
+    nvme._warned_buffered.clear()
+    with caplog.at_level(logging.WARNING, logger=nvme.__name__):
+        swappers = [NvmeSwapper(tmp_path, rank=r, buffer_bytes=SMALL_BUFFER) for r in range(2)]
+        for sw in swappers:
+            sw.register("k", 5000, torch.bfloat16)
+            sw.reserve()
+    messages = [r.getMessage() for r in caplog.records if "O_DIRECT" in r.getMessage()]
+    assert messages == [f"O_DIRECT not supported on {tmp_path} ({nvme.filesystem_type(tmp_path)}), using buffered I/O"]
+    for sw in swappers:
+        assert sw.direct_io is False
+        src = _random(5000, torch.bfloat16, seed=1)
+        sw.write("k", src)
+        out = torch.empty_like(src)
+        sw.read("k", out)
+        assert _bitwise_equal(out, src)
+        sw.close()
+
+
+def test_required_direct_io_unavailable_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _reject_o_direct(monkeypatch)
+    sw = NvmeSwapper(tmp_path, direct_io=True)
+    sw.register("k", 10, torch.float32)
+    with pytest.raises(RuntimeError, match=r"O_DIRECT not supported on .*direct_io=None"):
+        sw.reserve()
+    sw.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    with pytest.raises(RuntimeError, match=rf"{missing}.*does not exist; create it or set nvme_path to an existing directory"):
+        NvmeSwapper(missing)
+
+
+def test_path_is_a_file(tmp_path: Path) -> None:
+    file = tmp_path / "file"
+    file.write_text("x")
+    with pytest.raises(RuntimeError, match=rf"{file}.*is not a directory"):
+        NvmeSwapper(file)
+
+
+def test_path_not_writable(tmp_path: Path) -> None:
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    read_only.chmod(0o500)
+    try:
+        if os.access(read_only, os.W_OK):
+            pytest.skip("running as root: chmod 0o500 does not stop this process from writing")
+        with pytest.raises(RuntimeError, match=rf"{read_only}.*not writable"):
+            NvmeSwapper(read_only)
+    finally:
+        read_only.chmod(0o700)
+
+
+def test_too_small(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nvme, "free_bytes", lambda path: 3 * 1024 * 1024)
+    sw = NvmeSwapper(tmp_path)
+    sw.register("a", 1_000_000, torch.float32)  # 4_000_000 bytes, rounded up to 4096: 4_001_792
+    sw.register("b", 10, torch.float16)  # one 4096-byte block
+    with pytest.raises(RuntimeError) as info:
+        sw.reserve()
+    message = str(info.value)
+    for part in (str(tmp_path), "need 3.82 MiB (4005888 bytes)", "only 3.00 MiB (3145728 bytes) are free", "larger disk"):
+        assert part in message, message
+    assert not list(sw.directory.glob("*.swp"))  # checked before anything was written
+    sw.close()
+
+
+def test_truncated_file_between_write_and_read(swapper: NvmeSwapper) -> None:
+    swapper.register("k", 100_000, torch.float32)
+    swapper.register("other", 100, torch.float32)
+    swapper.reserve()
+    swapper.write("k", _random(100_000, torch.float32, seed=0))
+    swapper.write("other", torch.zeros(100))
+    os.truncate(swapper.path_of("k"), 150_000)
+    out = torch.zeros(100_000)
+    with pytest.raises(RuntimeError, match=rf"short read from swap file {swapper.path_of('k')}: offset \d+, expected \d+ bytes, got \d+"):
+        swapper.read("k", out)
+    # sticky: the swap space is not trusted any more
+    with pytest.raises(RuntimeError, match="stopped after an I/O error"):
+        swapper.read("other", torch.empty(100))
+
+
+def test_truncated_file_found_by_prefetch(swapper: NvmeSwapper) -> None:
+    swapper.register("k", 20_000, torch.float16)
+    swapper.reserve()
+    swapper.write("k", _random(20_000, torch.float16, seed=0))
+    os.truncate(swapper.path_of("k"), 0)
+    handle = swapper.prefetch("k")
+    with pytest.raises(RuntimeError, match=rf"short read from swap file {swapper.path_of('k')}"):
+        swapper.read("k", torch.empty(20_000, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="short read"):
+        handle.wait()
+
+
+def test_removed_file_in_background_write_is_reraised(swapper: NvmeSwapper) -> None:
+    swapper.register("gone", 1000, torch.float32)
+    swapper.register("ok", 1000, torch.float32)
+    swapper.reserve()
+    swapper.path_of("gone").unlink()
+    swapper.write_async("gone", torch.ones(1000))
+    with pytest.raises(RuntimeError, match=rf"swap file {swapper.path_of('gone')} .*is missing"):
+        swapper.wait_all()
+    with pytest.raises(RuntimeError, match="stopped after an I/O error.*gone.swp"):
+        swapper.write("ok", torch.ones(1000))
+
+
+def test_bad_keys_and_tensors(swapper: NvmeSwapper) -> None:
+    swapper.register("u0.master", 1000, torch.float32)
+    with pytest.raises(ValueError, match=r"key='u0.master' is registered but not reserved"):
+        swapper.write("u0.master", torch.zeros(1000))
+    swapper.reserve()
+    with pytest.raises(ValueError, match=r"key='u9.master' is not registered"):
+        swapper.write("u9.master", torch.zeros(1000))
+    with pytest.raises(ValueError, match=r"key='u9.master' is not registered"):
+        swapper.prefetch("u9.master")
+    with pytest.raises(ValueError, match=r"'u0.master'.*numel=999 dtype=torch.float32.*numel=1000 dtype=torch.float32"):
+        swapper.write("u0.master", torch.zeros(999))
+    with pytest.raises(ValueError, match=r"'u0.master'.*dtype=torch.bfloat16.*dtype=torch.float32"):
+        swapper.write("u0.master", torch.zeros(1000, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="contiguous"):
+        swapper.write("u0.master", torch.zeros(2000)[::2])
+    with pytest.raises(ValueError, match="never been written"):
+        swapper.read("u0.master", torch.zeros(1000))
+    with pytest.raises(ValueError, match="already registered"):
+        swapper.register("u0.master", 1000, torch.float32)
+    with pytest.raises(ValueError, match="names a file"):
+        swapper.register("../escape", 10, torch.float32)
+    with pytest.raises(ValueError, match="dtype=torch.int64 is not supported"):
+        swapper.register("ints", 10, torch.int64)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"rank": -1}, "rank=-1"),
+        ({"num_buffers": 0}, "num_buffers=0"),
+        ({"alignment": 1000}, "alignment=1000"),
+        ({"buffer_bytes": 5000}, "buffer_bytes=5000"),
+        ({"num_threads": 0}, "num_threads=0"),
+    ],
+)
+def test_bad_arguments(tmp_path: Path, kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        NvmeSwapper(tmp_path, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Lifetime
+# ---------------------------------------------------------------------------------------------
+
+
+def test_close_waits_and_removes_files(tmp_path: Path) -> None:
+    sw = NvmeSwapper(tmp_path, rank=1, buffer_bytes=SMALL_BUFFER)
+    for i in range(4):
+        sw.register(f"k{i}", 200_000, torch.float32)
+    sw.reserve()
+    files = [sw.path_of(f"k{i}") for i in range(4)]
+    assert all(f.stat().st_size == 802_816 for f in files)  # 800_000 rounded up to 4096
+    for i in range(4):
+        sw.write_async(f"k{i}", torch.full((200_000,), float(i)))
+    sw.prefetch("k0")
+    sw.close()
+    assert not any(f.exists() for f in files)
+    assert not sw.directory.exists()
+    assert list(tmp_path.iterdir()) == []
+    sw.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        sw.write("k0", torch.zeros(200_000))
+
+
+def test_garbage_collection_removes_files(tmp_path: Path) -> None:
+    sw = NvmeSwapper(tmp_path)
+    sw.register("k", 1000, torch.float32)
+    sw.reserve()
+    sw.write_async("k", torch.zeros(1000))
+    directory = sw.directory
+    del sw  # the pending write holds the last reference: cleanup may run on its thread, just after
+    deadline = time.monotonic() + 10
+    while directory.exists() and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    assert not directory.exists()
+
+
+def test_keeps_a_directory_it_did_not_create(tmp_path: Path) -> None:
+    existing = tmp_path / "zeroq_rank00000"
+    existing.mkdir()
+    (existing / "unrelated").write_text("keep me")
+    with NvmeSwapper(tmp_path) as sw:
+        sw.register("k", 10, torch.float32)
+        sw.reserve()
+    assert sorted(p.name for p in existing.iterdir()) == ["unrelated"]
