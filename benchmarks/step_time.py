@@ -72,9 +72,29 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), tokens.roll(-1, 1).view(-1))
 
 
+def memory_bound(engine) -> dict:
+    """The memory a ZeRO rank must hold, from the engine's own buffers: sharded state (fp32 master and
+    gradient shards, AdamW's two fp32 moments, stage 3's working shard or encoded payload), persistent
+    units at full width, and for stage 3 the largest transient unit twice (in use + prefetched)."""
+    gib = 2**30
+    state = 0
+    for unit in engine.units:
+        state += unit.master.numel() * (4 + 4 + 8)  # master, grad shard, exp_avg + exp_avg_sq
+        if unit.persistent:
+            state += unit.flat.numel() * unit.flat.element_size()
+        elif unit.encoded is not None:
+            state += sum(c.numel() for c in unit.encoded.chunks)
+        elif unit.shard is not None:
+            state += unit.shard.numel() * unit.shard.element_size()
+    transient = [u.flat.numel() * u.flat.element_size() for u in engine.units if not u.persistent]
+    largest = max(transient, default=0)
+    return {"state_GiB": round(state / gib, 2), "largest_unit_GiB": round(largest / gib, 3),
+            "bound_GiB": round((state + 2 * largest) / gib, 2)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--arm", choices=["ddp", "zeroq1", "zeroq2"], required=True)
+    parser.add_argument("--arm", choices=["ddp", "zeroq1", "zeroq2", "zeroq3"], required=True)
     parser.add_argument("--quantized", action="store_true")
     parser.add_argument("--link", default=os.environ.get("BENCH_LINK", "nvlink"))
     parser.add_argument("--dim", type=int, default=2048)
@@ -96,6 +116,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = GPT(args.vocab, args.dim, args.layers, args.heads, args.ffn).to(dev)
     num_params = sum(p.numel() for p in model.parameters())
+    engine = None
 
     if args.arm == "ddp":
         ddp = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index])
@@ -146,6 +167,7 @@ def main() -> None:
             "peak_alloc_GiB_per_rank": [round(float(s[1]), 2) for s in gathered],
             "final_loss": round(float(gathered[0][2]), 4),
             "world_size": dist.get_world_size(), "torch": torch.__version__,
+            **(memory_bound(engine) if engine is not None else {}),
         }), flush=True)
     dist.destroy_process_group()
 
