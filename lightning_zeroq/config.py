@@ -173,13 +173,11 @@ class ZeroConfig:
                 f"ZeroConfig.stage={self.stage} is not supported yet; stages {SUPPORTED_STAGES} are. "
                 "Use stage=2 for sharded gradients and optimizer state."
             )
-        for name, device in (("offload_optimizer", self.offload_optimizer_device),
-                             ("offload_parameters", self.offload_params_device)):
-            if getattr(self, name) and device == "nvme":
-                raise ValueError(
-                    f"ZeroConfig.{name}=True with device 'nvme' is not supported yet in this release; "
-                    f"use {name.replace('offload_optimizer', 'offload_optimizer_device').replace('offload_parameters', 'offload_params_device')}='cpu'."
-                )
+        if self.offload_parameters and self.offload_params_device == "nvme":
+            raise ValueError(
+                "ZeroConfig.offload_parameters=True with offload_params_device='nvme' is not supported yet "
+                "in this release; use offload_params_device='cpu'."
+            )
 
     def replace(self, **changes: Any) -> "ZeroConfig":
         """A copy with ``changes`` applied (and validated)."""

@@ -212,7 +212,9 @@ class ZeroQStrategy(DDPStrategy):
 
     def teardown(self) -> None:
         # Unlike DDP, keep the module where it is: its parameters are views into the engine's buffers,
-        # and full_state_dict() must keep working after fit returns.
+        # and full_state_dict() must keep working after fit returns. NVMe swap files are removed.
+        if self.engine is not None:
+            self.engine.release_swap_files()
         self.precision_plugin.teardown()
         assert self.accelerator is not None
         self.accelerator.teardown()

@@ -32,6 +32,7 @@ OFFLOAD = {
     "none": {},
     "optimizer_cpu": {"offload_optimizer": True},
     "params_optimizer_cpu": {"offload_optimizer": True, "offload_parameters": True},
+    "optimizer_nvme": {"offload_optimizer": True, "offload_optimizer_device": "nvme"},
 }
 
 
@@ -50,8 +51,13 @@ def _parity_body(
     ref_opt = opt_cls(param_groups(ref_model), **extra)
 
     zero_extra = STAGE3 if stage == 3 else {}
+    offload_options = dict(OFFLOAD[offload])
+    if offload_options.get("offload_optimizer_device") == "nvme":
+        import tempfile
+
+        offload_options["nvme_path"] = tempfile.mkdtemp()
     config = ZeroConfig(stage=stage, reduce_bucket_size=bucket, managed_gradient_accumulation=managed,
-                        **zero_extra, **OFFLOAD[offload])
+                        **zero_extra, **offload_options)
     engine = ZeroEngine(model, config)
     if offload != "none":
         assert all(u.host_grad is not None and u.master.device.type == "cpu" for u in engine.units)
@@ -102,7 +108,8 @@ def test_matches_ddp(dist_pool, world_size: int, stage: int, managed: bool) -> N
 
 @pytest.mark.parametrize(
     "stage, offload",
-    [(1, "optimizer_cpu"), (2, "optimizer_cpu"), (3, "optimizer_cpu"), (3, "params_optimizer_cpu")],
+    [(1, "optimizer_cpu"), (2, "optimizer_cpu"), (3, "optimizer_cpu"), (3, "params_optimizer_cpu"),
+     (1, "optimizer_nvme"), (2, "optimizer_nvme"), (3, "optimizer_nvme")],
 )
 @pytest.mark.parametrize("managed", [True, False], ids=["managed", "unmanaged"])
 def test_offload_matches_ddp(dist_pool, stage: int, offload: str, managed: bool) -> None:

@@ -3,6 +3,9 @@ managed == unmanaged == offloaded for the same micro-batches."""
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,8 +16,20 @@ from lightning_zeroq import ZeroConfig, ZeroEngine
 from tests.models import DIM, SEQ, VOCAB
 from tests.test_engine_parity import OFFLOAD
 
-COMBOS = [(1, "none"), (1, "optimizer_cpu"), (2, "none"), (2, "optimizer_cpu"),
-          (3, "none"), (3, "optimizer_cpu"), (3, "params_optimizer_cpu")]
+COMBOS = [(1, "none"), (1, "optimizer_cpu"), (1, "optimizer_nvme"), (2, "none"), (2, "optimizer_cpu"),
+          (2, "optimizer_nvme"), (3, "none"), (3, "optimizer_cpu"), (3, "optimizer_nvme"),
+          (3, "params_optimizer_cpu"), (3, "params_cpu_optimizer_nvme")]
+NVME_ROOT = os.environ.get("ZEROQ_TEST_NVME_DIR", tempfile.gettempdir())
+
+
+def _offload_options(offload: str) -> dict:
+    """The ZeroConfig fields of an offload mode; NVMe swaps to a fresh directory (as a test would
+    with tmp_path; the pool's workers share the pytest process's temporary directory)."""
+    if offload == "optimizer_nvme":
+        return {"offload_optimizer": True, "offload_optimizer_device": "nvme", "nvme_path": tempfile.mkdtemp(dir=NVME_ROOT)}
+    if offload == "params_cpu_optimizer_nvme":
+        return {**_offload_options("optimizer_nvme"), "offload_parameters": True}
+    return OFFLOAD[offload]
 
 
 class TwoHeads(nn.Module):
@@ -38,7 +53,7 @@ def _engine(stage: int, offload: str, managed: bool) -> tuple[TwoHeads, ZeroEngi
     model = TwoHeads()
     config = ZeroConfig(stage=stage, managed_gradient_accumulation=managed, reduce_bucket_size=700,
                         stage3_wrap_classes=["Linear"], stage3_param_persistence_threshold=40,
-                        **OFFLOAD[offload])
+                        **_offload_options(offload))
     engine = ZeroEngine(model, config)
     engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
     return model, engine
@@ -101,3 +116,78 @@ def _modes_body(stage: int, offload: str) -> float:
 def test_unmanaged_equals_managed_and_offload_equals_plain(dist_pool, stage, offload):
     worst = dist_pool(2).run(_modes_body, stage, offload)
     assert max(worst) < 1e-6
+
+
+def _nvme_engine(path: str, stage: int = 2):
+    torch.manual_seed(0)
+    model = TwoHeads()
+    config = ZeroConfig(stage=stage, offload_optimizer=True, offload_optimizer_device="nvme", nvme_path=path,
+                        reduce_bucket_size=700)
+    engine = ZeroEngine(model, config)
+    return model, engine
+
+
+def _truncated_body(path: str) -> str:
+    model, engine = _nvme_engine(path)
+    engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    engine.backward(_loss(model, 0, 0, 0))
+    engine.step()
+    swap = engine._nvme.swapper.path_of("u0.exp_avg")
+    os.truncate(swap, 100)  # damaged between steps
+    engine.backward(_loss(model, 1, 0, 0))
+    with pytest.raises(RuntimeError, match=str(swap.name)) as caught:
+        engine.step()
+    # the damaged unit was never stepped: its segments' step counts (kept in memory) are still 1
+    unit0 = engine.units[0]
+    steps = [float(engine.optimizer.state[s]["step"]) for s in unit0.segment_masters if s in engine.optimizer.state]
+    assert steps and all(s == 1.0 for s in steps), steps
+    return str(caught.value)
+
+
+def test_truncated_swap_file_stops_training_naming_the_file(dist_pool, tmp_path):
+    messages = dist_pool(2).run(_truncated_body, str(tmp_path))
+    assert all("u0.exp_avg" in m for m in messages)
+
+
+def test_nvme_path_errors_are_clear(tmp_path, monkeypatch):
+    from lightning_zeroq.zero.offload import nvme
+
+    model = TwoHeads()
+    missing = tmp_path / "nope"
+    engine = ZeroEngine(model, ZeroConfig(offload_optimizer=True, offload_optimizer_device="nvme", nvme_path=str(missing)))
+    with pytest.raises(RuntimeError, match="nope"):
+        engine.attach_optimizer(torch.optim.AdamW(model.parameters()))
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    engine = ZeroEngine(TwoHeads(), ZeroConfig(offload_optimizer=True, offload_optimizer_device="nvme", nvme_path=str(a_file)))
+    with pytest.raises(RuntimeError, match="file"):
+        engine.attach_optimizer(torch.optim.AdamW(engine.module.parameters()))
+    monkeypatch.setattr(nvme, "free_bytes", lambda path: 1000)
+    engine = ZeroEngine(TwoHeads(), ZeroConfig(offload_optimizer=True, offload_optimizer_device="nvme", nvme_path=str(tmp_path)))
+    with pytest.raises(RuntimeError, match=r"free") as caught:
+        engine.attach_optimizer(torch.optim.AdamW(engine.module.parameters()))
+    assert str(tmp_path) in str(caught.value)
+    assert not list(tmp_path.glob("zeroq_rank*/*.swp"))  # nothing written when the space is short
+
+
+def _trainer_nvme_body(path: str, stage: int) -> int:
+    import lightning as L
+
+    from lightning_zeroq import ZeroQStrategy
+    from tests.test_strategy import _fit
+
+    strategy = ZeroQStrategy(stage=stage, offload_optimizer=True, offload_optimizer_device="nvme", nvme_path=path,
+                             reduce_bucket_size=400, stage3_wrap_classes=["Sequential", "Linear"],
+                             stage3_param_persistence_threshold=20)
+    trainer, _, snaps = _fit(strategy, accumulate=3, clip=0.5, scheduler=True, epochs=1)
+    _, _, ref = _fit("ddp_find_unused_parameters_true", accumulate=3, clip=0.5, scheduler=True, epochs=1)
+    for got, want in zip(snaps, ref):
+        assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-5
+    assert not list(__import__("pathlib").Path(path).glob("zeroq_rank*/*.swp")), "swap files removed at teardown"
+    assert trainer.strategy.full_state_dict()  # still works after fit
+    return len(snaps)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_trainer_nvme_offload_matches_ddp_and_cleans_up(dist_pool, tmp_path, stage):
+    assert dist_pool(2).run(_trainer_nvme_body, str(tmp_path), stage)[0] == 3

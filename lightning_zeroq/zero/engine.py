@@ -45,6 +45,7 @@ from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.layout import ALIGN, Segment, UnitLayout, make_layout, plan_units
 from lightning_zeroq.zero.loss_scaler import loss_scaler_from_config
+from lightning_zeroq.zero.nvme_state import NvmeOptimizerState
 from lightning_zeroq.zero.quantized_gather import EncodedShard, QuantizedGather
 
 ELEMENTWISE_OPTIMIZERS: list[type] = [
@@ -179,6 +180,7 @@ class ZeroEngine:
                 bucket_numel=config.allgather_bucket_size,
             )
             self.publish()  # the working weights are always what a gather produces
+        self._nvme: Optional[NvmeOptimizerState] = None
         self._coordinator = None
         if config.stage == 3:
             from lightning_zeroq.zero.stage3 import Stage3Coordinator
@@ -263,6 +265,14 @@ class ZeroEngine:
         self.num_params = next_id
         return units
 
+    def _with_masters(self) -> Iterator[_Unit]:
+        """The units in order, each with its master shard (and optimizer state) resident while the
+        caller uses it: a plain walk, or, with NVMe offload, a read-ahead / write-back walk."""
+        if self._nvme is None:
+            yield from self.units
+        else:
+            yield from self._nvme.resident(self.units)
+
     def _host(self, tensor: Tensor) -> Tensor:
         """A host copy of ``tensor``, pinned where a GPU will copy from or to it."""
         host = tensor.detach().to("cpu", copy=True)
@@ -302,6 +312,13 @@ class ZeroEngine:
                 _prefer_fast_host_step(optimizer, group)
         optimizer.state.clear()
         self.optimizer = optimizer
+        if self.config.offload_optimizer and self.config.offload_optimizer_device == "nvme":
+            if self._nvme is None:
+                self._nvme = NvmeOptimizerState(
+                    self.config.nvme_path, self.rank, self.units, optimizer, pin=self.device.type == "cuda"
+                )
+            else:  # a new optimizer for the same model (another fit): fresh state, same masters
+                self._nvme.rebind(optimizer)
 
     # ------------------------------------------------------------------ backward
 
@@ -480,7 +497,7 @@ class ZeroEngine:
             used = self._used_global.tolist() if self._segment_table else []
             # With offload the host steps unit by unit, so the copy back and the gather of one unit
             # (asynchronous on the GPU) overlap the host update of the next.
-            batches = [[u] for u in self.units] if self.config.offload_optimizer else [self.units]
+            batches = ([u] for u in self._with_masters()) if self.config.offload_optimizer else [self.units]
             for units in batches:
                 for seg_master, unit, seg in self._segment_table:
                     if unit in units and used[unit.param_ids[seg.param]]:
@@ -513,7 +530,7 @@ class ZeroEngine:
 
     def publish(self) -> None:
         """Bring every unit's working weights up to date with its master shard."""
-        for unit in self.units:
+        for unit in self._with_masters():
             self._publish_unit(unit)
 
     @torch.no_grad()
@@ -600,7 +617,7 @@ class ZeroEngine:
         """Collective: the full fp32 parameters by name on every rank (CPU tensors), frozen ones included."""
         out: dict[str, Tensor] = {}
         fulls = {}
-        for unit in self.units:
+        for unit in self._with_masters():
             full = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=self.device)
             comm.all_gather(full, self._master_on_device(unit), self.group)
             fulls[unit.index] = full.cpu()
@@ -619,28 +636,46 @@ class ZeroEngine:
         """Set the fp32 masters (and the working copies) from full parameters by name; returns the
         names of the engine's parameters (all aliases of tied ones)."""
         managed: set[str] = set()
-        for names, unit, i in self._named_managed():
-            managed.update(names)
-            name = next((n for n in names if n in state), None)
-            if name is None:
-                continue
-            slot = unit.layout.slots[i]
-            lo, hi = unit.layout.shard_range(self.rank)
-            start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-            if start < end:
-                value = state[name].reshape(-1)[start - slot.offset : end - slot.offset]
-                unit.master[start - lo : end - lo].copy_(value)
-        self.publish()
+        entries = list(self._named_managed())
+        for unit in self._with_masters():
+            for names, owner, i in entries:
+                if owner is not unit:
+                    continue
+                managed.update(names)
+                name = next((n for n in names if n in state), None)
+                if name is None:
+                    continue
+                slot = unit.layout.slots[i]
+                lo, hi = unit.layout.shard_range(self.rank)
+                start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+                if start < end:
+                    value = state[name].reshape(-1)[start - slot.offset : end - slot.offset]
+                    unit.master[start - lo : end - lo].copy_(value)
+            self._publish_unit(unit)
         return managed
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's masters, optimizer state and loss scale (for checkpoints at the same world size)."""
+        masters, state = [], {}
+        for unit in self._with_masters():  # with NVMe offload: one unit resident at a time
+            masters.append(unit.master.detach().cpu().clone())
+            if self.optimizer is not None:
+                for seg_master in unit.segment_masters:
+                    if seg_master in self.optimizer.state:
+                        state[id(seg_master)] = {
+                            k: v.clone() if isinstance(v, Tensor) else v for k, v in self.optimizer.state[seg_master].items()
+                        }
+        optimizer_state = None
+        if self.optimizer is not None:
+            optimizer_state = self.optimizer.state_dict()  # param_groups; state rebuilt from the clones
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            optimizer_state["state"] = {i: state[id(p)] for i, p in enumerate(params) if id(p) in state}
         return {
             "world_size": self.world_size,
             "rank": self.rank,
             "unit_numels": [u.layout.numel for u in self.units],
-            "masters": [u.master.detach().cpu() for u in self.units],
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "masters": masters,
+            "optimizer": optimizer_state,
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
         }
 
@@ -653,13 +688,29 @@ class ZeroEngine:
                 f"{state['unit_numels'][:4]}...; this run has {self.world_size} ranks and units {numels[:4]}... "
                 "Resume with the same number of devices and the same reduce_bucket_size."
             )
-        for unit, master in zip(self.units, state["masters"]):
-            unit.master.copy_(master)
         if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])
+            if self._nvme is not None:
+                self._nvme.rebind(self.optimizer)  # the loaded state replaces what is on disk
         if self.loss_scaler is not None and state["loss_scaler"] is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
-        self.publish()
+        for unit in self._with_masters():
+            unit.master.copy_(state["masters"][unit.index])
+            self._publish_unit(unit)
+
+    def release_swap_files(self) -> None:
+        """NVMe offload: bring the master shards back to host memory, drop the optimizer state and
+        remove the swap files (the strategy's teardown). A later ``attach_optimizer`` swaps again."""
+        if self._nvme is None:
+            return
+        self._nvme.flush()
+        if self.optimizer is not None:
+            self.optimizer.state.clear()
+        self._nvme.rebind(self.optimizer)
+        for unit in self.units:
+            self._nvme.load(unit)
+        self._nvme.close()
+        self._nvme = None
 
     def close(self) -> None:
         for handle in self._hooks:
@@ -667,6 +718,8 @@ class ZeroEngine:
         self._hooks = []
         if self._coordinator is not None:
             self._coordinator.close()
+        if self._nvme is not None:
+            self._nvme.close()
 
 
 def _trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
