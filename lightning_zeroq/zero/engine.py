@@ -167,6 +167,7 @@ class ZeroEngine:
             plan = plan_units([p.numel() for p in params], config.reduce_bucket_size)
             specs = [([params[i] for i in members], None, True) for members in plan]
         self._gather_stream = comm.side_stream(self.device) if config.stage == 3 else None
+        self._nvme: Optional[NvmeOptimizerState] = None  # set by attach_optimizer
         self.units = self._build_units(specs)
         self._quantized_gather: Optional[QuantizedGather] = None
         if config.quantized_weights:
@@ -180,7 +181,6 @@ class ZeroEngine:
                 bucket_numel=config.allgather_bucket_size,
             )
             self.publish()  # the working weights are always what a gather produces
-        self._nvme: Optional[NvmeOptimizerState] = None
         self._coordinator = None
         if config.stage == 3:
             from lightning_zeroq.zero.stage3 import Stage3Coordinator
