@@ -173,10 +173,10 @@ class ZeroConfig:
                 f"ZeroConfig.stage={self.stage} is not supported yet; stages {SUPPORTED_STAGES} are. "
                 "Use stage=2 for sharded gradients and optimizer state."
             )
-        if self.offload_parameters and self.offload_params_device == "nvme":
+        if self.offload_parameters and self.offload_params_device == "nvme" and self.quantized_weights:
             raise ValueError(
-                "ZeroConfig.offload_parameters=True with offload_params_device='nvme' is not supported yet "
-                "in this release; use offload_params_device='cpu'."
+                "ZeroConfig: quantized_weights=True with offload_params_device='nvme' is not supported yet; "
+                "use offload_params_device='cpu' (the encoded shards then stay in host memory)."
             )
 
     def replace(self, **changes: Any) -> "ZeroConfig":

@@ -54,8 +54,8 @@ def test_float_bucket_sizes_are_accepted_as_integers():
 @pytest.mark.parametrize(
     "options, match",
     [
-        ({"stage": 3, "offload_parameters": True, "offload_params_device": "nvme", "nvme_path": "/tmp"},
-         r"offload_params_device='nvme' is not supported yet"),
+        ({"stage": 3, "offload_parameters": True, "offload_params_device": "nvme", "nvme_path": "/tmp",
+          "quantized_weights": True}, r"quantized_weights=True with offload_params_device='nvme' is not supported yet"),
     ],
 )
 def test_not_implemented_options_are_rejected(options, match):

@@ -18,7 +18,8 @@ from tests.test_engine_parity import OFFLOAD
 
 COMBOS = [(1, "none"), (1, "optimizer_cpu"), (1, "optimizer_nvme"), (2, "none"), (2, "optimizer_cpu"),
           (2, "optimizer_nvme"), (3, "none"), (3, "optimizer_cpu"), (3, "optimizer_nvme"),
-          (3, "params_optimizer_cpu"), (3, "params_cpu_optimizer_nvme")]
+          (3, "params_optimizer_cpu"), (3, "params_cpu_optimizer_nvme"), (3, "params_nvme_optimizer_cpu"),
+          (3, "params_optimizer_nvme")]
 NVME_ROOT = os.environ.get("ZEROQ_TEST_NVME_DIR", tempfile.gettempdir())
 
 
@@ -29,6 +30,11 @@ def _offload_options(offload: str) -> dict:
         return {"offload_optimizer": True, "offload_optimizer_device": "nvme", "nvme_path": tempfile.mkdtemp(dir=NVME_ROOT)}
     if offload == "params_cpu_optimizer_nvme":
         return {**_offload_options("optimizer_nvme"), "offload_parameters": True}
+    if offload == "params_nvme_optimizer_cpu":
+        return {"offload_optimizer": True, "offload_parameters": True, "offload_params_device": "nvme",
+                "nvme_path": tempfile.mkdtemp(dir=NVME_ROOT)}
+    if offload == "params_optimizer_nvme":
+        return {**_offload_options("optimizer_nvme"), "offload_parameters": True, "offload_params_device": "nvme"}
     return OFFLOAD[offload]
 
 

@@ -46,6 +46,7 @@ from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.layout import ALIGN, Segment, UnitLayout, make_layout, plan_units
 from lightning_zeroq.zero.loss_scaler import loss_scaler_from_config
 from lightning_zeroq.zero.nvme_state import NvmeOptimizerState
+from lightning_zeroq.zero.offload.nvme import NvmeSwapper, aligned_empty
 from lightning_zeroq.zero.quantized_gather import EncodedShard, QuantizedGather
 
 ELEMENTWISE_OPTIMIZERS: list[type] = [
@@ -168,6 +169,7 @@ class ZeroEngine:
             specs = [([params[i] for i in members], None, True) for members in plan]
         self._gather_stream = comm.side_stream(self.device) if config.stage == 3 else None
         self._nvme: Optional[NvmeOptimizerState] = None  # set by attach_optimizer
+        self._param_swap: Optional[NvmeSwapper] = None
         self.units = self._build_units(specs)
         self._quantized_gather: Optional[QuantizedGather] = None
         if config.quantized_weights:
@@ -181,6 +183,8 @@ class ZeroEngine:
                 bucket_numel=config.allgather_bucket_size,
             )
             self.publish()  # the working weights are always what a gather produces
+        if config.offload_parameters and config.offload_params_device == "nvme":
+            self._swap_out_parameters()
         self._coordinator = None
         if config.stage == 3:
             from lightning_zeroq.zero.stage3 import Stage3Coordinator
@@ -540,6 +544,8 @@ class ZeroEngine:
         if not unit.persistent:
             if self._quantized_gather is not None:
                 unit.encoded = self._quantized_gather.encode(unit.index, self._master_on_device(unit), self.param_dtype)
+            elif self._param_swap is not None:
+                self._param_swap.write(f"p{unit.index}", unit.master.to(self.param_dtype))
             elif unit.shard is not None:
                 unit.shard.copy_(unit.master)
             if unit.gathered:  # gathered outside a step (e.g. a validation forward in progress)
@@ -588,9 +594,27 @@ class ZeroEngine:
         if unit.encoded is not None:
             assert self._quantized_gather is not None
             self._quantized_gather.gather_encoded(unit.index, unit.encoded, unit.flat, unit.layout)
+            return
+        if self._param_swap is not None:  # parameter offload to NVMe: read this rank's shard first
+            source = aligned_empty(unit.layout.shard_numel, self.param_dtype, pin_memory=self.device.type == "cuda")
+            self._param_swap.read(f"p{unit.index}", source)
         else:
             source = unit.shard if unit.shard is not None else unit.master
-            comm.all_gather(unit.flat, source.to(self.device, non_blocking=True), self.group)
+        comm.all_gather(unit.flat, source.to(self.device, non_blocking=True), self.group)
+
+    def _swap_out_parameters(self) -> None:
+        """Stage 3 parameter offload to NVMe: every transient unit's working shard goes to a swap file
+        (free space checked first) and is read back before each gather."""
+        swap = NvmeSwapper(self.config.nvme_path, rank=self.rank, prefix="zeroq_params",
+                           pin_memory=self.device.type == "cuda")
+        transient = [u for u in self.units if not u.persistent]
+        for unit in transient:
+            swap.register(f"p{unit.index}", unit.layout.shard_numel, self.param_dtype)
+        swap.reserve()
+        for unit in transient:
+            swap.write(f"p{unit.index}", unit.shard)
+            unit.shard = None
+        self._param_swap = swap
 
     def free_unit(self, unit: _Unit) -> None:
         """Release a transient unit's full buffer (its parameters keep their shapes)."""
@@ -700,7 +724,14 @@ class ZeroEngine:
 
     def release_swap_files(self) -> None:
         """NVMe offload: bring the master shards back to host memory, drop the optimizer state and
-        remove the swap files (the strategy's teardown). A later ``attach_optimizer`` swaps again."""
+        remove the swap files (the strategy's teardown). A later ``attach_optimizer`` swaps again;
+        parameters stay in host memory from then on."""
+        if self._param_swap is not None:
+            for unit in self._with_masters():
+                if not unit.persistent:
+                    unit.shard = self._host(unit.master.to(self.param_dtype))
+            self._param_swap.close()
+            self._param_swap = None
         if self._nvme is None:
             return
         self._nvme.flush()
@@ -720,6 +751,8 @@ class ZeroEngine:
             self._coordinator.close()
         if self._nvme is not None:
             self._nvme.close()
+        if self._param_swap is not None:
+            self._param_swap.close()
 
 
 def _trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
