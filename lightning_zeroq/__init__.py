@@ -9,7 +9,8 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.precision import ZeroQPrecision
 from lightning_zeroq.strategy import ZeroQStrategy
-from lightning_zeroq.zero.engine import ZeroEngine, register_elementwise_optimizer
+from lightning_zeroq.zero.engine import ZeroEngine
+from lightning_zeroq.zero.optimizers import register_elementwise_optimizer
 
 ZeroQStrategy.register_strategies(StrategyRegistry)
 

@@ -177,8 +177,6 @@ def test_nvme_path_errors_are_clear(tmp_path, monkeypatch):
 
 
 def _trainer_nvme_body(path: str, stage: int) -> int:
-    import lightning as L
-
     from lightning_zeroq import ZeroQStrategy
     from tests.test_strategy import _fit
 

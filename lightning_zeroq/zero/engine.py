@@ -45,42 +45,11 @@ from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.layout import ALIGN, Segment, UnitLayout, make_layout, plan_units
 from lightning_zeroq.zero.loss_scaler import loss_scaler_from_config
+from lightning_zeroq.zero.materialize import materialize_meta_params, materialize_meta_state
 from lightning_zeroq.zero.nvme_state import NvmeOptimizerState
 from lightning_zeroq.zero.offload.nvme import NvmeSwapper, aligned_empty
+from lightning_zeroq.zero.optimizers import check_elementwise, prefer_fast_host_step
 from lightning_zeroq.zero.quantized_gather import EncodedShard, QuantizedGather
-
-ELEMENTWISE_OPTIMIZERS: list[type] = [
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adagrad,
-    torch.optim.Adadelta,
-    torch.optim.Adamax,
-    torch.optim.ASGD,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-    torch.optim.RMSprop,
-    torch.optim.Rprop,
-]
-
-
-def register_elementwise_optimizer(cls: type) -> type:
-    """Declare an optimizer class elementwise, so ZeroQ accepts it. Usable as a class decorator."""
-    if cls not in ELEMENTWISE_OPTIMIZERS:
-        ELEMENTWISE_OPTIMIZERS.append(cls)
-    return cls
-
-
-def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
-    if not isinstance(optimizer, tuple(ELEMENTWISE_OPTIMIZERS)):
-        name = type(optimizer).__name__
-        raise ValueError(
-            f"ZeroQ cannot shard optimizer {name}: it shards every parameter across ranks, so the update "
-            f"must be elementwise, and {name} is not known to be (known: "
-            f"{', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}). If {name} is elementwise, declare "
-            f"it with lightning_zeroq.register_elementwise_optimizer({name}); otherwise use DDP or FSDP."
-        )
-
 
 @dataclass(eq=False)
 class _Unit:
@@ -207,7 +176,7 @@ class ZeroEngine:
     def _sync_replicated_state(self) -> None:
         """Move frozen parameters and buffers to the device and start from rank 0's values everywhere,
         as DDP does (trainable parameters get the same through their unit buffers)."""
-        _materialize_meta(self.module, self.device, trainable=False)
+        materialize_meta_state(self.module, self.device, trainable=False)
         with torch.no_grad():
             for t in [*(p for p in self.module.parameters() if not p.requires_grad), *self.module.buffers()]:
                 t.data = t.data.to(self.device)
@@ -220,7 +189,7 @@ class ZeroEngine:
         next_id = 0
         renamed: dict[int, nn.Parameter] = {}
         for index, (unit_params, unit_module, persistent) in enumerate(specs):
-            _materialize_meta_params(self.module, unit_params, self.device, renamed)
+            materialize_meta_params(self.module, unit_params, self.device, renamed)
             layout = make_layout([p.numel() for p in unit_params], self.world_size, self._align)
             full = torch.zeros(layout.padded_numel, dtype=torch.float32, device=self.device)
             with torch.no_grad():
@@ -313,7 +282,7 @@ class ZeroEngine:
         for group, seg_params in zip(optimizer.param_groups, new_params):
             group["params"] = seg_params
             if self.config.offload_optimizer:
-                _prefer_fast_host_step(optimizer, group)
+                prefer_fast_host_step(optimizer, group)
         optimizer.state.clear()
         self.optimizer = optimizer
         if self.config.offload_optimizer and self.config.offload_optimizer_device == "nvme":
@@ -758,58 +727,3 @@ class ZeroEngine:
 def _trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
     """Trainable parameters in registration order, each once (tied weights are one parameter)."""
     return [p for p in module.parameters() if p.requires_grad]
-
-
-def _materialize_meta(module: nn.Module, device: torch.device, trainable: bool) -> None:
-    """Materialize the meta-device frozen parameters and buffers (``trainable=False``) with each
-    owning module's ``reset_parameters()``."""
-    for m in module.modules():
-        own = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
-        if any(t.is_meta and (trainable or not getattr(t, "requires_grad", False)) for t in own):
-            _reset_on(module, m, device)
-
-
-def _materialize_meta_params(
-    module: nn.Module, params: list[nn.Parameter], device: torch.device, renamed: dict[int, nn.Parameter]
-) -> None:
-    """Materialize the owning modules of the meta-device ``params`` (one unit at a time), replacing
-    the entries of ``params`` with the new parameter objects. ``renamed`` (old id -> new parameter)
-    carries replacements across units: a module's reset replaces all of its parameters at once."""
-    params[:] = [renamed.get(id(p), p) for p in params]
-    wanted = {id(p) for p in params if p.is_meta}
-    if not wanted:
-        return
-    for m in list(module.modules()):
-        if any(id(p) in wanted for p in m.parameters(recurse=False)):
-            renamed.update(_reset_on(module, m, device))
-    params[:] = [renamed.get(id(p), p) for p in params]
-
-
-def _reset_on(root: nn.Module, m: nn.Module, device: torch.device) -> dict[int, nn.Parameter]:
-    """``m.to_empty(device)`` + ``m.reset_parameters()``; parameter objects may be replaced, so every
-    module that shared an old one (tied weights) gets the new one. Returns old id -> new parameter."""
-    if not hasattr(m, "reset_parameters"):
-        raise ValueError(
-            f"{type(m).__name__} has parameters or buffers on the meta device but no reset_parameters() "
-            "to initialize them; give it one, or build the model on a real device."
-        )
-    before = dict(m.named_parameters(recurse=False))
-    m.to_empty(device=device, recurse=False)
-    with torch.no_grad():
-        m.reset_parameters()
-    renamed = {id(old): m._parameters[name] for name, old in before.items() if m._parameters[name] is not old}
-    if renamed:
-        for other in root.modules():
-            for name, p in list(other._parameters.items()):
-                if p is not None and id(p) in renamed:
-                    other._parameters[name] = renamed[id(p)]
-    return renamed
-
-
-def _prefer_fast_host_step(optimizer: torch.optim.Optimizer, group: dict) -> None:
-    """Optimizer offload steps on the CPU: use torch's fused CPU kernel for Adam/AdamW, foreach for
-    other optimizers that have it (the update is the same; only the implementation differs)."""
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        group["fused"], group["foreach"] = True, False
-    elif "foreach" in optimizer.defaults and not group.get("fused"):
-        group["foreach"] = True
