@@ -8,7 +8,7 @@ torch AdamW, median of ``--steps`` steps after ``--warmup``.
 One launch per arm (so peak memory is the arm's own):
 
     torchrun --nproc-per-node 2 benchmarks/step_time.py --arm ddp
-    torchrun --nproc-per-node 2 benchmarks/step_time.py --arm zeroq2 [--quantized]
+    torchrun --nproc-per-node 2 benchmarks/step_time.py --arm zeroq2 [--quantized] [--offload optimizer]
 
 Rank 0 prints one JSON line per arm; ``benchmarks/run_step_time.sh`` runs all arms and links.
 """
@@ -95,6 +95,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--arm", choices=["ddp", "zeroq1", "zeroq2", "zeroq3"], required=True)
     parser.add_argument("--quantized", action="store_true")
+    parser.add_argument("--offload", choices=["none", "optimizer", "params"], default="none",
+                        help="optimizer: fp32 masters and AdamW state on the CPU; params: also stage 3 parameters")
     parser.add_argument("--link", default=os.environ.get("BENCH_LINK", "nvlink"))
     parser.add_argument("--dim", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=16)
@@ -132,7 +134,8 @@ def main() -> None:
         from lightning_zeroq import ZeroConfig, ZeroEngine
 
         config = ZeroConfig(stage=int(args.arm[-1]), reduce_bucket_size=int(args.bucket),
-                            quantized_weights=args.quantized)
+                            quantized_weights=args.quantized, offload_optimizer=args.offload != "none",
+                            offload_parameters=args.offload == "params")
         engine = ZeroEngine(model, config, param_dtype=torch.bfloat16)
         engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
 
@@ -159,7 +162,7 @@ def main() -> None:
     gathered = [torch.empty_like(stats) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, stats)
     if rank == 0:
-        arm = args.arm + ("+int8" if args.quantized else "")
+        arm = args.arm + ("+int8" if args.quantized else "") + ("" if args.offload == "none" else f"+offload_{args.offload}")
         print(json.dumps({
             "arm": arm, "link": args.link, "params_M": round(num_params / 1e6, 1),
             "step_s_median": round(max(float(s[0]) for s in gathered), 4),
