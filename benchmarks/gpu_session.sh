@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Everything the open issues still need from a 2-GPU machine, in two device calls of < 10 minutes each.
-#   part 1 (tests + kernels + accuracy):  bash benchmarks/gpu_session.sh tests   > $OUT/gpu_tests.log
-#   part 2 (whole-step benchmarks):       bash benchmarks/gpu_session.sh bench   > $OUT/step_time.jsonl
+# Everything the open issues still need from a 2-GPU machine, in three device calls of < 10 minutes each.
+#   bash benchmarks/gpu_session.sh tests  > $OUT/gpu_tests.log      # tests, kernel bandwidth, INT8 accuracy
+#   bash benchmarks/gpu_session.sh bench1 > $OUT/step_time_1.jsonl  # NVLink and host-memory links
+#   bash benchmarks/gpu_session.sh bench2 > $OUT/step_time_2.jsonl  # socket link, offload arms
 # Carry the hydra/omegaconf wheels only for the CLI check (../shared/tools/gpu-wheels.sh).
 set -u
 cd "$(dirname "$0")/.."
@@ -15,8 +16,11 @@ case ${1:-tests} in
     python3 -m benchmarks.quant_kernels 2>&1 | tail -15
     python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/quant_accuracy.py --steps 300 2>&1 | grep '^{'
     ;;
-  bench)
-    LINKS="nvlink shm socket" ARMS="ddp zeroq2 zeroq2+int8 zeroq3 zeroq3+int8" bash benchmarks/run_step_time.sh
-    ARMS="zeroq2+offload_optimizer zeroq3+offload_params" bash benchmarks/run_step_time.sh
+  bench1)
+    LINKS="nvlink shm" ARMS="ddp zeroq2 zeroq2+int8 zeroq3 zeroq3+int8" bash benchmarks/run_step_time.sh
+    ;;
+  bench2)
+    LINKS="socket" ARMS="ddp zeroq2 zeroq2+int8 zeroq3 zeroq3+int8" bash benchmarks/run_step_time.sh
+    ARMS="zeroq2 zeroq2+offload_optimizer zeroq3 zeroq3+offload_params" bash benchmarks/run_step_time.sh
     ;;
 esac
