@@ -10,7 +10,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" ZEROQ_EXT_CACHE=/tmp/zeroq_ext
 case ${1:-tests} in
   tests)
-    python3 -m lightning_zeroq.ops._load 2>&1 | tail -2          # build the kernels once, before any collective
+    python3 -c "from lightning_zeroq.ops._load import main; raise SystemExit(main())" 2>&1 | tail -2  # build once
     python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/ops -s 2>&1 \
       | grep -E "worst|passed|failed|FAILED|Error" | tail -40
     python3 -m benchmarks.quant_kernels 2>&1 | tail -15
