@@ -20,7 +20,7 @@ Importing this module does nothing: no CUDA initialization, no compiler, no file
 Which path is active is logged once at INFO. Compiling takes about a minute; to keep it out of a
 training step (other ranks would wait in a collective), build ahead of time (``pip install
 --no-build-isolation .`` with a CUDA torch) or warm the cache with
-``python -m lightning_zeroq.ops._load``.
+``python -c "from lightning_zeroq.ops._load import main; raise SystemExit(main())"``.
 """
 
 from __future__ import annotations
