@@ -182,6 +182,7 @@ def main() -> None:
     df = subprocess.run(["df", "-h", str(work)], capture_output=True, text=True).stdout.rstrip()
     print("\n".join(f"#   {line}" for line in df.splitlines()))
     print(f"# page cache drop: {drop_page_cache()}")
+    print(f"# load average at start (1/5/15 min): {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     try:
         dd_1m = dd_bandwidth(work, args.total_mib, 1, args.repeats)
         dd_big = dd_bandwidth(work, args.total_mib, args.buffer_mib, args.repeats)
@@ -197,6 +198,7 @@ def main() -> None:
     print(f"# NvmeSwapper: O_DIRECT={'yes' if direct_io else 'no (buffered I/O)'}, buffer {args.buffer_mib} MiB x "
           f"{args.num_buffers}, {args.threads} I/O threads; {human_bytes(args.total_mib * MiB)} in units of "
           f"{args.unit_mib} MiB; median of {args.repeats} passes")
+    print(f"# load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"{'measurement':<36} {'GB/s':>7} {'vs dd bs=1M':>12}")
     print(f"{'dd write bs=1M oflag=direct':<36} {dd_1m[0]:7.3f} {'1.00':>12}")
     print(f"{'dd read  bs=1M iflag=direct':<36} {dd_1m[1]:7.3f} {'1.00':>12}")
