@@ -156,3 +156,9 @@ def _overflow_body(stage: int, device: str = "cpu") -> float:
 def test_fp16_overflow_skips_step_on_every_rank(dist_pool, stage: int) -> None:
     scales = dist_pool(2).run(_overflow_body, stage)
     assert scales[0] == scales[1] < 2.0**16
+
+
+def test_offload_fused_sgd_matches_ddp(dist_pool) -> None:
+    # The host step switches SGD to torch's fused CPU kernel; momentum SGD must still match DDP.
+    results = dist_pool(2).run(_parity_body, 2, True, 0.5, "sgd", 300, "cpu", "optimizer_cpu")
+    assert all(r < 1e-5 for r in results)

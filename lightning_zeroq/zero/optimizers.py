@@ -42,10 +42,14 @@ def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
         )
 
 
+FUSED_ON_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+
+
 def prefer_fast_host_step(optimizer: torch.optim.Optimizer, group: dict) -> None:
-    """Optimizer offload steps on the CPU: use torch's fused CPU kernel for Adam/AdamW, foreach for
-    other optimizers that have it (the update is the same; only the implementation differs)."""
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+    """Optimizer offload steps on the CPU: use torch's fused CPU kernel where torch has one (Adam,
+    AdamW, SGD, Adagrad; 3.3x plain AdamW on 100M parameters, benchmarks/results/cpu_optimizer_cpu.txt),
+    foreach for the other optimizers that have it. The update is the same; only the kernel differs."""
+    if isinstance(optimizer, FUSED_ON_CPU):
         group["fused"], group["foreach"] = True, False
-    elif "foreach" in optimizer.defaults and not group.get("fused"):
+    elif "foreach" in optimizer.defaults:
         group["foreach"] = True
