@@ -13,11 +13,24 @@ from tests import test_strategy as strategy_tests
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("managed", [True, False], ids=["managed", "unmanaged"])
 def test_engine_matches_ddp_nccl(gpu_pool, stage, managed):
     worst = gpu_pool(2).run(engine_tests._parity_body, stage, managed, 0.5, "adamw", 300, "cuda")
     print(f"stage {stage} {'managed' if managed else 'unmanaged'}: worst |zeroq - ddp| = {max(worst):.3g}")
+    assert max(worst) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "stage, offload",
+    [(1, "optimizer_cpu"), (2, "optimizer_cpu"), (3, "optimizer_cpu"), (3, "params_optimizer_cpu"),
+     (2, "optimizer_nvme"), (3, "optimizer_nvme")],
+)
+@pytest.mark.parametrize("managed", [True, False], ids=["managed", "unmanaged"])
+def test_offload_matches_ddp_nccl(gpu_pool, stage, offload, managed):
+    # exercises the pinned host buffers, the boundary copy on the comm stream and the H2D write-back
+    worst = gpu_pool(2).run(engine_tests._parity_body, stage, managed, 0.5, "adamw", 300, "cuda", offload)
+    print(f"stage {stage} {offload} {'managed' if managed else 'unmanaged'}: worst = {max(worst):.3g}")
     assert max(worst) < 1e-5
 
 
@@ -27,7 +40,7 @@ def test_fp16_overflow_skips_step_nccl(gpu_pool, stage):
     assert scales[0] == scales[1] < 2.0**16
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("managed", [True, False], ids=["managed", "unmanaged"])
 def test_trainer_matches_ddp_nccl(gpu_pool, stage, managed):
     steps = gpu_pool(2).run(strategy_tests._parity_body, stage, managed, "gpu")
@@ -54,8 +67,15 @@ def test_quantized_reconstruction_nccl(gpu_pool, dtype):
     gpu_pool(2).run(test_quantized._reconstruction_body, dtype, "cuda")
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_quantized_identical_working_weights_nccl(gpu_pool, stage):
     from tests import test_quantized
 
     gpu_pool(2).run(test_quantized._train_body, stage, True, 6, True, "cuda")
+
+
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "on-demand"])
+def test_stage3_changing_control_flow_nccl(gpu_pool, prefetch):
+    from tests import test_stage3
+
+    gpu_pool(2).run(test_stage3._path_body, prefetch, "cuda")

@@ -39,16 +39,18 @@ class PathModel(nn.Module):
 
 def _loss(model, step: int, rank: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(100 * step + rank)
-    tokens = torch.randint(0, VOCAB, (4, SEQ), generator=g)
+    tokens = torch.randint(0, VOCAB, (4, SEQ), generator=g).to(next(model.parameters()).device)
     logits = model(tokens, ORDERS[step % len(ORDERS)])
     return F.cross_entropy(logits.reshape(-1, VOCAB), tokens.roll(-1, 1).reshape(-1))
 
 
-def _path_body(prefetch: bool) -> int:
+def _path_body(prefetch: bool, device: str = "cpu") -> int:
     rank = dist.get_rank()
     torch.manual_seed(rank)
-    model = PathModel()
-    ref = DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    model = PathModel().to(dev)
+    ref = DistributedDataParallel(copy.deepcopy(model), device_ids=[dev.index] if dev.type == "cuda" else None,
+                                  find_unused_parameters=True)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     engine = ZeroEngine(model, ZeroConfig(stage=3, stage3_param_persistence_threshold=100, stage3_prefetch=prefetch))
     transient = [u for u in engine.units if not u.persistent]
@@ -76,7 +78,7 @@ def _path_body(prefetch: bool) -> int:
             assert all(u.flat.untyped_storage().nbytes() == 0 for u in transient)
             full = engine.full_state_dict()
             for name, p in ref.module.named_parameters():
-                assert (full[name] - p.detach()).abs().max() < 1e-5, (step, name)
+                assert (full[name] - p.detach().cpu()).abs().max() < 1e-5, (step, name)
     assert most_gathered <= (2 if prefetch else 1)  # the unit in use plus at most one prefetched
     path_warnings = [w for w in caught if "different path" in str(w.message)]
     assert len(path_warnings) == (1 if prefetch else 0)  # a warning at most, once, never an error
