@@ -4,9 +4,9 @@ Field names follow Lightning's ``DeepSpeedStrategy`` (and DeepSpeed's config key
 is the same, so users coming from DeepSpeed can move their settings over unchanged. Every field is
 validated in ``__post_init__``; a bad value raises ``ValueError`` naming the field, the value and the fix.
 
-Options that a later milestone implements (stage 3, offload, quantized weights) are accepted by the
-schema, so recipes can name them, but rejected by ``ZeroConfig.check_supported`` with a clear
-"not supported yet" error instead of being silently ignored.
+A combination that is valid but not implemented yet (today: INT8 weights with parameters offloaded to
+NVMe) is accepted by the schema, so recipes can name it, but rejected by ``ZeroConfig.check_supported``
+with a clear "not supported yet" error instead of being silently ignored.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
-SUPPORTED_STAGES = (1, 2, 3)
 OFFLOAD_DEVICES = ("cpu", "nvme")
 
 
@@ -168,11 +167,6 @@ class ZeroConfig:
 
     def check_supported(self) -> None:
         """Raise for options that are valid but not implemented in this release."""
-        if self.stage not in SUPPORTED_STAGES:
-            raise ValueError(
-                f"ZeroConfig.stage={self.stage} is not supported yet; stages {SUPPORTED_STAGES} are. "
-                "Use stage=2 for sharded gradients and optimizer state."
-            )
         if self.offload_parameters and self.offload_params_device == "nvme" and self.quantized_weights:
             raise ValueError(
                 "ZeroConfig: quantized_weights=True with offload_params_device='nvme' is not supported yet; "

@@ -49,7 +49,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 class ZeroQStrategy(DDPStrategy):
-    """ZeRO stages 1 and 2 as a Lightning strategy.
+    """ZeRO stages 1, 2 and 3 (with INT8 weight sync and CPU/NVMe offload) as a Lightning strategy.
 
     Args:
         config: a ``ZeroConfig``; keyword ``options`` override its fields.

@@ -82,7 +82,7 @@ class _Unit:
 
 
 class ZeroEngine:
-    """Shards a module's trainable parameters for ZeRO stages 1 and 2 and steps an optimizer on them.
+    """Shards a module's trainable parameters for ZeRO stages 1, 2 and 3 and steps an optimizer on them.
 
     Args:
         module: the model; its trainable parameters become views into per-unit flat buffers.
