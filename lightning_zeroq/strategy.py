@@ -85,6 +85,12 @@ class ZeroQStrategy(DDPStrategy):
             )
         self.config = (config or ZeroConfig()).replace(**options)
         self.config.check_supported()
+        if start_method != "popen" and self.config.stage == 3:
+            raise ValueError(
+                f"ZeroQStrategy(stage=3, start_method={start_method!r}): the {start_method} launcher sends rank "
+                "0's whole state_dict back to the main process, which stage 3 never holds; use "
+                "start_method='popen' (the default) or torchrun."
+            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -119,8 +125,9 @@ class ZeroQStrategy(DDPStrategy):
 
     @property  # type: ignore[override]
     def precision_plugin(self) -> ZeroQPrecision:
-        plugin = self._precision_plugin
-        return plugin if plugin is not None else ZeroQPrecision()  # type: ignore[return-value]
+        if self._precision_plugin is None:
+            self._precision_plugin = ZeroQPrecision()
+        return self._precision_plugin  # type: ignore[return-value]
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Optional[Precision]) -> None:

@@ -132,3 +132,9 @@ def test_parameters_on_different_devices_are_rejected():
     model[1].to("meta")
     with pytest.raises(ValueError, match=r"one device, found \['cpu', 'meta'\]"):
         ZeroEngine(model, ZeroConfig(stage=3))
+
+
+def test_stage3_rejects_the_spawn_launcher():
+    with pytest.raises(ValueError, match="start_method='spawn'"):
+        ZeroQStrategy(stage=3, start_method="spawn")
+    assert ZeroQStrategy(stage=2, start_method="spawn").config.stage == 2
