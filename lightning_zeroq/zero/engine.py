@@ -50,6 +50,7 @@ from lightning_zeroq.zero.nvme_state import NvmeOptimizerState
 from lightning_zeroq.zero.offload.nvme import NvmeSwapper, aligned_empty
 from lightning_zeroq.zero.optimizers import check_elementwise, prefer_fast_host_step
 from lightning_zeroq.zero.quantized_gather import EncodedShard, QuantizedGather
+from lightning_zeroq.zero.stage3 import Stage3Coordinator, UnitSpec, plan_module_units
 
 @dataclass(eq=False)
 class _Unit:
@@ -124,8 +125,6 @@ class ZeroEngine:
         params = _trainable_parameters(module)
         self._align = math.lcm(ALIGN, config.quantized_weights_group_size) if config.quantized_weights else ALIGN
         if config.stage == 3:
-            from lightning_zeroq.zero.stage3 import plan_module_units
-
             specs = plan_module_units(
                 module,
                 params,
@@ -135,7 +134,7 @@ class ZeroEngine:
             )
         else:
             plan = plan_units([p.numel() for p in params], config.reduce_bucket_size)
-            specs = [([params[i] for i in members], None, True) for members in plan]
+            specs = [UnitSpec([params[i] for i in members], None, True) for members in plan]
         self._gather_stream = comm.side_stream(self.device) if config.stage == 3 else None
         self._nvme: Optional[NvmeOptimizerState] = None  # set by attach_optimizer
         self._param_swap: Optional[NvmeSwapper] = None
@@ -156,8 +155,6 @@ class ZeroEngine:
             self._swap_out_parameters()
         self._coordinator = None
         if config.stage == 3:
-            from lightning_zeroq.zero.stage3 import Stage3Coordinator
-
             self._coordinator = Stage3Coordinator(self, self.units, prefetch=config.stage3_prefetch)
         self._where = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
         self._reduce_order = list(reversed(self.units))
@@ -166,6 +163,7 @@ class ZeroEngine:
         self._used: set[int] = set()
         self._open = False
         self._reduce_now = False
+        self._boundary_now = False
         self._callback_queued = False
         self._next_reduce = 0
         self._pending_local = False
@@ -183,7 +181,7 @@ class ZeroEngine:
                 if self.world_size > 1:
                     comm.broadcast(t.data, 0, self.group)
 
-    def _build_units(self, specs: list[tuple[list[nn.Parameter], Optional[nn.Module], bool]]) -> list[_Unit]:
+    def _build_units(self, specs: list[UnitSpec]) -> list[_Unit]:
         """Flatten, broadcast from rank 0 and shard each unit, one at a time (bounded memory)."""
         units = []
         next_id = 0
@@ -272,13 +270,14 @@ class ZeroEngine:
                 "build the optimizer from self.parameters() in configure_optimizers."
             )
         new_params: list[list[Tensor]] = [[] for _ in optimizer.param_groups]
-        self._segment_table: list[tuple[Tensor, _Unit, Segment]] = []
+        # Per unit, the (master segment, segment) pairs the optimizer steps.
+        self._optimized: dict[int, list[tuple[Tensor, Segment]]] = {u.index: [] for u in self.units}
         for unit in self.units:
             for seg, seg_master in zip(unit.segments, unit.segment_masters):
                 gi = group_of.get(id(unit.params[seg.param]))
                 if gi is not None:
                     new_params[gi].append(seg_master)
-                    self._segment_table.append((seg_master, unit, seg))
+                    self._optimized[unit.index].append((seg_master, seg))
         for group, seg_params in zip(optimizer.param_groups, new_params):
             group["params"] = seg_params
             if self.config.offload_optimizer:
@@ -467,18 +466,20 @@ class ZeroEngine:
         found_inf = self.finalize_gradients()
         if not found_inf:
             self._apply_grad_multiplier()
-            used = self._used_global.tolist() if self._segment_table else []
+            used = self._used_global.tolist()
             # With offload the host steps unit by unit, so the copy back and the gather of one unit
             # (asynchronous on the GPU) overlap the host update of the next.
             batches = ([u] for u in self._with_masters()) if self.config.offload_optimizer else [self.units]
             for units in batches:
-                for seg_master, unit, seg in self._segment_table:
-                    if unit in units and used[unit.param_ids[seg.param]]:
-                        seg_master.grad = self._step_grad(unit)[seg.shard_start : seg.shard_start + seg.numel]
-                self.optimizer.step()
-                for seg_master, _, _ in self._segment_table:
-                    seg_master.grad = None
                 for unit in units:
+                    grad = self._step_grad(unit)
+                    for seg_master, seg in self._optimized[unit.index]:
+                        if used[unit.param_ids[seg.param]]:
+                            seg_master.grad = grad[seg.shard_start : seg.shard_start + seg.numel]
+                self.optimizer.step()
+                for unit in units:
+                    for seg_master, _ in self._optimized[unit.index]:
+                        seg_master.grad = None
                     self._publish_unit(unit)
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf)

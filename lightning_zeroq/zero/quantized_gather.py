@@ -106,6 +106,14 @@ class QuantizedGather:
         self.group_size = group_size
         self.plans = [plan_chunks(l.shard_numel, l.world_size, bucket_numel, group_size) for l in layouts]
         self.sides = [_side_plan(l, exact_numel, rank, device) for l in layouts]
+        # Per unit and chunk: the side-channel positions inside the chunk, relative to its start.
+        self.chunk_sides = [
+            [
+                None if side is None else side.local[(side.local >= start) & (side.local < start + n)] - start
+                for start, n in self.chunks(i, l.shard_numel)
+            ]
+            for i, (l, side) in enumerate(zip(layouts, self.sides))
+        ]
         if device.type == "cuda":
             ops.load_cuda_backend()  # compile or load once now, never inside a collective
 
@@ -117,10 +125,9 @@ class QuantizedGather:
     def encode_chunk(self, index: int, master: Tensor, start: int, n: int) -> Tensor:
         """``[codes | scales]`` of ``master[start:start + n]`` with the side-channel elements zeroed."""
         chunk = master[start : start + n].clone()
-        side = self.sides[index]
-        if side is not None:
-            inside = side.local[(side.local >= start) & (side.local < start + n)]
-            chunk[inside - start] = 0.0
+        inside = self.chunk_sides[index][start // self.plans[index].chunk_numel]
+        if inside is not None:
+            chunk[inside] = 0.0
         return ops.quantize_pack_int8(chunk, group_size=self.group_size)
 
     @torch.no_grad()
