@@ -1,26 +1,36 @@
 #!/usr/bin/env bash
-# Everything the open issues still need from a 2-GPU machine, in three device calls of < 10 minutes each.
-#   bash benchmarks/gpu_session.sh tests  > $OUT/gpu_tests.log      # tests, kernel bandwidth, INT8 accuracy
-#   bash benchmarks/gpu_session.sh bench1 > $OUT/step_time_1.jsonl  # NVLink and host-memory links
-#   bash benchmarks/gpu_session.sh bench2 > $OUT/step_time_2.jsonl  # socket link, offload arms
-# Carry the hydra/omegaconf wheels only for the CLI check (../shared/tools/gpu-wheels.sh).
+# Everything the open issues need from a 2-GPU machine, in two device calls of < 10 minutes each.
+# Every piece has its own time limit and writes into $OUT as it goes, so a slow piece costs only itself.
+#   bash benchmarks/gpu_session.sh tests   # GPU tests, kernel bandwidth, INT8 accuracy (stage 2 and 3)
+#   bash benchmarks/gpu_session.sh bench   # step time and peak memory: three links, offload, 1B stage 3
 set -u
 cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/zeroq_out}
+mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" ZEROQ_EXT_CACHE=/tmp/zeroq_ext
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$out/gpus.txt" 2>&1
 case ${1:-tests} in
   tests)
-    python3 -c "from lightning_zeroq.ops._load import main; raise SystemExit(main())" 2>&1 | tail -2  # build once
-    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/ops -s 2>&1 \
-      | grep -E "worst|passed|failed|FAILED|Error" | tail -40
-    python3 -m benchmarks.quant_kernels 2>&1 | tail -15
-    python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/quant_accuracy.py --steps 300 2>&1 | grep '^{'
+    { time timeout 150 python3 -c "from lightning_zeroq.ops._load import main; raise SystemExit(main())"; } \
+      > "$out/build.log" 2>&1; tail -3 "$out/build.log"
+    timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_gpu.py tests/ops -s \
+      > "$out/gpu_tests.log" 2>&1
+    grep -E "worst|deviation|passed|failed|FAILED|Error" "$out/gpu_tests.log" | tail -45
+    timeout 90 python3 -m benchmarks.quant_kernels > "$out/quant_kernels.txt" 2>&1; tail -12 "$out/quant_kernels.txt"
+    for stage in 2 3; do
+      timeout 100 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/quant_accuracy.py --steps 300 \
+        --stage $stage 2>&1 | grep -E '^\{|Error' | tee -a "$out/quant_accuracy.jsonl"
+    done
     ;;
-  bench1)
-    LINKS="nvlink shm" ARMS="ddp zeroq2 zeroq2+int8 zeroq3 zeroq3+int8" bash benchmarks/run_step_time.sh
+  bench)
+    five=ddp,zeroq2,zeroq2+int8,zeroq3,zeroq3+int8
+    LAUNCH_TIMEOUT=170 LINKS=nvlink ARMS=$five,zeroq2+offload_optimizer,zeroq3+offload_params \
+      bash benchmarks/run_step_time.sh | tee "$out/step_time_nvlink.jsonl"
+    LAUNCH_TIMEOUT=120 LINKS=shm ARMS=$five bash benchmarks/run_step_time.sh | tee "$out/step_time_shm.jsonl"
+    LAUNCH_TIMEOUT=170 LINKS=socket ARMS=$five bash benchmarks/run_step_time.sh | tee "$out/step_time_socket.jsonl"
+    LAUNCH_TIMEOUT=90 LINKS=nvlink ARMS=zeroq3,zeroq3+int8 BENCH_ARGS="--layers 17" \
+      bash benchmarks/run_step_time.sh | tee "$out/step_time_1b.jsonl"
     ;;
-  bench2)
-    LINKS="socket" ARMS="ddp zeroq2 zeroq2+int8 zeroq3 zeroq3+int8" bash benchmarks/run_step_time.sh
-    ARMS="zeroq2 zeroq2+offload_optimizer zeroq3 zeroq3+offload_params" bash benchmarks/run_step_time.sh
-    ;;
+  *) echo "usage: $0 tests|bench" >&2; exit 2 ;;
 esac

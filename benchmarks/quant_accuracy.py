@@ -2,11 +2,11 @@
 
 A byte-level GPT of ~101M parameters (d=1024, 8 layers, 16 heads, SwiGLU 2816... see ``--*`` flags)
 on the text of Python's own documentation (``pydoc_data.topics``, shipped with every CPython), ZeRO
-stage 2, bf16 working weights, AdamW, identical seeds and data in both runs. Reports the final loss of
+ZeRO stage 2 (``--stage 3`` for stage 3), bf16 working weights, AdamW, identical seeds and data in both runs. Reports the final loss of
 both (mean of the last 10 steps), their relative difference, and the relative L2 difference of the
 final fp32 parameters.
 
-    torchrun --nproc-per-node 2 benchmarks/quant_accuracy.py --steps 300
+    torchrun --nproc-per-node 2 benchmarks/quant_accuracy.py --steps 300 [--stage 3]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from lightning_zeroq import ZeroConfig, ZeroEngine  # noqa: E402
 def train(quantized: bool, args: argparse.Namespace, data: torch.Tensor, dev: torch.device):
     torch.manual_seed(0)
     model = GPT(256, args.dim, args.layers, args.heads, args.ffn).to(dev)
-    engine = ZeroEngine(model, ZeroConfig(stage=2, quantized_weights=quantized), param_dtype=torch.bfloat16)
+    engine = ZeroEngine(model, ZeroConfig(stage=args.stage, quantized_weights=quantized), param_dtype=torch.bfloat16)
     engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1))
     g = torch.Generator(device="cpu").manual_seed(1 + dist.get_rank())
     losses = []
@@ -55,6 +55,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--lr", type=float, default=6e-4)
+    parser.add_argument("--stage", type=int, choices=[1, 2, 3], default=2)
     args = parser.parse_args()
     dist.init_process_group("nccl")
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -69,7 +70,7 @@ def main() -> None:
     final_plain, final_quant = sum(plain[-10:]) / 10, sum(quant[-10:]) / 10
     if dist.get_rank() == 0:
         print(json.dumps({
-            "params_M": round(n / 1e6, 1), "steps": args.steps, "text_bytes": data.numel(),
+            "stage": args.stage, "params_M": round(n / 1e6, 1), "steps": args.steps, "text_bytes": data.numel(),
             "first_loss": round(plain[0], 4),
             "final_loss_plain": round(final_plain, 4), "final_loss_int8": round(final_quant, 4),
             "final_loss_rel_diff": round(abs(final_quant - final_plain) / final_plain, 5),

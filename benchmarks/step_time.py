@@ -5,17 +5,25 @@ up with the peers measured there: d=2048, 16 layers, 16 heads of 128, SwiGLU 563
 32000, untied head (953M parameters), random tokens, micro-batch 4 x 1024 per GPU, bf16 autocast,
 torch AdamW, median of ``--steps`` steps after ``--warmup``.
 
-One launch per arm (so peak memory is the arm's own):
+Arms run one after another in one launch (the link is fixed per launch by the NCCL environment).
+Each arm builds its own model from the same seed and frees everything before the next, and its
+peak is its own: the peak counter is reset after the model is built and the allocated bytes left
+over from earlier arms are reported (``leftover_GiB``, expected 0)::
 
-    torchrun --nproc-per-node 2 benchmarks/step_time.py --arm ddp
-    torchrun --nproc-per-node 2 benchmarks/step_time.py --arm zeroq2 [--quantized] [--offload optimizer]
+    torchrun --nproc-per-node 2 benchmarks/step_time.py --arms ddp,zeroq2,zeroq2+int8
+    torchrun --nproc-per-node 2 benchmarks/step_time.py --arms zeroq3,zeroq3+offload_params
 
-Rank 0 prints one JSON line per arm; ``benchmarks/run_step_time.sh`` runs all arms and links.
+An arm is ``ddp`` or ``zeroq1/2/3``, optionally with ``+int8`` and ``+offload_optimizer`` (fp32
+masters and AdamW state on the CPU) or ``+offload_params`` (stage 3: also the parameters).
+``activations_GiB`` is what autograd saved for backward in one step (unique storages, parameters
+excluded), measured on the first warm-up step. Rank 0 prints one JSON line per arm;
+``benchmarks/run_step_time.sh`` runs the arms over the three links.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -72,31 +80,153 @@ class GPT(nn.Module):
 
 
 def memory_bound(engine) -> dict:
-    """The memory a ZeRO rank must hold, from the engine's own buffers: sharded state (fp32 master and
-    gradient shards, AdamW's two fp32 moments, stage 3's working shard or encoded payload), persistent
-    units at full width, and for stage 3 the largest transient unit twice (in use + prefetched)."""
-    gib = 2**30
-    state = 0
+    """The memory a ZeRO rank must hold on the GPU, from the engine's own buffers: the sharded state
+    that lives there (fp32 master and gradient shards, the optimizer's state, stage 3's working
+    shard or encoded payload; offloaded pieces are on the host and not counted), persistent units
+    at full width, and for stage 3 the largest transient unit twice (in use + prefetched)."""
+
+    def device_bytes(t) -> int:
+        return t.numel() * t.element_size() if isinstance(t, torch.Tensor) and t.is_cuda else 0
+
+    state = sum(device_bytes(v) for s in engine.optimizer.state.values() for v in s.values())
     for unit in engine.units:
-        state += unit.master.numel() * (4 + 4 + 8)  # master, grad shard, exp_avg + exp_avg_sq
+        state += device_bytes(unit.master) + device_bytes(unit.grad)
         if unit.persistent:
-            state += unit.flat.numel() * unit.flat.element_size()
+            state += device_bytes(unit.flat)
         elif unit.encoded is not None:
-            state += sum(c.numel() for c in unit.encoded.chunks)
-        elif unit.shard is not None:
-            state += unit.shard.numel() * unit.shard.element_size()
+            state += sum(device_bytes(c) for c in unit.encoded.chunks)
+        else:
+            state += device_bytes(unit.shard)
     transient = [u.flat.numel() * u.flat.element_size() for u in engine.units if not u.persistent]
     largest = max(transient, default=0)
+    gib = 2**30
     return {"state_GiB": round(state / gib, 2), "largest_unit_GiB": round(largest / gib, 3),
             "bound_GiB": round((state + 2 * largest) / gib, 2)}
 
 
+ARM_STAGES = {"ddp": 0, "zeroq1": 1, "zeroq2": 2, "zeroq3": 3}
+ARM_OPTIONS = ("int8", "offload_optimizer", "offload_params")
+
+
+def parse_arm(arm: str) -> tuple[int, set[str]]:
+    """``"zeroq3+int8"`` -> ``(3, {"int8"})``; raises ``SystemExit`` naming a bad arm."""
+    base, *options = arm.split("+")
+    if base not in ARM_STAGES or any(o not in ARM_OPTIONS for o in options) or (base == "ddp" and options):
+        raise SystemExit(f"unknown arm {arm!r}: use ddp or zeroq1/2/3 with optional +{'/+'.join(ARM_OPTIONS)}")
+    return ARM_STAGES[base], set(options)
+
+
+class SavedBytes:
+    """Counts the bytes autograd saves for backward: unique storages, parameters' own excluded."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model, self.storages = model, {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        if storage.data_ptr() not in params:
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    @property
+    def gib(self) -> float:
+        return sum(self.storages.values()) / 2**30
+
+
+ON_GPU = torch.cuda.is_available()  # without CUDA: a gloo smoke run of the script itself (no memory figures)
+
+
+def sync() -> None:
+    if ON_GPU:
+        torch.cuda.synchronize()
+
+
+def allocated_gib(peak: bool = False) -> float:
+    if not ON_GPU:
+        return 0.0
+    return (torch.cuda.max_memory_allocated() if peak else torch.cuda.memory_allocated()) / 2**30
+
+
+def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
+    stage, options = parse_arm(arm)
+    rank = dist.get_rank()
+    leftover = allocated_gib()
+    torch.manual_seed(0)
+    model = GPT(args.vocab, args.dim, args.layers, args.heads, args.ffn).to(dev)
+    num_params = sum(p.numel() for p in model.parameters())
+    engine = None
+    if stage == 0:
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if ON_GPU else None)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        forward = ddp
+
+        def finish(loss: torch.Tensor) -> None:
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    else:
+        from lightning_zeroq import ZeroConfig, ZeroEngine
+
+        offload = bool(options & {"offload_optimizer", "offload_params"})
+        config = ZeroConfig(stage=stage, reduce_bucket_size=int(args.bucket), quantized_weights="int8" in options,
+                            offload_optimizer=offload, offload_parameters="offload_params" in options)
+        engine = ZeroEngine(model, config, param_dtype=torch.bfloat16)
+        engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
+        forward = model
+
+        def finish(loss: torch.Tensor) -> None:
+            engine.backward(loss, boundary=True)
+            engine.step()
+
+    g = torch.Generator(device=dev).manual_seed(rank)
+    saved = SavedBytes(model)
+    times = []
+    sync()
+    if ON_GPU:
+        torch.cuda.reset_peak_memory_stats()
+    for i in range(args.warmup + args.steps):
+        tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=dev, generator=g)
+        sync()
+        t0 = time.perf_counter()
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            if i == 0:
+                with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+                    loss = forward(tokens)
+            else:
+                loss = forward(tokens)
+        finish(loss)
+        sync()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    peak = allocated_gib(peak=True)
+    stats = torch.tensor([statistics.median(times), peak, loss.item(), saved.gib, leftover], device=dev)
+    gathered = [torch.empty_like(stats) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, stats)
+    result = {
+        "arm": arm, "link": args.link, "params_M": round(num_params / 1e6, 1),
+        "step_s_median": round(max(float(s[0]) for s in gathered), 4),
+        "peak_alloc_GiB_per_rank": [round(float(s[1]), 2) for s in gathered],
+        "final_loss": round(float(gathered[0][2]), 4),
+        "activations_GiB": round(float(gathered[0][3]), 2),
+        "leftover_GiB": round(max(float(s[4]) for s in gathered), 3),
+        "world_size": dist.get_world_size(), "torch": torch.__version__,
+    }
+    if engine is not None:
+        result.update(memory_bound(engine))
+        result["bound_plus_activations_GiB"] = round(result["bound_GiB"] + result["activations_GiB"], 2)
+        engine.release_swap_files()
+    del model, forward, finish, loss, saved
+    engine = None
+    gc.collect()
+    if ON_GPU:
+        torch.cuda.empty_cache()
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--arm", choices=["ddp", "zeroq1", "zeroq2", "zeroq3"], required=True)
-    parser.add_argument("--quantized", action="store_true")
-    parser.add_argument("--offload", choices=["none", "optimizer", "params"], default="none",
-                        help="optimizer: fp32 masters and AdamW state on the CPU; params: also stage 3 parameters")
+    parser.add_argument("--arms", default="ddp,zeroq2", help="comma-separated, run in this order")
     parser.add_argument("--link", default=os.environ.get("BENCH_LINK", "nvlink"))
     parser.add_argument("--dim", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=16)
@@ -109,68 +239,18 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--bucket", type=float, default=2e8)
     args = parser.parse_args()
+    arms = args.arms.split(",")
+    for arm in arms:
+        parse_arm(arm)  # fail before any work
 
-    dist.init_process_group("nccl")
-    rank = dist.get_rank()
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dev = torch.device("cuda", torch.cuda.current_device())
-    torch.manual_seed(0)
-    model = GPT(args.vocab, args.dim, args.layers, args.heads, args.ffn).to(dev)
-    num_params = sum(p.numel() for p in model.parameters())
-    engine = None
-
-    if args.arm == "ddp":
-        ddp = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index])
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-
-        def step(tokens: torch.Tensor) -> torch.Tensor:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = ddp(tokens)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
-    else:
-        from lightning_zeroq import ZeroConfig, ZeroEngine
-
-        config = ZeroConfig(stage=int(args.arm[-1]), reduce_bucket_size=int(args.bucket),
-                            quantized_weights=args.quantized, offload_optimizer=args.offload != "none",
-                            offload_parameters=args.offload == "params")
-        engine = ZeroEngine(model, config, param_dtype=torch.bfloat16)
-        engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
-
-        def step(tokens: torch.Tensor) -> torch.Tensor:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(tokens)
-            engine.backward(loss, boundary=True)
-            engine.step()
-            return loss
-
-    g = torch.Generator(device=dev).manual_seed(rank)
-    times = []
-    torch.cuda.reset_peak_memory_stats()
-    for i in range(args.warmup + args.steps):
-        tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=dev, generator=g)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        loss = step(tokens)
-        torch.cuda.synchronize()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated() / 2**30
-    stats = torch.tensor([statistics.median(times), peak, float(loss)], device=dev)
-    gathered = [torch.empty_like(stats) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, stats)
-    if rank == 0:
-        arm = args.arm + ("+int8" if args.quantized else "") + ("" if args.offload == "none" else f"+offload_{args.offload}")
-        print(json.dumps({
-            "arm": arm, "link": args.link, "params_M": round(num_params / 1e6, 1),
-            "step_s_median": round(max(float(s[0]) for s in gathered), 4),
-            "peak_alloc_GiB_per_rank": [round(float(s[1]), 2) for s in gathered],
-            "final_loss": round(float(gathered[0][2]), 4),
-            "world_size": dist.get_world_size(), "torch": torch.__version__,
-            **(memory_bound(engine) if engine is not None else {}),
-        }), flush=True)
+    dist.init_process_group("nccl" if ON_GPU else "gloo")
+    if ON_GPU:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dev = torch.device("cuda", torch.cuda.current_device()) if ON_GPU else torch.device("cpu")
+    for arm in arms:
+        result = run_arm(arm, args, dev)
+        if dist.get_rank() == 0:
+            print(json.dumps(result), flush=True)
     dist.destroy_process_group()
 
 

@@ -115,6 +115,41 @@ def test_ties_clamp_and_subnormal_scales(dtype):
     _assert_bitwise(scales8, reference.quantize_int8(x, 8)[1])
 
 
+def _near_ties(num_groups: int, seed: int) -> torch.Tensor:
+    """float32 groups whose values sit within a few ulps of (k + 0.5) * scale.
+
+    The kernels multiply by the reciprocal of the scale and fall back to the exact division only
+    near a half-integer; these are the values where the two could round differently.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    absmax = torch.rand(num_groups, generator=gen, dtype=torch.float64) * 10.0 ** torch.randint(
+        -30, 30, (num_groups,), generator=gen
+    ).double()
+    absmax = absmax.float()
+    scale = (absmax / torch.tensor(127.0)).double()
+    k = torch.randint(-127, 127, (num_groups, 63), generator=gen).double()
+    x = ((k + 0.5) * scale[:, None]).float()
+    ulps = torch.randint(-3, 4, (num_groups, 63), generator=gen)
+    for _ in range(3):  # walk up to 3 ulps either way
+        up, down = ulps > 0, ulps < 0
+        x = torch.where(up, torch.nextafter(x, torch.tensor(float("inf"))), x)
+        x = torch.where(down, torch.nextafter(x, torch.tensor(float("-inf"))), x)
+        ulps = ulps - up.int() + down.int()
+    x = torch.minimum(torch.maximum(x, -absmax[:, None]), absmax[:, None])
+    return torch.cat([absmax[:, None], x], dim=1).flatten()
+
+
+def test_near_ties_match_the_exact_division():
+    x = _near_ties(4096, seed=3)
+    codes, scales = ops.quantize_int8(x.cuda())
+    ref_codes, ref_scales = reference.quantize_int8(x, 64)
+    _assert_bitwise(scales, ref_scales)
+    _assert_bitwise(codes, ref_codes)
+    # the test must reach the cases it is for: quotients within 2^-14 of a half-integer
+    q = x.view(-1, 64) / torch.where(ref_scales == 0, 1.0, ref_scales)[:, None]
+    assert ((q - q.floor() - 0.5).abs() < 2.0**-14).sum() > 10000
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_groups", NUM_GROUPS)
 def test_pack_and_unpack_match_reference(dtype, num_groups):
