@@ -162,3 +162,25 @@ def test_offload_fused_sgd_matches_ddp(dist_pool) -> None:
     # The host step switches SGD to torch's fused CPU kernel; momentum SGD must still match DDP.
     results = dist_pool(2).run(_parity_body, 2, True, 0.5, "sgd", 300, "cpu", "optimizer_cpu")
     assert all(r < 1e-5 for r in results)
+
+
+def _dropped_engine_body(stage: int, quantized: bool) -> bool:
+    import gc
+    import weakref
+
+    model = RichModel()
+    engine = ZeroEngine(model, ZeroConfig(stage=stage, quantized_weights=quantized, **(STAGE3 if stage == 3 else {})))
+    engine.attach_optimizer(torch.optim.AdamW(param_groups(model)))
+    engine.backward(model.loss(make_batch(0, 0, dist.get_rank(), uniform=True)))
+    engine.step()
+    refs = [weakref.ref(engine), weakref.ref(model)] + [weakref.ref(u.master) for u in engine.units]
+    del engine, model
+    gc.collect()
+    return all(r() is None for r in refs)
+
+
+@pytest.mark.parametrize("stage, quantized", [(1, False), (2, True), (3, False), (3, True)])
+def test_dropped_engine_frees_its_buffers(dist_pool, stage: int, quantized: bool) -> None:
+    # Training one model after another in a process (sweeps, notebooks) must not keep every earlier
+    # model's shards alive: parameters' gradient hooks hold the engine weakly.
+    assert all(dist_pool(2).run(_dropped_engine_body, stage, quantized))

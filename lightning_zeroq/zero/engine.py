@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
@@ -80,6 +81,20 @@ class _Unit:
     """Set while a prefetch on the gather stream may still be writing ``flat``."""
     fired: set[int] = field(default_factory=set)
     reduced: bool = False
+
+
+def _weak_hook(engine: "ZeroEngine") -> Callable[[Tensor], None]:
+    """The post-accumulate-grad hook, holding the engine weakly: a hook stored on a parameter is not
+    seen by Python's garbage collector, so a strong reference would keep the engine and all its
+    buffers alive after the last user reference is gone."""
+    ref = weakref.ref(engine)
+
+    def hook(param: Tensor) -> None:
+        engine = ref()
+        if engine is not None:
+            engine._on_grad_ready(param)
+
+    return hook
 
 
 class ZeroEngine:
@@ -159,7 +174,7 @@ class ZeroEngine:
         self._where = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
         self._reduce_order = list(reversed(self.units))
         self._stream = comm.side_stream(self.device) if config.overlap_comm else None
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for u in self.units for p in u.params]
+        self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self)) for u in self.units for p in u.params]
         self._used: set[int] = set()
         self._open = False
         self._reduce_now = False
