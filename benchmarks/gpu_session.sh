@@ -3,6 +3,7 @@
 # Every piece has its own time limit and writes into $OUT as it goes, so a slow piece costs only itself.
 #   bash benchmarks/gpu_session.sh tests   # GPU tests, kernel bandwidth, INT8 accuracy (stage 2 and 3)
 #   bash benchmarks/gpu_session.sh bench   # step time and peak memory: three links, offload, 1B stage 3
+#   bash benchmarks/gpu_session.sh recheck # after fixes: stage-3 parity, kernels, memory of each arm, socket repeats
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/zeroq_out}
@@ -32,5 +33,18 @@ case ${1:-tests} in
     LAUNCH_TIMEOUT=90 LINKS=nvlink ARMS=zeroq3,zeroq3+int8 BENCH_ARGS="--layers 17" \
       bash benchmarks/run_step_time.sh | tee "$out/step_time_1b.jsonl"
     ;;
-  *) echo "usage: $0 tests|bench" >&2; exit 2 ;;
+  recheck)
+    { time timeout 150 python3 -c "from lightning_zeroq.ops._load import main; raise SystemExit(main())"; } \
+      > "$out/build.log" 2>&1; tail -3 "$out/build.log"
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_gpu.py tests/ops -s \
+      -k "engine_matches or offload_matches or kernels_gpu" > "$out/gpu_tests.log" 2>&1
+    grep -E "worst|passed|failed|FAILED|Error" "$out/gpu_tests.log" | tail -40
+    timeout 90 python3 -m benchmarks.quant_kernels > "$out/quant_kernels.txt" 2>&1; tail -12 "$out/quant_kernels.txt"
+    export OMP_NUM_THREADS=$(( $(nproc) / 2 ))  # torchrun would set 1: the offload arms' host step needs the cores
+    LAUNCH_TIMEOUT=200 LINKS=nvlink ARMS=zeroq2,zeroq2+int8,zeroq2+offload_optimizer,zeroq3,zeroq3+int8,zeroq3+offload_params \
+      bash benchmarks/run_step_time.sh | tee "$out/step_time_nvlink.jsonl"
+    LAUNCH_TIMEOUT=120 LINKS=socket ARMS=zeroq3,zeroq3+int8,zeroq3,zeroq3+int8 \
+      bash benchmarks/run_step_time.sh | tee "$out/step_time_socket.jsonl"
+    ;;
+  *) echo "usage: $0 tests|bench|recheck" >&2; exit 2 ;;
 esac

@@ -47,7 +47,12 @@ def _parity_body(
     ddp = DistributedDataParallel(ref_model, device_ids=[dev.index] if dev.type == "cuda" else None,
                                   find_unused_parameters=True)
     opt_cls = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[optim]
-    extra = {"momentum": 0.9} if optim == "sgd" else {}
+    # Adam's first step moves an element by lr * g / (|g| + eps): where cancellation leaves |g| near
+    # eps (the tied embedding has such an element on the uniform stage-3 batches, |g| ~ 1e-7), the
+    # last-bit differences that any other summation order gives the gradient (reduce-scatter vs
+    # all-reduce, other CUDA kernels) are amplified up to lr / eps = 2e6 times (1.1e-5 seen on
+    # 2 H200s). eps = 1e-3 caps that at 20x, so the 1e-5 bound tests the engine, not the conditioning.
+    extra = {"momentum": 0.9} if optim == "sgd" else {"eps": 1e-3}
     ref_opt = opt_cls(param_groups(ref_model), **extra)
 
     zero_extra = STAGE3 if stage == 3 else {}

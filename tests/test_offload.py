@@ -196,3 +196,24 @@ def _trainer_nvme_body(path: str, stage: int) -> int:
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_trainer_nvme_offload_matches_ddp_and_cleans_up(dist_pool, tmp_path, stage):
     assert dist_pool(2).run(_trainer_nvme_body, str(tmp_path), stage)[0] == 3
+
+
+def _one_thread_body() -> list[str]:
+    import warnings
+    from unittest import mock
+
+    model = nn.Linear(DIM, DIM)
+    engine = ZeroEngine(model, ZeroConfig(stage=2, offload_optimizer=True))
+    with mock.patch("os.cpu_count", return_value=16), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.attach_optimizer(torch.optim.AdamW(model.parameters()))
+        torch.set_num_threads(2)
+        engine.attach_optimizer(torch.optim.AdamW(model.parameters()))  # enough threads: no warning
+    torch.set_num_threads(1)
+    return [str(w.message) for w in caught]
+
+
+def test_offload_warns_when_the_host_step_gets_one_thread(dist_pool):
+    # torchrun sets OMP_NUM_THREADS=1: the host AdamW of a 1B model then takes ~1 s a step (seen on H200s)
+    messages = dist_pool(2).run(_one_thread_body)[0]
+    assert len(messages) == 1 and "OMP_NUM_THREADS=8" in messages[0], messages

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
@@ -299,6 +301,13 @@ class ZeroEngine:
                 prefer_fast_host_step(optimizer, group)
         optimizer.state.clear()
         self.optimizer = optimizer
+        if self.config.offload_optimizer and torch.get_num_threads() == 1 and (os.cpu_count() or 1) > self.world_size:
+            warnings.warn(
+                "offload_optimizer: the optimizer step runs on the CPU with 1 thread (torch.get_num_threads() "
+                "== 1; torchrun sets OMP_NUM_THREADS=1). Set OMP_NUM_THREADS to the cores per rank, e.g. "
+                f"OMP_NUM_THREADS={max(1, (os.cpu_count() or 1) // self.world_size)}, or call torch.set_num_threads().",
+                stacklevel=2,
+            )
         if self.config.offload_optimizer and self.config.offload_optimizer_device == "nvme":
             if self._nvme is None:
                 self._nvme = NvmeOptimizerState(
