@@ -46,5 +46,15 @@ case ${1:-tests} in
     LAUNCH_TIMEOUT=120 LINKS=socket ARMS=zeroq3,zeroq3+int8,zeroq3,zeroq3+int8 \
       bash benchmarks/run_step_time.sh | tee "$out/step_time_socket.jsonl"
     ;;
-  *) echo "usage: $0 tests|bench|recheck" >&2; exit 2 ;;
+  links)  # stage 2 and 3, with and without INT8, over socket and host memory, OMP threads as in recheck
+    { time timeout 150 python3 -c "from lightning_zeroq.ops._load import main; raise SystemExit(main())"; } \
+      > "$out/build.log" 2>&1; tail -3 "$out/build.log"
+    timeout 60 python3 -m benchmarks.quant_kernels > "$out/quant_kernels.txt" 2>&1; tail -12 "$out/quant_kernels.txt"
+    export OMP_NUM_THREADS=$(( $(nproc) / 2 ))
+    LAUNCH_TIMEOUT=150 LINKS=socket ARMS=zeroq2,zeroq2+int8,zeroq3,zeroq3+int8 \
+      bash benchmarks/run_step_time.sh | tee "$out/step_time_socket.jsonl"
+    LAUNCH_TIMEOUT=100 LINKS=shm ARMS=zeroq2,zeroq2+int8,zeroq3,zeroq3+int8 \
+      bash benchmarks/run_step_time.sh | tee "$out/step_time_shm.jsonl"
+    ;;
+  *) echo "usage: $0 tests|bench|recheck|links" >&2; exit 2 ;;
 esac
