@@ -1,10 +1,10 @@
 """Accuracy of INT8 weight synchronization: the same training with and without ``quantized_weights``.
 
-A byte-level GPT of ~101M parameters (d=1024, 8 layers, 16 heads, SwiGLU 2816... see ``--*`` flags)
+A byte-level GPT of 135M parameters (d=1024, 8 layers, 16 heads, SwiGLU 4096; see the ``--*`` flags)
 on the text of Python's own documentation (``pydoc_data.topics``, shipped with every CPython), ZeRO
-ZeRO stage 2 (``--stage 3`` for stage 3), bf16 working weights, AdamW, identical seeds and data in both runs. Reports the final loss of
-both (mean of the last 10 steps), their relative difference, and the relative L2 difference of the
-final fp32 parameters.
+stage 2 (``--stage 3`` for stage 3), bf16 working weights, AdamW, identical seeds and data in both
+runs. Reports the final loss of both (mean of the last 10 steps), their relative difference, and the
+relative L2 difference of the final fp32 parameters.
 
     torchrun --nproc-per-node 2 benchmarks/quant_accuracy.py --steps 300 [--stage 3]
 """
