@@ -8,9 +8,9 @@
 //   scale   = absmax / 127                                (__fdiv_rn: IEEE division, immune to
 //                                                          --use_fast_math)
 //   divisor = scale, or 1 where scale == 0                (all-zero groups give codes 0, no NaN)
-//   code    = clamp(rint(x / divisor), -127, 127)         (__fdiv_rn, then __float2int_rn:
-//                                                          round half to even; saturates, so
-//                                                          the integer clamp equals the float one)
+//   code    = clamp(rint(x / divisor), -127, 127)         (x * (1 / divisor), rounded half to
+//                                                          even; the exact __fdiv_rn decides near
+//                                                          half-integers: see encode_fast)
 //   decode  = float(code) * scale, rounded to the output  (__fmul_rn, then a round-to-nearest-even
 //             dtype                                        conversion, as torch's .to(dtype))
 // Non-finite inputs have unspecified codes (fmaxf ignores NaN where torch.amax propagates it).
@@ -164,28 +164,30 @@ __device__ __forceinline__ float reciprocal_of(float divisor) {
   return isinf(r) ? 0.0f : r;
 }
 
-// encode(x, divisor) bitwise, with a multiplication in place of the division (the division costs
-// about a dozen instructions, which made the 16-bit quantize compute bound). p = x * (1/d), both
-// correctly rounded, differs from the rounded quotient x / d by at most 3 * 2^-24 relative, i.e.
-// less than 2.3e-5 for |x / d| <= 127.5; so unless p lies within 2^-14 of a half-integer, both
-// round to the same integer (clamping first changes nothing: both sides clamp to 127 or -127).
-// Near a half-integer (about one element in 8000 of random data) the exact division decides.
-__device__ __forceinline__ int encode_fast(float x, float divisor, float reciprocal) {
-  const float p = fminf(fmaxf(__fmul_rn(x, reciprocal), -kQMax), kQMax);
-  const float shifted = __fadd_rn(p, 12582912.0f);  // round half to even, as in round_clamped
+// encode(x, divisor) bitwise, with a multiplication in place of the division, returned as a word
+// whose low byte is the code (two's complement; the other bytes are not defined). p = x * (1/d),
+// both correctly rounded, differs from the rounded quotient x / d by at most 3 * 2^-24 relative,
+// i.e. less than 2.3e-5 for |x / d| <= 127.5; so unless p lies within 2^-14 of a half-integer,
+// both round to the same integer. Near a half-integer (about one element in 8000 of random data)
+// the exact division decides. No clamp is needed: |x| <= absmax makes |p| <= 127.0001, which rounds
+// into [-127, 127] as the clamped quotient does. Adding 1.5 * 2^23 rounds half to even and leaves
+// the integer in the low mantissa bits, so the code byte is the low byte of the sum's bits.
+__device__ __forceinline__ uint32_t encode_fast(float x, float divisor, float reciprocal) {
+  const float p = __fmul_rn(x, reciprocal);
+  const float shifted = __fadd_rn(p, 12582912.0f);
   if (reciprocal == 0.0f || fabsf(__fsub_rn(p, __fsub_rn(shifted, 12582912.0f))) > 0.5f - 0x1p-14f) {
-    return encode(x, divisor);
+    return static_cast<uint32_t>(encode(x, divisor));
   }
-  return __float_as_int(shifted) - 0x4B400000;
+  return __float_as_uint(shifted);
 }
 
 __device__ __forceinline__ float decode(int code, float scale) {
   return __fmul_rn(static_cast<float>(code), scale);
 }
 
-__device__ __forceinline__ uint32_t pack_codes4(int a, int b, int c, int d) {
-  return (static_cast<uint32_t>(a) & 0xffu) | ((static_cast<uint32_t>(b) & 0xffu) << 8) |
-         ((static_cast<uint32_t>(c) & 0xffu) << 16) | (static_cast<uint32_t>(d) << 24);
+// The low bytes of four words, in order, as one word (three byte permutes).
+__device__ __forceinline__ uint32_t pack_low_bytes4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
 }
 
 __device__ __forceinline__ int code_at(uint32_t word, int byte) {
@@ -206,10 +208,10 @@ __device__ __forceinline__ float team_max(float v) {
 __device__ __forceinline__ void store_codes8(int8_t* p, const float (&v)[kChunk], float divisor,
                                              bool aligned8) {
   const float r = reciprocal_of(divisor);
-  const uint32_t lo = pack_codes4(encode_fast(v[0], divisor, r), encode_fast(v[1], divisor, r),
-                                  encode_fast(v[2], divisor, r), encode_fast(v[3], divisor, r));
-  const uint32_t hi = pack_codes4(encode_fast(v[4], divisor, r), encode_fast(v[5], divisor, r),
-                                  encode_fast(v[6], divisor, r), encode_fast(v[7], divisor, r));
+  const uint32_t lo = pack_low_bytes4(encode_fast(v[0], divisor, r), encode_fast(v[1], divisor, r),
+                                      encode_fast(v[2], divisor, r), encode_fast(v[3], divisor, r));
+  const uint32_t hi = pack_low_bytes4(encode_fast(v[4], divisor, r), encode_fast(v[5], divisor, r),
+                                      encode_fast(v[6], divisor, r), encode_fast(v[7], divisor, r));
   if (aligned8) {
     *reinterpret_cast<uint2*>(p) = make_uint2(lo, hi);
   } else {  // a rank's slice of a gathered buffer may be only 4-byte aligned
