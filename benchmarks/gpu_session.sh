@@ -10,11 +10,15 @@ out=${OUT:-/tmp/zeroq_out}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" ZEROQ_EXT_CACHE=/tmp/zeroq_ext
+build() {  # compile (or load) the CUDA extension once, before any distributed run
+  { time timeout 150 python3 -c "from lightning_zeroq.ops._load import main; raise SystemExit(main())"; } \
+    > "$out/build.log" 2>&1
+  tail -3 "$out/build.log"
+}
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$out/gpus.txt" 2>&1
 case ${1:-tests} in
   tests)
-    { time timeout 150 python3 -c "from lightning_zeroq.ops._load import main; raise SystemExit(main())"; } \
-      > "$out/build.log" 2>&1; tail -3 "$out/build.log"
+    build
     timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_gpu.py tests/ops -s \
       > "$out/gpu_tests.log" 2>&1
     grep -E "worst|deviation|passed|failed|FAILED|Error" "$out/gpu_tests.log" | tail -45
@@ -34,8 +38,7 @@ case ${1:-tests} in
       bash benchmarks/run_step_time.sh | tee "$out/step_time_1b.jsonl"
     ;;
   recheck)
-    { time timeout 150 python3 -c "from lightning_zeroq.ops._load import main; raise SystemExit(main())"; } \
-      > "$out/build.log" 2>&1; tail -3 "$out/build.log"
+    build
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_gpu.py tests/ops -s \
       -k "engine_matches or offload_matches or kernels_gpu" > "$out/gpu_tests.log" 2>&1
     grep -E "worst|passed|failed|FAILED|Error" "$out/gpu_tests.log" | tail -40
@@ -47,8 +50,7 @@ case ${1:-tests} in
       bash benchmarks/run_step_time.sh | tee "$out/step_time_socket.jsonl"
     ;;
   links)  # stage 2 and 3, with and without INT8, over socket and host memory, OMP threads as in recheck
-    { time timeout 150 python3 -c "from lightning_zeroq.ops._load import main; raise SystemExit(main())"; } \
-      > "$out/build.log" 2>&1; tail -3 "$out/build.log"
+    build
     timeout 60 python3 -m benchmarks.quant_kernels > "$out/quant_kernels.txt" 2>&1; tail -12 "$out/quant_kernels.txt"
     export OMP_NUM_THREADS=$(( $(nproc) / 2 ))
     LAUNCH_TIMEOUT=150 LINKS=socket ARMS=zeroq2,zeroq2+int8,zeroq3,zeroq3+int8 \

@@ -41,6 +41,7 @@
 #include <climits>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace zeroq {
 namespace {
@@ -205,9 +206,9 @@ __device__ __forceinline__ float team_max(float v) {
 
 // ---- fast kernels -----------------------------------------------------------------------------
 
-__device__ __forceinline__ void store_codes8(int8_t* p, const float (&v)[kChunk], float divisor,
+// `r` is reciprocal_of(divisor), computed once per group by the caller.
+__device__ __forceinline__ void store_codes8(int8_t* p, const float (&v)[kChunk], float divisor, float r,
                                              bool aligned8) {
-  const float r = reciprocal_of(divisor);
   const uint32_t lo = pack_low_bytes4(encode_fast(v[0], divisor, r), encode_fast(v[1], divisor, r),
                                       encode_fast(v[2], divisor, r), encode_fast(v[3], divisor, r));
   const uint32_t hi = pack_low_bytes4(encode_fast(v[4], divisor, r), encode_fast(v[5], divisor, r),
@@ -267,7 +268,9 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t group = first + u * kGroupsPerBlock + team;
       if (group >= num_groups) continue;
       const float scale = scale_of(absmax[u]);
-      store_codes8(codes + (group * kTeam + lane) * kChunk, v[u], divisor_of(scale), codes_aligned8);
+      const float divisor = divisor_of(scale);
+      store_codes8(codes + (group * kTeam + lane) * kChunk, v[u], divisor, reciprocal_of(divisor),
+                   codes_aligned8);
       if (lane == 0) scales[group] = scale;
     }
   }
@@ -302,10 +305,11 @@ __global__ void __launch_bounds__(kThreads)
 
     const float scale = scale_of(absmax);
     const float divisor = divisor_of(scale);
+    const float reciprocal = reciprocal_of(divisor);
     for (int k = 0; k < chunks_per_lane; ++k) {
       const int64_t chunk = lane_chunk + int64_t(k) * kTeam;
       load8(x + chunk * kChunk, v);
-      store_codes8(codes + chunk * kChunk, v, divisor, codes_aligned8);
+      store_codes8(codes + chunk * kChunk, v, divisor, reciprocal, codes_aligned8);
     }
     if (lane == 0) scales[group] = scale;
   }
@@ -427,11 +431,20 @@ unsigned int full_grid(int64_t items, int64_t items_per_block) {
   return static_cast<unsigned int>(blocks < kMaxBlocks ? blocks : kMaxBlocks);
 }
 
-// The largest power of two <= 32 that divides the chunk count of a group.
-int team_size_for(int chunks_per_group) {
+// Calls launch(std::integral_constant<int, kTeam>) with kTeam the largest power of two <= 32 that
+// divides the chunk count of a group (the kernels' team size is a template argument).
+template <typename Launch>
+cudaError_t with_team_size(int chunks_per_group, Launch&& launch) {
   int team = 1;
   while (team < 32 && chunks_per_group % (2 * team) == 0) team *= 2;
-  return team;
+  switch (team) {
+    case 1: return launch(std::integral_constant<int, 1>{});
+    case 2: return launch(std::integral_constant<int, 2>{});
+    case 4: return launch(std::integral_constant<int, 4>{});
+    case 8: return launch(std::integral_constant<int, 8>{});
+    case 16: return launch(std::integral_constant<int, 16>{});
+    default: return launch(std::integral_constant<int, 32>{});
+  }
 }
 
 // The occupancy queries run once per kernel (function-local statics of each instantiation).
@@ -473,14 +486,9 @@ cudaError_t quantize_as(const T* x, int64_t n, int64_t group_size, int8_t* codes
   }
   const int chunks = static_cast<int>(group_size / kChunk);
   float* s = static_cast<float*>(scales);
-  switch (team_size_for(chunks)) {
-    case 1: return launch_quantize_team<T, 1>(x, num_groups, chunks, codes, s, stream);
-    case 2: return launch_quantize_team<T, 2>(x, num_groups, chunks, codes, s, stream);
-    case 4: return launch_quantize_team<T, 4>(x, num_groups, chunks, codes, s, stream);
-    case 8: return launch_quantize_team<T, 8>(x, num_groups, chunks, codes, s, stream);
-    case 16: return launch_quantize_team<T, 16>(x, num_groups, chunks, codes, s, stream);
-    default: return launch_quantize_team<T, 32>(x, num_groups, chunks, codes, s, stream);
-  }
+  return with_team_size(chunks, [&](auto team) {
+    return launch_quantize_team<T, decltype(team)::value>(x, num_groups, chunks, codes, s, stream);
+  });
 }
 
 template <typename T>
@@ -495,14 +503,9 @@ cudaError_t dequantize_as(const int8_t* codes, const void* scales, int64_t n, in
   const int64_t num_groups = n / group_size;
   const int chunks = static_cast<int>(group_size / kChunk);
   const float* s = static_cast<const float*>(scales);
-  switch (team_size_for(chunks)) {
-    case 1: return launch_dequantize_team<T, 1>(codes, s, num_groups, chunks, out, stream);
-    case 2: return launch_dequantize_team<T, 2>(codes, s, num_groups, chunks, out, stream);
-    case 4: return launch_dequantize_team<T, 4>(codes, s, num_groups, chunks, out, stream);
-    case 8: return launch_dequantize_team<T, 8>(codes, s, num_groups, chunks, out, stream);
-    case 16: return launch_dequantize_team<T, 16>(codes, s, num_groups, chunks, out, stream);
-    default: return launch_dequantize_team<T, 32>(codes, s, num_groups, chunks, out, stream);
-  }
+  return with_team_size(chunks, [&](auto team) {
+    return launch_dequantize_team<T, decltype(team)::value>(codes, s, num_groups, chunks, out, stream);
+  });
 }
 
 bool valid_shape(int64_t n, int64_t group_size) {

@@ -158,12 +158,15 @@ def test_direct_io_is_probed_and_reported(tmp_path: Path, caplog: pytest.LogCapt
     fallback_logged = any("O_DIRECT not supported" in r.getMessage() for r in caplog.records)
     assert sw.direct_io is not None
     assert fallback_logged == (not sw.direct_io), f"direct_io={sw.direct_io}, log: {caplog.text}"
-    src = _random(10_001, torch.float32, seed=0)
-    sw.write("k", src)
-    out = torch.empty_like(src)
-    sw.read("k", out)
-    assert _bitwise_equal(out, src)
+    _assert_round_trip(sw, _random(10_001, torch.float32, seed=0))
     sw.close()
+
+
+def _assert_round_trip(sw: NvmeSwapper, src: torch.Tensor, key: str = "k") -> None:
+    sw.write(key, src)
+    out = torch.empty_like(src)
+    sw.read(key, out)
+    assert _bitwise_equal(out, src)
 
 
 def _reject_o_direct(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -191,11 +194,7 @@ def test_fallback_to_buffered_io_warns_once(
     assert messages == [f"O_DIRECT not supported on {tmp_path} ({nvme.filesystem_type(tmp_path)}), using buffered I/O"]
     for sw in swappers:
         assert sw.direct_io is False
-        src = _random(5000, torch.bfloat16, seed=1)
-        sw.write("k", src)
-        out = torch.empty_like(src)
-        sw.read("k", out)
-        assert _bitwise_equal(out, src)
+        _assert_round_trip(sw, _random(5000, torch.bfloat16, seed=1))
         sw.close()
 
 

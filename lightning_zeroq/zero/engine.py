@@ -654,11 +654,11 @@ class ZeroEngine:
         """Set the fp32 masters (and the working copies) from full parameters by name; returns the
         names of the engine's parameters (all aliases of tied ones)."""
         managed: set[str] = set()
-        entries = list(self._named_managed())
+        by_unit: dict[int, list[tuple[list[str], int]]] = {u.index: [] for u in self.units}
+        for names, owner, i in self._named_managed():
+            by_unit[owner.index].append((names, i))
         for unit in self._with_masters():
-            for names, owner, i in entries:
-                if owner is not unit:
-                    continue
+            for names, i in by_unit[unit.index]:
                 managed.update(names)
                 name = next((n for n in names if n in state), None)
                 if name is None:

@@ -88,6 +88,14 @@ def _side_plan(layout: UnitLayout, exact_numel: int, rank: int, device: torch.de
     return _SidePlan(as_index(per_rank[rank]), max_count, as_index(valid), as_index(flat))
 
 
+def _positions_in(side: Optional[_SidePlan], start: int, n: int) -> Optional[Tensor]:
+    """``side``'s shard positions in ``[start, start + n)``, relative to ``start``; None if there are none."""
+    if side is None:
+        return None
+    inside = side.local[(side.local >= start) & (side.local < start + n)] - start
+    return inside if inside.numel() else None
+
+
 class QuantizedGather:
     """Gathers units' master shards into their working buffers as INT8 (see the module docstring)."""
 
@@ -106,12 +114,10 @@ class QuantizedGather:
         self.group_size = group_size
         self.plans = [plan_chunks(l.shard_numel, l.world_size, bucket_numel, group_size) for l in layouts]
         self.sides = [_side_plan(l, exact_numel, rank, device) for l in layouts]
-        # Per unit and chunk: the side-channel positions inside the chunk, relative to its start.
+        # Per unit and chunk: the side-channel positions inside the chunk, relative to its start
+        # (None where the chunk holds none, so that chunk is quantized in place, without a copy).
         self.chunk_sides = [
-            [
-                None if side is None else side.local[(side.local >= start) & (side.local < start + n)] - start
-                for start, n in self.chunks(i, l.shard_numel)
-            ]
+            [_positions_in(side, start, n) for start, n in self.chunks(i, l.shard_numel)]
             for i, (l, side) in enumerate(zip(layouts, self.sides))
         ]
         if device.type == "cuda":
@@ -124,9 +130,10 @@ class QuantizedGather:
     @torch.no_grad()
     def encode_chunk(self, index: int, master: Tensor, start: int, n: int) -> Tensor:
         """``[codes | scales]`` of ``master[start:start + n]`` with the side-channel elements zeroed."""
-        chunk = master[start : start + n].clone()
+        chunk = master[start : start + n]
         inside = self.chunk_sides[index][start // self.plans[index].chunk_numel]
         if inside is not None:
+            chunk = chunk.clone()
             chunk[inside] = 0.0
         return ops.quantize_pack_int8(chunk, group_size=self.group_size)
 
