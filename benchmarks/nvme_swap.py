@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 import torch
 
-from lightning_zeroq.zero.offload.nvme import NvmeSwapper, aligned_empty, filesystem_type, human_bytes
+from lightning_zeroq.swap.nvme import NvmeSwapper, aligned_empty, filesystem_type, human_bytes
 
 MiB = 1024 * 1024
 

@@ -59,6 +59,7 @@ from lightning_zeroq.data import DataConfig, TextDataModule
 from lightning_zeroq.gpt import GPT, GPTConfig, OptimConfig
 from lightning_zeroq.precision import PARAM_DTYPES
 from lightning_zeroq.strategy import ZeroQStrategy
+from lightning_zeroq.validation import check_int
 
 HYDRA_VERSION_BASE = "1.3"
 CHILD_ENV = "ZEROQ_CHILD_CONFIG"
@@ -107,9 +108,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         for name, minimum in (("num_nodes", 1), ("max_steps", 1), ("accumulate_grad_batches", 1),
                               ("log_every_n_steps", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"TrainerConfig.{name}={value!r} must be an integer >= {minimum}.")
+            check_int("TrainerConfig", name, getattr(self, name), minimum)
         if self.precision not in PARAM_DTYPES:
             raise ValueError(
                 f"TrainerConfig.precision={self.precision!r} is not a precision ZeroQStrategy owns; "

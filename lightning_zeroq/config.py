@@ -15,6 +15,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from lightning_zeroq.validation import check_bool, check_int
+
 OFFLOAD_DEVICES = ("cpu", "nvme")
 
 
@@ -101,8 +103,7 @@ class ZeroConfig:
             setattr(self, name, _check_int(name, getattr(self, name), 1))
         for name in ("overlap_comm", "managed_gradient_accumulation", "offload_optimizer",
                      "offload_parameters", "quantized_weights"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"ZeroConfig.{name}={getattr(self, name)!r} must be true or false.")
+            check_bool("ZeroConfig", name, getattr(self, name))
         if not isinstance(self.loss_scale, (int, float)) or self.loss_scale < 0:
             raise ValueError(
                 f"ZeroConfig.loss_scale={self.loss_scale!r} must be 0 (dynamic) or a positive fixed scale."
@@ -179,11 +180,4 @@ class ZeroConfig:
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
-    # Accept integral floats such as 2e8, the way DeepSpeed users write bucket sizes.
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"ZeroConfig.{name}={value!r} must be an integer.")
-    if value < minimum:
-        raise ValueError(f"ZeroConfig.{name}={value!r} must be at least {minimum}.")
-    return value
+    return check_int("ZeroConfig", name, value, minimum)

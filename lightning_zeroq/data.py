@@ -26,6 +26,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_zeroq.validation import check_int
+
 PYDOC_SOURCE = "pydoc_data.topics"
 
 
@@ -47,9 +49,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         for name, minimum in (("seq_len", 1), ("batch_size", 1), ("num_workers", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"DataConfig.{name}={value!r} must be an integer >= {minimum}.")
+            check_int("DataConfig", name, getattr(self, name), minimum)
         if self.text_file is not None and not Path(self.text_file).expanduser().is_file():
             raise ValueError(
                 f"DataConfig.text_file={self.text_file!r} is not a file; give the path of a UTF-8 text file, "

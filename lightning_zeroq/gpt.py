@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_zeroq.validation import check_int
+
 
 @dataclass(kw_only=True)
 class GPTConfig:
@@ -61,9 +63,7 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPTConfig.{name}={value!r} must be a positive integer.")
+            check_int("GPTConfig", name, getattr(self, name), 1)
         if self.n_embd % self.n_head:
             raise ValueError(
                 f"GPTConfig.n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
@@ -105,8 +105,7 @@ class OptimConfig:
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"OptimConfig.{name}={getattr(self, name)!r} must be in [0, 1).")
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ValueError(f"OptimConfig.warmup_steps={self.warmup_steps!r} must be an integer >= 0.")
+        check_int("OptimConfig", "warmup_steps", self.warmup_steps, 0)
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"OptimConfig.min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1].")
 

@@ -1,4 +1,4 @@
-"""Tests of the NVMe swap space (``lightning_zeroq.zero.offload.nvme``) on a temporary directory."""
+"""Tests of the NVMe swap space (``lightning_zeroq.swap.nvme``) on a temporary directory."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Iterator
 import pytest
 import torch
 
-from lightning_zeroq.zero.offload import nvme
-from lightning_zeroq.zero.offload.nvme import NvmeSwapper, SwapHandle, aligned_empty
+from lightning_zeroq.swap import nvme
+from lightning_zeroq.swap.nvme import NvmeSwapper, SwapHandle, aligned_empty
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SMALL_BUFFER = 64 * 1024  # several chunks per region, so chunking and queueing are exercised

@@ -157,7 +157,7 @@ def test_truncated_swap_file_stops_training_naming_the_file(dist_pool, tmp_path)
 
 
 def test_nvme_path_errors_are_clear(tmp_path, monkeypatch):
-    from lightning_zeroq.zero.offload import nvme
+    from lightning_zeroq.swap import nvme
 
     model = TwoHeads()
     missing = tmp_path / "nope"

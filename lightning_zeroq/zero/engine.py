@@ -50,7 +50,7 @@ from lightning_zeroq.zero.layout import ALIGN, Segment, UnitLayout, make_layout,
 from lightning_zeroq.zero.loss_scaler import loss_scaler_from_config
 from lightning_zeroq.zero.materialize import materialize_meta_params, materialize_meta_state
 from lightning_zeroq.zero.nvme_state import NvmeOptimizerState
-from lightning_zeroq.zero.offload.nvme import NvmeSwapper, aligned_empty
+from lightning_zeroq.swap.nvme import NvmeSwapper, aligned_empty
 from lightning_zeroq.zero.optimizers import check_elementwise, prefer_fast_host_step
 from lightning_zeroq.zero.quantized_gather import EncodedShard, QuantizedGather
 from lightning_zeroq.zero.stage3 import Stage3Coordinator, UnitSpec, plan_module_units

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Iterator, Optional
 import torch
 from torch import Tensor
 
-from lightning_zeroq.zero.offload.nvme import NvmeSwapper, SwapHandle, aligned_empty
+from lightning_zeroq.swap.nvme import NvmeSwapper, SwapHandle, aligned_empty
 
 if TYPE_CHECKING:
     from lightning_zeroq.zero.engine import _Unit

@@ -68,7 +68,7 @@ Lifetime
 
 Testing hook
     The free-space query is the module-level function :func:`free_bytes`, looked up at each
-    ``reserve()``; tests monkeypatch ``lightning_zeroq.zero.offload.nvme.free_bytes`` to exercise
+    ``reserve()``; tests monkeypatch ``lightning_zeroq.swap.nvme.free_bytes`` to exercise
     the "too small" error without filling a disk.
 
 A swapper is meant to be driven from one thread (the engine's); only its own background threads
