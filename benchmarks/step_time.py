@@ -80,28 +80,18 @@ class GPT(nn.Module):
 
 
 def memory_bound(engine) -> dict:
-    """The memory a ZeRO rank must hold on the GPU, from the engine's own buffers: the sharded state
-    that lives there (fp32 master and gradient shards, the optimizer's state, stage 3's working
-    shard or encoded payload; offloaded pieces are on the host and not counted), persistent units
-    at full width, and for stage 3 the largest transient unit twice (in use + prefetched)."""
-
-    def device_bytes(t) -> int:
-        return t.numel() * t.element_size() if isinstance(t, torch.Tensor) and t.is_cuda else 0
-
-    state = sum(device_bytes(v) for s in engine.optimizer.state.values() for v in s.values())
-    for unit in engine.units:
-        state += device_bytes(unit.master) + device_bytes(unit.grad)
-        if unit.persistent:
-            state += device_bytes(unit.flat)
-        elif unit.encoded is not None:
-            state += sum(device_bytes(c) for c in unit.encoded.chunks)
-        else:
-            state += device_bytes(unit.shard)
-    transient = [u.flat.numel() * u.flat.element_size() for u in engine.units if not u.persistent]
-    largest = max(transient, default=0)
+    """The memory a ZeRO rank must hold on the GPU, from the engine's own accounting
+    (``ZeroEngine.memory_report``): the sharded state that lives there (fp32 master and gradient
+    shards, the optimizer's state, stage 3's stored working shards or INT8 payloads; offloaded pieces
+    are on the host and not counted), persistent units at full width, and for stage 3 the largest
+    transient unit twice (in use + prefetched)."""
+    report = engine.memory_report()
+    largest = report.pop("largest_transient_unit")
+    state = sum(report.values())
     gib = 2**30
     return {"state_GiB": round(state / gib, 2), "largest_unit_GiB": round(largest / gib, 3),
-            "bound_GiB": round((state + 2 * largest) / gib, 2)}
+            "bound_GiB": round((state + 2 * largest) / gib, 2),
+            **{f"{k}_GiB": round(v / gib, 2) for k, v in report.items()}}
 
 
 ARM_STAGES = {"ddp": 0, "zeroq1": 1, "zeroq2": 2, "zeroq3": 3}

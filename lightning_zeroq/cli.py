@@ -10,7 +10,7 @@ Configuration:
 - ``recipes/*.yaml`` are complete runs (``# @package _global_``) stored as the ``recipe`` group, the
   last entry of the primary defaults list: ``zeroq-train recipe=gpt1m_zero1_cpu trainer.max_steps=50``.
 - After composition every section is instantiated as its dataclass, so the ``__post_init__`` checks
-  run, then ``ZeroConfig.check_supported``. A ``ValueError`` there ends the program with one line that
+  run. A ``ValueError`` there ends the program with one line that
   names the value, the fix and the config key, before any process is started.
 - ``conf/`` and ``recipes/`` are found inside the package (``lightning_zeroq/conf``: real directories
   in a wheel, links to the top-level directories in a source checkout), else at the top of the
@@ -237,9 +237,7 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
     built = {name: _build(field_type, sections.pop(name, {})) for name, field_type in SECTIONS.items()}
     for key, value in sections.items():  # only reachable with "+key=value", which bypasses the schema
         raise ValueError(f"RunConfig.{key}={value!r} is not a config section; the sections are {sorted(SECTIONS)}.")
-    run = RunConfig(seed=seed, **built)
-    run.zero.check_supported()
-    return run
+    return RunConfig(seed=seed, **built)
 
 
 def _build(cls: type, values: dict[str, Any]) -> Any:

@@ -4,9 +4,10 @@ Field names follow Lightning's ``DeepSpeedStrategy`` (and DeepSpeed's config key
 is the same, so users coming from DeepSpeed can move their settings over unchanged. Every field is
 validated in ``__post_init__``; a bad value raises ``ValueError`` naming the field, the value and the fix.
 
-A combination that is valid but not implemented yet (today: INT8 weights with parameters offloaded to
-NVMe) is accepted by the schema, so recipes can name it, but rejected by ``ZeroConfig.check_supported``
-with a clear "not supported yet" error instead of being silently ignored.
+A setting that is valid but cannot take effect with the other settings (an INT8 bucket size without
+INT8 weights, a stage-3 option in stage 2, loss-scaling options without fp16) is listed by
+``ZeroConfig.ineffective``; the engine warns about each once when it is built, so Trainer, Fabric and
+plain-PyTorch users all see it.
 """
 
 from __future__ import annotations
@@ -166,13 +167,39 @@ class ZeroConfig:
                 "nvme_path to a writable directory on a fast local disk."
             )
 
-    def check_supported(self) -> None:
-        """Raise for options that are valid but not implemented in this release."""
-        if self.offload_parameters and self.offload_params_device == "nvme" and self.quantized_weights:
-            raise ValueError(
-                "ZeroConfig: quantized_weights=True with offload_params_device='nvme' is not supported yet; "
-                "use offload_params_device='cpu' (the encoded shards then stay in host memory)."
-            )
+    def ineffective(self, loss_scaling: bool) -> list[str]:
+        """One sentence for every setting changed from its default that cannot take effect here
+        (``loss_scaling``: the precision is fp16 with loss scaling)."""
+        default = ZeroConfig()
+        changed = lambda *names: [n for n in names if getattr(self, n) != getattr(default, n)]  # noqa: E731
+        out = []
+        if not self.quantized_weights:
+            for name in changed("allgather_bucket_size", "quantized_weights_group_size", "quantized_weights_exact_numel"):
+                out.append(f"{name}={getattr(self, name)!r} has no effect without quantized_weights=True "
+                           "(the full-width gather writes into the working buffers in place).")
+        if self.stage != 3:
+            for name in changed("stage3_wrap_classes", "stage3_unit_size", "stage3_param_persistence_threshold",
+                                "stage3_prefetch"):
+                out.append(f"{name}={getattr(self, name)!r} has no effect in stage {self.stage} (stage 3 only).")
+        elif changed("reduce_bucket_size"):
+            out.append(f"reduce_bucket_size={self.reduce_bucket_size} has no effect in stage 3: its units follow "
+                       "modules (stage3_wrap_classes / stage3_unit_size); it sizes stage 1/2 units.")
+        if not loss_scaling:
+            for name in changed("loss_scale", "initial_scale_power", "loss_scale_window", "min_loss_scale"):
+                out.append(f"{name}={getattr(self, name)!r} only applies to precision='16-mixed' (fp16 loss "
+                           "scaling); it is ignored.")
+        if not self.offload_optimizer and changed("offload_optimizer_device"):
+            out.append(f"offload_optimizer_device={self.offload_optimizer_device!r} has no effect without "
+                       "offload_optimizer=True.")
+        if not self.offload_parameters and changed("offload_params_device"):
+            out.append(f"offload_params_device={self.offload_params_device!r} has no effect without "
+                       "offload_parameters=True.")
+        uses_nvme = (self.offload_optimizer and self.offload_optimizer_device == "nvme") or (
+            self.offload_parameters and self.offload_params_device == "nvme"
+        )
+        if self.nvme_path and not uses_nvme:
+            out.append(f"nvme_path={self.nvme_path!r} has no effect: nothing is offloaded to NVMe.")
+        return out
 
     def replace(self, **changes: Any) -> "ZeroConfig":
         """A copy with ``changes`` applied (and validated)."""

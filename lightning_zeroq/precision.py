@@ -26,6 +26,7 @@ from lightning.fabric.utilities.types import Steppable
 from lightning.pytorch.plugins.precision import Precision
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
+from typing_extensions import override
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -54,6 +55,10 @@ class ZeroQPrecision(Precision):
         self.engine: Optional["ZeroEngine"] = None
         self.device_type = "cpu"
 
+    def attach_engine(self, engine: "ZeroEngine", device_type: str) -> None:
+        """The strategy hands over the engine it built (and the device type autocast runs on)."""
+        self.engine, self.device_type = engine, device_type
+
     @property
     def loss_scaling(self) -> bool:
         return self.precision == "16-mixed"
@@ -62,6 +67,7 @@ class ZeroQPrecision(Precision):
     def _true_half(self) -> bool:
         return self.precision.endswith("-true") and self.param_dtype != torch.float32
 
+    @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Cast what the engine does not own: frozen parameters and buffers (``*-true`` only)."""
         if self._true_half:
@@ -74,6 +80,7 @@ class ZeroQPrecision(Precision):
                         b.data = b.data.to(self.param_dtype)
         return module
 
+    @override
     def forward_context(self) -> contextlib.AbstractContextManager:
         if self.precision.endswith("-mixed"):
             return torch.autocast(self.device_type, dtype=self.param_dtype)
@@ -81,17 +88,20 @@ class ZeroQPrecision(Precision):
             return _DtypeContextManager(self.param_dtype)
         return contextlib.nullcontext()
 
+    @override
     def convert_input(self, data: Any) -> Any:
         if self._true_half:
             return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self.param_dtype)
         return data
 
+    @override
     def pre_backward(self, tensor: Tensor, module: "pl.LightningModule") -> Tensor:  # type: ignore[override]
         tensor = super().pre_backward(tensor, module)
         if self.loss_scaling and self.engine is not None:
             tensor = tensor * self.engine.loss_scale
         return tensor
 
+    @override
     def optimizer_step(  # type: ignore[override]
         self,
         optimizer: Steppable,
@@ -109,20 +119,13 @@ class ZeroQPrecision(Precision):
         engine.step()
         return closure_result
 
+    @override
     def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
         self._require_engine().clip_grad_norm_(float(clip_val))
 
+    @override
     def clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
         self._require_engine().clip_grad_value_(float(clip_val))
-
-    def state_dict(self) -> dict[str, Any]:
-        if self.engine is not None and self.engine.loss_scaler is not None:
-            return {"loss_scaler": self.engine.loss_scaler.state_dict()}
-        return {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.engine is not None and self.engine.loss_scaler is not None and "loss_scaler" in state_dict:
-            self.engine.loss_scaler.load_state_dict(state_dict["loss_scaler"])
 
     def _require_engine(self) -> "ZeroEngine":
         if self.engine is None:

@@ -30,6 +30,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
+from typing_extensions import override
 
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.precision import ZeroQPrecision
@@ -84,7 +85,6 @@ class ZeroQStrategy(DDPStrategy):
                 f"ZeroQStrategy got unknown option(s) {unknown}; valid options are {sorted(known)}."
             )
         self.config = (config or ZeroConfig()).replace(**options)
-        self.config.check_supported()
         if start_method != "popen" and self.config.stage == 3:
             raise ValueError(
                 f"ZeroQStrategy(stage=3, start_method={start_method!r}): the {start_method} launcher sends rank "
@@ -102,28 +102,27 @@ class ZeroQStrategy(DDPStrategy):
             start_method=start_method,  # type: ignore[arg-type]
         )
         self.engine: Optional[ZeroEngine] = None
-        if self.config.allgather_bucket_size != ZeroConfig().allgather_bucket_size and not self.config.quantized_weights:
-            rank_zero_warn(
-                f"allgather_bucket_size={self.config.allgather_bucket_size} has no effect without "
-                "quantized_weights=True: the full-width gather writes into the working buffers in place."
-            )
 
     # ------------------------------------------------------------------ Lightning contract
 
     @property
+    @override
     def handles_gradient_accumulation(self) -> bool:
         # Lightning decides when to step; the engine accumulates across backward passes itself.
         return False
 
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True
 
     @property
+    @override
     def lightning_restore_optimizer(self) -> bool:
         return False
 
     @property  # type: ignore[override]
+    @override
     def precision_plugin(self) -> ZeroQPrecision:
         if self._precision_plugin is None:
             self._precision_plugin = ZeroQPrecision()
@@ -135,17 +134,16 @@ class ZeroQStrategy(DDPStrategy):
             plugin = ZeroQPrecision(str(plugin.precision))
         self._precision_plugin = plugin
 
+    @override
     def setup(self, trainer: "Any") -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
         plugin = self.precision_plugin
-        plugin.device_type = self.root_device.type
         if self.engine is None:
             # The engine moves the module to the device unit by unit (stage 3 never holds it whole)
             # and starts every rank from rank 0's values, as DDP does.
-            self._warn_ineffective_loss_scaling(plugin)
             self.engine = ZeroEngine(
                 module,
                 self.config,
@@ -161,20 +159,11 @@ class ZeroQStrategy(DDPStrategy):
                     f"{len(self.optimizers)}; put all parameters in one optimizer with several param groups."
                 )
             self.engine.attach_optimizer(self.optimizers[0])
-        plugin.engine = self.engine
+        plugin.attach_engine(self.engine, self.root_device.type)
         plugin.convert_module(module)
         self.setup_precision_plugin()
 
-    def _warn_ineffective_loss_scaling(self, plugin: ZeroQPrecision) -> None:
-        default = ZeroConfig()
-        names = ("loss_scale", "initial_scale_power", "loss_scale_window", "min_loss_scale")
-        changed = [n for n in names if getattr(self.config, n) != getattr(default, n)]
-        if changed and not plugin.loss_scaling:
-            rank_zero_warn(
-                f"{', '.join(changed)} only apply to precision='16-mixed'; with precision="
-                f"{plugin.precision!r} there is no loss scaling and they are ignored."
-            )
-
+    @override
     def pre_backward(self, closure_loss: Tensor) -> None:
         if self.engine is None:
             return
@@ -184,16 +173,19 @@ class ZeroQStrategy(DDPStrategy):
             boundary = not trainer.fit_loop._should_accumulate()
         self.engine.pre_backward(boundary)
 
+    @override
     def post_backward(self, closure_loss: Tensor) -> None:
         if self.engine is not None:
             self.engine.post_backward()
 
     @contextlib.contextmanager
+    @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         # The engine defers or overlaps reductions itself; there is no DDP reducer to silence.
         yield
 
     @contextlib.contextmanager
+    @override
     def model_sharded_context(self) -> Generator[None, None, None]:
         """Stage 3: modules created here (``configure_model``) live on the meta device until the
         engine materializes them unit by unit with ``reset_parameters()``, so a model larger than one
@@ -205,6 +197,7 @@ class ZeroQStrategy(DDPStrategy):
             yield
 
     @contextlib.contextmanager
+    @override
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
         if self.config.stage == 3:  # Trainer.init_module(): never materialize the whole model
             with torch.device("meta"):
@@ -213,10 +206,12 @@ class ZeroQStrategy(DDPStrategy):
             with super().tensor_init_context(empty_init):
                 yield
 
+    @override
     def model_to_device(self) -> None:
         assert self.lightning_module is not None
         self.lightning_module.to(self.root_device)
 
+    @override
     def teardown(self) -> None:
         # Unlike DDP, keep the module where it is: its parameters are views into the engine's buffers,
         # and full_state_dict() must keep working after fit returns. NVMe swap files are removed.
@@ -235,17 +230,20 @@ class ZeroQStrategy(DDPStrategy):
             return self.engine.full_state_dict()
         return {n: p.detach().float().cpu().clone() for n, p in self.lightning_module.named_parameters(remove_duplicate=False)}
 
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Collective: buffers plus full fp32 parameters, so the checkpoint's ``state_dict`` loads anywhere."""
         full = self.full_state_dict()
         state = self.lightning_module.state_dict(keep_vars=True)  # no data read: stage 3 may be freed
         return {k: full[k] if k in full else v.detach().cpu() for k, v in state.items()}
 
+    @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """This rank's shard: masters and optimizer state (written to its own file)."""
         assert self.engine is not None
         return self.engine.sharded_state_dict()
 
+    @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
     ) -> None:
@@ -266,6 +264,7 @@ class ZeroQStrategy(DDPStrategy):
         if self.is_global_zero:
             _atomic_save(checkpoint, path / META_FILE)
 
+    @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = Path(checkpoint_path)
         if not path.is_dir():
@@ -283,6 +282,7 @@ class ZeroQStrategy(DDPStrategy):
             self.engine.load_sharded_state_dict(torch.load(shard_path, map_location="cpu", weights_only=False))
         return checkpoint
 
+    @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         state = checkpoint["state_dict"]
         if self.engine is None:
@@ -298,10 +298,12 @@ class ZeroQStrategy(DDPStrategy):
                 f"{unexpected}. Pass strict_loading=False to the LightningModule to ignore them."
             )
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         pass  # restored from the per-rank shard files in load_checkpoint
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         for name, options in PRESETS.items():
             if name in strategy_registry:

@@ -52,15 +52,38 @@ def test_float_bucket_sizes_are_accepted_as_integers():
 
 
 @pytest.mark.parametrize(
-    "options, match",
+    "options, loss_scaling, says",
     [
-        ({"stage": 3, "offload_parameters": True, "offload_params_device": "nvme", "nvme_path": "/tmp",
-          "quantized_weights": True}, r"quantized_weights=True with offload_params_device='nvme' is not supported yet"),
+        ({"allgather_bucket_size": 4096}, False, "allgather_bucket_size=4096 has no effect without quantized_weights"),
+        ({"quantized_weights_group_size": 128}, False, "quantized_weights_group_size=128 has no effect"),
+        ({"stage": 2, "stage3_unit_size": 10}, False, "stage3_unit_size=10 has no effect in stage 2"),
+        ({"stage": 3, "reduce_bucket_size": 1000}, False, "reduce_bucket_size=1000 has no effect in stage 3"),
+        ({"loss_scale": 128.0}, False, "loss_scale=128.0 only applies to precision='16-mixed'"),
+        ({"offload_params_device": "nvme"}, False, "offload_params_device='nvme' has no effect"),
+        ({"nvme_path": "/tmp"}, False, "nvme_path='/tmp' has no effect"),
     ],
 )
-def test_not_implemented_options_are_rejected(options, match):
-    with pytest.raises(ValueError, match=match):
-        ZeroQStrategy(**options)
+def test_settings_that_cannot_take_effect_warn_once_at_engine_build(options, loss_scaling, says):
+    import warnings
+
+    from lightning_zeroq import ZeroEngine
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ZeroEngine(torch.nn.Linear(4, 4), ZeroConfig(**options), loss_scaling=loss_scaling)
+    messages = [str(w.message) for w in caught if "ZeroConfig" in str(w.message)]
+    assert len(messages) == 1 and says in messages[0], messages
+
+
+def test_effective_settings_do_not_warn():
+    import warnings
+
+    from lightning_zeroq import ZeroEngine
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ZeroEngine(torch.nn.Linear(4, 4), ZeroConfig(stage=3, quantized_weights=True, allgather_bucket_size=4096,
+                                                     stage3_unit_size=10, loss_scale=64.0), loss_scaling=True)
 
 
 @pytest.mark.parametrize(

@@ -65,7 +65,8 @@ def _parity_body(
                         **zero_extra, **offload_options)
     engine = ZeroEngine(model, config)
     if offload != "none":
-        assert all(u.host_grad is not None and u.master.device.type == "cpu" for u in engine.units)
+        assert all(u.master.device.type == "cpu" for u in engine.units)
+        assert all(engine.placement.step_grad(u) is not u.grad for u in engine.units)  # host copies
     if stage == 3:
         assert sum(not u.persistent for u in engine.units) == 3  # block (used twice), sometimes, never
     engine.attach_optimizer(opt_cls(param_groups(model), **extra))

@@ -139,7 +139,7 @@ def _truncated_body(path: str) -> str:
     engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
     engine.backward(_loss(model, 0, 0, 0))
     engine.step()
-    swap = engine._nvme.swapper.path_of("u0.exp_avg")
+    swap = engine.placement.swapper.path_of("u0.exp_avg")
     os.truncate(swap, 100)  # damaged between steps
     engine.backward(_loss(model, 1, 0, 0))
     with pytest.raises(RuntimeError, match=str(swap.name)) as caught:

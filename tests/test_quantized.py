@@ -9,7 +9,8 @@ from torch import nn
 
 from lightning_zeroq import ZeroConfig, ZeroEngine
 from lightning_zeroq.ops import reference
-from lightning_zeroq.zero.quantized_gather import plan_chunks, side_positions
+from lightning_zeroq.zero.unit import UnitState
+from lightning_zeroq.zero.wire import plan_chunks, side_positions
 from tests.models import RichModel, make_batch, param_groups
 
 G = 64
@@ -47,8 +48,8 @@ def _check_units(engine: ZeroEngine, exact_numel: int) -> None:
     world = dist.get_world_size()
     for unit in engine.units:
         if not unit.persistent:  # stage 3: look at what a gather produces
-            assert not unit.gathered
-            engine.gather_unit(unit)
+            assert unit.state is UnitState.SHARDED
+            engine.gatherer.gather(unit)
         full = torch.empty(unit.layout.padded_numel, device=unit.master.device)
         dist.all_gather_into_tensor(full, unit.master)
         expected = _expected_working(full.cpu(), unit.layout, exact_numel, unit.flat.dtype)
@@ -58,7 +59,7 @@ def _check_units(engine: ZeroEngine, exact_numel: int) -> None:
         flats = torch.empty(world * unit.flat.numel(), dtype=unit.flat.dtype, device=unit.flat.device)
         dist.all_gather_into_tensor(flats, unit.flat)
         assert all(torch.equal(f, unit.flat) for f in flats.chunk(world))
-        engine.free_unit(unit)
+        engine.gatherer.free(unit)
 
 
 class _Awkward(nn.Module):
@@ -83,7 +84,7 @@ def _reconstruction_body(dtype_name: str, device: str = "cpu") -> None:
         ZeroConfig(quantized_weights=True, quantized_weights_exact_numel=exact, allgather_bucket_size=3 * 128),
         param_dtype=dtype,
     )
-    assert engine._quantized_gather.plans[0].num_chunks > 1  # chunk boundaries are exercised
+    assert len(engine.gatherer.wire.plans[0].chunks) > 1  # chunk boundaries are exercised
     _check_units(engine, exact)
     # the exact side channel really is exact
     full = engine.full_state_dict()
@@ -98,7 +99,9 @@ def test_reconstruction_across_group_chunk_and_shard_boundaries(dist_pool, world
     dist_pool(world_size).run(_reconstruction_body, dtype)
 
 
-def _train_body(stage: int, quantized: bool, steps: int, check: bool, device: str = "cpu") -> list[float]:
+def _train_body(stage: int, quantized: bool, steps: int, check: bool, device: str = "cpu",
+                params_on: str = "") -> list[float]:
+    """``params_on``: stage 3 parameter offload ("cpu" or "nvme"; the optimizer stays on the device)."""
     rank = dist.get_rank()
     torch.manual_seed(0)
     dev = _device(device)
@@ -106,9 +109,15 @@ def _train_body(stage: int, quantized: bool, steps: int, check: bool, device: st
     exact = 64  # quantize the embedding and the 16x16 weights; LayerNorm and biases go exactly
     from tests.test_engine_parity import STAGE3
 
+    offload = {}
+    if params_on:
+        import tempfile
+
+        offload = {"offload_parameters": True, "offload_params_device": params_on,
+                   "nvme_path": tempfile.mkdtemp() if params_on == "nvme" else None}
     config = ZeroConfig(stage=stage, reduce_bucket_size=500, quantized_weights=quantized,
                         quantized_weights_exact_numel=exact, allgather_bucket_size=512,
-                        **(STAGE3 if stage == 3 else {}))
+                        **(STAGE3 if stage == 3 else {}), **offload)
     engine = ZeroEngine(model, config)
     engine.attach_optimizer(torch.optim.AdamW(param_groups(model)))
     losses = []
@@ -128,6 +137,19 @@ def _train_body(stage: int, quantized: bool, steps: int, check: bool, device: st
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_every_rank_holds_identical_working_weights_after_every_step(dist_pool, world_size, stage):
     dist_pool(world_size).run(_train_body, stage, True, 6, True)
+
+
+def _params_offload_body(params_on: str) -> None:
+    resting = _train_body(3, True, 4, False)
+    offloaded = _train_body(3, True, 4, True, params_on=params_on)
+    assert resting == offloaded, (resting, offloaded)
+
+
+@pytest.mark.parametrize("params_on", ["cpu", "nvme"])
+def test_int8_payload_offloaded_with_the_parameters_trains_identically(dist_pool, params_on):
+    # Stage 3 keeps each transient unit's INT8 payload (not a full-width shard) where the parameters
+    # live; gathers read it back from there. Same codes, so the same losses bit for bit.
+    dist_pool(3).run(_params_offload_body, params_on)
 
 
 def _curves_body() -> tuple[list[float], list[float]]:
@@ -162,7 +184,8 @@ def _encode_once_body() -> tuple[int, int]:
         return original(*args, **kwargs)
 
     gathers = 0
-    original_gather = engine._quantized_gather.gather_encoded
+    wire = engine.gatherer.wire
+    original_gather = wire.gather
 
     def counting_gather(*args, **kwargs):
         nonlocal gathers
@@ -170,7 +193,7 @@ def _encode_once_body() -> tuple[int, int]:
         return original_gather(*args, **kwargs)
 
     ops.quantize_pack_int8 = counting
-    engine._quantized_gather.gather_encoded = counting_gather
+    wire.gather = counting_gather
     try:
         tokens, targets, flag = make_batch(0, 0, rank, uniform=True)
         engine.backward(model.loss((tokens, targets, True)))  # forward and backward gathers
@@ -179,7 +202,7 @@ def _encode_once_body() -> tuple[int, int]:
     finally:
         ops.quantize_pack_int8 = original
     transient = [u for u in engine.units if not u.persistent]
-    chunks = sum(len(engine._quantized_gather.chunks(u.index, u.layout.shard_numel)) for u in transient)
+    chunks = sum(len(wire.plans[u.index].chunks) for u in transient)
     assert quantized_in_backward == 0, "gathers within a step must reuse the step's encoded shard"
     assert gathers >= 2 * len(transient) - 1  # forward and backward gathers (one unit may stay unused)
     assert calls >= chunks  # the step encoded each transient unit's chunks (persistent units too)

@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_zeroq import ZeroConfig, ZeroEngine
+from lightning_zeroq.zero.unit import UnitState
 from tests.models import DIM, SEQ, VOCAB
 
 ORDERS = [[0, 1, 2], [0, 1, 2], [2, 0, 1], [0, 2], [1, 2, 0], [0, 1, 2], [2], [0, 1, 2]]
@@ -60,7 +61,7 @@ def _path_body(prefetch: bool, device: str = "cpu") -> int:
 
     def count(module, args):
         nonlocal most_gathered
-        most_gathered = max(most_gathered, sum(u.gathered for u in transient))
+        most_gathered = max(most_gathered, sum(u.state is not UnitState.SHARDED for u in transient))
 
     for block in model.blocks:
         block.register_forward_pre_hook(count)
@@ -74,7 +75,7 @@ def _path_body(prefetch: bool, device: str = "cpu") -> int:
             torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
             ref_opt.step()
             ref_opt.zero_grad()
-            assert not any(u.gathered for u in transient), "units must be freed after the step"
+            assert all(u.state is UnitState.SHARDED for u in transient), "units must be freed after the step"
             assert all(u.flat.untyped_storage().nbytes() == 0 for u in transient)
             full = engine.full_state_dict()
             for name, p in ref.module.named_parameters():
@@ -84,7 +85,7 @@ def _path_body(prefetch: bool, device: str = "cpu") -> int:
     assert len(path_warnings) == (1 if prefetch else 0)  # a warning at most, once, never an error
     with torch.no_grad():  # evaluation: gathers and frees without backward
         _loss(model, 0, rank)
-    assert sum(u.gathered for u in transient) <= int(prefetch)  # at most the prefetched next unit
+    assert sum(u.state is not UnitState.SHARDED for u in transient) <= int(prefetch)  # at most the prefetched next unit
     return most_gathered
 
 

@@ -8,6 +8,9 @@ shard is always a whole number of groups.
 A parameter may straddle shards. The part of parameter ``i`` inside rank ``r``'s shard is a
 *segment*; the optimizer sees one fp32 master tensor per segment, so per-parameter optimizer state
 (Adam's ``step``) and per-parameter skipping (unused parameters) work as with unsharded tensors.
+
+Every slice of a flat buffer, a shard or a parameter that the engine takes is one of the ``span``
+properties below, so the arithmetic lives here once.
 """
 
 from __future__ import annotations
@@ -23,6 +26,11 @@ class Slot(NamedTuple):
     offset: int
     numel: int
 
+    @property
+    def span(self) -> slice:
+        """The parameter's elements in the flat buffer."""
+        return slice(self.offset, self.offset + self.numel)
+
 
 class Segment(NamedTuple):
     """The part of parameter ``param`` (index within the unit) that lies in one rank's shard."""
@@ -33,6 +41,16 @@ class Segment(NamedTuple):
     shard_start: int
     """First element of the segment, counted within the shard."""
     numel: int
+
+    @property
+    def shard_span(self) -> slice:
+        """The segment's elements in the shard."""
+        return slice(self.shard_start, self.shard_start + self.numel)
+
+    @property
+    def param_span(self) -> slice:
+        """The segment's elements in the (flattened) parameter."""
+        return slice(self.param_start, self.param_start + self.numel)
 
 
 class UnitLayout(NamedTuple):
@@ -48,6 +66,10 @@ class UnitLayout(NamedTuple):
 
     def shard_range(self, rank: int) -> tuple[int, int]:
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def shard_span(self, rank: int) -> slice:
+        """``rank``'s shard in the flat buffer."""
+        return slice(*self.shard_range(rank))
 
     def segments(self, rank: int) -> list[Segment]:
         """The parameter segments inside ``rank``'s shard, in flat order."""

@@ -7,8 +7,13 @@ its unit lists in step with them.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from lightning_zeroq.zero import comm
 
 
 def materialize_meta_state(module: nn.Module, device: torch.device, trainable: bool) -> None:
@@ -55,3 +60,15 @@ def reset_on(root: nn.Module, m: nn.Module, device: torch.device) -> dict[int, n
                 if p is not None and id(p) in renamed:
                     other._parameters[name] = renamed[id(p)]
     return renamed
+
+
+def sync_replicated_state(module: nn.Module, device: torch.device, group: Optional[dist.ProcessGroup]) -> None:
+    """Frozen parameters and buffers (the state the engine does not shard): materialized if on meta,
+    moved to ``device``, and rank 0's values everywhere, as DDP does."""
+    materialize_meta_state(module, device, trainable=False)
+    _, world_size = comm.world(group)
+    with torch.no_grad():
+        for t in [*(p for p in module.parameters() if not p.requires_grad), *module.buffers()]:
+            t.data = t.data.to(device)
+            if world_size > 1:
+                comm.broadcast(t.data, 0, group)

@@ -1,4 +1,5 @@
-"""Which optimizers ZeroQ can shard, and how an offloaded optimizer steps on the host.
+"""Which optimizers ZeroQ can shard, how one is bound to the master shards, and how an offloaded
+optimizer steps on the host.
 
 Sharding cuts every parameter at arbitrary element boundaries, so only elementwise updates give the
 same result as on whole tensors.
@@ -6,7 +7,13 @@ same result as on whole tensors.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
+from torch import Tensor, nn
+
+from lightning_zeroq.zero.layout import Segment
+from lightning_zeroq.zero.unit import Unit
 
 
 ELEMENTWISE_OPTIMIZERS: list[type] = [
@@ -53,3 +60,40 @@ def prefer_fast_host_step(optimizer: torch.optim.Optimizer, group: dict) -> None
         group["fused"], group["foreach"] = True, False
     elif "foreach" in optimizer.defaults:
         group["foreach"] = True
+
+
+def bind_to_shards(
+    optimizer: torch.optim.Optimizer, module: nn.Module, units: Sequence[Unit], *, first_time: bool
+) -> dict[int, list[tuple[Tensor, Segment]]]:
+    """Rebind ``optimizer``'s param groups to this rank's fp32 master segments, in place.
+
+    The optimizer object itself is kept, so LR schedulers and ``LearningRateMonitor`` that hold it keep
+    working; its state starts empty. Returns, per unit index, the (master segment, segment) pairs the
+    optimizer steps.
+    """
+    check_elementwise(optimizer)
+    group_of: dict[int, int] = {}
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) in group_of:
+                raise ValueError("A parameter appears in two optimizer param groups; list each once.")
+            group_of[id(p)] = gi
+    module_params = {id(p) for p in module.parameters()}
+    foreign = [k for k in group_of if k not in module_params]
+    if foreign and first_time:
+        raise ValueError(
+            f"The optimizer holds {len(foreign)} tensor(s) that are not parameters of the module; "
+            "build the optimizer from self.parameters() in configure_optimizers."
+        )
+    new_params: list[list[Tensor]] = [[] for _ in optimizer.param_groups]
+    optimized: dict[int, list[tuple[Tensor, Segment]]] = {u.index: [] for u in units}
+    for unit in units:
+        for seg, view in zip(unit.segments, unit.segment_masters):
+            gi = group_of.get(id(unit.params[seg.param]))
+            if gi is not None:
+                new_params[gi].append(view)
+                optimized[unit.index].append((view, seg))
+    for group, views in zip(optimizer.param_groups, new_params):
+        group["params"] = views
+    optimizer.state.clear()
+    return optimized

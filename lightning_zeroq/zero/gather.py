@@ -1,0 +1,94 @@
+"""Unshard and reshard: the one place that writes a unit's working buffer.
+
+A ``Gatherer`` combines three objects chosen when the engine is built: the *wire* (how a shard
+travels: full width or INT8, ``wire.py``), the *optimizer placement* (where the master shards are,
+``offload/``) and, for stage 3, the *shard store* (where a transient unit's payload rests between
+gathers: the device, pinned host memory or NVMe, ``offload/``).
+
+- ``publish(unit)`` after every step and checkpoint load: a persistent unit's working buffer is
+  synced from the master shards (``wire.sync``); a transient unit's payload is re-encoded into the
+  store (``wire.encode``), and the unit is freed if something had it gathered.
+- ``gather(unit, prefetch)``, stage 3 before every use: re-allocate the storage of ``flat`` and fill
+  it from every rank's payload. With ``prefetch`` on CUDA the copy from the store and the collective
+  run on the gather stream, which first waits for the compute stream; the first real use waits for
+  the recorded event. On CPU a "prefetch" is a synchronous gather done early.
+- ``free(unit)``: drop the storage of ``flat`` again (after waiting for a prefetch in flight).
+
+Lifetimes: see ``unit.py``; when a unit is gathered and freed is decided by ``stage3.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from lightning_zeroq.zero import comm
+from lightning_zeroq.zero.offload import OptimizerPlacement, ShardStore
+from lightning_zeroq.zero.unit import Unit, UnitState
+from lightning_zeroq.zero.wire import Wire
+
+
+class Gatherer:
+    def __init__(
+        self,
+        wire: Wire,
+        placement: OptimizerPlacement,
+        store: Optional[ShardStore],
+        device: torch.device,
+        *,
+        sync_persistent_on_build: bool,
+    ) -> None:
+        self.wire, self.placement, self.store, self.device = wire, placement, store, device
+        self.sync_persistent_on_build = sync_persistent_on_build
+        self._stream = comm.side_stream(device) if store is not None else None
+
+    def adopt(self, unit: Unit) -> None:
+        """A unit was just built (its working buffer holds rank 0's values at full width)."""
+        if not unit.persistent:
+            self.publish(unit)  # the payload goes to the store and the unit is freed at once
+        elif self.sync_persistent_on_build:
+            self.wire.sync(unit, self.placement)  # INT8: the working weights are what a gather produces
+
+    @torch.no_grad()
+    def publish(self, unit: Unit) -> None:
+        if unit.persistent:
+            self.wire.sync(unit, self.placement)
+            return
+        assert self.store is not None
+        self.store.put(unit, self.wire.encode(unit, self.placement))
+        self.free(unit)  # gathered outside a step (e.g. a validation forward in progress)
+
+    @torch.no_grad()
+    def gather(self, unit: Unit, prefetch: bool = False) -> None:
+        """Give a transient unit its full working buffer (a no-op if it has it)."""
+        if unit.state is UnitState.GATHERED:
+            return
+        current = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        if unit.state is UnitState.PREFETCHING:
+            if not prefetch:
+                current.wait_event(unit.ready)
+                unit.ready, unit.state = None, UnitState.GATHERED
+            return
+        assert self.store is not None
+        unit.resize_storage(gathered=True)
+        if prefetch and self._stream is not None:
+            self._stream.wait_stream(current)
+            with torch.cuda.stream(self._stream):
+                self.wire.gather(unit, self.store.get(unit))
+                unit.ready = torch.cuda.Event()
+                unit.ready.record(self._stream)
+            unit.state = UnitState.PREFETCHING
+        else:
+            self.wire.gather(unit, self.store.get(unit))
+            unit.state = UnitState.GATHERED
+
+    def free(self, unit: Unit) -> None:
+        """Release a transient unit's full buffer (its parameters keep their shapes)."""
+        if unit.persistent or unit.state is UnitState.SHARDED:
+            return
+        if unit.state is UnitState.PREFETCHING:  # prefetched and never used: let the gather finish
+            torch.cuda.current_stream(self.device).wait_event(unit.ready)
+            unit.ready = None
+        unit.resize_storage(gathered=False)
+        unit.state = UnitState.SHARDED

@@ -1,0 +1,57 @@
+"""Placements: where the optimizer's state and stage 3's resting parameter shards live.
+
+Chosen once, when the engine is built, from the ``ZeroConfig``; the engine then calls the chosen
+objects at fixed points and never branches on the offload mode itself.
+
+| config | optimizer placement | stage-3 shard store |
+|---|---|---|
+| no offload | ``device.OptimizerPlacement`` | ``device.MasterAlias`` (fp32, full width) or ``device.DeviceStore`` |
+| ``offload_optimizer`` (cpu) | ``host.HostOptimizer`` | ``device.DeviceStore`` |
+| ``offload_optimizer_device="nvme"`` | ``nvme.NvmeOptimizer`` | ``device.DeviceStore`` |
+| ``offload_parameters`` (cpu) | | ``host.HostStore`` |
+| ``offload_params_device="nvme"`` | | ``nvme.NvmeStore`` |
+
+The generic swap space the NVMe placements build on is ``lightning_zeroq.swap``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_zeroq.config import ZeroConfig
+from lightning_zeroq.zero.offload.device import DeviceStore, MasterAlias, OptimizerPlacement, ShardStore
+from lightning_zeroq.zero.offload.host import HostOptimizer, HostStore
+from lightning_zeroq.zero.offload.nvme import NvmeOptimizer, NvmeStore
+
+__all__ = ["OptimizerPlacement", "ShardStore", "optimizer_placement", "shard_store"]
+
+
+def optimizer_placement(
+    config: ZeroConfig, device: torch.device, param_dtype: torch.dtype, rank: int, world_size: int
+) -> OptimizerPlacement:
+    if not config.offload_optimizer:
+        return OptimizerPlacement(device)
+    if config.offload_optimizer_device == "nvme":
+        assert config.nvme_path is not None  # ZeroConfig checks it
+        return NvmeOptimizer(device, param_dtype, world_size, nvme_path=config.nvme_path, rank=rank)
+    return HostOptimizer(device, param_dtype, world_size)
+
+
+def shard_store(
+    config: ZeroConfig,
+    device: torch.device,
+    *,
+    payload_dtype: torch.dtype,
+    payload_numels: dict[int, int],
+    param_dtype: torch.dtype,
+    rank: int,
+) -> ShardStore:
+    """The store of stage 3's transient units (``payload_numels``: unit index -> payload elements)."""
+    if config.offload_parameters and config.offload_params_device == "nvme":
+        assert config.nvme_path is not None
+        return NvmeStore(device, payload_dtype, payload_numels, nvme_path=config.nvme_path, rank=rank)
+    if config.offload_parameters:
+        return HostStore(device, payload_dtype, payload_numels)
+    if not config.quantized_weights and param_dtype == torch.float32 and not config.offload_optimizer:
+        return MasterAlias()  # the fp32 master on the device is already the working shard
+    return DeviceStore(device, payload_dtype, payload_numels)

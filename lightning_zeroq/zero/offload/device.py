@@ -1,0 +1,134 @@
+"""No offload: master shards, optimizer state and stage-3 parameter shards on the compute device.
+
+Two small protocols live here, because the device placement is also their base and default:
+
+``OptimizerPlacement``: where the fp32 master shards and the optimizer state live and where the
+optimizer step runs. The engine calls it at fixed points of a step and never asks which placement
+it has:
+
+- ``adopt_master`` (build): take this rank's fp32 shard, return the master to keep;
+- ``attach`` (``attach_optimizer``): the optimizer is bound to the master segments;
+  ``state_loaded``: its state was just loaded from a checkpoint;
+- ``grad_reduced`` (backward, on the reduction stream): a unit's gradient shard just grew;
+  ``boundary`` says it is final for this window (a managed window's last backward);
+- ``gradients_done`` (finalize, after the reductions completed): every gradient shard is final;
+- ``resident`` (publish, state dicts): the units in order, each with its master (and state) readable
+  while the caller holds it; ``step_batches`` (step): the same walk in the batches the optimizer
+  steps (all units at once on the device; one unit at a time with offload, so the copy back and
+  gather of one unit overlap the host update of the next, and NVMe needs only a few resident);
+- ``step_grad``: the gradient shard the optimizer reads; ``device_master``/``device_working``: the
+  master as fp32 or working dtype on the device, for the wire;
+- ``end_window``, ``release`` (teardown), ``close``.
+
+``ShardStore``: where a stage-3 transient unit's payload (its working shard, or its INT8 encoding)
+rests between gathers: ``put`` after each step, ``get`` (on the device) before each gather;
+``released`` (teardown) gives the store to use once swap files are gone.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional, Protocol, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_zeroq.zero.unit import Unit
+
+
+class OptimizerPlacement:
+    """Masters and optimizer state on the compute device; the optimizer steps all units at once."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def adopt_master(self, index: int, shard: Tensor) -> Tensor:
+        return shard.clone()
+
+    def attach(self, units: Sequence[Unit], optimizer: torch.optim.Optimizer) -> None:
+        pass
+
+    def state_loaded(self, optimizer: torch.optim.Optimizer) -> None:
+        pass
+
+    def resident(self, units: Sequence[Unit]) -> Iterator[Unit]:
+        yield from units
+
+    def step_batches(self, units: Sequence[Unit]) -> Iterator[list[Unit]]:
+        yield list(units)
+
+    def grad_reduced(self, unit: Unit, boundary: bool) -> None:
+        pass
+
+    def gradients_done(self, units: Sequence[Unit]) -> None:
+        pass
+
+    def step_grad(self, unit: Unit) -> Tensor:
+        return unit.grad
+
+    def device_master(self, unit: Unit) -> Tensor:
+        return unit.master
+
+    def device_working(self, unit: Unit, dtype: torch.dtype) -> Tensor:
+        return unit.master.to(dtype)
+
+    def end_window(self) -> None:
+        pass
+
+    def release(self, units: Sequence[Unit], optimizer: Optional[torch.optim.Optimizer]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class ShardStore(Protocol):
+    def put(self, unit: Unit, payload: Tensor) -> None: ...
+
+    def get(self, unit: Unit) -> Tensor: ...
+
+    def device_tensors(self) -> list[Tensor]: ...
+
+    def released(self, units: Sequence[Unit]) -> "ShardStore": ...
+
+    def close(self) -> None: ...
+
+
+class MasterAlias:
+    """fp32 working weights and masters on the device, full width: gathers read the master itself."""
+
+    def put(self, unit: Unit, payload: Tensor) -> None:
+        pass
+
+    def get(self, unit: Unit) -> Tensor:
+        return unit.master
+
+    def device_tensors(self) -> list[Tensor]:
+        return []  # the masters are counted as the optimizer placement's
+
+    def released(self, units: Sequence[Unit]) -> "MasterAlias":
+        return self
+
+    def close(self) -> None:
+        pass
+
+
+class DeviceStore:
+    """The payload stays on the device, in one buffer per unit reused every step."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, numels: dict[int, int]) -> None:
+        self.buffers = {i: torch.empty(n, dtype=dtype, device=device) for i, n in numels.items()}
+
+    def put(self, unit: Unit, payload: Tensor) -> None:
+        self.buffers[unit.index].copy_(payload, non_blocking=True)
+
+    def get(self, unit: Unit) -> Tensor:
+        return self.buffers[unit.index]
+
+    def device_tensors(self) -> list[Tensor]:
+        return list(self.buffers.values())
+
+    def released(self, units: Sequence[Unit]) -> "DeviceStore":
+        return self
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,220 @@
+"""NVMe offload: optimizer state (all stages) and stage-3 parameter shards in swap files.
+
+Optimizer. Each unit's fp32 master shard and per-element optimizer state live in swap files between
+steps and in host memory only while that unit steps (the rest is as with CPU offload, ``host.py``).
+Regions (one file each, ``lightning_zeroq.swap.NvmeSwapper``): ``u<i>.master`` and ``u<i>.<key>`` for
+every per-element state key of the optimizer (``exp_avg``, ``exp_avg_sq`` for AdamW). The keys are
+found up front by stepping a throw-away copy of the optimizer on a small tensor, so every region is
+registered, and the free space checked, before training starts. Scalar state (Adam's ``step``)
+stays in memory.
+
+Residency. The optimizer keeps its own tensor objects (its parameters are the master segments, its
+state tensors hang off them); loading a unit points their ``.data`` at fresh host buffers read from
+disk, storing it writes the buffers back and points ``.data`` at empty placeholders. The step walks
+the units in order: unit ``i+1`` is read ahead while unit ``i`` steps, and unit ``i`` is written back
+while ``i+1`` steps, so at most three units are resident. An I/O error, a short read or a swap file
+that changed size raises ``RuntimeError`` naming the file before any step runs on the data.
+
+Parameters (stage 3). A transient unit's payload (working shard or INT8 encoding) is written to its
+region after each step and read back (into an aligned, pinned buffer) before each gather.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Iterator, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_zeroq.swap import NvmeSwapper, SwapHandle, aligned_empty
+from lightning_zeroq.zero.offload.host import HostOptimizer, HostStore
+from lightning_zeroq.zero.unit import Unit
+
+
+def swap_key(unit_index: int, kind: str) -> str:
+    """The swap region of one unit's ``kind`` (``master``, an optimizer state key, or ``param``)."""
+    return f"u{unit_index}.{kind}"
+
+
+def per_element_state_keys(optimizer: torch.optim.Optimizer) -> list[str]:
+    """The state keys whose tensors have one element per parameter element, for this optimizer."""
+    probe = torch.zeros(16, requires_grad=True)
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    twin = type(optimizer)([probe], **{k: v for k, v in group.items() if k in accepted and k != "params"})
+    probe.grad = torch.ones_like(probe)
+    twin.step()
+    return sorted(k for k, v in twin.state[probe].items() if isinstance(v, Tensor) and v.numel() == probe.numel())
+
+
+class NvmeOptimizer(HostOptimizer):
+    """Masters and per-element optimizer state in swap files; resident only while a unit steps."""
+
+    def __init__(self, device: torch.device, param_dtype: torch.dtype, world_size: int, *, nvme_path: str,
+                 rank: int) -> None:
+        super().__init__(device, param_dtype, world_size)
+        self.nvme_path, self.rank = nvme_path, rank
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.keys: list[str] = []
+        self.swapper: Optional[NvmeSwapper] = None
+        self._state_on_disk: set[int] = set()
+        self._resident: dict[int, dict[str, Tensor]] = {}
+        self._writing: dict[int, list[SwapHandle]] = {}
+
+    def attach(self, units: Sequence[Unit], optimizer: torch.optim.Optimizer) -> None:
+        super().attach(units, optimizer)
+        self.optimizer = optimizer
+        self._state_on_disk.clear()  # a new optimizer (another fit, a loaded checkpoint): its state wins
+        if self.swapper is not None:
+            return
+        self.keys = per_element_state_keys(optimizer)
+        self.swapper = NvmeSwapper(self.nvme_path, rank=self.rank, pin_memory=self.pin)
+        for unit in units:
+            for name in ["master", *self.keys]:
+                self.swapper.register(swap_key(unit.index, name), unit.layout.shard_numel, torch.float32)
+        self.swapper.reserve()  # checks the free space for every region before anything is written
+        for unit in units:
+            self.swapper.write(swap_key(unit.index, "master"), unit.master)
+            self._evict(unit)
+
+    def state_loaded(self, optimizer: torch.optim.Optimizer) -> None:
+        """Use ``optimizer`` (its state just loaded) from now on; it replaces the state on disk as each
+        unit is next stored."""
+        self.optimizer = optimizer
+        self._state_on_disk.clear()
+
+    def resident(self, units: Sequence[Unit]) -> Iterator[Unit]:
+        """Load each unit in turn (reading the next ahead) and write it back after the caller used it."""
+        if self.swapper is None:  # no optimizer attached yet: the masters are still in memory
+            yield from units
+            return
+        for i, unit in enumerate(units):
+            self._load(unit)
+            self._prefetch(units[i + 1] if i + 1 < len(units) else None)
+            yield unit
+            self._store(unit)
+        self._flush()
+
+    def _prefetch(self, unit: Optional[Unit]) -> None:
+        if unit is None or unit.index in self._resident:
+            return
+        self._finish_write(unit.index)
+        for name in self._names(unit):
+            self.swapper.prefetch(swap_key(unit.index, name))
+
+    def _names(self, unit: Unit) -> list[str]:
+        return ["master", *(self.keys if unit.index in self._state_on_disk else [])]
+
+    def _load(self, unit: Unit) -> None:
+        """Make ``unit``'s master (and optimizer state) resident in host memory."""
+        if unit.index in self._resident:
+            return
+        self._finish_write(unit.index)
+        buffers: dict[str, Tensor] = {}
+        for name in self._names(unit):
+            buffers[name] = aligned_empty(unit.layout.shard_numel, torch.float32, pin_memory=self.pin)
+            self.swapper.read(swap_key(unit.index, name), buffers[name])
+        unit.set_master(buffers["master"])
+        for view, seg in zip(unit.segment_masters, unit.segments):
+            state = self.optimizer.state.get(view)
+            for key in self.keys:
+                if state and key in state and key in buffers:
+                    state[key].data = buffers[key][seg.shard_span]
+        self._resident[unit.index] = buffers
+
+    def _store(self, unit: Unit) -> None:
+        """Start writing ``unit`` back (its buffers are released once the writes complete)."""
+        buffers = self._resident.get(unit.index)
+        if buffers is None:
+            return
+        for key in self.keys:  # state created by this step lives in the optimizer's own tensors
+            flat = buffers.get(key)
+            for view, seg in zip(unit.segment_masters, unit.segments):
+                state = self.optimizer.state.get(view)
+                if state and key in state:
+                    if flat is None:
+                        flat = buffers[key] = aligned_empty(unit.layout.shard_numel, torch.float32, pin_memory=self.pin)
+                        flat.zero_()
+                    target = flat[seg.shard_span]
+                    if state[key].data_ptr() != target.data_ptr():
+                        target.copy_(state[key])
+        self._writing[unit.index] = [
+            self.swapper.write_async(swap_key(unit.index, name), t) for name, t in buffers.items()
+        ]
+        if all(k in buffers for k in self.keys):
+            self._state_on_disk.add(unit.index)
+        self._evict(unit)
+
+    def _evict(self, unit: Unit) -> None:
+        self._resident.pop(unit.index, None)  # the writes in flight keep their own references
+        unit.set_master(torch.empty(0))
+        for view in unit.segment_masters:
+            for key, value in self.optimizer.state.get(view, {}).items() if self.optimizer else ():
+                if key in self.keys:
+                    value.data = torch.empty(0)
+
+    def _finish_write(self, index: int) -> None:
+        for handle in self._writing.pop(index, []):
+            handle.wait()
+
+    def _flush(self) -> None:
+        """Wait for every write-back; raise the first I/O error."""
+        for index in list(self._writing):
+            self._finish_write(index)
+        self.swapper.wait_all()
+
+    def release(self, units: Sequence[Unit], optimizer: Optional[torch.optim.Optimizer]) -> None:
+        """Teardown: bring the masters back to host memory, drop the optimizer state, remove the swap
+        files. A later ``attach`` swaps again."""
+        if self.swapper is None:
+            return
+        self._flush()
+        if optimizer is not None:
+            optimizer.state.clear()
+        self.state_loaded(optimizer)
+        for unit in units:
+            self._load(unit)
+        self._resident.clear()
+        self.swapper.close()
+        self.swapper = None
+
+    def close(self) -> None:
+        if self.swapper is not None:
+            self.swapper.close()
+            self.swapper = None
+
+
+class NvmeStore:
+    """Stage 3 parameter offload to NVMe: each transient unit's payload in a swap region."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, numels: dict[int, int], *, nvme_path: str,
+                 rank: int) -> None:
+        self.device, self.dtype, self.pin = device, dtype, device.type == "cuda"
+        self.numels = numels
+        self.swapper = NvmeSwapper(nvme_path, rank=rank, prefix="zeroq_params", pin_memory=self.pin)
+        for index, numel in numels.items():
+            self.swapper.register(swap_key(index, "param"), numel, dtype)
+        self.swapper.reserve()  # the free space for every region, checked before the first write
+
+    def put(self, unit: Unit, payload: Tensor) -> None:
+        self.swapper.write(swap_key(unit.index, "param"), payload.to("cpu", self.dtype))
+
+    def get(self, unit: Unit) -> Tensor:
+        source = aligned_empty(self.numels[unit.index], self.dtype, pin_memory=self.pin)
+        self.swapper.read(swap_key(unit.index, "param"), source)
+        return source.to(self.device, non_blocking=True)
+
+    def device_tensors(self) -> list[Tensor]:
+        return []
+
+    def released(self, units: Sequence[Unit]) -> HostStore:
+        """Teardown: the payloads move to host memory and the swap files are removed."""
+        host = HostStore(self.device, self.dtype, self.numels)
+        for index, buffer in host.buffers.items():
+            self.swapper.read(swap_key(index, "param"), buffer)
+        self.close()
+        return host
+
+    def close(self) -> None:
+        self.swapper.close()

@@ -1,0 +1,140 @@
+"""Which parameters form which unit, decided once when the engine is built.
+
+Stages 1/2: consecutive trainable parameters in registration order, up to ``reduce_bucket_size``
+elements per unit (``layout.plan_units``); every unit is persistent (always gathered).
+
+Stage 3: by default one unit per repeated block (the instances of the class that holds the most
+parameters among the children of ``nn.ModuleList``/``nn.Sequential`` containers: the transformer
+layers), found automatically; or the instances of ``stage3_wrap_classes``; or, with
+``stage3_unit_size``, any module whose not-yet-wrapped parameters reach that many elements. Those
+units are *transient* (gathered before use, freed after). The remaining parameters form the *root*
+unit, and parameters of at most ``stage3_param_persistence_threshold`` elements form a *persistent*
+unit; both stay gathered, like stage 1/2 units (the root holds embeddings and the head, used at both
+ends of every step).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import NamedTuple, Optional, Sequence
+
+from torch import nn
+
+from lightning_zeroq.config import ZeroConfig
+from lightning_zeroq.zero.layout import plan_units
+
+
+class UnitSpec(NamedTuple):
+    params: list[nn.Parameter]
+    module: Optional[nn.Module]
+    """The module whose forward uses the unit (``None``: root or persistent, always gathered)."""
+    persistent: bool
+
+
+def _containers_children(module: nn.Module) -> list[nn.Module]:
+    out = []
+    for m in module.modules():
+        if isinstance(m, (nn.ModuleList, nn.Sequential)):
+            out.extend(m.children())
+    return out
+
+
+def auto_wrap_classes(module: nn.Module) -> set[type]:
+    """The class of the repeated blocks: most parameters among children of module containers."""
+    counts: Counter[type] = Counter()
+    sizes: Counter[type] = Counter()
+    for child in _containers_children(module):
+        numel = sum(p.numel() for p in child.parameters())
+        if numel:
+            counts[type(child)] += 1
+            sizes[type(child)] += numel
+    repeated = [cls for cls in counts if counts[cls] >= 2]
+    return {max(repeated, key=lambda c: sizes[c])} if repeated else set()
+
+
+def plan_module_units(
+    module: nn.Module,
+    trainable: Sequence[nn.Parameter],
+    *,
+    wrap_classes: Optional[Sequence[str]],
+    unit_size: Optional[int],
+    persistence_threshold: int,
+) -> list[UnitSpec]:
+    """Units for stage 3, in module registration order (transient units first, then root, persistent)."""
+    is_trainable = {id(p) for p in trainable}
+    if wrap_classes:
+        by_name = {type(m).__name__: type(m) for m in module.modules()}
+        unknown = [name for name in wrap_classes if name not in by_name]
+        if unknown:
+            raise ValueError(
+                f"stage3_wrap_classes={list(wrap_classes)}: no module of class {unknown} in the model; "
+                f"classes present: {sorted(by_name)[:20]}."
+            )
+        classes = {by_name[name] for name in wrap_classes}
+    else:
+        classes = set() if unit_size else auto_wrap_classes(module)
+
+    taken: set[int] = set()
+    small = [p for p in trainable if p.numel() <= persistence_threshold]
+    taken.update(id(p) for p in small)
+    specs: list[UnitSpec] = []
+    owners: dict[int, list[nn.Module]] = {}
+    for m in module.modules():
+        for p in m.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(m)
+
+    def take(m: nn.Module) -> list[nn.Parameter]:
+        # A parameter shared with a module outside ``m`` (tied weights) must be gathered whenever
+        # either runs: it stays with the root unit instead.
+        inside = {id(x) for x in m.modules()}
+        params = [
+            p
+            for p in m.parameters()
+            if id(p) in is_trainable and id(p) not in taken and all(id(o) in inside for o in owners[id(p)])
+        ]
+        taken.update(id(p) for p in params)
+        return params
+
+    if classes:
+        for m in module.modules():
+            if type(m) in classes and m is not module:
+                params = take(m)
+                if params:
+                    specs.append(UnitSpec(params, m, False))
+    else:
+        for m in _post_order(module):
+            if m is module:
+                continue
+            pending = [p for p in m.parameters() if id(p) in is_trainable and id(p) not in taken]
+            if unit_size and pending and sum(p.numel() for p in pending) >= unit_size:
+                params = take(m)
+                if params:
+                    specs.append(UnitSpec(params, m, False))
+    root = [p for p in trainable if id(p) not in taken]
+    if root:
+        specs.append(UnitSpec(root, None, True))
+    if small:
+        specs.append(UnitSpec(small, None, True))
+    return specs
+
+
+def _post_order(module: nn.Module) -> list[nn.Module]:
+    out = []
+    for child in module.children():
+        out.extend(_post_order(child))
+    out.append(module)
+    return out
+
+
+def plan(module: nn.Module, trainable: Sequence[nn.Parameter], config: ZeroConfig) -> list[UnitSpec]:
+    """The units of ``module`` for ``config.stage``."""
+    if config.stage == 3:
+        return plan_module_units(
+            module,
+            trainable,
+            wrap_classes=config.stage3_wrap_classes,
+            unit_size=config.stage3_unit_size,
+            persistence_threshold=config.stage3_param_persistence_threshold,
+        )
+    buckets = plan_units([p.numel() for p in trainable], config.reduce_bucket_size)
+    return [UnitSpec([trainable[i] for i in members], None, True) for members in buckets]

@@ -1,0 +1,131 @@
+"""Full and sharded state of an engine: what checkpoints, exports and tests read and write.
+
+- ``full_state_dict``: collective; every rank gets the full fp32 parameters by name (CPU tensors),
+  gathered unit by unit from the master shards; frozen parameters are included as they are.
+- ``load_full_state_dict``: every rank sets its own slice of each master from full parameters by
+  name, then republishes the working weights. No collective but the publish.
+- ``sharded_state_dict`` / ``load_sharded_state_dict``: this rank's masters, optimizer state and loss
+  scale, for a checkpoint resumed by the same number of ranks with the same units.
+
+With NVMe offload the masters are walked through the placement's ``resident`` iterator, so one unit
+at a time is in memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_zeroq.zero import comm
+from lightning_zeroq.zero.gather import Gatherer
+from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
+from lightning_zeroq.zero.offload import OptimizerPlacement
+from lightning_zeroq.zero.unit import Unit
+
+
+class ShardedParts(Protocol):
+    """What these functions need of an engine (``ZeroEngine`` provides it)."""
+
+    module: nn.Module
+    units: list[Unit]
+    placement: OptimizerPlacement
+    gatherer: Gatherer
+    optimizer: Optional[torch.optim.Optimizer]
+    loss_scaler: Optional[DynamicLossScaler]
+    rank: int
+    world_size: int
+    group: Optional[dist.ProcessGroup]
+    device: torch.device
+
+
+def _named_managed(engine: ShardedParts) -> Iterator[tuple[list[str], Unit, int]]:
+    """(every name of the parameter, its unit, its index in the unit), for the engine's parameters."""
+    names: dict[int, list[str]] = {}
+    for name, p in engine.module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    for unit in engine.units:
+        for i, p in enumerate(unit.params):
+            yield names.get(id(p), []), unit, i
+
+
+@torch.no_grad()
+def full_state_dict(engine: ShardedParts) -> dict[str, Tensor]:
+    out: dict[str, Tensor] = {}
+    fulls = {}
+    for unit in engine.placement.resident(engine.units):
+        full = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=engine.device)
+        comm.all_gather(full, engine.placement.device_master(unit), engine.group)
+        fulls[unit.index] = full.cpu()
+    for names, unit, i in _named_managed(engine):
+        value = fulls[unit.index][unit.layout.slots[i].span].view(unit.params[i].shape).clone()
+        for name in names:
+            out[name] = value
+    for name, p in engine.module.named_parameters(remove_duplicate=False):
+        if name not in out:
+            out[name] = p.detach().float().cpu().clone()
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict(engine: ShardedParts, state: dict[str, Tensor]) -> set[str]:
+    """Returns the names of the engine's parameters (all aliases of tied ones)."""
+    managed: set[str] = set()
+    names_of: dict[int, list[list[str]]] = {u.index: [[] for _ in u.params] for u in engine.units}
+    for names, owner, i in _named_managed(engine):
+        names_of[owner.index][i] = names
+        managed.update(names)
+    for unit in engine.placement.resident(engine.units):
+        for seg in unit.segments:
+            name = next((n for n in names_of[unit.index][seg.param] if n in state), None)
+            if name is not None:
+                unit.master[seg.shard_span].copy_(state[name].reshape(-1)[seg.param_span])
+        engine.gatherer.publish(unit)
+    return managed
+
+
+def sharded_state_dict(engine: ShardedParts) -> dict[str, Any]:
+    masters, state = [], {}
+    optimizer = engine.optimizer
+    for unit in engine.placement.resident(engine.units):  # with NVMe offload: one unit resident at a time
+        masters.append(unit.master.detach().cpu().clone())
+        if optimizer is not None:
+            for view in unit.segment_masters:
+                if view in optimizer.state:
+                    state[id(view)] = {
+                        k: v.clone() if isinstance(v, Tensor) else v for k, v in optimizer.state[view].items()
+                    }
+    optimizer_state = None
+    if optimizer is not None:
+        optimizer_state = optimizer.state_dict()  # param_groups; state rebuilt from the clones
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        optimizer_state["state"] = {i: state[id(p)] for i, p in enumerate(params) if id(p) in state}
+    return {
+        "world_size": engine.world_size,
+        "rank": engine.rank,
+        "unit_numels": [u.layout.numel for u in engine.units],
+        "masters": masters,
+        "optimizer": optimizer_state,
+        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
+    }
+
+
+@torch.no_grad()
+def load_sharded_state_dict(engine: ShardedParts, state: dict[str, Any]) -> None:
+    numels = [u.layout.numel for u in engine.units]
+    if state["world_size"] != engine.world_size or state["unit_numels"] != numels:
+        raise ValueError(
+            f"This sharded checkpoint was written by {state['world_size']} ranks with units "
+            f"{state['unit_numels'][:4]}...; this run has {engine.world_size} ranks and units {numels[:4]}... "
+            "Resume with the same number of devices and the same reduce_bucket_size."
+        )
+    if engine.optimizer is not None and state["optimizer"] is not None:
+        engine.optimizer.load_state_dict(state["optimizer"])
+        engine.placement.state_loaded(engine.optimizer)  # it replaces the state swapped out to NVMe
+    if engine.loss_scaler is not None and state["loss_scaler"] is not None:
+        engine.loss_scaler.load_state_dict(state["loss_scaler"])
+    for unit in engine.placement.resident(engine.units):
+        unit.master.copy_(state["masters"][unit.index])
+        engine.gatherer.publish(unit)

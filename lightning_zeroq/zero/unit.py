@@ -1,0 +1,149 @@
+"""The unit: a group of parameters flattened into one buffer and sharded across ranks.
+
+Per unit and rank (see ``layout.py`` for the words):
+
+- ``flat``: the full working-dtype buffer; the module's parameters are views into it, so forward and
+  backward run on ordinary ``nn.Parameter`` objects. Persistent units keep it; a stage-3 transient
+  unit keeps only its *storage object*, resized to 0 bytes between uses (``state`` SHARDED) and back
+  to full size by a gather, so the views autograd saved in forward stay valid for backward.
+- ``master``: this rank's fp32 shard, the only copy the optimizer updates. Where it lives (device,
+  pinned host memory, NVMe) is the optimizer placement's business (``offload/``): the placement
+  creates it and, for NVMe, swaps it in and out; everything else reads it through the placement.
+  ``segment_masters`` are the views the optimizer steps, one per parameter segment.
+- ``grad``: this rank's fp32 gradient shard on the device, accumulated over the window by the
+  reducer and zeroed after each step.
+
+``build_units`` runs once: it materializes meta-device parameters unit by unit, flattens each unit,
+broadcasts it from rank 0 (every rank starts from rank 0's values, as with DDP), hands this rank's
+fp32 shard to the placement and points the parameters at the flat buffer. One unit at a time, so a
+stage-3 model larger than one device can be built.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_zeroq.zero import comm
+from lightning_zeroq.zero.layout import Segment, UnitLayout, make_layout
+from lightning_zeroq.zero.materialize import materialize_meta_params
+from lightning_zeroq.zero.plan import UnitSpec
+
+
+class UnitState(enum.Enum):
+    """Where a unit's working buffer stands (persistent units are always GATHERED)."""
+
+    SHARDED = "sharded"
+    """Stage 3 at rest: ``flat`` has no storage; only the shards exist."""
+    PREFETCHING = "prefetching"
+    """A gather runs on the gather stream; the first use waits for ``Unit.ready``."""
+    GATHERED = "gathered"
+
+
+@dataclass(eq=False)
+class Unit:
+    index: int
+    params: list[nn.Parameter]
+    first_param_id: int
+    """Parameters are numbered across units; unit parameter ``i`` has id ``first_param_id + i``."""
+    layout: UnitLayout
+    segments: list[Segment]
+    """This rank's segments, in flat order."""
+    flat: Tensor
+    master: Tensor
+    segment_masters: list[Tensor]
+    grad: Tensor
+    module: Optional[nn.Module]
+    """Stage 3 transient units: the module whose forward uses the unit."""
+    persistent: bool
+    state: UnitState
+    ready: Optional["torch.cuda.Event"] = None
+    """Set while the unit is PREFETCHING."""
+
+    def param_id(self, i: int) -> int:
+        return self.first_param_id + i
+
+    def view_segments(self, shard: Tensor) -> list[Tensor]:
+        """``shard``'s views of this rank's segments (``shard`` has the layout of ``master``)."""
+        return [shard[seg.shard_span] for seg in self.segments]
+
+    def set_master(self, master: Tensor) -> None:
+        """Point the master and the optimizer's segment views at ``master`` (the same tensor objects
+        stay in the optimizer's param groups; only their data moves)."""
+        self.master = master
+        for view, seg in zip(self.segment_masters, self.segments):
+            view.data = master[seg.shard_span]
+
+    def resize_storage(self, gathered: bool) -> None:
+        storage = self.flat.untyped_storage()
+        storage.resize_(self.flat.numel() * self.flat.element_size() if gathered else 0)
+
+
+def plan_layouts(specs: Sequence[UnitSpec], world_size: int, align: int) -> list[UnitLayout]:
+    """Every unit's layout, known before any parameter is materialized (meta tensors have shapes)."""
+    return [make_layout([p.numel() for p in spec.params], world_size, align) for spec in specs]
+
+
+def build_units(
+    module: nn.Module,
+    specs: Sequence[UnitSpec],
+    layouts: Sequence[UnitLayout],
+    *,
+    device: torch.device,
+    param_dtype: torch.dtype,
+    group: Optional[dist.ProcessGroup],
+    adopt_master: Callable[[int, Tensor], Tensor],
+    on_built: Callable[[Unit], None],
+) -> list[Unit]:
+    """Flatten, broadcast from rank 0 and shard each unit, one at a time (bounded memory).
+
+    ``adopt_master`` receives the unit index and this rank's fp32 shard (a view of a temporary) and returns the master
+    tensor the placement keeps; ``on_built`` sees each unit as soon as it exists (stage 3 frees a
+    transient unit there, before the next one is materialized).
+    """
+    rank, world_size = comm.world(group)
+    units: list[Unit] = []
+    next_id = 0
+    renamed: dict[int, nn.Parameter] = {}
+    for index, (spec, layout) in enumerate(zip(specs, layouts)):
+        params = list(spec.params)
+        materialize_meta_params(module, params, device, renamed)
+        full = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
+        with torch.no_grad():
+            for p, slot in zip(params, layout.slots):
+                full[slot.span].copy_(p.detach().reshape(-1))
+            if world_size > 1:
+                comm.broadcast(full, 0, group)
+        master = adopt_master(index, full[layout.shard_span(rank)])
+        flat = full.to(param_dtype) if param_dtype != torch.float32 else full
+        for p, slot in zip(params, layout.slots):
+            p.data = flat[slot.span].view(p.shape)
+        segments = layout.segments(rank)
+        unit = Unit(
+            index=index,
+            params=params,
+            first_param_id=next_id,
+            layout=layout,
+            segments=segments,
+            flat=flat,
+            master=master,
+            segment_masters=[master[seg.shard_span] for seg in segments],
+            grad=torch.zeros(layout.shard_numel, dtype=torch.float32, device=device),
+            module=spec.module,
+            persistent=spec.persistent,
+            state=UnitState.GATHERED,
+        )
+        units.append(unit)
+        on_built(unit)
+        next_id += len(params)
+    return units
+
+
+def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """Trainable parameters in registration order, each once (tied weights are one parameter)."""
+    return [p for p in module.parameters() if p.requires_grad]

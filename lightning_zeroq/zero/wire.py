@@ -1,0 +1,258 @@
+"""How a shard travels between ranks: at full width, or as INT8 groups (``quantized_weights``).
+
+A *wire* turns this rank's fp32 master shard into every rank's full working buffer. It is chosen
+once, when the engine is built, and offers three operations:
+
+- ``sync(unit, placement)``: persistent units (stages 1/2, stage 3's root and small parameters),
+  after every step: master shard -> ``unit.flat``, with temporary memory bounded per collective.
+- ``encode(unit, placement)``: stage 3 transient units, once per step: the *payload* this rank
+  sends for the unit (a 1-D tensor of ``payload_dtype``/``payload_numel``). A shard store
+  (``offload/``) keeps it between gathers wherever the parameters live.
+- ``gather(unit, payload)``: stage 3, before every use: every rank's payload -> ``unit.flat``.
+
+Full width. The payload is the working-dtype shard; ``encode`` hands the master over as it is and
+the store's copy casts it (on the host when the master is there, so nothing crosses PCIe twice).
+
+INT8, per unit (all ranks run the same steps on the same sizes):
+
+1. *Side channel.* Elements of small parameters (at most ``exact_numel`` elements: norms, biases)
+   are sent exactly, in the working dtype, with one ``all_gather`` of a buffer padded to the largest
+   rank's count; they are zeroed before quantization so they cannot inflate a group's scale.
+2. *Chunks.* The shard is cut into chunks of ``chunk_numel`` elements (a multiple of the group size)
+   so that one collective gathers at most ``allgather_bucket_size`` elements across all ranks, but
+   never less than one group per rank. Per chunk: quantize+pack ``[codes | scales]`` into a send
+   buffer, one ``all_gather`` of bytes, then unpack+dequantize source rank by source rank straight
+   into that rank's slice of the working buffer.
+3. *Restore* the side-channel elements into the working buffer.
+
+The INT8 payload is one byte buffer ``[chunk 0 | chunk 1 | ... | side values]`` (about 1.06 bytes
+per element instead of the working dtype's 2), encoded once per step; every gather of the step
+(forward and backward) sends it. Every rank, the owner included, ends with the dequantized values,
+so all ranks hold bitwise the same working weights. Master shards are never touched, so
+quantization error does not accumulate. Temporary memory of ``sync`` per chunk: ``chunk_numel``
+fp32 (the masked copy, only where the chunk holds side elements) plus ``world_size + 1`` packed
+buffers of ``chunk_numel * (1 + 4 / group_size)`` bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_zeroq import ops
+from lightning_zeroq.zero import comm
+from lightning_zeroq.zero.layout import UnitLayout
+from lightning_zeroq.zero.offload.device import OptimizerPlacement
+from lightning_zeroq.zero.unit import Unit
+
+
+class Wire(Protocol):
+    payload_dtype: torch.dtype
+
+    def payload_numel(self, index: int) -> int: ...
+
+    def sync(self, unit: Unit, placement: OptimizerPlacement) -> None: ...
+
+    def encode(self, unit: Unit, placement: OptimizerPlacement) -> Tensor: ...
+
+    def gather(self, unit: Unit, payload: Tensor) -> None: ...
+
+
+class FullWidth:
+    """Shards travel in the working dtype: one ``all_gather_into_tensor`` straight into ``flat``."""
+
+    def __init__(self, layouts: Sequence[UnitLayout], param_dtype: torch.dtype,
+                 group: Optional[dist.ProcessGroup]) -> None:
+        self.layouts, self.payload_dtype, self.group = layouts, param_dtype, group
+
+    def payload_numel(self, index: int) -> int:
+        return self.layouts[index].shard_numel
+
+    def sync(self, unit: Unit, placement: OptimizerPlacement) -> None:
+        comm.all_gather(unit.flat, placement.device_working(unit, self.payload_dtype), self.group)
+
+    def encode(self, unit: Unit, placement: OptimizerPlacement) -> Tensor:
+        return unit.master  # the store's copy casts it, where the master lives
+
+    def gather(self, unit: Unit, payload: Tensor) -> None:
+        comm.all_gather(unit.flat, payload, self.group)
+
+
+class ChunkPlan(NamedTuple):
+    chunk_numel: int
+    """Elements of each rank's shard quantized and gathered per collective (whole groups)."""
+    num_chunks: int
+
+
+def plan_chunks(shard_numel: int, world_size: int, bucket_numel: int, group_size: int) -> ChunkPlan:
+    """Chunking of one shard so a collective gathers at most ``bucket_numel`` elements over all ranks.
+
+    ``shard_numel`` is a multiple of ``group_size``. The bound never drops below one group per rank.
+    """
+    per_rank = max(group_size, (bucket_numel // world_size) // group_size * group_size)
+    chunk = min(per_rank, shard_numel) if shard_numel else group_size
+    return ChunkPlan(chunk, -(-shard_numel // chunk) if shard_numel else 0)
+
+
+@dataclass(eq=False)
+class _SidePlan:
+    """Where the exact (side-channel) elements of one unit live."""
+
+    local: Tensor
+    """Positions in this rank's shard (int64)."""
+    max_count: int
+    """The largest per-rank count: the padded size of every rank's side buffer."""
+    valid: Tensor
+    """Positions in the gathered ``[world_size * max_count]`` side buffer that hold real values."""
+    flat: Tensor
+    """Positions in the working buffer of those values, in the same order."""
+
+
+def side_positions(layout: UnitLayout, exact_numel: int, rank: int) -> list[int]:
+    """Shard positions (within ``rank``'s shard) of parameters with at most ``exact_numel`` elements."""
+    out: list[int] = []
+    for seg in layout.segments(rank):
+        if layout.slots[seg.param].numel <= exact_numel:
+            out.extend(range(seg.shard_span.start, seg.shard_span.stop))
+    return out
+
+
+def _side_plan(layout: UnitLayout, exact_numel: int, rank: int, device: torch.device) -> Optional[_SidePlan]:
+    per_rank = [side_positions(layout, exact_numel, r) for r in range(layout.world_size)]
+    max_count = max(len(p) for p in per_rank)
+    if max_count == 0:
+        return None
+    valid, flat = [], []
+    for r, positions in enumerate(per_rank):
+        valid.extend(r * max_count + i for i in range(len(positions)))
+        flat.extend(r * layout.shard_numel + p for p in positions)
+    as_index = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+    return _SidePlan(as_index(per_rank[rank]), max_count, as_index(valid), as_index(flat))
+
+
+def _positions_in(side: Optional[_SidePlan], start: int, n: int) -> Optional[Tensor]:
+    """``side``'s shard positions in ``[start, start + n)``, relative to ``start``; None if there are none."""
+    if side is None:
+        return None
+    inside = side.local[(side.local >= start) & (side.local < start + n)] - start
+    return inside if inside.numel() else None
+
+
+class _UnitPlan(NamedTuple):
+    chunks: list[tuple[int, int]]
+    """(start, numel) of each chunk of the shard."""
+    chunk_sides: list[Optional[Tensor]]
+    """Per chunk: side-channel positions inside it, relative to its start (None: quantized in place)."""
+    offsets: list[int]
+    """Byte offset of each chunk's packed bytes in the payload; the last entry is the side values'."""
+    side: Optional[_SidePlan]
+
+
+class Int8:
+    """Shards travel as INT8 groups with fp32 scales (see the module docstring)."""
+
+    payload_dtype = torch.uint8
+
+    def __init__(
+        self,
+        layouts: Sequence[UnitLayout],
+        *,
+        param_dtype: torch.dtype,
+        rank: int,
+        group: Optional[dist.ProcessGroup],
+        device: torch.device,
+        group_size: int,
+        exact_numel: int,
+        bucket_numel: int,
+    ) -> None:
+        self.rank, self.group, self.device = rank, group, device
+        self.param_dtype, self.group_size = param_dtype, group_size
+        self.plans = [self._plan(layout, bucket_numel, exact_numel) for layout in layouts]
+        if device.type == "cuda":
+            ops.load_cuda_backend()  # compile or load once now, never inside a collective
+
+    def _plan(self, layout: UnitLayout, bucket_numel: int, exact_numel: int) -> _UnitPlan:
+        step = plan_chunks(layout.shard_numel, layout.world_size, bucket_numel, self.group_size).chunk_numel
+        chunks = [(start, min(step, layout.shard_numel - start)) for start in range(0, layout.shard_numel, step)]
+        side = _side_plan(layout, exact_numel, self.rank, self.device)
+        offsets = [0]
+        for _, n in chunks:
+            offsets.append(offsets[-1] + ops.packed_nbytes(n, self.group_size))
+        return _UnitPlan(chunks, [_positions_in(side, start, n) for start, n in chunks], offsets, side)
+
+    def payload_numel(self, index: int) -> int:
+        plan = self.plans[index]
+        side_bytes = plan.side.max_count * self.param_dtype.itemsize if plan.side is not None else 0
+        return plan.offsets[-1] + side_bytes
+
+    @torch.no_grad()
+    def _encode_chunk(self, plan: _UnitPlan, c: int, master: Tensor, out: Optional[Tensor] = None) -> Tensor:
+        """``[codes | scales]`` of chunk ``c`` of ``master`` with the side-channel elements zeroed."""
+        start, n = plan.chunks[c]
+        chunk = master[start : start + n]
+        inside = plan.chunk_sides[c]
+        if inside is not None:
+            chunk = chunk.clone()
+            chunk[inside] = 0.0
+        return ops.quantize_pack_int8(chunk, out, group_size=self.group_size)
+
+    @torch.no_grad()
+    def _encode_side(self, plan: _UnitPlan, master: Tensor, out: Optional[Tensor] = None) -> Optional[Tensor]:
+        """The exact side-channel values of this rank's shard, padded to the largest rank's count."""
+        side = plan.side
+        if side is None:
+            return None
+        if out is None:
+            out = torch.empty(side.max_count, dtype=self.param_dtype, device=self.device)
+        out.zero_()
+        out[: side.local.numel()] = master[side.local].to(self.param_dtype)
+        return out
+
+    @torch.no_grad()
+    def _gather_chunk(self, unit: Unit, c: int, send: Tensor) -> None:
+        """All-gather one chunk's packed bytes and dequantize each source rank into ``unit.flat``."""
+        start, n = self.plans[unit.index].chunks[c]
+        world = unit.layout.world_size
+        recv = torch.empty(world * send.numel(), dtype=torch.uint8, device=self.device)
+        comm.all_gather(recv, send, self.group)
+        for r, packed in enumerate(recv.chunk(world)):
+            out = unit.flat[unit.layout.shard_span(r)][start : start + n]
+            ops.unpack_dequantize_int8(packed, out, group_size=self.group_size)
+
+    @torch.no_grad()
+    def _gather_side(self, unit: Unit, send: Optional[Tensor]) -> None:
+        side = self.plans[unit.index].side
+        if side is None:
+            return
+        recv = torch.empty(unit.layout.world_size * side.max_count, dtype=unit.flat.dtype, device=self.device)
+        comm.all_gather(recv, send, self.group)
+        unit.flat[side.flat] = recv[side.valid]
+
+    def sync(self, unit: Unit, placement: OptimizerPlacement) -> None:
+        """Encode and gather chunk by chunk (temporary memory bounded by one chunk)."""
+        plan = self.plans[unit.index]
+        master = placement.device_master(unit)
+        for c in range(len(plan.chunks)):
+            self._gather_chunk(unit, c, self._encode_chunk(plan, c, master))
+        self._gather_side(unit, self._encode_side(plan, master))
+
+    @torch.no_grad()
+    def encode(self, unit: Unit, placement: OptimizerPlacement) -> Tensor:
+        plan = self.plans[unit.index]
+        master = placement.device_master(unit)
+        payload = torch.empty(self.payload_numel(unit.index), dtype=torch.uint8, device=self.device)
+        for c in range(len(plan.chunks)):
+            self._encode_chunk(plan, c, master, payload[plan.offsets[c] : plan.offsets[c + 1]])
+        self._encode_side(plan, master, payload[plan.offsets[-1] :].view(self.param_dtype))
+        return payload
+
+    def gather(self, unit: Unit, payload: Tensor) -> None:
+        plan = self.plans[unit.index]
+        for c in range(len(plan.chunks)):
+            self._gather_chunk(unit, c, payload[plan.offsets[c] : plan.offsets[c + 1]])
+        if plan.side is not None:
+            self._gather_side(unit, payload[plan.offsets[-1] :].view(unit.flat.dtype))

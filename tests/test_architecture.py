@@ -1,0 +1,133 @@
+"""The package's shape, checked from its source with ``ast`` (no imports, no third-party tool).
+
+- No import cycle inside ``lightning_zeroq``: every ``import`` counts, wherever it stands (module
+  level, inside a function, under ``if TYPE_CHECKING:``), because a cycle hidden behind a lazy or
+  type-only import is still two files that cannot be read one after the other.
+- No private name (``_x``) is imported from another file of the package.
+- The engine's files (everything under ``zero/``) stay small enough to read in one sitting.
+- The engine never imports Lightning or Hydra, so plain PyTorch, Fabric and tests can drive it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "lightning_zeroq"
+ENGINE_MAX_LINES = 400
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in PACKAGE.rglob("*.py") if ".venv" not in p.parts}
+
+
+def _imports(path: Path, name: str, modules: dict[str, Path]) -> list[tuple[str, list[str]]]:
+    """(imported module of the package, names taken from it) for every import statement in ``path``."""
+    is_package = path.name == "__init__.py"
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out += [(alias.name, []) for alias in node.names if alias.name.startswith("lightning_zeroq")]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = name.split(".") if is_package else name.split(".")[:-1]
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("lightning_zeroq"):
+                continue
+            for alias in node.names:  # "from pkg import submodule" imports the submodule
+                sub = f"{target}.{alias.name}"
+                out.append((sub, []) if sub in modules else (target, [alias.name]))
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        for target, _ in _imports(path, name, modules):
+            while target not in modules and "." in target:
+                target = target.rsplit(".", 1)[0]
+            if target != name and target in modules:
+                graph[name].add(target)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected component with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle_inside_the_package():
+    cycles = _cycles(_graph())
+    assert not cycles, f"import cycles (every import counts, TYPE_CHECKING ones too): {cycles}"
+
+
+def test_no_private_name_is_imported_from_another_file():
+    modules = _modules()
+    offenders = []
+    for name, path in modules.items():
+        for target, names in _imports(path, name, modules):
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            if private:
+                offenders.append(f"{name} imports {private} from {target}")
+    assert not offenders, offenders
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "zero").rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_engine_files_stay_small(path: Path):
+    lines = len(path.read_text(encoding="utf-8").splitlines())
+    assert lines <= ENGINE_MAX_LINES, f"{path.name} has {lines} lines; split it by what its parts do"
+
+
+def test_the_engine_imports_neither_lightning_nor_hydra():
+    for path in (PACKAGE / "zero").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            bad = [n for n in names if n.split(".")[0] in ("lightning", "pytorch_lightning", "hydra", "omegaconf")]
+            assert not bad, f"{path.relative_to(PACKAGE)} imports {bad}"
