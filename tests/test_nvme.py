@@ -7,9 +7,11 @@ import gc
 import logging
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -482,8 +484,84 @@ def test_forked_child_leaves_the_parents_files_alone(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Interpreter exit and SIGKILL
+# Signals and interpreter exit
 # ---------------------------------------------------------------------------------------------
+
+
+def test_only_a_default_signal_action_is_replaced_and_put_back(tmp_path: Path) -> None:
+    gc.collect()  # no swapper of an earlier test still alive: the default comes back with the last
+    original, sigint = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    received: list[int] = []
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        with NvmeSwapper(tmp_path):
+            assert isinstance(signal.getsignal(signal.SIGTERM), nvme._CleanupHandler)
+            assert signal.getsignal(signal.SIGINT) is sigint  # Python's: KeyboardInterrupt as ever
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+        def application_handler(signum: int, frame: object) -> None:
+            received.append(signum)
+
+        for disposition in (application_handler, signal.SIG_IGN):
+            signal.signal(signal.SIGTERM, disposition)
+            with NvmeSwapper(tmp_path) as sw:
+                assert signal.getsignal(signal.SIGTERM) == disposition  # left alone: it decides
+                sw.register("k", 1000, torch.float32)
+                sw.reserve()
+                signal.raise_signal(signal.SIGTERM)  # handled or ignored: the files are still needed
+                _assert_round_trip(sw, _random(1000, torch.float32, seed=0))
+        assert received == [signal.SIGTERM]
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        signal.signal(signal.SIGTERM, original)
+
+
+def test_a_handler_that_calls_ours_decides(tmp_path: Path) -> None:
+    """Lightning's trainer installs its SIGTERM handler after the strategy made the swappers and
+    calls the one it found too; it stops training gracefully, so ours must neither remove nor kill."""
+    gc.collect()
+    original = signal.getsignal(signal.SIGTERM)
+    received: list[int] = []
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        sw = NvmeSwapper(tmp_path)
+        sw.register("k", 1000, torch.float32)
+        sw.reserve()
+        ours = signal.getsignal(signal.SIGTERM)
+        assert callable(ours)
+
+        def composed(signum: int, frame: object) -> None:  # like lightning's _HandlersCompose
+            received.append(signum)
+            ours(signum, frame)
+
+        signal.signal(signal.SIGTERM, composed)
+        signal.raise_signal(signal.SIGTERM)  # the process survives
+        assert received == [signal.SIGTERM]
+        _assert_round_trip(sw, _random(1000, torch.float32, seed=0))
+        sw.close()
+        assert list(tmp_path.iterdir()) == []
+        assert signal.getsignal(signal.SIGTERM) is composed  # not ours to put back
+    finally:
+        signal.signal(signal.SIGTERM, original)
+
+
+def test_swapper_outside_the_main_thread_warns_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    gc.collect()
+    if signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        pytest.skip("SIGTERM already has a handler in this process")
+    monkeypatch.setattr(nvme, "_warned_not_main_thread", False)
+    swappers: list[NvmeSwapper] = []
+    with caplog.at_level(logging.WARNING, logger=nvme.__name__):
+        for _ in range(2):
+            worker = threading.Thread(target=lambda: swappers.append(NvmeSwapper(tmp_path)))
+            worker.start()
+            worker.join()
+    messages = [r.getMessage() for r in caplog.records if "outside the main thread" in r.getMessage()]
+    assert len(messages) == 1 and str(swappers[0].directory) in messages[0], caplog.text
+    for sw in swappers:
+        sw.close()
 
 
 # A fresh interpreter that holds a swapper with data in it, reports its directory on stdout, then
@@ -513,6 +591,34 @@ def _start_child(tmp_path: Path, scenario: str) -> tuple["subprocess.Popen[str]"
     directory = Path(child.stdout.readline().strip())
     assert directory.parent == tmp_path and (directory / "k.swp").is_file(), child.communicate(timeout=60)
     return child, directory
+
+
+def test_sigterm_removes_the_files_and_still_kills(tmp_path: Path) -> None:
+    child, directory = _start_child(tmp_path, "sys.stdin.readline()")
+    child.send_signal(signal.SIGTERM)
+    _, err = child.communicate(timeout=60)
+    assert child.returncode == -signal.SIGTERM, err
+    assert not directory.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_sigint_raises_keyboard_interrupt_then_the_files_go_at_exit(tmp_path: Path) -> None:
+    scenario = (
+        "try:\n"
+        "    print('ready', flush=True)\n"
+        "    sys.stdin.readline()\n"
+        "except KeyboardInterrupt:\n"
+        "    print('KeyboardInterrupt; files still there:', sw.path_of('k').exists(), flush=True)\n"
+        "    raise\n"
+    )
+    child, directory = _start_child(tmp_path, scenario)
+    assert child.stdout is not None and child.stdout.readline() == "ready\n"  # inside the try
+    child.send_signal(signal.SIGINT)
+    out, err = child.communicate(timeout=60)
+    # Whoever catches the KeyboardInterrupt (an on-exception checkpoint, a notebook) still has the
+    # files; the uncaught exception ends the interpreter, which removes them, then dies by SIGINT.
+    assert out == "KeyboardInterrupt; files still there: True\n", err
+    assert child.returncode == -signal.SIGINT, err
+    assert not directory.exists() and list(tmp_path.iterdir()) == []
 
 
 def test_exit_without_close_removes_the_files(tmp_path: Path) -> None:

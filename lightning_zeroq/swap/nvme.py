@@ -84,6 +84,24 @@ Lifetime
     finish first), and at interpreter exit. A forked child's copy of a swapper never removes its
     parent's files.
 
+Signals
+    A SIGTERM or SIGINT whose disposition is the default kills the process without running
+    ``atexit``, which would leave the files behind. So a swapper created in the main thread replaces
+    that default (and only that: in practice SIGTERM) by a handler that removes the files of every
+    live swapper, restores the default and raises the signal again, so the process still dies by it,
+    with the usual status. A Python handler already installed is left alone: it decides, and the
+    files go when the swapper is closed or the process exits (Python's own SIGINT handler raises
+    ``KeyboardInterrupt``, and whoever catches it may still need the files: Lightning's
+    on-exception checkpoint after Ctrl-C, a notebook interrupted mid-cell). Ignored signals stay
+    ignored. A handler installed later that calls ours as one of several decides alone, and ours
+    does nothing: Lightning's trainer installs its SIGTERM handler after the strategy made the
+    swappers, calls the handler it found, and stops training gracefully. The default is put back
+    when the last swapper is gone, if ours is still the one installed. Limits: Python runs signal
+    handlers between bytecodes only, so while a swapper lives a process stuck in a long C call (a
+    hung collective) reacts to SIGTERM when that call returns; what SIGKILL leaves behind is only
+    reported (see Files); a swapper created outside the main thread cannot install the handler
+    (logged once per process).
+
 Testing hook
     The free-space query is the module-level function :func:`free_bytes`, looked up at each
     ``reserve()``; tests monkeypatch ``lightning_zeroq.swap.nvme.free_bytes`` to exercise
@@ -105,6 +123,7 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -112,6 +131,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -129,6 +149,7 @@ _PROBE_NAME = ".zeroq_odirect_probe"
 _LOCK_NAME = ".lock"
 _UNSUPPORTED_DIRECT_ERRNOS = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
 _NO_LOCKS_ERRNOS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL)
+_CLEANUP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _warned_buffered: set[str] = set()
 _reported_leftovers: set[str] = set()
 
@@ -527,13 +548,14 @@ class _RegionIO:
 
 
 # ----------------------------------------------------------------------------------------------
-# The private directory and its cleanup
+# The private directory, its cleanup, and the signal handlers that trigger it
 # ----------------------------------------------------------------------------------------------
 
 
 @dataclass
 class _Resources:
-    """What cleanup needs; held by a ``weakref.finalize``, so it must not reference the swapper."""
+    """What cleanup needs. Held by a ``weakref.finalize`` and by the live registry that the signal
+    handlers walk, so it must not reference the swapper."""
 
     root: Path
     name: str  # the private directory's name in ``root``
@@ -558,6 +580,7 @@ class _Resources:
         if self.released:
             return
         self.released = True
+        _forget_live(self)
         if os.getpid() != self.owner_pid:
             return  # a forked child's copy: the directory and everything in it are the parent's
         # The last reference can die on one of our own threads, which must not join itself; then
@@ -579,8 +602,8 @@ class _Resources:
     def remove_files(self) -> None:
         """Unlink the swap files, the lock and the directory; runs once.
 
-        Only names this swapper created are removed; anything else found in the directory is left,
-        with a warning.
+        Safe in a signal handler: takes no lock and joins no thread. Only names this swapper
+        created are removed; anything else found in the directory is left, with a warning.
         """
         if self.removed or os.getpid() != self.owner_pid:
             return
@@ -752,6 +775,65 @@ def _dead_owner(root_fd: int, name: str) -> Optional[int]:
                 os.close(fd)
 
 
+# Resources of every swapper that has not been cleaned up yet, for the signal handlers. Plain dict
+# operations (atomic under the GIL), no lock: a handler or a finalizer can run at any bytecode.
+_live: dict[int, _Resources] = {}
+_signal_handlers: dict[int, "_CleanupHandler"] = {}
+_warned_not_main_thread = False
+
+
+class _CleanupHandler:
+    """Replaces the default action of SIGTERM/SIGINT: remove every live swapper's files, then die by
+    the signal (see "Signals")."""
+
+    def __call__(self, signum: int, frame: Optional[FrameType]) -> None:
+        if signal.getsignal(signum) is not self:
+            # A handler installed after us calls us as one of several (Lightning's SIGTERM handler
+            # does, then stops the trainer gracefully): the default action we stand in for is not
+            # going to happen, so neither remove the files nor die.
+            return
+        for resources in list(_live.values()):
+            resources.remove_files()
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)
+
+
+def _track_live(resources: _Resources) -> None:
+    global _warned_not_main_thread
+    _live[id(resources)] = resources
+    if threading.current_thread() is threading.main_thread():
+        for signum in _CLEANUP_SIGNALS:
+            current = signal.getsignal(signum)
+            if isinstance(current, _CleanupHandler):
+                _signal_handlers[signum] = current  # ours already (put back by someone), reused
+            elif current == signal.SIG_DFL:
+                handler = _CleanupHandler()
+                signal.signal(signum, handler)
+                _signal_handlers[signum] = handler
+        return
+    if any(signal.getsignal(s) == signal.SIG_DFL for s in _CLEANUP_SIGNALS) and not _warned_not_main_thread:
+        _warned_not_main_thread = True
+        log.warning(
+            "NvmeSwapper created outside the main thread cannot install its SIGTERM handler, so a SIGTERM "
+            "would leave %s behind (close() and a normal exit still remove it); create the first swapper "
+            "from the main thread", resources.directory
+        )
+
+
+def _forget_live(resources: _Resources) -> None:
+    """Drop ``resources`` from the registry; the last one out puts the default actions back."""
+    _live.pop(id(resources), None)
+    if _live or threading.current_thread() is not threading.main_thread():
+        return
+    for signum, handler in list(_signal_handlers.items()):
+        try:
+            if signal.getsignal(signum) is handler:
+                signal.signal(signum, signal.SIG_DFL)
+        except (ValueError, TypeError, OSError):
+            pass
+        _signal_handlers.pop(signum, None)
+
+
 # ----------------------------------------------------------------------------------------------
 # The swapper
 # ----------------------------------------------------------------------------------------------
@@ -814,6 +896,7 @@ class NvmeSwapper:
         self._ops = ThreadPoolExecutor(_ASYNC_OP_THREADS, thread_name_prefix=f"{_THREAD_PREFIX}op-r{rank}")
         self._resources.executors += [self._ops, io]
         self._region_io = _RegionIO(self._resources.dir_fd, io, self._bounce, alignment, buffer_bytes, num_threads)
+        _track_live(self._resources)
         _report_leftovers(self._resources, _directory_stem(prefix, rank))
 
     # -- declaration and reservation ------------------------------------------------------------
