@@ -6,7 +6,12 @@ import errno
 import gc
 import logging
 import os
-import time
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -355,20 +360,6 @@ def test_close_waits_and_removes_files(tmp_path: Path) -> None:
         sw.write("k0", torch.zeros(200_000))
 
 
-def test_garbage_collection_removes_files(tmp_path: Path) -> None:
-    sw = NvmeSwapper(tmp_path)
-    sw.register("k", 1000, torch.float32)
-    sw.reserve()
-    sw.write_async("k", torch.zeros(1000))
-    directory = sw.directory
-    del sw  # the pending write holds the last reference: cleanup may run on its thread, just after
-    deadline = time.monotonic() + 10
-    while directory.exists() and time.monotonic() < deadline:
-        gc.collect()
-        time.sleep(0.01)
-    assert not directory.exists()
-
-
 def test_keeps_a_directory_it_did_not_create(tmp_path: Path) -> None:
     existing = tmp_path / "zeroq_rank00000"
     existing.mkdir()
@@ -377,3 +368,281 @@ def test_keeps_a_directory_it_did_not_create(tmp_path: Path) -> None:
         sw.register("k", 10, torch.float32)
         sw.reserve()
     assert sorted(p.name for p in existing.iterdir()) == ["unrelated"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The private directory: exclusive, unshared, never following a symlink
+# ---------------------------------------------------------------------------------------------
+
+
+def test_swappers_on_one_path_and_rank_never_share_files(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger=nvme.__name__):
+        a, b = (NvmeSwapper(tmp_path, rank=3, buffer_bytes=SMALL_BUFFER) for _ in range(2))
+    assert "left behind" not in caplog.text  # a live swapper's directory is locked, never reported
+    assert a.directory != b.directory
+    for sw in (a, b):
+        assert sw.directory.parent == tmp_path and sw.directory.name.startswith("zeroq_rank00003_")
+        assert stat.S_IMODE(sw.directory.lstat().st_mode) == 0o700
+        sw.register("k", 5000, torch.float32)
+        sw.reserve()
+    a_data, b_data = _random(5000, torch.float32, seed=1), _random(5000, torch.float32, seed=2)
+    a.write("k", a_data)
+    b.write("k", b_data)
+    a.close()
+    assert not a.directory.exists()
+    out = torch.empty(5000)
+    b.read("k", out)  # intact after the other one closed
+    assert _bitwise_equal(out, b_data)
+    b.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_planted_symlinks_are_never_followed(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "k.swp").write_text("precious")
+    nvme_path = tmp_path / "nvme"
+    nvme_path.mkdir()
+    (nvme_path / "zeroq_rank00000").symlink_to(victim)  # the per-rank name older versions reused
+    sw = NvmeSwapper(nvme_path)
+    assert sw.directory.parent == nvme_path and not sw.directory.is_symlink()
+    sw.register("k", 1000, torch.float32)
+    sw.register("planted", 1000, torch.float32)
+    planted = sw.directory / "planted.swp"
+    planted.symlink_to(victim / "k.swp")  # something else writes into our directory
+    with pytest.raises(RuntimeError, match=rf"cannot create swap file {planted}: something this swapper did not"):
+        sw.reserve()
+    assert planted.is_symlink()  # left untouched
+    planted.unlink()
+    sw.reserve()
+    sw.path_of("k").unlink()
+    sw.path_of("k").symlink_to(victim / "k.swp")  # replaced after reserve()
+    with pytest.raises(RuntimeError, match=rf"swap file {sw.path_of('k')} of key 'k' was replaced by a symlink"):
+        sw.write("k", torch.ones(1000))
+    assert (victim / "k.swp").read_text() == "precious"
+    sw.path_of("k").unlink()
+    sw.close()
+    assert sorted(p.name for p in nvme_path.iterdir()) == ["zeroq_rank00000"]
+    assert (victim / "k.swp").read_text() == "precious"
+
+
+def test_nvme_path_may_be_a_symlink(tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    (tmp_path / "link").symlink_to(disk)  # e.g. a link to a mount point
+    with NvmeSwapper(tmp_path / "link") as sw:
+        sw.register("k", 10_001, torch.float32)
+        sw.reserve()
+        _assert_round_trip(sw, _random(10_001, torch.float32, seed=0))
+        assert [p.name for p in disk.iterdir()] == [sw.directory.name]
+    assert list(disk.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Cleanup without close(): garbage collection, forks
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["dropped", "in_a_cycle", "write_pending"])
+def test_dropped_swapper_removes_its_files(tmp_path: Path, how: str) -> None:
+    sw = NvmeSwapper(tmp_path, buffer_bytes=SMALL_BUFFER)
+    sw.register("k", 100_000, torch.float32)
+    sw.reserve()
+    sw.write("k", torch.zeros(100_000))
+    if how == "in_a_cycle":
+        sw.myself = sw  # type: ignore[attr-defined]
+    # Background work and its handle do not hold the swapper, so it dies with the caller's reference.
+    handle = sw.write_async("k", torch.ones(100_000)) if how == "write_pending" else None
+    directory = sw.directory
+    del sw
+    gc.collect()
+    assert not directory.exists()
+    assert list(tmp_path.iterdir()) == []
+    del handle
+
+
+def test_forked_child_leaves_the_parents_files_alone(tmp_path: Path) -> None:
+    sw = NvmeSwapper(tmp_path)
+    sw.register("k", 1000, torch.float32)
+    sw.reserve()
+    src = _random(1000, torch.float32, seed=0)
+    sw.write("k", src)
+    pid = os.fork()
+    if pid == 0:  # the child: its copy of the swapper is closed (and collected) without harm
+        try:
+            sw.close()
+            del sw
+            gc.collect()
+        finally:
+            os._exit(0)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    out = torch.empty(1000)
+    sw.read("k", out)
+    assert _bitwise_equal(out, src)
+    sw.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Signals and interpreter exit
+# ---------------------------------------------------------------------------------------------
+
+
+def test_only_a_default_signal_action_is_replaced_and_put_back(tmp_path: Path) -> None:
+    gc.collect()  # no swapper of an earlier test still alive: the default comes back with the last
+    original, sigint = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    received: list[int] = []
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        with NvmeSwapper(tmp_path):
+            assert isinstance(signal.getsignal(signal.SIGTERM), nvme._CleanupHandler)
+            assert signal.getsignal(signal.SIGINT) is sigint  # Python's: KeyboardInterrupt as ever
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+        def application_handler(signum: int, frame: object) -> None:
+            received.append(signum)
+
+        for disposition in (application_handler, signal.SIG_IGN):
+            signal.signal(signal.SIGTERM, disposition)
+            with NvmeSwapper(tmp_path) as sw:
+                assert signal.getsignal(signal.SIGTERM) == disposition  # left alone: it decides
+                sw.register("k", 1000, torch.float32)
+                sw.reserve()
+                signal.raise_signal(signal.SIGTERM)  # handled or ignored: the files are still needed
+                _assert_round_trip(sw, _random(1000, torch.float32, seed=0))
+        assert received == [signal.SIGTERM]
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        signal.signal(signal.SIGTERM, original)
+
+
+def test_a_handler_that_calls_ours_decides(tmp_path: Path) -> None:
+    """Lightning's trainer installs its SIGTERM handler after the strategy made the swappers and
+    calls the one it found too; it stops training gracefully, so ours must neither remove nor kill."""
+    gc.collect()
+    original = signal.getsignal(signal.SIGTERM)
+    received: list[int] = []
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        sw = NvmeSwapper(tmp_path)
+        sw.register("k", 1000, torch.float32)
+        sw.reserve()
+        ours = signal.getsignal(signal.SIGTERM)
+        assert callable(ours)
+
+        def composed(signum: int, frame: object) -> None:  # like lightning's _HandlersCompose
+            received.append(signum)
+            ours(signum, frame)
+
+        signal.signal(signal.SIGTERM, composed)
+        signal.raise_signal(signal.SIGTERM)  # the process survives
+        assert received == [signal.SIGTERM]
+        _assert_round_trip(sw, _random(1000, torch.float32, seed=0))
+        sw.close()
+        assert list(tmp_path.iterdir()) == []
+        assert signal.getsignal(signal.SIGTERM) is composed  # not ours to put back
+    finally:
+        signal.signal(signal.SIGTERM, original)
+
+
+def test_swapper_outside_the_main_thread_warns_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    gc.collect()
+    if signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        pytest.skip("SIGTERM already has a handler in this process")
+    monkeypatch.setattr(nvme, "_warned_not_main_thread", False)
+    swappers: list[NvmeSwapper] = []
+    with caplog.at_level(logging.WARNING, logger=nvme.__name__):
+        for _ in range(2):
+            worker = threading.Thread(target=lambda: swappers.append(NvmeSwapper(tmp_path)))
+            worker.start()
+            worker.join()
+    messages = [r.getMessage() for r in caplog.records if "outside the main thread" in r.getMessage()]
+    assert len(messages) == 1 and str(swappers[0].directory) in messages[0], caplog.text
+    for sw in swappers:
+        sw.close()
+
+
+# A fresh interpreter that holds a swapper with data in it, reports its directory on stdout, then
+# runs ``scenario``. nvme.py is loaded by path, without the package (and Lightning), to start fast.
+_CHILD = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("nvme_child", {module!r})
+nvme = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = nvme
+spec.loader.exec_module(nvme)
+import torch
+sw = nvme.NvmeSwapper({path!r}, buffer_bytes=65536)
+sw.register("k", 100_000, torch.float32)
+sw.reserve()
+sw.write("k", torch.ones(100_000))
+print(sw.directory, flush=True)
+{scenario}
+"""
+
+
+def _start_child(tmp_path: Path, scenario: str) -> tuple["subprocess.Popen[str]", Path]:
+    code = _CHILD.format(module=nvme.__file__, path=str(tmp_path), scenario=scenario)
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert child.stdout is not None
+    directory = Path(child.stdout.readline().strip())
+    assert directory.parent == tmp_path and (directory / "k.swp").is_file(), child.communicate(timeout=60)
+    return child, directory
+
+
+def test_sigterm_removes_the_files_and_still_kills(tmp_path: Path) -> None:
+    child, directory = _start_child(tmp_path, "sys.stdin.readline()")
+    child.send_signal(signal.SIGTERM)
+    _, err = child.communicate(timeout=60)
+    assert child.returncode == -signal.SIGTERM, err
+    assert not directory.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_sigint_raises_keyboard_interrupt_then_the_files_go_at_exit(tmp_path: Path) -> None:
+    scenario = (
+        "try:\n"
+        "    print('ready', flush=True)\n"
+        "    sys.stdin.readline()\n"
+        "except KeyboardInterrupt:\n"
+        "    print('KeyboardInterrupt; files still there:', sw.path_of('k').exists(), flush=True)\n"
+        "    raise\n"
+    )
+    child, directory = _start_child(tmp_path, scenario)
+    assert child.stdout is not None and child.stdout.readline() == "ready\n"  # inside the try
+    child.send_signal(signal.SIGINT)
+    out, err = child.communicate(timeout=60)
+    # Whoever catches the KeyboardInterrupt (an on-exception checkpoint, a notebook) still has the
+    # files; the uncaught exception ends the interpreter, which removes them, then dies by SIGINT.
+    assert out == "KeyboardInterrupt; files still there: True\n", err
+    assert child.returncode == -signal.SIGINT, err
+    assert not directory.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_exit_without_close_removes_the_files(tmp_path: Path) -> None:
+    child, directory = _start_child(tmp_path, "sw.write_async('k', torch.zeros(100_000))")
+    _, err = child.communicate(timeout=60)
+    assert child.returncode == 0, err
+    assert not directory.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_leftovers_of_a_killed_run_are_reported_not_removed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    child, directory = _start_child(tmp_path, "sys.stdin.readline()")
+    child.kill()  # SIGKILL: nothing can clean up
+    child.communicate(timeout=60)
+    assert (directory / "k.swp").is_file()
+    with caplog.at_level(logging.WARNING, logger=nvme.__name__):
+        with NvmeSwapper(tmp_path):
+            pass
+    messages = [r.getMessage() for r in caplog.records if "left behind" in r.getMessage()]
+    assert messages == [
+        f"NvmeSwapper: {directory} was left behind by pid {child.pid} on this host, which is gone (killed?); it is "
+        "not removed automatically: delete it once you are sure no job uses it"
+    ]
+    assert (directory / "k.swp").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == [directory.name]
+    shutil.rmtree(directory)

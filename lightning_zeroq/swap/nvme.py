@@ -5,15 +5,28 @@ The engine keeps one region per ZeRO unit and kind (fp32 master shard, each opti
 tensors it owns. :class:`NvmeSwapper` is that swap space; it knows nothing about ZeRO.
 
 Files
-    Every region has its own file, ``<nvme_path>/<prefix>_rank<rank:05d>/<key>.swp``, so that a
-    region is one contiguous extent that starts at offset 0. Its size is rounded up to
-    ``alignment`` bytes (4096 by default), which is what ``O_DIRECT`` asks of offsets and lengths.
-    :meth:`NvmeSwapper.reserve` checks the free space for every registered region at once (before
-    writing anything: failing at step 1 beats failing after an hour) and preallocates the files
-    with ``posix_fallocate``, so a later write cannot run out of space. A file is opened for each
-    transfer and closed after it, so there is no file-position or descriptor state to share between
-    threads, no descriptor limit to hit with thousands of regions, and a file removed behind our
-    back is noticed at the next transfer instead of being read through a stale descriptor.
+    Each swapper creates its own private directory when it is constructed,
+    ``<nvme_path>/<prefix>_rank<rank:05d>_<random>/`` (mode 0700, created exclusively with a fresh
+    random name), so two runs on the same path and rank, or two swappers of one run, never share a
+    file, and the one that exits first never deletes the other's. ``nvme_path`` itself may be a
+    symlink (to a mount, say); nothing below it is ever followed: the directory is opened once with
+    ``O_NOFOLLOW`` and kept open, every file in it is created with ``O_CREAT|O_EXCL|O_NOFOLLOW`` and
+    reopened with ``O_NOFOLLOW`` relative to that descriptor, so a symlink planted in it makes the
+    operation fail (naming the file) instead of truncating or reading what it points to.
+    The directory holds a lock file, ``.lock``, with the owner's pid and host, ``flock``-ed for the
+    swapper's lifetime. A new swapper reports (one warning line each, never removes) directories of
+    its prefix and rank whose lock is free and whose owner on this host is gone: leftovers of a run
+    killed by SIGKILL, which only a person can know to be safe to delete.
+
+    Every region has its own file, ``<key>.swp``, so that a region is one contiguous extent that
+    starts at offset 0. Its size is rounded up to ``alignment`` bytes (4096 by default), which is
+    what ``O_DIRECT`` asks of offsets and lengths. :meth:`NvmeSwapper.reserve` checks the free space
+    for every registered region at once (before writing anything: failing at step 1 beats failing
+    after an hour) and preallocates the files with ``posix_fallocate``, so a later write cannot run
+    out of space. A file is opened for each transfer and closed after it, so there is no
+    file-position or descriptor state to share between threads, no descriptor limit to hit with
+    thousands of regions, and a file removed behind our back is noticed at the next transfer
+    instead of being read through a stale descriptor.
 
 Direct I/O
     ``reserve()`` probes once whether the directory accepts ``O_DIRECT`` (open, write and read back
@@ -41,7 +54,9 @@ Threads
     Because ops wait on I/O tasks and I/O tasks wait on nothing, neither pool can starve the
     other. Operations on one key run in the order they were issued (an op first waits for the
     previous op on its key); operations on different keys overlap, which is how the engine reads
-    unit ``i+1`` ahead while unit ``i`` steps and unit ``i-1`` is written back.
+    unit ``i+1`` ahead while unit ``i`` steps and unit ``i-1`` is written back. Background work and
+    the handles it returns reference only the transfer machinery (:class:`_RegionIO`,
+    :class:`_Failure`, the buffer pools), never the swapper, so they do not keep it alive.
 
 Read-ahead
     :meth:`prefetch` reads a region into an aligned staging buffer of the region's (aligned) size;
@@ -53,18 +68,39 @@ Read-ahead
 Error policy
     Bad arguments (unknown key, wrong numel/dtype/device, bad sizes) raise ``ValueError`` at once.
     A bad environment (missing, non-directory or read-only path, too little free space, no
-    ``O_DIRECT`` when it was required) raises ``RuntimeError`` naming the path and the fix. A short
-    read, a file that shrank or vanished after it was written, or an OS error in a transfer raises
-    ``RuntimeError`` naming the file, the offset and the byte counts; data is never returned
-    partially. An error in a background transfer is recorded and raised by the next
-    ``read``/``write``/``write_async``/``prefetch``/``wait_all`` (and by the handle's ``wait``),
-    and from then on by every call: after a failed transfer the contents of the swap space are no
-    longer trustworthy, and training must not continue on them.
+    ``O_DIRECT`` when it was required, a file planted where a swap file goes) raises
+    ``RuntimeError`` naming the path and the fix. A short read, a file that shrank or vanished
+    after it was written, or an OS error in a transfer raises ``RuntimeError`` naming the file, the
+    offset and the byte counts; data is never returned partially. An error in a background transfer
+    is recorded and raised by the next ``read``/``write``/``write_async``/``prefetch``/``wait_all``
+    (and by the handle's ``wait``), and from then on by every call: after a failed transfer the
+    contents of the swap space are no longer trustworthy, and training must not continue on them.
 
 Lifetime
-    :meth:`close` waits for outstanding transfers, then removes the files and the per-rank
-    directory if this swapper created it. It is idempotent, and also runs (best effort, never
-    raising) when the swapper is garbage collected or the interpreter exits.
+    :meth:`close` waits for outstanding transfers, then removes the files, the lock and the
+    directory. It is idempotent. The same cleanup runs (best effort, never raising) when the
+    swapper is garbage collected, also from inside a reference cycle (a ``weakref.finalize`` whose
+    callback holds only :class:`_Resources`; pending operations are cancelled, running ones
+    finish first), and at interpreter exit. A forked child's copy of a swapper never removes its
+    parent's files.
+
+Signals
+    A SIGTERM or SIGINT whose disposition is the default kills the process without running
+    ``atexit``, which would leave the files behind. So a swapper created in the main thread replaces
+    that default (and only that: in practice SIGTERM) by a handler that removes the files of every
+    live swapper, restores the default and raises the signal again, so the process still dies by it,
+    with the usual status. A Python handler already installed is left alone: it decides, and the
+    files go when the swapper is closed or the process exits (Python's own SIGINT handler raises
+    ``KeyboardInterrupt``, and whoever catches it may still need the files: Lightning's
+    on-exception checkpoint after Ctrl-C, a notebook interrupted mid-cell). Ignored signals stay
+    ignored. A handler installed later that calls ours as one of several decides alone, and ours
+    does nothing: Lightning's trainer installs its SIGTERM handler after the strategy made the
+    swappers, calls the handler it found, and stops training gracefully. The default is put back
+    when the last swapper is gone, if ours is still the one installed. Limits: Python runs signal
+    handlers between bytecodes only, so while a swapper lives a process stuck in a long C call (a
+    hung collective) reacts to SIGTERM when that call returns; what SIGKILL leaves behind is only
+    reported (see Files); a swapper created outside the main thread cannot install the handler
+    (logged once per process).
 
 Testing hook
     The free-space query is the module-level function :func:`free_bytes`, looked up at each
@@ -80,10 +116,14 @@ from __future__ import annotations
 import collections
 import ctypes
 import errno
+import fcntl
+import functools
 import logging
 import os
 import re
+import secrets
 import shutil
+import signal
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -91,6 +131,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -105,8 +146,12 @@ _ASYNC_OP_THREADS = 2
 _THREAD_PREFIX = "zeroq-nvme-"
 _KEY_PATTERN = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9_.\-]{0,199}")
 _PROBE_NAME = ".zeroq_odirect_probe"
+_LOCK_NAME = ".lock"
 _UNSUPPORTED_DIRECT_ERRNOS = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
+_NO_LOCKS_ERRNOS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL)
+_CLEANUP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _warned_buffered: set[str] = set()
+_reported_leftovers: set[str] = set()
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -228,6 +273,7 @@ def _pread_all(fd: int, mem: memoryview, offset: int, path: Path, direct: bool) 
             )
 
 
+
 # ----------------------------------------------------------------------------------------------
 # Buffers
 # ----------------------------------------------------------------------------------------------
@@ -310,7 +356,8 @@ class _Region:
     dtype: torch.dtype
     nbytes: int
     file_bytes: int
-    path: Path
+    name: str  # the file's name in the swapper's directory (opened relative to its descriptor)
+    path: Path  # the same file, for messages
 
 
 class _Chunk(NamedTuple):
@@ -333,6 +380,39 @@ class _Staged:
     owned: bool  # target is a staging buffer to give back after use
 
 
+class _Failure:
+    """The first error of any transfer (sticky), and whether the caller has been told about it.
+
+    Shared by the swapper, its background operations and its handles, so that none of those needs
+    a reference to the swapper.
+    """
+
+    def __init__(self) -> None:
+        self.error: Optional[RuntimeError] = None
+        self.raised = False
+        self._lock = threading.Lock()
+
+    def record(self, error: BaseException) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = error if isinstance(error, RuntimeError) else RuntimeError(str(error))
+
+    def mark_raised(self) -> None:
+        self.raised = True
+
+    def run_op(self, previous: Optional["Future[None]"], operation: Callable[[], None]) -> None:
+        """One asynchronous operation on the op pool, after the previous one on its key."""
+        if previous is not None:
+            wait_futures([previous])  # FIFO pool: ``previous`` started first, so this cannot deadlock
+        if self.error is not None:
+            raise RuntimeError(f"skipped after an earlier I/O error: {self.error}")
+        try:
+            operation()
+        except BaseException as e:
+            self.record(e)
+            raise
+
+
 class SwapHandle:
     """An asynchronous write or read-ahead; :meth:`wait` re-raises its error."""
 
@@ -352,36 +432,406 @@ class SwapHandle:
             raise
 
 
+class _RegionIO:
+    """Moves bytes between memory and a region's file, keeping ``num_threads`` chunks in flight.
+
+    Background operations run :meth:`transfer`, so it holds what a transfer needs and nothing that
+    references the swapper. ``direct`` is decided by the swapper's first ``reserve()``.
+    """
+
+    def __init__(
+        self, dir_fd: int, io: ThreadPoolExecutor, bounce: _BouncePool, alignment: int, buffer_bytes: int,
+        num_threads: int,
+    ) -> None:
+        self.dir_fd, self.io, self.bounce = dir_fd, io, bounce
+        self.alignment, self.buffer_bytes, self.num_threads = alignment, buffer_bytes, num_threads
+        self.direct = False
+
+    def transfer(self, region: _Region, data: torch.Tensor, write: bool) -> None:
+        """Move ``data`` (the caller's bytes, at most the file size) to or from ``region``'s file.
+
+        Keeps up to ``num_threads`` chunks in flight on the I/O pool; bounce copies of one chunk
+        overlap the I/O of the others.
+        """
+        flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_DIRECT if self.direct else 0)
+        try:
+            fd = os.open(region.name, flags, dir_fd=self.dir_fd)
+        except FileNotFoundError as e:
+            raise RuntimeError(
+                f"swap file {region.path} of key {region.key!r} is missing (removed after reserve()?); "
+                "its contents are lost. Check that nothing cleans up nvme_path during training"
+            ) from e
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise RuntimeError(
+                    f"swap file {region.path} of key {region.key!r} was replaced by a symlink; it is not "
+                    "followed and the region's contents are lost. Check what else writes to nvme_path"
+                ) from e
+            raise RuntimeError(f"cannot open swap file {region.path}: {e}") from e
+        in_flight: collections.deque[_InFlight] = collections.deque()
+        try:
+            for chunk in self._chunks(data.numel()):
+                memory = data[chunk.offset : chunk.offset + chunk.length]
+                bounce = self._acquire_bounce(in_flight, write) if self._needs_bounce(memory) else None
+                in_flight.append(self._start_chunk(fd, region, chunk, memory, bounce, write))
+                while len(in_flight) > self.num_threads:
+                    self._finish_chunk(in_flight.popleft(), write)
+            while in_flight:
+                self._finish_chunk(in_flight.popleft(), write)
+        finally:
+            self._abandon(in_flight)
+            os.close(fd)
+
+    def _chunks(self, nbytes: int) -> Iterator[_Chunk]:
+        body = nbytes - nbytes % self.alignment
+        for offset in range(0, body, self.buffer_bytes):
+            yield _Chunk(offset, min(self.buffer_bytes, body - offset))
+        if body < nbytes:
+            yield _Chunk(body, nbytes - body)
+
+    def _needs_bounce(self, memory: torch.Tensor) -> bool:
+        if not self.direct:
+            return False
+        return memory.data_ptr() % self.alignment != 0 or memory.numel() % self.alignment != 0
+
+    def _start_chunk(
+        self,
+        fd: int,
+        region: _Region,
+        chunk: _Chunk,
+        memory: torch.Tensor,
+        bounce: Optional[torch.Tensor],
+        write: bool,
+    ) -> _InFlight:
+        if bounce is None:
+            io_memory = memory
+        else:
+            io_memory = bounce[: _align_up(chunk.length, self.alignment)]
+            if write:
+                bounce[: chunk.length].copy_(memory)
+                io_memory[chunk.length :].zero_()
+        view = _memoryview(io_memory)
+        if write:
+            future = self.io.submit(_pwrite_all, fd, view, chunk.offset, region.path)
+        else:
+            future = self.io.submit(_pread_all, fd, view, chunk.offset, region.path, self.direct)
+        return _InFlight(future, memory, bounce)
+
+    def _finish_chunk(self, chunk: _InFlight, write: bool) -> None:
+        try:
+            chunk.future.result()
+            if not write and chunk.bounce is not None:
+                chunk.memory.copy_(chunk.bounce[: chunk.memory.numel()])
+        finally:
+            if chunk.bounce is not None:
+                self.bounce.release(chunk.bounce)
+
+    def _acquire_bounce(self, in_flight: "collections.deque[_InFlight]", write: bool) -> torch.Tensor:
+        """A bounce buffer; finishes this transfer's oldest chunks rather than wait holding buffers."""
+        while True:
+            buf = self.bounce.try_acquire()
+            if buf is not None:
+                return buf
+            if not in_flight:
+                return self.bounce.acquire()  # holding none, so other transfers will free one
+            self._finish_chunk(in_flight.popleft(), write)
+
+    def _abandon(self, in_flight: "collections.deque[_InFlight]") -> None:
+        """After a failed chunk: let the others finish (they use the descriptor) and free buffers."""
+        if not in_flight:
+            return
+        wait_futures([c.future for c in in_flight])
+        for chunk in in_flight:
+            if chunk.bounce is not None:
+                self.bounce.release(chunk.bounce)
+        in_flight.clear()
+
+
+# ----------------------------------------------------------------------------------------------
+# The private directory, its cleanup, and the signal handlers that trigger it
+# ----------------------------------------------------------------------------------------------
+
+
 @dataclass
 class _Resources:
-    """What cleanup needs; held by a ``weakref.finalize`` so it must not reference the swapper."""
+    """What cleanup needs. Held by a ``weakref.finalize`` and by the live registry that the signal
+    handlers walk, so it must not reference the swapper."""
 
-    directory: Path
-    created_directory: bool = False
-    files: set[Path] = field(default_factory=set)
+    root: Path
+    name: str  # the private directory's name in ``root``
+    root_fd: int
+    dir_fd: int
+    lock_fd: Optional[int] = None
+    owner_pid: int = field(default_factory=os.getpid)
+    files: set[str] = field(default_factory=set)  # names of the swap files this swapper created
     executors: list[ThreadPoolExecutor] = field(default_factory=list)
+    removed: bool = False
+    released: bool = False
+
+    @property
+    def directory(self) -> Path:
+        return self.root / self.name
 
     def cleanup(self) -> None:
-        # The last reference can die on one of our own threads, which must not join itself.
+        """Stop the threads, remove the files and the directory, close the descriptors; runs once.
+
+        Best effort: reports problems in the log and never raises.
+        """
+        if self.released:
+            return
+        self.released = True
+        _forget_live(self)
+        if os.getpid() != self.owner_pid:
+            return  # a forked child's copy: the directory and everything in it are the parent's
+        # The last reference can die on one of our own threads, which must not join itself; then
+        # a transfer may still be running and use dir_fd, so the descriptors stay open (closing
+        # them could let a new file take the number and a late transfer write into it).
         on_own_thread = threading.current_thread().name.startswith(_THREAD_PREFIX)
         for executor in self.executors:
             executor.shutdown(wait=not on_own_thread, cancel_futures=True)
-        for path in sorted(self.files):
+        self.remove_files()
+        if on_own_thread:
+            return
+        for fd in (self.dir_fd, self.root_fd, self.lock_fd):  # the lock is released last
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+    def remove_files(self) -> None:
+        """Unlink the swap files, the lock and the directory; runs once.
+
+        Safe in a signal handler: takes no lock and joins no thread. Only names this swapper
+        created are removed; anything else found in the directory is left, with a warning.
+        """
+        if self.removed or os.getpid() != self.owner_pid:
+            return
+        self.removed = True
+        for name in [*sorted(self.files), *([_LOCK_NAME] if self.lock_fd is not None else [])]:
             try:
-                path.unlink()
+                os.unlink(name, dir_fd=self.dir_fd)
             except FileNotFoundError:
                 pass
             except OSError as e:
-                log.warning("could not remove swap file %s: %s", path, e)
+                log.warning("could not remove swap file %s: %s", self.directory / name, e)
         self.files.clear()
-        if self.created_directory:
+        try:
+            # Remove the directory by name only if that name still is our directory.
+            here = os.stat(self.name, dir_fd=self.root_fd, follow_symlinks=False)
+            ours = os.fstat(self.dir_fd)
+            if (here.st_dev, here.st_ino) != (ours.st_dev, ours.st_ino):
+                log.warning("swap directory %s was moved or replaced while in use; left it alone", self.directory)
+                return
+            os.rmdir(self.name, dir_fd=self.root_fd)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("could not remove swap directory %s: %s", self.directory, e)
+
+
+def _directory_stem(prefix: str, rank: int) -> str:
+    return f"{prefix}_rank{rank:05d}_"
+
+
+def _create_private_directory(root: Path, prefix: str, rank: int) -> _Resources:
+    """Create ``<root>/<prefix>_rank<rank:05d>_<random>`` (0700, exclusively) and lock it."""
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise RuntimeError(
+            f"NvmeSwapper: cannot open nvme_path={str(root)!r} ({e}); set nvme_path to a directory "
+            "this process can read and write"
+        ) from e
+    stem = _directory_stem(prefix, rank)
+    made = False
+    try:
+        for _ in range(100):
+            name = stem + secrets.token_hex(4)
             try:
-                self.directory.rmdir()
-            except FileNotFoundError:
+                os.mkdir(name, 0o700, dir_fd=root_fd)  # fails if anything, a symlink too, has the name
+                made = True
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise RuntimeError(
+                f"NvmeSwapper: found no unused name {stem}<random> in nvme_path={str(root)!r} after 100 "
+                "tries; remove old swap directories from it"
+            )
+        dir_fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=root_fd)
+        owner = os.fstat(dir_fd).st_uid
+        if owner != os.geteuid():
+            os.close(dir_fd)
+            raise RuntimeError(
+                f"NvmeSwapper: {root / name} was replaced by a directory of uid {owner} right after this "
+                "process created it; set nvme_path to a directory that only you can write to"
+            )
+        os.fchmod(dir_fd, 0o700)  # whatever the umask took away
+    except OSError as e:
+        if made:  # made, but not usable: take the empty directory back (fails harmlessly otherwise)
+            try:
+                os.rmdir(name, dir_fd=root_fd)
+            except OSError:
                 pass
-            except OSError as e:  # not empty: someone else's files live there too
-                log.warning("could not remove swap directory %s: %s", self.directory, e)
-            self.created_directory = False
+        os.close(root_fd)
+        raise RuntimeError(
+            f"NvmeSwapper: cannot create a swap directory in nvme_path={str(root)!r} ({e}); make "
+            "nvme_path writable or set it to a writable directory"
+        ) from e
+    except BaseException:
+        os.close(root_fd)
+        raise
+    resources = _Resources(root, name, root_fd, dir_fd)
+    try:
+        resources.lock_fd = _lock_directory(resources)
+    except BaseException:
+        resources.cleanup()
+        raise
+    return resources
+
+
+_warned_no_locks = False
+
+
+def _lock_directory(resources: _Resources) -> int:
+    """Create ``.lock`` holding ``<pid> <host>`` and ``flock`` it for the swapper's lifetime.
+
+    The lock is what tells a live swapper's directory from a crashed run's (see
+    :func:`_report_leftovers`). A filesystem without ``flock`` gets a warning, not an error.
+    """
+    global _warned_no_locks
+    path = resources.directory / _LOCK_NAME
+    try:
+        fd = os.open(_LOCK_NAME, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_RDWR, 0o600, dir_fd=resources.dir_fd)
+    except OSError as e:
+        raise RuntimeError(f"NvmeSwapper: cannot create the lock file {path} ({e}); make nvme_path writable") from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # blocks only while another process is checking it
+    except OSError as e:
+        if e.errno not in _NO_LOCKS_ERRNOS:
+            os.close(fd)
+            raise RuntimeError(f"NvmeSwapper: cannot lock {path}: {e}") from e
+        if not _warned_no_locks:
+            _warned_no_locks = True
+            log.warning("cannot flock %s (%s): swap directories of live runs cannot be told from leftovers", path, e)
+    try:
+        os.write(fd, f"{os.getpid()} {os.uname().nodename}\n".encode())
+    except OSError as e:
+        os.close(fd)
+        raise RuntimeError(f"NvmeSwapper: cannot write the lock file {path} ({e}); is the disk full?") from e
+    return fd
+
+
+def _report_leftovers(resources: _Resources, stem: str) -> None:
+    """Warn once about each directory ``<stem>*`` that a dead process on this host left behind."""
+    try:
+        names = sorted(n for n in os.listdir(resources.root_fd) if n.startswith(stem) and n != resources.name)
+    except OSError:
+        return
+    for name in names:
+        path = resources.root / name
+        if str(path) in _reported_leftovers:
+            continue
+        pid = _dead_owner(resources.root_fd, name)
+        if pid is not None:
+            _reported_leftovers.add(str(path))
+            log.warning(
+                "NvmeSwapper: %s was left behind by pid %d on this host, which is gone (killed?); it is not "
+                "removed automatically: delete it once you are sure no job uses it", path, pid
+            )
+
+
+def _dead_owner(root_fd: int, name: str) -> Optional[int]:
+    """The pid that created the swap directory ``name`` if it provably left it behind: a directory
+    of this user (not a symlink) whose lock is free and whose pid no longer runs on this host.
+    ``None`` at any doubt."""
+    dir_fd = lock_fd = -1
+    try:
+        dir_fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=root_fd)
+        if os.fstat(dir_fd).st_uid != os.geteuid():
+            return None
+        lock_fd = os.open(_LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return None  # its swapper is alive
+        fields = os.read(lock_fd, 256).decode("utf-8", "replace").split()
+        if len(fields) != 2 or not fields[0].isdigit() or fields[1] != os.uname().nodename:
+            return None
+        pid = int(fields[0])
+        if pid == os.getpid():
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return pid
+        return None  # alive (or not ours to signal): maybe the pid was reused, maybe not
+    except OSError:
+        return None
+    finally:
+        for fd in (lock_fd, dir_fd):
+            if fd >= 0:
+                os.close(fd)
+
+
+# Resources of every swapper that has not been cleaned up yet, for the signal handlers. Plain dict
+# operations (atomic under the GIL), no lock: a handler or a finalizer can run at any bytecode.
+_live: dict[int, _Resources] = {}
+_signal_handlers: dict[int, "_CleanupHandler"] = {}
+_warned_not_main_thread = False
+
+
+class _CleanupHandler:
+    """Replaces the default action of SIGTERM/SIGINT: remove every live swapper's files, then die by
+    the signal (see "Signals")."""
+
+    def __call__(self, signum: int, frame: Optional[FrameType]) -> None:
+        if signal.getsignal(signum) is not self:
+            # A handler installed after us calls us as one of several (Lightning's SIGTERM handler
+            # does, then stops the trainer gracefully): the default action we stand in for is not
+            # going to happen, so neither remove the files nor die.
+            return
+        for resources in list(_live.values()):
+            resources.remove_files()
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)
+
+
+def _track_live(resources: _Resources) -> None:
+    global _warned_not_main_thread
+    _live[id(resources)] = resources
+    if threading.current_thread() is threading.main_thread():
+        for signum in _CLEANUP_SIGNALS:
+            current = signal.getsignal(signum)
+            if isinstance(current, _CleanupHandler):
+                _signal_handlers[signum] = current  # ours already (put back by someone), reused
+            elif current == signal.SIG_DFL:
+                handler = _CleanupHandler()
+                signal.signal(signum, handler)
+                _signal_handlers[signum] = handler
+        return
+    if any(signal.getsignal(s) == signal.SIG_DFL for s in _CLEANUP_SIGNALS) and not _warned_not_main_thread:
+        _warned_not_main_thread = True
+        log.warning(
+            "NvmeSwapper created outside the main thread cannot install its SIGTERM handler, so a SIGTERM "
+            "would leave %s behind (close() and a normal exit still remove it); create the first swapper "
+            "from the main thread", resources.directory
+        )
+
+
+def _forget_live(resources: _Resources) -> None:
+    """Drop ``resources`` from the registry; the last one out puts the default actions back."""
+    _live.pop(id(resources), None)
+    if _live or threading.current_thread() is not threading.main_thread():
+        return
+    for signum, handler in list(_signal_handlers.items()):
+        try:
+            if signal.getsignal(signum) is handler:
+                signal.signal(signum, signal.SIG_DFL)
+        except (ValueError, TypeError, OSError):
+            pass
+        _signal_handlers.pop(signum, None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -390,11 +840,11 @@ class _Resources:
 
 
 class NvmeSwapper:
-    """Named fixed-size regions in per-rank swap files, moved to and from CPU tensors.
+    """Named fixed-size regions in swap files in a private per-run directory, moved to and from CPU tensors.
 
     Args:
-        nvme_path: an existing, writable directory on a fast local disk.
-        rank: the global rank; names the per-rank subdirectory.
+        nvme_path: an existing, writable directory on a fast local disk (a symlink to one is fine).
+        rank: the global rank; names the swapper's directory.
         num_buffers: aligned bounce buffers in the pool (also the number of idle read-ahead
             staging buffers kept for reuse).
         alignment: bytes; file offsets and sizes are multiples of it, and so must be memory that
@@ -404,8 +854,8 @@ class NvmeSwapper:
         direct_io: ``None`` probes for ``O_DIRECT`` and falls back to buffered I/O; ``True``
             requires it; ``False`` uses buffered I/O.
         pin_memory: pin the bounce and staging buffers; ``None`` pins when CUDA is available.
-        prefix: the per-rank subdirectory is ``<prefix>_rank<rank:05d>``; use distinct prefixes for
-            swappers that share ``nvme_path`` and rank.
+        prefix: the swapper's directory is ``<prefix>_rank<rank:05d>_<random>``, created by the
+            constructor and removed by :meth:`close`; every swapper gets its own.
     """
 
     def __init__(
@@ -423,7 +873,9 @@ class NvmeSwapper:
     ) -> None:
         _check_arguments(rank, num_buffers, alignment, buffer_bytes, num_threads, prefix)
         self.root = _check_directory(Path(nvme_path))
-        self.directory = self.root / f"{prefix}_rank{rank:05d}"
+        self._resources = _create_private_directory(self.root, prefix, rank)
+        self._finalizer = weakref.finalize(self, self._resources.cleanup)
+        self.directory = self._resources.directory
         self.rank = rank
         self.alignment = alignment
         self.buffer_bytes = buffer_bytes
@@ -438,14 +890,14 @@ class NvmeSwapper:
         self._written: set[str] = set()
         self._last_op: dict[str, Future[None]] = {}
         self._staged: dict[str, _Staged] = {}
-        self._failure: Optional[RuntimeError] = None
-        self._failure_raised = False
-        self._failure_lock = threading.Lock()
+        self._failure = _Failure()
         self._closed = False
-        self._io = ThreadPoolExecutor(num_threads, thread_name_prefix=f"{_THREAD_PREFIX}io-r{rank}")
+        io = ThreadPoolExecutor(num_threads, thread_name_prefix=f"{_THREAD_PREFIX}io-r{rank}")
         self._ops = ThreadPoolExecutor(_ASYNC_OP_THREADS, thread_name_prefix=f"{_THREAD_PREFIX}op-r{rank}")
-        self._resources = _Resources(self.directory, executors=[self._ops, self._io])
-        self._finalizer = weakref.finalize(self, self._resources.cleanup)
+        self._resources.executors += [self._ops, io]
+        self._region_io = _RegionIO(self._resources.dir_fd, io, self._bounce, alignment, buffer_bytes, num_threads)
+        _track_live(self._resources)
+        _report_leftovers(self._resources, _directory_stem(prefix, rank))
 
     # -- declaration and reservation ------------------------------------------------------------
 
@@ -467,20 +919,21 @@ class NvmeSwapper:
                 f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}"
             )
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        path = self.directory / f"{key}.swp"
-        self._regions[key] = _Region(key, numel, dtype, nbytes, _align_up(nbytes, self.alignment), path)
+        name = f"{key}.swp"
+        self._regions[key] = _Region(
+            key, numel, dtype, nbytes, _align_up(nbytes, self.alignment), name, self.directory / name
+        )
 
     def reserve(self) -> None:
         """Check free space for every registered, not yet reserved region, then create the files.
 
-        The first call also creates the per-rank directory and decides between ``O_DIRECT`` and
-        buffered I/O.
+        The first call also decides between ``O_DIRECT`` and buffered I/O.
         """
         self._check_open()
         pending = [r for key, r in self._regions.items() if key not in self._reserved]
-        self._make_directory()
         if self.direct_io is None:
             self.direct_io = self._decide_direct_io()
+            self._region_io.direct = self.direct_io
         needed = sum(r.file_bytes for r in pending)
         free = free_bytes(str(self.directory))
         if needed > free:
@@ -520,10 +973,9 @@ class NvmeSwapper:
         region = self._region(key)
         _check_tensor(region, tensor, "write_async")
         self._discard_staged(key)
-        data = _byte_view(tensor)
-        future = self._submit(key, lambda: self._transfer(region, data, write=True))
+        future = self._submit(key, functools.partial(self._region_io.transfer, region, _byte_view(tensor), True))
         self._written.add(key)
-        return SwapHandle(key, future, self._mark_failure_raised)
+        return SwapHandle(key, future, self._failure.mark_raised)
 
     def prefetch(self, key: str, out: Optional[torch.Tensor] = None) -> SwapHandle:
         """Start reading ``key`` ahead, into a staging buffer or, if given, straight into ``out``.
@@ -535,16 +987,16 @@ class NvmeSwapper:
         region = self._region(key)
         self._check_written(region)
         if key in self._staged:
-            return SwapHandle(key, self._staged[key].future, self._mark_failure_raised)
+            return SwapHandle(key, self._staged[key].future, self._failure.mark_raised)
         if out is not None:
             _check_tensor(region, out, "prefetch")
             target, owned = _byte_view(out), False
         else:
             target, owned = self._staging.get(region.file_bytes), True
         # A staging buffer has the whole aligned file size, so the tail needs no bounce buffer.
-        future = self._submit(key, lambda: self._transfer(region, target, write=False))
+        future = self._submit(key, functools.partial(self._region_io.transfer, region, target, False))
         self._staged[key] = _Staged(future, target, owned)
-        return SwapHandle(key, future, self._mark_failure_raised)
+        return SwapHandle(key, future, self._failure.mark_raised)
 
     def read(self, key: str, out: torch.Tensor) -> None:
         """Fill ``out`` with ``key``'s region: from its read-ahead if one was issued, else from disk."""
@@ -575,7 +1027,7 @@ class NvmeSwapper:
     # -- lifetime ---------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Wait for outstanding transfers, remove the files (and the directory this swapper created).
+        """Wait for outstanding transfers, remove the files and the directory.
 
         Idempotent. Raises a background I/O error only if no earlier call has reported it.
         """
@@ -587,9 +1039,10 @@ class NvmeSwapper:
             self._release_staged(self._staged.pop(key))
         self._last_op.clear()
         self._finalizer()
-        if self._failure is not None and not self._failure_raised:
-            self._failure_raised = True
-            raise self._failure
+        failure = self._failure
+        if failure.error is not None and not failure.raised:
+            failure.raised = True
+            raise failure.error
 
     def __enter__(self) -> "NvmeSwapper":
         return self
@@ -605,27 +1058,17 @@ class NvmeSwapper:
 
     # -- internals: setup -------------------------------------------------------------------------
 
-    def _make_directory(self) -> None:
-        try:
-            self.directory.mkdir()
-            self._resources.created_directory = True
-        except FileExistsError:
-            if not self.directory.is_dir():
-                raise RuntimeError(
-                    f"NvmeSwapper: {self.directory} exists and is not a directory; remove it or set "
-                    "nvme_path to another directory"
-                ) from None
-        except OSError as e:
-            raise RuntimeError(
-                f"NvmeSwapper: cannot create {self.directory} in nvme_path={str(self.root)!r} ({e}); "
-                "make nvme_path writable or set it to a writable directory"
-            ) from e
-
     def _decide_direct_io(self) -> bool:
         requested = self._requested_direct
         if requested is False:
             return False
-        if _direct_io_works(self.directory, self.alignment):
+        files = self._resources.files
+        files.add(_PROBE_NAME)  # so that a signal during the probe removes it too
+        try:
+            works = _direct_io_works(self._resources.dir_fd, self.directory, self.alignment)
+        finally:
+            files.discard(_PROBE_NAME)
+        if works:
             return True
         fs = filesystem_type(self.directory)
         if requested:
@@ -640,14 +1083,23 @@ class NvmeSwapper:
         return False
 
     def _create_file(self, region: _Region, needed: int, free: int, regions: int) -> None:
+        files = self._resources.files
+        # Exclusive creation: a name taken by anything (a planted symlink included) is an error and
+        # stays untouched. A file of ours from an earlier, failed reserve() is reused.
+        flags = os.O_RDWR | os.O_NOFOLLOW | (0 if region.name in files else os.O_CREAT | os.O_EXCL)
         try:
-            fd = os.open(region.path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
+            fd = os.open(region.name, flags, 0o600, dir_fd=self._resources.dir_fd)
+        except FileExistsError as e:
+            raise RuntimeError(
+                f"NvmeSwapper: cannot create swap file {region.path}: something this swapper did not "
+                "create is already there (left untouched); check what else writes to nvme_path"
+            ) from e
         except OSError as e:
             raise RuntimeError(
                 f"NvmeSwapper: cannot create swap file {region.path} ({e}); make nvme_path writable "
                 "or set it to a writable directory"
             ) from e
-        self._resources.files.add(region.path)
+        files.add(region.name)
         try:
             if region.file_bytes:
                 _preallocate(fd, region.file_bytes)
@@ -686,30 +1138,22 @@ class NvmeSwapper:
 
     def _check_failure(self) -> None:
         self._check_open()
-        failure = self._failure
-        if failure is None:
+        error = self._failure.error
+        if error is None:
             return
-        self._failure_raised = True
+        self._failure.raised = True
         raise RuntimeError(
             f"NvmeSwapper for {self.directory} stopped after an I/O error, its contents can no longer "
-            f"be trusted: {failure}"
-        ) from failure
-
-    def _record_failure(self, error: BaseException) -> None:
-        with self._failure_lock:
-            if self._failure is None:
-                self._failure = error if isinstance(error, RuntimeError) else RuntimeError(str(error))
-
-    def _mark_failure_raised(self) -> None:
-        self._failure_raised = True
+            f"be trusted: {error}"
+        ) from error
 
     def _transfer_now(self, region: _Region, data: torch.Tensor, write: bool) -> None:
         """A synchronous transfer; its failure is sticky too (a half-written region is garbage)."""
         try:
-            self._transfer(region, data, write)
+            self._region_io.transfer(region, data, write)
         except BaseException as e:
-            self._record_failure(e)
-            self._failure_raised = True
+            self._failure.record(e)
+            self._failure.raised = True
             raise
 
     def _wait(self, future: "Future[None]") -> None:
@@ -729,120 +1173,14 @@ class NvmeSwapper:
 
     def _release_staged(self, staged: _Staged) -> None:
         if staged.owned:
-            staged.future.add_done_callback(lambda _: self._staging.put(staged.target))
+            staging, target = self._staging, staged.target  # the callback must not hold the swapper
+            staged.future.add_done_callback(lambda _: staging.put(target))
 
     def _submit(self, key: str, operation: Callable[[], None]) -> "Future[None]":
         previous = self._last_op.get(key)
-        future = self._ops.submit(self._run_op, previous, operation)
+        future = self._ops.submit(self._failure.run_op, previous, operation)
         self._last_op[key] = future
         return future
-
-    def _run_op(self, previous: Optional["Future[None]"], operation: Callable[[], None]) -> None:
-        if previous is not None:
-            wait_futures([previous])  # FIFO pool: ``previous`` started first, so this cannot deadlock
-        if self._failure is not None:
-            raise RuntimeError(f"skipped after an earlier I/O error: {self._failure}")
-        try:
-            operation()
-        except BaseException as e:
-            self._record_failure(e)
-            raise
-
-    # -- internals: data movement -----------------------------------------------------------------
-
-    def _chunks(self, nbytes: int) -> Iterator[_Chunk]:
-        body = nbytes - nbytes % self.alignment
-        for offset in range(0, body, self.buffer_bytes):
-            yield _Chunk(offset, min(self.buffer_bytes, body - offset))
-        if body < nbytes:
-            yield _Chunk(body, nbytes - body)
-
-    def _needs_bounce(self, memory: torch.Tensor) -> bool:
-        if not self.direct_io:
-            return False
-        return memory.data_ptr() % self.alignment != 0 or memory.numel() % self.alignment != 0
-
-    def _transfer(self, region: _Region, data: torch.Tensor, write: bool) -> None:
-        """Move ``data`` (the caller's bytes, at most the file size) to or from ``region``'s file.
-
-        Keeps up to ``num_threads`` chunks in flight on the I/O pool; bounce copies of one chunk
-        overlap the I/O of the others.
-        """
-        flags = os.O_RDWR | (os.O_DIRECT if self.direct_io else 0)
-        try:
-            fd = os.open(region.path, flags)
-        except FileNotFoundError as e:
-            raise RuntimeError(
-                f"swap file {region.path} of key {region.key!r} is missing (removed after reserve()?); "
-                "its contents are lost. Check that nothing cleans up nvme_path during training"
-            ) from e
-        except OSError as e:
-            raise RuntimeError(f"cannot open swap file {region.path}: {e}") from e
-        in_flight: collections.deque[_InFlight] = collections.deque()
-        try:
-            for chunk in self._chunks(data.numel()):
-                memory = data[chunk.offset : chunk.offset + chunk.length]
-                bounce = self._acquire_bounce(in_flight, write) if self._needs_bounce(memory) else None
-                in_flight.append(self._start_chunk(fd, region, chunk, memory, bounce, write))
-                while len(in_flight) > self.num_threads:
-                    self._finish_chunk(in_flight.popleft(), write)
-            while in_flight:
-                self._finish_chunk(in_flight.popleft(), write)
-        finally:
-            self._abandon(in_flight)
-            os.close(fd)
-
-    def _start_chunk(
-        self,
-        fd: int,
-        region: _Region,
-        chunk: _Chunk,
-        memory: torch.Tensor,
-        bounce: Optional[torch.Tensor],
-        write: bool,
-    ) -> _InFlight:
-        if bounce is None:
-            io_memory = memory
-        else:
-            io_memory = bounce[: _align_up(chunk.length, self.alignment)]
-            if write:
-                bounce[: chunk.length].copy_(memory)
-                io_memory[chunk.length :].zero_()
-        view = _memoryview(io_memory)
-        if write:
-            future = self._io.submit(_pwrite_all, fd, view, chunk.offset, region.path)
-        else:
-            future = self._io.submit(_pread_all, fd, view, chunk.offset, region.path, bool(self.direct_io))
-        return _InFlight(future, memory, bounce)
-
-    def _finish_chunk(self, chunk: _InFlight, write: bool) -> None:
-        try:
-            chunk.future.result()
-            if not write and chunk.bounce is not None:
-                chunk.memory.copy_(chunk.bounce[: chunk.memory.numel()])
-        finally:
-            if chunk.bounce is not None:
-                self._bounce.release(chunk.bounce)
-
-    def _acquire_bounce(self, in_flight: "collections.deque[_InFlight]", write: bool) -> torch.Tensor:
-        """A bounce buffer; finishes this transfer's oldest chunks rather than wait holding buffers."""
-        while True:
-            buf = self._bounce.try_acquire()
-            if buf is not None:
-                return buf
-            if not in_flight:
-                return self._bounce.acquire()  # holding none, so other transfers will free one
-            self._finish_chunk(in_flight.popleft(), write)
-
-    def _abandon(self, in_flight: "collections.deque[_InFlight]") -> None:
-        """After a failed chunk: let the others finish (they use the descriptor) and free buffers."""
-        if not in_flight:
-            return
-        wait_futures([c.future for c in in_flight])
-        for chunk in in_flight:
-            if chunk.bounce is not None:
-                self._bounce.release(chunk.bounce)
-        in_flight.clear()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -913,16 +1251,16 @@ def _preallocate(fd: int, nbytes: int) -> None:
         os.ftruncate(fd, nbytes)  # no fallocate on this filesystem: a sparse file, space checked above
 
 
-def _direct_io_works(directory: Path, alignment: int) -> bool:
-    """Whether ``directory`` accepts an ``O_DIRECT`` write and read of one aligned block."""
+def _direct_io_works(dir_fd: int, directory: Path, alignment: int) -> bool:
+    """Whether the directory open as ``dir_fd`` accepts an ``O_DIRECT`` write and read of one aligned block."""
     o_direct = getattr(os, "O_DIRECT", 0)
     if not o_direct:
         return False
-    probe = directory / _PROBE_NAME
     block = aligned_empty(alignment, torch.uint8, alignment, pin_memory=False)
     block.fill_(0x5A)
+    ours = True  # an open that fails after O_EXCL created the file (tmpfs and O_DIRECT) leaves ours
     try:
-        fd = os.open(probe, os.O_CREAT | os.O_RDWR | os.O_TRUNC | o_direct, 0o600)
+        fd = os.open(_PROBE_NAME, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_RDWR | o_direct, 0o600, dir_fd=dir_fd)
         try:
             os.pwrite(fd, _memoryview(block), 0)
             block.zero_()
@@ -930,15 +1268,22 @@ def _direct_io_works(directory: Path, alignment: int) -> bool:
         finally:
             os.close(fd)
         return got == alignment and bool((block == 0x5A).all())
+    except FileExistsError as e:
+        ours = False
+        raise RuntimeError(
+            f"NvmeSwapper: cannot create the probe file {directory / _PROBE_NAME}: something this swapper did "
+            "not create is already there (left untouched); check what else writes to nvme_path"
+        ) from e
     except OSError as e:
         if e.errno in _UNSUPPORTED_DIRECT_ERRNOS:
             return False
         raise RuntimeError(f"NvmeSwapper: cannot write a probe file in {directory}: {e}") from e
     finally:
-        try:
-            probe.unlink()
-        except FileNotFoundError:
-            pass
+        if ours:
+            try:
+                os.unlink(_PROBE_NAME, dir_fd=dir_fd)
+            except FileNotFoundError:
+                pass
 
 
 def _too_small_message(root: Path, needed: int, free: int, regions: int) -> str:
