@@ -53,7 +53,7 @@ def _assert_bitwise(actual: torch.Tensor, expected: torch.Tensor) -> None:
 def _data(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     """Finite values of mixed magnitudes, rare outliers and a leading zero group, on the CPU.
 
-    Bounded so that float16 stays finite: codes of groups holding inf or NaN are unspecified.
+    Bounded so that float16 stays finite (non-finite input is _poisoned's business).
     """
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(numel, generator=gen)
@@ -164,6 +164,87 @@ def test_pack_and_unpack_match_reference(dtype, num_groups):
         ref_out = torch.empty(x.numel(), dtype=out_dtype)
         reference.unpack_dequantize_int8(ref_packed, 64, ref_out)
         _assert_bitwise(out, ref_out)
+
+
+def _assert_same_decode(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """NaN exactly where the reference has NaN, and the same bits everywhere else.
+
+    A NaN's sign and payload are not part of the format (GPU arithmetic makes 0x7fffffff where
+    x86 keeps the operand's NaN), so only NaN positions are compared there.
+    """
+    actual, expected = actual.cpu(), expected.cpu()
+    nan = expected.isnan()
+    mismatched = (actual.isnan() != nan).nonzero().flatten()
+    assert mismatched.numel() == 0, f"NaN at other positions, first {mismatched[:5].tolist()}"
+    _assert_bitwise(actual[~nan], expected[~nan])
+
+
+def _poisoned(numel: int, group_size: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """_data with non-finite values planted: one NaN, -NaN, +inf or -inf in about one group in
+    three (at a random position), one all-NaN group and one group mixing them; other groups finite."""
+    x = _data(numel, torch.float32, seed).view(-1, group_size)
+    gen = torch.Generator().manual_seed(seed + 1)
+    num_groups = x.shape[0]
+    bad = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf")])
+    for g in range(0, num_groups, 3):
+        x[g, torch.randint(group_size, (1,), generator=gen)] = bad[g % 4]
+    if num_groups > 4:
+        x[1] = float("nan")
+        x[4, :4] = bad
+    return x.flatten().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group_size", GROUP_SIZES)
+def test_non_finite_groups_match_reference(dtype, group_size):
+    """Every kernel path (one chunk per lane, several, every team size) propagates NaN and inf as
+    the reference does: scale NaN (0x7fc00000), codes 0, the whole group decodes to NaN."""
+    x = _poisoned(group_size * 37, group_size, dtype, seed=group_size)
+    packed = ops.quantize_pack_int8(x.cuda(), group_size=group_size)
+    ref_packed = torch.empty(ops.packed_nbytes(x.numel(), group_size), dtype=torch.uint8)
+    reference.quantize_pack_int8(x, group_size, ref_packed)
+    _assert_bitwise(packed, ref_packed)
+    n = x.numel()
+    non_finite = ~x.float().view(-1, group_size).isfinite().all(dim=1)
+    assert non_finite.sum() >= 13  # the test reaches what it is for
+    assert (ref_packed[n:].view(torch.int32)[non_finite] == 0x7FC00000).all()
+    for out_dtype in DTYPES:
+        out = torch.zeros(n, dtype=out_dtype, device="cuda")
+        ops.unpack_dequantize_int8(packed, out, group_size=group_size)
+        ref_out = torch.empty(n, dtype=out_dtype)
+        reference.unpack_dequantize_int8(ref_packed, group_size, ref_out)
+        assert torch.equal(ref_out.view(-1, group_size).isnan().all(dim=1), non_finite)
+        _assert_same_decode(out, ref_out)
+
+
+@pytest.mark.parametrize("offset", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_non_finite_groups_on_the_unaligned_path(offset, dtype):
+    n = 64 * 301
+    x = _poisoned(n, 64, dtype, seed=offset)
+    x_buf = torch.zeros(n + 8, dtype=dtype, device="cuda")
+    x_cuda = x_buf[offset : offset + n]
+    x_cuda.copy_(x)
+    nbytes = ops.packed_nbytes(n)
+    packed = torch.zeros(nbytes + 8, dtype=torch.uint8, device="cuda")[offset : offset + nbytes]
+    ops.quantize_pack_int8(x_cuda, packed)
+    ref_packed = torch.empty(nbytes, dtype=torch.uint8)
+    reference.quantize_pack_int8(x, 64, ref_packed)
+    _assert_bitwise(packed, ref_packed)
+    for out_dtype in DTYPES:
+        out = torch.zeros(n + 8, dtype=out_dtype, device="cuda")[offset : offset + n]
+        ops.unpack_dequantize_int8(packed, out)
+        ref_out = torch.empty(n, dtype=out_dtype)
+        reference.unpack_dequantize_int8(ref_packed, 64, ref_out)
+        _assert_same_decode(out, ref_out)
+
+
+def test_reference_on_cuda_propagates_non_finite_like_on_cpu():
+    x = _poisoned(64 * 100, 64, torch.bfloat16, seed=9)
+    codes, scales = reference.quantize_int8(x.cuda(), 64)
+    ref_codes, ref_scales = reference.quantize_int8(x, 64)
+    _assert_bitwise(codes, ref_codes)
+    _assert_bitwise(scales, ref_scales)
 
 
 @pytest.mark.parametrize("offset", [1, 2, 4, 8])

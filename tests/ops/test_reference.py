@@ -114,6 +114,74 @@ def test_inputs_are_upcast_not_reinterpreted():
     assert codes[:4].tolist() == [32, -64, 16, 127]
 
 
+# ---- non-finite input ---------------------------------------------------------------------------
+
+NAN_SCALE_BITS = 0x7FC00000  # the scale of a group holding NaN or +-inf (torch's float('nan'))
+NON_FINITE = {"nan": float("nan"), "-nan": -float("nan"), "inf": float("inf"), "-inf": -float("inf")}
+
+
+def _poisoned(dtype: torch.dtype, bad: float, position: int, group_size: int = 64) -> torch.Tensor:
+    """Three groups [finite | finite with one ``bad`` element at ``position`` | finite]."""
+    x = _random(3 * group_size, torch.float32, seed=position)
+    x[group_size + position] = bad
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bad", list(NON_FINITE))
+@pytest.mark.parametrize("position", [0, 37, 63])
+def test_a_non_finite_element_makes_its_group_nan_and_only_it(dtype, bad, position):
+    x = _poisoned(dtype, NON_FINITE[bad], position)
+    codes, scales = reference.quantize_int8(x, 64)
+    assert _bits(scales)[1].item() == NAN_SCALE_BITS
+    assert (codes[64:128] == 0).all()
+    # The neighbours are encoded as if the poisoned group were not there, bit for bit.
+    for g in (0, 2):
+        alone_codes, alone_scales = reference.quantize_int8(x[g * 64 : (g + 1) * 64].contiguous(), 64)
+        assert torch.equal(codes[g * 64 : (g + 1) * 64], alone_codes)
+        assert torch.equal(_bits(scales[g : g + 1]), _bits(alone_scales))
+    assert scales[[0, 2]].isfinite().all() and (scales[[0, 2]] > 0).all()
+    # The packed op (the reference on CPU) carries the same bytes, and every output dtype decodes
+    # the whole group, and nothing else, to NaN.
+    packed = ops.quantize_pack_int8(x)
+    assert torch.equal(packed, torch.cat([codes.view(torch.uint8), scales.view(torch.uint8)]))
+    for out_dtype in DTYPES:
+        out = ops.unpack_dequantize_int8(packed, dtype=out_dtype).view(3, 64)
+        assert out[1].isnan().all()
+        assert not out[[0, 2]].isnan().any()
+        expected = reference.dequantize_int8(codes, scales, 64, out_dtype).view(3, 64)
+        assert torch.equal(out[[0, 2]], expected[[0, 2]])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_all_nan_and_mixed_non_finite_groups(dtype):
+    nan, inf = float("nan"), float("inf")
+    all_nan = torch.full((64,), nan)
+    mixed = torch.zeros(64)
+    mixed[[3, 9, 17, 60]] = torch.tensor([inf, -inf, nan, -nan])
+    infs_only = torch.full((64,), -inf)
+    finite = _random(64, torch.float32, seed=5)
+    x = torch.cat([all_nan, mixed, infs_only, finite]).to(dtype)
+    codes, scales = reference.quantize_int8(x, 64)
+    assert _bits(scales)[:3].tolist() == [NAN_SCALE_BITS] * 3
+    assert (codes[: 3 * 64] == 0).all()
+    assert torch.equal(codes[3 * 64 :], reference.quantize_int8(finite.to(dtype), 64)[0])
+    packed = ops.quantize_pack_int8(x)
+    for out_dtype in DTYPES:
+        out = ops.unpack_dequantize_int8(packed, dtype=out_dtype)
+        assert out[: 3 * 64].isnan().all() and not out[3 * 64 :].isnan().any()
+
+
+def test_largest_finite_values_stay_finite():
+    """Only inf and NaN poison a group: the largest finite inputs of each dtype do not."""
+    for dtype in DTYPES:
+        top = torch.finfo(dtype).max
+        x = torch.zeros(64, dtype=dtype)
+        x[0], x[1] = top, -top
+        codes, scales = reference.quantize_int8(x, 64)
+        assert scales.isfinite().all() and codes[:2].tolist() == [127, -127]
+
+
 # ---- packed layout ----------------------------------------------------------------------------
 
 
