@@ -360,7 +360,7 @@ def _run_python(code: str, **env: str) -> dict:
     return {**json.loads(result.stdout.strip().splitlines()[-1]), "stderr": result.stderr}
 
 
-def test_import_initializes_no_cuda_and_compiles_nothing(tmp_path):
+def test_ops_import_and_cpu_use_touch_no_cuda_and_fallback_warns_once(tmp_path):
     """Import and CPU use touch no CUDA; without CUDA, loading falls back with one warning."""
     report = _run_python(
         """
