@@ -176,7 +176,11 @@ def check_unpack_args(packed: torch.Tensor, group_size: int, out: torch.Tensor) 
 
 
 def quantize_int8(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``(codes, scales)``: int8 ``[n]`` and float32 ``[n / group_size]``."""
+    """Returns ``(codes, scales)``: int8 ``[n]`` and float32 ``[n / group_size]``.
+
+    The core of the format, which :func:`quantize_pack_int8` lays out in one buffer (the packed
+    form is the only one registered as a ``zeroq::`` op).
+    """
     check_quantize_args(x, group_size)
     groups = x.to(torch.float32).view(-1, group_size)  # [num_groups, G]; exact upcast
     absmax = groups.abs().amax(dim=1)  # [num_groups]; NaN if the group holds a NaN, inf if an inf

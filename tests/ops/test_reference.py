@@ -36,10 +36,10 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("group_size", [8, 64, 192])
 def test_round_trip_error_within_half_a_scale(dtype, magnitude, group_size):
     x = _random(group_size * 37, dtype, magnitude)
-    codes, scales = ops.quantize_int8(x, group_size)
+    codes, scales = reference.quantize_int8(x, group_size)
     assert codes.dtype == torch.int8 and codes.shape == x.shape
     assert scales.dtype == torch.float32 and scales.shape == (x.numel() // group_size,)
-    decoded = ops.dequantize_int8(codes, scales, torch.float32, group_size)
+    decoded = reference.dequantize_int8(codes, scales, group_size, torch.float32)
     error = (x.float() - decoded).abs().view(-1, group_size)
     assert (error <= scales[:, None] * 0.5 * (1 + REL_SLACK)).all()
     assert codes.min() >= -127 and codes.max() <= 127
@@ -48,16 +48,16 @@ def test_round_trip_error_within_half_a_scale(dtype, magnitude, group_size):
     assert torch.equal(scales, absmax / torch.full_like(absmax, 127.0))
     # Decoding to another dtype is the float32 decode, rounded once.
     for out_dtype in DTYPES:
-        assert torch.equal(ops.dequantize_int8(codes, scales, out_dtype, group_size), decoded.to(out_dtype))
+        assert torch.equal(reference.dequantize_int8(codes, scales, group_size, out_dtype), decoded.to(out_dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_all_zero_group_has_scale_zero_and_decodes_to_zeros(dtype):
     x = torch.cat([torch.zeros(64), -torch.zeros(64), _random(64, torch.float32)]).to(dtype)
-    codes, scales = ops.quantize_int8(x)
+    codes, scales = reference.quantize_int8(x, 64)
     assert scales[0] == 0 and scales[1] == 0 and not torch.signbit(scales[:2]).any()
     assert (codes[:128] == 0).all()
-    decoded = ops.dequantize_int8(codes, scales, dtype)
+    decoded = reference.dequantize_int8(codes, scales, 64, dtype)
     assert not decoded.isnan().any()
     assert (decoded[:128] == 0).all()
 
@@ -65,11 +65,11 @@ def test_all_zero_group_has_scale_zero_and_decodes_to_zeros(dtype):
 def test_single_outlier_sets_the_scale():
     x = torch.full((64,), 1e-3)
     x[17] = -1000.0
-    codes, scales = ops.quantize_int8(x)
+    codes, scales = reference.quantize_int8(x, 64)
     assert scales[0] == torch.tensor(1000.0) / torch.tensor(127.0)
     assert codes[17] == -127
     assert (codes[torch.arange(64) != 17] == 0).all()  # 1e-3 / 7.87 rounds to 0
-    decoded = ops.dequantize_int8(codes, scales)
+    decoded = reference.dequantize_int8(codes, scales, 64, torch.float32)
     assert (decoded - x).abs().max() <= scales[0] * 0.5
 
 
@@ -84,7 +84,7 @@ def test_ties_round_half_to_even(dtype):
     half = torch.zeros(64)
     half[0] = 63.5
     half[1:5] = torch.tensor([0.25, 0.75, -0.25, -0.75])
-    codes, scales = ops.quantize_int8(torch.cat([group, half]).to(dtype))
+    codes, scales = reference.quantize_int8(torch.cat([group, half]).to(dtype), 64)
     assert scales.tolist() == [1.0, 0.5]
     assert torch.equal(codes[1 : 1 + len(ties)], expected)
     assert codes[0] == 127 and codes[64] == 127
@@ -99,17 +99,17 @@ def test_clamp_and_underflow_with_subnormal_scales():
     clamped[:4] = torch.tensor([256.0, -256.0, 255.0, 2.0]) * tiny
     # absmax 3 * tiny: 3/127 * tiny rounds to a scale of 0; codes and decode are 0, never NaN.
     underflow = torch.tensor([3.0, -1.0, 0, 0, 0, 0, 0, 0]) * tiny
-    codes, scales = ops.quantize_int8(torch.cat([clamped, underflow]), group_size=8)
+    codes, scales = reference.quantize_int8(torch.cat([clamped, underflow]), 8)
     assert scales[0] == 2 * tiny and scales[1] == 0
     assert codes[:4].tolist() == [127, -127, 127, 1]
     assert (codes[8:] == 0).all()
-    decoded = ops.dequantize_int8(codes, scales, group_size=8)
+    decoded = reference.dequantize_int8(codes, scales, 8, torch.float32)
     assert not decoded.isnan().any() and (decoded[8:] == 0).all()
 
 
 def test_inputs_are_upcast_not_reinterpreted():
     x = torch.tensor([1.0, -2.0, 0.5, 4.0, 0, 0, 0, 0], dtype=torch.bfloat16)
-    codes, scales = ops.quantize_int8(x, group_size=8)
+    codes, scales = reference.quantize_int8(x, 8)
     assert scales.item() == pytest.approx(4.0 / 127)
     assert codes[:4].tolist() == [32, -64, 16, 127]
 
@@ -197,14 +197,14 @@ def test_packed_nbytes(group_size):
 @pytest.mark.parametrize("num_groups", [0, 1, 3, 50])
 def test_pack_unpack_matches_quantize_dequantize(dtype, num_groups):
     x = _random(num_groups * 64, dtype, seed=num_groups)
-    codes, scales = ops.quantize_int8(x)
+    codes, scales = reference.quantize_int8(x, 64)
     packed = ops.quantize_pack_int8(x)
     assert packed.dtype == torch.uint8 and packed.numel() == ops.packed_nbytes(x.numel())
     assert torch.equal(packed, torch.cat([codes.view(torch.uint8), scales.view(torch.uint8)]))
     for out_dtype in DTYPES:
         out = torch.full((x.numel(),), float("nan"), dtype=out_dtype)
         assert ops.unpack_dequantize_int8(packed, out) is out
-        assert torch.equal(out, ops.dequantize_int8(codes, scales, out_dtype))
+        assert torch.equal(out, reference.dequantize_int8(codes, scales, 64, out_dtype))
 
 
 def test_gather_like_slices_at_unaligned_offsets():
@@ -217,7 +217,7 @@ def test_gather_like_slices_at_unaligned_offsets():
     full = torch.empty(3 * shards[0].numel(), dtype=torch.bfloat16)
     for r, (shard, part) in enumerate(zip(shards, full.chunk(3))):
         ops.unpack_dequantize_int8(gathered[1 + r * nbytes : 1 + (r + 1) * nbytes], part)
-        assert torch.equal(part, ops.dequantize_int8(*ops.quantize_int8(shard), torch.bfloat16))
+        assert torch.equal(part, reference.dequantize_int8(*reference.quantize_int8(shard, 64), 64, torch.bfloat16))
 
 
 def test_unpack_allocates_when_out_is_omitted():
@@ -236,14 +236,12 @@ def test_bad_group_sizes_raise(group_size):
     x = torch.zeros(96)
     calls = [
         lambda: ops.packed_nbytes(96, group_size),
-        lambda: ops.quantize_int8(x, group_size),
         lambda: ops.quantize_pack_int8(x, torch.empty(102, dtype=torch.uint8), group_size),
-        lambda: ops.dequantize_int8(torch.zeros(96, dtype=torch.int8), torch.zeros(8), group_size=group_size),
         lambda: ops.unpack_dequantize_int8(torch.zeros(102, dtype=torch.uint8), group_size=group_size),
-        lambda: torch.ops.zeroq.quantize_int8(x, group_size),
-        lambda: torch.ops.zeroq.dequantize_int8(
-            torch.zeros(96, dtype=torch.int8), torch.zeros(8), group_size, torch.float32
-        ),
+        lambda: torch.ops.zeroq.quantize_pack_int8(x, group_size, torch.empty(102, dtype=torch.uint8)),
+        lambda: torch.ops.zeroq.unpack_dequantize_int8(torch.zeros(102, dtype=torch.uint8), group_size, x),
+        lambda: reference.quantize_int8(x, group_size),
+        lambda: reference.dequantize_int8(torch.zeros(96, dtype=torch.int8), torch.zeros(8), group_size, torch.float32),
     ]
     for call in calls:
         with pytest.raises(ValueError, match=rf"positive multiple of 8, got {group_size}\b"):
@@ -252,13 +250,13 @@ def test_bad_group_sizes_raise(group_size):
 
 def test_length_not_a_multiple_of_the_group_raises():
     with pytest.raises(ValueError, match="100 elements, not a multiple of group_size 64"):
-        ops.quantize_int8(torch.zeros(100))
+        ops.quantize_pack_int8(torch.zeros(100))
     with pytest.raises(ValueError, match="100 elements, not a multiple of group_size 64"):
-        torch.ops.zeroq.quantize_int8(torch.zeros(100), 64)
+        torch.ops.zeroq.quantize_pack_int8(torch.zeros(100), 64, torch.empty(0, dtype=torch.uint8))
     with pytest.raises(ValueError, match="100 elements"):
         ops.packed_nbytes(100)
     with pytest.raises(ValueError, match="not a multiple of group_size 64"):
-        ops.dequantize_int8(torch.zeros(100, dtype=torch.int8), torch.zeros(1))
+        reference.dequantize_int8(torch.zeros(100, dtype=torch.int8), torch.zeros(1), 64, torch.float32)
 
 
 def test_wrong_sizes_raise():
@@ -272,24 +270,24 @@ def test_wrong_sizes_raise():
     with pytest.raises(ValueError, match="decodes to 128 elements, but out has 64"):
         ops.unpack_dequantize_int8(torch.empty(136, dtype=torch.uint8), torch.empty(64))
     with pytest.raises(ValueError, match="expected 2 scales for 128 codes"):
-        ops.dequantize_int8(torch.zeros(128, dtype=torch.int8), torch.zeros(3))
+        reference.dequantize_int8(torch.zeros(128, dtype=torch.int8), torch.zeros(3), 64, torch.float32)
 
 
 def test_wrong_dtypes_and_shapes_raise():
     with pytest.raises(ValueError, match="x must be float32, bfloat16, float16, got torch.int32"):
-        ops.quantize_int8(torch.zeros(64, dtype=torch.int32))
+        ops.quantize_pack_int8(torch.zeros(64, dtype=torch.int32))
     with pytest.raises(ValueError, match="x must be 1-D"):
-        ops.quantize_int8(torch.zeros(2, 64))
+        ops.quantize_pack_int8(torch.zeros(2, 64))
     with pytest.raises(ValueError, match="x must be contiguous"):
-        ops.quantize_int8(torch.zeros(128)[::2])
+        ops.quantize_pack_int8(torch.zeros(128)[::2])
     with pytest.raises(ValueError, match="out must be uint8"):
         ops.quantize_pack_int8(torch.zeros(64), torch.empty(68, dtype=torch.int8))
     with pytest.raises(ValueError, match="codes must be int8"):
-        ops.dequantize_int8(torch.zeros(64, dtype=torch.uint8), torch.zeros(1))
+        reference.dequantize_int8(torch.zeros(64, dtype=torch.uint8), torch.zeros(1), 64, torch.float32)
     with pytest.raises(ValueError, match="scales must be float32"):
-        ops.dequantize_int8(torch.zeros(64, dtype=torch.int8), torch.zeros(1, dtype=torch.float16))
+        reference.dequantize_int8(torch.zeros(64, dtype=torch.int8), torch.zeros(1, dtype=torch.float16), 64, torch.float32)
     with pytest.raises(ValueError, match="dtype must be float32, bfloat16 or float16, got torch.float64"):
-        ops.dequantize_int8(torch.zeros(64, dtype=torch.int8), torch.zeros(1), torch.float64)
+        ops.unpack_dequantize_int8(torch.empty(68, dtype=torch.uint8), dtype=torch.float64)
     with pytest.raises(ValueError, match="out must be float32, bfloat16, float16"):
         ops.unpack_dequantize_int8(torch.empty(68, dtype=torch.uint8), torch.empty(64, dtype=torch.float64))
     with pytest.raises(ValueError, match="disagrees with out.dtype"):
@@ -300,29 +298,28 @@ def test_wrong_dtypes_and_shapes_raise():
 
 
 def test_ops_are_registered_and_run_on_cpu():
-    for name in ("quantize_int8", "quantize_pack_int8", "dequantize_int8", "unpack_dequantize_int8"):
+    from lightning_zeroq.ops import _library
+
+    assert _library.OP_NAMES == ("quantize_pack_int8", "unpack_dequantize_int8")
+    for name in _library.OP_NAMES:
         assert hasattr(torch.ops.zeroq, name)
     x = _random(192, torch.bfloat16)
-    codes, scales = torch.ops.zeroq.quantize_int8(x, 64)
-    ref_codes, ref_scales = reference.quantize_int8(x, 64)
-    assert torch.equal(codes, ref_codes) and torch.equal(_bits(scales), _bits(ref_scales))
+    codes, scales = reference.quantize_int8(x, 64)
     packed = torch.empty(ops.packed_nbytes(192), dtype=torch.uint8)
     assert torch.ops.zeroq.quantize_pack_int8(x, 64, packed) is None
+    assert torch.equal(packed, torch.cat([codes.view(torch.uint8), scales.view(torch.uint8)]))
     out = torch.empty(192, dtype=torch.float16)
-    torch.ops.zeroq.unpack_dequantize_int8(packed, 64, out)
-    assert torch.equal(out, torch.ops.zeroq.dequantize_int8(codes, scales, 64, torch.float16))
+    assert torch.ops.zeroq.unpack_dequantize_int8(packed, 64, out) is None
+    assert torch.equal(out, reference.dequantize_int8(codes, scales, 64, torch.float16))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_groups", [0, 3])
 def test_opcheck_on_cpu(dtype, num_groups):
     x = _random(num_groups * 64, dtype)
-    codes, scales = reference.quantize_int8(x, 64)
-    packed = torch.empty(ops.packed_nbytes(x.numel()), dtype=torch.uint8)
+    packed = ops.quantize_pack_int8(x)
     cases = [
-        (torch.ops.zeroq.quantize_int8.default, (x, 64)),
-        (torch.ops.zeroq.quantize_pack_int8.default, (x, 64, packed)),
-        (torch.ops.zeroq.dequantize_int8.default, (codes, scales, 64, dtype)),
+        (torch.ops.zeroq.quantize_pack_int8.default, (x, 64, torch.empty_like(packed))),
         (torch.ops.zeroq.unpack_dequantize_int8.default, (packed, 64, torch.empty(x.numel(), dtype=dtype))),
     ]
     for op, args in cases:
@@ -334,12 +331,16 @@ def test_fake_tensors_trace():
 
     with FakeTensorMode():
         x = torch.empty(640, dtype=torch.bfloat16)
-        codes, scales = torch.ops.zeroq.quantize_int8(x, 64)
-        assert codes.shape == (640,) and scales.shape == (10,) and scales.dtype == torch.float32
-        out = torch.ops.zeroq.dequantize_int8(codes, scales, 64, torch.float16)
-        assert out.shape == (640,) and out.dtype == torch.float16
+        packed = torch.empty(ops.packed_nbytes(640), dtype=torch.uint8)
+        torch.ops.zeroq.quantize_pack_int8(x, 64, packed)
+        out = torch.empty(640, dtype=torch.float16)
+        torch.ops.zeroq.unpack_dequantize_int8(packed, 64, out)
         with pytest.raises(ValueError, match="got 12"):
-            torch.ops.zeroq.quantize_int8(x, 12)
+            torch.ops.zeroq.quantize_pack_int8(x, 12, packed)
+        with pytest.raises(ValueError, match="exactly 680 bytes"):
+            torch.ops.zeroq.quantize_pack_int8(x, 64, packed[1:])
+        with pytest.raises(ValueError, match="decodes to 640 elements, but out has 639"):
+            torch.ops.zeroq.unpack_dequantize_int8(packed, 64, out[1:])
 
 
 # ---- import and loading -----------------------------------------------------------------------
@@ -377,7 +378,7 @@ def test_ops_import_and_cpu_use_touch_no_cuda_and_fallback_warns_once(tmp_path):
         import lightning_zeroq.ops as ops
         from lightning_zeroq.ops import _library
 
-        ops.dequantize_int8(*ops.quantize_int8(torch.randn(128)))  # CPU use resolves nothing
+        ops.unpack_dequantize_int8(ops.quantize_pack_int8(torch.randn(128)))  # CPU use resolves nothing
         report = {
             "cuda_initialized": torch.cuda.is_initialized(),
             "backend": ops.active_backend().value,
