@@ -1,4 +1,8 @@
-"""The INT8 group-quantization reference (the specification) and the zeroq:: ops on CPU."""
+"""The INT8 group-quantization reference (the specification) and the zeroq:: ops on CPU.
+
+On CPU the ops run the reference itself, so expected values come from hand-worked examples or from
+the independent float64 model in ``tests/ops/quant_model.py``, never from the reference.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import torch
 
 import lightning_zeroq.ops as ops
 from lightning_zeroq.ops import reference
+from tests.ops import quant_model as model
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 BAD_GROUP_SIZES = [0, -8, 12]
@@ -43,12 +48,34 @@ def test_round_trip_error_within_half_a_scale(dtype, magnitude, group_size):
     error = (x.float() - decoded).abs().view(-1, group_size)
     assert (error <= scales[:, None] * 0.5 * (1 + REL_SLACK)).all()
     assert codes.min() >= -127 and codes.max() <= 127
-    # scale is absmax / 127 of the group, computed in float32 from the upcast input.
-    absmax = x.float().view(-1, group_size).abs().amax(dim=1)
-    assert torch.equal(scales, absmax / torch.full_like(absmax, 127.0))
-    # Decoding to another dtype is the float32 decode, rounded once.
+    model.assert_quantizes_to(codes, scales, x, group_size)
+    want_codes, want_scales = model.quantize(x, group_size)
     for out_dtype in DTYPES:
-        assert torch.equal(reference.dequantize_int8(codes, scales, group_size, out_dtype), decoded.to(out_dtype))
+        decoded = reference.dequantize_int8(codes, scales, group_size, out_dtype)
+        model.assert_decodes_to(decoded, want_codes, want_scales, group_size)
+
+
+# Per dtype: random values over the whole exponent range, per group one magnitude (2^-150 .. 2^127
+# for float32 and bfloat16, so some scales are subnormal), and raw bit patterns (all magnitudes in
+# one group).
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group_size", [8, 24, 64, 256])
+def test_reference_agrees_with_the_independent_model(dtype, group_size):
+    gen = torch.Generator().manual_seed(group_size)
+    exponents = torch.randint(-150, 128, (400, 1), generator=gen).double()
+    clustered = (torch.rand(400, group_size, generator=gen, dtype=torch.float64) * 2 - 1) * 2.0**exponents
+    width = 32 if dtype == torch.float32 else 16
+    bits = torch.randint(-(2 ** (width - 1)), 2 ** (width - 1), (400 * group_size,), generator=gen)
+    raw = bits.to(torch.int32 if width == 32 else torch.int16).view(dtype)
+    x = torch.cat([clustered.flatten().to(dtype), raw])
+    x = torch.where(x.isfinite(), x, torch.zeros_like(x))  # inf and NaN have their own tests
+    codes, scales = reference.quantize_int8(x, group_size)
+    model.assert_quantizes_to(codes, scales, x, group_size)
+    assert (scales[:400] > 0).any() and (scales[:400] < 2.0**-126).any()  # subnormal scales reached
+    want_codes, want_scales = model.quantize(x, group_size)
+    for out_dtype in DTYPES:
+        decoded = reference.dequantize_int8(codes, scales, group_size, out_dtype)
+        model.assert_decodes_to(decoded, want_codes, want_scales, group_size)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -137,20 +164,18 @@ def test_a_non_finite_element_makes_its_group_nan_and_only_it(dtype, bad, positi
     assert (codes[64:128] == 0).all()
     # The neighbours are encoded as if the poisoned group were not there, bit for bit.
     for g in (0, 2):
-        alone_codes, alone_scales = reference.quantize_int8(x[g * 64 : (g + 1) * 64].contiguous(), 64)
-        assert torch.equal(codes[g * 64 : (g + 1) * 64], alone_codes)
-        assert torch.equal(_bits(scales[g : g + 1]), _bits(alone_scales))
+        part = slice(g * 64, (g + 1) * 64)
+        model.assert_quantizes_to(codes[part], scales[g : g + 1], x[part].contiguous(), 64)
     assert scales[[0, 2]].isfinite().all() and (scales[[0, 2]] > 0).all()
-    # The packed op (the reference on CPU) carries the same bytes, and every output dtype decodes
-    # the whole group, and nothing else, to NaN.
+    # The packed op carries the same bytes, and every output dtype decodes the whole group, and
+    # nothing else, to NaN.
     packed = ops.quantize_pack_int8(x)
     assert torch.equal(packed, torch.cat([codes.view(torch.uint8), scales.view(torch.uint8)]))
     for out_dtype in DTYPES:
-        out = ops.unpack_dequantize_int8(packed, dtype=out_dtype).view(3, 64)
-        assert out[1].isnan().all()
-        assert not out[[0, 2]].isnan().any()
-        expected = reference.dequantize_int8(codes, scales, 64, out_dtype).view(3, 64)
-        assert torch.equal(out[[0, 2]], expected[[0, 2]])
+        out = ops.unpack_dequantize_int8(packed, dtype=out_dtype)
+        assert out[64:128].isnan().all()
+        assert not out[:64].isnan().any() and not out[128:].isnan().any()
+        model.assert_decodes_to(out, *model.quantize(x, 64), 64)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -165,11 +190,12 @@ def test_all_nan_and_mixed_non_finite_groups(dtype):
     codes, scales = reference.quantize_int8(x, 64)
     assert _bits(scales)[:3].tolist() == [NAN_SCALE_BITS] * 3
     assert (codes[: 3 * 64] == 0).all()
-    assert torch.equal(codes[3 * 64 :], reference.quantize_int8(finite.to(dtype), 64)[0])
+    model.assert_quantizes_to(codes, scales, x, 64)
     packed = ops.quantize_pack_int8(x)
     for out_dtype in DTYPES:
         out = ops.unpack_dequantize_int8(packed, dtype=out_dtype)
         assert out[: 3 * 64].isnan().all() and not out[3 * 64 :].isnan().any()
+        model.assert_decodes_to(out, *model.quantize(x, 64), 64)
 
 
 def test_largest_finite_values_stay_finite():
@@ -195,16 +221,16 @@ def test_packed_nbytes(group_size):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_groups", [0, 1, 3, 50])
-def test_pack_unpack_matches_quantize_dequantize(dtype, num_groups):
+def test_pack_and_unpack_match_the_model(dtype, num_groups):
     x = _random(num_groups * 64, dtype, seed=num_groups)
-    codes, scales = reference.quantize_int8(x, 64)
+    codes, scales = model.quantize(x, 64)
     packed = ops.quantize_pack_int8(x)
     assert packed.dtype == torch.uint8 and packed.numel() == ops.packed_nbytes(x.numel())
-    assert torch.equal(packed, torch.cat([codes.view(torch.uint8), scales.view(torch.uint8)]))
+    assert (packed.numpy() == model.packed(codes, scales)).all()
     for out_dtype in DTYPES:
         out = torch.full((x.numel(),), float("nan"), dtype=out_dtype)
         assert ops.unpack_dequantize_int8(packed, out) is out
-        assert torch.equal(out, reference.dequantize_int8(codes, scales, 64, out_dtype))
+        model.assert_decodes_to(out, codes, scales, 64)
 
 
 def test_gather_like_slices_at_unaligned_offsets():
@@ -217,7 +243,7 @@ def test_gather_like_slices_at_unaligned_offsets():
     full = torch.empty(3 * shards[0].numel(), dtype=torch.bfloat16)
     for r, (shard, part) in enumerate(zip(shards, full.chunk(3))):
         ops.unpack_dequantize_int8(gathered[1 + r * nbytes : 1 + (r + 1) * nbytes], part)
-        assert torch.equal(part, reference.dequantize_int8(*reference.quantize_int8(shard, 64), 64, torch.bfloat16))
+        model.assert_decodes_to(part, *model.quantize(shard, 64), 64)
 
 
 def test_unpack_allocates_when_out_is_omitted():
@@ -304,13 +330,13 @@ def test_ops_are_registered_and_run_on_cpu():
     for name in _library.OP_NAMES:
         assert hasattr(torch.ops.zeroq, name)
     x = _random(192, torch.bfloat16)
-    codes, scales = reference.quantize_int8(x, 64)
+    codes, scales = model.quantize(x, 64)
     packed = torch.empty(ops.packed_nbytes(192), dtype=torch.uint8)
     assert torch.ops.zeroq.quantize_pack_int8(x, 64, packed) is None
-    assert torch.equal(packed, torch.cat([codes.view(torch.uint8), scales.view(torch.uint8)]))
+    assert (packed.numpy() == model.packed(codes, scales)).all()
     out = torch.empty(192, dtype=torch.float16)
     assert torch.ops.zeroq.unpack_dequantize_int8(packed, 64, out) is None
-    assert torch.equal(out, reference.dequantize_int8(codes, scales, 64, torch.float16))
+    model.assert_decodes_to(out, codes, scales, 64)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
