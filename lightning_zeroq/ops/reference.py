@@ -15,7 +15,10 @@ which is exact; their bytes are never reinterpreted):
 
 A group whose scale is 0 (all zeros, or an absmax so small that absmax / 127 underflows) divides by
 1 instead, so its codes are 0 and it decodes to zeros: no division by zero, no NaN. For finite
-inputs every element decodes to within ``scale / 2`` (plus float32 rounding) of its value.
+inputs every element decodes to within ``scale / 2`` of its value, plus float32 rounding: about
+1e-5 of a scale, and where the scale is subnormal or 0 (absmax below ``127 * 2**-126``, about
+1.5e-36) up to ``127 * 2**-150`` (about 9e-44) absolute, because rounding such a scale can make
+``absmax / scale`` exceed 127.5, and the clamp then shortens the largest values.
 
 Non-finite input propagates, group by group. A group holding any NaN, +inf or -inf gets
 
