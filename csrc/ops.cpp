@@ -11,13 +11,11 @@
 //   [0, n)                int8 codes
 //   [n, n + 4 * n / G)    fp32 scales, native byte order
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <string>
-#include <tuple>
 
 #include "quant_int8.h"
 
@@ -91,20 +89,6 @@ void check_launch(cudaError_t err) {
               std::string("zeroq: CUDA kernel launch failed: ") + cudaGetErrorString(err));
 }
 
-std::tuple<at::Tensor, at::Tensor> quantize_int8_cuda(const at::Tensor& x, int64_t group_size) {
-  check_group_size(group_size);
-  check_vector(x, "x", x);
-  const FloatKind kind = float_kind(x.scalar_type(), "x");
-  const int64_t n = x.numel();
-  check_multiple(n, group_size, "x");
-  const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor codes = at::empty({n}, x.options().dtype(at::kChar));
-  at::Tensor scales = at::empty({n / group_size}, x.options().dtype(at::kFloat));
-  check_launch(launch_quantize_int8(x.data_ptr(), kind, n, group_size, codes.data_ptr<int8_t>(),
-                                    scales.data_ptr(), c10::cuda::getCurrentCUDAStream()));
-  return {codes, scales};
-}
-
 void quantize_pack_int8_cuda(const at::Tensor& x, int64_t group_size, at::Tensor& out) {
   check_group_size(group_size);
   check_vector(x, "x", x);
@@ -123,27 +107,6 @@ void quantize_pack_int8_cuda(const at::Tensor& x, int64_t group_size, at::Tensor
   check_launch(launch_quantize_int8(x.data_ptr(), kind, n, group_size,
                                     reinterpret_cast<int8_t*>(bytes), bytes + n,
                                     c10::cuda::getCurrentCUDAStream()));
-}
-
-at::Tensor dequantize_int8_cuda(const at::Tensor& codes, const at::Tensor& scales,
-                                int64_t group_size, at::ScalarType dtype) {
-  check_group_size(group_size);
-  check_vector(codes, "codes", codes);
-  check_vector(scales, "scales", codes);
-  const FloatKind kind = float_kind(dtype, "dtype");
-  check_dtype(codes, at::kChar, "codes");
-  check_dtype(scales, at::kFloat, "scales");
-  const int64_t n = codes.numel();
-  check_multiple(n, group_size, "codes");
-  TORCH_CHECK_VALUE(scales.numel() == n / group_size,
-                    "zeroq: expected " + num(n / group_size) + " scales for " + num(n) +
-                        " codes with group_size " + num(group_size) + ", got " +
-                        num(scales.numel()));
-  const c10::cuda::CUDAGuard guard(codes.device());
-  at::Tensor out = at::empty({n}, codes.options().dtype(dtype));
-  check_launch(launch_dequantize_int8(codes.data_ptr<int8_t>(), scales.data_ptr(), n, group_size,
-                                      out.data_ptr(), kind, c10::cuda::getCurrentCUDAStream()));
-  return out;
 }
 
 void unpack_dequantize_int8_cuda(const at::Tensor& packed, int64_t group_size, at::Tensor& out) {
@@ -166,9 +129,7 @@ void unpack_dequantize_int8_cuda(const at::Tensor& packed, int64_t group_size, a
 }  // namespace
 
 TORCH_LIBRARY_IMPL(zeroq, CUDA, m) {
-  m.impl("quantize_int8", &quantize_int8_cuda);
   m.impl("quantize_pack_int8", &quantize_pack_int8_cuda);
-  m.impl("dequantize_int8", &dequantize_int8_cuda);
   m.impl("unpack_dequantize_int8", &unpack_dequantize_int8_cuda);
 }
 

@@ -7,7 +7,8 @@
 // n a multiple of the group size G (a positive multiple of 8), is cut into n / G groups of G
 // consecutive elements. Per group, scale = absmax / 127 in fp32; code = clamp(rint(x / scale),
 // -127, 127) with round-half-to-even and a true (IEEE) division; a group with scale 0 gets
-// codes 0. Decode is code * scale in fp32, then rounded to the output dtype.
+// codes 0; a group holding NaN or +-inf gets scale NaN (0x7fc00000) and codes 0. Decode is
+// code * scale in fp32, then rounded to the output dtype.
 #pragma once
 
 #include <cstdint>

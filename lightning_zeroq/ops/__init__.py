@@ -20,8 +20,6 @@ call with a CUDA tensor loads the kernels (see :mod:`lightning_zeroq.ops._load`)
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from lightning_zeroq.ops import _library  # noqa: F401  (importing it defines torch.ops.zeroq.*)
@@ -32,50 +30,20 @@ from lightning_zeroq.ops.reference import DEFAULT_GROUP_SIZE, numel_from_packed,
 __all__ = [
     "DEFAULT_GROUP_SIZE",
     "Backend",
-    "QuantizedInt8",
     "active_backend",
-    "dequantize_int8",
     "has_cuda_kernel",
     "load_cuda_backend",
     "numel_from_packed",
     "packed_nbytes",
-    "quantize_int8",
     "quantize_pack_int8",
     "unpack_dequantize_int8",
 ]
-
-
-class QuantizedInt8(NamedTuple):
-    """A quantized shard: ``codes`` int8 ``[n]`` and ``scales`` float32 ``[n / group_size]``."""
-
-    codes: torch.Tensor
-    scales: torch.Tensor
 
 
 def _prepare(t: torch.Tensor) -> None:
     # A global read is all this costs once resolved, so it also traces cleanly under dynamo.
     if t.is_cuda and _load.active_backend() is Backend.UNRESOLVED:
         _load.load_cuda_backend()
-
-
-def quantize_int8(x: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> QuantizedInt8:
-    """Quantizes a 1-D float32/bfloat16/float16 shard whose length is a multiple of ``group_size``."""
-    reference.check_quantize_args(x, group_size)
-    _prepare(x)
-    codes, scales = torch.ops.zeroq.quantize_int8.default(x, group_size)
-    return QuantizedInt8(codes, scales)
-
-
-def dequantize_int8(
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    dtype: torch.dtype = torch.float32,
-    group_size: int = DEFAULT_GROUP_SIZE,
-) -> torch.Tensor:
-    """Decodes ``codes`` / ``scales`` to a new 1-D tensor of ``dtype``."""
-    reference.check_dequantize_args(codes, scales, group_size, dtype)
-    _prepare(codes)
-    return torch.ops.zeroq.dequantize_int8.default(codes, scales, group_size, dtype)
 
 
 def quantize_pack_int8(

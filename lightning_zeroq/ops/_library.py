@@ -1,6 +1,6 @@
 """The ``zeroq::`` op schemas and their Python-side registrations.
 
-Importing this module (which ``lightning_zeroq.ops`` does) defines the four schemas and registers,
+Importing this module (which ``lightning_zeroq.ops`` does) defines the two schemas and registers,
 for each op, the reference implementation for ``CPU`` and a fake (meta) implementation, so the ops
 run on CPU and trace under ``torch.compile`` / FakeTensor. It touches no CUDA state.
 
@@ -13,16 +13,16 @@ one.
 
 Schemas (``Tensor(a!)`` marks the buffer an op writes in place; such ops return nothing):
 
-    quantize_int8(Tensor x, int group_size) -> (Tensor, Tensor)
-        x: 1-D float32/bfloat16/float16, numel a multiple of group_size.
-        Returns (codes int8 [n], scales float32 [n / group_size]).
     quantize_pack_int8(Tensor x, int group_size, Tensor(a!) out) -> ()
-        out: 1-D uint8 of exactly n + 4 * n / group_size bytes: [codes | scales].
-    dequantize_int8(Tensor codes, Tensor scales, int group_size, ScalarType dtype) -> Tensor
-        Returns float32(codes) * scale cast to dtype, shape [n].
+        x: 1-D float32/bfloat16/float16, numel a multiple of group_size; out: 1-D uint8 of
+        exactly n + 4 * n / group_size bytes: [codes | scales].
     unpack_dequantize_int8(Tensor packed, int group_size, Tensor(a!) out) -> ()
         packed: 1-D uint8 of (n / group_size) * (group_size + 4) bytes; out: 1-D
         float32/bfloat16/float16 of n elements (its dtype is the output dtype).
+
+The quantized gather needs nothing else: codes and scales travel in one buffer. (Ops returning
+codes and scales as two tensors existed and were dropped, having no user but their own tests; the
+reference keeps ``quantize_int8`` / ``dequantize_int8`` as the readable core of the format.)
 """
 
 from __future__ import annotations
@@ -37,11 +37,7 @@ __all__ = ["NAMESPACE", "OP_NAMES", "SCHEMAS", "cuda_key_has_kernels", "register
 NAMESPACE = "zeroq"
 
 SCHEMAS: dict[str, str] = {
-    "quantize_int8": "quantize_int8(Tensor x, int group_size) -> (Tensor, Tensor)",
     "quantize_pack_int8": "quantize_pack_int8(Tensor x, int group_size, Tensor(a!) out) -> ()",
-    "dequantize_int8": (
-        "dequantize_int8(Tensor codes, Tensor scales, int group_size, ScalarType dtype) -> Tensor"
-    ),
     "unpack_dequantize_int8": (
         "unpack_dequantize_int8(Tensor packed, int group_size, Tensor(a!) out) -> ()"
     ),
@@ -49,9 +45,7 @@ SCHEMAS: dict[str, str] = {
 OP_NAMES = tuple(SCHEMAS)
 
 _REFERENCE_IMPLS = {
-    "quantize_int8": reference.quantize_int8,
     "quantize_pack_int8": reference.quantize_pack_int8,
-    "dequantize_int8": reference.dequantize_int8,
     "unpack_dequantize_int8": reference.unpack_dequantize_int8,
 }
 
@@ -69,24 +63,9 @@ _cuda_fallback_lib: Library | None = None
 # ---- fake (meta) implementations: shapes, dtypes and the same argument checks -----------------
 
 
-@register_fake(f"{NAMESPACE}::quantize_int8", lib=_lib)
-def _quantize_int8_fake(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    reference.check_quantize_args(x, group_size)
-    n = x.numel()
-    return x.new_empty(n, dtype=torch.int8), x.new_empty(n // group_size, dtype=torch.float32)
-
-
 @register_fake(f"{NAMESPACE}::quantize_pack_int8", lib=_lib)
 def _quantize_pack_int8_fake(x: torch.Tensor, group_size: int, out: torch.Tensor) -> None:
     reference.check_pack_args(x, group_size, out)
-
-
-@register_fake(f"{NAMESPACE}::dequantize_int8", lib=_lib)
-def _dequantize_int8_fake(
-    codes: torch.Tensor, scales: torch.Tensor, group_size: int, dtype: torch.dtype
-) -> torch.Tensor:
-    reference.check_dequantize_args(codes, scales, group_size, dtype)
-    return codes.new_empty(codes.numel(), dtype=dtype)
 
 
 @register_fake(f"{NAMESPACE}::unpack_dequantize_int8", lib=_lib)

@@ -15,9 +15,21 @@ which is exact; their bytes are never reinterpreted):
 
 A group whose scale is 0 (all zeros, or an absmax so small that absmax / 127 underflows) divides by
 1 instead, so its codes are 0 and it decodes to zeros: no division by zero, no NaN. For finite
-inputs every element decodes to within ``scale / 2`` (plus float32 rounding) of its value. Inputs
-are expected to be finite: codes and scales of groups holding inf or NaN are unspecified (the
-kernels' max ignores NaN where ``torch.amax`` propagates it).
+inputs every element decodes to within ``scale / 2`` of its value, plus float32 rounding: about
+1e-5 of a scale, and where the scale is subnormal or 0 (absmax below ``127 * 2**-126``, about
+1.5e-36) up to ``127 * 2**-150`` (about 9e-44) absolute, because rounding such a scale can make
+``absmax / scale`` exceed 127.5, and the clamp then shortens the largest values.
+
+Non-finite input propagates, group by group. A group holding any NaN, +inf or -inf gets
+
+    scale = NaN, exactly the bits 0x7FC00000 (torch's ``float('nan')``)
+    code  = 0 for every element
+
+so every element of that group decodes to ``0 * NaN = NaN``, in every output dtype, and so does
+nothing else: the neighbouring groups are encoded as if it were not there. A NaN master weight thus
+stays visible in the working weights (and the loss) instead of turning into a finite value. The
+scale's bits are fixed so that packed buffers are the same bytes on every backend; the decoded
+NaNs' sign and payload are not part of the format (GPU arithmetic yields another NaN than x86).
 
 Why a true division and not a multiplication by ``1 / scale``: the reciprocal of a subnormal scale
 overflows to inf, and the division needs no special case. The kernels use ``__fdiv_rn``, the same
@@ -167,13 +179,22 @@ def check_unpack_args(packed: torch.Tensor, group_size: int, out: torch.Tensor) 
 
 
 def quantize_int8(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``(codes, scales)``: int8 ``[n]`` and float32 ``[n / group_size]``."""
+    """Returns ``(codes, scales)``: int8 ``[n]`` and float32 ``[n / group_size]``.
+
+    The core of the format, which :func:`quantize_pack_int8` lays out in one buffer (the packed
+    form is the only one registered as a ``zeroq::`` op).
+    """
     check_quantize_args(x, group_size)
     groups = x.to(torch.float32).view(-1, group_size)  # [num_groups, G]; exact upcast
-    absmax = groups.abs().amax(dim=1)  # [num_groups]
+    absmax = groups.abs().amax(dim=1)  # [num_groups]; NaN if the group holds a NaN, inf if an inf
+    finite = absmax.isfinite()
     scales = absmax / torch.full_like(absmax, QMAX)
+    scales = torch.where(finite, scales, torch.full_like(scales, float("nan")))
     divisors = torch.where(scales == 0, torch.ones_like(scales), scales)
-    codes = torch.round(groups / divisors[:, None]).clamp(-QMAX, QMAX).to(torch.int8)
+    quotients = groups / divisors[:, None]
+    # Non-finite groups are zeroed before the cast: converting NaN to int8 is undefined.
+    quotients = torch.where(finite[:, None], quotients, torch.zeros_like(quotients))
+    codes = torch.round(quotients).clamp(-QMAX, QMAX).to(torch.int8)
     return codes.view(-1), scales
 
 

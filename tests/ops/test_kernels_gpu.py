@@ -50,10 +50,22 @@ def _assert_bitwise(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert mismatches.numel() == 0, f"{mismatches.numel()} mismatches, first at {first}"
 
 
+def _quantize(x: torch.Tensor, group_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' codes and scales: views of the packed buffer [codes | scales]."""
+    packed = ops.quantize_pack_int8(x, group_size=group_size)
+    n = x.numel()
+    return packed[:n].view(torch.int8), packed[n:].view(torch.float32)
+
+
+def _dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, group_size: int = 64) -> torch.Tensor:
+    packed = torch.cat([codes.view(torch.uint8), scales.view(torch.uint8)])
+    return ops.unpack_dequantize_int8(packed, dtype=dtype, group_size=group_size)
+
+
 def _data(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     """Finite values of mixed magnitudes, rare outliers and a leading zero group, on the CPU.
 
-    Bounded so that float16 stays finite: codes of groups holding inf or NaN are unspecified.
+    Bounded so that float16 stays finite (non-finite input is _poisoned's business).
     """
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(numel, generator=gen)
@@ -80,7 +92,7 @@ def _ties(dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("num_groups", NUM_GROUPS)
 def test_quantize_matches_reference(dtype, num_groups):
     x = _data(num_groups * 64, dtype, seed=num_groups)
-    codes, scales = ops.quantize_int8(x.cuda())
+    codes, scales = _quantize(x.cuda())
     ref_codes, ref_scales = reference.quantize_int8(x, 64)
     _assert_bitwise(codes, ref_codes)
     _assert_bitwise(scales, ref_scales)
@@ -90,12 +102,12 @@ def test_quantize_matches_reference(dtype, num_groups):
 @pytest.mark.parametrize("group_size", GROUP_SIZES)
 def test_every_group_size_matches_reference(dtype, group_size):
     x = _data(group_size * 37, dtype, seed=group_size)
-    codes, scales = ops.quantize_int8(x.cuda(), group_size)
+    codes, scales = _quantize(x.cuda(), group_size)
     ref_codes, ref_scales = reference.quantize_int8(x, group_size)
     _assert_bitwise(codes, ref_codes)
     _assert_bitwise(scales, ref_scales)
     for out_dtype in DTYPES:
-        decoded = ops.dequantize_int8(codes, scales, out_dtype, group_size)
+        decoded = _dequantize(codes, scales, out_dtype, group_size)
         _assert_bitwise(decoded, reference.dequantize_int8(ref_codes, ref_scales, group_size, out_dtype))
 
 
@@ -106,11 +118,11 @@ def test_ties_clamp_and_subnormal_scales(dtype):
         tiny = 2.0**-149
         extra = torch.tensor([256.0, -256.0, 255.0, 2.0, 0, 0, 0, 0, 3.0, -1.0, 0, 0, 0, 0, 0, 0]) * tiny
         x = torch.cat([x, extra, torch.zeros(48)])
-    codes, scales = ops.quantize_int8(x.cuda())
+    codes, scales = _quantize(x.cuda())
     ref_codes, ref_scales = reference.quantize_int8(x, 64)
     _assert_bitwise(codes, ref_codes)
     _assert_bitwise(scales, ref_scales)
-    codes8, scales8 = ops.quantize_int8(x.cuda(), 8)
+    codes8, scales8 = _quantize(x.cuda(), 8)
     _assert_bitwise(codes8, reference.quantize_int8(x, 8)[0])
     _assert_bitwise(scales8, reference.quantize_int8(x, 8)[1])
 
@@ -141,7 +153,7 @@ def _near_ties(num_groups: int, seed: int) -> torch.Tensor:
 
 def test_near_ties_match_the_exact_division():
     x = _near_ties(4096, seed=3)
-    codes, scales = ops.quantize_int8(x.cuda())
+    codes, scales = _quantize(x.cuda())
     ref_codes, ref_scales = reference.quantize_int8(x, 64)
     _assert_bitwise(scales, ref_scales)
     _assert_bitwise(codes, ref_codes)
@@ -164,6 +176,87 @@ def test_pack_and_unpack_match_reference(dtype, num_groups):
         ref_out = torch.empty(x.numel(), dtype=out_dtype)
         reference.unpack_dequantize_int8(ref_packed, 64, ref_out)
         _assert_bitwise(out, ref_out)
+
+
+def _assert_same_decode(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """NaN exactly where the reference has NaN, and the same bits everywhere else.
+
+    A NaN's sign and payload are not part of the format (GPU arithmetic makes 0x7fffffff where
+    x86 keeps the operand's NaN), so only NaN positions are compared there.
+    """
+    actual, expected = actual.cpu(), expected.cpu()
+    nan = expected.isnan()
+    mismatched = (actual.isnan() != nan).nonzero().flatten()
+    assert mismatched.numel() == 0, f"NaN at other positions, first {mismatched[:5].tolist()}"
+    _assert_bitwise(actual[~nan], expected[~nan])
+
+
+def _poisoned(numel: int, group_size: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """_data with non-finite values planted: one NaN, -NaN, +inf or -inf in about one group in
+    three (at a random position), one all-NaN group and one group mixing them; other groups finite."""
+    x = _data(numel, torch.float32, seed).view(-1, group_size)
+    gen = torch.Generator().manual_seed(seed + 1)
+    num_groups = x.shape[0]
+    bad = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf")])
+    for g in range(0, num_groups, 3):
+        x[g, torch.randint(group_size, (1,), generator=gen)] = bad[g % 4]
+    if num_groups > 4:
+        x[1] = float("nan")
+        x[4, :4] = bad
+    return x.flatten().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group_size", GROUP_SIZES)
+def test_non_finite_groups_match_reference(dtype, group_size):
+    """Every kernel path (one chunk per lane, several, every team size) propagates NaN and inf as
+    the reference does: scale NaN (0x7fc00000), codes 0, the whole group decodes to NaN."""
+    x = _poisoned(group_size * 37, group_size, dtype, seed=group_size)
+    packed = ops.quantize_pack_int8(x.cuda(), group_size=group_size)
+    ref_packed = torch.empty(ops.packed_nbytes(x.numel(), group_size), dtype=torch.uint8)
+    reference.quantize_pack_int8(x, group_size, ref_packed)
+    _assert_bitwise(packed, ref_packed)
+    n = x.numel()
+    non_finite = ~x.float().view(-1, group_size).isfinite().all(dim=1)
+    assert non_finite.sum() >= 13  # the test reaches what it is for
+    assert (ref_packed[n:].view(torch.int32)[non_finite] == 0x7FC00000).all()
+    for out_dtype in DTYPES:
+        out = torch.zeros(n, dtype=out_dtype, device="cuda")
+        ops.unpack_dequantize_int8(packed, out, group_size=group_size)
+        ref_out = torch.empty(n, dtype=out_dtype)
+        reference.unpack_dequantize_int8(ref_packed, group_size, ref_out)
+        assert torch.equal(ref_out.view(-1, group_size).isnan().all(dim=1), non_finite)
+        _assert_same_decode(out, ref_out)
+
+
+@pytest.mark.parametrize("offset", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_non_finite_groups_on_the_unaligned_path(offset, dtype):
+    n = 64 * 301
+    x = _poisoned(n, 64, dtype, seed=offset)
+    x_buf = torch.zeros(n + 8, dtype=dtype, device="cuda")
+    x_cuda = x_buf[offset : offset + n]
+    x_cuda.copy_(x)
+    nbytes = ops.packed_nbytes(n)
+    packed = torch.zeros(nbytes + 8, dtype=torch.uint8, device="cuda")[offset : offset + nbytes]
+    ops.quantize_pack_int8(x_cuda, packed)
+    ref_packed = torch.empty(nbytes, dtype=torch.uint8)
+    reference.quantize_pack_int8(x, 64, ref_packed)
+    _assert_bitwise(packed, ref_packed)
+    for out_dtype in DTYPES:
+        out = torch.zeros(n + 8, dtype=out_dtype, device="cuda")[offset : offset + n]
+        ops.unpack_dequantize_int8(packed, out)
+        ref_out = torch.empty(n, dtype=out_dtype)
+        reference.unpack_dequantize_int8(ref_packed, 64, ref_out)
+        _assert_same_decode(out, ref_out)
+
+
+def test_reference_on_cuda_propagates_non_finite_like_on_cpu():
+    x = _poisoned(64 * 100, 64, torch.bfloat16, seed=9)
+    codes, scales = reference.quantize_int8(x.cuda(), 64)
+    ref_codes, ref_scales = reference.quantize_int8(x, 64)
+    _assert_bitwise(codes, ref_codes)
+    _assert_bitwise(scales, ref_scales)
 
 
 @pytest.mark.parametrize("offset", [1, 2, 4, 8])
@@ -229,10 +322,13 @@ def test_runs_on_the_current_stream_and_device():
 
 def test_errors_on_cuda_are_value_errors():
     x = torch.zeros(100, device="cuda")
+    packed = torch.empty(136, dtype=torch.uint8, device="cuda")
     with pytest.raises(ValueError, match="not a multiple of group_size 64"):
-        torch.ops.zeroq.quantize_int8(x, 64)
+        torch.ops.zeroq.quantize_pack_int8(x, 64, packed)
     with pytest.raises(ValueError, match="got 12"):
-        torch.ops.zeroq.quantize_int8(torch.zeros(96, device="cuda"), 12)
+        torch.ops.zeroq.quantize_pack_int8(torch.zeros(96, device="cuda"), 12, packed)
+    with pytest.raises(ValueError, match="decodes to 128 elements, but out has 100"):
+        torch.ops.zeroq.unpack_dequantize_int8(packed, 64, x)
     with pytest.raises(ValueError, match="136"):
         torch.ops.zeroq.quantize_pack_int8(
             torch.zeros(128, device="cuda"), 64, torch.empty(135, dtype=torch.uint8, device="cuda")
@@ -243,12 +339,9 @@ def test_errors_on_cuda_are_value_errors():
 @pytest.mark.parametrize("num_groups", [0, 3, 1000])
 def test_opcheck_on_cuda(dtype, num_groups):
     x = _data(num_groups * 64, dtype, seed=5).cuda()
-    codes, scales = ops.quantize_int8(x)
     packed = ops.quantize_pack_int8(x)
     cases = [
-        (torch.ops.zeroq.quantize_int8.default, (x, 64)),
         (torch.ops.zeroq.quantize_pack_int8.default, (x, 64, torch.empty_like(packed))),
-        (torch.ops.zeroq.dequantize_int8.default, (codes, scales, 64, dtype)),
         (torch.ops.zeroq.unpack_dequantize_int8.default, (packed, 64, torch.empty_like(x))),
     ]
     for op, args in cases:
