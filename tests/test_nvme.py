@@ -21,12 +21,14 @@ import torch
 from lightning_zeroq.swap import nvme
 from lightning_zeroq.swap.nvme import NvmeSwapper, SwapHandle, aligned_empty
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.uint8]  # uint8: stage 3's INT8 payloads
 SMALL_BUFFER = 64 * 1024  # several chunks per region, so chunking and queueing are exercised
 
 
 def _random(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
+    if dtype == torch.uint8:
+        return torch.randint(0, 256, (numel,), generator=generator, dtype=torch.uint8)
     return torch.randn(numel, generator=generator).to(dtype)
 
 

@@ -140,7 +140,7 @@ __all__ = ["NvmeSwapper", "SwapHandle", "aligned_empty", "free_bytes"]
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16, torch.uint8)
 DEFAULT_BUFFER_BYTES = 32 * 1024 * 1024
 _ASYNC_OP_THREADS = 2
 _THREAD_PREFIX = "zeroq-nvme-"
