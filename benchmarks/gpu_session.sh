@@ -58,5 +58,24 @@ case ${1:-tests} in
     LAUNCH_TIMEOUT=100 LINKS=shm ARMS=zeroq2,zeroq2+int8,zeroq3,zeroq3+int8 \
       bash benchmarks/run_step_time.sh | tee "$out/step_time_shm.jsonl"
     ;;
-  *) echo "usage: $0 tests|bench|recheck|links" >&2; exit 2 ;;
+  split)  # session 3: GPU tests and kernels after the engine split; step time before/after the split
+    build
+    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_gpu.py tests/ops/test_kernels_gpu.py -s \
+      > "$out/gpu_tests.log" 2>&1
+    grep -E "worst|deviation|passed|failed|FAILED|Error" "$out/gpu_tests.log" | tail -30
+    timeout 60 python3 -m benchmarks.quant_kernels --numel 268435456 > "$out/quant_kernels.txt" 2>&1; tail -8 "$out/quant_kernels.txt"
+    # The engine before the split (commit 2c428da, exported to .bench_old/ and carried) and after, alternating.
+    for i in 1 2; do
+      LAUNCH_TIMEOUT=100 LINKS=nvlink ARMS=zeroq2,zeroq3 bash .bench_old/benchmarks/run_step_time.sh \
+        | sed 's/^{/{"code": "before-split", /' | tee -a "$out/step_time_split.jsonl"
+      LAUNCH_TIMEOUT=100 LINKS=nvlink ARMS=zeroq2,zeroq3 bash benchmarks/run_step_time.sh \
+        | sed 's/^{/{"code": "after-split", /' | tee -a "$out/step_time_split.jsonl"
+    done
+    ;;
+  int8_params)  # INT8 payloads resting with parameters offloaded to the CPU, against the same run without
+    export OMP_NUM_THREADS=$(( $(nproc) / 2 ))
+    LAUNCH_TIMEOUT=200 LINKS=nvlink ARMS=zeroq3+int8,zeroq3+int8+offload_optimizer,zeroq3+int8+offload_params \
+      bash benchmarks/run_step_time.sh | tee "$out/step_time_int8_params.jsonl"
+    ;;
+  *) echo "usage: $0 tests|bench|recheck|links|split|int8_params" >&2; exit 2 ;;
 esac
