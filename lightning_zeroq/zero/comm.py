@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -76,3 +77,29 @@ def is_distributed() -> bool:
 
 def side_stream(device: torch.device) -> Optional["torch.cuda.Stream"]:
     return torch.cuda.Stream(device=device) if device.type == "cuda" else None
+
+
+class SideStream:
+    """A CUDA stream that runs collectives beside the compute stream (``enabled`` and on CUDA); on
+    CPU, or disabled, every call is a no-op and the work runs in order on the caller's stream."""
+
+    def __init__(self, device: torch.device, enabled: bool) -> None:
+        self.device = device
+        self.stream = side_stream(device) if enabled else None
+
+    def context(self) -> contextlib.AbstractContextManager:
+        """Enter the side stream, after everything the compute stream issued so far."""
+        if self.stream is None:
+            return contextlib.nullcontext()
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self.stream)
+
+    def keep_alive(self, tensor: Tensor) -> None:
+        """``tensor`` is read on the side stream: the allocator must not reuse it before that is done."""
+        if self.stream is not None:
+            tensor.record_stream(self.stream)
+
+    def join(self) -> None:
+        """The compute stream waits for everything issued on the side stream so far."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)

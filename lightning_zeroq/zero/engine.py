@@ -270,16 +270,13 @@ class ZeroEngine:
         optimizer state and remove the swap files (the strategy's teardown). A later
         ``attach_optimizer`` swaps the optimizer state out again; parameters stay in host memory."""
         self.placement.release(self.units, self.optimizer)
-        if self.gatherer.store is not None:
-            self.gatherer.store = self.gatherer.store.released(self.units)
+        self.gatherer.release(self.units)
 
     def close(self) -> None:
+        """Remove every hook and swap file; the module keeps its current (working) parameters."""
         self.reducer.close()
-        if self.stage3 is not None:
-            self.stage3.close()
         self.placement.close()
-        if self.gatherer.store is not None:
-            self.gatherer.store.close()
+        self.gatherer.close()
 
 
 def _target_device(module: nn.Module, device: Optional[torch.device]) -> torch.device:

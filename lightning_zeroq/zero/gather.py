@@ -83,6 +83,15 @@ class Gatherer:
             self.wire.gather(unit, self.store.get(unit))
             unit.state = UnitState.GATHERED
 
+    def release(self, units: list[Unit]) -> None:
+        """Teardown: a store on NVMe moves to host memory (see ``ShardStore.released``)."""
+        if self.store is not None:
+            self.store = self.store.released(units)
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+
     def free(self, unit: Unit) -> None:
         """Release a transient unit's full buffer (its parameters keep their shapes)."""
         if unit.persistent or unit.state is UnitState.SHARDED:

@@ -30,7 +30,6 @@ compute stream waits for the side stream in ``finalize`` and ``clear``.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 from typing import NamedTuple, Optional, Protocol, Sequence
 
@@ -61,9 +60,24 @@ class Agreement(NamedTuple):
 
 
 class ReduceListener(Protocol):
+    """Told about the window's progress (stage 3 frees units on it)."""
+
     def unit_reduced(self, unit: Unit) -> None: ...
 
     def backward_ended(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _NoListener:
+    def unit_reduced(self, unit: Unit) -> None:
+        pass
+
+    def backward_ended(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class Reducer:
@@ -80,7 +94,8 @@ class Reducer:
         overlap_comm: bool,
         listener: Optional[ReduceListener] = None,
     ) -> None:
-        self.units, self.placement, self.listener = units, placement, listener
+        self.units, self.placement = units, placement
+        self.listener: ReduceListener = listener if listener is not None else _NoListener()
         self.reduce_every_backward, self.managed = reduce_every_backward, managed
         self.param_dtype, self.group, self.device = param_dtype, group, device
         self.rank, self.world_size = comm.world(group)
@@ -89,7 +104,7 @@ class Reducer:
         self.agreement: Optional[Agreement] = None
         self._where = {id(p): (u, i) for u in units for i, p in enumerate(u.params)}
         self._order = list(reversed(units))
-        self._stream = comm.side_stream(device) if overlap_comm else None
+        self._stream = comm.SideStream(device, enabled=overlap_comm)
         self._hooks = [p.register_post_accumulate_grad_hook(WeakHook(self, "_on_grad_ready")) for u in units
                        for p in u.params]
         self._used: set[int] = set()
@@ -151,27 +166,19 @@ class Reducer:
                 self._reduce(unit, self._boundary)
             self._next = len(self._order)
             self._local = False
-        if self.listener is not None:
-            self.listener.backward_ended()
+        self.listener.backward_ended()
         self.window = Window.ACCUMULATED
-
-    def _comm_context(self) -> contextlib.AbstractContextManager:
-        if self._stream is None:
-            return contextlib.nullcontext()
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        return torch.cuda.stream(self._stream)
 
     @torch.no_grad()
     def _reduce(self, unit: Unit, boundary: bool) -> None:
         """Reduce-scatter the unit's local gradients into its fp32 gradient shard."""
         layout = unit.layout
-        with self._comm_context():
+        with self._stream.context():
             flat_grad = torch.zeros(layout.padded_numel, dtype=self.param_dtype, device=self.device)
             for p, slot in zip(unit.params, layout.slots):
                 if p.grad is not None:
                     flat_grad[slot.span].copy_(p.grad.reshape(-1))
-                    if self._stream is not None:
-                        p.grad.record_stream(self._stream)
+                    self._stream.keep_alive(p.grad)
                     p.grad = None
             if self.world_size > 1:
                 flat_grad.div_(self.world_size)
@@ -181,15 +188,13 @@ class Reducer:
                 shard = flat_grad
             unit.grad.add_(shard)
             self.placement.grad_reduced(unit, boundary)
-        if self.listener is not None:
-            self.listener.unit_reduced(unit)
+        self.listener.unit_reduced(unit)
 
     # ------------------------------------------------------------------ the window
 
     def wait(self) -> None:
         """The compute stream waits for the reductions issued so far."""
-        if self._stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        self._stream.join()
 
     def finalize(self, check_overflow: bool) -> Agreement:
         """Complete this window's gradient shards and agree on them with every rank (idempotent)."""
@@ -234,3 +239,4 @@ class Reducer:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        self.listener.close()
