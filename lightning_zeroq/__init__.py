@@ -4,6 +4,8 @@
 Lightning. Importing initializes no CUDA and compiles nothing.
 """
 
+import logging
+
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zeroq.config import ZeroConfig
@@ -13,6 +15,14 @@ from lightning_zeroq.zero.engine import ZeroEngine
 from lightning_zeroq.zero.optimizers import register_elementwise_optimizer
 
 ZeroQStrategy.register_strategies(StrategyRegistry)
+
+# Step skips (fp16 overflow) and similar events are logged at INFO, as Lightning logs its own: to the
+# console unless the application configured logging itself.
+_logger = logging.getLogger(__name__)
+if not logging.getLogger().hasHandlers():
+    _logger.setLevel(logging.INFO)
+    _logger.addHandler(logging.StreamHandler())
+    _logger.propagate = False
 
 __all__ = ["ZeroConfig", "ZeroEngine", "ZeroQPrecision", "ZeroQStrategy", "register_elementwise_optimizer"]
 __version__ = "0.1.0"

@@ -16,9 +16,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lightning_zeroq.validation import check_bool, check_int
+from lightning_zeroq.validation import check_bool, check_choice, check_int
 
 OFFLOAD_DEVICES = ("cpu", "nvme")
+NONFINITE_ACTIONS = ("error", "skip")
 
 
 @dataclass(kw_only=True)
@@ -84,6 +85,11 @@ class ZeroConfig:
     stage3_prefetch: bool = True
     """Stage 3: gather the next unit of the recorded order while the current one computes."""
 
+    nonfinite_gradients: str = "error"
+    """What a step does when some rank's gradients hold inf or NaN (outside fp16 loss scaling, which
+    skips such steps and lowers the scale): ``"error"`` stops training with an error naming the step,
+    the ranks and the parameters; ``"skip"`` skips the step on every rank and says so in the log."""
+
     loss_scale: float = 0.0
     """fp16 (``16-mixed``) only: 0 for dynamic loss scaling, a positive value for a fixed scale."""
 
@@ -105,6 +111,7 @@ class ZeroConfig:
         for name in ("overlap_comm", "managed_gradient_accumulation", "offload_optimizer",
                      "offload_parameters", "quantized_weights"):
             check_bool("ZeroConfig", name, getattr(self, name))
+        check_choice("ZeroConfig", "nonfinite_gradients", self.nonfinite_gradients, NONFINITE_ACTIONS)
         if not isinstance(self.loss_scale, (int, float)) or self.loss_scale < 0:
             raise ValueError(
                 f"ZeroConfig.loss_scale={self.loss_scale!r} must be 0 (dynamic) or a positive fixed scale."

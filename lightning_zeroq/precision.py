@@ -111,9 +111,9 @@ class ZeroQPrecision(Precision):
     ) -> Any:
         engine = self._require_engine()
         closure_result = closure()
-        if closure_result is None and model.automatic_optimization:
-            # training_step returned None: no backward ran, so there is nothing to step (as with AMP).
-            engine.zero_grad()
+        if closure_result is None and model.automatic_optimization and not engine.has_gradients:
+            # training_step returned None on every micro-batch of the window: nothing to step. If earlier
+            # micro-batches ran backward, step with what they accumulated, as DDP does.
             return closure_result
         self._after_closure(model, optimizer)
         engine.step()

@@ -23,6 +23,7 @@ One optimizer step:
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from typing import Optional
@@ -38,9 +39,9 @@ from lightning_zeroq.zero.layout import ALIGN, Segment
 from lightning_zeroq.zero.loss_scaler import loss_scaler_from_config
 from lightning_zeroq.zero.materialize import sync_replicated_state
 from lightning_zeroq.zero.offload import optimizer_placement, shard_store
-from lightning_zeroq.zero.optimizers import bind_to_shards
+from lightning_zeroq.zero.optimizers import OneStep, ZeroGradThrough, bind_to_shards
 from lightning_zeroq.zero.plan import plan
-from lightning_zeroq.zero.reducer import Reducer, Window
+from lightning_zeroq.zero.reducer import Agreement, Reducer, Window
 from lightning_zeroq.zero.stage3 import Stage3Coordinator
 from lightning_zeroq.zero.unit import build_units, plan_layouts, trainable_parameters
 from lightning_zeroq.zero.wire import FullWidth, Int8, Wire
@@ -78,6 +79,7 @@ class ZeroEngine:
         self.device = _target_device(module, device)
         sync_replicated_state(module, self.device, group)
 
+        self._param_names = {id(p): name for name, p in module.named_parameters()}
         specs = plan(module, trainable_parameters(module), config)
         align = math.lcm(ALIGN, config.quantized_weights_group_size) if config.quantized_weights else ALIGN
         layouts = plan_layouts(specs, self.world_size, align)
@@ -106,6 +108,11 @@ class ZeroEngine:
         )
         self._optimized: dict[int, list[tuple[Tensor, Segment]]] = {}
         self._grad_multiplier = 1.0
+        self._skip = False
+        self.steps = 0
+        """Optimizer steps attempted (skipped ones included)."""
+        self.skipped_steps = 0
+        """Steps skipped for fp16 overflow or (``nonfinite_gradients="skip"``) non-finite gradients."""
 
     def _wire(self, layouts) -> Wire:
         if not self.config.quantized_weights:
@@ -133,6 +140,7 @@ class ZeroEngine:
         """
         self._optimized = bind_to_shards(optimizer, self.module, self.units, first_time=self.optimizer is None)
         self.optimizer = optimizer
+        optimizer.zero_grad = ZeroGradThrough(optimizer, self)  # type: ignore[method-assign]
         self.placement.attach(self.units, optimizer)
 
     # ------------------------------------------------------------------ backward
@@ -159,16 +167,44 @@ class ZeroEngine:
     # ------------------------------------------------------------------ step
 
     def finalize_gradients(self) -> bool:
-        """Complete this window's gradient shards. Returns True if fp16 overflowed (skip the step).
+        """Complete this window's gradient shards. Returns True if the step must be skipped: fp16
+        overflow (the loss scale backs off), or non-finite gradients with ``nonfinite_gradients="skip"``.
+        Non-finite gradients otherwise raise ``RuntimeError`` on every rank.
 
         Unscaling and clipping are not applied here but folded into one multiplier, applied once to
         the gradients the optimizer reads (on the host with offload) right before the step.
         """
         if self.reducer.window is Window.FINALIZED:
-            return self.reducer.agreement.overflow
-        agreement = self.reducer.finalize(check_overflow=self.loss_scaler is not None)
+            return self._skip
+        agreement = self.reducer.finalize()
+        self._skip = not agreement.finite and self._skip_nonfinite(agreement)
         self._grad_multiplier = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        return agreement.overflow
+        return self._skip
+
+    def _skip_nonfinite(self, agreement: Agreement) -> bool:
+        scaler = self.loss_scaler
+        where = f"on rank(s) {agreement.nonfinite_ranks}, in the gradients of {self._names_of(agreement.nonfinite_units)}"
+        if scaler is not None and (not scaler.dynamic or scaler.scale > scaler.min_scale):
+            _log(self.rank, f"fp16 overflow in step {self.steps + 1} {where}: step skipped, loss scale "
+                            f"{scaler.scale:g} -> {scaler.next_scale(overflow=True):g}")
+            return True
+        if self.config.nonfinite_gradients == "skip":
+            _log(self.rank, f"non-finite gradients in step {self.steps + 1} {where}: step skipped "
+                            "(nonfinite_gradients='skip')", logging.WARNING)
+            return True
+        self.reducer.clear()  # the model is untouched and the engine usable (a caller may go on)
+        raise RuntimeError(
+            f"ZeroQ: non-finite gradients (inf or NaN) in optimizer step {self.steps + 1} {where}"
+            + (f", at the minimum loss scale {scaler.scale:g}" if scaler is not None else "")
+            + ". Stepping would write them into the model. Find their source with "
+            "torch.autograd.set_detect_anomaly(True) (Trainer(detect_anomaly=True)), lower the learning rate or "
+            "clip gradients; or pass nonfinite_gradients='skip' to skip such steps."
+        )
+
+    def _names_of(self, unit_indices: list[int], most: int = 4) -> str:
+        names = [self._param_names.get(id(p), "?") for i in unit_indices for p in self.units[i].params]
+        more = f" and {len(names) - most} more" if len(names) > most else ""
+        return ", ".join(names[:most]) + more
 
     def _apply_grad_multiplier(self) -> None:
         if self._grad_multiplier != 1.0:
@@ -196,29 +232,37 @@ class ZeroEngine:
             for unit in self.units:
                 self.placement.step_grad(unit).clamp_(-clip_value, clip_value)
 
+    @property
+    def has_gradients(self) -> bool:
+        """Some backward ran since the last step (or ``zero_grad``)."""
+        return self.reducer.window is not Window.EMPTY
+
     def step(self) -> bool:
         """Apply one optimizer update from this window's gradients. Returns False if it was skipped."""
         if self.optimizer is None:
             raise RuntimeError("ZeroEngine.step() needs an optimizer: call attach_optimizer() first.")
-        overflow = self.finalize_gradients()
-        if not overflow:
+        skip = self.finalize_gradients()
+        if not skip:
             self._apply_grad_multiplier()
             used = self.reducer.agreement.used.tolist()
-            for units in self.placement.step_batches(self.units):
-                for unit in units:
-                    grad = self.placement.step_grad(unit)
-                    for view, seg in self._optimized[unit.index]:
-                        if used[unit.param_id(seg.param)]:
-                            view.grad = grad[seg.shard_span]
-                self.optimizer.step()
-                for unit in units:
-                    for view, _ in self._optimized[unit.index]:
-                        view.grad = None
-                    self.gatherer.publish(unit)
+            with OneStep(self.optimizer) as one_step:
+                for units in self.placement.step_batches(self.units):
+                    for unit in units:
+                        grad = self.placement.step_grad(unit)
+                        for view, seg in self._optimized[unit.index]:
+                            if used[unit.param_id(seg.param)]:
+                                view.grad = grad[seg.shard_span]
+                    one_step.step()
+                    for unit in units:
+                        for view, _ in self._optimized[unit.index]:
+                            view.grad = None
+                        self.gatherer.publish(unit)
         if self.loss_scaler is not None:
-            self.loss_scaler.update(overflow)
+            self.loss_scaler.update(skip)
+        self.steps += 1
+        self.skipped_steps += int(skip)
         self.reducer.clear()
-        return not overflow
+        return not skip
 
     def zero_grad(self) -> None:
         """Drop this window's gradients without stepping."""
@@ -277,6 +321,11 @@ class ZeroEngine:
         self.reducer.close()
         self.placement.close()
         self.gatherer.close()
+
+
+def _log(rank: int, message: str, level: int = logging.INFO) -> None:
+    if rank == 0:
+        logging.getLogger("lightning_zeroq").log(level, message)
 
 
 def _target_device(module: nn.Module, device: Optional[torch.device]) -> torch.device:

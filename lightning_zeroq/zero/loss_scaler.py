@@ -22,6 +22,15 @@ class DynamicLossScaler:
     skipped_steps: int = 0
     dynamic: bool = True
 
+    def next_scale(self, overflow: bool) -> float:
+        """The scale ``update(overflow)`` would set (for the log)."""
+        if not self.dynamic:
+            return self.scale
+        if overflow:
+            return max(self.scale * self.backoff_factor, self.min_scale)
+        grows = (self.good_steps + 1) % self.growth_interval == 0
+        return self.scale * self.growth_factor if grows else self.scale
+
     def update(self, found_inf: bool) -> None:
         if not self.dynamic:
             self.skipped_steps += int(found_inf)

@@ -7,10 +7,14 @@ same result as on whole tensors.
 
 from __future__ import annotations
 
-from typing import Sequence
+import copy
+import weakref
+from collections import OrderedDict
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from lightning_zeroq.zero.layout import Segment
 from lightning_zeroq.zero.unit import Unit
@@ -97,3 +101,70 @@ def bind_to_shards(
         group["params"] = views
     optimizer.state.clear()
     return optimized
+
+
+class OneStep:
+    """Steps an optimizer over several batches of its parameters (one unit at a time, with offload) as
+    one step, as its hooks and per-group state see it: step hooks (the optimizer's and the global
+    ones) run once, and every batch starts from the param groups' values of before the step, so a
+    per-group counter (bias correction, schedules kept in the group) advances once per step.
+    Per-parameter state is per segment, so each segment is stepped exactly once anyway."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self._before: Optional[list[dict]] = None
+
+    def __enter__(self) -> "OneStep":
+        opt = self.optimizer
+        for hook in [*_global_optimizer_pre_hooks.values(), *opt._optimizer_step_pre_hooks.values()]:
+            hook(opt, (), {})
+        self._saved = (opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks)
+        opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
+        self._global = (dict(_global_optimizer_pre_hooks), dict(_global_optimizer_post_hooks))
+        _global_optimizer_pre_hooks.clear()
+        _global_optimizer_post_hooks.clear()
+        self._before = None
+        return self
+
+    def step(self) -> None:
+        groups = self.optimizer.param_groups
+        if self._before is None:
+            self._before = [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in groups]
+        else:
+            for group, before in zip(groups, self._before):
+                group.update(copy.deepcopy(before))
+        self.optimizer.step()
+
+    def __exit__(self, *exc: object) -> None:
+        opt = self.optimizer
+        opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks = self._saved
+        _global_optimizer_pre_hooks.update(self._global[0])
+        _global_optimizer_post_hooks.update(self._global[1])
+        if exc[0] is None:
+            for hook in [*opt._optimizer_step_post_hooks.values(), *_global_optimizer_post_hooks.values()]:
+                hook(opt, (), {})
+
+
+class ZeroGradThrough:
+    """Installed as ``optimizer.zero_grad``: the window's gradients live in the engine's shards, so the
+    user's ``zero_grad()`` (manual optimization: backward, ``zero_grad()``, backward, step) must drop
+    them there too, as it drops ``p.grad`` with DDP. Holds the engine weakly; pickles as the plain
+    method."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: object) -> None:
+        self._optimizer = weakref.ref(optimizer)
+        self._engine = weakref.ref(engine)
+
+    def __call__(self, set_to_none: bool = True) -> None:
+        engine, optimizer = self._engine(), self._optimizer()
+        if engine is not None:
+            engine.zero_grad()
+        if optimizer is not None:
+            type(optimizer).zero_grad(optimizer, set_to_none)
+
+    def __reduce__(self) -> tuple:
+        return (_plain_zero_grad, (self._optimizer(),))
+
+
+def _plain_zero_grad(optimizer: torch.optim.Optimizer) -> object:
+    return type(optimizer).zero_grad.__get__(optimizer)

@@ -12,11 +12,21 @@ States of the window (``Window``):
   are reduce-scattered as soon as all their parameters have their gradient, in a fixed order
   (reverse unit order) so every rank issues the same collectives; units still waiting when the
   backward ends (unused parameters) are flushed then, with zeros for the missing gradients.
-- ACCUMULATED: at least one backward ended. Stage 1 may still hold *local* gradients (in ``p.grad``)
-  that no backward reduced.
+- ACCUMULATED: at least one backward ended. Stage 1 may still hold *local* gradients that no
+  backward reduced: in ``p.grad`` for fp32 working weights, else summed in an fp32 buffer per unit
+  (bf16/fp16 ``p.grad`` would lose precision over many micro-batches; the buffer costs 4 bytes per
+  parameter, DDP's cost, only in stage 1 and only once a backward accumulates locally).
 - FINALIZED: ``finalize`` reduced what was local, waited for the reduction stream, and agreed with
-  every rank in one MAX all-reduce on which parameters any rank used and on fp16 overflow. Only
+  every rank in one MAX all-reduce on which parameters any rank used, which units got gradients
+  after their reduction (below), and which ranks and units hold non-finite gradients. Only
   clipping, the step or ``clear`` may follow; another backward is an error.
+
+Late gradients. A parameter's hook can fire again after its unit was reduced in the same backward
+(reentrant activation checkpointing runs a nested backward per checkpointed call, so a block applied
+twice, or a parameter used inside and outside a checkpointed region, accumulates more than once).
+Such a unit is marked *dirty* and its late gradients wait in ``p.grad``; ``finalize`` agrees on the
+dirty units with every rank (in the same all-reduce) and reduces them again, so nothing is lost and
+every rank issues the same collectives.
 
 Reduction of one unit: copy the parameters' gradients into a flat working-dtype buffer, divide by
 the world size (before summing, so fp16/bf16 sums cannot overflow; SUM because AVG is NCCL-only),
@@ -55,8 +65,14 @@ class Agreement(NamedTuple):
 
     used: Tensor
     """Per parameter id: did any rank give it a gradient in this window (bool, on the device)."""
-    overflow: bool
-    """fp16 only: some rank's gradients hold inf/NaN; the step is skipped everywhere."""
+    nonfinite_ranks: list[int]
+    """Ranks that contributed inf or NaN to a reduction (where the values came from)."""
+    nonfinite_units: list[int]
+    """Units whose reduced gradient shard holds inf or NaN on some rank (empty: all finite)."""
+
+    @property
+    def finite(self) -> bool:
+        return not self.nonfinite_units
 
 
 class ReduceListener(Protocol):
@@ -109,11 +125,18 @@ class Reducer:
                        for p in u.params]
         self._used: set[int] = set()
         self._local = False
-        """Stage 1: some backward left its gradients in ``p.grad`` without reducing them."""
+        """Stage 1: some backward left its gradients local (``p.grad`` or ``_accum``) without reducing them."""
+        self._accum: dict[int, Tensor] = {}
+        """Stage 1 with bf16/fp16 working weights: per unit, the fp32 sum of the local gradients."""
+        self._dirty: set[int] = set()
+        """Units that got gradients after their reduction in the same backward (see the docstring)."""
+        self._origin = torch.zeros((), dtype=torch.bool, device=device)
+        """This rank contributed a non-finite gradient to some reduction of this window."""
         # The backward in progress:
         self._reducing = False
         self._boundary = False
         self._fired: list[set[int]] = [set() for _ in units]
+        self._reduced: list[bool] = [False] * len(units)
         self._next = 0
         self._callback_queued = False
 
@@ -134,8 +157,13 @@ class Reducer:
         self._next = 0
         for fired in self._fired:
             fired.clear()
+        self._reduced = [False] * len(self.units)
         if not self._reducing:
             self._local = True
+            if self.param_dtype != torch.float32 and not self._accum:
+                # Every unit at once, on every rank alike: a unit with an fp32 sum is reduced in fp32,
+                # and all ranks must reduce a unit in the same dtype.
+                self._accum = {u.index: torch.zeros(u.layout.padded_numel, device=self.device) for u in self.units}
 
     def _on_grad_ready(self, param: Tensor) -> None:
         if self.window is not Window.BACKWARD:
@@ -145,9 +173,20 @@ class Reducer:
             self._callback_queued = True
         unit, i = self._where[id(param)]
         self._used.add(unit.param_id(i))
-        if self._reducing:
+        if not self._reducing:
+            self._accumulate_locally(unit, i, param)
+        elif self._reduced[unit.index]:
+            self._dirty.add(unit.index)  # a late gradient: it waits in p.grad for finalize
+        else:
             self._fired[unit.index].add(i)
             self._launch_ready()
+
+    @torch.no_grad()
+    def _accumulate_locally(self, unit: Unit, i: int, param: Tensor) -> None:
+        if not self._accum or param.grad is None:
+            return  # fp32 gradients accumulate in p.grad without loss
+        self._accum[unit.index][unit.layout.slots[i].span].add_(param.grad.reshape(-1))
+        param.grad = None
 
     def _launch_ready(self) -> None:
         while self._next < len(self._order):
@@ -174,20 +213,29 @@ class Reducer:
         """Reduce-scatter the unit's local gradients into its fp32 gradient shard."""
         layout = unit.layout
         with self._stream.context():
-            flat_grad = torch.zeros(layout.padded_numel, dtype=self.param_dtype, device=self.device)
+            accum = self._accum.get(unit.index)
+            # An fp32 local sum is reduced in fp32 (once per window, so twice the bytes of one bf16
+            # reduction buys the exact sum); otherwise the gradients travel in the working dtype.
+            flat_grad = (accum.clone() if accum is not None
+                         else torch.zeros(layout.padded_numel, dtype=self.param_dtype, device=self.device))
             for p, slot in zip(unit.params, layout.slots):
                 if p.grad is not None:
-                    flat_grad[slot.span].copy_(p.grad.reshape(-1))
+                    flat_grad[slot.span].add_(p.grad.reshape(-1))
                     self._stream.keep_alive(p.grad)
                     p.grad = None
+            if accum is not None:
+                accum.zero_()
+            # Where a non-finite value came from is only visible before the sum over ranks spreads it.
+            self._origin.logical_or_(~torch.isfinite(flat_grad.sum()))
             if self.world_size > 1:
                 flat_grad.div_(self.world_size)
-                shard = torch.empty(layout.shard_numel, dtype=self.param_dtype, device=self.device)
+                shard = torch.empty(layout.shard_numel, dtype=flat_grad.dtype, device=self.device)
                 comm.reduce_scatter(shard, flat_grad, self.group)
             else:
                 shard = flat_grad
             unit.grad.add_(shard)
             self.placement.grad_reduced(unit, boundary)
+        self._reduced[unit.index] = True
         self.listener.unit_reduced(unit)
 
     # ------------------------------------------------------------------ the window
@@ -196,7 +244,7 @@ class Reducer:
         """The compute stream waits for the reductions issued so far."""
         self._stream.join()
 
-    def finalize(self, check_overflow: bool) -> Agreement:
+    def finalize(self) -> Agreement:
         """Complete this window's gradient shards and agree on them with every rank (idempotent)."""
         if self.window is Window.FINALIZED:
             assert self.agreement is not None
@@ -206,20 +254,38 @@ class Reducer:
             for unit in self._order:
                 self._reduce(unit, boundary=False)
             self._local = False
-        self.wait()
-        self.placement.gradients_done(self.units)
-        stats = torch.zeros(self.num_params + 1, device=self.device)
-        if self._used:
-            stats[list(self._used)] = 1.0
-        if check_overflow:
-            local = torch.stack([u.grad.sum() for u in self.units]).sum() if self.units else stats[0]
-            stats[-1] = (~torch.isfinite(local)).float()
-        if self.world_size > 1:
-            comm.all_reduce(stats, dist.ReduceOp.MAX, self.group)
-        overflow = bool(stats[-1].item() > 0)  # also waits for the copies off the device
-        self.agreement = Agreement(stats[:-1] > 0, overflow)
+        used, dirty, nonfinite = self._agree(with_dirty=True)
+        if dirty:  # rare: reduce the late gradients everywhere, then look at finiteness again
+            for unit in self._order:
+                if unit.index in dirty:
+                    self._reduce(unit, boundary=False)
+            _, _, nonfinite = self._agree(with_dirty=False)
+        self._dirty.clear()
+        ranks = [r for r in range(self.world_size) if nonfinite[len(self.units) + r]]
+        units = [i for i in range(len(self.units)) if nonfinite[i]]
+        self.agreement = Agreement(used, ranks, units)
         self.window = Window.FINALIZED
         return self.agreement
+
+    def _agree(self, with_dirty: bool) -> tuple[Tensor, set[int], list[bool]]:
+        """One MAX all-reduce: [used per parameter | dirty per unit | non-finite per unit | per rank]."""
+        self.wait()
+        self.placement.gradients_done(self.units)
+        n_params, n_units = self.num_params, len(self.units)
+        stats = torch.zeros(n_params + 2 * n_units + self.world_size, device=self.device)
+        if self._used:
+            stats[list(self._used)] = 1.0
+        if with_dirty and self._dirty:
+            stats[[n_params + i for i in self._dirty]] = 1.0
+        if self.units:  # a NaN or inf anywhere in a shard makes its sum non-finite
+            bad = (~torch.isfinite(torch.stack([u.grad.sum() for u in self.units]))).float()
+            stats[n_params + n_units : n_params + 2 * n_units] = bad
+        stats[n_params + 2 * n_units + self.rank] = self._origin.float()
+        if self.world_size > 1:
+            comm.all_reduce(stats, dist.ReduceOp.MAX, self.group)
+        flags = (stats[n_params:] > 0).tolist()  # also waits for the copies off the device
+        dirty = {i for i in range(n_units) if flags[i]}
+        return stats[:n_params] > 0, dirty, flags[n_units:]
 
     def clear(self) -> None:
         """End the window: drop every gradient (after a step, or to discard the window)."""
@@ -229,7 +295,11 @@ class Reducer:
             unit.grad.zero_()
             for p in unit.params:
                 p.grad = None
+        for accum in self._accum.values():
+            accum.zero_()
         self._used.clear()
+        self._dirty.clear()
+        self._origin.zero_()
         self._local = False
         self.agreement = None
         self.window = Window.EMPTY
