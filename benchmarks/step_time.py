@@ -205,7 +205,7 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
     if engine is not None:
         result.update(memory_bound(engine))
         result["bound_plus_activations_GiB"] = round(result["bound_GiB"] + result["activations_GiB"], 2)
-        engine.release_swap_files()
+        engine.close()
     del model, forward, finish, loss, saved
     engine = None
     gc.collect()

@@ -11,6 +11,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.precision import ZeroQPrecision
 from lightning_zeroq.strategy import ZeroQStrategy
+from lightning_zeroq.zero.access import owning_engine
 from lightning_zeroq.zero.engine import ZeroEngine
 from lightning_zeroq.zero.optimizers import register_elementwise_optimizer
 
@@ -24,5 +25,19 @@ if not logging.getLogger().hasHandlers():
     _logger.addHandler(logging.StreamHandler())
     _logger.propagate = False
 
-__all__ = ["ZeroConfig", "ZeroEngine", "ZeroQPrecision", "ZeroQStrategy", "register_elementwise_optimizer"]
+
+
+def gathered_parameters(module, writeback: bool = False):
+    """Collective context manager (every rank enters it): inside, ``module``'s parameters are plain
+    tensors holding their full fp32 values, also with ZeRO stage 3 (like FSDP's
+    ``summon_full_params`` and DeepSpeed's ``GatheredParameters``); ``writeback=True`` keeps what the
+    block changed. A module no engine shards is left as it is."""
+    import contextlib
+
+    engine = owning_engine(module)
+    return engine.gathered_parameters(module, writeback) if engine is not None else contextlib.nullcontext()
+
+
+__all__ = ["ZeroConfig", "ZeroEngine", "ZeroQPrecision", "ZeroQStrategy", "gathered_parameters",
+           "register_elementwise_optimizer"]
 __version__ = "0.1.0"

@@ -55,7 +55,7 @@ class ZeroQPrecision(Precision):
         self.engine: Optional["ZeroEngine"] = None
         self.device_type = "cpu"
 
-    def attach_engine(self, engine: "ZeroEngine", device_type: str) -> None:
+    def attach_engine(self, engine: Optional["ZeroEngine"], device_type: str) -> None:
         """The strategy hands over the engine it built (and the device type autocast runs on)."""
         self.engine, self.device_type = engine, device_type
 
@@ -79,6 +79,21 @@ class ZeroQPrecision(Precision):
                     if b.is_floating_point():
                         b.data = b.data.to(self.param_dtype)
         return module
+
+    @override
+    def tensor_init_context(self) -> contextlib.AbstractContextManager:
+        """``*-true`` half precisions create tensors in that dtype (``Trainer.init_module``), as
+        Lightning's ``HalfPrecision`` does; the engine keeps fp32 masters of them anyway."""
+        return _DtypeContextManager(self.param_dtype) if self._true_half else contextlib.nullcontext()
+
+    @override
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        return self.tensor_init_context()
+
+    def __getstate__(self) -> dict:
+        state = dict(vars(self))
+        state["engine"] = None  # the strategy pickles without its engine too
+        return state
 
     @override
     def forward_context(self) -> contextlib.AbstractContextManager:

@@ -15,6 +15,7 @@ Lifecycle:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 from datetime import timedelta
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any, Generator, Mapping, Optional
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
@@ -35,6 +37,7 @@ from typing_extensions import override
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.precision import ZeroQPrecision
 from lightning_zeroq.zero.engine import ZeroEngine
+from lightning_zeroq.zero.materialize import parameters_on_meta
 
 META_FILE = "meta.pt"
 SHARD_FILE = "zero_shard_rank{rank:05d}.pt"
@@ -135,23 +138,44 @@ class ZeroQStrategy(DDPStrategy):
         self._precision_plugin = plugin
 
     @override
+    def setup_environment(self) -> None:
+        owned = not (dist.is_available() and dist.is_initialized())
+        super().setup_environment()
+        if owned and dist.is_initialized():
+            # Destroy the group we created before the interpreter tears down: otherwise the backend's
+            # threads can outlive it and a successful run ends with "terminate called without an active
+            # exception" (exit status 134). Not at teardown: save_checkpoint and full_state_dict after
+            # fit are collectives and need it.
+            _destroy_process_group_at_exit()
+
+    @override
     def setup(self, trainer: "Any") -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        module = self.lightning_module
-        assert module is not None
+        fitting = trainer.state.fn == TrainerFn.FITTING
         plugin = self.precision_plugin
-        if self.engine is None:
+        self._failed = False
+        # After a fit the module is plain again (teardown handed it back): evaluating it needs no
+        # engine, and the fit's engine keeps its state for save_checkpoint. A new fit builds a new one.
+        if self.engine is None or (self.engine.retired and fitting):
+            if self.engine is not None:
+                self.engine.close()  # the previous fit's engine: its state goes (NVMe files included)
+            if fitting and self._layer_sync:
+                self.model = self._layer_sync.apply(self.model)
             # The engine moves the module to the device unit by unit (stage 3 never holds it whole)
             # and starts every rank from rank 0's values, as DDP does.
             self.engine = ZeroEngine(
-                module,
+                self.lightning_module,
                 self.config,
                 param_dtype=plugin.param_dtype,
                 loss_scaling=plugin.loss_scaling,
                 device=self.root_device,
             )
-        if trainer.state.fn == TrainerFn.FITTING:
+        if self.engine.retired:
+            self.precision_plugin.attach_engine(None, self.root_device.type)
+            self.setup_precision_plugin()
+            return
+        if fitting:
             self.setup_optimizers(trainer)
             if len(self.optimizers) != 1:
                 raise ValueError(
@@ -160,7 +184,7 @@ class ZeroQStrategy(DDPStrategy):
                 )
             self.engine.attach_optimizer(self.optimizers[0])
         plugin.attach_engine(self.engine, self.root_device.type)
-        plugin.convert_module(module)
+        plugin.convert_module(self.lightning_module)
         self.setup_precision_plugin()
 
     @override
@@ -187,24 +211,31 @@ class ZeroQStrategy(DDPStrategy):
     @contextlib.contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """Stage 3: modules created here (``configure_model``) live on the meta device until the
-        engine materializes them unit by unit with ``reset_parameters()``, so a model larger than one
-        device can be built."""
-        if self.config.stage == 3:
-            with torch.device("meta"):
-                yield
-        else:
+        """Stage 3: parameters created here (``configure_model``) live on the meta device until the
+        engine materializes them unit by unit with their module's ``reset_parameters()``, so a model
+        larger than one device can be built. Buffers and other state (metrics) are created normally."""
+        with parameters_on_meta() if self.config.stage == 3 else contextlib.nullcontext():
             yield
 
     @contextlib.contextmanager
     @override
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
         if self.config.stage == 3:  # Trainer.init_module(): never materialize the whole model
-            with torch.device("meta"):
+            with parameters_on_meta(), self.precision_plugin.tensor_init_context():
                 yield
         else:
             with super().tensor_init_context(empty_init):
                 yield
+
+    def gathered_parameters(self, module: Optional[torch.nn.Module] = None,
+                            writeback: bool = False) -> contextlib.AbstractContextManager:
+        """Collective context manager (every rank enters it): inside, the parameters of ``module``
+        (default: the LightningModule) are plain tensors with their full fp32 values, also in stage 3;
+        ``writeback=True`` keeps what the block changed. Like FSDP's ``summon_full_params`` and
+        DeepSpeed's ``GatheredParameters``."""
+        if self.engine is None or self.engine.retired:
+            return contextlib.nullcontext()  # the module holds plain, full parameters
+        return self.engine.gathered_parameters(module, writeback)
 
     @override
     def model_to_device(self) -> None:
@@ -212,15 +243,26 @@ class ZeroQStrategy(DDPStrategy):
         self.lightning_module.to(self.root_device)
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True  # other ranks may be anywhere: teardown must not start a collective
+
+    @override
     def teardown(self) -> None:
-        # Unlike DDP, keep the module where it is: its parameters are views into the engine's buffers,
-        # and full_state_dict() must keep working after fit returns. NVMe swap files are removed.
-        if self.engine is not None:
-            self.engine.release_swap_files()
+        # Unlike DDP, the module is not moved: the engine hands it back as a plain module (hooks
+        # removed, full trained parameters as ordinary tensors), so a second fit, another strategy or
+        # plain PyTorch can use it; the engine keeps its shards for save_checkpoint/full_state_dict.
+        if self.engine is not None and not getattr(self, "_failed", False):
+            plugin = self.precision_plugin
+            self.engine.release_module(dtype=plugin.param_dtype if plugin.precision.endswith("-true") else None)
         self.precision_plugin.teardown()
         assert self.accelerator is not None
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["engine"] = None  # shards, streams and swap files do not travel; a new setup builds an engine
+        return state
 
     # ------------------------------------------------------------------ state
 
@@ -309,6 +351,15 @@ class ZeroQStrategy(DDPStrategy):
             if name in strategy_registry:
                 continue
             strategy_registry.register(name, cls, description=f"ZeroQ with {options or 'defaults (stage 2)'}", **options)
+
+
+_EXIT_HOOK: list[bool] = []
+
+
+def _destroy_process_group_at_exit() -> None:
+    if not _EXIT_HOOK:
+        _EXIT_HOOK.append(True)
+        atexit.register(lambda: dist.destroy_process_group() if dist.is_initialized() else None)
 
 
 def _atomic_save(obj: Any, path: Path) -> None:

@@ -23,6 +23,7 @@ One optimizer step:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import warnings
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_zeroq.config import ZeroConfig
-from lightning_zeroq.zero import comm, state_dict
+from lightning_zeroq.zero import access, comm, state_dict
 from lightning_zeroq.zero.gather import Gatherer
 from lightning_zeroq.zero.layout import ALIGN, Segment
 from lightning_zeroq.zero.loss_scaler import loss_scaler_from_config
@@ -79,7 +80,6 @@ class ZeroEngine:
         self.device = _target_device(module, device)
         sync_replicated_state(module, self.device, group)
 
-        self._param_names = {id(p): name for name, p in module.named_parameters()}
         specs = plan(module, trainable_parameters(module), config)
         align = math.lcm(ALIGN, config.quantized_weights_group_size) if config.quantized_weights else ALIGN
         layouts = plan_layouts(specs, self.world_size, align)
@@ -94,6 +94,10 @@ class ZeroEngine:
                                  sync_persistent_on_build=config.quantized_weights)
         self.units = build_units(module, specs, layouts, device=self.device, param_dtype=param_dtype, group=group,
                                  adopt_master=self.placement.adopt_master, on_built=self.gatherer.adopt)
+        self._param_names = {id(p): name for name, p in module.named_parameters()}  # after materialization
+        for unit in self.units:
+            for p in unit.params:
+                p._zeroq_name = self._param_names.get(id(p), "?")  # named in FreedParameter's errors
         self.stage3 = Stage3Coordinator(self.gatherer, self.units, config.stage3_prefetch) if transient else None
         self.reducer = Reducer(
             self.units,
@@ -109,6 +113,9 @@ class ZeroEngine:
         self._optimized: dict[int, list[tuple[Tensor, Segment]]] = {}
         self._grad_multiplier = 1.0
         self._skip = False
+        self.retired = False
+        """``release_module`` handed the module back; the state stays readable, training is over."""
+        access.register(self)
         self.steps = 0
         """Optimizer steps attempted (skipped ones included)."""
         self.skipped_steps = 0
@@ -148,7 +155,15 @@ class ZeroEngine:
     def pre_backward(self, boundary: Optional[bool] = None) -> None:
         """Open a backward pass. ``boundary=True``: the caller knows a step follows this backward (a
         managed accumulation window ends), so stage 1 reduces during it to overlap communication."""
+        self._check_active()
         self.reducer.begin_backward(boundary)
+
+    def _check_active(self) -> None:
+        if self.retired:
+            raise RuntimeError(
+                "This ZeroEngine handed its module back (release_module, the strategy's teardown) and cannot "
+                "train any more; build a new engine (a new fit does) to train the module again."
+            )
 
     def post_backward(self) -> None:
         """Close the backward pass (idempotent)."""
@@ -239,6 +254,7 @@ class ZeroEngine:
 
     def step(self) -> bool:
         """Apply one optimizer update from this window's gradients. Returns False if it was skipped."""
+        self._check_active()
         if self.optimizer is None:
             raise RuntimeError("ZeroEngine.step() needs an optimizer: call attach_optimizer() first.")
         skip = self.finalize_gradients()
@@ -309,12 +325,18 @@ class ZeroEngine:
             "largest_transient_unit": max(transient, default=0),
         }
 
-    def release_swap_files(self) -> None:
-        """NVMe offload: bring the master shards and parameter payloads back to host memory, drop the
-        optimizer state and remove the swap files (the strategy's teardown). A later
-        ``attach_optimizer`` swaps the optimizer state out again; parameters stay in host memory."""
-        self.placement.release(self.units, self.optimizer)
-        self.gatherer.release(self.units)
+    def gathered_parameters(self, module: Optional[nn.Module] = None,
+                            writeback: bool = False) -> contextlib.AbstractContextManager:
+        """Collective context manager: the full fp32 parameters of ``module`` (default: all) as plain
+        tensors inside; ``writeback=True`` keeps what was changed. See ``access.py``."""
+        return access.gathered_parameters(self, module, writeback)
+
+    def release_module(self, dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None) -> None:
+        """Collective: hand the module back as a plain module with the trained parameters (see
+        ``access.py``); the engine keeps its master shards and optimizer state for state dicts."""
+        if not self.retired:
+            access.release_module(self, dtype, device)
+            self.retired = True
 
     def close(self) -> None:
         """Remove every hook and swap file; the module keeps its current (working) parameters."""
@@ -329,11 +351,11 @@ def _log(rank: int, message: str, level: int = logging.INFO) -> None:
 
 
 def _target_device(module: nn.Module, device: Optional[torch.device]) -> torch.device:
-    devices = {t.device for t in [*module.parameters(), *module.buffers()]}
+    devices = {t.device for t in [*module.parameters(), *module.buffers()] if not t.is_meta}
     if len(devices) > 1:
         raise ValueError(
             f"ZeroQ needs all parameters and buffers on one device, found {sorted(map(str, devices))}; "
-            "create the module on one device (the meta device is fine for stage 3)."
+            "create the module on one device (tensors on the meta device are materialized unit by unit)."
         )
     source = devices.pop() if devices else torch.device("cpu")
     target = torch.device(device) if device is not None else source

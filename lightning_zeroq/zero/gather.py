@@ -71,7 +71,7 @@ class Gatherer:
                 unit.ready, unit.state = None, UnitState.GATHERED
             return
         assert self.store is not None
-        unit.resize_storage(gathered=True)
+        unit.restore_storage()
         if prefetch and self._stream is not None:
             self._stream.wait_stream(current)
             with torch.cuda.stream(self._stream):
@@ -82,11 +82,6 @@ class Gatherer:
         else:
             self.wire.gather(unit, self.store.get(unit))
             unit.state = UnitState.GATHERED
-
-    def release(self, units: list[Unit]) -> None:
-        """Teardown: a store on NVMe moves to host memory (see ``ShardStore.released``)."""
-        if self.store is not None:
-            self.store = self.store.released(units)
 
     def close(self) -> None:
         if self.store is not None:
@@ -99,5 +94,5 @@ class Gatherer:
         if unit.state is UnitState.PREFETCHING:  # prefetched and never used: let the gather finish
             torch.cuda.current_stream(self.device).wait_event(unit.ready)
             unit.ready = None
-        unit.resize_storage(gathered=False)
+        unit.release_storage()
         unit.state = UnitState.SHARDED

@@ -1,19 +1,40 @@
 """Meta-device modules made real, one unit at a time, with each owning module's ``reset_parameters()``.
 
-``Module.to_empty`` may replace a module's parameter objects, so the helpers here hand back old id ->
-new parameter and re-point every module that shared an old one (tied weights), and the engine keeps
-its unit lists in step with them.
+Materializing replaces a module's meta parameter objects, so the helpers here hand back old id -> new
+parameter and re-point every module that shared an old one (tied weights), and the engine keeps its
+unit lists in step with them. ``parameters_on_meta`` is the stage-3 construction context: parameters
+on meta, everything else real.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lightning_zeroq.zero import comm
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Parameters registered inside land on the meta device (the engine materializes them unit by
+    unit); buffers and any other tensors are created as usual, so state such as a metric's is real.
+    Each parameter is allocated (not initialized) on its own device first, one at a time."""
+    original = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+        if param is not None and not param.is_meta:
+            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
 def materialize_meta_state(module: nn.Module, device: torch.device, trainable: bool) -> None:
@@ -42,7 +63,8 @@ def materialize_meta_params(
 
 
 def reset_on(root: nn.Module, m: nn.Module, device: torch.device) -> dict[int, nn.Parameter]:
-    """``m.to_empty(device)`` + ``m.reset_parameters()``; parameter objects may be replaced, so every
+    """``m``'s meta tensors made empty on ``device``, then ``m.reset_parameters()``; parameter objects
+    are replaced, so every
     module that shared an old one (tied weights) gets the new one. Returns old id -> new parameter."""
     if not hasattr(m, "reset_parameters"):
         raise ValueError(
@@ -50,7 +72,12 @@ def reset_on(root: nn.Module, m: nn.Module, device: torch.device) -> dict[int, n
             "to initialize them; give it one, or build the model on a real device."
         )
     before = dict(m.named_parameters(recurse=False))
-    m.to_empty(device=device, recurse=False)
+    for name, p in before.items():  # only what is on meta: real buffers and parameters keep their values
+        if p.is_meta:
+            m._parameters[name] = type(p)(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+    for name, b in list(m._buffers.items()):
+        if b is not None and b.is_meta:
+            m._buffers[name] = torch.empty_like(b, device=device)
     with torch.no_grad():
         m.reset_parameters()
     renamed = {id(old): m._parameters[name] for name, old in before.items() if m._parameters[name] is not old}

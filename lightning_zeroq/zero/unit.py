@@ -35,6 +35,41 @@ from lightning_zeroq.zero.materialize import materialize_meta_params
 from lightning_zeroq.zero.plan import UnitSpec
 
 
+FREED_HINT = (
+    "it is gathered only inside its module's forward and backward. Read or change it inside "
+    "`with lightning_zeroq.gathered_parameters(module):` (a collective: every rank enters it), or after "
+    "fit, when the strategy has handed the module back."
+)
+_METADATA = frozenset({"size", "dim", "numel", "nelement", "element_size", "is_floating_point", "is_complex",
+                       "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "__hash__",
+                       "__format__", "__repr__", "__reduce_ex__"})
+
+
+class FreedParameter(nn.Parameter):
+    """What a stage-3 parameter is while its unit is freed. Its metadata (shape, dtype, device,
+    ``requires_grad``, ``grad``) reads as usual; anything that would read its values raises a
+    ``RuntimeError`` naming the parameter and the fix, instead of reading freed memory. (Its data is a
+    one-element placeholder expanded to the parameter's shape, so nothing can read out of bounds.)"""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        name = getattr(func, "__name__", "")
+        descriptor = getattr(func, "__self__", None)
+        is_metadata = name in _METADATA or (
+            name in ("__get__", "__set__", "__delete__") and getattr(descriptor, "__name__", "") != "data"
+        )
+        if is_metadata:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        freed = next((a for a in args if isinstance(a, FreedParameter)), None)
+        label = getattr(freed, "_zeroq_name", "a parameter") if freed is not None else "a parameter"
+        raise RuntimeError(f"ZeroQ stage 3: {label} is sharded right now ({func.__name__ if name else func}); {FREED_HINT}")
+
+    def __repr__(self) -> str:
+        return (f"FreedParameter({getattr(self, '_zeroq_name', '?')}, shape={tuple(self.shape)}, dtype={self.dtype}): "
+                f"sharded; {FREED_HINT}")
+
+
 class UnitState(enum.Enum):
     """Where a unit's working buffer stands (persistent units are always GATHERED)."""
 
@@ -62,6 +97,10 @@ class Unit:
     """Stage 3 transient units: the module whose forward uses the unit."""
     persistent: bool
     state: UnitState
+    param_classes: list[type]
+    """Each parameter's class when the engine took it (restored when its unit is gathered)."""
+    param_dtypes: list[torch.dtype]
+    """Each parameter's dtype when the engine took it (what ``release_module`` hands back)."""
     ready: Optional["torch.cuda.Event"] = None
     """Set while the unit is PREFETCHING."""
 
@@ -79,9 +118,21 @@ class Unit:
         for view, seg in zip(self.segment_masters, self.segments):
             view.data = master[seg.shard_span]
 
-    def resize_storage(self, gathered: bool) -> None:
-        storage = self.flat.untyped_storage()
-        storage.resize_(self.flat.numel() * self.flat.element_size() if gathered else 0)
+    def release_storage(self) -> None:
+        """Free the working buffer; the parameters become ``FreedParameter``s until ``restore_storage``."""
+        self.flat.untyped_storage().resize_(0)
+        placeholder = torch.zeros(1, dtype=self.flat.dtype, device=self.flat.device)
+        for p in self.params:
+            p.data = placeholder.expand(p.shape)
+            p.__class__ = FreedParameter
+
+    def restore_storage(self) -> None:
+        """Re-allocate the working buffer (same storage object: the views autograd saved stay valid)
+        and point the parameters at it again. The caller fills it."""
+        self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
+        for p, slot, cls in zip(self.params, self.layout.slots, self.param_classes):
+            p.__class__ = cls
+            p.data = self.flat[slot.span].view(p.shape)
 
 
 def plan_layouts(specs: Sequence[UnitSpec], world_size: int, align: int) -> list[UnitLayout]:
@@ -113,6 +164,7 @@ def build_units(
     for index, (spec, layout) in enumerate(zip(specs, layouts)):
         params = list(spec.params)
         materialize_meta_params(module, params, device, renamed)
+        classes, dtypes = [type(p) for p in params], [p.dtype for p in params]
         full = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
         with torch.no_grad():
             for p, slot in zip(params, layout.slots):
@@ -137,6 +189,8 @@ def build_units(
             module=spec.module,
             persistent=spec.persistent,
             state=UnitState.GATHERED,
+            param_classes=classes,
+            param_dtypes=dtypes,
         )
         units.append(unit)
         on_built(unit)

@@ -18,11 +18,10 @@ it has:
   gather of one unit overlap the host update of the next, and NVMe needs only a few resident);
 - ``step_grad``: the gradient shard the optimizer reads; ``device_master``/``device_working``: the
   master as fp32 or working dtype on the device, for the wire;
-- ``end_window``, ``release`` (teardown), ``close``.
+- ``end_window``, ``close``.
 
 ``ShardStore``: where a stage-3 transient unit's payload (its working shard, or its INT8 encoding)
-rests between gathers: ``put`` after each step, ``get`` (on the device) before each gather;
-``released`` (teardown) gives the store to use once swap files are gone.
+rests between gathers: ``put`` after each step, ``get`` (on the device) before each gather.
 """
 
 from __future__ import annotations
@@ -74,9 +73,6 @@ class OptimizerPlacement:
     def end_window(self) -> None:
         pass
 
-    def release(self, units: Sequence[Unit], optimizer: Optional[torch.optim.Optimizer]) -> None:
-        pass
-
     def close(self) -> None:
         pass
 
@@ -87,8 +83,6 @@ class ShardStore(Protocol):
     def get(self, unit: Unit) -> Tensor: ...
 
     def device_tensors(self) -> list[Tensor]: ...
-
-    def released(self, units: Sequence[Unit]) -> "ShardStore": ...
 
     def close(self) -> None: ...
 
@@ -104,9 +98,6 @@ class MasterAlias:
 
     def device_tensors(self) -> list[Tensor]:
         return []  # the masters are counted as the optimizer placement's
-
-    def released(self, units: Sequence[Unit]) -> "MasterAlias":
-        return self
 
     def close(self) -> None:
         pass
@@ -126,9 +117,6 @@ class DeviceStore:
 
     def device_tensors(self) -> list[Tensor]:
         return list(self.buffers.values())
-
-    def released(self, units: Sequence[Unit]) -> "DeviceStore":
-        return self
 
     def close(self) -> None:
         pass

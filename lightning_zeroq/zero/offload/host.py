@@ -117,8 +117,5 @@ class HostStore:
     def device_tensors(self) -> list[Tensor]:
         return []
 
-    def released(self, units: Sequence[Unit]) -> "HostStore":
-        return self
-
     def close(self) -> None:
         pass

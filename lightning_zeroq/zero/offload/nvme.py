@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from lightning_zeroq.swap import NvmeSwapper, SwapHandle, aligned_empty
-from lightning_zeroq.zero.offload.host import HostOptimizer, HostStore
+from lightning_zeroq.zero.offload.host import HostOptimizer
 from lightning_zeroq.zero.unit import Unit
 
 
@@ -164,21 +164,6 @@ class NvmeOptimizer(HostOptimizer):
             self._finish_write(index)
         self.swapper.wait_all()
 
-    def release(self, units: Sequence[Unit], optimizer: Optional[torch.optim.Optimizer]) -> None:
-        """Teardown: bring the masters back to host memory, drop the optimizer state, remove the swap
-        files. A later ``attach`` swaps again."""
-        if self.swapper is None:
-            return
-        self._flush()
-        if optimizer is not None:
-            optimizer.state.clear()
-        self.state_loaded(optimizer)
-        for unit in units:
-            self._load(unit)
-        self._resident.clear()
-        self.swapper.close()
-        self.swapper = None
-
     def close(self) -> None:
         if self.swapper is not None:
             self.swapper.close()
@@ -207,14 +192,6 @@ class NvmeStore:
 
     def device_tensors(self) -> list[Tensor]:
         return []
-
-    def released(self, units: Sequence[Unit]) -> HostStore:
-        """Teardown: the payloads move to host memory and the swap files are removed."""
-        host = HostStore(self.device, self.dtype, self.numels)
-        for index, buffer in host.buffers.items():
-            self.swapper.read(swap_key(index, "param"), buffer)
-        self.close()
-        return host
 
     def close(self) -> None:
         self.swapper.close()

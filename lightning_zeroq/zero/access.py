@@ -1,0 +1,113 @@
+"""The full parameters outside forward and backward: for a while (``gathered_parameters``) or for good
+(``release_module``, the strategy's teardown).
+
+``gathered_parameters(module, writeback=False)``: a collective context manager (every rank enters
+it). Inside, every parameter of ``module`` (the whole model by default) is a plain tensor holding its
+full fp32 master values, gathered unit by unit; with ``writeback=True`` what the caller changed is
+written into the master shards on exit (each rank its own shard, as FSDP's ``summon_full_params``
+does) and the working weights are republished. Outside, stage-3 parameters are ``FreedParameter``s
+again, and stage 1/2 parameters views of their working buffers. Costs 4 bytes per gathered
+parameter on every rank while inside: pass a submodule to gather less.
+
+``release_module(dtype, device)``: hands the module back as a plain module: hooks removed, every
+trainable parameter an ordinary tensor with the trained values (in the dtype it had when the engine
+took it, unless ``dtype`` says otherwise), so a second ``fit``, another strategy or plain PyTorch can
+use it. The engine keeps its master shards and optimizer state (state dicts and checkpoints still
+read them) and frees everything else; it cannot train any more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Iterator, Optional, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_zeroq.zero import comm
+from lightning_zeroq.zero.gather import Gatherer
+from lightning_zeroq.zero.offload import OptimizerPlacement
+from lightning_zeroq.zero.reducer import Reducer
+from lightning_zeroq.zero.unit import Unit, UnitState
+
+
+class EngineParts(Protocol):
+    module: nn.Module
+    units: list[Unit]
+    placement: OptimizerPlacement
+    gatherer: Gatherer
+    reducer: Reducer
+    group: Optional[dist.ProcessGroup]
+    device: torch.device
+
+
+_ENGINES: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def register(engine: EngineParts) -> None:
+    _ENGINES.add(engine)
+
+
+def owning_engine(module: nn.Module) -> Optional[EngineParts]:
+    """The live engine that shards ``module``'s parameters, if any."""
+    ids = {id(p) for p in module.parameters()}
+    for engine in list(_ENGINES):
+        if not getattr(engine, "retired", False) and any(id(p) in ids for u in engine.units for p in u.params):
+            return engine
+    return None
+
+
+def _full_masters(engine: EngineParts, unit: Unit) -> Tensor:
+    full = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=engine.device)
+    comm.all_gather(full, engine.placement.device_master(unit), engine.group)
+    return full
+
+
+@contextlib.contextmanager
+@torch.no_grad()
+def gathered_parameters(engine: EngineParts, module: Optional[nn.Module] = None,
+                        writeback: bool = False) -> Iterator[None]:
+    ids = {id(p) for p in (module or engine.module).parameters()}
+    chosen = [u for u in engine.units if any(id(p) in ids for p in u.params)]
+    engine.reducer.wait()
+    fulls: dict[int, Tensor] = {}
+    for unit in engine.placement.resident(chosen):
+        fulls[unit.index] = full = _full_masters(engine, unit)
+        for p, slot, cls in zip(unit.params, unit.layout.slots, unit.param_classes):
+            p.__class__ = cls
+            p.data = full[slot.span].view(p.shape)
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        if ok and writeback:
+            rank = comm.world(engine.group)[0]
+            for unit in engine.placement.resident(chosen):
+                unit.master.copy_(fulls[unit.index][unit.layout.shard_span(rank)])
+                engine.gatherer.publish(unit)
+        for unit in chosen:
+            if unit.state is UnitState.SHARDED:
+                unit.release_storage()
+            else:
+                for p, slot in zip(unit.params, unit.layout.slots):
+                    p.data = unit.flat[slot.span].view(p.shape)
+
+
+@torch.no_grad()
+def release_module(engine: EngineParts, dtype: Optional[torch.dtype] = None,
+                   device: Optional[torch.device] = None) -> None:
+    engine.reducer.clear()
+    engine.reducer.close()  # the gradient hooks and (stage 3) the module hooks
+    target = device or engine.device
+    for unit in engine.placement.resident(engine.units):
+        full = _full_masters(engine, unit)
+        for p, slot, cls, own in zip(unit.params, unit.layout.slots, unit.param_classes, unit.param_dtypes):
+            p.__class__ = cls
+            p.data = full[slot.span].view(p.shape).to(device=target, dtype=dtype or own, copy=True)
+        unit.flat = unit.grad = torch.empty(0, device=engine.device)
+        unit.state = UnitState.SHARDED
+    engine.gatherer.close()
+    engine.gatherer.store = None
