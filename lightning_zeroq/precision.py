@@ -131,18 +131,23 @@ class ZeroQPrecision(Precision):
             # micro-batches ran backward, step with what they accumulated, as DDP does.
             return closure_result
         self._after_closure(model, optimizer)
-        engine.step()
+        engine.step(_unwrapped(optimizer))
         return closure_result
 
     @override
     def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        self._require_engine().clip_grad_norm_(float(clip_val))
+        self._require_engine().clip_grad_norm_(float(clip_val), _unwrapped(optimizer))
 
     @override
     def clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
-        self._require_engine().clip_grad_value_(float(clip_val))
+        self._require_engine().clip_grad_value_(float(clip_val), _unwrapped(optimizer))
 
     def _require_engine(self) -> "ZeroEngine":
         if self.engine is None:
             raise RuntimeError("ZeroQPrecision has no engine: it is only usable inside ZeroQStrategy during fit.")
         return self.engine
+
+
+def _unwrapped(optimizer: Any) -> Any:
+    """The torch optimizer behind a ``LightningOptimizer`` (``clip_gradients`` passes the wrapper)."""
+    return getattr(optimizer, "optimizer", optimizer)

@@ -28,7 +28,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
@@ -126,6 +126,19 @@ class ZeroQStrategy(DDPStrategy):
 
     @property  # type: ignore[override]
     @override
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return self._optimizers
+
+    @optimizers.setter
+    def optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        Strategy.optimizers.fset(self, optimizers)  # type: ignore[attr-defined]
+        # Manual optimization calls zero_grad() on the LightningOptimizer wrappers, whose class method
+        # would bypass the one the engine installs on the optimizer (it drops the engine's gradients too).
+        for wrapper in self._lightning_optimizers:
+            wrapper.zero_grad = wrapper.optimizer.zero_grad
+
+    @property  # type: ignore[override]
+    @override
     def precision_plugin(self) -> ZeroQPrecision:
         if self._precision_plugin is None:
             self._precision_plugin = ZeroQPrecision()
@@ -177,12 +190,12 @@ class ZeroQStrategy(DDPStrategy):
             return
         if fitting:
             self.setup_optimizers(trainer)
-            if len(self.optimizers) != 1:
-                raise ValueError(
-                    f"ZeroQStrategy supports exactly one optimizer, configure_optimizers returned "
-                    f"{len(self.optimizers)}; put all parameters in one optimizer with several param groups."
-                )
-            self.engine.attach_optimizer(self.optimizers[0])
+            if not self.optimizers:
+                raise ValueError("ZeroQStrategy needs an optimizer: configure_optimizers returned none.")
+            _check_disjoint(self.optimizers)
+            for optimizer in self.optimizers:  # several (manual optimization) must hold disjoint parameters
+                self.engine.attach_optimizer(optimizer)
+            self.optimizers = self.optimizers  # wrap again, now with the engine's zero_grad
         plugin.attach_engine(self.engine, self.root_device.type)
         plugin.convert_module(self.lightning_module)
         self.setup_precision_plugin()
@@ -241,6 +254,14 @@ class ZeroQStrategy(DDPStrategy):
     def model_to_device(self) -> None:
         assert self.lightning_module is not None
         self.lightning_module.to(self.root_device)
+
+    def grad_norms(self, norm_type: float = 2.0) -> dict[str, Tensor]:
+        """Collective: every trainable parameter's gradient norm and their total, keyed as Lightning's
+        ``grad_norm`` utility keys them, for ``on_before_optimizer_step`` (where ``.grad`` is empty:
+        gradients live in shards). Before clipping, after fp16 unscaling, as DDP's ``.grad`` there."""
+        if self.engine is None or self.engine.retired:
+            raise RuntimeError("grad_norms() is for the training step (on_before_optimizer_step): no engine is training.")
+        return self.engine.grad_norms(norm_type)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -351,6 +372,19 @@ class ZeroQStrategy(DDPStrategy):
             if name in strategy_registry:
                 continue
             strategy_registry.register(name, cls, description=f"ZeroQ with {options or 'defaults (stage 2)'}", **options)
+
+
+def _check_disjoint(optimizers: list) -> None:
+    seen: dict[int, int] = {}
+    for index, optimizer in enumerate(optimizers):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if seen.setdefault(id(p), index) != index:
+                    raise ValueError(
+                        f"configure_optimizers returned optimizers {seen[id(p)]} and {index} sharing a parameter of "
+                        f"shape {tuple(p.shape)}; ZeroQ shards each parameter's optimizer state once: give every "
+                        "parameter to one optimizer."
+                    )
 
 
 _EXIT_HOOK: list[bool] = []

@@ -289,3 +289,56 @@ def test_fp16_overflow_skips_are_logged_with_the_step_and_the_new_scale(dist_poo
     records = dist_pool(2).run(_overflow_log_body)
     assert any("fp16 overflow in step 1" in m and "loss scale 65536 -> 32768" in m for m in records[0]), records[0]
     assert records[1] == []  # said once, by rank 0
+
+
+# --------------------------------------------------------------------------- faults: every rank agrees
+
+
+def _one_bad_path_body(tmp: str) -> str:
+    import os
+
+    rank = dist.get_rank()
+    path = tmp if rank == 0 else os.path.join(tmp, "missing", "dir")  # only rank 1's path is wrong
+    model = RichModel()
+    try:
+        ZeroEngine(model, ZeroConfig(stage=3, offload_parameters=True, offload_params_device="nvme", nvme_path=path,
+                                     **TRANSIENT))
+    except (RuntimeError, ValueError) as err:
+        return str(err)
+    return "no error"
+
+
+def test_a_failure_on_one_rank_before_a_collective_ends_every_rank(dist_pool, tmp_path):
+    # Before: rank 1 raised and rank 0 walked into the first broadcast and waited for the collective
+    # timeout (30 minutes by default).
+    import time
+
+    start = time.monotonic()
+    messages = dist_pool(2).run(_one_bad_path_body, str(tmp_path))
+    assert time.monotonic() - start < 30
+    assert "missing" in messages[1]  # rank 1: its own error, naming its path
+    assert "rank(s) [1] failed while building the ZeRO engine" in messages[0] and "missing" in messages[0]
+
+
+def _one_full_disk_body(tmp: str) -> str:
+    from lightning_zeroq.swap import nvme
+
+    original = nvme.free_bytes
+    if dist.get_rank() == 1:
+        nvme.free_bytes = lambda path: 1024  # rank 1's disk is "full"
+    try:
+        model = RichModel()
+        engine = ZeroEngine(model, ZeroConfig(stage=2, offload_optimizer=True, offload_optimizer_device="nvme",
+                                              nvme_path=tmp))
+        engine.attach_optimizer(torch.optim.AdamW(param_groups(model)))
+    except RuntimeError as err:
+        return str(err)
+    finally:
+        nvme.free_bytes = original
+    return "no error"
+
+
+def test_a_full_disk_on_one_rank_stops_every_rank_at_attach(dist_pool, tmp_path):
+    messages = dist_pool(2).run(_one_full_disk_body, str(tmp_path))
+    assert "rank(s) [1] failed while attaching the optimizer" in messages[0], messages
+    assert "free" in messages[1].lower() or "space" in messages[1].lower(), messages[1]

@@ -240,3 +240,130 @@ def test_init_module_builds_in_bf16_for_bf16_true(dist_pool, stage):
     # Before: the model was built in fp32 (twice the init memory). After fit it is handed back in bf16.
     for dtypes in dist_pool(2).run(_init_module_body, stage):
         assert set(dtypes) == {"torch.bfloat16"}, dtypes
+
+
+class NormLogging(Lit):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norms: list[dict[str, float]] = []
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        from lightning.pytorch.utilities import grad_norm
+
+        strategy = self.trainer.strategy
+        norms = strategy.grad_norms(2) if hasattr(strategy, "grad_norms") else grad_norm(self, 2)
+        self.norms.append({k: float(v) for k, v in norms.items()})
+
+
+def _grad_norms_body(stage: int) -> None:
+    results = []
+    for strategy in (_strategy(stage), "ddp_find_unused_parameters_true"):
+        torch.manual_seed(0)
+        module = NormLogging()
+        _trainer(strategy, max_steps=3, gradient_clip_val=0.5).fit(module, _data())
+        results.append(module.norms)
+    zeroq, ddp = results
+    assert len(zeroq) == len(ddp) == 3
+    for ours, theirs in zip(zeroq, ddp):
+        for key, value in theirs.items():
+            assert abs(ours[key] - value) <= 1e-5 * max(1.0, value), (key, ours[key], value)
+        assert all(v == 0.0 for k, v in ours.items() if k not in theirs)  # no gradient: norm 0
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_gradient_norms_for_logging_match_ddp(dist_pool, stage):
+    # Before: .grad is empty in on_before_optimizer_step (gradients live in shards), so Lightning's
+    # grad_norm and gradient-logging callbacks saw nothing.
+    dist_pool(2).run(_grad_norms_body, stage)
+
+
+class TwoOptimizers(L.LightningModule):
+    """GAN-style manual optimization: two disjoint parameter sets, two optimizers, each zeroed, stepped
+    (and one clipped) in turn, the second backward also reaching the first set's parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.gen = nn.Sequential(nn.Embedding(VOCAB, 16), nn.Linear(16, 16))
+        self.disc = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, VOCAB))
+        self.snapshots: list[dict[str, torch.Tensor]] = []
+
+    def training_step(self, batch, batch_idx):
+        opt_g, opt_d = self.optimizers()
+        tokens, targets = batch
+        # the discriminator's step: the generator's output detached
+        self.toggle_optimizer(opt_d)
+        opt_d.zero_grad()
+        d_loss = F.cross_entropy(self.disc(self.gen(tokens).detach()).reshape(-1, VOCAB), targets.reshape(-1))
+        self.manual_backward(d_loss)
+        self.clip_gradients(opt_d, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+        opt_d.step()
+        self.untoggle_optimizer(opt_d)
+        # the generator's step: its backward also leaves gradients on the discriminator
+        opt_g.zero_grad()
+        g_loss = -F.cross_entropy(self.disc(self.gen(tokens)).reshape(-1, VOCAB), targets.reshape(-1))
+        self.manual_backward(g_loss)
+        opt_g.step()
+        strategy = self.trainer.strategy
+        full = strategy.full_state_dict() if hasattr(strategy, "full_state_dict") else {
+            n: p.detach().clone() for n, p in self.named_parameters()}
+        self.snapshots.append(full)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.gen.parameters(), lr=1e-2, eps=1e-3), \
+            torch.optim.SGD(self.disc.parameters(), lr=0.1, momentum=0.9)
+
+
+def _two_optimizers_body(stage: int) -> None:
+    runs = []
+    for strategy in (_strategy(stage), "ddp_find_unused_parameters_true"):
+        torch.manual_seed(0)
+        module = TwoOptimizers()
+        _trainer(strategy, max_steps=8).fit(module, _data(4))
+        runs.append(module.snapshots)
+    ours, ddp = runs
+    assert len(ours) == len(ddp) == 4
+    for step, (a, b) in enumerate(zip(ours, ddp)):
+        for name in b:
+            assert (a[name] - b[name]).abs().max().item() < 1e-5, (step, name, (a[name] - b[name]).abs().max().item(), {k: (a[k] - b[k]).abs().max().item() for k in b})
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_several_optimizers_in_manual_optimization_match_ddp(dist_pool, stage):
+    # Before: configure_optimizers returning two optimizers was rejected.
+    dist_pool(2).run(_two_optimizers_body, stage)
+
+
+class ZeroGradBetween(Lit):
+    """Manual optimization: a backward whose gradients the user drops with zero_grad(), then the one
+    that counts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        tokens, targets = batch
+        self.manual_backward(self.model.loss((tokens, targets, False)) * 100.0)
+        opt.zero_grad()
+        self.manual_backward(self.model.loss((tokens.flip(0), targets, False)))
+        opt.step()
+
+
+def _manual_zero_grad_body(stage: int) -> None:
+    results = []
+    for strategy in (_strategy(stage), "ddp_find_unused_parameters_true"):
+        torch.manual_seed(0)
+        module = ZeroGradBetween()
+        trainer = _trainer(strategy, max_steps=3)
+        trainer.fit(module, _data())
+        results.append({n: p.detach().float() for n, p in module.named_parameters()})  # handed back (zeroq)
+    for name, value in results[1].items():
+        assert (results[0][name] - value).abs().max().item() < 1e-5, name
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_grad_between_manual_backwards_drops_the_first(dist_pool, stage):
+    # Before: backward, zero_grad(), backward, step gave an update 101x DDP's (stages 1 and 2).
+    dist_pool(2).run(_manual_zero_grad_body, stage)

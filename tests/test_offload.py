@@ -70,7 +70,8 @@ def _head_state(engine: ZeroEngine, model: TwoHeads, head: int) -> tuple[list[to
     segments have optimizer state."""
     ids = {id(p) for p in model.heads[head].parameters()}
     out, with_state = [], 0
-    pairs = [(unit, m, seg) for unit in engine.units for m, seg in engine._optimized[unit.index]]
+    binding = engine._binding(engine.optimizer)
+    pairs = [(unit, m, seg) for unit in engine.units for m, seg in binding.optimized[unit.index]]
     for unit, seg_master, seg in pairs:
         if id(unit.params[seg.param]) in ids:
             out.append(seg_master.detach().clone())

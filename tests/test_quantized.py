@@ -211,3 +211,52 @@ def _encode_once_body() -> tuple[int, int]:
 
 def test_stage3_quantizes_each_shard_once_per_step(dist_pool):
     dist_pool(2).run(_encode_once_body)
+
+
+def _side_channel_sizes_body(sizes: list[int], bucket: int) -> dict:
+    """Every collective of one INT8 gather, recorded: (kind, elements received)."""
+    from lightning_zeroq.zero import comm
+
+    torch.manual_seed(dist.get_rank())
+    model = _Awkward(sizes)
+    engine = ZeroEngine(model, ZeroConfig(stage=2, quantized_weights=True, allgather_bucket_size=bucket))
+    group_size = engine.config.quantized_weights_group_size
+    calls: list[tuple[str, int]] = []
+    plain, uneven = comm.all_gather, comm.all_gather_uneven
+
+    def record_plain(output, input, group):
+        elements = output.numel() * group_size // (group_size + 4) if output.dtype == torch.uint8 else output.numel()
+        calls.append(("quantized" if output.dtype == torch.uint8 else "full", elements))
+        return plain(output, input, group)
+
+    def record_uneven(output, input, counts, group):
+        calls.append(("side", output.numel()))
+        return uneven(output, input, counts, group)
+
+    comm.all_gather, comm.all_gather_uneven = record_plain, record_uneven
+    try:
+        engine.publish()
+    finally:
+        comm.all_gather, comm.all_gather_uneven = plain, uneven
+    _check_units(engine, engine.config.quantized_weights_exact_numel)  # and the weights are still right
+    return {"calls": calls, "exact": sum(n for n in sizes if n <= engine.config.quantized_weights_exact_numel)}
+
+
+@pytest.mark.parametrize(
+    "world_size, sizes",
+    [
+        (2, [65536, 300_000]),            # one parameter bigger than the bucket goes on the side channel
+        (3, [65536, 7, 300_000, 1000]),
+        (4, [1000] * 40 + [300_000]),     # many small parameters, unevenly spread over the ranks
+    ],
+)
+def test_the_side_channel_is_bounded_and_sends_only_what_is_there(dist_pool, world_size, sizes):
+    # Before: one all_gather of world_size x the largest rank's count per unit: 131,072 elements in one
+    # collective for a 65,536-element parameter at 2 ranks (bucket 4096); 109,760 elements, 40,000 of
+    # them real, for 40 parameters of 1,000 at 4 ranks.
+    bucket = 4096
+    for result in dist_pool(world_size).run(_side_channel_sizes_body, sizes, bucket):
+        kinds = {kind for kind, _ in result["calls"]}
+        assert kinds == {"quantized", "side"}, result["calls"]
+        assert all(n <= bucket for _, n in result["calls"]), max(n for _, n in result["calls"])
+        assert sum(n for kind, n in result["calls"] if kind == "side") == result["exact"]  # no padding

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -53,6 +53,18 @@ def all_gather(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup]
         if _backend(group) == "nccl":
             raise
         dist.all_gather(list(output.chunk(dist.get_world_size(group))), input, group=group)
+
+
+def all_gather_uneven(output: Tensor, input: Tensor, counts: list[int], group: Optional[dist.ProcessGroup]) -> None:
+    """``output`` = the ranks' ``input`` tensors concatenated in rank order, where rank ``r`` sends
+    ``counts[r]`` elements (no padding to the largest): an all-to-all with split sizes, in which each
+    rank sends its values to every rank (the same bytes on the wire as a ring all-gather of them)."""
+    world = len(counts)
+    if world == 1 or not is_distributed():
+        output.copy_(input)
+        return
+    dist.all_to_all_single(output, input.repeat(world), output_split_sizes=list(counts),
+                           input_split_sizes=[input.numel()] * world, group=group)
 
 
 def all_reduce(tensor: Tensor, op: dist.ReduceOp.RedOpType, group: Optional[dist.ProcessGroup]) -> None:
@@ -103,3 +115,30 @@ class SideStream:
         """The compute stream waits for everything issued on the side stream so far."""
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+
+@contextlib.contextmanager
+def agreed(group: Optional[dist.ProcessGroup], what: str) -> Iterator[None]:
+    """Every rank leaves the block together. Wrap rank-local work that can fail on one rank only (a
+    file, a path, a disk, a compiler) and comes before collectives: if the block raised on any rank,
+    it raises on every rank (the failing rank re-raises its own error, the others a ``RuntimeError``
+    naming it and its message), instead of one rank stopping while the others wait in a collective
+    until the timeout. Costs one small all-reduce."""
+    error: Optional[BaseException] = None
+    try:
+        yield
+    except Exception as caught:  # noqa: BLE001  (re-raised below, on every rank)
+        error = caught
+    if is_distributed() and dist.get_world_size(group) > 1:
+        device = torch.device("cuda", torch.cuda.current_device()) if _backend(group) == "nccl" else torch.device("cpu")
+        flag = torch.tensor([0.0 if error is None else 1.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if flag.item() > 0:
+            messages: list[Optional[str]] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}", group=group)
+            if error is not None:
+                raise error
+            failed = [r for r, m in enumerate(messages) if m is not None]
+            raise RuntimeError(f"rank(s) {failed} failed while {what}; rank {failed[0]} said: {messages[failed[0]]}")
+    if error is not None:
+        raise error

@@ -24,7 +24,6 @@ One optimizer step:
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import warnings
 from typing import Optional
@@ -34,15 +33,15 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_zeroq.config import ZeroConfig
-from lightning_zeroq.zero import access, comm, state_dict
+from lightning_zeroq.zero import access, comm, norms, state_dict, update
 from lightning_zeroq.zero.gather import Gatherer
-from lightning_zeroq.zero.layout import ALIGN, Segment
+from lightning_zeroq.zero.layout import ALIGN
 from lightning_zeroq.zero.loss_scaler import loss_scaler_from_config
 from lightning_zeroq.zero.materialize import sync_replicated_state
 from lightning_zeroq.zero.offload import optimizer_placement, shard_store
-from lightning_zeroq.zero.optimizers import OneStep, ZeroGradThrough, bind_to_shards
+from lightning_zeroq.zero.optimizers import Binding, ZeroGradThrough, bind_to_shards
 from lightning_zeroq.zero.plan import plan
-from lightning_zeroq.zero.reducer import Agreement, Reducer, Window
+from lightning_zeroq.zero.reducer import Reducer, Window
 from lightning_zeroq.zero.stage3 import Stage3Coordinator
 from lightning_zeroq.zero.unit import build_units, plan_layouts, trainable_parameters
 from lightning_zeroq.zero.wire import FullWidth, Int8, Wire
@@ -76,20 +75,21 @@ class ZeroEngine:
             for message in config.ineffective(loss_scaling):
                 warnings.warn(f"ZeroConfig: {message}", stacklevel=2)
         self.loss_scaler = loss_scaler_from_config(config) if loss_scaling else None
-        self.optimizer: Optional[torch.optim.Optimizer] = None
-        self.device = _target_device(module, device)
+        # Everything before the first collective that can fail on one rank only (an NVMe path, its free
+        # space, the kernel build) fails on every rank together.
+        with comm.agreed(group, "building the ZeRO engine"):
+            self.device = _target_device(module, device)
+            specs = plan(module, trainable_parameters(module), config)
+            align = math.lcm(ALIGN, config.quantized_weights_group_size) if config.quantized_weights else ALIGN
+            layouts = plan_layouts(specs, self.world_size, align)
+            self.placement = optimizer_placement(config, self.device, param_dtype, self.rank, self.world_size)
+            wire = self._wire(layouts)
+            transient = {i: wire.payload_numel(i) for i, spec in enumerate(specs) if not spec.persistent}
+            store = None
+            if transient:
+                store = shard_store(config, self.device, payload_dtype=wire.payload_dtype, payload_numels=transient,
+                                    param_dtype=param_dtype, rank=self.rank)
         sync_replicated_state(module, self.device, group)
-
-        specs = plan(module, trainable_parameters(module), config)
-        align = math.lcm(ALIGN, config.quantized_weights_group_size) if config.quantized_weights else ALIGN
-        layouts = plan_layouts(specs, self.world_size, align)
-        self.placement = optimizer_placement(config, self.device, param_dtype, self.rank, self.world_size)
-        wire = self._wire(layouts)
-        transient = {i: wire.payload_numel(i) for i, spec in enumerate(specs) if not spec.persistent}
-        store = None
-        if transient:
-            store = shard_store(config, self.device, payload_dtype=wire.payload_dtype, payload_numels=transient,
-                                param_dtype=param_dtype, rank=self.rank)
         self.gatherer = Gatherer(wire, self.placement, store, self.device,
                                  sync_persistent_on_build=config.quantized_weights)
         self.units = build_units(module, specs, layouts, device=self.device, param_dtype=param_dtype, group=group,
@@ -110,9 +110,10 @@ class ZeroEngine:
             overlap_comm=config.overlap_comm,
             listener=self.stage3,
         )
-        self._optimized: dict[int, list[tuple[Tensor, Segment]]] = {}
-        self._grad_multiplier = 1.0
-        self._skip = False
+        self._bindings: list[Binding] = []
+        self._all = Binding(None, {}, frozenset(range(self.reducer.num_params)),  # type: ignore[arg-type]
+                            frozenset(u.index for u in self.units))
+        self._base = 1.0
         self.retired = False
         """``release_module`` handed the module back; the state stays readable, training is over."""
         access.register(self)
@@ -139,16 +140,37 @@ class ZeroEngine:
     def num_params(self) -> int:
         return self.reducer.num_params
 
+    @property
+    def optimizer(self) -> Optional[torch.optim.Optimizer]:
+        """The optimizer (the first one attached, when there are several)."""
+        return self._bindings[0].optimizer if self._bindings else None
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [b.optimizer for b in self._bindings]
+
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Rebind ``optimizer``'s param groups to this rank's fp32 master segments.
 
         The optimizer object itself is kept, so LR schedulers and ``LearningRateMonitor`` that hold it
-        keep working; its state starts empty.
+        keep working; its state starts empty. Several optimizers may be attached if their parameters are
+        disjoint; one whose parameters overlap an attached one's replaces it (a new optimizer for the
+        same model).
         """
-        self._optimized = bind_to_shards(optimizer, self.module, self.units, first_time=self.optimizer is None)
-        self.optimizer = optimizer
+        binding = bind_to_shards(optimizer, self.module, self.units)
+        self._bindings = [b for b in self._bindings if not b.param_ids & binding.param_ids] + [binding]
         optimizer.zero_grad = ZeroGradThrough(optimizer, self)  # type: ignore[method-assign]
-        self.placement.attach(self.units, optimizer)
+        with comm.agreed(self.group, "attaching the optimizer (NVMe swap space)"):
+            self.placement.attach(self.units, self.optimizers)
+
+    def _binding(self, optimizer: Optional[torch.optim.Optimizer]) -> Binding:
+        """The binding of ``optimizer``; without one, the only binding or (none, several) all units."""
+        if optimizer is not None:
+            for binding in self._bindings:
+                if binding.optimizer is optimizer:
+                    return binding
+            raise ValueError(f"{type(optimizer).__name__} is not attached to this engine; attach_optimizer() it first.")
+        return self._bindings[0] if len(self._bindings) == 1 else self._all
 
     # ------------------------------------------------------------------ backward
 
@@ -181,108 +203,106 @@ class ZeroEngine:
 
     # ------------------------------------------------------------------ step
 
-    def finalize_gradients(self) -> bool:
-        """Complete this window's gradient shards. Returns True if the step must be skipped: fp16
-        overflow (the loss scale backs off), or non-finite gradients with ``nonfinite_gradients="skip"``.
-        Non-finite gradients otherwise raise ``RuntimeError`` on every rank.
+    def finalize_gradients(self, optimizer: Optional[torch.optim.Optimizer] = None) -> bool:
+        """Complete this window's gradient shards. Returns True if ``optimizer``'s step must be skipped:
+        fp16 overflow (the loss scale backs off), or non-finite gradients with
+        ``nonfinite_gradients="skip"``. Non-finite gradients otherwise raise ``RuntimeError`` on every
+        rank (the window is dropped; the model is untouched).
 
-        Unscaling and clipping are not applied here but folded into one multiplier, applied once to
-        the gradients the optimizer reads (on the host with offload) right before the step.
+        Unscaling and clipping are not applied here but folded into one multiplier per optimizer,
+        applied once to the gradients it reads (on the host with offload) right before its step.
         """
-        if self.reducer.window is Window.FINALIZED:
-            return self._skip
-        agreement = self.reducer.finalize()
-        self._skip = not agreement.finite and self._skip_nonfinite(agreement)
-        self._grad_multiplier = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        return self._skip
-
-    def _skip_nonfinite(self, agreement: Agreement) -> bool:
-        scaler = self.loss_scaler
-        where = f"on rank(s) {agreement.nonfinite_ranks}, in the gradients of {self._names_of(agreement.nonfinite_units)}"
-        if scaler is not None and (not scaler.dynamic or scaler.scale > scaler.min_scale):
-            _log(self.rank, f"fp16 overflow in step {self.steps + 1} {where}: step skipped, loss scale "
-                            f"{scaler.scale:g} -> {scaler.next_scale(overflow=True):g}")
-            return True
-        if self.config.nonfinite_gradients == "skip":
-            _log(self.rank, f"non-finite gradients in step {self.steps + 1} {where}: step skipped "
-                            "(nonfinite_gradients='skip')", logging.WARNING)
-            return True
-        self.reducer.clear()  # the model is untouched and the engine usable (a caller may go on)
-        raise RuntimeError(
-            f"ZeroQ: non-finite gradients (inf or NaN) in optimizer step {self.steps + 1} {where}"
-            + (f", at the minimum loss scale {scaler.scale:g}" if scaler is not None else "")
-            + ". Stepping would write them into the model. Find their source with "
-            "torch.autograd.set_detect_anomaly(True) (Trainer(detect_anomaly=True)), lower the learning rate or "
-            "clip gradients; or pass nonfinite_gradients='skip' to skip such steps."
-        )
+        if self.reducer.window is not Window.FINALIZED:
+            self.reducer.finalize()
+            self._base = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+            for binding in [*self._bindings, self._all]:
+                binding.multiplier, binding.skip = self._base, None
+        binding = self._binding(optimizer)
+        if binding.skip is None:
+            agreement = self.reducer.agreement
+            bad = [u for u in agreement.nonfinite_units if u in binding.unit_ids]
+            try:
+                binding.skip = bool(bad) and update.decide_nonfinite(
+                    agreement, bad, scaler=self.loss_scaler, action=self.config.nonfinite_gradients,
+                    step=self.steps + 1, names=self._names_of(bad), rank=self.rank)
+            except RuntimeError:
+                self.reducer.clear()  # the model is untouched and the engine usable (a caller may go on)
+                raise
+        return binding.skip
 
     def _names_of(self, unit_indices: list[int], most: int = 4) -> str:
         names = [self._param_names.get(id(p), "?") for i in unit_indices for p in self.units[i].params]
         more = f" and {len(names) - most} more" if len(names) > most else ""
         return ", ".join(names[:most]) + more
 
-    def _apply_grad_multiplier(self) -> None:
-        if self._grad_multiplier != 1.0:
-            for unit in self.units:
-                self.placement.step_grad(unit).mul_(self._grad_multiplier)
-            self._grad_multiplier = 1.0
-
-    def clip_grad_norm_(self, max_norm: float) -> Tensor:
-        """Clip the gradient shards by the global 2-norm over all ranks; returns the norm."""
-        if self.finalize_gradients():
+    def clip_grad_norm_(self, max_norm: float, optimizer: Optional[torch.optim.Optimizer] = None) -> Tensor:
+        """Clip ``optimizer``'s gradients (default: all) by their 2-norm over all ranks; returns the norm."""
+        binding = self._binding(optimizer)
+        if self.finalize_gradients(optimizer):
             return torch.tensor(float("inf"), device=self.device)
-        local = torch.zeros((), device=self.device)
-        for unit in self.units:  # the device copy: fast even when the step runs on the host
-            local += unit.grad.pow(2).sum()
-        if self.world_size > 1:
-            comm.all_reduce(local, dist.ReduceOp.SUM, self.group)
-        norm = local.sqrt() * self._grad_multiplier
-        coef = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-        self._grad_multiplier *= coef
+        if len(self._bindings) <= 1:
+            norm = norms.global_norm(self.units, self.group, self.device)
+        else:
+            squared = update.segments_norm_squared(binding, self.units, self.device)
+            if self.world_size > 1:
+                comm.all_reduce(squared, dist.ReduceOp.SUM, self.group)
+            norm = squared.sqrt()
+        norm = norm * binding.multiplier
+        binding.multiplier *= float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
         return norm
 
-    def clip_grad_value_(self, clip_value: float) -> None:
-        if not self.finalize_gradients():
-            self._apply_grad_multiplier()
+    def clip_grad_value_(self, clip_value: float, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        binding = self._binding(optimizer)
+        if not self.finalize_gradients(optimizer):
+            update.apply_multiplier(binding, self.units, self.placement, whole=len(self._bindings) <= 1)
             for unit in self.units:
-                self.placement.step_grad(unit).clamp_(-clip_value, clip_value)
+                grad = self.placement.step_grad(unit)
+                spans = [seg.shard_span for _, seg in binding.optimized.get(unit.index, ())] \
+                    if len(self._bindings) > 1 else [slice(None)]
+                for span in spans:
+                    grad[span].clamp_(-clip_value, clip_value)
+
+    def grad_norms(self, norm_type: float = 2.0) -> dict[str, Tensor]:
+        """Collective: every trainable parameter's gradient norm and their total, from the shards,
+        keyed as Lightning's ``grad_norm`` utility keys them; see ``norms.grad_norms``."""
+        self.finalize_gradients()
+        return norms.grad_norms(self.units, self._param_names, float(norm_type), abs(self._base),
+                                self.group, self.device)
 
     @property
     def has_gradients(self) -> bool:
         """Some backward ran since the last step (or ``zero_grad``)."""
         return self.reducer.window is not Window.EMPTY
 
-    def step(self) -> bool:
-        """Apply one optimizer update from this window's gradients. Returns False if it was skipped."""
+    def step(self, optimizer: Optional[torch.optim.Optimizer] = None) -> bool:
+        """Apply one update of ``optimizer`` (needed when several are attached) from this window's
+        gradients. Returns False if it was skipped."""
         self._check_active()
-        if self.optimizer is None:
+        if not self._bindings:
             raise RuntimeError("ZeroEngine.step() needs an optimizer: call attach_optimizer() first.")
-        skip = self.finalize_gradients()
+        binding = self._binding(optimizer)
+        if binding is self._all:
+            raise ValueError("Several optimizers are attached: name the one to step, engine.step(optimizer).")
+        skip = self.finalize_gradients(binding.optimizer)
         if not skip:
-            self._apply_grad_multiplier()
-            used = self.reducer.agreement.used.tolist()
-            with OneStep(self.optimizer) as one_step:
-                for units in self.placement.step_batches(self.units):
-                    for unit in units:
-                        grad = self.placement.step_grad(unit)
-                        for view, seg in self._optimized[unit.index]:
-                            if used[unit.param_id(seg.param)]:
-                                view.grad = grad[seg.shard_span]
-                    one_step.step()
-                    for unit in units:
-                        for view, _ in self._optimized[unit.index]:
-                            view.grad = None
-                        self.gatherer.publish(unit)
+            update.apply_multiplier(binding, self.units, self.placement, whole=len(self._bindings) == 1)
+            update.run(binding, self.units, self.placement, self.gatherer, self.reducer.agreement.used)
         if self.loss_scaler is not None:
             self.loss_scaler.update(skip)
         self.steps += 1
         self.skipped_steps += int(skip)
-        self.reducer.clear()
+        self._clear(binding)
         return not skip
 
-    def zero_grad(self) -> None:
-        """Drop this window's gradients without stepping."""
-        self.reducer.clear()
+    def zero_grad(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """Drop this window's gradients (of ``optimizer``'s parameters, when several are attached)."""
+        self._clear(self._binding(optimizer) if optimizer is not None else None)
+
+    def _clear(self, binding: Optional[Binding]) -> None:
+        if binding is None or len(self._bindings) <= 1:
+            self.reducer.clear()
+        else:
+            self.reducer.clear_params(binding.param_ids, binding.optimized)
 
     def publish(self) -> None:
         """Bring every unit's working weights up to date with its master shard."""
@@ -343,11 +363,6 @@ class ZeroEngine:
         self.reducer.close()
         self.placement.close()
         self.gatherer.close()
-
-
-def _log(rank: int, message: str, level: int = logging.INFO) -> None:
-    if rank == 0:
-        logging.getLogger("lightning_zeroq").log(level, message)
 
 
 def _target_device(module: nn.Module, device: Optional[torch.device]) -> torch.device:

@@ -66,32 +66,58 @@ def prefer_fast_host_step(optimizer: torch.optim.Optimizer, group: dict) -> None
         group["foreach"] = True
 
 
-def bind_to_shards(
-    optimizer: torch.optim.Optimizer, module: nn.Module, units: Sequence[Unit], *, first_time: bool
-) -> dict[int, list[tuple[Tensor, Segment]]]:
+class Binding:
+    """One optimizer bound to the master segments of its parameters (several optimizers may share an
+    engine if their parameters are disjoint, e.g. a GAN's generator and discriminator)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, optimized: dict[int, list[tuple[Tensor, Segment]]],
+                 param_ids: frozenset[int], unit_ids: frozenset[int]) -> None:
+        self.optimizer = optimizer
+        self.optimized = optimized
+        """Per unit index: the (master segment view, segment) pairs this optimizer steps on this rank."""
+        self.param_ids = param_ids
+        """The engine's ids (``Unit.param_id``) of this optimizer's parameters, whichever rank owns them."""
+        self.unit_ids = unit_ids
+        """Units holding any of them."""
+        self.multiplier = 1.0
+        """Unscaling and clipping still to apply to this optimizer's gradients (see ``ZeroEngine``)."""
+        self.skip: Optional[bool] = None
+        """This window's decision for this optimizer's step (None: not decided yet)."""
+
+
+def bind_to_shards(optimizer: torch.optim.Optimizer, module: nn.Module, units: Sequence[Unit]) -> Binding:
     """Rebind ``optimizer``'s param groups to this rank's fp32 master segments, in place.
 
     The optimizer object itself is kept, so LR schedulers and ``LearningRateMonitor`` that hold it keep
-    working; its state starts empty. Returns, per unit index, the (master segment, segment) pairs the
-    optimizer steps.
+    working; its state starts empty. An optimizer bound before (its groups hold segment views) binds
+    again to the same parameters.
     """
     check_elementwise(optimizer)
+    # A group that was bound before holds master segment views: read them as their parameters.
+    owner_of_view = {id(v): u.params[seg.param] for u in units for seg, v in zip(u.segments, u.segment_masters)}
     group_of: dict[int, int] = {}
     for gi, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
-            if id(p) in group_of:
+            p = owner_of_view.get(id(p), p)
+            if id(p) in group_of and group_of[id(p)] != gi:
                 raise ValueError("A parameter appears in two optimizer param groups; list each once.")
             group_of[id(p)] = gi
     module_params = {id(p) for p in module.parameters()}
     foreign = [k for k in group_of if k not in module_params]
-    if foreign and first_time:
+    if foreign:
         raise ValueError(
             f"The optimizer holds {len(foreign)} tensor(s) that are not parameters of the module; "
             "build the optimizer from self.parameters() in configure_optimizers."
         )
     new_params: list[list[Tensor]] = [[] for _ in optimizer.param_groups]
     optimized: dict[int, list[tuple[Tensor, Segment]]] = {u.index: [] for u in units}
+    param_ids: set[int] = set()
+    unit_ids: set[int] = set()
     for unit in units:
+        for i, p in enumerate(unit.params):
+            if id(p) in group_of:
+                param_ids.add(unit.param_id(i))
+                unit_ids.add(unit.index)
         for seg, view in zip(unit.segments, unit.segment_masters):
             gi = group_of.get(id(unit.params[seg.param]))
             if gi is not None:
@@ -100,7 +126,7 @@ def bind_to_shards(
     for group, views in zip(optimizer.param_groups, new_params):
         group["params"] = views
     optimizer.state.clear()
-    return optimized
+    return Binding(optimizer, optimized, frozenset(param_ids), frozenset(unit_ids))
 
 
 class OneStep:
@@ -158,7 +184,7 @@ class ZeroGradThrough:
     def __call__(self, set_to_none: bool = True) -> None:
         engine, optimizer = self._engine(), self._optimizer()
         if engine is not None:
-            engine.zero_grad()
+            engine.zero_grad(optimizer)
         if optimizer is not None:
             type(optimizer).zero_grad(optimizer, set_to_none)
 

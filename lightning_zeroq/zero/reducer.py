@@ -305,6 +305,27 @@ class Reducer:
         self.window = Window.EMPTY
         self.placement.end_window()
 
+    def clear_params(self, param_ids: frozenset[int], optimized: dict[int, list]) -> None:
+        """Drop the gradients of some parameters only (one of several optimizers stepped or zeroed its
+        own); the others' stay, and the window accepts more backward passes."""
+        self.end_backward()
+        self.wait()
+        for unit in self.units:
+            host = self.placement.step_grad(unit)
+            for _, seg in optimized.get(unit.index, ()):
+                unit.grad[seg.shard_span].zero_()
+                if host is not unit.grad:
+                    host[seg.shard_span].zero_()
+            accum = self._accum.get(unit.index)
+            for i, (p, slot) in enumerate(zip(unit.params, unit.layout.slots)):
+                if unit.param_id(i) in param_ids:
+                    p.grad = None
+                    if accum is not None:
+                        accum[slot.span].zero_()
+        self._used -= param_ids
+        if self.window is Window.FINALIZED:
+            self.window, self.agreement = Window.ACCUMULATED, None
+
     def close(self) -> None:
         for handle in self._hooks:
             handle.remove()

@@ -16,8 +16,10 @@ the store's copy casts it (on the host when the master is there, so nothing cros
 INT8, per unit (all ranks run the same steps on the same sizes):
 
 1. *Side channel.* Elements of small parameters (at most ``exact_numel`` elements: norms, biases)
-   are sent exactly, in the working dtype, with one ``all_gather`` of a buffer padded to the largest
-   rank's count; they are zeroed before quantization so they cannot inflate a group's scale.
+   are sent exactly, in the working dtype; they are zeroed before quantization so they cannot
+   inflate a group's scale. Each rank sends only the values it owns (ranks own different numbers of
+   them: an all-to-all with split sizes, not an all-gather padded to the largest rank's count), in
+   rounds of at most ``allgather_bucket_size`` elements over all ranks, like the chunks below.
 2. *Chunks.* The shard is cut into chunks of ``chunk_numel`` elements (a multiple of the group size)
    so that one collective gathers at most ``allgather_bucket_size`` elements across all ranks, but
    never less than one group per rank. Per chunk: quantize+pack ``[codes | scales]`` into a send
@@ -100,16 +102,15 @@ def plan_chunks(shard_numel: int, world_size: int, bucket_numel: int, group_size
 
 @dataclass(eq=False)
 class _SidePlan:
-    """Where the exact (side-channel) elements of one unit live."""
+    """Where the exact (side-channel) elements of one unit live, and the collectives that move them."""
 
     local: Tensor
-    """Positions in this rank's shard (int64)."""
-    max_count: int
-    """The largest per-rank count: the padded size of every rank's side buffer."""
-    valid: Tensor
-    """Positions in the gathered ``[world_size * max_count]`` side buffer that hold real values."""
-    flat: Tensor
-    """Positions in the working buffer of those values, in the same order."""
+    """Positions in this rank's shard (int64); this rank sends exactly these values, no padding."""
+    rounds: list[tuple[list[int], Tensor]]
+    """Per collective: how many values each rank sends in it, and where the received values go in
+    the working buffer. Each collective moves at most ``allgather_bucket_size`` elements in all."""
+    per_round: int
+    """Values a rank sends per collective (the bucket bound divided by the world size)."""
 
 
 def side_positions(layout: UnitLayout, exact_numel: int, rank: int) -> list[int]:
@@ -121,17 +122,26 @@ def side_positions(layout: UnitLayout, exact_numel: int, rank: int) -> list[int]
     return out
 
 
-def _side_plan(layout: UnitLayout, exact_numel: int, rank: int, device: torch.device) -> Optional[_SidePlan]:
+def side_rounds(counts: Sequence[int], per_round: int) -> list[list[int]]:
+    """Per collective, the number of values each rank sends: rank ``r`` sends its values in order,
+    ``per_round`` at a time, until its ``counts[r]`` are out; a rank with fewer sends nothing more."""
+    rounds = -(-max(counts, default=0) // per_round)
+    return [[max(0, min(per_round, c - k * per_round)) for c in counts] for k in range(rounds)]
+
+
+def _side_plan(layout: UnitLayout, exact_numel: int, rank: int, bucket_numel: int,
+               device: torch.device) -> Optional[_SidePlan]:
     per_rank = [side_positions(layout, exact_numel, r) for r in range(layout.world_size)]
-    max_count = max(len(p) for p in per_rank)
-    if max_count == 0:
+    if not any(per_rank):
         return None
-    valid, flat = [], []
-    for r, positions in enumerate(per_rank):
-        valid.extend(r * max_count + i for i in range(len(positions)))
-        flat.extend(r * layout.shard_numel + p for p in positions)
-    as_index = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
-    return _SidePlan(as_index(per_rank[rank]), max_count, as_index(valid), as_index(flat))
+    per_round = max(1, bucket_numel // layout.world_size)
+    rounds = []
+    for k, counts in enumerate(side_rounds([len(p) for p in per_rank], per_round)):
+        flat = [r * layout.shard_numel + p for r, (positions, n) in enumerate(zip(per_rank, counts))
+                for p in positions[k * per_round : k * per_round + n]]
+        rounds.append((counts, torch.tensor(flat, dtype=torch.int64, device=device)))
+    local = torch.tensor(per_rank[rank], dtype=torch.int64, device=device)
+    return _SidePlan(local, rounds, per_round)
 
 
 def _positions_in(side: Optional[_SidePlan], start: int, n: int) -> Optional[Tensor]:
@@ -178,7 +188,7 @@ class Int8:
     def _plan(self, layout: UnitLayout, bucket_numel: int, exact_numel: int) -> _UnitPlan:
         step = plan_chunks(layout.shard_numel, layout.world_size, bucket_numel, self.group_size).chunk_numel
         chunks = [(start, min(step, layout.shard_numel - start)) for start in range(0, layout.shard_numel, step)]
-        side = _side_plan(layout, exact_numel, self.rank, self.device)
+        side = _side_plan(layout, exact_numel, self.rank, bucket_numel, self.device)
         offsets = [0]
         for _, n in chunks:
             offsets.append(offsets[-1] + ops.packed_nbytes(n, self.group_size))
@@ -186,7 +196,7 @@ class Int8:
 
     def payload_numel(self, index: int) -> int:
         plan = self.plans[index]
-        side_bytes = plan.side.max_count * self.param_dtype.itemsize if plan.side is not None else 0
+        side_bytes = plan.side.local.numel() * self.param_dtype.itemsize if plan.side is not None else 0
         return plan.offsets[-1] + side_bytes
 
     @torch.no_grad()
@@ -202,15 +212,12 @@ class Int8:
 
     @torch.no_grad()
     def _encode_side(self, plan: _UnitPlan, master: Tensor, out: Optional[Tensor] = None) -> Optional[Tensor]:
-        """The exact side-channel values of this rank's shard, padded to the largest rank's count."""
+        """The exact side-channel values of this rank's shard (its own count: no padding)."""
         side = plan.side
         if side is None:
             return None
-        if out is None:
-            out = torch.empty(side.max_count, dtype=self.param_dtype, device=self.device)
-        out.zero_()
-        out[: side.local.numel()] = master[side.local].to(self.param_dtype)
-        return out
+        values = master[side.local].to(self.param_dtype)
+        return values if out is None else out.copy_(values)
 
     @torch.no_grad()
     def _gather_chunk(self, unit: Unit, c: int, send: Tensor) -> None:
@@ -228,9 +235,11 @@ class Int8:
         side = self.plans[unit.index].side
         if side is None:
             return
-        recv = torch.empty(unit.layout.world_size * side.max_count, dtype=unit.flat.dtype, device=self.device)
-        comm.all_gather(recv, send, self.group)
-        unit.flat[side.flat] = recv[side.valid]
+        for k, (counts, positions) in enumerate(side.rounds):
+            start = k * side.per_round
+            recv = torch.empty(sum(counts), dtype=unit.flat.dtype, device=self.device)
+            comm.all_gather_uneven(recv, send[start : start + counts[self.rank]], counts, self.group)
+            unit.flat[positions] = recv
 
     def sync(self, unit: Unit, placement: OptimizerPlacement) -> None:
         """Encode and gather chunk by chunk (temporary memory bounded by one chunk)."""

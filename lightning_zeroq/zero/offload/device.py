@@ -43,7 +43,7 @@ class OptimizerPlacement:
     def adopt_master(self, index: int, shard: Tensor) -> Tensor:
         return shard.clone()
 
-    def attach(self, units: Sequence[Unit], optimizer: torch.optim.Optimizer) -> None:
+    def attach(self, units: Sequence[Unit], optimizers: Sequence[torch.optim.Optimizer]) -> None:
         pass
 
     def state_loaded(self, optimizer: torch.optim.Optimizer) -> None:

@@ -55,9 +55,10 @@ class HostOptimizer(OptimizerPlacement):
             self.staging[index] = host_copy(torch.empty(shard.numel(), dtype=self.param_dtype), self.pin)
         return master
 
-    def attach(self, units: Sequence[Unit], optimizer: torch.optim.Optimizer) -> None:
-        for group in optimizer.param_groups:
-            prefer_fast_host_step(optimizer, group)
+    def attach(self, units: Sequence[Unit], optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                prefer_fast_host_step(optimizer, group)
         cores = os.cpu_count() or 1
         if torch.get_num_threads() == 1 and cores > self.world_size:
             warnings.warn(

@@ -62,8 +62,14 @@ class NvmeOptimizer(HostOptimizer):
         self._resident: dict[int, dict[str, Tensor]] = {}
         self._writing: dict[int, list[SwapHandle]] = {}
 
-    def attach(self, units: Sequence[Unit], optimizer: torch.optim.Optimizer) -> None:
-        super().attach(units, optimizer)
+    def attach(self, units: Sequence[Unit], optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        if len(optimizers) > 1:
+            raise ValueError(
+                f"NVMe optimizer offload swaps one optimizer's state; {len(optimizers)} are attached. Use one "
+                "optimizer with several param groups, or offload_optimizer_device='cpu'."
+            )
+        super().attach(units, optimizers)
+        optimizer = optimizers[0]
         self.optimizer = optimizer
         self._state_on_disk.clear()  # a new optimizer (another fit, a loaded checkpoint): its state wins
         if self.swapper is not None:
