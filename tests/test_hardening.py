@@ -342,3 +342,37 @@ def test_a_full_disk_on_one_rank_stops_every_rank_at_attach(dist_pool, tmp_path)
     messages = dist_pool(2).run(_one_full_disk_body, str(tmp_path))
     assert "rank(s) [1] failed while attaching the optimizer" in messages[0], messages
     assert "free" in messages[1].lower() or "space" in messages[1].lower(), messages[1]
+
+
+def _timeout_body() -> str:
+    """A collective that fails (here: a rank that never joins) must raise, not switch the engine to a
+    fallback path for the rest of the run."""
+    from datetime import timedelta
+
+    from lightning_zeroq.zero import comm
+
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=2))
+    out = torch.empty(4)
+    if dist.get_rank() == 0:
+        try:
+            comm.reduce_scatter(out[:2], torch.ones(4), group)  # rank 1 never comes
+        except RuntimeError as err:
+            message = str(err)
+        else:
+            message = "no error"
+    else:
+        message = "skipped"
+    dist.barrier()
+    comm.reduce_scatter(out[:2], torch.ones(4), group=None)  # the flat collective is still used afterwards
+    return message
+
+
+def test_a_failing_collective_raises_instead_of_switching_paths(dist_pool):
+    # Before: comm.reduce_scatter caught any gloo RuntimeError (a timeout, say) and silently switched
+    # every later reduce-scatter to the all-reduce fallback.
+    from lightning_zeroq.zero.comm import has_flat_collectives
+
+    assert has_flat_collectives("nccl", (2, 4)) and has_flat_collectives("gloo", (2, 13))
+    assert not has_flat_collectives("gloo", (2, 7))
+    messages = dist_pool(2).run(_timeout_body)
+    assert messages[1] == "skipped" and messages[0] != "no error", messages

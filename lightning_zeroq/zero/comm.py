@@ -4,7 +4,10 @@
   ``reduce_scatter_single`` / ``all_gather_single``; torch 2.11 (our GPU machine) only has the
   former. Same arguments; we take whichever exists.
 - Reductions use SUM and the caller divides, because AVG is NCCL-only.
-- Backends that lack a tensor collective (old gloo) fall back to ``all_reduce`` + slicing.
+- Whether a backend has the flat-tensor collectives is decided once per backend from what is known
+  of it (NCCL always; gloo from torch 2.8, pytorch#149869), never by catching an error: a timeout or
+  a peer's failure must surface, not switch every later collective to a slower path. Gloo before
+  2.8 uses ``all_reduce`` + slicing and a list ``all_gather``.
 """
 
 from __future__ import annotations
@@ -18,24 +21,23 @@ from torch import Tensor
 
 _reduce_scatter_impl = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_impl = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_fallback_backends: set[str] = set()
+_TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
 
 def _backend(group: Optional[dist.ProcessGroup]) -> str:
     return str(dist.get_backend(group))
 
 
+def has_flat_collectives(backend: str, torch_version: tuple[int, int] = _TORCH) -> bool:
+    """Does ``backend`` implement ``reduce_scatter_tensor`` and ``all_gather_into_tensor``?"""
+    return backend != "gloo" or torch_version >= (2, 8)
+
+
 def reduce_scatter(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup]) -> None:
     """``output = sum over ranks of input``, this rank's chunk. ``input`` is ``world_size`` chunks long."""
-    backend = _backend(group)
-    if backend not in _fallback_backends:
-        try:
-            _reduce_scatter_impl(output, input, op=dist.ReduceOp.SUM, group=group)
-            return
-        except (RuntimeError, NotImplementedError):
-            if backend == "nccl":
-                raise
-            _fallback_backends.add(backend)
+    if has_flat_collectives(_backend(group)):
+        _reduce_scatter_impl(output, input, op=dist.ReduceOp.SUM, group=group)
+        return
     summed = input.clone()
     dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
     rank, n = dist.get_rank(group), output.numel()
@@ -47,11 +49,9 @@ def all_gather(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup]
     if not is_distributed():
         output.copy_(input)
         return
-    try:
+    if has_flat_collectives(_backend(group)):
         _all_gather_impl(output, input, group=group)
-    except (RuntimeError, NotImplementedError):
-        if _backend(group) == "nccl":
-            raise
+    else:
         dist.all_gather(list(output.chunk(dist.get_world_size(group))), input, group=group)
 
 
