@@ -79,3 +79,26 @@ def test_stage3_changing_control_flow_nccl(gpu_pool, prefetch):
     from tests import test_stage3
 
     gpu_pool(2).run(test_stage3._path_body, prefetch, "cuda")
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_late_gradients_reentrant_checkpointing_nccl(gpu_pool, stage):
+    from tests import test_hardening
+
+    worst = gpu_pool(2).run(test_hardening._reentrant_body, stage, True, "cuda")
+    print(f"stage {stage} reentrant checkpointing: worst |zeroq - reference| = {max(worst):.3g}")
+
+
+def test_nonfinite_gradients_stop_every_rank_nccl(gpu_pool):
+    from tests import test_hardening
+
+    for r in gpu_pool(2).run(test_hardening._nonfinite_body, "error", 2, "cuda"):
+        assert "rank(s) [1]" in r["error"] and r["unchanged"], r
+
+
+@pytest.mark.parametrize("offload", ["none", "cpu"])
+def test_one_optimizer_step_per_step_nccl(gpu_pool, offload):
+    from tests import test_hardening
+
+    assert all(c == (3, 3) for c in gpu_pool(2).run(test_hardening._one_step_body, offload, "cuda"))
+

@@ -59,7 +59,7 @@ def _averaged_step(ref: nn.Module, ref_opt: torch.optim.Optimizer) -> None:
     """The data-parallel reference: average the replica's gradients over the ranks, then step (a
     parameter no rank used keeps ``grad=None``, as with DDP)."""
     params = [p for p in ref.parameters() if p.requires_grad]
-    used = torch.tensor([float(p.grad is not None) for p in params])
+    used = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
     dist.all_reduce(used)
     for p, anyone in zip(params, used.tolist()):
         if anyone:
@@ -74,15 +74,20 @@ def _assert_matches(engine: ZeroEngine, ref: nn.Module, what: str, tol: float = 
     full = engine.full_state_dict()
     worst = 0.0
     for name, p in ref.named_parameters():
-        diff = (full[name] - p.detach()).abs().max().item()
+        diff = (full[name] - p.detach().cpu()).abs().max().item()
         assert diff < tol, f"{what}: {name} differs from the reference by {diff}"
         worst = max(worst, diff)
     return worst
 
 
-def _reentrant_body(stage: int, managed: bool) -> float:
+def _device(device: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+
+
+def _reentrant_body(stage: int, managed: bool, device: str = "cpu") -> float:
     torch.manual_seed(0)
-    model = Reentrant()
+    dev = _device(device)
+    model = Reentrant().to(dev)
     ref = copy.deepcopy(model)
     engine = ZeroEngine(model, ZeroConfig(stage=stage, managed_gradient_accumulation=managed, **_stage_options(stage)))
     engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3))
@@ -90,8 +95,9 @@ def _reentrant_body(stage: int, managed: bool) -> float:
     worst = 0.0
     for step, n in enumerate([1, 3, 2]):
         for micro in range(n):
-            engine.backward(_lm_loss(model, _tokens(step, micro)) / n, boundary=micro == n - 1)
-            (_lm_loss(ref, _tokens(step, micro)) / n).backward()
+            tokens = _tokens(step, micro).to(dev)
+            engine.backward(_lm_loss(model, tokens) / n, boundary=micro == n - 1)
+            (_lm_loss(ref, tokens) / n).backward()
         engine.step()
         _averaged_step(ref, ref_opt)
         worst = max(worst, _assert_matches(engine, ref, f"stage {stage} step {step}"))
@@ -194,9 +200,10 @@ class CountingSGD(torch.optim.Optimizer):
                     p.add_(p.grad, alpha=-group["lr"] / group["step"])
 
 
-def _one_step_body(offload: str) -> tuple[int, int]:
+def _one_step_body(offload: str, device: str = "cpu") -> tuple[int, int]:
     torch.manual_seed(0)
-    model = RichModel()
+    dev = _device(device)
+    model = RichModel().to(dev)
     ref = copy.deepcopy(model)
     options = {"offload_optimizer": True} if offload == "cpu" else {}
     engine = ZeroEngine(model, ZeroConfig(stage=2, reduce_bucket_size=200, **options))
@@ -207,7 +214,7 @@ def _one_step_body(offload: str) -> tuple[int, int]:
     engine.attach_optimizer(optimizer)
     ref_opt = CountingSGD(ref.parameters())
     for step in range(3):
-        batch = make_batch(step, 0, dist.get_rank())
+        batch = tuple(t.to(dev) if torch.is_tensor(t) else t for t in make_batch(step, 0, dist.get_rank()))
         engine.backward(model.loss(batch))
         engine.step()
         ref.loss(batch).backward()
@@ -225,16 +232,18 @@ def test_the_optimizer_sees_one_step_per_step_whatever_the_placement(dist_pool, 
     assert all(c == (3, 3) for c in counts), counts
 
 
-def _nonfinite_body(action: str, stage: int) -> dict:
+def _nonfinite_body(action: str, stage: int, device: str = "cpu") -> dict:
     torch.manual_seed(0)
-    model = RichModel()
+    dev = _device(device)
+    model = RichModel().to(dev)
     engine = ZeroEngine(model, ZeroConfig(stage=stage, nonfinite_gradients=action, **_stage_options(stage)))
     engine.attach_optimizer(torch.optim.AdamW(param_groups(model)))
     rank = dist.get_rank()
-    engine.backward(model.loss(make_batch(0, 0, rank, uniform=True)))
+    batch = lambda step: tuple(t.to(dev) if torch.is_tensor(t) else t for t in make_batch(step, 0, rank, uniform=True))  # noqa: E731
+    engine.backward(model.loss(batch(0)))
     assert engine.step()
     before = engine.full_state_dict()
-    loss = model.loss(make_batch(1, 0, rank, uniform=True))
+    loss = model.loss(batch(1))
     engine.backward(loss * float("nan") if rank == 1 else loss)  # only rank 1 goes wrong
     out: dict = {}
     try:
@@ -244,7 +253,7 @@ def _nonfinite_body(action: str, stage: int) -> dict:
     after = engine.full_state_dict()
     out["unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
     out["skipped"] = engine.skipped_steps
-    engine.backward(model.loss(make_batch(2, 0, rank, uniform=True)))  # training goes on with finite ones
+    engine.backward(model.loss(batch(2)))  # training goes on with finite ones
     out["next_stepped"] = engine.step() if "error" not in out else None
     return out
 
