@@ -221,6 +221,26 @@ def _one_thread_body() -> list[str]:
 
 
 def test_offload_warns_when_the_host_step_gets_one_thread(dist_pool):
-    # torchrun sets OMP_NUM_THREADS=1: the host AdamW of a 1B model then takes ~1 s a step (seen on H200s)
+    # One thread chosen by the user (not torchrun's default): the host AdamW of a 1B model then takes
+    # ~1 s a step (seen on H200s); say so.
     messages = dist_pool(2).run(_one_thread_body)[0]
     assert len(messages) == 1 and "OMP_NUM_THREADS=8" in messages[0], messages
+
+
+def _torchrun_threads_body() -> int:
+    import os
+    from unittest import mock
+
+    model = nn.Linear(DIM, DIM)
+    engine = ZeroEngine(model, ZeroConfig(stage=2, offload_optimizer=True))
+    env = {"TORCHELASTIC_RUN_ID": "test", "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "2"}
+    with mock.patch("os.cpu_count", return_value=16), mock.patch.dict(os.environ, env):
+        torch.set_num_threads(1)
+        engine.attach_optimizer(torch.optim.AdamW(model.parameters()))
+        threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    return threads
+
+
+def test_under_torchrun_the_host_step_gets_the_cores_per_local_rank(dist_pool):
+    assert dist_pool(2).run(_torchrun_threads_body) == [8, 8]
