@@ -2,7 +2,8 @@
 
 Optimizer. Each unit's fp32 master shard and per-element optimizer state live in swap files between
 steps and in host memory only while that unit steps (the rest is as with CPU offload, ``host.py``).
-Regions (one file each, ``lightning_zeroq.swap.NvmeSwapper``): ``u<i>.master`` and ``u<i>.<key>`` for
+Host buffers come from a ``BufferPool`` and are reused every step (pinned memory is slow to
+allocate). Regions (one file each, ``lightning_zeroq.swap.NvmeSwapper``): ``u<i>.master`` and ``u<i>.<key>`` for
 every per-element state key of the optimizer (``exp_avg``, ``exp_avg_sq`` for AdamW). The keys are
 found up front by stepping a throw-away copy of the optimizer on a small tensor, so every region is
 registered, and the free space checked, before training starts. Scalar state (Adam's ``step``)
@@ -30,6 +31,32 @@ from torch import Tensor
 from lightning_zeroq.swap import NvmeSwapper, SwapHandle, aligned_empty
 from lightning_zeroq.zero.offload.host import HostOptimizer
 from lightning_zeroq.zero.unit import Unit
+
+
+class BufferPool:
+    """Aligned host buffers (pinned on CUDA machines) reused from step to step: pinning memory costs
+    far more than reading a unit from disk, so each size is allocated once. A buffer given back is
+    handed out again only after the device finished with it (an event recorded when it came back)."""
+
+    def __init__(self, dtype: torch.dtype, pin: bool) -> None:
+        self.dtype, self.pin = dtype, pin
+        self._free: dict[int, list[tuple[Tensor, Optional["torch.cuda.Event"]]]] = {}
+
+    def take(self, numel: int) -> Tensor:
+        free = self._free.get(numel)
+        if free:
+            buffer, event = free.pop()
+            if event is not None:
+                event.synchronize()
+            return buffer
+        return aligned_empty(numel, self.dtype, pin_memory=self.pin)
+
+    def give(self, buffer: Tensor) -> None:
+        event = None
+        if self.pin and torch.cuda.is_available():
+            event = torch.cuda.Event()
+            event.record()  # after every copy from this buffer already issued on this stream
+        self._free.setdefault(buffer.numel(), []).append((buffer, event))
 
 
 def swap_key(unit_index: int, kind: str) -> str:
@@ -60,7 +87,8 @@ class NvmeOptimizer(HostOptimizer):
         self.swapper: Optional[NvmeSwapper] = None
         self._state_on_disk: set[int] = set()
         self._resident: dict[int, dict[str, Tensor]] = {}
-        self._writing: dict[int, list[SwapHandle]] = {}
+        self._writing: dict[int, tuple[list[SwapHandle], list[Tensor]]] = {}
+        self._pool = BufferPool(torch.float32, self.pin)
 
     def attach(self, units: Sequence[Unit], optimizers: Sequence[torch.optim.Optimizer]) -> None:
         if len(optimizers) > 1:
@@ -119,7 +147,7 @@ class NvmeOptimizer(HostOptimizer):
         self._finish_write(unit.index)
         buffers: dict[str, Tensor] = {}
         for name in self._names(unit):
-            buffers[name] = aligned_empty(unit.layout.shard_numel, torch.float32, pin_memory=self.pin)
+            buffers[name] = self._pool.take(unit.layout.shard_numel)
             self.swapper.read(swap_key(unit.index, name), buffers[name])
         unit.set_master(buffers["master"])
         for view, seg in zip(unit.segment_masters, unit.segments):
@@ -140,14 +168,13 @@ class NvmeOptimizer(HostOptimizer):
                 state = self.optimizer.state.get(view)
                 if state and key in state:
                     if flat is None:
-                        flat = buffers[key] = aligned_empty(unit.layout.shard_numel, torch.float32, pin_memory=self.pin)
+                        flat = buffers[key] = self._pool.take(unit.layout.shard_numel)
                         flat.zero_()
                     target = flat[seg.shard_span]
                     if state[key].data_ptr() != target.data_ptr():
                         target.copy_(state[key])
-        self._writing[unit.index] = [
-            self.swapper.write_async(swap_key(unit.index, name), t) for name, t in buffers.items()
-        ]
+        handles = [self.swapper.write_async(swap_key(unit.index, name), t) for name, t in buffers.items()]
+        self._writing[unit.index] = (handles, list(buffers.values()))
         if all(k in buffers for k in self.keys):
             self._state_on_disk.add(unit.index)
         self._evict(unit)
@@ -161,8 +188,11 @@ class NvmeOptimizer(HostOptimizer):
                     value.data = torch.empty(0)
 
     def _finish_write(self, index: int) -> None:
-        for handle in self._writing.pop(index, []):
+        handles, buffers = self._writing.pop(index, ([], []))
+        for handle in handles:
             handle.wait()
+        for buffer in buffers:
+            self._pool.give(buffer)
 
     def _flush(self) -> None:
         """Wait for every write-back; raise the first I/O error."""
@@ -183,6 +213,7 @@ class NvmeStore:
                  rank: int) -> None:
         self.device, self.dtype, self.pin = device, dtype, device.type == "cuda"
         self.numels = numels
+        self._pool = BufferPool(dtype, self.pin)
         self.swapper = NvmeSwapper(nvme_path, rank=rank, prefix="zeroq_params", pin_memory=self.pin)
         for index, numel in numels.items():
             self.swapper.register(swap_key(index, "param"), numel, dtype)
@@ -192,9 +223,11 @@ class NvmeStore:
         self.swapper.write(swap_key(unit.index, "param"), payload.to("cpu", self.dtype))
 
     def get(self, unit: Unit) -> Tensor:
-        source = aligned_empty(self.numels[unit.index], self.dtype, pin_memory=self.pin)
+        source = self._pool.take(self.numels[unit.index])
         self.swapper.read(swap_key(unit.index, "param"), source)
-        return source.to(self.device, non_blocking=True)
+        payload = source.to(self.device, non_blocking=True)
+        self._pool.give(source)  # on the stream of the copy: reused once that copy is done
+        return payload
 
     def device_tensors(self) -> list[Tensor]:
         return []
