@@ -83,7 +83,21 @@ class ZeroConfig:
     """Stage 3: parameters of at most this many elements stay gathered (DeepSpeed's name and default)."""
 
     stage3_prefetch: bool = True
-    """Stage 3: gather the next unit of the recorded order while the current one computes."""
+    """Stage 3: gather the next units of the recorded order while the current one computes."""
+
+    stage3_prefetch_depth: int = 1
+    """Stage 3: how many units ahead to prefetch (each gathered unit held ahead costs its full size)."""
+
+    reshard_after_forward: bool = True
+    """Stage 3 (FSDP2's name; DeepSpeed's ``stage3_max_reuse_distance`` plays the same part): free a
+    unit after its forward and gather it again for backward. False keeps units gathered from forward
+    to backward: one gather per unit and step fewer, the memory of the whole model gathered at the
+    end of the forward."""
+
+    quantized_gradients: bool = False
+    """Reduce gradients as INT8 groups with fp32 scales instead of the working dtype (ZeRO++'s qgZ
+    idea, all stages): each rank quantizes every rank's part of its gradients, an all-to-all moves
+    them, and each rank dequantizes what it owns and sums it in fp32. About half the bytes of bf16."""
 
     nonfinite_gradients: str = "error"
     """What a step does when some rank's gradients hold inf or NaN (outside fp16 loss scaling, which
@@ -109,7 +123,8 @@ class ZeroConfig:
         for name in ("reduce_bucket_size", "allgather_bucket_size"):
             setattr(self, name, _check_int(name, getattr(self, name), 1))
         for name in ("overlap_comm", "managed_gradient_accumulation", "offload_optimizer",
-                     "offload_parameters", "quantized_weights"):
+                     "offload_parameters", "quantized_weights", "reshard_after_forward", "stage3_prefetch",
+                     "quantized_gradients"):
             check_bool("ZeroConfig", name, getattr(self, name))
         check_choice("ZeroConfig", "nonfinite_gradients", self.nonfinite_gradients, NONFINITE_ACTIONS)
         if not isinstance(self.loss_scale, (int, float)) or self.loss_scale < 0:
@@ -123,6 +138,7 @@ class ZeroConfig:
         self.stage3_param_persistence_threshold = _check_int(
             "stage3_param_persistence_threshold", self.stage3_param_persistence_threshold, 0
         )
+        self.stage3_prefetch_depth = _check_int("stage3_prefetch_depth", self.stage3_prefetch_depth, 1)
         if self.stage3_unit_size is not None:
             self.stage3_unit_size = _check_int("stage3_unit_size", self.stage3_unit_size, 1)
         if self.stage3_wrap_classes is not None and (
@@ -181,16 +197,22 @@ class ZeroConfig:
         changed = lambda *names: [n for n in names if getattr(self, n) != getattr(default, n)]  # noqa: E731
         out = []
         if not self.quantized_weights:
-            for name in changed("allgather_bucket_size", "quantized_weights_group_size", "quantized_weights_exact_numel"):
+            names = ["allgather_bucket_size", "quantized_weights_exact_numel"]
+            if not self.quantized_gradients:
+                names.append("quantized_weights_group_size")  # both INT8 paths use it
+            for name in changed(*names):
                 out.append(f"{name}={getattr(self, name)!r} has no effect without quantized_weights=True "
                            "(the full-width gather writes into the working buffers in place).")
         if self.stage != 3:
             for name in changed("stage3_wrap_classes", "stage3_unit_size", "stage3_param_persistence_threshold",
-                                "stage3_prefetch"):
+                                "stage3_prefetch", "stage3_prefetch_depth", "reshard_after_forward"):
                 out.append(f"{name}={getattr(self, name)!r} has no effect in stage {self.stage} (stage 3 only).")
-        elif changed("reduce_bucket_size"):
-            out.append(f"reduce_bucket_size={self.reduce_bucket_size} has no effect in stage 3: its units follow "
-                       "modules (stage3_wrap_classes / stage3_unit_size); it sizes stage 1/2 units.")
+        else:
+            if not self.stage3_prefetch and changed("stage3_prefetch_depth"):
+                out.append(f"stage3_prefetch_depth={self.stage3_prefetch_depth} has no effect with stage3_prefetch=False.")
+            if changed("reduce_bucket_size"):
+                out.append(f"reduce_bucket_size={self.reduce_bucket_size} has no effect in stage 3: its units follow "
+                           "modules (stage3_wrap_classes / stage3_unit_size); it sizes stage 1/2 units.")
         if not loss_scaling:
             for name in changed("loss_scale", "initial_scale_power", "loss_scale_window", "min_loss_scale"):
                 out.append(f"{name}={getattr(self, name)!r} only applies to precision='16-mixed' (fp16 loss "

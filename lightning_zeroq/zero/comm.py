@@ -67,6 +67,11 @@ def all_gather_uneven(output: Tensor, input: Tensor, counts: list[int], group: O
                            input_split_sizes=[input.numel()] * world, group=group)
 
 
+def all_to_all(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup]) -> None:
+    """Equal split sizes: rank ``r``'s ``i``-th chunk of ``input`` lands in rank ``i``'s ``r``-th chunk of ``output``."""
+    dist.all_to_all_single(output, input, group=group)
+
+
 def all_reduce(tensor: Tensor, op: dist.ReduceOp.RedOpType, group: Optional[dist.ProcessGroup]) -> None:
     dist.all_reduce(tensor, op=op, group=group)
 

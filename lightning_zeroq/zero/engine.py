@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.zero import access, comm, norms, state_dict, update
 from lightning_zeroq.zero.gather import Gatherer
+from lightning_zeroq.zero.grad_wire import FullWidthReduce, Int8Reduce
 from lightning_zeroq.zero.layout import ALIGN
 from lightning_zeroq.zero.loss_scaler import loss_scaler_from_config
 from lightning_zeroq.zero.materialize import sync_replicated_state
@@ -80,7 +81,8 @@ class ZeroEngine:
         with comm.agreed(group, "building the ZeRO engine"):
             self.device = _target_device(module, device)
             specs = plan(module, trainable_parameters(module), config)
-            align = math.lcm(ALIGN, config.quantized_weights_group_size) if config.quantized_weights else ALIGN
+            quantized = config.quantized_weights or config.quantized_gradients
+            align = math.lcm(ALIGN, config.quantized_weights_group_size) if quantized else ALIGN
             layouts = plan_layouts(specs, self.world_size, align)
             self.placement = optimizer_placement(config, self.device, param_dtype, self.rank, self.world_size)
             wire = self._wire(layouts)
@@ -98,7 +100,11 @@ class ZeroEngine:
         for unit in self.units:
             for p in unit.params:
                 p._zeroq_name = self._param_names.get(id(p), "?")  # named in FreedParameter's errors
-        self.stage3 = Stage3Coordinator(self.gatherer, self.units, config.stage3_prefetch) if transient else None
+        self.stage3 = None
+        if transient:
+            self.stage3 = Stage3Coordinator(
+                self.gatherer, self.units, prefetch_depth=config.stage3_prefetch_depth if config.stage3_prefetch else 0,
+                reshard_after_forward=config.reshard_after_forward)
         self.reducer = Reducer(
             self.units,
             placement=self.placement,
@@ -108,6 +114,8 @@ class ZeroEngine:
             group=group,
             device=self.device,
             overlap_comm=config.overlap_comm,
+            wire=(Int8Reduce(group, self.device, config.quantized_weights_group_size) if config.quantized_gradients
+                  else FullWidthReduce(group)),
             listener=self.stage3,
         )
         self._bindings: list[Binding] = []

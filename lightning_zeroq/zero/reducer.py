@@ -28,9 +28,9 @@ Such a unit is marked *dirty* and its late gradients wait in ``p.grad``; ``final
 dirty units with every rank (in the same all-reduce) and reduces them again, so nothing is lost and
 every rank issues the same collectives.
 
-Reduction of one unit: copy the parameters' gradients into a flat working-dtype buffer, divide by
-the world size (before summing, so fp16/bf16 sums cannot overflow; SUM because AVG is NCCL-only),
-reduce-scatter, add this rank's part to the unit's fp32 gradient shard. Then the placement may copy
+Reduction of one unit: copy the parameters' gradients into a flat working-dtype buffer and hand it
+to the gradient wire (``grad_wire.py``: a reduce-scatter, or INT8 groups through an all-to-all), which
+adds this rank's part of the average over ranks to the unit's fp32 gradient shard. Then the placement may copy
 the shard off the device (``grad_reduced``) and the listener (stage 3) may free the unit.
 
 Streams: with ``overlap_comm`` on CUDA, reductions run on a side stream that first waits for the
@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_zeroq.zero import comm
+from lightning_zeroq.zero.grad_wire import GradientWire
 from lightning_zeroq.zero.hooks import WeakHook
 from lightning_zeroq.zero.offload import OptimizerPlacement
 from lightning_zeroq.zero.unit import Unit
@@ -108,9 +109,10 @@ class Reducer:
         group: Optional[dist.ProcessGroup],
         device: torch.device,
         overlap_comm: bool,
+        wire: GradientWire,
         listener: Optional[ReduceListener] = None,
     ) -> None:
-        self.units, self.placement = units, placement
+        self.units, self.placement, self.wire = units, placement, wire
         self.listener: ReduceListener = listener if listener is not None else _NoListener()
         self.reduce_every_backward, self.managed = reduce_every_backward, managed
         self.param_dtype, self.group, self.device = param_dtype, group, device
@@ -227,13 +229,7 @@ class Reducer:
                 accum.zero_()
             # Where a non-finite value came from is only visible before the sum over ranks spreads it.
             self._origin.logical_or_(~torch.isfinite(flat_grad.sum()))
-            if self.world_size > 1:
-                flat_grad.div_(self.world_size)
-                shard = torch.empty(layout.shard_numel, dtype=flat_grad.dtype, device=self.device)
-                comm.reduce_scatter(shard, flat_grad, self.group)
-            else:
-                shard = flat_grad
-            unit.grad.add_(shard)
+            self.wire.reduce(unit.grad, flat_grad)
             self.placement.grad_reduced(unit, boundary)
         self._reduced[unit.index] = True
         self.listener.unit_reduced(unit)

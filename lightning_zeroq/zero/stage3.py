@@ -4,8 +4,10 @@ Which modules become units is decided in ``plan.py``; how a unit is gathered and
 ``gather.py``. This file installs the module hooks and decides *when*:
 
 - forward: a pre-hook on the unit's module gathers it (waiting for a prefetch if one was issued)
-  and prefetches the next unit of the recorded order; a post-hook frees it and hooks the outputs,
-  so the first gradient to reach them gathers it again for backward.
+  and prefetches the next ``stage3_prefetch_depth`` units of the recorded order; a post-hook frees
+  it (unless ``reshard_after_forward=False``: then it stays gathered until its gradients are
+  reduced, trading memory for the backward's gathers) and hooks the outputs, so the first gradient
+  to reach them gathers it again for backward.
 - backward: the reducer reduce-scatters the unit's gradients once all of them are accumulated and
   tells this coordinator (``unit_reduced``), which frees the unit; units left gathered are freed when
   the backward ends (``backward_ended``).
@@ -33,18 +35,20 @@ class Stage3Coordinator:
     """Installs the module hooks of the transient units and runs gather/free/prefetch for them.
 
     Prefetch follows a successor map: for each unit, the unit that came next last time (one map for
-    forward, one for backward). At most one prefetched, not yet used unit is held at a time.
+    forward, one for backward). At most ``depth`` prefetched, not yet used units are held at a time.
     """
 
-    def __init__(self, gatherer: Gatherer, units: Sequence[Unit], prefetch: bool) -> None:
+    def __init__(self, gatherer: Gatherer, units: Sequence[Unit], *, prefetch_depth: int,
+                 reshard_after_forward: bool) -> None:
         self.gatherer = gatherer
         self.units = units
-        self.prefetch = prefetch
+        self.prefetch = prefetch_depth > 0
+        self.depth = prefetch_depth
+        self.reshard_after_forward = reshard_after_forward
         self._next: dict[bool, dict[int, int]] = {False: {}, True: {}}  # backward? -> unit -> successor
         self._last: dict[bool, Optional[int]] = {False: None, True: None}
-        self._prefetched: Optional[Unit] = None
-        self._reduced: set[int] = set()
-        """Units whose gradients this backward already reduced (their module ran backward)."""
+        self._prefetched: list[Unit] = []
+        """Units gathered ahead and not used yet (at most ``depth``)."""
         self._warned = False
         self._handles = []
         for unit in units:
@@ -69,35 +73,41 @@ class Stage3Coordinator:
                 self._warned = True
             successors[last] = unit.index
         self._last[backward] = unit.index
-        if self._prefetched is unit:
-            self._prefetched = None
+        if unit in self._prefetched:
+            self._prefetched.remove(unit)
         self.gatherer.gather(unit)
-        nxt = successors.get(unit.index)
-        if self.prefetch and nxt is not None and nxt != unit.index:
-            self._prefetch(self.units[nxt])
+        if self.prefetch:
+            self._prefetch(self._ahead(unit.index, successors))
 
-    def _prefetch(self, unit: Unit) -> None:
-        if unit.state is not UnitState.SHARDED:
-            return
-        stale = self._prefetched
-        if stale is not None and stale is not unit:
-            self.gatherer.free(stale)  # a misprediction: hold at most one unused unit
-        self.gatherer.gather(unit, prefetch=True)
-        self._prefetched = unit
+    def _ahead(self, index: int, successors: dict[int, int]) -> list[Unit]:
+        """The next ``depth`` units of the recorded order after ``index``."""
+        ahead: list[int] = []
+        nxt = successors.get(index)
+        while nxt is not None and nxt != index and nxt not in ahead and len(ahead) < self.depth:
+            ahead.append(nxt)
+            nxt = successors.get(nxt)
+        return [self.units[i] for i in ahead]
+
+    def _prefetch(self, expected: list[Unit]) -> None:
+        for stale in [u for u in self._prefetched if u not in expected]:
+            self.gatherer.free(stale)  # a misprediction: hold only the units expected next
+        self._prefetched = [u for u in self._prefetched if u in expected]
+        for unit in expected:
+            if unit.state is UnitState.SHARDED:
+                self.gatherer.gather(unit, prefetch=True)
+                self._prefetched.append(unit)
 
     # The reducer's listener interface.
 
     def unit_reduced(self, unit: Unit) -> None:
-        self._reduced.add(unit.index)
         self.gatherer.free(unit)
 
     def backward_ended(self) -> None:
         """The backward pass is over: every transient unit is freed."""
         for unit in self.units:
             self.gatherer.free(unit)
-        self._reduced.clear()
         self._last[True] = None
-        self._prefetched = None
+        self._prefetched = []
 
     # Hooks (installed as ``WeakHook``s).
 
@@ -105,15 +115,15 @@ class Stage3Coordinator:
         self._use(unit, backward=False)
 
     def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
-        self.gatherer.free(unit)
+        if self.reshard_after_forward or not torch.is_grad_enabled():
+            self.gatherer.free(unit)  # else it stays gathered until its gradients are reduced
         if torch.is_grad_enabled():
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(WeakHook(self, "_pre_backward", unit))
 
     def _pre_backward(self, unit: Unit, grad: torch.Tensor) -> None:
-        if unit.index not in self._reduced:
-            self._use(unit, backward=True)
+        self._use(unit, backward=True)
 
     def close(self) -> None:
         for h in self._handles:

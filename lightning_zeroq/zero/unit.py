@@ -42,7 +42,8 @@ FREED_HINT = (
 )
 _METADATA = frozenset({"size", "dim", "numel", "nelement", "element_size", "is_floating_point", "is_complex",
                        "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "__hash__",
-                       "__format__", "__repr__", "__reduce_ex__"})
+                       "__format__", "__repr__", "__reduce_ex__",
+                       "grad", "backward"})  # autograd.grad/backward with parameters as inputs: hooks gather
 
 
 class FreedParameter(nn.Parameter):

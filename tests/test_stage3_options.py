@@ -1,0 +1,163 @@
+"""Options that trade memory and bytes for time: ``reshard_after_forward``, ``stage3_prefetch_depth``
+and ``quantized_gradients`` (gloo, 2 and 3 ranks, real transient units)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_zeroq import ZeroConfig, ZeroEngine
+from lightning_zeroq.ops import reference
+from lightning_zeroq.zero.unit import UnitState
+from tests.models import DIM, RichModel, make_batch, param_groups
+from tests.test_hardening import _assert_matches
+
+TRANSIENT = {"stage3_wrap_classes": ["Linear"], "stage3_param_persistence_threshold": 0}
+
+
+class Tower(nn.Module):
+    """Six blocks in a row: deep enough that several units are gathered ahead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, DIM)
+        self.blocks = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(6))
+        self.head = nn.Linear(DIM, 32)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return self.head(h)
+
+    def loss(self, batch) -> torch.Tensor:
+        tokens, targets, _ = batch
+        return nn.functional.cross_entropy(self(tokens).reshape(-1, 32), targets.reshape(-1))
+
+
+def _options_body(options: dict) -> int:
+    """Parity with the data-parallel reference after every step; returns the most transient units
+    gathered at once during a forward."""
+    torch.manual_seed(0)
+    model = Tower()
+    ref = copy.deepcopy(model)
+    engine = ZeroEngine(model, ZeroConfig(stage=3, **TRANSIENT, **options))
+    engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-3)
+    transient = [u for u in engine.units if not u.persistent]
+    most = 0
+
+    def count(module, args):
+        nonlocal most
+        most = max(most, sum(u.state is not UnitState.SHARDED for u in transient))
+
+    for block in model.blocks:
+        block.register_forward_pre_hook(count)
+    for step in range(4):
+        batch = make_batch(step, 0, dist.get_rank(), uniform=True)
+        engine.backward(model.loss(batch))
+        engine.clip_grad_norm_(1.0)
+        engine.step()
+        ref.loss(batch).backward()
+        _averaged_step_clipped(ref, ref_opt, 1.0)
+        _assert_matches(engine, ref, f"{options} step {step}")
+        assert all(u.state is UnitState.SHARDED for u in transient), "freed after the step"
+    return most
+
+
+def _averaged_step_clipped(ref: nn.Module, ref_opt, clip: float) -> None:
+    for p in ref.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+    ref_opt.step()
+    ref_opt.zero_grad()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_units_kept_from_forward_to_backward_match_ddp(dist_pool, world_size):
+    most = dist_pool(world_size).run(_options_body, {"reshard_after_forward": False})
+    assert all(m >= 6 for m in most), most  # the whole tower stays gathered through the forward
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_prefetch_depth_matches_ddp_and_bounds_what_is_held(dist_pool, depth):
+    most = dist_pool(2).run(_options_body, {"stage3_prefetch_depth": depth})
+    assert all(m <= depth + 1 for m in most), most  # the unit in use and at most depth ahead
+    assert all(m == depth + 1 for m in most), most  # and it does gather that far ahead
+
+
+# --------------------------------------------------------------------------- INT8 gradients
+
+
+def _quantized_grad_body(stage: int) -> None:
+    """The reduced shard equals the reference's: every rank's local gradient quantized per
+    destination shard, dequantized and summed in rank order, divided by the world size."""
+    torch.manual_seed(0)
+    model = RichModel()
+    options = TRANSIENT if stage == 3 else {"reduce_bucket_size": 300}
+    engine = ZeroEngine(model, ZeroConfig(stage=stage, quantized_gradients=True, **options))
+    engine.attach_optimizer(torch.optim.SGD(param_groups(model, adam=False), lr=0.0))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batch = make_batch(0, 0, rank, uniform=stage == 3)
+    loss = model.loss(batch)
+    params = [p for u in engine.units for p in u.params]
+    grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+    local = {id(p): g for p, g in zip(params, grads)}
+    engine.backward(loss)
+    engine.finalize_gradients()
+    for unit in engine.units:
+        flat = torch.zeros(unit.layout.padded_numel)
+        for p, slot in zip(unit.params, unit.layout.slots):
+            if local[id(p)] is not None:
+                flat[slot.span] = local[id(p)].reshape(-1)
+        everyone = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(everyone, flat)
+        expected = torch.zeros(unit.layout.shard_numel)
+        for r in range(world):  # rank order, as the design promises
+            mine = everyone[r][unit.layout.shard_span(rank)]
+            codes, scales = reference.quantize_int8(mine, 64)
+            expected += reference.dequantize_int8(codes, scales, 64, torch.float32)
+        expected /= world
+        assert torch.equal(unit.grad, expected), (unit.index, (unit.grad - expected).abs().max())
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_quantized_gradients_match_the_reference_bitwise(dist_pool, world_size, stage):
+    dist_pool(world_size).run(_quantized_grad_body, stage)
+
+
+def _quantized_training_body() -> tuple[list[float], list[float]]:
+    curves = []
+    for quantized in (False, True):
+        torch.manual_seed(0)
+        model = RichModel()
+        engine = ZeroEngine(model, ZeroConfig(stage=2, quantized_gradients=quantized))
+        engine.attach_optimizer(torch.optim.AdamW(param_groups(model)))
+        losses = []
+        for step in range(30):
+            loss = model.loss(make_batch(step, 0, dist.get_rank()))
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss))
+        flats = [u.flat.clone() for u in engine.units]
+        for flat in flats:  # every rank holds the same working weights
+            everyone = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+            dist.all_gather(everyone, flat)
+            assert all(torch.equal(e, flat) for e in everyone)
+        curves.append(losses)
+    return curves[0], curves[1]
+
+
+def test_training_with_quantized_gradients_follows_full_width(dist_pool):
+    plain, quantized = dist_pool(2).run(_quantized_training_body)[0]
+    worst = max(abs(a - b) / a for a, b in zip(plain, quantized))
+    # INT8 with a scale per 64 elements; the error does not accumulate (fresh gradients every step).
+    # Measured here: worst per-step relative loss difference over 30 steps, see the closing note.
+    assert worst < 0.02, worst
+    assert quantized[-1] < quantized[0] - 0.1  # it trains
