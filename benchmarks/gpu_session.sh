@@ -77,5 +77,21 @@ case ${1:-tests} in
     LAUNCH_TIMEOUT=200 LINKS=nvlink ARMS=zeroq3+int8,zeroq3+int8+offload_optimizer,zeroq3+int8+offload_params \
       bash benchmarks/run_step_time.sh | tee "$out/step_time_int8_params.jsonl"
     ;;
-  *) echo "usage: $0 tests|bench|recheck|links|split|int8_params" >&2; exit 2 ;;
+  side_channel)  # issue 17 item 8: stage-2 INT8 over loopback sockets, before (2c428da) and after, alternating
+    export OMP_NUM_THREADS=$(( $(nproc) / 2 ))
+    for i in 1 2; do
+      (cd .bench_old && LAUNCH_TIMEOUT=90 LINKS=socket ARMS=zeroq2+int8 bash benchmarks/run_step_time.sh) \
+        | sed 's/^{/{"code": "before", /' | tee -a "$out/step_time_side_channel.jsonl"
+      LAUNCH_TIMEOUT=90 LINKS=socket ARMS=zeroq2+int8 bash benchmarks/run_step_time.sh \
+        | sed 's/^{/{"code": "after", /' | tee -a "$out/step_time_side_channel.jsonl"
+    done
+    ;;
+  options)  # issue 13 options, first look: NVLink and sockets
+    export OMP_NUM_THREADS=$(( $(nproc) / 2 ))
+    LAUNCH_TIMEOUT=150 LINKS=nvlink ARMS=zeroq3,zeroq3+keep,zeroq3+prefetch2,zeroq3+int8+qgrad,zeroq2+qgrad \
+      bash benchmarks/run_step_time.sh | tee "$out/step_time_options_nvlink.jsonl"
+    LAUNCH_TIMEOUT=150 LINKS=socket ARMS=zeroq3,zeroq3+keep,zeroq3+int8,zeroq3+int8+qgrad \
+      bash benchmarks/run_step_time.sh | tee "$out/step_time_options_socket.jsonl"
+    ;;
+  *) echo "usage: $0 tests|bench|recheck|links|split|int8_params|side_channel|options" >&2; exit 2 ;;
 esac

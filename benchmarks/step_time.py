@@ -14,7 +14,9 @@ over from earlier arms are reported (``leftover_GiB``, expected 0)::
     torchrun --nproc-per-node 2 benchmarks/step_time.py --arms zeroq3,zeroq3+offload_params
 
 An arm is ``ddp`` or ``zeroq1/2/3``, optionally with ``+int8`` and ``+offload_optimizer`` (fp32
-masters and AdamW state on the CPU) or ``+offload_params`` (stage 3: also the parameters).
+masters and AdamW state on the CPU) or ``+offload_params`` (stage 3: also the parameters), ``+qgrad``
+(INT8 gradient reduction), ``+keep`` (stage 3, ``reshard_after_forward=False``) and ``+prefetch2``
+(stage 3, two units prefetched).
 ``activations_GiB`` is what autograd saved for backward in one step (unique storages, parameters
 excluded), measured on the first warm-up step. Rank 0 prints one JSON line per arm;
 ``benchmarks/run_step_time.sh`` runs the arms over the three links.
@@ -95,7 +97,7 @@ def memory_bound(engine) -> dict:
 
 
 ARM_STAGES = {"ddp": 0, "zeroq1": 1, "zeroq2": 2, "zeroq3": 3}
-ARM_OPTIONS = ("int8", "offload_optimizer", "offload_params")
+ARM_OPTIONS = ("int8", "offload_optimizer", "offload_params", "qgrad", "keep", "prefetch2")
 
 
 def parse_arm(arm: str) -> tuple[int, set[str]]:
@@ -159,8 +161,16 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
         from lightning_zeroq import ZeroConfig, ZeroEngine
 
         offload = bool(options & {"offload_optimizer", "offload_params"})
-        config = ZeroConfig(stage=stage, reduce_bucket_size=int(args.bucket), quantized_weights="int8" in options,
-                            offload_optimizer=offload, offload_parameters="offload_params" in options)
+        extra = {}
+        if "qgrad" in options:
+            extra["quantized_gradients"] = True
+        if "keep" in options:
+            extra["reshard_after_forward"] = False
+        if "prefetch2" in options:
+            extra["stage3_prefetch_depth"] = 2
+        config = ZeroConfig(stage=stage, reduce_bucket_size=int(args.bucket) if stage < 3 else ZeroConfig().reduce_bucket_size,
+                            quantized_weights="int8" in options, offload_optimizer=offload,
+                            offload_parameters="offload_params" in options, **extra)
         engine = ZeroEngine(model, config, param_dtype=torch.bfloat16)
         engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
         forward = model
