@@ -34,19 +34,18 @@ from typing_extensions import override
 
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.precision import ZeroQPrecision
+from lightning_zeroq.strategy_common import (
+    as_zeroq_precision,
+    build_engine,
+    check_one_optimizer,
+    config_from_options,
+    register_presets,
+    stage3_meta_init,
+)
 from lightning_zeroq.zero.engine import ZeroEngine
 
 META_FILE = "meta.pt"
 SHARD_FILE = "zero_shard_rank{rank:05d}.pt"
-
-PRESETS: dict[str, dict[str, Any]] = {
-    "zeroq": {},
-    "zeroq_stage_1": {"stage": 1},
-    "zeroq_stage_2": {"stage": 2},
-    "zeroq_stage_2_offload": {"stage": 2, "offload_optimizer": True},
-    "zeroq_stage_3": {"stage": 3},
-    "zeroq_stage_3_offload": {"stage": 3, "offload_optimizer": True, "offload_parameters": True},
-}
 
 
 class ZeroQStrategy(DDPStrategy):
@@ -78,13 +77,7 @@ class ZeroQStrategy(DDPStrategy):
         start_method: str = "popen",
         **options: Any,
     ) -> None:
-        known = {f for f in ZeroConfig.__dataclass_fields__}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise TypeError(
-                f"ZeroQStrategy got unknown option(s) {unknown}; valid options are {sorted(known)}."
-            )
-        self.config = (config or ZeroConfig()).replace(**options)
+        self.config = config_from_options("ZeroQStrategy", config, options)
         if start_method != "popen" and self.config.stage == 3:
             raise ValueError(
                 f"ZeroQStrategy(stage=3, start_method={start_method!r}): the {start_method} launcher sends rank "
@@ -130,9 +123,7 @@ class ZeroQStrategy(DDPStrategy):
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        if plugin is not None and not isinstance(plugin, ZeroQPrecision):
-            plugin = ZeroQPrecision(str(plugin.precision))
-        self._precision_plugin = plugin
+        self._precision_plugin = as_zeroq_precision(plugin, ZeroQPrecision)
 
     @override
     def setup(self, trainer: "Any") -> None:
@@ -142,22 +133,10 @@ class ZeroQStrategy(DDPStrategy):
         assert module is not None
         plugin = self.precision_plugin
         if self.engine is None:
-            # The engine moves the module to the device unit by unit (stage 3 never holds it whole)
-            # and starts every rank from rank 0's values, as DDP does.
-            self.engine = ZeroEngine(
-                module,
-                self.config,
-                param_dtype=plugin.param_dtype,
-                loss_scaling=plugin.loss_scaling,
-                device=self.root_device,
-            )
+            self.engine = build_engine(module, self.config, plugin, self.root_device)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            if len(self.optimizers) != 1:
-                raise ValueError(
-                    f"ZeroQStrategy supports exactly one optimizer, configure_optimizers returned "
-                    f"{len(self.optimizers)}; put all parameters in one optimizer with several param groups."
-                )
+            check_one_optimizer("ZeroQStrategy", "configure_optimizers returned", len(self.optimizers))
             self.engine.attach_optimizer(self.optimizers[0])
         plugin.attach_engine(self.engine, self.root_device.type)
         plugin.convert_module(module)
@@ -190,10 +169,7 @@ class ZeroQStrategy(DDPStrategy):
         """Stage 3: modules created here (``configure_model``) live on the meta device until the
         engine materializes them unit by unit with ``reset_parameters()``, so a model larger than one
         device can be built."""
-        if self.config.stage == 3:
-            with torch.device("meta"):
-                yield
-        else:
+        with stage3_meta_init(self.config):
             yield
 
     @contextlib.contextmanager
@@ -305,10 +281,7 @@ class ZeroQStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for name, options in PRESETS.items():
-            if name in strategy_registry:
-                continue
-            strategy_registry.register(name, cls, description=f"ZeroQ with {options or 'defaults (stage 2)'}", **options)
+        register_presets(strategy_registry, cls)
 
 
 def _atomic_save(obj: Any, path: Path) -> None:
