@@ -3,17 +3,18 @@
 
 Fabric leaves the training loop to the user, so each of its calls maps onto the engine directly:
 
-| Fabric                                        | ZeroQ                                                      |
-|-----------------------------------------------|------------------------------------------------------------|
-| ``fabric.launch()``                           | DDP's launchers and process group (subprocess, torchrun, SLURM) |
-| ``fabric.init_module(empty_init=True)``       | stage 3: the meta device; the engine materializes each unit with ``reset_parameters()`` |
-| ``fabric.setup(model, optimizer)``, or ``setup_module`` then ``setup_optimizers`` | build the engine (shard the model), then rebind the optimizer to this rank's master shards |
-| ``fabric.no_backward_sync(model, enabled)``   | managed accumulation: ``enabled=True`` means "not the last micro-batch", so the backward is not a boundary |
-| ``fabric.backward(loss)``                     | the engine brackets the (fp16: scaled) backward            |
-| ``fabric.clip_gradients(model, opt, max_norm=...)`` | clip by the global 2-norm across shards; returns the norm |
-| ``optimizer.step()``                          | ``ZeroEngine.step``: finalize, unscale and clip, step, publish |
-| ``fabric.strategy.full_state_dict()``         | collective: the full fp32 parameters by name               |
-| ``fabric.save`` / ``fabric.load``             | not yet: they follow ZeroQ's new checkpoint format         |
+- ``fabric.launch()``: DDP's launchers and process group (subprocess, torchrun, SLURM).
+- ``fabric.init_module(empty_init=True)``: stage 3 builds on the meta device; the engine runs each
+  module's ``reset_parameters()`` as it materializes the module's unit.
+- ``fabric.setup(model, optimizer)``, or ``setup_module`` then ``setup_optimizers`` (LitGPT's order):
+  build the engine (shard the model), then rebind the optimizer to this rank's master shards.
+- ``fabric.no_backward_sync(model, enabled)``: ``enabled=True`` means "not the last micro-batch", so
+  that backward does not end the (managed) accumulation window.
+- ``fabric.backward(loss)``: the engine brackets the backward (fp16: of the scaled loss).
+- ``fabric.clip_gradients(model, optimizer, max_norm=...)``: the global 2-norm across shards.
+- ``optimizer.step()``: ``ZeroEngine.step`` (finalize, unscale and clip, step, publish).
+- ``fabric.strategy.full_state_dict()``: collective, the full fp32 parameters by name.
+- ``fabric.save`` / ``fabric.load``: not yet; they follow ZeroQ's new checkpoint format.
 
 Accumulation, as configured by ``managed_gradient_accumulation``: managed, the user marks every
 micro-batch but the last with ``no_backward_sync(model, enabled=True)`` (as for DDP), so stage 1
