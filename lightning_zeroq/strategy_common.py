@@ -52,6 +52,11 @@ def register_presets(registry: _StrategyRegistry, strategy_cls: type) -> None:
 def config_from_options(owner: str, config: Optional[ZeroConfig], options: dict[str, Any]) -> ZeroConfig:
     """``config`` (default: ``ZeroConfig()``) with ``options`` applied and validated; ``owner`` names the
     strategy class in the error for an unknown option."""
+    if config is not None and not isinstance(config, ZeroConfig):
+        raise TypeError(
+            f"{owner}(config=...) takes a ZeroConfig, got {type(config).__name__}; pass the options as "
+            f"keywords ({owner}(stage=3, offload_optimizer=True)) or as {owner}(ZeroConfig(**options))."
+        )
     known = set(ZeroConfig.__dataclass_fields__)
     unknown = sorted(set(options) - known)
     if unknown:

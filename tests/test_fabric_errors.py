@@ -27,6 +27,7 @@ def _raised(make) -> BaseException:
         {"quantized_weights_group_size": 12},
         {"offload_optimizer": True, "offload_optimizer_device": "nvme"},
         {"stage3_wrap_classes": "Block"},
+        {"config": {"zero_optimization": {"stage": 3}}},
     ],
     ids=lambda o: ",".join(o),
 )
