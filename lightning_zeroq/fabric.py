@@ -146,8 +146,6 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
         process_group_backend, timeout: as in Fabric's ``DDPStrategy``.
     """
 
-    strategy_name = "zeroq"
-
     def __init__(
         self,
         config: Optional[ZeroConfig] = None,

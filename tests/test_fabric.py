@@ -80,6 +80,11 @@ def _train_in_lockstep(zq, model, opt, ddp, ref_model, ref_opt, *, stage: int, m
             worst = max(worst, diff)
     assert torch.equal(full["never.weight"], ref["never.weight"].detach().cpu())  # never used: untouched
     assert torch.equal(full["frozen.weight"], ref["frozen.weight"].detach().cpu())
+    with torch.no_grad():  # evaluation without gradients (stage 3: gathers and frees with no backward)
+        for step in range(2):
+            batch = make_batch(100 + step, 0, rank, uniform=True)
+            got, expected = float(_loss(model, batch)), float(_loss(ref_model, batch))
+            assert abs(got - expected) <= 1e-5 * abs(expected), (got, expected)
     return worst
 
 
