@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Generator, Optional, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -127,7 +127,7 @@ class ZeroQBackwardSyncControl(_BackwardSyncControl):
         return self._accumulate(bool(enabled))
 
     @contextlib.contextmanager
-    def _accumulate(self, enabled: bool):  # type: ignore[no-untyped-def]
+    def _accumulate(self, enabled: bool) -> Generator[None, None, None]:
         before, self.accumulating = self.accumulating, enabled
         try:
             yield

@@ -12,10 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +23,6 @@ from tests.models import DIM, VOCAB, RichModel, make_batch, param_groups
 from tests.test_engine_parity import STAGE3
 
 BACKWARDS_PER_STEP = [2, 5, 3, 1]
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _arm_options(arm: str, stage: int) -> dict:
