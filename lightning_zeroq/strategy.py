@@ -28,7 +28,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy, Strategy
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
@@ -36,20 +36,18 @@ from typing_extensions import override
 
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.precision import ZeroQPrecision
+from lightning_zeroq.strategy_common import (
+    as_zeroq_precision,
+    build_engine,
+    check_one_optimizer,
+    config_from_options,
+    register_presets,
+    stage3_meta_init,
+)
 from lightning_zeroq.zero.engine import ZeroEngine
-from lightning_zeroq.zero.materialize import parameters_on_meta
 
 META_FILE = "meta.pt"
 SHARD_FILE = "zero_shard_rank{rank:05d}.pt"
-
-PRESETS: dict[str, dict[str, Any]] = {
-    "zeroq": {},
-    "zeroq_stage_1": {"stage": 1},
-    "zeroq_stage_2": {"stage": 2},
-    "zeroq_stage_2_offload": {"stage": 2, "offload_optimizer": True},
-    "zeroq_stage_3": {"stage": 3},
-    "zeroq_stage_3_offload": {"stage": 3, "offload_optimizer": True, "offload_parameters": True},
-}
 
 
 class ZeroQStrategy(DDPStrategy):
@@ -81,13 +79,7 @@ class ZeroQStrategy(DDPStrategy):
         start_method: str = "popen",
         **options: Any,
     ) -> None:
-        known = {f for f in ZeroConfig.__dataclass_fields__}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise TypeError(
-                f"ZeroQStrategy got unknown option(s) {unknown}; valid options are {sorted(known)}."
-            )
-        self.config = (config or ZeroConfig()).replace(**options)
+        self.config = config_from_options("ZeroQStrategy", config, options)
         if start_method != "popen" and self.config.stage == 3:
             raise ValueError(
                 f"ZeroQStrategy(stage=3, start_method={start_method!r}): the {start_method} launcher sends rank "
@@ -126,19 +118,6 @@ class ZeroQStrategy(DDPStrategy):
 
     @property  # type: ignore[override]
     @override
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        return self._optimizers
-
-    @optimizers.setter
-    def optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        Strategy.optimizers.fset(self, optimizers)  # type: ignore[attr-defined]
-        # Manual optimization calls zero_grad() on the LightningOptimizer wrappers, whose class method
-        # would bypass the one the engine installs on the optimizer (it drops the engine's gradients too).
-        for wrapper in self._lightning_optimizers:
-            wrapper.zero_grad = wrapper.optimizer.zero_grad
-
-    @property  # type: ignore[override]
-    @override
     def precision_plugin(self) -> ZeroQPrecision:
         if self._precision_plugin is None:
             self._precision_plugin = ZeroQPrecision()
@@ -146,9 +125,7 @@ class ZeroQStrategy(DDPStrategy):
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        if plugin is not None and not isinstance(plugin, ZeroQPrecision):
-            plugin = ZeroQPrecision(str(plugin.precision))
-        self._precision_plugin = plugin
+        self._precision_plugin = as_zeroq_precision(plugin, ZeroQPrecision)
 
     @override
     def setup_environment(self) -> None:
@@ -175,15 +152,7 @@ class ZeroQStrategy(DDPStrategy):
                 self.engine.close()  # the previous fit's engine: its state goes (NVMe files included)
             if fitting and self._layer_sync:
                 self.model = self._layer_sync.apply(self.model)
-            # The engine moves the module to the device unit by unit (stage 3 never holds it whole)
-            # and starts every rank from rank 0's values, as DDP does.
-            self.engine = ZeroEngine(
-                self.lightning_module,
-                self.config,
-                param_dtype=plugin.param_dtype,
-                loss_scaling=plugin.loss_scaling,
-                device=self.root_device,
-            )
+            self.engine = build_engine(self.lightning_module, self.config, plugin, self.root_device)
         if self.engine.retired:
             self.precision_plugin.attach_engine(None, self.root_device.type)
             self.setup_precision_plugin()
@@ -195,7 +164,7 @@ class ZeroQStrategy(DDPStrategy):
             _check_disjoint(self.optimizers)
             for optimizer in self.optimizers:  # several (manual optimization) must hold disjoint parameters
                 self.engine.attach_optimizer(optimizer)
-            self.optimizers = self.optimizers  # wrap again, now with the engine's zero_grad
+            self.optimizers = self.optimizers  # wrap again: the wrappers subclass the optimizers' (new) classes
         plugin.attach_engine(self.engine, self.root_device.type)
         plugin.convert_module(self.lightning_module)
         self.setup_precision_plugin()
@@ -227,14 +196,14 @@ class ZeroQStrategy(DDPStrategy):
         """Stage 3: parameters created here (``configure_model``) live on the meta device until the
         engine materializes them unit by unit with their module's ``reset_parameters()``, so a model
         larger than one device can be built. Buffers and other state (metrics) are created normally."""
-        with parameters_on_meta() if self.config.stage == 3 else contextlib.nullcontext():
+        with stage3_meta_init(self.config):
             yield
 
     @contextlib.contextmanager
     @override
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
         if self.config.stage == 3:  # Trainer.init_module(): never materialize the whole model
-            with parameters_on_meta(), self.precision_plugin.tensor_init_context():
+            with stage3_meta_init(self.config), self.precision_plugin.tensor_init_context():
                 yield
         else:
             with super().tensor_init_context(empty_init):
@@ -368,10 +337,7 @@ class ZeroQStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for name, options in PRESETS.items():
-            if name in strategy_registry:
-                continue
-            strategy_registry.register(name, cls, description=f"ZeroQ with {options or 'defaults (stage 2)'}", **options)
+        register_presets(strategy_registry, cls)
 
 
 def _check_disjoint(optimizers: list) -> None:

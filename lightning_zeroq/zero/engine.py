@@ -40,7 +40,7 @@ from lightning_zeroq.zero.layout import ALIGN
 from lightning_zeroq.zero.loss_scaler import loss_scaler_from_config
 from lightning_zeroq.zero.materialize import sync_replicated_state
 from lightning_zeroq.zero.offload import optimizer_placement, shard_store
-from lightning_zeroq.zero.optimizers import Binding, ZeroGradThrough, bind_to_shards
+from lightning_zeroq.zero.optimizers import Binding, bind_to_shards, route_zero_grad, unroute_zero_grad
 from lightning_zeroq.zero.plan import plan
 from lightning_zeroq.zero.reducer import Reducer, Window
 from lightning_zeroq.zero.stage3 import Stage3Coordinator
@@ -167,7 +167,7 @@ class ZeroEngine:
         """
         binding = bind_to_shards(optimizer, self.module, self.units)
         self._bindings = [b for b in self._bindings if not b.param_ids & binding.param_ids] + [binding]
-        optimizer.zero_grad = ZeroGradThrough(optimizer, self)  # type: ignore[method-assign]
+        route_zero_grad(optimizer, self)
         with comm.agreed(self.group, "attaching the optimizer (NVMe swap space)"):
             self.placement.attach(self.units, self.optimizers)
 
@@ -364,6 +364,8 @@ class ZeroEngine:
         ``access.py``); the engine keeps its master shards and optimizer state for state dicts."""
         if not self.retired:
             access.release_module(self, dtype, device)
+            for binding in self._bindings:
+                unroute_zero_grad(binding.optimizer)
             self.retired = True
 
     def close(self) -> None:

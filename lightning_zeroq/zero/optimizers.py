@@ -8,6 +8,7 @@ same result as on whole tensors.
 from __future__ import annotations
 
 import copy
+import functools
 import weakref
 from collections import OrderedDict
 from typing import Optional, Sequence
@@ -171,26 +172,43 @@ class OneStep:
                 hook(opt, (), {})
 
 
-class ZeroGradThrough:
-    """Installed as ``optimizer.zero_grad``: the window's gradients live in the engine's shards, so the
-    user's ``zero_grad()`` (manual optimization: backward, ``zero_grad()``, backward, step) must drop
-    them there too, as it drops ``p.grad`` with DDP. Holds the engine weakly; pickles as the plain
-    method."""
+def route_zero_grad(optimizer: torch.optim.Optimizer, engine: object) -> None:
+    """Make ``optimizer.zero_grad()`` drop the engine's gradients too (they live in its shards, and a
+    user's ``zero_grad()`` between backward passes must drop them as it drops ``p.grad`` with DDP),
+    however it is called: on the optimizer, or on a Lightning or Fabric wrapper, which subclasses the
+    optimizer's class and so finds this ``zero_grad`` first. The optimizer's class becomes a subclass of
+    its own that only adds this; ``unroute_zero_grad`` restores it, and it pickles as the plain class.
+    The engine is held weakly."""
+    if not getattr(type(optimizer), "_zeroq_routed", False):
+        optimizer.__class__ = _routed_class(type(optimizer))
+    optimizer._zeroq_engine = weakref.ref(engine)
 
-    def __init__(self, optimizer: torch.optim.Optimizer, engine: object) -> None:
-        self._optimizer = weakref.ref(optimizer)
-        self._engine = weakref.ref(engine)
 
-    def __call__(self, set_to_none: bool = True) -> None:
-        engine, optimizer = self._engine(), self._optimizer()
+def unroute_zero_grad(optimizer: torch.optim.Optimizer) -> None:
+    base = getattr(type(optimizer), "_zeroq_base", None)
+    if base is not None:
+        optimizer.__class__ = base
+    optimizer.__dict__.pop("_zeroq_engine", None)
+
+
+@functools.lru_cache(maxsize=None)
+def _routed_class(cls: type) -> type:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        ref = getattr(self, "_zeroq_engine", None)
+        engine = ref() if ref is not None else None
         if engine is not None:
-            engine.zero_grad(optimizer)
-        if optimizer is not None:
-            type(optimizer).zero_grad(optimizer, set_to_none)
+            engine.zero_grad(getattr(self, "optimizer", self))  # a wrapper's optimizer, or this one
+        cls.zero_grad(self, set_to_none)
 
-    def __reduce__(self) -> tuple:
-        return (_plain_zero_grad, (self._optimizer(),))
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        return (_plain_optimizer, (cls, self.__getstate__()))
+
+    return type(cls.__name__, (cls,), {"zero_grad": zero_grad, "__reduce_ex__": __reduce_ex__,
+                                       "_zeroq_routed": True, "_zeroq_base": cls, "__module__": cls.__module__})
 
 
-def _plain_zero_grad(optimizer: torch.optim.Optimizer) -> object:
-    return type(optimizer).zero_grad.__get__(optimizer)
+def _plain_optimizer(cls: type, state: dict) -> torch.optim.Optimizer:
+    optimizer = cls.__new__(cls)
+    state.pop("_zeroq_engine", None)
+    optimizer.__setstate__(state)
+    return optimizer

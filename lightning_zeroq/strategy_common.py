@@ -1,0 +1,102 @@
+"""What the two ZeroQ strategies share: the Trainer's ``ZeroQStrategy`` (``strategy.py``) and Fabric's
+``ZeroQFabricStrategy`` (``fabric.py``).
+
+Each strategy is glue between its front door's lifecycle and the engine. What does not depend on the
+front door lives here, once, so the two cannot drift apart:
+
+- ``PRESETS`` / ``register_presets``: the registered names, the same in the Trainer's and Fabric's
+  registries.
+- ``config_from_options``: the ``ZeroConfig`` from an optional config plus keyword overrides, and the
+  error for an option that is not a ``ZeroConfig`` field (values are validated by ``ZeroConfig``).
+- ``as_zeroq_precision``: whatever precision plugin a connector hands over becomes the strategy's own
+  plugin for the same precision string (which rejects unsupported precisions with one message).
+- ``build_engine``: the engine for a module, with the precision's working dtype and loss scaling.
+- ``check_one_optimizer``: Fabric's strategy steps one optimizer (the Trainer's takes several).
+- ``stage3_meta_init``: the meta-device context in which stage 3 builds a model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Optional, TypeVar
+
+import torch
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from torch import nn
+
+from lightning_zeroq.config import ZeroConfig
+from lightning_zeroq.precision import ZeroQPrecision
+from lightning_zeroq.zero.engine import ZeroEngine
+from lightning_zeroq.zero.materialize import parameters_on_meta
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "zeroq": {},
+    "zeroq_stage_1": {"stage": 1},
+    "zeroq_stage_2": {"stage": 2},
+    "zeroq_stage_2_offload": {"stage": 2, "offload_optimizer": True},
+    "zeroq_stage_3": {"stage": 3},
+    "zeroq_stage_3_offload": {"stage": 3, "offload_optimizer": True, "offload_parameters": True},
+}
+
+P = TypeVar("P", bound=ZeroQPrecision)
+
+
+def register_presets(registry: _StrategyRegistry, strategy_cls: type) -> None:
+    """Register every preset name for ``strategy_cls``; a name already registered is left alone, so
+    importing the package twice (or registering by hand) is harmless."""
+    for name, options in PRESETS.items():
+        if name in registry:
+            continue
+        registry.register(name, strategy_cls, description=f"ZeroQ with {options or 'defaults (stage 2)'}", **options)
+
+
+def config_from_options(owner: str, config: Optional[ZeroConfig], options: dict[str, Any]) -> ZeroConfig:
+    """``config`` (default: ``ZeroConfig()``) with ``options`` applied and validated; ``owner`` names the
+    strategy class in the error for an unknown option."""
+    if config is not None and not isinstance(config, ZeroConfig):
+        raise TypeError(
+            f"{owner}(config=...) takes a ZeroConfig, got {type(config).__name__}; pass the options as "
+            f"keywords ({owner}(stage=3, offload_optimizer=True)) or as {owner}(ZeroConfig(**options))."
+        )
+    known = set(ZeroConfig.__dataclass_fields__)
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"{owner} got unknown option(s) {unknown}; valid options are {sorted(known)}.")
+    return (config or ZeroConfig()).replace(**options)
+
+
+def as_zeroq_precision(plugin: Optional[Any], plugin_cls: type[P]) -> Optional[P]:
+    """The connector's plugin (Lightning picks one from ``precision=...``) as ``plugin_cls`` with the same
+    precision string; ``plugin_cls`` raises for a precision ZeroQ does not support."""
+    if plugin is not None and not isinstance(plugin, plugin_cls):
+        plugin = plugin_cls(str(plugin.precision))
+    return plugin
+
+
+def build_engine(module: nn.Module, config: ZeroConfig, precision: ZeroQPrecision, device: torch.device) -> ZeroEngine:
+    """The engine for ``module``. It moves the module to ``device`` unit by unit (stage 3 never holds it
+    whole), materializes meta-device parameters with ``reset_parameters()``, and starts every rank from
+    rank 0's values, as DDP does."""
+    return ZeroEngine(
+        module,
+        config,
+        param_dtype=precision.param_dtype,
+        loss_scaling=precision.loss_scaling,
+        device=device,
+    )
+
+
+def check_one_optimizer(owner: str, found: str, count: int) -> None:
+    """``found`` says where the optimizers came from, e.g. ``"configure_optimizers returned"``."""
+    if count != 1:
+        raise ValueError(
+            f"{owner} supports exactly one optimizer, {found} {count}; put all parameters in one optimizer "
+            "with several param groups."
+        )
+
+
+def stage3_meta_init(config: ZeroConfig) -> contextlib.AbstractContextManager:
+    """Stage 3: parameters created here live on the meta device until the engine materializes them unit
+    by unit with their module's ``reset_parameters()``, so a model larger than one device can be built;
+    buffers and other state are created normally. Other stages: no-op."""
+    return parameters_on_meta() if config.stage == 3 else contextlib.nullcontext()
