@@ -71,11 +71,6 @@ def encode_bytes(text: str) -> Tensor:
     return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
 
 
-def decode_bytes(tokens: Tensor) -> str:
-    """Inverse of ``encode_bytes`` (invalid UTF-8 sequences become U+FFFD)."""
-    return bytes(tokens.to(torch.uint8).tolist()).decode("utf-8", errors="replace")
-
-
 class TokenWindows(Dataset[Tensor]):
     """Consecutive, non-overlapping windows of ``seq_len + 1`` tokens of one token stream."""
 
