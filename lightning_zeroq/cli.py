@@ -10,8 +10,10 @@ Configuration:
 - ``recipes/*.yaml`` are complete runs (``# @package _global_``) stored as the ``recipe`` group, the
   last entry of the primary defaults list: ``zeroq-train recipe=gpt1m_zero1_cpu trainer.max_steps=50``.
 - After composition every section is instantiated as its dataclass, so the ``__post_init__`` checks
-  run. A ``ValueError`` there ends the program with one line that
-  names the value, the fix and the config key, before any process is started.
+  run; then ``preflight`` checks what depends on this machine or
+  on the text (a GPU for ``trainer=gpu``, one batch of text per rank). A ``ValueError`` there (or the
+  ``RuntimeError`` of a missing GPU) ends the program with one line that names the value, the fix and
+  the config key, exit status 2, before any process is started.
 - ``conf/`` and ``recipes/`` are found inside the package (``lightning_zeroq/conf``: real directories
   in a wheel, links to the top-level directories in a source checkout), else at the top of the
   checkout.
@@ -19,12 +21,20 @@ Configuration:
 Processes: the command itself is rank 0. Lightning's subprocess launcher starts ranks 1..N-1 by
 re-running the command line; with Hydra it would append ``hydra.run.dir=...``, but re-running Hydra in
 the children also re-runs ``--multirun`` sweeps and re-resolves the config. Instead, before ``fit`` the
-parent puts the composed, resolved config, its run directory and label into ``ZEROQ_CHILD_CONFIG``
-(inherited by the children); ``main`` in a child with that variable and ``LOCAL_RANK`` set skips Hydra
-and trains from it. So all ranks share the parent's run directory and config, and children create no
-output directories. After each job the parent waits for its children, destroys its process group and
-restores the launcher's environment variables, so the next job of a ``--multirun`` sweep launches
-afresh.
+parent puts the ``RunConfig`` it validated (plain values: the config is resolved exactly once, in the
+parent, where Hydra's ``${hydra:...}`` resolver works, so a literal ``${`` in a value stays literal),
+its run directory and label into ``ZEROQ_CHILD_CONFIG``, inherited by the children. The payload names
+its writer (pid and, on Linux, start time): ``main`` trains from it only in a process with
+``LOCAL_RANK`` set whose parent is that writer. Anything else, e.g. a variable left in the
+environment of a ``torchrun`` launch, is dropped with a warning and Hydra runs as usual. So all ranks
+share the parent's run directory and config, and children create no output directories. After each
+job the parent waits for its children, destroys its process group and restores the launcher's
+environment variables, so the next job of a ``--multirun`` sweep launches afresh.
+
+Logging (``conf/hydra/job_logging/zeroq.yaml``): Lightning's loggers, this package's and Python
+warnings (``logging.captureWarnings``) go through the root logger, so the run directory's
+``zeroq-train.log`` gets the whole log of rank 0 with timestamps, while the console shows the same
+lines plain: INFO on stdout (the summary line among them), warnings and errors on stderr.
 
 ``train`` is also what the recipe regression tests call, inside already-initialized worker processes.
 """
@@ -34,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import re
 import resource
@@ -55,7 +66,7 @@ from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_zeroq.config import ZeroConfig
-from lightning_zeroq.data import DataConfig, TextDataModule
+from lightning_zeroq.data import DataConfig, TextDataModule, check_one_batch_per_rank
 from lightning_zeroq.gpt import GPT, GPTConfig, OptimConfig
 from lightning_zeroq.precision import PARAM_DTYPES
 from lightning_zeroq.strategy import ZeroQStrategy
@@ -66,6 +77,8 @@ CHILD_ENV = "ZEROQ_CHILD_CONFIG"
 FIGURES_SUFFIX = ".expected.json"
 RECIPE_HEADER = "# @package _global_"
 SUMMARY_PREFIX = "zeroq-train summary"
+
+log = logging.getLogger("lightning_zeroq.cli")  # not __name__: that is "__main__" under python -m
 
 
 @dataclass(kw_only=True)
@@ -159,6 +172,8 @@ class TrainResult:
     peak_memory_bytes: list[int]
     """Per rank: max RSS on CPU, ``torch.cuda.max_memory_allocated`` on GPU."""
     memory_kind: str
+    skipped_steps: int = 0
+    """Optimizer steps skipped for non-finite gradients (fp16 overflow, or ``nonfinite_gradients="skip"``)."""
 
     @property
     def final_loss(self) -> float:
@@ -169,7 +184,7 @@ class TrainResult:
         return (
             f"{SUMMARY_PREFIX} | {self.label} | {len(self.losses)} steps on {self.world_size} ranks | "
             f"final loss {self.final_loss:.4f} | {self.tokens_per_s:,.0f} tokens/s | "
-            f"peak memory per rank ({self.memory_kind}): {peaks} MiB"
+            f"peak memory per rank ({self.memory_kind}): {peaks} MiB | skipped steps {self.skipped_steps}"
         )
 
 
@@ -230,9 +245,18 @@ def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
 
 
 def to_run_config(cfg: DictConfig) -> RunConfig:
-    """Instantiate every section of a composed config, running its checks; ``ValueError`` if bad."""
+    """Resolve a composed config and instantiate every section, running its checks; ``ValueError`` if bad."""
     sections: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
     sections.pop("hydra", None)
+    return build_run_config(sections)
+
+
+def build_run_config(values: dict[str, Any]) -> RunConfig:
+    """``RunConfig`` from plain values (``dataclasses.asdict`` of one, or a resolved config).
+
+    Nothing is interpolated: a ``${`` in a value is literal.
+    """
+    sections = dict(values)
     seed = sections.pop("seed", RunConfig().seed)
     built = {name: _build(field_type, sections.pop(name, {})) for name, field_type in SECTIONS.items()}
     for key, value in sections.items():  # only reachable with "+key=value", which bypasses the schema
@@ -249,7 +273,7 @@ def _build(cls: type, values: dict[str, Any]) -> Any:
     return cls(**values)
 
 
-def config_error_line(err: ValueError) -> str:
+def config_error_line(err: Exception) -> str:
     """One line for a bad config: the checker's message plus the Hydra key of the field it names."""
     message = " ".join(str(err).split())
     match = re.match(r"(\w+)\.(\w+)=", message)
@@ -258,6 +282,46 @@ def config_error_line(err: ValueError) -> str:
         key = f"{section}.{match.group(2)}" if section else match.group(2)
         message += f" [Hydra key: {key}]"
     return f"zeroq-train: error: {message}"
+
+
+def preflight(run: RunConfig) -> None:
+    """The checks that depend on this machine or on the text, made before any process starts.
+
+    ``RuntimeError`` if the run needs a CUDA GPU and torch sees none; ``ValueError`` if the text does
+    not fill one batch on every rank (training would end after 0 steps).
+    """
+    cfg = run.trainer
+    if cfg.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise RuntimeError(
+            f"TrainerConfig.accelerator={cfg.accelerator!r} needs a CUDA GPU, and torch {torch.__version__} "
+            f"({build}) sees none on this machine; use trainer=cpu."
+        )
+    ranks = _world_size(cfg)
+    if ranks is not None:
+        check_one_batch_per_rank(run.data, ranks)
+
+
+def _world_size(cfg: TrainerConfig) -> Optional[int]:
+    """The number of ranks the Trainer will run, where the config (and this machine) tells; else None."""
+    devices = cfg.devices
+    if isinstance(devices, (list, tuple)):
+        per_node = len(devices)
+    elif isinstance(devices, int) or (isinstance(devices, str) and devices.isdigit()):
+        per_node = int(devices)
+    elif devices == "auto":  # as Lightning: every GPU, or one CPU process
+        uses_cuda = cfg.accelerator in ("gpu", "cuda") or (cfg.accelerator == "auto" and torch.cuda.is_available())
+        per_node = torch.cuda.device_count() if uses_cuda else 1
+    else:
+        return None
+    return per_node * cfg.num_nodes if per_node > 0 else None  # -1 ("all") is left to Lightning
+
+
+class ConsoleInfoFilter(logging.Filter):
+    """Lets records below WARNING through (to stdout); ``conf/hydra/job_logging/zeroq.yaml`` uses it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.WARNING
 
 
 # ---------------------------------------------------------------------------- training
@@ -271,6 +335,7 @@ class RunRecorder(L.Callback):
         self.tokens = 0
         self.started = 0.0
         self.elapsed = 0.0
+        self.skipped_steps = 0
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.losses, self.tokens, self.started = [], 0, time.perf_counter()
@@ -282,6 +347,8 @@ class RunRecorder(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.elapsed = time.perf_counter() - self.started
+        engine = getattr(trainer.strategy, "engine", None)
+        self.skipped_steps = int(getattr(engine, "skipped_steps", 0))
 
     def gather(self, trainer: L.Trainer, label: str, num_parameters: int) -> TrainResult:
         """Collective: average the losses over the ranks, sum the tokens, collect peak memory."""
@@ -297,7 +364,8 @@ class RunRecorder(L.Callback):
         tokens_per_s = gathered[:, 0].sum().item() / max(gathered[:, 1].max().item(), 1e-9)
         return TrainResult(label=label, world_size=trainer.world_size, num_parameters=num_parameters,
                            losses=losses, tokens_per_s=tokens_per_s,
-                           peak_memory_bytes=[int(b) for b in gathered[:, 2].tolist()], memory_kind=kind)
+                           peak_memory_bytes=[int(b) for b in gathered[:, 2].tolist()], memory_kind=kind,
+                           skipped_steps=self.skipped_steps)
 
 
 def _all_gather_rows(local: torch.Tensor) -> torch.Tensor:
@@ -310,7 +378,7 @@ def _all_gather_rows(local: torch.Tensor) -> torch.Tensor:
 
 
 def train(run: RunConfig, run_dir: Path, label: str) -> TrainResult:
-    """Train ``run`` on this process's rank; every rank calls it. Rank 0 prints the summary.
+    """Train ``run`` on this process's rank; every rank calls it. Rank 0 logs the summary (INFO).
 
     Called by ``zeroq-train`` (rank 0, which launches the other ranks during ``fit``), by its children,
     and by tests in processes that already have a process group (which is then left alone).
@@ -338,9 +406,9 @@ def train(run: RunConfig, run_dir: Path, label: str) -> TrainResult:
         callbacks=[recorder],
     )
     if trainer.is_global_zero:
-        print(f"zeroq-train: {label}: GPT with {model.num_parameters():,} parameters, ZeRO stage "
-              f"{run.zero.stage}, data {data.source}, {cfg.accelerator} x {cfg.devices}, {cfg.precision}; "
-              f"run dir {run_dir}", flush=True)
+        log.info("zeroq-train: %s: GPT with %s parameters, ZeRO stage %d, data %s, %s x %s, %s; run dir %s",
+                 label, f"{model.num_parameters():,}", run.zero.stage, data.source, cfg.accelerator, cfg.devices,
+                 cfg.precision, run_dir)
     trainer.fit(model, datamodule=data)
     result = recorder.gather(trainer, label, model.num_parameters())
     if owns_process_group and dist.is_initialized():
@@ -349,7 +417,7 @@ def train(run: RunConfig, run_dir: Path, label: str) -> TrainResult:
         dist.destroy_process_group()
     _join_children(trainer)
     if trainer.is_global_zero:
-        print(result.summary(), flush=True)
+        log.info("%s", result.summary())
     return result
 
 
@@ -369,11 +437,25 @@ def _join_children(trainer: L.Trainer, timeout_s: float = 120.0) -> None:
 # ---------------------------------------------------------------------------- entry points
 
 
+def _start_time(pid: int) -> Optional[int]:
+    """When process ``pid`` started (clock ticks after boot, Linux ``/proc``); None where unknown.
+
+    With the pid it names a process for good: a pid alone is reused, and in a container the same
+    command tends to get the same small pid on every run.
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])  # field 22; the name in (...) may hold spaces
+
+
 @contextlib.contextmanager
-def _children_inherit(cfg: DictConfig, run_dir: Path, label: str) -> Iterator[None]:
-    """Hand the resolved config to the children the launcher starts; restore the environment after."""
+def _children_inherit(run: RunConfig, run_dir: Path, label: str) -> Iterator[None]:
+    """Hand the validated config to the children the launcher starts; restore the environment after."""
     saved = dict(os.environ)
-    payload = {"config": OmegaConf.to_container(cfg, resolve=True), "run_dir": str(run_dir), "label": label}
+    payload = {"parent_pid": os.getpid(), "parent_start": _start_time(os.getpid()),
+               "run": dataclasses.asdict(run), "run_dir": str(run_dir), "label": label}
     os.environ[CHILD_ENV] = json.dumps(payload)
     try:
         yield
@@ -382,15 +464,48 @@ def _children_inherit(cfg: DictConfig, run_dir: Path, label: str) -> Iterator[No
         os.environ.update(saved)
 
 
-def _fail(err: ValueError) -> NoReturn:
+def inherited_payload() -> Optional[dict[str, Any]]:
+    """The parent's payload if this process is a rank that this parent launched, else None.
+
+    A ``ZEROQ_CHILD_CONFIG`` that does not qualify is removed from the environment with a warning on
+    stderr, so that Hydra composes the config from the command line as usual.
+    """
+    text = os.environ.get(CHILD_ENV)
+    if text is None:
+        return None
+    parent = os.getppid()
+    try:
+        payload = json.loads(text)
+        writer = (payload["parent_pid"], payload["parent_start"])
+    except (ValueError, KeyError, TypeError):
+        reason = "it is not a payload of this version of zeroq-train"
+    else:
+        if "LOCAL_RANK" not in os.environ:
+            reason = "LOCAL_RANK is not set, so no launcher started this process as a rank"
+        elif writer != (parent, _start_time(parent)):
+            reason = f"it was written by process {writer[0]}, not by this process's parent {parent}"
+        else:
+            return payload
+    del os.environ[CHILD_ENV]
+    print(f"zeroq-train: warning: ignoring {CHILD_ENV}: {reason} (a leftover of another run?); "
+          "composing the config from the command line.", file=sys.stderr, flush=True)
+    return None
+
+
+def _fail(err: Exception) -> NoReturn:
     print(config_error_line(err), file=sys.stderr, flush=True)
     raise SystemExit(2)
 
 
 def _hydra_task(cfg: DictConfig) -> float:
+    logging.captureWarnings(True)  # warnings reach the log file too (conf/hydra/job_logging/zeroq.yaml)
     try:
         run = to_run_config(cfg)
     except ValueError as err:
+        _fail(err)
+    try:
+        preflight(run)
+    except (ValueError, RuntimeError) as err:
         _fail(err)
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
@@ -398,21 +513,15 @@ def _hydra_task(cfg: DictConfig) -> float:
     overrides = [o for o in hydra_cfg.overrides.task if not o.startswith("recipe=")]
     if overrides:
         label += f" [{' '.join(overrides)}]"
-    with _children_inherit(cfg, run_dir, label):
+    with _children_inherit(run, run_dir, label):
         return train(run, run_dir, label).final_loss
-
-
-def _run_child(payload: str) -> None:
-    spec = json.loads(payload)
-    run = to_run_config(OmegaConf.create(spec["config"]))
-    train(run, Path(spec["run_dir"]), spec["label"])
 
 
 def main() -> None:
     """The ``zeroq-train`` console script (also ``python -m lightning_zeroq.cli``)."""
-    payload = os.environ.get(CHILD_ENV)
-    if payload is not None and "LOCAL_RANK" in os.environ:
-        _run_child(payload)
+    payload = inherited_payload()
+    if payload is not None:  # a rank launched by zeroq-train: train on the parent's config, no Hydra
+        train(build_run_config(payload["run"]), Path(payload["run_dir"]), payload["label"])
         return
     try:
         register_configs()

@@ -71,9 +71,22 @@ def encode_bytes(text: str) -> Tensor:
     return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
 
 
-def decode_bytes(tokens: Tensor) -> str:
-    """Inverse of ``encode_bytes`` (invalid UTF-8 sequences become U+FFFD)."""
-    return bytes(tokens.to(torch.uint8).tolist()).decode("utf-8", errors="replace")
+def check_one_batch_per_rank(cfg: DataConfig, ranks: int) -> None:
+    """``ValueError`` unless the text fills one batch of windows on each of ``ranks`` ranks.
+
+    With less, every rank's loader (``drop_last=True``) is empty and training would "finish" after 0
+    steps; ``zeroq-train`` calls this before it starts any process.
+    """
+    tokens = len(load_text(cfg.text_file).encode("utf-8"))
+    window = cfg.seq_len + 1
+    needed = cfg.batch_size * ranks
+    if tokens // window < needed:
+        raise ValueError(
+            f"DataConfig.text_file={cfg.text_file!r} is too little text for one batch: {tokens:,} bytes make "
+            f"{tokens // window} windows of seq_len+1={window} bytes, and one batch on every rank needs "
+            f"batch_size x ranks = {cfg.batch_size} x {ranks} = {needed} windows ({needed * window:,} bytes); "
+            "use a longer text, or lower data.seq_len or data.batch_size."
+        )
 
 
 class TokenWindows(Dataset[Tensor]):

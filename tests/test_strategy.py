@@ -117,7 +117,8 @@ def test_manual_optimization_varying_backwards(dist_pool, stage):
 def _precision_body(precision: str, accelerator: str = "cpu") -> tuple[list[float], list[float]]:
     from lightning_zeroq import ZeroQStrategy
 
-    _, fp32, _ = _fit("zeroq", epochs=3, accelerator=accelerator)
+    reference, fp32, _ = _fit("zeroq", epochs=3, accelerator=accelerator)
+    assert reference.strategy.precision_plugin.param_dtype == torch.float32
     # fp16: start the dynamic scale low enough for this tiny model, so no step is skipped and the
     # curves are comparable step by step (an overflow test lives in test_engine_parity.py).
     from lightning_zeroq import ZeroQPrecision
@@ -127,8 +128,8 @@ def _precision_body(precision: str, accelerator: str = "cpu") -> tuple[list[floa
     trainer, low, _ = _fit(ZeroQStrategy(initial_scale_power=8), precision=None if as_plugin else precision,
                            plugins=[ZeroQPrecision(precision)] if as_plugin else None, epochs=3,
                            accelerator=accelerator)
-    assert trainer.strategy.precision_plugin.param_dtype == {"16-mixed": torch.float16}.get(
-        precision, trainer.strategy.precision_plugin.param_dtype)
+    expected = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "bf16-true": torch.bfloat16}[precision]
+    assert trainer.strategy.precision_plugin.param_dtype == expected
     scaler = trainer.strategy.engine.loss_scaler
     assert scaler is None or scaler.skipped_steps == 0, scaler
     return fp32.losses, low.losses
