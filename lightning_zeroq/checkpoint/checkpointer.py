@@ -36,13 +36,15 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from lightning_zeroq.checkpoint import atomic, codec
 from lightning_zeroq.checkpoint.agree import CheckpointError, agree, checkpoint_group, describe, rank_and_size
-from lightning_zeroq.checkpoint.safe import METADATA_FILE, SafeReader, read_metadata
-from lightning_zeroq.checkpoint.store import Kind, Located, Manifest, classify, check_files, sha256, validate
-from lightning_zeroq.checkpoint.writer import ChunkSavePlanner, ChunkWriter, stage_state
+from lightning_zeroq.checkpoint.safe import METADATA_FILE, SafeReader, read_metadata, unwrap
+from lightning_zeroq.checkpoint.store import (MANIFEST_FILE, Kind, Located, Manifest, check_files, classify, sha256,
+                                              validate)
+from lightning_zeroq.checkpoint.writer import HEADER_SIZE, ChunkSavePlanner, ChunkWriter, stage_state, token_of
 
 
 @dataclass
@@ -109,6 +111,9 @@ class Checkpointer:
             return
         try:
             dcp.save(state, storage_writer=writer, planner=ChunkSavePlanner(before_read), process_group=group)
+        except CheckpointException as error:
+            self._discard(tmp, rank)
+            raise CheckpointError(f"Saving checkpoint {path} failed: {describe(unwrap(error))}") from None
         finally:
             if after_read is not None:
                 after_read()
@@ -116,9 +121,21 @@ class Checkpointer:
         elapsed = time.perf_counter() - start
         self.last = SaveTiming(blocked_s=elapsed, total_s=elapsed)
 
+    @staticmethod
+    def _discard(tmp: Path, rank: int) -> None:
+        if rank == 0:
+            try:
+                atomic.remove(tmp)
+            except OSError:
+                pass
+
     def _finish_async(self, future: Future, writer: ChunkWriter, manifest: Manifest, tmp: Path, path: Path,
                       group: Any, start: float) -> None:
-        future.result()
+        try:
+            future.result()
+        except CheckpointException as error:
+            self._discard(tmp, rank_and_size(group)[0])
+            raise CheckpointError(f"Saving checkpoint {path} failed: {describe(unwrap(error))}") from None
         self._finish(writer, manifest, tmp, path, group)
         self.last.total_s = time.perf_counter() - start
 
@@ -186,10 +203,10 @@ class Opened:
     def keys(self) -> dict[str, Any]:
         return self.metadata.state_dict_metadata
 
+    decoded: Any = None
+
     def trainer_state(self) -> Any:
-        if self.manifest is None or self.manifest.trainer_state is None:
-            return {}
-        return codec.decode(self.manifest.trainer_state)
+        return {} if self.decoded is None else self.decoded
 
 
 def locate_error(located: Located) -> Optional[str]:
@@ -230,11 +247,31 @@ def open_checkpoint(path: Path, group: Any, *, kinds: tuple[Kind, ...] = (Kind.Z
         try:
             metadata = read_metadata(located.path)
             errors = check_files(located.path, metadata, None)
+            if any(ours(located.path / name) for name in {i.relative_path for i in metadata.storage_data.values()}):
+                errors.append(f"{located.path} was written by ZeroQ but has no {MANIFEST_FILE}, which a save writes "
+                              "last: the checkpoint is incomplete. Resume from an earlier checkpoint.")
         except Exception as error:
             errors = [describe(error)]
+    decoded = None
+    if not errors and manifest is not None and manifest.trainer_state is not None:
+        try:
+            decoded = codec.decode(manifest.trainer_state)
+        except Exception as error:
+            errors.append(f"{located.path / MANIFEST_FILE}: the trainer state cannot be read ({describe(error)}).")
     agree(errors, f"Loading checkpoint {located.path}", group)
     assert metadata is not None
-    return Opened(located.path, located.kind, metadata, manifest, SafeReader(located.path, metadata))
+    opened = Opened(located.path, located.kind, metadata, manifest, SafeReader(located.path, metadata))
+    opened.decoded = decoded
+    return opened
+
+
+def ours(file: Path) -> bool:
+    """Whether a data file starts with ZeroQ's header."""
+    try:
+        with open(file, "rb") as f:
+            return token_of(f.read(HEADER_SIZE)) is not None
+    except OSError:
+        return False
 
 
 def check_entries(opened: Opened, expected: dict[str, tuple[torch.Size, torch.dtype]], *, strict: bool,

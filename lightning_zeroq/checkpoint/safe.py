@@ -28,6 +28,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
@@ -161,10 +162,26 @@ class SafeLoadPlanner(LoadPlanner):
         pass
 
 
+def unwrap(error: BaseException) -> BaseException:
+    """The first rank's own exception inside DCP's ``CheckpointException`` (a ``BaseException``)."""
+    failures = list(getattr(error, "failures", {}).values())
+    if not failures:
+        return error
+    inner = failures[0]
+    return getattr(inner, "exception", inner) if isinstance(getattr(inner, "exception", inner), BaseException) \
+        else RuntimeError(str(inner))
+
+
 def read_entries(reader: SafeReader, targets: dict[str, Any]) -> None:
     """Fill ``targets`` (checkpoint key -> ``LocalChunks`` with a target, tensor, ``BytesTarget``)."""
     if targets:
-        dcp.load(targets, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+        try:
+            dcp.load(targets, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+        except CheckpointException as error:
+            inner = unwrap(error)
+            if isinstance(inner, Exception):
+                raise inner from None
+            raise RuntimeError(str(error)) from None
 
 
 def assert_safe_modules_loaded() -> None:

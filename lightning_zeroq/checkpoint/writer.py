@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from lightning_zeroq.checkpoint import atomic
 from lightning_zeroq.checkpoint.chunks import LocalChunks
 
 HEADER_SIZE = 64
@@ -93,8 +94,6 @@ class ChunkWriter(FileSystemWriter):
         super().__init__(path, single_file_per_rank=True, sync_files=sync_files, thread_count=1, overwrite=True)
         self.token = token
         self.written: list[tuple[str, int]] = []
-        self.fault: Optional[Callable[[int, int], None]] = None
-        """Tests: called with (items written, items in plan) after each item."""
 
     def stage(self, state_dict: dict) -> dict:  # the caller staged it (stage_state)
         return state_dict
@@ -114,8 +113,8 @@ class ChunkWriter(FileSystemWriter):
                 length = f.tell() - offset
                 results.append(WriteResult(index=item.index, size_in_bytes=length,
                                            storage_data=_StorageInfo(name, offset, length)))
-                if self.fault is not None:
-                    self.fault(n + 1, len(plan.items))
+                if n == 0:
+                    atomic.fault("mid_data")  # crash tests: a data file cut after its first item
             f.flush()
             if self.sync_files:
                 os.fsync(f.fileno())
