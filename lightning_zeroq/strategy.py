@@ -34,7 +34,6 @@ from typing_extensions import override
 
 from lightning_zeroq.checkpoint import atomic
 from lightning_zeroq.checkpoint import lightning as checkpoint_glue
-from lightning_zeroq.checkpoint.agree import checkpoint_group
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.precision import ZeroQPrecision
@@ -256,7 +255,7 @@ class ZeroQStrategy(DDPStrategy):
         """Collective: this rank's part of the optimizer state, keyed by parameter name."""
         if self.engine is None or self.engine.optimizer is None:
             return super().optimizer_state(optimizer)
-        return zero_state.sharded_optimizer_state(self.engine, checkpoint_group())
+        return zero_state.sharded_optimizer_state(self.engine)
 
     @override
     def save_checkpoint(

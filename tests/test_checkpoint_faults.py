@@ -9,7 +9,6 @@ import pickle
 import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -20,8 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zeroq import ZeroConfig, ZeroEngine
-from lightning_zeroq.checkpoint.agree import CheckpointError
-from lightning_zeroq.checkpoint.engine_io import engine_state, load_engine, save_engine, save_state
+from lightning_zeroq.checkpoint.engine_io import engine_state, load_engine, save_state
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer
 from tests.dist_pool import REPO_ROOT
 from tests.models import DIM, RichModel, make_batch, param_groups

@@ -53,7 +53,7 @@ def _fit(strategy, epochs: int, ckpt_path=None, save_to=None, callbacks=()) -> l
     torch.manual_seed(7)
     recorder = _recorder()
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=bool(callbacks), enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[recorder, *callbacks])
     data = torch.utils.data.DataLoader(TokenDataset(GLOBAL_BATCH * STEPS_PER_EPOCH), batch_size=GLOBAL_BATCH // world)
     trainer.fit(make_lit_module(scheduler=True), data, ckpt_path=ckpt_path)

@@ -170,7 +170,7 @@ def write_safetensors(opened: Opened, out: Path, *, optimizer: bool) -> None:
         for name, key in keys:
             tensor = _empty(opened, key)
             read_entries(opened.reader, {key: tensor})
-            f.write(memoryview(tensor.contiguous().view(torch.uint8).numpy()) if tensor.numel() else b"")
+            f.write(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else b"")
         f.flush()
         os.fsync(f.fileno())
 

@@ -36,7 +36,7 @@ def engine_state(engine: Any, optimizer: bool) -> dict:
     """Collective (the optimizer's param groups are gathered): the nested state a save writes."""
     state: dict[str, Any] = {MODEL_KEY: zsd.sharded_model_state(engine)}
     if optimizer and engine.optimizer is not None:
-        state[OPTIMIZER_KEY] = zsd.sharded_optimizer_state(engine, checkpoint_group())
+        state[OPTIMIZER_KEY] = zsd.sharded_optimizer_state(engine)
     return state
 
 

@@ -87,11 +87,12 @@ def save_single_file(strategy: Any, checkpoint: dict, path: Path, checkpointer: 
         try:
             out = {k: v for k, v in checkpoint.items() if k != "state_dict"}
             model = {}
-            for key, value in checkpoint["state_dict"].items():
+            given = checkpoint["state_dict"]
+            for key, value in {**strategy.lightning_module.state_dict(keep_vars=True), **given}.items():
                 if weights is not None and key in weights:
                     model[key] = weights[key]
-                elif isinstance(value, Tensor):
-                    model[key] = value.detach().cpu()
+                elif isinstance(given.get(key, value), Tensor):
+                    model[key] = given.get(key, value).detach().cpu()
             out["state_dict"] = model
             if engine is not None and engine.loss_scaler is not None:
                 out[ENGINE_KEY] = {"loss_scaler": engine.loss_scaler.state_dict()}
@@ -175,8 +176,7 @@ def load_single_file(strategy: Any, path: Path, weights_only: Optional[bool], fi
 def load_torch_optimizer_state(engine: Any, model: dict, optimizer_state: dict, group: Any) -> None:
     """A torch-format optimizer state (integer ids in param-group order, as ``strategy="ddp"`` saves
     it) into the shards, with the model's weights, unit by unit."""
-    optimizer = engine.optimizer
-    groups = zsd.sharded_optimizer_state(engine, group)["param_groups"]  # every parameter's name, by group
+    groups = zsd.sharded_optimizer_state(engine)["param_groups"]  # every parameter's name, by group
     saved = optimizer_state.get("param_groups", [])
     errors = []
     if len(saved) != len(groups):

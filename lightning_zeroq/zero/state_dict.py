@@ -216,8 +216,9 @@ def sharded_model_state(engine: ShardedParts) -> dict[str, Any]:
     return out
 
 
-def sharded_optimizer_state(engine: ShardedParts, group: Optional[dist.ProcessGroup]) -> dict[str, Any]:
-    """Collective: ``{"state": {name: {key: value}}, "param_groups": [...]}`` as
+def sharded_optimizer_state(engine: ShardedParts) -> dict[str, Any]:
+    """Collective on the engine's group (training's, on the calling thread, so it never meets an
+    asynchronous save's collectives): ``{"state": {name: {key: value}}, "param_groups": [...]}`` as
     ``get_optimizer_state_dict`` has it: per-element state as ``LocalChunks`` of the parameter's
     shape, scalar state (Adam's ``step``) from the rank that owns the parameter's first element,
     ``param_groups`` with every parameter's canonical name (gathered from all ranks)."""
@@ -246,8 +247,8 @@ def sharded_optimizer_state(engine: ShardedParts, group: Optional[dist.ProcessGr
                 state[name] = entry
     everyone = [local_groups]
     if comm.is_distributed() and engine.world_size > 1:
-        everyone = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, local_groups, group=group)
+        everyone = [None] * engine.world_size
+        dist.all_gather_object(everyone, local_groups, group=engine.group)
     order = {n: i for i, n in enumerate(names_in_order(engine.module))}
     groups = []
     for g, group_ in enumerate(optimizer.param_groups):
