@@ -21,6 +21,7 @@ from __future__ import annotations
 import io
 import pickle
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -176,7 +177,9 @@ def read_entries(reader: SafeReader, targets: dict[str, Any]) -> None:
     """Fill ``targets`` (checkpoint key -> ``LocalChunks`` with a target, tensor, ``BytesTarget``)."""
     if targets:
         try:
-            dcp.load(targets, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+            with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": no_dist is meant
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(targets, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
         except CheckpointException as error:
             inner = unwrap(error)
             if isinstance(inner, Exception):
