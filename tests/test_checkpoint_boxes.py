@@ -21,7 +21,7 @@ def shape_and_range(draw):
     return shape, start, stop
 
 
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(shape_and_range())
 def test_boxes_cover_exactly_the_range_in_flat_order(case):
     shape, start, stop = case

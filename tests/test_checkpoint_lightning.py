@@ -201,10 +201,10 @@ NVME = {"stage": 2, "offload_optimizer": True, "offload_optimizer_device": "nvme
                    reason="teardown drops the NVMe optimizer state (NvmeOptimizer.release clears it), so the save "
                           "after fit refuses with a CheckpointError; the lead's teardown change must keep it readable")
 def test_nvme_offload_saves_after_fit_with_its_optimizer_state(dist_pool, tmp_path):
-    reference = dist_pool(2).run(_ddp)[0]
     ckpt = str(tmp_path / "nvme.ckpt")
     first = dist_pool(2).run(_first, {**NVME, "nvme_path": str(tmp_path)}, ckpt)[0]
     second = dist_pool(2).run(_second, S2, ckpt)[0]
+    reference = dist_pool(2).run(_ddp)[0]
     assert_runs_match(first + second, reference)
 
 

@@ -269,6 +269,14 @@ def model_entries(engine: ShardedParts) -> dict[str, tuple[torch.Size, torch.dty
             for key, value in engine.module.state_dict(keep_vars=True).items() if isinstance(value, Tensor)}
 
 
+def _commit(engine: ShardedParts, read: Callable[[dict], None], targets: dict, batch: list, group_of: dict) -> None:
+    read(targets)
+    for unit, pending in batch:
+        for view, entry in pending:
+            engine.optimizer.state[view] = {k: _loaded_value(v, group_of[id(view)], view) for k, v in entry.items()}
+        engine.gatherer.publish(unit)
+
+
 def _step_device(group: dict, view: Tensor) -> torch.device:
     return view.device if group.get("fused") or group.get("capturable") else torch.device("cpu")
 
@@ -296,8 +304,12 @@ def load_sharded(engine: ShardedParts, read: Callable[[dict], None], *, model_pr
         group_of = {id(v): g for g in optimizer.param_groups for v in g["params"]}
         optimizer.state.clear()
         engine.placement.state_loaded(optimizer)  # before the walk: NVMe writes the new state as it goes
+    # Placements that keep every unit resident are read in one go (fewer, larger reads); NVMe, whose
+    # units come and go, unit by unit.
+    at_once = type(engine.placement).resident is OptimizerPlacement.resident
+    batch: list[tuple[Unit, list]] = []
+    targets: dict[str, Any] = {}
     for unit in engine.placement.resident(engine.units):
-        targets: dict[str, Any] = {}
         pending = []
         for seg, view in zip(unit.segments, unit.segment_masters):
             p = unit.params[seg.param]
@@ -317,10 +329,12 @@ def load_sharded(engine: ShardedParts, read: Callable[[dict], None], *, model_pr
                         target = scalar_target(ckpt_key)
                     entry[key] = targets[ckpt_key] = target
                 pending.append((view, entry))
-        read(targets)
-        for view, entry in pending:
-            optimizer.state[view] = {k: _loaded_value(v, group_of[id(view)], view) for k, v in entry.items()}
-        engine.gatherer.publish(unit)
+        batch.append((unit, pending))
+        if not at_once:
+            _commit(engine, read, targets, batch, group_of)
+            targets, batch = {}, []
+    if batch:
+        _commit(engine, read, targets, batch, group_of)
     if optimizer is not None and param_groups is not None:
         for group_, saved in zip(optimizer.param_groups, param_groups):
             group_.update({k: v for k, v in saved.items() if k != "params"})
