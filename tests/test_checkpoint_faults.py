@@ -230,3 +230,50 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+# ---------------------------------------------------------------------- through the Trainer
+
+
+def _fit_catching(ckpt: str, weights_only) -> tuple[str, str, float]:
+    from tests.test_checkpoint_reshard import S2, _second
+
+    start = time.monotonic()
+    try:
+        _second(S2, ckpt) if weights_only is None else _fit_weights_only(ckpt, weights_only)
+    except Exception as error:
+        return type(error).__name__, str(error), time.monotonic() - start
+    return "ok", "", time.monotonic() - start
+
+
+def _fit_weights_only(ckpt: str, weights_only: bool) -> None:
+    import lightning as L
+
+    from lightning_zeroq import ZeroQStrategy
+    from tests.models import TokenDataset, make_lit_module
+
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ZeroQStrategy(), max_epochs=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(make_lit_module(), torch.utils.data.DataLoader(TokenDataset(8), batch_size=2), ckpt_path=ckpt,
+                weights_only=weights_only)
+
+
+def test_trainer_resume_from_a_damaged_or_legacy_checkpoint_fails_alike_on_every_rank(dist_pool, tmp_path):
+    from tests.test_checkpoint_reshard import S2, _first
+
+    ckpt = tmp_path / "epoch1.ckpt"
+    dist_pool(2).run(_first, S2, str(ckpt))
+    (ckpt / "__1_0.distcp").unlink()
+    _expect_one_error(dist_pool(2).run(_fit_catching, str(ckpt), None), "__1_0.distcp is missing")
+    marker = tmp_path / "legacy_payload_ran"
+    legacy = tmp_path / "old.ckpt"
+    legacy.mkdir()
+    (legacy / "meta.pt").write_bytes(pickle.dumps(Evil(str(marker))))
+    (legacy / "zero_shard_rank00000.pt").write_bytes(pickle.dumps(Evil(str(marker))))
+    _expect_one_error(dist_pool(2).run(_fit_catching, str(legacy), True), "old lightning_zeroq format")
+    _expect_one_error(dist_pool(2).run(_fit_catching, str(legacy / "meta.pt"), True), "the directory is the checkpoint")
+    single = tmp_path / "evil_single.ckpt"
+    single.write_bytes(pickle.dumps(Evil(str(marker))))
+    _expect_one_error(dist_pool(2).run(_fit_catching, str(single), None), "could not be loaded safely",
+                      "weights_only=False")
+    assert not marker.exists()

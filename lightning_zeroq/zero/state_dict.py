@@ -68,6 +68,17 @@ def parameter_names(module: nn.Module) -> dict[int, list[str]]:
     return names
 
 
+def unit_parameter_names(engine: ShardedParts) -> dict[int, list[str]]:
+    """``parameter_names`` for checkpoints: every parameter of every unit must have a name (units and
+    the module share their ``nn.Parameter`` objects; replacing them would lose the link)."""
+    names = parameter_names(engine.module)
+    lost = [(u.index, i) for u in engine.units for i, p in enumerate(u.params) if id(p) not in names]
+    if lost:
+        raise RuntimeError(f"{len(lost)} parameter(s) of the engine's units (unit, index: {lost[:4]}) are no longer "
+                           "parameters of the module (were they replaced?); their checkpoint names are unknown.")
+    return names
+
+
 @torch.no_grad()
 def full_state_dict(engine: ShardedParts, rank0_only: bool = False) -> dict[str, Tensor]:
     out: dict[str, Tensor] = {}
@@ -193,7 +204,7 @@ def per_element_keys(optimizer: torch.optim.Optimizer) -> set[str]:
 def sharded_model_state(engine: ShardedParts) -> dict[str, Any]:
     """Every ``state_dict()`` entry: this rank's chunks of the fp32 masters (``LocalChunks``, read
     later), frozen parameters and buffers as they are (replicated: DCP writes them once)."""
-    names = parameter_names(engine.module)
+    names = unit_parameter_names(engine)
     chunks: dict[str, Any] = {}
     for unit in engine.units:
         for seg in unit.segments:
@@ -224,7 +235,7 @@ def sharded_optimizer_state(engine: ShardedParts) -> dict[str, Any]:
     ``param_groups`` with every parameter's canonical name (gathered from all ranks)."""
     optimizer = engine.optimizer
     assert optimizer is not None
-    names = parameter_names(engine.module)
+    names = unit_parameter_names(engine)
     per_element = per_element_keys(optimizer)
     where = {id(view): (unit, seg) for unit in engine.units for seg, view in zip(unit.segments, unit.segment_masters)}
     state: dict[str, dict[str, Any]] = {}
