@@ -98,11 +98,19 @@ class Checkpointer:
                             optimizer=optimizer, extra=extra or {})
         writer = ChunkWriter(str(tmp), token)
         if self.async_save and allow_async:
+            errors, staged = [], None
             try:
                 staged = stage_state(state, before_read, pin, self._staging)
+            except Exception as error:  # e.g. no pinned memory left: every rank must stop here
+                errors.append(f"staging for the asynchronous save failed: {describe(error)}")
             finally:
                 if after_read is not None:
                     after_read()
+            try:
+                agree(errors, f"Saving checkpoint {path}", group)
+            except CheckpointError:
+                self._discard(tmp, rank)
+                raise
             future = dcp.async_save(staged, storage_writer=writer, planner=ChunkSavePlanner(), process_group=group)
             self._pending_path = path
             self._pending = self._executor_().submit(self._finish_async, future, writer, manifest, tmp, path, group,
