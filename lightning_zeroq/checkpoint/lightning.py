@@ -194,6 +194,16 @@ def load_torch_optimizer_state(engine: Any, model: dict, optimizer_state: dict, 
             errors.append(f"param group {g} holds {len(theirs['params'])} parameters in the checkpoint, "
                           f"{len(mine['params'])} here: configure_optimizers must build the same groups.")
         names.update(zip(theirs["params"], mine["params"]))
+    shapes = {k: v.shape for k, v in model.items() if isinstance(v, Tensor)}
+    for index, entry in optimizer_state.get("state", {}).items():
+        name = names.get(int(index))
+        for key, value in entry.items() if name in shapes else ():
+            if isinstance(value, Tensor) and value.dim() > 0 and value.shape != shapes[name]:
+                errors.append(
+                    f"the checkpoint's optimizer state {key} of parameter #{index} has shape {tuple(value.shape)}, "
+                    f"but #{index} is {name} here, of shape {tuple(shapes[name])}: ZeroQ numbers each param "
+                    "group's parameters in the module's order; build the groups in that order.")
+                break
     agree(errors, "Loading the optimizer state", group)
     flat: dict[str, Any] = {f"{MODEL_KEY}.{k}": v for k, v in model.items()}
     keys: dict[str, list[str]] = {}

@@ -9,7 +9,7 @@ becomes one ``WriteItem`` per box at the tensor's full shape, ordered by ``Local
 ``ChunkWriter`` is DCP's ``FileSystemWriter`` (same ``.metadata``, same file names ``__<rank>_0.distcp``,
 same item encoding, readable by stock DCP and FSDP2) except that each rank writes its items in plan
 order into one file that starts with a 64-byte header naming the save (``header``), fsyncs it, and
-records its size; readers seek to the items' offsets, so the header is invisible to them, and the
+records its size (the copy of item i+1 to the host overlaps the serialization of item i); readers seek to the items' offsets, so the header is invisible to them, and the
 validator uses it to spot a data file from another save. Its ``stage`` is the identity: callers
 that save asynchronously stage the state themselves (``stage_state``).
 """
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import queue
+import threading
 from torch.futures import Future
 from typing import Any, Callable, Optional
 
@@ -35,6 +37,8 @@ from lightning_zeroq.checkpoint.chunks import LocalChunks
 
 HEADER_SIZE = 64
 MAGIC = b"ZEROQDCP1"
+PIPELINE = 2
+"""Items copied to the host ahead of the one being written."""
 
 
 def header(token: str) -> bytes:
@@ -99,22 +103,51 @@ class ChunkWriter(FileSystemWriter):
         return state_dict
 
     def write_data(self, plan: SavePlan, planner: Any) -> "Future[list[WriteResult]]":
+        """Items in plan order; this thread resolves each item and copies it to the host while a
+        writer thread serializes the previous ones to the file (at most ``PIPELINE`` items ahead)."""
         name = f"{plan.storage_data.prefix}0.distcp"
-        results = []
+        results: list[WriteResult] = []
+        pending: "queue.Queue" = queue.Queue(maxsize=PIPELINE)
+        failure: list[BaseException] = []
+
+        def write_all(f: Any) -> None:
+            try:
+                while True:
+                    entry = pending.get()
+                    if entry is None:
+                        return
+                    item, data = entry
+                    offset = f.tell()
+                    if item.type == WriteItemType.BYTE_IO:
+                        f.write(data.getbuffer())
+                    else:
+                        torch.save(data, f)
+                    length = f.tell() - offset
+                    results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                               storage_data=_StorageInfo(name, offset, length)))
+                    if len(results) == 1:
+                        f.flush()
+                        atomic.fault("mid_data")  # crash tests: a data file cut after its first item
+            except BaseException as error:  # reported by the producer below
+                failure.append(error)
+                while pending.get() is not None:  # let the producer finish
+                    pass
+
         with open(os.path.join(self.path, name), "wb") as f:
             f.write(header(self.token))
-            for n, item in enumerate(plan.items):
-                data = planner.resolve_data(item)
-                offset = f.tell()
-                if item.type == WriteItemType.BYTE_IO:
-                    f.write(data.getbuffer())
-                else:
-                    torch.save(_standalone(data), f)
-                length = f.tell() - offset
-                results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                           storage_data=_StorageInfo(name, offset, length)))
-                if n == 0:
-                    atomic.fault("mid_data")  # crash tests: a data file cut after its first item
+            writer = threading.Thread(target=write_all, args=(f,), name="zeroq-checkpoint-writer", daemon=True)
+            writer.start()
+            try:
+                for item in plan.items:
+                    if failure:
+                        break
+                    data = planner.resolve_data(item)
+                    pending.put((item, data if item.type == WriteItemType.BYTE_IO else _standalone(data)))
+            finally:
+                pending.put(None)
+                writer.join()
+            if failure:
+                raise failure[0]
             f.flush()
             if self.sync_files:
                 os.fsync(f.fileno())
