@@ -75,3 +75,43 @@ def test_reshard_bitwise(dist_pool, save, load):
         loaded = dist_pool(load[0]).run(_load_body, load[1], tmp)
     for state in loaded:
         _assert_state_equal(saved, state)
+
+
+def _async_body(tmp: str) -> bool:
+    import threading
+
+    from lightning_zeroq.checkpoint.checkpointer import Checkpointer
+    from lightning_zeroq.checkpoint.writer import ChunkWriter
+
+    engine = _engine("s3_offload", tmp)
+    _train(engine, range(2))
+    save_engine(engine, os.path.join(tmp, "sync"))
+    checkpointer = Checkpointer(async_save=True)
+    trained = threading.Event()
+    original = ChunkWriter.write_data
+
+    def write_after_training(self, plan, planner):  # the files are written only after training moved on
+        assert trained.wait(60)
+        return original(self, plan, planner)
+
+    ChunkWriter.write_data = write_after_training
+    try:
+        save_engine(engine, os.path.join(tmp, "async"), checkpointer=checkpointer)
+        _train(engine, range(2, 4))  # training goes on while the save is in flight: the snapshot must not move
+        trained.set()
+        checkpointer.wait()
+    finally:
+        ChunkWriter.write_data = original
+    checkpointer.release()
+    states = []
+    for name in ("sync", "async"):
+        fresh = _engine("s2", tmp, seed=5)
+        load_engine(fresh, os.path.join(tmp, name))
+        states.append({"params": fresh.full_state_dict(), "optimizer": zsd.full_optimizer_state(fresh)})
+    _assert_state_equal(*states)
+    return True
+
+
+def test_async_save_is_a_snapshot_equal_to_a_sync_save(dist_pool):
+    with tempfile.TemporaryDirectory() as tmp:
+        assert dist_pool(2).run(_async_body, tmp) == [True, True]
