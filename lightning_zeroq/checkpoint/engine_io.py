@@ -15,6 +15,7 @@ optimizer kind and param groups) and ``agree``s, then reads only this rank's chu
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -44,6 +45,11 @@ def save_state(engine: Any, path: Path, state: dict, trainer_state: Any, checkpo
     residency = zsd.Residency(engine)
     pin = engine.device.type == "cuda" and torch.cuda.is_available()
     nvme = type(engine.placement).__name__.startswith("Nvme")
+    if nvme and checkpointer.async_save and not getattr(checkpointer, "_warned_nvme", False):
+        checkpointer._warned_nvme = True  # type: ignore[attr-defined]
+        warnings.warn("async_checkpoint with NVMe optimizer offload: saves stay synchronous (an asynchronous save "
+                      "would need the whole optimizer state in host memory, which NVMe offload exists to avoid).",
+                      stacklevel=3)
     checkpointer.save(Path(path), state, trainer_state, optimizer=OPTIMIZER_KEY in state,
                       before_read=residency.ensure, after_read=residency.close, pin=pin, allow_async=not nvme,
                       extra={"world_size": engine.world_size, "stage": getattr(engine.config, "stage", None)})
