@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_session.sh tests   # GPU tests, kernel bandwidth, INT8 accuracy (stage 2 and 3)
 #   bash benchmarks/gpu_session.sh bench   # step time and peak memory: three links, offload, 1B stage 3
 #   bash benchmarks/gpu_session.sh recheck # after fixes: stage-3 parity, kernels, memory of each arm, socket repeats
+#   bash benchmarks/gpu_session.sh checkpoint # checkpoint save/load time, async blocked time, host memory vs FSDP2
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/zeroq_out}
@@ -93,5 +94,11 @@ case ${1:-tests} in
     LAUNCH_TIMEOUT=150 LINKS=socket ARMS=zeroq3,zeroq3+keep,zeroq3+int8,zeroq3+int8+qgrad \
       bash benchmarks/run_step_time.sh | tee "$out/step_time_options_socket.jsonl"
     ;;
-  *) echo "usage: $0 tests|bench|recheck|links|split|int8_params|side_channel|options" >&2; exit 2 ;;
+  checkpoint)  # save/load time and peak host memory per rank: ZeroQ (sync, async) against FSDP2 + DCP, 953M GPT
+    export OMP_NUM_THREADS=$(( $(nproc) / 2 ))
+    timeout 540 python3 -m torch.distributed.run --nproc-per-node 2 --master-port $((29500 + RANDOM % 1000)) \
+      benchmarks/checkpoint_time.py --dir "${CKPT_DIR:-/tmp/zeroq_checkpoint_bench}" --repeats 3 --verify \
+      2>&1 | grep -E '^\{|Error|error' | tee "$out/checkpoint_time.jsonl"
+    ;;
+  *) echo "usage: $0 tests|bench|recheck|links|split|int8_params|side_channel|options|checkpoint" >&2; exit 2 ;;
 esac

@@ -9,15 +9,16 @@ Lifecycle:
 - backward: ``pre_backward`` tells the engine whether this backward ends a managed accumulation
   window (so stage 1 reduces during it); ``post_backward`` closes it.
 - step: ``ZeroQPrecision.optimizer_step`` drives the engine (finalize, hooks and clipping, step).
-- checkpoints: a directory with ``meta.pt`` (rank 0: loops, callbacks, schedulers, the full fp32
-  ``state_dict``) and one ``zero_shard_rank*.pt`` per rank (masters and optimizer state).
+- checkpoints: a ``torch.distributed.checkpoint`` directory in which every parameter and optimizer
+  state tensor is stored by name at its full shape, each rank writing its own chunks, plus a JSON
+  manifest with the trainer state; loadable at any world size, stage or layout, by FSDP2, and
+  offline (``lightning_zeroq/checkpoint/``, ``zeroq-convert``).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Generator, Mapping, Optional
@@ -30,10 +31,12 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_zeroq.checkpoint import atomic
+from lightning_zeroq.checkpoint import lightning as checkpoint_glue
+from lightning_zeroq.checkpoint.checkpointer import Checkpointer
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.precision import ZeroQPrecision
 from lightning_zeroq.strategy_common import (
@@ -44,10 +47,10 @@ from lightning_zeroq.strategy_common import (
     register_presets,
     stage3_meta_init,
 )
+from lightning_zeroq.zero import state_dict as zero_state
 from lightning_zeroq.zero.engine import ZeroEngine
 
-META_FILE = "meta.pt"
-SHARD_FILE = "zero_shard_rank{rank:05d}.pt"
+checkpoint_glue.install_load_from_checkpoint()
 
 
 class ZeroQStrategy(DDPStrategy):
@@ -61,6 +64,9 @@ class ZeroQStrategy(DDPStrategy):
             ``nvme_path``, ``quantized_weights``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as in Lightning's ``DDPStrategy``.
+        async_checkpoint: save checkpoints with ``torch.distributed.checkpoint.async_save``: training
+            waits only while the state is copied to host memory, the files are written in the
+            background (the next save, a load or ``wait_for_checkpoint()`` waits for them).
     """
 
     strategy_name = "zeroq"
@@ -77,6 +83,7 @@ class ZeroQStrategy(DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: str = "popen",
+        async_checkpoint: bool = False,
         **options: Any,
     ) -> None:
         self.config = config_from_options("ZeroQStrategy", config, options)
@@ -97,6 +104,8 @@ class ZeroQStrategy(DDPStrategy):
             start_method=start_method,  # type: ignore[arg-type]
         )
         self.engine: Optional[ZeroEngine] = None
+        self.checkpointer = Checkpointer(async_save=async_checkpoint)
+        self._weights_loaded = False
 
     # ------------------------------------------------------------------ Lightning contract
 
@@ -256,66 +265,61 @@ class ZeroQStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ state
 
-    def full_state_dict(self) -> dict[str, Tensor]:
-        """Collective: the full fp32 parameters by name on every rank (frozen ones included)."""
+    def full_state_dict(self, rank0_only: bool = False) -> dict[str, Tensor]:
+        """Collective: the full fp32 parameters by name (frozen ones included) on every rank, or with
+        ``rank0_only`` on rank 0 only (gathered unit by unit; other ranks get ``{}``)."""
         if self.engine is not None:
-            return self.engine.full_state_dict()
+            return zero_state.full_state_dict(self.engine, rank0_only=rank0_only)
+        if rank0_only and not self.is_global_zero:
+            return {}
         return {n: p.detach().float().cpu().clone() for n, p in self.lightning_module.named_parameters(remove_duplicate=False)}
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Collective: buffers plus full fp32 parameters, so the checkpoint's ``state_dict`` loads anywhere."""
-        full = self.full_state_dict()
-        state = self.lightning_module.state_dict(keep_vars=True)  # no data read: stage 3 may be freed
-        return {k: full[k] if k in full else v.detach().cpu() for k, v in state.items()}
+        """This rank's part: every parameter as chunks of the fp32 masters at full shape (read when the
+        checkpoint is written, nothing is gathered), frozen parameters and buffers as they are."""
+        if self.engine is None:
+            return super().lightning_module_state_dict()
+        return zero_state.sharded_model_state(self.engine)
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """This rank's shard: masters and optimizer state (written to its own file)."""
-        assert self.engine is not None
-        return self.engine.sharded_state_dict()
+        """Collective: this rank's part of the optimizer state, keyed by parameter name."""
+        if self.engine is None or self.engine.optimizer is None:
+            return super().optimizer_state(optimizer)
+        return zero_state.sharded_optimizer_state(self.engine)
 
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
     ) -> None:
+        """A checkpoint directory (see ``lightning_zeroq/checkpoint``); weights-only checkpoints are one
+        consolidated file. ``checkpoint`` itself is never changed."""
         if storage_options is not None:
             raise TypeError(
                 f"ZeroQStrategy.save_checkpoint does not take storage_options (got {storage_options!r}); "
-                "it writes a directory of per-rank files through torch.save."
+                "it writes a torch.distributed.checkpoint directory."
             )
-        path = Path(self.broadcast(str(filepath)))
-        shards = checkpoint.pop("optimizer_states", None)
-        if self.is_global_zero:
-            if path.is_file():
-                path.unlink()
-            path.mkdir(parents=True, exist_ok=True)
-        self.barrier("zeroq_save_checkpoint_mkdir")
-        if shards:
-            _atomic_save(shards[0], path / SHARD_FILE.format(rank=self.global_rank))
-        if self.is_global_zero:
-            _atomic_save(checkpoint, path / META_FILE)
+        path = Path(self.broadcast(str(filepath))).absolute()
+        checkpoint_glue.save(self, checkpoint, path, self.checkpointer)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an asynchronous save in flight is complete (raises its error, if any)."""
+        self.checkpointer.wait()
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        path = Path(checkpoint_path)
-        if not path.is_dir():
-            rank_zero_warn(
-                f"{path} is not a ZeroQ checkpoint directory; loading its weights only, not the optimizer state."
-            )
-            return torch.load(path, map_location="cpu", weights_only=bool(weights_only))
-        meta_path = path / META_FILE
-        if not meta_path.is_file():
-            raise FileNotFoundError(f"{path} has no {META_FILE}; it is not a complete ZeroQ checkpoint.")
-        checkpoint = torch.load(meta_path, map_location="cpu", weights_only=bool(weights_only))
-        shard_path = path / SHARD_FILE.format(rank=self.global_rank)
-        fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        if fitting and self.engine is not None and shard_path.is_file():
-            self.engine.load_sharded_state_dict(torch.load(shard_path, map_location="cpu", weights_only=False))
-        return checkpoint
+        """Validates the checkpoint on every rank, then reads this rank's part (any world size, stage or
+        layout; a directory from FSDP2; a single Lightning file, e.g. from ``strategy="ddp"``).
+        ``weights_only=False`` is honored only for single files you trust; directories never need it."""
+        state, self._weights_loaded = checkpoint_glue.load(self, checkpoint_path, weights_only, self.checkpointer)
+        return state
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._weights_loaded or "state_dict" not in checkpoint:
+            self._weights_loaded = False  # load_checkpoint read them into the shards already
+            return
         state = checkpoint["state_dict"]
         if self.engine is None:
             self.lightning_module.load_state_dict(state, strict=strict)
@@ -323,7 +327,7 @@ class ZeroQStrategy(DDPStrategy):
         managed = self.engine.load_full_state_dict(state)
         rest = {k: v for k, v in state.items() if k not in managed}
         missing, unexpected = self.lightning_module.load_state_dict(rest, strict=False)
-        missing = [k for k in missing if k not in managed]
+        missing = [k for k in missing if k not in managed] + sorted(k for k in managed if k not in state)
         if strict and (missing or unexpected):
             raise RuntimeError(
                 f"Error loading the checkpoint's state_dict: missing keys {missing}, unexpected keys "
@@ -332,7 +336,17 @@ class ZeroQStrategy(DDPStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        pass  # restored from the per-rank shard files in load_checkpoint
+        pass  # load_checkpoint read the optimizer state into the shards
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Rank 0 removes a checkpoint directory or file (a link: the link, never its target), after
+        an asynchronous save to the same path is complete."""
+        path = Path(filepath).absolute()
+        if self.checkpointer.pending_path() == path:
+            self.checkpointer.wait()
+        if self.is_global_zero:
+            atomic.remove(path)
 
     @classmethod
     @override
@@ -361,8 +375,3 @@ def _destroy_process_group_at_exit() -> None:
         _EXIT_HOOK.append(True)
         atexit.register(lambda: dist.destroy_process_group() if dist.is_initialized() else None)
 
-
-def _atomic_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)

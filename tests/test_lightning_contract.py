@@ -367,3 +367,57 @@ def _manual_zero_grad_body(stage: int) -> None:
 def test_zero_grad_between_manual_backwards_drops_the_first(dist_pool, stage):
     # Before: backward, zero_grad(), backward, step gave an update 101x DDP's (stages 1 and 2).
     dist_pool(2).run(_manual_zero_grad_body, stage)
+
+
+# ------------------------------------------------------------ load_model_state_dict checks (issue 11.3)
+
+
+class _LoadChecks(L.Callback):
+    """At the start of training, loads good and bad state dicts through the strategy and records what
+    happened: the messages of the errors and whether any parameter changed."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        strategy = trainer.strategy
+        good = {k: v.clone() for k, v in strategy.engine.full_state_dict().items()}
+        good.update({k: v.clone() for k, v in pl_module.named_buffers() if k not in good})
+        name = next(k for k, v in good.items() if v.dim() == 2 and v.shape[0] != v.shape[1])
+        shape = tuple(good[name].shape)
+        self.results = {"name": name, "shape": shape}
+        bigger = torch.randn(shape[0] * 5, shape[1])  # holds enough elements to be misread as the parameter
+        for label, state, strict in (
+            ("bigger", {**good, name: bigger}, True),
+            ("transposed", {**good, name: good[name].t().contiguous()}, True),
+            ("bigger_lenient", {**good, name: bigger}, False),
+            ("missing", {k: v for k, v in good.items() if k != name}, True),
+        ):
+            try:
+                strategy.load_model_state_dict({"state_dict": state}, strict=strict)
+                self.results[label] = "loaded"
+            except RuntimeError as err:
+                self.results[label] = str(err)
+            self.results[label + "_unchanged"] = torch.equal(strategy.engine.full_state_dict()[name], good[name])
+        perturbed = {**good, name: good[name] + 1}
+        strategy.load_model_state_dict({"state_dict": {k: v for k, v in perturbed.items()}}, strict=True)
+        self.results["good_loaded"] = torch.equal(strategy.engine.full_state_dict()[name], good[name] + 1)
+        trainer.should_stop = True
+
+
+def _load_checks_body(stage: int) -> dict:
+    torch.manual_seed(0)
+    checks = _LoadChecks()
+    _trainer(_strategy(stage), callbacks=[checks], max_steps=1).fit(_lit(), _data(1))
+    return checks.results
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_load_model_state_dict_checks_names_and_shapes_like_nn_module(dist_pool, stage: int) -> None:
+    # A 5x larger tensor used to load by taking its first elements, a transposed one as if right, and
+    # a missing trainable key passed under strict=True.
+    results = dist_pool(2).run(_load_checks_body, stage)
+    assert results[0] == results[1]
+    r = results[0]
+    for label in ("bigger", "transposed", "bigger_lenient"):  # a size mismatch raises, strict or not
+        assert "size mismatch" in r[label] and r["name"] in r[label] and f"parameter {r['shape']}" in r[label], r[label]
+        assert r[label + "_unchanged"]
+    assert "missing keys" in r["missing"] and r["name"] in r["missing"], r["missing"]
+    assert r["good_loaded"]

@@ -1,0 +1,258 @@
+"""Checkpoint save and load time and peak host memory per rank: ZeroQ (sync and async) against FSDP2 +
+DCP on the same model, in the same launch (GPU, NCCL; or a CPU/gloo smoke run with a tiny model).
+
+The model is the GPT of ``step_time.py`` (953M parameters by default), AdamW, one training step
+first so the optimizer has its state; every arm saves fp32 parameters and both Adam moments (about
+11.4 GB for 953M), each rank writing its own part:
+
+- ``zeroq``: ``trainer.save_checkpoint``'s path without Lightning (``save_engine``), ZeRO stage 2;
+  then ``load_engine`` into a fresh engine (resharding machinery included).
+- ``zeroq_async``: the same through ``torch.distributed.checkpoint.async_save``: ``blocked_s`` is
+  what the training loop waits for (staging to pinned host memory), ``total_s`` until the checkpoint
+  is in place. The first async save allocates the pinned buffers; the figures are from the last.
+- ``fsdp2``: ``fully_shard`` per block and root, ``get_state_dict`` + ``dcp.save`` (stock
+  ``FileSystemWriter``, one file per rank, fsync); load with ``dcp.load`` + ``set_state_dict``.
+- ``fsdp2_async``: ``dcp.async_save`` of the same (its default stager).
+
+Times are medians over ``--repeats`` (each rank's max across ranks); ``peak_rss_GiB`` is the rise of
+each rank's resident memory above its level before the operation, sampled every 5 ms. Rank 0 prints
+one JSON line per arm::
+
+    torchrun --nproc-per-node 2 benchmarks/checkpoint_time.py --dir /tmp/ckpt_bench
+    torchrun --nproc-per-node 2 benchmarks/checkpoint_time.py --dim 64 --layers 2 --heads 2 --ffn 128 \\
+        --vocab 256 --seq 32 --batch 2     # CPU smoke run (gloo)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.step_time import GPT  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+
+
+class RssPeak:
+    """Peak resident memory of this process above its level at ``__enter__``, sampled in a thread."""
+
+    def __enter__(self) -> "RssPeak":
+        self.base = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self._rss())
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+    @property
+    def gib(self) -> float:
+        return (self.peak - self.base) / 2**30
+
+
+def sync() -> None:
+    if ON_GPU:
+        torch.cuda.synchronize()
+    dist.barrier()
+
+
+def timed(fn) -> tuple[float, float]:
+    sync()
+    with RssPeak() as rss:
+        start = time.perf_counter()
+        fn()
+        sync()
+        elapsed = time.perf_counter() - start
+    return elapsed, rss.gib
+
+
+def gathered(values: list[float]) -> list[list[float]]:
+    t = torch.tensor(values, dtype=torch.float64)
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather_object(out, t)
+    return [o.tolist() for o in out]
+
+
+def build(args, dev):
+    torch.manual_seed(0)
+    return GPT(args.vocab, args.dim, args.layers, args.heads, args.ffn).to(dev)
+
+
+def one_step(model, loss_fn, step_fn, args, dev) -> None:
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=dev)
+    with torch.autocast(dev.type, dtype=torch.bfloat16):
+        loss = loss_fn(tokens)
+    step_fn(loss)
+
+
+def arm_zeroq(args, dev, path: Path, asynchronous: bool) -> dict:
+    from lightning_zeroq import ZeroConfig, ZeroEngine
+    from lightning_zeroq.checkpoint.checkpointer import Checkpointer
+    from lightning_zeroq.checkpoint.engine_io import load_engine, save_engine
+
+    model = build(args, dev)
+    engine = ZeroEngine(model, ZeroConfig(stage=2, reduce_bucket_size=int(args.bucket)), param_dtype=torch.bfloat16)
+    engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=ON_GPU))
+
+    def step(loss):
+        engine.backward(loss, boundary=True)
+        engine.step()
+
+    one_step(model, model, step, args, dev)
+    checkpointer = Checkpointer(async_save=asynchronous)
+    saves, blocked, peaks = [], [], []
+    for _ in range(args.repeats):
+        shutil.rmtree(path, ignore_errors=True)
+        sync()
+        t, peak = timed(lambda: (save_engine(engine, path, checkpointer=checkpointer), checkpointer.wait()))
+        saves.append(t)
+        blocked.append(checkpointer.last.blocked_s)
+        peaks.append(peak)
+    reference = engine.full_state_dict() if args.verify else None
+    del engine, model
+    gc.collect()
+    model = build(args, dev)
+    torch.nn.init.zeros_(model.head.weight)
+    engine = ZeroEngine(model, ZeroConfig(stage=2, reduce_bucket_size=int(args.bucket)), param_dtype=torch.bfloat16)
+    engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=ON_GPU))
+    load_s, load_peak = timed(lambda: load_engine(engine, path))
+    if reference is not None:
+        got = engine.full_state_dict()
+        assert all(torch.equal(got[k], reference[k]) for k in reference), "loaded state differs"
+    checkpointer.release()
+    engine.close()
+    return {"save_s": saves, "blocked_s": blocked, "save_peak": peaks, "load_s": load_s, "load_peak": load_peak}
+
+
+def arm_fsdp2(args, dev, path: Path, asynchronous: bool) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
+    model = build(args, dev)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=ON_GPU)
+
+    def step(loss):
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    one_step(model, model, step, args, dev)
+    group = dist.new_group(backend="gloo") if asynchronous else None
+    saves, blocked, peaks = [], [], []
+    for _ in range(args.repeats):
+        shutil.rmtree(path, ignore_errors=True)
+        sync()
+
+        def save():
+            start = time.perf_counter()
+            msd, osd = get_state_dict(model, opt)
+            state = {"state_dict": msd, "optimizer_0": osd}
+            if asynchronous:
+                future = dcp.async_save(state, checkpoint_id=str(path), process_group=group)
+                blocked.append(time.perf_counter() - start)
+                future.result()
+            else:
+                dcp.save(state, checkpoint_id=str(path))
+                blocked.append(time.perf_counter() - start)
+
+        t, peak = timed(save)
+        saves.append(t)
+        peaks.append(peak)
+
+    def load():
+        msd, osd = get_state_dict(model, opt)
+        dcp.load({"state_dict": msd, "optimizer_0": osd}, checkpoint_id=str(path))
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+
+    load_s, load_peak = timed(load)
+    del model, opt
+    return {"save_s": saves, "blocked_s": blocked, "save_peak": peaks, "load_s": load_s, "load_peak": load_peak}
+
+
+ARMS = {"zeroq": (arm_zeroq, False), "zeroq_async": (arm_zeroq, True), "fsdp2": (arm_fsdp2, False),
+        "fsdp2_async": (arm_fsdp2, True)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--arms", default="zeroq,zeroq_async,fsdp2,fsdp2_async")
+    parser.add_argument("--dir", default="/tmp/zeroq_checkpoint_bench")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dim", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--ffn", type=int, default=5632)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--bucket", type=float, default=2e8)
+    parser.add_argument("--verify", action="store_true", help="zeroq: check the loaded state bit for bit")
+    args = parser.parse_args()
+    arms = args.arms.split(",")
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        raise SystemExit(f"unknown arm(s) {unknown}; choose from {sorted(ARMS)}")
+    dist.init_process_group("cpu:gloo,cuda:nccl" if ON_GPU else "gloo")
+    if ON_GPU:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dev = torch.device("cuda", torch.cuda.current_device()) if ON_GPU else torch.device("cpu")
+    root = Path(args.dir)
+    for arm in arms:
+        fn, asynchronous = ARMS[arm]
+        path = root / arm
+        result = fn(args, dev, path, asynchronous)
+        per_rank = gathered([statistics.median(result["save_s"]), result["blocked_s"][-1], max(result["save_peak"]),
+                             result["load_s"], result["load_peak"]])
+        size = sum(f.stat().st_size for f in path.iterdir()) if path.is_dir() else 0
+        if dist.get_rank() == 0:
+            print(json.dumps({
+                "arm": arm, "world_size": dist.get_world_size(), "torch": torch.__version__,
+                "checkpoint_GiB": round(size / 2**30, 2),
+                "save_s": round(max(r[0] for r in per_rank), 3),
+                "blocked_s": round(max(r[1] for r in per_rank), 3),
+                "save_peak_rss_GiB_per_rank": [round(r[2], 2) for r in per_rank],
+                "load_s": round(max(r[3] for r in per_rank), 3),
+                "load_peak_rss_GiB_per_rank": [round(r[4], 2) for r in per_rank],
+                "save_s_all": [round(s, 3) for s in result["save_s"]],
+            }), flush=True)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        gc.collect()
+        if ON_GPU:
+            torch.cuda.empty_cache()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

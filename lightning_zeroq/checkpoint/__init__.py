@@ -1,0 +1,19 @@
+"""Checkpoints in ``torch.distributed.checkpoint`` format, engine-agnostic where possible.
+
+| file | its one job |
+|---|---|
+| ``boxes.py`` | a rank's contiguous flat range of a tensor as rectangular boxes of its full shape |
+| ``chunks.py`` | ``LocalChunks``: what a rank writes or reads of one tensor; ``BytesTarget`` |
+| ``writer.py`` | ``ChunkSavePlanner`` and ``ChunkWriter`` (ordered, headed, fsynced files), staging for async |
+| ``safe.py`` | reading without unpickling code: allow-list metadata, ``weights_only`` items, ``read_entries`` |
+| ``store.py`` | the directory: manifest, what a path is (``classify``), completeness (``validate``) |
+| ``atomic.py`` | temporary sibling, fsync, ``RENAME_EXCHANGE`` publish, crash recovery, fault points |
+| ``agree.py`` | the checkpoint gloo group; every rank raises the same ``CheckpointError`` |
+| ``codec.py`` | the trainer state as JSON (tensors bit for bit) |
+| ``checkpointer.py`` | the save protocol (sync and async) and ``open_checkpoint`` |
+| ``engine_io.py`` | a ``ZeroEngine``'s save and load (``save_engine``, ``load_engine``) |
+| ``convert.py`` | ``zeroq-convert``: one file, tensor by tensor, no GPU, no process group |
+| ``lightning.py`` | what ``ZeroQStrategy``'s checkpoint methods do |
+
+Nothing is imported here, so the engine can import ``chunks`` without importing Lightning.
+"""

@@ -1,0 +1,322 @@
+"""Saving and opening checkpoints: the protocol every rank follows, independent of the engine.
+
+Save (``Checkpointer.save``; every rank calls it with its own ``state``, a nested dict whose
+sharded tensors are ``LocalChunks``):
+
+1. wait for the previous asynchronous save; encode the trainer state as JSON (every rank, so a
+   value that cannot be stored fails everywhere); rank 0 draws the save's token; ``agree``.
+2. rank 0 creates the temporary sibling directory; ``agree``.
+3. ``torch.distributed.checkpoint.save`` with ``ChunkSavePlanner``/``ChunkWriter`` on the checkpoint
+   group: each rank writes only its chunks (replicated tensors once), fsyncs its file, rank 0 writes
+   ``.metadata``. DCP itself makes every rank raise if one rank's write fails.
+4. ``agree`` (with each rank's file name and size); rank 0 writes ``zeroq.json`` last, fsyncs,
+   publishes the directory atomically (``atomic.publish``) and removes leftovers of earlier
+   interrupted saves of the same path; ``agree`` again so no rank returns before the checkpoint is
+   in place.
+
+Asynchronous (``async_save=True``): steps 1 and 2 as above, then the state is staged (copied to
+host memory: the only part training waits for) and steps 3 and 4 run in a background thread through
+``torch.distributed.checkpoint.async_save``; ``wait()`` (the next save or load, teardown) returns
+when it is done and raises its error, if any.
+
+Open (``open_checkpoint``) classifies the path, validates a ZeroQ directory completely (or a
+foreign DCP directory's files) and ``agree``s before any state is touched.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from lightning_zeroq.checkpoint import atomic, codec
+from lightning_zeroq.checkpoint.agree import CheckpointError, agree, checkpoint_group, describe, rank_and_size
+from lightning_zeroq.checkpoint.safe import METADATA_FILE, SafeReader, read_metadata, unwrap
+from lightning_zeroq.checkpoint.store import (MANIFEST_FILE, Kind, Located, Manifest, check_files, classify, sha256,
+                                              validate)
+from lightning_zeroq.checkpoint.writer import HEADER_SIZE, ChunkSavePlanner, ChunkWriter, stage_state, token_of
+
+
+@dataclass
+class SaveTiming:
+    blocked_s: float = 0.0
+    """Time the caller waited (the whole save, or the staging of an asynchronous one)."""
+    total_s: float = 0.0
+    """Until the checkpoint was in place (asynchronous: measured in the background)."""
+
+
+class Checkpointer:
+    """One per strategy (or per engine): the checkpoint group, the asynchronous save in flight and the
+    host buffers asynchronous saves stage into."""
+
+    def __init__(self, async_save: bool = False) -> None:
+        self.async_save = async_save
+        self._pending: Optional[Future] = None
+        self._pending_path: Optional[Path] = None
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self._staging: dict = {}
+        self.last = SaveTiming()
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, path: Path, state: dict, trainer_state: Any, *, optimizer: bool,
+             before_read: Optional[Callable[[int], None]] = None, after_read: Optional[Callable[[], None]] = None,
+             pin: bool = False, allow_async: bool = True, extra: Optional[dict] = None) -> None:
+        """Collective. ``before_read(order)`` makes data resident before a ``LocalChunks`` of that order
+        is read, ``after_read()`` ends that walk; ``pin``: stage into pinned memory (CUDA)."""
+        start = time.perf_counter()
+        self.wait()
+        path = Path(path).absolute()
+        group = checkpoint_group()
+        rank, world_size = rank_and_size(group)
+        errors, encoded = [], None
+        try:
+            encoded = codec.encode(trainer_state, "the checkpoint")
+        except codec.UnsupportedValue as error:
+            errors.append(str(error))
+        token = uuid.uuid4().hex if rank == 0 else None
+        token = agree(errors, f"Saving checkpoint {path}", group, token)[0]
+        tmp = atomic.temp_dir(path, token)
+        errors = []
+        if rank == 0:
+            try:
+                tmp.mkdir(parents=True)
+            except OSError as error:
+                errors.append(f"cannot create {tmp}: {error}")
+        agree(errors, f"Saving checkpoint {path}", group)
+        manifest = Manifest(token=token, world_size=world_size, files={}, metadata_sha256="", trainer_state=encoded,
+                            optimizer=optimizer, extra=extra or {})
+        writer = ChunkWriter(str(tmp), token)
+        if self.async_save and allow_async:
+            errors, staged = [], None
+            try:
+                staged = stage_state(state, before_read, pin, self._staging)
+            except Exception as error:  # e.g. no pinned memory left: every rank must stop here
+                errors.append(f"staging for the asynchronous save failed: {describe(error)}")
+            finally:
+                if after_read is not None:
+                    after_read()
+            try:
+                agree(errors, f"Saving checkpoint {path}", group)
+            except CheckpointError:
+                self._discard(tmp, rank)
+                raise
+            future = dcp.async_save(staged, storage_writer=writer, planner=ChunkSavePlanner(), process_group=group)
+            self._pending_path = path
+            self._pending = self._executor_().submit(self._finish_async, future, writer, manifest, tmp, path, group,
+                                                     start)
+            self.last = SaveTiming(blocked_s=time.perf_counter() - start)
+            return
+        try:
+            dcp.save(state, storage_writer=writer, planner=ChunkSavePlanner(before_read), process_group=group)
+        except CheckpointException as error:
+            self._discard(tmp, rank)
+            raise CheckpointError(f"Saving checkpoint {path} failed: {describe(unwrap(error))}") from None
+        finally:
+            if after_read is not None:
+                after_read()
+        self._finish(writer, manifest, tmp, path, group)
+        elapsed = time.perf_counter() - start
+        self.last = SaveTiming(blocked_s=elapsed, total_s=elapsed)
+
+    @staticmethod
+    def _discard(tmp: Path, rank: int) -> None:
+        if rank == 0:
+            try:
+                atomic.remove(tmp)
+            except OSError:
+                pass
+
+    def _finish_async(self, future: Future, writer: ChunkWriter, manifest: Manifest, tmp: Path, path: Path,
+                      group: Any, start: float) -> None:
+        try:
+            future.result()
+        except CheckpointException as error:
+            self._discard(tmp, rank_and_size(group)[0])
+            raise CheckpointError(f"Saving checkpoint {path} failed: {describe(unwrap(error))}") from None
+        self._finish(writer, manifest, tmp, path, group)
+        self.last.total_s = time.perf_counter() - start
+
+    def _finish(self, writer: ChunkWriter, manifest: Manifest, tmp: Path, path: Path, group: Any) -> None:
+        atomic.fault("after_data")
+        files = agree([], f"Saving checkpoint {path}", group, writer.written)
+        rank, _ = rank_and_size(group)
+        errors = []
+        if rank == 0:
+            try:
+                manifest.files = {name: size for written in files for name, size in written}
+                manifest.metadata_sha256 = sha256(tmp / METADATA_FILE)
+                manifest.write(tmp)
+                atomic.fault("after_manifest")
+                atomic.publish(tmp, path, manifest.token)
+                atomic.fault("after_publish")
+                for leftover in atomic.leftovers(path):
+                    atomic.remove(leftover)
+            except OSError as error:
+                errors.append(f"could not put the checkpoint in place at {path}: {error}")
+        agree(errors, f"Saving checkpoint {path}", group)
+
+    def _executor_(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeroq-checkpoint")
+        return self._executor
+
+    def wait(self) -> None:
+        """Block until the asynchronous save in flight (if any) is in place; raise its error."""
+        pending, self._pending = self._pending, None
+        self._pending_path = None
+        if pending is not None:
+            try:
+                pending.result()
+            except CheckpointError:
+                raise
+            except Exception as error:
+                raise CheckpointError(f"The asynchronous checkpoint save failed: {describe(error)}") from error
+
+    def pending_path(self) -> Optional[Path]:
+        return self._pending_path if self._pending is not None and not self._pending.done() else None
+
+    def release(self) -> None:
+        """Wait for the save in flight, then free the staging buffers and the thread."""
+        self.wait()
+        self._staging.clear()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+
+# ---------------------------------------------------------------------- load
+
+
+@dataclass
+class Opened:
+    """A checkpoint directory validated on every rank, ready to read."""
+
+    path: Path
+    kind: Kind
+    metadata: Metadata
+    manifest: Optional[Manifest]
+    reader: SafeReader
+
+    def keys(self) -> dict[str, Any]:
+        return self.metadata.state_dict_metadata
+
+    decoded: Any = None
+
+    def trainer_state(self) -> Any:
+        return {} if self.decoded is None else self.decoded
+
+
+def locate_error(located: Located) -> Optional[str]:
+    """Why ``located`` cannot be loaded as a directory checkpoint, with the fix (None: it can)."""
+    if located.kind is Kind.MISSING:
+        return f"checkpoint path {located.path} does not exist (check the path, or pass ckpt_path='last')."
+    if located.kind is Kind.INSIDE:
+        return (f"{located.path} is a file inside the checkpoint directory {located.directory}; the directory is "
+                f"the checkpoint: pass ckpt_path={str(located.directory)!r}.")
+    if located.kind is Kind.LEGACY:
+        return (f"{located.path} is {Kind.LEGACY.value}, which this version cannot resume from (it was tied to "
+                "the world size and reduce_bucket_size it was saved with, and its shards were pickles). Resume it "
+                "with lightning_zeroq 0.1 at the same world size and save again, or keep only the weights: "
+                f"torch.load('{located.path / 'meta.pt'}', weights_only=True)['state_dict'].")
+    if located.kind is Kind.OTHER:
+        return (f"{located.path} is a directory but no checkpoint (no zeroq.json, no .metadata): pass the "
+                "directory trainer.save_checkpoint() wrote.")
+    return None
+
+
+def open_checkpoint(path: Path, group: Any, *, kinds: tuple[Kind, ...] = (Kind.ZEROQ, Kind.DCP)) -> Opened:
+    """Collective: locate and validate ``path`` on every rank, then ``agree``."""
+    located = classify(Path(path))
+    errors: list[str] = []
+    if located.kind is Kind.MISSING and located.directory is not None:
+        warnings.warn(f"{located.path} is missing but {located.directory} holds the checkpoint an interrupted save "
+                      "displaced; loading that one.", stacklevel=3)
+        located = classify(located.directory)
+    problem = locate_error(located)
+    if problem is None and located.kind not in kinds:
+        problem = f"{located.path} is {located.kind.value}, not a directory checkpoint."
+    manifest = metadata = None
+    if problem is not None:
+        errors.append(problem)
+    elif located.kind is Kind.ZEROQ:
+        manifest, metadata, errors = validate(located.path)
+    else:
+        try:
+            metadata = read_metadata(located.path)
+            errors = check_files(located.path, metadata, None)
+            if any(ours(located.path / name) for name in {i.relative_path for i in metadata.storage_data.values()}):
+                errors.append(f"{located.path} was written by ZeroQ but has no {MANIFEST_FILE}, which a save writes "
+                              "last: the checkpoint is incomplete. Resume from an earlier checkpoint.")
+        except Exception as error:
+            errors = [describe(error)]
+    decoded = None
+    if not errors and manifest is not None and manifest.trainer_state is not None:
+        try:
+            decoded = codec.decode(manifest.trainer_state)
+        except Exception as error:
+            errors.append(f"{located.path / MANIFEST_FILE}: the trainer state cannot be read ({describe(error)}).")
+    agree(errors, f"Loading checkpoint {located.path}", group)
+    assert metadata is not None
+    opened = Opened(located.path, located.kind, metadata, manifest, SafeReader(located.path, metadata))
+    opened.decoded = decoded
+    return opened
+
+
+def ours(file: Path) -> bool:
+    """Whether a data file starts with ZeroQ's header."""
+    try:
+        with open(file, "rb") as f:
+            return token_of(f.read(HEADER_SIZE)) is not None
+    except OSError:
+        return False
+
+
+def check_entries(opened: Opened, expected: dict[str, tuple[torch.Size, torch.dtype]], *, strict: bool,
+                  prefix: str, what: str) -> list[str]:
+    """Names, shapes and dtypes of ``expected`` (key without ``prefix``) against the checkpoint."""
+    errors: list[str] = []
+    stored = {k[len(prefix):]: v for k, v in opened.keys().items() if k.startswith(prefix)}
+    missing = [k for k in expected if k not in stored]
+    if missing:
+        errors.append(f"{what}: {len(missing)} entr{'y' if len(missing) == 1 else 'ies'} of the model are not in "
+                      f"{opened.path}: {missing[:6]}{' ...' if len(missing) > 6 else ''} (is it a checkpoint of "
+                      "another model?)")
+    if strict:
+        unexpected = [k for k in stored if k not in expected]
+        if unexpected:
+            errors.append(f"{what}: {opened.path} has {len(unexpected)} entr{'y' if len(unexpected) == 1 else 'ies'} "
+                          f"the model lacks: {unexpected[:6]}{' ...' if len(unexpected) > 6 else ''} (pass "
+                          "strict_loading=False to ignore them)")
+    for key, (shape, dtype) in expected.items():
+        md = stored.get(key)
+        if md is None:
+            continue
+        if not isinstance(md, TensorStorageMetadata):
+            errors.append(f"{what}: {key!r} is not a tensor in {opened.path}.")
+            continue
+        if tuple(md.size) != tuple(shape):
+            errors.append(f"{what}: {key!r} has shape {tuple(md.size)} in {opened.path}, the model's is "
+                          f"{tuple(shape)}.")
+        elif md.properties.dtype.is_floating_point != dtype.is_floating_point or (
+                not dtype.is_floating_point and md.properties.dtype != dtype):
+            errors.append(f"{what}: {key!r} is {md.properties.dtype} in {opened.path}, the model's is {dtype}.")
+    return errors
+
+
+def bytes_keys(opened: Opened, prefix: str) -> list[str]:
+    return [k for k, v in opened.keys().items() if k.startswith(prefix) and isinstance(v, BytesStorageMetadata)]
+
+
+def file_exists(path: Path) -> bool:
+    return os.path.lexists(path)

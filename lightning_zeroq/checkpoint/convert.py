@@ -1,0 +1,230 @@
+"""Offline consolidation: a sharded checkpoint directory to one file, tensor by tensor, no GPU, no
+process group (``zeroq-convert CKPT OUT``).
+
+- ``OUT.pt`` / ``OUT.ckpt`` (torch): the full fp32 parameters (and buffers) by ``state_dict`` name, so
+  ``nn.Module.load_state_dict(torch.load(OUT), strict=True)`` works; with ``--lightning`` a Lightning
+  checkpoint instead (``state_dict`` plus the trainer state: loops, callbacks, schedulers, hparams),
+  which ``LightningModule.load_from_checkpoint`` reads; ``--optimizer`` adds ``optimizer_states`` in
+  torch's own format (integer parameter ids in param-group order), so ``Trainer(strategy="ddp")``
+  resumes from it.
+- ``OUT.safetensors``: the same tensors (``--optimizer``: also ``optimizer.state.<name>.<key>``, the
+  param groups as JSON in the metadata); written by this module (the format is a JSON header and
+  raw bytes), readable by the ``safetensors`` package.
+
+Memory stays at about one tensor: the torch file is first written as a skeleton (``torch.save``
+under ``torch.serialization.skip_data``: the pickle and empty record space), then mapped shared and
+each tensor is read from the checkpoint straight into its place in the file; the safetensors file
+is written sequentially, one tensor in memory at a time. Every read goes through the safe reader.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import struct
+import sys
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import Tensor
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from lightning_zeroq.checkpoint.checkpointer import Opened, open_checkpoint
+from lightning_zeroq.checkpoint.chunks import BytesTarget
+from lightning_zeroq.checkpoint.safe import read_entries
+from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY
+
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+                      torch.bool: "BOOL"}
+
+
+def _tensor_keys(opened: Opened, prefix: str) -> list[str]:
+    return [k for k, v in opened.keys().items() if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)]
+
+
+def _empty(opened: Opened, key: str) -> Tensor:
+    md = opened.keys()[key]
+    return torch.empty(tuple(md.size), dtype=md.properties.dtype)
+
+
+def _param_groups(opened: Opened) -> list[dict]:
+    prefix = f"{OPTIMIZER_KEY}.param_groups."
+    targets = {k: BytesTarget() for k in opened.keys() if k.startswith(prefix)}
+    read_entries(opened.reader, targets)
+    groups: dict[int, dict] = {}
+    for key, target in targets.items():
+        index, name = key[len(prefix):].split(".", 1)
+        groups.setdefault(int(index), {})[name] = target.value
+    return [groups[i] for i in sorted(groups)]
+
+
+def optimizer_layout(opened: Opened) -> tuple[list[dict], dict[str, dict[str, str]]]:
+    """torch-format param groups (integer ids) and, per parameter name, state key -> checkpoint key."""
+    groups = _param_groups(opened)
+    base = f"{OPTIMIZER_KEY}.state."
+    per_name: dict[str, dict[str, str]] = {}
+    for key in opened.keys():
+        if key.startswith(base):
+            name, _, state_key = key[len(base):].rpartition(".")
+            per_name.setdefault(name, {})[state_key] = key
+    out_groups, index = [], 0
+    ids: dict[str, int] = {}
+    for group in groups:
+        names = list(group.get("params", []))
+        for name in names:
+            ids[name] = index
+            index += 1
+        out_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [ids[n] for n in names]})
+    layout = {name: keys for name, keys in per_name.items() if name in ids}
+    return out_groups, {str(ids[n]): keys for n, keys in layout.items()}
+
+
+def skeleton(opened: Opened, *, optimizer: bool, lightning: bool) -> tuple[dict, dict[tuple, str]]:
+    """The output's structure with empty (never touched) tensors, and tensor path -> checkpoint key."""
+    sources: dict[tuple, str] = {}
+    model = {}
+    nested = lightning or optimizer
+    for key in _tensor_keys(opened, MODEL_KEY + "."):
+        name = key[len(MODEL_KEY) + 1:]
+        model[name] = _empty(opened, key)
+        sources[("state_dict", name) if nested else (name,)] = key
+    if not nested:
+        return model, sources
+    out: dict[str, Any] = dict(opened.trainer_state())
+    out.pop("zeroq", None)
+    out["state_dict"] = model
+    if optimizer:
+        groups, layout = optimizer_layout(opened)
+        state = {}
+        for index, keys in layout.items():
+            state[int(index)] = {}
+            for state_key, ckpt_key in keys.items():
+                if isinstance(opened.keys()[ckpt_key], TensorStorageMetadata):
+                    state[int(index)][state_key] = _empty(opened, ckpt_key)
+                    sources[("optimizer_states", 0, "state", int(index), state_key)] = ckpt_key
+        out["optimizer_states"] = [{"state": state, "param_groups": groups}]
+    return out, sources
+
+
+def _tensor_at(obj: Any, path: tuple) -> Tensor:
+    for key in path:
+        obj = obj[key]
+    return obj
+
+
+def write_torch(opened: Opened, out: Path, *, optimizer: bool, lightning: bool) -> None:
+    structure, sources = skeleton(opened, optimizer=optimizer, lightning=lightning)
+    with torch.serialization.skip_data():
+        torch.save(structure, out)
+    del structure
+    previous = torch.serialization.get_default_mmap_options()
+    torch.serialization.set_default_mmap_options(mmap.MAP_SHARED)
+    try:
+        mapped = torch.load(out, mmap=True, weights_only=True, map_location="cpu")
+    finally:
+        torch.serialization.set_default_mmap_options(previous or mmap.MAP_PRIVATE)
+    for path, key in sources.items():  # one tensor at a time, straight into the file's pages
+        read_entries(opened.reader, {key: _tensor_at(mapped, path)})
+    del mapped
+    with open(out, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def iter_named_tensors(opened: Opened, *, optimizer: bool) -> Iterator[tuple[str, Tensor]]:
+    for key in _tensor_keys(opened, MODEL_KEY + "."):
+        tensor = _empty(opened, key)
+        read_entries(opened.reader, {key: tensor})
+        yield key[len(MODEL_KEY) + 1:], tensor
+    if optimizer:
+        for key in _tensor_keys(opened, f"{OPTIMIZER_KEY}.state."):
+            tensor = _empty(opened, key)
+            read_entries(opened.reader, {key: tensor})
+            yield "optimizer." + key[len(OPTIMIZER_KEY) + 1:], tensor
+
+
+def write_safetensors(opened: Opened, out: Path, *, optimizer: bool) -> None:
+    entries, offset = {}, 0
+    keys = [(k[len(MODEL_KEY) + 1:], k) for k in _tensor_keys(opened, MODEL_KEY + ".")]
+    if optimizer:
+        keys += [("optimizer." + k[len(OPTIMIZER_KEY) + 1:], k) for k in _tensor_keys(opened, f"{OPTIMIZER_KEY}.state.")]
+    for name, key in keys:
+        md = opened.keys()[key]
+        if md.properties.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{key} is {md.properties.dtype}, which safetensors cannot store; write a .pt file.")
+        nbytes = torch.Size(md.size).numel() * torch.empty((), dtype=md.properties.dtype).element_size()
+        entries[name] = {"dtype": SAFETENSORS_DTYPES[md.properties.dtype], "shape": list(md.size),
+                         "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    meta = {"format": "pt", "source": "lightning_zeroq"}
+    if optimizer:
+        meta["optimizer_param_groups"] = json.dumps(_param_groups(opened))
+    header = json.dumps({"__metadata__": meta, **entries}, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    with open(out, "wb") as f:
+        f.write(struct.pack("<Q", len(header)))
+        f.write(header)
+        for name, key in keys:
+            tensor = _empty(opened, key)
+            read_entries(opened.reader, {key: tensor})
+            f.write(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else b"")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def consolidate(checkpoint: Path, out: Path, *, optimizer: bool = False, lightning: bool = False) -> Path:
+    """Write checkpoint directory ``checkpoint`` as one file ``out`` (``.pt``, ``.ckpt`` or
+    ``.safetensors``); see the module docstring. Returns ``out``."""
+    opened = open_checkpoint(Path(checkpoint), None)
+    out = Path(out)
+    if out.suffix == ".safetensors":
+        if lightning:
+            raise ValueError("--lightning needs a .pt or .ckpt output (a Lightning checkpoint is a torch file).")
+        write_safetensors(opened, out, optimizer=optimizer)
+    elif out.suffix in (".pt", ".ckpt", ".pth", ".bin"):
+        write_torch(opened, out, optimizer=optimizer, lightning=lightning)
+    else:
+        raise ValueError(f"{out}: the output's suffix decides its format: .pt/.ckpt (torch) or .safetensors.")
+    return out
+
+
+def lightning_checkpoint(checkpoint: Path, map_location: Any = None) -> dict:
+    """In memory (one process): the Lightning checkpoint dict of a checkpoint directory, weights only
+    (what ``LightningModule.load_from_checkpoint`` needs)."""
+    opened = open_checkpoint(Path(checkpoint), None)
+    out = dict(opened.trainer_state())
+    out.pop("zeroq", None)
+    out["state_dict"] = {name: t for name, t in iter_named_tensors(opened, optimizer=False)}
+    if map_location is not None and not callable(map_location):
+        out["state_dict"] = {k: v.to(map_location if not isinstance(map_location, dict) else "cpu")
+                             for k, v in out["state_dict"].items()}
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="zeroq-convert",
+        description="Consolidate a lightning_zeroq (or any torch.distributed.checkpoint) checkpoint directory "
+                    "into one file of full fp32 tensors by state_dict name, tensor by tensor, without a GPU.")
+    parser.add_argument("checkpoint", type=Path, help="the checkpoint directory (what trainer.save_checkpoint wrote)")
+    parser.add_argument("out", type=Path, help="OUT.pt, OUT.ckpt or OUT.safetensors")
+    parser.add_argument("--optimizer", action="store_true", help="keep the optimizer state (with .pt/.ckpt: a "
+                        "Lightning checkpoint that strategy='ddp' resumes)")
+    parser.add_argument("--lightning", action="store_true", help="write a Lightning checkpoint (state_dict and "
+                        "trainer state) instead of a bare state_dict")
+    args = parser.parse_args(argv)
+    try:
+        out = consolidate(args.checkpoint, args.out, optimizer=args.optimizer,
+                          lightning=args.lightning or (args.optimizer and args.out.suffix != ".safetensors"))
+    except Exception as error:  # one line, no traceback: the messages name the file and the fix
+        print(f"zeroq-convert: error: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

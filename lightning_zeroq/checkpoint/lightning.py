@@ -1,0 +1,250 @@
+"""Lightning glue for checkpoints: what ``ZeroQStrategy``'s checkpoint methods do.
+
+Save (``save``): Lightning's checkpoint dict is split without touching the caller's dict: its
+``state_dict`` and ``optimizer_states[0]`` (sharded, from ``lightning_module_state_dict`` and
+``optimizer_state``) go to DCP; everything else (loops, callbacks, schedulers, precision,
+hyperparameters, and the engine's loss scaler under ``"zeroq"``) becomes the manifest's JSON trainer
+state. A weights-only checkpoint (``ModelCheckpoint(save_weights_only=True)``) is one consolidated
+Lightning file instead, gathered unit by unit to rank 0's host memory only and written by rank 0
+(atomically); any strategy and ``load_from_checkpoint`` read it.
+
+Load (``load``): a ZeroQ or other DCP directory is validated on every rank and read into the engine
+(``engine_io``; the optimizer state only when fitting); a single file (a Lightning checkpoint written
+by ``strategy="ddp"``, or our weights-only file) is read with ``torch.load(weights_only=True)``
+(memory-mapped) unless the caller passes ``weights_only=False`` for a file they trust, and its
+``optimizer_states`` are loaded into the shards. Anything else ends every rank with one error that
+names the path and the fix.
+
+``install_load_from_checkpoint`` makes ``LightningModule.load_from_checkpoint(dir)`` read a checkpoint
+directory (one process, no process group) by consolidating its weights in memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_zeroq.checkpoint import codec
+from lightning_zeroq.checkpoint.agree import CheckpointError, agree, checkpoint_group, describe, exchange
+from lightning_zeroq.checkpoint.checkpointer import Checkpointer, locate_error
+from lightning_zeroq.checkpoint.convert import lightning_checkpoint
+from lightning_zeroq.checkpoint.engine_io import load_engine, save_state
+from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY, Kind, classify
+from lightning_zeroq.zero import state_dict as zsd
+
+ENGINE_KEY = "zeroq"
+
+
+def _register_types() -> None:
+    from lightning.fabric.utilities.data import AttributeDict
+
+    codec.register_type("AttributeDict", AttributeDict, dict, AttributeDict)
+    codec.register_type("Namespace", argparse.Namespace, vars, lambda d: argparse.Namespace(**d))
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+    except ImportError:
+        return
+    codec.register_type("DictConfig", DictConfig, lambda c: OmegaConf.to_container(c, resolve=False), OmegaConf.create)
+    codec.register_type("ListConfig", ListConfig, lambda c: OmegaConf.to_container(c, resolve=False), OmegaConf.create)
+
+
+_register_types()
+
+
+def trainer_state_of(checkpoint: dict, engine: Any) -> dict:
+    state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    scaler = getattr(engine, "loss_scaler", None) if engine is not None else None
+    if scaler is not None:
+        state[ENGINE_KEY] = {"loss_scaler": scaler.state_dict()}
+    return state
+
+
+def save(strategy: Any, checkpoint: dict, path: Path, checkpointer: Checkpointer) -> None:
+    engine = strategy.engine
+    if "optimizer_states" not in checkpoint or engine is None:
+        save_single_file(strategy, checkpoint, path, checkpointer)
+        return
+    optimizers = checkpoint["optimizer_states"]
+    if engine.optimizer is not None and int(checkpoint.get("global_step", 0) or 0) > 0:
+        checkpointer.wait()
+        if not any(exchange(bool(engine.optimizer.state), checkpoint_group())):
+            raise CheckpointError(
+                f"Saving checkpoint {path}: the optimizer holds no state after {checkpoint['global_step']} steps, so "
+                "a resume would restart it silently (with NVMe offload the strategy's teardown released it). Save "
+                "during fit (ModelCheckpoint) or before fit returns.")
+    state = {MODEL_KEY: checkpoint["state_dict"]}
+    if optimizers:
+        state[OPTIMIZER_KEY] = optimizers[0]
+    save_state(engine, path, state, trainer_state_of(checkpoint, engine), checkpointer)
+
+
+def save_single_file(strategy: Any, checkpoint: dict, path: Path, checkpointer: Checkpointer) -> None:
+    """Weights only: one Lightning file of full fp32 weights, built on rank 0 alone."""
+    checkpointer.wait()
+    engine = strategy.engine
+    group = checkpoint_group()
+    weights = zsd.full_state_dict(engine, rank0_only=True) if engine is not None else None
+    errors = []
+    if strategy.is_global_zero:
+        try:
+            out = {k: v for k, v in checkpoint.items() if k != "state_dict"}
+            model = {}
+            given = checkpoint["state_dict"]
+            for key, value in {**strategy.lightning_module.state_dict(keep_vars=True), **given}.items():
+                if weights is not None and key in weights:
+                    model[key] = weights[key]
+                elif isinstance(given.get(key, value), Tensor):
+                    model[key] = given.get(key, value).detach().cpu()
+            out["state_dict"] = model
+            if engine is not None and engine.loss_scaler is not None:
+                out[ENGINE_KEY] = {"loss_scaler": engine.loss_scaler.state_dict()}
+            tmp = path.parent / f".{path.name}.zeroq-tmp"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(out, tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            if path.is_dir() and not path.is_symlink():
+                from lightning_zeroq.checkpoint.atomic import remove
+
+                remove(path)
+            os.replace(tmp, path)
+        except Exception as error:
+            errors.append(f"could not write {path}: {describe(error)}")
+    agree(errors, f"Saving checkpoint {path}", group)
+
+
+def load(strategy: Any, checkpoint_path: Any, weights_only: Optional[bool],
+         checkpointer: Checkpointer) -> tuple[dict, bool]:
+    """The trainer state to hand to Lightning, and whether the model's weights are already loaded."""
+    checkpointer.wait()
+    path = Path(checkpoint_path)
+    group = checkpoint_group()
+    located = classify(path)
+    module = strategy.lightning_module
+    trainer = module.trainer if module is not None else None
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+    strict = getattr(module, "strict_loading", True)
+    engine = strategy.engine
+    if located.kind is Kind.FILE:
+        return load_single_file(strategy, path, weights_only, fitting, group)
+    if located.kind not in (Kind.ZEROQ, Kind.DCP) or engine is None:
+        problem = locate_error(located) or f"{path} cannot be loaded before the strategy has set up its engine."
+        if located.kind is Kind.MISSING and located.directory is not None:
+            problem = None
+        if problem is not None:
+            agree([problem], f"Loading checkpoint {path}", group)
+    state = load_engine(engine, path, load_optimizer=fitting, strict=strict)
+    if located.kind is Kind.DCP and (path / "meta.pt").is_file():  # Lightning's ModelParallelStrategy layout
+        state = _torch_load(path / "meta.pt", True, group)
+    scaler = (state.pop(ENGINE_KEY, None) or {}).get("loss_scaler")
+    if scaler is not None and engine.loss_scaler is not None:
+        engine.loss_scaler.load_state_dict(scaler)
+    return state, True
+
+
+def _torch_load(path: Path, weights_only: bool, group: Any) -> Any:
+    errors, value = [], None
+    try:
+        value = torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
+    except Exception as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        hint = (" It holds objects other than tensors and plain values; if you trust this file, pass "
+                "weights_only=False (fit(..., weights_only=False))." if weights_only else "")
+        errors.append(f"{path} could not be loaded safely ({first}).{hint}")
+    agree(errors, f"Loading checkpoint {path}", group)
+    return value
+
+
+def load_single_file(strategy: Any, path: Path, weights_only: Optional[bool], fitting: bool,
+                     group: Any) -> tuple[dict, bool]:
+    checkpoint = _torch_load(path, weights_only is not False, group)
+    errors = []
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        errors.append(f"{path} is not a Lightning checkpoint (no 'state_dict'): load it into the module yourself.")
+    agree(errors, f"Loading checkpoint {path}", group)
+    engine = strategy.engine
+    scaler = (checkpoint.pop(ENGINE_KEY, None) or {}).get("loss_scaler")
+    if engine is not None and scaler is not None and engine.loss_scaler is not None:
+        engine.loss_scaler.load_state_dict(scaler)
+    optimizers = checkpoint.get("optimizer_states") or []
+    if fitting and engine is not None and engine.optimizer is not None and optimizers:
+        load_torch_optimizer_state(engine, checkpoint["state_dict"], optimizers[0], group)
+        return checkpoint, True
+    return checkpoint, False
+
+
+def load_torch_optimizer_state(engine: Any, model: dict, optimizer_state: dict, group: Any) -> None:
+    """A torch-format optimizer state (integer ids in param-group order, as ``strategy="ddp"`` saves
+    it) into the shards, with the model's weights, unit by unit."""
+    groups = zsd.sharded_optimizer_state(engine)["param_groups"]  # every parameter's name, by group
+    saved = optimizer_state.get("param_groups", [])
+    errors = []
+    if len(saved) != len(groups):
+        errors.append(f"the checkpoint's optimizer has {len(saved)} param group(s), this one {len(groups)}.")
+    names: dict[int, str] = {}
+    for g, (mine, theirs) in enumerate(zip(groups, saved)):
+        if len(mine["params"]) != len(theirs["params"]):
+            errors.append(f"param group {g} holds {len(theirs['params'])} parameters in the checkpoint, "
+                          f"{len(mine['params'])} here: configure_optimizers must build the same groups.")
+        names.update(zip(theirs["params"], mine["params"]))
+    shapes = {k: v.shape for k, v in model.items() if isinstance(v, Tensor)}
+    for index, entry in optimizer_state.get("state", {}).items():
+        name = names.get(int(index))
+        for key, value in entry.items() if name in shapes else ():
+            if isinstance(value, Tensor) and value.dim() > 0 and value.shape != shapes[name]:
+                errors.append(
+                    f"the checkpoint's optimizer state {key} of parameter #{index} has shape {tuple(value.shape)}, "
+                    f"but #{index} is {name} here, of shape {tuple(shapes[name])}: ZeroQ numbers each param "
+                    "group's parameters in the module's order; build the groups in that order.")
+                break
+    agree(errors, "Loading the optimizer state", group)
+    flat: dict[str, Any] = {f"{MODEL_KEY}.{k}": v for k, v in model.items()}
+    keys: dict[str, list[str]] = {}
+    for index, entry in optimizer_state.get("state", {}).items():
+        name = names.get(int(index))
+        if name is None:
+            continue
+        keys[name] = sorted(entry)
+        for key, value in entry.items():
+            flat[f"{OPTIMIZER_KEY}.state.{name}.{key}"] = value
+
+    def read(targets: dict) -> None:
+        for key, target in targets.items():
+            value = flat[key]
+            if hasattr(target, "boxes"):  # LocalChunks
+                target.target.copy_(value.reshape(-1)[target.start:target.start + target.numel])
+            elif isinstance(target, Tensor):
+                target.copy_(value)
+            else:
+                target.value, target.loaded = value, True
+
+    zsd.load_sharded(engine, read, model_prefix=f"{MODEL_KEY}.", stored=set(model), optimizer_prefix=f"{OPTIMIZER_KEY}.",
+                     optimizer_keys=keys, param_groups=saved)
+
+
+def install_load_from_checkpoint() -> None:
+    """``LightningModule.load_from_checkpoint(directory)``: read a checkpoint directory's weights."""
+    import lightning.pytorch.core.saving as saving
+
+    original = saving.pl_load
+    if getattr(original, "_zeroq", False):
+        return
+
+    def pl_load(path_or_url: Any, map_location: Any = None, weights_only: Optional[bool] = None) -> Any:
+        if isinstance(path_or_url, (str, Path)) and not str(path_or_url).startswith(("http://", "https://")):
+            located = classify(Path(path_or_url))
+            if located.kind in (Kind.ZEROQ, Kind.DCP):
+                return lightning_checkpoint(located.path, map_location)
+            if located.kind in (Kind.INSIDE, Kind.LEGACY):
+                raise CheckpointError(locate_error(located))
+        return original(path_or_url, map_location=map_location, weights_only=weights_only)
+
+    pl_load._zeroq = True  # type: ignore[attr-defined]
+    saving.pl_load = pl_load

@@ -1,0 +1,194 @@
+"""Reading a ``torch.distributed.checkpoint`` directory without running code from it.
+
+Stock DCP (torch 2.13) reads ``.metadata`` with plain ``pickle.load`` and, in ``DefaultLoadPlanner``,
+non-tensor items with ``torch.load(..., weights_only=False)``: a doctored checkpoint runs code on
+load. Here:
+
+- ``read_metadata`` unpickles ``.metadata`` with an allow-list: DCP's metadata classes, the
+  filesystem's ``_StorageInfo``, ``torch.Size``, dtypes, layouts, memory formats and paths; any
+  other global (``os.system``, ``builtins.eval``, ...) raises ``UnsafeCheckpointError`` naming the
+  file and the global, before anything is constructed from it.
+- ``SafeLoadPlanner`` reads tensor items as DCP does (``torch.load(weights_only=True)``, in the
+  stock ``FileSystemReader.read_data``) and non-tensor items with ``weights_only=True`` too, so they
+  can only be plain Python values.
+- ``read_entries`` loads a dict of targets (``LocalChunks``, full tensors, ``BytesTarget``) with
+  ``dcp.load(..., no_dist=True)``: every rank reads only what it asked for, with no collective, so
+  a rank that fails cannot leave the others waiting.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from lightning_zeroq.checkpoint.chunks import BytesTarget, LocalChunks
+
+METADATA_FILE = ".metadata"
+
+
+class UnsafeCheckpointError(RuntimeError):
+    pass
+
+
+_ALLOWED = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file: Any, source: str) -> None:
+        super().__init__(file)
+        self.source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        raise UnsafeCheckpointError(
+            f"{self.source} refers to {module}.{name}, which a checkpoint's metadata never needs; it was not "
+            "loaded, because unpickling it could run code. The file is damaged or was made to attack: do not "
+            "load it with torch.distributed.checkpoint's own reader either."
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafeCheckpointError(f"{self.source} holds a persistent reference {pid!r}; it was not loaded.")
+
+
+def read_metadata(path: Path) -> Metadata:
+    """The DCP metadata of checkpoint directory ``path``, read with an allow-list unpickler."""
+    file = Path(path) / METADATA_FILE
+    with open(file, "rb") as f:
+        try:
+            metadata = _MetadataUnpickler(f, str(file)).load()
+        except UnsafeCheckpointError:
+            raise
+        except Exception as error:
+            raise RuntimeError(f"{file} could not be read ({type(error).__name__}: {error}); the checkpoint is "
+                               "damaged or incomplete.") from error
+    if not isinstance(metadata, Metadata):
+        raise RuntimeError(f"{file} holds a {type(metadata).__name__}, not DCP metadata.")
+    return metadata
+
+
+class SafeReader(FileSystemReader):
+    """``FileSystemReader`` whose metadata is read safely once and then reused."""
+
+    def __init__(self, path: Path, metadata: Optional[Metadata] = None) -> None:
+        super().__init__(str(path))
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata is None:
+            self._metadata = read_metadata(Path(self.path))
+        return self._metadata
+
+
+def _narrow(tensor: Tensor, offsets: torch.Size, lengths: torch.Size) -> Tensor:
+    for dim, (offset, length) in enumerate(zip(offsets, lengths)):
+        if tensor.size(dim) != length:
+            tensor = tensor.narrow(dim, offset, length)
+    return tensor
+
+
+class SafeLoadPlanner(LoadPlanner):
+    """Reads each target's own chunks; non-tensor items with ``torch.load(weights_only=True)``."""
+
+    def set_up_planner(self, state_dict: dict, metadata: Optional[Metadata] = None, is_coordinator: bool = False) -> None:
+        self.state_dict, self.metadata = state_dict, metadata
+
+    def create_local_plan(self) -> LoadPlan:
+        items: list[ReadItem] = []
+        for fqn, obj in self.state_dict.items():
+            md = self.metadata.state_dict_metadata[fqn]
+            if isinstance(obj, BytesTarget):
+                index = MetadataIndex(fqn)
+                items.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=index, dest_offsets=torch.Size((0,)),
+                                      storage_index=index, storage_offsets=torch.Size((0,)), lengths=torch.Size((0,))))
+            elif isinstance(obj, LocalChunks):
+                chunks = [ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes)) for b in obj.boxes]
+                items += create_read_items_for_chunk_list(fqn, md, chunks)
+            else:
+                chunk = ChunkStorageMetadata(torch.Size([0] * obj.dim()), obj.size())
+                items += create_read_items_for_chunk_list(fqn, md, [chunk])
+        return LoadPlan(items)
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        return global_plan
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        return central_plan
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            loaded = torch.load(value, map_location="cpu", weights_only=True)
+        except Exception as error:
+            raise UnsafeCheckpointError(
+                f"the checkpoint's item {fqn!r} is not a plain value ({type(error).__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else ''}); it was not loaded, because unpickling it could "
+                "run code."
+            ) from error
+        target = self.state_dict[fqn]
+        target.value, target.loaded = loaded, True
+
+    def resolve_tensor(self, read_item: ReadItem) -> Tensor:
+        obj = self.state_dict[read_item.dest_index.fqn]
+        if isinstance(obj, LocalChunks):
+            obj = obj.box_view(obj.target, read_item.dest_index.index)
+        return _narrow(obj, read_item.dest_offsets, read_item.lengths)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: Tensor) -> None:
+        pass
+
+
+def unwrap(error: BaseException) -> BaseException:
+    """The first rank's own exception inside DCP's ``CheckpointException`` (a ``BaseException``)."""
+    failures = list(getattr(error, "failures", {}).values())
+    if not failures:
+        return error
+    inner = failures[0]
+    return getattr(inner, "exception", inner) if isinstance(getattr(inner, "exception", inner), BaseException) \
+        else RuntimeError(str(inner))
+
+
+def read_entries(reader: SafeReader, targets: dict[str, Any]) -> None:
+    """Fill ``targets`` (checkpoint key -> ``LocalChunks`` with a target, tensor, ``BytesTarget``)."""
+    if targets:
+        try:
+            with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": no_dist is meant
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(targets, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+        except CheckpointException as error:
+            inner = unwrap(error)
+            if isinstance(inner, Exception):
+                raise inner from None
+            raise RuntimeError(str(error)) from None
+
+
+def assert_safe_modules_loaded() -> None:
+    """The allow-listed modules must be importable (find_class imports them)."""
+    for module in _ALLOWED:
+        __import__(module)
+        assert module in sys.modules
