@@ -14,7 +14,7 @@ Fabric leaves the training loop to the user, so each of its calls maps onto the 
 - ``fabric.clip_gradients(model, optimizer, max_norm=...)``: the global 2-norm across shards.
 - ``optimizer.step()``: ``ZeroEngine.step`` (finalize, unscale and clip, step, publish).
 - ``fabric.strategy.full_state_dict()``: collective, the full fp32 parameters by name.
-- ``fabric.save`` / ``fabric.load``: not yet; they follow ZeroQ's new checkpoint format.
+- ``fabric.save`` / ``fabric.load``: the Trainer's checkpoint directory, sharded (``checkpoint/fabric.py``).
 
 Accumulation, as configured by ``managed_gradient_accumulation``: managed, the user marks every
 micro-batch but the last with ``no_backward_sync(model, enabled=True)`` (as for DDP), so stage 1
@@ -28,6 +28,7 @@ One engine per strategy: set up one model (with any number of param groups in on
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Generator, Optional, Union
 
@@ -44,6 +45,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zeroq.checkpoint import fabric as fabric_checkpoint
+from lightning_zeroq.checkpoint.checkpointer import Checkpointer
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.precision import ZeroQPrecision
 from lightning_zeroq.strategy_common import (
@@ -58,14 +61,6 @@ from lightning_zeroq.zero.engine import ZeroEngine
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import _LRScheduler
-
-CHECKPOINTS_PENDING = (
-    "ZeroQFabricStrategy cannot {what} checkpoints yet: fabric.save() and fabric.load() will write and read "
-    "ZeroQ's sharded checkpoint format (loadable at another world size), which is being rebuilt; they are "
-    "wired to it when it lands. Until then, export the weights with fabric.strategy.full_state_dict() (a "
-    "collective: the full fp32 parameters by name on every rank) and torch.save them on rank 0."
-)
-
 
 class ZeroQFabricPrecision(ZeroQPrecision):
     """ZeroQ's precision modes (``precision.py``: working dtype, fp32 masters, autocast, fp16 loss
@@ -172,6 +167,7 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
         )
         self._backward_sync_control: ZeroQBackwardSyncControl = ZeroQBackwardSyncControl()
         self.engine: Optional[ZeroEngine] = None
+        self.checkpointer = Checkpointer()
 
     # ------------------------------------------------------------------ precision
 
@@ -300,7 +296,14 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
         storage_options: Optional[Any] = None,
         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
     ) -> None:
-        raise NotImplementedError(CHECKPOINTS_PENDING.format(what="save"))
+        """Collective: a checkpoint directory (the Trainer's format, loadable at another world size or
+        stage). ``state`` holds the model and optimizer from ``fabric.setup`` and any plain values or
+        objects with ``state_dict()``; ``filter`` is not supported (the model is saved whole)."""
+        if storage_options is not None:
+            raise TypeError(f"ZeroQFabricStrategy.save_checkpoint does not take storage_options (got "
+                            f"{storage_options!r}); it writes a torch.distributed.checkpoint directory.")
+        path = Path(self.broadcast(str(path))).absolute()
+        fabric_checkpoint.save(self, path, state, filter, self.checkpointer)
 
     @override
     def load_checkpoint(
@@ -310,7 +313,9 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
         strict: bool = True,
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
-        raise NotImplementedError(CHECKPOINTS_PENDING.format(what="load"))
+        """Collective: validate on every rank, read this rank's part into the engine, fill ``state``'s
+        other entries in place and return the rest of the checkpoint's entries."""
+        return fabric_checkpoint.load(self, Path(path).absolute(), state, strict, weights_only, self.checkpointer)
 
     @override
     def teardown(self) -> None:

@@ -267,3 +267,85 @@ def _zero_grad_body(stage: int) -> None:
 @pytest.mark.parametrize("stage", [1, 2])
 def test_the_fabric_optimizers_zero_grad_drops_the_engines_gradients(dist_pool, stage):
     dist_pool(2).run(_zero_grad_body, stage)
+
+
+# ------------------------------------------------------------------------------ fabric.save / fabric.load
+
+
+def _fabric_steps(fabric, model, opt, sched, first: int, count: int) -> None:
+    rank = dist.get_rank()
+    for step in range(first, first + count):
+        fabric.backward(_loss(model, make_batch(step, 0, rank, uniform=True)))
+        fabric.clip_gradients(model, opt, max_norm=0.5)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+
+
+def _setup(fabric, seed: int):
+    torch.manual_seed(seed)
+    model = RichModel()
+    model, opt = fabric.setup(model, torch.optim.AdamW(param_groups(model), eps=1e-3))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    return model, opt, sched
+
+
+def _save_body(tmp: str) -> None:
+    """2 ranks, stage 2: two steps in lockstep with DDP, then both save (ZeroQ: a directory; DDP: one file)."""
+    from lightning_zeroq import ZeroQFabricStrategy
+
+    zq = _launched(ZeroQFabricStrategy(stage=2, reduce_bucket_size=300))
+    ddp = _launched("ddp_find_unused_parameters_true")
+    parts, ref_parts = _setup(zq, 5), _setup(ddp, 5)
+    _fabric_steps(zq, *parts, 0, 2)
+    _fabric_steps(ddp, *ref_parts, 0, 2)
+    for fabric, (model, opt, sched), path in ((zq, parts, f"{tmp}/zeroq"), (ddp, ref_parts, f"{tmp}/ddp.pt")):
+        fabric.save(path, {"model": model, "optimizer": opt, "sched": sched, "step": 2, "note": {"a": [1, 2.5]}})
+    if dist.get_rank() == 0:  # what fabric.load_raw reads: a bare state dict
+        torch.save(ref_parts[0].module.state_dict(), f"{tmp}/raw.pt")
+    dist.barrier()
+
+
+def _load_body(tmp: str) -> float:
+    """3 ranks: DDP resumes from its file; ZeroQ stage 3 with CPU offload from ZeroQ's directory and
+    ZeroQ stage 2 from DDP's file; two more steps must match DDP after each."""
+    from lightning_zeroq import ZeroQFabricStrategy
+
+    ddp = _launched("ddp_find_unused_parameters_true")
+    ref = _setup(ddp, 99)
+    ref_state = {"model": ref[0], "optimizer": ref[1], "step": 0, "sched": ref[2]}
+    rest = ddp.load(f"{tmp}/ddp.pt", ref_state)
+    assert ref_state["step"] == 2 and "note" in rest
+    expected = {k: v.detach().cpu() for k, v in ref[0].module.named_parameters(remove_duplicate=False)}
+    raw = _launched(ZeroQFabricStrategy(stage=3, **STAGE3))
+    raw_model, _, _ = _setup(raw, 7 + dist.get_rank())
+    assert raw.load_raw(f"{tmp}/raw.pt", raw_model) is None
+    assert all(torch.equal(v, expected[k]) for k, v in raw.strategy.full_state_dict().items())
+    resumed = []
+    for options, path in (({"stage": 3, "offload_optimizer": True, **STAGE3}, f"{tmp}/zeroq"),
+                          ({"stage": 2}, f"{tmp}/ddp.pt")):
+        zq = _launched(ZeroQFabricStrategy(reduce_bucket_size=300, **options))
+        model, opt, sched = _setup(zq, 99 + dist.get_rank())  # other weights: the load must replace them
+        state = {"model": model, "optimizer": opt, "sched": sched, "step": 0}
+        rest = zq.load(path, state)
+        assert state["step"] == 2 and rest["note"] == {"a": [1, 2.5]}, (state["step"], rest)
+        assert sched.last_epoch == 2 and opt.param_groups[0]["lr"] == ref[1].param_groups[0]["lr"]
+        resumed.append((zq, model, opt, sched))
+    worst = 0.0
+    for step in range(2, 4):
+        _fabric_steps(ddp, *ref, step, 1)
+        expected = {k: v.detach().cpu() for k, v in ref[0].module.named_parameters(remove_duplicate=False)}
+        for zq, model, opt, sched in resumed:
+            _fabric_steps(zq, model, opt, sched, step, 1)
+            full = zq.strategy.full_state_dict()
+            for name, value in expected.items():
+                diff = (full[name] - value).abs().max().item()
+                assert diff <= 1e-5, f"step {step}: {name} differs from DDP by {diff}"
+                worst = max(worst, diff)
+    return worst
+
+
+def test_fabric_save_at_two_ranks_loads_at_three_and_trains_as_ddp(dist_pool, tmp_path):
+    dist_pool(2).run(_save_body, str(tmp_path))
+    assert (tmp_path / "zeroq").is_dir() and (tmp_path / "ddp.pt").is_file()
+    assert max(dist_pool(3).run(_load_body, str(tmp_path))) <= 1e-5

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 import lightning_zeroq  # noqa: F401  (registers the strategy names)
 from lightning_zeroq import ZeroQFabricStrategy, ZeroQStrategy
+from lightning_zeroq.checkpoint.agree import CheckpointError
 from lightning_zeroq.strategy_common import PRESETS
 from tests.models import RichModel, make_batch, param_groups
 
@@ -145,13 +146,15 @@ def _misuse_body(tmp: str) -> list[str]:
            lambda: fabric.clip_gradients(model, opt, max_norm=1, norm_type=1))
     expect(RuntimeError, r"non-finite gradients \(inf or NaN\) in optimizer step 1",
            lambda: fabric.clip_gradients(model, opt, max_norm=1.0))  # the engine's check, every rank
-    expect(NotImplementedError, r"cannot save checkpoints yet.*full_state_dict",
-           lambda: fabric.save(f"{tmp}/ckpt", {"model": model, "optimizer": opt}))
-    expect(NotImplementedError, r"cannot load checkpoints yet", lambda: fabric.load(f"{tmp}/ckpt", {"model": model}))
-    expect(NotImplementedError, r"cannot load checkpoints yet", lambda: fabric.load_raw(f"{tmp}/weights.pt", model))
+    expect(ValueError, r"does not take filter.*full_state_dict",
+           lambda: fabric.save(f"{tmp}/ckpt", {"model": model}, filter={"model": lambda k, v: True}))
+    expect(ValueError, r"'other' is a module that ZeroQFabricStrategy did not set up",
+           lambda: fabric.save(f"{tmp}/ckpt", {"model": model, "other": torch.nn.Linear(2, 2)}))
+    expect(ValueError, r"pass the objects to load into", lambda: fabric.load(f"{tmp}/ckpt"))
+    expect(CheckpointError, r"weights.pt", lambda: fabric.load_raw(f"{tmp}/weights.pt", model))  # no such file
     return seen
 
 
 def test_misuse_is_named(dist_pool, tmp_path):
     seen = dist_pool(2).run(_misuse_body, str(tmp_path))
-    assert seen[0] == seen[1] and len(seen[0]) == 12
+    assert seen[0] == seen[1] and len(seen[0]) == 13
