@@ -93,8 +93,23 @@ def _parity_body(
             diff = (full[name] - p.detach().cpu()).abs().max().item()
             assert diff < 1e-5, f"step {step}: {name} differs from DDP by {diff}"
             worst = max(worst, diff)
-    # Never-used parameters are untouched: value and optimizer state.
-    assert torch.equal(full["never.weight"], ref_model.never.weight.detach().cpu())
+    # Never-used parameters are untouched: value and optimizer state. The value alone would not see a
+    # zero gradient handed to the optimizer (AdamW without weight decay moves nothing on a zero
+    # gradient, but creates state and counts a step), so check that no rank holds state for them.
+    for name in ("never.weight", "never.bias"):
+        assert torch.equal(full[name], ref_model.get_parameter(name).detach().cpu()), name
+    assert not any(ref_opt.state.get(p) for p in ref_model.never.parameters())  # DDP's reference agrees
+    never = {id(p) for p in model.never.parameters()}
+    segments = stateful = 0
+    for unit in engine.units:
+        for view, seg in engine._optimized[unit.index]:
+            if id(unit.params[seg.param]) in never:
+                segments += 1
+                stateful += bool(engine.optimizer.state.get(view))
+    counts = torch.tensor([segments, stateful])
+    dist.all_reduce(counts)
+    assert counts[0] > 0, "no rank holds a segment of the never-used layer: the check above saw nothing"
+    assert counts[1] == 0, f"{int(counts[1])} segments of the never-used layer got optimizer state"
     return worst
 
 
