@@ -102,7 +102,7 @@ def _parity_body(
     never = {id(p) for p in model.never.parameters()}
     segments = stateful = 0
     for unit in engine.units:
-        for view, seg in engine._optimized[unit.index]:
+        for view, seg in engine._binding(engine.optimizer).optimized[unit.index]:
             if id(unit.params[seg.param]) in never:
                 segments += 1
                 stateful += bool(engine.optimizer.state.get(view))

@@ -194,8 +194,10 @@ def test_int8_unit_plan_chunks_offsets_and_sides(numels, world_size, group, exac
     for (chunk_start, n), inside in zip(plan.chunks, plan.chunk_sides):
         want = [p - chunk_start for p in side if chunk_start <= p < chunk_start + n]
         assert (inside.tolist() if inside is not None else []) == want
-    max_count = max(len(side_positions(layout, exact, r)) for r in range(world_size))
-    assert wire.payload_numel(0) == plan.offsets[-1] + max_count * torch.bfloat16.itemsize
+    # The side values travel at this rank's own count (no padding to the largest rank's).
+    assert wire.payload_numel(0) == plan.offsets[-1] + len(side) * torch.bfloat16.itemsize
+    if plan.side is not None:  # every side collective stays within the bucket bound
+        assert all(sum(counts) <= max(bucket, world_size) for counts, _ in plan.side.rounds)
 
 
 @FAST
@@ -213,26 +215,28 @@ def test_side_positions_are_exactly_the_small_parameters_in_the_shard(numels, wo
 
 @SLOWER
 @given(numels=st.lists(st.integers(0, 300), min_size=1, max_size=10), world_size=st.integers(1, 96),
-       exact=st.integers(0, 300), data=st.data())
-def test_side_plan_restores_every_exact_value_where_it_came_from(numels, world_size, exact, data):
+       exact=st.integers(0, 300), bucket=st.one_of(st.integers(1, 64), st.integers(1, 5_000)), data=st.data())
+def test_side_plan_restores_every_exact_value_where_it_came_from(numels, world_size, exact, bucket, data):
     layout = make_layout(numels, world_size)
     rank = data.draw(st.integers(0, world_size - 1), label="rank")
-    plans = [_side_plan(layout, exact, r, torch.device("cpu")) for r in range(world_size)]
+    plans = [_side_plan(layout, exact, r, bucket, torch.device("cpu")) for r in range(world_size)]
     if any(slot.numel <= exact and slot.numel > 0 for slot in layout.slots):
         assert all(p is not None for p in plans)
     else:
         assert all(p is None for p in plans)
         return
-    values = torch.arange(1, layout.padded_numel + 1, dtype=torch.float64)  # nonzero, distinct
-    sends = []
-    for r, plan in enumerate(plans):  # every rank's padded side buffer, as _encode_side builds it
-        assert plan.max_count == plans[rank].max_count
-        send = torch.zeros(plan.max_count, dtype=values.dtype)
-        send[: plan.local.numel()] = values[layout.shard_span(r)][plan.local]
-        sends.append(send)
-    working = torch.zeros_like(values)
     me = plans[rank]
-    working[me.flat] = torch.cat(sends)[me.valid]
+    for plan in plans:  # every rank plans the same collectives
+        assert plan.per_round == me.per_round and len(plan.rounds) == len(me.rounds)
+        assert all(c == mc and torch.equal(p, mp) for (c, p), (mc, mp) in zip(plan.rounds, me.rounds))
+    event(f"side collectives: {len(me.rounds) if len(me.rounds) < 3 else 'more'}")
+    values = torch.arange(1, layout.padded_numel + 1, dtype=torch.float64)  # nonzero, distinct
+    sends = [values[layout.shard_span(r)][plan.local] for r, plan in enumerate(plans)]  # own count each
+    working = torch.zeros_like(values)
+    for k, (counts, positions) in enumerate(me.rounds):  # what all_gather_uneven hands every rank
+        assert sum(counts) <= max(bucket, world_size), "each collective within the bucket bound"
+        start = k * me.per_round
+        working[positions] = torch.cat([send[start : start + counts[r]] for r, send in enumerate(sends)])
     small = torch.zeros(layout.padded_numel, dtype=torch.bool)
     for slot in layout.slots:
         if slot.numel <= exact:
@@ -289,8 +293,18 @@ def test_int8_wire_simulated_over_a_whole_world_matches_the_reference(numels, wo
         assert 0 <= start and start + nbytes <= mine.numel(), "sends are slices of the payload"
         output.view(torch.uint8).copy_(torch.cat([p[start : start + nbytes] for p in payloads]))
 
+    sides = [p[plan.offsets[-1] :].view(dtype) for p in payloads]  # each rank's own count of side values
+    rounds = iter(range(len(plan.side.rounds) if plan.side is not None else 0))
+
+    def fake_all_gather_uneven(output, input, counts, group=None):
+        start = next(rounds) * plan.side.per_round
+        assert input.numel() == counts[rank]
+        output.copy_(torch.cat([side[start : start + counts[r]] for r, side in enumerate(sides)]))
+
     unit = SimpleNamespace(index=0, layout=layout, flat=torch.full((layout.padded_numel,), float("nan"), dtype=dtype))
-    with mock.patch.object(comm, "all_gather", fake_all_gather):
+    with mock.patch.object(comm, "all_gather", fake_all_gather), \
+            mock.patch.object(comm, "all_gather_uneven", fake_all_gather_uneven):
         wires[rank].gather(unit, mine)
+    assert next(rounds, None) is None, "every side collective ran"
     assert torch.equal(unit.flat, expected), (unit.flat.float() - expected.float()).abs().max()
     assert not unit.flat[layout.numel :].any(), "padding stays zero"
