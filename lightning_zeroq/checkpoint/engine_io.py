@@ -27,6 +27,7 @@ from lightning_zeroq.checkpoint.checkpointer import Checkpointer, Opened, bytes_
 from lightning_zeroq.checkpoint.chunks import BytesTarget
 from lightning_zeroq.checkpoint.safe import read_entries
 from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY
+from lightning_zeroq.checkpoint import engine_state as chunked
 from lightning_zeroq.zero import state_dict as zsd
 
 MODEL_PREFIXES = (MODEL_KEY + ".", "model.", "app.model.", "")
@@ -35,14 +36,14 @@ OPTIMIZER_PREFIXES = (OPTIMIZER_KEY + ".", "optim.", "optimizer.", "app.optim.",
 
 def engine_state(engine: Any, optimizer: bool) -> dict:
     """Collective (the optimizer's param groups are gathered): the nested state a save writes."""
-    state: dict[str, Any] = {MODEL_KEY: zsd.sharded_model_state(engine)}
+    state: dict[str, Any] = {MODEL_KEY: chunked.sharded_model_state(engine)}
     if optimizer and engine.optimizer is not None:
-        state[OPTIMIZER_KEY] = zsd.sharded_optimizer_state(engine)
+        state[OPTIMIZER_KEY] = chunked.sharded_optimizer_state(engine)
     return state
 
 
 def save_state(engine: Any, path: Path, state: dict, trainer_state: Any, checkpointer: Checkpointer) -> None:
-    residency = zsd.Residency(engine)
+    residency = chunked.Residency(engine)
     pin = engine.device.type == "cuda" and torch.cuda.is_available()
     nvme = type(engine.placement).__name__.startswith("Nvme")
     if nvme and checkpointer.async_save and not getattr(checkpointer, "_warned_nvme", False):
@@ -100,7 +101,7 @@ def _optimizer_plan(engine: Any, opened: Opened, prefix: str, groups: list[dict]
         return {}, errors
     names = zsd.parameter_names(engine.module)
     shapes = {names[id(p)][0]: p.shape for u in engine.units for p in u.params}
-    per_element = zsd.per_element_keys(optimizer)
+    per_element = chunked.per_element_keys(optimizer)
     keys: dict[str, list[str]] = {}
     stored = opened.keys()
     base = prefix + "state."
@@ -141,7 +142,7 @@ def load_engine(engine: Any, path: Path, *, load_optimizer: bool = True, strict:
     state the checkpoint holds (``{}`` for a foreign DCP checkpoint)."""
     group = checkpoint_group()
     opened = opened or open_checkpoint(Path(path), group)
-    expected = zsd.model_entries(engine)
+    expected = chunked.model_entries(engine)
     model_prefix = _prefix(opened, MODEL_PREFIXES, list(expected)[:8])
     errors = check_entries(opened, expected, strict=strict, prefix=model_prefix, what="the model")
     optimizer_prefix = optimizer_keys = groups = None
@@ -168,7 +169,7 @@ def load_engine(engine: Any, path: Path, *, load_optimizer: bool = True, strict:
 
     errors = []
     try:
-        zsd.load_sharded(engine, lambda targets: read_entries(opened.reader, targets), model_prefix=model_prefix,
+        chunked.load_sharded(engine, lambda targets: read_entries(opened.reader, targets), model_prefix=model_prefix,
                          stored=stored, optimizer_prefix=optimizer_prefix, optimizer_keys=optimizer_keys,
                          param_groups=groups, scalar_target=scalar_target)
     except Exception as error:

@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 from lightning_zeroq.checkpoint.agree import CheckpointError, agree, checkpoint_group
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer, locate_error
 from lightning_zeroq.checkpoint.engine_io import engine_state, load_engine, save_state
-from lightning_zeroq.checkpoint.lightning import _torch_load, load_torch_optimizer_state
+from lightning_zeroq.checkpoint.lightning import torch_load, load_torch_optimizer_state
 from lightning_zeroq.checkpoint.store import Kind, classify
 
 FABRIC_KEY = "zeroq_fabric"
@@ -125,7 +125,7 @@ def _load_single_file(engine: Any, path: Path, weights_only: Optional[bool], mod
                       optimizer_key: Optional[str], strict: bool, group: Any) -> dict:
     """A checkpoint file written by ``fabric.save`` under another strategy (DDP): a dict of entries; with
     ``module_key=None`` (``load_raw``) the file is the model's state dict itself."""
-    checkpoint = _torch_load(path, weights_only is not False, group)
+    checkpoint = torch_load(path, weights_only is not False, group)
     errors = []
     if not isinstance(checkpoint, dict) or (module_key is not None and module_key not in checkpoint):
         errors.append(f"{path} holds no {module_key!r} entry with the model's state dict." if module_key is not None

@@ -35,6 +35,7 @@ from lightning_zeroq.checkpoint.checkpointer import Checkpointer, locate_error
 from lightning_zeroq.checkpoint.convert import lightning_checkpoint
 from lightning_zeroq.checkpoint.engine_io import load_engine, save_state
 from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY, Kind, classify
+from lightning_zeroq.checkpoint import engine_state
 from lightning_zeroq.zero import state_dict as zsd
 
 ENGINE_KEY = "zeroq"
@@ -142,14 +143,14 @@ def load(strategy: Any, checkpoint_path: Any, weights_only: Optional[bool],
             agree([problem], f"Loading checkpoint {path}", group)
     state = load_engine(engine, path, load_optimizer=fitting, strict=strict)
     if located.kind is Kind.DCP and (path / "meta.pt").is_file():  # Lightning's ModelParallelStrategy layout
-        state = _torch_load(path / "meta.pt", True, group)
+        state = torch_load(path / "meta.pt", True, group)
     scaler = (state.pop(ENGINE_KEY, None) or {}).get("loss_scaler")
     if scaler is not None and engine.loss_scaler is not None:
         engine.loss_scaler.load_state_dict(scaler)
     return state, True
 
 
-def _torch_load(path: Path, weights_only: bool, group: Any) -> Any:
+def torch_load(path: Path, weights_only: bool, group: Any) -> Any:
     errors, value = [], None
     try:
         value = torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
@@ -164,7 +165,7 @@ def _torch_load(path: Path, weights_only: bool, group: Any) -> Any:
 
 def load_single_file(strategy: Any, path: Path, weights_only: Optional[bool], fitting: bool,
                      group: Any) -> tuple[dict, bool]:
-    checkpoint = _torch_load(path, weights_only is not False, group)
+    checkpoint = torch_load(path, weights_only is not False, group)
     errors = []
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         errors.append(f"{path} is not a Lightning checkpoint (no 'state_dict'): load it into the module yourself.")
@@ -183,7 +184,7 @@ def load_single_file(strategy: Any, path: Path, weights_only: Optional[bool], fi
 def load_torch_optimizer_state(engine: Any, model: dict, optimizer_state: dict, group: Any) -> None:
     """A torch-format optimizer state (integer ids in param-group order, as ``strategy="ddp"`` saves
     it) into the shards, with the model's weights, unit by unit."""
-    groups = zsd.sharded_optimizer_state(engine)["param_groups"]  # every parameter's name, by group
+    groups = engine_state.sharded_optimizer_state(engine)["param_groups"]  # every parameter's name, by group
     saved = optimizer_state.get("param_groups", [])
     errors = []
     if len(saved) != len(groups):
@@ -225,7 +226,7 @@ def load_torch_optimizer_state(engine: Any, model: dict, optimizer_state: dict, 
             else:
                 target.value, target.loaded = value, True
 
-    zsd.load_sharded(engine, read, model_prefix=f"{MODEL_KEY}.", stored=set(model), optimizer_prefix=f"{OPTIMIZER_KEY}.",
+    engine_state.load_sharded(engine, read, model_prefix=f"{MODEL_KEY}.", stored=set(model), optimizer_prefix=f"{OPTIMIZER_KEY}.",
                      optimizer_keys=keys, param_groups=saved)
 
 

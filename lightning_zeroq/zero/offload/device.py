@@ -26,7 +26,7 @@ rests between gathers: ``put`` after each step, ``get`` (on the device) before e
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Protocol, Sequence
+from typing import Iterator, Protocol, Sequence
 
 import torch
 from torch import Tensor
