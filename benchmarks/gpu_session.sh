@@ -100,5 +100,23 @@ case ${1:-tests} in
       benchmarks/checkpoint_time.py --dir "${CKPT_DIR:-/tmp/zeroq_checkpoint_bench}" --repeats 3 --verify \
       2>&1 | grep -E '^\{|Error|error' | tee "$out/checkpoint_time.jsonl"
     ;;
-  *) echo "usage: $0 tests|bench|recheck|links|split|int8_params|side_channel|options|checkpoint" >&2; exit 2 ;;
+  one_gpu)  # what one GPU answers: the kernels before (.bench_kernel_old, the previous commit) and after,
+            # alternating (issue 13), and the host AdamW kernels on this machine's CPUs (issue 14)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      && export PYTHONPATH=$PYTHONPATH:/tmp/site  # hypothesis (tests/ops), DeepSpeed (host_adam.py)
+    build
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/ops > "$out/kernel_tests.log" 2>&1
+    tail -3 "$out/kernel_tests.log"
+    old=(env -C .bench_kernel_old PYTHONPATH="$PWD/.bench_kernel_old" ZEROQ_EXT_CACHE=/tmp/zeroq_ext_old)
+    "${old[@]}" timeout 150 python3 -c "from lightning_zeroq.ops._load import main; raise SystemExit(main())" \
+      > "$out/build_old.log" 2>&1
+    for i in 1 2 3; do
+      "${old[@]}" timeout 60 python3 -m benchmarks.quant_kernels --dtype bfloat16 float16 2>&1 | sed 's/^/before: /'
+      timeout 60 python3 -m benchmarks.quant_kernels --dtype bfloat16 float16 2>&1 | sed 's/^/after:  /'
+    done > "$out/quant_kernels_before_after.txt"
+    grep -E "quantize_pack|copy" "$out/quant_kernels_before_after.txt"
+    timeout 280 python3 benchmarks/host_adam.py --threads "$(nproc)" --numel 476000000 2>&1 \
+      | grep -E '^\{|Error' | tee "$out/host_adam.jsonl"
+    ;;
+  *) echo "usage: $0 tests|bench|recheck|links|split|int8_params|side_channel|options|checkpoint|one_gpu" >&2; exit 2 ;;
 esac

@@ -12,7 +12,7 @@
 //   divisor = scale, or 1 where scale == 0                (all-zero groups give codes 0, no NaN)
 //   code    = clamp(rint(x / divisor), -127, 127)         (x * (1 / divisor), rounded half to
 //                                                          even; the exact __fdiv_rn decides near
-//                                                          half-integers: see encode_fast)
+//                                                          half-integers: see encode8)
 //             or 0 where x / divisor is NaN               (only in a group whose scale is NaN)
 //   decode  = float(code) * scale, rounded to the output  (__fmul_rn, then a round-to-nearest-even
 //             dtype                                        conversion, as torch's .to(dtype))
@@ -21,7 +21,7 @@
 // into a finite working weight: the loss stays finite while masters and checkpoints hold NaN.)
 // Why this costs nothing measurable (read off the sm_90 SASS before and after; not timed): nothing
 // is added per element. max.NaN.f32 is the same FMNMX instruction as fmaxf (with a NaN flag, |x|
-// still an operand modifier), and the near-tie test of encode_fast becomes an unordered compare,
+// still an operand modifier), and the near-tie test of encode8 becomes an unordered compare,
 // the same FSETP. Codes of a non-finite group need no code in the fast path: its NaN scale makes
 // the reciprocal and every product NaN, the unordered test sends NaN products to the exact
 // division, and there a NaN quotient encodes to 0 (slow, but only in groups already broken). Per
@@ -197,40 +197,88 @@ __device__ __forceinline__ int encode(float x, float divisor) {
   return round_clamped(q == q ? q : 0.0f);
 }
 
-// The reciprocal used by encode_fast, or 0 where it would overflow (a subnormal divisor): then
+// The reciprocal used by encode8, or 0 where it would overflow (a subnormal divisor): then
 // every element takes the exact division.
 __device__ __forceinline__ float reciprocal_of(float divisor) {
   const float r = __frcp_rn(divisor);
   return isinf(r) ? 0.0f : r;
 }
 
-// encode(x, divisor) bitwise, with a multiplication in place of the division, returned as a word
-// whose low byte is the code (two's complement; the other bytes are not defined). p = x * (1/d),
-// both correctly rounded, differs from the rounded quotient x / d by at most 3 * 2^-24 relative,
-// i.e. less than 2.3e-5 for |x / d| <= 127.5; so unless p lies within 2^-14 of a half-integer,
-// both round to the same integer. Near a half-integer (about one element in 8000 of random data)
-// the exact division decides. No clamp is needed: |x| <= absmax makes |p| <= 127.0001, which rounds
-// into [-127, 127] as the clamped quotient does. Adding 1.5 * 2^23 rounds half to even and leaves
-// the integer in the low mantissa bits, so the code byte is the low byte of the sum's bits.
-// The test is written `!(... <= ...)` so that a NaN product (a non-finite group: its divisor and
-// reciprocal are NaN) takes the exact division too, which encodes it to 0.
-__device__ __forceinline__ uint32_t encode_fast(float x, float divisor, float reciprocal) {
-  const float p = __fmul_rn(x, reciprocal);
-  const float shifted = __fadd_rn(p, 12582912.0f);
-  if (reciprocal == 0.0f ||
-      !(fabsf(__fsub_rn(p, __fsub_rn(shifted, 12582912.0f))) <= 0.5f - 0x1p-14f)) {
-    return static_cast<uint32_t>(encode(x, divisor));
-  }
-  return __float_as_uint(shifted);
-}
-
-__device__ __forceinline__ float decode(int code, float scale) {
-  return __fmul_rn(static_cast<float>(code), scale);
-}
-
+// encode(x, divisor) bitwise for the 8 values of a chunk, with a multiplication in place of the
+// division, each as a word whose low byte is the code (two's complement; the other bytes are not
+// defined). p = x * (1/d), both correctly rounded, differs from the rounded quotient x / d by at
+// most 3 * 2^-24 relative, i.e. less than 2.3e-5 for |x / d| <= 127.5; so unless p lies within
+// 2^-14 of a half-integer, both round to the same integer. Near a half-integer (about one element
+// in 8000 of random data, one chunk in 1000) the exact division decides, for the whole chunk: one
+// rarely taken branch per chunk instead of one per element (each branch brings its convergence
+// barrier; the 16-bit quantize is instruction-bound). No clamp is needed: |x| <= absmax makes
+// |p| <= 127.0001, which rounds into [-127, 127] as the clamped quotient does. Adding 1.5 * 2^23
+// rounds half to even and leaves the integer in the low mantissa bits, so the code byte is the low
+// byte of the sum's bits. The test is written `!(... <= ...)` so that a NaN product (a non-finite
+// group: its divisor and reciprocal are NaN) takes the exact division too, which encodes it to 0;
+// a zero reciprocal (a subnormal divisor) sends every chunk there.
 // The low bytes of four words, in order, as one word (three byte permutes).
 __device__ __forceinline__ uint32_t pack_low_bytes4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
   return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
+}
+
+// encode(x, divisor) bitwise, with a multiplication in place of the division, as a word whose low
+// byte is the code (two's complement; the other bytes are not defined). p = x * (1/d), both
+// correctly rounded, differs from the rounded quotient x / d by at most 3 * 2^-24 relative, i.e.
+// less than 2.3e-5 for |x / d| <= 127.5; so unless p lies within 2^-14 of a half-integer, both round
+// to the same integer. Near a half-integer (about one element in 8000 of random data) the exact
+// division decides. No clamp is needed: |x| <= absmax makes |p| <= 127.0001, which rounds into
+// [-127, 127] as the clamped quotient does. Adding 1.5 * 2^23 rounds half to even and leaves the
+// integer in the low mantissa bits, so the code byte is the low byte of the sum's bits. The test is
+// written `!(... <= ...)` so that a NaN product (a non-finite group: its divisor and reciprocal are
+// NaN) takes the exact division too, which encodes it to 0; a zero reciprocal (a subnormal divisor)
+// sends every element there.
+__device__ __forceinline__ bool near_tie(float p, float shifted) {
+  return !(fabsf(__fsub_rn(p, __fsub_rn(shifted, 12582912.0f))) <= 0.5f - 0x1p-14f);
+}
+
+__device__ __forceinline__ uint32_t encode_fast(float x, float divisor, float reciprocal) {
+  const float p = __fmul_rn(x, reciprocal);
+  const float shifted = __fadd_rn(p, 12582912.0f);
+  if (reciprocal == 0.0f || near_tie(p, shifted)) return static_cast<uint32_t>(encode(x, divisor));
+  return __float_as_uint(shifted);
+}
+
+// The codes of a chunk, two words of four. kPerChunk: one test and one rarely taken branch per chunk
+// (the whole chunk then takes the exact division) instead of one per element; faster for fp16
+// (0.92 of a copy against 0.87 on H200) but slower for bf16 (0.69 against 0.81; 44-47 registers
+// against 40), so the kernels choose per element type (ChunkBranch below; fp32, memory-bound at 0.97
+// of a copy, keeps the per-element test).
+template <bool kPerChunk>
+__device__ __forceinline__ uint2 encode8(const float (&v)[kChunk], float divisor, float reciprocal) {
+  if constexpr (!kPerChunk) {
+    return make_uint2(pack_low_bytes4(encode_fast(v[0], divisor, reciprocal), encode_fast(v[1], divisor, reciprocal),
+                                      encode_fast(v[2], divisor, reciprocal), encode_fast(v[3], divisor, reciprocal)),
+                      pack_low_bytes4(encode_fast(v[4], divisor, reciprocal), encode_fast(v[5], divisor, reciprocal),
+                                      encode_fast(v[6], divisor, reciprocal), encode_fast(v[7], divisor, reciprocal)));
+  } else {
+    uint32_t w[kChunk];
+    bool exact = reciprocal == 0.0f;
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) {
+      const float p = __fmul_rn(v[i], reciprocal);
+      const float shifted = __fadd_rn(p, 12582912.0f);
+      w[i] = __float_as_uint(shifted);
+      exact |= near_tie(p, shifted);
+    }
+    if (exact) {
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) w[i] = static_cast<uint32_t>(encode(v[i], divisor));
+    }
+    return make_uint2(pack_low_bytes4(w[0], w[1], w[2], w[3]), pack_low_bytes4(w[4], w[5], w[6], w[7]));
+  }
+}
+
+template <typename T>
+struct ChunkBranch : std::integral_constant<bool, std::is_same<T, __half>::value> {};
+
+__device__ __forceinline__ float decode(int code, float scale) {
+  return __fmul_rn(static_cast<float>(code), scale);
 }
 
 __device__ __forceinline__ int code_at(uint32_t word, int byte) {
@@ -249,12 +297,11 @@ __device__ __forceinline__ float team_max(float v) {
 // ---- fast kernels -----------------------------------------------------------------------------
 
 // `r` is reciprocal_of(divisor), computed once per group by the caller.
+template <typename T>
 __device__ __forceinline__ void store_codes8(int8_t* p, const float (&v)[kChunk], float divisor, float r,
                                              bool aligned8) {
-  const uint32_t lo = pack_low_bytes4(encode_fast(v[0], divisor, r), encode_fast(v[1], divisor, r),
-                                      encode_fast(v[2], divisor, r), encode_fast(v[3], divisor, r));
-  const uint32_t hi = pack_low_bytes4(encode_fast(v[4], divisor, r), encode_fast(v[5], divisor, r),
-                                      encode_fast(v[6], divisor, r), encode_fast(v[7], divisor, r));
+  const uint2 codes = encode8<ChunkBranch<T>::value>(v, divisor, r);
+  const uint32_t lo = codes.x, hi = codes.y;
   if (aligned8) {
     *reinterpret_cast<uint2*>(p) = make_uint2(lo, hi);
   } else {  // a rank's slice of a gathered buffer may be only 4-byte aligned
@@ -311,7 +358,7 @@ __global__ void __launch_bounds__(kThreads)
       if (group >= num_groups) continue;
       const float scale = scale_of(absmax[u]);
       const float divisor = divisor_of(scale);
-      store_codes8(codes + (group * kTeam + lane) * kChunk, v[u], divisor, reciprocal_of(divisor),
+      store_codes8<T>(codes + (group * kTeam + lane) * kChunk, v[u], divisor, reciprocal_of(divisor),
                    codes_aligned8);
       if (lane == 0) scales[group] = scale;
     }
@@ -351,7 +398,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int k = 0; k < chunks_per_lane; ++k) {
       const int64_t chunk = lane_chunk + int64_t(k) * kTeam;
       load8(x + chunk * kChunk, v);
-      store_codes8(codes + chunk * kChunk, v, divisor, reciprocal, codes_aligned8);
+      store_codes8<T>(codes + chunk * kChunk, v, divisor, reciprocal, codes_aligned8);
     }
     if (lane == 0) scales[group] = scale;
   }
