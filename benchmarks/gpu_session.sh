@@ -118,5 +118,12 @@ case ${1:-tests} in
     timeout 280 python3 benchmarks/host_adam.py --threads "$(nproc)" --numel 476000000 2>&1 \
       | grep -E '^\{|Error' | tee "$out/host_adam.jsonl"
     ;;
-  *) echo "usage: $0 tests|bench|recheck|links|split|int8_params|side_channel|options|checkpoint|one_gpu" >&2; exit 2 ;;
+  eps)  # issue 11: default AdamW eps, ZeRO vs DDP against DDP vs itself with the ranks summed in reverse order
+    build
+    for stage in 2 3; do
+      timeout 120 python3 benchmarks/eps_noise.py --world-size 2 --stage $stage --device cuda 2>&1 \
+        | grep -E '^\{|Error' | tee -a "$out/eps_noise_cuda.jsonl"
+    done
+    ;;
+  *) echo "usage: $0 tests|bench|recheck|links|split|int8_params|side_channel|options|checkpoint|one_gpu|eps" >&2; exit 2 ;;
 esac
