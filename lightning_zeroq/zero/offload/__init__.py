@@ -7,11 +7,15 @@ objects at fixed points and never branches on the offload mode itself.
 |---|---|---|
 | no offload | ``device.OptimizerPlacement`` | ``device.MasterAlias`` (fp32, full width) or ``device.DeviceStore`` |
 | ``offload_optimizer`` (cpu) | ``host.HostOptimizer`` | ``device.DeviceStore`` |
-| ``offload_optimizer`` (cpu), ``0 < offload_optimizer_ratio < 1`` | ``split.SplitOptimizer`` (``host.HostOptimizer`` for the units ``split.host_units`` picks, largest first; ``device.OptimizerPlacement`` for the rest) | ``device.DeviceStore`` |
-| ``offload_optimizer``, ``offload_optimizer_ratio=0`` | ``device.OptimizerPlacement`` (as no offload) | as no offload |
+| ``offload_optimizer`` (cpu), ``0 < offload_optimizer_ratio < 1`` | ``split.SplitOptimizer`` | ``device.DeviceStore`` |
+| ``offload_optimizer`` (cpu), ``offload_optimizer_ratio=0`` | ``device.OptimizerPlacement`` | as no offload |
 | ``offload_optimizer_device="nvme"`` | ``nvme.NvmeOptimizer`` | ``device.DeviceStore`` |
 | ``offload_parameters`` (cpu) | | ``host.HostStore`` |
 | ``offload_params_device="nvme"`` | | ``nvme.NvmeStore`` |
+
+``SplitOptimizer`` (partial offload) holds a ``host.HostOptimizer`` for the units ``split.host_units``
+picks (largest first, until their parameter elements reach the ratio) and a ``device.OptimizerPlacement``
+for the rest, and hands each call for a unit to its owner.
 
 The generic swap space the NVMe placements build on is ``lightning_zeroq.swap``.
 """
