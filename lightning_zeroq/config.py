@@ -52,6 +52,12 @@ class ZeroConfig:
     offload_optimizer_device: str = "cpu"
     """Where optimizer state lives when ``offload_optimizer`` is set: ``"cpu"`` or ``"nvme"``."""
 
+    offload_optimizer_ratio: float = 1.0
+    """Partial optimizer offload (DeepSpeed's ``ratio``): the fraction of the parameters whose fp32
+    master and optimizer state live on the host with ``offload_optimizer`` (CPU only). Whole units go,
+    largest first, until the fraction is reached; the other units keep master and state on the device
+    and step there, as without offload. 1 offloads every unit, 0 none."""
+
     offload_parameters: bool = False
     """Keep parameter shards off the GPU between uses (stage 3 only)."""
 
@@ -176,6 +182,18 @@ class ZeroConfig:
                 raise ValueError(
                     f"ZeroConfig.{name}={value!r} is not an offload device; use one of {OFFLOAD_DEVICES}."
                 )
+        ratio = self.offload_optimizer_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
+            raise ValueError(
+                f"ZeroConfig.offload_optimizer_ratio={ratio!r} must be a number from 0 to 1: the fraction of the "
+                "parameters whose optimizer state is offloaded (e.g. 0.5; 1 offloads all of it)."
+            )
+        self.offload_optimizer_ratio = float(ratio)
+        if self.offload_optimizer and self.offload_optimizer_device == "nvme" and self.offload_optimizer_ratio != 1.0:
+            raise ValueError(
+                f"ZeroConfig.offload_optimizer_ratio={self.offload_optimizer_ratio!r}: partial optimizer offload "
+                "is implemented for the CPU only; set offload_optimizer_device='cpu' or offload_optimizer_ratio=1."
+            )
         if self.offload_parameters and self.stage != 3:
             raise ValueError(
                 f"ZeroConfig.offload_parameters=True needs stage=3 (got stage={self.stage}): parameters are "
@@ -220,6 +238,9 @@ class ZeroConfig:
         if not self.offload_optimizer and changed("offload_optimizer_device"):
             out.append(f"offload_optimizer_device={self.offload_optimizer_device!r} has no effect without "
                        "offload_optimizer=True.")
+        if not self.offload_optimizer and changed("offload_optimizer_ratio"):
+            out.append(f"offload_optimizer_ratio={self.offload_optimizer_ratio!r} has no effect without "
+                       "offload_optimizer=True (nothing is offloaded).")
         if not self.offload_parameters and changed("offload_params_device"):
             out.append(f"offload_params_device={self.offload_params_device!r} has no effect without "
                        "offload_parameters=True.")

@@ -60,7 +60,8 @@ class ZeroQStrategy(DDPStrategy):
         config: a ``ZeroConfig``; keyword ``options`` override its fields.
         **options: any ``ZeroConfig`` field: ``stage``, ``reduce_bucket_size``, ``allgather_bucket_size``,
             ``overlap_comm``, ``managed_gradient_accumulation``, ``offload_optimizer``,
-            ``offload_optimizer_device``, ``offload_parameters``, ``offload_params_device``,
+            ``offload_optimizer_device``, ``offload_optimizer_ratio``, ``offload_parameters``,
+            ``offload_params_device``,
             ``nvme_path``, ``quantized_weights``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as in Lightning's ``DDPStrategy``.

@@ -21,6 +21,11 @@ CONFIGS = {
                        offload_parameters=True),
     "s2_int8": dict(stage=2, reduce_bucket_size=500, quantized_weights=True, quantized_weights_exact_numel=16),
     "s2_nvme": dict(stage=2, reduce_bucket_size=400, offload_optimizer=True, offload_optimizer_device="nvme"),
+    # Partial offload: host units {0, 2} of 3 (s2_half), {0} of 4 (s1_quarter), {0, 1, 2} of 4 (s3_three_quarters).
+    "s2_half": dict(stage=2, reduce_bucket_size=400, offload_optimizer=True, offload_optimizer_ratio=0.5),
+    "s1_quarter": dict(stage=1, reduce_bucket_size=300, offload_optimizer=True, offload_optimizer_ratio=0.25),
+    "s3_three_quarters": dict(stage=3, stage3_param_persistence_threshold=20, stage3_unit_size=200,
+                              offload_optimizer=True, offload_parameters=True, offload_optimizer_ratio=0.75),
 }
 
 
@@ -87,6 +92,19 @@ def test_reshard_bitwise(dist_pool, save, load):
     for state, after in loaded:
         _assert_state_equal(saved, state)  # loading is exact
         _assert_state_equal(stepped, after, 1e-6)  # and the next step uses it (sums in another order: not bitwise)
+
+
+@pytest.mark.parametrize("save,load", [((2, "s2_half"), (2, "s2_half")), ((2, "s2_half"), (3, "s1_quarter")),
+                                       ((3, "s1_quarter"), (2, "s3_three_quarters")), ((2, "s2_half"), (2, "s2")),
+                                       ((2, "s3_offload"), (3, "s2_half"))])
+def test_partial_offload_round_trip(dist_pool, save, load):
+    # Saved and loaded with partial optimizer offload, also into another ratio, no offload or full offload.
+    with tempfile.TemporaryDirectory() as tmp:
+        saved, stepped = dist_pool(save[0]).run(_save_body, save[1], tmp)[0]
+        loaded = dist_pool(load[0]).run(_load_body, load[1], tmp)
+    for state, after in loaded:
+        _assert_state_equal(saved, state)
+        _assert_state_equal(stepped, after, 1e-6)
 
 
 def test_int8_weights_save_and_load_exact_masters(dist_pool):

@@ -39,6 +39,13 @@ from lightning_zeroq import ZeroConfig, ZeroEngine, ZeroQStrategy, register_elem
         ({"initial_scale_power": -2}, r"initial_scale_power=-2"),
         ({"loss_scale_window": 0}, r"loss_scale_window=0"),
         ({"min_loss_scale": 0}, r"min_loss_scale=0"),
+        ({"offload_optimizer_ratio": 1.5}, r"offload_optimizer_ratio=1.5 must be a number from 0 to 1"),
+        ({"offload_optimizer_ratio": -0.25}, r"offload_optimizer_ratio=-0.25 must be a number from 0 to 1"),
+        ({"offload_optimizer_ratio": "half"}, r"offload_optimizer_ratio='half' must be a number from 0 to 1"),
+        ({"offload_optimizer_ratio": True}, r"offload_optimizer_ratio=True must be a number from 0 to 1"),
+        ({"offload_optimizer_ratio": float("nan")}, r"offload_optimizer_ratio=nan must be a number from 0 to 1"),
+        ({"offload_optimizer": True, "offload_optimizer_device": "nvme", "nvme_path": "/tmp",
+          "offload_optimizer_ratio": 0.5}, r"offload_optimizer_ratio=0.5: partial .* offload_optimizer_device='cpu'"),
     ],
 )
 def test_config_rejects_bad_values(options, match):
@@ -52,6 +59,15 @@ def test_float_bucket_sizes_are_accepted_as_integers():
     assert ZeroConfig(reduce_bucket_size=2e8).reduce_bucket_size == 200_000_000
 
 
+def test_offload_optimizer_ratio_accepts_the_closed_unit_interval():
+    for ratio in (0, 0.0, 0.25, 1, 1.0):
+        config = ZeroConfig(offload_optimizer=True, offload_optimizer_ratio=ratio)
+        assert config.offload_optimizer_ratio == float(ratio) and isinstance(config.offload_optimizer_ratio, float)
+        assert not config.ineffective(False)
+    # NVMe with the whole optimizer offloaded (the default ratio) stays valid.
+    ZeroConfig(offload_optimizer=True, offload_optimizer_device="nvme", nvme_path="/tmp", offload_optimizer_ratio=1)
+
+
 @pytest.mark.parametrize(
     "options, loss_scaling, says",
     [
@@ -62,6 +78,7 @@ def test_float_bucket_sizes_are_accepted_as_integers():
         ({"loss_scale": 128.0}, False, "loss_scale=128.0 only applies to precision='16-mixed'"),
         ({"offload_params_device": "nvme"}, False, "offload_params_device='nvme' has no effect"),
         ({"nvme_path": "/tmp"}, False, "nvme_path='/tmp' has no effect"),
+        ({"offload_optimizer_ratio": 0.5}, False, "offload_optimizer_ratio=0.5 has no effect without offload_optimizer"),
     ],
 )
 def test_settings_that_cannot_take_effect_warn_once_at_engine_build(options, loss_scaling, says):

@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.zero.engine import ZeroEngine
+from lightning_zeroq.zero.offload import host_units
 from tests.models import RichModel, make_batch, param_groups
 
 BACKWARDS_PER_STEP = [2, 5, 3, 1]
@@ -33,6 +34,12 @@ OFFLOAD = {
     "optimizer_cpu": {"offload_optimizer": True},
     "params_optimizer_cpu": {"offload_optimizer": True, "offload_parameters": True},
     "optimizer_nvme": {"offload_optimizer": True, "offload_optimizer_device": "nvme"},
+    # Partial offload: the largest units' optimizer on the host, the rest on the device.
+    "optimizer_cpu_0.25": {"offload_optimizer": True, "offload_optimizer_ratio": 0.25},
+    "optimizer_cpu_0.5": {"offload_optimizer": True, "offload_optimizer_ratio": 0.5},
+    "optimizer_cpu_0.75": {"offload_optimizer": True, "offload_optimizer_ratio": 0.75},
+    "optimizer_cpu_0": {"offload_optimizer": True, "offload_optimizer_ratio": 0.0},
+    "params_optimizer_cpu_0.5": {"offload_optimizer": True, "offload_parameters": True, "offload_optimizer_ratio": 0.5},
 }
 
 
@@ -64,9 +71,13 @@ def _parity_body(
     config = ZeroConfig(stage=stage, reduce_bucket_size=bucket, managed_gradient_accumulation=managed,
                         **zero_extra, **offload_options)
     engine = ZeroEngine(model, config)
-    if offload != "none":
-        assert all(u.master.device.type == "cpu" for u in engine.units)
-        assert all(engine.placement.step_grad(u) is not u.grad for u in engine.units)  # host copies
+    ratio = config.offload_optimizer_ratio if config.offload_optimizer else 0.0
+    on_host = host_units([u.layout for u in engine.units], ratio)
+    if 0.0 < ratio < 1.0:
+        assert 0 < len(on_host) < len(engine.units), "a partial-offload test that places every unit alike"
+    for unit in engine.units:
+        assert unit.master.device.type == ("cpu" if unit.index in on_host else dev.type)
+        assert (engine.placement.step_grad(unit) is not unit.grad) == (unit.index in on_host)  # host copies
     if stage == 3:
         assert sum(not u.persistent for u in engine.units) == 3  # block (used twice), sometimes, never
     engine.attach_optimizer(opt_cls(param_groups(model), **extra))
@@ -139,17 +150,41 @@ def test_offload_matches_ddp(dist_pool, stage: int, offload: str, managed: bool)
     assert all(r < 1e-5 for r in results)
 
 
+PARTIAL = ["optimizer_cpu_0.25", "optimizer_cpu_0.5", "optimizer_cpu_0.75"]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("offload", PARTIAL)
+@pytest.mark.parametrize("managed", [True, False], ids=["managed", "unmanaged"])
+def test_partial_offload_matches_ddp(dist_pool, world_size: int, stage: int, offload: str, managed: bool) -> None:
+    results = dist_pool(world_size).run(_parity_body, stage, managed, 0.5, "adamw", 300, "cpu", offload)
+    assert all(r < 1e-5 for r in results)
+
+
+@pytest.mark.parametrize("stage, offload", [(3, "optimizer_cpu_0.5"), (3, "params_optimizer_cpu_0.5"),
+                                            (2, "optimizer_cpu_0"), (3, "optimizer_cpu_0")])
+def test_partial_offload_stage3_and_ratio_0_match_ddp(dist_pool, stage: int, offload: str) -> None:
+    results = dist_pool(2).run(_parity_body, stage, False, 0.5, "adamw", 300, "cpu", offload)
+    assert all(r < 1e-5 for r in results)
+
+
+def test_partial_offload_fused_sgd_matches_ddp(dist_pool) -> None:
+    results = dist_pool(3).run(_parity_body, 2, True, 0.5, "sgd", 300, "cpu", "optimizer_cpu_0.5")
+    assert all(r < 1e-5 for r in results)
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_matches_ddp_sgd_one_unit_no_clip(dist_pool, stage: int) -> None:
     dist_pool(2).run(_parity_body, stage, True, 0.0, "sgd", 10**9)
 
 
-def _overflow_body(stage: int, device: str = "cpu") -> float:
+def _overflow_body(stage: int, device: str = "cpu", offload: str = "none") -> float:
     rank = dist.get_rank()
     dev = _device(device)
     model = RichModel().to(dev)
-    engine = ZeroEngine(model, ZeroConfig(stage=stage, reduce_bucket_size=300), param_dtype=torch.float16,
-                        loss_scaling=True)
+    engine = ZeroEngine(model, ZeroConfig(stage=stage, reduce_bucket_size=300, **OFFLOAD[offload]),
+                        param_dtype=torch.float16, loss_scaling=True)
     optimizer = torch.optim.AdamW(param_groups(model))
     engine.attach_optimizer(optimizer)
     scale = engine.loss_scale
@@ -176,6 +211,12 @@ def _overflow_body(stage: int, device: str = "cpu") -> float:
 @pytest.mark.parametrize("stage", [1, 2])
 def test_fp16_overflow_skips_step_on_every_rank(dist_pool, stage: int) -> None:
     scales = dist_pool(2).run(_overflow_body, stage)
+    assert scales[0] == scales[1] < 2.0**16
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fp16_overflow_skips_step_on_every_rank_with_partial_offload(dist_pool, stage: int) -> None:
+    scales = dist_pool(2).run(_overflow_body, stage, "cpu", "optimizer_cpu_0.5")
     assert scales[0] == scales[1] < 2.0**16
 
 

@@ -84,7 +84,7 @@ class ZeroEngine:
             quantized = config.quantized_weights or config.quantized_gradients
             align = math.lcm(ALIGN, config.quantized_weights_group_size) if quantized else ALIGN
             layouts = plan_layouts(specs, self.world_size, align)
-            self.placement = optimizer_placement(config, self.device, param_dtype, self.rank, self.world_size)
+            self.placement = optimizer_placement(config, self.device, param_dtype, self.rank, self.world_size, layouts)
             wire = self._wire(layouts)
             transient = {i: wire.payload_numel(i) for i, spec in enumerate(specs) if not spec.persistent}
             store = None

@@ -7,9 +7,15 @@ objects at fixed points and never branches on the offload mode itself.
 |---|---|---|
 | no offload | ``device.OptimizerPlacement`` | ``device.MasterAlias`` (fp32, full width) or ``device.DeviceStore`` |
 | ``offload_optimizer`` (cpu) | ``host.HostOptimizer`` | ``device.DeviceStore`` |
+| ``offload_optimizer`` (cpu), ``0 < offload_optimizer_ratio < 1`` | ``split.SplitOptimizer`` | ``device.DeviceStore`` |
+| ``offload_optimizer`` (cpu), ``offload_optimizer_ratio=0`` | ``device.OptimizerPlacement`` | as no offload |
 | ``offload_optimizer_device="nvme"`` | ``nvme.NvmeOptimizer`` | ``device.DeviceStore`` |
 | ``offload_parameters`` (cpu) | | ``host.HostStore`` |
 | ``offload_params_device="nvme"`` | | ``nvme.NvmeStore`` |
+
+``SplitOptimizer`` (partial offload) holds a ``host.HostOptimizer`` for the units ``split.host_units``
+picks (largest first, until their parameter elements reach the ratio) and a ``device.OptimizerPlacement``
+for the rest, and hands each call for a unit to its owner.
 
 The generic swap space the NVMe placements build on is ``lightning_zeroq.swap``.
 """
@@ -18,23 +24,36 @@ from __future__ import annotations
 
 import torch
 
+from typing import Sequence
+
 from lightning_zeroq.config import ZeroConfig
+from lightning_zeroq.zero.layout import UnitLayout
 from lightning_zeroq.zero.offload.device import DeviceStore, MasterAlias, OptimizerPlacement, ShardStore
 from lightning_zeroq.zero.offload.host import HostOptimizer, HostStore
 from lightning_zeroq.zero.offload.nvme import NvmeOptimizer, NvmeStore
+from lightning_zeroq.zero.offload.split import SplitOptimizer, host_units
 
-__all__ = ["OptimizerPlacement", "ShardStore", "optimizer_placement", "shard_store"]
+__all__ = ["OptimizerPlacement", "ShardStore", "SplitOptimizer", "host_units", "optimizer_placement", "shard_store"]
 
 
 def optimizer_placement(
-    config: ZeroConfig, device: torch.device, param_dtype: torch.dtype, rank: int, world_size: int
+    config: ZeroConfig, device: torch.device, param_dtype: torch.dtype, rank: int, world_size: int,
+    layouts: Sequence[UnitLayout],
 ) -> OptimizerPlacement:
-    if not config.offload_optimizer:
+    if not _offloads_optimizer(config):
         return OptimizerPlacement(device)
     if config.offload_optimizer_device == "nvme":
         assert config.nvme_path is not None  # ZeroConfig checks it
         return NvmeOptimizer(device, param_dtype, world_size, nvme_path=config.nvme_path, rank=rank)
-    return HostOptimizer(device, param_dtype, world_size)
+    host = HostOptimizer(device, param_dtype, world_size)
+    if config.offload_optimizer_ratio == 1.0:
+        return host
+    return SplitOptimizer(device, host, host_units(layouts, config.offload_optimizer_ratio))
+
+
+def _offloads_optimizer(config: ZeroConfig) -> bool:
+    """Some master and optimizer state is off the device (ratio 0 offloads nothing)."""
+    return config.offload_optimizer and config.offload_optimizer_ratio > 0.0
 
 
 def shard_store(
@@ -52,6 +71,6 @@ def shard_store(
         return NvmeStore(device, payload_dtype, payload_numels, nvme_path=config.nvme_path, rank=rank)
     if config.offload_parameters:
         return HostStore(device, payload_dtype, payload_numels)
-    if not config.quantized_weights and param_dtype == torch.float32 and not config.offload_optimizer:
+    if not config.quantized_weights and param_dtype == torch.float32 and not _offloads_optimizer(config):
         return MasterAlias()  # the fp32 master on the device is already the working shard
     return DeviceStore(device, payload_dtype, payload_numels)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -48,6 +48,8 @@ class HostOptimizer(OptimizerPlacement):
         """CUDA only: pinned working-dtype copy of the master for the host-to-device copy."""
         self.fresh: set[int] = set()
         """Units whose host gradient already holds this window's gradients."""
+        self.also_on: Optional[torch.device] = None
+        """Partial offload (``split.SplitOptimizer``): the optimizer's groups hold segments on this device too."""
 
     def adopt_master(self, index: int, shard: Tensor) -> Tensor:
         master = host_copy(shard, self.pin)
@@ -59,7 +61,7 @@ class HostOptimizer(OptimizerPlacement):
     def attach(self, units: Sequence[Unit], optimizers: Sequence[torch.optim.Optimizer]) -> None:
         for optimizer in optimizers:
             for group in optimizer.param_groups:
-                prefer_fast_host_step(optimizer, group)
+                prefer_fast_host_step(optimizer, group, self.also_on)
         _give_the_host_step_threads(self.world_size)
 
     def grad_reduced(self, unit: Unit, boundary: bool) -> None:

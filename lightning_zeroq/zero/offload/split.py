@@ -1,0 +1,110 @@
+"""Partial CPU optimizer offload (``offload_optimizer_ratio`` between 0 and 1, DeepSpeed's ``ratio``).
+
+Some units keep their fp32 master and optimizer state on the host (``host.HostOptimizer``), the
+others on the device (``device.OptimizerPlacement``), decided once from the unit layouts by
+``host_units``. ``SplitOptimizer`` hands every call for one unit to the placement that owns it; the
+engine sees one placement, as with any other offload mode.
+
+One step: the device units in one batch (one optimizer call; on a GPU its kernels are queued and
+run while the CPU goes on), then the host units one at a time, as with full offload. The step
+hooks and per-group counters still see one step (``optimizers.OneStep``), however many batches.
+
+The user's param groups hold segments of both kinds, so the kernel chosen for the host step (torch's
+fused CPU kernel where there is one) also steps the device units when torch has it there too
+(``prefer_fast_host_step``'s ``also_on``); the update is the same, only the kernel differs.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_zeroq.zero.layout import UnitLayout
+from lightning_zeroq.zero.offload.device import OptimizerPlacement
+from lightning_zeroq.zero.offload.host import HostOptimizer
+from lightning_zeroq.zero.unit import Unit
+
+
+def host_units(layouts: Sequence[UnitLayout], ratio: float) -> frozenset[int]:
+    """The units whose master and optimizer state go to the host for ``offload_optimizer_ratio``.
+
+    The rule: take units largest first (by parameter elements, ``UnitLayout.numel``; ties: the lower
+    index first) until the offloaded elements reach ``ratio`` of all of them, i.e. the smallest such
+    prefix of that order. Largest first keeps the host's work in few, long unit steps, and the device's
+    share in many small units that step at once. Ratio 0 gives no unit, ratio 1 every unit. The
+    layouts are the same on every rank, so is the choice; the unpadded sizes make it the same at every
+    world size too.
+    """
+    total = sum(layout.numel for layout in layouts)
+    order = sorted(range(len(layouts)), key=lambda i: (-layouts[i].numel, i))
+    chosen: list[int] = []
+    offloaded = 0
+    for index in order:
+        if offloaded >= ratio * total:
+            break
+        chosen.append(index)
+        offloaded += layouts[index].numel
+    return frozenset(chosen)
+
+
+class SplitOptimizer(OptimizerPlacement):
+    """Masters and optimizer state of ``host`` units on the host, of the others on the device."""
+
+    def __init__(self, device: torch.device, host: HostOptimizer, on_host: frozenset[int]) -> None:
+        super().__init__(device)
+        self.host, self.on_device, self.host_units = host, OptimizerPlacement(device), on_host
+        host.also_on = device  # the groups hold device segments too
+
+    def _of(self, unit: Unit) -> OptimizerPlacement:
+        return self.host if unit.index in self.host_units else self.on_device
+
+    def _split(self, units: Sequence[Unit]) -> tuple[list[Unit], list[Unit]]:
+        return ([u for u in units if u.index not in self.host_units], [u for u in units if u.index in self.host_units])
+
+    def adopt_master(self, index: int, shard: Tensor) -> Tensor:
+        return (self.host if index in self.host_units else self.on_device).adopt_master(index, shard)
+
+    def attach(self, units: Sequence[Unit], optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        on_device, on_host = self._split(units)
+        self.on_device.attach(on_device, optimizers)
+        self.host.attach(on_host, optimizers)
+
+    def state_loaded(self, optimizer: torch.optim.Optimizer) -> None:
+        self.on_device.state_loaded(optimizer)
+        self.host.state_loaded(optimizer)
+
+    # ``resident``: every unit stays resident in both parts; the base class's walk is theirs.
+
+    def step_batches(self, units: Sequence[Unit]) -> Iterator[list[Unit]]:
+        on_device, on_host = self._split(units)
+        if on_device:
+            yield from self.on_device.step_batches(on_device)
+        if on_host:
+            yield from self.host.step_batches(on_host)
+
+    def grad_reduced(self, unit: Unit, boundary: bool) -> None:
+        self._of(unit).grad_reduced(unit, boundary)
+
+    def gradients_done(self, units: Sequence[Unit]) -> None:
+        on_device, on_host = self._split(units)
+        self.on_device.gradients_done(on_device)
+        self.host.gradients_done(on_host)
+
+    def step_grad(self, unit: Unit) -> Tensor:
+        return self._of(unit).step_grad(unit)
+
+    def device_master(self, unit: Unit) -> Tensor:
+        return self._of(unit).device_master(unit)
+
+    def device_working(self, unit: Unit, dtype: torch.dtype) -> Tensor:
+        return self._of(unit).device_working(unit, dtype)
+
+    def end_window(self) -> None:
+        self.on_device.end_window()
+        self.host.end_window()
+
+    def close(self) -> None:
+        self.on_device.close()
+        self.host.close()

@@ -1,0 +1,107 @@
+"""Partial optimizer offload (``offload_optimizer_ratio``): which units go to the host, where their
+masters live, and that a partial-offload engine's sharded state loads into another ratio.
+Parity with DDP and checkpoints across world sizes: ``test_engine_parity.py``, ``test_checkpoint_engine.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_zeroq import ZeroConfig, ZeroEngine
+from lightning_zeroq.zero.layout import make_layout
+from lightning_zeroq.zero.offload import OptimizerPlacement, SplitOptimizer, host_units
+from lightning_zeroq.zero.offload.device import MasterAlias
+from lightning_zeroq.zero.offload.host import HostOptimizer
+from tests.models import RichModel, make_batch, param_groups
+
+DEVICE = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 7])
+def test_host_units_are_the_largest_first_until_the_ratio_is_reached(world_size: int) -> None:
+    layouts = [make_layout(numels, world_size) for numels in ([10], [30, 10], [40], [5], [5])]  # 100 elements
+    chosen = {ratio: sorted(host_units(layouts, ratio)) for ratio in (0.0, 0.25, 0.4, 0.41, 0.8, 0.81, 0.95, 1.0)}
+    assert chosen == {
+        0.0: [],
+        0.25: [1],  # units 1 and 2 tie at 40: the lower index first
+        0.4: [1],  # 40 of 100 reaches 0.4
+        0.41: [1, 2],
+        0.8: [1, 2],
+        0.81: [0, 1, 2],
+        0.95: [0, 1, 2, 3],
+        1.0: [0, 1, 2, 3, 4],
+    }
+
+
+def _engine(ratio: float, stage: int = 1, seed: int = 0, **options) -> ZeroEngine:
+    torch.manual_seed(seed)
+    model = RichModel().to(DEVICE)
+    extra = dict(stage3_wrap_classes=["Sequential", "Linear"], stage3_param_persistence_threshold=20) if stage == 3 \
+        else dict(reduce_bucket_size=300)
+    engine = ZeroEngine(model, ZeroConfig(stage=stage, offload_optimizer=True, offload_optimizer_ratio=ratio,
+                                          **extra, **options))
+    engine.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-2))
+    return engine
+
+
+# RichModel in stage 1 with reduce_bucket_size=300: units of 512, 272, 272 and 83 elements.
+@pytest.mark.parametrize("ratio, expected", [(0.25, {0}), (0.45, {0, 1}), (0.5, {0, 1}), (0.75, {0, 1, 2})])
+def test_engine_offloads_the_documented_units(ratio: float, expected: set[int]) -> None:
+    engine = _engine(ratio)
+    assert [u.layout.numel for u in engine.units] == [512, 272, 272, 83]
+    placement = engine.placement
+    assert isinstance(placement, SplitOptimizer) and placement.host_units == expected
+    assert set(placement.host.host_grads) == expected  # only host units have host gradient buffers
+    for unit in engine.units:
+        on_host = unit.index in expected
+        assert unit.master.device == (torch.device("cpu") if on_host else engine.device), unit.index
+        assert (placement.step_grad(unit) is not unit.grad) == on_host
+        assert placement.device_master(unit).device == engine.device
+        if not on_host:
+            assert placement.device_master(unit) is unit.master
+    batches = [[u.index for u in batch] for batch in placement.step_batches(engine.units)]
+    assert batches == [sorted(set(range(4)) - expected)] + [[i] for i in sorted(expected)]
+    # Steps, and only the optimizer's state of device units lives on the device.
+    engine.backward(engine.module.loss(make_batch(0, 0, 0)))
+    assert engine.step()
+    for unit in engine.units:
+        for view, _ in engine._binding(engine.optimizer).optimized[unit.index]:
+            for value in engine.optimizer.state[view].values():
+                if value.numel() > 1:
+                    assert value.device == unit.master.device
+
+
+def test_ratio_0_and_1_are_no_offload_and_full_offload() -> None:
+    assert type(_engine(0.0).placement) is OptimizerPlacement
+    assert type(_engine(1.0).placement) is HostOptimizer
+    assert isinstance(_engine(0.0, stage=3).gatherer.store, MasterAlias)  # as without offload
+    assert not isinstance(_engine(0.5, stage=3).gatherer.store, MasterAlias)
+
+
+def _train(engine: ZeroEngine, steps: range) -> None:
+    for step in steps:
+        engine.backward(engine.module.loss(make_batch(step, 0, 0)))
+        engine.clip_grad_norm_(1.0)
+        engine.step()
+
+
+def _optimizer_state(engine: ZeroEngine) -> list[dict[str, torch.Tensor]]:
+    return [{k: v.detach().cpu() for k, v in engine.optimizer.state[view].items()}
+            for unit in engine.units for view, _ in engine._binding(engine.optimizer).optimized[unit.index]]
+
+
+@pytest.mark.parametrize("saved, loaded", [(0.5, 0.25), (0.25, 1.0), (0.75, 0.0), (0.5, 0.5)])
+def test_sharded_state_loads_into_another_ratio(saved: float, loaded: float) -> None:
+    source = _engine(saved)
+    _train(source, range(3))
+    state = source.sharded_state_dict()
+    target = _engine(loaded, seed=1)
+    target.load_sharded_state_dict(state)
+    target.module.frozen.load_state_dict(source.module.frozen.state_dict())  # not the engine's: not in the state
+    assert all(torch.equal(a, b) for a, b in zip(source.full_state_dict().values(), target.full_state_dict().values()))
+    for a, b in zip(_optimizer_state(source), _optimizer_state(target)):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    _train(source, range(3, 5))
+    _train(target, range(3, 5))
+    for name, value in source.full_state_dict().items():
+        assert (value - target.full_state_dict()[name]).abs().max() <= 1e-6, name
