@@ -16,7 +16,8 @@ over from earlier arms are reported (``leftover_GiB``, expected 0)::
 An arm is ``ddp`` or ``zeroq1/2/3``, optionally with ``+int8`` and ``+offload_optimizer`` (fp32
 masters and AdamW state on the CPU) or ``+offload_params`` (stage 3: also the parameters), ``+qgrad``
 (INT8 gradient reduction), ``+keep`` (stage 3, ``reshard_after_forward=False``) and ``+prefetch2``
-(stage 3, two units prefetched).
+(stage 3, two units prefetched), ``+ratio25/50/75`` (with ``+offload_optimizer``: partial offload,
+``offload_optimizer_ratio``).
 ``activations_GiB`` is what autograd saved for backward in one step (unique storages, parameters
 excluded), measured on the first warm-up step. Rank 0 prints one JSON line per arm;
 ``benchmarks/run_step_time.sh`` runs the arms over the three links.
@@ -97,7 +98,8 @@ def memory_bound(engine) -> dict:
 
 
 ARM_STAGES = {"ddp": 0, "zeroq1": 1, "zeroq2": 2, "zeroq3": 3}
-ARM_OPTIONS = ("int8", "offload_optimizer", "offload_params", "qgrad", "keep", "prefetch2")
+ARM_OPTIONS = ("int8", "offload_optimizer", "offload_params", "qgrad", "keep", "prefetch2", "ratio25", "ratio50", "ratio75")
+RATIOS = {"ratio25": 0.25, "ratio50": 0.5, "ratio75": 0.75}  # partial optimizer offload (with +offload_optimizer)
 
 
 def parse_arm(arm: str) -> tuple[int, set[str]]:
@@ -168,6 +170,8 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
             extra["reshard_after_forward"] = False
         if "prefetch2" in options:
             extra["stage3_prefetch_depth"] = 2
+        for option in options & RATIOS.keys():
+            extra["offload_optimizer_ratio"] = RATIOS[option]
         config = ZeroConfig(stage=stage, reduce_bucket_size=int(args.bucket) if stage < 3 else ZeroConfig().reduce_bucket_size,
                             quantized_weights="int8" in options, offload_optimizer=offload,
                             offload_parameters="offload_params" in options, **extra)

@@ -62,7 +62,7 @@ def test_engine_offloads_the_documented_units(ratio: float, expected: set[int]) 
     batches = [[u.index for u in batch] for batch in placement.step_batches(engine.units)]
     assert batches == [sorted(set(range(4)) - expected)] + [[i] for i in sorted(expected)]
     # Steps, and only the optimizer's state of device units lives on the device.
-    engine.backward(engine.module.loss(make_batch(0, 0, 0)))
+    engine.backward(engine.module.loss(_batch(0)))
     assert engine.step()
     for unit in engine.units:
         for view, _ in engine._binding(engine.optimizer).optimized[unit.index]:
@@ -78,9 +78,14 @@ def test_ratio_0_and_1_are_no_offload_and_full_offload() -> None:
     assert not isinstance(_engine(0.5, stage=3).gatherer.store, MasterAlias)
 
 
+def _batch(step: int):
+    tokens, targets, use = make_batch(step, 0, 0)
+    return tokens.to(DEVICE), targets.to(DEVICE), use
+
+
 def _train(engine: ZeroEngine, steps: range) -> None:
     for step in steps:
-        engine.backward(engine.module.loss(make_batch(step, 0, 0)))
+        engine.backward(engine.module.loss(_batch(step)))
         engine.clip_grad_norm_(1.0)
         engine.step()
 
