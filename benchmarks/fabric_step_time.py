@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import lightning_zeroq  # noqa: F401  (registers the strategy names)
 from lightning_zeroq import ZeroQFabricStrategy, ZeroQStrategy
-from step_time import GPT, ON_GPU, allocated_gib, sync
+from step_time import GPT, ON_GPU, add_model_arguments, allocated_gib, sync
 
 MODES = ("fabric", "trainer")
 
@@ -157,17 +157,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--modes", default="fabric,trainer,fabric,trainer", help="comma-separated, run in order")
     parser.add_argument("--stage", type=int, default=2, choices=(1, 2, 3))
-    parser.add_argument("--link", default=os.environ.get("BENCH_LINK", "nvlink"))
-    parser.add_argument("--dim", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--ffn", type=int, default=5632)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--bucket", type=float, default=2e8)
+    add_model_arguments(parser, steps=20, warmup=5)
     args = parser.parse_args()
     modes = args.modes.split(",")
     if any(m not in MODES for m in modes):

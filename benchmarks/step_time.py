@@ -228,9 +228,9 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--arms", default="ddp,zeroq2", help="comma-separated, run in this order")
+def add_model_arguments(parser: argparse.ArgumentParser, steps: int, warmup: int) -> None:
+    """The link, the model (defaults: the 953M GPT), the data shape and the timing, shared with
+    ``fabric_step_time.py``."""
     parser.add_argument("--link", default=os.environ.get("BENCH_LINK", "nvlink"))
     parser.add_argument("--dim", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=16)
@@ -239,9 +239,15 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--warmup", type=int, default=warmup)
     parser.add_argument("--bucket", type=float, default=2e8)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--arms", default="ddp,zeroq2", help="comma-separated, run in this order")
+    add_model_arguments(parser, steps=10, warmup=3)
     args = parser.parse_args()
     arms = args.arms.split(",")
     for arm in arms:
