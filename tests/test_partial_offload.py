@@ -110,3 +110,28 @@ def test_sharded_state_loads_into_another_ratio(saved: float, loaded: float) -> 
     _train(target, range(3, 5))
     for name, value in source.full_state_dict().items():
         assert (value - target.full_state_dict()[name]).abs().max() <= 1e-6, name
+
+
+def test_a_load_keeps_this_runs_kernel_choices(tmp_path) -> None:
+    # A checkpoint from full offload (its host step runs torch's fused CPU kernel) loads into a run
+    # without offload: the values and hyperparameters come from the checkpoint, the kernel choice
+    # (fused/foreach) stays this run's.
+    from lightning_zeroq.checkpoint.engine_io import load_engine, save_engine
+
+    source = _engine(1.0)
+    _train(source, range(2))
+    assert all(g.get("fused") for g in source.optimizer.param_groups)
+    save_engine(source, tmp_path / "ckpt")
+    torch.manual_seed(1)
+    model = RichModel().to(DEVICE)
+    target = ZeroEngine(model, ZeroConfig(stage=1, reduce_bucket_size=300))
+    target.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=5e-3))
+    kernels = [(g.get("fused"), g.get("foreach")) for g in target.optimizer.param_groups]
+    assert not any(fused for fused, _ in kernels)
+    load_engine(target, tmp_path / "ckpt")
+    assert [(g.get("fused"), g.get("foreach")) for g in target.optimizer.param_groups] == kernels
+    assert [g["lr"] for g in target.optimizer.param_groups] == [g["lr"] for g in source.optimizer.param_groups]
+    _train(source, range(2, 4))
+    _train(target, range(2, 4))
+    for name, value in source.full_state_dict().items():
+        assert (value - target.full_state_dict()[name]).abs().max() <= 1e-6, name

@@ -143,6 +143,12 @@ def _step_device(group: dict, view: Tensor) -> torch.device:
     return view.device if group.get("fused") or group.get("capturable") else torch.device("cpu")
 
 
+KERNEL_CHOICES = frozenset({"fused", "foreach", "capturable", "differentiable"})
+"""Param-group entries that choose how the step runs, not what it computes: they belong to this run
+(the offload placement sets ``fused`` for the host step), so a load keeps the live ones. Copying a
+checkpoint's would, e.g., turn on a fused CPU kernel that the device has not (fused Adagrad on CUDA)."""
+
+
 @torch.no_grad()
 def load_sharded(engine: ShardedParts, read: Callable[[dict], None], *, model_prefix: str,
                  stored: set[str], optimizer_prefix: Optional[str] = None,
@@ -199,7 +205,7 @@ def load_sharded(engine: ShardedParts, read: Callable[[dict], None], *, model_pr
         _commit(engine, read, targets, batch, group_of)
     if optimizer is not None and param_groups is not None:
         for group_, saved in zip(optimizer.param_groups, param_groups):
-            group_.update({k: v for k, v in saved.items() if k != "params"})
+            group_.update({k: v for k, v in saved.items() if k != "params" and k not in KERNEL_CHOICES})
 
 
 def _loaded_value(target: Any, group: dict, view: Tensor) -> Any:
