@@ -1,9 +1,12 @@
 """The parity tests again on CUDA GPUs with NCCL (``overlap_comm`` on: reductions on a side stream).
 
-Run on a machine with 2 GPUs: ``python -m pytest -q -m gpu tests/test_gpu.py``.
+Run on a machine with 2 GPUs: ``python -m pytest -q -m gpu tests/test_gpu.py``; at another world size
+(e.g. all 8 GPUs of a host): ``ZEROQ_GPU_WORLD=8 python -m pytest -q -m gpu tests/test_gpu.py``.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -12,11 +15,14 @@ from tests import test_strategy as strategy_tests
 
 pytestmark = pytest.mark.gpu
 
+WORLD = int(os.environ.get("ZEROQ_GPU_WORLD", "2"))
+"""Ranks (one GPU each) of every test here; the test bodies are the CPU suite's, which run at 2, 3 and 8."""
+
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("managed", [True, False], ids=["managed", "unmanaged"])
 def test_engine_matches_ddp_nccl(gpu_pool, stage, managed):
-    worst = gpu_pool(2).run(engine_tests._parity_body, stage, managed, 0.5, "adamw", 300, "cuda")
+    worst = gpu_pool(WORLD).run(engine_tests._parity_body, stage, managed, 0.5, "adamw", 300, "cuda")
     print(f"stage {stage} {'managed' if managed else 'unmanaged'}: worst |zeroq - ddp| = {max(worst):.3g}")
     assert max(worst) < 1e-5
 
@@ -30,32 +36,32 @@ def test_engine_matches_ddp_nccl(gpu_pool, stage, managed):
 @pytest.mark.parametrize("managed", [True, False], ids=["managed", "unmanaged"])
 def test_offload_matches_ddp_nccl(gpu_pool, stage, offload, managed):
     # exercises the pinned host buffers, the boundary copy on the comm stream and the H2D write-back
-    worst = gpu_pool(2).run(engine_tests._parity_body, stage, managed, 0.5, "adamw", 300, "cuda", offload)
+    worst = gpu_pool(WORLD).run(engine_tests._parity_body, stage, managed, 0.5, "adamw", 300, "cuda", offload)
     print(f"stage {stage} {offload} {'managed' if managed else 'unmanaged'}: worst = {max(worst):.3g}")
     assert max(worst) < 1e-5
 
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_fp16_overflow_skips_step_nccl(gpu_pool, stage):
-    scales = gpu_pool(2).run(engine_tests._overflow_body, stage, "cuda")
+    scales = gpu_pool(WORLD).run(engine_tests._overflow_body, stage, "cuda")
     assert scales[0] == scales[1] < 2.0**16
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("managed", [True, False], ids=["managed", "unmanaged"])
 def test_trainer_matches_ddp_nccl(gpu_pool, stage, managed):
-    steps = gpu_pool(2).run(strategy_tests._parity_body, stage, managed, "gpu")
+    steps = gpu_pool(WORLD).run(strategy_tests._parity_body, stage, managed, "gpu")
     assert steps[0] == 6
 
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_manual_optimization_nccl(gpu_pool, stage):
-    gpu_pool(2).run(strategy_tests._manual_body, stage, "gpu")
+    gpu_pool(WORLD).run(strategy_tests._manual_body, stage, "gpu")
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "bf16-true"])
 def test_half_precision_follows_fp32_gpu(gpu_pool, precision):
-    fp32, low = gpu_pool(2).run(strategy_tests._precision_body, precision, "gpu")[0]
+    fp32, low = gpu_pool(WORLD).run(strategy_tests._precision_body, precision, "gpu")[0]
     worst = max(abs(a - b) / abs(a) for a, b in zip(fp32, low))
     print(f"{precision}: worst relative loss deviation from fp32 over {len(low)} steps = {worst:.4f}")
     assert worst < 0.02 and low[-1] < low[0]
@@ -65,35 +71,35 @@ def test_half_precision_follows_fp32_gpu(gpu_pool, precision):
 def test_quantized_reconstruction_nccl(gpu_pool, dtype):
     from tests import test_quantized
 
-    gpu_pool(2).run(test_quantized._reconstruction_body, dtype, "cuda")
+    gpu_pool(WORLD).run(test_quantized._reconstruction_body, dtype, "cuda")
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_quantized_identical_working_weights_nccl(gpu_pool, stage):
     from tests import test_quantized
 
-    gpu_pool(2).run(test_quantized._train_body, stage, True, 6, True, "cuda")
+    gpu_pool(WORLD).run(test_quantized._train_body, stage, True, 6, True, "cuda")
 
 
 @pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "on-demand"])
 def test_stage3_changing_control_flow_nccl(gpu_pool, prefetch):
     from tests import test_stage3
 
-    gpu_pool(2).run(test_stage3._path_body, prefetch, "cuda")
+    gpu_pool(WORLD).run(test_stage3._path_body, prefetch, "cuda")
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_late_gradients_reentrant_checkpointing_nccl(gpu_pool, stage):
     from tests import test_hardening
 
-    worst = gpu_pool(2).run(test_hardening._reentrant_body, stage, True, "cuda")
+    worst = gpu_pool(WORLD).run(test_hardening._reentrant_body, stage, True, "cuda")
     print(f"stage {stage} reentrant checkpointing: worst |zeroq - reference| = {max(worst):.3g}")
 
 
 def test_nonfinite_gradients_stop_every_rank_nccl(gpu_pool):
     from tests import test_hardening
 
-    for r in gpu_pool(2).run(test_hardening._nonfinite_body, "error", 2, "cuda"):
+    for r in gpu_pool(WORLD).run(test_hardening._nonfinite_body, "error", 2, "cuda"):
         assert "rank(s) [1]" in r["error"] and r["unchanged"], r
 
 
@@ -101,5 +107,5 @@ def test_nonfinite_gradients_stop_every_rank_nccl(gpu_pool):
 def test_one_optimizer_step_per_step_nccl(gpu_pool, offload):
     from tests import test_hardening
 
-    assert all(c == (3, 3) for c in gpu_pool(2).run(test_hardening._one_step_body, offload, "cuda"))
+    assert all(c == (3, 3) for c in gpu_pool(WORLD).run(test_hardening._one_step_body, offload, "cuda"))
 
