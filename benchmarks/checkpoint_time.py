@@ -11,7 +11,9 @@ first so the optimizer has its state; every arm saves fp32 parameters and both A
   what the training loop waits for (staging to pinned host memory), ``total_s`` until the checkpoint
   is in place. The first async save allocates the pinned buffers; the figures are from the last.
 - ``fsdp2``: ``fully_shard`` per block and root, ``get_state_dict`` + ``dcp.save`` (stock
-  ``FileSystemWriter``, one file per rank, fsync); load with ``dcp.load`` + ``set_state_dict``.
+  ``FileSystemWriter``, one file per rank, fsync); load into a fresh model and optimizer (as a
+  resume does, and as the zeroq arm loads into a fresh engine) with ``get_state_dict`` (which creates
+  the optimizer's state), ``dcp.load`` + ``set_state_dict``.
 - ``fsdp2_async``: ``dcp.async_save`` of the same (its default stager).
 
 Times are medians over ``--repeats`` (each rank's max across ranks); ``peak_rss_GiB`` is the rise of
@@ -188,6 +190,16 @@ def arm_fsdp2(args, dev, path: Path, asynchronous: bool) -> dict:
         t, peak = timed(save)
         saves.append(t)
         peaks.append(peak)
+
+    # Load into a fresh model and optimizer, as a resume does (and as the zeroq arm does): its optimizer
+    # has no state yet, so get_state_dict creates it inside the timed load.
+    del model, opt
+    gc.collect()
+    model = build(args, dev)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=ON_GPU)
 
     def load():
         msd, osd = get_state_dict(model, opt)
