@@ -118,6 +118,22 @@ case ${1:-tests} in
     timeout 280 python3 benchmarks/host_adam.py --threads "$(nproc)" --numel 476000000 2>&1 \
       | grep -E '^\{|Error' | tee "$out/host_adam.jsonl"
     ;;
+  peers)  # issues 13 and 14: zeroq beside FSDP2 and DeepSpeed, every link, in one run sequence per link;
+          # sockets three times in alternating order (carry .whl: DeepSpeed)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      && export PYTHONPATH=$PYTHONPATH:/tmp/site
+    build
+    export OMP_NUM_THREADS=$(( $(nproc) / 2 ))
+    all=ddp,fsdp2,fsdp2+keep,ds2,ds3,ds3+int8,zeroq2,zeroq2+int8,zeroq3,zeroq3+int8,zeroq3+keep
+    LAUNCH_TIMEOUT=300 LINKS=nvlink ARMS=$all bash benchmarks/run_step_time.sh | tee "$out/peers_nvlink.jsonl"
+    LAUNCH_TIMEOUT=300 LINKS=shm ARMS=fsdp2,ds3,zeroq3,zeroq3+int8 bash benchmarks/run_step_time.sh | tee "$out/peers_shm.jsonl"
+    for i in 1 2 3; do
+      LAUNCH_TIMEOUT=200 LINKS=socket ARMS=ds3,zeroq3,ds3+int8,zeroq3+int8,zeroq3+int8+qgrad \
+        bash benchmarks/run_step_time.sh | sed "s/^{/{\"repeat\": $i, /" | tee -a "$out/peers_socket.jsonl"
+    done
+    LAUNCH_TIMEOUT=300 LINKS=nvlink ARMS=zeroq2,zeroq2+offload_optimizer,ds2+offload_optimizer,fsdp2+offload_optimizer,zeroq2+offload_optimizer+ratio50,zeroq3+offload_params,ds3+offload_optimizer+offload_params \
+      bash benchmarks/run_step_time.sh | tee "$out/peers_offload.jsonl"
+    ;;
   eps)  # issue 11: default AdamW eps, ZeRO vs DDP against DDP vs itself with the ranks summed in reverse order
     build
     for stage in 2 3; do
@@ -125,5 +141,5 @@ case ${1:-tests} in
         | grep -E '^\{|Error' | tee -a "$out/eps_noise_cuda.jsonl"
     done
     ;;
-  *) echo "usage: $0 tests|bench|recheck|links|split|int8_params|side_channel|options|checkpoint|one_gpu|eps" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|bench|recheck|links|split|int8_params|side_channel|options|checkpoint|one_gpu|eps|peers" >&2; exit 2 ;;
 esac

@@ -13,7 +13,9 @@ over from earlier arms are reported (``leftover_GiB``, expected 0)::
     torchrun --nproc-per-node 2 benchmarks/step_time.py --arms ddp,zeroq2,zeroq2+int8
     torchrun --nproc-per-node 2 benchmarks/step_time.py --arms zeroq3,zeroq3+offload_params
 
-An arm is ``ddp`` or ``zeroq1/2/3``, optionally with ``+int8`` and ``+offload_optimizer`` (fp32
+An arm is ``ddp``, a peer (``fsdp2`` with ``+keep``/``+offload_optimizer``; DeepSpeed ``ds2`` with
+``+offload_optimizer``, ``ds3`` with ``+int8``/``+offload_optimizer``/``+offload_params``; see
+``fsdp2_arm`` and ``deepspeed_arm``), or ``zeroq1/2/3``, optionally with ``+int8`` and ``+offload_optimizer`` (fp32
 masters and AdamW state on the CPU) or ``+offload_params`` (stage 3: also the parameters), ``+qgrad``
 (INT8 gradient reduction), ``+keep`` (stage 3, ``reshard_after_forward=False``) and ``+prefetch2``
 (stage 3, two units prefetched), ``+ratio25/50/75`` (with ``+offload_optimizer``: partial offload,
@@ -100,14 +102,79 @@ def memory_bound(engine) -> dict:
 ARM_STAGES = {"ddp": 0, "zeroq1": 1, "zeroq2": 2, "zeroq3": 3}
 ARM_OPTIONS = ("int8", "offload_optimizer", "offload_params", "qgrad", "keep", "prefetch2", "ratio25", "ratio50", "ratio75")
 RATIOS = {"ratio25": 0.25, "ratio50": 0.5, "ratio75": 0.75}  # partial optimizer offload (with +offload_optimizer)
+PEERS = {  # the peers, beside zeroq in one launch: base -> the options it takes
+    "fsdp2": {"keep", "offload_optimizer"},
+    "ds2": {"offload_optimizer"},
+    "ds3": {"int8", "offload_optimizer", "offload_params"},
+}
 
 
-def parse_arm(arm: str) -> tuple[int, set[str]]:
-    """``"zeroq3+int8"`` -> ``(3, {"int8"})``; raises ``SystemExit`` naming a bad arm."""
+def parse_arm(arm: str) -> tuple[str, set[str]]:
+    """``"zeroq3+int8"`` -> ``("zeroq3", {"int8"})``; raises ``SystemExit`` naming a bad arm."""
     base, *options = arm.split("+")
-    if base not in ARM_STAGES or any(o not in ARM_OPTIONS for o in options) or (base == "ddp" and options):
-        raise SystemExit(f"unknown arm {arm!r}: use ddp or zeroq1/2/3 with optional +{'/+'.join(ARM_OPTIONS)}")
-    return ARM_STAGES[base], set(options)
+    allowed = PEERS.get(base, set(ARM_OPTIONS) if base in ARM_STAGES and base != "ddp" else set())
+    if (base not in ARM_STAGES and base not in PEERS) or any(o not in allowed for o in options):
+        raise SystemExit(f"unknown arm {arm!r}: use ddp, zeroq1/2/3 with optional +{'/+'.join(ARM_OPTIONS)}, or a peer: "
+                         + ", ".join(f"{b} (+{'/+'.join(sorted(o))})" for b, o in PEERS.items()))
+    return base, set(options)
+
+
+def fsdp2_arm(model: nn.Module, options: set[str], dev: torch.device):
+    """FSDP2 as torchtitan uses it: ``fully_shard`` per block and at the root, bf16 parameters in
+    compute, fp32 gradient reduction; ``+keep``: ``reshard_after_forward=False``; ``+offload_optimizer``:
+    ``CPUOffloadPolicy`` (FSDP2 offloads parameters, gradients and optimizer state together; the
+    step runs on the CPU with torch's fused kernel)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
+    kwargs = {"mesh": mesh, "reshard_after_forward": "keep" not in options,
+              "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+    if "offload_optimizer" in options:
+        if dev.type != "cuda":
+            raise SystemExit("fsdp2+offload_optimizer needs a GPU (FSDP2's CPUOffloadPolicy moves state off an accelerator)")
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def finish(loss: torch.Tensor) -> None:
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return model, finish
+
+
+def deepspeed_arm(model: nn.Module, stage: int, options: set[str], args: argparse.Namespace):
+    """DeepSpeed ZeRO-2/3 with its defaults, bf16, AdamW (``DeepSpeedCPUAdam`` under optimizer offload);
+    ``+int8``: ``zero_quantized_weights`` (stage 3); ``+offload_optimizer`` / ``+offload_params``: to
+    the CPU, pinned."""
+    import deepspeed
+
+    zero: dict = {"stage": stage}
+    if stage == 2:
+        zero["reduce_bucket_size"] = int(args.bucket)
+    if "int8" in options:
+        zero["zero_quantized_weights"] = True
+    if "offload_optimizer" in options:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if "offload_params" in options:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    config = {
+        "train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True}, "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "steps_per_print": 10**9, "wall_clock_breakdown": False,
+    }
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+    def finish(loss: torch.Tensor) -> None:
+        engine.backward(loss)
+        engine.step()
+
+    return engine, finish
 
 
 class SavedBytes:
@@ -118,10 +185,18 @@ class SavedBytes:
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
-        if storage.data_ptr() not in params:
+        if storage.data_ptr() not in self._param_pointers():
             self.storages[storage.data_ptr()] = storage.nbytes()
         return t
+
+    def _param_pointers(self) -> set[int]:
+        pointers = set()
+        for p in self.model.parameters():
+            try:
+                pointers.add(p.untyped_storage().data_ptr())
+            except RuntimeError:  # a parameter without storage of its own (FSDP2's sharded DTensors)
+                pass
+        return pointers
 
     @property
     def gib(self) -> float:
@@ -143,14 +218,19 @@ def allocated_gib(peak: bool = False) -> float:
 
 
 def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
-    stage, options = parse_arm(arm)
+    base, options = parse_arm(arm)
+    stage = ARM_STAGES.get(base, -1)
     rank = dist.get_rank()
     leftover = allocated_gib()
     torch.manual_seed(0)
     model = GPT(args.vocab, args.dim, args.layers, args.heads, args.ffn).to(dev)
     num_params = sum(p.numel() for p in model.parameters())
     engine = None
-    if stage == 0:
+    if base == "fsdp2":
+        forward, finish = fsdp2_arm(model, options, dev)
+    elif base in ("ds2", "ds3"):
+        forward, finish = deepspeed_arm(model, int(base[2]), options, args)
+    elif stage == 0:
         ddp = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if ON_GPU else None)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         forward = ddp
