@@ -325,10 +325,7 @@ class ZeroQStrategy(DDPStrategy):
         if self.engine is None:
             self.lightning_module.load_state_dict(state, strict=strict)
             return
-        managed = self.engine.load_full_state_dict(state)
-        rest = {k: v for k, v in state.items() if k not in managed}
-        missing, unexpected = self.lightning_module.load_state_dict(rest, strict=False)
-        missing = [k for k in missing if k not in managed] + sorted(k for k in managed if k not in state)
+        missing, unexpected = zero_state.load_module_state_dict(self.engine, self.lightning_module, state)
         if strict and (missing or unexpected):
             raise RuntimeError(
                 f"Error loading the checkpoint's state_dict: missing keys {missing}, unexpected keys "

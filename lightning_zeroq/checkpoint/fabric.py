@@ -27,6 +27,7 @@ from lightning_zeroq.checkpoint.checkpointer import Checkpointer, locate_error
 from lightning_zeroq.checkpoint.engine_io import engine_state, load_engine, save_state
 from lightning_zeroq.checkpoint.lightning import torch_load, load_torch_optimizer_state
 from lightning_zeroq.checkpoint.store import Kind, classify
+from lightning_zeroq.zero import state_dict as zsd
 
 FABRIC_KEY = "zeroq_fabric"
 """In the trainer state: which entries were the model, the optimizer and stateful objects."""
@@ -134,10 +135,7 @@ def _load_single_file(engine: Any, path: Path, weights_only: Optional[bool], mod
     model = checkpoint.pop(module_key) if module_key is not None else checkpoint
     if module_key is None:
         checkpoint = {}
-    managed = engine.load_full_state_dict(model)
-    rest = {k: v for k, v in model.items() if k not in managed}
-    missing, unexpected = engine.module.load_state_dict(rest, strict=False)
-    missing = [k for k in missing if k not in managed] + sorted(k for k in managed if k not in model)
+    missing, unexpected = zsd.load_module_state_dict(engine, engine.module, model)
     if strict and (missing or unexpected):
         raise CheckpointError(f"Loading checkpoint {path}: missing keys {missing}, unexpected keys {unexpected}; "
                               "pass strict=False to ignore them.")

@@ -130,6 +130,16 @@ def load_full_state_dict(engine: ShardedParts, state: dict[str, Tensor]) -> set[
     return managed
 
 
+def load_module_state_dict(engine: ShardedParts, module: nn.Module, state: dict[str, Tensor]) -> tuple[list, list]:
+    """``module.load_state_dict(state, strict=False)`` for a module whose parameters the engine
+    manages: the engine's parameters go into the masters (shapes checked, see ``load_full_state_dict``),
+    the rest (buffers, frozen parameters) into the module. Returns (missing, unexpected) keys as
+    ``nn.Module.load_state_dict`` names them."""
+    managed = load_full_state_dict(engine, state)
+    missing, unexpected = module.load_state_dict({k: v for k, v in state.items() if k not in managed}, strict=False)
+    return [k for k in missing if k not in managed] + sorted(k for k in managed if k not in state), list(unexpected)
+
+
 def sharded_state_dict(engine: ShardedParts) -> dict[str, Any]:
     masters, state = [], {}
     optimizer = engine.optimizer
