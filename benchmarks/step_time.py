@@ -217,6 +217,16 @@ def allocated_gib(peak: bool = False) -> float:
     return (torch.cuda.max_memory_allocated() if peak else torch.cuda.memory_allocated()) / 2**30
 
 
+def host_rss_gib() -> float:
+    """This process's resident host memory now (after the arm's steps: offloaded state included)."""
+    try:
+        with open("/proc/self/status") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration, ValueError):
+        return 0.0
+    return kib / 2**20
+
+
 def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
     base, options = parse_arm(arm)
     stage = ARM_STAGES.get(base, -1)
@@ -284,7 +294,7 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
     peak = allocated_gib(peak=True)
-    stats = torch.tensor([statistics.median(times), peak, loss.item(), saved.gib, leftover], device=dev)
+    stats = torch.tensor([statistics.median(times), peak, loss.item(), saved.gib, leftover, host_rss_gib()], device=dev)
     gathered = [torch.empty_like(stats) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, stats)
     result = {
@@ -294,6 +304,7 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
         "final_loss": round(float(gathered[0][2]), 4),
         "activations_GiB": round(float(gathered[0][3]), 2),
         "leftover_GiB": round(max(float(s[4]) for s in gathered), 3),
+        "host_rss_GiB_per_rank": [round(float(s[5]), 2) for s in gathered],
         "world_size": dist.get_world_size(), "torch": torch.__version__,
     }
     if engine is not None:
