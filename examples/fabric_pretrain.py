@@ -84,18 +84,13 @@ def cycle(loader: DataLoader):
 
 
 def save_checkpoint(fabric: L.Fabric, state: dict, path: Path) -> None:
-    """Called every ``--save-interval`` steps on every rank.
+    """Called every ``--save-interval`` steps on every rank (a collective).
 
-    ``fabric.save(path, state)`` (model, optimizer and counters, resumable at another world size) waits
-    for ZeroQ's new checkpoint format; until then this writes the full fp32 weights and the counters,
-    enough to start a new run from, not to resume this one exactly. ``full_state_dict()`` is a
-    collective: every rank calls it, rank 0 writes.
+    ``fabric.save`` writes ZeroQ's checkpoint directory: model and optimizer sharded (each rank writes
+    its part), the counters beside them. It resumes with ``--resume`` at any world size or stage, and
+    ``zeroq-convert`` consolidates its weights into one file.
     """
-    weights = fabric.strategy.full_state_dict()
-    if fabric.global_rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"model": weights, "iter_num": state["iter_num"], "step_count": state["step_count"]}, path)
-    fabric.barrier()
+    fabric.save(path, state)
     fabric.print(f"Saved {path}")
 
 
@@ -132,6 +127,9 @@ def main(args: argparse.Namespace) -> None:
     data = TokenWindows(encode_bytes(load_text()), args.seq_len)
     loader = fabric.setup_dataloaders(DataLoader(data, batch_size=args.micro_batch_size, shuffle=True, drop_last=True))
     state = {"model": model, "optimizer": optimizer, "iter_num": 0, "step_count": 0}
+    if args.resume is not None:
+        fabric.load(args.resume, state)  # weights and AdamW state into the shards, the counters in place
+        fabric.print(f"Resumed from {args.resume} at step {state['step_count']} (iter {state['iter_num']})")
     fit(fabric, state, cycle(loader), args, optim)
 
 
@@ -172,7 +170,7 @@ def fit(fabric: L.Fabric, state: dict, batches, args: argparse.Namespace, optim:
             iter_t0 = time.perf_counter()
         running_loss.zero_()
         if args.save_interval and state["step_count"] % args.save_interval == 0:
-            save_checkpoint(fabric, state, args.out_dir / f"step-{state['step_count']:06d}" / "weights.pt")
+            save_checkpoint(fabric, state, args.out_dir / f"step-{state['step_count']:06d}")
 
     elapsed = time.perf_counter() - total_t0
     fabric.print(f"Trained {state['step_count']} steps ({state['iter_num']} micro-batches) in {elapsed:.2f} s,"
@@ -201,6 +199,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--log-interval", type=int, default=5)
     p.add_argument("--save-interval", type=int, default=20, help="steps between checkpoints (0: none)")
     p.add_argument("--out-dir", type=Path, default=Path("out/fabric_pretrain"))
+    p.add_argument("--resume", type=Path, default=None, help="a checkpoint directory written by this script")
     p.add_argument("--seed", type=int, default=42)
     return p.parse_args()
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from lightning_zeroq.checkpoint.convert import lightning_checkpoint
+
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
@@ -30,10 +32,15 @@ def test_example_pretrains_with_fabrics_launcher(tmp_path):
     first, last = (float(line.split("loss train: ")[1].split(" ")[0]) for line in out.splitlines()
                    if "loss train:" in line)
     assert last < first
-    for step in (3, 6):
-        saved = torch.load(tmp_path / "out" / f"step-{step:06d}" / "weights.pt", weights_only=True)
-        assert saved["step_count"] == step and saved["iter_num"] == 2 * step
-        assert torch.equal(saved["model"]["head.weight"], saved["model"]["tok_emb.weight"])  # tied
+    for step in (3, 6):  # fabric.save's directories: weights consolidated in one process, counters beside them
+        saved = lightning_checkpoint(tmp_path / "out" / f"step-{step:06d}")
+        assert saved["items"]["step_count"] == step and saved["items"]["iter_num"] == 2 * step
+        assert torch.equal(saved["state_dict"]["head.weight"], saved["state_dict"]["tok_emb.weight"])  # tied
+    # Resume from step 3 in stage 2 at 3 processes: the counters continue and training goes on to step 6.
+    out = _run([str(REPO / "examples" / "fabric_pretrain.py"), "--stage", "2", "--devices", "3", "--max-steps", "6",
+                "--accumulate", "2", "--log-interval", "3", "--save-interval", "0",
+                "--resume", str(tmp_path / "out" / "step-000003")], tmp_path)
+    assert "at step 3 (iter 6)" in out and "iter 12 step 6 | loss train:" in out and "Trained 6 steps" in out, out
 
 
 def test_benchmark_runs_fabric_and_trainer_alike_under_torchrun(tmp_path):
