@@ -135,3 +135,19 @@ def test_a_load_keeps_this_runs_kernel_choices(tmp_path) -> None:
     _train(target, range(2, 4))
     for name, value in source.full_state_dict().items():
         assert (value - target.full_state_dict()[name]).abs().max() <= 1e-6, name
+
+
+def test_a_save_says_what_it_wrote(tmp_path, caplog) -> None:
+    import logging
+
+    from lightning_zeroq.checkpoint.engine_io import save_engine
+
+    engine = _engine(0.5)
+    _train(engine, range(1))
+    with caplog.at_level(logging.INFO, logger="lightning_zeroq"):
+        save_engine(engine, tmp_path / "ckpt")
+    files = [f for f in (tmp_path / "ckpt").iterdir() if f.suffix == ".distcp"]
+    written = sum(f.stat().st_size for f in files) / 2**30
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Saved checkpoint")]
+    assert len(lines) == 1 and str(tmp_path / "ckpt") in lines[0], lines
+    assert f"{written:.2f} GiB from 1 rank(s), in " in lines[0], (lines[0], written)

@@ -26,6 +26,7 @@ foreign DCP directory's files) and ``agree``s before any state is touched.
 from __future__ import annotations
 
 import os
+import logging
 import time
 import uuid
 import warnings
@@ -45,6 +46,8 @@ from lightning_zeroq.checkpoint.safe import METADATA_FILE, SafeReader, read_meta
 from lightning_zeroq.checkpoint.store import (MANIFEST_FILE, Kind, Located, Manifest, check_files, classify, sha256,
                                               validate)
 from lightning_zeroq.checkpoint.writer import HEADER_SIZE, ChunkSavePlanner, ChunkWriter, stage_state, token_of
+
+log = logging.getLogger("lightning_zeroq")
 
 
 @dataclass
@@ -125,9 +128,10 @@ class Checkpointer:
         finally:
             if after_read is not None:
                 after_read()
-        self._finish(writer, manifest, tmp, path, group)
+        nbytes = self._finish(writer, manifest, tmp, path, group)
         elapsed = time.perf_counter() - start
         self.last = SaveTiming(blocked_s=elapsed, total_s=elapsed)
+        _log_saved(path, nbytes, world_size, rank, self.last)
 
     @staticmethod
     def _discard(tmp: Path, rank: int) -> None:
@@ -144,10 +148,13 @@ class Checkpointer:
         except CheckpointException as error:
             self._discard(tmp, rank_and_size(group)[0])
             raise CheckpointError(f"Saving checkpoint {path} failed: {describe(unwrap(error))}") from None
-        self._finish(writer, manifest, tmp, path, group)
+        nbytes = self._finish(writer, manifest, tmp, path, group)
         self.last.total_s = time.perf_counter() - start
+        rank, world_size = rank_and_size(group)
+        _log_saved(path, nbytes, world_size, rank, self.last, asynchronous=True)
 
-    def _finish(self, writer: ChunkWriter, manifest: Manifest, tmp: Path, path: Path, group: Any) -> None:
+    def _finish(self, writer: ChunkWriter, manifest: Manifest, tmp: Path, path: Path, group: Any) -> int:
+        """Publish the written files; returns the bytes all ranks wrote."""
         atomic.fault("after_data")
         files = agree([], f"Saving checkpoint {path}", group, writer.written)
         rank, _ = rank_and_size(group)
@@ -165,6 +172,7 @@ class Checkpointer:
             except OSError as error:
                 errors.append(f"could not put the checkpoint in place at {path}: {error}")
         agree(errors, f"Saving checkpoint {path}", group)
+        return sum(size for written in files for _, size in written)
 
     def _executor_(self) -> ThreadPoolExecutor:
         if self._executor is None:
@@ -193,6 +201,15 @@ class Checkpointer:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+
+
+def _log_saved(path: Path, nbytes: int, world_size: int, rank: int, timing: SaveTiming,
+               asynchronous: bool = False) -> None:
+    """Rank 0 says what a save wrote and how long training waited for it (INFO)."""
+    if rank == 0:
+        waited = f"training waited {timing.blocked_s:.2f} s of {timing.total_s:.2f} s" if asynchronous \
+            else f"in {timing.total_s:.2f} s"
+        log.info("Saved checkpoint %s: %.2f GiB from %d rank(s), %s", path, nbytes / 2**30, world_size, waited)
 
 
 # ---------------------------------------------------------------------- load
