@@ -11,9 +11,11 @@
 | ``agree.py`` | the checkpoint gloo group; every rank raises the same ``CheckpointError`` |
 | ``codec.py`` | the trainer state as JSON (tensors bit for bit) |
 | ``checkpointer.py`` | the save protocol (sync and async) and ``open_checkpoint`` |
+| ``engine_state.py`` | a ``ZeroEngine``'s state as full-shape chunks (``sharded_model_state``, ``load_sharded``) |
 | ``engine_io.py`` | a ``ZeroEngine``'s save and load (``save_engine``, ``load_engine``) |
 | ``convert.py`` | ``zeroq-convert``: one file, tensor by tensor, no GPU, no process group |
 | ``lightning.py`` | what ``ZeroQStrategy``'s checkpoint methods do |
+| ``fabric.py`` | what ``ZeroQFabricStrategy``'s ``save_checkpoint``/``load_checkpoint`` do (``fabric.save``/``load``) |
 
-Nothing is imported here, so the engine can import ``chunks`` without importing Lightning.
+Nothing is imported here, so importing one file does not import Lightning.
 """
