@@ -224,3 +224,51 @@ def test_nvme_offload_saves_during_fit_one_unit_at_a_time_and_resumes_elsewhere(
     first = dist_pool(2).run(_nvme_during_fit, kind, str(tmp_path / "ckpts"))[0]
     second = dist_pool(3).run(_second, S3_OFFLOAD, str(tmp_path / "ckpts" / "last.ckpt"))[0]
     assert_runs_match(first + second, reference)
+
+
+def _torch_format_state() -> tuple:
+    """An engine (one process) and what ``strategy="ddp"`` would save for the same model: its
+    ``state_dict`` and a stepped AdamW's torch-format state."""
+    import copy
+
+    from lightning_zeroq import ZeroConfig, ZeroEngine
+    from tests.models import make_batch, param_groups
+
+    torch.manual_seed(0)
+    model = RichModel()
+    ref = copy.deepcopy(model)
+    engine = ZeroEngine(model, ZeroConfig(stage=2, reduce_bucket_size=300))
+    engine.attach_optimizer(torch.optim.AdamW(param_groups(model)))
+    opt = torch.optim.AdamW(param_groups(ref))
+    ref.loss(make_batch(0, 0, 0)).backward()
+    opt.step()
+    return engine, {k: v.clone() for k, v in ref.state_dict().items()}, opt.state_dict()
+
+
+@pytest.mark.parametrize("fault", ["bigger", "transposed", "missing"])
+def test_a_torch_format_optimizer_state_is_loaded_only_with_a_matching_model(fault):
+    # The DDP single-file path (Trainer and Fabric) loads weights and optimizer state in one pass:
+    # a wrong shape (5x larger, or transposed: both hold enough elements to be misread) or a missing
+    # key under strict is refused on every rank before anything changes, as nn.Module would.
+    from lightning_zeroq.checkpoint.agree import CheckpointError
+    from lightning_zeroq.checkpoint.lightning import load_torch_optimizer_state
+
+    engine, model, optimizer = _torch_format_state()
+    name = "block.0.weight"
+    if fault == "bigger":
+        model[name] = torch.randn(5 * model[name].shape[0], model[name].shape[1])
+    elif fault == "transposed":
+        model[name] = torch.randn(model[name].shape[1] * 2, model[name].shape[0] // 2)
+    else:
+        del model[name]
+    before = engine.full_state_dict()
+    with pytest.raises(CheckpointError, match="size mismatch for block.0.weight" if fault != "missing"
+                       else r"missing keys \['block.0.weight'\]"):
+        load_torch_optimizer_state(engine, model, optimizer, None)
+    assert all(torch.equal(v, before[k]) for k, v in engine.full_state_dict().items())
+    assert not engine.optimizer.state
+    if fault == "missing":  # lenient: the rest loads
+        load_torch_optimizer_state(engine, model, optimizer, None, strict=False)
+        full = engine.full_state_dict()
+        assert torch.equal(full["embed.weight"], model["embed.weight"])
+        assert torch.equal(full[name], before[name])  # absent from the checkpoint: kept

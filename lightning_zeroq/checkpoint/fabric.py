@@ -135,12 +135,13 @@ def _load_single_file(engine: Any, path: Path, weights_only: Optional[bool], mod
     model = checkpoint.pop(module_key) if module_key is not None else checkpoint
     if module_key is None:
         checkpoint = {}
+    optimizer = checkpoint.pop(optimizer_key, None) if optimizer_key is not None else None
+    if optimizer is not None:  # the weights and the optimizer state in one pass, checked first
+        load_torch_optimizer_state(engine, model, optimizer, group, strict=strict)
+        return {"items": checkpoint}
     missing, unexpected = zsd.load_module_state_dict(engine, engine.module, model)
     if strict and (missing or unexpected):
         raise CheckpointError(f"Loading checkpoint {path}: missing keys {missing}, unexpected keys {unexpected}; "
                               "pass strict=False to ignore them.")
-    optimizer = checkpoint.pop(optimizer_key, None) if optimizer_key is not None else None
-    if optimizer is not None:
-        load_torch_optimizer_state(engine, model, optimizer, group)
     return {"items": checkpoint}
 

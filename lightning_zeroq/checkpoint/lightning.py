@@ -176,17 +176,33 @@ def load_single_file(strategy: Any, path: Path, weights_only: Optional[bool], fi
         engine.loss_scaler.load_state_dict(scaler)
     optimizers = checkpoint.get("optimizer_states") or []
     if fitting and engine is not None and engine.optimizer is not None and optimizers:
-        load_torch_optimizer_state(engine, checkpoint["state_dict"], optimizers[0], group)
+        strict = getattr(strategy.lightning_module, "strict_loading", True)
+        load_torch_optimizer_state(engine, checkpoint["state_dict"], optimizers[0], group, strict=strict)
         return checkpoint, True
     return checkpoint, False
 
 
-def load_torch_optimizer_state(engine: Any, model: dict, optimizer_state: dict, group: Any) -> None:
+def model_errors(engine: Any, model: dict, strict: bool) -> list[str]:
+    """What is wrong with a full ``state_dict`` for this engine's module, as ``nn.Module.load_state_dict``
+    judges it: a shape mismatch always, missing and unexpected keys under ``strict``."""
+    expected = engine_state.model_entries(engine)
+    errors = [f"size mismatch for {k}: checkpoint {tuple(v.shape)}, model {tuple(expected[k][0])}"
+              for k, v in model.items() if k in expected and isinstance(v, Tensor) and v.shape != expected[k][0]]
+    if strict:
+        missing, unexpected = sorted(expected.keys() - model.keys()), sorted(model.keys() - expected.keys())
+        if missing or unexpected:
+            errors.append(f"missing keys {missing}, unexpected keys {unexpected} (pass strict=False to ignore them)")
+    return errors
+
+
+def load_torch_optimizer_state(engine: Any, model: dict, optimizer_state: dict, group: Any,
+                               strict: bool = True) -> None:
     """A torch-format optimizer state (integer ids in param-group order, as ``strategy="ddp"`` saves
-    it) into the shards, with the model's weights, unit by unit."""
+    it) into the shards, with the model's weights, unit by unit; ``model`` is checked first
+    (``model_errors``), on every rank, before any state changes."""
     groups = engine_state.sharded_optimizer_state(engine)["param_groups"]  # every parameter's name, by group
     saved = optimizer_state.get("param_groups", [])
-    errors = []
+    errors = model_errors(engine, model, strict)
     if len(saved) != len(groups):
         errors.append(f"the checkpoint's optimizer has {len(saved)} param group(s), this one {len(groups)}.")
     names: dict[int, str] = {}
@@ -218,7 +234,9 @@ def load_torch_optimizer_state(engine: Any, model: dict, optimizer_state: dict, 
 
     def read(targets: dict) -> None:
         for key, target in targets.items():
-            value = flat[key]
+            value = flat.get(key)
+            if value is None:  # not in the checkpoint (strict=False): the target keeps what it has
+                continue
             if hasattr(target, "boxes"):  # LocalChunks
                 target.target.copy_(value.reshape(-1)[target.start:target.start + target.numel])
             elif isinstance(target, Tensor):
