@@ -287,11 +287,15 @@ class Reducer:
         """End the window: drop every gradient (after a step, or to discard the window)."""
         self.end_backward()
         self.wait()
+        # An empty window's buffers are zero already (every gradient opens a window; the last clear
+        # zeroed them): a step's own clear followed by the user's zero_grad() zeroes them once.
+        written = self.window is not Window.EMPTY
         for unit in self.units:
-            unit.grad.zero_()
+            if written:
+                unit.grad.zero_()
             for p in unit.params:
                 p.grad = None
-        for accum in self._accum.values():
+        for accum in self._accum.values() if written else ():
             accum.zero_()
         self._used.clear()
         self._dirty.clear()
