@@ -32,6 +32,7 @@ import gc
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -294,6 +295,8 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
     peak = allocated_gib(peak=True)
+    if args.profile:
+        profile_steps(arm, args, dev, forward, finish, g)
     stats = torch.tensor([statistics.median(times), peak, loss.item(), saved.gib, leftover, host_rss_gib()], device=dev)
     gathered = [torch.empty_like(stats) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, stats)
@@ -319,6 +322,49 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
     return result
 
 
+def profile_steps(arm, args, dev, forward, finish, g) -> None:
+    """Two more steps under ``torch.profiler`` (CPU and CUDA): a Chrome trace per rank in
+    ``--profile`` and, on stderr, where the second step's wall time went: every ``zeroq.*`` range and
+    the device's copies and collectives, as start and end (ms from the step's start) and totals."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ON_GPU else [])
+    with profile(activities=activities) as prof:
+        for i in range(2):
+            tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=dev, generator=g)
+            sync()
+            with record_function(f"bench.step{i}"):
+                with record_function("bench.forward"), torch.autocast(dev.type, dtype=torch.bfloat16):
+                    loss = forward(tokens)
+                with record_function("bench.finish"):
+                    finish(loss)
+                sync()
+    os.makedirs(args.profile, exist_ok=True)
+    rank = dist.get_rank()
+    prof.export_chrome_trace(os.path.join(args.profile, f"{arm.replace('+', '_')}_rank{rank}.json"))
+    if rank != 0:
+        return
+    events = [e for e in prof.events() if e.time_range.end > e.time_range.start]
+    step = next(e for e in events if e.name == "bench.step1")
+    t0, t1 = step.time_range.start, step.time_range.end
+    lines, totals = [], {}
+    for e in sorted(events, key=lambda e: e.time_range.start):
+        s, t = e.time_range.start, e.time_range.end
+        if s < t0 or s > t1:
+            continue
+        device = e.device_type.name == "CUDA"
+        kind = ("memcpy " + e.name.split()[-1] if "Memcpy" in e.name or "memcpy" in e.name.lower() else
+                "nccl" if "nccl" in e.name.lower() else None) if device else (e.name if e.name.startswith(("zeroq.", "bench.")) else None)
+        if kind is None:
+            continue
+        totals[kind] = totals.get(kind, 0.0) + (t - s) / 1e3
+        if not device or (t - s) > 200:
+            lines.append(f"  {(s - t0) / 1e3:8.1f} {(t - t0) / 1e3:8.1f}  {'GPU' if device else 'CPU'} {e.name[:70]}")
+    print(f"[profile {arm}] step {(t1 - t0) / 1e3:.1f} ms; totals (ms): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in sorted(totals.items())), file=sys.stderr)
+    print("\n".join(lines[:400]), file=sys.stderr, flush=True)
+
+
 def add_model_arguments(parser: argparse.ArgumentParser, steps: int, warmup: int) -> None:
     """The link, the model (defaults: the 953M GPT), the data shape and the timing, shared with
     ``fabric_step_time.py``."""
@@ -339,6 +385,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--arms", default="ddp,zeroq2", help="comma-separated, run in this order")
     add_model_arguments(parser, steps=10, warmup=3)
+    parser.add_argument("--profile", default="", help="a folder: profile two more steps of each arm (profile_steps)")
     args = parser.parse_args()
     arms = args.arms.split(",")
     for arm in arms:
