@@ -221,7 +221,8 @@ class ZeroEngine:
         applied once to the gradients it reads (on the host with offload) right before its step.
         """
         if self.reducer.window is not Window.FINALIZED:
-            self.reducer.finalize()
+            with torch.profiler.record_function("zeroq.finalize"):
+                self.reducer.finalize()
             self._base = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
             for binding in [*self._bindings, self._all]:
                 binding.multiplier, binding.skip = self._base, None

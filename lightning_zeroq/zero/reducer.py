@@ -266,7 +266,6 @@ class Reducer:
     def _agree(self, with_dirty: bool) -> tuple[Tensor, set[int], list[bool]]:
         """One MAX all-reduce: [used per parameter | dirty per unit | non-finite per unit | per rank]."""
         self.wait()
-        self.placement.gradients_done(self.units)
         n_params, n_units = self.num_params, len(self.units)
         stats = torch.zeros(n_params + 2 * n_units + self.world_size, device=self.device)
         if self._used:
@@ -279,7 +278,9 @@ class Reducer:
         stats[n_params + 2 * n_units + self.rank] = self._origin.float()
         if self.world_size > 1:
             comm.all_reduce(stats, dist.ReduceOp.MAX, self.group)
-        flags = (stats[n_params:] > 0).tolist()  # also waits for the copies off the device
+        flags = (stats[n_params:] > 0).tolist()
+        # After the read-back: copies off the device (offload) would queue ahead of it on the copy engine.
+        self.placement.gradients_done(self.units)
         dirty = {i for i in range(n_units) if flags[i]}
         return stats[:n_params] > 0, dirty, flags[n_units:]
 
@@ -287,6 +288,7 @@ class Reducer:
         """End the window: drop every gradient (after a step, or to discard the window)."""
         self.end_backward()
         self.wait()
+        self.placement.end_window()  # copies still reading the gradient shards finish first
         # An empty window's buffers are zero already (every gradient opens a window; the last clear
         # zeroed them): a step's own clear followed by the user's zero_grad() zeroes them once.
         written = self.window is not Window.EMPTY
@@ -303,7 +305,6 @@ class Reducer:
         self._local = False
         self.agreement = None
         self.window = Window.EMPTY
-        self.placement.end_window()
 
     def clear_params(self, param_ids: frozenset[int], optimized: dict[int, list]) -> None:
         """Drop the gradients of some parameters only (one of several optimizers stepped or zeroed its

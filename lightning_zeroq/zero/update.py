@@ -86,8 +86,10 @@ def run(binding: Binding, units: Sequence[Unit], placement: OptimizerPlacement, 
                 for view, seg in binding.optimized[unit.index]:
                     if used_ids[unit.param_id(seg.param)]:
                         view.grad = grad[seg.shard_span]
-            one_step.step()
+            with torch.profiler.record_function("zeroq.optimizer_step"):
+                one_step.step()
             for unit in batch:
                 for view, _ in binding.optimized[unit.index]:
                     view.grad = None
-                gatherer.publish(unit)
+                with torch.profiler.record_function("zeroq.publish"):
+                    gatherer.publish(unit)

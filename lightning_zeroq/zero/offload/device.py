@@ -11,13 +11,15 @@ it has:
   ``state_loaded``: its state was just loaded from a checkpoint;
 - ``grad_reduced`` (backward, on the reduction stream): a unit's gradient shard just grew;
   ``boundary`` says it is final for this window (a managed window's last backward);
-- ``gradients_done`` (finalize, after the reductions completed): every gradient shard is final;
+- ``gradients_done`` (finalize, after the reductions completed and the agreement was read back):
+  every gradient shard is final (offload: copy them to the host now);
 - ``resident`` (publish, state dicts): the units in order, each with its master (and state) readable
-  while the caller holds it; ``step_batches`` (step): the same walk in the batches the optimizer
-  steps (all units at once on the device; one unit at a time with offload, so the copy back and
-  gather of one unit overlap the host update of the next, and NVMe needs only a few resident);
-- ``step_grad``: the gradient shard the optimizer reads; ``device_master``/``device_working``: the
-  master as fp32 or working dtype on the device, for the wire;
+  while the caller holds it; ``step_batches`` (step): the units in the batches the optimizer
+  steps (all units at once on the device; one unit at a time with offload, in reverse order as the
+  gradients left the device, so the copy back and gather of one unit overlap the host update of the
+  next, and NVMe needs only a few resident); the order must be the same on every rank;
+- ``step_grad``: the gradient shard the optimizer reads (offload: after its copy finished);
+  ``device_master``/``device_working``: the master as fp32 or working dtype on the device, for the wire;
 - ``end_window``, ``close``.
 
 ``ShardStore``: where a stage-3 transient unit's payload (its working shard, or its INT8 encoding)
@@ -32,6 +34,22 @@ import torch
 from torch import Tensor
 
 from lightning_zeroq.zero.unit import Unit
+
+
+CAST_CHUNK_NUMEL = 1 << 24
+"""fp32 elements per host-to-device copy in ``copy_cast_to_device`` (64 MiB of device scratch)."""
+
+
+def copy_cast_to_device(dst: Tensor, src: Tensor, chunk_numel: int = CAST_CHUNK_NUMEL) -> Tensor:
+    """``dst`` (on a GPU) <- ``src`` (pinned host memory, another dtype), asynchronously: each chunk
+    crosses PCIe in ``src``'s dtype into device scratch and is cast there. (``Tensor.copy_`` casts a
+    host-to-device copy on the CPU, into pageable memory.) Everything runs on the current stream, so
+    the scratch memory is reused in order. Returns ``dst``."""
+    flat_dst, flat_src = dst.view(-1), src.view(-1)
+    for start in range(0, flat_src.numel(), chunk_numel):
+        part = flat_src[start : start + chunk_numel].to(dst.device, non_blocking=True)
+        flat_dst[start : start + part.numel()].copy_(part)
+    return dst
 
 
 class OptimizerPlacement:
@@ -110,7 +128,11 @@ class DeviceStore:
         self.buffers = {i: torch.empty(n, dtype=dtype, device=device) for i, n in numels.items()}
 
     def put(self, unit: Unit, payload: Tensor) -> None:
-        self.buffers[unit.index].copy_(payload, non_blocking=True)
+        buffer = self.buffers[unit.index]
+        if payload.is_pinned() and buffer.device.type == "cuda" and payload.dtype != buffer.dtype:
+            copy_cast_to_device(buffer, payload)  # a master on the host: cast on the GPU
+        else:
+            buffer.copy_(payload, non_blocking=True)
 
     def get(self, unit: Unit) -> Tensor:
         return self.buffers[unit.index]
