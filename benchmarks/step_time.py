@@ -88,9 +88,12 @@ class GPT(nn.Module):
 def memory_bound(engine) -> dict:
     """The memory a ZeRO rank must hold on the GPU, from the engine's own accounting
     (``ZeroEngine.memory_report``): the sharded state that lives there (fp32 master and gradient
-    shards, the optimizer's state, stage 3's stored working shards or INT8 payloads; offloaded pieces
-    are on the host and not counted), persistent units at full width, and for stage 3 the largest
-    transient unit twice (in use + prefetched)."""
+    shards, the optimizer's state, stage 3's stored shards: INT8 payloads, or working-dtype shards
+    where the masters are offloaded; none at full width with the masters on the device, where each
+    gather casts the master; offloaded pieces are on the host and not counted), persistent units at
+    full width, and for stage 3 the largest transient unit twice (in use + prefetched). A gather's
+    cast of this rank's shard is temporary and small beside its unit (1 / world size of it) and is
+    not counted."""
     report = engine.memory_report()
     largest = report.pop("largest_transient_unit")
     state = sum(report.values())

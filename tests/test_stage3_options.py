@@ -1,9 +1,11 @@
 """Options that trade memory and bytes for time: ``reshard_after_forward``, ``stage3_prefetch_depth``
-and ``quantized_gradients`` (gloo, 2 and 3 ranks, real transient units)."""
+and ``quantized_gradients``, and the shard store without offload (gloo, 2 and 3 ranks, real
+transient units)."""
 
 from __future__ import annotations
 
 import copy
+from unittest import mock
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from torch import nn
 
 from lightning_zeroq import ZeroConfig, ZeroEngine
 from lightning_zeroq.ops import reference
+from lightning_zeroq.zero.offload.device import CastMaster, DeviceStore
 from lightning_zeroq.zero.unit import UnitState
 from tests.models import DIM, RichModel, make_batch, param_groups
 from tests.test_hardening import _assert_matches
@@ -89,6 +92,83 @@ def test_prefetch_depth_matches_ddp_and_bounds_what_is_held(dist_pool, depth):
     most = dist_pool(2).run(_options_body, {"stage3_prefetch_depth": depth})
     assert all(m <= depth + 1 for m in most), most  # the unit in use and at most depth ahead
     assert all(m == depth + 1 for m in most), most  # and it does gather that far ahead
+
+
+# --------------------------------------------------------------------------- resting shards
+
+
+def _forced_device_store(config, device, *, payload_dtype, payload_numels, param_dtype, rank):
+    return DeviceStore(device, payload_dtype, payload_numels)  # what shard_store chose before CastMaster
+
+
+def _working_weights(engine: ZeroEngine) -> list[torch.Tensor]:
+    """Every unit's working buffer as a gather produces it. Units the coordinator holds (prefetched by
+    an evaluation forward) are read as they are: freeing them behind its back would confuse it."""
+    out = []
+    for unit in engine.units:
+        sharded = unit.state is UnitState.SHARDED
+        engine.gatherer.gather(unit)
+        out.append(unit.flat.clone())
+        if sharded:
+            engine.gatherer.free(unit)
+    return out
+
+
+def _cast_master_body(dtype_name: str) -> None:
+    """bf16/fp16 stage 3 without offload keeps no working-dtype shard between gathers (``CastMaster``)
+    and trains bitwise as the ``DeviceStore`` that kept ``master.to(dtype)`` did."""
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(0)
+    model = Tower()
+    forced = copy.deepcopy(model)
+    config = ZeroConfig(stage=3, stage3_prefetch_depth=2, **TRANSIENT)
+    engine = ZeroEngine(model, config, param_dtype=dtype)
+    with mock.patch("lightning_zeroq.zero.engine.shard_store", _forced_device_store):
+        old = ZeroEngine(forced, config, param_dtype=dtype)
+    assert isinstance(engine.gatherer.store, CastMaster) and isinstance(old.gatherer.store, DeviceStore)
+    assert sum(not u.persistent for u in engine.units) == 7  # six blocks and the head
+    assert engine.memory_report()["stored_shards"] == 0
+    assert old.memory_report()["stored_shards"] == sum(
+        u.layout.shard_numel * dtype.itemsize for u in old.units if not u.persistent)
+    first = [u.master.clone() for u in engine.units]
+    for e in (engine, old):
+        e.attach_optimizer(torch.optim.AdamW(e.module.parameters(), lr=1e-2, eps=1e-3))
+    for step in range(4):
+        batch = make_batch(step, 0, dist.get_rank(), uniform=True)
+        losses = []
+        for e in (engine, old):
+            loss = e.module.loss(batch)
+            e.backward(loss)
+            e.clip_grad_norm_(1.0)
+            e.step()
+            losses.append(loss.detach())
+            with torch.no_grad():
+                e.module.loss(batch)  # an evaluation forward between steps gathers from the store too
+        assert torch.equal(losses[0], losses[1]), (step, losses)
+        for a, b in zip(engine.units, old.units):
+            assert torch.equal(a.master, b.master), (step, a.index)
+        for i, (a, b) in enumerate(zip(_working_weights(engine), _working_weights(old))):
+            assert a.dtype == dtype and torch.equal(a, b), (step, i)
+    assert all(not torch.equal(a, u.master) for a, u in zip(first, engine.units))  # it trained
+    unit = next(u for u in engine.units if not u.persistent)
+    engine.gatherer.gather(unit)
+    engine.publish()  # stores nothing, but still frees a unit left gathered
+    assert unit.state is UnitState.SHARDED and unit.flat.untyped_storage().nbytes() == 0
+    for offload in ({"offload_optimizer": True}, {"offload_optimizer": True, "offload_optimizer_ratio": 0.5}):
+        torch.manual_seed(0)
+        e = ZeroEngine(Tower(), ZeroConfig(stage=3, **TRANSIENT, **offload), param_dtype=dtype)
+        assert isinstance(e.gatherer.store, DeviceStore), offload  # the master is not on the device
+        assert e.memory_report()["stored_shards"] > 0, offload
+    e = ZeroEngine(Tower(), ZeroConfig(stage=3, **TRANSIENT, offload_optimizer=True, offload_optimizer_ratio=0.0),
+                   param_dtype=dtype)
+    assert isinstance(e.gatherer.store, CastMaster)  # ratio 0 offloads nothing
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_stage3_without_offload_casts_the_master_at_each_gather_bitwise(dist_pool, dtype):
+    # Before: a DeviceStore kept master.to(dtype) for every transient unit beside the fp32 master
+    # (2 bytes per parameter / world size in bf16); FSDP2 casts at the all-gather instead, and so now do we.
+    dist_pool(2).run(_cast_master_body, dtype)
 
 
 # --------------------------------------------------------------------------- INT8 gradients

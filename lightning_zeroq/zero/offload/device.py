@@ -23,7 +23,9 @@ it has:
 - ``end_window``, ``close``.
 
 ``ShardStore``: where a stage-3 transient unit's payload (its working shard, or its INT8 encoding)
-rests between gathers: ``put`` after each step, ``get`` (on the device) before each gather.
+rests between gathers: ``put`` after each step, ``get`` (on the device) before each gather. Where the
+payload is the device master itself, nothing rests: ``MasterAlias`` (fp32) hands the master over,
+``CastMaster`` (bf16/fp16) casts it at each gather.
 """
 
 from __future__ import annotations
@@ -121,8 +123,49 @@ class MasterAlias:
         pass
 
 
+class CastMaster:
+    """Working weights in bf16/fp16, masters on the device, full width: nothing rests between
+    gathers; each gather casts this rank's fp32 master to the working dtype (as FSDP2 casts its
+    sharded parameter at each all-gather). This saves the resting working-dtype copy a
+    ``DeviceStore`` would keep (2 bytes per parameter / world size in bf16), for one temporary shard
+    per gather in flight. Bitwise the same weights: a ``DeviceStore`` held ``master.to(dtype)`` too
+    (its ``copy_`` rounds as ``to`` does), refreshed by the publish that follows every change of the
+    master (a step, a load, a write-back), so its gathers read the current master's cast, as these do.
+
+    Streams (CUDA). ``Gatherer.gather`` calls ``get`` inside ``torch.cuda.stream(s)`` when it
+    prefetches, after ``s.wait_stream(compute)``: the cast is queued on ``s`` behind the step that
+    wrote the master, and the caching allocator takes its output from ``s``'s pool (blocks belong to
+    the stream current at allocation). The all-gather that reads it is issued on ``s`` too: NCCL's
+    internal stream waits for ``s``, the process group keeps the input alive (record_stream or its
+    stash), and a synchronous collective makes ``s`` wait for it before returning. When the
+    temporary is dropped, its block goes back to ``s``'s pool and is handed out again only to work
+    queued on ``s``, after the all-gather: no ``record_stream`` is needed. Without prefetch all of
+    it runs on the compute stream. The master is read on ``s`` as ``MasterAlias`` reads it: every
+    prefetched unit is waited for (used or freed) before the backward ends, so before the step
+    writes the master; a prefetch still in flight when a step or load writes it (one left by an
+    evaluation forward) is discarded, since the publish that follows frees the unit.
+    """
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def put(self, unit: Unit, payload: Tensor) -> None:
+        pass  # the master is the payload (publish still frees a gathered unit)
+
+    def get(self, unit: Unit) -> Tensor:
+        return unit.master.to(self.dtype)
+
+    def device_tensors(self) -> list[Tensor]:
+        return []  # only the temporary cast of a gather in flight; the masters are the placement's
+
+    def close(self) -> None:
+        pass
+
+
 class DeviceStore:
-    """The payload stays on the device, in one buffer per unit reused every step."""
+    """The payload stays on the device, in one buffer per unit reused every step: the INT8 payload,
+    or the working-dtype shard where the master is off the device (optimizer offload), so a gather
+    does not fetch it across PCIe."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, numels: dict[int, int]) -> None:
         self.buffers = {i: torch.empty(n, dtype=dtype, device=device) for i, n in numels.items()}
