@@ -117,7 +117,7 @@ def _parity_body(
             if id(unit.params[seg.param]) in never:
                 segments += 1
                 stateful += bool(engine.optimizer.state.get(view))
-    counts = torch.tensor([segments, stateful])
+    counts = torch.tensor([segments, stateful], device=engine.device)  # NCCL reduces device tensors only
     dist.all_reduce(counts)
     assert counts[0] > 0, "no rank holds a segment of the never-used layer: the check above saw nothing"
     assert counts[1] == 0, f"{int(counts[1])} segments of the never-used layer got optimizer state"

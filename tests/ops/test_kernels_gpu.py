@@ -162,6 +162,61 @@ def test_near_ties_match_the_exact_division():
     assert ((q - q.floor() - 0.5).abs() < 2.0**-14).sum() > 10000
 
 
+# Largest positive finite bit pattern of each 16-bit format.
+_TOP_BITS = {torch.bfloat16: 0x7F7F, torch.float16: 0x7BFF}
+
+
+def _every_pair(dtype: torch.dtype, a_lo: int, a_hi: int) -> torch.Tensor:
+    """On CUDA: groups of 64 holding, for every absmax bit pattern a in [a_lo, a_hi) of the format,
+    a itself (the group's absmax) and every x with |x| <= a (bit patterns 0..a and their negatives,
+    63 per group, zero padded): every (x, scale) pair a 16-bit group can hold."""
+    a = torch.arange(a_lo, a_hi, device="cuda", dtype=torch.int64)
+    values = 2 * (a + 1)
+    groups_per_a = (values + 62) // 63
+    owner = torch.repeat_interleave(torch.arange(a.numel(), device="cuda"), groups_per_a)
+    first_group = torch.cumsum(groups_per_a, 0) - groups_per_a
+    k = torch.arange(owner.numel(), device="cuda") - first_group[owner]  # group index within its a
+    t = k[:, None] * 63 + torch.arange(63, device="cuda")  # value index within its a
+    a_g = a[owner][:, None]
+    bits = torch.where(t <= a_g, t, torch.where(t < 2 * (a_g + 1), 0x8000 | (t - a_g - 1), 0))
+    bits = torch.cat([a[owner][:, None], bits], dim=1)
+    return bits.to(torch.int32).to(torch.int16).view(dtype).flatten()  # 0x8000.. wraps to negative int16
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_16bit_pair_matches_reference(dtype):
+    """Every x of bfloat16 / float16 against every absmax >= |x| of the same format (1.1e9 elements
+    each, about a second): the kernels' codes and scales against the reference on CUDA and against
+    float64 arithmetic (one correct rounding to float32: an independent model). Covers the exact
+    ties that 16-bit data has often, bfloat16's subnormal scales (below the kernels' threshold for
+    the branch-free quotient: exact division there), and tiny quotients."""
+    top, step = _TOP_BITS[dtype], 2048
+    checked = 0
+    for a_lo in range(1, top + 1, step):
+        x = _every_pair(dtype, a_lo, min(a_lo + step, top + 1))
+        if a_lo == 1:
+            x = torch.cat([torch.zeros(64, dtype=dtype, device="cuda"), x])  # an all-zero group
+        codes, scales = _quantize(x)
+        ref_codes, ref_scales = reference.quantize_int8(x, 64)
+        assert torch.equal(scales.view(torch.int32), ref_scales.view(torch.int32))
+        mismatch = (codes != ref_codes).nonzero().flatten()
+        assert mismatch.numel() == 0, (
+            f"{mismatch.numel()} codes differ from the reference, first x = "
+            f"{x[mismatch[:5]].tolist()} in groups with absmax {x[mismatch[:5] // 64 * 64].tolist()}"
+        )
+        groups = x.double().view(-1, 64)
+        model_scales = (groups.abs().amax(dim=1) / 127).float()
+        assert torch.equal(scales.view(torch.int32), model_scales.view(torch.int32))
+        divisors = torch.where(model_scales == 0, 1.0, model_scales.double())
+        quotients = (groups / divisors[:, None]).float()  # exact quotient, rounded once
+        model_codes = quotients.round().clamp(-127, 127).to(torch.int8).flatten()  # half to even
+        assert torch.equal(codes, model_codes)
+        checked += x.numel()
+        del x, codes, scales, ref_codes, ref_scales, groups, divisors, quotients, model_codes
+    assert checked > 1_000_000_000
+    torch.cuda.empty_cache()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_groups", NUM_GROUPS)
 def test_pack_and_unpack_match_reference(dtype, num_groups):
