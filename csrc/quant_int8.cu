@@ -7,12 +7,15 @@
 //   absmax  = max |x| over the group, in fp32            (max_nan/fabsf: exact, order-free, NaN
 //                                                          if any element is NaN, like torch.amax)
 //   scale   = absmax / 127                                (__fdiv_rn: IEEE division, immune to
-//                                                          --use_fast_math)
+//                                                          --use_fast_math; 16-bit input: the
+//                                                          same by a remainder step, scale_of_input)
 //             or NaN (0x7fc00000) if absmax is inf/NaN    (the group decodes to NaN)
 //   divisor = scale, or 1 where scale == 0                (all-zero groups give codes 0, no NaN)
-//   code    = clamp(rint(x / divisor), -127, 127)         (x * (1 / divisor), rounded half to
-//                                                          even; the exact __fdiv_rn decides near
-//                                                          half-integers: see encode8)
+//   code    = clamp(rint(x / divisor), -127, 127)         (fp32: x * (1 / divisor), rounded half
+//                                                          to even; the exact __fdiv_rn decides
+//                                                          near half-integers; bf16/fp16: that
+//                                                          product corrected by one remainder step,
+//                                                          no test: see encode8, encode_remainder)
 //             or 0 where x / divisor is NaN               (only in a group whose scale is NaN)
 //   decode  = float(code) * scale, rounded to the output  (__fmul_rn, then a round-to-nearest-even
 //             dtype                                        conversion, as torch's .to(dtype))
@@ -180,6 +183,24 @@ __device__ __forceinline__ float scale_of(float absmax) {
   return absmax <= FLT_MAX ? scale : __uint_as_float(kNonFiniteScaleBits);  // false for inf, NaN
 }
 
+// scale_of for the absmax of 16-bit input (a bfloat16 or float16 value, or inf/NaN), in three
+// instructions instead of __fdiv_rn's five with a range check (FCHK) and a branch: q0 = RN(absmax * c),
+// c = RN(1/127), corrected by one remainder step as in encode_remainder. That is RN(absmax / 127) for
+// every finite bfloat16 and float16 value, subnormals included (all 64382 checked:
+// benchmarks/quotient_exhaustive.py); inf and NaN get the NaN scale as in scale_of.
+template <typename T>
+__device__ __forceinline__ float scale_of_input(float absmax) {
+  if constexpr (sizeof(T) == 2) {
+    constexpr float kInverse = 1.0f / kQMax;  // RN(1/127), folded by the compiler
+    const float q0 = __fmul_rn(absmax, kInverse);
+    const float rem = __fmaf_rn(-q0, kQMax, absmax);
+    const float scale = __fmaf_rn(rem, kInverse, q0);
+    return absmax <= FLT_MAX ? scale : __uint_as_float(kNonFiniteScaleBits);  // false for inf, NaN
+  } else {
+    return scale_of(absmax);
+  }
+}
+
 __device__ __forceinline__ float divisor_of(float scale) { return scale == 0.0f ? 1.0f : scale; }
 
 // Clamps in float, then rounds half to even by adding 1.5 * 2^23: at that magnitude the float
@@ -244,27 +265,63 @@ __device__ __forceinline__ uint32_t encode_fast(float x, float divisor, float re
   return __float_as_uint(shifted);
 }
 
-// The codes of a chunk, two words of four. kPerChunk: one test and one rarely taken branch per chunk
-// (the whole chunk then takes the exact division) instead of one per element; faster for fp16
-// (0.92 of a copy against 0.87 on H200) but slower for bf16 (0.69 against 0.81; 44-47 registers
-// against 40), so the kernels choose per element type (ChunkBranch below; fp32, memory-bound at 0.97
-// of a copy, keeps the per-element test).
-template <bool kPerChunk>
+// How encode8 makes the codes of a chunk, per element type (EncodeMode below):
+//   kPerElement: encode_fast per element (a near-tie test and a rarely taken branch each);
+//   kPerChunk: one near-tie test and one rarely taken branch per chunk (the whole chunk then
+//     takes the exact division);
+//   kRemainder: no test per element (see encode_remainder), one branch per chunk on the divisor.
+enum class Mode { kPerElement, kPerChunk, kRemainder };
+
+// Divisors from which kRemainder is exact (below, the remainder can underflow and lose bits; only
+// bfloat16 input gets there, with absmax < 127 * 2^-100, about 1e-28).
+constexpr float kMinRemainderDivisor = 0x1p-100f;
+
+// encode(x, d) bitwise for 16-bit x (bfloat16, float16) and a divisor d >= kMinRemainderDivisor,
+// with r = RN(1 / d), without a test or a branch: q0 = RN(x * r), rem = RN(x - q0 * d) (an fma),
+// q = RN(q0 + rem * r) (an fma) is the correctly rounded quotient RN(x / d) wherever |x / d| >= 2^-10
+// (and below 1/2 elsewhere, code 0 both), so that its rounding to an integer is the reference's.
+// This is Markstein's correction step; his theorem's hypothesis (q0 a faithful quotient) does not
+// hold for every pair, so the claim rests on an exhaustive check instead: every x of bfloat16 and of
+// float16 against every absmax >= |x| of the same format, whose scale RN(absmax / 127) is the only
+// divisor x can meet (benchmarks/quotient_exhaustive.py; 5.3e8 and 5.0e8 pairs, negative x mirror).
+// No clamp: |x| <= absmax bounds |q| by 127.00001. Adding 1.5 * 2^23 rounds half to even as in
+// encode_fast. Not for float32 input (not checked; it is memory-bound and keeps kPerElement).
+__device__ __forceinline__ uint32_t encode_remainder(float x, float divisor, float reciprocal) {
+  const float q0 = __fmul_rn(x, reciprocal);
+  const float rem = __fmaf_rn(-q0, divisor, x);
+  const float q = __fmaf_rn(rem, reciprocal, q0);
+  return __float_as_uint(__fadd_rn(q, 12582912.0f));
+}
+
+// The codes of a chunk, two words of four. kPerChunk: faster than kPerElement for fp16 (0.92 of a
+// copy against 0.87 on H200) but slower for bf16 (0.69 against 0.81): bfloat16 data has exact ties
+// often (an 8-bit significand over a scale absmax / 127: 0.3% of the elements of random data, 2.3% of
+// the chunks, one warp step in two), and every tie sends its whole chunk to eight divisions.
+// kRemainder has no ties to branch for; a non-finite group (NaN divisor: the comparison is false) or
+// a divisor below kMinRemainderDivisor takes the exact division for the chunk.
+template <Mode kMode>
 __device__ __forceinline__ uint2 encode8(const float (&v)[kChunk], float divisor, float reciprocal) {
-  if constexpr (!kPerChunk) {
+  if constexpr (kMode == Mode::kPerElement) {
     return make_uint2(pack_low_bytes4(encode_fast(v[0], divisor, reciprocal), encode_fast(v[1], divisor, reciprocal),
                                       encode_fast(v[2], divisor, reciprocal), encode_fast(v[3], divisor, reciprocal)),
                       pack_low_bytes4(encode_fast(v[4], divisor, reciprocal), encode_fast(v[5], divisor, reciprocal),
                                       encode_fast(v[6], divisor, reciprocal), encode_fast(v[7], divisor, reciprocal)));
   } else {
     uint32_t w[kChunk];
-    bool exact = reciprocal == 0.0f;
+    bool exact;
+    if constexpr (kMode == Mode::kPerChunk) {
+      exact = reciprocal == 0.0f;
 #pragma unroll
-    for (int i = 0; i < kChunk; ++i) {
-      const float p = __fmul_rn(v[i], reciprocal);
-      const float shifted = __fadd_rn(p, 12582912.0f);
-      w[i] = __float_as_uint(shifted);
-      exact |= near_tie(p, shifted);
+      for (int i = 0; i < kChunk; ++i) {
+        const float p = __fmul_rn(v[i], reciprocal);
+        const float shifted = __fadd_rn(p, 12582912.0f);
+        w[i] = __float_as_uint(shifted);
+        exact |= near_tie(p, shifted);
+      }
+    } else {
+      exact = !(divisor >= kMinRemainderDivisor);
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) w[i] = encode_remainder(v[i], divisor, reciprocal);
     }
     if (exact) {
 #pragma unroll
@@ -275,7 +332,18 @@ __device__ __forceinline__ uint2 encode8(const float (&v)[kChunk], float divisor
 }
 
 template <typename T>
-struct ChunkBranch : std::integral_constant<bool, std::is_same<T, __half>::value> {};
+struct EncodeMode : std::integral_constant<Mode, sizeof(T) == 2 ? Mode::kRemainder : Mode::kPerElement> {};
+
+// The reciprocal encode8 takes: kRemainder uses it only where divisor >= kMinRemainderDivisor, where
+// it is finite, so it needs no test for overflow.
+template <typename T>
+__device__ __forceinline__ float reciprocal_for(float divisor) {
+  if constexpr (EncodeMode<T>::value == Mode::kRemainder) {
+    return __frcp_rn(divisor);
+  } else {
+    return reciprocal_of(divisor);
+  }
+}
 
 __device__ __forceinline__ float decode(int code, float scale) {
   return __fmul_rn(static_cast<float>(code), scale);
@@ -300,7 +368,7 @@ __device__ __forceinline__ float team_max(float v) {
 template <typename T>
 __device__ __forceinline__ void store_codes8(int8_t* p, const float (&v)[kChunk], float divisor, float r,
                                              bool aligned8) {
-  const uint2 codes = encode8<ChunkBranch<T>::value>(v, divisor, r);
+  const uint2 codes = encode8<EncodeMode<T>::value>(v, divisor, r);
   const uint32_t lo = codes.x, hi = codes.y;
   if (aligned8) {
     *reinterpret_cast<uint2*>(p) = make_uint2(lo, hi);
@@ -324,8 +392,10 @@ __device__ __forceinline__ void decode8(uint2 words, float scale, T* out) {
 // G == 8 * kTeam: each lane owns one chunk of a group, so its values stay in registers between
 // the absmax and the encode. A team takes kUnroll groups per iteration (kGroupsPerBlock apart) and
 // issues all their loads before the first use, to keep more bytes in flight.
+// Six blocks of 256 threads resident per SM (40 registers at most, no spills): without the bound the
+// 16-bit kernels take 42-47 registers, which leaves room for five.
 template <typename T, int kTeam>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 6)
     quantize_one_chunk_kernel(const T* __restrict__ x, int64_t num_groups,
                               int8_t* __restrict__ codes, float* __restrict__ scales,
                               bool codes_aligned8) {
@@ -356,9 +426,9 @@ __global__ void __launch_bounds__(kThreads)
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t group = first + u * kGroupsPerBlock + team;
       if (group >= num_groups) continue;
-      const float scale = scale_of(absmax[u]);
+      const float scale = scale_of_input<T>(absmax[u]);
       const float divisor = divisor_of(scale);
-      store_codes8<T>(codes + (group * kTeam + lane) * kChunk, v[u], divisor, reciprocal_of(divisor),
+      store_codes8<T>(codes + (group * kTeam + lane) * kChunk, v[u], divisor, reciprocal_for<T>(divisor),
                    codes_aligned8);
       if (lane == 0) scales[group] = scale;
     }
@@ -392,9 +462,9 @@ __global__ void __launch_bounds__(kThreads)
     absmax = team_max<kTeam>(absmax);
     if (!active) continue;
 
-    const float scale = scale_of(absmax);
+    const float scale = scale_of_input<T>(absmax);
     const float divisor = divisor_of(scale);
-    const float reciprocal = reciprocal_of(divisor);
+    const float reciprocal = reciprocal_for<T>(divisor);
     for (int k = 0; k < chunks_per_lane; ++k) {
       const int64_t chunk = lane_chunk + int64_t(k) * kTeam;
       load8(x + chunk * kChunk, v);
