@@ -244,3 +244,65 @@ def _torchrun_threads_body() -> int:
 
 def test_under_torchrun_the_host_step_gets_the_cores_per_local_rank(dist_pool):
     assert dist_pool(2).run(_torchrun_threads_body) == [8, 8]
+
+
+class _FakeEvent:
+    """Stands in for ``torch.cuda.Event`` on the CPU: ``synchronize`` runs the test's check."""
+
+    check = staticmethod(lambda event: None)
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        _FakeEvent.check(self)
+
+
+def _device_reads_body(offload: str) -> int:
+    """With a GPU, ``publish`` copies a host master to the device asynchronously, so a master must not
+    be written (a step, a checkpoint load) or its buffer reused (NVMe's pool) before that copy ran.
+    Emulated on the CPU: the placement believes it is pinned and every event's wait checks that the
+    master still holds the value that was published."""
+    real = torch.cuda.Event, torch.cuda.current_stream
+    torch.cuda.Event, torch.cuda.current_stream = _FakeEvent, (lambda device=None: None)
+    waits = []
+    try:
+        model, engine = _engine(2, offload, True)
+        placement = engine.placement
+        placement.pin = True
+        published = {}
+        original = placement.published
+
+        synced = set()
+
+        def spy(unit):  # the value the device copies for this unit; the copy before it was waited for
+            if unit.index in published:
+                waits.append(id(published[unit.index][1]) in synced)
+            original(unit)
+            published[unit.index] = (unit.master.clone(), placement.device_reads[unit.index])
+
+        placement.published = spy
+
+        def check(event):
+            index = next(i for i, (_, e) in published.items() if e is event)
+            master = engine.units[index].master
+            waits.append(master.numel() == 0 or torch.equal(master, published[index][0]))
+            synced.add(id(event))
+
+        _FakeEvent.check = staticmethod(check)
+        for step in range(2):
+            engine.backward(_loss(model, step, 0, 0), boundary=True)
+            engine.step()
+        full = engine.full_state_dict()
+        engine.load_full_state_dict({k: v + 1.0 for k, v in full.items()})
+        assert all(waits) and len(waits) >= 2 * len(engine.units), (len(waits), waits)
+        assert not placement.device_reads or offload == "optimizer_cpu"
+        return len(waits)
+    finally:
+        torch.cuda.Event, torch.cuda.current_stream = real
+        _FakeEvent.check = staticmethod(lambda event: None)
+
+
+@pytest.mark.parametrize("offload", ["optimizer_cpu", "optimizer_nvme"])
+def test_a_host_master_is_written_only_after_the_device_read_it(dist_pool, offload):
+    assert min(dist_pool(2).run(_device_reads_body, offload)) > 0

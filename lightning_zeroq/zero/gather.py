@@ -54,10 +54,11 @@ class Gatherer:
     def publish(self, unit: Unit) -> None:
         if unit.persistent:
             self.wire.sync(unit, self.placement)
-            return
-        assert self.store is not None
-        self.store.put(unit, self.wire.encode(unit, self.placement))
-        self.free(unit)  # gathered outside a step (e.g. a validation forward in progress)
+        else:
+            assert self.store is not None
+            self.store.put(unit, self.wire.encode(unit, self.placement))
+            self.free(unit)  # gathered outside a step (e.g. a validation forward in progress)
+        self.placement.published(unit)  # the copies reading a host master may still be running
 
     @torch.no_grad()
     def gather(self, unit: Unit, prefetch: bool = False) -> None:

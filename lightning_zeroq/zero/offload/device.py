@@ -20,6 +20,8 @@ it has:
   next, and NVMe needs only a few resident); the order must be the same on every rank;
 - ``step_grad``: the gradient shard the optimizer reads (offload: after its copy finished);
   ``device_master``/``device_working``: the master as fp32 or working dtype on the device, for the wire;
+- ``published`` (after ``Gatherer.publish`` issued the copies that read the unit's master): a host
+  master must not be written, or its buffer reused, before they ran;
 - ``end_window``, ``close``.
 
 ``ShardStore``: where a stage-3 transient unit's payload (its working shard, or its INT8 encoding)
@@ -89,6 +91,9 @@ class OptimizerPlacement:
 
     def device_working(self, unit: Unit, dtype: torch.dtype) -> Tensor:
         return unit.master.to(dtype)
+
+    def published(self, unit: Unit) -> None:
+        pass
 
     def end_window(self) -> None:
         pass

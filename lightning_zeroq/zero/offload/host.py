@@ -64,6 +64,8 @@ class HostOptimizer(OptimizerPlacement):
         """Units whose gradient copy to the host may still be running, with its event."""
         self.fresh: set[int] = set()
         """Units whose host gradient already holds this window's gradients."""
+        self.device_reads: dict[int, "torch.cuda.Event"] = {}
+        """Units whose master the device may still be reading (``published``), with the event after it."""
         self.also_on: Optional[torch.device] = None
         """Partial offload (``split.SplitOptimizer``): the optimizer's groups hold segments on this device too."""
 
@@ -95,6 +97,24 @@ class HostOptimizer(OptimizerPlacement):
                 done.record(self.copies)
             self.in_flight[unit.index] = done
         self.fresh.add(unit.index)
+
+    def resident(self, units: Sequence[Unit]) -> Iterator[Unit]:
+        """The units in order; each only once the device finished reading its master (whoever writes
+        the masters walks them through here: the step, checkpoint loads, ``gathered_parameters``)."""
+        for unit in units:
+            self.wait_device_reads(unit.index)
+            yield unit
+
+    def published(self, unit: Unit) -> None:
+        if self.pin:  # the copies just issued read the pinned master asynchronously
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            self.device_reads[unit.index] = done
+
+    def wait_device_reads(self, index: int) -> None:
+        done = self.device_reads.pop(index, None)
+        if done is not None:
+            done.synchronize()
 
     def step_batches(self, units: Sequence[Unit]) -> Iterator[list[Unit]]:
         for unit in self.resident(list(reversed(units))):  # the order the gradients left the device

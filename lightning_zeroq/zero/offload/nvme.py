@@ -191,6 +191,8 @@ class NvmeOptimizer(HostOptimizer):
         handles, buffers = self._writing.pop(index, ([], []))
         for handle in handles:
             handle.wait()
+        if buffers:  # back to the pool only once the device read the master (``published``) too
+            self.wait_device_reads(index)
         for buffer in buffers:
             self._pool.give(buffer)
 

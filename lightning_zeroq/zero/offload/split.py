@@ -75,7 +75,12 @@ class SplitOptimizer(OptimizerPlacement):
         self.on_device.state_loaded(optimizer)
         self.host.state_loaded(optimizer)
 
-    # ``resident``: every unit stays resident in both parts; the base class's walk is theirs.
+    def resident(self, units: Sequence[Unit]) -> Iterator[Unit]:
+        """Every unit stays resident in both parts; a host unit once the device read its master."""
+        for unit in units:
+            if unit.index in self.host_units:
+                self.host.wait_device_reads(unit.index)
+            yield unit
 
     def step_batches(self, units: Sequence[Unit]) -> Iterator[list[Unit]]:
         on_device, on_host = self._split(units)
@@ -100,6 +105,9 @@ class SplitOptimizer(OptimizerPlacement):
 
     def device_working(self, unit: Unit, dtype: torch.dtype) -> Tensor:
         return self._of(unit).device_working(unit, dtype)
+
+    def published(self, unit: Unit) -> None:
+        self._of(unit).published(unit)
 
     def end_window(self) -> None:
         self.on_device.end_window()
