@@ -4,7 +4,8 @@ On CPU the ring is forced on CPU source tensors (``cpu_sources=True``, unpinned)
 that it wraps around, fills up, makes the producer wait and refuses items larger than itself: the
 files must be byte for byte those of the unstaged writer, load back bitwise (our loader and stock
 ``dcp.load``), and the ring must never hold more than its capacity, nor keep a region after a save,
-failed or not. The ``gpu`` test does the same with CUDA tensors through pinned memory.
+failed or not. The ``gpu`` test does the same with CUDA tensors through pinned memory. CPU views
+written without a copy (``copy_views=False``) give the same bytes too.
 """
 
 from __future__ import annotations
@@ -98,10 +99,11 @@ def _zeros_like(state: dict) -> dict:
     return out
 
 
-def _save(path: str, state: dict, ring) -> bytes:
+def _save(path: str, state: dict, ring, copy_views: bool = True) -> bytes:
+    writer = ChunkWriter(path, "sametoken", staging=ring, copy_views=copy_views)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # single process: DCP warns that it assumes so
-        dcp.save(state, storage_writer=ChunkWriter(path, "sametoken", staging=ring), planner=ChunkSavePlanner())
+        dcp.save(state, storage_writer=writer, planner=ChunkSavePlanner())
     with open(os.path.join(path, "__0_0.distcp"), "rb") as f:
         return f.read()
 
@@ -134,6 +136,21 @@ def test_staged_files_are_byte_identical_and_load_back_bitwise():
             warnings.simplefilter("ignore")
             dcp.load(target, checkpoint_id=os.path.join(tmp, "staged"))  # stock DCP reader
         _assert_equal(target, _expected(state))
+
+
+def test_cpu_views_written_without_a_copy_are_byte_identical():
+    state = _state()
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = _save(os.path.join(tmp, "plain"), state, None)
+        assert _save(os.path.join(tmp, "cut"), state, None, copy_views=False) == plain
+    writer = ChunkWriter("unused", "t", copy_views=False)
+    base = torch.randn(100)
+    for view in (base[10:30], base[10:30].view(4, 5), base[:0], base[::2], torch.randn(6, 1).t(), base):
+        out = writer._to_host(view)
+        assert torch.equal(out, view) and out.untyped_storage().nbytes() == out.numel() * out.element_size()
+        if view.numel() and view.is_contiguous():
+            assert out.data_ptr() == view.data_ptr()  # no copy
+    assert ChunkWriter("unused", "t")._to_host(base[10:30]).data_ptr() != base[10:30].data_ptr()
 
 
 def test_ring_never_holds_more_than_its_capacity_under_concurrency():

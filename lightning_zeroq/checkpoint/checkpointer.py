@@ -80,9 +80,13 @@ class Checkpointer:
 
     def save(self, path: Path, state: dict, trainer_state: Any, *, optimizer: bool,
              before_read: Optional[Callable[[int], None]] = None, after_read: Optional[Callable[[], None]] = None,
-             pin: bool = False, allow_async: bool = True, extra: Optional[dict] = None) -> None:
+             pin: bool = False, allow_async: bool = True, extra: Optional[dict] = None,
+             views_stable: bool = False) -> None:
         """Collective. ``before_read(order)`` makes data resident before a ``LocalChunks`` of that order
-        is read, ``after_read()`` ends that walk; ``pin``: stage into pinned memory (CUDA)."""
+        is read, ``after_read()`` ends that walk; ``pin``: stage into pinned memory (CUDA);
+        ``views_stable``: the host memory of what was read keeps its contents while ``before_read``
+        walks on (not so with NVMe offload, whose buffers are reused), so a synchronous save writes
+        CPU views without copying them first."""
         start = time.perf_counter()
         self.wait()
         path = Path(path).absolute()
@@ -106,7 +110,7 @@ class Checkpointer:
         manifest = Manifest(token=token, world_size=world_size, files={}, metadata_sha256="", trainer_state=encoded,
                             optimizer=optimizer, extra=extra or {})
         if self.async_save and allow_async:
-            writer = ChunkWriter(str(tmp), token)
+            writer = ChunkWriter(str(tmp), token, copy_views=False)  # the staged buffers wait for the write
             errors, staged = [], None
             try:
                 staged = stage_state(state, before_read, pin, self._staging)
@@ -126,7 +130,7 @@ class Checkpointer:
                                                      start)
             self.last = SaveTiming(blocked_s=time.perf_counter() - start)
             return
-        writer = ChunkWriter(str(tmp), token, staging=self.staging)
+        writer = ChunkWriter(str(tmp), token, staging=self.staging, copy_views=not views_stable)
         try:
             dcp.save(state, storage_writer=writer, planner=ChunkSavePlanner(before_read), process_group=group)
         except CheckpointException as error:

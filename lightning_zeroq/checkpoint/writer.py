@@ -15,9 +15,11 @@ copies it to the host while a writer thread serializes the previous ones (``torc
 does). A device tensor is copied through ``StagingRing``: a bounded host buffer (pinned with CUDA,
 so the copy is asynchronous at pinned bandwidth) reused item after item and save after save, each
 region handed back by the writer thread once its item is written; an item the ring does not take
-(larger than the ring, not contiguous) is copied as before, to a new host tensor. Either way
-``torch.save`` gets a CPU tensor that owns exactly the item's elements, so the bytes in the file are
-the same. Its ``stage`` is the identity: callers that save asynchronously stage the state
+(larger than the ring, not contiguous) is copied as before, to a new host tensor. A CPU view (a
+box of a flat master or optimizer state) is copied to a tensor of its own only where its memory may
+be reused before the writer gets to it (``copy_views``: NVMe offload's buffer pool); otherwise the
+writer gets the view's bytes cut out of its storage, without a copy. Either way ``torch.save`` gets
+a CPU tensor that owns exactly the item's elements, so the bytes in the file are the same. Its ``stage`` is the identity: callers that save asynchronously stage the state
 themselves (``stage_state``) and hand the writer host tensors.
 """
 
@@ -259,10 +261,11 @@ def _aligned(nbytes: int) -> int:
 
 class ChunkWriter(FileSystemWriter):
     def __init__(self, path: str, token: str, sync_files: bool = True,
-                 staging: Optional[StagingRing] = None) -> None:
+                 staging: Optional[StagingRing] = None, copy_views: bool = True) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=sync_files, thread_count=1, overwrite=True)
         self.token = token
         self.staging = staging
+        self.copy_views = copy_views
         self.written: list[tuple[str, int]] = []
 
     def stage(self, state_dict: dict) -> dict:  # the caller staged it (stage_state)
@@ -337,6 +340,8 @@ class ChunkWriter(FileSystemWriter):
         tensor = tensor.detach()
         if self.staging is not None and self.staging.takes(tensor):
             return self.staging.stage(tensor)
+        if not self.copy_views and tensor.device.type == "cpu":
+            return _cut(tensor)
         return _standalone(tensor)
 
 
@@ -348,6 +353,20 @@ def _standalone(tensor: Tensor) -> Tensor:
     if not tensor.is_contiguous() or tensor.storage_offset() or tensor.untyped_storage().nbytes() != tensor.nbytes:
         return tensor.clone(memory_format=torch.contiguous_format)
     return tensor
+
+
+def _cut(tensor: Tensor) -> Tensor:
+    """``_standalone`` without the copy for a contiguous CPU view: its bytes cut out of its storage
+    (the result keeps that storage alive; torch.save writes the same as for the clone)."""
+    if (tensor.numel() and tensor.layout == torch.strided and tensor.is_contiguous() and not tensor.is_quantized
+            and not tensor.is_conj() and not tensor.is_neg()):
+        nbytes = tensor.numel() * tensor.element_size()
+        storage = tensor.untyped_storage()
+        if tensor.storage_offset() == 0 and storage.nbytes() == nbytes:
+            return tensor
+        start = tensor.storage_offset() * tensor.element_size()
+        return torch.empty(0, dtype=tensor.dtype).set_(storage[start:start + nbytes], 0, tensor.shape)
+    return _standalone(tensor)
 
 
 def stage_state(state: Any, before_read: Optional[Callable[[int], None]], pin: bool, cache: dict) -> Any:
