@@ -195,6 +195,18 @@ def test_ring_never_holds_more_than_its_capacity_under_concurrency():
     assert ring.buffer is None
 
 
+def test_ring_pickles_without_its_buffer():
+    import pickle
+
+    ring = StagingRing(RING, pin=False, cpu_sources=True)
+    ring.stage(torch.ones(3)).release()
+    copy = pickle.loads(pickle.dumps(ring))
+    assert (copy.capacity, copy.pin, copy.cpu_sources, copy.buffer, copy.held) == (RING, False, True, None, 0)
+    staged = copy.stage(torch.ones(3))
+    assert torch.equal(staged.wait(), torch.ones(3))
+    staged.release()
+
+
 def test_failed_copy_hands_its_region_back():
     ring = CheckedRing(RING, pin=False, cpu_sources=True)
     first = ring.stage(torch.ones(10))

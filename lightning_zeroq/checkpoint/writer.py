@@ -163,6 +163,12 @@ class StagingRing:
         self._cond = threading.Condition()
         self._failed = False
 
+    def __getstate__(self) -> dict:  # a pickled Trainer carries its strategy's ring: settings only
+        return {"capacity": self.capacity, "pin": self.pin, "cpu_sources": self.cpu_sources}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(**state)  # type: ignore[misc]
+
     def takes(self, tensor: Tensor) -> bool:
         if self._failed or tensor.layout != torch.strided or tensor.is_quantized or tensor.is_conj() \
                 or tensor.is_neg() or not tensor.is_contiguous():
