@@ -6,7 +6,10 @@ first so the optimizer has its state; every arm saves fp32 parameters and both A
 11.4 GB for 953M), each rank writing its own part:
 
 - ``zeroq``: ``trainer.save_checkpoint``'s path without Lightning (``save_engine``), ZeRO stage 2;
-  then ``load_engine`` into a fresh engine (resharding machinery included).
+  then ``load_engine`` into a fresh engine (resharding machinery included). Device tensors go to
+  the host through the checkpointer's pinned staging ring (``--staging-mib``, the default 512).
+- ``zeroq_pageable``: the same with the ring off (``staging_bytes=0``): a pageable
+  ``tensor.to("cpu")`` per item, as before issue #12.
 - ``zeroq_async``: the same through ``torch.distributed.checkpoint.async_save``: ``blocked_s`` is
   what the training loop waits for (staging to pinned host memory), ``total_s`` until the checkpoint
   is in place. The first async save allocates the pinned buffers; the figures are from the last.
@@ -21,6 +24,7 @@ each rank's resident memory above its level before the operation, sampled every 
 one JSON line per arm::
 
     torchrun --nproc-per-node 2 benchmarks/checkpoint_time.py --dir /tmp/ckpt_bench
+    torchrun --nproc-per-node 1 benchmarks/checkpoint_time.py --dir /tmp/ckpt_bench   # one GPU
     torchrun --nproc-per-node 2 benchmarks/checkpoint_time.py --dim 64 --layers 2 --heads 2 --ffn 128 \\
         --vocab 256 --seq 32 --batch 2     # CPU smoke run (gloo)
 """
@@ -28,6 +32,7 @@ one JSON line per arm::
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -37,6 +42,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -111,7 +117,7 @@ def one_step(model, loss_fn, step_fn, args, dev) -> None:
     step_fn(loss)
 
 
-def arm_zeroq(args, dev, path: Path, asynchronous: bool) -> dict:
+def arm_zeroq(args, dev, path: Path, asynchronous: bool, staging_mib: Optional[float] = None) -> dict:
     from lightning_zeroq import ZeroConfig, ZeroEngine
     from lightning_zeroq.checkpoint.checkpointer import Checkpointer
     from lightning_zeroq.checkpoint.engine_io import load_engine, save_engine
@@ -125,7 +131,8 @@ def arm_zeroq(args, dev, path: Path, asynchronous: bool) -> dict:
         engine.step()
 
     one_step(model, model, step, args, dev)
-    checkpointer = Checkpointer(async_save=asynchronous)
+    staging_mib = args.staging_mib if staging_mib is None else staging_mib
+    checkpointer = Checkpointer(async_save=asynchronous, staging_bytes=int(staging_mib * 2**20))
     saves, blocked, peaks = [], [], []
     for _ in range(args.repeats):
         shutil.rmtree(path, ignore_errors=True)
@@ -147,7 +154,8 @@ def arm_zeroq(args, dev, path: Path, asynchronous: bool) -> dict:
         assert all(torch.equal(got[k], reference[k]) for k in reference), "loaded state differs"
     checkpointer.release()
     engine.close()
-    return {"save_s": saves, "blocked_s": blocked, "save_peak": peaks, "load_s": load_s, "load_peak": load_peak}
+    return {"save_s": saves, "blocked_s": blocked, "save_peak": peaks, "load_s": load_s, "load_peak": load_peak,
+            "staging_MiB": 0 if asynchronous else staging_mib}
 
 
 def arm_fsdp2(args, dev, path: Path, asynchronous: bool) -> dict:
@@ -211,13 +219,13 @@ def arm_fsdp2(args, dev, path: Path, asynchronous: bool) -> dict:
     return {"save_s": saves, "blocked_s": blocked, "save_peak": peaks, "load_s": load_s, "load_peak": load_peak}
 
 
-ARMS = {"zeroq": (arm_zeroq, False), "zeroq_async": (arm_zeroq, True), "fsdp2": (arm_fsdp2, False),
-        "fsdp2_async": (arm_fsdp2, True)}
+ARMS = {"zeroq": (arm_zeroq, False), "zeroq_pageable": (functools.partial(arm_zeroq, staging_mib=0), False),
+        "zeroq_async": (arm_zeroq, True), "fsdp2": (arm_fsdp2, False), "fsdp2_async": (arm_fsdp2, True)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--arms", default="zeroq,zeroq_async,fsdp2,fsdp2_async")
+    parser.add_argument("--arms", default="zeroq,zeroq_pageable,zeroq_async,fsdp2,fsdp2_async")
     parser.add_argument("--dir", default="/tmp/zeroq_checkpoint_bench")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dim", type=int, default=2048)
@@ -229,6 +237,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--bucket", type=float, default=2e8)
     parser.add_argument("--verify", action="store_true", help="zeroq: check the loaded state bit for bit")
+    parser.add_argument("--staging-mib", type=float, default=512,
+                        help="zeroq: pinned staging ring of synchronous saves, MiB (0: pageable copies)")
     args = parser.parse_args()
     arms = args.arms.split(",")
     unknown = [a for a in arms if a not in ARMS]
@@ -256,6 +266,7 @@ def main() -> None:
                 "load_s": round(max(r[3] for r in per_rank), 3),
                 "load_peak_rss_GiB_per_rank": [round(r[4], 2) for r in per_rank],
                 "save_s_all": [round(s, 3) for s in result["save_s"]],
+                **({"staging_MiB": result["staging_MiB"]} if "staging_MiB" in result else {}),
             }), flush=True)
         dist.barrier()
         if dist.get_rank() == 0:

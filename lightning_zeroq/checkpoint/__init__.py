@@ -4,7 +4,7 @@
 |---|---|
 | ``boxes.py`` | a rank's contiguous flat range of a tensor as rectangular boxes of its full shape |
 | ``chunks.py`` | ``LocalChunks``: what a rank writes or reads of one tensor; ``BytesTarget`` |
-| ``writer.py`` | ``ChunkSavePlanner`` and ``ChunkWriter`` (ordered, headed, fsynced files), staging for async |
+| ``writer.py`` | ``ChunkSavePlanner`` and ``ChunkWriter`` (ordered, headed, fsynced files), the pinned ``StagingRing`` sync saves copy device tensors through, staging for async |
 | ``safe.py`` | reading without unpickling code: allow-list metadata, ``weights_only`` items, ``read_entries`` |
 | ``store.py`` | the directory: manifest, what a path is (``classify``), completeness (``validate``) |
 | ``atomic.py`` | temporary sibling, fsync, ``RENAME_EXCHANGE`` publish, crash recovery, fault points |

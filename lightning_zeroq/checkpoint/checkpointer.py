@@ -7,8 +7,9 @@ sharded tensors are ``LocalChunks``):
    value that cannot be stored fails everywhere); rank 0 draws the save's token; ``agree``.
 2. rank 0 creates the temporary sibling directory; ``agree``.
 3. ``torch.distributed.checkpoint.save`` with ``ChunkSavePlanner``/``ChunkWriter`` on the checkpoint
-   group: each rank writes only its chunks (replicated tensors once), fsyncs its file, rank 0 writes
-   ``.metadata``. DCP itself makes every rank raise if one rank's write fails.
+   group: each rank writes only its chunks (replicated tensors once; device tensors copied through
+   the checkpointer's pinned ``StagingRing``), fsyncs its file, rank 0 writes ``.metadata``. DCP
+   itself makes every rank raise if one rank's write fails.
 4. ``agree`` (with each rank's file name and size); rank 0 writes ``zeroq.json`` last, fsyncs,
    publishes the directory atomically (``atomic.publish``) and removes leftovers of earlier
    interrupted saves of the same path; ``agree`` again so no rank returns before the checkpoint is
@@ -45,7 +46,8 @@ from lightning_zeroq.checkpoint.agree import CheckpointError, agree, checkpoint_
 from lightning_zeroq.checkpoint.safe import METADATA_FILE, SafeReader, read_metadata, unwrap
 from lightning_zeroq.checkpoint.store import (MANIFEST_FILE, Kind, Located, Manifest, check_files, classify, sha256,
                                               validate)
-from lightning_zeroq.checkpoint.writer import HEADER_SIZE, ChunkSavePlanner, ChunkWriter, stage_state, token_of
+from lightning_zeroq.checkpoint.writer import (HEADER_SIZE, SYNC_STAGING_BYTES, ChunkSavePlanner, ChunkWriter,
+                                               StagingRing, stage_state, token_of)
 
 log = logging.getLogger("lightning_zeroq")
 
@@ -59,24 +61,32 @@ class SaveTiming:
 
 
 class Checkpointer:
-    """One per strategy (or per engine): the checkpoint group, the asynchronous save in flight and the
-    host buffers asynchronous saves stage into."""
+    """One per strategy (or per engine): the checkpoint group, the asynchronous save in flight, the
+    host buffers asynchronous saves stage into and the ring synchronous saves copy device tensors
+    through (``staging``: ``staging_bytes`` of pinned memory, allocated at the first synchronous save
+    of a CUDA tensor and kept; 0: none, each device tensor is copied to a new pageable host tensor)."""
 
-    def __init__(self, async_save: bool = False) -> None:
+    def __init__(self, async_save: bool = False, staging_bytes: int = SYNC_STAGING_BYTES) -> None:
         self.async_save = async_save
         self._pending: Optional[Future] = None
         self._pending_path: Optional[Path] = None
         self._executor: Optional[ThreadPoolExecutor] = None
         self._staging: dict = {}
+        self.staging: Optional[StagingRing] = (StagingRing(staging_bytes, pin=None)
+                                               if staging_bytes > 0 else None)
         self.last = SaveTiming()
 
     # ------------------------------------------------------------------ save
 
     def save(self, path: Path, state: dict, trainer_state: Any, *, optimizer: bool,
              before_read: Optional[Callable[[int], None]] = None, after_read: Optional[Callable[[], None]] = None,
-             pin: bool = False, allow_async: bool = True, extra: Optional[dict] = None) -> None:
+             pin: bool = False, allow_async: bool = True, extra: Optional[dict] = None,
+             views_stable: bool = False) -> None:
         """Collective. ``before_read(order)`` makes data resident before a ``LocalChunks`` of that order
-        is read, ``after_read()`` ends that walk; ``pin``: stage into pinned memory (CUDA)."""
+        is read, ``after_read()`` ends that walk; ``pin``: stage into pinned memory (CUDA);
+        ``views_stable``: the host memory of what was read keeps its contents while ``before_read``
+        walks on (not so with NVMe offload, whose buffers are reused), so a synchronous save writes
+        CPU views without copying them first."""
         start = time.perf_counter()
         self.wait()
         path = Path(path).absolute()
@@ -99,8 +109,8 @@ class Checkpointer:
         agree(errors, f"Saving checkpoint {path}", group)
         manifest = Manifest(token=token, world_size=world_size, files={}, metadata_sha256="", trainer_state=encoded,
                             optimizer=optimizer, extra=extra or {})
-        writer = ChunkWriter(str(tmp), token)
         if self.async_save and allow_async:
+            writer = ChunkWriter(str(tmp), token, copy_views=False)  # the staged buffers wait for the write
             errors, staged = [], None
             try:
                 staged = stage_state(state, before_read, pin, self._staging)
@@ -120,6 +130,7 @@ class Checkpointer:
                                                      start)
             self.last = SaveTiming(blocked_s=time.perf_counter() - start)
             return
+        writer = ChunkWriter(str(tmp), token, staging=self.staging, copy_views=not views_stable)
         try:
             dcp.save(state, storage_writer=writer, planner=ChunkSavePlanner(before_read), process_group=group)
         except CheckpointException as error:
@@ -198,6 +209,8 @@ class Checkpointer:
         """Wait for the save in flight, then free the staging buffers and the thread."""
         self.wait()
         self._staging.clear()
+        if self.staging is not None:
+            self.staging.free()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None

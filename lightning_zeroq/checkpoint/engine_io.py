@@ -53,7 +53,8 @@ def save_state(engine: Any, path: Path, state: dict, trainer_state: Any, checkpo
                       stacklevel=3)
     checkpointer.save(Path(path), state, trainer_state, optimizer=OPTIMIZER_KEY in state,
                       before_read=residency.ensure, after_read=residency.close, pin=pin, allow_async=not nvme,
-                      extra={"world_size": engine.world_size, "stage": getattr(engine.config, "stage", None)})
+                      extra={"world_size": engine.world_size, "stage": getattr(engine.config, "stage", None)},
+                      views_stable=not nvme)
 
 
 def save_engine(engine: Any, path: Path, *, trainer_state: Any = None, optimizer: bool = True,
