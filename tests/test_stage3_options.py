@@ -72,6 +72,35 @@ def _options_body(options: dict) -> int:
     return most
 
 
+def _eval_before_step_body(depth: int) -> None:
+    """A no-grad forward between ``backward()`` and ``step()`` (Lightning's validation at the end of an
+    accumulation window, a logging forward) prefetches units that the step's publish then frees; the
+    coordinator must not keep counting them as held (it gathered them twice, then freed one in use:
+    "blocks.1.weight is sharded right now" in the next training forward)."""
+    torch.manual_seed(0)
+    model = Tower()
+    ref = copy.deepcopy(model)
+    engine = ZeroEngine(model, ZeroConfig(stage=3, stage3_prefetch_depth=depth, **TRANSIENT))
+    engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-3)
+    for step in range(4):
+        batch = make_batch(step, 0, dist.get_rank(), uniform=True)
+        engine.backward(model.loss(batch))
+        with torch.no_grad():
+            evaluated = model.loss(batch)
+        engine.step()
+        ref.loss(batch).backward()
+        with torch.no_grad():
+            assert torch.allclose(evaluated, ref.loss(batch), atol=1e-5), step
+        _averaged_step_clipped(ref, ref_opt, float("inf"))
+        _assert_matches(engine, ref, f"depth {depth} step {step}")
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_a_forward_between_backward_and_step_keeps_prefetch_consistent(dist_pool, depth):
+    dist_pool(2).run(_eval_before_step_body, depth)
+
+
 def _averaged_step_clipped(ref: nn.Module, ref_opt, clip: float) -> None:
     for p in ref.parameters():
         dist.all_reduce(p.grad)

@@ -91,7 +91,9 @@ class Stage3Coordinator:
     def _prefetch(self, expected: list[Unit]) -> None:
         for stale in [u for u in self._prefetched if u not in expected]:
             self.gatherer.free(stale)  # a misprediction: hold only the units expected next
-        self._prefetched = [u for u in self._prefetched if u in expected]
+        # A unit freed behind the coordinator's back (a step's publish after a no-grad forward that
+        # prefetched it) is held no more: gathered again below, once.
+        self._prefetched = [u for u in self._prefetched if u in expected and u.state is not UnitState.SHARDED]
         for unit in expected:
             if unit.state is UnitState.SHARDED:
                 self.gatherer.gather(unit, prefetch=True)
