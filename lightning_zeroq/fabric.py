@@ -324,6 +324,7 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
         if self.engine is not None:
             precision = self.precision
             self.engine.release_module(dtype=precision.param_dtype if precision.precision.endswith("-true") else None)
+        self.checkpointer.release()  # frees the pinned staging memory of saves (a later save allocates it again)
         super().teardown()
 
     @classmethod

@@ -258,6 +258,8 @@ class ZeroQStrategy(DDPStrategy):
         assert self.accelerator is not None
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+        if not getattr(self, "_failed", False):  # after a failure, an asynchronous save may never finish
+            self.checkpointer.release()  # waits for an asynchronous save in flight; frees pinned staging
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()

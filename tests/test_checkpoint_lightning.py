@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import lightning_zeroq  # noqa: F401
 from lightning_zeroq.checkpoint.store import Manifest, classify
+from lightning_zeroq.checkpoint.writer import StagingRing
 from tests.dist_pool import REPO_ROOT
 from tests.models import RichModel, make_lit_module
 from tests.test_checkpoint_reshard import S2, _ddp, _first, _fit, _second, _strategy, assert_runs_match
@@ -37,7 +38,11 @@ def _conventions_body(tmp: str, async_checkpoint: bool) -> dict:
                                every_n_train_steps=1)
 
     strategy = ZeroQStrategy(stage=3, async_checkpoint=async_checkpoint)
+    ring = strategy.checkpointer.staging = StagingRing(1 << 16, pin=False, cpu_sources=True)  # as with CUDA
     first = _fit(strategy, 1, callbacks=[callback()])
+    # teardown waited for the save in flight and freed the pinned staging; the saves below allocate again
+    assert strategy.checkpointer._executor is None and not strategy.checkpointer._staging
+    assert ring.buffer is None and (ring.peak > 0) != async_checkpoint, (ring.peak, async_checkpoint)
     strategy.wait_for_checkpoint()
     entries = sorted(os.listdir(dirpath))
     out = {"entries": entries, "last_is_link": os.path.islink(os.path.join(dirpath, "last.ckpt")),
