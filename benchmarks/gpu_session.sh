@@ -5,6 +5,9 @@
 #   bash benchmarks/gpu_session.sh bench   # step time and peak memory: three links, offload, 1B stage 3
 #   bash benchmarks/gpu_session.sh recheck # after fixes: stage-3 parity, kernels, memory of each arm, socket repeats
 #   bash benchmarks/gpu_session.sh checkpoint # checkpoint save/load time, async blocked time, host memory vs FSDP2
+# What the open issues still need from 2 H200s (session 5; each mode below is one device call):
+#   #13, #14  peers        (carry .whl: DeepSpeed; ~10 min: split nvlink/shm/socket into two calls if needed)
+#   #12       checkpoint   #15  fabric   #17  side_channel (carry .bench_old)   #11 (optional)  eps
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/zeroq_out}
@@ -98,7 +101,15 @@ case ${1:-tests} in
     export OMP_NUM_THREADS=$(( $(nproc) / 2 ))
     timeout 540 python3 -m torch.distributed.run --nproc-per-node 2 --master-port $((29500 + RANDOM % 1000)) \
       benchmarks/checkpoint_time.py --dir "${CKPT_DIR:-/tmp/zeroq_checkpoint_bench}" --repeats 3 --verify \
+      --arms zeroq,zeroq_pageable,fsdp2,zeroq_async,fsdp2_async \
       2>&1 | grep -E '^\{|Error|error' | tee "$out/checkpoint_time.jsonl"
+    ;;
+  fabric)  # issue 15: the Fabric loop against the Trainer on the 953M GPT, NCCL, alternating in one launch
+    for stage in 2 3; do
+      timeout 280 python3 -m torch.distributed.run --nproc-per-node 2 --master-port $((29500 + RANDOM % 1000)) \
+        benchmarks/fabric_step_time.py --stage $stage --modes fabric,trainer,fabric,trainer \
+        2>&1 | grep -E '^\{|Error' | tee -a "$out/fabric_step_time.jsonl"
+    done
     ;;
   one_gpu)  # what one GPU answers: the kernels before (.bench_kernel_old, the previous commit) and after,
             # alternating (issue 13), and the host AdamW kernels on this machine's CPUs (issue 14)
@@ -131,8 +142,11 @@ case ${1:-tests} in
       LAUNCH_TIMEOUT=200 LINKS=socket ARMS=ds3,zeroq3,ds3+int8,zeroq3+int8,zeroq3+int8+qgrad \
         bash benchmarks/run_step_time.sh | sed "s/^{/{\"repeat\": $i, /" | tee -a "$out/peers_socket.jsonl"
     done
-    LAUNCH_TIMEOUT=300 LINKS=nvlink ARMS=zeroq2,zeroq2+offload_optimizer,ds2+offload_optimizer,fsdp2+offload_optimizer,zeroq2+offload_optimizer+ratio50,zeroq3+offload_params,ds3+offload_optimizer+offload_params \
-      bash benchmarks/run_step_time.sh | tee "$out/peers_offload.jsonl"
+    off=zeroq2,zeroq2+offload_optimizer,ds2+offload_optimizer,fsdp2+offload_optimizer,zeroq2+offload_optimizer+ratio25
+    off=$off,zeroq2+offload_optimizer+ratio50,zeroq2+offload_optimizer+ratio75,zeroq3,zeroq3+offload_params,ds3+offload_optimizer+offload_params
+    LAUNCH_TIMEOUT=400 LINKS=nvlink ARMS=$off bash benchmarks/run_step_time.sh | tee "$out/peers_offload.jsonl"
+    LAUNCH_TIMEOUT=200 LINKS=nvlink ARMS=zeroq2+clip,zeroq2+offload_optimizer+clip,ds2+offload_optimizer+clip \
+      bash benchmarks/run_step_time.sh | tee "$out/peers_offload_clip.jsonl"
     ;;
   eps)  # issue 11: default AdamW eps, ZeRO vs DDP against DDP vs itself with the ranks summed in reverse order
     build
@@ -141,5 +155,5 @@ case ${1:-tests} in
         | grep -E '^\{|Error' | tee -a "$out/eps_noise_cuda.jsonl"
     done
     ;;
-  *) echo "usage: $0 tests|bench|recheck|links|split|int8_params|side_channel|options|checkpoint|one_gpu|eps|peers" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|bench|recheck|links|split|int8_params|side_channel|options|checkpoint|fabric|one_gpu|eps|peers" >&2; exit 2 ;;
 esac

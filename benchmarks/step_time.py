@@ -19,7 +19,8 @@ An arm is ``ddp``, a peer (``fsdp2`` with ``+keep``/``+offload_optimizer``; Deep
 masters and AdamW state on the CPU) or ``+offload_params`` (stage 3: also the parameters), ``+qgrad``
 (INT8 gradient reduction), ``+keep`` (stage 3, ``reshard_after_forward=False``) and ``+prefetch2``
 (stage 3, two units prefetched), ``+ratio25/50/75`` (with ``+offload_optimizer``: partial offload,
-``offload_optimizer_ratio``).
+``offload_optimizer_ratio``). ``+clip`` (every arm): clip the gradients' global norm to ``CLIP`` before
+every step, each the way its users do (``clip_grad_norm_``, DeepSpeed's ``gradient_clipping``).
 ``activations_GiB`` is what autograd saved for backward in one step (unique storages, parameters
 excluded), measured on the first warm-up step. Rank 0 prints one JSON line per arm;
 ``benchmarks/run_step_time.sh`` runs the arms over the three links.
@@ -104,21 +105,23 @@ def memory_bound(engine) -> dict:
 
 
 ARM_STAGES = {"ddp": 0, "zeroq1": 1, "zeroq2": 2, "zeroq3": 3}
-ARM_OPTIONS = ("int8", "offload_optimizer", "offload_params", "qgrad", "keep", "prefetch2", "ratio25", "ratio50", "ratio75")
+ARM_OPTIONS = ("int8", "offload_optimizer", "offload_params", "qgrad", "keep", "prefetch2", "ratio25", "ratio50", "ratio75",
+               "clip")
+CLIP = 1.0  # +clip: gradient-norm clipping at this norm before every step (Lightning's gradient_clip_val)
 RATIOS = {"ratio25": 0.25, "ratio50": 0.5, "ratio75": 0.75}  # partial optimizer offload (with +offload_optimizer)
 PEERS = {  # the peers, beside zeroq in one launch: base -> the options it takes
-    "fsdp2": {"keep", "offload_optimizer"},
-    "ds2": {"offload_optimizer"},
-    "ds3": {"int8", "offload_optimizer", "offload_params"},
+    "fsdp2": {"keep", "offload_optimizer", "clip"},
+    "ds2": {"offload_optimizer", "clip"},
+    "ds3": {"int8", "offload_optimizer", "offload_params", "clip"},
 }
 
 
 def parse_arm(arm: str) -> tuple[str, set[str]]:
     """``"zeroq3+int8"`` -> ``("zeroq3", {"int8"})``; raises ``SystemExit`` naming a bad arm."""
     base, *options = arm.split("+")
-    allowed = PEERS.get(base, set(ARM_OPTIONS) if base in ARM_STAGES and base != "ddp" else set())
+    allowed = PEERS.get(base, {"clip"} if base == "ddp" else set(ARM_OPTIONS) if base in ARM_STAGES else set())
     if (base not in ARM_STAGES and base not in PEERS) or any(o not in allowed for o in options):
-        raise SystemExit(f"unknown arm {arm!r}: use ddp, zeroq1/2/3 with optional +{'/+'.join(ARM_OPTIONS)}, or a peer: "
+        raise SystemExit(f"unknown arm {arm!r}: use ddp (+clip), zeroq1/2/3 with optional +{'/+'.join(ARM_OPTIONS)}, or a peer: "
                          + ", ".join(f"{b} (+{'/+'.join(sorted(o))})" for b, o in PEERS.items()))
     return base, set(options)
 
@@ -145,6 +148,8 @@ def fsdp2_arm(model: nn.Module, options: set[str], dev: torch.device):
 
     def finish(loss: torch.Tensor) -> None:
         loss.backward()
+        if "clip" in options:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -170,6 +175,7 @@ def deepspeed_arm(model: nn.Module, stage: int, options: set[str], args: argpars
         "train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
         "bf16": {"enabled": True}, "zero_optimization": zero,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "gradient_clipping": CLIP if "clip" in options else 0.0,
         "steps_per_print": 10**9, "wall_clock_breakdown": False,
     }
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -251,6 +257,8 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
 
         def finish(loss: torch.Tensor) -> None:
             loss.backward()
+            if "clip" in options:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
             opt.step()
             opt.zero_grad(set_to_none=True)
     else:
@@ -275,6 +283,8 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
 
         def finish(loss: torch.Tensor) -> None:
             engine.backward(loss, boundary=True)
+            if "clip" in options:
+                engine.clip_grad_norm_(CLIP)
             engine.step()
 
     g = torch.Generator(device=dev).manual_seed(rank)
