@@ -15,6 +15,7 @@ from torch import nn
 from lightning_zeroq import ZeroConfig, ZeroEngine
 from lightning_zeroq.ops import reference
 from lightning_zeroq.zero.offload.device import CastMaster, DeviceStore
+from lightning_zeroq.zero.offload.split import SplitStore
 from lightning_zeroq.zero.unit import UnitState
 from tests.models import DIM, RichModel, make_batch, param_groups
 from tests.test_hardening import _assert_matches
@@ -126,7 +127,7 @@ def test_prefetch_depth_matches_ddp_and_bounds_what_is_held(dist_pool, depth):
 # --------------------------------------------------------------------------- resting shards
 
 
-def _forced_device_store(config, device, *, payload_dtype, payload_numels, param_dtype, rank):
+def _forced_device_store(config, device, *, payload_dtype, payload_numels, param_dtype, rank, **placement):
     return DeviceStore(device, payload_dtype, payload_numels)  # what shard_store chose before CastMaster
 
 
@@ -183,14 +184,56 @@ def _cast_master_body(dtype_name: str) -> None:
     engine.gatherer.gather(unit)
     engine.publish()  # stores nothing, but still frees a unit left gathered
     assert unit.state is UnitState.SHARDED and unit.flat.untyped_storage().nbytes() == 0
-    for offload in ({"offload_optimizer": True}, {"offload_optimizer": True, "offload_optimizer_ratio": 0.5}):
-        torch.manual_seed(0)
-        e = ZeroEngine(Tower(), ZeroConfig(stage=3, **TRANSIENT, **offload), param_dtype=dtype)
-        assert isinstance(e.gatherer.store, DeviceStore), offload  # the master is not on the device
-        assert e.memory_report()["stored_shards"] > 0, offload
+    torch.manual_seed(0)
+    e = ZeroEngine(Tower(), ZeroConfig(stage=3, **TRANSIENT, offload_optimizer=True), param_dtype=dtype)
+    assert isinstance(e.gatherer.store, DeviceStore)  # no master is on the device
+    assert e.memory_report()["stored_shards"] > 0
     e = ZeroEngine(Tower(), ZeroConfig(stage=3, **TRANSIENT, offload_optimizer=True, offload_optimizer_ratio=0.0),
                    param_dtype=dtype)
     assert isinstance(e.gatherer.store, CastMaster)  # ratio 0 offloads nothing
+
+
+def _split_store_body(dtype_name: str) -> None:
+    """Partial optimizer offload (``offload_optimizer_ratio``): the units whose master stays on the
+    device keep nothing resting between gathers (``SplitStore``), bitwise as the ``DeviceStore`` of every
+    unit did; only the units with a host master keep their working-dtype shard on the device."""
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(0)
+    model = Tower()
+    forced = copy.deepcopy(model)
+    config = ZeroConfig(stage=3, stage3_prefetch_depth=2, offload_optimizer=True, offload_optimizer_ratio=0.5,
+                        **TRANSIENT)
+    engine = ZeroEngine(model, config, param_dtype=dtype)
+    with mock.patch("lightning_zeroq.zero.engine.shard_store", _forced_device_store):
+        old = ZeroEngine(forced, config, param_dtype=dtype)
+    store = engine.gatherer.store
+    assert isinstance(store, SplitStore) and isinstance(old.gatherer.store, DeviceStore)
+    host = engine.placement.host_units
+    transient = {u.index for u in engine.units if not u.persistent}
+    assert store.device_units == transient - host and transient & host and transient - host
+    assert engine.memory_report()["stored_shards"] == sum(
+        u.layout.shard_numel * dtype.itemsize for u in engine.units if u.index in transient & host)
+    for e in (engine, old):
+        e.attach_optimizer(torch.optim.AdamW(e.module.parameters(), lr=1e-2, eps=1e-3))
+    for step in range(3):
+        batch = make_batch(step, 0, dist.get_rank(), uniform=True)
+        losses = []
+        for e in (engine, old):
+            loss = e.module.loss(batch)
+            e.backward(loss)
+            e.clip_grad_norm_(1.0)
+            e.step()
+            losses.append(loss.detach())
+        assert torch.equal(losses[0], losses[1]), (step, losses)
+        for a, b in zip(engine.units, old.units):
+            assert torch.equal(a.master, b.master), (step, a.index)
+        for i, (a, b) in enumerate(zip(_working_weights(engine), _working_weights(old))):
+            assert torch.equal(a, b), (step, i)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_partial_offload_keeps_no_resting_shard_for_device_masters_bitwise(dist_pool, dtype):
+    dist_pool(2).run(_split_store_body, dtype)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

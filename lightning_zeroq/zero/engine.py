@@ -90,7 +90,8 @@ class ZeroEngine:
             store = None
             if transient:
                 store = shard_store(config, self.device, payload_dtype=wire.payload_dtype, payload_numels=transient,
-                                    param_dtype=param_dtype, rank=self.rank)
+                                    param_dtype=param_dtype, rank=self.rank,
+                                    master_on_device=self.placement.master_on_device)
         sync_replicated_state(module, self.device, group)
         self.gatherer = Gatherer(wire, self.placement, store, self.device,
                                  sync_persistent_on_build=config.quantized_weights)

@@ -7,7 +7,7 @@ objects at fixed points and never branches on the offload mode itself.
 |---|---|---|
 | no offload | ``device.OptimizerPlacement`` | full width: ``device.MasterAlias`` (fp32) or ``device.CastMaster`` (bf16/fp16); INT8: ``device.DeviceStore`` |
 | ``offload_optimizer`` (cpu) | ``host.HostOptimizer`` | ``device.DeviceStore`` |
-| ``offload_optimizer`` (cpu), ``0 < offload_optimizer_ratio < 1`` | ``split.SplitOptimizer`` | ``device.DeviceStore`` |
+| ``offload_optimizer`` (cpu), ``0 < offload_optimizer_ratio < 1`` | ``split.SplitOptimizer`` | full width: ``split.SplitStore`` (as no offload for the units whose master stays on the device, ``device.DeviceStore`` for the others); INT8: ``device.DeviceStore`` |
 | ``offload_optimizer`` (cpu), ``offload_optimizer_ratio=0`` | ``device.OptimizerPlacement`` | as no offload |
 | ``offload_optimizer_device="nvme"`` | ``nvme.NvmeOptimizer`` | ``device.DeviceStore`` |
 | ``offload_parameters`` (cpu) | | ``host.HostStore`` |
@@ -15,9 +15,11 @@ objects at fixed points and never branches on the offload mode itself.
 
 At full width with every master on the device, nothing rests between gathers: a gather reads the
 master (``MasterAlias``) or casts it (``CastMaster``, as FSDP2 casts its sharded parameter at each
-all-gather). A ``DeviceStore`` keeps the working-dtype shard (2 bytes per parameter / world size in
-bf16) where masters are off the device (any optimizer offload, partial included, or NVMe), and the
-INT8 payload (about 1.06 bytes) whenever weights are quantized and the parameters stay on the device.
+all-gather); with partial offload so do the units whose master stays on the device. A
+``DeviceStore`` keeps the working-dtype shard (2 bytes per parameter / world size in bf16) of the units
+whose master is off the device (optimizer offload to the host or NVMe), so a gather does not wait for
+the host, and the INT8 payload (about 1.06 bytes) whenever weights are quantized and the parameters
+stay on the device.
 
 ``SplitOptimizer`` (partial offload) holds a ``host.HostOptimizer`` for the units ``split.host_units``
 picks (largest first, until their parameter elements reach the ratio) and a ``device.OptimizerPlacement``
@@ -28,16 +30,16 @@ The generic swap space the NVMe placements build on is ``lightning_zeroq.swap``.
 
 from __future__ import annotations
 
-import torch
+from typing import Callable, Sequence
 
-from typing import Sequence
+import torch
 
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.zero.layout import UnitLayout
 from lightning_zeroq.zero.offload.device import CastMaster, DeviceStore, MasterAlias, OptimizerPlacement, ShardStore
 from lightning_zeroq.zero.offload.host import HostOptimizer, HostStore
 from lightning_zeroq.zero.offload.nvme import NvmeOptimizer, NvmeStore
-from lightning_zeroq.zero.offload.split import SplitOptimizer, host_units
+from lightning_zeroq.zero.offload.split import SplitOptimizer, SplitStore, host_units
 
 __all__ = ["OptimizerPlacement", "ShardStore", "SplitOptimizer", "host_units", "optimizer_placement", "shard_store"]
 
@@ -70,15 +72,22 @@ def shard_store(
     payload_numels: dict[int, int],
     param_dtype: torch.dtype,
     rank: int,
+    master_on_device: Callable[[int], bool] = lambda index: True,
 ) -> ShardStore:
-    """The store of stage 3's transient units (``payload_numels``: unit index -> payload elements)."""
+    """The store of stage 3's transient units (``payload_numels``: unit index -> payload elements;
+    ``master_on_device``: the optimizer placement's answer, per unit)."""
     if config.offload_parameters and config.offload_params_device == "nvme":
         assert config.nvme_path is not None
         return NvmeStore(device, payload_dtype, payload_numels, nvme_path=config.nvme_path, rank=rank)
     if config.offload_parameters:
         return HostStore(device, payload_dtype, payload_numels)
-    if not config.quantized_weights and not _offloads_optimizer(config):
-        if param_dtype == torch.float32:
-            return MasterAlias()  # the fp32 master on the device is already the working shard
-        return CastMaster(param_dtype)  # cast at each gather: the bytes a DeviceStore would keep, bitwise
-    return DeviceStore(device, payload_dtype, payload_numels)
+    if config.quantized_weights:
+        return DeviceStore(device, payload_dtype, payload_numels)
+    # Full width: a master on the device is the working shard (fp32) or is cast at each gather (the
+    # bytes a DeviceStore would keep, bitwise); a master off the device leaves its payload on the device.
+    reads_master = MasterAlias() if param_dtype == torch.float32 else CastMaster(param_dtype)
+    on_device = frozenset(i for i in payload_numels if master_on_device(i))
+    if len(on_device) == len(payload_numels):
+        return reads_master
+    kept = DeviceStore(device, payload_dtype, {i: n for i, n in payload_numels.items() if i not in on_device})
+    return SplitStore(reads_master, kept, on_device) if on_device else kept

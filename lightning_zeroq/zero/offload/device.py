@@ -7,6 +7,7 @@ optimizer step runs. The engine calls it at fixed points of a step and never ask
 it has:
 
 - ``adopt_master`` (build): take this rank's fp32 shard, return the master to keep;
+  ``master_on_device``: whether a unit's master stays on the device (the stage-3 store reads it there);
 - ``attach`` (``attach_optimizer``): the optimizer is bound to the master segments;
   ``state_loaded``: its state was just loaded from a checkpoint;
 - ``grad_reduced`` (backward, on the reduction stream): a unit's gradient shard just grew;
@@ -64,6 +65,10 @@ class OptimizerPlacement:
 
     def adopt_master(self, index: int, shard: Tensor) -> Tensor:
         return shard.clone()
+
+    def master_on_device(self, index: int) -> bool:
+        """Unit ``index``'s master stays on the compute device (so stage 3 can gather from it)."""
+        return True
 
     def attach(self, units: Sequence[Unit], optimizers: Sequence[torch.optim.Optimizer]) -> None:
         pass

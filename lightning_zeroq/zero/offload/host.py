@@ -74,6 +74,9 @@ class HostOptimizer(OptimizerPlacement):
         self.host_grads[index] = host_copy(torch.zeros_like(master), self.pin)
         return master
 
+    def master_on_device(self, index: int) -> bool:
+        return False
+
     def attach(self, units: Sequence[Unit], optimizers: Sequence[torch.optim.Optimizer]) -> None:
         for optimizer in optimizers:
             for group in optimizer.param_groups:

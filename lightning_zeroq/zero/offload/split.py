@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from lightning_zeroq.zero.layout import UnitLayout
-from lightning_zeroq.zero.offload.device import OptimizerPlacement
+from lightning_zeroq.zero.offload.device import OptimizerPlacement, ShardStore
 from lightning_zeroq.zero.offload.host import HostOptimizer
 from lightning_zeroq.zero.unit import Unit
 
@@ -65,6 +65,9 @@ class SplitOptimizer(OptimizerPlacement):
 
     def adopt_master(self, index: int, shard: Tensor) -> Tensor:
         return (self.host if index in self.host_units else self.on_device).adopt_master(index, shard)
+
+    def master_on_device(self, index: int) -> bool:
+        return index not in self.host_units
 
     def attach(self, units: Sequence[Unit], optimizers: Sequence[torch.optim.Optimizer]) -> None:
         on_device, on_host = self._split(units)
@@ -116,3 +119,28 @@ class SplitOptimizer(OptimizerPlacement):
     def close(self) -> None:
         self.on_device.close()
         self.host.close()
+
+
+class SplitStore:
+    """Stage 3 with partial offload: the transient units whose master stays on the device gather from
+    it (``on_device``: ``MasterAlias`` or ``CastMaster``, nothing resting), the others from the payload
+    kept on the device (``off_device``: a ``DeviceStore`` of those units only)."""
+
+    def __init__(self, on_device: ShardStore, off_device: ShardStore, device_units: frozenset[int]) -> None:
+        self.on_device, self.off_device, self.device_units = on_device, off_device, device_units
+
+    def _of(self, unit: Unit) -> ShardStore:
+        return self.on_device if unit.index in self.device_units else self.off_device
+
+    def put(self, unit: Unit, payload: Tensor) -> None:
+        self._of(unit).put(unit, payload)
+
+    def get(self, unit: Unit) -> Tensor:
+        return self._of(unit).get(unit)
+
+    def device_tensors(self) -> list[Tensor]:
+        return self.on_device.device_tensors() + self.off_device.device_tensors()
+
+    def close(self) -> None:
+        self.on_device.close()
+        self.off_device.close()
