@@ -11,7 +11,9 @@ once, when the engine is built, and offers three operations:
 - ``gather(unit, payload)``: stage 3, before every use: every rank's payload -> ``unit.flat``.
 
 Full width. The payload is the working-dtype shard; ``encode`` hands the master over as it is and
-the store's copy casts it (on the host when the master is there, so nothing crosses PCIe twice).
+the store casts it where the payload rests: on the host into pinned memory (parameter offload), on
+the GPU after the fp32 master crossed PCIe once (a host master, payload on the device), or at each
+gather (a device master: nothing rests).
 
 INT8, per unit (all ranks run the same steps on the same sizes):
 
