@@ -306,3 +306,69 @@ def _device_reads_body(offload: str) -> int:
 @pytest.mark.parametrize("offload", ["optimizer_cpu", "optimizer_nvme"])
 def test_a_host_master_is_written_only_after_the_device_read_it(dist_pool, offload):
     assert min(dist_pool(2).run(_device_reads_body, offload)) > 0
+
+
+def _copy_stream_body() -> tuple[list, list, list]:
+    """The gradient copies to the host (CUDA only; emulated): issued at finalize on the copy stream,
+    one event per unit; the step reads a unit's host gradient only after its event; a window dropped
+    after its copies were issued makes the compute stream wait for them before the device shards are
+    zeroed."""
+    from contextlib import nullcontext
+
+    from lightning_zeroq.zero import comm
+
+    log: list = []
+
+    class Stream:
+        def wait_stream(self, other) -> None:
+            pass
+
+        def wait_event(self, event) -> None:
+            log.append(("stream waits", event.n))
+
+    class Event:
+        made = 0
+
+        def __init__(self) -> None:
+            Event.made += 1
+            self.n = Event.made
+
+        def record(self, stream=None) -> None:
+            log.append(("copy issued", self.n))
+
+        def synchronize(self) -> None:
+            log.append(("host waits", self.n))
+
+    real = (torch.cuda.Event, torch.cuda.current_stream, torch.cuda.stream, comm.side_stream)
+    torch.cuda.Event, torch.cuda.current_stream = Event, (lambda device=None: Stream())
+    torch.cuda.stream, comm.side_stream = (lambda stream: nullcontext()), (lambda device: Stream())
+    try:
+        torch.manual_seed(0)
+        model = TwoHeads()
+        engine = ZeroEngine(model, ZeroConfig(stage=2, reduce_bucket_size=700, overlap_comm=False,
+                                              offload_optimizer=True))
+        engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+        n = len(engine.units)
+        engine.backward(_loss(model, 0, 0, 0), boundary=True)
+        assert not log, log  # nothing leaves the device during the backward
+        engine.clip_grad_norm_(1.0)
+        issued = list(log)
+        engine.step()
+        stepped = log[len(issued):]
+        log.clear()
+        engine.backward(_loss(model, 1, 0, 0), boundary=True)
+        engine.clip_grad_norm_(1.0)  # finalize issues the copies ...
+        engine.zero_grad()  # ... and the window is dropped
+        return issued, stepped, log[n:], n
+    finally:
+        torch.cuda.Event, torch.cuda.current_stream, torch.cuda.stream, comm.side_stream = real
+
+
+def test_gradient_copies_are_waited_for_unit_by_unit(dist_pool):
+    issued, stepped, dropped, n = dist_pool(2).run(_copy_stream_body)[0]
+    assert [kind for kind, _ in issued] == ["copy issued"] * n
+    assert sorted(e for _, e in stepped) == sorted(e for _, e in issued)  # each copy waited for once
+    assert all(kind == "host waits" for kind, _ in stepped)
+    # reverse unit order, as the step takes them: the host starts on the first copy issued
+    assert [e for _, e in stepped] == [e for _, e in issued]
+    assert [kind for kind, _ in dropped] == ["stream waits"] * n
