@@ -7,9 +7,11 @@ result" is checked against the commit before it, on the GPU where the CUDA paths
     torchrun --nproc-per-node 1 benchmarks/bitwise_versions.py /tmp/after.pt
     python benchmarks/bitwise_versions.py --compare /tmp/before.pt /tmp/after.pt
 
-Configurations: stage 2 and 3 with CPU optimizer offload, stage 3 with parameter offload too, stage 3
-without offload (prefetch depth 2), stage 2 with half the optimizer offloaded; bf16 autocast, fused
-AdamW, gradient clipping in one step. Without CUDA it runs on gloo and the CPU.
+Configurations: stages 1, 2 and 3 without offload (stage 3 also unmanaged), stage 2 with INT8 gradients,
+stage 2 and 3 with CPU optimizer offload, stage 3 with parameter offload too, stage 2 with half the
+optimizer offloaded; bf16 autocast, fused AdamW, steps of one and of two backward passes, gradient
+clipping in one step; any number of ranks (``--nproc-per-node``; rank 0 saves). Without CUDA it runs
+on gloo and the CPU.
 """
 import os
 import sys
@@ -36,7 +38,12 @@ CONFIGS = {"s2_opt": dict(stage=2, offload_optimizer=True, reduce_bucket_size=3_
            "s3_opt": dict(stage=3, offload_optimizer=True, stage3_param_persistence_threshold=0),
            "s3_params": dict(stage=3, offload_optimizer=True, offload_parameters=True, stage3_param_persistence_threshold=0),
            "s3_none": dict(stage=3, stage3_param_persistence_threshold=0, stage3_prefetch_depth=2),
-           "s2_ratio": dict(stage=2, offload_optimizer=True, offload_optimizer_ratio=0.5, reduce_bucket_size=3_000_000)}
+           "s2_ratio": dict(stage=2, offload_optimizer=True, offload_optimizer_ratio=0.5, reduce_bucket_size=3_000_000),
+           "s1": dict(stage=1, reduce_bucket_size=3_000_000),
+           "s2": dict(stage=2, reduce_bucket_size=3_000_000),
+           "s2_qgrad": dict(stage=2, quantized_gradients=True, reduce_bucket_size=3_000_000),
+           "s3_unmanaged": dict(stage=3, stage3_param_persistence_threshold=0, managed_gradient_accumulation=False)}
+MICRO = 2  # backward passes per step: the accumulation window
 gpu = torch.cuda.is_available()
 dist.init_process_group("nccl" if gpu else "gloo")
 dev = torch.device("cuda", 0) if gpu else torch.device("cpu")
@@ -49,16 +56,19 @@ for name, kw in CONFIGS.items():
     engine = ZeroEngine(model, ZeroConfig(**kw), param_dtype=torch.bfloat16)
     engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True))
     g = torch.Generator(device=dev).manual_seed(0)
+    g.manual_seed(dist.get_rank())
     for step in range(4):
-        tokens = torch.randint(0, 1000, (2, 64), device=dev, generator=g)
-        with torch.autocast(dev.type, dtype=torch.bfloat16):
-            loss = model(tokens)
-        engine.backward(loss, boundary=True)
+        for micro in range(MICRO if step % 2 else 1):  # steps of one backward and of several
+            tokens = torch.randint(0, 1000, (2, 64), device=dev, generator=g)
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                loss = model(tokens)
+            engine.backward(loss, boundary=micro == (MICRO if step % 2 else 1) - 1)
         if step == 2:
             engine.clip_grad_norm_(0.01)
         engine.step()
     out[name] = engine.full_state_dict()
     out[name + "_loss"] = loss.detach().cpu()
     engine.close()
-torch.save(out, sys.argv[1])
+if dist.get_rank() == 0:
+    torch.save(out, sys.argv[1])
 dist.destroy_process_group()

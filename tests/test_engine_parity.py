@@ -246,3 +246,41 @@ def test_dropped_engine_frees_its_buffers(dist_pool, stage: int, quantized: bool
     # Training one model after another in a process (sweeps, notebooks) must not keep every earlier
     # model's shards alive: parameters' gradient hooks hold the engine weakly.
     assert all(dist_pool(2).run(_dropped_engine_body, stage, quantized))
+
+
+def _gradient_lifetime_body(stage: int) -> None:
+    """A unit's fp32 gradient shard exists only within a window: none through the forward (where
+    activations peak), the first reduction kept at the working dtype's width, fp32 from a second
+    reduction or finalize, and released by the step (or zero_grad)."""
+    torch.manual_seed(0)
+    model = RichModel()
+    engine = ZeroEngine(model, ZeroConfig(stage=stage, reduce_bucket_size=300, stage3_wrap_classes=["Linear"],
+                                          stage3_param_persistence_threshold=0), param_dtype=torch.bfloat16)
+    engine.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-2))
+
+    def held() -> tuple[int, int]:
+        return (sum(u.has_grad_storage for u in engine.units), sum(u.pending is not None for u in engine.units))
+
+    n = len(engine.units)
+    for step in range(2):
+        assert held() == (0, 0), (step, held())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            engine.backward(model.loss(make_batch(step, 0, dist.get_rank(), uniform=True)), boundary=False)
+        if stage >= 2:  # reduced in every backward: parts of the working dtype, no fp32 shard yet
+            assert held()[0] == 0 and held()[1] > 0, held()
+            assert all(u.pending.dtype == torch.bfloat16 for u in engine.units if u.pending is not None)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            engine.backward(model.loss(make_batch(step, 1, dist.get_rank(), uniform=True)), boundary=True)
+        engine.clip_grad_norm_(1.0)  # finalize: every shard is fp32 now
+        assert held() == (n, 0), held()
+        assert engine.step()
+    assert held() == (0, 0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        engine.backward(model.loss(make_batch(9, 0, dist.get_rank(), uniform=True)), boundary=True)
+    engine.zero_grad()
+    assert held() == (0, 0)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_gradient_shards_exist_only_within_a_window(dist_pool, stage: int) -> None:
+    dist_pool(2).run(_gradient_lifetime_body, stage)

@@ -338,7 +338,8 @@ class ZeroEngine:
         state_dict.load_sharded_state_dict(self, state)
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds on the device, by kind (what a benchmark compares with the formula)."""
+        """Bytes this rank holds on the device, by kind (what a benchmark compares with the formula).
+        ``gradient_shards``: the fp32 shards a window holds once finalized (released after the step)."""
 
         def on_device(tensors) -> int:
             return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, Tensor) and t.device == self.device)

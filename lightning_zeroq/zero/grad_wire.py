@@ -1,8 +1,9 @@
 """How gradients travel in a reduction: at full width (a reduce-scatter), or as INT8 groups
 (``quantized_gradients``, ZeRO++'s qgZ idea, for every stage).
 
-Both add this rank's part of the sum over ranks, divided by the world size, to the unit's fp32
-gradient shard. All ranks run the same collectives on the same sizes.
+Both return this rank's part of the sum over ranks, divided by the world size, as a new tensor the
+caller adds to the unit's gradient (``Unit.add_grad``, which may keep it as it is). All ranks run the
+same collectives on the same sizes.
 
 Full width: divide by the world size first (so bf16/fp16 sums cannot overflow; SUM because AVG is
 NCCL-only), reduce-scatter in the gradients' dtype, add.
@@ -29,8 +30,9 @@ from lightning_zeroq.zero import comm
 
 
 class GradientWire(Protocol):
-    def reduce(self, shard: Tensor, flat: Tensor) -> None:
-        """``shard += (sum over ranks of their ``flat``)[this rank's part] / world_size``."""
+    def reduce(self, flat: Tensor) -> Tensor:
+        """``(sum over ranks of their ``flat``)[this rank's part] / world_size``, a tensor of its own
+        (``flat`` itself at world size 1: the caller gives it up)."""
 
 
 class FullWidthReduce:
@@ -38,14 +40,13 @@ class FullWidthReduce:
         self.group = group
         self.world_size = comm.world(group)[1]
 
-    def reduce(self, shard: Tensor, flat: Tensor) -> None:
+    def reduce(self, flat: Tensor) -> Tensor:
         if self.world_size == 1:
-            shard.add_(flat)
-            return
+            return flat
         flat.div_(self.world_size)
-        part = torch.empty(shard.numel(), dtype=flat.dtype, device=flat.device)
+        part = torch.empty(flat.numel() // self.world_size, dtype=flat.dtype, device=flat.device)
         comm.reduce_scatter(part, flat, self.group)
-        shard.add_(part)
+        return part
 
 
 class Int8Reduce:
@@ -55,11 +56,10 @@ class Int8Reduce:
         if device.type == "cuda":
             ops.load_cuda_backend()  # compile or load once now, never inside a collective
 
-    def reduce(self, shard: Tensor, flat: Tensor) -> None:
+    def reduce(self, flat: Tensor) -> Tensor:
         if self.world_size == 1:
-            shard.add_(flat)
-            return
-        n = shard.numel()
+            return flat
+        n = flat.numel() // self.world_size
         packed_bytes = ops.packed_nbytes(n, self.group_size)
         send = torch.empty(self.world_size * packed_bytes, dtype=torch.uint8, device=flat.device)
         for r, part in enumerate(flat.split(n)):
@@ -72,4 +72,4 @@ class Int8Reduce:
             ops.unpack_dequantize_int8(recv[r * packed_bytes : (r + 1) * packed_bytes], decoded,
                                        group_size=self.group_size)
             total.add_(decoded)
-        shard.add_(total.div_(self.world_size))
+        return total.div_(self.world_size)

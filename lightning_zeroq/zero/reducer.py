@@ -30,7 +30,9 @@ every rank issues the same collectives.
 
 Reduction of one unit: copy the parameters' gradients into a flat working-dtype buffer and hand it
 to the gradient wire (``grad_wire.py``: a reduce-scatter, or INT8 groups through an all-to-all), which
-adds this rank's part of the average over ranks to the unit's fp32 gradient shard. Then the placement may copy
+returns this rank's part of the average over ranks; the unit adds it to its gradient (``Unit.add_grad``:
+the window's first part is kept as it is, the fp32 shard is made at a second reduction or at
+finalize, and released at the end of the window). Then the placement may copy
 the shard off the device (``grad_reduced``) and the listener (stage 3) may free the unit.
 
 Streams: with ``overlap_comm`` on CUDA, reductions run on a side stream that first waits for the
@@ -229,7 +231,7 @@ class Reducer:
                 accum.zero_()
             # Where a non-finite value came from is only visible before the sum over ranks spreads it.
             self._origin.logical_or_(~torch.isfinite(flat_grad.sum()))
-            self.wire.reduce(unit.grad, flat_grad)
+            unit.add_grad(self.wire.reduce(flat_grad))
             self.placement.grad_reduced(unit, boundary)
         self._reduced[unit.index] = True
         self.listener.unit_reduced(unit)
@@ -263,9 +265,17 @@ class Reducer:
         self.window = Window.FINALIZED
         return self.agreement
 
+    def _materialize(self) -> None:
+        """Every unit's fp32 gradient shard exists and holds the window's gradient (on the reduction
+        stream, where the parts it adds were made); the compute stream then waits for it."""
+        with self._stream.context():
+            for unit in self.units:
+                unit.materialize_grad()
+        self.wait()
+
     def _agree(self, with_dirty: bool) -> tuple[Tensor, set[int], list[bool]]:
         """One MAX all-reduce: [used per parameter | dirty per unit | non-finite per unit | per rank]."""
-        self.wait()
+        self._materialize()
         n_params, n_units = self.num_params, len(self.units)
         stats = torch.zeros(n_params + 2 * n_units + self.world_size, device=self.device)
         if self._used:
@@ -292,9 +302,9 @@ class Reducer:
         # An empty window's buffers are zero already (every gradient opens a window; the last clear
         # zeroed them): a step's own clear followed by the user's zero_grad() zeroes them once.
         written = self.window is not Window.EMPTY
+        compute = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         for unit in self.units:
-            if written:
-                unit.grad.zero_()
+            unit.drop_grad(compute)  # the next window allocates it again
             for p in unit.params:
                 p.grad = None
         for accum in self._accum.values() if written else ():
@@ -310,7 +320,7 @@ class Reducer:
         """Drop the gradients of some parameters only (one of several optimizers stepped or zeroed its
         own); the others' stay, and the window accepts more backward passes."""
         self.end_backward()
-        self.wait()
+        self._materialize()
         for unit in self.units:
             host = self.placement.step_grad(unit)
             for _, seg in optimized.get(unit.index, ()):

@@ -10,8 +10,12 @@ Per unit and rank (see ``layout.py`` for the words):
   pinned host memory, NVMe) is the optimizer placement's business (``offload/``): the placement
   creates it and, for NVMe, swaps it in and out; everything else reads it through the placement.
   ``segment_masters`` are the views the optimizer steps, one per parameter segment.
-- ``grad``: this rank's fp32 gradient shard on the device, accumulated over the window by the
-  reducer and zeroed after each step.
+- ``grad``: this rank's fp32 gradient shard on the device, held only while a window has gradients:
+  its storage is allocated when the window needs it and released after each step, so the forward,
+  where activations peak, holds no gradient memory (as with DDP's ``set_to_none`` and FSDP2). The
+  window's first reduction is kept as it arrives (``pending``: the working-dtype part the
+  reduce-scatter returned, half the bytes of fp32 in bf16) and becomes the fp32 shard only at a second
+  reduction or when the window is finalized, in the same arithmetic as adding it to a zeroed shard.
 
 ``build_units`` runs once: it materializes meta-device parameters unit by unit, flattens each unit,
 broadcasts it from rank 0 (every rank starts from rank 0's values, as with DDP), hands this rank's
@@ -104,6 +108,8 @@ class Unit:
     """Each parameter's dtype when the engine took it (what ``release_module`` hands back)."""
     ready: Optional["torch.cuda.Event"] = None
     """Set while the unit is PREFETCHING."""
+    pending: Optional[Tensor] = None
+    """The window's first reduced part, while ``grad`` holds no storage (see the module docstring)."""
 
     def param_id(self, i: int) -> int:
         return self.first_param_id + i
@@ -118,6 +124,39 @@ class Unit:
         self.master = master
         for view, seg in zip(self.segment_masters, self.segments):
             view.data = master[seg.shard_span]
+
+    @property
+    def has_grad_storage(self) -> bool:
+        return self.grad.untyped_storage().nbytes() > 0
+
+    def add_grad(self, part: Tensor) -> None:
+        """Add a reduced part (this rank's share, any float dtype) to the window's gradient. The first
+        one is kept as it is (the caller hands it over); a second makes the fp32 shard."""
+        if not self.has_grad_storage and self.pending is None:
+            self.pending = part
+            return
+        self.materialize_grad()
+        self.grad.add_(part)
+
+    def materialize_grad(self) -> None:
+        """Give ``grad`` its storage, holding the window's gradient so far (zeros if none): zeroed and
+        the pending part added, as the shard that was always there received it."""
+        if self.has_grad_storage:
+            return
+        self.grad.untyped_storage().resize_(self.grad.numel() * self.grad.element_size())
+        self.grad.zero_()
+        if self.pending is not None:
+            self.grad.add_(self.pending)
+            self.pending = None
+
+    def drop_grad(self, stream: Optional["torch.cuda.Stream"] = None) -> None:
+        """Release the gradient (the window is over). ``stream``: the last stream that used it, so the
+        allocator reuses the memory only after that stream's work (CUDA)."""
+        self.pending = None
+        if self.has_grad_storage:
+            if stream is not None:
+                self.grad.record_stream(stream)
+            self.grad.untyped_storage().resize_(0)
 
     def release_storage(self) -> None:
         """Free the working buffer; the parameters become ``FreedParameter``s until ``restore_storage``."""
@@ -186,7 +225,7 @@ def build_units(
             flat=flat,
             master=master,
             segment_masters=[master[seg.shard_span] for seg in segments],
-            grad=torch.zeros(layout.shard_numel, dtype=torch.float32, device=device),
+            grad=_without_storage(torch.empty(layout.shard_numel, dtype=torch.float32, device=device)),
             module=spec.module,
             persistent=spec.persistent,
             state=UnitState.GATHERED,
@@ -202,3 +241,8 @@ def build_units(
 def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
     """Trainable parameters in registration order, each once (tied weights are one parameter)."""
     return [p for p in module.parameters() if p.requires_grad]
+
+
+def _without_storage(tensor: Tensor) -> Tensor:
+    tensor.untyped_storage().resize_(0)
+    return tensor
