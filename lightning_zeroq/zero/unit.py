@@ -139,14 +139,16 @@ class Unit:
         self.grad.add_(part)
 
     def materialize_grad(self) -> None:
-        """Give ``grad`` its storage, holding the window's gradient so far (zeros if none): zeroed and
-        the pending part added, as the shard that was always there received it."""
+        """Give ``grad`` its storage, holding the window's gradient so far (zeros if none): the pending
+        part plus zero, in one pass -- the values a zeroed shard gets when the part is added to it
+        (every x + 0 is x, and -0 becomes +0 as it does there)."""
         if self.has_grad_storage:
             return
         self.grad.untyped_storage().resize_(self.grad.numel() * self.grad.element_size())
-        self.grad.zero_()
-        if self.pending is not None:
-            self.grad.add_(self.pending)
+        if self.pending is None:
+            self.grad.zero_()
+        else:
+            torch.add(self.pending, 0.0, out=self.grad)
             self.pending = None
 
     def drop_grad(self, stream: Optional["torch.cuda.Stream"] = None) -> None:
