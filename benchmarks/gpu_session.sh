@@ -8,6 +8,8 @@
 # What the open issues still need from 2 H200s (session 5; each mode below is one device call):
 #   #13, #14  peers        (carry .whl: DeepSpeed; ~10 min: split nvlink/shm/socket into two calls if needed)
 #   #12       checkpoint   #15  fabric   #17  side_channel (carry .bench_old)   #11 (optional)  eps
+#   first, on any number of GPUs (1 will do): verify -- session 5's changes that no GPU has run yet
+#   (git archive 35ea923 lightning_zeroq benchmarks csrc | tar -x -C .before; carry .before and .whl)
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/zeroq_out}
@@ -148,6 +150,26 @@ case ${1:-tests} in
     LAUNCH_TIMEOUT=200 LINKS=nvlink ARMS=zeroq2+clip,zeroq2+offload_optimizer+clip,ds2+offload_optimizer+clip \
       bash benchmarks/run_step_time.sh | tee "$out/peers_offload_clip.jsonl"
     ;;
+  verify)  # session 5: lazy gradient shards (0ca1294), SplitStore, teardown release -- no GPU ran them yet
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      && export PYTHONPATH=$PYTHONPATH:/tmp/site
+    build
+    n=$(nvidia-smi -L | wc -l)
+    ZEROQ_GPU_WORLD=$n timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_gpu.py \
+      tests/test_checkpoint_staging.py > "$out/gpu_tests.log" 2>&1
+    grep -E "worst|passed|failed|FAILED|Error" "$out/gpu_tests.log" | tail -20
+    run() { timeout "$1" python3 -m torch.distributed.run --nproc-per-node "$n" --master-port $((29500 + RANDOM % 1000)) "${@:2}"; }
+    (cd .before && PYTHONPATH="$PWD:/tmp/site" run 150 ../benchmarks/bitwise_versions.py /tmp/before.pt) > "$out/bitwise.log" 2>&1
+    run 150 benchmarks/bitwise_versions.py /tmp/after.pt >> "$out/bitwise.log" 2>&1
+    python3 benchmarks/bitwise_versions.py --compare /tmp/before.pt /tmp/after.pt | tee -a "$out/bitwise.log"
+    export OMP_NUM_THREADS=$(( $(nproc) / n ))
+    for i in 1 2; do  # peak memory and step time before and after, alternating
+      (cd .before && PYTHONPATH="$PWD:/tmp/site" run 200 benchmarks/step_time.py --arms zeroq2,zeroq3,zeroq2+offload_optimizer) \
+        2>/dev/null | grep '^{' | sed 's/^{/{"code": "before", /' | tee -a "$out/step_time_verify.jsonl"
+      run 250 benchmarks/step_time.py --arms zeroq2,zeroq3,zeroq2+offload_optimizer,fsdp2 \
+        2>/dev/null | grep '^{' | sed 's/^{/{"code": "after", /' | tee -a "$out/step_time_verify.jsonl"
+    done
+    ;;
   eps)  # issue 11: default AdamW eps, ZeRO vs DDP against DDP vs itself with the ranks summed in reverse order
     build
     for stage in 2 3; do
@@ -155,5 +177,5 @@ case ${1:-tests} in
         | grep -E '^\{|Error' | tee -a "$out/eps_noise_cuda.jsonl"
     done
     ;;
-  *) echo "usage: $0 tests|bench|recheck|links|split|int8_params|side_channel|options|checkpoint|fabric|one_gpu|eps|peers" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|bench|recheck|links|split|int8_params|side_channel|options|checkpoint|fabric|one_gpu|eps|peers|verify" >&2; exit 2 ;;
 esac
