@@ -50,7 +50,7 @@ GATHERED, GRAD_STAGING = "gathered units", "gradient staging (reduce buckets)"
 # (path fragment, function names or None for any, class or None: "ask the caller"). A block's class is
 # that of the innermost Python frame some rule matches, by the first rule (in this order) matching it.
 RULES = [
-    ("benchmarks/memory_account.py", {"_mark_steps", "_mark_measured"}, "markers"),
+    ("benchmarks/memory_account.py", {"_mark_steps", "_mark_measured", "_mark_optimizer_step"}, "markers"),
     ("lightning_zeroq/zero/offload/", {"adopt_master"}, "masters"),
     ("lightning_zeroq/zero/offload/", {"put", "__init__"}, "stored_shards"),
     ("lightning_zeroq/zero/offload/", None, "shard casts, host-copy staging (offload/)"),
@@ -151,13 +151,14 @@ def _walk(trace: list, live: dict, reserved: int):
         yield i, allocated, reserved
 
 
-def replay(trace: list, end_blocks: dict, end_reserved: int, start: int = 0) -> dict:
+def replay(trace: list, end_blocks: dict, end_reserved: int, start: int = 0, moments=()) -> dict:
     """The peak of allocated bytes from just before event ``start`` on (the first if several): its event
     ``index`` (-1: before any), ``bytes``, ``reserved`` bytes, the blocks ``live`` then ({address: (ident,
     bytes, frames)}) and the idents of the blocks live at the end (``final``). A block's ident is its alloc
     event's index, or ("pre", address) where it predates the trace: freed in it before any alloc at its
-    address, or allocated at the end with no event at its address. ``mismatch``: addresses allocated at
-    the end by the replay or by the snapshot but not both (0 unless events were lost)."""
+    address, or allocated at the end with no event at its address. ``at``: the idents live after each
+    event of ``moments``. ``mismatch``: addresses allocated at the end by the replay or by the snapshot
+    but not both (0 unless events were lost)."""
     initial, seen = {}, set()
     for e in trace:
         if e["action"] in (ALLOC, FREE, "free_completed") and e["addr"] not in seen:
@@ -169,11 +170,13 @@ def replay(trace: list, end_blocks: dict, end_reserved: int, start: int = 0) -> 
         + sum(e["size"] for e in trace if e["action"] in SHRINK)
     index, peak, at_reserved = max((s for s in _walk(trace, dict(initial), reserved) if s[0] >= start - 1),
                                    key=lambda s: s[1])
-    live, at_peak = dict(initial), None
+    live, at_peak, at = dict(initial), None, {}
     for i, _, _ in _walk(trace, live, reserved):
         if i == index:
             at_peak = dict(live)
-    return {"index": index, "bytes": peak, "reserved": at_reserved, "live": at_peak,
+        if i in moments:
+            at[i] = {b[0] for b in live.values()}
+    return {"index": index, "bytes": peak, "reserved": at_reserved, "live": at_peak, "at": at,
             "final": {b[0] for b in live.values()}, "mismatch": len(live.keys() ^ end_blocks.keys())}
 
 
@@ -184,28 +187,30 @@ def find_marker(trace: list, name: str) -> int:
     raise ValueError(f"no allocation by {name}() in the trace: were its first events dropped (raise --max-entries)?")
 
 
-def account(snapshot: dict, device: int, marker: str | None = None, owners: dict | None = None,
+def account(snapshot: dict, device: int, marker: str | None = None, owners=(),
             autocast_sizes: frozenset = frozenset(), top: int = 15) -> dict:
     """Classify the blocks live at the peak of ``device``'s trace from the ``marker`` allocation on (the
-    whole trace without one). ``owners`` ({storage address: class}, taken at the end) classes a block
-    that is still allocated at the end; a block from before the trace is ``BEFORE`` unless owned."""
+    whole trace without one). ``owners``: [(moment, {storage address: class})], each table taken right
+    after the allocation by the function named ``moment`` (None: at the end); the first table naming a
+    block's address while that very block was live classes it. Else its stack does; a block from
+    before the trace is ``BEFORE``."""
     trace = snapshot["device_traces"][device] if device < len(snapshot["device_traces"]) else []
     end_blocks, end_reserved = end_state(snapshot, device)
     start = find_marker(trace, marker) if marker else 0
-    r = replay(trace, end_blocks, end_reserved, start)
+    moments = {m: find_marker(trace, m) for m, _ in owners if m}
+    r = replay(trace, end_blocks, end_reserved, start, set(moments.values()))
     classes, keys, blocks = Counter(), Counter(), []
     for addr, (ident, size, frames) in r["live"].items():
         cls, key = classify(frames, size, autocast_sizes)
         if isinstance(ident, tuple):
             cls = BEFORE
-        if owners and addr in owners and ident in r["final"]:
-            cls = owners[addr]
+        cls = next((t[addr] for m, t in owners if addr in t and ident in (r["at"][moments[m]] if m else r["final"])), cls)
         classes[cls] += size
         keys[key] += size
         blocks.append({"addr": addr, "bytes": size, "class": cls,
                        "frames": [describe(f) for f in frames if f["filename"].endswith(".py")][:12]})
     return {"peak_bytes": r["bytes"], "reserved_bytes": r["reserved"], "index": r["index"], "start": start,
-            "events": len(trace), "mismatch": r["mismatch"], "classes": dict(classes.most_common()),
+            "moments": moments, "events": len(trace), "mismatch": r["mismatch"], "classes": dict(classes.most_common()),
             "top": keys.most_common(top), "blocks": blocks}
 
 
@@ -280,12 +285,24 @@ def _mark_measured(dev: torch.device) -> None:
     torch.empty(1, device=dev)
 
 
+def _mark_optimizer_step(dev: torch.device) -> None:
+    torch.empty(1, device=dev)
+
+
 def run_one(name: str, args: argparse.Namespace, dev: torch.device) -> dict:
     rank, device = dist.get_rank(), dev.index or 0
     torch.cuda.memory._record_memory_history("all", context="alloc", stacks=args.stacks, max_entries=args.max_entries,
                                              clear_history=True)
     arm = build_arm(name, args, dev)
     saved, g = SavedBytes(arm.model), torch.Generator(device=dev).manual_seed(rank)
+    inner = getattr(arm.optimizer, "optimizer", arm.optimizer)  # DeepSpeed's wraps a torch optimizer
+    grads, fired, measured = {}, [], False
+
+    def pre_step(opt, *_):  # the measured step's .grad the optimizer steps with (ZeroQ sets its own after the hooks)
+        if measured and not fired:
+            fired.append(_mark_optimizer_step(dev))
+            grads.update(owner_map([("gradient_shards", [p.grad for group in opt.param_groups for p in group["params"]])]))
+    hook = inner.register_step_pre_hook(pre_step)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     _mark_steps(dev)
@@ -302,7 +319,9 @@ def run_one(name: str, args: argparse.Namespace, dev: torch.device) -> dict:
     allocator = [torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()]
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(None)
-    owners, sizes = arm_owners(arm), autocast_sizes(arm.model)
+    hook.remove()
+    owners = [(None, arm_owners(arm))] + ([("_mark_optimizer_step", grads)] if fired else [])
+    sizes = autocast_sizes(arm.model)
     steps, step = (account(snapshot, device, m, owners, sizes) for m in ("_mark_steps", "_mark_measured"))
     formula = {ACTIVATIONS: saved.gib}
     bound = {}
@@ -331,7 +350,8 @@ def report(name: str, r: dict, per_rank: list) -> dict:
     s, m, f, (alloc, reserved) = r["steps"], r["step"], r["formula"], r["allocator"]
     print(f"\n== {name}: world size {len(per_rank)}, torch {torch.__version__}; rank 0: peak after the build (trace, requested"
           f" bytes) {s['peak_bytes'] / GIB:.2f} GiB at event {s['index']} of {s['events']} (steps from {s['start']}, the measured"
-          f" step from {m['start']}, its peak {m['peak_bytes'] / GIB:.2f} GiB at {m['index']}), reserved then"
+          f" step from {m['start']}, its peak {m['peak_bytes'] / GIB:.2f} GiB at {m['index']}, its optimizer step from"
+          f" {m['moments'].get('_mark_optimizer_step', '?')}), reserved then"
           f" {s['reserved_bytes'] / GIB:.2f}\nallocator: max allocated {alloc / GIB:.2f}, max reserved {reserved / GIB:.2f},"
           f" reserved - allocated {(reserved - alloc) / GIB:.2f} GiB; per rank (trace peak, max allocated, max reserved) GiB: "
           + "; ".join(" ".join(f"{x / GIB:.2f}" for x in p) for p in per_rank))

@@ -97,7 +97,7 @@ def test_replay_finds_the_peak_after_the_marker_and_its_live_blocks():
 def test_account_classes_at_the_peak_exactly():
     snap = synthetic()
     owners = {A: "owned masters", C: "owned tokens"}  # C's address: the owner holds G, not the activation
-    acc = ma.account(snap, 0, "_mark_steps", owners)
+    acc = ma.account(snap, 0, "_mark_steps", [(None, owners)])
     assert acc["peak_bytes"] == 2150 and acc["index"] == 15 and acc["start"] == 7
     assert acc["classes"] == {"owned masters": 1000, ma.NO_FRAME: 700, ma.ACTIVATIONS: 300,
                               ma.BEFORE: 100, "optimizer_state": 50}
@@ -113,6 +113,18 @@ def test_account_classes_at_the_peak_exactly():
     assert acc["classes"] == {"unit build (full fp32, working flat)": 5000, "masters": 1000, ma.BEFORE: 100}
     with pytest.raises(ValueError, match="_mark_measured"):
         ma.account(snap, 0, "_mark_measured")
+
+
+def test_owners_taken_at_a_moment_class_only_the_blocks_live_then():
+    snap = synthetic()
+    moment = frame(f"{REPO}/benchmarks/memory_account.py", "_mark_optimizer_step")
+    snap["device_traces"][0][15:15] = [alloc(M + 16, 8, [moment, LOOP]), *free(M + 16, 8)]  # after E's alloc, before F's
+    at_step = {E: "gradient_shards", F: "not yet allocated", A: "second"}
+    acc = ma.account(snap, 0, "_mark_steps", [(None, {A: "first"}), ("_mark_optimizer_step", at_step)])
+    assert (acc["index"], acc["moments"]) == (18, {"_mark_optimizer_step": 15})
+    assert acc["classes"] == {"first": 1000, "gradient_shards": 700, ma.ACTIVATIONS: 300, ma.BEFORE: 100, "optimizer_state": 50}
+    with pytest.raises(ValueError, match="_mark_other"):
+        ma.account(snap, 0, "_mark_steps", [("_mark_other", {})])
 
 
 def test_classify_rules():
@@ -211,8 +223,9 @@ def _run_one_with_a_faked_allocator(out: str) -> tuple:
     from unittest import mock
 
     snap = synthetic()
-    snap["device_traces"][0][12:12] = [alloc(M + 8, 8, [frame(f"{REPO}/benchmarks/memory_account.py", "_mark_measured")]),
-                                       *free(M + 8, 8)]
+    here = f"{REPO}/benchmarks/memory_account.py"
+    snap["device_traces"][0][15:15] = [alloc(M + 16, 8, [frame(here, "_mark_optimizer_step")]), *free(M + 16, 8)]
+    snap["device_traces"][0][12:12] = [alloc(M + 8, 8, [frame(here, "_mark_measured")]), *free(M + 8, 8)]
     fakes = {"memory._record_memory_history": None, "memory._snapshot": snap, "synchronize": None,
              "reset_peak_memory_stats": None, "max_memory_allocated": 2560, "max_memory_reserved": 3 << 20, "empty_cache": None}
     args = argparse.Namespace(vocab=64, dim=32, layers=2, heads=2, ffn=64, bucket=2e8, batch=2, seq=8, warmup=1, steps=1,
@@ -238,4 +251,5 @@ def test_run_one_and_report_end_to_end_with_a_faked_allocator(dist_pool, tmp_pat
     peak = json.loads(gzip.decompress((tmp_path / "zeroq3_rank1_peak.json.gz").read_bytes()))
     assert peak["steps_peak"]["classes"] == {"masters": 1000, ma.NO_FRAME: 700, ma.ACTIVATIONS: 300, ma.BEFORE: 100,
                                              "optimizer_state": 50}
-    assert (peak["measured_step_peak"]["index"], peak["allocator"]) == (18, [2560, 3 << 20])
+    assert (peak["measured_step_peak"]["index"], peak["allocator"]) == (21, [2560, 3 << 20])
+    assert peak["steps_peak"]["moments"] == {"_mark_optimizer_step": 18}  # the hook fired in the measured step
