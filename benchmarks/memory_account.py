@@ -6,11 +6,12 @@ step), take ``torch.cuda.memory._snapshot()`` and replay its trace (``alloc`` ad
 ``free_requested`` removes it, as the allocated-bytes counter does; ``segment_*`` move the reserved bytes)
 to the peak after the build (step_time's ``peak_alloc_GiB`` window) and to the measured step's peak. A
 block live then is classed by who still holds it at the end (ZeroQ: ``memory_report``'s kinds; peers:
-parameters, gradients, optimizer state, DeepSpeed's flat buffers), else by the innermost Python frame of
-its allocation stack that a rule of ``RULES`` matches. Rank 0 prints per arm the classes at both peaks
-beside the formula (``memory_report``; the largest transient unit twice for the gathered units; autograd's
-saved bytes for the activations), the top frames, the allocator's peak allocated and reserved bytes
-(reserved - allocated: the cache's fragmentation) on every rank, and a JSON line. Every rank writes
+parameters, optimizer state, DeepSpeed's flat buffers) or held it as the optimizer's ``.grad`` when the
+measured step's optimizer step began, else by the innermost Python frame of its allocation stack that a
+rule of ``RULES`` matches. Rank 0 prints per arm the classes at both peaks beside the formula
+(``memory_report``; the largest transient unit twice for the gathered units; autograd's saved bytes for
+the activations), the top frames, the allocator's peak allocated and reserved bytes (reserved -
+allocated: the cache's fragmentation) on every rank, and a JSON line. Every rank writes
 ``ARM_rankR_peak.json.gz`` (both accounts, each live block with its stack) into ``--out``, the ranks of
 ``--snapshot-ranks`` ``ARM_rankR.pickle.gz`` too: the snapshot with its trace cut to the steps, or nearer
 the peak, to stay under ``--snapshot-mib`` (gunzip it for https://pytorch.org/memory_viz)::
@@ -125,9 +126,7 @@ def end_state(snapshot: dict, device: int) -> tuple[dict, int]:
         for b in seg["blocks"]:
             addr = b.get("address", addr)
             if b["state"] == "active_allocated":
-                history = (b.get("history") or [{}])[0]  # the format before torch 2.1
-                blocks[addr] = (b.get("requested_size", history.get("real_size", b["size"])),
-                                b.get("frames", history.get("frames", [])))
+                blocks[addr] = (b.get("requested_size", b["size"]), b.get("frames", []))
             addr += b["size"]
     return blocks, reserved
 
@@ -164,7 +163,7 @@ def replay(trace: list, end_blocks: dict, end_reserved: int, start: int = 0, mom
         if e["action"] in (ALLOC, FREE, "free_completed") and e["addr"] not in seen:
             seen.add(e["addr"])
             if e["action"] == FREE:
-                initial[e["addr"]] = (("pre", e["addr"]), e["size"], [])
+                initial[e["addr"]] = (("pre", e["addr"]), e["size"], e.get("frames", []))  # the alloc's, if recorded
     initial.update({a: (("pre", a), s, f) for a, (s, f) in end_blocks.items() if a not in seen})
     reserved = end_reserved - sum(e["size"] for e in trace if e["action"] in GROW) \
         + sum(e["size"] for e in trace if e["action"] in SHRINK)
@@ -277,16 +276,10 @@ def write_snapshot(snapshot: dict, device: int, start: int, peak: int, path: str
         k = min(peak, max(k + 1, len(trace) - int((len(trace) - k) * 0.9 * limit / len(data))))
 
 
-def _mark_steps(dev: torch.device) -> None:  # an allocation whose stack names the moment
-    torch.empty(1, device=dev)
-
-
-def _mark_measured(dev: torch.device) -> None:
-    torch.empty(1, device=dev)
-
-
-def _mark_optimizer_step(dev: torch.device) -> None:
-    torch.empty(1, device=dev)
+# Allocations whose stacks name the moments: the steps begin, the measured step begins, its optimizer step begins.
+def _mark_steps(dev): torch.empty(1, device=dev)  # noqa: E704
+def _mark_measured(dev): torch.empty(1, device=dev)  # noqa: E704
+def _mark_optimizer_step(dev): torch.empty(1, device=dev)  # noqa: E704
 
 
 def run_one(name: str, args: argparse.Namespace, dev: torch.device) -> dict:
