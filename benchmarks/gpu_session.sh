@@ -8,6 +8,7 @@
 # What the open issues still need from 2 H200s (session 5; each mode below is one device call):
 #   #13, #14  peers        (carry .whl: DeepSpeed; ~10 min: split nvlink/shm/socket into two calls if needed)
 #   #12       checkpoint   #15  fabric   #17  side_channel (carry .bench_old)   #11 (optional)  eps
+#   #13       memory       (carry .whl for ds2/ds3; NPROC=1 for world size 1; MEMORY_ARMS=ds2,ds3 for a call of its own)
 #   first, on any number of GPUs (1 will do): verify -- session 5's changes that no GPU has run yet
 #   (git archive 35ea923 lightning_zeroq benchmarks csrc | tar -x -C .before; carry .before and .whl)
 set -u
@@ -177,5 +178,29 @@ case ${1:-tests} in
         | grep -E '^\{|Error' | tee -a "$out/eps_noise_cuda.jsonl"
     done
     ;;
-  *) echo "usage: $0 tests|bench|recheck|links|split|int8_params|side_channel|options|checkpoint|fabric|one_gpu|eps|peers|verify" >&2; exit 2 ;;
+  memory)  # issue 13: every GiB of the peaks by tensor class (benchmarks/memory_account.py), one launch per arm, each with
+           # its own time limit; the first DeepSpeed arm JIT-compiles FusedAdam. Back in $OUT (8 files at most):
+           # memory_account.txt, rank 0's snapshot per arm (*_rank0.pickle.gz, gunzip for pytorch.org/memory_viz) and
+           # memory_peaks.tgz (every rank's live blocks at the peaks with their stacks)
+    ls .whl/*.whl > /dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+    arms=${MEMORY_ARMS:-zeroq2,zeroq3,fsdp2}
+    [ -z "${MEMORY_ARMS:-}" ] && python3 -c "import deepspeed" > /dev/null 2>&1 && arms=$arms,ds2,ds3
+    echo "arms: $arms (world size ${NPROC:-2})" | tee "$out/memory_account.txt"
+    mem=/tmp/zeroq_memory
+    rm -rf "$mem"
+    ds_limit=170
+    for arm in ${arms//,/ }; do
+      limit=${MEMORY_TIMEOUT:-100}
+      case $arm in ds*) limit=${MEMORY_TIMEOUT:-$ds_limit}; ds_limit=110 ;; esac
+      timeout "$limit" python3 -m torch.distributed.run --nproc-per-node "${NPROC:-2}" --master-port $((29500 + RANDOM % 1000)) \
+        benchmarks/memory_account.py --arms "$arm" --out "$mem" --snapshot-mib 10 >> "$out/memory_account.txt" 2>&1 \
+        || echo "memory_account.py $arm: exit $? (time limit ${limit} s; 124: reached)" | tee -a "$out/memory_account.txt"
+      cp "$mem"/*_rank0.pickle.gz "$out/" 2> /dev/null
+      peaks=$(cd "$mem" 2> /dev/null && ls *_peak.json.gz 2> /dev/null)
+      [ -n "$peaks" ] && tar -czf "$out/memory_peaks.tgz" -C "$mem" $peaks
+    done
+    grep -E '^\{' "$out/memory_account.txt" | cut -c1-300
+    ;;
+  *) echo "usage: $0 tests|bench|recheck|links|split|int8_params|side_channel|options|checkpoint|fabric|one_gpu|eps|peers|verify|memory" >&2; exit 2 ;;
 esac

@@ -35,6 +35,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -153,7 +154,7 @@ def fsdp2_arm(model: nn.Module, options: set[str], dev: torch.device):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return model, finish
+    return model, finish, opt
 
 
 def deepspeed_arm(model: nn.Module, stage: int, options: set[str], args: argparse.Namespace):
@@ -237,19 +238,30 @@ def host_rss_gib() -> float:
     return kib / 2**20
 
 
-def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
+class Arm(NamedTuple):
+    """One arm, built: what its step calls (``forward``, ``finish``) and what owns its memory."""
+
+    model: nn.Module
+    forward: Callable
+    finish: Callable
+    engine: Any  # ZeroEngine for zeroq, else None
+    optimizer: Any  # the torch optimizer (zeroq: the one attached to the engine), or DeepSpeed's ZeRO optimizer
+    num_params: int
+
+
+def build_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> Arm:
+    """The model (seed 0) wrapped as ``arm`` says, with its optimizer; no step taken."""
     base, options = parse_arm(arm)
     stage = ARM_STAGES.get(base, -1)
-    rank = dist.get_rank()
-    leftover = allocated_gib()
     torch.manual_seed(0)
     model = GPT(args.vocab, args.dim, args.layers, args.heads, args.ffn).to(dev)
     num_params = sum(p.numel() for p in model.parameters())
     engine = None
     if base == "fsdp2":
-        forward, finish = fsdp2_arm(model, options, dev)
+        forward, finish, opt = fsdp2_arm(model, options, dev)
     elif base in ("ds2", "ds3"):
         forward, finish = deepspeed_arm(model, int(base[2]), options, args)
+        opt = forward.optimizer
     elif stage == 0:
         ddp = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if ON_GPU else None)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -278,7 +290,8 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
                             quantized_weights="int8" in options, offload_optimizer=offload,
                             offload_parameters="offload_params" in options, **extra)
         engine = ZeroEngine(model, config, param_dtype=torch.bfloat16)
-        engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        engine.attach_optimizer(opt)
         forward = model
 
         def finish(loss: torch.Tensor) -> None:
@@ -287,6 +300,15 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
                 engine.clip_grad_norm_(CLIP)
             engine.step()
 
+    return Arm(model, forward, finish, engine, opt, num_params)
+
+
+def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
+    rank = dist.get_rank()
+    leftover = allocated_gib()
+    built = build_arm(arm, args, dev)
+    model, forward, finish, engine, num_params = built.model, built.forward, built.finish, built.engine, built.num_params
+    del built
     g = torch.Generator(device=dev).manual_seed(rank)
     saved = SavedBytes(model)
     times = []
