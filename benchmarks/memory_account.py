@@ -236,7 +236,8 @@ def arm_owners(arm, device_type: str = "cuda") -> dict[int, str]:
     engine, opt, params = arm.engine, arm.optimizer, list(arm.model.parameters())
     if engine is not None:
         store = engine.gatherer.store
-        return owner_map([("masters", [u.master for u in engine.units]), ("gradient_shards", [u.grad for u in engine.units]),
+        return owner_map([("masters", [u.master for u in engine.units]),
+                          ("gradient_shards", [u.grad for u in engine.units if u.has_grad_storage]),  # only in a window
                           ("optimizer_state", list(engine.optimizer.state.values()) if engine.optimizer else []),
                           ("persistent_units", [u.flat for u in engine.units if u.persistent]),
                           ("stored_shards", store.device_tensors() if store is not None else [])], device_type)
@@ -290,11 +291,16 @@ def run_one(name: str, args: argparse.Namespace, dev: torch.device) -> dict:
     saved, g = SavedBytes(arm.model), torch.Generator(device=dev).manual_seed(rank)
     inner = getattr(arm.optimizer, "optimizer", arm.optimizer)  # DeepSpeed's wraps a torch optimizer
     grads, fired, measured = {}, [], False
+    units = list(arm.engine.units) if arm.engine is not None else None
 
-    def pre_step(opt, *_):  # the measured step's .grad the optimizer steps with (ZeroQ sets its own after the hooks)
+    def pre_step(opt, *_):  # the measured step's gradients the optimizer steps with
         if measured and not fired:
             fired.append(_mark_optimizer_step(dev))
-            grads.update(owner_map([("gradient_shards", [p.grad for group in opt.param_groups for p in group["params"]])]))
+            # ZeroQ: the fp32 shards, held from finalize to the end of the step (the views the optimizer
+            # reads are set after the hooks); a peer: the .grad of its parameters
+            held = [u.grad for u in units if u.has_grad_storage] if units is not None else \
+                [p.grad for group in opt.param_groups for p in group["params"]]
+            grads.update(owner_map([("gradient_shards", held)]))
     hook = inner.register_step_pre_hook(pre_step)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -331,6 +337,7 @@ def run_one(name: str, args: argparse.Namespace, dev: torch.device) -> dict:
     if args.snapshot_ranks == "all" or str(rank) in args.snapshot_ranks.split(","):
         kept = write_snapshot(snapshot, device, steps["start"], steps["index"], stem + ".pickle.gz", int(args.snapshot_mib * 2**20))
     wrapped = len(snapshot["device_traces"][device]) >= args.max_entries
+    units = None  # the hook is removed: nothing reads it again
     del arm, loss, tokens, snapshot, saved
     gc.collect()
     torch.cuda.empty_cache()

@@ -170,7 +170,7 @@ def _owners_after_a_step(name: str) -> tuple[list, bool]:
     owners = ma.arm_owners(arm, "cpu")
     units = arm.engine.units if arm.engine is not None else []
     exact = all(owners[u.master.untyped_storage().data_ptr()] == "masters"
-                and owners[u.grad.untyped_storage().data_ptr()] == "gradient_shards"
+                and not u.has_grad_storage  # the gradient shard is released with the window (held during a step)
                 and (not u.persistent or owners[u.flat.untyped_storage().data_ptr()] == "persistent_units") for u in units)
     if arm.engine is not None:
         arm.engine.close()
@@ -179,8 +179,9 @@ def _owners_after_a_step(name: str) -> tuple[list, bool]:
 
 def test_arm_owners_name_what_each_arm_keeps(dist_pool):
     pool = dist_pool(2)
-    expected = {"zeroq2": ["gradient_shards", "masters", "optimizer_state", "persistent_units"],
-                "zeroq3": ["gradient_shards", "masters", "optimizer_state", "persistent_units"],
+    # ZeroQ's gradient shards exist only within a window: classed at the optimizer step (run_one's hook)
+    expected = {"zeroq2": ["masters", "optimizer_state", "persistent_units"],
+                "zeroq3": ["masters", "optimizer_state", "persistent_units"],
                 "fsdp2": ["masters", "optimizer_state"], "ddp": ["optimizer_state", "parameters"]}
     for name, classes in expected.items():
         assert pool.run(_owners_after_a_step, name) == [(classes, True)] * 2, name
