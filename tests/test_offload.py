@@ -372,3 +372,16 @@ def test_gradient_copies_are_waited_for_unit_by_unit(dist_pool):
     # reverse unit order, as the step takes them: the host starts on the first copy issued
     assert [e for _, e in stepped] == [e for _, e in issued]
     assert [kind for kind, _ in dropped] == ["stream waits"] * n
+
+
+@pytest.mark.parametrize("numel, chunk", [(1000, 64), (1000, 1000), (1000, 3000), (1, 7), (0, 5)])
+def test_copy_cast_to_device_chunks_cover_every_element(numel, chunk):
+    """The copy back of a host master (fp32, cast where it lands): chunk by chunk, the tail included,
+    the same values as one cast (here host to host: the chunking is what is tested)."""
+    from lightning_zeroq.zero.offload.device import copy_cast_to_device
+
+    src = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    for dtype in (torch.bfloat16, torch.float16):
+        dst = torch.full((numel,), float("nan"), dtype=dtype)
+        assert copy_cast_to_device(dst, src, chunk_numel=chunk) is dst
+        assert torch.equal(dst, src.to(dtype))
