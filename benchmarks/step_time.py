@@ -95,10 +95,12 @@ def memory_bound(engine) -> dict:
     gather casts the master; offloaded pieces are on the host and not counted), persistent units at
     full width, and for stage 3 the largest transient unit twice (in use + prefetched). A gather's
     cast of this rank's shard is temporary and small beside its unit (1 / world size of it) and is
-    not counted."""
+    not counted. The fp32 gradient shards (``gradient_shards_GiB``) are not in the bound: they exist
+    only from the window's reductions to the end of its step, after the forward, where activations
+    peak (``bound_plus_activations_GiB``), and while the backward frees them."""
     report = engine.memory_report()
     largest = report.pop("largest_transient_unit")
-    state = sum(report.values())
+    state = sum(v for k, v in report.items() if k != "gradient_shards")
     gib = 2**30
     return {"state_GiB": round(state / gib, 2), "largest_unit_GiB": round(largest / gib, 3),
             "bound_GiB": round((state + 2 * largest) / gib, 2),
