@@ -144,6 +144,32 @@ def _working_weights(engine: ZeroEngine) -> list[torch.Tensor]:
     return out
 
 
+def _train_side_by_side(engine: ZeroEngine, old: ZeroEngine, *, steps: int, dtype: torch.dtype,
+                        evaluate: bool) -> None:
+    """Train two engines of the same model and config (one with the store under test, one with the store
+    it replaced) on the same batches, clipped; losses, masters and gathered working weights equal
+    bitwise after every step. ``evaluate``: a no-grad forward after each step gathers from the store too."""
+    for e in (engine, old):
+        e.attach_optimizer(torch.optim.AdamW(e.module.parameters(), lr=1e-2, eps=1e-3))
+    for step in range(steps):
+        batch = make_batch(step, 0, dist.get_rank(), uniform=True)
+        losses = []
+        for e in (engine, old):
+            loss = e.module.loss(batch)
+            e.backward(loss)
+            e.clip_grad_norm_(1.0)
+            e.step()
+            losses.append(loss.detach())
+            if evaluate:
+                with torch.no_grad():
+                    e.module.loss(batch)
+        assert torch.equal(losses[0], losses[1]), (step, losses)
+        for a, b in zip(engine.units, old.units):
+            assert torch.equal(a.master, b.master), (step, a.index)
+        for i, (a, b) in enumerate(zip(_working_weights(engine), _working_weights(old))):
+            assert a.dtype == dtype and torch.equal(a, b), (step, i)
+
+
 def _cast_master_body(dtype_name: str) -> None:
     """bf16/fp16 stage 3 without offload keeps no working-dtype shard between gathers (``CastMaster``)
     and trains bitwise as the ``DeviceStore`` that kept ``master.to(dtype)`` did."""
@@ -161,24 +187,7 @@ def _cast_master_body(dtype_name: str) -> None:
     assert old.memory_report()["stored_shards"] == sum(
         u.layout.shard_numel * dtype.itemsize for u in old.units if not u.persistent)
     first = [u.master.clone() for u in engine.units]
-    for e in (engine, old):
-        e.attach_optimizer(torch.optim.AdamW(e.module.parameters(), lr=1e-2, eps=1e-3))
-    for step in range(4):
-        batch = make_batch(step, 0, dist.get_rank(), uniform=True)
-        losses = []
-        for e in (engine, old):
-            loss = e.module.loss(batch)
-            e.backward(loss)
-            e.clip_grad_norm_(1.0)
-            e.step()
-            losses.append(loss.detach())
-            with torch.no_grad():
-                e.module.loss(batch)  # an evaluation forward between steps gathers from the store too
-        assert torch.equal(losses[0], losses[1]), (step, losses)
-        for a, b in zip(engine.units, old.units):
-            assert torch.equal(a.master, b.master), (step, a.index)
-        for i, (a, b) in enumerate(zip(_working_weights(engine), _working_weights(old))):
-            assert a.dtype == dtype and torch.equal(a, b), (step, i)
+    _train_side_by_side(engine, old, steps=4, dtype=dtype, evaluate=True)
     assert all(not torch.equal(a, u.master) for a, u in zip(first, engine.units))  # it trained
     unit = next(u for u in engine.units if not u.persistent)
     engine.gatherer.gather(unit)
@@ -213,22 +222,7 @@ def _split_store_body(dtype_name: str) -> None:
     assert store.device_units == transient - host and transient & host and transient - host
     assert engine.memory_report()["stored_shards"] == sum(
         u.layout.shard_numel * dtype.itemsize for u in engine.units if u.index in transient & host)
-    for e in (engine, old):
-        e.attach_optimizer(torch.optim.AdamW(e.module.parameters(), lr=1e-2, eps=1e-3))
-    for step in range(3):
-        batch = make_batch(step, 0, dist.get_rank(), uniform=True)
-        losses = []
-        for e in (engine, old):
-            loss = e.module.loss(batch)
-            e.backward(loss)
-            e.clip_grad_norm_(1.0)
-            e.step()
-            losses.append(loss.detach())
-        assert torch.equal(losses[0], losses[1]), (step, losses)
-        for a, b in zip(engine.units, old.units):
-            assert torch.equal(a.master, b.master), (step, a.index)
-        for i, (a, b) in enumerate(zip(_working_weights(engine), _working_weights(old))):
-            assert torch.equal(a, b), (step, i)
+    _train_side_by_side(engine, old, steps=3, dtype=dtype, evaluate=False)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
