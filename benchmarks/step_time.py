@@ -148,6 +148,11 @@ def fsdp2_arm(model: nn.Module, options: set[str], dev: torch.device):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    return model, torch_finish(model, opt, options), opt
+
+
+def torch_finish(model: nn.Module, opt: torch.optim.Optimizer, options: set[str]):
+    """Backward, clipping with ``+clip``, step and ``zero_grad`` as with plain PyTorch (DDP, FSDP2)."""
 
     def finish(loss: torch.Tensor) -> None:
         loss.backward()
@@ -156,7 +161,7 @@ def fsdp2_arm(model: nn.Module, options: set[str], dev: torch.device):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return model, finish, opt
+    return finish
 
 
 def deepspeed_arm(model: nn.Module, stage: int, options: set[str], args: argparse.Namespace):
@@ -267,14 +272,7 @@ def build_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> Arm:
     elif stage == 0:
         ddp = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if ON_GPU else None)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        forward = ddp
-
-        def finish(loss: torch.Tensor) -> None:
-            loss.backward()
-            if "clip" in options:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        forward, finish = ddp, torch_finish(model, opt, options)
     else:
         from lightning_zeroq import ZeroConfig, ZeroEngine
 

@@ -55,6 +55,21 @@ def make_batch(
     return tokens, targets, use_sometimes
 
 
+class MostGathered:
+    """Counts, before each forward of ``modules``, how many of the stage-3 ``units`` hold their full
+    buffer (in use or prefetched); ``most`` is the largest count seen."""
+
+    def __init__(self, modules, units) -> None:
+        self.units, self.most = list(units), 0
+        for module in modules:
+            module.register_forward_pre_hook(self._count)
+
+    def _count(self, module, args) -> None:
+        from lightning_zeroq.zero.unit import UnitState
+
+        self.most = max(self.most, sum(u.state is not UnitState.SHARDED for u in self.units))
+
+
 def param_groups(model: nn.Module, adam: bool = True) -> list[dict]:
     first = [*model.embed.parameters(), *model.block.parameters()]
     ids = {id(p) for p in first}

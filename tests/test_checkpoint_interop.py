@@ -172,21 +172,21 @@ def _compare(got: list[dict], ref: list[dict]) -> None:
                 assert diff <= TOL, f"step {step}: optimizer {name}.{key} differs from DDP by {diff}"
 
 
-def test_fsdp2_checkpoint_resumes_in_zeroq_stage3_at_another_world_size(dist_pool):
+def _save_then_resume(dist_pool, save, save_ranks: int, resume, resume_ranks: int) -> None:
+    """Train and save with ``save`` on ``save_ranks``, resume with ``resume`` on ``resume_ranks``; both
+    halves follow an uninterrupted DDP run step by step."""
     reference = dist_pool(2).run(_ddp_reference)[0]
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "fsdp2")
-        before = dist_pool(2).run(_fsdp_save, path)[0]
-        after = dist_pool(3).run(_zeroq_resume, path)[0]
+        path = os.path.join(tmp, "checkpoint")
+        before = dist_pool(save_ranks).run(save, path)[0]
+        after = dist_pool(resume_ranks).run(resume, path)[0]
     _compare(before, reference[:SPLIT])
     _compare(after, reference[SPLIT:])
+
+
+def test_fsdp2_checkpoint_resumes_in_zeroq_stage3_at_another_world_size(dist_pool):
+    _save_then_resume(dist_pool, _fsdp_save, 2, _zeroq_resume, 3)
 
 
 def test_zeroq_checkpoint_resumes_in_fsdp2_at_another_world_size(dist_pool):
-    reference = dist_pool(2).run(_ddp_reference)[0]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "zeroq")
-        before = dist_pool(3).run(_zeroq_save, path)[0]
-        after = dist_pool(2).run(_fsdp_resume, path)[0]
-    _compare(before, reference[:SPLIT])
-    _compare(after, reference[SPLIT:])
+    _save_then_resume(dist_pool, _zeroq_save, 3, _fsdp_resume, 2)

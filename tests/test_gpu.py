@@ -35,7 +35,7 @@ def test_engine_matches_ddp_nccl(gpu_pool, stage, managed):
 )
 @pytest.mark.parametrize("managed", [True, False], ids=["managed", "unmanaged"])
 def test_offload_matches_ddp_nccl(gpu_pool, stage, offload, managed):
-    # exercises the pinned host buffers, the boundary copy on the comm stream and the H2D write-back
+    # exercises the pinned host buffers, the gradient copies on the copy stream and the copy back with its cast
     worst = gpu_pool(WORLD).run(engine_tests._parity_body, stage, managed, 0.5, "adamw", 300, "cuda", offload)
     print(f"stage {stage} {offload} {'managed' if managed else 'unmanaged'}: worst = {max(worst):.3g}")
     assert max(worst) < 1e-5

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_zeroq import ZeroConfig, ZeroEngine
 from lightning_zeroq.zero.unit import UnitState
-from tests.models import DIM, SEQ, VOCAB
+from tests.models import DIM, SEQ, VOCAB, MostGathered
 
 ORDERS = [[0, 1, 2], [0, 1, 2], [2, 0, 1], [0, 2], [1, 2, 0], [0, 1, 2], [2], [0, 1, 2]]
 
@@ -57,14 +57,7 @@ def _path_body(prefetch: bool, device: str = "cpu") -> int:
     transient = [u for u in engine.units if not u.persistent]
     assert [u.module for u in transient] == list(model.blocks)  # found automatically
     engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    most_gathered = 0
-
-    def count(module, args):
-        nonlocal most_gathered
-        most_gathered = max(most_gathered, sum(u.state is not UnitState.SHARDED for u in transient))
-
-    for block in model.blocks:
-        block.register_forward_pre_hook(count)
+    gathered = MostGathered(model.blocks, transient)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(len(ORDERS)):
@@ -80,13 +73,13 @@ def _path_body(prefetch: bool, device: str = "cpu") -> int:
             full = engine.full_state_dict()
             for name, p in ref.module.named_parameters():
                 assert (full[name] - p.detach().cpu()).abs().max() < 1e-5, (step, name)
-    assert most_gathered <= (2 if prefetch else 1)  # the unit in use plus at most one prefetched
+    assert gathered.most <= (2 if prefetch else 1)  # the unit in use plus at most one prefetched
     path_warnings = [w for w in caught if "different path" in str(w.message)]
     assert len(path_warnings) == (1 if prefetch else 0)  # a warning at most, once, never an error
     with torch.no_grad():  # evaluation: gathers and frees without backward
         _loss(model, 0, rank)
     assert sum(u.state is not UnitState.SHARDED for u in transient) <= int(prefetch)  # at most the prefetched next unit
-    return most_gathered
+    return gathered.most
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

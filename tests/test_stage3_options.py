@@ -17,7 +17,7 @@ from lightning_zeroq.ops import reference
 from lightning_zeroq.zero.offload.device import CastMaster, DeviceStore
 from lightning_zeroq.zero.offload.split import SplitStore
 from lightning_zeroq.zero.unit import UnitState
-from tests.models import DIM, RichModel, make_batch, param_groups
+from tests.models import DIM, MostGathered, RichModel, make_batch, param_groups
 from tests.test_hardening import _assert_matches
 
 TRANSIENT = {"stage3_wrap_classes": ["Linear"], "stage3_param_persistence_threshold": 0}
@@ -53,14 +53,7 @@ def _options_body(options: dict) -> int:
     engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-3)
     transient = [u for u in engine.units if not u.persistent]
-    most = 0
-
-    def count(module, args):
-        nonlocal most
-        most = max(most, sum(u.state is not UnitState.SHARDED for u in transient))
-
-    for block in model.blocks:
-        block.register_forward_pre_hook(count)
+    gathered = MostGathered(model.blocks, transient)
     for step in range(4):
         batch = make_batch(step, 0, dist.get_rank(), uniform=True)
         engine.backward(model.loss(batch))
@@ -70,7 +63,7 @@ def _options_body(options: dict) -> int:
         _averaged_step_clipped(ref, ref_opt, 1.0)
         _assert_matches(engine, ref, f"{options} step {step}")
         assert all(u.state is UnitState.SHARDED for u in transient), "freed after the step"
-    return most
+    return gathered.most
 
 
 def _eval_before_step_body(depth: int) -> None:

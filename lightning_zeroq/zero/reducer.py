@@ -32,8 +32,8 @@ Reduction of one unit: copy the parameters' gradients into a flat working-dtype 
 to the gradient wire (``grad_wire.py``: a reduce-scatter, or INT8 groups through an all-to-all), which
 returns this rank's part of the average over ranks; the unit adds it to its gradient (``Unit.add_grad``:
 the window's first part is kept as it is, the fp32 shard is made at a second reduction or at
-finalize, and released at the end of the window). Then the placement may copy
-the shard off the device (``grad_reduced``) and the listener (stage 3) may free the unit.
+finalize, and released at the end of the window). Then the placement hears of it (``grad_reduced``:
+offload marks an earlier host copy stale) and the listener (stage 3) may free the unit.
 
 Streams: with ``overlap_comm`` on CUDA, reductions run on a side stream that first waits for the
 compute stream; gradient tensors read there are ``record_stream``-ed before they are dropped; the
@@ -197,7 +197,7 @@ class Reducer:
             unit = self._order[self._next]
             if len(self._fired[unit.index]) < len(unit.params):
                 return
-            self._reduce(unit, self._boundary)
+            self._reduce(unit)
             self._next += 1
 
     def end_backward(self) -> None:
@@ -206,14 +206,14 @@ class Reducer:
             return
         if self._reducing:
             for unit in self._order[self._next :]:
-                self._reduce(unit, self._boundary)
+                self._reduce(unit)
             self._next = len(self._order)
             self._local = False
         self.listener.backward_ended()
         self.window = Window.ACCUMULATED
 
     @torch.no_grad()
-    def _reduce(self, unit: Unit, boundary: bool) -> None:
+    def _reduce(self, unit: Unit) -> None:
         """Reduce-scatter the unit's local gradients into its fp32 gradient shard."""
         layout = unit.layout
         with self._stream.context():
@@ -232,7 +232,7 @@ class Reducer:
             # Where a non-finite value came from is only visible before the sum over ranks spreads it.
             self._origin.logical_or_(~torch.isfinite(flat_grad.sum()))
             unit.add_grad(self.wire.reduce(flat_grad))
-            self.placement.grad_reduced(unit, boundary)
+            self.placement.grad_reduced(unit)
         self._reduced[unit.index] = True
         self.listener.unit_reduced(unit)
 
@@ -250,13 +250,13 @@ class Reducer:
         self.end_backward()
         if self._local:
             for unit in self._order:
-                self._reduce(unit, boundary=False)
+                self._reduce(unit)
             self._local = False
         used, dirty, nonfinite = self._agree(with_dirty=True)
         if dirty:  # rare: reduce the late gradients everywhere, then look at finiteness again
             for unit in self._order:
                 if unit.index in dirty:
-                    self._reduce(unit, boundary=False)
+                    self._reduce(unit)
             _, _, nonfinite = self._agree(with_dirty=False)
         self._dirty.clear()
         ranks = [r for r in range(self.world_size) if nonfinite[len(self.units) + r]]

@@ -10,8 +10,7 @@ it has:
   ``master_on_device``: whether a unit's master stays on the device (the stage-3 store reads it there);
 - ``attach`` (``attach_optimizer``): the optimizer is bound to the master segments;
   ``state_loaded``: its state was just loaded from a checkpoint;
-- ``grad_reduced`` (backward, on the reduction stream): a unit's gradient shard just grew;
-  ``boundary`` says it is final for this window (a managed window's last backward);
+- ``grad_reduced`` (backward, on the reduction stream): a unit's gradient just grew;
 - ``gradients_done`` (finalize, after the reductions completed and the agreement was read back):
   every gradient shard is final (offload: copy them to the host now);
 - ``resident`` (publish, state dicts): the units in order, each with its master (and state) readable
@@ -82,7 +81,7 @@ class OptimizerPlacement:
     def step_batches(self, units: Sequence[Unit]) -> Iterator[list[Unit]]:
         yield list(units)
 
-    def grad_reduced(self, unit: Unit, boundary: bool) -> None:
+    def grad_reduced(self, unit: Unit) -> None:
         pass
 
     def gradients_done(self, units: Sequence[Unit]) -> None:

@@ -83,7 +83,7 @@ class HostOptimizer(OptimizerPlacement):
                 prefer_fast_host_step(optimizer, group, self.also_on)
         _give_the_host_step_threads(self.world_size)
 
-    def grad_reduced(self, unit: Unit, boundary: bool) -> None:
+    def grad_reduced(self, unit: Unit) -> None:
         self.fresh.discard(unit.index)  # more gradients arrived: an earlier copy is stale
 
     def _copy_to_host(self, unit: Unit) -> None:
@@ -115,9 +115,7 @@ class HostOptimizer(OptimizerPlacement):
             self.device_reads[unit.index] = done
 
     def wait_device_reads(self, index: int) -> None:
-        done = self.device_reads.pop(index, None)
-        if done is not None:
-            done.synchronize()
+        _wait(self.device_reads, index)
 
     def step_batches(self, units: Sequence[Unit]) -> Iterator[list[Unit]]:
         for unit in self.resident(list(reversed(units))):  # the order the gradients left the device
@@ -129,9 +127,7 @@ class HostOptimizer(OptimizerPlacement):
                 self._copy_to_host(unit)
 
     def step_grad(self, unit: Unit) -> Tensor:
-        done = self.in_flight.pop(unit.index, None)
-        if done is not None:
-            done.synchronize()
+        _wait(self.in_flight, unit.index)
         return self.host_grads[unit.index]
 
     def device_master(self, unit: Unit) -> Tensor:
@@ -143,12 +139,19 @@ class HostOptimizer(OptimizerPlacement):
         return unit.master.to(device=self.device, dtype=dtype, non_blocking=True)
 
     def end_window(self) -> None:
-        """Before the device gradient shards are zeroed: the copies still reading them come first."""
+        """Before the device gradient shards are released: the copies still reading them come first."""
         current = torch.cuda.current_stream(self.device) if self.in_flight else None
         for done in self.in_flight.values():
             current.wait_event(done)
         self.in_flight.clear()
         self.fresh.clear()
+
+
+def _wait(events: dict[int, "torch.cuda.Event"], index: int) -> None:
+    """The host waits for unit ``index``'s event, if one is pending (and forgets it)."""
+    done = events.pop(index, None)
+    if done is not None:
+        done.synchronize()
 
 
 class HostStore:

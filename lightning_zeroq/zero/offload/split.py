@@ -92,8 +92,8 @@ class SplitOptimizer(OptimizerPlacement):
         if on_host:
             yield from self.host.step_batches(on_host)
 
-    def grad_reduced(self, unit: Unit, boundary: bool) -> None:
-        self._of(unit).grad_reduced(unit, boundary)
+    def grad_reduced(self, unit: Unit) -> None:
+        self._of(unit).grad_reduced(unit)
 
     def gradients_done(self, units: Sequence[Unit]) -> None:
         on_device, on_host = self._split(units)
