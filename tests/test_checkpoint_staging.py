@@ -195,6 +195,15 @@ def test_ring_never_holds_more_than_its_capacity_under_concurrency():
     assert ring.buffer is None
 
 
+@pytest.mark.parametrize("bad", [-1, 1.5, "512MiB", True])
+def test_checkpointer_rejects_a_bad_staging_size(bad):
+    from lightning_zeroq.checkpoint.checkpointer import Checkpointer
+
+    with pytest.raises(ValueError, match=f"staging_bytes={bad!r}.*int >= 0"):
+        Checkpointer(staging_bytes=bad)
+    assert Checkpointer(staging_bytes=0).staging is None
+
+
 def test_ring_pickles_without_its_buffer():
     import pickle
 

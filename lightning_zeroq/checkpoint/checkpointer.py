@@ -67,6 +67,9 @@ class Checkpointer:
     of a CUDA tensor and kept; 0: none, each device tensor is copied to a new pageable host tensor)."""
 
     def __init__(self, async_save: bool = False, staging_bytes: int = SYNC_STAGING_BYTES) -> None:
+        if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < 0:
+            raise ValueError(f"Checkpointer(staging_bytes={staging_bytes!r}): give the bytes of pinned host memory "
+                             f"synchronous saves copy through, an int >= 0 (0: none; default {SYNC_STAGING_BYTES}).")
         self.async_save = async_save
         self._pending: Optional[Future] = None
         self._pending_path: Optional[Path] = None
