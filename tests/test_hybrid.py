@@ -164,3 +164,110 @@ def test_engine_refuses_a_size_that_does_not_fit_the_world(dist_pool, value, wor
     for message in dist_pool(4).run(_bad_world_body, value):
         assert f"shard_group_size={value} {words}" in message and "[1, 2, 4]" in message, message
         assert "\n" not in message
+
+
+# ---------------------------------------------------------------- bytes on each hop
+
+
+def _hop_bytes_body(options: dict) -> dict:
+    """Every collective of one step (backward, clip, step), recorded: its hop and the bytes this rank
+    sends in it, counted as a ring sends them (``n`` ranks, ``B`` bytes handed to the collective):
+    reduce-scatter and all-to-all ``(n-1)/n B``, all-gather ``(n-1) B`` (B: this rank's input),
+    all-reduce ``2 (n-1)/n B``."""
+    from lightning_zeroq.zero import comm
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256))
+    engine = ZeroEngine(model, ZeroConfig(stage=2, reduce_bucket_size=10**9, shard_group_size=2, **options))
+    engine.attach_optimizer(torch.optim.AdamW(model.parameters()))
+    hops: dict[str, dict[str, float]] = {}
+
+    def hop(group) -> str:
+        return {id(engine.group): "in_group", id(engine.replica_group): "across_groups"}.get(id(group), "world")
+
+    def record(group, nbytes: float, dtype: torch.dtype) -> None:
+        entry = hops.setdefault(hop(group), {"bytes": 0.0, "calls": 0, "int8_calls": 0})
+        entry["bytes"] += nbytes
+        entry["calls"] += 1
+        entry["int8_calls"] += dtype == torch.uint8
+
+    size = lambda group: comm.world(group)[1]  # noqa: E731
+    original = {name: getattr(comm, name) for name in ("reduce_scatter", "all_gather", "all_to_all", "all_reduce")}
+
+    def reduce_scatter(output, input, group):
+        record(group, input.nbytes * (size(group) - 1) / size(group), input.dtype)
+        return original["reduce_scatter"](output, input, group)
+
+    def all_gather(output, input, group):
+        record(group, input.nbytes * (size(group) - 1), input.dtype)
+        return original["all_gather"](output, input, group)
+
+    def all_to_all(output, input, group):
+        record(group, input.nbytes * (size(group) - 1) / size(group), input.dtype)
+        return original["all_to_all"](output, input, group)
+
+    def all_reduce(tensor, op, group):
+        record(group, 2 * tensor.nbytes * (size(group) - 1) / size(group), tensor.dtype)
+        return original["all_reduce"](tensor, op, group)
+
+    for name, fn in (("reduce_scatter", reduce_scatter), ("all_gather", all_gather), ("all_to_all", all_to_all),
+                     ("all_reduce", all_reduce)):
+        setattr(comm, name, fn)
+    try:
+        x = torch.randn(8, 256, generator=torch.Generator().manual_seed(dist.get_rank()))
+        engine.backward(model(x).pow(2).mean())
+        engine.clip_grad_norm_(1.0)
+        engine.step()
+    finally:
+        for name, fn in original.items():
+            setattr(comm, name, fn)
+    return {"hops": hops, "padded": sum(u.layout.padded_numel for u in engine.units),
+            "params": sum(p.numel() for p in model.parameters()), "num_params": engine.num_params}
+
+
+ARMS = {
+    "full_width": {},
+    "int8_every_hop": {"quantized_gradients": True, "quantized_weights": True, "quantized_weights_exact_numel": 0},
+    "int8_across_groups_only": {"quantized_gradients": True, "quantize_cross_group_only": True},
+}
+
+
+def hop_formula(arm: str, N: int, g: int, G: int, b: int, params: int) -> dict[str, float]:
+    """Bytes each rank sends per step and hop (stage 2, one unit of ``N`` padded elements, shard
+    ``S = N/g``, ``g`` ranks per group, ``G`` groups, ``b`` bytes per working element, INT8 packing
+    ``q(n) = n (1 + 4/64)``):
+
+    - in the group: the gradients' reduce-scatter ``(g-1)/g N b`` (INT8: an all-to-all ``(g-1) q(S)``),
+      the weights' all-gather after the step ``(g-1) S b`` (INT8: ``(g-1) q(S)``), the clip norm's
+      all-reduce ``2 (g-1)/g 4``;
+    - across groups: the gradient shard's all-reduce ``2 (G-1)/G S b`` (INT8: a reduce-scatter as an
+      all-to-all plus an all-gather, ``2 (G-1) q(S/G)``); nothing else crosses groups;
+    - the whole world (``W = gG`` ranks): the step's agreement, one all-reduce of
+      ``(params + 2 units + W)`` fp32 flags, ``2 (W-1)/W 4 (params + 2 + W)``.
+    """
+    S, W = N // g, g * G
+    q = lambda n: n * (1 + 4 / 64)  # noqa: E731
+    int8_in = arm == "int8_every_hop"
+    int8_across = arm != "full_width"
+    return {
+        "in_group": ((g - 1) * q(S) if int8_in else (g - 1) / g * N * b)
+        + ((g - 1) * q(S) if int8_in else (g - 1) * S * b) + 2 * (g - 1) / g * 4,
+        "across_groups": 2 * (G - 1) * q(S // G) if int8_across else 2 * (G - 1) / G * S * b,
+        "world": 2 * (W - 1) / W * 4 * (params + 2 + W),
+    }
+
+
+@pytest.mark.parametrize("arm", list(ARMS))
+def test_bytes_on_each_hop_follow_the_formula(dist_pool, arm: str) -> None:
+    results = dist_pool(4).run(_hop_bytes_body, ARMS[arm])
+    for result in results:
+        hops, N = result["hops"], result["padded"]
+        expected = hop_formula(arm, N, 2, 2, 4, result["num_params"])
+        assert set(hops) == set(expected), hops
+        for name, value in expected.items():
+            assert hops[name]["bytes"] == pytest.approx(value), (arm, name, hops[name], value)
+        across, inside = hops["across_groups"], hops["in_group"]
+        assert across["int8_calls"] == (across["calls"] if arm != "full_width" else 0)
+        assert inside["int8_calls"] == (2 if arm == "int8_every_hop" else 0)  # gradients and weights
+    print(f"\n{arm}: {results[0]['params']} parameters, N={results[0]['padded']} padded elements; bytes sent per "
+          f"rank and step: " + ", ".join(f"{k} {v['bytes']:.0f} ({v['calls']} calls)" for k, v in results[0]["hops"].items()))
