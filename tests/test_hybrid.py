@@ -271,3 +271,50 @@ def test_bytes_on_each_hop_follow_the_formula(dist_pool, arm: str) -> None:
         assert inside["int8_calls"] == (2 if arm == "int8_every_hop" else 0)  # gradients and weights
     print(f"\n{arm}: {results[0]['params']} parameters, N={results[0]['padded']} padded elements; bytes sent per "
           f"rank and step: " + ", ".join(f"{k} {v['bytes']:.0f} ({v['calls']} calls)" for k, v in results[0]["hops"].items()))
+
+
+# ---------------------------------------------------------------- checkpoints across layouts
+
+GLOBAL_BATCH, STEPS_PER_EPOCH = 12, 2  # 12 samples a step: 3 per rank at 4 ranks, 4 at 3 ranks
+
+
+def _fit(options, epochs: int, ckpt_path=None, save_to=None) -> list[dict]:
+    import lightning as L
+
+    from lightning_zeroq import ZeroQStrategy
+    from tests.models import TokenDataset, make_lit_module
+    from tests.test_checkpoint_reshard import _recorder
+
+    world = dist.get_world_size()
+    torch.manual_seed(7)
+    recorder = _recorder()
+    strategy = ZeroQStrategy(**options) if isinstance(options, dict) else options
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[recorder])
+    data = torch.utils.data.DataLoader(TokenDataset(GLOBAL_BATCH * STEPS_PER_EPOCH), batch_size=GLOBAL_BATCH // world)
+    trainer.fit(make_lit_module(scheduler=True), data, ckpt_path=ckpt_path)
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
+    if isinstance(options, dict):
+        assert trainer.strategy.engine.num_groups == world // (options.get("shard_group_size") or world)
+    return recorder.snapshots
+
+
+HYBRID_S3 = {"stage": 3, "shard_group_size": 2, **TRANSIENT}
+HYBRID_S2 = {"stage": 2, "shard_group_size": 2, "reduce_bucket_size": 400}
+FLAT_S2 = {"stage": 2, "reduce_bucket_size": 300}
+FLAT_S1 = {"stage": 1, "reduce_bucket_size": 250}
+
+
+@pytest.mark.parametrize("before, after", [((4, HYBRID_S3), (3, FLAT_S2)), ((3, FLAT_S1), (4, HYBRID_S2))],
+                         ids=["4-hybrid-stage3-to-3-flat-stage2", "3-flat-stage1-to-4-hybrid-stage2"])
+def test_resume_across_hybrid_and_flat_layouts_matches_ddp(dist_pool, tmp_path, before, after) -> None:
+    from tests.test_checkpoint_reshard import assert_runs_match
+
+    ckpt = str(tmp_path / "epoch1.ckpt")
+    first = dist_pool(before[0]).run(_fit, before[1], 1, None, ckpt)[0]
+    second = dist_pool(after[0]).run(_fit, after[1], 2, ckpt)[0]
+    reference = dist_pool(after[0]).run(_fit, "ddp_find_unused_parameters_true", 2)[0]
+    assert len(first) == STEPS_PER_EPOCH and len(reference) == 2 * STEPS_PER_EPOCH
+    assert_runs_match(first + second, reference)
