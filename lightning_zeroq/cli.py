@@ -65,7 +65,7 @@ from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_zeroq.config import ZeroConfig
+from lightning_zeroq.config import ZeroConfig, check_shard_group_size
 from lightning_zeroq.data import DataConfig, TextDataModule, check_one_batch_per_rank
 from lightning_zeroq.gpt import GPT, GPTConfig, OptimConfig
 from lightning_zeroq.precision import PARAM_DTYPES
@@ -288,7 +288,8 @@ def preflight(run: RunConfig) -> None:
     """The checks that depend on this machine or on the text, made before any process starts.
 
     ``RuntimeError`` if the run needs a CUDA GPU and torch sees none; ``ValueError`` if the text does
-    not fill one batch on every rank (training would end after 0 steps).
+    not fill one batch on every rank (training would end after 0 steps), or ``zero.shard_group_size``
+    does not divide the number of ranks.
     """
     cfg = run.trainer
     if cfg.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
@@ -300,6 +301,8 @@ def preflight(run: RunConfig) -> None:
     ranks = _world_size(cfg)
     if ranks is not None:
         check_one_batch_per_rank(run.data, ranks)
+        if run.zero.shard_group_size != "node":
+            check_shard_group_size(run.zero.shard_group_size, ranks)
 
 
 def _world_size(cfg: TrainerConfig) -> Optional[int]:

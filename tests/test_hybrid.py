@@ -318,3 +318,21 @@ def test_resume_across_hybrid_and_flat_layouts_matches_ddp(dist_pool, tmp_path, 
     reference = dist_pool(after[0]).run(_fit, "ddp_find_unused_parameters_true", 2)[0]
     assert len(first) == STEPS_PER_EPOCH and len(reference) == 2 * STEPS_PER_EPOCH
     assert_runs_match(first + second, reference)
+
+
+# ---------------------------------------------------------------- zeroq-train (Hydra)
+
+
+def test_hydra_key_zero_shard_group_size() -> None:
+    from lightning_zeroq.cli import compose_config, config_error_line, preflight, to_run_config
+
+    assert to_run_config(compose_config(["zero.shard_group_size=2", "trainer.devices=4"])).zero.shard_group_size == 2
+    assert to_run_config(compose_config(["zero.shard_group_size=node"])).zero.shard_group_size == "node"
+    assert to_run_config(compose_config([])).zero.shard_group_size is None
+    for overrides, words in ((["zero.shard_group_size=0"], "shard_group_size=0 must be a positive integer"),
+                             (["zero.shard_group_size=3", "trainer.devices=2"], "shard_group_size=3 is larger than "
+                                                                                "the world size 2")):
+        with pytest.raises(ValueError) as info:
+            preflight(to_run_config(compose_config(overrides)))  # before any process starts
+        line = config_error_line(info.value)
+        assert words in line and "[Hydra key: zero.shard_group_size]" in line and "\n" not in line, line
