@@ -12,6 +12,7 @@ over from earlier arms are reported (``leftover_GiB``, expected 0)::
 
     torchrun --nproc-per-node 2 benchmarks/step_time.py --arms ddp,zeroq2,zeroq2+int8
     torchrun --nproc-per-node 2 benchmarks/step_time.py --arms zeroq3,zeroq3+offload_params
+    torchrun --nproc-per-node 2 benchmarks/step_time.py --arms ddp,zeroq2,zeroq2+group1,zeroq2+group1+crossq,zeroq3,zeroq3+group1
 
 An arm is ``ddp``, a peer (``fsdp2`` with ``+keep``/``+offload_optimizer``; DeepSpeed ``ds2`` with
 ``+offload_optimizer``, ``ds3`` with ``+int8``/``+offload_optimizer``/``+offload_params``; see
@@ -19,7 +20,9 @@ An arm is ``ddp``, a peer (``fsdp2`` with ``+keep``/``+offload_optimizer``; Deep
 masters and AdamW state on the CPU) or ``+offload_params`` (stage 3: also the parameters), ``+qgrad``
 (INT8 gradient reduction), ``+keep`` (stage 3, ``reshard_after_forward=False``) and ``+prefetch2``
 (stage 3, two units prefetched), ``+ratio25/50/75`` (with ``+offload_optimizer``: partial offload,
-``offload_optimizer_ratio``). ``+clip`` (every arm): clip the gradients' global norm to ``CLIP`` before
+``offload_optimizer_ratio``), ``+group1/2/4`` (hybrid sharding, ``shard_group_size``: shard inside groups of
+1, 2 or 4 ranks, all-reduce across them) and ``+crossq`` (with a group option: INT8 gradients across
+groups only, ``quantize_cross_group_only``). ``+clip`` (every arm): clip the gradients' global norm to ``CLIP`` before
 every step, each the way its users do (``clip_grad_norm_``, DeepSpeed's ``gradient_clipping``).
 ``activations_GiB`` is what autograd saved for backward in one step (unique storages, parameters
 excluded), measured on the first warm-up step. Rank 0 prints one JSON line per arm;
@@ -109,7 +112,8 @@ def memory_bound(engine) -> dict:
 
 ARM_STAGES = {"ddp": 0, "zeroq1": 1, "zeroq2": 2, "zeroq3": 3}
 ARM_OPTIONS = ("int8", "offload_optimizer", "offload_params", "qgrad", "keep", "prefetch2", "ratio25", "ratio50", "ratio75",
-               "clip")
+               "clip", "group1", "group2", "group4", "crossq")
+SHARD_GROUPS = {"group1": 1, "group2": 2, "group4": 4}  # hybrid sharding: shard_group_size
 CLIP = 1.0  # +clip: gradient-norm clipping at this norm before every step (Lightning's gradient_clip_val)
 RATIOS = {"ratio25": 0.25, "ratio50": 0.5, "ratio75": 0.75}  # partial optimizer offload (with +offload_optimizer)
 PEERS = {  # the peers, beside zeroq in one launch: base -> the options it takes
@@ -286,6 +290,10 @@ def build_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> Arm:
             extra["stage3_prefetch_depth"] = 2
         for option in options & RATIOS.keys():
             extra["offload_optimizer_ratio"] = RATIOS[option]
+        for option in options & SHARD_GROUPS.keys():
+            extra["shard_group_size"] = SHARD_GROUPS[option]
+        if "crossq" in options:
+            extra.update(quantized_gradients=True, quantize_cross_group_only=True)
         config = ZeroConfig(stage=stage, reduce_bucket_size=int(args.bucket) if stage < 3 else ZeroConfig().reduce_bucket_size,
                             quantized_weights="int8" in options, offload_optimizer=offload,
                             offload_parameters="offload_params" in options, **extra)
