@@ -93,14 +93,20 @@ def test_two_groups_of_two_with_cpu_offload_match_ddp(dist_pool, stage: int, off
     assert all(r < 1e-5 for r in dist_pool(4).run(_parity_body, stage, False, offload))
 
 
-def _int8_body(stage: int, steps: int) -> tuple[list[float], list[float]]:
+INT8_ARMS = {
+    # The embedding and the 16x16 weights are quantized; LayerNorm and biases go exactly.
+    "weights": {"quantized_weights": True, "quantized_weights_exact_numel": 64},
+    "gradients_across_groups": {"quantized_gradients": True, "quantize_cross_group_only": True},
+}
+
+
+def _int8_body(stage: int, steps: int, arm: str = "weights") -> tuple[list[float], list[float]]:
     rank = dist.get_rank()
     runs = []
     for quantized in (False, True):
         torch.manual_seed(0)
         model = RichModel()
-        # The embedding and the 16x16 weights are quantized; LayerNorm and biases go exactly.
-        int8 = {"quantized_weights": True, "quantized_weights_exact_numel": 64} if quantized else {}
+        int8 = INT8_ARMS[arm] if quantized else {}
         engine = ZeroEngine(model, ZeroConfig(stage=stage, shard_group_size=2, reduce_bucket_size=500,
                                               **int8, **(TRANSIENT if stage == 3 else {})))
         engine.attach_optimizer(torch.optim.AdamW(param_groups(model)))
@@ -112,6 +118,7 @@ def _int8_body(stage: int, steps: int) -> tuple[list[float], list[float]]:
             engine.step()
             losses.append(float(loss.detach()))
         for unit in engine.units:  # every rank of both groups holds the same (dequantized) weights
+            assert _same_across_groups(engine.placement.device_master(unit), engine)
             if unit.persistent:
                 assert _same_across_groups(unit.flat, engine, within=True)
                 assert _same_across_groups(unit.flat, engine)
@@ -119,12 +126,12 @@ def _int8_body(stage: int, steps: int) -> tuple[list[float], list[float]]:
     return runs[0], runs[1]
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_int8_weights_in_groups_follow_full_width(dist_pool, stage: int) -> None:
+@pytest.mark.parametrize("stage, arm", [(2, "weights"), (3, "weights"), (2, "gradients_across_groups")])
+def test_int8_in_groups_follows_full_width(dist_pool, stage: int, arm: str) -> None:
     # The tolerance of test_quantized.test_quantized_training_follows_full_width: INT8 groups of 64
     # move a weight by at most absmax/254 per gather and the masters stay exact, so the per-step
-    # loss stays within 2% of the full-width run.
-    for plain, quant in dist_pool(4).run(_int8_body, stage, 15):
+    # loss stays within 2% of the full-width run. The groups' copies stay bitwise equal.
+    for plain, quant in dist_pool(4).run(_int8_body, stage, 15, arm):
         worst = max(abs(a - b) / a for a, b in zip(plain, quant))
         assert 0 < worst < 0.02, worst  # 0: nothing was quantized
         assert quant[-1] < quant[0] - 0.1
