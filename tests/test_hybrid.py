@@ -343,3 +343,68 @@ def test_hydra_key_zero_shard_group_size() -> None:
             preflight(to_run_config(compose_config(overrides)))  # before any process starts
         line = config_error_line(info.value)
         assert words in line and "[Hydra key: zero.shard_group_size]" in line and "\n" not in line, line
+
+
+# ---------------------------------------------------------------- Fabric, two "nodes"
+
+
+def _fabric_two_nodes_body() -> float:
+    import os
+
+    import lightning as L
+
+    from lightning_zeroq import ZeroQFabricStrategy
+    from tests.test_fabric import _train_in_lockstep
+
+    rank = dist.get_rank()
+    os.environ.update(NODE_RANK=str(rank // 2), LOCAL_RANK=str(rank % 2))  # 2 nodes of 2 (the pool resets them)
+    fabrics = []
+    for strategy in (ZeroQFabricStrategy(stage=2, reduce_bucket_size=300, shard_group_size="node"),
+                     "ddp_find_unused_parameters_true"):
+        fabrics.append(L.Fabric(accelerator="cpu", devices=2, num_nodes=2, strategy=strategy))
+        fabrics[-1].launch()
+    zq, ddp = fabrics
+    torch.manual_seed(1234 + rank)
+    model = RichModel()
+    ref = copy.deepcopy(model)
+    model, opt = zq.setup(model, torch.optim.AdamW(param_groups(model), eps=1e-3))
+    ref_model, ref_opt = ddp.setup(ref, torch.optim.AdamW(param_groups(ref), eps=1e-3))
+    engine = zq.strategy.engine
+    assert (zq.node_rank, zq.global_rank, engine.world_size, engine.num_groups) == (rank // 2, rank, 2, 2)
+    return _train_in_lockstep(zq, model, opt, ddp, ref_model, ref_opt, stage=2, managed=True)
+
+
+def test_fabric_with_a_group_per_node_matches_ddp(dist_pool) -> None:
+    assert max(dist_pool(4).run(_fabric_two_nodes_body)) <= 1e-5
+
+
+# ---------------------------------------------------------------- agreement across the world
+
+
+def _nonfinite_in_one_group_body() -> tuple[bool, list[int]]:
+    rank = dist.get_rank()
+    model = RichModel()
+    engine = ZeroEngine(model, ZeroConfig(stage=2, shard_group_size=2, nonfinite_gradients="skip"))
+    engine.attach_optimizer(torch.optim.AdamW(param_groups(model)))
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = model.loss(make_batch(0, 0, rank))
+    engine.backward(loss * float("nan") if rank == 3 else loss)  # only the second group's last rank
+    engine.finalize_gradients()
+    ranks = list(engine.reducer.agreement.nonfinite_ranks)
+    stepped = engine.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    return stepped, ranks
+
+
+def test_a_nonfinite_gradient_in_one_group_skips_the_step_everywhere(dist_pool) -> None:
+    # The agreement spans the world: rank 3 (world rank, not its rank in its group) is named on every rank.
+    assert dist_pool(4).run(_nonfinite_in_one_group_body) == [(False, [3])] * 4
+
+
+def test_quantize_cross_group_only_says_when_it_cannot_take_effect() -> None:
+    alone = ZeroConfig(quantize_cross_group_only=True).ineffective(False)
+    assert any("no effect without quantized_gradients=True" in m for m in alone)
+    weights = ZeroConfig(quantize_cross_group_only=True, quantized_gradients=True, quantized_weights=True)
+    assert any(m.startswith("quantized_weights=True has no effect") for m in weights.ineffective(False))
+    with pytest.warns(UserWarning, match="quantize_cross_group_only=True has no effect: one group holds all 1 ranks"):
+        ZeroEngine(RichModel(), ZeroConfig(quantize_cross_group_only=True, quantized_gradients=True))
