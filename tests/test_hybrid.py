@@ -36,7 +36,7 @@ def _same_across_groups(tensor: torch.Tensor, engine: ZeroEngine, within: bool =
     return all(torch.equal(c, mine) for c in copies)
 
 
-def _parity_body(stage: int, managed: bool, offload: str = "none", **options) -> float:
+def _parity_body(stage: int, managed: bool, offload: str = "none", size: int = 2, **options) -> float:
     rank = dist.get_rank()
     torch.manual_seed(1234 + rank)  # every rank starts elsewhere: the engine syncs from rank 0, as DDP
     model = RichModel()
@@ -44,10 +44,12 @@ def _parity_body(stage: int, managed: bool, offload: str = "none", **options) ->
     ddp = DistributedDataParallel(ref_model, find_unused_parameters=True)
     ref_opt = torch.optim.AdamW(param_groups(ref_model), eps=1e-3)  # eps: see test_engine_parity
     config = ZeroConfig(stage=stage, reduce_bucket_size=300, managed_gradient_accumulation=managed,
-                        shard_group_size=2, **(TRANSIENT if stage == 3 else {}), **OFFLOAD[offload], **options)
+                        shard_group_size=size, **(TRANSIENT if stage == 3 else {}), **OFFLOAD[offload], **options)
     engine = ZeroEngine(model, config)
-    assert (engine.world_size, engine.num_groups, engine.rank, engine.replica_rank) == (2, 2, rank % 2, rank // 2)
-    assert all(u.layout.world_size == 2 for u in engine.units)
+    groups = dist.get_world_size() // size
+    assert (engine.world_size, engine.num_groups, engine.rank, engine.replica_rank) == (size, groups, rank % size,
+                                                                                        rank // size)
+    assert all(u.layout.world_size == size for u in engine.units)
     transient = [u for u in engine.units if not u.persistent]
     assert (len(transient) > 0) == (stage == 3)
     engine.attach_optimizer(torch.optim.AdamW(param_groups(model), eps=1e-3))
@@ -67,11 +69,13 @@ def _parity_body(stage: int, managed: bool, offload: str = "none", **options) ->
         norm = engine.clip_grad_norm_(0.5)
         ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5)
         assert abs(float(norm) - float(ref_norm)) < 1e-5 * max(1.0, float(ref_norm))
-        assert _same_across_groups(torch.cat([u.grad for u in engine.units]), engine)
+        if groups > 1:
+            assert _same_across_groups(torch.cat([u.grad for u in engine.units]), engine)
         engine.step()
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
-        assert _same_across_groups(torch.cat([engine.placement.device_master(u) for u in engine.units]), engine)
+        if groups > 1:
+            assert _same_across_groups(torch.cat([engine.placement.device_master(u) for u in engine.units]), engine)
         full = engine.full_state_dict()
         for name, p in ref_model.named_parameters(remove_duplicate=False):
             diff = (full[name] - p.detach()).abs().max().item()
@@ -98,6 +102,12 @@ INT8_ARMS = {
     "weights": {"quantized_weights": True, "quantized_weights_exact_numel": 64},
     "gradients_across_groups": {"quantized_gradients": True, "quantize_cross_group_only": True},
 }
+
+
+@pytest.mark.parametrize("size", [1, 4])
+def test_groups_of_one_and_of_the_world_match_ddp(dist_pool, size: int) -> None:
+    # 1: every rank a group (nothing sharded, gradients all-reduced); 4: one group (plain ZeRO)
+    assert all(r < 1e-5 for r in dist_pool(4).run(_parity_body, 2, True, "none", size))
 
 
 def _int8_body(stage: int, steps: int, arm: str = "weights") -> tuple[list[float], list[float]]:
