@@ -346,9 +346,9 @@ def test_hydra_key_zero_shard_group_size() -> None:
     assert to_run_config(compose_config(["zero.shard_group_size=2", "trainer.devices=4"])).zero.shard_group_size == 2
     assert to_run_config(compose_config(["zero.shard_group_size=node"])).zero.shard_group_size == "node"
     assert to_run_config(compose_config([])).zero.shard_group_size is None
+    too_large = "shard_group_size=3 is larger than the world size 2"
     for overrides, words in ((["zero.shard_group_size=0"], "shard_group_size=0 must be a positive integer"),
-                             (["zero.shard_group_size=3", "trainer.devices=2"], "shard_group_size=3 is larger than "
-                                                                                "the world size 2")):
+                             (["zero.shard_group_size=3", "trainer.devices=2"], too_large)):
         with pytest.raises(ValueError) as info:
             preflight(to_run_config(compose_config(overrides)))  # before any process starts
         line = config_error_line(info.value)
