@@ -199,10 +199,7 @@ class ZeroConfig:
                 f"ZeroConfig.offload_parameters=True needs stage=3 (got stage={self.stage}): parameters are "
                 "only sharded at rest in stage 3. Set stage=3 or offload only the optimizer."
             )
-        uses_nvme = (self.offload_optimizer and self.offload_optimizer_device == "nvme") or (
-            self.offload_parameters and self.offload_params_device == "nvme"
-        )
-        if uses_nvme and not self.nvme_path:
+        if self.uses_nvme and not self.nvme_path:
             raise ValueError(
                 f"ZeroConfig.nvme_path={self.nvme_path!r}: NVMe offload needs a directory to swap to; set "
                 "nvme_path to a writable directory on a fast local disk."
@@ -244,12 +241,15 @@ class ZeroConfig:
         if not self.offload_parameters and changed("offload_params_device"):
             out.append(f"offload_params_device={self.offload_params_device!r} has no effect without "
                        "offload_parameters=True.")
-        uses_nvme = (self.offload_optimizer and self.offload_optimizer_device == "nvme") or (
-            self.offload_parameters and self.offload_params_device == "nvme"
-        )
-        if self.nvme_path and not uses_nvme:
+        if self.nvme_path and not self.uses_nvme:
             out.append(f"nvme_path={self.nvme_path!r} has no effect: nothing is offloaded to NVMe.")
         return out
+
+    @property
+    def uses_nvme(self) -> bool:
+        """Whether anything (optimizer state or stage-3 parameters) is offloaded to ``nvme_path``."""
+        return bool((self.offload_optimizer and self.offload_optimizer_device == "nvme")
+                    or (self.offload_parameters and self.offload_params_device == "nvme"))
 
     def replace(self, **changes: Any) -> "ZeroConfig":
         """A copy with ``changes`` applied (and validated)."""
@@ -258,3 +258,30 @@ class ZeroConfig:
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
     return check_int("ZeroConfig", name, value, minimum)
+
+
+def check_swap_directory(path: Optional[str]) -> None:
+    """``ValueError`` unless ``path`` is an existing directory this process can create files in.
+
+    A write probe rather than permission bits: a read-only mount refuses root too, and root passes
+    every permission check. Made before any process starts (``zeroq-train``), so a bad path is one
+    line instead of a traceback from every rank once the engine builds its swap space.
+    """
+    import os
+    import tempfile
+    from pathlib import Path
+
+    root = Path(path or "").expanduser()
+    if not path or not root.exists():
+        raise ValueError(f"ZeroConfig.nvme_path={path!r} does not exist; create the directory or set nvme_path "
+                         "to an existing directory on a fast local disk.")
+    if not root.is_dir():
+        raise ValueError(f"ZeroConfig.nvme_path={path!r} is not a directory; set nvme_path to a directory on a "
+                         "fast local disk.")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".zeroq-probe-", dir=root)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise ValueError(f"ZeroConfig.nvme_path={path!r} is not writable ({err.strerror}); fix its permissions or "
+                         "set nvme_path to a writable directory.") from None
