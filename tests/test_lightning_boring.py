@@ -118,3 +118,75 @@ def test_a_closed_engine_refuses_to_save_and_an_empty_optimizer_state_does_not(t
     with pytest.raises(CheckpointError, match="the engine that held its state was closed"):
         save_engine(engine, tmp_path / "closed")
     assert not (tmp_path / "closed").exists()
+
+
+# ---------------------------------------------------------------------- zeroq-convert keeps the trainer state
+
+
+def _scored_fit(tmp: str) -> dict:
+    """Stage 2 fit of a BoringModel that logs its loss and uses SGD with momentum; ModelCheckpoint
+    keeps the best two by that loss (its scores are tensors in the trainer state). Then a save, and
+    what the in-memory checkpoint holds: the trainer state, full parameters, full optimizer state."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_zeroq import ZeroQStrategy
+    from lightning_zeroq.checkpoint import engine_state
+
+    class Scored(BoringModel):
+        def training_step(self, batch, batch_idx):
+            out = super().training_step(batch, batch_idx)
+            self.log("loss", out["loss"], sync_dist=True)
+            return out
+
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+            return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)]
+
+    L.seed_everything(1, verbose=False)
+    strategy = ZeroQStrategy(stage=2)
+    saver = ModelCheckpoint(dirpath=os.path.join(tmp, "ckpts"), monitor="loss", save_top_k=2, every_n_train_steps=1)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=4, callbacks=[saver], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    data = torch.randn(64, 32, generator=torch.Generator().manual_seed(2))
+    trainer.fit(Scored(), torch.utils.data.DataLoader(data, batch_size=2))
+    trainer.save_checkpoint(os.path.join(tmp, "final.ckpt"))
+    memory = trainer._checkpoint_connector.dump_checkpoint()
+    names = [n for g in engine_state.sharded_optimizer_state(strategy.engine)["param_groups"] for n in g["params"]]
+    return {"trainer": {k: v for k, v in memory.items() if k not in ("state_dict", "optimizer_states")},
+            "params": strategy.full_state_dict(), "names": names,
+            "optimizer": engine_state.full_optimizer_state(strategy.engine)}
+
+
+@pytest.fixture(scope="module")
+def scored(dist_pool, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("scored")
+    return tmp, dist_pool(2).run(_scored_fit, str(tmp))[0]
+
+
+@pytest.mark.parametrize("flags", [{"lightning": True}, {"optimizer": True}], ids=["lightning", "optimizer"])
+def test_zeroq_convert_writes_every_tensor_of_the_checkpoint(scored, tmp_path, flags):
+    from lightning_zeroq.checkpoint.convert import _tensor_at, consolidate, held_tensors
+
+    saved, memory = scored
+    out = consolidate(saved / "final.ckpt", tmp_path / "out.ckpt", **flags)
+    converted = torch.load(out, weights_only=True)
+    trainer_paths = set()
+    for path, value in held_tensors(converted):
+        if path[0] == "state_dict":
+            want = memory["params"][path[1]]
+        elif path[0] == "optimizer_states":
+            assert flags.get("optimizer") and path[:3] == ("optimizer_states", 0, "state"), path
+            want = memory["optimizer"][memory["names"][path[3]]][path[4]]
+        else:
+            want = _tensor_at(memory["trainer"], path)
+            trainer_paths.add(path)
+        assert value.dtype == want.dtype and torch.equal(value, want), (path, value, want)
+    expected = {path for path, _ in held_tensors(memory["trainer"])}
+    assert trainer_paths == expected
+    scores = [t for p, t in held_tensors(memory["trainer"]) if "current_score" in p or "best_model_score" in p]
+    assert len(scores) == 2 and all(t.item() > 0 for t in scores)  # what the conversion wrote as zeros
+    assert set(converted["state_dict"]) == set(memory["params"])
+    if flags.get("optimizer"):
+        assert len(converted["optimizer_states"][0]["state"]) == len(memory["names"])
