@@ -190,3 +190,40 @@ def test_zeroq_convert_writes_every_tensor_of_the_checkpoint(scored, tmp_path, f
     assert set(converted["state_dict"]) == set(memory["params"])
     if flags.get("optimizer"):
         assert len(converted["optimizer_states"][0]["state"]) == len(memory["names"])
+
+
+# ---------------------------------------------------------------------- one rank reads a checkpoint alone
+
+
+def _one_rank_reads(tmp: str) -> dict:
+    """As Lightning's DeepSpeed tests do: after fit, rank 0 alone consolidates the checkpoint and loads
+    it with ``load_from_checkpoint`` while the other rank is already waiting at a barrier."""
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_zeroq.checkpoint.convert import consolidate
+
+    L.seed_everything(1, verbose=False)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="zeroq_stage_2", max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0)
+    model = BoringModel()
+    trainer.fit(model)
+    ckpt = os.path.join(tmp, "final.ckpt")
+    trainer.save_checkpoint(ckpt)
+    full = trainer.strategy.full_state_dict()
+    out = {}
+    if dist.get_rank() == 0:
+        file = consolidate(ckpt, os.path.join(tmp, "model.pt"))
+        out["consolidated"] = torch.load(file, weights_only=True)
+        out["loaded"] = dict(BoringModel.load_from_checkpoint(ckpt).state_dict())
+    dist.barrier()
+    return {**out, "full": full}
+
+
+def test_one_rank_consolidates_and_loads_while_the_others_wait(dist_pool, tmp_path):
+    results = dist_pool(2).run(_one_rank_reads, str(tmp_path))
+    first = results[0]
+    for key in ("consolidated", "loaded"):
+        assert first[key].keys() == first["full"].keys()
+        assert all(torch.equal(first[key][k], first["full"][k]) for k in first["full"]), key
