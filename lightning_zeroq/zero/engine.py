@@ -125,6 +125,8 @@ class ZeroEngine:
         self._base = 1.0
         self.retired = False
         """``release_module`` handed the module back; the state stays readable, training is over."""
+        self.closed = False
+        """``close`` released the state (hooks, stores, NVMe swap files): nothing is left to save or load."""
         access.register(self)
         self.steps = 0
         """Optimizer steps attempted (skipped ones included)."""
@@ -372,7 +374,10 @@ class ZeroEngine:
             self.retired = True
 
     def close(self) -> None:
-        """Remove every hook and swap file; the module keeps its current (working) parameters."""
+        """Remove every hook and swap file; the module keeps its current (working) parameters. The
+        engine's state is released (with NVMe offload its masters and optimizer state were in the swap
+        files): ``closed`` says so, and a checkpoint save refuses it."""
+        self.closed = True
         self.reducer.close()
         self.placement.close()
         self.gatherer.close()

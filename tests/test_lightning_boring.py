@@ -1,0 +1,229 @@
+"""Lightning's own ``BoringModel`` (one ``Linear``, plain SGD without momentum: an optimizer whose
+state stays empty, and a ``StepLR``) with ``ModelCheckpoint`` saving every step, on 2 gloo ranks.
+
+Each case fits 6 steps in one stage, resumes from the step-4 checkpoint in another stage (and
+another offload) for steps 5 to 8, and matches DDP doing the same fit-and-resume step by step (every
+parameter after every step, at 1e-5). Stage 3 runs with its unit really freed between uses
+(``stage3_wrap_classes=["Linear"]``, threshold 0).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lightning_zeroq  # noqa: F401  (registers the strategy names)
+
+TOL = 1e-5
+FIRST_STEPS, RESUME_AT, LAST_STEP = 6, 4, 8
+FREED = {"stage3_wrap_classes": ["Linear"], "stage3_param_persistence_threshold": 0}
+S1, S2, S3 = {"stage": 1}, {"stage": 2}, {"stage": 3, **FREED}
+CPU = {"offload_optimizer": True}
+NVME = {"offload_optimizer": True, "offload_optimizer_device": "nvme"}
+
+
+def _boring(strategy, max_steps: int, dirpath: str, ckpt_path=None) -> list[dict]:
+    """Fit ``BoringModel`` for ``max_steps`` with a checkpoint every step; every parameter after
+    every step (full values, on every rank)."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    class Record(L.Callback):
+        def __init__(self) -> None:
+            self.steps: list[dict] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if hasattr(trainer.strategy, "full_state_dict"):
+                params = trainer.strategy.full_state_dict()
+            else:
+                params = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+            self.steps.append({"step": trainer.global_step, "params": params})
+
+    L.seed_everything(1, verbose=False)
+    model = BoringModel()
+    data = torch.randn(64, 32, generator=torch.Generator().manual_seed(2))  # the same samples in every run
+    record = Record()
+    saver = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=1, save_top_k=-1)
+    trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy, max_steps=max_steps,
+                        callbacks=[record, saver], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=2), ckpt_path=ckpt_path)
+    return record.steps
+
+
+def _zeroq(kind: dict, tmp: str) -> dict:
+    from lightning_zeroq import ZeroQStrategy
+
+    return ZeroQStrategy(**{**kind, **({"nvme_path": tmp} if kind.get("offload_optimizer_device") == "nvme" else {})})
+
+
+def _dance(first, second, tmp: str) -> list[dict]:
+    """Fit ``FIRST_STEPS`` steps with ``first``, then resume from the step-4 checkpoint with ``second``."""
+    dirpath = os.path.join(tmp, "ckpts")
+    steps = _boring(first if isinstance(first, str) else _zeroq(first, tmp), FIRST_STEPS, dirpath)
+    ckpt = os.path.join(dirpath, f"epoch=0-step={RESUME_AT}.ckpt")
+    resumed = _boring(second if isinstance(second, str) else _zeroq(second, tmp), LAST_STEP,
+                      os.path.join(tmp, "again"), ckpt_path=ckpt)
+    return steps + resumed
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(dist_pool, tmp_path_factory):
+    return dist_pool(2).run(_dance, "ddp", "ddp", str(tmp_path_factory.mktemp("ddp")))[0]
+
+
+def assert_matches(got: list[dict], ref: list[dict]) -> None:
+    assert [s["step"] for s in got] == [s["step"] for s in ref] == [*range(1, FIRST_STEPS + 1),
+                                                                     *range(RESUME_AT + 1, LAST_STEP + 1)]
+    for mine, want in zip(got, ref):
+        assert mine["params"].keys() == want["params"].keys()
+        for name, value in want["params"].items():
+            diff = (mine["params"][name] - value).abs().max().item()
+            assert diff <= TOL, f"step {want['step']}: {name} differs from DDP by {diff}"
+    assert not torch.equal(ref[0]["params"]["layer.weight"], ref[-1]["params"]["layer.weight"])  # it trained
+
+
+@pytest.mark.parametrize("first,second", [
+    (S1, S2), (S2, S3), (S3, S1),                                       # every stage saves and resumes
+    ({**S1, **CPU}, {**S3, **NVME}), ({**S2, **NVME}, {**S1, **CPU}),   # with CPU and NVMe offload
+    ({**S3, **CPU, "offload_parameters": True}, {**S2, **NVME}),
+], ids=["1-to-2", "2-to-3", "3-to-1", "1cpu-to-3nvme", "2nvme-to-1cpu", "3cpu-to-2nvme"])
+def test_boring_model_sgd_resumes_in_another_stage_as_ddp(dist_pool, tmp_path, ddp_reference, first, second):
+    got = dist_pool(2).run(_dance, first, second, str(tmp_path))
+    assert_matches(got[0], ddp_reference)
+    assert_matches(got[1], ddp_reference)
+
+
+def test_a_closed_engine_refuses_to_save_and_an_empty_optimizer_state_does_not(tmp_path):
+    # The guard against saving state that is gone reads what the engine released (close(): the
+    # NVMe swap files holding masters and optimizer state are deleted), not an empty optimizer state.
+    from lightning_zeroq import ZeroConfig, ZeroEngine
+    from lightning_zeroq.checkpoint.agree import CheckpointError
+    from lightning_zeroq.checkpoint.engine_io import save_engine
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    engine = ZeroEngine(model, ZeroConfig(stage=2, offload_optimizer=True, offload_optimizer_device="nvme",
+                                          nvme_path=str(tmp_path)))
+    engine.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    engine.backward(model(torch.randn(3, 4)).square().mean())
+    engine.step()
+    assert not engine.optimizer.state
+    save_engine(engine, tmp_path / "stepped")
+    assert (tmp_path / "stepped").is_dir()
+    engine.close()
+    with pytest.raises(CheckpointError, match="the engine that held its state was closed"):
+        save_engine(engine, tmp_path / "closed")
+    assert not (tmp_path / "closed").exists()
+
+
+# ---------------------------------------------------------------------- zeroq-convert keeps the trainer state
+
+
+def _scored_fit(tmp: str) -> dict:
+    """Stage 2 fit of a BoringModel that logs its loss and uses SGD with momentum; ModelCheckpoint
+    keeps the best two by that loss (its scores are tensors in the trainer state). Then a save, and
+    what the in-memory checkpoint holds: the trainer state, full parameters, full optimizer state."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_zeroq import ZeroQStrategy
+    from lightning_zeroq.checkpoint import engine_state
+
+    class Scored(BoringModel):
+        def training_step(self, batch, batch_idx):
+            out = super().training_step(batch, batch_idx)
+            self.log("loss", out["loss"], sync_dist=True)
+            return out
+
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+            return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)]
+
+    L.seed_everything(1, verbose=False)
+    strategy = ZeroQStrategy(stage=2)
+    saver = ModelCheckpoint(dirpath=os.path.join(tmp, "ckpts"), monitor="loss", save_top_k=2, every_n_train_steps=1)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=4, callbacks=[saver], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    data = torch.randn(64, 32, generator=torch.Generator().manual_seed(2))
+    trainer.fit(Scored(), torch.utils.data.DataLoader(data, batch_size=2))
+    trainer.save_checkpoint(os.path.join(tmp, "final.ckpt"))
+    memory = trainer._checkpoint_connector.dump_checkpoint()
+    names = [n for g in engine_state.sharded_optimizer_state(strategy.engine)["param_groups"] for n in g["params"]]
+    return {"trainer": {k: v for k, v in memory.items() if k not in ("state_dict", "optimizer_states")},
+            "params": strategy.full_state_dict(), "names": names,
+            "optimizer": engine_state.full_optimizer_state(strategy.engine)}
+
+
+@pytest.fixture(scope="module")
+def scored(dist_pool, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("scored")
+    return tmp, dist_pool(2).run(_scored_fit, str(tmp))[0]
+
+
+@pytest.mark.parametrize("flags", [{"lightning": True}, {"optimizer": True}], ids=["lightning", "optimizer"])
+def test_zeroq_convert_writes_every_tensor_of_the_checkpoint(scored, tmp_path, flags):
+    from lightning_zeroq.checkpoint.convert import _tensor_at, consolidate, held_tensors
+
+    saved, memory = scored
+    out = consolidate(saved / "final.ckpt", tmp_path / "out.ckpt", **flags)
+    converted = torch.load(out, weights_only=True)
+    trainer_paths = set()
+    for path, value in held_tensors(converted):
+        if path[0] == "state_dict":
+            want = memory["params"][path[1]]
+        elif path[0] == "optimizer_states":
+            assert flags.get("optimizer") and path[:3] == ("optimizer_states", 0, "state"), path
+            want = memory["optimizer"][memory["names"][path[3]]][path[4]]
+        else:
+            want = _tensor_at(memory["trainer"], path)
+            trainer_paths.add(path)
+        assert value.dtype == want.dtype and torch.equal(value, want), (path, value, want)
+    expected = {path for path, _ in held_tensors(memory["trainer"])}
+    assert trainer_paths == expected
+    scores = [t for p, t in held_tensors(memory["trainer"]) if "current_score" in p or "best_model_score" in p]
+    assert len(scores) == 2 and all(t.item() > 0 for t in scores)  # what the conversion wrote as zeros
+    assert set(converted["state_dict"]) == set(memory["params"])
+    if flags.get("optimizer"):
+        assert len(converted["optimizer_states"][0]["state"]) == len(memory["names"])
+
+
+# ---------------------------------------------------------------------- one rank reads a checkpoint alone
+
+
+def _one_rank_reads(tmp: str) -> dict:
+    """As Lightning's DeepSpeed tests do: after fit, rank 0 alone consolidates the checkpoint and loads
+    it with ``load_from_checkpoint`` while the other rank is already waiting at a barrier."""
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_zeroq.checkpoint.convert import consolidate
+
+    L.seed_everything(1, verbose=False)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="zeroq_stage_2", max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0)
+    model = BoringModel()
+    trainer.fit(model)
+    ckpt = os.path.join(tmp, "final.ckpt")
+    trainer.save_checkpoint(ckpt)
+    full = trainer.strategy.full_state_dict()
+    out = {}
+    if dist.get_rank() == 0:
+        file = consolidate(ckpt, os.path.join(tmp, "model.pt"))
+        out["consolidated"] = torch.load(file, weights_only=True)
+        out["loaded"] = dict(BoringModel.load_from_checkpoint(ckpt).state_dict())
+    dist.barrier()
+    return {**out, "full": full}
+
+
+def test_one_rank_consolidates_and_loads_while_the_others_wait(dist_pool, tmp_path):
+    results = dist_pool(2).run(_one_rank_reads, str(tmp_path))
+    first = results[0]
+    for key in ("consolidated", "loaded"):
+        assert first[key].keys() == first["full"].keys()
+        assert all(torch.equal(first[key][k], first["full"][k]) for k in first["full"]), key
