@@ -245,7 +245,8 @@ def load_torch_optimizer_state(engine: Any, model: dict, optimizer_state: dict, 
                 target.value, target.loaded = value, True
 
     engine_state.load_sharded(engine, read, model_prefix=f"{MODEL_KEY}.", stored=set(model), optimizer_prefix=f"{OPTIMIZER_KEY}.",
-                     optimizer_keys=keys, param_groups=saved)
+                     optimizer_keys=keys, param_groups=saved,
+                     settle=lambda errs: agree(errs, "Loading the optimizer state", group))
 
 
 def install_load_from_checkpoint() -> None:
