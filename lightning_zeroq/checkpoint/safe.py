@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.futures import Future
 
+from lightning_zeroq.checkpoint.agree import CheckpointError
 from lightning_zeroq.checkpoint.checksum import digest
 from lightning_zeroq.checkpoint.chunks import BytesTarget, LocalChunks
 
@@ -95,7 +96,7 @@ def read_metadata(path: Path, data: Optional[bytes] = None) -> Metadata:
     return metadata
 
 
-class ItemError(RuntimeError):
+class ItemError(CheckpointError):
     """A stored item failed its checksum or could not be decoded; names the file, the item and the fix."""
 
 
