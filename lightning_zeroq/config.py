@@ -105,6 +105,18 @@ class ZeroConfig:
     idea, all stages): each rank quantizes every rank's part of its gradients, an all-to-all moves
     them, and each rank dequantizes what it owns and sums it in fp32. About half the bytes of bf16."""
 
+    shard_group_size: Any = None
+    """Hybrid sharding (FSDP's HSDP, DeepSpeed's MiCS): ranks form consecutive groups of this many
+    ranks; each group holds one full copy of the sharded state (stages 1-3), gradients are
+    reduce-scattered inside the group and all-reduced across groups (between the ranks at the same
+    position in each group), stage 3 gathers inside the group. ``"node"``: the ranks of one node.
+    None: one group of all ranks (plain ZeRO). Must divide the world size."""
+
+    quantize_cross_group_only: bool = False
+    """With hybrid groups (``shard_group_size`` below the world size): INT8 goes only on the slow hop
+    between groups, the gradients' all-reduce across groups; traffic inside a group (the gradients'
+    reduce-scatter, the weight gathers) stays at full width. Needs ``quantized_gradients=True``."""
+
     nonfinite_gradients: str = "error"
     """What a step does when some rank's gradients hold inf or NaN (outside fp16 loss scaling, which
     skips such steps and lowers the scale): ``"error"`` stops training with an error naming the step,
@@ -130,8 +142,9 @@ class ZeroConfig:
             setattr(self, name, _check_int(name, getattr(self, name), 1))
         for name in ("overlap_comm", "managed_gradient_accumulation", "offload_optimizer",
                      "offload_parameters", "quantized_weights", "reshard_after_forward", "stage3_prefetch",
-                     "quantized_gradients"):
+                     "quantized_gradients", "quantize_cross_group_only"):
             check_bool("ZeroConfig", name, getattr(self, name))
+        self.shard_group_size = check_shard_group_size(self.shard_group_size)
         check_choice("ZeroConfig", "nonfinite_gradients", self.nonfinite_gradients, NONFINITE_ACTIONS)
         if not isinstance(self.loss_scale, (int, float)) or self.loss_scale < 0:
             raise ValueError(
@@ -232,6 +245,12 @@ class ZeroConfig:
             for name in changed("loss_scale", "initial_scale_power", "loss_scale_window", "min_loss_scale"):
                 out.append(f"{name}={getattr(self, name)!r} only applies to precision='16-mixed' (fp16 loss "
                            "scaling); it is ignored.")
+        if self.quantize_cross_group_only and not self.quantized_gradients:
+            out.append("quantize_cross_group_only=True has no effect without quantized_gradients=True (the "
+                       "gradients' all-reduce across groups is the only traffic between groups).")
+        if self.quantize_cross_group_only and self.quantized_weights:
+            out.append("quantized_weights=True has no effect with quantize_cross_group_only=True: weights are "
+                       "gathered inside a group only (every group steps its own copy), at full width.")
         if not self.offload_optimizer and changed("offload_optimizer_device"):
             out.append(f"offload_optimizer_device={self.offload_optimizer_device!r} has no effect without "
                        "offload_optimizer=True.")
@@ -254,6 +273,23 @@ class ZeroConfig:
     def replace(self, **changes: Any) -> "ZeroConfig":
         """A copy with ``changes`` applied (and validated)."""
         return dataclasses.replace(self, **changes)
+
+
+def check_shard_group_size(value: Any, world_size: Optional[int] = None) -> Any:
+    """``value`` (None, ``"node"`` or a positive int) checked, and with ``world_size`` against it."""
+    if value is None or value == "node":
+        return value
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    fix = "use a divisor of the world size (ranks per group), 'node' (the ranks of one node) or None (all ranks)"
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"ZeroConfig.shard_group_size={value!r} must be a positive integer; {fix}.")
+    if world_size is not None and (value > world_size or world_size % value):
+        problem = "is larger than" if value > world_size else "does not divide"
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(f"ZeroConfig.shard_group_size={value} {problem} the world size {world_size}; {fix}: "
+                         f"one of {divisors}.")
+    return value
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:

@@ -33,9 +33,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_zeroq.config import ZeroConfig
-from lightning_zeroq.zero import access, comm, norms, state_dict, update
+from lightning_zeroq.zero import access, comm, hybrid, norms, state_dict, update
 from lightning_zeroq.zero.gather import Gatherer
-from lightning_zeroq.zero.grad_wire import FullWidthReduce, Int8Reduce
 from lightning_zeroq.zero.layout import ALIGN
 from lightning_zeroq.zero.loss_scaler import loss_scaler_from_config
 from lightning_zeroq.zero.materialize import sync_replicated_state
@@ -70,9 +69,14 @@ class ZeroEngine:
         loss_scaling: bool = False,
         device: Optional[torch.device] = None,
     ) -> None:
-        self.config, self.module, self.group, self.param_dtype = config, module, group, param_dtype
-        self.rank, self.world_size = comm.world(group)
-        if self.rank == 0:
+        self.config, self.module, self.param_dtype = config, module, param_dtype
+        # ``group`` spans the world (the first broadcast, the step's agreement); ``self.group`` is this
+        # rank's shard group, the same group without hybrid groups (``hybrid.py``).
+        self.topology = topo = hybrid.topology(config, group)
+        self.world_group, self.group, self.replica_group = group, topo.group, topo.replica_group
+        self.rank, self.world_size = topo.rank, topo.world_size
+        self.replica_rank, self.num_groups = topo.replica_rank, topo.num_groups
+        if comm.world(group)[0] == 0:
             for message in config.ineffective(loss_scaling):
                 warnings.warn(f"ZeroConfig: {message}", stacklevel=2)
         self.loss_scaler = loss_scaler_from_config(config) if loss_scaling else None
@@ -83,6 +87,8 @@ class ZeroEngine:
             specs = plan(module, trainable_parameters(module), config)
             quantized = config.quantized_weights or config.quantized_gradients
             align = math.lcm(ALIGN, config.quantized_weights_group_size) if quantized else ALIGN
+            if topo.int8_gradients_across:
+                align *= topo.num_groups  # the INT8 sum across groups cuts a shard into whole groups per group
             layouts = plan_layouts(specs, self.world_size, align)
             self.placement = optimizer_placement(config, self.device, param_dtype, self.rank, self.world_size, layouts)
             wire = self._wire(layouts)
@@ -94,9 +100,10 @@ class ZeroEngine:
                                     master_on_device=self.placement.master_on_device)
         sync_replicated_state(module, self.device, group)
         self.gatherer = Gatherer(wire, self.placement, store, self.device,
-                                 sync_persistent_on_build=config.quantized_weights)
+                                 sync_persistent_on_build=topo.int8_weights)
         self.units = build_units(module, specs, layouts, device=self.device, param_dtype=param_dtype, group=group,
-                                 adopt_master=self.placement.adopt_master, on_built=self.gatherer.adopt)
+                                 adopt_master=self.placement.adopt_master, on_built=self.gatherer.adopt,
+                                 shard_rank=self.rank)
         self._param_names = {id(p): name for name, p in module.named_parameters()}  # after materialization
         for unit in self.units:
             for p in unit.params:
@@ -112,11 +119,10 @@ class ZeroEngine:
             reduce_every_backward=config.stage >= 2,
             managed=config.managed_gradient_accumulation,
             param_dtype=param_dtype,
-            group=group,
+            group=group,  # the agreement on used parameters and non-finite gradients spans the world
             device=self.device,
             overlap_comm=config.overlap_comm,
-            wire=(Int8Reduce(group, self.device, config.quantized_weights_group_size) if config.quantized_gradients
-                  else FullWidthReduce(group)),
+            wire=topo.gradient_wire(self.device, config.quantized_weights_group_size),
             listener=self.stage3,
         )
         self._bindings: list[Binding] = []
@@ -134,7 +140,7 @@ class ZeroEngine:
         """Steps skipped for fp16 overflow or (``nonfinite_gradients="skip"``) non-finite gradients."""
 
     def _wire(self, layouts) -> Wire:
-        if not self.config.quantized_weights:
+        if not self.topology.int8_weights:
             return FullWidth(layouts, self.param_dtype, self.group)
         return Int8(
             layouts,
@@ -171,7 +177,7 @@ class ZeroEngine:
         binding = bind_to_shards(optimizer, self.module, self.units)
         self._bindings = [b for b in self._bindings if not b.param_ids & binding.param_ids] + [binding]
         route_zero_grad(optimizer, self)
-        with comm.agreed(self.group, "attaching the optimizer (NVMe swap space)"):
+        with comm.agreed(self.world_group, "attaching the optimizer (NVMe swap space)"):
             self.placement.attach(self.units, self.optimizers)
 
     def _binding(self, optimizer: Optional[torch.optim.Optimizer]) -> Binding:

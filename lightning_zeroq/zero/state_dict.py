@@ -76,6 +76,8 @@ def unit_parameter_names(engine: ShardedParts) -> dict[int, list[str]]:
 @torch.no_grad()
 def full_state_dict(engine: ShardedParts, rank0_only: bool = False) -> dict[str, Tensor]:
     out: dict[str, Tensor] = {}
+    if rank0_only and getattr(engine, "replica_rank", 0) != 0:
+        return {}  # hybrid groups: the first group gathers; the others hold the same values
     names = parameter_names(engine.module)
     root = dist.get_global_rank(engine.group, 0) if engine.group is not None and engine.world_size > 1 else 0
     for unit in engine.placement.resident(engine.units):
