@@ -389,7 +389,7 @@ def profile_steps(arm, args, dev, forward, finish, g) -> None:
             continue
         device = e.device_type.name == "CUDA"
         kind = ("memcpy " + e.name.split()[-1] if "Memcpy" in e.name or "memcpy" in e.name.lower() else
-                "nccl" if "nccl" in e.name.lower() else None) if device else (e.name if e.name.startswith(("zeroq.", "bench.")) else None)
+                "nccl" if "nccl" in e.name.lower() else None) if device else (e.name if e.name.startswith(("zeroq.", "bench.", "FSDP::", "Optimizer.step")) else None)
         if kind is None:
             continue
         totals[kind] = totals.get(kind, 0.0) + (t - s) / 1e3
