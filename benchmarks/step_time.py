@@ -19,7 +19,8 @@ An arm is ``ddp``, a peer (``fsdp2`` with ``+keep``/``+offload_optimizer``; Deep
 masters and AdamW state on the CPU) or ``+offload_params`` (stage 3: also the parameters), ``+qgrad``
 (INT8 gradient reduction), ``+keep`` (stage 3, ``reshard_after_forward=False``) and ``+prefetch2``
 (stage 3, two units prefetched), ``+ratio25/50/75`` (with ``+offload_optimizer``: partial offload,
-``offload_optimizer_ratio``). ``+clip`` (every arm): clip the gradients' global norm to ``CLIP`` before
+``offload_optimizer_ratio``), ``+auto`` (with ``+offload_optimizer``: ``offload_optimizer_ratio="auto"`` under
+``--budget``, ``offload_memory_budget``). ``+clip`` (every arm): clip the gradients' global norm to ``CLIP`` before
 every step, each the way its users do (``clip_grad_norm_``, DeepSpeed's ``gradient_clipping``).
 ``activations_GiB`` is what autograd saved for backward in one step (unique storages, parameters
 excluded), measured on the first warm-up step. Rank 0 prints one JSON line per arm;
@@ -109,7 +110,7 @@ def memory_bound(engine) -> dict:
 
 ARM_STAGES = {"ddp": 0, "zeroq1": 1, "zeroq2": 2, "zeroq3": 3}
 ARM_OPTIONS = ("int8", "offload_optimizer", "offload_params", "qgrad", "keep", "prefetch2", "ratio25", "ratio50", "ratio75",
-               "clip")
+               "auto", "clip")
 CLIP = 1.0  # +clip: gradient-norm clipping at this norm before every step (Lightning's gradient_clip_val)
 RATIOS = {"ratio25": 0.25, "ratio50": 0.5, "ratio75": 0.75}  # partial optimizer offload (with +offload_optimizer)
 PEERS = {  # the peers, beside zeroq in one launch: base -> the options it takes
@@ -286,6 +287,9 @@ def build_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> Arm:
             extra["stage3_prefetch_depth"] = 2
         for option in options & RATIOS.keys():
             extra["offload_optimizer_ratio"] = RATIOS[option]
+        if "auto" in options:
+            extra["offload_optimizer_ratio"] = "auto"
+            extra["offload_memory_budget"] = args.budget
         config = ZeroConfig(stage=stage, reduce_bucket_size=int(args.bucket) if stage < 3 else ZeroConfig().reduce_bucket_size,
                             quantized_weights="int8" in options, offload_optimizer=offload,
                             offload_parameters="offload_params" in options, **extra)
@@ -389,7 +393,7 @@ def profile_steps(arm, args, dev, forward, finish, g) -> None:
             continue
         device = e.device_type.name == "CUDA"
         kind = ("memcpy " + e.name.split()[-1] if "Memcpy" in e.name or "memcpy" in e.name.lower() else
-                "nccl" if "nccl" in e.name.lower() else None) if device else (e.name if e.name.startswith(("zeroq.", "bench.")) else None)
+                "nccl" if "nccl" in e.name.lower() else None) if device else (e.name if e.name.startswith(("zeroq.", "bench.", "FSDP::", "Optimizer.step")) else None)
         if kind is None:
             continue
         totals[kind] = totals.get(kind, 0.0) + (t - s) / 1e3
@@ -420,6 +424,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--arms", default="ddp,zeroq2", help="comma-separated, run in this order")
     add_model_arguments(parser, steps=10, warmup=3)
+    parser.add_argument("--budget", default=None, help="offload_memory_budget of the +auto arms (GiB, or e.g. '50%%')")
     parser.add_argument("--profile", default="", help="a folder: profile two more steps of each arm (profile_steps)")
     args = parser.parse_args()
     arms = args.arms.split(",")

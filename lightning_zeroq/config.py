@@ -52,11 +52,20 @@ class ZeroConfig:
     offload_optimizer_device: str = "cpu"
     """Where optimizer state lives when ``offload_optimizer`` is set: ``"cpu"`` or ``"nvme"``."""
 
-    offload_optimizer_ratio: float = 1.0
+    offload_optimizer_ratio: Any = 1.0
     """Partial optimizer offload (DeepSpeed's ``ratio``): the fraction of the parameters whose fp32
     master and optimizer state live on the host with ``offload_optimizer`` (CPU only). Whole units go,
     largest first, until the fraction is reached; the other units keep master and state on the device
-    and step there, as without offload. 1 offloads every unit, 0 none."""
+    and step there, as without offload. 1 offloads every unit, 0 none. ``"auto"``: every unit starts on
+    the host; after the first step the engine brings back to the device as many units as fit in
+    ``offload_memory_budget`` (measured peak plus their master and state), the same on every rank,
+    and logs the decision. On a CPU device (no device memory) ``"auto"`` warns and offloads every unit."""
+
+    offload_memory_budget: Any = None
+    """Device memory ``offload_optimizer_ratio="auto"`` may fill (peak allocated bytes): GiB as a number
+    (e.g. ``60``), or a share of the device's memory as a string ending in ``%`` (e.g. ``"50%"``).
+    None: what the device has free after the first step (the caching allocator's unused reserve
+    included), less a margin of 10% of its memory."""
 
     offload_parameters: bool = False
     """Keep parameter shards off the GPU between uses (stage 3 only)."""
@@ -196,12 +205,13 @@ class ZeroConfig:
                     f"ZeroConfig.{name}={value!r} is not an offload device; use one of {OFFLOAD_DEVICES}."
                 )
         ratio = self.offload_optimizer_ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
+        if ratio != "auto" and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0):
             raise ValueError(
                 f"ZeroConfig.offload_optimizer_ratio={ratio!r} must be a number from 0 to 1: the fraction of the "
-                "parameters whose optimizer state is offloaded (e.g. 0.5; 1 offloads all of it)."
+                "parameters whose optimizer state is offloaded (e.g. 0.5; 1 offloads all of it), or 'auto'."
             )
-        self.offload_optimizer_ratio = float(ratio)
+        self.offload_optimizer_ratio = ratio if ratio == "auto" else float(ratio)
+        memory_budget(self.offload_memory_budget, None)  # the form; the device's size is checked when known
         if self.offload_optimizer and self.offload_optimizer_device == "nvme" and self.offload_optimizer_ratio != 1.0:
             raise ValueError(
                 f"ZeroConfig.offload_optimizer_ratio={self.offload_optimizer_ratio!r}: partial optimizer offload "
@@ -257,6 +267,9 @@ class ZeroConfig:
         if not self.offload_optimizer and changed("offload_optimizer_ratio"):
             out.append(f"offload_optimizer_ratio={self.offload_optimizer_ratio!r} has no effect without "
                        "offload_optimizer=True (nothing is offloaded).")
+        if self.offload_memory_budget is not None and self.offload_optimizer_ratio != "auto":
+            out.append(f"offload_memory_budget={self.offload_memory_budget!r} has no effect without "
+                       "offload_optimizer_ratio='auto'.")
         if not self.offload_parameters and changed("offload_params_device"):
             out.append(f"offload_params_device={self.offload_params_device!r} has no effect without "
                        "offload_parameters=True.")
@@ -321,3 +334,29 @@ def check_swap_directory(path: Optional[str]) -> None:
     except OSError as err:
         raise ValueError(f"ZeroConfig.nvme_path={path!r} is not writable ({err.strerror}); fix its permissions or "
                          "set nvme_path to a writable directory.") from None
+
+
+def memory_budget(value: Any, device_bytes: Optional[int]) -> Optional[int]:
+    """``offload_memory_budget`` in bytes (None: the default). ``device_bytes``: the device's memory, or
+    None to check the form alone. Raises ``ValueError`` naming the value and the fix."""
+    if value is None:
+        return None
+    fix = "use GiB as a number (e.g. 60) or a share of the device's memory such as '50%'"
+    share = isinstance(value, str) and value.strip().endswith("%")
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        number = float(value.strip().rstrip("%")) if isinstance(value, str) else float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"ZeroConfig.offload_memory_budget={value!r} is not a number; {fix}.") from None
+    if not number > 0 or (share and number > 100) or number != number or number == float("inf"):
+        raise ValueError(f"ZeroConfig.offload_memory_budget={value!r} must be above 0 (and a share at most 100%); {fix}.")
+    if device_bytes is None:
+        return None
+    budget = int(number / 100 * device_bytes) if share else int(number * 2**30)
+    if budget > device_bytes:
+        raise ValueError(
+            f"ZeroConfig.offload_memory_budget={value!r} ({budget / 2**30:.2f} GiB) is more than the device has "
+            f"({device_bytes / 2**30:.2f} GiB); {fix}, at most the device's memory."
+        )
+    return budget

@@ -310,6 +310,7 @@ class ZeroEngine:
         self.steps += 1
         self.skipped_steps += int(skip)
         self._clear(binding)
+        self.placement.step_done(self.units, self.optimizers, not skip, self.group)
         return not skip
 
     def zero_grad(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
