@@ -227,3 +227,76 @@ def test_one_rank_consolidates_and_loads_while_the_others_wait(dist_pool, tmp_pa
     for key in ("consolidated", "loaded"):
         assert first[key].keys() == first["full"].keys()
         assert all(torch.equal(first[key][k], first["full"][k]) for k in first["full"]), key
+
+
+# ---------------------------------------------------------------------- a checkpoint loaded after fit
+
+
+def _evaluate_after_fit(kind, tmp: str) -> dict:
+    """Fit 4 steps saving every step, then ``test(ckpt_path=step 2)`` with the same trainer; a second
+    trainer ``fit(ckpt_path=step 2)`` to step 5, then ``test()`` (Lightning loads its best checkpoint,
+    the newest one here). The module's weights and the test loss after each test."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    class Tested(BoringModel):
+        def test_step(self, batch, batch_idx):
+            out = super().test_step(batch, batch_idx)
+            self.log("test_loss", out["y"], sync_dist=True)
+            return out
+
+    def trainer(steps: int, dirpath: str):
+        strategy = _zeroq(kind, tmp) if isinstance(kind, dict) else kind
+        return L.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy, max_steps=steps,
+                         callbacks=[ModelCheckpoint(dirpath=dirpath, every_n_train_steps=1, save_top_k=-1)],
+                         logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+
+    def weights(model) -> dict:
+        return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+
+    os.makedirs(tmp, exist_ok=True)
+    L.seed_everything(1, verbose=False)
+    data = torch.randn(64, 32, generator=torch.Generator().manual_seed(2))
+    loader = torch.utils.data.DataLoader(data, batch_size=2)
+    model = Tested()
+    first = trainer(4, os.path.join(tmp, "a"))
+    first.fit(model, loader)
+    after_fit = weights(model)
+    step2 = os.path.join(tmp, "a", "epoch=0-step=2.ckpt")
+    out = {"tested": first.test(model, loader, ckpt_path=step2, verbose=False)[0]["test_loss"],
+           "loaded": weights(model), "after_fit": after_fit}
+    if hasattr(first.strategy, "full_state_dict"):  # the fit's engine holds what was loaded too (a save writes it)
+        out["engine"] = first.strategy.full_state_dict()
+    second = trainer(5, os.path.join(tmp, "b"))
+    model = Tested()
+    second.fit(model, loader, ckpt_path=step2)
+    out["tested_again"] = second.test(dataloaders=loader, verbose=False)[0]["test_loss"]
+    out["loaded_again"] = weights(model)
+    return out
+
+
+@pytest.fixture(scope="module")
+def evaluated_by_ddp(dist_pool, tmp_path_factory):
+    done: dict[int, dict] = {}
+
+    def get(ranks: int) -> dict:
+        if ranks not in done:
+            done[ranks] = dist_pool(ranks).run(_evaluate_after_fit, "ddp", str(tmp_path_factory.mktemp("ddp")))[0]
+        return done[ranks]
+
+    return get
+
+
+@pytest.mark.parametrize("ranks,kind", [
+    (2, S1), (2, {**S2, **CPU}), (2, S3), (2, {**S3, **NVME, "offload_parameters": True}), (1, S3), (1, {**S2, **NVME}),
+], ids=["2xstage1", "2xstage2-cpu", "2xstage3", "2xstage3-nvme", "1xstage3", "1xstage2-nvme"])
+def test_a_checkpoint_loads_for_test_after_fit_as_with_ddp(dist_pool, tmp_path, evaluated_by_ddp, ranks, kind):
+    want = evaluated_by_ddp(ranks)
+    got = dist_pool(ranks).run(_evaluate_after_fit, kind, str(tmp_path / "zeroq"))[0]
+    assert abs(got["tested"] - want["tested"]) <= TOL and abs(got["tested_again"] - want["tested_again"]) <= TOL
+    for name, value in want["loaded"].items():
+        assert (got["loaded"][name] - value).abs().max() <= TOL, name
+        assert (got["engine"][name] - value).abs().max() <= TOL, name
+        assert (got["loaded_again"][name] - want["loaded_again"][name]).abs().max() <= TOL, name
+        assert not torch.equal(value, want["after_fit"][name])  # the step-2 weights, not the fit's last
