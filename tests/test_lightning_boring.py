@@ -300,3 +300,93 @@ def test_a_checkpoint_loads_for_test_after_fit_as_with_ddp(dist_pool, tmp_path, 
         assert (got["engine"][name] - value).abs().max() <= TOL, name
         assert (got["loaded_again"][name] - want["loaded_again"][name]).abs().max() <= TOL, name
         assert not torch.equal(value, want["after_fit"][name])  # the step-2 weights, not the fit's last
+
+
+# ---------------------------------------------------------------------- precision
+
+
+def _bf16_true_init_module(strategy: str, garbage: bool) -> dict:
+    """Lightning's init-module case with ``bf16-true`` and Adam, one step. ``garbage``: the weights built
+    under ``init_module(empty_init=True)`` are uninitialized memory; this writes what such memory often
+    holds (huge bf16 values) so that the outcome does not depend on the allocator."""
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    seen = {}
+
+    class Model(BoringModel):
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+        def on_train_start(self):
+            seen["dtype"] = self.layer.weight.dtype
+
+    L.seed_everything(1, verbose=False)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="bf16-true", max_steps=1,
+                        barebones=True, enable_checkpointing=False, logger=False)
+    with trainer.init_module(empty_init=garbage):
+        model = Model()
+    if garbage:
+        with torch.no_grad():
+            model.layer.weight.fill_(3e38)
+    out = {"init_dtype": model.layer.weight.dtype}
+    try:
+        trainer.fit(model)
+    except RuntimeError as error:
+        out["error"] = str(error)
+    out.update(seen, weights={n: p.detach().float().clone() for n, p in model.named_parameters()})
+    return out
+
+
+def test_bf16_true_init_module_first_step_is_ddp_s_and_uninitialized_weights_stop_it(dist_pool):
+    # Lightning's init-module test (bf16-true, Adam, one step) ported to stage 1 saw non-finite gradients
+    # on both ranks: its second case builds the model with empty_init=True, i.e. uninitialized memory,
+    # and DDP steps on the same garbage (rank 0's, as ZeroQ does) into non-finite weights silently.
+    # Built normally, the first step is DDP's (ZeroQ keeps fp32 masters: within a bf16 rounding).
+    ddp, zeroq = (dist_pool(2).run(_bf16_true_init_module, s, False) for s in ("ddp", "zeroq_stage_1"))
+    for got, want in zip(zeroq, ddp):
+        assert got["init_dtype"] == got["dtype"] == want["dtype"] == torch.bfloat16 and "error" not in got
+        for name, value in want["weights"].items():
+            assert torch.isfinite(got["weights"][name]).all()
+            torch.testing.assert_close(got["weights"][name], value, rtol=2**-7, atol=2**-7)
+    ddp, zeroq = (dist_pool(2).run(_bf16_true_init_module, s, True) for s in ("ddp", "zeroq_stage_1"))
+    assert all(not torch.isfinite(r["weights"]["layer.weight"]).all() for r in ddp)  # DDP: garbage in, NaN out
+    for r in zeroq:  # ZeroQ: the same garbage, refused on every rank before it reaches the weights
+        assert "non-finite gradients" in r["error"] and "rank(s) [0, 1]" in r["error"], r.get("error")
+        assert torch.isfinite(r["weights"]["layer.bias"]).all()
+
+
+def _bf16_mixed_dtypes(kind: dict) -> dict:
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    seen = {}
+
+    class Model(BoringModel):
+        def training_step(self, batch, batch_idx):
+            seen.setdefault("training", self.layer.weight.dtype)
+            return super().training_step(batch, batch_idx)
+
+        def test_step(self, batch, batch_idx):
+            seen.setdefault("testing", self.layer.weight.dtype)
+            return super().test_step(batch, batch_idx)
+
+    L.seed_everything(1, verbose=False)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=_zeroq(kind, ""), precision="bf16-mixed", max_steps=2,
+                        limit_test_batches=1, enable_checkpointing=False, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0)
+    model = Model()
+    trainer.fit(model)
+    after = {n: p.detach() for n, p in model.named_parameters()}
+    full = trainer.strategy.full_state_dict()
+    trainer.test(model, verbose=False)
+    return {**seen, "after": {n: p.dtype for n, p in after.items()},
+            "exact": all(torch.equal(after[n], full[n]) for n in full)}
+
+
+@pytest.mark.parametrize("kind", [S1, S2, S3], ids=["stage1", "stage2", "stage3"])
+def test_bf16_mixed_trains_bf16_working_weights_and_hands_back_fp32_masters(dist_pool, kind):
+    for r in dist_pool(2).run(_bf16_mixed_dtypes, kind):
+        assert r["training"] == torch.bfloat16  # what the forward reads during fit, as with DeepSpeed
+        assert set(r["after"].values()) == {torch.float32} and r["exact"]  # after fit: the fp32 masters
+        assert r["testing"] == torch.float32  # evaluation after fit: the plain module under autocast, as DDP
