@@ -268,6 +268,11 @@ def _evaluate_after_fit(kind, tmp: str) -> dict:
            "loaded": weights(model), "after_fit": after_fit}
     if hasattr(first.strategy, "full_state_dict"):  # the fit's engine holds what was loaded too (a save writes it)
         out["engine"] = first.strategy.full_state_dict()
+    # a single file (weights only) saved now holds the loaded weights, and loads after fit too
+    single = first.strategy.broadcast(os.path.join(tmp, "loaded.ckpt"))
+    first.save_checkpoint(single, weights_only=True)
+    out["from_file"] = first.test(model, loader, ckpt_path=single, verbose=False)[0]["test_loss"]
+    out["file_weights"] = weights(model)
     second = trainer(5, os.path.join(tmp, "b"))
     model = Tested()
     second.fit(model, loader, ckpt_path=step2)
@@ -294,10 +299,13 @@ def evaluated_by_ddp(dist_pool, tmp_path_factory):
 def test_a_checkpoint_loads_for_test_after_fit_as_with_ddp(dist_pool, tmp_path, evaluated_by_ddp, ranks, kind):
     want = evaluated_by_ddp(ranks)
     got = dist_pool(ranks).run(_evaluate_after_fit, kind, str(tmp_path / "zeroq"))[0]
-    assert abs(got["tested"] - want["tested"]) <= TOL and abs(got["tested_again"] - want["tested_again"]) <= TOL
+    for key in ("tested", "tested_again", "from_file"):
+        assert abs(got[key] - want[key]) <= TOL, key
+    assert got["from_file"] == got["tested"]
     for name, value in want["loaded"].items():
         assert (got["loaded"][name] - value).abs().max() <= TOL, name
         assert (got["engine"][name] - value).abs().max() <= TOL, name
+        assert (got["file_weights"][name] - value).abs().max() <= TOL, name
         assert (got["loaded_again"][name] - want["loaded_again"][name]).abs().max() <= TOL, name
         assert not torch.equal(value, want["after_fit"][name])  # the step-2 weights, not the fit's last
 
