@@ -227,3 +227,174 @@ def test_one_rank_consolidates_and_loads_while_the_others_wait(dist_pool, tmp_pa
     for key in ("consolidated", "loaded"):
         assert first[key].keys() == first["full"].keys()
         assert all(torch.equal(first[key][k], first["full"][k]) for k in first["full"]), key
+
+
+# ---------------------------------------------------------------------- a checkpoint loaded after fit
+
+
+def _evaluate_after_fit(kind, tmp: str) -> dict:
+    """Fit 4 steps saving every step, then ``test(ckpt_path=step 2)`` with the same trainer; a second
+    trainer ``fit(ckpt_path=step 2)`` to step 5, then ``test()`` (Lightning loads its best checkpoint,
+    the newest one here). The module's weights and the test loss after each test."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    class Tested(BoringModel):
+        def test_step(self, batch, batch_idx):
+            out = super().test_step(batch, batch_idx)
+            self.log("test_loss", out["y"], sync_dist=True)
+            return out
+
+    def trainer(steps: int, dirpath: str):
+        strategy = _zeroq(kind, tmp) if isinstance(kind, dict) else kind
+        return L.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy, max_steps=steps,
+                         callbacks=[ModelCheckpoint(dirpath=dirpath, every_n_train_steps=1, save_top_k=-1)],
+                         logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+
+    def weights(model) -> dict:
+        return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+
+    os.makedirs(tmp, exist_ok=True)
+    L.seed_everything(1, verbose=False)
+    data = torch.randn(64, 32, generator=torch.Generator().manual_seed(2))
+    loader = torch.utils.data.DataLoader(data, batch_size=2)
+    model = Tested()
+    first = trainer(4, os.path.join(tmp, "a"))
+    first.fit(model, loader)
+    after_fit = weights(model)
+    step2 = os.path.join(tmp, "a", "epoch=0-step=2.ckpt")
+    out = {"tested": first.test(model, loader, ckpt_path=step2, verbose=False)[0]["test_loss"],
+           "loaded": weights(model), "after_fit": after_fit}
+    if hasattr(first.strategy, "full_state_dict"):  # the fit's engine holds what was loaded too (a save writes it)
+        out["engine"] = first.strategy.full_state_dict()
+    # a single file (weights only) saved now holds the loaded weights, and loads after fit too
+    single = first.strategy.broadcast(os.path.join(tmp, "loaded.ckpt"))
+    first.save_checkpoint(single, weights_only=True)
+    out["from_file"] = first.test(model, loader, ckpt_path=single, verbose=False)[0]["test_loss"]
+    out["file_weights"] = weights(model)
+    second = trainer(5, os.path.join(tmp, "b"))
+    model = Tested()
+    second.fit(model, loader, ckpt_path=step2)
+    out["tested_again"] = second.test(dataloaders=loader, verbose=False)[0]["test_loss"]
+    out["loaded_again"] = weights(model)
+    return out
+
+
+@pytest.fixture(scope="module")
+def evaluated_by_ddp(dist_pool, tmp_path_factory):
+    done: dict[int, dict] = {}
+
+    def get(ranks: int) -> dict:
+        if ranks not in done:
+            done[ranks] = dist_pool(ranks).run(_evaluate_after_fit, "ddp", str(tmp_path_factory.mktemp("ddp")))[0]
+        return done[ranks]
+
+    return get
+
+
+@pytest.mark.parametrize("ranks,kind", [
+    (2, S1), (2, {**S2, **CPU}), (2, S3), (2, {**S3, **NVME, "offload_parameters": True}), (1, S3), (1, {**S2, **NVME}),
+], ids=["2xstage1", "2xstage2-cpu", "2xstage3", "2xstage3-nvme", "1xstage3", "1xstage2-nvme"])
+def test_a_checkpoint_loads_for_test_after_fit_as_with_ddp(dist_pool, tmp_path, evaluated_by_ddp, ranks, kind):
+    want = evaluated_by_ddp(ranks)
+    got = dist_pool(ranks).run(_evaluate_after_fit, kind, str(tmp_path / "zeroq"))[0]
+    for key in ("tested", "tested_again", "from_file"):
+        assert abs(got[key] - want[key]) <= TOL, key
+    assert got["from_file"] == got["tested"]
+    for name, value in want["loaded"].items():
+        assert (got["loaded"][name] - value).abs().max() <= TOL, name
+        assert (got["engine"][name] - value).abs().max() <= TOL, name
+        assert (got["file_weights"][name] - value).abs().max() <= TOL, name
+        assert (got["loaded_again"][name] - want["loaded_again"][name]).abs().max() <= TOL, name
+        assert not torch.equal(value, want["after_fit"][name])  # the step-2 weights, not the fit's last
+
+
+# ---------------------------------------------------------------------- precision
+
+
+def _bf16_true_init_module(strategy: str, garbage: bool) -> dict:
+    """Lightning's init-module case with ``bf16-true`` and Adam, one step. ``garbage``: the weights built
+    under ``init_module(empty_init=True)`` are uninitialized memory; this writes what such memory often
+    holds (huge bf16 values) so that the outcome does not depend on the allocator."""
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    seen = {}
+
+    class Model(BoringModel):
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+        def on_train_start(self):
+            seen["dtype"] = self.layer.weight.dtype
+
+    L.seed_everything(1, verbose=False)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="bf16-true", max_steps=1,
+                        barebones=True, enable_checkpointing=False, logger=False)
+    with trainer.init_module(empty_init=garbage):
+        model = Model()
+    if garbage:
+        with torch.no_grad():
+            model.layer.weight.fill_(3e38)
+    out = {"init_dtype": model.layer.weight.dtype}
+    try:
+        trainer.fit(model)
+    except RuntimeError as error:
+        out["error"] = str(error)
+    out.update(seen, weights={n: p.detach().float().clone() for n, p in model.named_parameters()})
+    return out
+
+
+def test_bf16_true_init_module_first_step_is_ddp_s_and_uninitialized_weights_stop_it(dist_pool):
+    # Lightning's init-module test (bf16-true, Adam, one step) ported to stage 1 saw non-finite gradients
+    # on both ranks: its second case builds the model with empty_init=True, i.e. uninitialized memory,
+    # and DDP steps on the same garbage (rank 0's, as ZeroQ does) into non-finite weights silently.
+    # Built normally, the first step is DDP's (ZeroQ keeps fp32 masters: within a bf16 rounding).
+    ddp, zeroq = (dist_pool(2).run(_bf16_true_init_module, s, False) for s in ("ddp", "zeroq_stage_1"))
+    for got, want in zip(zeroq, ddp):
+        assert got["init_dtype"] == got["dtype"] == want["dtype"] == torch.bfloat16 and "error" not in got
+        for name, value in want["weights"].items():
+            assert torch.isfinite(got["weights"][name]).all()
+            torch.testing.assert_close(got["weights"][name], value, rtol=2**-7, atol=2**-7)
+    ddp, zeroq = (dist_pool(2).run(_bf16_true_init_module, s, True) for s in ("ddp", "zeroq_stage_1"))
+    assert all(not torch.isfinite(r["weights"]["layer.weight"]).all() for r in ddp)  # DDP: garbage in, NaN out
+    for r in zeroq:  # ZeroQ: the same garbage, refused on every rank before it reaches the weights
+        assert "non-finite gradients" in r["error"] and "rank(s) [0, 1]" in r["error"], r.get("error")
+        assert torch.isfinite(r["weights"]["layer.bias"]).all()
+
+
+def _bf16_mixed_dtypes(kind: dict) -> dict:
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    seen = {}
+
+    class Model(BoringModel):
+        def training_step(self, batch, batch_idx):
+            seen.setdefault("training", self.layer.weight.dtype)
+            return super().training_step(batch, batch_idx)
+
+        def test_step(self, batch, batch_idx):
+            seen.setdefault("testing", self.layer.weight.dtype)
+            return super().test_step(batch, batch_idx)
+
+    L.seed_everything(1, verbose=False)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=_zeroq(kind, ""), precision="bf16-mixed", max_steps=2,
+                        limit_test_batches=1, enable_checkpointing=False, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0)
+    model = Model()
+    trainer.fit(model)
+    after = {n: p.detach() for n, p in model.named_parameters()}
+    full = trainer.strategy.full_state_dict()
+    trainer.test(model, verbose=False)
+    return {**seen, "after": {n: p.dtype for n, p in after.items()},
+            "exact": all(torch.equal(after[n], full[n]) for n in full)}
+
+
+@pytest.mark.parametrize("kind", [S1, S2, S3], ids=["stage1", "stage2", "stage3"])
+def test_bf16_mixed_trains_bf16_working_weights_and_hands_back_fp32_masters(dist_pool, kind):
+    for r in dist_pool(2).run(_bf16_mixed_dtypes, kind):
+        assert r["training"] == torch.bfloat16  # what the forward reads during fit, as with DeepSpeed
+        assert set(r["after"].values()) == {torch.float32} and r["exact"]  # after fit: the fp32 masters
+        assert r["testing"] == torch.float32  # evaluation after fit: the plain module under autocast, as DDP
