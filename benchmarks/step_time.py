@@ -380,8 +380,8 @@ def print_memory_peak(arm: str, snapshot: dict) -> None:
             best, at_best = total, dict(live)
     by_site: dict = {}
     for event in at_best.values():
-        frames = [f for f in event.get("frames", []) if "site-packages/torch/" not in f["filename"]
-                  and "python3" not in f["filename"]][:2]
+        frames = [f for f in event.get("frames", []) if f["filename"].endswith(".py")
+                  and "/torch/" not in f["filename"]][:2]
         site = " < ".join(f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in frames) or "?"
         by_site[site] = by_site.get(site, 0) + event["size"]
     print(f"[memory peak {arm}] {best / 2**30:.3f} GiB allocated in the step above what was live before it", file=sys.stderr)
