@@ -205,3 +205,22 @@ def test_auto_keeps_the_largest_units_that_fit_and_never_exceeds_the_budget(capl
     assert any("2 of 4 units keep master and optimizer state on the device" in r.getMessage() for r in caplog.records)
     for unit in engine.units:  # the host no longer holds gradient buffers for the units that came back
         assert (unit.index in engine.placement.host.host_grads) == (unit.index in decision["host_units"])
+
+
+def test_sharded_state_loads_into_an_auto_engine_after_its_decision() -> None:
+    # The state loads next to each master, wherever "auto" put it; both engines then train alike.
+    source = _engine(0.5)
+    _train(source, range(3))
+    target = _engine("auto", seed=1)
+    target.placement.measure = lambda: (0, 0, 20_000)
+    target.placement.budget = "65%"
+    _train(target, range(1))  # decides: some units on the device, the others on the host
+    assert 0 < len(target.placement.decision["device_units"]) < len(target.units)
+    target.load_sharded_state_dict(source.sharded_state_dict())
+    target.module.frozen.load_state_dict(source.module.frozen.state_dict())
+    for a, b in zip(_optimizer_state(source), _optimizer_state(target)):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    _train(source, range(3, 5))
+    _train(target, range(3, 5))
+    for name, value in source.full_state_dict().items():
+        assert (value - target.full_state_dict()[name]).abs().max() <= 1e-6, name
