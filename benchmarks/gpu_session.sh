@@ -9,6 +9,7 @@
 #   #13, #14  peers        (carry .whl: DeepSpeed; ~10 min: split nvlink/shm/socket into two calls if needed)
 #   #12       checkpoint   #15  fabric   #17  side_channel (carry .bench_old)   #11 (optional)  eps
 #   #13       memory       (carry .whl for ds2/ds3; NPROC=1 for world size 1; MEMORY_ARMS=ds2,ds3 for a call of its own)
+#   one H200: offload_table (the README offload table)
 #   first, on any number of GPUs (1 will do): verify -- session 5's changes that no GPU has run yet
 #   (git archive 35ea923 lightning_zeroq benchmarks csrc | tar -x -C .before; carry .before and .whl)
 set -u
@@ -113,6 +114,18 @@ case ${1:-tests} in
         benchmarks/fabric_step_time.py --stage $stage --modes fabric,trainer,fabric,trainer \
         2>&1 | grep -E '^\{|Error' | tee -a "$out/fabric_step_time.jsonl"
     done
+    ;;
+  offload_table)  # one H200: the README's offload table (zeroq2/zeroq3 offload, ratios, auto, FSDP2, the host floor)
+    export OMP_NUM_THREADS=$(nproc)
+    timeout 40 python3 benchmarks/host_adam.py --numel 953223168 --threads $(nproc) --steps 3 --rounds 1 \
+      2>&1 | grep torch_fused | tee "$out/host_adam.jsonl"
+    arms=zeroq3+offload_params,fsdp2+offload_optimizer,zeroq2+offload_optimizer,zeroq2
+    arms=$arms,zeroq2+offload_optimizer+ratio25,zeroq2+offload_optimizer+ratio50,zeroq2+offload_optimizer+ratio75
+    arms=$arms,zeroq2+offload_optimizer+auto,zeroq3+offload_optimizer+ratio50,zeroq3+offload_optimizer+auto
+    timeout 280 python3 -m torch.distributed.run --nproc-per-node 1 benchmarks/step_time.py \
+      --arms $arms,zeroq3+offload_params,fsdp2+offload_optimizer --steps 4 --warmup 2 --budget 13 --memory-peak \
+      > "$out/step_time_offload.log" 2>&1
+    grep -E '^\{' "$out/step_time_offload.log" | tee "$out/step_time_offload.jsonl"
     ;;
   one_gpu)  # what one GPU answers: the kernels before (.bench_kernel_old, the previous commit) and after,
             # alternating (issue 13), and the host AdamW kernels on this machine's CPUs (issue 14)

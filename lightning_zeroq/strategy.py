@@ -31,6 +31,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
@@ -348,6 +349,12 @@ class ZeroQStrategy(DDPStrategy):
         if self.checkpointer.pending_path() == path:
             self.checkpointer.wait()
         if self.is_global_zero:
+            outside = checkpoint_glue.outside_checkpoint_dirs(self, path)
+            if outside is not None:
+                rank_zero_warn(f"Not removing {filepath}: it is outside the checkpoint directory {outside} (a path "
+                               "from a trainer state that was edited or saved elsewhere); remove it yourself if it "
+                               "is yours.")
+                return
             atomic.remove(path)
 
     @classmethod

@@ -24,7 +24,6 @@ One optimizer step:
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 from typing import Optional
 
@@ -35,7 +34,6 @@ from torch import Tensor, nn
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.zero import access, comm, hybrid, norms, state_dict, update
 from lightning_zeroq.zero.gather import Gatherer
-from lightning_zeroq.zero.layout import ALIGN
 from lightning_zeroq.zero.loss_scaler import loss_scaler_from_config
 from lightning_zeroq.zero.materialize import sync_replicated_state
 from lightning_zeroq.zero.offload import optimizer_placement, shard_store
@@ -70,12 +68,10 @@ class ZeroEngine:
         device: Optional[torch.device] = None,
     ) -> None:
         self.config, self.module, self.param_dtype = config, module, param_dtype
-        # ``group`` spans the world (the first broadcast, the step's agreement); ``self.group`` is this
-        # rank's shard group, the same group without hybrid groups (``hybrid.py``).
+        # ``group``: the world (first broadcast, the step's agreement); ``self.group``: the shard group (hybrid.py)
         self.topology = topo = hybrid.topology(config, group)
         self.world_group, self.group, self.replica_group = group, topo.group, topo.replica_group
-        self.rank, self.world_size = topo.rank, topo.world_size
-        self.replica_rank, self.num_groups = topo.replica_rank, topo.num_groups
+        self.rank, self.world_size, self.replica_rank, self.num_groups = topo.rank, topo.world_size, *topo.replicas
         if comm.world(group)[0] == 0:
             for message in config.ineffective(loss_scaling):
                 warnings.warn(f"ZeroConfig: {message}", stacklevel=2)
@@ -85,11 +81,7 @@ class ZeroEngine:
         with comm.agreed(group, "building the ZeRO engine"):
             self.device = _target_device(module, device)
             specs = plan(module, trainable_parameters(module), config)
-            quantized = config.quantized_weights or config.quantized_gradients
-            align = math.lcm(ALIGN, config.quantized_weights_group_size) if quantized else ALIGN
-            if topo.int8_gradients_across:
-                align *= topo.num_groups  # the INT8 sum across groups cuts a shard into whole groups per group
-            layouts = plan_layouts(specs, self.world_size, align)
+            layouts = plan_layouts(specs, self.world_size, topo.align(config))
             self.placement = optimizer_placement(config, self.device, param_dtype, self.rank, self.world_size, layouts)
             wire = self._wire(layouts)
             transient = {i: wire.payload_numel(i) for i, spec in enumerate(specs) if not spec.persistent}
@@ -131,6 +123,8 @@ class ZeroEngine:
         self._base = 1.0
         self.retired = False
         """``release_module`` handed the module back; the state stays readable, training is over."""
+        self.closed = False
+        """``close`` released the state (hooks, stores, NVMe swap files): nothing is left to save or load."""
         access.register(self)
         self.steps = 0
         """Optimizer steps attempted (skipped ones included)."""
@@ -308,6 +302,7 @@ class ZeroEngine:
         self.steps += 1
         self.skipped_steps += int(skip)
         self._clear(binding)
+        self.placement.step_done(self.units, self.optimizers, not skip, self.group)
         return not skip
 
     def zero_grad(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
@@ -378,7 +373,10 @@ class ZeroEngine:
             self.retired = True
 
     def close(self) -> None:
-        """Remove every hook and swap file; the module keeps its current (working) parameters."""
+        """Remove every hook and swap file; the module keeps its current (working) parameters. The
+        engine's state is released (with NVMe offload its masters and optimizer state were in the swap
+        files): ``closed`` says so, and a checkpoint save refuses it."""
+        self.closed = True
         self.reducer.close()
         self.placement.close()
         self.gatherer.close()

@@ -20,6 +20,7 @@ they travel on.
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Optional
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from lightning_zeroq.config import ZeroConfig, check_shard_group_size
 from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.grad_wire import AcrossGroups, FullWidthReduce, GradientWire, Int8Reduce
+from lightning_zeroq.zero.layout import ALIGN
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,17 @@ class Topology:
     @property
     def hybrid(self) -> bool:
         return self.replica_group is not None
+
+    @property
+    def replicas(self) -> tuple[int, int]:
+        return self.replica_rank, self.num_groups
+
+    def align(self, config: ZeroConfig) -> int:
+        """What every shard's length is a multiple of: ``ALIGN``, whole INT8 groups where anything is
+        quantized, and whole INT8 groups per shard group for the INT8 sum across groups."""
+        quantized = config.quantized_weights or config.quantized_gradients
+        align = math.lcm(ALIGN, config.quantized_weights_group_size) if quantized else ALIGN
+        return align * self.num_groups if self.int8_gradients_across else align
 
     def gradient_wire(self, device: torch.device, group_size: int) -> GradientWire:
         divisor = self.world_size * self.num_groups  # the whole world's average, in the first hop
