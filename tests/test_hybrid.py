@@ -167,6 +167,11 @@ def test_config_accepts_node_none_and_integral_floats() -> None:
     assert ZeroConfig(shard_group_size=2.0).shard_group_size == 2
 
 
+def test_the_engine_alone_asks_for_a_number_instead_of_node() -> None:
+    with pytest.raises(ValueError, match=r"shard_group_size='node' needs the ranks per node.*LOCAL_WORLD_SIZE"):
+        ZeroEngine(RichModel(), ZeroConfig(shard_group_size="node"))
+
+
 def _bad_world_body(value) -> str:
     try:
         ZeroEngine(RichModel(), ZeroConfig(shard_group_size=value))
