@@ -69,8 +69,8 @@ def hardware_tag(names: list[str]) -> str:
     """``2xh200`` for two NVIDIA H200s, ``cpu`` for none."""
     if not names:
         return "cpu"
-    model = re.sub(r"^(nvidia|amd)\s+", "", names[0].lower())
-    model = re.sub(r"[^a-z0-9]", "", model.split()[0] if model.split() else model) or "gpu"
+    words = [w for w in re.split(r"[\s-]+", names[0].lower()) if w not in ("nvidia", "amd", "geforce", "tesla", "rtx")]
+    model = re.sub(r"[^a-z0-9]", "", words[0]) if words else "gpu"
     return f"{len(names)}x{model}"
 
 
