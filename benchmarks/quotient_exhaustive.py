@@ -1,8 +1,8 @@
 """Exhaustive CPU check of the branch-free quotient of the 16-bit quantize kernels.
 
-The kernels (``csrc/quant_int8.cu``, ``encode_remainder``) compute, per element x of a group with divisor d (the group's
-scale, 1 for an all-zero group) and r = RN(1/d) (``__frcp_rn``), in float32 with one rounding per
-operation:
+The kernels (``csrc/quant_int8.cu``, ``encode_remainder``) compute, per element x of a group with
+divisor d (the group's scale, 1 for an all-zero group) and r = RN(1/d) (``__frcp_rn``), in float32
+with one rounding per operation:
 
     q0   = RN(x * r)                 __fmul_rn
     rem  = RN(x - q0 * d)            __fmaf_rn(-q0, d, x)

@@ -92,9 +92,9 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def commit() -> str:
+def commit(repo: Path = REPO) -> str:
     def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True).stdout.strip()
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True).stdout.strip()
     head = git("rev-parse", "HEAD") or "unknown"
     return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
@@ -188,7 +188,7 @@ class Results:
 
 
 def run_launch(launch: Launch, results: Results, values: dict[str, str], world_size: int | None,
-               pythonpath: str) -> int:
+               pythonpath: str, repo: Path = REPO) -> int:
     port = free_port()
     cmd = [fill(a, values) for a in command(launch, world_size, port)]
     env = environment(launch, values)
@@ -207,7 +207,7 @@ def run_launch(launch: Launch, results: Results, values: dict[str, str], world_s
         [sys.executable, *cmd[1:]]
     full_env = {**os.environ, **env, "PYTHONPATH": pythonpath}
     start = time.monotonic()
-    proc = subprocess.Popen(argv, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(argv, cwd=repo, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     deadline = start + launch.timeout
     timed_out = False
@@ -275,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="run every torchrun launch at this world size instead of the suite's")
     parser.add_argument("--hardware", default=None, help="the hardware part of result names (default: from nvidia-smi)")
     parser.add_argument("--date", default=None, help="the date part of result names (default: today, UTC)")
+    parser.add_argument("--repo", default=str(REPO),
+                        help="run the scripts and package of this checkout (default: the one holding suite.py), "
+                             "e.g. an earlier commit checked out with 'git worktree add'; its commit goes in the header")
     parser.add_argument("--wheels", default=None,
                         help="a folder of .whl files (e.g. DeepSpeed) to install into the scratch folder first, "
                              "without a package index")
@@ -296,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.hardware is not None and not re.fullmatch(r"cpu|\d+x[a-z0-9]+", args.hardware):
         parser.error(f"--hardware {args.hardware!r}: use 'cpu' or <count>x<gpu>, e.g. 2xh200")
 
+    repo = Path(args.repo).resolve()
+    if not (repo / "benchmarks").is_dir() or not (repo / "lightning_zeroq").is_dir():
+        parser.error(f"--repo {args.repo}: not a checkout of this project (no benchmarks/ and lightning_zeroq/ there)")
     names = gpus()
     hardware = args.hardware or hardware_tag(names)
     date = args.date or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
@@ -304,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     driver_command = shlex.join(["python", "benchmarks/suite.py", *(argv if argv is not None else sys.argv[1:])])
 
     if args.dry_run:
+        if repo != REPO:
+            print(f"# in {repo} (commit {commit(repo)})")
         for name in args.suites:
             suite = SUITES[name]
             print(f"# {name}: {suite.about}")
@@ -326,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     scratch.mkdir(parents=True, exist_ok=True)
-    pythonpath = str(REPO) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
+    pythonpath = str(repo) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
     if args.wheels:
         site = scratch / "site"
         install_wheels(Path(args.wheels), site)
@@ -336,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     for name in args.suites:
         suite = SUITES[name]
-        header = {"suite": name, "about": suite.about, "commit": commit(), "command": driver_command,
+        header = {"suite": name, "about": suite.about, "commit": commit(repo), "command": driver_command,
                   "hardware": {"gpus": names, "cpu": cpu_model(), "cores": cores, "host": platform.node()},
                   "torch": version("torch"), "lightning": version("lightning"), "python": platform.python_version(),
                   "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -344,12 +352,12 @@ def main(argv: list[str] | None = None) -> int:
         results = Results(out, hardware, date, header)
         print(f"# {name}: {suite.about}", flush=True)
         if suite.build and names:
-            build = subprocess.run([sys.executable, *BUILD], cwd=REPO, env={**os.environ, "PYTHONPATH": pythonpath},
+            build = subprocess.run([sys.executable, *BUILD], cwd=repo, env={**os.environ, "PYTHONPATH": pythonpath},
                                    capture_output=True, text=True, timeout=300)
             print("CUDA extension: " + ((build.stdout + build.stderr).strip().splitlines() or ["?"])[-1], flush=True)
         for launch in suite.launches:
             values = placeholders(scratch, out, cores, world(launch, args.world_size))
-            failed += run_launch(launch, results, values, args.world_size, pythonpath) != 0
+            failed += run_launch(launch, results, values, args.world_size, pythonpath, repo) != 0
         for bench, path in results.files.items():
             rows = table(bench, results.records.get(bench, []))
             if rows:
