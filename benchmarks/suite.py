@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from suites import BASE_ENV, LINKS, SUITES, TABLE_COLUMNS, Launch, Suite  # noqa: E402
+from suites import BASE_ENV, LINKS, SUITES, TABLE_COLUMNS, Launch
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD = ("-c", "from lightning_zeroq.ops._load import main; raise SystemExit(main())")
@@ -55,7 +55,7 @@ def gpus() -> list[str]:
         return []
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=30).stdout
+                             text=True, timeout=30, check=False).stdout
     except (OSError, subprocess.SubprocessError):
         return []
     names = [line.strip() for line in out.splitlines() if line.strip()]
@@ -94,16 +94,17 @@ def cpu_model() -> str:
 
 def commit(repo: Path = REPO) -> str:
     def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True).stdout.strip()
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=False).stdout.strip()
     head = git("rev-parse", "HEAD") or "unknown"
     return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def version(module: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as v
     try:
-        from importlib.metadata import version as v
         return v(module)
-    except Exception:
+    except PackageNotFoundError:
         return None
 
 
@@ -277,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--date", default=None, help="the date part of result names (default: today, UTC)")
     parser.add_argument("--repo", default=str(REPO),
                         help="run the scripts and package of this checkout (default: the one holding suite.py), "
-                             "e.g. an earlier commit checked out with 'git worktree add'; its commit goes in the header")
+                             "e.g. an earlier commit checked out with 'git worktree add'; its commit goes in the "
+                             "header")
     parser.add_argument("--wheels", default=None,
                         help="a folder of .whl files (e.g. DeepSpeed) to install into the scratch folder first, "
                              "without a package index")
@@ -353,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# {name}: {suite.about}", flush=True)
         if suite.build and names:
             build = subprocess.run([sys.executable, *BUILD], cwd=repo, env={**os.environ, "PYTHONPATH": pythonpath},
-                                   capture_output=True, text=True, timeout=300)
+                                   capture_output=True, text=True, timeout=300, check=False)
             print("CUDA extension: " + ((build.stdout + build.stderr).strip().splitlines() or ["?"])[-1], flush=True)
         for launch in suite.launches:
             values = placeholders(scratch, out, cores, world(launch, args.world_size))

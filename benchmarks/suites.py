@@ -109,13 +109,14 @@ SUITES: dict[str, Suite] = {
          *step_time(FIVE, links=("socket",), timeout=200)), build=True),
     "offload": Suite(
         "CPU offload: full and partial optimizer offload, stage-3 parameter offload (also with INT8) at 2 GPUs and "
-        "at 1; the host step with one thread per rank; the host AdamW step alone (its floor)",
+        "at 1; the host step with one thread per rank; the host AdamW step alone (its floor) at one rank's share of "
+        "the 953M GPT at world sizes 1 and 2",
         (*step_time(OFFLOAD, timeout=400),
          *step_time("zeroq2+offload_optimizer,zeroq3+offload_params,zeroq2+offload_optimizer+ratio50,zeroq3",
                     world_sizes=(1,), timeout=200, extra=("--steps", "6", "--warmup", "2")),
          *step_time("zeroq2+offload_optimizer", timeout=150, env={"OMP_NUM_THREADS": "1"}),
-         Launch("host_adam", ("benchmarks/host_adam.py", "--threads", "{cores}", "--numel", "476000000"),
-                timeout=280)), build=True),
+         *(Launch("host_adam", ("benchmarks/host_adam.py", "--threads", "{cores}", "--numel", numel), timeout=280)
+           for numel in ("953000000", "476000000"))), build=True),
     "memory": Suite(
         "Peak memory: stage 3 on a 1.005B GPT, and every GiB of the peaks by tensor class (memory_account.py) for "
         "ZeroQ stages 2 and 3, FSDP2 and, where DeepSpeed is installed, DeepSpeed stages 2 and 3",
@@ -150,7 +151,8 @@ SUITES: dict[str, Suite] = {
               for stage in (2, 3))),
     "kernels": Suite(
         "Effective bandwidth of the INT8 quantize/dequantize kernels against a device-to-device copy",
-        (Launch("quant_kernels", ("-m", "benchmarks.quant_kernels"), timeout=120, output="text"),), build=True),
+        (Launch("quant_kernels", ("-m", "benchmarks.quant_kernels", "--numel", "268435456"), timeout=120,
+                output="text"),), build=True),
     "accuracy": Suite(
         "Accuracy of INT8 weights: final loss of the same 300-step training with and without, stages 2 and 3 "
         "(135M byte-level GPT, 2 GPUs)",
