@@ -94,7 +94,8 @@ def cpu_model() -> str:
 
 def commit(repo: Path = REPO) -> str:
     def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=False).stdout.strip()
+        done = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=False)
+        return done.stdout.strip()
     head = git("rev-parse", "HEAD") or "unknown"
     return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
@@ -213,18 +214,24 @@ def run_launch(launch: Launch, results: Results, values: dict[str, str], world_s
     deadline = start + launch.timeout
     timed_out = False
 
-    def stop() -> None:
-        nonlocal timed_out
-        timed_out = True
+    def kill(sig: int) -> None:
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(proc.pid, sig)  # torchrun and its ranks: the launch's own process group
         except ProcessLookupError:
             pass
+
+    def stop() -> None:  # at the time limit: SIGTERM (ranks clean up swap files), SIGKILL 10 s later
+        nonlocal timed_out
+        timed_out = True
+        kill(signal.SIGTERM)
+        hard = threading.Timer(10.0, kill, (signal.SIGKILL,))
+        hard.daemon = True
+        hard.start()
 
     timer = threading.Timer(max(0.0, deadline - time.monotonic()), stop)
     timer.start()
     try:
-        with open(results.log(launch), "a") as log:
+        with open(results.log(launch) if launch.output == "jsonl" else os.devnull, "a") as log:
             log.write(f"$ {line}\n")
             for text in proc.stdout:  # type: ignore[union-attr]
                 if launch.output == "text":
@@ -245,6 +252,8 @@ def run_launch(launch: Launch, results: Results, values: dict[str, str], world_s
         rc = proc.wait()
     finally:
         timer.cancel()
+        if proc.poll() is None:  # the driver was interrupted
+            kill(signal.SIGKILL)
     rc = 124 if timed_out else rc
     wall = round(time.monotonic() - start, 1)
     results.write(path, launch, {"end": {"rc": rc, "wall_s": wall}})
