@@ -320,6 +320,11 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
     if ON_GPU:
         torch.cuda.reset_peak_memory_stats()
     for i in range(args.warmup + args.steps):
+        if args.memory_peak and ON_GPU and i == 1:
+            torch.cuda.memory._record_memory_history(max_entries=500_000)
+        if args.memory_peak and ON_GPU and i == 2:
+            print_memory_peak(arm, torch.cuda.memory._snapshot())
+            torch.cuda.memory._record_memory_history(enabled=None)
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=dev, generator=g)
         sync()
         t0 = time.perf_counter()
@@ -359,6 +364,29 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
     if ON_GPU:
         torch.cuda.empty_cache()
     return result
+
+
+def print_memory_peak(arm: str, snapshot: dict) -> None:
+    """``--memory-peak``: the device allocations live at the highest point of one recorded step (those
+    made before the step, e.g. the model's own, are not in the record), summed by where they were made."""
+    live, total, best, at_best = {}, 0, -1, {}
+    for event in snapshot["device_traces"][0]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            total += event["size"]
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            total -= live.pop(event["addr"])["size"]
+        if total > best:
+            best, at_best = total, dict(live)
+    by_site: dict = {}
+    for event in at_best.values():
+        frames = [f for f in event.get("frames", []) if f["filename"].endswith(".py")
+                  and "/torch/" not in f["filename"]][:2]
+        site = " < ".join(f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in frames) or "?"
+        by_site[site] = by_site.get(site, 0) + event["size"]
+    print(f"[memory peak {arm}] {best / 2**30:.3f} GiB allocated in the step above what was live before it", file=sys.stderr)
+    for site, size in sorted(by_site.items(), key=lambda kv: -kv[1])[:14]:
+        print(f"  {size / 2**30:7.3f} GiB  {site[:160]}", file=sys.stderr)
 
 
 def profile_steps(arm, args, dev, forward, finish, g) -> None:
@@ -424,6 +452,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--arms", default="ddp,zeroq2", help="comma-separated, run in this order")
     add_model_arguments(parser, steps=10, warmup=3)
+    parser.add_argument("--memory-peak", action="store_true", help="print what is live at one step's peak (print_memory_peak)")
     parser.add_argument("--budget", default=None, help="offload_memory_budget of the +auto arms (GiB, or e.g. '50%%')")
     parser.add_argument("--profile", default="", help="a folder: profile two more steps of each arm (profile_steps)")
     args = parser.parse_args()

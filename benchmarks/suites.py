@@ -85,6 +85,10 @@ def step_time(arms: str, links=("nvlink",), models=("953m",), world_sizes=(2,), 
 
 
 FIVE = "ddp,zeroq2,zeroq2+int8,zeroq3,zeroq3+int8"
+OFFLOAD_TABLE = ("zeroq3+offload_params,fsdp2+offload_optimizer,zeroq2+offload_optimizer,zeroq2,"
+                 "zeroq2+offload_optimizer+ratio25,zeroq2+offload_optimizer+ratio50,zeroq2+offload_optimizer+ratio75,"
+                 "zeroq2+offload_optimizer+auto,zeroq3+offload_optimizer+ratio50,zeroq3+offload_optimizer+auto,"
+                 "zeroq3+offload_params,fsdp2+offload_optimizer")
 OFFLOAD = ("zeroq2,zeroq2+offload_optimizer,zeroq2+offload_optimizer+ratio75,zeroq2+offload_optimizer+ratio50,"
            "zeroq2+offload_optimizer+ratio25,zeroq3,zeroq3+offload_params,zeroq3+int8+offload_params")
 PEERS = "ddp,fsdp2,fsdp2+keep,ds2,ds3,ds3+int8,zeroq2,zeroq2+int8,zeroq3,zeroq3+int8,zeroq3+keep"
@@ -108,15 +112,20 @@ SUITES: dict[str, Suite] = {
          *step_time(FIVE, links=("shm",), timeout=150),
          *step_time(FIVE, links=("socket",), timeout=200)), build=True),
     "offload": Suite(
-        "CPU offload: full and partial optimizer offload, stage-3 parameter offload (also with INT8) at 2 GPUs and "
-        "at 1; the host step with one thread per rank; the host AdamW step alone (its floor) at one rank's share of "
-        "the 953M GPT at world sizes 1 and 2",
+        "CPU offload on one GPU: the host's floor (fused AdamW over all 953M fp32 elements), full, partial and "
+        "automatic (budget 13 GiB) optimizer offload in stages 2 and 3, parameter offload, FSDP2's CPU offload, "
+        "with what is live at each arm's peak",
+        (Launch("host_adam", ("benchmarks/host_adam.py", "--numel", "953223168", "--threads", "{cores}", "--steps",
+                              "3", "--rounds", "1"), timeout=60),
+         *step_time(OFFLOAD_TABLE, world_sizes=(1,), timeout=300,
+                    extra=("--steps", "4", "--warmup", "2", "--budget", "13", "--memory-peak"))), build=True),
+    "offload-2gpu": Suite(
+        "CPU offload at 2 GPUs: full and partial optimizer offload, stage-3 parameter offload (also with INT8 "
+        "weights); the host step with one thread per rank; the host AdamW step over one rank's share",
         (*step_time(OFFLOAD, timeout=400),
-         *step_time("zeroq2+offload_optimizer,zeroq3+offload_params,zeroq2+offload_optimizer+ratio50,zeroq3",
-                    world_sizes=(1,), timeout=200, extra=("--steps", "6", "--warmup", "2")),
          *step_time("zeroq2+offload_optimizer", timeout=150, env={"OMP_NUM_THREADS": "1"}),
-         *(Launch("host_adam", ("benchmarks/host_adam.py", "--threads", "{cores}", "--numel", numel), timeout=280)
-           for numel in ("953000000", "476000000"))), build=True),
+         Launch("host_adam", ("benchmarks/host_adam.py", "--threads", "{cores}", "--numel", "476000000"),
+                timeout=280)), build=True),
     "memory": Suite(
         "Peak memory: stage 3 on a 1.005B GPT, and every GiB of the peaks by tensor class (memory_account.py) for "
         "ZeroQ stages 2 and 3, FSDP2 and, where DeepSpeed is installed, DeepSpeed stages 2 and 3",

@@ -244,7 +244,7 @@ def _nonfinite_body(action: str, stage: int, device: str = "cpu", offload: str =
     engine = ZeroEngine(model, ZeroConfig(stage=stage, nonfinite_gradients=action, **_stage_options(stage),
                                           **OFFLOADS[offload]))
     if offload == "auto":  # a stand-in device that holds about half the units (see test_engine_parity)
-        engine.placement.measure = lambda: (0, 0, 7000)
+        engine.placement.measure = lambda: (0, 0, 16000)
     engine.attach_optimizer(torch.optim.AdamW(param_groups(model)))
     rank = dist.get_rank()
     batch = lambda step: tuple(t.to(dev) if torch.is_tensor(t) else t for t in make_batch(step, 0, rank, uniform=True))  # noqa: E731

@@ -190,14 +190,37 @@ def test_auto_keeps_the_largest_units_that_fit_and_never_exceeds_the_budget(capl
     import logging
 
     engine = _engine("auto")
-    engine.placement.measure = lambda: (1000, 0, 10_000)  # a stand-in device: peak 1000 of 10000 bytes
-    engine.config.offload_memory_budget = engine.placement.budget = "60%"  # 6000 bytes: 5000 to fill
+    engine.placement.measure = lambda: (1000, 0, 20_000)  # a stand-in device: peak 1000 of 20000 bytes
+    engine.placement.budget = "65%"  # 13000 bytes: 12000 to fill
     engine.backward(engine.module.loss(_batch(0)))
     with caplog.at_level(logging.INFO, logger="lightning_zeroq"):
         engine.step()
     decision = engine.placement.decision
-    # Units of 512, 272, 272 and 83 elements: master + AdamW's two moments = 12 bytes each, plus step counts.
-    # Largest first: 512 (over 6144 bytes) does not fit 5000, one 272 does, the other no longer, 83 does.
-    assert decision["device_units"] == [1, 3] and decision["host_units"] == [0, 2], decision
-    assert 1000 + decision["device_bytes"] <= 6000 and decision["budget_bytes"] == 6000
+    # Units of 512, 272, 272 and 83 elements in 1, 2, 2 and 4 segments: the fp32 master and, per segment,
+    # AdamW's two moments and its step count, each in whole 512-byte blocks: 6656, 5632, 5632, 3584 bytes.
+    # Largest first: 6656 fits, neither 5632 does after it, 3584 does.
+    assert decision["device_units"] == [0, 3] and decision["host_units"] == [1, 2], decision
+    assert decision["device_bytes"] == 6656 + 3584 and 1000 + decision["device_bytes"] <= 13000
+    assert decision["budget_bytes"] == 13000
     assert any("2 of 4 units keep master and optimizer state on the device" in r.getMessage() for r in caplog.records)
+    for unit in engine.units:  # the host no longer holds gradient buffers for the units that came back
+        assert (unit.index in engine.placement.host.host_grads) == (unit.index in decision["host_units"])
+
+
+def test_sharded_state_loads_into_an_auto_engine_after_its_decision() -> None:
+    # The state loads next to each master, wherever "auto" put it; both engines then train alike.
+    source = _engine(0.5)
+    _train(source, range(3))
+    target = _engine("auto", seed=1)
+    target.placement.measure = lambda: (0, 0, 20_000)
+    target.placement.budget = "65%"
+    _train(target, range(1))  # decides: some units on the device, the others on the host
+    assert 0 < len(target.placement.decision["device_units"]) < len(target.units)
+    target.load_sharded_state_dict(source.sharded_state_dict())
+    target.module.frozen.load_state_dict(source.module.frozen.state_dict())
+    for a, b in zip(_optimizer_state(source), _optimizer_state(target)):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    _train(source, range(3, 5))
+    _train(target, range(3, 5))
+    for name, value in source.full_state_dict().items():
+        assert (value - target.full_state_dict()[name]).abs().max() <= 1e-6, name

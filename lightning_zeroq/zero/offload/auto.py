@@ -126,9 +126,14 @@ class AutoSplit(SplitOptimizer):
 
 
 def _device_cost(unit: Unit, optimizers: Sequence[torch.optim.Optimizer]) -> int:
-    """Device bytes the unit's master and optimizer state take once moved there."""
+    """Device bytes the unit's master and optimizer state take once moved there, as the caching
+    allocator counts them (each tensor rounded up to its 512-byte blocks)."""
     views = {id(v) for v in unit.segment_masters}
-    state = sum(value.numel() * value.element_size()
+    state = sum(_allocated(value)
                 for optimizer in optimizers for view, values in optimizer.state.items() if id(view) in views
                 for value in values.values() if isinstance(value, torch.Tensor))
-    return unit.master.numel() * unit.master.element_size() + state
+    return _allocated(unit.master) + state
+
+
+def _allocated(tensor: torch.Tensor) -> int:
+    return -(-tensor.numel() * tensor.element_size() // 512) * 512

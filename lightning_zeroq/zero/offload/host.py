@@ -22,7 +22,8 @@ first halves the bytes on PCIe but cost the CPU about a third of the AdamW step'
 model, as a second pass over the masters; the copy engine is otherwise idle during the host step.)
 
 Parameters (stage 3). A transient unit's payload rests in pinned host memory and is copied to the
-device right before each gather (on the gather stream when prefetched).
+device right before each gather (on the gather stream when prefetched). After a step the host master
+is cast to that payload on the GPU and copied back (``HostStore.put``), not on the CPU.
 
 On a machine without a GPU "host" and "device" are the same memory; the code path is the same and
 is what the CPU tests exercise. Host buffers are pinned only where a GPU copies from or to them.
