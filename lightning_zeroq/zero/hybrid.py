@@ -56,10 +56,6 @@ class Topology:
     def hybrid(self) -> bool:
         return self.replica_group is not None
 
-    @property
-    def replicas(self) -> tuple[int, int]:
-        return self.replica_rank, self.num_groups
-
     def align(self, config: ZeroConfig) -> int:
         """What every shard's length is a multiple of: ``ALIGN``, whole INT8 groups where anything is
         quantized, and whole INT8 groups per shard group for the INT8 sum across groups."""
