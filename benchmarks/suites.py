@@ -95,6 +95,7 @@ PEERS = "ddp,fsdp2,fsdp2+keep,ds2,ds3,ds3+int8,zeroq2,zeroq2+int8,zeroq3,zeroq3+
 PEERS_OFFLOAD = ("zeroq2,zeroq2+offload_optimizer,ds2+offload_optimizer,fsdp2+offload_optimizer,"
                  "zeroq2+offload_optimizer+ratio25,zeroq2+offload_optimizer+ratio50,zeroq2+offload_optimizer+ratio75,"
                  "zeroq3,zeroq3+offload_params,ds3+offload_optimizer+offload_params")
+HYBRID = "ddp,zeroq2,zeroq2+group1,zeroq2+group1+crossq,zeroq3,zeroq3+group1,zeroq3+group1+crossq"
 GPU_TESTS = ("-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rf", "-s", "tests")
 
 
@@ -158,6 +159,11 @@ SUITES: dict[str, Suite] = {
         tuple(Launch("fabric_step_time", ("benchmarks/fabric_step_time.py", "--stage", str(stage), "--modes",
                                           "fabric,trainer,fabric,trainer"), world_size=2, timeout=280)
               for stage in (2, 3))),
+    "hybrid": Suite(
+        "Hybrid sharding (shard_group_size) at 2 GPUs, each GPU its own group (what 2 nodes of one GPU would do): "
+        "ZeRO 2 and 3 sharded over both against one group per GPU, with INT8 gradients across groups only, over "
+        "NVLink and over loopback sockets (the slow link between nodes)",
+        (*step_time(HYBRID, timeout=300), *step_time(HYBRID, links=("socket",), timeout=300)), build=True),
     "kernels": Suite(
         "Effective bandwidth of the INT8 quantize/dequantize kernels against a device-to-device copy",
         (Launch("quant_kernels", ("-m", "benchmarks.quant_kernels", "--numel", "268435456"), timeout=120,
