@@ -101,6 +101,7 @@ INT8_ARMS = {
     # The embedding and the 16x16 weights are quantized; LayerNorm and biases go exactly.
     "weights": {"quantized_weights": True, "quantized_weights_exact_numel": 64},
     "gradients_across_groups": {"quantized_gradients": True, "quantize_cross_group_only": True},
+    "gradients_every_hop": {"quantized_gradients": True},
 }
 
 
@@ -136,7 +137,8 @@ def _int8_body(stage: int, steps: int, arm: str = "weights") -> tuple[list[float
     return runs[0], runs[1]
 
 
-@pytest.mark.parametrize("stage, arm", [(2, "weights"), (3, "weights"), (2, "gradients_across_groups")])
+@pytest.mark.parametrize("stage, arm", [(2, "weights"), (3, "weights"), (2, "gradients_across_groups"),
+                                        (3, "gradients_every_hop")])
 def test_int8_in_groups_follows_full_width(dist_pool, stage: int, arm: str) -> None:
     # The tolerance of test_quantized.test_quantized_training_follows_full_width: INT8 groups of 64
     # move a weight by at most absmax/254 per gather and the masters stay exact, so the per-step
