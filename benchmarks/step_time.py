@@ -319,6 +319,10 @@ def build_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> Arm:
 def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
     rank = dist.get_rank()
     leftover = allocated_gib()
+    # Every arm compiles afresh: dynamo's code cache is per code object (Module._call_impl, Block.forward),
+    # so an arm would otherwise reuse an earlier arm's graphs and recompilations (and, past dynamo's
+    # recompile limit, run eagerly without a word).
+    torch._dynamo.reset()
     built = build_arm(arm, args, dev)
     model, forward, finish, engine, num_params = built.model, built.forward, built.finish, built.engine, built.num_params
     del built

@@ -177,6 +177,30 @@ def test_freed_parameter_guard_outside_forward_with_compiled_model(dist_pool):
     dist_pool(2).run(_guard_body)
 
 
+def _held_after_forward_body() -> list[int]:
+    torch.manual_seed(0)
+    model = Net()
+    _compiled(model, "block")
+    engine = ZeroEngine(model, ZeroConfig(stage=3, **FREED))
+    engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    transient = [u for u in engine.units if not u.persistent]
+    held = []
+    for s in range(3):
+        x, y = _batch(s, 0)
+        loss = F.mse_loss(model(x), y)
+        held.append(sum(u.state is not UnitState.SHARDED for u in transient))  # at the loss, the activations' peak
+        engine.backward(loss)
+        engine.step()
+    return held
+
+
+def test_stage3_holds_no_unit_at_the_loss_with_prefetch(dist_pool):
+    # Before: from the second step on, the last unit's prefetch gathered the next step's first unit at
+    # the end of every forward and held it through the loss and the backward, which then freed it unused.
+    for held in dist_pool(2).run(_held_after_forward_body):
+        assert held == [0, 0, 0], held
+
+
 # Lightning's tests/tests_pytorch/utilities/test_compile.py::test_trainer_compiled_model_ddp (2.6.5), with
 # strategy=ZeroQStrategy(stage=...) where it fits DDP, on the gloo pool instead of a mocked single process.
 def _lightning_compiled_body() -> list[float]:

@@ -108,7 +108,9 @@ class Stage3Coordinator:
         """The backward pass is over: every transient unit is freed."""
         for unit in self.units:
             self.gatherer.free(unit)
-        self._last[True] = None
+        # The next forward starts a new order: its first unit is not learned as the successor of this
+        # forward's last (that prefetch was held through the loss and the backward, then freed unused).
+        self._last[False] = self._last[True] = None
         self._prefetched = []
 
     # Hooks (installed as ``WeakHook``s).
