@@ -207,6 +207,39 @@ def test_stage3_holds_no_unit_at_the_loss_with_prefetch(dist_pool):
         assert held == [0, 0, 0], held
 
 
+def _recompute_gathers_body() -> list[int]:
+    from lightning_zeroq.zero.gather import Gatherer
+
+    counts = []
+    for ac in (False, True):
+        torch.manual_seed(0)
+        model = Net(ac)
+        engine = ZeroEngine(model, ZeroConfig(stage=3, stage3_wrap_classes=["Linear"],
+                                              stage3_param_persistence_threshold=0))
+        engine.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        gathers = [0]
+        original = engine.gatherer.gather
+
+        def counting(unit, prefetch=False):
+            gathers[0] += unit.state is UnitState.SHARDED
+            original(unit, prefetch)
+
+        engine.gatherer.gather = counting
+        for s in range(3):
+            x, y = _batch(s, 0)
+            engine.backward(F.mse_loss(model(x), y))
+            engine.step()
+        counts.append(gathers[0])
+    return counts
+
+
+def test_checkpointed_units_are_gathered_once_for_recomputation_and_backward(dist_pool):
+    # Units inside a checkpointed block are recomputed in the backward: each is gathered once there
+    # (before: the recomputation freed it and its backward gathered it again, one gather per unit more).
+    for plain, checkpointed in dist_pool(2).run(_recompute_gathers_body):
+        assert checkpointed == plain, (plain, checkpointed)
+
+
 # Lightning's tests/tests_pytorch/utilities/test_compile.py::test_trainer_compiled_model_ddp (2.6.5), with
 # strategy=ZeroQStrategy(stage=...) where it fits DDP, on the gloo pool instead of a mocked single process.
 def _lightning_compiled_body() -> list[float]:
