@@ -83,8 +83,10 @@ def _train(forward, backward, clip, step) -> list[float]:
 def _ddp_run(mode: str, ac: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     model = Net(ac)
+    if mode != "whole":
+        _compiled(model, mode)  # blocks compiled in place before DDP wraps the model
     ddp = DistributedDataParallel(model)
-    forward = torch.compile(ddp) if mode == "whole" else _compiled(model, mode) and ddp
+    forward = torch.compile(ddp) if mode == "whole" else ddp
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     def step():
