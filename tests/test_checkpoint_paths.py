@@ -141,3 +141,17 @@ def test_a_reader_keeps_the_checkpoint_it_opened_while_a_save_replaces_it(saved,
     expected = _model_weights(second)
     assert now.keys() == read.keys() and all(torch.equal(v, expected[k]) for k, v in now.items())
     assert any(not torch.equal(v, first[k]) for k, v in now.items())
+
+
+def test_a_checkpoint_without_checksums_loads_with_a_warning(saved, tmp_path):
+    from lightning_zeroq.checkpoint.checkpointer import Checkpointer
+
+    _, first = saved
+    engine = _trained(0)
+    save_engine(engine, tmp_path / "bare", checkpointer=Checkpointer(checksums=False))
+    assert "checksums" not in json.loads((tmp_path / "bare" / "zeroq.json").read_text())
+    with pytest.warns(UserWarning, match="saved without checksums .* damage to its data cannot be detected"):
+        state = lightning_checkpoint(tmp_path / "bare")["state_dict"]
+    assert all(torch.equal(state[k], first[k]) for k in state)
+    with pytest.raises(ValueError, match=r"Checkpointer\(checksums='no'\): pass True"):
+        Checkpointer(checksums="no")
