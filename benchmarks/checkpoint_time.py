@@ -27,6 +27,8 @@ one JSON line per arm::
     torchrun --nproc-per-node 1 benchmarks/checkpoint_time.py --dir /tmp/ckpt_bench   # one GPU
     torchrun --nproc-per-node 2 benchmarks/checkpoint_time.py --dim 64 --layers 2 --heads 2 --ffn 128 \\
         --vocab 256 --seq 32 --batch 2     # CPU smoke run (gloo)
+    torchrun --nproc-per-node 1 benchmarks/checkpoint_time.py --arms zeroq --checksum-ab --repeats 3 --verify \\
+        --dir /tmp/ckpt_bench              # the cost of checksums: saves and loads alternated with and without
 """
 
 from __future__ import annotations
@@ -252,7 +254,9 @@ def _checksum_ab(result: dict) -> dict:
         return {}
     save, bare = statistics.median(result["save_s"]), statistics.median(result["save_s_no_checksum"])
     load, bare_load = result["load_s"], result["load_s_no_checksum"]
-    return {"save_s_rank0": round(save, 3), "save_s_no_checksum_rank0": round(bare, 3),
+    from lightning_zeroq.checkpoint.checksum import ALGORITHM
+
+    return {"checksum": ALGORITHM, "save_s_rank0": round(save, 3), "save_s_no_checksum_rank0": round(bare, 3),
             "checksum_save_cost_pct": round(100 * (save - bare) / bare, 2),
             "load_s_rank0": round(load, 3), "load_s_no_checksum_rank0": round(bare_load, 3),
             "checksum_load_cost_pct": round(100 * (load - bare_load) / bare_load, 2),
