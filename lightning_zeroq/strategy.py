@@ -349,9 +349,9 @@ class ZeroQStrategy(DDPStrategy):
         if self.is_global_zero:
             outside = checkpoint_glue.outside_checkpoint_dirs(self, path)
             if outside is not None:
-                rank_zero_warn(f"Not removing {filepath}: it is outside the checkpoint directory {outside} (a path "
-                               "from a trainer state that was edited or saved elsewhere); remove it yourself if it "
-                               "is yours.")
+                rank_zero_warn(f"Not removing {filepath}: it names the checkpoint directory {outside} but resolves "
+                               "to a place outside it (a path from an edited trainer state, or a linked directory); "
+                               "remove it yourself if it is yours.")
                 return
             atomic.remove(path)
 

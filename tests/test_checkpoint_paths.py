@@ -117,13 +117,22 @@ def test_remove_checkpoint_stays_inside_the_checkpoint_directory(tmp_path):
     module = make_lit_module()
     module.trainer = trainer
     trainer.strategy._lightning_module = module
-    with pytest.warns(UserWarning, match="Not removing .*outside the checkpoint directory"):
+    with pytest.warns(UserWarning, match="Not removing .*resolves to a place outside it"):
         trainer.strategy.remove_checkpoint(f"{dirpath}/../../victim")  # a last_model_path from an edited state
     assert (victim / "data").read_text() == "precious"
     (dirpath / "link").symlink_to(victim)
     trainer.strategy.remove_checkpoint(dirpath / "link")  # inside: the link goes, never its target
+    (dirpath / "sub").symlink_to(victim)  # a linked subdirectory leads outside too
+    with pytest.warns(UserWarning, match="Not removing"):
+        trainer.strategy.remove_checkpoint(dirpath / "sub" / "data")
+    assert (victim / "data").read_text() == "precious"
+    (dirpath / "sub").unlink()
     trainer.strategy.remove_checkpoint(dirpath / "epoch=0.ckpt")
     assert list(dirpath.iterdir()) == [] and (victim / "data").exists()
+    elsewhere = tmp_path / "saved_by_hand.ckpt"  # a path the user names, not inside dirpath: theirs to remove
+    elsewhere.mkdir()
+    trainer.strategy.remove_checkpoint(elsewhere)
+    assert not elsewhere.exists()
 
 
 def test_a_reader_keeps_the_checkpoint_it_opened_while_a_save_replaces_it(saved, tmp_path):

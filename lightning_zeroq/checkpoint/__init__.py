@@ -5,6 +5,7 @@
 | ``boxes.py`` | a rank's contiguous flat range of a tensor as rectangular boxes of its full shape |
 | ``chunks.py`` | ``LocalChunks``: what a rank writes or reads of one tensor; ``BytesTarget`` |
 | ``writer.py`` | ``ChunkSavePlanner`` and ``ChunkWriter`` (ordered, headed, fsynced files), the pinned ``StagingRing`` sync saves copy device tensors through, staging for async |
+| ``files.py`` | a checkpoint's files opened once, relative to its directory, never through a link; allowed names |
 | ``checksum.py`` | the checksum of every stored item (xxh3_64), computed as the writer writes |
 | ``safe.py`` | reading without unpickling code: allow-list metadata, ``weights_only`` items, checked items, ``read_entries`` |
 | ``store.py`` | the directory: manifest, what a path is (``classify``), completeness (``validate``) |

@@ -38,6 +38,7 @@ from torch.futures import Future
 from lightning_zeroq.checkpoint.agree import CheckpointError
 from lightning_zeroq.checkpoint.checksum import digest
 from lightning_zeroq.checkpoint.chunks import BytesTarget, LocalChunks
+from lightning_zeroq.checkpoint.files import Files
 
 METADATA_FILE = ".metadata"
 
@@ -122,8 +123,6 @@ class SafeReader(FileSystemReader):
 
     def _files(self) -> Any:
         if self.files is None:
-            from lightning_zeroq.checkpoint.store import Files
-
             self.files = Files(Path(self.path))
         return self.files
 
