@@ -27,6 +27,8 @@ one JSON line per arm::
     torchrun --nproc-per-node 1 benchmarks/checkpoint_time.py --dir /tmp/ckpt_bench   # one GPU
     torchrun --nproc-per-node 2 benchmarks/checkpoint_time.py --dim 64 --layers 2 --heads 2 --ffn 128 \\
         --vocab 256 --seq 32 --batch 2     # CPU smoke run (gloo)
+    torchrun --nproc-per-node 1 benchmarks/checkpoint_time.py --arms zeroq --checksum-ab --repeats 3 --verify \\
+        --dir /tmp/ckpt_bench              # the cost of checksums: saves and loads alternated with and without
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import statistics
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -132,15 +135,20 @@ def arm_zeroq(args, dev, path: Path, asynchronous: bool, staging_mib: Optional[f
 
     one_step(model, model, step, args, dev)
     staging_mib = args.staging_mib if staging_mib is None else staging_mib
-    checkpointer = Checkpointer(async_save=asynchronous, staging_bytes=int(staging_mib * 2**20))
-    saves, blocked, peaks = [], [], []
+    # --checksum-ab: the same saves and loads with and without checksums, alternating in this run
+    variants = {"": True, "_no_checksum": False} if args.checksum_ab else {"": True}
+    checkpointers = {v: Checkpointer(async_save=asynchronous, staging_bytes=int(staging_mib * 2**20), checksums=c)
+                     for v, c in variants.items()}
+    paths = {v: path.with_name(path.name + v) for v in variants}
+    saves, blocked, peaks = {v: [] for v in variants}, {v: [] for v in variants}, {v: [] for v in variants}
     for _ in range(args.repeats):
-        shutil.rmtree(path, ignore_errors=True)
-        sync()
-        t, peak = timed(lambda: (save_engine(engine, path, checkpointer=checkpointer), checkpointer.wait()))
-        saves.append(t)
-        blocked.append(checkpointer.last.blocked_s)
-        peaks.append(peak)
+        for v, checkpointer in checkpointers.items():
+            shutil.rmtree(paths[v], ignore_errors=True)
+            sync()
+            t, peak = timed(lambda: (save_engine(engine, paths[v], checkpointer=checkpointer), checkpointer.wait()))
+            saves[v].append(t)
+            blocked[v].append(checkpointer.last.blocked_s)
+            peaks[v].append(peak)
     reference = engine.full_state_dict() if args.verify else None
     del engine, model
     gc.collect()
@@ -148,14 +156,31 @@ def arm_zeroq(args, dev, path: Path, asynchronous: bool, staging_mib: Optional[f
     torch.nn.init.zeros_(model.head.weight)
     engine = ZeroEngine(model, ZeroConfig(stage=2, reduce_bucket_size=int(args.bucket)), param_dtype=torch.bfloat16)
     engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=ON_GPU))
-    load_s, load_peak = timed(lambda: load_engine(engine, path))
-    if reference is not None:
-        got = engine.full_state_dict()
-        assert all(torch.equal(got[k], reference[k]) for k in reference), "loaded state differs"
-    checkpointer.release()
+    loads = {v: [] for v in variants}
+    load_peak = 0.0
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*saved without checksums")
+        for _ in range(args.repeats if args.checksum_ab else 1):
+            for v in variants:
+                t, peak = timed(lambda: load_engine(engine, paths[v]))
+                loads[v].append(t)
+                load_peak = max(load_peak, peak)
+                if reference is not None:
+                    got = engine.full_state_dict()
+                    assert all(torch.equal(got[k], reference[k]) for k in reference), "loaded state differs"
+    for v in variants:
+        checkpointer = checkpointers[v]
+        checkpointer.release()
+        if v:
+            shutil.rmtree(paths[v], ignore_errors=True)
     engine.close()
-    return {"save_s": saves, "blocked_s": blocked, "save_peak": peaks, "load_s": load_s, "load_peak": load_peak,
-            "staging_MiB": 0 if asynchronous else staging_mib}
+    out = {"save_s": saves[""], "blocked_s": blocked[""], "save_peak": peaks[""], "load_s": statistics.median(loads[""]),
+           "load_peak": load_peak, "staging_MiB": 0 if asynchronous else staging_mib}
+    if args.checksum_ab:
+        out.update(save_s_no_checksum=saves["_no_checksum"], load_s_no_checksum=statistics.median(loads["_no_checksum"]),
+                   save_s_all_no_checksum=saves["_no_checksum"], load_s_all=loads[""],
+                   load_s_all_no_checksum=loads["_no_checksum"])
+    return out
 
 
 def arm_fsdp2(args, dev, path: Path, asynchronous: bool) -> dict:
@@ -223,6 +248,23 @@ ARMS = {"zeroq": (arm_zeroq, False), "zeroq_pageable": (functools.partial(arm_ze
         "zeroq_async": (arm_zeroq, True), "fsdp2": (arm_fsdp2, False), "fsdp2_async": (arm_fsdp2, True)}
 
 
+def _checksum_ab(result: dict) -> dict:
+    """--checksum-ab: this rank's medians with and without checksums and the cost in percent."""
+    if "save_s_no_checksum" not in result:
+        return {}
+    save, bare = statistics.median(result["save_s"]), statistics.median(result["save_s_no_checksum"])
+    load, bare_load = result["load_s"], result["load_s_no_checksum"]
+    from lightning_zeroq.checkpoint.checksum import ALGORITHM
+
+    return {"checksum": ALGORITHM, "save_s_rank0": round(save, 3), "save_s_no_checksum_rank0": round(bare, 3),
+            "checksum_save_cost_pct": round(100 * (save - bare) / bare, 2),
+            "load_s_rank0": round(load, 3), "load_s_no_checksum_rank0": round(bare_load, 3),
+            "checksum_load_cost_pct": round(100 * (load - bare_load) / bare_load, 2),
+            "save_s_all_no_checksum": [round(x, 3) for x in result["save_s_no_checksum"]],
+            "load_s_all": [round(x, 3) for x in result["load_s_all"]],
+            "load_s_all_no_checksum": [round(x, 3) for x in result["load_s_all_no_checksum"]]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--arms", default="zeroq,zeroq_pageable,zeroq_async,fsdp2,fsdp2_async")
@@ -237,6 +279,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--bucket", type=float, default=2e8)
     parser.add_argument("--verify", action="store_true", help="zeroq: check the loaded state bit for bit")
+    parser.add_argument("--checksum-ab", action="store_true",
+                        help="zeroq arms: alternate every save and load with and without checksums in this run "
+                             "(Checkpointer(checksums=False)) and report both and the cost in percent")
     parser.add_argument("--staging-mib", type=float, default=512,
                         help="zeroq: pinned staging ring of synchronous saves, MiB (0: pageable copies)")
     args = parser.parse_args()
@@ -267,6 +312,7 @@ def main() -> None:
                 "load_peak_rss_GiB_per_rank": [round(r[4], 2) for r in per_rank],
                 "save_s_all": [round(s, 3) for s in result["save_s"]],
                 **({"staging_MiB": result["staging_MiB"]} if "staging_MiB" in result else {}),
+                **_checksum_ab(result),
             }), flush=True)
         dist.barrier()
         if dist.get_rank() == 0:

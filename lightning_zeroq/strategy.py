@@ -63,8 +63,7 @@ class ZeroQStrategy(DDPStrategy):
             ``overlap_comm``, ``managed_gradient_accumulation``, ``offload_optimizer``,
             ``offload_optimizer_device``, ``offload_optimizer_ratio``, ``offload_parameters``,
             ``offload_params_device``,
-            ``nvme_path``, ``quantized_weights``, ``shard_group_size`` (``"node"``: the processes of
-            one node, ``devices``), ``quantize_cross_group_only``.
+            ``nvme_path``, ``quantized_weights``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as in Lightning's ``DDPStrategy``.
         async_checkpoint: save checkpoints with ``torch.distributed.checkpoint.async_save``: training
@@ -164,8 +163,7 @@ class ZeroQStrategy(DDPStrategy):
                 self.engine.close()  # the previous fit's engine: its state goes (NVMe files included)
             if fitting and self._layer_sync:
                 self.model = self._layer_sync.apply(self.model)
-            self.engine = build_engine(self.lightning_module, self.config, plugin, self.root_device,
-                                       ranks_per_node=self.num_processes)
+            self.engine = build_engine(self.lightning_module, self.config, plugin, self.root_device)
         if self.engine.retired:
             self.precision_plugin.attach_engine(None, self.root_device.type)
             self.setup_precision_plugin()
@@ -350,12 +348,10 @@ class ZeroQStrategy(DDPStrategy):
             self.checkpointer.wait()
         if self.is_global_zero:
             outside = checkpoint_glue.outside_checkpoint_dirs(self, path)
-            if outside is not None and not checkpoint_glue.is_checkpoint(path):
-                # A checkpoint the user saved elsewhere may go; anything else outside the callbacks'
-                # directories (a path from an edited trainer state) is never removed.
-                rank_zero_warn(f"Not removing {filepath}: it is outside the checkpoint directory {outside} and is no "
-                               "checkpoint (a path from a trainer state that was edited or saved elsewhere); remove "
-                               "it yourself if it is yours.")
+            if outside is not None:
+                rank_zero_warn(f"Not removing {filepath}: it names the checkpoint directory {outside} but resolves "
+                               "to a place outside it (a path from an edited trainer state, or a linked directory); "
+                               "remove it yourself if it is yours.")
                 return
             atomic.remove(path)
 

@@ -14,6 +14,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -123,10 +125,11 @@ def damage(ckpt: Path, kind: str, other: Path) -> None:
         assert '"global_step": 1' in text
         (ckpt / "zeroq.json").write_text(text.replace('"global_step": 1', '"global_step": 7', 1))
     elif kind == "damage_non_tensor_item":  # one byte of an optimizer hyperparameter (a pickled float)
-        # DCP writes a replicated item once, in the file of whichever rank its planner picked.
-        file, info = next((f, i[1]) for f in sorted(ckpt.glob("__*_0.distcp")) for i in _items(ckpt, f.name)
-                          if i[0] == "optimizer_0.param_groups.0.lr")
-        _xor(file, info.offset + info.length // 2, 1)
+        from lightning_zeroq.checkpoint.safe import read_metadata
+
+        info = next(info for index, info in read_metadata(ckpt).storage_data.items()
+                    if index.fqn == "optimizer_0.param_groups.0.lr")  # in the file of the rank DCP chose
+        _xor(ckpt / info.relative_path, info.offset + info.length // 2, 1)
     else:
         raise AssertionError(kind)
 
@@ -217,5 +220,100 @@ def test_fault_matrix(dist_pool, saved, reference, tmp_path, world, reader, kind
     assert seconds < CELL_TIMEOUT_S
     if outcome != "loads correctly":
         assert str(ckpt) in message, message  # names the checkpoint (and, below, the file or item)
-        assert re.search(r"__\d+_0\.distcp|\.metadata|zeroq\.json", message), message
+        assert re.search(r"__\d+_0\.distcp|\.metadata|zeroq\.json", message), message  # the file
     _record(world, reader, kind, outcome, seconds, message)
+
+
+# ---------------------------------------------------------------------- SIGKILL of one rank while saving
+
+KILL_CHILD = """
+import os, sys
+from datetime import timedelta
+sys.path.insert(0, {root!r})
+import torch, torch.distributed as dist
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+store = dist.TCPStore("127.0.0.1", {port}, None, is_master=False, timeout=timedelta(seconds=60))
+dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+from lightning_zeroq.checkpoint import atomic
+from lightning_zeroq.checkpoint.checkpointer import Checkpointer
+from lightning_zeroq.checkpoint.engine_io import save_engine
+from tests.models import make_batch
+from tests.test_checkpoint_faults import _engine
+engine = _engine()
+checkpointer = Checkpointer(async_save={asynchronous})
+for steps in (1, 2):
+    engine.backward(engine.module.loss(make_batch(steps, 0, rank, uniform=True)))
+    engine.step()
+    if steps == 2 and rank == {victim}:
+        os.environ[atomic.FAULT_ENV] = {fault!r}
+    save_engine(engine, {path!r}, trainer_state={{"steps": steps}}, checkpointer=checkpointer)
+    checkpointer.wait()
+"""
+KILL_LIMIT_S = 120.0
+"""Start (two or three interpreters importing torch on a loaded machine) to the end of the last process."""
+SURVIVOR_LIMIT_S = 30.0
+"""From the victim's death to the last survivor's exit: well under the children's 60 s collective timeout."""
+
+
+def _kill_one_rank(path: Path, world: int, victim: int, fault: str, asynchronous: bool) -> tuple[list, float]:
+    """Every rank saves twice; ``victim`` is killed (SIGKILL) at ``fault`` of the second save. Returns
+    the exit codes (None: still alive at the limit, then killed) and the seconds from the victim's
+    death until every survivor had exited on its own."""
+    from datetime import timedelta
+
+    from tests.dist_pool import REPO_ROOT
+
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=30))
+    code = KILL_CHILD.format(root=REPO_ROOT, port=store.port, asynchronous=asynchronous, victim=victim, fault=fault,
+                             path=str(path))
+    env = {**os.environ, "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"}
+    env.pop("ZEROQ_CHECKPOINT_FAULT", None)
+    procs = [subprocess.Popen([sys.executable, "-c", code], env={**env, "RANK": str(r)}, cwd=REPO_ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for r in range(world)]
+    start, died = time.monotonic(), None
+    try:
+        while time.monotonic() - start < KILL_LIMIT_S and any(p.poll() is None for p in procs):
+            if died is None and procs[victim].poll() is not None:
+                died = time.monotonic()
+            if died is not None and time.monotonic() - died > SURVIVOR_LIMIT_S:
+                break
+            time.sleep(0.05)
+        codes = [p.poll() for p in procs]
+        if died is None and procs[victim].poll() is not None:
+            died = time.monotonic()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return codes, (time.monotonic() - died) if died is not None else float("inf")
+
+
+@pytest.mark.parametrize("world,victim,fault,asynchronous,survivor", [
+    (2, 1, "mid_data", False, 1), (2, 0, "after_manifest", False, 1), (2, 0, "after_exchange", False, 2),
+    (2, 1, "mid_data", True, 1), (3, 2, "after_data", False, 1)])
+def test_sigkill_of_one_rank_while_saving(tmp_path, world, victim, fault, asynchronous, survivor):
+    from lightning_zeroq.checkpoint import atomic
+    from lightning_zeroq.checkpoint.agree import CheckpointError
+    from lightning_zeroq.checkpoint.engine_io import load_engine
+    from tests.test_checkpoint_faults import _engine
+
+    path = tmp_path / "last.ckpt"
+    codes, seconds = _kill_one_rank(path, world, victim, fault, asynchronous)
+    assert codes[victim] == -9, codes  # killed where asked
+    assert None not in codes and seconds < SURVIVOR_LIMIT_S, f"a rank outlived the victim by {seconds:.1f} s: {codes}"
+    assert all(c != 0 for c in codes), codes  # the survivors fail too (no rank reports a save that did not happen)
+    start = time.monotonic()
+    assert load_engine(_engine(seed=3), path)["steps"] == survivor  # the checkpoint in place loads whole
+    message = ""
+    for leftover in atomic.leftovers(path):  # the interrupted save's directory is refused, or complete
+        try:
+            steps = load_engine(_engine(seed=3), leftover)["steps"]  # complete: the new one, or the old one
+            assert fault in ("after_manifest", "after_exchange") and steps in (1, 2), (leftover, steps)
+        except CheckpointError as error:
+            message = str(error)
+            assert any(s in message for s in ("incomplete", "missing", "no checkpoint")), message
+    _record(world, f"SIGKILL rank {victim} ({'async' if asynchronous else 'sync'} save)", fault,
+            f"step {survivor} loads; the partial save " + ("is refused" if message else "is complete or absent"),
+            seconds + time.monotonic() - start, message)

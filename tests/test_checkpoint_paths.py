@@ -117,13 +117,22 @@ def test_remove_checkpoint_stays_inside_the_checkpoint_directory(tmp_path):
     module = make_lit_module()
     module.trainer = trainer
     trainer.strategy._lightning_module = module
-    with pytest.warns(UserWarning, match="Not removing .*outside the checkpoint directory"):
+    with pytest.warns(UserWarning, match="Not removing .*resolves to a place outside it"):
         trainer.strategy.remove_checkpoint(f"{dirpath}/../../victim")  # a last_model_path from an edited state
     assert (victim / "data").read_text() == "precious"
     (dirpath / "link").symlink_to(victim)
     trainer.strategy.remove_checkpoint(dirpath / "link")  # inside: the link goes, never its target
+    (dirpath / "sub").symlink_to(victim)  # a linked subdirectory leads outside too
+    with pytest.warns(UserWarning, match="Not removing"):
+        trainer.strategy.remove_checkpoint(dirpath / "sub" / "data")
+    assert (victim / "data").read_text() == "precious"
+    (dirpath / "sub").unlink()
     trainer.strategy.remove_checkpoint(dirpath / "epoch=0.ckpt")
     assert list(dirpath.iterdir()) == [] and (victim / "data").exists()
+    elsewhere = tmp_path / "saved_by_hand.ckpt"  # a path the user names, not inside dirpath: theirs to remove
+    elsewhere.mkdir()
+    trainer.strategy.remove_checkpoint(elsewhere)
+    assert not elsewhere.exists()
 
 
 def test_a_reader_keeps_the_checkpoint_it_opened_while_a_save_replaces_it(saved, tmp_path):
@@ -141,3 +150,17 @@ def test_a_reader_keeps_the_checkpoint_it_opened_while_a_save_replaces_it(saved,
     expected = _model_weights(second)
     assert now.keys() == read.keys() and all(torch.equal(v, expected[k]) for k, v in now.items())
     assert any(not torch.equal(v, first[k]) for k, v in now.items())
+
+
+def test_a_checkpoint_without_checksums_loads_with_a_warning(saved, tmp_path):
+    from lightning_zeroq.checkpoint.checkpointer import Checkpointer
+
+    _, first = saved
+    engine = _trained(0)
+    save_engine(engine, tmp_path / "bare", checkpointer=Checkpointer(checksums=False))
+    assert "checksums" not in json.loads((tmp_path / "bare" / "zeroq.json").read_text())
+    with pytest.warns(UserWarning, match="saved without checksums .* damage to its data cannot be detected"):
+        state = lightning_checkpoint(tmp_path / "bare")["state_dict"]
+    assert all(torch.equal(state[k], first[k]) for k in state)
+    with pytest.raises(ValueError, match=r"Checkpointer\(checksums='no'\): pass True"):
+        Checkpointer(checksums="no")

@@ -5,7 +5,9 @@
 | ``boxes.py`` | a rank's contiguous flat range of a tensor as rectangular boxes of its full shape |
 | ``chunks.py`` | ``LocalChunks``: what a rank writes or reads of one tensor; ``BytesTarget`` |
 | ``writer.py`` | ``ChunkSavePlanner`` and ``ChunkWriter`` (ordered, headed, fsynced files), the pinned ``StagingRing`` sync saves copy device tensors through, staging for async |
-| ``safe.py`` | reading without unpickling code: allow-list metadata, ``weights_only`` items, ``read_entries`` |
+| ``files.py`` | a checkpoint's files opened once, relative to its directory, never through a link; allowed names |
+| ``checksum.py`` | the checksum of every stored item (xxh3_64), computed as the writer writes |
+| ``safe.py`` | reading without unpickling code: allow-list metadata, ``weights_only`` items, checked items, ``read_entries`` |
 | ``store.py`` | the directory: manifest, what a path is (``classify``), completeness (``validate``) |
 | ``atomic.py`` | temporary sibling, fsync, ``RENAME_EXCHANGE`` publish, crash recovery, fault points |
 | ``agree.py`` | the checkpoint gloo group; every rank raises the same ``CheckpointError`` |

@@ -21,7 +21,9 @@ host memory: the only part training waits for) and steps 3 and 4 run in a backgr
 when it is done and raises its error, if any.
 
 Open (``open_checkpoint``) classifies the path, validates a ZeroQ directory completely (or a
-foreign DCP directory's files) and ``agree``s before any state is touched.
+foreign DCP directory's files) through ``store.Files`` (every file opened once; the load reads
+through the same handles, checking each item's checksum) and ``agree``s, with each rank's save
+token (ranks that opened different saves stop), before any state is touched.
 """
 
 from __future__ import annotations

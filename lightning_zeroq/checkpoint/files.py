@@ -1,8 +1,5 @@
-"""The files of one checkpoint directory, opened once and read through those handles.
-
-Its own module, below ``safe`` (the reader that verifies items) and ``store`` (validation and the
-manifest), so both can use it without importing each other.
-"""
+"""A checkpoint directory's files, each opened once (``Files``), and the names a load may open
+(``check_name``: one plain name inside the directory, never ``../`` or an absolute path)."""
 
 from __future__ import annotations
 
@@ -12,14 +9,12 @@ import stat
 from pathlib import Path
 from typing import Any, Optional
 
-METADATA_FILE = ".metadata"
-
 
 def check_name(name: Any, directory: Path) -> None:
     """A file name a checkpoint's metadata may refer to: one plain name inside ``directory``."""
     if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\0" in name
             or os.path.isabs(name)):
-        raise ValueError(f"{directory / METADATA_FILE} refers to the data file {name!r}, which is not a file inside "
+        raise ValueError(f"{directory / '.metadata'} refers to the data file {name!r}, which is not a file inside "
                          f"{directory}; it was not opened (the metadata is damaged or was made to read other files).")
 
 

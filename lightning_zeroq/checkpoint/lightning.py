@@ -121,28 +121,20 @@ def save_single_file(strategy: Any, checkpoint: dict, path: Path, checkpointer: 
 
 
 def outside_checkpoint_dirs(strategy: Any, path: Path) -> Optional[str]:
-    """The trainer's checkpoint directories if ``path`` (a link: the link itself) lies outside all of
-    them, else None (also with no trainer or no ``ModelCheckpoint``: the caller named the path)."""
+    """The ``ModelCheckpoint`` directory ``path`` seems to lie in but does not: it names the directory
+    as a parent (what Lightning checks before a cleanup) yet resolves (``..``, a linked subdirectory;
+    the last component itself is not followed: a link is removed, never its target) to a place
+    outside it. None otherwise (a path elsewhere is the caller's own choice)."""
     module = getattr(strategy, "_lightning_module", None)
     trainer = getattr(module, "_trainer", None) if module is not None else None
     dirs = [c.dirpath for c in (getattr(trainer, "checkpoint_callbacks", None) or []) if getattr(c, "dirpath", None)]
-    if not dirs:
-        return None
-    target = Path(os.path.realpath(Path(path).parent)) / Path(path).name
+    given = Path(path).absolute()  # not normalized: '..' stays, as Lightning's check sees it
+    target = Path(os.path.realpath(given.parent)) / given.name
     for directory in dirs:
-        root = Path(os.path.realpath(directory))
-        if target != root and root in target.parents:
-            return None
-    return ", ".join(str(d) for d in dirs)
-
-
-def is_checkpoint(path: Path) -> bool:
-    """A ZeroQ checkpoint directory, or a link or a ``.ckpt`` file (what ``remove_checkpoint`` may remove
-    wherever it is: a link is removed, never its target)."""
-    if Path(path).is_symlink():
-        return True
-    located = classify(Path(path))
-    return located.kind is Kind.ZEROQ or (located.kind is Kind.FILE and Path(path).suffix == ".ckpt")
+        lexical, root = Path(directory).absolute(), Path(os.path.realpath(directory))
+        if lexical in given.parents and not (target != root and root in target.parents):
+            return str(directory)
+    return None
 
 
 def load(strategy: Any, checkpoint_path: Any, weights_only: Optional[bool],

@@ -5,7 +5,8 @@ A ZeroQ checkpoint is a ``torch.distributed.checkpoint`` directory plus one JSON
     <path>/.metadata          DCP's metadata (rank 0): every tensor's full shape, dtype and chunks
     <path>/__<r>_0.distcp     rank r's chunks (a 64-byte header naming the save, then DCP items)
     <path>/zeroq.json         written last (rank 0): the save's token, each data file's size, the
-                              sha256 of .metadata, the trainer state (JSON, see codec.py)
+                              sha256 of .metadata, every stored item's checksum (checksum.py), the
+                              trainer state (JSON, see codec.py) and a sha256 of all that
 
 Keys follow Lightning's ``ModelParallelStrategy`` (FSDP2): ``state_dict.<name>`` for every entry of
 the module's ``state_dict()`` and ``optimizer_0.state.<name>.<key>`` /
@@ -14,7 +15,8 @@ the module's ``state_dict()`` and ``optimizer_0.state.<name>.<key>`` /
 ``classify`` says what a user's path is (a ZeroQ checkpoint, another DCP checkpoint, the old
 ``meta.pt`` + ``zero_shard_rank*.pt`` format, a single file, a file inside a checkpoint directory,
 nothing); ``validate`` checks a ZeroQ directory completely (manifest, metadata, every file's size
-and header) without reading any tensor.
+and header) without reading any tensor, through ``Files``: the directory and each file opened once,
+the handles every later read of the load goes through.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any, Optional
 from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_zeroq.checkpoint import atomic
-from lightning_zeroq.checkpoint.files import Files, check_name  # noqa: F401  (part of this module's interface)
+from lightning_zeroq.checkpoint.files import Files, check_name
 from lightning_zeroq.checkpoint.safe import METADATA_FILE, UnsafeCheckpointError, read_metadata
 from lightning_zeroq.checkpoint.writer import HEADER_SIZE, token_of
 
