@@ -48,6 +48,7 @@ from lightning_zeroq.strategy_common import (
 )
 from lightning_zeroq.checkpoint import engine_state
 from lightning_zeroq.zero import state_dict as zero_state
+from lightning_zeroq.watchdog import JOIN_TIMEOUT, report_collective_failure, start_watchdog, stop_watchdog
 from lightning_zeroq.zero.engine import ZeroEngine
 
 checkpoint_glue.install_load_from_checkpoint()
@@ -147,6 +148,22 @@ class ZeroQStrategy(DDPStrategy):
             # exception" (exit status 134). Not at teardown: save_checkpoint and full_state_dict after
             # fit are collectives and need it.
             _destroy_process_group_at_exit()
+            start_watchdog(self._timeout)
+
+    @override
+    def setup_distributed(self) -> None:
+        # Ranks join within JOIN_TIMEOUT (a short collective timeout must not fail a slow start: the
+        # launcher's children import torch and Lightning first); collectives then get ``timeout``.
+        timeout = self._timeout
+        if timeout is not None and timeout < JOIN_TIMEOUT and not dist.is_initialized():
+            self._timeout = JOIN_TIMEOUT
+            try:
+                super().setup_distributed()
+            finally:
+                self._timeout = timeout
+            dist.distributed_c10d._set_pg_timeout(timeout)
+            return
+        super().setup_distributed()
 
     @override
     def setup(self, trainer: "Any") -> None:
@@ -245,6 +262,7 @@ class ZeroQStrategy(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True  # other ranks may be anywhere: teardown must not start a collective
+        report_collective_failure(exception)
 
     @override
     def teardown(self) -> None:
@@ -373,5 +391,11 @@ _EXIT_HOOK: list[bool] = []
 def _destroy_process_group_at_exit() -> None:
     if not _EXIT_HOOK:
         _EXIT_HOOK.append(True)
-        atexit.register(lambda: dist.destroy_process_group() if dist.is_initialized() else None)
+        atexit.register(_close_process_group)
+
+
+def _close_process_group() -> None:
+    stop_watchdog()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
