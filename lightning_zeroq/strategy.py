@@ -30,6 +30,7 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
@@ -38,6 +39,7 @@ from lightning_zeroq.checkpoint import atomic
 from lightning_zeroq.checkpoint import lightning as checkpoint_glue
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer
 from lightning_zeroq.config import ZeroConfig
+from lightning_zeroq.launcher import ZeroQLauncher, record_sigterm_without_collectives
 from lightning_zeroq.precision import ZeroQPrecision
 from lightning_zeroq.strategy_common import (
     as_zeroq_precision,
@@ -151,6 +153,14 @@ class ZeroQStrategy(DDPStrategy):
             start_watchdog(self._timeout)
 
     @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if type(self._launcher) is _SubprocessScriptLauncher:  # the ranks it kills leave no swap directory
+            nvme_path = self.config.nvme_path
+            self._launcher = ZeroQLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
+                                           lambda: [str(nvme_path)] if nvme_path else [])
+
+    @override
     def setup_distributed(self) -> None:
         # Ranks join within JOIN_TIMEOUT (a short collective timeout must not fail a slow start: the
         # launcher's children import torch and Lightning first); collectives then get ``timeout``.
@@ -195,6 +205,11 @@ class ZeroQStrategy(DDPStrategy):
         plugin.attach_engine(self.engine, self.root_device.type)
         plugin.convert_module(self.lightning_module)
         self.setup_precision_plugin()
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        record_sigterm_without_collectives(self.lightning_module.trainer)
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:

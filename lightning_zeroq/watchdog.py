@@ -253,7 +253,9 @@ class Watchdog:
         except Exception:
             pass
         print(f"[rank {self.rank}] {message}", file=sys.stderr, flush=True)
-        for fn in list(_cleanups):
+        from lightning_zeroq.swap.nvme import remove_live_files
+
+        for fn in [remove_live_files, *_cleanups]:
             try:
                 fn()
             except Exception:
