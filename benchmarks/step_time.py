@@ -19,11 +19,12 @@ An arm is ``ddp``, a peer (``fsdp2`` with ``+keep``/``+offload_optimizer``; Deep
 masters and AdamW state on the CPU) or ``+offload_params`` (stage 3: also the parameters), ``+qgrad``
 (INT8 gradient reduction), ``+keep`` (stage 3, ``reshard_after_forward=False``) and ``+prefetch2``
 (stage 3, two units prefetched), ``+ratio25/50/75`` (with ``+offload_optimizer``: partial offload,
-``offload_optimizer_ratio``). ``+clip`` (every arm): clip the gradients' global norm to ``CLIP`` before
+``offload_optimizer_ratio``), ``+auto`` (with ``+offload_optimizer``: ``offload_optimizer_ratio="auto"`` under
+``--budget``, ``offload_memory_budget``). ``+clip`` (every arm): clip the gradients' global norm to ``CLIP`` before
 every step, each the way its users do (``clip_grad_norm_``, DeepSpeed's ``gradient_clipping``).
 ``activations_GiB`` is what autograd saved for backward in one step (unique storages, parameters
 excluded), measured on the first warm-up step. Rank 0 prints one JSON line per arm;
-``benchmarks/run_step_time.sh`` runs the arms over the three links.
+``python benchmarks/suite.py links`` runs them over the three links.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def memory_bound(engine) -> dict:
 
 ARM_STAGES = {"ddp": 0, "zeroq1": 1, "zeroq2": 2, "zeroq3": 3}
 ARM_OPTIONS = ("int8", "offload_optimizer", "offload_params", "qgrad", "keep", "prefetch2", "ratio25", "ratio50", "ratio75",
-               "clip")
+               "auto", "clip")
 CLIP = 1.0  # +clip: gradient-norm clipping at this norm before every step (Lightning's gradient_clip_val)
 RATIOS = {"ratio25": 0.25, "ratio50": 0.5, "ratio75": 0.75}  # partial optimizer offload (with +offload_optimizer)
 PEERS = {  # the peers, beside zeroq in one launch: base -> the options it takes
@@ -286,6 +287,9 @@ def build_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> Arm:
             extra["stage3_prefetch_depth"] = 2
         for option in options & RATIOS.keys():
             extra["offload_optimizer_ratio"] = RATIOS[option]
+        if "auto" in options:
+            extra["offload_optimizer_ratio"] = "auto"
+            extra["offload_memory_budget"] = args.budget
         config = ZeroConfig(stage=stage, reduce_bucket_size=int(args.bucket) if stage < 3 else ZeroConfig().reduce_bucket_size,
                             quantized_weights="int8" in options, offload_optimizer=offload,
                             offload_parameters="offload_params" in options, **extra)
@@ -316,6 +320,11 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
     if ON_GPU:
         torch.cuda.reset_peak_memory_stats()
     for i in range(args.warmup + args.steps):
+        if args.memory_peak and ON_GPU and i == 1:
+            torch.cuda.memory._record_memory_history(max_entries=500_000)
+        if args.memory_peak and ON_GPU and i == 2:
+            print_memory_peak(arm, torch.cuda.memory._snapshot())
+            torch.cuda.memory._record_memory_history(enabled=None)
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=dev, generator=g)
         sync()
         t0 = time.perf_counter()
@@ -357,6 +366,29 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
     return result
 
 
+def print_memory_peak(arm: str, snapshot: dict) -> None:
+    """``--memory-peak``: the device allocations live at the highest point of one recorded step (those
+    made before the step, e.g. the model's own, are not in the record), summed by where they were made."""
+    live, total, best, at_best = {}, 0, -1, {}
+    for event in snapshot["device_traces"][0]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            total += event["size"]
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            total -= live.pop(event["addr"])["size"]
+        if total > best:
+            best, at_best = total, dict(live)
+    by_site: dict = {}
+    for event in at_best.values():
+        frames = [f for f in event.get("frames", []) if f["filename"].endswith(".py")
+                  and "/torch/" not in f["filename"]][:2]
+        site = " < ".join(f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in frames) or "?"
+        by_site[site] = by_site.get(site, 0) + event["size"]
+    print(f"[memory peak {arm}] {best / 2**30:.3f} GiB allocated in the step above what was live before it", file=sys.stderr)
+    for site, size in sorted(by_site.items(), key=lambda kv: -kv[1])[:14]:
+        print(f"  {size / 2**30:7.3f} GiB  {site[:160]}", file=sys.stderr)
+
+
 def profile_steps(arm, args, dev, forward, finish, g) -> None:
     """Two more steps under ``torch.profiler`` (CPU and CUDA): a Chrome trace per rank in
     ``--profile`` and, on stderr, where the second step's wall time went: every ``zeroq.*`` range and
@@ -389,7 +421,7 @@ def profile_steps(arm, args, dev, forward, finish, g) -> None:
             continue
         device = e.device_type.name == "CUDA"
         kind = ("memcpy " + e.name.split()[-1] if "Memcpy" in e.name or "memcpy" in e.name.lower() else
-                "nccl" if "nccl" in e.name.lower() else None) if device else (e.name if e.name.startswith(("zeroq.", "bench.")) else None)
+                "nccl" if "nccl" in e.name.lower() else None) if device else (e.name if e.name.startswith(("zeroq.", "bench.", "FSDP::", "Optimizer.step")) else None)
         if kind is None:
             continue
         totals[kind] = totals.get(kind, 0.0) + (t - s) / 1e3
@@ -420,6 +452,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--arms", default="ddp,zeroq2", help="comma-separated, run in this order")
     add_model_arguments(parser, steps=10, warmup=3)
+    parser.add_argument("--memory-peak", action="store_true", help="print what is live at one step's peak (print_memory_peak)")
+    parser.add_argument("--budget", default=None, help="offload_memory_budget of the +auto arms (GiB, or e.g. '50%%')")
     parser.add_argument("--profile", default="", help="a folder: profile two more steps of each arm (profile_steps)")
     args = parser.parse_args()
     arms = args.arms.split(",")

@@ -32,6 +32,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
@@ -379,6 +380,14 @@ class ZeroQStrategy(DDPStrategy):
         if self.checkpointer.pending_path() == path:
             self.checkpointer.wait()
         if self.is_global_zero:
+            outside = checkpoint_glue.outside_checkpoint_dirs(self, path)
+            if outside is not None and not checkpoint_glue.is_checkpoint(path):
+                # A checkpoint the user saved elsewhere may go; anything else outside the callbacks'
+                # directories (a path from an edited trainer state) is never removed.
+                rank_zero_warn(f"Not removing {filepath}: it is outside the checkpoint directory {outside} and is no "
+                               "checkpoint (a path from a trainer state that was edited or saved elsewhere); remove "
+                               "it yourself if it is yours.")
+                return
             atomic.remove(path)
 
     @classmethod

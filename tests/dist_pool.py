@@ -166,6 +166,14 @@ class DistPool:
             self._kill()
         return [value for _, value, _ in replies]
 
+    def run_within(self, timeout: float, fn, *args, **kwargs) -> list:
+        """``run`` with its own ``timeout`` (e.g. well under the collective timeout: a hang fails fast)."""
+        saved, self.timeout = self.timeout, timeout
+        try:
+            return self.run(fn, *args, **kwargs)
+        finally:
+            self.timeout = saved
+
     def _collect(self, what: str) -> list:
         """One reply per rank; on any failure kill the pool and raise with all tracebacks."""
         replies: dict = {}

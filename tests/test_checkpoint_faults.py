@@ -151,7 +151,20 @@ def test_doctored_trainer_state_is_refused(dist_pool, saved):
     ckpt = _copy(saved, "evil_json")
     text = (ckpt / "zeroq.json").read_text().replace('"step": 2', '"step": {"__zeroq__": "type", "name": "os.system"}')
     (ckpt / "zeroq.json").write_text(text)
+    _expect_one_error(dist_pool(2).run(_try_load, str(ckpt)), "zeroq.json does not match its own checksum")
+    _reseal(ckpt)  # the manifest's checksum is against damage; one who edits it on purpose can recompute it
     _expect_one_error(dist_pool(2).run(_try_load, str(ckpt)), "trainer state cannot be read", "unknown tagged value")
+
+
+def _reseal(ckpt: Path) -> None:
+    import json
+
+    from lightning_zeroq.checkpoint.store import SELF_CHECKSUM, _self_checksum
+
+    data = json.loads((ckpt / "zeroq.json").read_text())
+    data.pop(SELF_CHECKSUM)
+    data[SELF_CHECKSUM] = _self_checksum(data)
+    (ckpt / "zeroq.json").write_text(json.dumps(data))
 
 
 def test_legacy_checkpoint_is_named_and_never_unpickled(dist_pool, tmp_path):

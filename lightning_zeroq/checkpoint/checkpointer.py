@@ -44,8 +44,9 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from lightning_zeroq.checkpoint import atomic, codec
 from lightning_zeroq.checkpoint.agree import CheckpointError, agree, checkpoint_group, describe, rank_and_size
 from lightning_zeroq.checkpoint.safe import METADATA_FILE, SafeReader, read_metadata, unwrap
-from lightning_zeroq.checkpoint.store import (MANIFEST_FILE, Kind, Located, Manifest, check_files, classify, sha256,
-                                              validate)
+from lightning_zeroq.checkpoint.checksum import hasher
+from lightning_zeroq.checkpoint.store import (MANIFEST_FILE, Files, Kind, Located, Manifest, check_files, classify,
+                                              sha256, validate)
 from lightning_zeroq.checkpoint.writer import (HEADER_SIZE, SYNC_STAGING_BYTES, ChunkSavePlanner, ChunkWriter,
                                                StagingRing, stage_state, token_of)
 
@@ -66,10 +67,15 @@ class Checkpointer:
     through (``staging``: ``staging_bytes`` of pinned memory, allocated at the first synchronous save
     of a CUDA tensor and kept; 0: none, each device tensor is copied to a new pageable host tensor)."""
 
-    def __init__(self, async_save: bool = False, staging_bytes: int = SYNC_STAGING_BYTES) -> None:
+    def __init__(self, async_save: bool = False, staging_bytes: int = SYNC_STAGING_BYTES,
+                 checksums: bool = True) -> None:
         if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < 0:
             raise ValueError(f"Checkpointer(staging_bytes={staging_bytes!r}): give the bytes of pinned host memory "
                              f"synchronous saves copy through, an int >= 0 (0: none; default {SYNC_STAGING_BYTES}).")
+        if not isinstance(checksums, bool):
+            raise ValueError(f"Checkpointer(checksums={checksums!r}): pass True (record a checksum of every stored "
+                             "item, checked on load; the default) or False (benchmarks: saves without them).")
+        self.checksums = checksums
         self.async_save = async_save
         self._pending: Optional[Future] = None
         self._pending_path: Optional[Path] = None
@@ -113,7 +119,8 @@ class Checkpointer:
         manifest = Manifest(token=token, world_size=world_size, files={}, metadata_sha256="", trainer_state=encoded,
                             optimizer=optimizer, extra=extra or {})
         if self.async_save and allow_async:
-            writer = ChunkWriter(str(tmp), token, copy_views=False)  # the staged buffers wait for the write
+            # the staged buffers wait for the write: no copy of views
+            writer = ChunkWriter(str(tmp), token, copy_views=False, checksums=self.checksums)
             errors, staged = [], None
             try:
                 staged = stage_state(state, before_read, pin, self._staging)
@@ -133,7 +140,8 @@ class Checkpointer:
                                                      start)
             self.last = SaveTiming(blocked_s=time.perf_counter() - start)
             return
-        writer = ChunkWriter(str(tmp), token, staging=self.staging, copy_views=not views_stable)
+        writer = ChunkWriter(str(tmp), token, staging=self.staging, copy_views=not views_stable,
+                             checksums=self.checksums)
         try:
             dcp.save(state, storage_writer=writer, planner=ChunkSavePlanner(before_read), process_group=group)
         except CheckpointException as error:
@@ -175,7 +183,10 @@ class Checkpointer:
         errors = []
         if rank == 0:
             try:
-                manifest.files = {name: size for written in files for name, size in written}
+                manifest.files = {name: size for written in files for name, size, _ in written}
+                if writer.algorithm is not None:
+                    manifest.checksums = {"algorithm": writer.algorithm,
+                                          "items": {name: sums for written in files for name, _, sums in written}}
                 manifest.metadata_sha256 = sha256(tmp / METADATA_FILE)
                 manifest.write(tmp)
                 atomic.fault("after_manifest")
@@ -186,7 +197,7 @@ class Checkpointer:
             except OSError as error:
                 errors.append(f"could not put the checkpoint in place at {path}: {error}")
         agree(errors, f"Saving checkpoint {path}", group)
-        return sum(size for written in files for _, size in written)
+        return sum(size for written in files for _, size, _ in written)
 
     def _executor_(self) -> ThreadPoolExecutor:
         if self._executor is None:
@@ -249,6 +260,11 @@ class Opened:
     def trainer_state(self) -> Any:
         return {} if self.decoded is None else self.decoded
 
+    def close(self) -> None:
+        """Close the files (a load that ends without it leaves them to the garbage collector)."""
+        if self.reader.files is not None:
+            self.reader.files.close()
+
 
 def locate_error(located: Located) -> Optional[str]:
     """Why ``located`` cannot be loaded as a directory checkpoint, with the fix (None: it can)."""
@@ -279,16 +295,23 @@ def open_checkpoint(path: Path, group: Any, *, kinds: tuple[Kind, ...] = (Kind.Z
     problem = locate_error(located)
     if problem is None and located.kind not in kinds:
         problem = f"{located.path} is {located.kind.value}, not a directory checkpoint."
-    manifest = metadata = None
+    manifest = metadata = files = None
     if problem is not None:
         errors.append(problem)
-    elif located.kind is Kind.ZEROQ:
-        manifest, metadata, errors = validate(located.path)
     else:
         try:
-            metadata = read_metadata(located.path)
-            errors = check_files(located.path, metadata, None)
-            if any(ours(located.path / name) for name in {i.relative_path for i in metadata.storage_data.values()}):
+            files = Files(located.path)
+        except OSError as error:
+            errors.append(f"{located.path} cannot be opened ({error}).")
+    if files is not None and located.kind is Kind.ZEROQ:
+        manifest, metadata, errors = validate(files)
+    elif files is not None:
+        try:
+            raw = files.read(METADATA_FILE)
+            metadata = read_metadata(located.path, raw)
+            errors = check_files(files, metadata, None)
+            if not errors and any(token_of(files.read(name, 0, HEADER_SIZE)) is not None
+                                  for name in {i.relative_path for i in metadata.storage_data.values()}):
                 errors.append(f"{located.path} was written by ZeroQ but has no {MANIFEST_FILE}, which a save writes "
                               "last: the checkpoint is incomplete. Resume from an earlier checkpoint.")
         except Exception as error:
@@ -299,20 +322,33 @@ def open_checkpoint(path: Path, group: Any, *, kinds: tuple[Kind, ...] = (Kind.Z
             decoded = codec.decode(manifest.trainer_state)
         except Exception as error:
             errors.append(f"{located.path / MANIFEST_FILE}: the trainer state cannot be read ({describe(error)}).")
-    agree(errors, f"Loading checkpoint {located.path}", group)
+    if not errors and manifest is not None and manifest.checksums is not None:
+        try:
+            hasher(manifest.checksums["algorithm"])
+        except RuntimeError as error:
+            errors.append(f"{located.path}: {error}")
+    # Every rank must have opened the same save: a save replacing the directory between two ranks'
+    # opens would otherwise make them load different checkpoints.
+    try:
+        tokens = agree(errors, f"Loading checkpoint {located.path}", group, manifest.token if manifest else None)
+    except CheckpointError:
+        if files is not None:
+            files.close()
+        raise
+    if len(set(tokens)) > 1:
+        if files is not None:
+            files.close()
+        raise CheckpointError(f"Loading checkpoint {located.path} failed: the ranks opened different saves "
+                              f"({sorted(set(map(str, tokens)))}); it was replaced while being opened. Load it again.")
     assert metadata is not None
-    opened = Opened(located.path, located.kind, metadata, manifest, SafeReader(located.path, metadata))
+    if manifest is not None and manifest.checksums is None:
+        warnings.warn(f"{located.path} was saved without checksums (by an earlier lightning_zeroq, or with "
+                      "checksums off): damage to its data cannot be detected. Save it again to add them.",
+                      stacklevel=3)
+    reader = SafeReader(located.path, metadata, files, manifest.checksums if manifest is not None else None)
+    opened = Opened(located.path, located.kind, metadata, manifest, reader)
     opened.decoded = decoded
     return opened
-
-
-def ours(file: Path) -> bool:
-    """Whether a data file starts with ZeroQ's header."""
-    try:
-        with open(file, "rb") as f:
-            return token_of(f.read(HEADER_SIZE)) is not None
-    except OSError:
-        return False
 
 
 def check_entries(opened: Opened, expected: dict[str, tuple[torch.Size, torch.dtype]], *, strict: bool,

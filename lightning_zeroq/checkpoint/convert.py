@@ -144,14 +144,36 @@ def _lightning_version() -> str:
         return "2.0.0"
 
 
+class _Attr(str):
+    """A path step that is an attribute (a tensor in an object's ``__dict__``, e.g. a ``Namespace``)."""
+
+
 def _tensor_at(obj: Any, path: tuple) -> Tensor:
     for key in path:
-        obj = obj[key]
+        obj = getattr(obj, key) if isinstance(key, _Attr) else obj[key]
     return obj
+
+
+def held_tensors(obj: Any, path: tuple = ()) -> Iterator[tuple[tuple, Tensor]]:
+    """Every tensor in ``obj`` (dicts, lists, tuples, objects' attributes), by path."""
+    if isinstance(obj, Tensor):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from held_tensors(value, path + (key,))
+    elif isinstance(obj, (list, tuple)):
+        for index, value in enumerate(obj):
+            yield from held_tensors(value, path + (index,))
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        for key, value in vars(obj).items():
+            yield from held_tensors(value, path + (_Attr(key),))
 
 
 def write_torch(opened: Opened, out: Path, *, optimizer: bool, lightning: bool) -> None:
     structure, sources = skeleton(opened, optimizer=optimizer, lightning=lightning)
+    # The trainer state's own tensors (ModelCheckpoint's scores, a scheduler's) come from the manifest,
+    # already in memory: skip_data writes them without data too, so they are filled in like the others.
+    held = [(path, t) for path, t in held_tensors(structure) if path not in sources]
     with torch.serialization.skip_data():
         torch.save(structure, out)
     del structure
@@ -163,6 +185,8 @@ def write_torch(opened: Opened, out: Path, *, optimizer: bool, lightning: bool) 
         torch.serialization.set_default_mmap_options(previous or mmap.MAP_PRIVATE)
     for path, key in sources.items():  # one tensor at a time, straight into the file's pages
         _read(opened, {key: _tensor_at(mapped, path)})
+    for path, value in held:
+        _tensor_at(mapped, path).copy_(value)
     del mapped
     with open(out, "rb+") as f:
         os.fsync(f.fileno())

@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from lightning_zeroq.checkpoint.agree import agree, checkpoint_group, describe
+from lightning_zeroq.checkpoint.agree import CheckpointError, agree, checkpoint_group, describe
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer, Opened, bytes_keys, check_entries, open_checkpoint
 from lightning_zeroq.checkpoint.chunks import BytesTarget
 from lightning_zeroq.checkpoint.safe import read_entries
@@ -43,6 +43,13 @@ def engine_state(engine: Any, optimizer: bool) -> dict:
 
 
 def save_state(engine: Any, path: Path, state: dict, trainer_state: Any, checkpointer: Checkpointer) -> None:
+    if getattr(engine, "closed", False):  # what the engine released; an empty optimizer state is fine (plain SGD)
+        # No collective: every rank closes its engine at the same point (a new fit), and an asynchronous
+        # save may still be using the checkpoint group.
+        raise CheckpointError(
+            f"Saving checkpoint {path}: the engine that held its state was closed (a new fit replaced it), so its "
+            "master shards and optimizer state are gone (with NVMe offload, their swap files); save during fit "
+            "(ModelCheckpoint) or before the next fit starts.")
     residency = chunked.Residency(engine)
     pin = engine.device.type == "cuda" and torch.cuda.is_available()
     nvme = type(engine.placement).__name__.startswith("Nvme")
@@ -142,7 +149,16 @@ def load_engine(engine: Any, path: Path, *, load_optimizer: bool = True, strict:
     model (and, if ``load_optimizer`` and the engine has an optimizer, its state). Returns the trainer
     state the checkpoint holds (``{}`` for a foreign DCP checkpoint)."""
     group = checkpoint_group()
-    opened = opened or open_checkpoint(Path(path), group)
+    if opened is not None:
+        return _load_opened(engine, opened, group, load_optimizer, strict)
+    opened = open_checkpoint(Path(path), group)
+    try:
+        return _load_opened(engine, opened, group, load_optimizer, strict)
+    finally:
+        opened.close()
+
+
+def _load_opened(engine: Any, opened: Opened, group: Any, load_optimizer: bool, strict: bool) -> Any:
     expected = chunked.model_entries(engine)
     model_prefix = _prefix(opened, MODEL_PREFIXES, list(expected)[:8])
     errors = check_entries(opened, expected, strict=strict, prefix=model_prefix, what="the model")
@@ -171,8 +187,11 @@ def load_engine(engine: Any, path: Path, *, load_optimizer: bool = True, strict:
     errors = []
     try:
         chunked.load_sharded(engine, lambda targets: read_entries(opened.reader, targets), model_prefix=model_prefix,
-                         stored=stored, optimizer_prefix=optimizer_prefix, optimizer_keys=optimizer_keys,
-                         param_groups=groups, scalar_target=scalar_target)
+                             stored=stored, optimizer_prefix=optimizer_prefix, optimizer_keys=optimizer_keys,
+                             param_groups=groups, scalar_target=scalar_target,
+                             settle=lambda errs: agree(errs, f"Loading checkpoint {opened.path}", group))
+    except CheckpointError:  # agreed: every rank raises it
+        raise
     except Exception as error:
         errors.append(f"{describe(error)} (the state of this rank may be partly loaded: do not train on)")
     agree(errors, f"Loading checkpoint {opened.path}", group)

@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_zeroq.checkpoint.agree import describe
 from lightning_zeroq.checkpoint.chunks import BytesTarget, LocalChunks
-from lightning_zeroq.zero import comm
+from lightning_zeroq.zero import access, comm
 from lightning_zeroq.zero.offload import OptimizerPlacement
 from lightning_zeroq.zero.offload.nvme import per_element_state_keys
 from lightning_zeroq.zero.state_dict import ShardedParts, parameter_names, unit_parameter_names
@@ -131,12 +132,27 @@ def model_entries(engine: ShardedParts) -> dict[str, tuple[torch.Size, torch.dty
             for key, value in engine.module.state_dict(keep_vars=True).items() if isinstance(value, Tensor)}
 
 
-def _commit(engine: ShardedParts, read: Callable[[dict], None], targets: dict, batch: list, group_of: dict) -> None:
-    read(targets)
+def _read_settled(read: Callable[[dict], None], targets: dict, settle: Optional[Callable[[list[str]], None]]) -> None:
+    """``read(targets)``, then ``settle`` (every rank, whatever happened): a read that fails on one rank
+    becomes the error every rank raises, before any rank enters a collective of the engine."""
+    if settle is None:
+        read(targets)
+        return
+    errors = []
+    try:
+        read(targets)
+    except Exception as error:
+        errors.append(describe(error))
+    settle(errors)
+
+
+def _commit(engine: ShardedParts, read: Callable[[dict], None], targets: dict, batch: list, group_of: dict,
+            settle: Optional[Callable[[list[str]], None]]) -> None:
+    _read_settled(read, targets, settle)
     for unit, pending in batch:
         for view, entry in pending:
             engine.optimizer.state[view] = {k: _loaded_value(v, group_of[id(view)], view) for k, v in entry.items()}
-        engine.gatherer.publish(unit)
+        access.publish_loaded(engine, unit)
 
 
 def _step_device(group: dict, view: Tensor) -> torch.device:
@@ -154,18 +170,22 @@ def load_sharded(engine: ShardedParts, read: Callable[[dict], None], *, model_pr
                  stored: set[str], optimizer_prefix: Optional[str] = None,
                  optimizer_keys: Optional[dict[str, list[str]]] = None,
                  param_groups: Optional[list[dict]] = None,
-                 scalar_target: Callable[[str], Any] = lambda key: BytesTarget()) -> None:
+                 scalar_target: Callable[[str], Any] = lambda key: BytesTarget(),
+                 settle: Optional[Callable[[list[str]], None]] = None) -> None:
     """Read this rank's part of every entry, unit by unit (``read(targets)`` fills a dict of checkpoint
     key -> ``LocalChunks``/tensor/``BytesTarget``). ``stored``: the checkpoint's keys without the
     model prefix (a tied parameter is read under whichever of its names is there).
     ``optimizer_keys``: name -> state keys in the checkpoint, if the optimizer state is to be loaded;
     ``scalar_target(key)``: what to read a non-per-element state entry into (a 0-d tensor or a
-    ``BytesTarget``, as the checkpoint stores it)."""
+    ``BytesTarget``, as the checkpoint stores it). ``settle(errors)``: collective, called by every rank
+    after each read with what failed there (raises the agreed error on every rank, e.g. ``agree``):
+    every read is settled before the units it filled are published (the engine's collectives), so a
+    rank whose read fails never leaves the others in a gather."""
     names = parameter_names(engine.module)
     managed = {n for u in engine.units for p in u.params for n in names.get(id(p), [])}
     rest = {model_prefix + k: v.detach() for k, v in engine.module.state_dict(keep_vars=True).items()
             if k not in managed and isinstance(v, Tensor)}
-    read(rest)
+    _read_settled(read, rest, settle)
     optimizer = engine.optimizer if optimizer_keys is not None else None
     group_of: dict[int, dict] = {}
     if optimizer is not None:
@@ -199,10 +219,10 @@ def load_sharded(engine: ShardedParts, read: Callable[[dict], None], *, model_pr
                 pending.append((view, entry))
         batch.append((unit, pending))
         if not at_once:
-            _commit(engine, read, targets, batch, group_of)
+            _commit(engine, read, targets, batch, group_of, settle)
             targets, batch = {}, []
     if batch:
-        _commit(engine, read, targets, batch, group_of)
+        _commit(engine, read, targets, batch, group_of, settle)
     if optimizer is not None and param_groups is not None:
         for group_, saved in zip(optimizer.param_groups, param_groups):
             group_.update({k: v for k, v in saved.items() if k != "params" and k not in KERNEL_CHOICES})

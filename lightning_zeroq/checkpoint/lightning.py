@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -30,7 +31,7 @@ import torch
 from torch import Tensor
 
 from lightning_zeroq.checkpoint import codec
-from lightning_zeroq.checkpoint.agree import CheckpointError, agree, checkpoint_group, describe, exchange
+from lightning_zeroq.checkpoint.agree import CheckpointError, agree, checkpoint_group, describe
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer, locate_error
 from lightning_zeroq.checkpoint.convert import lightning_checkpoint
 from lightning_zeroq.checkpoint.engine_io import load_engine, save_state
@@ -71,13 +72,6 @@ def save(strategy: Any, checkpoint: dict, path: Path, checkpointer: Checkpointer
         save_single_file(strategy, checkpoint, path, checkpointer)
         return
     optimizers = checkpoint["optimizer_states"]
-    if engine.optimizer is not None and int(checkpoint.get("global_step", 0) or 0) > 0:
-        checkpointer.wait()
-        if not any(exchange(bool(engine.optimizer.state), checkpoint_group())):
-            raise CheckpointError(
-                f"Saving checkpoint {path}: the optimizer holds no state after {checkpoint['global_step']} steps, so "
-                "a resume would restart it silently (with NVMe offload the strategy's teardown released it). Save "
-                "during fit (ModelCheckpoint) or before fit returns.")
     state = {MODEL_KEY: checkpoint["state_dict"]}
     if optimizers:
         state[OPTIMIZER_KEY] = optimizers[0]
@@ -104,19 +98,51 @@ def save_single_file(strategy: Any, checkpoint: dict, path: Path, checkpointer: 
             out["state_dict"] = model
             if engine is not None and engine.loss_scaler is not None:
                 out[ENGINE_KEY] = {"loss_scaler": engine.loss_scaler.state_dict()}
-            tmp = path.parent / f".{path.name}.zeroq-tmp"
             path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(out, tmp)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            if path.is_dir() and not path.is_symlink():
-                from lightning_zeroq.checkpoint.atomic import remove
+            # created exclusively under an unpredictable name (mkstemp: O_CREAT|O_EXCL, never through a link)
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.zeroq-tmp-", dir=path.parent)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    torch.save(out, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                if path.is_dir() and not path.is_symlink():
+                    from lightning_zeroq.checkpoint.atomic import remove
 
-                remove(path)
-            os.replace(tmp, path)
+                    remove(path)
+                os.replace(tmp, path)
+            except BaseException:
+                if os.path.lexists(tmp):
+                    os.unlink(tmp)
+                raise
         except Exception as error:
             errors.append(f"could not write {path}: {describe(error)}")
     agree(errors, f"Saving checkpoint {path}", group)
+
+
+def outside_checkpoint_dirs(strategy: Any, path: Path) -> Optional[str]:
+    """The trainer's checkpoint directories if ``path`` (a link: the link itself) lies outside all of
+    them, else None (also with no trainer or no ``ModelCheckpoint``: the caller named the path)."""
+    module = getattr(strategy, "_lightning_module", None)
+    trainer = getattr(module, "_trainer", None) if module is not None else None
+    dirs = [c.dirpath for c in (getattr(trainer, "checkpoint_callbacks", None) or []) if getattr(c, "dirpath", None)]
+    if not dirs:
+        return None
+    target = Path(os.path.realpath(Path(path).parent)) / Path(path).name
+    for directory in dirs:
+        root = Path(os.path.realpath(directory))
+        if target != root and root in target.parents:
+            return None
+    return ", ".join(str(d) for d in dirs)
+
+
+def is_checkpoint(path: Path) -> bool:
+    """A ZeroQ checkpoint directory, or a link or a ``.ckpt`` file (what ``remove_checkpoint`` may remove
+    wherever it is: a link is removed, never its target)."""
+    if Path(path).is_symlink():
+        return True
+    located = classify(Path(path))
+    return located.kind is Kind.ZEROQ or (located.kind is Kind.FILE and Path(path).suffix == ".ckpt")
 
 
 def load(strategy: Any, checkpoint_path: Any, weights_only: Optional[bool],
@@ -278,7 +304,8 @@ def load_torch_optimizer_state(engine: Any, model: dict, optimizer_state: dict, 
                 target.value, target.loaded = value, True
 
     engine_state.load_sharded(engine, read, model_prefix=f"{MODEL_KEY}.", stored=set(model), optimizer_prefix=f"{OPTIMIZER_KEY}.",
-                     optimizer_keys=keys, param_groups=saved)
+                     optimizer_keys=keys, param_groups=saved,
+                     settle=lambda errs: agree(errs, "Loading the optimizer state", group))
 
 
 def install_load_from_checkpoint() -> None:

@@ -33,10 +33,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.futures import Future
 
+from lightning_zeroq.checkpoint.agree import CheckpointError
+from lightning_zeroq.checkpoint.checksum import digest
 from lightning_zeroq.checkpoint.chunks import BytesTarget, LocalChunks
+from lightning_zeroq.checkpoint.files import METADATA_FILE, Files
 
-METADATA_FILE = ".metadata"
 
 
 class UnsafeCheckpointError(RuntimeError):
@@ -76,10 +79,11 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise UnsafeCheckpointError(f"{self.source} holds a persistent reference {pid!r}; it was not loaded.")
 
 
-def read_metadata(path: Path) -> Metadata:
-    """The DCP metadata of checkpoint directory ``path``, read with an allow-list unpickler."""
+def read_metadata(path: Path, data: Optional[bytes] = None) -> Metadata:
+    """The DCP metadata of checkpoint directory ``path`` (or its bytes ``data``, read by the caller),
+    read with an allow-list unpickler."""
     file = Path(path) / METADATA_FILE
-    with open(file, "rb") as f:
+    with (open(file, "rb") if data is None else io.BytesIO(data)) as f:
         try:
             metadata = _MetadataUnpickler(f, str(file)).load()
         except UnsafeCheckpointError:
@@ -92,17 +96,98 @@ def read_metadata(path: Path) -> Metadata:
     return metadata
 
 
-class SafeReader(FileSystemReader):
-    """``FileSystemReader`` whose metadata is read safely once and then reused."""
+class ItemError(CheckpointError):
+    """A stored item failed its checksum or could not be decoded; names the file, the item and the fix."""
 
-    def __init__(self, path: Path, metadata: Optional[Metadata] = None) -> None:
+
+class SafeReader(FileSystemReader):
+    """``FileSystemReader`` whose metadata is read safely once and then reused, and whose data is read
+    through ``files`` (``files.Files``: the handles the checkpoint was validated through): each item's
+    bytes are read once, checked against ``checksums`` (``{"algorithm": ..., "items": {file: {offset:
+    checksum}}}``; None: not checked) and only then decoded."""
+
+    def __init__(self, path: Path, metadata: Optional[Metadata] = None, files: Any = None,
+                 checksums: Optional[dict] = None) -> None:
         super().__init__(str(path))
         self._metadata = metadata
+        self.files = files
+        self.checksums = checksums
+        self.error: Optional[BaseException] = None
+        """The first error of the last ``read_data`` (DCP wraps it; ``read_entries`` raises it as it was)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
             self._metadata = read_metadata(Path(self.path))
         return self._metadata
+
+    def _files(self) -> Any:
+        if self.files is None:
+            self.files = Files(Path(self.path))
+        return self.files
+
+    def _item(self, read_item: ReadItem) -> bytes:
+        """The stored bytes of ``read_item``'s item, checked against its checksum."""
+        info = self.storage_data[read_item.storage_index]
+        data = self._files().read(info.relative_path, info.offset, info.length)
+        where = f"{Path(self.path) / info.relative_path}: item {read_item.storage_index.fqn!r}"
+        if len(data) != info.length:
+            raise ItemError(f"{where} ends after {len(data)} of its {info.length} bytes: the file is truncated. "
+                            "Resume from an earlier checkpoint.")
+        if self.checksums is not None:
+            expected = self.checksums["items"].get(info.relative_path, {}).get(str(info.offset))
+            got = digest(data, self.checksums["algorithm"])
+            if got != expected:
+                raise ItemError(f"{where} (bytes {info.offset}-{info.offset + info.length}) fails its checksum "
+                                f"({self.checksums['algorithm']} {got}, saved {expected}): the file is damaged. "
+                                "Resume from an earlier checkpoint.")
+        return data
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        self.error = None
+        try:
+            self._read_data(plan, planner)
+        except BaseException as error:
+            self.error = error
+            raise
+        future: Future = Future()
+        future.set_result(None)
+        return future
+
+    def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        """As ``FileSystemReader.read_data``, each item read once, in file order, checked, then decoded."""
+        order = sorted(plan.items, key=lambda r: (self.storage_data[r.storage_index].relative_path,
+                                                  self.storage_data[r.storage_index].offset))
+        cached: tuple[Any, Any] = (None, None)
+        for req in order:
+            info = self.storage_data[req.storage_index]
+            where = f"{Path(self.path) / info.relative_path}: item {req.storage_index.fqn!r}"
+            if cached[0] != (info.relative_path, info.offset):
+                data = self._item(req)
+                if info.transform_descriptors:
+                    data = self.transforms.transform_load_stream(req, info.transform_descriptors,
+                                                                 io.BytesIO(data)).read(-1)
+                cached = ((info.relative_path, info.offset), data)
+            data = cached[1]
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(data))
+                continue
+            if not isinstance(data, Tensor):
+                try:
+                    data = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                    if not isinstance(data, Tensor):
+                        raise TypeError(f"it holds a {type(data).__name__}, not a tensor")
+                except Exception as error:
+                    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                    raise ItemError(f"{where} could not be decoded ({type(error).__name__}: {first}): the file is "
+                                    "damaged. Resume from an earlier checkpoint.") from None
+                cached = (cached[0], data)
+            tensor = _narrow(data, req.storage_offsets, req.lengths)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != tensor.size():
+                raise ItemError(f"{where} holds a chunk of shape {tuple(tensor.size())} where the metadata says "
+                                f"{tuple(target.size())}: the checkpoint is damaged.")
+            target.copy_(tensor)
+            planner.commit_tensor(req, target)
 
 
 def _narrow(tensor: Tensor, offsets: torch.Size, lengths: torch.Size) -> Tensor:
@@ -189,6 +274,8 @@ def read_entries(reader: SafeReader, targets: dict[str, Any]) -> None:
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load(targets, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
         except CheckpointException as error:
+            if reader.error is not None and isinstance(reader.error, Exception):
+                raise reader.error from None
             inner = unwrap(error)
             if isinstance(inner, Exception):
                 raise inner from None

@@ -30,6 +30,7 @@ from typing import Any, Optional
 from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_zeroq.checkpoint import atomic
+from lightning_zeroq.checkpoint.files import Files, check_name  # noqa: F401  (part of this module's interface)
 from lightning_zeroq.checkpoint.safe import METADATA_FILE, UnsafeCheckpointError, read_metadata
 from lightning_zeroq.checkpoint.writer import HEADER_SIZE, token_of
 
@@ -101,29 +102,48 @@ class Manifest:
     """JSON (``codec.encode``), decoded by the caller."""
     optimizer: bool = False
     extra: dict = field(default_factory=dict)
+    checksums: Optional[dict] = None
+    """``{"algorithm": name, "items": {file: {offset: checksum}}}``: every stored item's (``checksum.py``);
+    None in checkpoints saved without them (before they existed, or ``Checkpointer(checksums=False)``)."""
 
     def to_json(self) -> str:
-        return json.dumps({"format": FORMAT, "version": VERSION, "token": self.token, "world_size": self.world_size,
-                           "files": self.files, "metadata_sha256": self.metadata_sha256, "optimizer": self.optimizer,
-                           "extra": self.extra, "trainer_state": self.trainer_state}, allow_nan=True)
+        data = {"format": FORMAT, "version": VERSION, "token": self.token, "world_size": self.world_size,
+                "files": self.files, "metadata_sha256": self.metadata_sha256, "optimizer": self.optimizer,
+                "extra": self.extra, "trainer_state": self.trainer_state}
+        if self.checksums is not None:
+            data["checksums"] = self.checksums
+        data[SELF_CHECKSUM] = _self_checksum(data)
+        return json.dumps(data, allow_nan=True)
 
     @classmethod
-    def read(cls, directory: Path) -> "Manifest":
+    def read(cls, directory: Path, files: Optional[Files] = None) -> "Manifest":
         file = directory / MANIFEST_FILE
         try:
-            data = json.loads(file.read_text(encoding="utf-8"))
+            raw = files.read(MANIFEST_FILE) if files is not None else file.read_bytes()
+            data = json.loads(raw.decode("utf-8"))
         except (OSError, ValueError) as error:
             raise ValueError(f"{file} could not be read ({error}); the checkpoint is damaged or incomplete.") from None
         if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise ValueError(f"{file} is not a ZeroQ checkpoint manifest (format {data.get('format')!r}).")
-        if data.get("version", 0) > VERSION:
+            raise ValueError(f"{file} is not a ZeroQ checkpoint manifest (format "
+                             f"{data.get('format') if isinstance(data, dict) else type(data).__name__!r}).")
+        stored = data.pop(SELF_CHECKSUM, None)
+        if stored is not None and stored != _self_checksum(data):
+            raise ValueError(f"{file} does not match its own checksum: it was edited or damaged after the save. "
+                             "Resume from an earlier checkpoint.")
+        if not isinstance(data.get("version", 0), int) or data.get("version", 0) > VERSION:
             raise ValueError(f"{file} has format version {data['version']}; this lightning_zeroq reads up to "
                              f"{VERSION}: upgrade lightning_zeroq to load it.")
         try:
+            checksums = data.get("checksums")
+            if checksums is not None:
+                checksums = {"algorithm": str(checksums["algorithm"]),
+                             "items": {str(f): {str(o): str(c) for o, c in items.items()}
+                                       for f, items in checksums["items"].items()}}
             return cls(token=str(data["token"]), world_size=int(data["world_size"]),
                        files={str(k): int(v) for k, v in data["files"].items()},
                        metadata_sha256=str(data["metadata_sha256"]), trainer_state=data.get("trainer_state"),
-                       optimizer=bool(data.get("optimizer")), extra=dict(data.get("extra") or {}))
+                       optimizer=bool(data.get("optimizer")), extra=dict(data.get("extra") or {}),
+                       checksums=checksums)
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise ValueError(f"{file} lacks or garbles {error}; the checkpoint is damaged.") from None
 
@@ -135,49 +155,79 @@ class Manifest:
             os.fsync(f.fileno())
 
 
-def validate(directory: Path) -> tuple[Optional[Manifest], Optional[Metadata], list[str]]:
-    """Manifest, metadata and every problem found (an empty list: complete and consistent)."""
-    errors: list[str] = []
+SELF_CHECKSUM = "manifest_sha256"
+
+
+def _self_checksum(data: dict) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, allow_nan=True).encode("utf-8")).hexdigest()
+
+
+def validate(files: Files) -> tuple[Optional[Manifest], Optional[Metadata], list[str]]:
+    """Manifest, metadata and every problem found (an empty list: complete and consistent), all read
+    through ``files``."""
+    directory = files.directory
     try:
-        manifest = Manifest.read(directory)
+        manifest = Manifest.read(directory, files)
     except ValueError as error:
         return None, None, [str(error)]
     try:
-        metadata = read_metadata(directory)
+        raw = files.read(METADATA_FILE)
+        metadata = read_metadata(directory, raw)
     except (UnsafeCheckpointError, RuntimeError, OSError) as error:
         return manifest, None, [str(error)]
-    if sha256(directory / METADATA_FILE) != manifest.metadata_sha256:
-        errors.append(f"{directory / METADATA_FILE} is not the one this checkpoint was saved with (its sha256 "
-                      f"differs from {MANIFEST_FILE}'s); it was replaced or damaged.")
-    errors += check_files(directory, metadata, manifest)
-    return manifest, metadata, errors
+    if hashlib.sha256(raw).hexdigest() != manifest.metadata_sha256:
+        return manifest, metadata, [
+            f"{directory / METADATA_FILE} is not the one this checkpoint was saved with (its sha256 differs from "
+            f"{MANIFEST_FILE}'s); it was replaced or damaged."]
+    return manifest, metadata, check_files(files, metadata, manifest)
 
 
-def check_files(directory: Path, metadata: Metadata, manifest: Optional[Manifest]) -> list[str]:
-    """Every data file the metadata refers to exists, is long enough, and (ZeroQ) is this save's."""
+def check_files(files: Files, metadata: Metadata, manifest: Optional[Manifest]) -> list[str]:
+    """Every data file the metadata refers to is inside the directory, exists, is long enough, and
+    (ZeroQ) is this save's; every item has its checksum (ZeroQ with checksums)."""
+    directory = files.directory
     errors = []
     needed: dict[str, int] = {}
-    for info in metadata.storage_data.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    try:
+        for info in metadata.storage_data.values():
+            check_name(info.relative_path, directory)
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    except (ValueError, AttributeError, TypeError) as error:
+        return [str(error) if isinstance(error, ValueError) else
+                f"{directory / METADATA_FILE} holds a malformed storage entry ({error}); the checkpoint is damaged."]
     expected = manifest.files if manifest is not None else {}
     for name in sorted(set(needed) | set(expected)):
         file = directory / name
-        if not file.is_file():
+        try:
+            exists = files.is_file(name)
+        except (ValueError, OSError) as error:
+            errors.append(str(error))
+            continue
+        if not exists:
             errors.append(f"{file} is missing (rank {_rank_of(name)}'s data); the checkpoint is incomplete. "
                           "Resume from an earlier checkpoint.")
             continue
-        size = file.stat().st_size
+        size = files.size(name)
         if name in expected and size != expected[name] or size < needed.get(name, 0):
             errors.append(f"{file} has {size} bytes, the checkpoint recorded {expected.get(name, needed.get(name))}: "
                           "it is truncated or was replaced. Resume from an earlier checkpoint.")
             continue
         if manifest is not None:
-            with open(file, "rb") as f:
-                token = token_of(f.read(HEADER_SIZE))
+            token = token_of(files.read(name, 0, HEADER_SIZE))
             if token != manifest.token:
                 errors.append(f"{file} belongs to another save (its header names save {token!r}, this "
                               f"checkpoint is save {manifest.token!r}); it was copied in from elsewhere. Resume "
                               "from an earlier checkpoint.")
+    if manifest is not None and manifest.checksums is not None and not errors:
+        items = manifest.checksums["items"]
+        unlisted = [(i.relative_path, i.offset) for i in metadata.storage_data.values()
+                    if str(i.offset) not in items.get(i.relative_path, {})]
+        if unlisted:
+            errors.append(f"{directory / MANIFEST_FILE} has no checksum for {len(unlisted)} stored item(s) (first: "
+                          f"{unlisted[0][0]} at byte {unlisted[0][1]}); the manifest or the metadata was replaced.")
+    if errors and files.replaced():
+        errors.insert(0, f"{directory} was replaced or removed while it was being opened (a save to the same path?); "
+                         "load it again.")
     return errors
 
 

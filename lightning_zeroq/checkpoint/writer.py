@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from lightning_zeroq.checkpoint import atomic
+from lightning_zeroq.checkpoint import atomic, checksum
 from lightning_zeroq.checkpoint.chunks import LocalChunks
 
 HEADER_SIZE = 64
@@ -267,12 +267,14 @@ def _aligned(nbytes: int) -> int:
 
 class ChunkWriter(FileSystemWriter):
     def __init__(self, path: str, token: str, sync_files: bool = True,
-                 staging: Optional[StagingRing] = None, copy_views: bool = True) -> None:
+                 staging: Optional[StagingRing] = None, copy_views: bool = True, checksums: bool = True) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=sync_files, thread_count=1, overwrite=True)
         self.token = token
         self.staging = staging
         self.copy_views = copy_views
-        self.written: list[tuple[str, int]] = []
+        self.algorithm = checksum.ALGORITHM if checksums else None
+        self.written: list[tuple[str, int, dict[str, str]]] = []
+        """Per data file: its name, its size and (``checksums``) each item's offset -> checksum."""
 
     def stage(self, state_dict: dict) -> dict:  # the caller staged it (stage_state)
         return state_dict
@@ -283,6 +285,7 @@ class ChunkWriter(FileSystemWriter):
         and, for items in the staging ring, at most its capacity)."""
         name = f"{plan.storage_data.prefix}0.distcp"
         results: list[WriteResult] = []
+        sums: dict[str, str] = {}
         pending: "queue.Queue" = queue.Queue(maxsize=PIPELINE)
         failure: list[BaseException] = []
 
@@ -294,16 +297,19 @@ class ChunkWriter(FileSystemWriter):
                         return
                     item, data = entry
                     offset = f.tell()
+                    out = checksum.HashingWriter(f, self.algorithm)  # hashes the bytes as they are written
                     if item.type == WriteItemType.BYTE_IO:
-                        f.write(data.getbuffer())
+                        out.write(data.getbuffer())
                     elif isinstance(data, Staged):
                         try:
-                            torch.save(data.wait(), f)
+                            torch.save(data.wait(), out)
                         finally:
                             data.release()
                     else:
-                        torch.save(data, f)
+                        torch.save(data, out)
                     length = f.tell() - offset
+                    if self.algorithm is not None:
+                        sums[str(offset)] = out.hexdigest()
                     results.append(WriteResult(index=item.index, size_in_bytes=length,
                                                storage_data=_StorageInfo(name, offset, length)))
                     if len(results) == 1:
@@ -336,7 +342,7 @@ class ChunkWriter(FileSystemWriter):
             f.flush()
             if self.sync_files:
                 os.fsync(f.fileno())
-            self.written.append((name, f.tell()))
+            self.written.append((name, f.tell(), sums))
         future: Future = Future()
         future.set_result(results)
         return future

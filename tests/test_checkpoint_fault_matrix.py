@@ -1,0 +1,218 @@
+"""The fault matrix: every kind of damage a checkpoint can suffer on disk, through every way of
+loading it, at 2 and 3 ranks. Each cell ends every rank with the same clear ``CheckpointError`` (or,
+for a one-process reader, one clear error) well under the collective timeout, or loads correctly (a
+reader that never needed the damaged bytes gets exactly the undamaged weights). The checkpoints are
+saved once per world size; each cell damages a copy.
+
+Set ``ZEROQ_FAULT_MATRIX_OUT=FILE`` to get every cell's outcome, time and message as JSON lines
+(``benchmarks/fault_matrix.py`` prints them as a table).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lightning_zeroq  # noqa: F401  (registers the strategy names)
+from tests.models import TokenDataset, make_lit_module
+
+CELL_TIMEOUT_S = 40.0
+"""Each pool run's limit: well under the pool's 60 s collective timeout, so a hang fails the cell."""
+WORLD_SIZES = (2, 3)
+DAMAGES = ("flip_tensor_bytes", "scramble_middle", "truncate", "delete_shard", "swap_shards", "damage_metadata",
+           "damage_manifest", "damage_non_tensor_item")
+READERS = ("trainer_resume", "fabric_load", "load_from_checkpoint", "zeroq_convert")
+ROWS: list[dict] = []
+
+
+def _trainer(max_epochs: int):
+    import lightning as L
+
+    from lightning_zeroq import ZeroQStrategy
+
+    return L.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=ZeroQStrategy(stage=2),
+                     max_epochs=max_epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False)
+
+
+def _data():
+    return torch.utils.data.DataLoader(TokenDataset(2 * dist.get_world_size()), batch_size=2)
+
+
+def _save(path: str, epochs: int) -> None:
+    torch.manual_seed(epochs)
+    trainer = _trainer(epochs)
+    trainer.fit(make_lit_module(), _data())
+    trainer.save_checkpoint(path)
+
+
+def _timed(fn) -> tuple[str, str, float]:
+    start = time.monotonic()
+    try:
+        fn()
+    except BaseException as error:  # noqa: BLE001  (a cell reports whatever ends it)
+        from lightning_zeroq.checkpoint.agree import CheckpointError
+
+        kind = "CheckpointError" if isinstance(error, CheckpointError) else type(error).__name__
+        return kind, str(error), time.monotonic() - start
+    return "ok", "", time.monotonic() - start
+
+
+def _resume(path: str) -> tuple[str, str, float]:
+    return _timed(lambda: _trainer(2).fit(make_lit_module(), _data(), ckpt_path=path))
+
+
+def _fabric_load(path: str) -> tuple[str, str, float]:
+    import lightning as L
+
+    from lightning_zeroq import ZeroQFabricStrategy
+    from tests.models import param_groups
+
+    fabric = L.Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=ZeroQFabricStrategy(stage=2))
+    fabric.launch()
+    module = make_lit_module()
+    model, optimizer = fabric.setup(module, torch.optim.AdamW(param_groups(module.model)))
+    return _timed(lambda: fabric.load(path, {"model": model, "optimizer": optimizer}))
+
+
+# ---------------------------------------------------------------------- damages
+
+
+def _items(ckpt: Path, file: str) -> list:
+    from lightning_zeroq.checkpoint.safe import read_metadata
+
+    metadata = read_metadata(ckpt)
+    return sorted(((index.fqn, info) for index, info in metadata.storage_data.items() if info.relative_path == file),
+                  key=lambda item: -item[1].length)
+
+
+def _xor(file: Path, offset: int, count: int) -> None:
+    data = bytearray(file.read_bytes())
+    for i in range(offset, offset + count):
+        data[i] ^= 0xA5
+    file.write_bytes(bytes(data))
+
+
+def damage(ckpt: Path, kind: str, other: Path) -> None:
+    shard = ckpt / "__0_0.distcp"
+    if kind == "flip_tensor_bytes":  # 8 bytes in the middle of the largest weight's data
+        fqn, info = next(i for i in _items(ckpt, shard.name) if i[0].startswith("state_dict."))
+        _xor(shard, info.offset + info.length * 3 // 4, 8)
+    elif kind == "scramble_middle":  # 4 KiB in the middle of a shard, size unchanged
+        _xor(shard, shard.stat().st_size // 2 - 2048, 4096)
+    elif kind == "truncate":
+        data = (ckpt / "__1_0.distcp").read_bytes()
+        (ckpt / "__1_0.distcp").write_bytes(data[: len(data) * 2 // 3])
+    elif kind == "delete_shard":
+        (ckpt / "__1_0.distcp").unlink()
+    elif kind == "swap_shards":  # the same rank's file of another save of the same model
+        shutil.copy(other / "__1_0.distcp", ckpt / "__1_0.distcp")
+        shutil.copy(other / "__0_0.distcp", ckpt / "__0_0.distcp")
+    elif kind == "damage_metadata":
+        _xor(ckpt / ".metadata", (ckpt / ".metadata").stat().st_size // 2, 16)
+    elif kind == "damage_manifest":  # still valid JSON: the global step edited
+        text = (ckpt / "zeroq.json").read_text()
+        assert '"global_step": 1' in text
+        (ckpt / "zeroq.json").write_text(text.replace('"global_step": 1', '"global_step": 7', 1))
+    elif kind == "damage_non_tensor_item":  # one byte of an optimizer hyperparameter (a pickled float)
+        fqn, info = next(i for i in _items(ckpt, shard.name) if i[0] == "optimizer_0.param_groups.0.lr")
+        _xor(shard, info.offset + info.length // 2, 1)
+    else:
+        raise AssertionError(kind)
+
+
+# ---------------------------------------------------------------------- cells
+
+
+@pytest.fixture(scope="module")
+def saved(dist_pool, tmp_path_factory):
+    root = tmp_path_factory.mktemp("fault_matrix")
+    for world in WORLD_SIZES:
+        dist_pool(world).run(_save, str(root / f"good{world}"), 1)
+        dist_pool(world).run(_save, str(root / f"other{world}"), 2)
+    return root
+
+
+@pytest.fixture(scope="module")
+def reference(saved):
+    from lightning_zeroq.checkpoint.convert import lightning_checkpoint
+
+    return {world: lightning_checkpoint(saved / f"good{world}")["state_dict"] for world in WORLD_SIZES}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def table():
+    yield
+    out = os.environ.get("ZEROQ_FAULT_MATRIX_OUT")
+    if out:
+        with open(out, "a") as f:
+            for row in ROWS:
+                f.write(json.dumps(row) + "\n")
+
+
+def _record(world, reader, kind, outcome, seconds, message) -> None:
+    ROWS.append({"world_size": world, "reader": reader, "damage": kind, "outcome": outcome,
+                 "seconds": round(seconds, 2), "message": message})
+
+
+def _one_process(reader: str, ckpt: Path, out: Path) -> tuple[str, str, float, dict]:
+    """load_from_checkpoint or zeroq-convert (one process, no process group)."""
+    loaded: dict = {}
+    if reader == "load_from_checkpoint":
+        def run():
+            module = type(make_lit_module()).load_from_checkpoint(str(ckpt))
+            loaded.update({k: v.detach().clone() for k, v in module.state_dict().items()})
+        kind, message, seconds = _timed(run)
+        return kind, message, seconds, loaded
+    import contextlib
+    import io
+
+    from lightning_zeroq.checkpoint import convert
+
+    stderr = io.StringIO()
+    start = time.monotonic()
+    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+        code = convert.main([str(ckpt), str(out), "--optimizer"])
+    seconds = time.monotonic() - start
+    if code == 0:
+        loaded.update(torch.load(out, weights_only=True)["state_dict"])
+        return "ok", "", seconds, loaded
+    return "exit 1", stderr.getvalue().strip(), seconds, loaded
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("reader", READERS)
+@pytest.mark.parametrize("kind", DAMAGES)
+def test_fault_matrix(dist_pool, saved, reference, tmp_path, world, reader, kind):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved / f"good{world}", ckpt)
+    damage(ckpt, kind, saved / f"other{world}")
+    if reader in ("trainer_resume", "fabric_load"):
+        fn = _resume if reader == "trainer_resume" else _fabric_load
+        results = dist_pool(world).run_within(CELL_TIMEOUT_S, fn, str(ckpt))
+        seconds = max(r[2] for r in results)
+        kinds, messages = {r[0] for r in results}, {r[1] for r in results}
+        assert kinds == {"CheckpointError"}, results
+        assert len(messages) == 1, f"ranks disagree: {messages}"
+        message = messages.pop()
+        outcome = "CheckpointError on every rank"
+    else:
+        outcome, message, seconds, loaded = _one_process(reader, ckpt, tmp_path / "out.ckpt")
+        if outcome == "ok":  # it never read the damaged bytes: the weights must be exactly the saved ones
+            ref = reference[world]
+            assert loaded.keys() == ref.keys() and all(torch.equal(loaded[k], ref[k]) for k in ref), kind
+            outcome = "loads correctly"
+        else:
+            assert outcome in ("CheckpointError", "exit 1"), (outcome, message)
+    assert seconds < CELL_TIMEOUT_S
+    if outcome != "loads correctly":
+        assert str(ckpt) in message, message  # names the checkpoint (and, below, the file or item)
+        assert any(s in message for s in ("__0_0.distcp", "__1_0.distcp", ".metadata", "zeroq.json")), message
+    _record(world, reader, kind, outcome, seconds, message)
