@@ -5,7 +5,7 @@ their next collective until the process group's ``timeout`` and then raise a bac
 names no rank; the stalled rank itself waits on, and a rank started by Lightning's subprocess
 launcher outlives a rank 0 that exited (an orphan). ``Watchdog`` closes both gaps. One daemon
 thread per process (started by the strategy when it creates the process group) does, every
-``interval_s``:
+``interval_s`` (0.5 s; world size / 100 s from 50 ranks on, to spare rank 0's store):
 
 - publish a beat in the process group's store: wall time, pid, and where this rank's main thread
   is (its innermost frame outside torch and this package, and whether it is inside a collective);
@@ -279,7 +279,9 @@ def start_watchdog(timeout: Optional[timedelta]) -> Optional[Watchdog]:
     except (RuntimeError, AttributeError, ValueError):
         return None
     seconds = timeout.total_seconds() if timeout is not None else float("nan")
-    return Watchdog(store, dist.get_rank(), dist.get_world_size(), seconds).start()
+    world = dist.get_world_size()
+    interval = max(0.5, world / 100)  # about 3 store operations per rank and interval reach rank 0's store
+    return Watchdog(store, dist.get_rank(), world, seconds, interval_s=interval).start()
 
 
 def stop_watchdog() -> None:
