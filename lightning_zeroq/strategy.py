@@ -30,6 +30,7 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
@@ -39,6 +40,7 @@ from lightning_zeroq.checkpoint import atomic
 from lightning_zeroq.checkpoint import lightning as checkpoint_glue
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer
 from lightning_zeroq.config import ZeroConfig
+from lightning_zeroq.launcher import ZeroQLauncher, record_sigterm_without_collectives
 from lightning_zeroq.precision import ZeroQPrecision
 from lightning_zeroq.strategy_common import (
     as_zeroq_precision,
@@ -49,6 +51,7 @@ from lightning_zeroq.strategy_common import (
 )
 from lightning_zeroq.checkpoint import engine_state
 from lightning_zeroq.zero import state_dict as zero_state
+from lightning_zeroq.watchdog import JOIN_TIMEOUT, report_collective_failure, start_watchdog, stop_watchdog
 from lightning_zeroq.zero.engine import ZeroEngine
 
 checkpoint_glue.install_load_from_checkpoint()
@@ -148,6 +151,30 @@ class ZeroQStrategy(DDPStrategy):
             # exception" (exit status 134). Not at teardown: save_checkpoint and full_state_dict after
             # fit are collectives and need it.
             _destroy_process_group_at_exit()
+            start_watchdog(self._timeout)
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if type(self._launcher) is _SubprocessScriptLauncher:  # the ranks it kills leave no swap directory
+            nvme_path = self.config.nvme_path
+            self._launcher = ZeroQLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
+                                           lambda: [str(nvme_path)] if nvme_path else [])
+
+    @override
+    def setup_distributed(self) -> None:
+        # Ranks join within JOIN_TIMEOUT (a short collective timeout must not fail a slow start: the
+        # launcher's children import torch and Lightning first); collectives then get ``timeout``.
+        timeout = self._timeout
+        if timeout is not None and timeout < JOIN_TIMEOUT and not dist.is_initialized():
+            self._timeout = JOIN_TIMEOUT
+            try:
+                super().setup_distributed()
+            finally:
+                self._timeout = timeout
+            dist.distributed_c10d._set_pg_timeout(timeout)
+            return
+        super().setup_distributed()
 
     @override
     def setup(self, trainer: "Any") -> None:
@@ -179,6 +206,11 @@ class ZeroQStrategy(DDPStrategy):
         plugin.attach_engine(self.engine, self.root_device.type)
         plugin.convert_module(self.lightning_module)
         self.setup_precision_plugin()
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        record_sigterm_without_collectives(self.lightning_module.trainer)
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
@@ -246,6 +278,7 @@ class ZeroQStrategy(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True  # other ranks may be anywhere: teardown must not start a collective
+        report_collective_failure(exception)
 
     @override
     def teardown(self) -> None:
@@ -380,5 +413,11 @@ _EXIT_HOOK: list[bool] = []
 def _destroy_process_group_at_exit() -> None:
     if not _EXIT_HOOK:
         _EXIT_HOOK.append(True)
-        atexit.register(lambda: dist.destroy_process_group() if dist.is_initialized() else None)
+        atexit.register(_close_process_group)
+
+
+def _close_process_group() -> None:
+    stop_watchdog()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 

@@ -648,3 +648,72 @@ def test_leftovers_of_a_killed_run_are_reported_not_removed(
     assert (directory / "k.swp").is_file()
     assert [p.name for p in tmp_path.iterdir()] == [directory.name]
     shutil.rmtree(directory)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_second_signal_during_the_clean_up_does_not_cut_it_short(tmp_path: Path, signum: int) -> None:
+    # A signal sent to a process group arrives twice in a rank its parent forwards it to (``timeout``,
+    # Lightning's launcher); Python may run the handler again between any two bytecodes of the first
+    # run, which then died half-way and left the lock and the directory behind. The second signal
+    # comes here right after the first file is unlinked.
+    scenario = (
+        "import os, types\n"
+        "other = nvme.NvmeSwapper({path!r}, prefix='zeroq_params')\n"
+        "other.register('p', 1000, torch.float32)\n"
+        "other.reserve()\n"
+        "real, fired = os.unlink, []\n"
+        "def unlink(*args, **kwargs):\n"
+        "    real(*args, **kwargs)\n"
+        "    if not fired:\n"
+        "        fired.append(1)\n"
+        "        os.kill(os.getpid(), {signum})\n"
+        "nvme.os = types.SimpleNamespace(**{{k: getattr(os, k) for k in dir(os) if not k.startswith('__')}})\n"
+        "nvme.os.unlink = unlink\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.readline()\n"
+    ).format(path=str(tmp_path), signum=int(signum))
+    child, directory = _start_child(tmp_path, scenario)
+    assert child.stdout is not None and child.stdout.readline() == "ready\n"
+    child.send_signal(signum)
+    _, err = child.communicate(timeout=60)
+    assert child.returncode == -signum, err
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.rglob("*"))
+
+
+def _killed_job(tmp_path: Path) -> tuple[int, list[Path]]:
+    """Swap directories of two ranks and both prefixes left by a process killed with SIGKILL."""
+    scenario = (
+        "kept = [nvme.NvmeSwapper({path!r}, rank=r, prefix=p) for r in (0, 1) for p in ('zeroq', 'zeroq_params')]\n"
+        "print(' '.join(str(s.directory) for s in kept), flush=True)\n"
+        "sys.stdin.readline()\n"
+    ).format(path=str(tmp_path))
+    child, first = _start_child(tmp_path, scenario)
+    assert child.stdout is not None
+    others = [Path(p) for p in child.stdout.readline().split()]
+    child.kill()
+    child.communicate(timeout=60)
+    return child.pid, [first, *others]
+
+
+def test_rank_0_names_every_leftover_of_a_killed_job(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    pid, leftovers = _killed_job(tmp_path)
+    assert len(leftovers) == 5 and all(p.is_dir() for p in leftovers)
+    with caplog.at_level(logging.WARNING, logger=nvme.__name__):
+        with NvmeSwapper(tmp_path, rank=0, prefix="zeroq_params"):
+            pass
+        with NvmeSwapper(tmp_path, rank=0):  # the same process names each one once
+            pass
+    named = sorted(r.getMessage().split()[1] for r in caplog.records if "left behind" in r.getMessage())
+    assert named == sorted(map(str, leftovers)), caplog.text
+    assert all(f"by pid {pid} " in r.getMessage() for r in caplog.records if "left behind" in r.getMessage())
+    assert all(p.is_dir() for p in leftovers)  # reported, never removed
+
+
+def test_a_launcher_removes_the_directories_of_the_ranks_it_killed_only(tmp_path: Path) -> None:
+    pid, killed = _killed_job(tmp_path)
+    _, other_job = _killed_job(tmp_path)
+    with NvmeSwapper(tmp_path) as live:
+        removed = nvme.remove_directories_of(tmp_path, [pid, os.getpid()])
+        assert sorted(removed) == sorted(killed)
+        assert live.directory.is_dir() and all(p.is_dir() for p in other_job)
+    assert sorted(tmp_path.iterdir()) == sorted(other_job)

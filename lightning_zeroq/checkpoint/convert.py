@@ -120,6 +120,7 @@ def skeleton(opened: Opened, *, optimizer: bool, lightning: bool) -> tuple[dict,
         return model, sources
     out: dict[str, Any] = dict(opened.trainer_state())
     out.pop("zeroq", None)
+    out.setdefault("pytorch-lightning_version", _lightning_version())  # none in a foreign DCP directory
     out["state_dict"] = model
     if optimizer:
         groups, layout = optimizer_layout(opened)
@@ -132,6 +133,15 @@ def skeleton(opened: Opened, *, optimizer: bool, lightning: bool) -> tuple[dict,
                     sources[("optimizer_states", 0, "state", int(index), state_key)] = ckpt_key
         out["optimizer_states"] = [{"state": state, "param_groups": groups}]
     return out, sources
+
+
+def _lightning_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lightning")
+    except PackageNotFoundError:
+        return "2.0.0"
 
 
 class _Attr(str):

@@ -162,10 +162,39 @@ def load(strategy: Any, checkpoint_path: Any, weights_only: Optional[bool],
     state = load_engine(engine, path, load_optimizer=fitting, strict=strict)
     if located.kind is Kind.DCP and (path / "meta.pt").is_file():  # Lightning's ModelParallelStrategy layout
         state = torch_load(path / "meta.pt", True, group)
+    elif located.kind is Kind.DCP:
+        state = foreign_trainer_state(path, fitting, strategy.is_global_zero)
     scaler = (state.pop(ENGINE_KEY, None) or {}).get("loss_scaler")
     if scaler is not None and engine.loss_scaler is not None:
         engine.loss_scaler.load_state_dict(scaler)
+    count_steps_from(engine, state)
     return state, True
+
+
+def count_steps_from(engine: Any, state: Any) -> None:
+    """The engine counts optimizer steps on from the checkpoint's global step, so its messages ("in
+    optimizer step N") speak of the run's step, not of this fit's."""
+    if engine is not None and isinstance(state, dict):
+        try:
+            engine.steps = max(int(state.get("global_step") or 0), 0)
+        except (TypeError, ValueError):
+            pass
+
+
+def foreign_trainer_state(path: Path, fitting: bool, rank_zero: bool) -> dict:
+    """What Lightning needs to go on from a DCP directory that holds no trainer state (no zeroq.json,
+    no meta.pt: e.g. saved by FSDP2 with ``dcp.save``): its weights (and, when fitting, its optimizer
+    state) are loaded; loops, schedulers and callbacks start afresh."""
+    import lightning
+    import warnings
+
+    if rank_zero:
+        what = "weights and optimizer state were" if fitting else "weights were"
+        warnings.warn(f"{path} is {Kind.DCP.value} without ZeroQ's trainer state (no zeroq.json, e.g. saved by "
+                      f"FSDP2): its {what} loaded; the loops, learning-rate schedulers and callbacks start afresh "
+                      "at step 0.", stacklevel=2)
+    return {"pytorch-lightning_version": lightning.__version__, "global_step": 0, "epoch": 0, "lr_schedulers": [],
+            "optimizer_states": []}
 
 
 def torch_load(path: Path, weights_only: bool, group: Any) -> Any:
@@ -174,8 +203,10 @@ def torch_load(path: Path, weights_only: bool, group: Any) -> Any:
         value = torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
     except Exception as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        hint = (" It holds objects other than tensors and plain values; if you trust this file, pass "
-                "weights_only=False (fit(..., weights_only=False))." if weights_only else "")
+        hint = (" It holds objects other than tensors and plain values; if you trust this file, allow the "
+                "classes it names with torch.serialization.add_safe_globals([...]) before fit() (the Trainer "
+                "does not pass fit(weights_only=False) on to this strategy), or pass weights_only=False to "
+                "fabric.load()." if weights_only else "")
         errors.append(f"{path} could not be loaded safely ({first}).{hint}")
     agree(errors, f"Loading checkpoint {path}", group)
     return value
@@ -193,6 +224,8 @@ def load_single_file(strategy: Any, path: Path, weights_only: Optional[bool], fi
     if engine is not None and scaler is not None and engine.loss_scaler is not None:
         engine.loss_scaler.load_state_dict(scaler)
     optimizers = checkpoint.get("optimizer_states") or []
+    if fitting:
+        count_steps_from(engine, checkpoint)
     if fitting and engine is not None and engine.optimizer is not None and optimizers:
         strict = getattr(strategy.lightning_module, "strict_loading", True)
         load_torch_optimizer_state(engine, checkpoint["state_dict"], optimizers[0], group, strict=strict)
@@ -279,7 +312,11 @@ def install_load_from_checkpoint() -> None:
         if isinstance(path_or_url, (str, Path)) and not str(path_or_url).startswith(("http://", "https://")):
             located = classify(Path(path_or_url))
             if located.kind in (Kind.ZEROQ, Kind.DCP):
-                return lightning_checkpoint(located.path, map_location)
+                import lightning
+
+                checkpoint = lightning_checkpoint(located.path, map_location)
+                checkpoint.setdefault("pytorch-lightning_version", lightning.__version__)  # a foreign DCP directory
+                return checkpoint
             if located.kind in (Kind.INSIDE, Kind.LEGACY):
                 raise CheckpointError(locate_error(located))
         return original(path_or_url, map_location=map_location, weights_only=weights_only)

@@ -16,7 +16,10 @@ Files
     The directory holds a lock file, ``.lock``, with the owner's pid and host, ``flock``-ed for the
     swapper's lifetime. A new swapper reports (one warning line each, never removes) directories of
     its prefix and rank whose lock is free and whose owner on this host is gone: leftovers of a run
-    killed by SIGKILL, which only a person can know to be safe to delete.
+    killed by SIGKILL, which only a person can know to be safe to delete. A swapper of rank 0 reports
+    those of every prefix and rank, so one rank's log names every leftover of a killed job. A
+    launcher that killed the ranks it started removes their directories
+    (:func:`remove_directories_of`: the lock names the dead pid, so they are provably its own).
 
     Every region has its own file, ``<key>.swp``, so that a region is one contiguous extent that
     starts at offset 0. Its size is rounded up to ``alignment`` bytes (4096 by default), which is
@@ -85,9 +88,9 @@ Lifetime
     parent's files.
 
 Signals
-    A SIGTERM or SIGINT whose disposition is the default kills the process without running
+    A SIGTERM, SIGINT or SIGHUP whose disposition is the default kills the process without running
     ``atexit``, which would leave the files behind. So a swapper created in the main thread replaces
-    that default (and only that: in practice SIGTERM) by a handler that removes the files of every
+    that default (and only that: in practice SIGTERM and SIGHUP) by a handler that removes the files of every
     live swapper, restores the default and raises the signal again, so the process still dies by it,
     with the usual status. A Python handler already installed is left alone: it decides, and the
     files go when the swapper is closed or the process exits (Python's own SIGINT handler raises
@@ -132,7 +135,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import NamedTuple, Optional, Union
+from typing import Iterable, NamedTuple, Optional, Union
 
 import torch
 
@@ -149,7 +152,8 @@ _PROBE_NAME = ".zeroq_odirect_probe"
 _LOCK_NAME = ".lock"
 _UNSUPPORTED_DIRECT_ERRNOS = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
 _NO_LOCKS_ERRNOS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL)
-_CLEANUP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_CLEANUP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_SWAP_DIRECTORY = re.compile(r"^[A-Za-z0-9_.-]+_rank\d{5}_[0-9a-f]{8}$")
 _warned_buffered: set[str] = set()
 _reported_leftovers: set[str] = set()
 
@@ -723,10 +727,13 @@ def _lock_directory(resources: _Resources) -> int:
     return fd
 
 
-def _report_leftovers(resources: _Resources, stem: str) -> None:
-    """Warn once about each directory ``<stem>*`` that a dead process on this host left behind."""
+def _report_leftovers(resources: _Resources, stem: str, everyone: bool = False) -> None:
+    """Warn once about each directory ``<stem>*`` (``everyone``: each swap directory of any prefix and
+    rank, so that rank 0 names every leftover of a killed job) that a dead process on this host left
+    behind."""
     try:
-        names = sorted(n for n in os.listdir(resources.root_fd) if n.startswith(stem) and n != resources.name)
+        names = sorted(n for n in os.listdir(resources.root_fd) if n != resources.name and (
+            n.startswith(stem) or everyone and _SWAP_DIRECTORY.match(n)))
     except OSError:
         return
     for name in names:
@@ -740,6 +747,55 @@ def _report_leftovers(resources: _Resources, stem: str) -> None:
                 "NvmeSwapper: %s was left behind by pid %d on this host, which is gone (killed?); it is not "
                 "removed automatically: delete it once you are sure no job uses it", path, pid
             )
+
+
+def remove_directories_of(root: PathLike, pids: Iterable[int]) -> list[Path]:
+    """Remove the swap directories in ``root`` that processes ``pids`` made and left behind: a launcher
+    calls it for the ranks it started once they are dead (killed: nothing else cleans up after them).
+    Only a directory of this user whose lock is free and names one of ``pids`` on this host, which no
+    longer runs, is removed, with the files a swapper makes in it (``*.swp``, the probe, the lock);
+    returns what was removed."""
+    wanted = {int(p) for p in pids}
+    removed: list[Path] = []
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return removed
+    try:
+        for name in sorted(os.listdir(root_fd)):
+            if not _SWAP_DIRECTORY.match(name) or _dead_owner(root_fd, name) not in wanted:
+                continue
+            try:
+                dir_fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=root_fd)
+            except OSError:
+                continue
+            try:
+                for entry in os.listdir(dir_fd):
+                    if entry.endswith(".swp") or entry in (_LOCK_NAME, _PROBE_NAME):
+                        try:
+                            os.unlink(entry, dir_fd=dir_fd)
+                        except OSError:
+                            pass
+            finally:
+                os.close(dir_fd)
+            try:
+                os.rmdir(name, dir_fd=root_fd)
+                removed.append(Path(root) / name)
+            except OSError as e:
+                log.warning("could not remove swap directory %s of a dead rank: %s", Path(root) / name, e)
+    finally:
+        os.close(root_fd)
+    return removed
+
+
+def remove_live_files() -> None:
+    """Remove the files and directories of every live swapper of this process, now (before the
+    process is ended in a way that runs no cleanup: ``os._exit``, SIGKILL). Safe from any thread."""
+    for resources in list(_live.values()):
+        try:
+            resources.remove_files()
+        except Exception:
+            pass
 
 
 def _dead_owner(root_fd: int, name: str) -> Optional[int]:
@@ -779,6 +835,7 @@ def _dead_owner(root_fd: int, name: str) -> Optional[int]:
 # operations (atomic under the GIL), no lock: a handler or a finalizer can run at any bytecode.
 _live: dict[int, _Resources] = {}
 _signal_handlers: dict[int, "_CleanupHandler"] = {}
+_dying = False
 _warned_not_main_thread = False
 
 
@@ -792,6 +849,14 @@ class _CleanupHandler:
             # does, then stops the trainer gracefully): the default action we stand in for is not
             # going to happen, so neither remove the files nor die.
             return
+        global _dying
+        if _dying:
+            # The same signal again while we clean up (sent to the whole process group and forwarded by
+            # a parent, such as ``timeout`` or Lightning's launcher): Python runs handlers between any
+            # two bytecodes, this one too, so without this a second call would die half-way through
+            # the first one's removal and leave the rest behind.
+            return
+        _dying = True
         for resources in list(_live.values()):
             resources.remove_files()
         signal.signal(signum, signal.SIG_DFL)
@@ -897,7 +962,7 @@ class NvmeSwapper:
         self._resources.executors += [self._ops, io]
         self._region_io = _RegionIO(self._resources.dir_fd, io, self._bounce, alignment, buffer_bytes, num_threads)
         _track_live(self._resources)
-        _report_leftovers(self._resources, _directory_stem(prefix, rank))
+        _report_leftovers(self._resources, _directory_stem(prefix, rank), everyone=rank == 0)
 
     # -- declaration and reservation ------------------------------------------------------------
 
