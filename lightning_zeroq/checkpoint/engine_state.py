@@ -65,7 +65,7 @@ def sharded_model_state(engine: ShardedParts) -> dict[str, Any]:
                                 read=lambda u=unit, s=seg: u.master[s.shard_span])
             for name in names.get(id(p), []):
                 chunks[name] = value
-        for i, p in enumerate(unit.params):
+        for p in unit.params:
             if p.numel() == 0 and engine.rank == 0:  # no rank owns an element: rank 0 writes the empty tensor
                 for name in names.get(id(p), []):
                     chunks[name] = torch.empty(p.shape)
