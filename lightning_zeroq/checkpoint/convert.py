@@ -123,7 +123,7 @@ def skeleton(opened: Opened, *, optimizer: bool, lightning: bool) -> tuple[dict,
     out["state_dict"] = model
     if optimizer:
         groups, layout = optimizer_layout(opened)
-        state = {}
+        state: dict[int, dict[str, Any]] = {}
         for index, keys in layout.items():
             state[int(index)] = {}
             for state_key, ckpt_key in keys.items():
@@ -218,7 +218,7 @@ def write_safetensors(opened: Opened, out: Path, *, optimizer: bool) -> None:
         for _name, key in keys:
             tensor = _empty(opened, key)
             _read(opened, {key: tensor})
-            f.write(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else b"")
+            f.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data if tensor.numel() else b"")
         f.flush()
         os.fsync(f.fileno())
 
