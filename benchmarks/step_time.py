@@ -24,7 +24,7 @@ masters and AdamW state on the CPU) or ``+offload_params`` (stage 3: also the pa
 every step, each the way its users do (``clip_grad_norm_``, DeepSpeed's ``gradient_clipping``).
 ``activations_GiB`` is what autograd saved for backward in one step (unique storages, parameters
 excluded), measured on the first warm-up step. Rank 0 prints one JSON line per arm;
-``benchmarks/run_step_time.sh`` runs the arms over the three links.
+``python benchmarks/suite.py links`` runs them over the three links.
 """
 
 from __future__ import annotations

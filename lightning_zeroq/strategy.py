@@ -348,10 +348,12 @@ class ZeroQStrategy(DDPStrategy):
             self.checkpointer.wait()
         if self.is_global_zero:
             outside = checkpoint_glue.outside_checkpoint_dirs(self, path)
-            if outside is not None:
-                rank_zero_warn(f"Not removing {filepath}: it is outside the checkpoint directory {outside} (a path "
-                               "from a trainer state that was edited or saved elsewhere); remove it yourself if it "
-                               "is yours.")
+            if outside is not None and not checkpoint_glue.is_checkpoint(path):
+                # A checkpoint the user saved elsewhere may go; anything else outside the callbacks'
+                # directories (a path from an edited trainer state) is never removed.
+                rank_zero_warn(f"Not removing {filepath}: it is outside the checkpoint directory {outside} and is no "
+                               "checkpoint (a path from a trainer state that was edited or saved elsewhere); remove "
+                               "it yourself if it is yours.")
                 return
             atomic.remove(path)
 

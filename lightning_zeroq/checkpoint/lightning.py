@@ -136,6 +136,15 @@ def outside_checkpoint_dirs(strategy: Any, path: Path) -> Optional[str]:
     return ", ".join(str(d) for d in dirs)
 
 
+def is_checkpoint(path: Path) -> bool:
+    """A ZeroQ checkpoint directory, or a link or a ``.ckpt`` file (what ``remove_checkpoint`` may remove
+    wherever it is: a link is removed, never its target)."""
+    if Path(path).is_symlink():
+        return True
+    located = classify(Path(path))
+    return located.kind is Kind.ZEROQ or (located.kind is Kind.FILE and Path(path).suffix == ".ckpt")
+
+
 def load(strategy: Any, checkpoint_path: Any, weights_only: Optional[bool],
          checkpointer: Checkpointer) -> tuple[dict, bool]:
     """The trainer state to hand to Lightning, and whether the model's weights are already loaded."""

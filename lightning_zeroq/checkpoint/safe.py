@@ -38,8 +38,8 @@ from torch.futures import Future
 from lightning_zeroq.checkpoint.agree import CheckpointError
 from lightning_zeroq.checkpoint.checksum import digest
 from lightning_zeroq.checkpoint.chunks import BytesTarget, LocalChunks
+from lightning_zeroq.checkpoint.files import METADATA_FILE, Files
 
-METADATA_FILE = ".metadata"
 
 
 class UnsafeCheckpointError(RuntimeError):
@@ -102,7 +102,7 @@ class ItemError(CheckpointError):
 
 class SafeReader(FileSystemReader):
     """``FileSystemReader`` whose metadata is read safely once and then reused, and whose data is read
-    through ``files`` (``store.Files``: the handles the checkpoint was validated through): each item's
+    through ``files`` (``files.Files``: the handles the checkpoint was validated through): each item's
     bytes are read once, checked against ``checksums`` (``{"algorithm": ..., "items": {file: {offset:
     checksum}}}``; None: not checked) and only then decoded."""
 
@@ -122,8 +122,6 @@ class SafeReader(FileSystemReader):
 
     def _files(self) -> Any:
         if self.files is None:
-            from lightning_zeroq.checkpoint.store import Files
-
             self.files = Files(Path(self.path))
         return self.files
 

@@ -20,11 +20,9 @@ and header) without reading any tensor.
 from __future__ import annotations
 
 import enum
-import errno
 import hashlib
 import json
 import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -32,6 +30,7 @@ from typing import Any, Optional
 from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_zeroq.checkpoint import atomic
+from lightning_zeroq.checkpoint.files import Files, check_name  # noqa: F401  (part of this module's interface)
 from lightning_zeroq.checkpoint.safe import METADATA_FILE, UnsafeCheckpointError, read_metadata
 from lightning_zeroq.checkpoint.writer import HEADER_SIZE, token_of
 
@@ -91,84 +90,6 @@ def sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def check_name(name: Any, directory: Path) -> None:
-    """A file name a checkpoint's metadata may refer to: one plain name inside ``directory``."""
-    if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\0" in name
-            or os.path.isabs(name)):
-        raise ValueError(f"{directory / METADATA_FILE} refers to the data file {name!r}, which is not a file inside "
-                         f"{directory}; it was not opened (the metadata is damaged or was made to read other files).")
-
-
-class Files:
-    """The files of one checkpoint directory, each opened once, relative to the directory opened once
-    (never through a symbolic link inside it): validation and every later read of a load go through
-    these handles, so a save that replaces the directory meanwhile cannot mix two checkpoints into one
-    load: the reader keeps reading the files it validated, or fails to open one and says why."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = Path(directory)
-        self._dir = os.open(self.directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC)
-        self._fds: dict[str, int] = {}
-
-    def fd(self, name: str) -> int:
-        check_name(name, self.directory)
-        fd = self._fds.get(name)
-        if fd is None:
-            try:
-                fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), dir_fd=self._dir)
-            except OSError as error:
-                if error.errno == errno.ELOOP:
-                    raise ValueError(f"{self.directory / name} is a symbolic link; a checkpoint's files are read "
-                                     "only from inside its directory, never through a link.") from None
-                raise
-            self._fds[name] = fd
-        return fd
-
-    def is_file(self, name: str) -> bool:
-        try:
-            return stat.S_ISREG(os.fstat(self.fd(name)).st_mode)
-        except FileNotFoundError:
-            return False
-
-    def size(self, name: str) -> int:
-        return os.fstat(self.fd(name)).st_size
-
-    def read(self, name: str, offset: int = 0, length: Optional[int] = None) -> bytes:
-        """``length`` bytes at ``offset`` (None: to the end); fewer only at the end of the file."""
-        fd = self.fd(name)
-        if length is None:
-            length = max(os.fstat(fd).st_size - offset, 0)
-        parts, got = [], 0
-        while got < length:
-            part = os.pread(fd, min(length - got, 1 << 30), offset + got)
-            if not part:
-                break
-            parts.append(part)
-            got += len(part)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
-
-    def replaced(self) -> bool:
-        """Whether the directory was removed (or replaced by a save) since it was opened."""
-        try:
-            return os.fstat(self._dir).st_nlink == 0
-        except OSError:
-            return True
-
-    def close(self) -> None:
-        fds, self._fds = list(self._fds.values()), {}
-        if getattr(self, "_dir", None) is not None:
-            fds.append(self._dir)
-            self._dir = None  # type: ignore[assignment]
-        for fd in fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-    def __del__(self) -> None:
-        self.close()
 
 
 @dataclass

@@ -6,8 +6,7 @@ Built once per model, in this order:
 2. ``offload/``: where masters and optimizer state live (device, host, NVMe) and, in stage 3, where
    a transient unit's shard rests (device, host, NVMe); ``wire.py``: how shards travel (full width
    or INT8). Each is an object chosen once from the config; nothing below branches on the mode.
-3. ``unit.py``: the units themselves, built one at a time; ``gather.py`` publishes each as it is
-   built (stage 3 frees it at once).
+3. ``unit.py``: the units, built one at a time; ``gather.py`` publishes each (stage 3 frees it at once).
 4. ``stage3.py`` (stage 3): module hooks that gather and free units; ``reducer.py``: gradient hooks.
 
 One optimizer step:
@@ -17,8 +16,8 @@ One optimizer step:
    and every rank agrees on used parameters and fp16 overflow; unscaling and clipping become one
    gradient multiplier, applied right before the step to the gradients the optimizer reads.
 3. ``step``: per batch of resident units (the placement decides), give the optimizer the gradient of
-   every used segment (unused segments get ``None``, so the optimizer leaves value and state alone,
-   as ``torch.optim`` does with DDP), step, and publish the new masters (``gather.py``).
+   every used segment (``None`` for unused ones, which torch.optim leaves alone, as with DDP), step,
+   and publish the new masters (``gather.py``).
 """
 
 from __future__ import annotations
@@ -55,8 +54,8 @@ class ZeroEngine:
         config: the validated ``ZeroConfig``.
         param_dtype: dtype of the working parameters (fp32, bf16 or fp16); masters are always fp32.
         group: the data-parallel process group (``None``: the default group, or a single process).
-        loss_scaling: use dynamic loss scaling (fp16).
-        device: where the working parameters live (default: where the module is).
+        loss_scaling: use dynamic loss scaling (fp16). device: where the working parameters live
+            (default: where the module is).
     """
 
     def __init__(
@@ -70,18 +69,16 @@ class ZeroEngine:
         device: Optional[torch.device] = None,
     ) -> None:
         self.config, self.module, self.param_dtype = config, module, param_dtype
-        # ``group`` spans the world (the first broadcast, the step's agreement); ``self.group`` is this
-        # rank's shard group, the same group without hybrid groups (``hybrid.py``).
+        # ``group``: the world (first broadcast, the step's agreement); ``self.group``: the shard group (hybrid.py).
         self.topology = topo = hybrid.topology(config, group)
         self.world_group, self.group, self.replica_group = group, topo.group, topo.replica_group
-        self.rank, self.world_size = topo.rank, topo.world_size
-        self.replica_rank, self.num_groups = topo.replica_rank, topo.num_groups
+        self.rank, self.world_size, self.replica_rank, self.num_groups = (
+            topo.rank, topo.world_size, topo.replica_rank, topo.num_groups)
         if comm.world(group)[0] == 0:
             for message in config.ineffective(loss_scaling):
                 warnings.warn(f"ZeroConfig: {message}", stacklevel=2)
         self.loss_scaler = loss_scaler_from_config(config) if loss_scaling else None
-        # Everything before the first collective that can fail on one rank only (an NVMe path, its free
-        # space, the kernel build) fails on every rank together.
+        # What can fail on one rank only (an NVMe path, its free space, the kernel build) fails on all ranks.
         with comm.agreed(group, "building the ZeRO engine"):
             self.device = _target_device(module, device)
             specs = plan(module, trainable_parameters(module), config)
@@ -131,8 +128,7 @@ class ZeroEngine:
         self._base = 1.0
         self.retired = False
         """``release_module`` handed the module back; the state stays readable, training is over."""
-        self.closed = False
-        """``close`` released the state (hooks, stores, NVMe swap files): nothing is left to save or load."""
+        self.closed = False  # see close()
         access.register(self)
         self.steps = 0
         """Optimizer steps attempted (skipped ones included)."""
@@ -381,9 +377,8 @@ class ZeroEngine:
             self.retired = True
 
     def close(self) -> None:
-        """Remove every hook and swap file; the module keeps its current (working) parameters. The
-        engine's state is released (with NVMe offload its masters and optimizer state were in the swap
-        files): ``closed`` says so, and a checkpoint save refuses it."""
+        """Remove every hook and swap file; the module keeps its working parameters. ``closed`` then
+        says the state is released (NVMe's masters were in the swap files): a save refuses it."""
         self.closed = True
         self.reducer.close()
         self.placement.close()
