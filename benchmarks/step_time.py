@@ -110,11 +110,17 @@ def memory_bound(engine) -> dict:
 
 ARM_STAGES = {"ddp": 0, "zeroq1": 1, "zeroq2": 2, "zeroq3": 3}
 ARM_OPTIONS = ("int8", "offload_optimizer", "offload_params", "qgrad", "keep", "prefetch2", "ratio25", "ratio50", "ratio75",
-               "auto", "clip")
+               "auto", "clip", "compile", "compile_whole")
+# +compile (ddp, fsdp2, zeroq): block.compile() on every block (torchtitan's recipe; FSDP2's and stage 3's
+# module hooks run outside the graphs); +compile_whole: torch.compile of the whole model (ddp: of the DDP
+# module). "compile_s" is the warm-up steps' time beyond as many steady steps: compilation (dynamo,
+# AOTAutograd, inductor, Triton) and any recompilation. TORCHINDUCTOR_FX_GRAPH_CACHE=0 and
+# TORCHINDUCTOR_AUTOGRAD_CACHE=0 keep one arm from reusing another's graphs (Triton's kernel cache stays).
+COMPILE = {"compile", "compile_whole"}
 CLIP = 1.0  # +clip: gradient-norm clipping at this norm before every step (Lightning's gradient_clip_val)
 RATIOS = {"ratio25": 0.25, "ratio50": 0.5, "ratio75": 0.75}  # partial optimizer offload (with +offload_optimizer)
 PEERS = {  # the peers, beside zeroq in one launch: base -> the options it takes
-    "fsdp2": {"keep", "offload_optimizer", "clip"},
+    "fsdp2": {"keep", "offload_optimizer", "clip", *COMPILE},
     "ds2": {"offload_optimizer", "clip"},
     "ds3": {"int8", "offload_optimizer", "offload_params", "clip"},
 }
@@ -123,9 +129,9 @@ PEERS = {  # the peers, beside zeroq in one launch: base -> the options it takes
 def parse_arm(arm: str) -> tuple[str, set[str]]:
     """``"zeroq3+int8"`` -> ``("zeroq3", {"int8"})``; raises ``SystemExit`` naming a bad arm."""
     base, *options = arm.split("+")
-    allowed = PEERS.get(base, {"clip"} if base == "ddp" else set(ARM_OPTIONS) if base in ARM_STAGES else set())
-    if (base not in ARM_STAGES and base not in PEERS) or any(o not in allowed for o in options):
-        raise SystemExit(f"unknown arm {arm!r}: use ddp (+clip), zeroq1/2/3 with optional +{'/+'.join(ARM_OPTIONS)}, or a peer: "
+    allowed = PEERS.get(base, {"clip", *COMPILE} if base == "ddp" else set(ARM_OPTIONS) if base in ARM_STAGES else set())
+    if (base not in ARM_STAGES and base not in PEERS) or any(o not in allowed for o in options) or COMPILE <= set(options):
+        raise SystemExit(f"unknown arm {arm!r}: use ddp (+clip, +compile or +compile_whole), zeroq1/2/3 with optional +{'/+'.join(ARM_OPTIONS)}, or a peer: "
                          + ", ".join(f"{b} (+{'/+'.join(sorted(o))})" for b, o in PEERS.items()))
     return base, set(options)
 
@@ -264,9 +270,14 @@ def build_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> Arm:
     torch.manual_seed(0)
     model = GPT(args.vocab, args.dim, args.layers, args.heads, args.ffn).to(dev)
     num_params = sum(p.numel() for p in model.parameters())
+    if "compile" in options:
+        for block in model.blocks:
+            block.compile()
     engine = None
     if base == "fsdp2":
         forward, finish, opt = fsdp2_arm(model, options, dev)
+        if "compile_whole" in options:
+            forward = torch.compile(forward)
     elif base in ("ds2", "ds3"):
         forward, finish = deepspeed_arm(model, int(base[2]), options, args)
         opt = forward.optimizer
@@ -274,6 +285,8 @@ def build_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> Arm:
         ddp = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if ON_GPU else None)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         forward, finish = ddp, torch_finish(model, opt, options)
+        if "compile_whole" in options:
+            forward = torch.compile(ddp)
     else:
         from lightning_zeroq import ZeroConfig, ZeroEngine
 
@@ -296,7 +309,7 @@ def build_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> Arm:
         engine = ZeroEngine(model, config, param_dtype=torch.bfloat16)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         engine.attach_optimizer(opt)
-        forward = model
+        forward = torch.compile(model) if "compile_whole" in options else model
 
         def finish(loss: torch.Tensor) -> None:
             engine.backward(loss, boundary=True)
@@ -310,12 +323,16 @@ def build_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> Arm:
 def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
     rank = dist.get_rank()
     leftover = allocated_gib()
+    # Every arm compiles afresh: dynamo's code cache is per code object (Module._call_impl, Block.forward),
+    # so an arm would otherwise reuse an earlier arm's graphs and recompilations (and, past dynamo's
+    # recompile limit, run eagerly without a word).
+    torch._dynamo.reset()
     built = build_arm(arm, args, dev)
     model, forward, finish, engine, num_params = built.model, built.forward, built.finish, built.engine, built.num_params
     del built
     g = torch.Generator(device=dev).manual_seed(rank)
     saved = SavedBytes(model)
-    times = []
+    times, warmup_times = [], []
     sync()
     if ON_GPU:
         torch.cuda.reset_peak_memory_stats()
@@ -336,12 +353,13 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
                 loss = forward(tokens)
         finish(loss)
         sync()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
+        (times if i >= args.warmup else warmup_times).append(time.perf_counter() - t0)
     peak = allocated_gib(peak=True)
+    compile_s = max(0.0, sum(warmup_times) - len(warmup_times) * statistics.median(times))
     if args.profile:
         profile_steps(arm, args, dev, forward, finish, g)
-    stats = torch.tensor([statistics.median(times), peak, loss.item(), saved.gib, leftover, host_rss_gib()], device=dev)
+    stats = torch.tensor([statistics.median(times), peak, loss.item(), saved.gib, leftover, host_rss_gib(), compile_s],
+                         device=dev)
     gathered = [torch.empty_like(stats) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, stats)
     result = {
@@ -352,6 +370,7 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
         "activations_GiB": round(float(gathered[0][3]), 2),
         "leftover_GiB": round(max(float(s[4]) for s in gathered), 3),
         "host_rss_GiB_per_rank": [round(float(s[5]), 2) for s in gathered],
+        "compile_s": round(max(float(s[6]) for s in gathered), 1),
         "world_size": dist.get_world_size(), "torch": torch.__version__,
     }
     if engine is not None:

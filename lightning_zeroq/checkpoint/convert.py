@@ -226,8 +226,9 @@ def write_safetensors(opened: Opened, out: Path, *, optimizer: bool) -> None:
 TORCH_SUFFIXES = (".pt", ".ckpt", ".pth", ".bin")
 
 
-class ConvertError(ValueError):
-    """What ``zeroq-convert`` prints after ``error:``: one line naming the path and what to do."""
+class ConvertError(CheckpointError, ValueError):
+    """What ``zeroq-convert`` prints after ``error:``: one line naming the path and what to do. A
+    ``CheckpointError`` too: ``load_from_checkpoint(dir)`` reads through the same code and raises it."""
 
 
 def _check_input(checkpoint: Path) -> None:

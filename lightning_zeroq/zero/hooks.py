@@ -40,9 +40,8 @@ class WeakHook:
 class EagerHook(WeakHook):
     __slots__ = ()
 
-    def __call__(self, *args: Any) -> Any:
-        # Wrapped per call (as FSDP2 does): cheap in eager mode, and dynamo sees a disabled function.
-        return torch._dynamo.disable(super().__call__, recursive=True)(*args)
+    # Disabled once, here: dynamo neither traces the call nor compiles a frame of it.
+    __call__ = torch._dynamo.disable(WeakHook.__call__, recursive=True)
 
 
 def _inert(*args: Any) -> None:

@@ -15,6 +15,16 @@ Which modules become units is decided in ``plan.py``; how a unit is gathered and
 Order. The first forward records the order in which units are gathered; later forwards prefetch
 the next unit from that order (backward: the reverse). A unit that arrives out of order is gathered
 on demand, the order is re-recorded, and a warning is given once: control flow may change freely.
+Each backward's end forgets the forward's last unit: the next step's first unit is gathered when it
+is used, not prefetched and held through the loss and the backward.
+
+Activation checkpointing recomputes a forward inside the backward: there the pre-hook only gathers
+the unit (orders and prefetch untouched) and the post-hook keeps it gathered for its gradients.
+
+``torch.compile``: the hooks are ``EagerHook``s, which dynamo never traces (FSDP2 does the same with
+its hooks): it breaks the graph where a unit's forward begins and where it ends and compiles the
+forward in between, with the unit gathered; what the hooks do to parameters (storage, class) and the
+collectives stay outside every graph.
 """
 
 from __future__ import annotations
@@ -108,14 +118,12 @@ class Stage3Coordinator:
         """The backward pass is over: every transient unit is freed."""
         for unit in self.units:
             self.gatherer.free(unit)
-        self._last[True] = None
-        # The next forward starts afresh too: learning "last unit -> first unit" across the step made
-        # every forward's last unit prefetch the first, held through the loss and the head's backward,
-        # where activations peak (one block more at the peak: 0.1 GiB on the 953M GPT), then dropped.
-        self._last[False] = None
+        # The next forward starts a new order: its first unit is not learned as the successor of this
+        # forward's last (that prefetch was held through the loss and the backward, then freed unused).
+        self._last[False] = self._last[True] = None
         self._prefetched = []
 
-    # Hooks (installed as ``WeakHook``s).
+    # Hooks (installed as ``EagerHook``s).
 
     def _pre_forward(self, unit: Unit, module: nn.Module, args: Any) -> None:
         if _in_backward():
