@@ -39,8 +39,10 @@ def gathered_parameters(module, writeback: bool = False):
     block changed. A module no engine shards is left as it is."""
     import contextlib
 
+    from lightning_zeroq.zero import access
+
     engine = owning_engine(module)
-    return engine.gathered_parameters(module, writeback) if engine is not None else contextlib.nullcontext()
+    return access.gathered_parameters(engine, module, writeback) if engine is not None else contextlib.nullcontext()
 
 
 __all__ = [

@@ -72,7 +72,7 @@ class ZeroQFabricPrecision(ZeroQPrecision):
     """
 
     @override
-    def pre_backward(self, tensor: Tensor, module: Optional[nn.Module]) -> Tensor:  # type: ignore[override]
+    def pre_backward(self, tensor: Tensor, module: Optional[nn.Module]) -> Tensor:
         return tensor
 
     @override
@@ -82,7 +82,7 @@ class ZeroQFabricPrecision(ZeroQPrecision):
         tensor.backward(*args, **kwargs)
 
     @override
-    def post_backward(self, tensor: Tensor, module: Optional[nn.Module]) -> Tensor:  # type: ignore[override]
+    def post_backward(self, tensor: Tensor, module: Optional[nn.Module]) -> Tensor:
         return tensor
 
     @override
@@ -171,7 +171,7 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
 
     # ------------------------------------------------------------------ precision
 
-    @property  # type: ignore[override]
+    @property
     @override
     def precision(self) -> ZeroQFabricPrecision:
         if self._precision is None:
@@ -207,8 +207,9 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
     def module_to_device(self, module: nn.Module) -> None:
         """Nothing here: ``setup_module`` hands the module to the engine, which places it unit by unit."""
 
+    # DDPStrategy narrows the result to DistributedDataParallel; Strategy's (and Fabric's use) is any Module
     @override
-    def setup_module(self, module: nn.Module) -> nn.Module:
+    def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]
         """Shard ``module`` (its parameters become views into the engine's buffers); it is returned as is,
         without a wrapper."""
         if self.engine is not None:

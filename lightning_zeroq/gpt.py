@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -206,7 +207,7 @@ class GPT(L.LightningModule):
         self.log("loss", loss, prog_bar=True)
         return loss
 
-    def configure_optimizers(self) -> dict:
+    def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         embeddings = {id(self.tok_emb.weight), id(self.pos_emb.weight)}
         trainable = [p for p in self.parameters() if p.requires_grad]
         decay = [p for p in trainable if p.dim() >= 2 and id(p) not in embeddings]

@@ -130,7 +130,7 @@ class ZeroQStrategy(DDPStrategy):
     def lightning_restore_optimizer(self) -> bool:
         return False
 
-    @property  # type: ignore[override]
+    @property
     @override
     def precision_plugin(self) -> ZeroQPrecision:
         if self._precision_plugin is None:
@@ -182,6 +182,8 @@ class ZeroQStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         plugin = self.precision_plugin
+        module = self.lightning_module
+        assert module is not None and self.model is not None  # the Trainer connected the module before setup
         self._failed = False
         # After a fit the module is plain again (teardown handed it back): evaluating it needs no
         # engine, and the fit's engine keeps its state for save_checkpoint. A new fit builds a new one.
@@ -190,7 +192,7 @@ class ZeroQStrategy(DDPStrategy):
                 self.engine.close()  # the previous fit's engine: its state goes (NVMe files included)
             if fitting and self._layer_sync:
                 self.model = self._layer_sync.apply(self.model)
-            self.engine = build_engine(self.lightning_module, self.config, plugin, self.root_device)
+            self.engine = build_engine(module, self.config, plugin, self.root_device)
         if self.engine.retired:
             self.precision_plugin.attach_engine(None, self.root_device.type)
             self.setup_precision_plugin()
@@ -204,7 +206,7 @@ class ZeroQStrategy(DDPStrategy):
                 self.engine.attach_optimizer(optimizer)
             self.optimizers = self.optimizers  # wrap again: the wrappers subclass the optimizers' (new) classes
         plugin.attach_engine(self.engine, self.root_device.type)
-        plugin.convert_module(self.lightning_module)
+        plugin.convert_module(module)
         self.setup_precision_plugin()
 
     @override
@@ -216,7 +218,9 @@ class ZeroQStrategy(DDPStrategy):
     def pre_backward(self, closure_loss: Tensor) -> None:
         if self.engine is None:
             return
-        module, trainer = self.lightning_module, self.lightning_module.trainer
+        module = self.lightning_module
+        assert module is not None  # an engine exists only for a connected module
+        trainer = module.trainer
         boundary = None
         if module.automatic_optimization and trainer.training:
             boundary = not trainer.fit_loop._should_accumulate()
@@ -309,6 +313,7 @@ class ZeroQStrategy(DDPStrategy):
             return zero_state.full_state_dict(self.engine, rank0_only=rank0_only)
         if rank0_only and not self.is_global_zero:
             return {}
+        assert self.lightning_module is not None
         return {n: p.detach().float().cpu().clone() for n, p in self.lightning_module.named_parameters(remove_duplicate=False)}
 
     @override
@@ -358,6 +363,7 @@ class ZeroQStrategy(DDPStrategy):
             self._weights_loaded = False  # load_checkpoint read them into the shards already
             return
         state = checkpoint["state_dict"]
+        assert self.lightning_module is not None  # the Trainer loads a checkpoint into a connected module
         if self.engine is None:
             self.lightning_module.load_state_dict(state, strict=strict)
             return

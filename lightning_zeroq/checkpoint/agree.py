@@ -40,8 +40,7 @@ def checkpoint_group(timeout: Optional[timedelta] = None) -> Optional[dist.Proce
     default = dist.distributed_c10d._get_default_group()
     cached = _groups.get(id(default))
     if cached is None or cached[0] is not default:
-        kwargs = {"timeout": timeout} if timeout is not None else {}
-        cached = (default, dist.new_group(backend="gloo", **kwargs))
+        cached = (default, dist.new_group(backend="gloo", timeout=timeout))  # None: the default timeout
         _groups[id(default)] = cached
     return cached[1]
 

@@ -136,7 +136,9 @@ class Checkpointer:
             except CheckpointError:
                 self._discard(tmp, rank)
                 raise
+            assert staged is not None  # agree() raised if staging failed on any rank
             future = dcp.async_save(staged, storage_writer=writer, planner=ChunkSavePlanner(), process_group=group)
+            assert isinstance(future, Future)  # an AsyncSaveResponse comes only with a non-blocking stager
             self._pending_path = path
             self._pending = self._executor_().submit(self._finish_async, future, writer, manifest, tmp, path, group,
                                                      start)

@@ -16,7 +16,7 @@ from typing import Any, Optional
 try:
     import xxhash
 except ImportError:  # pragma: no cover - xxhash is a dependency; the fallback keeps saves working
-    xxhash = None
+    xxhash = None  # type: ignore[assignment]  # the usual optional-import idiom: None marks it missing
 
 ALGORITHM = "xxh3_64" if xxhash is not None else "crc32"
 

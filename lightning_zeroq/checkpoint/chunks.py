@@ -26,8 +26,9 @@ class LocalChunks:
     dtype: torch.dtype
     start: int
     numel: int
-    read: Optional[Callable[[], Tensor]] = None
-    """Saving: returns the flat range (``numel`` elements, any device)."""
+    read: Optional[Callable[..., Tensor]] = None
+    """Saving: returns the flat range (``numel`` elements, any device); called with no arguments (typed
+    ``...`` because mypy cannot match the callers' default-argument lambdas to ``Callable[[], Tensor]``)."""
     target: Optional[Tensor] = None
     """Loading: the 1-D tensor the range is read into."""
     order: int = 0

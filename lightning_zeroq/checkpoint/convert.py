@@ -124,7 +124,7 @@ def skeleton(opened: Opened, *, optimizer: bool, lightning: bool) -> tuple[dict,
     out["state_dict"] = model
     if optimizer:
         groups, layout = optimizer_layout(opened)
-        state = {}
+        state: dict[int, dict[str, Any]] = {}
         for index, keys in layout.items():
             state[int(index)] = {}
             for state_key, ckpt_key in keys.items():
@@ -225,10 +225,10 @@ def write_safetensors(opened: Opened, out: Path, *, optimizer: bool) -> None:
     with open(out, "wb") as f:
         f.write(struct.pack("<Q", len(header)))
         f.write(header)
-        for name, key in keys:
+        for _name, key in keys:
             tensor = _empty(opened, key)
             _read(opened, {key: tensor})
-            f.write(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else b"")
+            f.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data if tensor.numel() else b"")
         f.flush()
         os.fsync(f.fileno())
 
@@ -340,7 +340,7 @@ def lightning_checkpoint(checkpoint: Path, map_location: Any = None) -> dict:
     opened = open_checkpoint(Path(checkpoint), None)
     out = dict(opened.trainer_state())
     out.pop("zeroq", None)
-    out["state_dict"] = {name: t for name, t in iter_named_tensors(opened, optimizer=False)}
+    out["state_dict"] = dict(iter_named_tensors(opened, optimizer=False))
     if map_location is not None and not callable(map_location):
         out["state_dict"] = {k: v.to(map_location if not isinstance(map_location, dict) else "cpu")
                              for k, v in out["state_dict"].items()}

@@ -65,7 +65,7 @@ def sharded_model_state(engine: ShardedParts) -> dict[str, Any]:
                                 read=lambda u=unit, s=seg: u.master[s.shard_span])
             for name in names.get(id(p), []):
                 chunks[name] = value
-        for i, p in enumerate(unit.params):
+        for p in unit.params:
             if p.numel() == 0 and engine.rank == 0:  # no rank owns an element: rank 0 writes the empty tensor
                 for name in names.get(id(p), []):
                     chunks[name] = torch.empty(p.shape)
@@ -108,7 +108,7 @@ def sharded_optimizer_state(engine: ShardedParts) -> dict[str, Any]:
                     entry[key] = value.detach().clone() if isinstance(value, Tensor) else value
             if entry:
                 state[name] = entry
-    everyone = [local_groups]
+    everyone: list[Any] = [local_groups]
     if comm.is_distributed() and engine.world_size > 1:
         everyone = [None] * engine.world_size
         dist.all_gather_object(everyone, local_groups, group=engine.group)
@@ -132,7 +132,7 @@ def model_entries(engine: ShardedParts) -> dict[str, tuple[torch.Size, torch.dty
             for key, value in engine.module.state_dict(keep_vars=True).items() if isinstance(value, Tensor)}
 
 
-def _read_settled(read: Callable[[dict], None], targets: dict, settle: Optional[Callable[[list[str]], None]]) -> None:
+def _read_settled(read: Callable[[dict], None], targets: dict, settle: Optional[Callable[[list[str]], object]]) -> None:
     """``read(targets)``, then ``settle`` (every rank, whatever happened): a read that fails on one rank
     becomes the error every rank raises, before any rank enters a collective of the engine."""
     if settle is None:
@@ -147,10 +147,11 @@ def _read_settled(read: Callable[[dict], None], targets: dict, settle: Optional[
 
 
 def _commit(engine: ShardedParts, read: Callable[[dict], None], targets: dict, batch: list, group_of: dict,
-            settle: Optional[Callable[[list[str]], None]]) -> None:
+            settle: Optional[Callable[[list[str]], object]]) -> None:
     _read_settled(read, targets, settle)
     for unit, pending in batch:
         for view, entry in pending:
+            assert engine.optimizer is not None  # entries are pending only when the optimizer state is loaded
             engine.optimizer.state[view] = {k: _loaded_value(v, group_of[id(view)], view) for k, v in entry.items()}
         access.publish_loaded(engine, unit)
 
@@ -171,7 +172,7 @@ def load_sharded(engine: ShardedParts, read: Callable[[dict], None], *, model_pr
                  optimizer_keys: Optional[dict[str, list[str]]] = None,
                  param_groups: Optional[list[dict]] = None,
                  scalar_target: Callable[[str], Any] = lambda key: BytesTarget(),
-                 settle: Optional[Callable[[list[str]], None]] = None) -> None:
+                 settle: Optional[Callable[[list[str]], object]] = None) -> None:
     """Read this rank's part of every entry, unit by unit (``read(targets)`` fills a dict of checkpoint
     key -> ``LocalChunks``/tensor/``BytesTarget``). ``stored``: the checkpoint's keys without the
     model prefix (a tied parameter is read under whichever of its names is there).
@@ -205,8 +206,9 @@ def load_sharded(engine: ShardedParts, read: Callable[[dict], None], *, model_pr
             name = next((n for n in aliases if n in stored), aliases[0])
             targets[model_prefix + name] = LocalChunks(p.shape, torch.float32, seg.param_start, seg.numel,
                                                        target=unit.master[seg.shard_span])
-            keys = optimizer_keys.get(aliases[0]) if optimizer is not None and id(view) in group_of else None
+            keys = optimizer_keys.get(aliases[0]) if optimizer_keys is not None and id(view) in group_of else None
             if keys:
+                assert optimizer is not None  # group_of is filled only with one
                 entry = {}
                 for key in keys:
                     ckpt_key = f"{optimizer_prefix}state.{aliases[0]}.{key}"
@@ -253,7 +255,7 @@ def full_optimizer_state(engine: ShardedParts) -> dict[str, dict[str, Any]]:
                     entry.setdefault(key, []).append((seg.param_start, value.detach().cpu().clone()))
                 else:
                     entry[key] = value.detach().cpu().clone() if isinstance(value, Tensor) else value
-    everyone = [local]
+    everyone: list[Any] = [local]
     if comm.is_distributed() and engine.world_size > 1:
         everyone = [None] * engine.world_size
         dist.all_gather_object(everyone, local, group=engine.group)

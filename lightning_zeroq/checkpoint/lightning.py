@@ -154,7 +154,8 @@ def load(strategy: Any, checkpoint_path: Any, weights_only: Optional[bool],
     if located.kind is Kind.FILE:
         return load_single_file(strategy, path, weights_only, fitting, group)
     if located.kind not in (Kind.ZEROQ, Kind.DCP) or engine is None:
-        problem = locate_error(located) or f"{path} cannot be loaded before the strategy has set up its engine."
+        problem: Optional[str] = (locate_error(located)
+                                  or f"{path} cannot be loaded before the strategy has set up its engine.")
         if located.kind is Kind.MISSING and located.directory is not None:
             problem = None
         if problem is not None:

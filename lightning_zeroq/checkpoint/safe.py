@@ -30,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.futures import Future
@@ -206,6 +206,7 @@ class SafeLoadPlanner(LoadPlanner):
 
     def create_local_plan(self) -> LoadPlan:
         items: list[ReadItem] = []
+        assert self.metadata is not None  # DCP's load passes it to set_up_planner
         for fqn, obj in self.state_dict.items():
             md = self.metadata.state_dict_metadata[fqn]
             if isinstance(obj, BytesTarget):
@@ -213,9 +214,11 @@ class SafeLoadPlanner(LoadPlanner):
                 items.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=index, dest_offsets=torch.Size((0,)),
                                       storage_index=index, storage_offsets=torch.Size((0,)), lengths=torch.Size((0,))))
             elif isinstance(obj, LocalChunks):
+                assert isinstance(md, TensorStorageMetadata)  # check_entries rejected non-tensors before the load
                 chunks = [ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes)) for b in obj.boxes]
                 items += create_read_items_for_chunk_list(fqn, md, chunks)
             else:
+                assert isinstance(md, TensorStorageMetadata)  # as above
                 chunk = ChunkStorageMetadata(torch.Size([0] * obj.dim()), obj.size())
                 items += create_read_items_for_chunk_list(fqn, md, [chunk])
         return LoadPlan(items)
@@ -242,6 +245,7 @@ class SafeLoadPlanner(LoadPlanner):
     def resolve_tensor(self, read_item: ReadItem) -> Tensor:
         obj = self.state_dict[read_item.dest_index.fqn]
         if isinstance(obj, LocalChunks):
+            assert obj.target is not None and read_item.dest_index.index is not None  # a loading target's box
             obj = obj.box_view(obj.target, read_item.dest_index.index)
         return _narrow(obj, read_item.dest_offsets, read_item.lengths)
 

@@ -178,9 +178,9 @@ def validate(files: Files) -> tuple[Optional[Manifest], Optional[Metadata], list
     except (UnsafeCheckpointError, RuntimeError, OSError) as error:
         return manifest, None, [str(error)]
     if hashlib.sha256(raw).hexdigest() != manifest.metadata_sha256:
-        return manifest, metadata, [
+        return manifest, metadata, [(
             f"{directory / METADATA_FILE} is not the one this checkpoint was saved with (its sha256 differs from "
-            f"{MANIFEST_FILE}'s); it was replaced or damaged."]
+            f"{MANIFEST_FILE}'s); it was replaced or damaged.")]
     return manifest, metadata, check_files(files, metadata, manifest)
 
 

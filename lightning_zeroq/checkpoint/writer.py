@@ -32,7 +32,7 @@ import queue
 import threading
 import warnings
 from torch.futures import Future
-from typing import Any, Callable, Optional, Union
+from typing import IO, Any, Callable, Optional, Union, cast
 
 import torch
 from torch import Tensor
@@ -101,6 +101,7 @@ class ChunkSavePlanner(DefaultSavePlanner):
         chunks = self.chunked.get(write_item.index.fqn)
         if chunks is None:
             return super().resolve_data(write_item)
+        assert chunks.read is not None and write_item.index.offset is not None  # saved chunks read; boxes have offsets
         if self._current is None or self._current[0] != write_item.index.fqn:
             if self.before_read is not None:
                 self.before_read(chunks.order)
@@ -298,18 +299,20 @@ class ChunkWriter(FileSystemWriter):
                     item, data = entry
                     offset = f.tell()
                     out = checksum.HashingWriter(f, self.algorithm)  # hashes the bytes as they are written
+                    sink = cast(IO[bytes], out)  # torch.save writes to any object with write(); its stubs ask IO
                     if item.type == WriteItemType.BYTE_IO:
                         out.write(data.getbuffer())
                     elif isinstance(data, Staged):
                         try:
-                            torch.save(data.wait(), out)
+                            torch.save(data.wait(), sink)
                         finally:
                             data.release()
                     else:
-                        torch.save(data, out)
+                        torch.save(data, sink)
                     length = f.tell() - offset
-                    if self.algorithm is not None:
-                        sums[str(offset)] = out.hexdigest()
+                    digest = out.hexdigest()
+                    if digest is not None:  # checksums on
+                        sums[str(offset)] = digest
                     results.append(WriteResult(index=item.index, size_in_bytes=length,
                                                storage_data=_StorageInfo(name, offset, length)))
                     if len(results) == 1:
@@ -377,7 +380,9 @@ def _cut(tensor: Tensor) -> Tensor:
         if tensor.storage_offset() == 0 and storage.nbytes() == nbytes:
             return tensor
         start = tensor.storage_offset() * tensor.element_size()
-        return torch.empty(0, dtype=tensor.dtype).set_(storage[start:start + nbytes], 0, tensor.shape)
+        region = storage[start:start + nbytes]
+        # torch's stubs lack set_(source, offset, size), whose stride defaults to the contiguous one
+        return torch.empty(0, dtype=tensor.dtype).set_(region, 0, tensor.shape)  # type: ignore[call-overload]
     return _standalone(tensor)
 
 
@@ -408,6 +413,7 @@ def stage_state(state: Any, before_read: Optional[Callable[[int], None]], pin: b
         if buffer is None:
             buffer = torch.empty(chunks.numel, dtype=chunks.dtype, pin_memory=pin)
             cache[key] = buffer
+        assert chunks.read is not None  # a state to save holds readable chunks
         buffer.copy_(chunks.read().reshape(-1), non_blocking=pin)
         copy = LocalChunks(chunks.shape, chunks.dtype, chunks.start, chunks.numel, read=lambda b=buffer: b,
                            order=chunks.order)

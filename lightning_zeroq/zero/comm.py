@@ -28,7 +28,7 @@ def _backend(group: Optional[dist.ProcessGroup]) -> str:
     return str(dist.get_backend(group))
 
 
-def has_flat_collectives(backend: str, torch_version: tuple[int, int] = _TORCH) -> bool:
+def has_flat_collectives(backend: str, torch_version: tuple[int, ...] = _TORCH) -> bool:
     """Does ``backend`` implement ``reduce_scatter_tensor`` and ``all_gather_into_tensor``?"""
     return backend != "gloo" or torch_version >= (2, 8)
 

@@ -98,7 +98,7 @@ class ZeroEngine:
         self._param_names = {id(p): name for name, p in module.named_parameters()}  # after materialization
         for unit in self.units:
             for p in unit.params:
-                p._zeroq_name = self._param_names.get(id(p), "?")  # named in FreedParameter's errors
+                p.__dict__["_zeroq_name"] = self._param_names.get(id(p), "?")  # named in FreedParameter's errors
         self.stage3 = None
         if transient:
             self.stage3 = Stage3Coordinator(
@@ -227,7 +227,7 @@ class ZeroEngine:
                 binding.multiplier, binding.skip = self._base, None
         binding = self._binding(optimizer)
         if binding.skip is None:
-            agreement = self.reducer.agreement
+            agreement = self.reducer.finalize()  # finalized above: returns the window's agreement
             bad = [u for u in agreement.nonfinite_units if u in binding.unit_ids]
             try:
                 binding.skip = bool(bad) and update.decide_nonfinite(
@@ -294,7 +294,7 @@ class ZeroEngine:
         skip = self.finalize_gradients(binding.optimizer)
         if not skip:
             update.apply_multiplier(binding, self.units, self.placement, whole=len(self._bindings) == 1)
-            update.run(binding, self.units, self.placement, self.gatherer, self.reducer.agreement.used)
+            update.run(binding, self.units, self.placement, self.gatherer, self.reducer.finalize().used)
         if self.loss_scaler is not None:
             self.loss_scaler.update(skip)
         self.steps += 1

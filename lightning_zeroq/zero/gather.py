@@ -68,12 +68,14 @@ class Gatherer:
         current = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         if unit.state is UnitState.PREFETCHING:
             if not prefetch:
+                assert current is not None and unit.ready is not None  # prefetching happens on CUDA only
                 current.wait_event(unit.ready)
                 unit.ready, unit.state = None, UnitState.GATHERED
             return
         assert self.store is not None
         unit.restore_storage()
         if prefetch and self._stream is not None:
+            assert current is not None  # the side stream exists on CUDA only
             self._stream.wait_stream(current)
             with torch.cuda.stream(self._stream):
                 self.wire.gather(unit, self.store.get(unit))
@@ -93,6 +95,7 @@ class Gatherer:
         if unit.persistent or unit.state is UnitState.SHARDED:
             return
         if unit.state is UnitState.PREFETCHING:  # prefetched and never used: let the gather finish
+            assert unit.ready is not None  # recorded with the prefetch
             torch.cuda.current_stream(self.device).wait_event(unit.ready)
             unit.ready = None
         unit.release_storage()

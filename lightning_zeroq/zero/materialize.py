@@ -25,10 +25,10 @@ def parameters_on_meta() -> Iterator[None]:
     Each parameter is allocated (not initialized) on its own device first, one at a time."""
     original = nn.Module.register_parameter
 
-    def register_on_meta(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+    def register_on_meta(self: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
         if param is not None and not param.is_meta:
             param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
-        original(module, name, param)
+        original(self, name, param)
 
     nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
     try:
@@ -66,7 +66,8 @@ def reset_on(root: nn.Module, m: nn.Module, device: torch.device) -> dict[int, n
     """``m``'s meta tensors made empty on ``device``, then ``m.reset_parameters()``; parameter objects
     are replaced, so every
     module that shared an old one (tied weights) gets the new one. Returns old id -> new parameter."""
-    if not hasattr(m, "reset_parameters"):
+    reset = getattr(m, "reset_parameters", None)  # (nn.Module's stubs type unknown attributes as tensors)
+    if reset is None:
         raise ValueError(
             f"{type(m).__name__} has parameters or buffers on the meta device but no reset_parameters() "
             "to initialize them; give it one, or build the model on a real device."
@@ -79,13 +80,14 @@ def reset_on(root: nn.Module, m: nn.Module, device: torch.device) -> dict[int, n
         if b is not None and b.is_meta:
             m._buffers[name] = torch.empty_like(b, device=device)
     with torch.no_grad():
-        m.reset_parameters()
-    renamed = {id(old): m._parameters[name] for name, old in before.items() if m._parameters[name] is not old}
+        reset()
+    renamed = {id(old): new for name, old in before.items()
+               if (new := m._parameters[name]) is not old and new is not None}
     if renamed:
         for other in root.modules():
-            for name, p in list(other._parameters.items()):
-                if p is not None and id(p) in renamed:
-                    other._parameters[name] = renamed[id(p)]
+            for name, shared in list(other._parameters.items()):
+                if shared is not None and id(shared) in renamed:
+                    other._parameters[name] = renamed[id(shared)]
     return renamed
 
 

@@ -126,9 +126,9 @@ def bind_to_shards(optimizer: torch.optim.Optimizer, module: nn.Module, units: S
                 param_ids.add(unit.param_id(i))
                 unit_ids.add(unit.index)
         for seg, view in zip(unit.segments, unit.segment_masters):
-            gi = group_of.get(id(unit.params[seg.param]))
-            if gi is not None:
-                new_params[gi].append(view)
+            group_index = group_of.get(id(unit.params[seg.param]))
+            if group_index is not None:
+                new_params[group_index].append(view)
                 optimized[unit.index].append((view, seg))
     for group, views in zip(optimizer.param_groups, new_params):
         group["params"] = views
@@ -186,8 +186,9 @@ def route_zero_grad(optimizer: torch.optim.Optimizer, engine: object) -> None:
     its own that only adds this; ``unroute_zero_grad`` restores it, and it pickles as the plain class.
     The engine is held weakly."""
     if not getattr(type(optimizer), "_zeroq_routed", False):
-        optimizer.__class__ = _routed_class(type(optimizer))
-    optimizer._zeroq_engine = weakref.ref(engine)
+        # A class is hashable; mypy checks it against the instances' __hash__ (torch's stubs type it so).
+        optimizer.__class__ = _routed_class(type(optimizer))  # type: ignore[arg-type]
+    optimizer.__dict__["_zeroq_engine"] = weakref.ref(engine)  # as unroute_zero_grad pops it
 
 
 def unroute_zero_grad(optimizer: torch.optim.Optimizer) -> None:
@@ -198,7 +199,7 @@ def unroute_zero_grad(optimizer: torch.optim.Optimizer) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _routed_class(cls: type) -> type:
+def _routed_class(cls: type[torch.optim.Optimizer]) -> type:
     def zero_grad(self, set_to_none: bool = True) -> None:
         ref = getattr(self, "_zeroq_engine", None)
         engine = ref() if ref is not None else None
@@ -213,7 +214,7 @@ def _routed_class(cls: type) -> type:
                                        "_zeroq_routed": True, "_zeroq_base": cls, "__module__": cls.__module__})
 
 
-def _plain_optimizer(cls: type, state: dict) -> torch.optim.Optimizer:
+def _plain_optimizer(cls: type[torch.optim.Optimizer], state: dict) -> torch.optim.Optimizer:
     optimizer = cls.__new__(cls)
     state.pop("_zeroq_engine", None)
     optimizer.__setstate__(state)

@@ -32,7 +32,7 @@ class UnitSpec(NamedTuple):
 
 
 def _containers_children(module: nn.Module) -> list[nn.Module]:
-    out = []
+    out: list[nn.Module] = []
     for m in module.modules():
         if isinstance(m, (nn.ModuleList, nn.Sequential)):
             out.extend(m.children())

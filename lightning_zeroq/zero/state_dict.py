@@ -24,25 +24,20 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_zeroq.zero import access, comm
-from lightning_zeroq.zero.gather import Gatherer
 from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
-from lightning_zeroq.zero.offload import OptimizerPlacement
 from lightning_zeroq.zero.unit import Unit
 
 
-class ShardedParts(Protocol):
-    """What these functions need of an engine (``ZeroEngine`` provides it)."""
+class ShardedParts(access.EngineParts, Protocol):
+    """What these functions need of an engine (``ZeroEngine`` provides it): the parts ``access``
+    needs to publish loaded masters, and these."""
 
-    module: nn.Module
-    units: list[Unit]
-    placement: OptimizerPlacement
-    gatherer: Gatherer
-    optimizer: Optional[torch.optim.Optimizer]
     loss_scaler: Optional[DynamicLossScaler]
     rank: int
     world_size: int
-    group: Optional[dist.ProcessGroup]
-    device: torch.device
+
+    @property
+    def optimizer(self) -> Optional[torch.optim.Optimizer]: ...
 
 
 def _named_managed(engine: ShardedParts) -> Iterator[tuple[list[str], Unit, int]]:
@@ -87,6 +82,7 @@ def full_state_dict(engine: ShardedParts, rank0_only: bool = False) -> dict[str,
             dist.gather(shard, chunks, dst=root, group=engine.group)
             if engine.rank != 0:
                 continue
+            assert chunks is not None  # rank 0 made them
             full = torch.cat(chunks).cpu()
             del chunks
         else:

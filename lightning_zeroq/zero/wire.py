@@ -240,6 +240,7 @@ class Int8:
         for k, (counts, positions) in enumerate(side.rounds):
             start = k * side.per_round
             recv = torch.empty(sum(counts), dtype=unit.flat.dtype, device=self.device)
+            assert send is not None  # both callers pass the side values whenever the unit has a side plan
             comm.all_gather_uneven(recv, send[start : start + counts[self.rank]], counts, self.group)
             unit.flat[positions] = recv
 

@@ -143,6 +143,7 @@ class HostOptimizer(OptimizerPlacement):
         """Before the device gradient shards are released: the copies still reading them come first."""
         current = torch.cuda.current_stream(self.device) if self.in_flight else None
         for done in self.in_flight.values():
+            assert current is not None  # set whenever a copy is in flight
             current.wait_event(done)
         self.in_flight.clear()
         self.fresh.clear()

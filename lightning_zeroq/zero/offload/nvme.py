@@ -134,6 +134,7 @@ class NvmeOptimizer(HostOptimizer):
         if unit is None or unit.index in self._resident:
             return
         self._finish_write(unit.index)
+        assert self.swapper is not None  # resident() walks units only once attach() made it
         for name in self._names(unit):
             self.swapper.prefetch(swap_key(unit.index, name))
 
@@ -145,6 +146,7 @@ class NvmeOptimizer(HostOptimizer):
         if unit.index in self._resident:
             return
         self._finish_write(unit.index)
+        assert self.swapper is not None and self.optimizer is not None  # attach() set both
         buffers: dict[str, Tensor] = {}
         for name in self._names(unit):
             buffers[name] = self._pool.take(unit.layout.shard_numel)
@@ -162,6 +164,7 @@ class NvmeOptimizer(HostOptimizer):
         buffers = self._resident.get(unit.index)
         if buffers is None:
             return
+        assert self.swapper is not None and self.optimizer is not None  # _load() made the unit resident
         for key in self.keys:  # state created by this step lives in the optimizer's own tensors
             flat = buffers.get(key)
             for view, seg in zip(unit.segment_masters, unit.segments):
@@ -200,6 +203,7 @@ class NvmeOptimizer(HostOptimizer):
         """Wait for every write-back; raise the first I/O error."""
         for index in list(self._writing):
             self._finish_write(index)
+        assert self.swapper is not None  # resident() flushes only once attach() made it
         self.swapper.wait_all()
 
     def close(self) -> None:
