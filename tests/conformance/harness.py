@@ -1,0 +1,124 @@
+"""Running Lightning's own tests against zeroq: the pieces every ported module shares.
+
+A ported case is a pytest function in the host process that sends a module-level *body* to the
+session's gloo worker pool (``dist_pool``). Each worker already carries the environment of an
+externally launched rank and an initialized process group, so ``Trainer(accelerator="cpu",
+devices=2, strategy=...)`` inside a body runs exactly as under ``torchrun``.
+
+- ``SPECS``: the strategies a case runs under. The presets (``zeroq_stage_1`` .. ``zeroq_stage_3``)
+  and ``stage3_freed``: stage 3 with every module of the classes in ``wrap`` as a unit that is really
+  freed after use (``stage3_param_persistence_threshold=0``); with the preset's defaults a tiny model
+  never leaves the gathered state.
+- ``strategy(spec)`` builds one inside a body; ``trainer(spec, root, **kw)`` a ``Trainer`` on every rank
+  of the pool, with Lightning's defaults otherwise (``ModelCheckpoint``, logger, progress bar off only
+  where the original turned them off).
+- ``on_ranks(dist_pool, body, ...)``: run a body on the 2 ranks and return their results in rank order.
+- ``known_defect(what)``: a strict ``xfail`` for a defect that is being fixed, so the case turns into a
+  failure (XPASS) the moment the fix lands and its mark must go.
+- ``deselected(table)``: one skipped case per entry of a module's ``{"original_test": "reason"}`` table,
+  so every deselection shows in the run (``pytest -rs``) with its one-line reason.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+import pytest
+
+WORLD = 2
+
+STAGE3_FREED = "stage3_freed"
+SPECS = ("zeroq_stage_1", "zeroq_stage_2", "zeroq_stage_3", STAGE3_FREED)
+SHARDED = ("zeroq_stage_2", "zeroq_stage_3", STAGE3_FREED)  # where DeepSpeed/FSDP tests use gradient sharding
+STAGE3 = ("zeroq_stage_3", STAGE3_FREED)
+
+
+def stage_of(spec: str) -> int:
+    return 3 if spec == STAGE3_FREED else int(spec.rsplit("_", 1)[1])
+
+
+def strategy(spec: str, wrap: Iterable[str] = ("Linear",), **options: Any):
+    """The strategy named by ``spec`` (a preset or ``stage3_freed``), with extra ``ZeroConfig`` options.
+    ``wrap``: the module classes that become freed stage-3 units (``stage3_freed`` only)."""
+    import lightning_zeroq  # noqa: F401  (registers the preset names)
+    from lightning_zeroq import ZeroQStrategy
+    from lightning_zeroq.strategy_common import PRESETS
+
+    if spec == STAGE3_FREED:
+        return ZeroQStrategy(stage=3, stage3_wrap_classes=list(wrap), stage3_param_persistence_threshold=0, **options)
+    return ZeroQStrategy(**{**PRESETS[spec], **options})
+
+
+def trainer(spec: Any, root: Optional[str] = None, wrap: Iterable[str] = ("Linear",), **kw: Any):
+    """A ``Trainer`` on every rank of the pool: CPU, one device per rank, ``spec`` a name from ``SPECS``
+    (or a strategy object, or another strategy name such as ``"ddp"``); ``root`` its ``default_root_dir``."""
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+
+    if isinstance(spec, str) and (spec in SPECS or spec.startswith("zeroq")):
+        spec = strategy(spec, wrap=wrap)
+    if root is not None:
+        kw.setdefault("default_root_dir", root)
+    return pl.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=spec, **kw)
+
+
+# Exceptions every rank raises at the same point, after the ranks agreed on it (a collective decided it):
+# a body that raises one of these leaves the process group consistent, so the pool keeps its workers
+# instead of being killed and restarted (~15 s on 2 cores) for each case that hits a known defect.
+AGREED_ERRORS = ("CheckpointError",)
+
+
+def _guarded(module: str, qualname: str, args: tuple, kwargs: dict) -> tuple:
+    import importlib
+    import traceback
+
+    fn = importlib.import_module(module)
+    for name in qualname.split("."):
+        fn = getattr(fn, name)
+    try:
+        return ("ok", fn(*args, **kwargs))
+    except Exception as err:
+        if type(err).__name__ not in AGREED_ERRORS:
+            raise
+        return ("agreed-error", traceback.format_exc())
+
+
+def on_ranks(dist_pool: Callable, body: Callable, *args: Any, world: int = WORLD, **kwargs: Any) -> list:
+    """``body(*args, **kwargs)`` on every rank of a ``world``-rank pool; the results in rank order. A body
+    that raises on any rank fails the case with every rank's traceback."""
+    replies = dist_pool(world).run(_guarded, body.__module__, body.__qualname__, args, kwargs)
+    failed = [f"--- rank {r} raised:\n{value}" for r, (kind, value) in enumerate(replies) if kind != "ok"]
+    if failed:
+        raise RuntimeError(f"{body.__qualname__} failed on {len(failed)} of {world} ranks\n" + "\n".join(failed))
+    return [value for _, value in replies]
+
+
+def known_defect(what: str) -> pytest.MarkDecorator:
+    return pytest.mark.xfail(strict=True, reason=f"known defect: {what}")
+
+
+def deselected(table: dict[str, str]) -> Callable:
+    """A pytest case per deselected original test, skipped with its reason (``-rs`` lists them)."""
+    names = sorted(table)
+
+    @pytest.mark.parametrize("original", names, ids=names)
+    def test_deselected(original: str) -> None:
+        pytest.skip(f"{original}: {table[original]}")
+
+    return test_deselected
+
+
+def shared_dir(path: Any) -> str:
+    """A directory every rank sees (the pool's ranks share the host's file system)."""
+    os.makedirs(path, exist_ok=True)
+    return str(path)
+
+
+def assert_checkpoint_dir(path: Any) -> None:
+    """A zeroq checkpoint is a directory, as DeepSpeed's is: where Lightning's DeepSpeed tests check
+    ``os.path.isdir(ckpt)`` the ported case checks the same (and that it holds our manifest)."""
+    p = Path(path)
+    assert p.is_dir(), f"{p} is not a checkpoint directory"
+    assert any(p.iterdir()), f"{p} is empty"
