@@ -122,3 +122,39 @@ def assert_checkpoint_dir(path: Any) -> None:
     p = Path(path)
     assert p.is_dir(), f"{p} is not a checkpoint directory"
     assert any(p.iterdir()), f"{p} is empty"
+
+
+# --------------------------------------------------------------------------- models and data the ports share
+
+
+def classif_datamodule(batch_size: int = 16):
+    """A stand-in for Lightning's test helper ``ClassifDataModule`` (scikit-learn's make_classification):
+    32 features, 3 classes a fixed linear map separates, train/val/test splits; no scikit-learn needed."""
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class ClassifData(pl.LightningDataModule):
+        def __init__(self) -> None:
+            super().__init__()
+            g = torch.Generator().manual_seed(1234)
+            x = torch.randn(320, 32, generator=g)
+            y = (x @ torch.randn(32, 3, generator=g)).argmax(dim=1)
+            self.splits = {"train": (x[:192], y[:192]), "val": (x[192:256], y[192:256]), "test": (x[256:], y[256:])}
+
+        def _loader(self, split: str) -> DataLoader:
+            return DataLoader(TensorDataset(*self.splits[split]), batch_size=batch_size)
+
+        def train_dataloader(self) -> DataLoader:
+            return self._loader("train")
+
+        def val_dataloader(self) -> DataLoader:
+            return self._loader("val")
+
+        def test_dataloader(self) -> DataLoader:
+            return self._loader("test")
+
+        def predict_dataloader(self) -> DataLoader:
+            return self._loader("test")
+
+    return ClassifData()
