@@ -129,7 +129,8 @@ def assert_checkpoint_dir(path: Any) -> None:
 
 def classif_datamodule(batch_size: int = 16):
     """A stand-in for Lightning's test helper ``ClassifDataModule`` (scikit-learn's make_classification):
-    32 features, 3 classes a fixed linear map separates, train/val/test splits; no scikit-learn needed."""
+    32 features, 3 well separated classes (a Gaussian cloud around one center each), train/val/test
+    splits; no scikit-learn needed."""
     import lightning.pytorch as pl
     import torch
     from torch.utils.data import DataLoader, TensorDataset
@@ -138,8 +139,9 @@ def classif_datamodule(batch_size: int = 16):
         def __init__(self) -> None:
             super().__init__()
             g = torch.Generator().manual_seed(1234)
-            x = torch.randn(320, 32, generator=g)
-            y = (x @ torch.randn(32, 3, generator=g)).argmax(dim=1)
+            centers = 2.0 * torch.randn(3, 32, generator=g)
+            y = torch.randint(0, 3, (320,), generator=g)
+            x = centers[y] + torch.randn(320, 32, generator=g)
             self.splits = {"train": (x[:192], y[:192]), "val": (x[192:256], y[192:256]), "test": (x[256:], y[256:])}
 
         def _loader(self, split: str) -> DataLoader:
@@ -158,3 +160,16 @@ def classif_datamodule(batch_size: int = 16):
             return self._loader("test")
 
     return ClassifData()
+
+
+def warns_on_rank_zero(category: type, match: str):
+    """``pytest.warns`` on global rank 0, nothing elsewhere: Lightning gives most of its warnings through
+    ``rank_zero_warn`` (the original single-process cases see them; on 2 ranks only rank 0 does, which is
+    what Lightning's own multi-device tests check too)."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return contextlib.nullcontext()
+    return pytest.warns(category, match=match)
