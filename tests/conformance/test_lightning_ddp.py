@@ -299,17 +299,17 @@ def test_configure_launcher_create_processes_externally():
 class CheckOptimizerDeviceModel(BoringModel):
     def configure_optimizers(self):
         assert all(param.device.type == "cpu" for param in self.parameters())  # upstream: "cuda"
-        return super().configure_optimizers()
+        super().configure_optimizers()  # as upstream: returns nothing, Lightning then fits without an optimizer
 
 
 def _params_on_device(spec: str, root: str) -> None:
     h.trainer(spec, root, fast_dev_run=1).fit(CheckOptimizerDeviceModel())
 
 
+@pytest.mark.xfail(strict=True, reason="new defect: configure_optimizers returning None (Lightning's fit without an "
+                   "optimizer) is refused with an error about sharding Lightning's internal _MockOptimizer")
 @pytest.mark.parametrize("spec", SPECS)
 def test_model_parameters_on_device_for_optimizer(dist_pool, tmp_path, spec):
-    # upstream's configure_optimizers returns nothing (Lightning then runs without an optimizer, which zeroq
-    # refuses: it needs one to shard); the port returns BoringModel's, the check is the same
     on_ranks(dist_pool, _params_on_device, spec, str(tmp_path))
 
 
