@@ -99,9 +99,11 @@ def known_defect(what: str) -> pytest.MarkDecorator:
     return pytest.mark.xfail(strict=True, reason=f"known defect: {what}")
 
 
-def deselected(table: dict[str, str]) -> Callable:
+def deselected(table: dict[str, str]) -> Optional[Callable]:
     """A pytest case per deselected original test, skipped with its reason (``-rs`` lists them)."""
     names = sorted(table)
+    if not names:
+        return None  # nothing deselected: no case
 
     @pytest.mark.parametrize("original", names, ids=names)
     def test_deselected(original: str) -> None:
