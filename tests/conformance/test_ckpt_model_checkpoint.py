@@ -1,0 +1,497 @@
+"""Lightning's ``ModelCheckpoint`` tests (tests_pytorch/checkpointing/test_model_checkpoint.py, 2.6.5),
+the cases where the strategy saves, removes or loads, run under zeroq on 2 gloo ranks.
+
+Each case keeps the original's assertions; what changes is only what names the layout: a zeroq
+checkpoint is a directory (as DeepSpeed's), so "is a file" reads "is a complete checkpoint directory"
+(``is_checkpoint``) and the file is read with ``read`` in the pytest process. Batches per epoch are
+per rank as the original's one process (see ``harness_fabric.Boring``). Cases that involve no
+strategy (argument checks, helpers called on a mock Trainer) are listed in ``ORIGINAL`` with why.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch import seed_everything
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+from tests.conformance.harness_fabric import (
+    STAGES,
+    Boring,
+    LogInTwoMethods,
+    StatelessOptimizerGuard,
+    LoadAfterFit,
+    is_checkpoint,
+    known,
+    read,
+    run,
+    trainer,
+)
+
+PORTED = "ported"
+NO_STRATEGY = "no strategy involved: "
+ORIGINAL = {
+    "test_model_checkpoint_state_key": NO_STRATEGY + "the callback's state key string",
+    "test_model_checkpoint_score_and_ckpt": PORTED,
+    "test_model_checkpoint_score_and_ckpt_val_check_interval": PORTED,
+    "test_model_checkpoint_with_non_string_input": PORTED,
+    "test_model_checkpoint_to_yaml": PORTED,
+    "test_model_checkpoint_path": PORTED,
+    "test_pickling": NO_STRATEGY + "pickling a callback object",
+    "test_model_checkpoint_no_extraneous_invocations": PORTED,
+    "test_model_checkpoint_format_checkpoint_name": NO_STRATEGY + "filename formatting",
+    "test_model_checkpoint_file_extension": PORTED,
+    "test_model_checkpoint_save_last": PORTED,
+    "test_model_checkpoint_save_last_as_link_not_local": NO_STRATEGY + "argument check on a remote dirpath",
+    "test_model_checkpoint_link_checkpoint": NO_STRATEGY + "a static helper called with a Mock trainer on touched files",
+    "test_model_checkpoint_link_checkpoint_relative_path": NO_STRATEGY + "a static helper called with a Mock trainer",
+    "test_invalid_top_k": NO_STRATEGY + "argument check",
+    "test_none_monitor_top_k": NO_STRATEGY + "argument check",
+    "test_none_monitor_not_alternating": PORTED,
+    "test_invalid_every_n_epochs": NO_STRATEGY + "argument check",
+    "test_invalid_every_n_train_steps": NO_STRATEGY + "argument check",
+    "test_invalid_trigger_combination": NO_STRATEGY + "argument check",
+    "test_none_every_n_train_steps_val_epochs": NO_STRATEGY + "default attribute values",
+    "test_model_checkpoint_save_last_none_monitor": PORTED,
+    "test_model_checkpoint_every_n_epochs": PORTED,
+    "test_ckpt_every_n_train_steps": PORTED,
+    "test_model_checkpoint_on_exception_run_condition_on_validation_start": PORTED,
+    "test_model_checkpoint_on_exception_fast_dev_run_on_train_batch_start": PORTED,
+    "test_model_checkpoint_on_exception_run_condition_on_train_batch_start": PORTED,
+    "test_model_checkpoint_on_exception_parametrized": PORTED,
+    "test_model_checkpoint_on_exception_in_other_callbacks": PORTED,
+    "test_model_checkpoint_train_time_interval": PORTED,
+    "test_model_checkpoint_topk_zero": PORTED,
+    "test_model_checkpoint_topk_all": PORTED,
+    "test_ckpt_metric_names": PORTED,
+    "test_default_checkpoint_behavior": PORTED,
+    "test_model_checkpoint_save_last_checkpoint_contents": PORTED,
+    "test_checkpointing_with_nan_as_first": NO_STRATEGY + "trainer.save_checkpoint is replaced by a Mock",
+    "test_checkpoint_repeated_strategy": PORTED,
+    "test_checkpoint_repeated_strategy_extended": PORTED,
+    "test_configure_model_checkpoint": NO_STRATEGY + "which callbacks a Trainer holds; nothing runs",
+    "test_val_check_interval_checkpoint_files": PORTED,
+    "test_current_score": PORTED,
+    "test_current_score_when_nan": PORTED,
+    "test_hparams_type": PORTED,
+    "test_ckpt_version_after_rerun_new_trainer": PORTED,
+    "test_ckpt_version_after_rerun_same_trainer": PORTED,
+    "test_ckpt_version_counter_disabled_after_rerun_new_trainer": PORTED,
+    "test_model_checkpoint_mode_options": NO_STRATEGY + "argument check",
+    "test_check_val_every_n_epochs_top_k_integration": PORTED,
+    "test_model_checkpoint_saveload_ckpt": NO_STRATEGY + "the callback's state_dict round trip on objects",
+    "test_resume_training_preserves_old_ckpt_last": PORTED,
+    "test_save_last_saves_correct_last_model_path": PORTED,
+    "test_save_last_versioning": PORTED,
+    "test_none_monitor_saves_correct_best_model_path": PORTED,
+    "test_last_global_step_saved": NO_STRATEGY + "callback methods called with a Mock trainer",
+    "test_save_last_every_n_epochs_interaction": NO_STRATEGY + "trainer.save_checkpoint is replaced by a Mock",
+    "test_train_epoch_end_ckpt_with_no_validation": NO_STRATEGY + "a predicate on loop attributes",
+    "test_resume_and_old_checkpoint_files_remain": PORTED,
+    "test_find_last_checkpoints": NO_STRATEGY + "file-name matching on touched files",
+    "test_expand_home": NO_STRATEGY + "path expansion",
+    "test_save_last_cli": NO_STRATEGY + "argument parsing",
+    "test_load_with_inf_data_loader": PORTED,
+    "test_save_last_without_save_on_train_epoch_and_without_val": PORTED,
+    "test_save_last_only_when_checkpoint_saved": PORTED,
+}
+
+# Every save of these cases (plain SGD keeps no optimizer state) hits the issue's first known defect.
+SGD = known(StatelessOptimizerGuard)
+
+
+def _key(monitor) -> str:
+    return (f"ModelCheckpoint{{'monitor': {monitor!r}, 'mode': 'min', 'every_n_train_steps': 0, 'every_n_epochs': 1,"
+            " 'train_time_interval': None}")
+
+
+def _rank0() -> bool:
+    return dist.get_rank() == 0
+
+
+def _listdir(path) -> set[str]:
+    return set(os.listdir(path))
+
+
+def _spy_monitor(t) -> dict:
+    calls = {}
+    original = t.fit_loop.epoch_loop._get_monitor_value
+
+    def spy(key):
+        value = original(key)
+        calls[t.current_epoch] = {key: value}
+        return value
+
+    t.fit_loop.epoch_loop._get_monitor_value = spy
+    return calls
+
+
+# --------------------------------------------------------------------------- score in name and content
+
+
+def _score_body(tmp, arm, validation_step_none, val_dataloaders_none, monitor, plateau):
+    seed_everything(0)  # every rank logs the same values, as the one process of the original
+    epochs, train_batches, val_batches, lr, gamma = 3, 5, 7, 1e-1, 2
+
+    class Model(Boring):
+        def __init__(self):
+            super().__init__()
+            self.train_log_epochs = torch.randn(epochs, train_batches)
+            self.val_logs = torch.randn(epochs, val_batches)
+            self.scores = []
+
+        def training_step(self, batch, batch_idx):
+            self.log("train_log", self.train_log_epochs[self.current_epoch, batch_idx], on_epoch=True)
+            return super().training_step(batch, batch_idx)
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val_log", self.val_logs[self.current_epoch, batch_idx])
+            return super().validation_step(batch, batch_idx)
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=lr)
+            if plateau:
+                sched = {"scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(opt), "monitor": monitor,
+                         "strict": True}
+            else:
+                sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=gamma)
+            return [opt], [sched]
+
+        def on_train_epoch_end(self):
+            if "train" in monitor:
+                self.scores.append(self.trainer.logged_metrics[monitor])
+
+        def on_validation_epoch_end(self):
+            if not self.trainer.sanity_checking and "val" in monitor:
+                self.scores.append(self.trainer.logged_metrics[monitor])
+
+    callback = ModelCheckpoint(dirpath=tmp, filename="{" + monitor + ":.4f}-{epoch}", monitor=monitor, save_top_k=-1)
+    model = Model()
+    if validation_step_none:
+        model.validation_step = None
+    if val_dataloaders_none:
+        model.val_dataloaders = None
+    t = trainer(arm, default_root_dir=tmp, callbacks=[callback], limit_train_batches=train_batches,
+                limit_val_batches=val_batches, max_epochs=epochs)
+    calls = _spy_monitor(t)
+    t.fit(model)
+    expected = [getattr(model, f"{monitor}s")[e].mean().item() for e in range(epochs)]
+    return [float(s) for s in model.scores], expected, calls, callback.dirpath
+
+
+_SCORE_CASES = [(False, False, "val_log"), (True, False, "train_log_epoch"), (False, True, "val_log")]
+
+
+@SGD
+@pytest.mark.parametrize(  # the original's six cases; the stages rotate over them
+    "validation_step_none, val_dataloaders_none, monitor, plateau, arm",
+    [(*case, plateau, STAGES[(2 * i + plateau) % 3]) for i, case in enumerate(_SCORE_CASES) for plateau in (False, True)])
+def test_model_checkpoint_score_and_ckpt(dist_pool, tmp_path, validation_step_none, val_dataloaders_none, monitor,
+                                         plateau, arm):
+    scores, expected, calls, dirpath = run(dist_pool(2), _score_body, str(tmp_path), arm, validation_step_none,
+                                           val_dataloaders_none, monitor, plateau)[0]
+    lr, gamma, epochs = 1e-1, 2, 3
+    assert len(list(tmp_path.glob("*.ckpt"))) == len(scores) == epochs
+    for epoch in range(epochs):
+        score = scores[epoch]
+        assert math.isclose(score, expected[epoch], abs_tol=1e-5)
+        ckpt = read(tmp_path / f"{monitor}={score:.4f}-epoch={epoch}.ckpt")
+        assert ckpt["epoch"] == epoch
+        assert ckpt["global_step"] == 5 * (epoch + 1)
+        state = ckpt["callbacks"][_key(monitor)]
+        assert state["dirpath"] == dirpath
+        assert state["monitor"] == monitor
+        assert state["current_score"] == score
+        if not plateau:
+            assert ckpt["lr_schedulers"][0]["_step_count"] == epoch + 2
+            assert ckpt["lr_schedulers"][0]["_last_lr"][0] == lr * gamma ** (epoch + 1)
+        else:
+            assert calls[epoch] == {monitor: score}
+
+
+def _score_interval_body(tmp, arm, val_check_interval, plateau):
+    seed_everything(0)
+    epochs, train_batches, val_batches, lr, gamma, monitor = 3, 12, 7, 1e-1, 2, "val_log"
+    per_val = int(train_batches * val_check_interval)
+    checks_per_epoch, _ = divmod(train_batches, per_val)
+
+    class Model(Boring):
+        def __init__(self):
+            super().__init__()
+            self.val_logs = torch.randn(checks_per_epoch * epochs, val_batches)
+            self.val_loop_count = 0
+            self.scores = []
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val_log", self.val_logs[self.val_loop_count, batch_idx])
+            return super().validation_step(batch, batch_idx)
+
+        def on_validation_epoch_end(self):
+            self.val_loop_count += 1
+            self.scores.append(self.trainer.logged_metrics[monitor])
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=lr)
+            if plateau:
+                sched = {"scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(opt), "monitor": monitor,
+                         "strict": True}
+            else:
+                sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=gamma)
+            return [opt], [sched]
+
+    callback = ModelCheckpoint(dirpath=tmp, filename="{" + monitor + ":.4f}-{epoch}", monitor=monitor, save_top_k=-1)
+    model = Model()
+    t = trainer(arm, default_root_dir=tmp, callbacks=[callback], limit_train_batches=train_batches,
+                limit_val_batches=val_batches, max_epochs=epochs, val_check_interval=val_check_interval,
+                num_sanity_val_steps=0)
+    calls = _spy_monitor(t)
+    t.fit(model)
+    expected = [model.val_logs[i].mean().item() for i in range(len(model.val_logs))]
+    return [float(s) for s in model.scores], expected, calls, callback.dirpath
+
+
+@SGD
+@pytest.mark.parametrize("val_check_interval, plateau, epoch_aligned, arm",
+                         [(0.25, True, True, "zeroq_stage_1"), (0.25, False, True, "zeroq_stage_2"),
+                          (0.42, False, False, "stage3_freed")])
+def test_model_checkpoint_score_and_ckpt_val_check_interval(dist_pool, tmp_path, val_check_interval, plateau,
+                                                            epoch_aligned, arm):
+    scores, expected, calls, dirpath = run(dist_pool(2), _score_interval_body, str(tmp_path), arm, val_check_interval,
+                                           plateau)[0]
+    epochs, train_batches, lr, gamma, monitor = 3, 12, 1e-1, 2, "val_log"
+    per_val = int(train_batches * val_check_interval)
+    checks_per_epoch, leftover = divmod(train_batches, per_val)
+    assert len(list(tmp_path.glob("*.ckpt"))) == len(scores) == checks_per_epoch * epochs
+    for epoch in range(epochs):
+        for i in range(checks_per_epoch):
+            k = i + checks_per_epoch * epoch
+            at_epoch_end = epoch_aligned and i == checks_per_epoch - 1
+            score = scores[k]
+            assert math.isclose(score, expected[k], rel_tol=1e-4)
+            ckpt = read(tmp_path / f"{monitor}={score:.4f}-epoch={epoch}.ckpt")
+            assert ckpt["epoch"] == epoch
+            assert ckpt["global_step"] == per_val * (k + 1) + leftover * epoch
+            state = ckpt["callbacks"][_key(monitor)]
+            assert state["dirpath"] == dirpath
+            assert state["monitor"] == monitor
+            assert state["current_score"] == score
+            if not plateau:
+                assert ckpt["lr_schedulers"][0]["_step_count"] == epoch + 1 + at_epoch_end
+                assert ckpt["lr_schedulers"][0]["_last_lr"][0] == lr * gamma ** (epoch + at_epoch_end)
+        if plateau:
+            assert calls[epoch] == {monitor: score}
+
+
+# --------------------------------------------------------------------------- where and how many
+
+
+def _non_string_body(tmp, arm, save_top_k):
+    callback = ModelCheckpoint(monitor="early_stop_on", dirpath=None, filename="{epoch}", save_top_k=save_top_k)
+    trainer(arm, default_root_dir=tmp, callbacks=[callback], overfit_batches=0.20, max_epochs=2,
+            logger=False).fit(LogInTwoMethods())
+    return callback.dirpath
+
+
+@SGD
+@pytest.mark.parametrize("save_top_k, arm", [(-1, "zeroq_stage_1"), (0, "zeroq_stage_2"), (1, "stage3_freed"),
+                                             (2, "zeroq_stage_3")])
+def test_model_checkpoint_with_non_string_input(dist_pool, tmp_path, save_top_k, arm):
+    dirpath = run(dist_pool(2), _non_string_body, str(tmp_path), arm, save_top_k)[0]
+    assert dirpath == str(tmp_path / "checkpoints")
+    if save_top_k == -1:
+        expected = [f"epoch={i}.ckpt" for i in range(2)]
+        assert len(os.listdir(dirpath)) == len(expected) == 2
+        assert _listdir(dirpath) == set(expected)
+
+
+def _to_yaml_body(tmp, arm, save_top_k):
+    import yaml
+
+    callback = ModelCheckpoint(dirpath=tmp, monitor="early_stop_on", save_top_k=save_top_k)
+    trainer(arm, default_root_dir=tmp, callbacks=[callback], overfit_batches=0.20, max_epochs=2).fit(LogInTwoMethods())
+    if _rank0():
+        path = Path(tmp) / "best_k_models.yaml"
+        callback.to_yaml(path)
+        with open(path) as f:
+            assert yaml.full_load(f) == dict(callback.best_k_models.items())
+
+
+@SGD
+@pytest.mark.parametrize("save_top_k, arm", [(-1, "stage3_freed"), (0, "zeroq_stage_1"), (1, "zeroq_stage_2"),
+                                             (2, "stage3_freed")])
+def test_model_checkpoint_to_yaml(dist_pool, tmp_path, save_top_k, arm):
+    run(dist_pool(2), _to_yaml_body, str(tmp_path), arm, save_top_k)
+
+
+def _path_body(tmp, arm, version):
+    # CSVLogger where the original has TensorBoardLogger (not installed): the same version naming
+    t = trainer(arm, default_root_dir=tmp, overfit_batches=0.2, max_epochs=2, logger=CSVLogger(tmp, version=version))
+    t.fit(LogInTwoMethods())
+    return Path(t.checkpoint_callback.dirpath).parent.name
+
+
+@SGD
+@pytest.mark.parametrize("version, expected, arm", [(None, "version_0", "zeroq_stage_1"), (1, "version_1", "zeroq_stage_2"),
+                                                    ("awesome", "awesome", "stage3_freed")])
+def test_model_checkpoint_path(dist_pool, tmp_path, version, expected, arm):
+    assert run(dist_pool(2), _path_body, str(tmp_path), arm, version) == [expected, expected]
+
+
+class _CountingCheckpoint(ModelCheckpoint):
+    """Counts the callback's state_dict calls and the strategy's saves (the original counts
+    ``torch.save`` on rank 0; a zeroq save is a collective every rank takes part in)."""
+
+    def __init__(self, expected_count, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.expected_count, self.state_dict_count, self.saves = expected_count, 0, 0
+
+    def on_train_start(self, trainer, pl_module):
+        original = trainer.strategy.save_checkpoint
+
+        def counted(*args, **kwargs):
+            self.saves += 1
+            return original(*args, **kwargs)
+
+        trainer.strategy.save_checkpoint = counted
+
+    def state_dict(self):
+        super().state_dict()
+        self.state_dict_count += 1
+
+    def on_train_end(self, trainer, pl_module):
+        super().on_train_end(trainer, pl_module)
+        assert self.best_model_path
+        assert self.best_model_score
+        assert self.state_dict_count == self.expected_count
+        assert self.saves == self.expected_count
+
+
+def _invocations_body(tmp, arm):
+    epochs = 4
+    callback = _CountingCheckpoint(monitor="early_stop_on", expected_count=epochs, save_top_k=-1)
+    t = trainer(arm, default_root_dir=tmp, callbacks=[callback], max_epochs=epochs)
+    t.fit(LogInTwoMethods())
+    assert t.state.finished, f"Training failed with {t.state}"
+
+
+@SGD
+@pytest.mark.parametrize("arm", ["zeroq_stage_2"])
+def test_model_checkpoint_no_extraneous_invocations(dist_pool, tmp_path, arm):
+    run(dist_pool(2), _invocations_body, str(tmp_path), arm)
+
+
+class _Tpkc(ModelCheckpoint):
+    FILE_EXTENSION = ".tpkc"
+
+
+def _extension_body(tmp, arm):
+    callback = _Tpkc(monitor="early_stop_on", dirpath=tmp, save_top_k=1, save_last=True)
+    trainer(arm, default_root_dir=tmp, callbacks=[callback], max_steps=1, logger=False).fit(LogInTwoMethods())
+
+
+@SGD
+@pytest.mark.parametrize("arm", ["stage3_freed"])
+def test_model_checkpoint_file_extension(dist_pool, tmp_path, arm):
+    run(dist_pool(2), _extension_body, str(tmp_path), arm)
+    assert {"epoch=0-step=1.tpkc", "last.tpkc"} == _listdir(tmp_path)
+
+
+def _save_last_body(tmp, arm, save_last):
+    seed_everything()
+    with mock.patch.object(ModelCheckpoint, "CHECKPOINT_NAME_LAST", "last-{epoch}"):
+        callback = ModelCheckpoint(monitor="early_stop_on", dirpath=tmp, save_top_k=-1, save_last=save_last)
+        t = trainer(arm, default_root_dir=tmp, callbacks=[callback], max_epochs=3, limit_train_batches=10,
+                    limit_val_batches=10, logger=False)
+        t.fit(LogInTwoMethods())
+        last = callback._format_checkpoint_name(ModelCheckpoint.CHECKPOINT_NAME_LAST,
+                                                {"epoch": t.current_epoch - 1}) + ".ckpt"
+    return last, callback.last_model_path, callback._last_checkpoint_saved
+
+
+@SGD
+@pytest.mark.parametrize("arm", [*STAGES, "zeroq_stage_3", "stage2_offload"])
+@pytest.mark.parametrize("save_last", [True, "link"])
+def test_model_checkpoint_save_last(dist_pool, tmp_path, save_last, arm):
+    last, last_model_path, last_saved = run(dist_pool(2), _save_last_body, str(tmp_path), arm, save_last)[0]
+    assert str(tmp_path / last) == last_model_path
+    assert _listdir(tmp_path) == {f"epoch={i}-step={j}.ckpt" for i, j in zip(range(3), [10, 20, 30])} | {last}
+    if save_last == "link":
+        assert os.path.islink(tmp_path / last)
+    else:
+        assert is_checkpoint(tmp_path / last) and not os.path.islink(tmp_path / last)
+    assert os.path.realpath(tmp_path / last) == last_saved
+
+
+def _not_alternating_body(tmp, arm):
+    class ListDir(Boring):
+        def on_train_epoch_start(self):
+            if self.current_epoch > 0:
+                assert os.listdir(tmp) == ["model.ckpt"]
+
+    callback = ModelCheckpoint(dirpath=tmp, monitor=None, save_top_k=1, filename="model")
+    trainer(arm, callbacks=callback, limit_train_batches=1, limit_val_batches=0, max_epochs=3,
+            logger=False).fit(ListDir())
+
+
+@SGD
+@pytest.mark.parametrize("arm", STAGES)
+def test_none_monitor_not_alternating(dist_pool, tmp_path, arm):
+    run(dist_pool(2), _not_alternating_body, str(tmp_path), arm)
+
+
+def _last_none_monitor_body(tmp, arm):
+    seed_everything()
+    callback = ModelCheckpoint(monitor=None, dirpath=tmp, save_top_k=-1, save_last=True)
+    trainer(arm, default_root_dir=tmp, callbacks=[callback], limit_train_batches=10, limit_val_batches=10,
+            max_epochs=2, logger=False).fit(LogInTwoMethods())
+    assert callback.monitor is None
+    assert callback.best_model_path == str(Path(tmp) / "epoch=1-step=20.ckpt")
+    assert callback.last_model_path == str(Path(tmp) / "last.ckpt")
+    assert callback.best_model_score is None
+    assert callback.best_k_models == {}
+    assert callback.kth_best_model_path == ""
+
+
+@SGD
+@pytest.mark.parametrize("arm", ["zeroq_stage_1"])
+def test_model_checkpoint_save_last_none_monitor(dist_pool, tmp_path, arm):
+    run(dist_pool(2), _last_none_monitor_body, str(tmp_path), arm)
+    assert _listdir(tmp_path) == {"epoch=0-step=10.ckpt", "epoch=1-step=20.ckpt", "last.ckpt"}
+    assert is_checkpoint(tmp_path / "last.ckpt")
+
+
+def _every_n_epochs_body(tmp, arm, every_n_epochs):
+    callback = ModelCheckpoint(dirpath=tmp, filename="{epoch}", save_top_k=-1, every_n_epochs=every_n_epochs)
+    trainer(arm, default_root_dir=tmp, callbacks=[callback], max_epochs=5, limit_train_batches=1,
+            limit_val_batches=1, logger=False).fit(LogInTwoMethods())
+
+
+@pytest.mark.parametrize("every_n_epochs, arm", [pytest.param(0, "zeroq_stage_1"),
+                                                 pytest.param(1, "zeroq_stage_2", marks=SGD),
+                                                 pytest.param(2, "stage3_freed", marks=SGD),
+                                                 pytest.param(3, "zeroq_stage_3", marks=SGD)])
+def test_model_checkpoint_every_n_epochs(dist_pool, tmp_path, every_n_epochs, arm):
+    run(dist_pool(2), _every_n_epochs_body, str(tmp_path), arm, every_n_epochs)
+    expected = {f"epoch={e}.ckpt" for e in range(5) if not (e + 1) % every_n_epochs} if every_n_epochs > 0 else set()
+    assert _listdir(tmp_path) == expected
+
+
+def _every_n_steps_body(tmp, arm):
+    callback = ModelCheckpoint(filename="{step}", every_n_epochs=0, every_n_train_steps=16, dirpath=tmp,
+                               save_top_k=-1, save_last=False)
+    trainer(arm, default_root_dir=tmp, max_epochs=2, callbacks=[callback], logger=False).fit(LogInTwoMethods())
+
+
+@SGD
+@pytest.mark.parametrize("arm", ["stage3_freed"])
+def test_ckpt_every_n_train_steps(dist_pool, tmp_path, arm):
+    run(dist_pool(2), _every_n_steps_body, str(tmp_path), arm)
+    assert _listdir(tmp_path) == {f"step={i}.ckpt" for i in range(16, 2 * 64 + 1, 16)}
