@@ -495,3 +495,180 @@ def _every_n_steps_body(tmp, arm):
 def test_ckpt_every_n_train_steps(dist_pool, tmp_path, arm):
     run(dist_pool(2), _every_n_steps_body, str(tmp_path), arm)
     assert _listdir(tmp_path) == {f"step={i}.ckpt" for i in range(16, 2 * 64 + 1, 16)}
+
+
+# --------------------------------------------------------------------------- saving on an exception
+
+
+def _raise_when(flag: bool) -> None:
+    if flag:
+        raise RuntimeError("Trouble!")
+
+
+def _sanity_check_body(tmp, arm):
+    class Troubled(Boring):
+        def on_validation_start(self):
+            _raise_when(self.trainer.sanity_checking)
+
+    callback = ModelCheckpoint(dirpath=tmp, filename="sanity_check", save_on_exception=True)
+    t = trainer(arm, default_root_dir=tmp, num_sanity_val_steps=4, limit_train_batches=2, callbacks=[callback],
+                max_epochs=2, logger=False)
+    with pytest.raises(RuntimeError, match="Trouble!"):
+        t.fit(Troubled())
+
+
+@pytest.mark.parametrize("arm", ["zeroq_stage_2"])
+def test_model_checkpoint_on_exception_run_condition_on_validation_start(dist_pool, tmp_path, arm):
+    run(dist_pool(2), _sanity_check_body, str(tmp_path), arm)
+    assert not os.path.exists(tmp_path / "exception-sanity_check.ckpt")
+
+
+def _fast_dev_run_body(tmp, arm):
+    class Troubled(Boring):
+        def on_train_batch_start(self, batch, batch_idx):
+            _raise_when(bool(self.trainer.fast_dev_run) and batch_idx == 1)
+
+    callback = ModelCheckpoint(dirpath=tmp, filename="fast_dev_run", save_on_exception=True)
+    t = trainer(arm, default_root_dir=tmp, fast_dev_run=2, limit_train_batches=2, callbacks=[callback], max_epochs=2,
+                logger=False)
+    with pytest.raises(RuntimeError, match="Trouble!"):
+        t.fit(Troubled())
+
+
+@pytest.mark.parametrize("arm", ["stage3_freed"])
+def test_model_checkpoint_on_exception_fast_dev_run_on_train_batch_start(dist_pool, tmp_path, arm):
+    run(dist_pool(2), _fast_dev_run_body, str(tmp_path), arm)
+    assert not os.path.exists(tmp_path / "exception-fast_dev_run.ckpt")
+
+
+def _already_saved_body(tmp, arm):
+    class Troubled(Boring):
+        def on_train_batch_start(self, batch, batch_idx):
+            _raise_when(self.trainer.global_step == 1)
+
+    callback = ModelCheckpoint(dirpath=tmp, filename="already_saved", save_on_exception=True, every_n_train_steps=1)
+    t = trainer(arm, default_root_dir=tmp, limit_train_batches=2, callbacks=[callback], max_epochs=2, logger=False)
+    with pytest.raises(RuntimeError, match="Trouble!"):
+        t.fit(Troubled())
+
+
+@SGD
+@pytest.mark.parametrize("arm", ["zeroq_stage_1"])
+def test_model_checkpoint_on_exception_run_condition_on_train_batch_start(dist_pool, tmp_path, arm):
+    run(dist_pool(2), _already_saved_body, str(tmp_path), arm)
+    assert not os.path.exists(tmp_path / "exception-already_saved.ckpt")
+    assert is_checkpoint(tmp_path / "already_saved.ckpt")
+
+
+# Where the original's troubled models and callbacks raise: the hook, and when (from its arguments).
+def _epoch1(owner, *args):
+    return _trainer_of(owner).current_epoch == 1
+
+
+def _batch1(owner, *args):
+    return _batch_idx(args) == 1
+
+
+def _val_batch1(owner, *args):
+    return not _trainer_of(owner).sanity_checking and _batch_idx(args) == 1
+
+
+def _val_epoch1(owner, *args):
+    return not _trainer_of(owner).sanity_checking and _trainer_of(owner).current_epoch == 1
+
+
+def _not_sanity(owner, *args):
+    return not _trainer_of(owner).sanity_checking
+
+
+def _always(owner, *args):
+    return True
+
+
+def _trainer_of(owner):
+    return owner if not hasattr(owner, "trainer") else owner.trainer
+
+
+def _batch_idx(args):
+    return args[-1]
+
+
+TROUBLED_MODEL_HOOKS = {
+    "training_step": _batch1, "validation_step": _val_batch1, "backward": _epoch1, "on_before_backward": _epoch1,
+    "on_after_backward": _epoch1, "on_before_zero_grad": _epoch1, "on_fit_end": _always, "on_train_end": _always,
+    "on_validation_start": _val_epoch1, "on_validation_end": _not_sanity, "on_train_batch_start": _batch1,
+    "on_train_batch_end": _batch1, "on_train_epoch_start": _epoch1, "on_train_epoch_end": _epoch1,
+    "on_validation_batch_start": _val_batch1, "on_validation_batch_end": _val_batch1,
+    "on_validation_epoch_start": _val_epoch1, "on_validation_epoch_end": _val_epoch1,
+    "on_validation_model_eval": _val_epoch1, "on_validation_model_train": _val_epoch1,
+    "on_before_optimizer_step": _epoch1, "configure_gradient_clipping": _epoch1, "optimizer_step": _epoch1,
+    "optimizer_zero_grad": _epoch1,
+}
+TROUBLED_CALLBACK_HOOKS = {
+    "on_fit_end": _always, "on_train_batch_start": _batch1, "on_train_batch_end": _batch1,
+    "on_train_epoch_start": _epoch1, "on_train_epoch_end": _epoch1, "on_validation_epoch_start": _val_epoch1,
+    "on_validation_epoch_end": _val_epoch1, "on_validation_batch_start": _val_batch1,
+    "on_validation_batch_end": _val_batch1, "on_train_end": _always, "on_validation_start": _not_sanity,
+    "on_validation_end": _not_sanity, "on_before_backward": _epoch1, "on_after_backward": _epoch1,
+    "on_before_optimizer_step": _epoch1, "on_before_zero_grad": _epoch1,
+}
+
+
+def _troubled_model(hook: str):
+    when = TROUBLED_MODEL_HOOKS[hook]
+
+    def troubled(self, *args, **kwargs):
+        if hook == "optimizer_step":  # the original steps, then raises
+            args[2].step(closure=args[3] if len(args) > 3 else kwargs.get("optimizer_closure"))
+            _raise_when(when(self, *args))
+            return None
+        _raise_when(when(self, *args))
+        if hook == "validation_step":
+            return None
+        # training_step: the original returns None on the other batch, which Lightning refuses on several
+        # processes (under DDP too); the loss is returned instead
+        return getattr(Boring, hook)(self, *args, **kwargs)
+
+    return type(f"Troubled_{hook}", (Boring,), {hook: troubled})
+
+
+def _troubled_callback(hook: str):
+    when = TROUBLED_CALLBACK_HOOKS[hook]
+
+    def troubled(self, trainer, pl_module, *args):
+        _raise_when(when(trainer, *args))
+
+    return type(f"Troubled_{hook}", (Callback,), {hook: troubled})()
+
+
+def _on_exception_body(tmp, arm, model_hook, callback_hook):
+    model = _troubled_model(model_hook)() if model_hook else Boring()
+    callback = ModelCheckpoint(dirpath=tmp, filename="exception", save_on_exception=True, every_n_epochs=7)
+    callbacks = [callback] + ([_troubled_callback(callback_hook)] if callback_hook else [])
+    t = trainer(arm, default_root_dir=tmp, callbacks=callbacks, limit_train_batches=2, max_epochs=4, logger=False)
+    with pytest.raises(RuntimeError, match="Trouble!"):
+        t.fit(model)
+
+
+def _check_exception_checkpoint(tmp_path):
+    path = tmp_path / "exception.ckpt"
+    assert is_checkpoint(path)
+    ckpt = read(path)
+    assert ckpt["state_dict"] is not None
+    assert ckpt["state_dict"] != {}
+
+
+@SGD
+@pytest.mark.parametrize("hook", list(TROUBLED_MODEL_HOOKS))
+def test_model_checkpoint_on_exception_parametrized(dist_pool, tmp_path, hook):
+    arm = STAGES[list(TROUBLED_MODEL_HOOKS).index(hook) % 3]
+    run(dist_pool(2), _on_exception_body, str(tmp_path), arm, hook, None)
+    _check_exception_checkpoint(tmp_path)
+
+
+@SGD
+@pytest.mark.parametrize("hook", list(TROUBLED_CALLBACK_HOOKS))
+def test_model_checkpoint_on_exception_in_other_callbacks(dist_pool, tmp_path, hook):
+    arm = STAGES[list(TROUBLED_CALLBACK_HOOKS).index(hook) % 3]
+    run(dist_pool(2), _on_exception_body, str(tmp_path), arm, None, hook)
+    _check_exception_checkpoint(tmp_path)
