@@ -143,9 +143,11 @@ SIGNATURES = [
 ]
 
 
-def known(defect: type[KnownDefect]):
-    """``xfail(strict=True)`` for exactly this defect: any other failure still fails the case."""
-    return pytest.mark.xfail(strict=True, raises=defect, reason=f"known defect: {defect.__doc__}")
+def known(*defects: type[KnownDefect]):
+    """``xfail(strict=True)`` for exactly these defects (a case may meet a second once the first is
+    fixed): any other failure still fails the case."""
+    return pytest.mark.xfail(strict=True, raises=defects,
+                             reason="known defect: " + "; then ".join(d.__doc__ for d in defects))
 
 
 def _guarded(module: str, qualname: str, args: tuple, kwargs: dict):
