@@ -45,6 +45,8 @@ def strategy(arm: str, **extra):
 def fabric_strategy(arm: str, **extra):
     from lightning_zeroq import ZeroQFabricStrategy
 
+    if not isinstance(arm, str):  # a strategy object already
+        return arm
     if arm == "stage3_freed":
         return ZeroQFabricStrategy(stage=3, **FREED, **extra)
     if extra:
@@ -150,6 +152,10 @@ def known(*defects: type[KnownDefect]):
                              reason="known defect: " + "; then ".join(d.__doc__ for d in defects))
 
 
+def _noop() -> None:
+    return None
+
+
 def _guarded(module: str, qualname: str, args: tuple, kwargs: dict):
     """On a worker: the body, with a known defect's failure answered instead of raised, so that the
     pool survives it (a raise kills and restarts the pool: seconds per case)."""
@@ -170,6 +176,8 @@ def _guarded(module: str, qualname: str, args: tuple, kwargs: dict):
 
 def run(pool, fn, *args, timeout: float | None = None, **kwargs):
     """``pool.run(fn, ...)``; a failure that shows a known defect is raised as that defect."""
+    if timeout is not None and not pool._procs:
+        pool.run(_noop)  # start the pool under its own timeout; the short one is for ``fn`` alone
     saved = pool.timeout
     if timeout is not None:
         pool.timeout = timeout
