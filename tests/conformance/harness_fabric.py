@@ -142,6 +142,8 @@ SIGNATURES = [
     (StatelessOptimizerGuard, "the optimizer holds no state after"),
     (LoadAfterFit, "invalid tensor size"),
     (LoadAfterFit, "assert self.store is not None"),
+    # the same in stage 3 with freed units, reported through the loader's agreement (no traceback there)
+    (LoadAfterFit, "rank 0: AssertionError (the state of this rank may be partly loaded"),
 ]
 
 
@@ -155,7 +157,7 @@ def known(*defects: type[KnownDefect]):
     fixed): any other failure still fails the case, and a case that passes fails as XPASS(strict)."""
     open_defects = tuple(d for d in defects if d not in FIXED)
     if not open_defects:
-        return pytest.mark.usefixtures()  # no-op mark
+        return pytest.mark.skipif(False, reason="")  # a no-op mark, valid in pytest.param too
     return pytest.mark.xfail(strict=True, raises=open_defects,
                              reason="known defect: " + "; then ".join(d.__doc__ for d in open_defects))
 
