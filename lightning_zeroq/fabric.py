@@ -28,7 +28,6 @@ One engine per strategy: set up one model (with any number of param groups in on
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Generator, Optional, Union
 
@@ -54,6 +53,7 @@ from lightning_zeroq.strategy_common import (
     build_engine,
     check_one_optimizer,
     config_from_options,
+    local_checkpoint_path,
     register_presets,
     stage3_meta_init,
 )
@@ -304,7 +304,7 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
         if storage_options is not None:
             raise TypeError(f"ZeroQFabricStrategy.save_checkpoint does not take storage_options (got "
                             f"{storage_options!r}); it writes a torch.distributed.checkpoint directory.")
-        path = Path(self.broadcast(str(path))).absolute()
+        path = local_checkpoint_path(self.broadcast(str(path)))
         fabric_checkpoint.save(self, path, state, filter, self.checkpointer)
 
     @override
@@ -317,7 +317,7 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
     ) -> dict[str, Any]:
         """Collective: validate on every rank, read this rank's part into the engine, fill ``state``'s
         other entries in place and return the rest of the checkpoint's entries."""
-        return fabric_checkpoint.load(self, Path(path).absolute(), state, strict, weights_only, self.checkpointer)
+        return fabric_checkpoint.load(self, local_checkpoint_path(path), state, strict, weights_only, self.checkpointer)
 
     @override
     def teardown(self) -> None:

@@ -46,6 +46,7 @@ from lightning_zeroq.strategy_common import (
     as_zeroq_precision,
     build_engine,
     config_from_options,
+    local_checkpoint_path,
     register_presets,
     stage3_meta_init,
 )
@@ -342,7 +343,7 @@ class ZeroQStrategy(DDPStrategy):
                 f"ZeroQStrategy.save_checkpoint does not take storage_options (got {storage_options!r}); "
                 "it writes a torch.distributed.checkpoint directory."
             )
-        path = Path(self.broadcast(str(filepath))).absolute()
+        path = local_checkpoint_path(self.broadcast(str(filepath)))
         checkpoint_glue.save(self, checkpoint, path, self.checkpointer)
 
     def wait_for_checkpoint(self) -> None:
@@ -354,7 +355,8 @@ class ZeroQStrategy(DDPStrategy):
         """Validates the checkpoint on every rank, then reads this rank's part (any world size, stage or
         layout; a directory from FSDP2; a single Lightning file, e.g. from ``strategy="ddp"``).
         ``weights_only=False`` is honored only for single files you trust; directories never need it."""
-        state, self._weights_loaded = checkpoint_glue.load(self, checkpoint_path, weights_only, self.checkpointer)
+        state, self._weights_loaded = checkpoint_glue.load(self, local_checkpoint_path(checkpoint_path), weights_only,
+                                                           self.checkpointer)
         return state
 
     @override

@@ -13,11 +13,14 @@ front door lives here, once, so the two cannot drift apart:
 - ``build_engine``: the engine for a module, with the precision's working dtype and loss scaling.
 - ``check_one_optimizer``: Fabric's strategy steps one optimizer (the Trainer's takes several).
 - ``stage3_meta_init``: the meta-device context in which stage 3 builds a model.
+- ``local_checkpoint_path``: a checkpoint path, refusing a remote file system's URL.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
+from pathlib import Path
 from typing import Any, Optional, TypeVar
 
 import torch
@@ -28,6 +31,16 @@ from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.precision import ZeroQPrecision
 from lightning_zeroq.zero.engine import ZeroEngine
 from lightning_zeroq.zero.materialize import parameters_on_meta
+
+def local_checkpoint_path(path: Any) -> Path:
+    """``path`` as an absolute local path. A URL of a remote (fsspec) file system is refused: every rank
+    writes its own files with local I/O, so ``memory://x`` would become a local directory ``memory:``."""
+    text = str(path)
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", text) and not text.startswith("file://"):
+        raise ValueError(f"ZeroQ checkpoints are local directories written by every rank; {text!r} names a remote "
+                         "file system. Save to a local or mounted path and copy the directory afterwards.")
+    return Path(text.removeprefix("file://")).absolute()
+
 
 PRESETS: dict[str, dict[str, Any]] = {
     "zeroq": {},

@@ -6,7 +6,7 @@ tuples, dicts with non-string keys, tensors (dtype, shape and the raw little-end
 base64, so bit for bit), dtypes, ``torch.Size`` and paths are tagged objects ``{"__zeroq__": kind,
 ...}``. Dict subclasses and a few containers are rebuilt from an allow-list of types registered by
 name (``register_type``; the Lightning glue adds ``AttributeDict``, ``Namespace`` and OmegaConf's
-containers). Anything else is refused when saving, with the path of the value in the checkpoint
+containers); such a registered class may itself be a value (Lightning's ``hparams_type``). Anything else is refused when saving, with the path of the value in the checkpoint
 and its type, before any file is written.
 """
 
@@ -64,6 +64,8 @@ def encode(value: Any, path: str = "checkpoint") -> Any:
     for name, (cls, to_plain, _) in _TYPES.items():
         if type(value) is cls:
             return {TAG: "type", "name": name, "value": encode(to_plain(value), path)}
+        if value is cls:  # the class itself (Lightning saves ``hparams_type`` for OmegaConf hyperparameters)
+            return {TAG: "class", "name": name}
     if isinstance(value, tuple):
         return {TAG: "tuple", "items": [encode(v, f"{path}[{i}]") for i, v in enumerate(value)]}
     if isinstance(value, list):
@@ -109,6 +111,8 @@ def decode(data: Any) -> Any:
         return {_hashable(decode(k)): decode(v) for k, v in data["items"]}
     if kind == "type" and data["name"] in _TYPES:
         return _TYPES[data["name"]][2](decode(data["value"]))
+    if kind == "class" and data["name"] in _TYPES:
+        return _TYPES[data["name"]][0]
     raise ValueError(f"unknown tagged value {kind!r} (name {data.get('name')!r}) in a checkpoint's trainer state")
 
 
