@@ -93,9 +93,9 @@ def record_sigterm_without_collectives(trainer: Any) -> None:
     at the same step with ``SIGTERMException`` and cleans up on its way out."""
     if threading.current_thread() is not threading.main_thread():
         return
-    handler = signal.getsignal(signal.SIGTERM)
+    handler: Any = signal.getsignal(signal.SIGTERM)  # Lightning's _HandlersCompose, when it installed one
     handlers = getattr(handler, "signal_handlers", None)
-    connector = getattr(trainer, "_signal_connector", None)
+    connector: Any = getattr(trainer, "_signal_connector", None)
     notifier = getattr(connector, "_sigterm_notifier_fn", None)
     if not isinstance(handlers, list) or notifier is None or notifier not in handlers:
         return

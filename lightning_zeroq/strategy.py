@@ -213,6 +213,7 @@ class ZeroQStrategy(DDPStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        assert self.lightning_module is not None  # training has started
         record_sigterm_without_collectives(self.lightning_module.trainer)
 
     @override

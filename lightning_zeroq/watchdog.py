@@ -172,7 +172,7 @@ class Watchdog:
         return self._saw_closing
 
     def _beat(self) -> None:
-        waiting, at = where(sys._current_frames().get(self._main))
+        waiting, at = where(sys._current_frames().get(self._main) if self._main is not None else None)
         beat = {"t": time.time(), "pid": os.getpid(), "host": socket.gethostname(), "waiting": waiting, "at": at}
         self.store.set(f"{PREFIX}beat/{self.rank}", json.dumps(beat))
 
@@ -199,7 +199,7 @@ class Watchdog:
         beats = self._beats()
         silent = {r: b for r, b in beats.items() if b is None or now - b["t"] > 4 * self.interval_s + 1
                   or (b["host"] == socket.gethostname() and not _alive(b["pid"]))}
-        outside = {r: b for r, b in beats.items() if r not in silent and not b["waiting"]}
+        outside = {r: b for r, b in beats.items() if b is not None and r not in silent and not b["waiting"]}
         parts = []
         for r, b in sorted(silent.items()):
             if b is not None and b["host"] == socket.gethostname() and not _alive(b["pid"]):
