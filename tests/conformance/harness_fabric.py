@@ -147,7 +147,7 @@ SIGNATURES = [
 ]
 
 
-FIXED: set = set()
+FIXED: set = {StatelessOptimizerGuard, LoadAfterFit, OneRankReadWithGroup}
 """Known defects fixed since: add the class here and every case marked with it runs as a plain case
 (or keeps the mark of its other defects)."""
 

@@ -22,9 +22,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from tests.conformance import harness as h
-from tests.conformance.harness import SPECS, known_defect, on_ranks
+from tests.conformance.harness import SPECS, on_ranks
 
-SGD_SAVE = "a stateless optimizer (plain SGD) cannot be checkpointed"
 NO_DDP_WRAPPER = "checks the DistributedDataParallel wrapper; zeroq never wraps the module in it (the engine hooks it)"
 SPAWN = "exercises the ddp_spawn launcher; zeroq's ranks come from a launch (popen, torchrun, this pool)"
 
@@ -228,7 +227,6 @@ def _dataloaders_to_fit(spec: str, root: str) -> None:
     trainer.fit(model, train_dataloaders=model.train_dataloader(), val_dataloaders=model.val_dataloader())
 
 
-@known_defect(SGD_SAVE)
 @pytest.mark.parametrize("spec", SPECS)
 def test_ddp_all_dataloaders_passed_to_fit(dist_pool, tmp_path, spec):
     on_ranks(dist_pool, _dataloaders_to_fit, spec, str(tmp_path))

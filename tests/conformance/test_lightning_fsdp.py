@@ -22,10 +22,8 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from torch import nn
 
 from tests.conformance import harness as h
-from tests.conformance.harness import SPECS, known_defect, on_ranks
+from tests.conformance.harness import SPECS, on_ranks
 
-LOAD_AFTER_FIT = "loading a checkpoint into a strategy after its fit has finished fails (allgather size)"
-ONE_RANK_CONSOLIDATE = "consolidate() on rank 0 while a multi-rank process group is up starts a collective"
 BF16_TRUE_INIT = "bf16-true with init_module: a first step with non-finite gradients"
 FSDP_CONFIG = "an FSDP configuration object with no zeroq counterpart"
 
@@ -110,13 +108,11 @@ def _stages(spec: str, root: str, precision: str, sync_batchnorm: bool, callback
     _run_multiple_stages(trainer, ShardedBoringModel(), None if callback else os.path.join(root, "last.ckpt"))
 
 
-@known_defect(LOAD_AFTER_FIT)
 @pytest.mark.parametrize("spec", SPECS)
 def test_strategy_sync_batchnorm(dist_pool, tmp_path, spec):
     on_ranks(dist_pool, _stages, spec, str(tmp_path), "32-true", True, False)
 
 
-@known_defect(LOAD_AFTER_FIT)
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 @pytest.mark.parametrize("spec", SPECS)
 def test_strategy_checkpoint(dist_pool, tmp_path, spec, precision):
@@ -124,7 +120,6 @@ def test_strategy_checkpoint(dist_pool, tmp_path, spec, precision):
     on_ranks(dist_pool, _stages, spec, str(tmp_path), precision, False, False)
 
 
-@known_defect(LOAD_AFTER_FIT)
 @pytest.mark.parametrize("spec", SPECS)
 def test_checkpoint_multi_gpus(dist_pool, tmp_path, spec):
     on_ranks(dist_pool, _stages, spec, str(tmp_path), "32-true", False, True)
@@ -151,7 +146,6 @@ def _metric_device(spec: str, root: str) -> None:
     h.trainer(spec, root, max_steps=1).fit(MetricsModel())
 
 
-@known_defect("a stateless optimizer (plain SGD) cannot be checkpointed")
 @pytest.mark.parametrize("spec", SPECS)
 def test_modules_without_parameters(dist_pool, tmp_path, spec):
     on_ranks(dist_pool, _metric_device, spec, str(tmp_path))
@@ -363,9 +357,6 @@ def _consolidate_and_load(spec: str, root: str) -> None:
     h.trainer("ddp", root, max_steps=4).fit(CustomModel(), ckpt_path=full)
 
 
-# Not run while the defect stands: rank 0 waits in the stray collective for the process group's whole timeout
-# (60 s a case); remove run=False with the mark when the fix lands.
-@pytest.mark.xfail(strict=True, run=False, reason=f"known defect: {ONE_RANK_CONSOLIDATE} (not run: it hangs)")
 @pytest.mark.parametrize("spec", SPECS)
 def test_save_sharded_and_consolidate_and_load(dist_pool, tmp_path, spec):
     on_ranks(dist_pool, _consolidate_and_load, spec, str(tmp_path))

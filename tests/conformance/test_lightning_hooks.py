@@ -22,9 +22,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from tests.conformance import harness as h
-from tests.conformance.harness import SPECS, known_defect, on_ranks
+from tests.conformance.harness import SPECS, on_ranks
 
-SGD_SAVE = "a stateless optimizer (plain SGD) cannot be checkpointed"
 test_deselected = h.deselected({})  # every case of the file is ported
 
 
@@ -206,7 +205,6 @@ def _zero_grad_count(spec: str, root: str, max_steps: int) -> None:
     assert model.on_before_zero_grad_called == 0
 
 
-@known_defect(SGD_SAVE)
 @pytest.mark.parametrize("max_steps", [1, 2, 3])
 @pytest.mark.parametrize("spec", SPECS)
 def test_on_before_zero_grad_called(dist_pool, tmp_path, spec, max_steps):
@@ -238,7 +236,6 @@ def _epoch_end_metrics(spec: str, root: str) -> None:
         assert metrics[f"epoch_metric_{i}"] == i
 
 
-@known_defect(SGD_SAVE)
 @pytest.mark.parametrize("spec", SPECS)
 def test_on_train_epoch_end_metrics_collection(dist_pool, tmp_path, spec):
     on_ranks(dist_pool, _epoch_end_metrics, spec, str(tmp_path))
@@ -320,7 +317,6 @@ def _transfer_batch_ddp(spec: str, root: str) -> None:
     trainer.fit(model)
 
 
-@known_defect(SGD_SAVE)
 @pytest.mark.parametrize("spec", SPECS)
 def test_transfer_batch_hook_ddp(dist_pool, tmp_path, spec):
     on_ranks(dist_pool, _transfer_batch_ddp, spec, str(tmp_path))
@@ -406,7 +402,6 @@ def _hook_system_fit(spec: str, root: str, automatic: bool, override_val_train: 
     assert called == expected
 
 
-@known_defect(SGD_SAVE)
 @pytest.mark.parametrize("automatic", [True, False])
 @pytest.mark.parametrize("override_val_train", [True, False])
 @pytest.mark.parametrize("spec", SPECS)
@@ -477,13 +472,11 @@ def _hook_system_resume(spec: str, root: str, by: str) -> None:
     assert called == expected
 
 
-@known_defect(SGD_SAVE)
 @pytest.mark.parametrize("spec", SPECS)
 def test_trainer_model_hook_system_fit_no_val_and_resume_max_epochs(dist_pool, tmp_path, spec):
     on_ranks(dist_pool, _hook_system_resume, spec, str(tmp_path), "epochs")
 
 
-@known_defect(SGD_SAVE)
 @pytest.mark.parametrize("spec", SPECS)
 def test_trainer_model_hook_system_fit_no_val_and_resume_max_steps(dist_pool, tmp_path, spec):
     on_ranks(dist_pool, _hook_system_resume, spec, str(tmp_path), "steps")
@@ -634,7 +627,6 @@ def _datamodule_hooks(spec: str, root: str) -> None:
         assert called == expected, verb
 
 
-@known_defect(SGD_SAVE)
 @pytest.mark.parametrize("spec", SPECS)
 def test_trainer_datamodule_hook_system(dist_pool, tmp_path, spec):
     on_ranks(dist_pool, _datamodule_hooks, spec, str(tmp_path))

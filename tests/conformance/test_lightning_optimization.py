@@ -26,9 +26,8 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import optim
 
 from tests.conformance import harness as h
-from tests.conformance.harness import SPECS, known_defect, on_ranks
+from tests.conformance.harness import SPECS, on_ranks
 
-SGD_SAVE = "a stateless optimizer (plain SGD) cannot be checkpointed"
 READS_WEIGHTS = [s for s in SPECS if s != h.STAGE3_FREED]  # cases that read parameters in hooks
 SHARED = "two optimizers over the same parameters: zeroq shards one optimizer state per parameter and refuses it"
 NO_OPTIMIZER = ("new defect: configure_optimizers returning None (Lightning's fit without an optimizer) is refused "
@@ -194,7 +193,6 @@ def _manual_return_tensor(spec: str, root: str) -> None:
     trainer.fit(ManualOptimizationExtendedModel())
 
 
-@known_defect(SGD_SAVE)
 @pytest.mark.parametrize("spec", READS_WEIGHTS)
 def test_manual_optimization_and_return_tensor(dist_pool, tmp_path, spec):
     on_ranks(dist_pool, _manual_return_tensor, spec, str(tmp_path))
@@ -247,7 +245,6 @@ def _closure(spec: str, root: str) -> dict:
     assert trainer.progress_bar_metrics["train_loss_epoch"] == torch.stack(model._losses).mean()
 
 
-@known_defect(SGD_SAVE)
 @pytest.mark.parametrize("spec", READS_WEIGHTS)
 def test_step_with_optimizer_closure(dist_pool, tmp_path, spec):
     on_ranks(dist_pool, _closure, spec, str(tmp_path))
@@ -281,7 +278,6 @@ def _closure_2(spec: str, root: str) -> None:
     assert trainer.global_step == limit_train_batches
 
 
-@known_defect(SGD_SAVE)
 @pytest.mark.parametrize("spec", READS_WEIGHTS)
 def test_step_with_optimizer_closure_2(dist_pool, tmp_path, spec):
     on_ranks(dist_pool, _closure_2, spec, str(tmp_path))
@@ -380,7 +376,6 @@ def _with_scheduling(spec: str, root: str) -> None:
     assert init_lr * 0.1 == adjusted_lr[0]
 
 
-@known_defect(SGD_SAVE)
 @pytest.mark.parametrize("spec", SPECS)
 def test_optimizer_with_scheduling(dist_pool, tmp_path, spec):
     on_ranks(dist_pool, _with_scheduling, spec, str(tmp_path))
@@ -588,7 +583,6 @@ def _epoch_step_frequency(spec: str, root: str, check_val_every_n_epoch: int) ->
     return mocked_sched.call_count
 
 
-@known_defect(SGD_SAVE)
 @pytest.mark.parametrize("check_val_every_n_epoch", [1, 2])
 @pytest.mark.parametrize("spec", SPECS)
 def test_lr_scheduler_epoch_step_frequency(dist_pool, tmp_path, spec, check_val_every_n_epoch):
@@ -624,7 +618,6 @@ def _scheduler_state_before_saving(spec: str, root: str, every_n_train_steps, ep
     assert model.on_save_checkpoint_called
 
 
-@known_defect(SGD_SAVE)
 @pytest.mark.parametrize(("every_n_train_steps", "epoch_interval"), [(None, True), (2, False), (2, True)])
 @pytest.mark.parametrize("spec", SPECS)
 def test_lr_scheduler_state_updated_before_saving(dist_pool, tmp_path, spec, every_n_train_steps, epoch_interval):
