@@ -9,7 +9,7 @@ first so the optimizer has its state; every arm saves fp32 parameters and both A
   then ``load_engine`` into a fresh engine (resharding machinery included). Device tensors go to
   the host through the checkpointer's pinned staging ring (``--staging-mib``, the default 512).
 - ``zeroq_pageable``: the same with the ring off (``staging_bytes=0``): a pageable
-  ``tensor.to("cpu")`` per item, as before issue #12.
+  ``tensor.to("cpu")`` per item.
 - ``zeroq_async``: the same through ``torch.distributed.checkpoint.async_save``: ``blocked_s`` is
   what the training loop waits for (staging to pinned host memory), ``total_s`` until the checkpoint
   is in place. The first async save allocates the pinned buffers; the figures are from the last.

@@ -1,4 +1,4 @@
-"""Where every GiB of an arm's peak goes (issue 13): the CUDA caching allocator's own trace, replayed.
+"""Where every GiB of an arm's peak goes: the CUDA caching allocator's own trace, replayed.
 
 Per arm of ``--arms`` (``step_time.py``'s, built by its ``build_arm``): record the allocator's history with
 Python stacks from before the model is built, run ``--warmup`` + ``--steps`` steps (the last: the measured
@@ -19,7 +19,7 @@ the peak, to stay under ``--snapshot-mib`` (gunzip it for https://pytorch.org/me
     torchrun --nproc-per-node 2 benchmarks/memory_account.py --arms zeroq2,zeroq3,fsdp2,ds2 --out /tmp/mem
     torchrun --nproc-per-node 1 benchmarks/memory_account.py --arms zeroq2,zeroq3 --out /tmp/mem  # one GPU
 
-``bash benchmarks/gpu_session.sh memory`` runs zeroq2, zeroq3, fsdp2 (and ds2, ds3 with DeepSpeed) at world
+``python benchmarks/suite.py memory`` runs zeroq2, zeroq3, fsdp2 (and ds2, ds3 with DeepSpeed) at world
 size 2. The trace holds requested bytes; the allocator counts blocks (512-byte multiples; a large block
 keeps up to 1 MiB not worth splitting off), so its peak is a little higher. What the autograd engine's
 device thread allocates has no Python frame (``--stacks all`` adds C++ frames, naming ``AccumulateGrad``).

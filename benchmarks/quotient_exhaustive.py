@@ -1,8 +1,8 @@
-"""Exhaustive CPU check of the branch-free quotient of the 16-bit quantize kernels (issue 13).
+"""Exhaustive CPU check of the branch-free quotient of the 16-bit quantize kernels.
 
-The kernel variants (.kv_b, .kv_c) compute, per element x of a group with divisor d (the group's
-scale, 1 for an all-zero group) and r = RN(1/d) (``__frcp_rn``), in float32 with one rounding per
-operation:
+The kernels (``csrc/quant_int8.cu``, ``encode_remainder``) compute, per element x of a group with
+divisor d (the group's scale, 1 for an all-zero group) and r = RN(1/d) (``__frcp_rn``), in float32
+with one rounding per operation:
 
     q0   = RN(x * r)                 __fmul_rn
     rem  = RN(x - q0 * d)            __fmaf_rn(-q0, d, x)
@@ -30,8 +30,8 @@ checks that where d >= 2^-100 the kernel's code equals the reference's ``clamp(r
 x so small against d that q0 * d underflows; both codes are 0 there). Negative x mirror: every step
 above is an odd function of x under round-to-nearest-even (a zero remainder's sign does not reach
 q), and so is the reference. It also counts where Markstein's hypotheses fail, where the plain
-product x * r would give another code (what the old kernel branches for), and what the branch-free
-form would give below the threshold (not used there). Also checked: the kernel variant .kv_c's
+product x * r would give another code (where a kernel without the remainder step needs a branch), and
+what the branch-free form would give below the threshold (not used there). Also checked: the kernels'
 scale, RN(A * RN(1/127)) corrected by one remainder step, equals RN(A / 127) for every finite A of
 both formats.
 
@@ -273,7 +273,7 @@ def blocks(dtype: str, target: int = 1 << 22):
 
 
 def check_scales(dtype: str) -> int:
-    """Mismatches of .kv_c's scale (one remainder step) against RN(A / 127), over every finite A > 0."""
+    """Mismatches of the kernels' scale (one remainder step) against RN(A / 127), over every finite A > 0."""
     A = to_f32(np.arange(1, TOP[dtype] + 1), dtype)
     c = F32(1) / F32(127)
     q0 = A * c

@@ -12,6 +12,7 @@ over from earlier arms are reported (``leftover_GiB``, expected 0)::
 
     torchrun --nproc-per-node 2 benchmarks/step_time.py --arms ddp,zeroq2,zeroq2+int8
     torchrun --nproc-per-node 2 benchmarks/step_time.py --arms zeroq3,zeroq3+offload_params
+    torchrun --nproc-per-node 2 benchmarks/step_time.py --arms ddp,zeroq2,zeroq2+group1,zeroq2+group1+crossq,zeroq3,zeroq3+group1
 
 An arm is ``ddp``, a peer (``fsdp2`` with ``+keep``/``+offload_optimizer``; DeepSpeed ``ds2`` with
 ``+offload_optimizer``, ``ds3`` with ``+int8``/``+offload_optimizer``/``+offload_params``; see
@@ -19,11 +20,14 @@ An arm is ``ddp``, a peer (``fsdp2`` with ``+keep``/``+offload_optimizer``; Deep
 masters and AdamW state on the CPU) or ``+offload_params`` (stage 3: also the parameters), ``+qgrad``
 (INT8 gradient reduction), ``+keep`` (stage 3, ``reshard_after_forward=False``) and ``+prefetch2``
 (stage 3, two units prefetched), ``+ratio25/50/75`` (with ``+offload_optimizer``: partial offload,
-``offload_optimizer_ratio``). ``+clip`` (every arm): clip the gradients' global norm to ``CLIP`` before
+``offload_optimizer_ratio``), ``+auto`` (with ``+offload_optimizer``: ``offload_optimizer_ratio="auto"`` under
+``--budget``, ``offload_memory_budget``), ``+group1/2/4`` (hybrid sharding, ``shard_group_size``: shard inside
+groups of 1, 2 or 4 ranks, all-reduce across them) and ``+crossq`` (with a group option: INT8 gradients
+across groups only, ``quantize_cross_group_only``). ``+clip`` (every arm): clip the gradients' global norm to ``CLIP`` before
 every step, each the way its users do (``clip_grad_norm_``, DeepSpeed's ``gradient_clipping``).
 ``activations_GiB`` is what autograd saved for backward in one step (unique storages, parameters
 excluded), measured on the first warm-up step. Rank 0 prints one JSON line per arm;
-``benchmarks/run_step_time.sh`` runs the arms over the three links.
+``python benchmarks/suite.py links`` runs them over the three links.
 """
 
 from __future__ import annotations
@@ -109,11 +113,18 @@ def memory_bound(engine) -> dict:
 
 ARM_STAGES = {"ddp": 0, "zeroq1": 1, "zeroq2": 2, "zeroq3": 3}
 ARM_OPTIONS = ("int8", "offload_optimizer", "offload_params", "qgrad", "keep", "prefetch2", "ratio25", "ratio50", "ratio75",
-               "clip")
+               "auto", "clip", "compile", "compile_whole", "group1", "group2", "group4", "crossq")
+SHARD_GROUPS = {"group1": 1, "group2": 2, "group4": 4}  # hybrid sharding: shard_group_size
+# +compile (ddp, fsdp2, zeroq): block.compile() on every block (torchtitan's recipe; FSDP2's and stage 3's
+# module hooks run outside the graphs); +compile_whole: torch.compile of the whole model (ddp: of the DDP
+# module). "compile_s" is the warm-up steps' time beyond as many steady steps: compilation (dynamo,
+# AOTAutograd, inductor, Triton) and any recompilation. TORCHINDUCTOR_FX_GRAPH_CACHE=0 and
+# TORCHINDUCTOR_AUTOGRAD_CACHE=0 keep one arm from reusing another's graphs (Triton's kernel cache stays).
+COMPILE = {"compile", "compile_whole"}
 CLIP = 1.0  # +clip: gradient-norm clipping at this norm before every step (Lightning's gradient_clip_val)
 RATIOS = {"ratio25": 0.25, "ratio50": 0.5, "ratio75": 0.75}  # partial optimizer offload (with +offload_optimizer)
 PEERS = {  # the peers, beside zeroq in one launch: base -> the options it takes
-    "fsdp2": {"keep", "offload_optimizer", "clip"},
+    "fsdp2": {"keep", "offload_optimizer", "clip", *COMPILE},
     "ds2": {"offload_optimizer", "clip"},
     "ds3": {"int8", "offload_optimizer", "offload_params", "clip"},
 }
@@ -122,9 +133,9 @@ PEERS = {  # the peers, beside zeroq in one launch: base -> the options it takes
 def parse_arm(arm: str) -> tuple[str, set[str]]:
     """``"zeroq3+int8"`` -> ``("zeroq3", {"int8"})``; raises ``SystemExit`` naming a bad arm."""
     base, *options = arm.split("+")
-    allowed = PEERS.get(base, {"clip"} if base == "ddp" else set(ARM_OPTIONS) if base in ARM_STAGES else set())
-    if (base not in ARM_STAGES and base not in PEERS) or any(o not in allowed for o in options):
-        raise SystemExit(f"unknown arm {arm!r}: use ddp (+clip), zeroq1/2/3 with optional +{'/+'.join(ARM_OPTIONS)}, or a peer: "
+    allowed = PEERS.get(base, {"clip", *COMPILE} if base == "ddp" else set(ARM_OPTIONS) if base in ARM_STAGES else set())
+    if (base not in ARM_STAGES and base not in PEERS) or any(o not in allowed for o in options) or COMPILE <= set(options):
+        raise SystemExit(f"unknown arm {arm!r}: use ddp (+clip, +compile or +compile_whole), zeroq1/2/3 with optional +{'/+'.join(ARM_OPTIONS)}, or a peer: "
                          + ", ".join(f"{b} (+{'/+'.join(sorted(o))})" for b, o in PEERS.items()))
     return base, set(options)
 
@@ -263,9 +274,14 @@ def build_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> Arm:
     torch.manual_seed(0)
     model = GPT(args.vocab, args.dim, args.layers, args.heads, args.ffn).to(dev)
     num_params = sum(p.numel() for p in model.parameters())
+    if "compile" in options:
+        for block in model.blocks:
+            block.compile()
     engine = None
     if base == "fsdp2":
         forward, finish, opt = fsdp2_arm(model, options, dev)
+        if "compile_whole" in options:
+            forward = torch.compile(forward)
     elif base in ("ds2", "ds3"):
         forward, finish = deepspeed_arm(model, int(base[2]), options, args)
         opt = forward.optimizer
@@ -273,6 +289,8 @@ def build_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> Arm:
         ddp = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if ON_GPU else None)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         forward, finish = ddp, torch_finish(model, opt, options)
+        if "compile_whole" in options:
+            forward = torch.compile(ddp)
     else:
         from lightning_zeroq import ZeroConfig, ZeroEngine
 
@@ -286,13 +304,20 @@ def build_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> Arm:
             extra["stage3_prefetch_depth"] = 2
         for option in options & RATIOS.keys():
             extra["offload_optimizer_ratio"] = RATIOS[option]
+        for option in options & SHARD_GROUPS.keys():
+            extra["shard_group_size"] = SHARD_GROUPS[option]
+        if "crossq" in options:
+            extra.update(quantized_gradients=True, quantize_cross_group_only=True)
+        if "auto" in options:
+            extra["offload_optimizer_ratio"] = "auto"
+            extra["offload_memory_budget"] = args.budget
         config = ZeroConfig(stage=stage, reduce_bucket_size=int(args.bucket) if stage < 3 else ZeroConfig().reduce_bucket_size,
                             quantized_weights="int8" in options, offload_optimizer=offload,
                             offload_parameters="offload_params" in options, **extra)
         engine = ZeroEngine(model, config, param_dtype=torch.bfloat16)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         engine.attach_optimizer(opt)
-        forward = model
+        forward = torch.compile(model) if "compile_whole" in options else model
 
         def finish(loss: torch.Tensor) -> None:
             engine.backward(loss, boundary=True)
@@ -306,16 +331,25 @@ def build_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> Arm:
 def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
     rank = dist.get_rank()
     leftover = allocated_gib()
+    # Every arm compiles afresh: dynamo's code cache is per code object (Module._call_impl, Block.forward),
+    # so an arm would otherwise reuse an earlier arm's graphs and recompilations (and, past dynamo's
+    # recompile limit, run eagerly without a word).
+    torch._dynamo.reset()
     built = build_arm(arm, args, dev)
     model, forward, finish, engine, num_params = built.model, built.forward, built.finish, built.engine, built.num_params
     del built
     g = torch.Generator(device=dev).manual_seed(rank)
     saved = SavedBytes(model)
-    times = []
+    times, warmup_times = [], []
     sync()
     if ON_GPU:
         torch.cuda.reset_peak_memory_stats()
     for i in range(args.warmup + args.steps):
+        if args.memory_peak and ON_GPU and i == 1:
+            torch.cuda.memory._record_memory_history(max_entries=500_000)
+        if args.memory_peak and ON_GPU and i == 2:
+            print_memory_peak(arm, torch.cuda.memory._snapshot())
+            torch.cuda.memory._record_memory_history(enabled=None)
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=dev, generator=g)
         sync()
         t0 = time.perf_counter()
@@ -327,12 +361,13 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
                 loss = forward(tokens)
         finish(loss)
         sync()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
+        (times if i >= args.warmup else warmup_times).append(time.perf_counter() - t0)
     peak = allocated_gib(peak=True)
+    compile_s = max(0.0, sum(warmup_times) - len(warmup_times) * statistics.median(times))
     if args.profile:
         profile_steps(arm, args, dev, forward, finish, g)
-    stats = torch.tensor([statistics.median(times), peak, loss.item(), saved.gib, leftover, host_rss_gib()], device=dev)
+    stats = torch.tensor([statistics.median(times), peak, loss.item(), saved.gib, leftover, host_rss_gib(), compile_s],
+                         device=dev)
     gathered = [torch.empty_like(stats) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, stats)
     result = {
@@ -343,6 +378,7 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
         "activations_GiB": round(float(gathered[0][3]), 2),
         "leftover_GiB": round(max(float(s[4]) for s in gathered), 3),
         "host_rss_GiB_per_rank": [round(float(s[5]), 2) for s in gathered],
+        "compile_s": round(max(float(s[6]) for s in gathered), 1),
         "world_size": dist.get_world_size(), "torch": torch.__version__,
     }
     if engine is not None:
@@ -355,6 +391,29 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
     if ON_GPU:
         torch.cuda.empty_cache()
     return result
+
+
+def print_memory_peak(arm: str, snapshot: dict) -> None:
+    """``--memory-peak``: the device allocations live at the highest point of one recorded step (those
+    made before the step, e.g. the model's own, are not in the record), summed by where they were made."""
+    live, total, best, at_best = {}, 0, -1, {}
+    for event in snapshot["device_traces"][0]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            total += event["size"]
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            total -= live.pop(event["addr"])["size"]
+        if total > best:
+            best, at_best = total, dict(live)
+    by_site: dict = {}
+    for event in at_best.values():
+        frames = [f for f in event.get("frames", []) if f["filename"].endswith(".py")
+                  and "/torch/" not in f["filename"]][:2]
+        site = " < ".join(f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in frames) or "?"
+        by_site[site] = by_site.get(site, 0) + event["size"]
+    print(f"[memory peak {arm}] {best / 2**30:.3f} GiB allocated in the step above what was live before it", file=sys.stderr)
+    for site, size in sorted(by_site.items(), key=lambda kv: -kv[1])[:14]:
+        print(f"  {size / 2**30:7.3f} GiB  {site[:160]}", file=sys.stderr)
 
 
 def profile_steps(arm, args, dev, forward, finish, g) -> None:
@@ -389,7 +448,7 @@ def profile_steps(arm, args, dev, forward, finish, g) -> None:
             continue
         device = e.device_type.name == "CUDA"
         kind = ("memcpy " + e.name.split()[-1] if "Memcpy" in e.name or "memcpy" in e.name.lower() else
-                "nccl" if "nccl" in e.name.lower() else None) if device else (e.name if e.name.startswith(("zeroq.", "bench.")) else None)
+                "nccl" if "nccl" in e.name.lower() else None) if device else (e.name if e.name.startswith(("zeroq.", "bench.", "FSDP::", "Optimizer.step")) else None)
         if kind is None:
             continue
         totals[kind] = totals.get(kind, 0.0) + (t - s) / 1e3
@@ -420,6 +479,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--arms", default="ddp,zeroq2", help="comma-separated, run in this order")
     add_model_arguments(parser, steps=10, warmup=3)
+    parser.add_argument("--memory-peak", action="store_true", help="print what is live at one step's peak (print_memory_peak)")
+    parser.add_argument("--budget", default=None, help="offload_memory_budget of the +auto arms (GiB, or e.g. '50%%')")
     parser.add_argument("--profile", default="", help="a folder: profile two more steps of each arm (profile_steps)")
     args = parser.parse_args()
     arms = args.arms.split(",")

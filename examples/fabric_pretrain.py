@@ -138,6 +138,7 @@ def fit(fabric: L.Fabric, state: dict, batches, args: argparse.Namespace, optim:
     max_iters = args.max_steps * args.accumulate
     tokens_per_iter = args.micro_batch_size * args.seq_len * fabric.world_size
     running_loss = torch.zeros((), device=fabric.device)
+    first_iter, first_step = state["iter_num"], state["step_count"]  # after --resume: counted before this run
     fabric.barrier()
     total_t0 = iter_t0 = time.perf_counter()
     while state["iter_num"] < max_iters:
@@ -173,8 +174,9 @@ def fit(fabric: L.Fabric, state: dict, batches, args: argparse.Namespace, optim:
             save_checkpoint(fabric, state, args.out_dir / f"step-{state['step_count']:06d}")
 
     elapsed = time.perf_counter() - total_t0
-    fabric.print(f"Trained {state['step_count']} steps ({state['iter_num']} micro-batches) in {elapsed:.2f} s,"
-                 f" {state['iter_num'] * tokens_per_iter / elapsed:,.0f} tokens/s")
+    iters = state["iter_num"] - first_iter  # tokens/s over the micro-batches this run did, not the resumed ones
+    fabric.print(f"Trained {state['step_count']} steps ({state['step_count'] - first_step} in this run, {iters} "
+                 f"micro-batches) in {elapsed:.2f} s, {iters * tokens_per_iter / elapsed:,.0f} tokens/s")
 
 
 def parse_args() -> argparse.Namespace:

@@ -65,7 +65,7 @@ from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_zeroq.config import ZeroConfig
+from lightning_zeroq.config import ZeroConfig, check_shard_group_size, check_swap_directory
 from lightning_zeroq.data import DataConfig, TextDataModule, check_one_batch_per_rank
 from lightning_zeroq.gpt import GPT, GPTConfig, OptimConfig
 from lightning_zeroq.precision import PARAM_DTYPES
@@ -122,6 +122,7 @@ class TrainerConfig:
         for name, minimum in (("num_nodes", 1), ("max_steps", 1), ("accumulate_grad_batches", 1),
                               ("log_every_n_steps", 1)):
             check_int("TrainerConfig", name, getattr(self, name), minimum)
+        check_devices(self.devices)
         if self.precision not in PARAM_DTYPES:
             raise ValueError(
                 f"TrainerConfig.precision={self.precision!r} is not a precision ZeroQStrategy owns; "
@@ -273,6 +274,27 @@ def _build(cls: type, values: dict[str, Any]) -> Any:
     return cls(**values)
 
 
+def check_devices(devices: Any) -> None:
+    """``ValueError`` unless ``devices`` is what Lightning takes: a positive count, -1 (all), ``auto`` or a
+    non-empty list of distinct device indices (Hydra gives a list as a ``ListConfig``)."""
+    fix = "use a positive number of processes per node, -1 for all devices, auto, or a list of device indices."
+    if isinstance(devices, str) and devices.lstrip("-").isdigit():
+        devices = int(devices)
+    if isinstance(devices, bool):
+        pass
+    elif isinstance(devices, int):
+        if devices >= 1 or devices == -1:
+            return
+    elif devices == "auto":
+        return
+    elif not isinstance(devices, str) and isinstance(devices, Sequence):
+        items = list(devices)
+        if items and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items) \
+                and len(set(items)) == len(items):
+            return
+    raise ValueError(f"TrainerConfig.devices={devices!r} is not a device count Lightning can run; {fix}")
+
+
 def config_error_line(err: Exception) -> str:
     """One line for a bad config: the checker's message plus the Hydra key of the field it names."""
     message = " ".join(str(err).split())
@@ -288,7 +310,8 @@ def preflight(run: RunConfig) -> None:
     """The checks that depend on this machine or on the text, made before any process starts.
 
     ``RuntimeError`` if the run needs a CUDA GPU and torch sees none; ``ValueError`` if the text does
-    not fill one batch on every rank (training would end after 0 steps).
+    not fill one batch on every rank (training would end after 0 steps), or ``zero.shard_group_size``
+    does not divide the number of ranks.
     """
     cfg = run.trainer
     if cfg.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
@@ -300,6 +323,10 @@ def preflight(run: RunConfig) -> None:
     ranks = _world_size(cfg)
     if ranks is not None:
         check_one_batch_per_rank(run.data, ranks)
+        if run.zero.shard_group_size != "node":
+            check_shard_group_size(run.zero.shard_group_size, ranks)
+    if run.zero.uses_nvme:
+        check_swap_directory(run.zero.nvme_path)
 
 
 def _world_size(cfg: TrainerConfig) -> Optional[int]:

@@ -52,11 +52,20 @@ class ZeroConfig:
     offload_optimizer_device: str = "cpu"
     """Where optimizer state lives when ``offload_optimizer`` is set: ``"cpu"`` or ``"nvme"``."""
 
-    offload_optimizer_ratio: float = 1.0
+    offload_optimizer_ratio: Any = 1.0
     """Partial optimizer offload (DeepSpeed's ``ratio``): the fraction of the parameters whose fp32
     master and optimizer state live on the host with ``offload_optimizer`` (CPU only). Whole units go,
     largest first, until the fraction is reached; the other units keep master and state on the device
-    and step there, as without offload. 1 offloads every unit, 0 none."""
+    and step there, as without offload. 1 offloads every unit, 0 none. ``"auto"``: every unit starts on
+    the host; after the first step the engine brings back to the device as many units as fit in
+    ``offload_memory_budget`` (measured peak plus their master and state), the same on every rank,
+    and logs the decision. On a CPU device (no device memory) ``"auto"`` warns and offloads every unit."""
+
+    offload_memory_budget: Any = None
+    """Device memory ``offload_optimizer_ratio="auto"`` may fill (peak allocated bytes): GiB as a number
+    (e.g. ``60``), or a share of the device's memory as a string ending in ``%`` (e.g. ``"50%"``).
+    None: what the device has free after the first step (the caching allocator's unused reserve
+    included), less a margin of 10% of its memory."""
 
     offload_parameters: bool = False
     """Keep parameter shards off the GPU between uses (stage 3 only)."""
@@ -105,6 +114,18 @@ class ZeroConfig:
     idea, all stages): each rank quantizes every rank's part of its gradients, an all-to-all moves
     them, and each rank dequantizes what it owns and sums it in fp32. About half the bytes of bf16."""
 
+    shard_group_size: Any = None
+    """Hybrid sharding (FSDP's HSDP, DeepSpeed's MiCS): ranks form consecutive groups of this many
+    ranks; each group holds one full copy of the sharded state (stages 1-3), gradients are
+    reduce-scattered inside the group and all-reduced across groups (between the ranks at the same
+    position in each group), stage 3 gathers inside the group. ``"node"``: the ranks of one node.
+    None: one group of all ranks (plain ZeRO). Must divide the world size."""
+
+    quantize_cross_group_only: bool = False
+    """With hybrid groups (``shard_group_size`` below the world size): INT8 goes only on the slow hop
+    between groups, the gradients' all-reduce across groups; traffic inside a group (the gradients'
+    reduce-scatter, the weight gathers) stays at full width. Needs ``quantized_gradients=True``."""
+
     nonfinite_gradients: str = "error"
     """What a step does when some rank's gradients hold inf or NaN (outside fp16 loss scaling, which
     skips such steps and lowers the scale): ``"error"`` stops training with an error naming the step,
@@ -130,8 +151,9 @@ class ZeroConfig:
             setattr(self, name, _check_int(name, getattr(self, name), 1))
         for name in ("overlap_comm", "managed_gradient_accumulation", "offload_optimizer",
                      "offload_parameters", "quantized_weights", "reshard_after_forward", "stage3_prefetch",
-                     "quantized_gradients"):
+                     "quantized_gradients", "quantize_cross_group_only"):
             check_bool("ZeroConfig", name, getattr(self, name))
+        self.shard_group_size = check_shard_group_size(self.shard_group_size)
         check_choice("ZeroConfig", "nonfinite_gradients", self.nonfinite_gradients, NONFINITE_ACTIONS)
         if not isinstance(self.loss_scale, (int, float)) or self.loss_scale < 0:
             raise ValueError(
@@ -183,12 +205,13 @@ class ZeroConfig:
                     f"ZeroConfig.{name}={value!r} is not an offload device; use one of {OFFLOAD_DEVICES}."
                 )
         ratio = self.offload_optimizer_ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
+        if ratio != "auto" and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0):
             raise ValueError(
                 f"ZeroConfig.offload_optimizer_ratio={ratio!r} must be a number from 0 to 1: the fraction of the "
-                "parameters whose optimizer state is offloaded (e.g. 0.5; 1 offloads all of it)."
+                "parameters whose optimizer state is offloaded (e.g. 0.5; 1 offloads all of it), or 'auto'."
             )
-        self.offload_optimizer_ratio = float(ratio)
+        self.offload_optimizer_ratio = ratio if ratio == "auto" else float(ratio)
+        memory_budget(self.offload_memory_budget, None)  # the form; the device's size is checked when known
         if self.offload_optimizer and self.offload_optimizer_device == "nvme" and self.offload_optimizer_ratio != 1.0:
             raise ValueError(
                 f"ZeroConfig.offload_optimizer_ratio={self.offload_optimizer_ratio!r}: partial optimizer offload "
@@ -199,10 +222,7 @@ class ZeroConfig:
                 f"ZeroConfig.offload_parameters=True needs stage=3 (got stage={self.stage}): parameters are "
                 "only sharded at rest in stage 3. Set stage=3 or offload only the optimizer."
             )
-        uses_nvme = (self.offload_optimizer and self.offload_optimizer_device == "nvme") or (
-            self.offload_parameters and self.offload_params_device == "nvme"
-        )
-        if uses_nvme and not self.nvme_path:
+        if self.uses_nvme and not self.nvme_path:
             raise ValueError(
                 f"ZeroConfig.nvme_path={self.nvme_path!r}: NVMe offload needs a directory to swap to; set "
                 "nvme_path to a writable directory on a fast local disk."
@@ -235,26 +255,108 @@ class ZeroConfig:
             for name in changed("loss_scale", "initial_scale_power", "loss_scale_window", "min_loss_scale"):
                 out.append(f"{name}={getattr(self, name)!r} only applies to precision='16-mixed' (fp16 loss "
                            "scaling); it is ignored.")
+        if self.quantize_cross_group_only and not self.quantized_gradients:
+            out.append("quantize_cross_group_only=True has no effect without quantized_gradients=True (the "
+                       "gradients' all-reduce across groups is the only traffic between groups).")
+        if self.quantize_cross_group_only and self.quantized_weights:
+            out.append("quantized_weights=True has no effect with quantize_cross_group_only=True: weights are "
+                       "gathered inside a group only (every group steps its own copy), at full width.")
         if not self.offload_optimizer and changed("offload_optimizer_device"):
             out.append(f"offload_optimizer_device={self.offload_optimizer_device!r} has no effect without "
                        "offload_optimizer=True.")
         if not self.offload_optimizer and changed("offload_optimizer_ratio"):
             out.append(f"offload_optimizer_ratio={self.offload_optimizer_ratio!r} has no effect without "
                        "offload_optimizer=True (nothing is offloaded).")
+        if self.offload_memory_budget is not None and self.offload_optimizer_ratio != "auto":
+            out.append(f"offload_memory_budget={self.offload_memory_budget!r} has no effect without "
+                       "offload_optimizer_ratio='auto'.")
         if not self.offload_parameters and changed("offload_params_device"):
             out.append(f"offload_params_device={self.offload_params_device!r} has no effect without "
                        "offload_parameters=True.")
-        uses_nvme = (self.offload_optimizer and self.offload_optimizer_device == "nvme") or (
-            self.offload_parameters and self.offload_params_device == "nvme"
-        )
-        if self.nvme_path and not uses_nvme:
+        if self.nvme_path and not self.uses_nvme:
             out.append(f"nvme_path={self.nvme_path!r} has no effect: nothing is offloaded to NVMe.")
         return out
+
+    @property
+    def uses_nvme(self) -> bool:
+        """Whether anything (optimizer state or stage-3 parameters) is offloaded to ``nvme_path``."""
+        return bool((self.offload_optimizer and self.offload_optimizer_device == "nvme")
+                    or (self.offload_parameters and self.offload_params_device == "nvme"))
 
     def replace(self, **changes: Any) -> "ZeroConfig":
         """A copy with ``changes`` applied (and validated)."""
         return dataclasses.replace(self, **changes)
 
 
+def check_shard_group_size(value: Any, world_size: Optional[int] = None) -> Any:
+    """``value`` (None, ``"node"`` or a positive int) checked, and with ``world_size`` against it."""
+    if value is None or value == "node":
+        return value
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    fix = "use a divisor of the world size (ranks per group), 'node' (the ranks of one node) or None (all ranks)"
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"ZeroConfig.shard_group_size={value!r} must be a positive integer; {fix}.")
+    if world_size is not None and (value > world_size or world_size % value):
+        problem = "is larger than" if value > world_size else "does not divide"
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(f"ZeroConfig.shard_group_size={value} {problem} the world size {world_size}; {fix}: "
+                         f"one of {divisors}.")
+    return value
+
+
 def _check_int(name: str, value: Any, minimum: int) -> int:
     return check_int("ZeroConfig", name, value, minimum)
+
+
+def check_swap_directory(path: Optional[str]) -> None:
+    """``ValueError`` unless ``path`` is an existing directory this process can create files in.
+
+    A write probe rather than permission bits: a read-only mount refuses root too, and root passes
+    every permission check. Made before any process starts (``zeroq-train``), so a bad path is one
+    line instead of a traceback from every rank once the engine builds its swap space.
+    """
+    import os
+    import tempfile
+    from pathlib import Path
+
+    root = Path(path or "").expanduser()
+    if not path or not root.exists():
+        raise ValueError(f"ZeroConfig.nvme_path={path!r} does not exist; create the directory or set nvme_path "
+                         "to an existing directory on a fast local disk.")
+    if not root.is_dir():
+        raise ValueError(f"ZeroConfig.nvme_path={path!r} is not a directory; set nvme_path to a directory on a "
+                         "fast local disk.")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".zeroq-probe-", dir=root)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise ValueError(f"ZeroConfig.nvme_path={path!r} is not writable ({err.strerror}); fix its permissions or "
+                         "set nvme_path to a writable directory.") from None
+
+
+def memory_budget(value: Any, device_bytes: Optional[int]) -> Optional[int]:
+    """``offload_memory_budget`` in bytes (None: the default). ``device_bytes``: the device's memory, or
+    None to check the form alone. Raises ``ValueError`` naming the value and the fix."""
+    if value is None:
+        return None
+    fix = "use GiB as a number (e.g. 60) or a share of the device's memory such as '50%'"
+    share = isinstance(value, str) and value.strip().endswith("%")
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        number = float(value.strip().rstrip("%")) if isinstance(value, str) else float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"ZeroConfig.offload_memory_budget={value!r} is not a number; {fix}.") from None
+    if not number > 0 or (share and number > 100) or number != number or number == float("inf"):
+        raise ValueError(f"ZeroConfig.offload_memory_budget={value!r} must be above 0 (and a share at most 100%); {fix}.")
+    if device_bytes is None:
+        return None
+    budget = int(number / 100 * device_bytes) if share else int(number * 2**30)
+    if budget > device_bytes:
+        raise ValueError(
+            f"ZeroConfig.offload_memory_budget={value!r} ({budget / 2**30:.2f} GiB) is more than the device has "
+            f"({device_bytes / 2**30:.2f} GiB); {fix}, at most the device's memory."
+        )
+    return budget

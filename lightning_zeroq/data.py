@@ -60,7 +60,13 @@ class DataConfig:
 def load_text(text_file: Optional[str] = None) -> str:
     """The training text: ``text_file``'s contents, or the pydoc topics joined in sorted topic order."""
     if text_file is not None:
-        return Path(text_file).expanduser().read_text(encoding="utf-8")
+        try:
+            return Path(text_file).expanduser().read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(
+                f"DataConfig.text_file={text_file!r} is not UTF-8 text (byte 0x{err.object[err.start]:02x} at "
+                f"offset {err.start:,} does not decode); give a UTF-8 text file."
+            ) from None
     from pydoc_data.topics import topics
 
     return "\n\n".join(topics[name] for name in sorted(topics))

@@ -216,7 +216,8 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
                 "ZeroQFabricStrategy shards one model, and one is set up already; put the parts in one "
                 "nn.Module, or use a second Fabric for a second model."
             )
-        self.engine = build_engine(module, self.config, self.precision, self.root_device)
+        self.engine = build_engine(module, self.config, self.precision, self.root_device,
+                                   ranks_per_node=self.num_processes)
         self.precision.attach_engine(self.engine, self.root_device.type)
         self._backward_sync_control.module = module
         return module

@@ -73,10 +73,14 @@ def as_zeroq_precision(plugin: Optional[Any], plugin_cls: type[P]) -> Optional[P
     return plugin
 
 
-def build_engine(module: nn.Module, config: ZeroConfig, precision: ZeroQPrecision, device: torch.device) -> ZeroEngine:
+def build_engine(module: nn.Module, config: ZeroConfig, precision: ZeroQPrecision, device: torch.device,
+                 ranks_per_node: Optional[int] = None) -> ZeroEngine:
     """The engine for ``module``. It moves the module to ``device`` unit by unit (stage 3 never holds it
     whole), materializes meta-device parameters with ``reset_parameters()``, and starts every rank from
-    rank 0's values, as DDP does."""
+    rank 0's values, as DDP does. ``ranks_per_node`` (the strategy's ``num_processes``) resolves
+    ``shard_group_size="node"``."""
+    if config.shard_group_size == "node":
+        config = config.replace(shard_group_size=ranks_per_node)
     return ZeroEngine(
         module,
         config,

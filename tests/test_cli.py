@@ -205,6 +205,8 @@ def test_recipe_is_complete_and_documented(name: str) -> None:
     assert selected == set(GROUPS), f"a recipe selects every group explicitly; missing {set(GROUPS) - selected}"
     run = to_run_config(compose_config([f"recipe={name}"]))
     preflight(run)  # the pydoc text fills a batch on every rank
+    # A recipe sets nothing that cannot take effect (each such setting warns on every run).
+    assert run.zero.ineffective(loss_scaling=run.trainer.precision == "16-mixed") == []
     # What the launched ranks rebuild from ZEROQ_CHILD_CONFIG is the parent's config.
     assert build_run_config(json.loads(json.dumps(dataclasses.asdict(run)))) == run
 
@@ -239,13 +241,21 @@ def test_cfg_job_prints_the_config_and_runs_nothing(tmp_path: Path) -> None:
          "600 bytes make 4 windows of seq_len+1=129 bytes, and one batch on every rank needs "
          "batch_size x ranks = 16 x 2 = 32 windows (4,128 bytes)"),
         (["trainer=gpu"], "TrainerConfig.accelerator='gpu' needs a CUDA GPU"),
+        (["trainer.devices=0"], "TrainerConfig.devices=0 is not a device count Lightning can run"),
+        (["data.text_file=binary.dat"], "DataConfig.text_file='binary.dat' is not UTF-8 text (byte 0xff at offset 2,000"),
+        (["offload=optimizer_nvme", "zero.nvme_path=no_such_dir"], "ZeroConfig.nvme_path='no_such_dir' does not exist"),
+        (["offload=optimizer_nvme", "zero.nvme_path=small.txt"], "ZeroConfig.nvme_path='small.txt' is not a directory"),
+        # /proc refuses new files to root as well: what a read-only mount does.
+        (["recipe=gpt1m_zero3_offload_params_nvme_cpu", "zero.nvme_path=/proc"], "ZeroConfig.nvme_path='/proc' is not writable"),
     ],
-    ids=["bad-value", "bad-combination", "too-little-text", "no-gpu"],
+    ids=["bad-value", "bad-combination", "too-little-text", "no-gpu", "no-devices", "binary-text", "nvme-missing",
+         "nvme-file", "nvme-read-only"],
 )
 def test_bad_config_exits_with_one_clean_line(args: list[str], expected: str, tmp_path: Path) -> None:
     if "trainer=gpu" in args and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     write_text(tmp_path / "small.txt", 600)
+    (tmp_path / "binary.dat").write_bytes(b"a" * 2000 + b"\xff" * 8000)
     proc = run_cli(args, tmp_path)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stderr.startswith(f"zeroq-train: error: {expected}"), proc.stderr[-3000:]

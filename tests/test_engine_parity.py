@@ -40,7 +40,17 @@ OFFLOAD = {
     "optimizer_cpu_0.75": {"offload_optimizer": True, "offload_optimizer_ratio": 0.75},
     "optimizer_cpu_0": {"offload_optimizer": True, "offload_optimizer_ratio": 0.0},
     "params_optimizer_cpu_0.5": {"offload_optimizer": True, "offload_parameters": True, "offload_optimizer_ratio": 0.5},
+    # "auto" on a stand-in device of 16000 bytes (AUTO_MEMORY): the budget holds some units, not all.
+    "optimizer_cpu_auto": {"offload_optimizer": True, "offload_optimizer_ratio": "auto", "offload_memory_budget": "50%"},
+    "params_optimizer_cpu_auto": {"offload_optimizer": True, "offload_parameters": True,
+                                  "offload_optimizer_ratio": "auto", "offload_memory_budget": "50%"},
 }
+
+
+def AUTO_MEMORY(rank: int):
+    """A stand-in device for ``offload_optimizer_ratio="auto"`` on the CPU: 16000 bytes, a peak that
+    differs by rank (the ranks must agree on the worst), nothing else free."""
+    return lambda: (100 * rank, 0, 16000)
 
 
 def _parity_body(
@@ -72,8 +82,11 @@ def _parity_body(
                         **zero_extra, **offload_options)
     engine = ZeroEngine(model, config)
     ratio = config.offload_optimizer_ratio if config.offload_optimizer else 0.0
-    on_host = host_units([u.layout for u in engine.units], ratio)
-    if 0.0 < ratio < 1.0:
+    auto = ratio == "auto"
+    on_host = host_units([u.layout for u in engine.units], 1.0 if auto else ratio)  # auto: all until a step
+    if auto:
+        engine.placement.measure = AUTO_MEMORY(rank)
+    if not auto and 0.0 < ratio < 1.0:
         assert 0 < len(on_host) < len(engine.units), "a partial-offload test that places every unit alike"
     for unit in engine.units:
         assert unit.master.device.type == ("cpu" if unit.index in on_host else dev.type)
@@ -99,6 +112,16 @@ def _parity_body(
         engine.step()
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
+        if auto and step == 0:
+            decision = engine.placement.decision
+            assert 0 < len(decision["device_units"]) < len(engine.units), decision
+            assert decision["device_bytes"] <= 8000 - 100 * (dist.get_world_size() - 1), decision  # the worst rank's
+            decisions = [None] * dist.get_world_size()
+            dist.all_gather_object(decisions, decision["device_units"])
+            assert all(d == decisions[0] for d in decisions), decisions
+            for unit in engine.units:
+                assert unit.master.device == dev and (unit.index in decision["device_units"]) == (
+                    engine.placement.step_grad(unit) is unit.grad)
         full = engine.full_state_dict()
         for name, p in ref_model.named_parameters(remove_duplicate=False):
             diff = (full[name] - p.detach().cpu()).abs().max().item()
@@ -166,6 +189,15 @@ def test_partial_offload_matches_ddp(dist_pool, world_size: int, stage: int, off
                                             (2, "optimizer_cpu_0"), (3, "optimizer_cpu_0")])
 def test_partial_offload_stage3_and_ratio_0_match_ddp(dist_pool, stage: int, offload: str) -> None:
     results = dist_pool(2).run(_parity_body, stage, False, 0.5, "adamw", 300, "cpu", offload)
+    assert all(r < 1e-5 for r in results)
+
+
+@pytest.mark.parametrize("stage, offload, world_size", [(1, "optimizer_cpu_auto", 2), (2, "optimizer_cpu_auto", 3),
+                                                     (3, "optimizer_cpu_auto", 2), (3, "params_optimizer_cpu_auto", 2)])
+@pytest.mark.parametrize("managed", [True, False], ids=["managed", "unmanaged"])
+def test_auto_offload_matches_ddp(dist_pool, stage: int, offload: str, world_size: int, managed: bool) -> None:
+    # Clipping, accumulation (2, 5, 3, 1 backward passes a step); units move to the device after step 0.
+    results = dist_pool(world_size).run(_parity_body, stage, managed, 0.5, "adamw", 300, "cpu", offload)
     assert all(r < 1e-5 for r in results)
 
 

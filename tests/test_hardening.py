@@ -232,17 +232,28 @@ def test_the_optimizer_sees_one_step_per_step_whatever_the_placement(dist_pool, 
     assert all(c == (3, 3) for c in counts), counts
 
 
-def _nonfinite_body(action: str, stage: int, device: str = "cpu") -> dict:
+OFFLOADS = {"none": {}, "cpu": {"offload_optimizer": True}, "params_cpu": {"offload_optimizer": True, "offload_parameters": True},
+            "ratio": {"offload_optimizer": True, "offload_optimizer_ratio": 0.5},
+            "auto": {"offload_optimizer": True, "offload_optimizer_ratio": "auto", "offload_memory_budget": "50%"}}
+
+
+def _nonfinite_body(action: str, stage: int, device: str = "cpu", offload: str = "none") -> dict:
     torch.manual_seed(0)
     dev = _device(device)
     model = RichModel().to(dev)
-    engine = ZeroEngine(model, ZeroConfig(stage=stage, nonfinite_gradients=action, **_stage_options(stage)))
+    engine = ZeroEngine(model, ZeroConfig(stage=stage, nonfinite_gradients=action, **_stage_options(stage),
+                                          **OFFLOADS[offload]))
+    if offload == "auto":  # a stand-in device that holds about half the units (see test_engine_parity)
+        engine.placement.measure = lambda: (0, 0, 16000)
     engine.attach_optimizer(torch.optim.AdamW(param_groups(model)))
     rank = dist.get_rank()
     batch = lambda step: tuple(t.to(dev) if torch.is_tensor(t) else t for t in make_batch(step, 0, rank, uniform=True))  # noqa: E731
     engine.backward(model.loss(batch(0)))
     assert engine.step()
+    if offload == "auto":
+        assert 0 < len(engine.placement.host_units) < len(engine.units)
     before = engine.full_state_dict()
+    state_before = [{k: v.clone() for k, v in s.items()} for s in engine.optimizer.state.values()]
     loss = model.loss(batch(1))
     engine.backward(loss * float("nan") if rank == 1 else loss)  # only rank 1 goes wrong
     out: dict = {}
@@ -251,7 +262,9 @@ def _nonfinite_body(action: str, stage: int, device: str = "cpu") -> dict:
     except RuntimeError as err:
         out["error"] = str(err)
     after = engine.full_state_dict()
-    out["unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
+    state_after = list(engine.optimizer.state.values())
+    out["unchanged"] = all(torch.equal(before[k], after[k]) for k in before) and len(state_before) == len(state_after) \
+        and all(torch.equal(a[k], b[k]) for a, b in zip(state_before, state_after) for k in a)
     out["skipped"] = engine.skipped_steps
     engine.backward(model.loss(batch(2)))  # training goes on with finite ones
     out["next_stepped"] = engine.step() if "error" not in out else None
@@ -264,6 +277,14 @@ def test_nonfinite_gradients_stop_training_on_every_rank_by_default(dist_pool, s
     for r in results:
         assert "non-finite gradients" in r["error"] and "step 2" in r["error"] and "rank(s) [1]" in r["error"], r
         assert "nonfinite_gradients='skip'" in r["error"] and r["unchanged"]
+
+
+@pytest.mark.parametrize("stage, offload", [(2, "cpu"), (3, "params_cpu"), (2, "ratio"), (2, "auto"), (3, "auto")])
+def test_nonfinite_gradients_leave_offloaded_models_untouched_on_every_rank(dist_pool, stage, offload):
+    # Optimizer offload (host step unit by unit), partial and auto offload: a NaN on rank 1 in step 2
+    # stops the step on both ranks before any unit is stepped; values and optimizer state are as before.
+    results = dist_pool(2).run(_nonfinite_body, "error", stage, "cpu", offload)
+    assert all("non-finite gradients" in r["error"] and r["unchanged"] for r in results), results
 
 
 def test_nonfinite_gradients_can_skip_the_step_everywhere(dist_pool):

@@ -154,3 +154,73 @@ def test_a_save_says_what_it_wrote(tmp_path, caplog) -> None:
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Saved checkpoint")]
     assert len(lines) == 1 and str(tmp_path / "ckpt") in lines[0], lines
     assert f"{written:.2f} GiB from 1 rank(s), in " in lines[0], (lines[0], written)
+
+
+@pytest.mark.parametrize("budget, message", [(-1, "must be above 0"), ("lots", "is not a number"), ("150%", "at most 100%"),
+                                             (0, "must be above 0"), (True, "is not a number")])
+def test_a_bad_memory_budget_is_one_line_naming_value_and_fix(budget, message) -> None:
+    with pytest.raises(ValueError, match=message) as error:
+        ZeroConfig(offload_optimizer=True, offload_optimizer_ratio="auto", offload_memory_budget=budget)
+    assert "\n" not in str(error.value) and repr(budget) in str(error.value) and "'50%'" in str(error.value)
+
+
+def test_a_budget_over_the_device_is_an_error_and_forms_convert() -> None:
+    from lightning_zeroq.config import memory_budget
+
+    with pytest.raises(ValueError, match=r"offload_memory_budget=200 \(200.00 GiB\) is more than the device has \(80.00"):
+        memory_budget(200, 80 * 2**30)
+    assert memory_budget("50%", 80 * 2**30) == 40 * 2**30 and memory_budget("12.5", 80 * 2**30) == int(12.5 * 2**30)
+    assert any("no effect without offload_optimizer_ratio='auto'" in m
+               for m in ZeroConfig(offload_optimizer=True, offload_memory_budget=10).ineffective(False))
+
+
+def test_auto_on_a_cpu_device_warns_and_offloads_every_unit() -> None:
+    if DEVICE.type != "cpu":
+        pytest.skip("the CPU's answer")
+    engine = _engine("auto")
+    engine.backward(engine.module.loss(_batch(0)))
+    with pytest.warns(UserWarning, match="no device memory to fill"):
+        engine.step()
+    assert engine.placement.host_units == frozenset(range(len(engine.units)))
+    engine.backward(engine.module.loss(_batch(1)))
+    assert engine.step()  # decided once: no second warning, still stepping
+
+
+def test_auto_keeps_the_largest_units_that_fit_and_never_exceeds_the_budget(caplog) -> None:
+    import logging
+
+    engine = _engine("auto")
+    engine.placement.measure = lambda: (1000, 0, 20_000)  # a stand-in device: peak 1000 of 20000 bytes
+    engine.placement.budget = "65%"  # 13000 bytes: 12000 to fill
+    engine.backward(engine.module.loss(_batch(0)))
+    with caplog.at_level(logging.INFO, logger="lightning_zeroq"):
+        engine.step()
+    decision = engine.placement.decision
+    # Units of 512, 272, 272 and 83 elements in 1, 2, 2 and 4 segments: the fp32 master and, per segment,
+    # AdamW's two moments and its step count, each in whole 512-byte blocks: 6656, 5632, 5632, 3584 bytes.
+    # Largest first: 6656 fits, neither 5632 does after it, 3584 does.
+    assert decision["device_units"] == [0, 3] and decision["host_units"] == [1, 2], decision
+    assert decision["device_bytes"] == 6656 + 3584 and 1000 + decision["device_bytes"] <= 13000
+    assert decision["budget_bytes"] == 13000
+    assert any("2 of 4 units keep master and optimizer state on the device" in r.getMessage() for r in caplog.records)
+    for unit in engine.units:  # the host no longer holds gradient buffers for the units that came back
+        assert (unit.index in engine.placement.host.host_grads) == (unit.index in decision["host_units"])
+
+
+def test_sharded_state_loads_into_an_auto_engine_after_its_decision() -> None:
+    # The state loads next to each master, wherever "auto" put it; both engines then train alike.
+    source = _engine(0.5)
+    _train(source, range(3))
+    target = _engine("auto", seed=1)
+    target.placement.measure = lambda: (0, 0, 20_000)
+    target.placement.budget = "65%"
+    _train(target, range(1))  # decides: some units on the device, the others on the host
+    assert 0 < len(target.placement.decision["device_units"]) < len(target.units)
+    target.load_sharded_state_dict(source.sharded_state_dict())
+    target.module.frozen.load_state_dict(source.module.frozen.state_dict())
+    for a, b in zip(_optimizer_state(source), _optimizer_state(target)):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    _train(source, range(3, 5))
+    _train(target, range(3, 5))
+    for name, value in source.full_state_dict().items():
+        assert (value - target.full_state_dict()[name]).abs().max() <= 1e-6, name

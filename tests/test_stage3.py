@@ -158,3 +158,21 @@ def _meta_body(tmp: str) -> dict:
 def test_meta_init_eval_summary_and_resume(dist_pool):
     with tempfile.TemporaryDirectory() as tmp:
         dist_pool(2).run(_meta_body, tmp)
+
+
+def test_a_forward_does_not_prefetch_the_next_steps_first_unit() -> None:
+    # The recorded forward order must not wrap from the last unit to the first across a step: that made
+    # every forward's last unit prefetch the first unit, held through the loss and the head's backward
+    # (where activations peak) and then dropped unused.
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)])
+    engine = ZeroEngine(model, ZeroConfig(stage=3, stage3_wrap_classes=["Linear"], stage3_param_persistence_threshold=0))
+    engine.attach_optimizer(torch.optim.AdamW(model.parameters()))
+    transient = [u for u in engine.units if not u.persistent]
+    assert len(transient) == 3
+    for step in range(3):
+        loss = model(torch.randn(4, 8)).square().sum()
+        held = [u.index for u in transient if u.state is not UnitState.SHARDED]
+        assert held == [], f"step {step}: units {held} are gathered between the forward and the backward"
+        engine.backward(loss)
+        engine.step()

@@ -8,7 +8,9 @@ said it is fine.
 
 The checkpoint group is a gloo group created once per default process group (``checkpoint_group``):
 gloo moves Python objects without a GPU, and a group of its own keeps an asynchronous save's
-collectives (on a background thread) apart from training's.
+collectives (on a background thread) apart from training's. ``group=None`` is this process alone
+(what ``checkpoint_group`` gives without a process group, and what offline readers such as
+``zeroq-convert`` pass): no collective, even when a default process group is up.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def checkpoint_group(timeout: Optional[timedelta] = None) -> Optional[dist.Proce
 
 
 def rank_and_size(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
-    if not distributed():
+    if group is None or not distributed():
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
 
@@ -57,8 +59,8 @@ def describe(error: BaseException) -> str:
 
 
 def exchange(value: Any, group: Optional[dist.ProcessGroup]) -> list[Any]:
-    """Every rank's ``value`` (a picklable object), in rank order."""
-    if not distributed():
+    """Every rank's ``value`` (a picklable object), in rank order; ``group=None``: this process's alone."""
+    if group is None or not distributed():
         return [value]
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, value, group=group)

@@ -15,6 +15,10 @@ Memory stays at about one tensor: the torch file is first written as a skeleton 
 under ``torch.serialization.skip_data``: the pickle and empty record space), then mapped shared and
 each tensor is read from the checkpoint straight into its place in the file; the safetensors file
 is written sequentially, one tensor in memory at a time. Every read goes through the safe reader.
+
+The output is written under a temporary name in its own directory (created exclusively, with an
+unpredictable name) and renamed into place only when complete: whatever fails (a damaged checkpoint,
+a full disk, Ctrl-C), nothing is left at the output path and no temporary file either.
 """
 
 from __future__ import annotations
@@ -23,8 +27,13 @@ import argparse
 import json
 import mmap
 import os
+import pickle
+import signal
 import struct
 import sys
+import tempfile
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -32,14 +41,29 @@ import torch
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from lightning_zeroq.checkpoint.agree import CheckpointError
 from lightning_zeroq.checkpoint.checkpointer import Opened, open_checkpoint
 from lightning_zeroq.checkpoint.chunks import BytesTarget
 from lightning_zeroq.checkpoint.safe import read_entries
-from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY
+from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY, Kind, classify
 
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
                       torch.bool: "BOOL"}
+
+
+def _read(opened: Opened, targets: dict) -> None:
+    """``read_entries``, its errors naming the checkpoint and the item in one line."""
+    try:
+        read_entries(opened.reader, targets)
+    except Exception as error:
+        items = ", ".join(sorted(targets)[:3])
+        text = str(error).strip()
+        if isinstance(error, pickle.UnpicklingError) or "Weights only load failed" in text:
+            why = "its bytes do not decode: the file is damaged"
+        else:
+            why = (text.splitlines() or [type(error).__name__])[0]
+        raise ConvertError(f"reading {items} from {opened.path} failed ({why}).") from error
 
 
 def _tensor_keys(opened: Opened, prefix: str) -> list[str]:
@@ -54,7 +78,7 @@ def _empty(opened: Opened, key: str) -> Tensor:
 def _param_groups(opened: Opened) -> list[dict]:
     prefix = f"{OPTIMIZER_KEY}.param_groups."
     targets = {k: BytesTarget() for k in opened.keys() if k.startswith(prefix)}
-    read_entries(opened.reader, targets)
+    _read(opened, targets)
     groups: dict[int, dict] = {}
     for key, target in targets.items():
         index, name = key[len(prefix):].split(".", 1)
@@ -110,14 +134,36 @@ def skeleton(opened: Opened, *, optimizer: bool, lightning: bool) -> tuple[dict,
     return out, sources
 
 
+class _Attr(str):
+    """A path step that is an attribute (a tensor in an object's ``__dict__``, e.g. a ``Namespace``)."""
+
+
 def _tensor_at(obj: Any, path: tuple) -> Tensor:
     for key in path:
-        obj = obj[key]
+        obj = getattr(obj, key) if isinstance(key, _Attr) else obj[key]
     return obj
+
+
+def held_tensors(obj: Any, path: tuple = ()) -> Iterator[tuple[tuple, Tensor]]:
+    """Every tensor in ``obj`` (dicts, lists, tuples, objects' attributes), by path."""
+    if isinstance(obj, Tensor):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from held_tensors(value, path + (key,))
+    elif isinstance(obj, (list, tuple)):
+        for index, value in enumerate(obj):
+            yield from held_tensors(value, path + (index,))
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        for key, value in vars(obj).items():
+            yield from held_tensors(value, path + (_Attr(key),))
 
 
 def write_torch(opened: Opened, out: Path, *, optimizer: bool, lightning: bool) -> None:
     structure, sources = skeleton(opened, optimizer=optimizer, lightning=lightning)
+    # The trainer state's own tensors (ModelCheckpoint's scores, a scheduler's) come from the manifest,
+    # already in memory: skip_data writes them without data too, so they are filled in like the others.
+    held = [(path, t) for path, t in held_tensors(structure) if path not in sources]
     with torch.serialization.skip_data():
         torch.save(structure, out)
     del structure
@@ -128,7 +174,9 @@ def write_torch(opened: Opened, out: Path, *, optimizer: bool, lightning: bool) 
     finally:
         torch.serialization.set_default_mmap_options(previous or mmap.MAP_PRIVATE)
     for path, key in sources.items():  # one tensor at a time, straight into the file's pages
-        read_entries(opened.reader, {key: _tensor_at(mapped, path)})
+        _read(opened, {key: _tensor_at(mapped, path)})
+    for path, value in held:
+        _tensor_at(mapped, path).copy_(value)
     del mapped
     with open(out, "rb+") as f:
         os.fsync(f.fileno())
@@ -137,12 +185,12 @@ def write_torch(opened: Opened, out: Path, *, optimizer: bool, lightning: bool) 
 def iter_named_tensors(opened: Opened, *, optimizer: bool) -> Iterator[tuple[str, Tensor]]:
     for key in _tensor_keys(opened, MODEL_KEY + "."):
         tensor = _empty(opened, key)
-        read_entries(opened.reader, {key: tensor})
+        _read(opened, {key: tensor})
         yield key[len(MODEL_KEY) + 1:], tensor
     if optimizer:
         for key in _tensor_keys(opened, f"{OPTIMIZER_KEY}.state."):
             tensor = _empty(opened, key)
-            read_entries(opened.reader, {key: tensor})
+            _read(opened, {key: tensor})
             yield "optimizer." + key[len(OPTIMIZER_KEY) + 1:], tensor
 
 
@@ -169,26 +217,111 @@ def write_safetensors(opened: Opened, out: Path, *, optimizer: bool) -> None:
         f.write(header)
         for name, key in keys:
             tensor = _empty(opened, key)
-            read_entries(opened.reader, {key: tensor})
+            _read(opened, {key: tensor})
             f.write(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else b"")
         f.flush()
         os.fsync(f.fileno())
 
 
-def consolidate(checkpoint: Path, out: Path, *, optimizer: bool = False, lightning: bool = False) -> Path:
-    """Write checkpoint directory ``checkpoint`` as one file ``out`` (``.pt``, ``.ckpt`` or
-    ``.safetensors``); see the module docstring. Returns ``out``."""
-    opened = open_checkpoint(Path(checkpoint), None)
-    out = Path(out)
+TORCH_SUFFIXES = (".pt", ".ckpt", ".pth", ".bin")
+
+
+class ConvertError(CheckpointError, ValueError):
+    """What ``zeroq-convert`` prints after ``error:``: one line naming the path and what to do. A
+    ``CheckpointError`` too: ``load_from_checkpoint(dir)`` reads through the same code and raises it."""
+
+
+def _check_input(checkpoint: Path) -> None:
+    """Our own words for an input that is no checkpoint directory (the loader's speak of the Trainer)."""
+    located = classify(checkpoint)
+    if located.kind is Kind.MISSING:
+        raise ConvertError(f"{checkpoint} does not exist: pass the checkpoint directory trainer.save_checkpoint() "
+                           "or ModelCheckpoint wrote.")
+    if located.kind is Kind.INSIDE:
+        raise ConvertError(f"{checkpoint} is a file inside the checkpoint directory {located.directory}: pass "
+                           "the directory.")
+    if located.kind is Kind.FILE:
+        raise ConvertError(
+            f"{checkpoint} is a single-file checkpoint (e.g. from strategy='ddp'), which is one file already: read "
+            f"its weights with torch.load({str(checkpoint)!r}, weights_only=True)['state_dict'], or resume it with "
+            "Trainer(strategy='zeroq').fit(ckpt_path=...), which reads single files too.")
+    if located.kind is Kind.LEGACY:
+        raise ConvertError(f"{checkpoint} is {Kind.LEGACY.value}, which zeroq-convert cannot read: its weights are "
+                           f"torch.load({str(checkpoint / 'meta.pt')!r}, weights_only=True)['state_dict'].")
+    if located.kind is Kind.OTHER:
+        raise ConvertError(f"{checkpoint} is a directory but no checkpoint (no zeroq.json, no .metadata): pass "
+                           "the directory trainer.save_checkpoint() wrote.")
+
+
+def _output_format(out: Path, lightning: bool) -> str:
+    if not out.parent.is_dir():
+        raise ConvertError(f"{out}: the directory {out.parent} does not exist; create it first.")
+    if out.is_dir() and not out.is_symlink():
+        raise ConvertError(f"{out} is a directory: name the file to write (OUT.pt, OUT.ckpt or OUT.safetensors).")
     if out.suffix == ".safetensors":
         if lightning:
-            raise ValueError("--lightning needs a .pt or .ckpt output (a Lightning checkpoint is a torch file).")
-        write_safetensors(opened, out, optimizer=optimizer)
-    elif out.suffix in (".pt", ".ckpt", ".pth", ".bin"):
-        write_torch(opened, out, optimizer=optimizer, lightning=lightning)
-    else:
-        raise ValueError(f"{out}: the output's suffix decides its format: .pt/.ckpt (torch) or .safetensors.")
+            raise ConvertError("--lightning needs a .pt or .ckpt output (a Lightning checkpoint is a torch file).")
+        return "safetensors"
+    if out.suffix in TORCH_SUFFIXES:
+        return "torch"
+    raise ConvertError(f"{out}: the output's suffix decides its format: .pt/.ckpt (torch) or .safetensors.")
+
+
+@contextmanager
+def _atomic_output(out: Path) -> Iterator[Path]:
+    """A new, exclusively created file beside ``out`` (``O_EXCL``, never through a link, a random name)
+    to write into; renamed to ``out`` when the block ends normally, removed whatever else happens."""
+    parent = out.parent
+    fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".zeroq-convert-tmp", dir=parent)
+    tmp = Path(name)
+    try:
+        os.close(fd)
+        yield tmp
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # as a plain open() would have made it (mkstemp makes 0600)
+        os.replace(tmp, out)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    try:
+        dir_fd = os.open(parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError:  # some file systems do not fsync directories
+        pass
+
+
+def consolidate(checkpoint: Path, out: Path, *, optimizer: bool = False, lightning: bool = False) -> Path:
+    """Write checkpoint directory ``checkpoint`` as one file ``out`` (``.pt``, ``.ckpt`` or
+    ``.safetensors``); see the module docstring. Returns ``out``. On any error nothing is left at
+    ``out`` (an existing file there is kept as it was)."""
+    checkpoint, out = Path(checkpoint), Path(out)
+    kind = _output_format(out, lightning)
+    _check_input(checkpoint)
+    opened = open_checkpoint(checkpoint, None)
+    with _atomic_output(out) as tmp:
+        if kind == "safetensors":
+            write_safetensors(opened, tmp, optimizer=optimizer)
+        else:
+            write_torch(opened, tmp, optimizer=optimizer, lightning=lightning)
     return out
+
+
+def one_line(error: BaseException) -> str:
+    """An error as one line: a one-process ``CheckpointError``'s rank lines joined, newlines folded."""
+    text = str(error).strip() or type(error).__name__
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if isinstance(error, CheckpointError) and len(lines) > 1 and lines[0].endswith("rank(s):"):
+        lines = [line.split(": ", 1)[1] if line.startswith("rank ") else line for line in lines[1:]]
+    if not isinstance(error, (ConvertError, CheckpointError, OSError, ValueError, RuntimeError)):
+        lines[0] = f"{type(error).__name__}: {lines[0]}"
+    return "; ".join(lines)
 
 
 def lightning_checkpoint(checkpoint: Path, map_location: Any = None) -> dict:
@@ -216,12 +349,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--lightning", action="store_true", help="write a Lightning checkpoint (state_dict and "
                         "trainer state) instead of a bare state_dict")
     args = parser.parse_args(argv)
+
+    def interrupted(signum: int, frame: Any) -> None:  # SIGTERM/SIGHUP end it as Ctrl-C does: nothing left
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, interrupted) for s in (signal.SIGTERM, signal.SIGHUP)} if main_thread else {}
     try:
         out = consolidate(args.checkpoint, args.out, optimizer=args.optimizer,
                           lightning=args.lightning or (args.optimizer and args.out.suffix != ".safetensors"))
+    except KeyboardInterrupt as stop:
+        print(f"zeroq-convert: interrupted ({stop or 'SIGINT'}); {args.out} was not written.", file=sys.stderr)
+        return 130
     except Exception as error:  # one line, no traceback: the messages name the file and the fix
-        print(f"zeroq-convert: error: {error}", file=sys.stderr)
+        print(f"zeroq-convert: error: {one_line(error)} ({args.out} was not written)", file=sys.stderr)
         return 1
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
     return 0
 

@@ -43,6 +43,13 @@ def engine_state(engine: Any, optimizer: bool) -> dict:
 
 
 def save_state(engine: Any, path: Path, state: dict, trainer_state: Any, checkpointer: Checkpointer) -> None:
+    if getattr(engine, "closed", False):  # what the engine released; an empty optimizer state is fine (plain SGD)
+        # No collective: every rank closes its engine at the same point (a new fit), and an asynchronous
+        # save may still be using the checkpoint group.
+        raise CheckpointError(
+            f"Saving checkpoint {path}: the engine that held its state was closed (a new fit replaced it), so its "
+            "master shards and optimizer state are gone (with NVMe offload, their swap files); save during fit "
+            "(ModelCheckpoint) or before the next fit starts.")
     residency = chunked.Residency(engine)
     pin = engine.device.type == "cuda" and torch.cuda.is_available()
     nvme = type(engine.placement).__name__.startswith("Nvme")

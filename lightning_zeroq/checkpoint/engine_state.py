@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from lightning_zeroq.checkpoint.agree import describe
 from lightning_zeroq.checkpoint.chunks import BytesTarget, LocalChunks
-from lightning_zeroq.zero import comm
+from lightning_zeroq.zero import access, comm
 from lightning_zeroq.zero.offload import OptimizerPlacement
 from lightning_zeroq.zero.offload.nvme import per_element_state_keys
 from lightning_zeroq.zero.state_dict import ShardedParts, parameter_names, unit_parameter_names
@@ -152,7 +152,7 @@ def _commit(engine: ShardedParts, read: Callable[[dict], None], targets: dict, b
     for unit, pending in batch:
         for view, entry in pending:
             engine.optimizer.state[view] = {k: _loaded_value(v, group_of[id(view)], view) for k, v in entry.items()}
-        engine.gatherer.publish(unit)
+        access.publish_loaded(engine, unit)
 
 
 def _step_device(group: dict, view: Tensor) -> torch.device:

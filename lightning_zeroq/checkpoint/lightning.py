@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from lightning_zeroq.checkpoint import codec
-from lightning_zeroq.checkpoint.agree import CheckpointError, agree, checkpoint_group, describe, exchange
+from lightning_zeroq.checkpoint.agree import CheckpointError, agree, checkpoint_group, describe
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer, locate_error
 from lightning_zeroq.checkpoint.convert import lightning_checkpoint
 from lightning_zeroq.checkpoint.engine_io import load_engine, save_state
@@ -72,13 +72,6 @@ def save(strategy: Any, checkpoint: dict, path: Path, checkpointer: Checkpointer
         save_single_file(strategy, checkpoint, path, checkpointer)
         return
     optimizers = checkpoint["optimizer_states"]
-    if engine.optimizer is not None and int(checkpoint.get("global_step", 0) or 0) > 0:
-        checkpointer.wait()
-        if not any(exchange(bool(engine.optimizer.state), checkpoint_group())):
-            raise CheckpointError(
-                f"Saving checkpoint {path}: the optimizer holds no state after {checkpoint['global_step']} steps, so "
-                "a resume would restart it silently (with NVMe offload the strategy's teardown released it). Save "
-                "during fit (ModelCheckpoint) or before fit returns.")
     state = {MODEL_KEY: checkpoint["state_dict"]}
     if optimizers:
         state[OPTIMIZER_KEY] = optimizers[0]

@@ -14,6 +14,10 @@ trainable parameter an ordinary tensor with the trained values (in the dtype it 
 took it, unless ``dtype`` says otherwise), so a second ``fit``, another strategy or plain PyTorch can
 use it. The engine keeps its master shards and optimizer state (state dicts and checkpoints still
 read them) and frees everything else; it cannot train any more.
+
+``publish_loaded(engine, unit)``: after a load changed ``unit``'s master shards, bring what uses them
+up to date: the working weights of a training engine, or (collective) the plain parameters of a
+module already handed back, which evaluation after fit (``trainer.test(ckpt_path=...)``) runs.
 """
 
 from __future__ import annotations
@@ -63,6 +67,16 @@ def _full_masters(engine: EngineParts, unit: Unit) -> Tensor:
     full = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=engine.device)
     comm.all_gather(full, engine.placement.device_master(unit), engine.group)
     return full
+
+
+@torch.no_grad()
+def publish_loaded(engine: EngineParts, unit: Unit) -> None:
+    if not getattr(engine, "retired", False):
+        engine.gatherer.publish(unit)
+        return
+    full = _full_masters(engine, unit)
+    for p, slot in zip(unit.params, unit.layout.slots):
+        p.data = full[slot.span].view(p.shape).to(device=p.device, dtype=p.dtype, copy=True)
 
 
 @contextlib.contextmanager

@@ -6,8 +6,7 @@ Built once per model, in this order:
 2. ``offload/``: where masters and optimizer state live (device, host, NVMe) and, in stage 3, where
    a transient unit's shard rests (device, host, NVMe); ``wire.py``: how shards travel (full width
    or INT8). Each is an object chosen once from the config; nothing below branches on the mode.
-3. ``unit.py``: the units themselves, built one at a time; ``gather.py`` publishes each as it is
-   built (stage 3 frees it at once).
+3. ``unit.py``: the units, built one at a time; ``gather.py`` publishes each (stage 3 frees it at once).
 4. ``stage3.py`` (stage 3): module hooks that gather and free units; ``reducer.py``: gradient hooks.
 
 One optimizer step:
@@ -17,14 +16,13 @@ One optimizer step:
    and every rank agrees on used parameters and fp16 overflow; unscaling and clipping become one
    gradient multiplier, applied right before the step to the gradients the optimizer reads.
 3. ``step``: per batch of resident units (the placement decides), give the optimizer the gradient of
-   every used segment (unused segments get ``None``, so the optimizer leaves value and state alone,
-   as ``torch.optim`` does with DDP), step, and publish the new masters (``gather.py``).
+   every used segment (``None`` for unused ones, which torch.optim leaves alone, as with DDP), step,
+   and publish the new masters (``gather.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 from typing import Optional
 
@@ -33,10 +31,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_zeroq.config import ZeroConfig
-from lightning_zeroq.zero import access, comm, norms, state_dict, update
+from lightning_zeroq.zero import access, comm, hybrid, norms, state_dict, update
 from lightning_zeroq.zero.gather import Gatherer
-from lightning_zeroq.zero.grad_wire import FullWidthReduce, Int8Reduce
-from lightning_zeroq.zero.layout import ALIGN
 from lightning_zeroq.zero.loss_scaler import loss_scaler_from_config
 from lightning_zeroq.zero.materialize import sync_replicated_state
 from lightning_zeroq.zero.offload import optimizer_placement, shard_store
@@ -56,8 +52,8 @@ class ZeroEngine:
         config: the validated ``ZeroConfig``.
         param_dtype: dtype of the working parameters (fp32, bf16 or fp16); masters are always fp32.
         group: the data-parallel process group (``None``: the default group, or a single process).
-        loss_scaling: use dynamic loss scaling (fp16).
-        device: where the working parameters live (default: where the module is).
+        loss_scaling: use dynamic loss scaling (fp16). device: where the working parameters live
+            (default: where the module is).
     """
 
     def __init__(
@@ -70,20 +66,21 @@ class ZeroEngine:
         loss_scaling: bool = False,
         device: Optional[torch.device] = None,
     ) -> None:
-        self.config, self.module, self.group, self.param_dtype = config, module, group, param_dtype
-        self.rank, self.world_size = comm.world(group)
-        if self.rank == 0:
+        self.config, self.module, self.param_dtype = config, module, param_dtype
+        # ``group``: the world (first broadcast, the step's agreement); ``self.group``: the shard group (hybrid.py).
+        self.topology = topo = hybrid.topology(config, group)
+        self.world_group, self.group, self.replica_group = group, topo.group, topo.replica_group
+        self.rank, self.world_size, self.replica_rank, self.num_groups = (
+            topo.rank, topo.world_size, topo.replica_rank, topo.num_groups)
+        if comm.world(group)[0] == 0:
             for message in config.ineffective(loss_scaling):
                 warnings.warn(f"ZeroConfig: {message}", stacklevel=2)
         self.loss_scaler = loss_scaler_from_config(config) if loss_scaling else None
-        # Everything before the first collective that can fail on one rank only (an NVMe path, its free
-        # space, the kernel build) fails on every rank together.
+        # What can fail on one rank only (an NVMe path, its free space, the kernel build) fails on all ranks.
         with comm.agreed(group, "building the ZeRO engine"):
             self.device = _target_device(module, device)
             specs = plan(module, trainable_parameters(module), config)
-            quantized = config.quantized_weights or config.quantized_gradients
-            align = math.lcm(ALIGN, config.quantized_weights_group_size) if quantized else ALIGN
-            layouts = plan_layouts(specs, self.world_size, align)
+            layouts = plan_layouts(specs, self.world_size, topo.align(config))
             self.placement = optimizer_placement(config, self.device, param_dtype, self.rank, self.world_size, layouts)
             wire = self._wire(layouts)
             transient = {i: wire.payload_numel(i) for i, spec in enumerate(specs) if not spec.persistent}
@@ -94,9 +91,10 @@ class ZeroEngine:
                                     master_on_device=self.placement.master_on_device)
         sync_replicated_state(module, self.device, group)
         self.gatherer = Gatherer(wire, self.placement, store, self.device,
-                                 sync_persistent_on_build=config.quantized_weights)
+                                 sync_persistent_on_build=topo.int8_weights)
         self.units = build_units(module, specs, layouts, device=self.device, param_dtype=param_dtype, group=group,
-                                 adopt_master=self.placement.adopt_master, on_built=self.gatherer.adopt)
+                                 adopt_master=self.placement.adopt_master, on_built=self.gatherer.adopt,
+                                 shard_rank=self.rank)
         self._param_names = {id(p): name for name, p in module.named_parameters()}  # after materialization
         for unit in self.units:
             for p in unit.params:
@@ -112,11 +110,10 @@ class ZeroEngine:
             reduce_every_backward=config.stage >= 2,
             managed=config.managed_gradient_accumulation,
             param_dtype=param_dtype,
-            group=group,
+            group=group,  # the agreement on used parameters and non-finite gradients spans the world
             device=self.device,
             overlap_comm=config.overlap_comm,
-            wire=(Int8Reduce(group, self.device, config.quantized_weights_group_size) if config.quantized_gradients
-                  else FullWidthReduce(group)),
+            wire=topo.gradient_wire(self.device, config.quantized_weights_group_size),
             listener=self.stage3,
         )
         self._bindings: list[Binding] = []
@@ -125,6 +122,7 @@ class ZeroEngine:
         self._base = 1.0
         self.retired = False
         """``release_module`` handed the module back; the state stays readable, training is over."""
+        self.closed = False  # see close()
         access.register(self)
         self.steps = 0
         """Optimizer steps attempted (skipped ones included)."""
@@ -132,7 +130,7 @@ class ZeroEngine:
         """Steps skipped for fp16 overflow or (``nonfinite_gradients="skip"``) non-finite gradients."""
 
     def _wire(self, layouts) -> Wire:
-        if not self.config.quantized_weights:
+        if not self.topology.int8_weights:
             return FullWidth(layouts, self.param_dtype, self.group)
         return Int8(
             layouts,
@@ -169,7 +167,7 @@ class ZeroEngine:
         binding = bind_to_shards(optimizer, self.module, self.units)
         self._bindings = [b for b in self._bindings if not b.param_ids & binding.param_ids] + [binding]
         route_zero_grad(optimizer, self)
-        with comm.agreed(self.group, "attaching the optimizer (NVMe swap space)"):
+        with comm.agreed(self.world_group, "attaching the optimizer (NVMe swap space)"):
             self.placement.attach(self.units, self.optimizers)
 
     def _binding(self, optimizer: Optional[torch.optim.Optimizer]) -> Binding:
@@ -302,6 +300,7 @@ class ZeroEngine:
         self.steps += 1
         self.skipped_steps += int(skip)
         self._clear(binding)
+        self.placement.step_done(self.units, self.optimizers, not skip, self.group)
         return not skip
 
     def zero_grad(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
@@ -372,7 +371,9 @@ class ZeroEngine:
             self.retired = True
 
     def close(self) -> None:
-        """Remove every hook and swap file; the module keeps its current (working) parameters."""
+        """Remove every hook and swap file; the module keeps its working parameters. ``closed`` then
+        says the state is released (NVMe's masters were in the swap files): a save refuses it."""
+        self.closed = True
         self.reducer.close()
         self.placement.close()
         self.gatherer.close()

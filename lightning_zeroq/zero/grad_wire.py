@@ -15,6 +15,9 @@ dequantizes the ``world_size`` versions of its own shard to fp32 and sums them i
 the result is the same on any machine for the same inputs, and divides by the world size. The
 quantization error does not accumulate: every reduction quantizes fresh gradients. One rank alone
 has nothing to send and reduces exactly.
+
+Hybrid groups (``shard_group_size``): ``AcrossGroups`` runs one of the two inside the shard group,
+then sums the parts across groups (full width or INT8; see the class).
 """
 
 from __future__ import annotations
@@ -36,29 +39,35 @@ class GradientWire(Protocol):
 
 
 class FullWidthReduce:
-    def __init__(self, group: Optional[dist.ProcessGroup]) -> None:
+    """``divisor``: what the sum is divided by (default: the group's size; with hybrid groups the
+    world's, as the sum across groups follows)."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup], divisor: Optional[int] = None) -> None:
         self.group = group
         self.world_size = comm.world(group)[1]
+        self.divisor = divisor or self.world_size
 
     def reduce(self, flat: Tensor) -> Tensor:
         if self.world_size == 1:
-            return flat
-        flat.div_(self.world_size)
+            return flat.div_(self.divisor) if self.divisor != 1 else flat
+        flat.div_(self.divisor)
         part = torch.empty(flat.numel() // self.world_size, dtype=flat.dtype, device=flat.device)
         comm.reduce_scatter(part, flat, self.group)
         return part
 
 
 class Int8Reduce:
-    def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device, group_size: int) -> None:
+    def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device, group_size: int,
+                 divisor: Optional[int] = None) -> None:
         self.group, self.group_size = group, group_size
         self.world_size = comm.world(group)[1]
+        self.divisor = divisor or self.world_size
         if device.type == "cuda":
             ops.load_cuda_backend()  # compile or load once now, never inside a collective
 
     def reduce(self, flat: Tensor) -> Tensor:
         if self.world_size == 1:
-            return flat
+            return flat.div_(self.divisor) if self.divisor != 1 else flat
         n = flat.numel() // self.world_size
         packed_bytes = ops.packed_nbytes(n, self.group_size)
         send = torch.empty(self.world_size * packed_bytes, dtype=torch.uint8, device=flat.device)
@@ -72,4 +81,34 @@ class Int8Reduce:
             ops.unpack_dequantize_int8(recv[r * packed_bytes : (r + 1) * packed_bytes], decoded,
                                        group_size=self.group_size)
             total.add_(decoded)
-        return total.div_(self.world_size)
+        return total.div_(self.divisor) if self.divisor != 1 else total
+
+
+class AcrossGroups:
+    """Hybrid groups: ``inner`` reduces inside the shard group (dividing by the whole world's size),
+    then the ranks at this position in every group sum their parts: an all-reduce on the replica
+    group, at full width, or (``quantized``) as INT8 in two phases of ``(G-1)/G`` of the part each:
+    a reduce-scatter through an all-to-all of INT8 groups (``Int8Reduce``: each rank sums its piece
+    of every group's part in fp32, in group order), then an all-gather of the piece encoded once by
+    its owner, which every rank (the owner too) decodes, so every group holds bitwise the same
+    gradient shard and the groups' copies never drift apart."""
+
+    def __init__(self, inner: GradientWire, replica_group: Optional[dist.ProcessGroup], device: torch.device,
+                 quantized: bool, group_size: int) -> None:
+        self.inner, self.group, self.group_size = inner, replica_group, group_size
+        self.groups = comm.world(replica_group)[1]
+        self.scatter = Int8Reduce(replica_group, device, group_size, divisor=1) if quantized else None
+
+    def reduce(self, flat: Tensor) -> Tensor:
+        part = self.inner.reduce(flat)
+        if self.scatter is None:
+            comm.all_reduce(part, dist.ReduceOp.SUM, self.group)
+            return part
+        piece = self.scatter.reduce(part)
+        packed = ops.quantize_pack_int8(piece, group_size=self.group_size)
+        recv = torch.empty(self.groups * packed.numel(), dtype=torch.uint8, device=packed.device)
+        comm.all_gather(recv, packed, self.group)
+        out = torch.empty(part.numel(), dtype=torch.float32, device=part.device)
+        for bytes_, values in zip(recv.chunk(self.groups), out.chunk(self.groups)):
+            ops.unpack_dequantize_int8(bytes_, values, group_size=self.group_size)
+        return out

@@ -5,12 +5,19 @@ stored on parameters are not seen by Python's garbage collector, so a strong ref
 the engine and all its buffers alive after the last user reference is gone. It pickles as a hook
 that does nothing, so a model or Trainer that carries one can be pickled (``torch.save(trainer)``),
 as with DDP; what unpickles is a plain model, with no engine behind it.
+
+An ``EagerHook`` is a ``WeakHook`` that ``torch.compile`` never traces: dynamo breaks the graph around
+it and runs it as plain Python (as FSDP2 does with its module hooks), so what it does to parameters
+(re-allocating a unit's storage, changing a parameter's class, collectives) happens outside any
+graph, and the graph on either side sees the parameters as they are then.
 """
 
 from __future__ import annotations
 
 import weakref
 from typing import Any
+
+import torch
 
 
 class WeakHook:
@@ -28,6 +35,13 @@ class WeakHook:
 
     def __reduce__(self) -> tuple:
         return (_inert, ())
+
+
+class EagerHook(WeakHook):
+    __slots__ = ()
+
+    # Disabled once, here: dynamo neither traces the call nor compiles a frame of it.
+    __call__ = torch._dynamo.disable(WeakHook.__call__, recursive=True)
 
 
 def _inert(*args: Any) -> None:

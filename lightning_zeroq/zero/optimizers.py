@@ -61,7 +61,7 @@ FUSED_ON_CUDA = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 def prefer_fast_host_step(optimizer: torch.optim.Optimizer, group: dict,
                           also_on: Optional[torch.device] = None) -> None:
     """Optimizer offload steps on the CPU: use torch's fused CPU kernel where torch has one (Adam,
-    AdamW, SGD, Adagrad; 3.3x plain AdamW on 100M parameters, benchmarks/results/cpu_optimizer_cpu.txt),
+    AdamW, SGD, Adagrad; 3.3x plain AdamW on 100M parameters, benchmarks/results/cpu_optimizer_cpu_2026-11-30.txt),
     foreach for the other optimizers that have it. The update is the same; only the kernel differs.
     ``also_on``: the group also holds segments on this device (partial offload), so the fused kernel
     is taken only if torch has it there as well."""

@@ -15,6 +15,16 @@ Which modules become units is decided in ``plan.py``; how a unit is gathered and
 Order. The first forward records the order in which units are gathered; later forwards prefetch
 the next unit from that order (backward: the reverse). A unit that arrives out of order is gathered
 on demand, the order is re-recorded, and a warning is given once: control flow may change freely.
+Each backward's end forgets the forward's last unit: the next step's first unit is gathered when it
+is used, not prefetched and held through the loss and the backward.
+
+Activation checkpointing recomputes a forward inside the backward: there the pre-hook only gathers
+the unit (orders and prefetch untouched) and the post-hook keeps it gathered for its gradients.
+
+``torch.compile``: the hooks are ``EagerHook``s, which dynamo never traces (FSDP2 does the same with
+its hooks): it breaks the graph where a unit's forward begins and where it ends and compiles the
+forward in between, with the unit gathered; what the hooks do to parameters (storage, class) and the
+collectives stay outside every graph.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from lightning_zeroq.zero.gather import Gatherer
-from lightning_zeroq.zero.hooks import WeakHook
+from lightning_zeroq.zero.hooks import EagerHook
 from lightning_zeroq.zero.unit import Unit, UnitState
 
 
@@ -55,8 +65,8 @@ class Stage3Coordinator:
             if unit.persistent:
                 continue
             assert unit.module is not None
-            self._handles.append(unit.module.register_forward_pre_hook(WeakHook(self, "_pre_forward", unit)))
-            self._handles.append(unit.module.register_forward_hook(WeakHook(self, "_post_forward", unit)))
+            self._handles.append(unit.module.register_forward_pre_hook(EagerHook(self, "_pre_forward", unit)))
+            self._handles.append(unit.module.register_forward_hook(EagerHook(self, "_post_forward", unit)))
 
     def _use(self, unit: Unit, backward: bool) -> None:
         """Gather ``unit`` for use now; learn the order; prefetch the unit expected next."""
@@ -108,21 +118,30 @@ class Stage3Coordinator:
         """The backward pass is over: every transient unit is freed."""
         for unit in self.units:
             self.gatherer.free(unit)
-        self._last[True] = None
+        # The next forward starts a new order: its first unit is not learned as the successor of this
+        # forward's last (that prefetch was held through the loss and the backward, then freed unused).
+        self._last[False] = self._last[True] = None
         self._prefetched = []
 
-    # Hooks (installed as ``WeakHook``s).
+    # Hooks (installed as ``EagerHook``s).
 
     def _pre_forward(self, unit: Unit, module: nn.Module, args: Any) -> None:
+        if _in_backward():
+            # Activation checkpointing recomputes the forward inside the backward: the unit is gathered
+            # (its gradients come right after) but the recorded orders and the prefetch are left as they are.
+            self.gatherer.gather(unit)
+            return
         self._use(unit, backward=False)
 
     def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
+        if _in_backward():
+            return  # a recomputation: the unit stays gathered until its gradients are reduced
         if self.reshard_after_forward or not torch.is_grad_enabled():
             self.gatherer.free(unit)  # else it stays gathered until its gradients are reduced
         if torch.is_grad_enabled():
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(WeakHook(self, "_pre_backward", unit))
+                    t.register_hook(EagerHook(self, "_pre_backward", unit))
 
     def _pre_backward(self, unit: Unit, grad: torch.Tensor) -> None:
         self._use(unit, backward=True)
@@ -131,3 +150,8 @@ class Stage3Coordinator:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def _in_backward() -> bool:
+    """Is the autograd engine running a backward pass on this thread (a checkpoint's recomputation)?"""
+    return torch._C._current_graph_task_id() != -1

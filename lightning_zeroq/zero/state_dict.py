@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_zeroq.zero import comm
+from lightning_zeroq.zero import access, comm
 from lightning_zeroq.zero.gather import Gatherer
 from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
 from lightning_zeroq.zero.offload import OptimizerPlacement
@@ -76,6 +76,8 @@ def unit_parameter_names(engine: ShardedParts) -> dict[int, list[str]]:
 @torch.no_grad()
 def full_state_dict(engine: ShardedParts, rank0_only: bool = False) -> dict[str, Tensor]:
     out: dict[str, Tensor] = {}
+    if rank0_only and getattr(engine, "replica_rank", 0) != 0:
+        return {}  # hybrid groups: the first group gathers; the others hold the same values
     names = parameter_names(engine.module)
     root = dist.get_global_rank(engine.group, 0) if engine.group is not None and engine.world_size > 1 else 0
     for unit in engine.placement.resident(engine.units):
@@ -126,7 +128,7 @@ def load_full_state_dict(engine: ShardedParts, state: dict[str, Tensor]) -> set[
             name = next((n for n in names_of[unit.index][seg.param] if n in state), None)
             if name is not None:
                 unit.master[seg.shard_span].copy_(state[name].reshape(-1)[seg.param_span])
-        engine.gatherer.publish(unit)
+        access.publish_loaded(engine, unit)
     return managed
 
 
@@ -182,4 +184,4 @@ def load_sharded_state_dict(engine: ShardedParts, state: dict[str, Any]) -> None
         engine.loss_scaler.load_state_dict(state["loss_scaler"])
     for unit in engine.placement.resident(engine.units):
         unit.master.copy_(state["masters"][unit.index])
-        engine.gatherer.publish(unit)
+        access.publish_loaded(engine, unit)

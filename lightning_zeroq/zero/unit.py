@@ -192,14 +192,18 @@ def build_units(
     group: Optional[dist.ProcessGroup],
     adopt_master: Callable[[int, Tensor], Tensor],
     on_built: Callable[[Unit], None],
+    shard_rank: Optional[int] = None,
 ) -> list[Unit]:
     """Flatten, broadcast from rank 0 and shard each unit, one at a time (bounded memory).
 
     ``adopt_master`` receives the unit index and this rank's fp32 shard (a view of a temporary) and returns the master
     tensor the placement keeps; ``on_built`` sees each unit as soon as it exists (stage 3 frees a
-    transient unit there, before the next one is materialized).
+    transient unit there, before the next one is materialized). ``shard_rank``: which shard this rank
+    keeps (default: its rank in ``group``; with hybrid groups its rank in its shard group, while the
+    broadcast spans all of ``group``).
     """
     rank, world_size = comm.world(group)
+    rank = rank if shard_rank is None else shard_rank
     units: list[Unit] = []
     next_id = 0
     renamed: dict[int, nn.Parameter] = {}

@@ -8,6 +8,7 @@ objects at fixed points and never branches on the offload mode itself.
 | no offload | ``device.OptimizerPlacement`` | full width: ``device.MasterAlias`` (fp32) or ``device.CastMaster`` (bf16/fp16); INT8: ``device.DeviceStore`` |
 | ``offload_optimizer`` (cpu) | ``host.HostOptimizer`` | ``device.DeviceStore`` |
 | ``offload_optimizer`` (cpu), ``0 < offload_optimizer_ratio < 1`` | ``split.SplitOptimizer`` | full width: ``split.SplitStore`` (as no offload for the units whose master stays on the device, ``device.DeviceStore`` for the others); INT8: ``device.DeviceStore`` |
+| ``offload_optimizer`` (cpu), ``offload_optimizer_ratio="auto"`` | ``auto.AutoSplit`` (a ``SplitOptimizer`` that starts with every unit on the host and brings back what fits after the first step) | ``device.DeviceStore`` (kept after the decision) |
 | ``offload_optimizer`` (cpu), ``offload_optimizer_ratio=0`` | ``device.OptimizerPlacement`` | as no offload |
 | ``offload_optimizer_device="nvme"`` | ``nvme.NvmeOptimizer`` | ``device.DeviceStore`` |
 | ``offload_parameters`` (cpu) | | ``host.HostStore`` |
@@ -36,6 +37,7 @@ import torch
 
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.zero.layout import UnitLayout
+from lightning_zeroq.zero.offload.auto import AutoSplit
 from lightning_zeroq.zero.offload.device import CastMaster, DeviceStore, MasterAlias, OptimizerPlacement, ShardStore
 from lightning_zeroq.zero.offload.host import HostOptimizer, HostStore
 from lightning_zeroq.zero.offload.nvme import NvmeOptimizer, NvmeStore
@@ -54,6 +56,8 @@ def optimizer_placement(
         assert config.nvme_path is not None  # ZeroConfig checks it
         return NvmeOptimizer(device, param_dtype, world_size, nvme_path=config.nvme_path, rank=rank)
     host = HostOptimizer(device, param_dtype, world_size)
+    if config.offload_optimizer_ratio == "auto":
+        return AutoSplit(device, host, len(layouts), config.offload_memory_budget, rank)
     if config.offload_optimizer_ratio == 1.0:
         return host
     return SplitOptimizer(device, host, host_units(layouts, config.offload_optimizer_ratio))
@@ -61,7 +65,7 @@ def optimizer_placement(
 
 def _offloads_optimizer(config: ZeroConfig) -> bool:
     """Some master and optimizer state is off the device (ratio 0 offloads nothing)."""
-    return config.offload_optimizer and config.offload_optimizer_ratio > 0.0
+    return config.offload_optimizer and (config.offload_optimizer_ratio == "auto" or config.offload_optimizer_ratio > 0.0)
 
 
 def shard_store(

@@ -32,12 +32,15 @@ payload is the device master itself, nothing rests: ``MasterAlias`` (fp32) hands
 
 from __future__ import annotations
 
-from typing import Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Iterator, Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor
 
 from lightning_zeroq.zero.unit import Unit
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 
 CAST_CHUNK_NUMEL = 1 << 24
@@ -74,6 +77,10 @@ class OptimizerPlacement:
 
     def state_loaded(self, optimizer: torch.optim.Optimizer) -> None:
         pass
+
+    def step_done(self, units: Sequence[Unit], optimizers: Sequence[torch.optim.Optimizer], stepped: bool,
+                  group: Optional["dist.ProcessGroup"]) -> None:
+        """After a step and the window's end (``stepped``: the optimizer ran). ``auto.AutoSplit`` decides here."""
 
     def resident(self, units: Sequence[Unit]) -> Iterator[Unit]:
         yield from units

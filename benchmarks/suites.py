@@ -1,0 +1,204 @@
+"""The benchmark suites that ``benchmarks/suite.py`` runs: each a list of launches of the scripts in this
+folder through their command lines (arms x model x world size x link), with a time limit per launch.
+
+A launch's arguments may hold ``{scratch}`` (a scratch folder for checkpoints and snapshots, default the
+system temp dir), ``{out}`` (the results folder) and ``{cores}`` (this machine's CPU cores); its
+environment may hold ``{threads}`` (the cores per rank: the host step of the offload arms needs them, and
+``torchrun`` would set ``OMP_NUM_THREADS=1``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# NCCL's link per launch (step_time.py reads BENCH_LINK to name it in its results).
+LINKS: dict[str, dict[str, str]] = {
+    "nvlink": {},
+    "shm": {"NCCL_P2P_DISABLE": "1"},  # through host memory
+    "socket": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"},
+}
+
+# The model flags of step_time.py, checkpoint_time.py and fabric_step_time.py (their GPT).
+MODELS: dict[str, tuple[str, ...]] = {
+    "953m": (),  # the scripts' default: d=2048, 16 layers, SwiGLU 5632, vocab 32000, untied head
+    "1b": ("--layers", "17"),  # 1.005B parameters
+    "tiny": ("--dim", "64", "--layers", "2", "--heads", "2", "--ffn", "128", "--vocab", "256", "--seq", "32",
+             "--batch", "2"),  # CPU smoke runs
+}
+
+# Every launch runs with NVLink SHARP / multicast off, as the README's figures were measured.
+BASE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+SHARE_CORES = {"OMP_NUM_THREADS": "{threads}"}
+
+# Columns of the table printed (and stored) at the end of a JSON-lines results file.
+TABLE_COLUMNS: dict[str, tuple[str, ...]] = {
+    "step_time": ("arm", "link", "world_size", "params_M", "step_s_median", "peak_alloc_GiB_per_rank"),
+    "checkpoint_time": ("arm", "world_size", "checkpoint_GiB", "save_s", "blocked_s", "load_s"),
+    "fabric_step_time": ("mode", "stage", "step_s_median", "fabric_over_trainer"),
+    "host_adam": ("arm", "numel", "threads", "median_s", "GB_per_s"),
+    "quant_accuracy": ("stage", "steps", "final_loss_plain", "final_loss_int8", "final_loss_rel_diff"),
+    "eps_noise": ("stage", "eps", "step", "ddp_reversed_vs_ddp", "zeroq_vs_ddp"),
+}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One command: ``python ARGV`` (``world_size`` None) or ``torchrun --nproc-per-node WORLD_SIZE ARGV``.
+
+    ``bench`` names the results file (``<bench>_<hardware>_<date>``); ``output`` says what it keeps:
+    ``jsonl`` the JSON lines the script prints (the rest goes to a ``.log`` beside it), ``text`` all of it.
+    ``requires`` names modules without which the launch is skipped (e.g. DeepSpeed for its arms)."""
+
+    bench: str
+    argv: tuple[str, ...]
+    world_size: int | None = None
+    link: str | None = None
+    timeout: int = 600
+    env: dict[str, str] = field(default_factory=dict)
+    output: str = "jsonl"
+    requires: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.output not in ("jsonl", "text"):
+            raise ValueError(f"Launch output={self.output!r}: use 'jsonl' or 'text'")
+        if self.link is not None and self.link not in LINKS:
+            raise ValueError(f"Launch link={self.link!r}: use one of {', '.join(LINKS)}")
+
+
+@dataclass(frozen=True)
+class Suite:
+    """What a suite measures (``about``), whether the CUDA extension is built first, and its launches."""
+
+    about: str
+    launches: tuple[Launch, ...]
+    build: bool = False
+    gpu: bool = True
+
+
+def step_time(arms: str, links=("nvlink",), models=("953m",), world_sizes=(2,), timeout: int = 300,
+              extra: tuple[str, ...] = (), env: dict[str, str] | None = None, requires=(),
+              bench: str = "step_time") -> list[Launch]:
+    """One launch of step_time.py per link x model x world size, with all ``arms`` in it, one after another."""
+    return [Launch(bench, ("benchmarks/step_time.py", "--arms", arms, *MODELS[model], *extra), world_size=ws,
+                   link=link, timeout=timeout, env=dict(SHARE_CORES if env is None else env), requires=tuple(requires))
+            for link in links for model in models for ws in world_sizes]
+
+
+FIVE = "ddp,zeroq2,zeroq2+int8,zeroq3,zeroq3+int8"
+OFFLOAD_TABLE = ("zeroq3+offload_params,fsdp2+offload_optimizer,zeroq2+offload_optimizer,zeroq2,"
+                 "zeroq2+offload_optimizer+ratio25,zeroq2+offload_optimizer+ratio50,zeroq2+offload_optimizer+ratio75,"
+                 "zeroq2+offload_optimizer+auto,zeroq3+offload_optimizer+ratio50,zeroq3+offload_optimizer+auto,"
+                 "zeroq3+offload_params,fsdp2+offload_optimizer")
+OFFLOAD = ("zeroq2,zeroq2+offload_optimizer,zeroq2+offload_optimizer+ratio75,zeroq2+offload_optimizer+ratio50,"
+           "zeroq2+offload_optimizer+ratio25,zeroq3,zeroq3+offload_params,zeroq3+int8+offload_params")
+PEERS = "ddp,fsdp2,fsdp2+keep,ds2,ds3,ds3+int8,zeroq2,zeroq2+int8,zeroq3,zeroq3+int8,zeroq3+keep"
+PEERS_OFFLOAD = ("zeroq2,zeroq2+offload_optimizer,ds2+offload_optimizer,fsdp2+offload_optimizer,"
+                 "zeroq2+offload_optimizer+ratio25,zeroq2+offload_optimizer+ratio50,zeroq2+offload_optimizer+ratio75,"
+                 "zeroq3,zeroq3+offload_params,ds3+offload_optimizer+offload_params")
+HYBRID = "ddp,zeroq2,zeroq2+group1,zeroq2+group1+crossq,zeroq3,zeroq3+group1,zeroq3+group1+crossq"
+GPU_TESTS = ("-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rf", "-s", "tests")
+
+
+def _memory_account(arm: str, timeout: int, requires=()) -> Launch:
+    return Launch("memory_account", ("benchmarks/memory_account.py", "--arms", arm, "--out", "{scratch}/memory_account",
+                                     "--snapshot-mib", "10"), world_size=2, timeout=timeout, output="text",
+                  requires=tuple(requires))
+
+
+SUITES: dict[str, Suite] = {
+    "links": Suite(
+        "Step time and peak memory of DDP and ZeroQ stages 2 and 3, with and without INT8 weights, over NVLink, "
+        "host memory and loopback sockets (953M GPT, 2 GPUs); offload arms on NVLink",
+        (*step_time(FIVE + ",zeroq2+offload_optimizer,zeroq3+offload_params", timeout=240),
+         *step_time(FIVE, links=("shm",), timeout=150),
+         *step_time(FIVE, links=("socket",), timeout=200)), build=True),
+    "offload": Suite(
+        "CPU offload on one GPU: the host's floor (fused AdamW over all 953M fp32 elements), full, partial and "
+        "automatic (budget 13 GiB) optimizer offload in stages 2 and 3, parameter offload, FSDP2's CPU offload, "
+        "with what is live at each arm's peak",
+        (Launch("host_adam", ("benchmarks/host_adam.py", "--numel", "953223168", "--threads", "{cores}", "--steps",
+                              "3", "--rounds", "1"), timeout=60),
+         *step_time(OFFLOAD_TABLE, world_sizes=(1,), timeout=300,
+                    extra=("--steps", "4", "--warmup", "2", "--budget", "13", "--memory-peak"))), build=True),
+    "offload-2gpu": Suite(
+        "CPU offload at 2 GPUs: full and partial optimizer offload, stage-3 parameter offload (also with INT8 "
+        "weights); the host step with one thread per rank; the host AdamW step over one rank's share",
+        (*step_time(OFFLOAD, timeout=400),
+         *step_time("zeroq2+offload_optimizer", timeout=150, env={"OMP_NUM_THREADS": "1"}),
+         Launch("host_adam", ("benchmarks/host_adam.py", "--threads", "{cores}", "--numel", "476000000"),
+                timeout=280)), build=True),
+    "memory": Suite(
+        "Peak memory: stage 3 on a 1.005B GPT, and every GiB of the peaks by tensor class (memory_account.py) for "
+        "ZeroQ stages 2 and 3, FSDP2 and, where DeepSpeed is installed, DeepSpeed stages 2 and 3",
+        (*step_time("zeroq3,zeroq3+int8", models=("1b",), timeout=120),
+         _memory_account("zeroq2", 100), _memory_account("zeroq3", 100), _memory_account("fsdp2", 100),
+         _memory_account("ds2", 170, requires=("deepspeed",)), _memory_account("ds3", 110, requires=("deepspeed",))),
+        build=True),
+    "options": Suite(
+        "Stage-3 options: reshard_after_forward=False, prefetch depth 2, INT8 gradients, over NVLink and sockets",
+        (*step_time("zeroq3,zeroq3+keep,zeroq3+prefetch2,zeroq3+int8+qgrad,zeroq2+qgrad", timeout=200),
+         *step_time("zeroq3,zeroq3+keep,zeroq3+int8,zeroq3+int8+qgrad", links=("socket",), timeout=200)), build=True),
+    "peers": Suite(
+        "ZeroQ beside FSDP2 and DeepSpeed (step time, peak memory) on every link, with offload and gradient "
+        "clipping; sockets three times (they vary between launches); needs DeepSpeed",
+        (*step_time(PEERS, timeout=300, requires=("deepspeed",)),
+         *step_time("fsdp2,ds3,zeroq3,zeroq3+int8", links=("shm",), timeout=300, requires=("deepspeed",)),
+         *3 * step_time("ds3,zeroq3,ds3+int8,zeroq3+int8,zeroq3+int8+qgrad", links=("socket",), timeout=200,
+                        requires=("deepspeed",)),
+         *step_time(PEERS_OFFLOAD, timeout=400, requires=("deepspeed",)),
+         *step_time("zeroq2+clip,zeroq2+offload_optimizer+clip,ds2+offload_optimizer+clip", timeout=200,
+                    requires=("deepspeed",))), build=True),
+    "checkpoint": Suite(
+        "Checkpoint save and load time, time the training loop is blocked by an async save, and peak host memory "
+        "per rank: ZeroQ (pinned staging, pageable, async) against FSDP2 + DCP (sync, async), 953M GPT, 2 GPUs",
+        (Launch("checkpoint_time", ("benchmarks/checkpoint_time.py", "--dir", "{scratch}/checkpoint", "--repeats", "3",
+                                    "--verify", "--arms", "zeroq,zeroq_pageable,fsdp2,zeroq_async,fsdp2_async"),
+                world_size=2, timeout=540, env=dict(SHARE_CORES)),)),
+    "fabric": Suite(
+        "Step time of ZeroQ through Fabric against the Trainer, stages 2 and 3, alternating in one launch",
+        tuple(Launch("fabric_step_time", ("benchmarks/fabric_step_time.py", "--stage", str(stage), "--modes",
+                                          "fabric,trainer,fabric,trainer"), world_size=2, timeout=280)
+              for stage in (2, 3))),
+    "hybrid": Suite(
+        "Hybrid sharding (shard_group_size) at 2 GPUs, each GPU its own group (what 2 nodes of one GPU would do): "
+        "ZeRO 2 and 3 sharded over both against one group per GPU, with INT8 gradients across groups only, over "
+        "NVLink and over loopback sockets (the slow link between nodes)",
+        (*step_time(HYBRID, timeout=300), *step_time(HYBRID, links=("socket",), timeout=300)), build=True),
+    "kernels": Suite(
+        "Effective bandwidth of the INT8 quantize/dequantize kernels against a device-to-device copy",
+        (Launch("quant_kernels", ("-m", "benchmarks.quant_kernels", "--numel", "268435456"), timeout=120,
+                output="text"),), build=True),
+    "accuracy": Suite(
+        "Accuracy of INT8 weights: final loss of the same 300-step training with and without, stages 2 and 3 "
+        "(135M byte-level GPT, 2 GPUs)",
+        tuple(Launch("quant_accuracy", ("benchmarks/quant_accuracy.py", "--steps", "300", "--stage", str(stage)),
+                     world_size=2, timeout=150) for stage in (2, 3)), build=True),
+    "gpu-tests": Suite(
+        "The GPU tests (pytest -m gpu): engine parity with DDP on CUDA, offload, the CUDA kernels",
+        (Launch("gpu_tests", GPU_TESTS, timeout=420, output="text"),), build=True),
+    "eps-noise": Suite(
+        "ZeRO vs DDP at AdamW's default eps against DDP vs itself with the ranks summed in reverse order (CUDA)",
+        tuple(Launch("eps_noise", ("benchmarks/eps_noise.py", "--world-size", "2", "--stage", str(stage), "--device",
+                                   "cuda"), timeout=120) for stage in (2, 3)), build=True),
+    "host": Suite(
+        "The host side on this machine's CPUs: torch's CPU optimizers' update throughput, the NVMe swap space "
+        "against dd with O_DIRECT (in the --scratch folder)",
+        (Launch("cpu_optimizer", ("-m", "benchmarks.cpu_optimizer"), timeout=300, output="text"),
+         Launch("nvme_swap", ("-m", "benchmarks.nvme_swap", "--dir", "{scratch}"), timeout=300, output="text")),
+        gpu=False),
+    "smoke": Suite(
+        "Every CPU-capable benchmark once with a tiny model on gloo, to check the scripts run (figures mean nothing)",
+        (*step_time("ddp,zeroq2,zeroq3+int8", models=("tiny",), timeout=120, extra=("--steps", "2", "--warmup", "1"),
+                    env={"OMP_NUM_THREADS": "1"}),
+         Launch("checkpoint_time", ("benchmarks/checkpoint_time.py", *MODELS["tiny"], "--repeats", "1", "--arms",
+                                    "zeroq,fsdp2", "--dir", "{scratch}/checkpoint"), world_size=2, timeout=120),
+         Launch("fabric_step_time", ("benchmarks/fabric_step_time.py", *MODELS["tiny"], "--steps", "2", "--warmup",
+                                     "1", "--modes", "fabric,trainer"), world_size=2, timeout=120),
+         Launch("eps_noise", ("benchmarks/eps_noise.py", "--world-size", "2", "--stage", "3", "--steps", "2"),
+                timeout=120),
+         Launch("host_adam", ("benchmarks/host_adam.py", "--numel", "100000", "--threads", "1", "--steps", "1",
+                              "--rounds", "1"), timeout=60),
+         Launch("cpu_optimizer", ("-m", "benchmarks.cpu_optimizer", "--params", "1e5", "--steps", "1", "--warmup",
+                                  "1"), timeout=60, output="text")),
+        gpu=False),
+}
