@@ -4,6 +4,7 @@ previous checkpoint loadable."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import shutil
@@ -134,6 +135,8 @@ def test_doctored_metadata_never_runs(dist_pool, saved, tmp_path):
     ckpt = _copy(saved, "evil_metadata")
     marker = tmp_path / "metadata_payload_ran"
     (ckpt / ".metadata").write_bytes(pickle.dumps(Evil(str(marker))))
+    _expect_one_error(dist_pool(2).run(_try_load, str(ckpt)), ".metadata is not the one this checkpoint was saved with")
+    _reseal(ckpt, metadata_sha256=hashlib.sha256((ckpt / ".metadata").read_bytes()).hexdigest())  # as an attacker would
     _expect_one_error(dist_pool(2).run(_try_load, str(ckpt)), ".metadata refers to posix.mkdir")
     assert not marker.exists()
 
@@ -156,13 +159,14 @@ def test_doctored_trainer_state_is_refused(dist_pool, saved):
     _expect_one_error(dist_pool(2).run(_try_load, str(ckpt)), "trainer state cannot be read", "unknown tagged value")
 
 
-def _reseal(ckpt: Path) -> None:
+def _reseal(ckpt: Path, **changes) -> None:
     import json
 
     from lightning_zeroq.checkpoint.store import SELF_CHECKSUM, _self_checksum
 
     data = json.loads((ckpt / "zeroq.json").read_text())
     data.pop(SELF_CHECKSUM)
+    data.update(changes)
     data[SELF_CHECKSUM] = _self_checksum(data)
     (ckpt / "zeroq.json").write_text(json.dumps(data))
 

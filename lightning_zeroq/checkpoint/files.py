@@ -66,6 +66,16 @@ class Files:
             got += len(part)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    def read_into(self, name: str, offset: int, buffer: memoryview) -> int:
+        """Fill ``buffer`` from ``offset``; the bytes read (fewer only at the end of the file)."""
+        fd, got = self.fd(name), 0
+        while got < len(buffer):
+            n = os.preadv(fd, [buffer[got:got + (1 << 30)]], offset + got)
+            if n <= 0:
+                break
+            got += n
+        return got
+
     def replaced(self) -> bool:
         """Whether the directory was removed (or replaced by a save) since it was opened."""
         try:

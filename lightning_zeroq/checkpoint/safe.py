@@ -113,6 +113,7 @@ class SafeReader(FileSystemReader):
         self._metadata = metadata
         self.files = files
         self.checksums = checksums
+        self._buffer: Optional[bytearray] = None
         self.error: Optional[BaseException] = None
         """The first error of the last ``read_data`` (DCP wraps it; ``read_entries`` raises it as it was)."""
 
@@ -126,10 +127,14 @@ class SafeReader(FileSystemReader):
             self.files = Files(Path(self.path))
         return self.files
 
-    def _item(self, read_item: ReadItem) -> bytes:
-        """The stored bytes of ``read_item``'s item, checked against its checksum."""
+    def _item(self, read_item: ReadItem) -> memoryview:
+        """The stored bytes of ``read_item``'s item (in a buffer reused item after item, valid until the
+        next call), checked against its checksum."""
         info = self.storage_data[read_item.storage_index]
-        data = self._files().read(info.relative_path, info.offset, info.length)
+        if self._buffer is None or len(self._buffer) < info.length:
+            self._buffer = bytearray(info.length)
+        data = memoryview(self._buffer)[:info.length]
+        data = data[:self._files().read_into(info.relative_path, info.offset, data)]
         where = f"{Path(self.path) / info.relative_path}: item {read_item.storage_index.fqn!r}"
         if len(data) != info.length:
             raise ItemError(f"{where} ends after {len(data)} of its {info.length} bytes: the file is truncated. "
@@ -162,6 +167,7 @@ class SafeReader(FileSystemReader):
         for req in order:
             info = self.storage_data[req.storage_index]
             where = f"{Path(self.path) / info.relative_path}: item {req.storage_index.fqn!r}"
+            data: Any
             if cached[0] != (info.relative_path, info.offset):
                 data = self._item(req)
                 if info.transform_descriptors:
@@ -174,7 +180,8 @@ class SafeReader(FileSystemReader):
                 continue
             if not isinstance(data, Tensor):
                 try:
-                    data = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                    data = torch.load(_MemoryFile(data), map_location="cpu",  # type: ignore[arg-type]  # any readable object does
+                                      weights_only=True)
                     if not isinstance(data, Tensor):
                         raise TypeError(f"it holds a {type(data).__name__}, not a tensor")
                 except Exception as error:
@@ -189,6 +196,40 @@ class SafeReader(FileSystemReader):
                                 f"{tuple(target.size())}: the checkpoint is damaged.")
             target.copy_(tensor)
             planner.commit_tensor(req, target)
+
+
+class _MemoryFile:
+    """A read-only file over a buffer, for ``torch.load``: ``readinto`` copies straight into the
+    storage torch allocates (``io.BytesIO`` would first copy a writable buffer into its own)."""
+
+    def __init__(self, data: Any) -> None:
+        self.data, self.pos = memoryview(data).cast("B"), 0
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = pos if whence == 0 else self.pos + pos if whence == 1 else len(self.data) + pos
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        n = max(min(len(out), len(self.data) - self.pos), 0)
+        out[:n] = self.data[self.pos:self.pos + n]
+        self.pos += n
+        return n
+
+    def read(self, size: int = -1) -> bytes:
+        end = len(self.data) if size is None or size < 0 else min(self.pos + size, len(self.data))
+        out = bytes(self.data[self.pos:end])
+        self.pos = max(end, self.pos)
+        return out
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
 
 
 def _narrow(tensor: Tensor, offsets: torch.Size, lengths: torch.Size) -> Tensor:

@@ -174,13 +174,17 @@ def validate(files: Files) -> tuple[Optional[Manifest], Optional[Metadata], list
         return None, None, [str(error)]
     try:
         raw = files.read(METADATA_FILE)
+    except (ValueError, OSError) as error:
+        return manifest, None, [(f"{directory / METADATA_FILE} could not be read ({error}); the checkpoint is damaged "
+                                "or incomplete.")]
+    if hashlib.sha256(raw).hexdigest() != manifest.metadata_sha256:  # checked before anything is unpickled
+        return manifest, None, [
+            (f"{directory / METADATA_FILE} is not the one this checkpoint was saved with (its sha256 differs from "
+            f"{MANIFEST_FILE}'s); it was replaced or damaged. Resume from an earlier checkpoint.")]
+    try:
         metadata = read_metadata(directory, raw)
     except (UnsafeCheckpointError, RuntimeError, OSError) as error:
         return manifest, None, [str(error)]
-    if hashlib.sha256(raw).hexdigest() != manifest.metadata_sha256:
-        return manifest, metadata, [(
-            f"{directory / METADATA_FILE} is not the one this checkpoint was saved with (its sha256 differs from "
-            f"{MANIFEST_FILE}'s); it was replaced or damaged.")]
     return manifest, metadata, check_files(files, metadata, manifest)
 
 
