@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Generator, Mapping, Optional
@@ -158,22 +159,24 @@ class ZeroQStrategy(DDPStrategy):
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         if type(self._launcher) is _SubprocessScriptLauncher:  # the ranks it kills leave no swap directory
-            nvme_path = self.config.nvme_path
             self._launcher = ZeroQLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
-                                           lambda: [str(nvme_path)] if nvme_path else [])
+                                           functools.partial(_swap_roots, self.config.nvme_path))
 
     @override
     def setup_distributed(self) -> None:
         # Ranks join within JOIN_TIMEOUT (a short collective timeout must not fail a slow start: the
         # launcher's children import torch and Lightning first); collectives then get ``timeout``.
+        # A lone process joins nobody: it gets ``timeout`` as given, as in Lightning's own strategies.
         timeout = self._timeout
-        if timeout is not None and timeout < JOIN_TIMEOUT and not dist.is_initialized():
+        if (timeout is not None and timeout < JOIN_TIMEOUT and not dist.is_initialized()
+                and self.cluster_environment is not None and self.cluster_environment.world_size() > 1):
             self._timeout = JOIN_TIMEOUT
             try:
                 super().setup_distributed()
             finally:
                 self._timeout = timeout
-            dist.distributed_c10d._set_pg_timeout(timeout)
+            if dist.is_initialized():  # not when the caller stood in for init_process_group
+                dist.distributed_c10d._set_pg_timeout(timeout)
             return
         super().setup_distributed()
 
@@ -401,6 +404,12 @@ class ZeroQStrategy(DDPStrategy):
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         register_presets(strategy_registry, cls)
+
+
+def _swap_roots(nvme_path: Optional[str]) -> list[str]:
+    """Where the launcher looks for the swap directories of the ranks it killed (a module-level
+    function: the launcher, and so the Trainer, must pickle)."""
+    return [str(nvme_path)] if nvme_path else []
 
 
 def _check_disjoint(optimizers: list) -> None:

@@ -185,6 +185,14 @@ def _ckpt(global_step: int, epoch: int = 0, **extra) -> dict:
             "optimizer_states": ANY, "pytorch-lightning_version": __version__, "state_dict": ANY, "loops": ANY, **extra}
 
 
+def _loaded(checkpoint: dict) -> dict:
+    """What the load hooks receive: as with DeepSpeed (and FSDP's sharded checkpoints), the weights and
+    the optimizer state go straight into the shards, so the hooks get the trainer state without
+    ``state_dict`` and ``optimizer_states`` (README, Checkpoints). Upstream's default strategy loads one
+    file and hands over all of it."""
+    return {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+
+
 # --------------------------------------------------------------------------- counts and metrics
 
 
@@ -419,10 +427,10 @@ def _hook_system_resume(spec: str, root: str, by: str) -> None:
     model = HookedModel(called)
     if by == "epochs":  # 1 epoch of 2 steps done; resume and do 2 more
         limits = {"max_epochs": 2, "limit_train_batches": 2}
-        loaded, saved = _ckpt(2), _ckpt(4, epoch=1)
+        loaded, saved = _loaded(_ckpt(2)), _ckpt(4, epoch=1)
     else:  # 1 step done; resume for 2 more
         limits = {"max_steps": 3}
-        loaded, saved = _ckpt(1), _ckpt(3)
+        loaded, saved = _loaded(_ckpt(1)), _ckpt(3)
     trainer = h.trainer(spec, root, limit_val_batches=0, callbacks=[HookedCallback(called)], **limits, **_quiet())
     trainer.fit(model, ckpt_path=best_model_path)
     device = trainer.strategy.root_device
@@ -437,21 +445,21 @@ def _hook_system_resume(spec: str, root: str, by: str) -> None:
         {"name": "Callback.on_load_checkpoint", "args": (trainer, model, loaded)},
         {"name": "Callback.load_state_dict", "args": ({"foo": True},)},
     ]
-    # zeroq, as DeepSpeed, restores the checkpoint after its set-up (restore_checkpoint_after_setup), which
-    # is where the optimizers are built: Lightning then calls configure_optimizers before the load hooks
+    fit_start = [{"name": "Callback.on_fit_start", "args": (trainer, model)}, {"name": "on_fit_start"}]
+    # zeroq, as DeepSpeed, restores the checkpoint after its set-up (restore_checkpoint_after_setup): the
+    # Trainer builds the optimizers in the strategy's setup, calls on_fit_start, then the load hooks
+    # (Trainer._run); upstream's default strategy loads before the setup, so before both.
     if trainer.strategy.restore_checkpoint_after_setup:
-        restore_and_configure.insert(0, {"name": "configure_optimizers"})
+        setup_to_fit_start = [{"name": "configure_optimizers"}, *fit_start, *restore_and_configure]
     else:
-        restore_and_configure.append({"name": "configure_optimizers"})
+        setup_to_fit_start = [*restore_and_configure, {"name": "configure_optimizers"}, *fit_start]
     expected = [
         {"name": "configure_callbacks"},
         *_prepared(trainer),
         {"name": "Callback.setup", "args": (trainer, model), "kwargs": {"stage": "fit"}},
         {"name": "setup", "kwargs": {"stage": "fit"}},
         {"name": "configure_model"},
-        *restore_and_configure,
-        {"name": "Callback.on_fit_start", "args": (trainer, model)},
-        {"name": "on_fit_start"},
+        *setup_to_fit_start,
         {"name": "zero_grad"},
         {"name": "train_dataloader"},
         {"name": "Callback.on_train_start", "args": (trainer, model)},
@@ -469,7 +477,7 @@ def _hook_system_resume(spec: str, root: str, by: str) -> None:
         {"name": "Callback.teardown", "args": (trainer, model), "kwargs": {"stage": "fit"}},
         {"name": "teardown", "kwargs": {"stage": "fit"}},
     ]
-    assert called == expected
+    assert called == expected, _first_difference(called, expected)
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -714,3 +722,11 @@ def _train_eval_mode(spec: str, root: str) -> None:
 @pytest.mark.parametrize("spec", SPECS)
 def test_train_eval_mode_restored(dist_pool, tmp_path, spec):
     on_ranks(dist_pool, _train_eval_mode, spec, str(tmp_path))
+
+
+def _first_difference(called: list, expected: list) -> str:
+    """Where the recorded hooks leave the expected ones (an assertion message, not a check)."""
+    for i, (a, b) in enumerate(zip(called, expected)):
+        if a != b:
+            return f"hook {i}: called {a}, expected {b}"
+    return f"{len(called)} hooks called, {len(expected)} expected"
