@@ -295,13 +295,21 @@ class SafeLoadPlanner(LoadPlanner):
 
 
 def unwrap(error: BaseException) -> BaseException:
-    """The first rank's own exception inside DCP's ``CheckpointException`` (a ``BaseException``)."""
-    failures = list(getattr(error, "failures", {}).values())
-    if not failures:
+    """The first failing rank's own exception inside DCP's ``CheckpointException``.
+
+    ``failures`` maps a rank to ``(exception, traceback.StackSummary)`` (torch 2.11 to 2.13) or, in
+    other versions, to an object with ``.exception`` or to the exception itself; a nested
+    ``CheckpointException`` is unwrapped in turn. Anything else becomes a ``RuntimeError`` of its text."""
+    failures = getattr(error, "failures", None)
+    if not isinstance(failures, dict) or not failures:
         return error
-    inner = failures[0]
-    return getattr(inner, "exception", inner) if isinstance(getattr(inner, "exception", inner), BaseException) \
-        else RuntimeError(str(inner))
+    inner: object = failures[min(failures)] if all(isinstance(k, int) for k in failures) else next(iter(failures.values()))
+    if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
+        inner = inner[0]
+    inner = getattr(inner, "exception", inner)
+    if isinstance(inner, BaseException):
+        return unwrap(inner) if isinstance(getattr(inner, "failures", None), dict) and inner is not error else inner
+    return RuntimeError(str(inner))
 
 
 def read_entries(reader: SafeReader, targets: dict[str, Any]) -> None:
