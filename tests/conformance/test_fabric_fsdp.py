@@ -9,7 +9,6 @@ and ``gathered_parameters``; the cases about FSDP's own wrapping machinery are i
 from __future__ import annotations
 
 import os
-from copy import deepcopy
 from pathlib import Path
 
 import pytest
