@@ -360,6 +360,7 @@ def _consolidated_body(tmp: str) -> None:
     from lightning.fabric.utilities.load import _load_distributed_checkpoint
 
     from lightning_zeroq import ZeroQFabricStrategy
+    from lightning_zeroq.checkpoint.agree import CheckpointError
     from lightning_zeroq.checkpoint.convert import consolidate
 
     zq = _launched(ZeroQFabricStrategy(stage=2))
@@ -389,6 +390,16 @@ def _consolidated_body(tmp: str) -> None:
         for when in (0, 1):  # the weights as loaded, then after a step that reads the Adam moments
             for name, value in results["dir"][when].items():
                 assert torch.equal(results[source][when][name], value), (source, when, name)
+    # a name-keyed optimizer state whose names are not this model's is refused on every rank, before any change
+    if dist.get_rank() == 0:
+        other = torch.load(f"{tmp}/lightning.pt", weights_only=True)
+        other["optimizer_0"]["param_groups"][0]["params"][0] = "not_a_parameter"
+        torch.save(other, f"{tmp}/other.pt")
+    dist.barrier()
+    fabric = _launched(ZeroQFabricStrategy(stage=2))
+    model, opt, _ = _setup(fabric, 3)
+    with pytest.raises(CheckpointError, match="names 'not_a_parameter' where this model has"):
+        fabric.load(f"{tmp}/other.pt", {"model": model, "optimizer": opt})
 
 
 def test_fabric_load_reads_a_directory_consolidated_by_lightning(dist_pool, tmp_path):
