@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -349,3 +350,57 @@ def test_fabric_save_at_two_ranks_loads_at_three_and_trains_as_ddp(dist_pool, tm
     dist_pool(2).run(_save_body, str(tmp_path))
     assert (tmp_path / "zeroq").is_dir() and (tmp_path / "ddp.pt").is_file()
     assert max(dist_pool(3).run(_load_body, str(tmp_path))) <= 1e-5
+
+
+def _consolidated_body(tmp: str) -> None:
+    """A ZeroQ directory consolidated by Lightning's ``_load_distributed_checkpoint`` (as its FSDP users do)
+    loads with ``fabric.load``: the Trainer-layout keys go to the caller's model and optimizer, the entries it
+    drops are named in a warning; ``consolidate(lightning=True, optimizer=True)`` keeps them. A step after
+    each load equals, bit for bit, a step after loading the directory itself."""
+    from lightning.fabric.utilities.load import _load_distributed_checkpoint
+
+    from lightning_zeroq import ZeroQFabricStrategy
+    from lightning_zeroq.checkpoint.agree import CheckpointError
+    from lightning_zeroq.checkpoint.convert import consolidate
+
+    zq = _launched(ZeroQFabricStrategy(stage=2))
+    model, opt, sched = _setup(zq, 5)
+    _fabric_steps(zq, model, opt, sched, 0, 2)
+    zq.save(f"{tmp}/dir", {"model": model, "optimizer": opt, "sched": sched, "step": 2})
+    if dist.get_rank() == 0:
+        torch.save(_load_distributed_checkpoint(Path(f"{tmp}/dir")), f"{tmp}/lightning.pt")
+        consolidate(Path(f"{tmp}/dir"), Path(f"{tmp}/convert.pt"), lightning=True, optimizer=True)
+    dist.barrier()
+    results = {}
+    for source in ("dir", "lightning.pt", "convert.pt"):
+        fabric = _launched(ZeroQFabricStrategy(stage=3, **STAGE3))
+        model, opt, sched = _setup(fabric, 99 + dist.get_rank())  # other weights: the load must replace them
+        state = {"model": model, "optimizer": opt, "sched": sched, "step": 0}
+        lost = pytest.warns(UserWarning, match=r"not \['sched', 'step'\].*zeroq-convert.*consolidate\(")
+        with lost if source == "lightning.pt" else contextlib.nullcontext():
+            fabric.load(f"{tmp}/{source}", state)
+        assert state["step"] == (0 if source == "lightning.pt" else 2), (source, state["step"])
+        assert opt.param_groups[0]["lr"] == pytest.approx(2e-2 * 0.9 ** 2), source  # from the optimizer's state
+        before = fabric.strategy.full_state_dict()
+        fabric.backward(_loss(model, make_batch(2, 0, dist.get_rank(), uniform=True)))
+        opt.step()
+        opt.zero_grad()
+        results[source] = (before, fabric.strategy.full_state_dict())
+    for source in ("lightning.pt", "convert.pt"):
+        for when in (0, 1):  # the weights as loaded, then after a step that reads the Adam moments
+            for name, value in results["dir"][when].items():
+                assert torch.equal(results[source][when][name], value), (source, when, name)
+    # a name-keyed optimizer state whose names are not this model's is refused on every rank, before any change
+    if dist.get_rank() == 0:
+        other = torch.load(f"{tmp}/lightning.pt", weights_only=True)
+        other["optimizer_0"]["param_groups"][0]["params"][0] = "not_a_parameter"
+        torch.save(other, f"{tmp}/other.pt")
+    dist.barrier()
+    fabric = _launched(ZeroQFabricStrategy(stage=2))
+    model, opt, _ = _setup(fabric, 3)
+    with pytest.raises(CheckpointError, match="names 'not_a_parameter' where this model has"):
+        fabric.load(f"{tmp}/other.pt", {"model": model, "optimizer": opt})
+
+
+def test_fabric_load_reads_a_directory_consolidated_by_lightning(dist_pool, tmp_path):
+    dist_pool(2).run(_consolidated_body, str(tmp_path))

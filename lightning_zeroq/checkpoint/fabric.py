@@ -16,6 +16,7 @@ requested entry be there and that the model's names match. A single file (``fabr
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -26,7 +27,7 @@ from lightning_zeroq.checkpoint.agree import CheckpointError, agree, checkpoint_
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer, locate_error
 from lightning_zeroq.checkpoint.engine_io import engine_state, load_engine, save_state
 from lightning_zeroq.checkpoint.lightning import torch_load, load_torch_optimizer_state
-from lightning_zeroq.checkpoint.store import Kind, classify
+from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY, Kind, classify
 from lightning_zeroq.zero import state_dict as zsd
 
 FABRIC_KEY = "zeroq_fabric"
@@ -93,8 +94,9 @@ def load(strategy: Any, path: Path, state: Any, strict: bool, weights_only: Opti
     group = checkpoint_group()
     located = classify(Path(path))
     if located.kind is Kind.FILE:
+        requested = [k for k in state if k not in (module_key, optimizer_key)]
         saved = _load_single_file(engine, Path(path), weights_only, None if raw else module_key, optimizer_key,
-                                  strict, group)
+                                  strict, group, requested)
     else:
         problem = locate_error(located) if located.kind not in (Kind.ZEROQ, Kind.DCP) else None
         agree([problem] if problem else [], f"Loading checkpoint {path}", group)
@@ -107,7 +109,7 @@ def load(strategy: Any, path: Path, state: Any, strict: bool, weights_only: Opti
     if scaler is not None and engine.loss_scaler is not None:
         engine.loss_scaler.load_state_dict(scaler)
     requested = [k for k in state if k not in (module_key, optimizer_key)]
-    missing = [k for k in requested if k not in items]
+    missing = [k for k in requested if k not in items and k not in saved.get("lost", ())]  # lost: warned of
     if strict and missing:
         raise KeyError(f"{what}: the checkpoint has no {missing} (it holds {sorted(items)}); pass strict=False "
                        "to load what is there.")
@@ -122,11 +124,42 @@ def load(strategy: Any, path: Path, state: Any, strict: bool, weights_only: Opti
     return items
 
 
+def _from_trainer_layout(path: Path, checkpoint: dict, module_key: str, optimizer_key: Optional[str],
+                         requested: list[str]) -> tuple[dict, list[str]]:
+    """A file in the Trainer's layout (``state_dict``, ``optimizer_0`` or ``optimizer_states``), as Lightning's
+    ``_load_distributed_checkpoint`` makes of a ZeroQ directory or ``zeroq-convert --lightning`` writes: its
+    model and optimizer under the caller's keys, its Fabric entries (``items``) beside them. Lightning's
+    consolidation reads only the tensors, so the other entries are gone: a warning says where they are kept."""
+    if not isinstance(checkpoint.get(MODEL_KEY), dict):
+        return checkpoint, []
+    out = dict(checkpoint.get("items") or {}) if FABRIC_KEY in checkpoint else {}
+    out[module_key] = checkpoint[MODEL_KEY]
+    optimizer = checkpoint.get(OPTIMIZER_KEY)
+    if optimizer is None and checkpoint.get("optimizer_states"):
+        optimizer = checkpoint["optimizer_states"][0]
+    if optimizer_key is not None and optimizer is not None:
+        out[optimizer_key] = optimizer
+    lost = [k for k in requested if k not in out] if FABRIC_KEY not in checkpoint else []
+    if lost:
+        warnings.warn(f"{path} holds the model and optimizer in the Trainer's layout but not {lost}: Lightning's "
+                      "_load_distributed_checkpoint drops a ZeroQ directory's other entries (kept in its zeroq.json); "
+                      "they keep the values passed to fabric.load. To keep them, consolidate with `zeroq-convert "
+                      "--lightning --optimizer DIR OUT.pt` or lightning_zeroq.checkpoint.convert.consolidate(DIR, OUT, "
+                      "lightning=True, optimizer=True).", stacklevel=3)
+    return out, lost
+
+
 def _load_single_file(engine: Any, path: Path, weights_only: Optional[bool], module_key: Optional[str],
-                      optimizer_key: Optional[str], strict: bool, group: Any) -> dict:
-    """A checkpoint file written by ``fabric.save`` under another strategy (DDP): a dict of entries; with
-    ``module_key=None`` (``load_raw``) the file is the model's state dict itself."""
+                      optimizer_key: Optional[str], strict: bool, group: Any,
+                      requested: Optional[list[str]] = None) -> dict:
+    """A checkpoint file written by ``fabric.save`` under another strategy (DDP), or a consolidated ZeroQ
+    directory in the Trainer's layout (``_from_trainer_layout``): a dict of entries; with ``module_key=None``
+    (``load_raw``) the file is the model's state dict itself."""
+    requested = requested or []
+    lost: list[str] = []
     checkpoint = torch_load(path, weights_only is not False, group)
+    if module_key is not None and isinstance(checkpoint, dict) and module_key not in checkpoint:
+        checkpoint, lost = _from_trainer_layout(path, checkpoint, module_key, optimizer_key, requested)
     errors = []
     if not isinstance(checkpoint, dict) or (module_key is not None and module_key not in checkpoint):
         errors.append(f"{path} holds no {module_key!r} entry with the model's state dict." if module_key is not None
@@ -138,10 +171,10 @@ def _load_single_file(engine: Any, path: Path, weights_only: Optional[bool], mod
     optimizer = checkpoint.pop(optimizer_key, None) if optimizer_key is not None else None
     if optimizer is not None:  # the weights and the optimizer state in one pass, checked first
         load_torch_optimizer_state(engine, model, optimizer, group, strict=strict)
-        return {"items": checkpoint}
+        return {"items": checkpoint, "lost": lost}
     missing, unexpected = zsd.load_module_state_dict(engine, engine.module, model)
     if strict and (missing or unexpected):
         raise CheckpointError(f"Loading checkpoint {path}: missing keys {missing}, unexpected keys {unexpected}; "
                               "pass strict=False to ignore them.")
-    return {"items": checkpoint}
+    return {"items": checkpoint, "lost": lost}
 

@@ -247,25 +247,36 @@ def model_errors(engine: Any, model: dict, strict: bool) -> list[str]:
     return errors
 
 
+def _param_id(key: Any) -> Any:
+    """An optimizer state's parameter key: torch's integer id (an int, or a digit string after JSON), or
+    the parameter's name where the state is keyed by name (a consolidated ZeroQ or FSDP checkpoint)."""
+    return int(key) if isinstance(key, int) or (isinstance(key, str) and key.isdigit()) else key
+
+
 def load_torch_optimizer_state(engine: Any, model: dict, optimizer_state: dict, group: Any,
                                strict: bool = True) -> None:
     """A torch-format optimizer state (integer ids in param-group order, as ``strategy="ddp"`` saves
-    it) into the shards, with the model's weights, unit by unit; ``model`` is checked first
-    (``model_errors``), on every rank, before any state changes."""
+    it, or keyed by parameter name, as Lightning's consolidation of a ZeroQ directory gives it) into
+    the shards, with the model's weights, unit by unit; ``model`` is checked first (``model_errors``),
+    on every rank, before any state changes."""
     groups = engine_state.sharded_optimizer_state(engine)["param_groups"]  # every parameter's name, by group
     saved = optimizer_state.get("param_groups", [])
     errors = model_errors(engine, model, strict)
     if len(saved) != len(groups):
         errors.append(f"the checkpoint's optimizer has {len(saved)} param group(s), this one {len(groups)}.")
-    names: dict[int, str] = {}
+    names: dict[Any, str] = {}
     for g, (mine, theirs) in enumerate(zip(groups, saved)):
         if len(mine["params"]) != len(theirs["params"]):
             errors.append(f"param group {g} holds {len(theirs['params'])} parameters in the checkpoint, "
                           f"{len(mine['params'])} here: configure_optimizers must build the same groups.")
-        names.update(zip(theirs["params"], mine["params"]))
+        names.update(zip(map(_param_id, theirs["params"]), mine["params"]))
+        renamed = [(t, m) for t, m in zip(theirs["params"], mine["params"]) if isinstance(t, str) and t != m]
+        if renamed:  # a name-keyed state (a consolidated ZeroQ or FSDP checkpoint): the names must agree
+            errors.append(f"param group {g} of the checkpoint's optimizer names {renamed[0][0]!r} where this "
+                          f"model has {renamed[0][1]!r}: the optimizer state belongs to another model.")
     shapes = {k: v.shape for k, v in model.items() if isinstance(v, Tensor)}
     for index, entry in optimizer_state.get("state", {}).items():
-        name = names.get(int(index))
+        name = names.get(_param_id(index))
         for key, value in entry.items() if name in shapes else ():
             if isinstance(value, Tensor) and value.dim() > 0 and value.shape != shapes[name]:
                 errors.append(
@@ -277,7 +288,7 @@ def load_torch_optimizer_state(engine: Any, model: dict, optimizer_state: dict, 
     flat: dict[str, Any] = {f"{MODEL_KEY}.{k}": v for k, v in model.items()}
     keys: dict[str, list[str]] = {}
     for index, entry in optimizer_state.get("state", {}).items():
-        name = names.get(int(index))
+        name = names.get(_param_id(index))
         if name is None:
             continue
         keys[name] = sorted(entry)

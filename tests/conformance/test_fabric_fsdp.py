@@ -9,7 +9,6 @@ and ``gathered_parameters``; the cases about FSDP's own wrapping machinery are i
 from __future__ import annotations
 
 import os
-from copy import deepcopy
 from pathlib import Path
 
 import pytest
@@ -18,15 +17,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from tests.conformance.harness_fabric import FREED, SIGNATURES, KnownDefect, fabric, known, run
+from tests.conformance.harness_fabric import FREED, fabric, run
 
-
-class ConsolidatedFabricCheckpoint(KnownDefect):
-    """new: a zeroq Fabric checkpoint consolidated by Lightning's _load_distributed_checkpoint does not load back
-    with fabric.load (its keys are the Trainer's state_dict/optimizer_0, and its other entries live in zeroq.json)"""
-
-
-SIGNATURES.append((ConsolidatedFabricCheckpoint, "holds no 'model' entry with the model's state dict"))
 
 PORTED = "ported"
 ORIGINAL = {
@@ -286,7 +278,6 @@ def _sharded_consolidate_body(tmp, stage):
     f.load(full, {"model": model, "optimizer": optimizer, "steps": 1})
 
 
-@known(ConsolidatedFabricCheckpoint)
 @pytest.mark.parametrize("stage", [1, 3])
 def test_save_sharded_and_consolidate_and_load(dist_pool, tmp_path, stage):
     run(dist_pool(2), _sharded_consolidate_body, str(tmp_path), stage)
