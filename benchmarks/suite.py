@@ -46,7 +46,7 @@ from suites import BASE_ENV, LINKS, SUITES, TABLE_COLUMNS, Launch
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD = ("-c", "from lightning_zeroq.ops._load import main; raise SystemExit(main())")
-NAME = re.compile(r"^[a-z0-9_]+_(cpu|\d+x[a-z0-9]+)_\d{4}-\d{2}-\d{2}\.(jsonl|txt|log)$")
+NAME = re.compile(r"^[a-z0-9_]+_(cpu|\d+x[a-z0-9]+)_\d{4}-\d{2}-\d{2}\.(jsonl|txt|log|md)$")
 
 
 def gpus() -> list[str]:

@@ -68,7 +68,8 @@ class ZeroQStrategy(DDPStrategy):
             ``overlap_comm``, ``managed_gradient_accumulation``, ``offload_optimizer``,
             ``offload_optimizer_device``, ``offload_optimizer_ratio``, ``offload_parameters``,
             ``offload_params_device``,
-            ``nvme_path``, ``quantized_weights``.
+            ``nvme_path``, ``quantized_weights``, ``shard_group_size`` (``"node"``: the processes of
+            one node, ``devices``), ``quantize_cross_group_only``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as in Lightning's ``DDPStrategy``.
         async_checkpoint: save checkpoints with ``torch.distributed.checkpoint.async_save``: training
@@ -196,7 +197,8 @@ class ZeroQStrategy(DDPStrategy):
                 self.engine.close()  # the previous fit's engine: its state goes (NVMe files included)
             if fitting and self._layer_sync:
                 self.model = self._layer_sync.apply(self.model)
-            self.engine = build_engine(module, self.config, plugin, self.root_device)
+            self.engine = build_engine(module, self.config, plugin, self.root_device,
+                                       ranks_per_node=self.num_processes)
         if self.engine.retired:
             self.precision_plugin.attach_engine(None, self.root_device.type)
             self.setup_precision_plugin()
