@@ -160,7 +160,7 @@ class ZeroEngine:
         """Rebind ``optimizer``'s param groups to this rank's fp32 master segments.
 
         The optimizer object itself is kept, so LR schedulers and ``LearningRateMonitor`` that hold it
-        keep working; its state starts empty. Several optimizers may be attached if their parameters are
+        keep working; state it holds for a parameter (Adagrad's) is cut to the segments. Several optimizers may be attached if their parameters are
         disjoint; one whose parameters overlap an attached one's replaces it (a new optimizer for the
         same model).
         """

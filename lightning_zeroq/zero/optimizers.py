@@ -96,8 +96,9 @@ def bind_to_shards(optimizer: torch.optim.Optimizer, module: nn.Module, units: S
     """Rebind ``optimizer``'s param groups to this rank's fp32 master segments, in place.
 
     The optimizer object itself is kept, so LR schedulers and ``LearningRateMonitor`` that hold it keep
-    working; its state starts empty. An optimizer bound before (its groups hold segment views) binds
-    again to the same parameters.
+    working. State it holds for a parameter (Adagrad's, made by its constructor) is cut to that
+    parameter's segments, as DDP would keep it. An optimizer bound before (its groups hold segment
+    views) binds again to the same parameters, its state dropped.
     """
     check_elementwise(optimizer)
     # A group that was bound before holds master segment views: read them as their parameters.
@@ -130,10 +131,26 @@ def bind_to_shards(optimizer: torch.optim.Optimizer, module: nn.Module, units: S
             if group_index is not None:
                 new_params[group_index].append(view)
                 optimized[unit.index].append((view, seg))
+    made = {id(p): state for p, state in optimizer.state.items() if isinstance(p, Tensor)}
+    optimizer.state.clear()
+    for unit in units:  # state the constructor made (Adagrad's sum and step) goes to the segments
+        for seg, view in zip(unit.segments, unit.segment_masters):
+            param = unit.params[seg.param]
+            if id(param) in made and id(param) in group_of:
+                optimizer.state[view] = {k: _segment_of(v, param, seg, view) for k, v in made[id(param)].items()}
     for group, views in zip(optimizer.param_groups, new_params):
         group["params"] = views
-    optimizer.state.clear()
     return Binding(optimizer, optimized, frozenset(param_ids), frozenset(unit_ids))
+
+
+def _segment_of(value: object, param: Tensor, seg: Segment, view: Tensor) -> object:
+    """One entry of a parameter's optimizer state, for one of its master segments: a tensor of the
+    parameter's size is cut to the segment, as the master's dtype and device; others are copied."""
+    if not isinstance(value, Tensor):
+        return copy.deepcopy(value)
+    if value.dim() > 0 and value.numel() == param.numel():
+        return value.detach().reshape(-1)[seg.param_span].to(device=view.device, dtype=view.dtype, copy=True)
+    return value.detach().to(device=view.device if value.device == param.device else value.device, copy=True)
 
 
 class OneStep:

@@ -35,8 +35,6 @@ NO_OPTIMIZER = ("new defect: configure_optimizers returning None (Lightning's fi
                 "with an error about sharding Lightning's internal _MockOptimizer")
 REUSED_OPTIMIZER = ("new defect: an optimizer object returned again for a second fit is refused ('holds tensors that are "
                     "not parameters of the module'): the first fit left it bound to that fit's master shards")
-ADAGRAD_STATE = ("new defect: Adagrad's state, made by its constructor, is cleared when the strategy binds the optimizer; "
-                 "at on_train_start optimizer.state is empty (DDP: 'sum' on the device)")
 GRAD = "reads .grad between backward and step: zeroq keeps gradients in shards, .grad stays None (as DeepSpeed)"
 PARSER = "calls Lightning's optimizer-config parser directly, no Trainer or strategy involved"
 
@@ -574,7 +572,6 @@ def _state_on_device(spec: str, root: str) -> None:
     assert model.checked
 
 
-@pytest.mark.xfail(strict=True, reason=ADAGRAD_STATE)
 @pytest.mark.parametrize("spec", SPECS)
 def test_optimizer_state_on_device(dist_pool, tmp_path, spec):
     on_ranks(dist_pool, _state_on_device, spec, str(tmp_path))
