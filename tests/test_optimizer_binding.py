@@ -1,18 +1,22 @@
 """How an optimizer is bound to the engine's master shards and handed back: state its constructor
-made (Adagrad's) is kept, and an optimizer used by one fit can be used by the next."""
+made (Adagrad's) is kept, an optimizer used by one fit can be used by the next, and a fit without an
+optimizer runs as with DDP."""
 
 from __future__ import annotations
 
 import copy
+from typing import Optional
 
+import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_zeroq import ZeroQStrategy
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.zero.engine import ZeroEngine
-from tests.models import RichModel, make_batch, param_groups
+from tests.models import RichModel, TokenDataset, make_batch, param_groups
 
 FREED = {"stage3_wrap_classes": ["Sequential", "Linear"], "stage3_param_persistence_threshold": 0}
 
@@ -69,3 +73,61 @@ def test_adagrad_constructor_state_matches_ddp(dist_pool, stage: int) -> None:
 
 def test_adagrad_constructor_state_with_offload_matches_ddp(dist_pool) -> None:
     assert all(r < 1e-5 for r in dist_pool(2).run(_adagrad_body, 2, True))
+
+
+# --------------------------------------------------------------------------- through Lightning
+
+class _Lit(L.LightningModule):
+    """``optimizer``: what configure_optimizers returns (None: Lightning fits without one)."""
+
+    def __init__(self, optimizer_lr: Optional[float] = 0.1, fail_at: Optional[int] = None) -> None:
+        super().__init__()
+        self.model = RichModel()
+        self.optimizer = torch.optim.SGD(self.parameters(), lr=optimizer_lr) if optimizer_lr else None
+        self.fail_at, self.backwards = fail_at, 0
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == self.fail_at:
+            raise _Stop()  # on every rank, as Lightning's own checks fail
+        tokens, targets = batch
+        return self.model.loss((tokens, targets, False))
+
+    def on_after_backward(self) -> None:
+        self.backwards += 1
+
+    def configure_optimizers(self):
+        return self.optimizer
+
+
+class _Stop(Exception):
+    pass
+
+
+def _fit(module: L.LightningModule, strategy, **kw) -> L.Trainer:
+    trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy, max_epochs=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, **kw)
+    data = torch.utils.data.DataLoader(TokenDataset(8 * dist.get_world_size()), batch_size=2)
+    trainer.fit(module, data)
+    return trainer
+
+
+def _strategy(stage: int) -> ZeroQStrategy:
+    return ZeroQStrategy(stage=stage, **(FREED if stage == 3 else {}))
+
+
+def _no_optimizer_body(stage: int) -> None:
+    torch.manual_seed(0)
+    module = _Lit(optimizer_lr=None)
+    before = copy.deepcopy(module.model.state_dict())
+    trainer = _fit(module, _strategy(stage), gradient_clip_val=0.5)
+    assert module.backwards == 4 and trainer.global_step == 4  # forward and backward ran; Lightning counts the steps
+    assert trainer.strategy.engine.optimizer is None and not trainer.strategy.engine.has_gradients
+    for name, value in module.model.state_dict().items():
+        assert torch.equal(value, before[name]), f"{name} changed in a fit without an optimizer"
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fit_without_an_optimizer_runs_and_steps_nothing(dist_pool, stage: int) -> None:
+    # Before: Lightning's stand-in optimizer was refused ("cannot shard optimizer _MockOptimizer").
+    dist_pool(2).run(_no_optimizer_body, stage)

@@ -31,8 +31,6 @@ from tests.conformance.harness import SPECS, known_defect, on_ranks
 SGD_SAVE = "a stateless optimizer (plain SGD) cannot be checkpointed"
 READS_WEIGHTS = [s for s in SPECS if s != h.STAGE3_FREED]  # cases that read parameters in hooks
 SHARED = "two optimizers over the same parameters: zeroq shards one optimizer state per parameter and refuses it"
-NO_OPTIMIZER = ("new defect: configure_optimizers returning None (Lightning's fit without an optimizer) is refused "
-                "with an error about sharding Lightning's internal _MockOptimizer")
 REUSED_OPTIMIZER = ("new defect: an optimizer object returned again for a second fit is refused ('holds tensors that are "
                     "not parameters of the module'): the first fit left it bound to that fit's master shards")
 GRAD = "reads .grad between backward and step: zeroq keeps gradients in shards, .grad stays None (as DeepSpeed)"
@@ -475,7 +473,6 @@ def test_configure_optimizers_cases(dist_pool, tmp_path, spec, original):
     on_ranks(dist_pool, _configure_case, spec, str(tmp_path), case)
 
 
-@pytest.mark.xfail(strict=True, reason=NO_OPTIMIZER)
 @pytest.mark.parametrize("spec", SPECS)
 def test_none_optimizer(dist_pool, tmp_path, spec):
     on_ranks(dist_pool, _configure_case, spec, str(tmp_path), "none")
