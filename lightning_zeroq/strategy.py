@@ -297,6 +297,8 @@ class ZeroQStrategy(DDPStrategy):
         if self.engine is not None and not getattr(self, "_failed", False):
             plugin = self.precision_plugin
             self.engine.release_module(dtype=plugin.param_dtype if plugin.precision.endswith("-true") else None)
+        elif self.engine is not None and not self.engine.retired:
+            self.engine.hand_back_optimizers()  # no collective: a failed fit's optimizer can be used again
         self.precision_plugin.teardown()
         assert self.accelerator is not None
         self.accelerator.teardown()

@@ -131,3 +131,47 @@ def _no_optimizer_body(stage: int) -> None:
 def test_fit_without_an_optimizer_runs_and_steps_nothing(dist_pool, stage: int) -> None:
     # Before: Lightning's stand-in optimizer was refused ("cannot shard optimizer _MockOptimizer").
     dist_pool(2).run(_no_optimizer_body, stage)
+
+
+def _reuse_body(stage: int, second: str, first_fails: bool) -> None:
+    torch.manual_seed(0)
+    module = _Lit(fail_at=2 if first_fails else None)
+    optimizer = module.optimizer
+    if first_fails:
+        initial = copy.deepcopy(module.state_dict())
+        with pytest.raises(_Stop):
+            _fit(module, _strategy(stage))
+    else:
+        _fit(module, _strategy(stage))
+    # handed back: the module's parameters, in the order given, as with DDP
+    assert [id(p) for p in optimizer.param_groups[0]["params"]] == [id(p) for p in module.parameters()]
+    if first_fails:  # stage 3 holds the weights sharded until the next fit releases them: only check it trains
+        module.fail_at = None
+        _fit(module, _strategy(stage))
+        assert all(type(p) is torch.nn.Parameter for p in module.parameters())
+        assert max((p.detach() - initial[n]).abs().max().item() for n, p in module.named_parameters()) > 1e-3
+        return
+    after_first = copy.deepcopy(module.state_dict())
+    _fit(module, _strategy(stage) if second == "zeroq" else "ddp_find_unused_parameters_true")
+    assert module.optimizer is optimizer
+    fresh = _Lit()  # the reference: the first fit's weights and a new optimizer, fitted by the second strategy
+    fresh.load_state_dict(after_first)
+    _fit(fresh, _strategy(stage) if second == "zeroq" else "ddp_find_unused_parameters_true")
+    moved = 0.0
+    for (name, p), q in zip(module.named_parameters(), fresh.parameters()):
+        assert torch.allclose(p.detach(), q.detach(), atol=1e-6), name
+        moved = max(moved, (p.detach() - after_first[name]).abs().max().item())
+    assert moved > 1e-3, "the second fit must train"
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("second", ["zeroq", "ddp"])
+def test_an_optimizer_fitted_once_is_taken_by_the_next_fit(dist_pool, stage: int, second: str) -> None:
+    # Before: "The optimizer holds tensor(s) that are not parameters of the module" (zeroq), or DDP
+    # stepping the first fit's master shards instead of the module.
+    dist_pool(2).run(_reuse_body, stage, second, False)
+
+
+def test_an_optimizer_of_a_failed_fit_is_taken_by_the_next_fit(dist_pool) -> None:
+    # A failed fit does not hand the module back in its teardown; the next fit's engine does it first.
+    dist_pool(2).run(_reuse_body, 3, "zeroq", True)

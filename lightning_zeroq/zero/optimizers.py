@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import functools
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from typing import Optional, Sequence
 
 import torch
@@ -78,8 +78,10 @@ class Binding:
     engine if their parameters are disjoint, e.g. a GAN's generator and discriminator)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, optimized: dict[int, list[tuple[Tensor, Segment]]],
-                 param_ids: frozenset[int], unit_ids: frozenset[int]) -> None:
+                 param_ids: frozenset[int], unit_ids: frozenset[int], given: list[list[Tensor]]) -> None:
         self.optimizer = optimizer
+        self.given = given
+        """Per param group: the module's parameters it held before binding (``hand_back`` restores them)."""
         self.optimized = optimized
         """Per unit index: the (master segment view, segment) pairs this optimizer steps on this rank."""
         self.param_ids = param_ids
@@ -117,6 +119,8 @@ def bind_to_shards(optimizer: torch.optim.Optimizer, module: nn.Module, units: S
             f"The optimizer holds {len(foreign)} tensor(s) that are not parameters of the module; "
             "build the optimizer from self.parameters() in configure_optimizers."
         )
+    given: list[list[Tensor]] = [list({id(q): q for q in (owner_of_view.get(id(p), p) for p in group["params"])}.values())
+                                 for group in optimizer.param_groups]
     new_params: list[list[Tensor]] = [[] for _ in optimizer.param_groups]
     optimized: dict[int, list[tuple[Tensor, Segment]]] = {u.index: [] for u in units}
     param_ids: set[int] = set()
@@ -140,7 +144,27 @@ def bind_to_shards(optimizer: torch.optim.Optimizer, module: nn.Module, units: S
                 optimizer.state[view] = {k: _segment_of(v, param, seg, view) for k, v in made[id(param)].items()}
     for group, views in zip(optimizer.param_groups, new_params):
         group["params"] = views
-    return Binding(optimizer, optimized, frozenset(param_ids), frozenset(unit_ids))
+    return Binding(optimizer, optimized, frozenset(param_ids), frozenset(unit_ids), given)
+
+
+def hand_back(binding: Binding) -> torch.optim.Optimizer:
+    """Give the user's optimizer back bound to the module's parameters (its param groups as given; its
+    state empty, as a new optimizer's), so another fit or strategy (DDP too) can take it. The binding
+    keeps a twin of it bound to the segments, with the state, for checkpoints saved after the fit;
+    returns the twin."""
+    user = binding.optimizer
+    unroute_zero_grad(user)
+    if "_zeroq_handed_back" in user.__dict__:
+        return user  # handed back already
+    twin = type(user).__new__(type(user))
+    twin.__dict__.update(user.__dict__)
+    twin.param_groups = [dict(group) for group in user.param_groups]
+    twin.__dict__["_zeroq_handed_back"] = user
+    user.state = defaultdict(dict)
+    for group, params in zip(user.param_groups, binding.given):
+        group["params"] = list(params)
+    binding.optimizer = twin
+    return twin
 
 
 def _segment_of(value: object, param: Tensor, seg: Segment, view: Tensor) -> object:

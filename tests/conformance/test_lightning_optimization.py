@@ -31,8 +31,6 @@ from tests.conformance.harness import SPECS, known_defect, on_ranks
 SGD_SAVE = "a stateless optimizer (plain SGD) cannot be checkpointed"
 READS_WEIGHTS = [s for s in SPECS if s != h.STAGE3_FREED]  # cases that read parameters in hooks
 SHARED = "two optimizers over the same parameters: zeroq shards one optimizer state per parameter and refuses it"
-REUSED_OPTIMIZER = ("new defect: an optimizer object returned again for a second fit is refused ('holds tensors that are "
-                    "not parameters of the module'): the first fit left it bound to that fit's master shards")
 GRAD = "reads .grad between backward and step: zeroq keeps gradients in shards, .grad stays None (as DeepSpeed)"
 PARSER = "calls Lightning's optimizer-config parser directly, no Trainer or strategy involved"
 
@@ -547,8 +545,7 @@ def _strict(spec: str, root: str, complete_epoch: bool) -> None:
         step_mock.assert_not_called()
 
 
-@pytest.mark.parametrize("complete_epoch", [pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=REUSED_OPTIMIZER)),
-                                            False])
+@pytest.mark.parametrize("complete_epoch", [True, False])
 @pytest.mark.parametrize("spec", SPECS)
 def test_lr_scheduler_strict(dist_pool, tmp_path, spec, complete_epoch):
     on_ranks(dist_pool, _strict, spec, str(tmp_path), complete_epoch)
