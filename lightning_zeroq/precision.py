@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.fabric.utilities.types import Steppable
+from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
@@ -126,6 +127,12 @@ class ZeroQPrecision(Precision):
     ) -> Any:
         engine = self._require_engine()
         closure_result = closure()
+        if isinstance(_unwrapped(optimizer), _MockOptimizer):
+            # configure_optimizers returned None: Lightning fits without an optimizer, as DDP does. Forward,
+            # backward and the hooks run; no step, and the window's gradients are dropped.
+            self._after_closure(model, optimizer)
+            engine.zero_grad()
+            return closure_result
         if closure_result is None and model.automatic_optimization and not engine.has_gradients:
             # training_step returned None on every micro-batch of the window: nothing to step. If earlier
             # micro-batches ran backward, step with what they accumulated, as DDP does.
@@ -136,10 +143,14 @@ class ZeroQPrecision(Precision):
 
     @override
     def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        if isinstance(_unwrapped(optimizer), _MockOptimizer):
+            return  # no optimizer: its gradients are dropped, nothing to clip
         self._require_engine().clip_grad_norm_(float(clip_val), _unwrapped(optimizer))
 
     @override
     def clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
+        if isinstance(_unwrapped(optimizer), _MockOptimizer):
+            return
         self._require_engine().clip_grad_value_(float(clip_val), _unwrapped(optimizer))
 
     def _require_engine(self) -> "ZeroEngine":

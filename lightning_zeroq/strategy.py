@@ -29,6 +29,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -207,8 +208,10 @@ class ZeroQStrategy(DDPStrategy):
             self.setup_optimizers(trainer)
             if not self.optimizers:
                 raise ValueError("ZeroQStrategy needs an optimizer: configure_optimizers returned none.")
-            _check_disjoint(self.optimizers)
-            for optimizer in self.optimizers:  # several (manual optimization) must hold disjoint parameters
+            # configure_optimizers returned None: Lightning's stand-in steps nothing (it warns), as with DDP
+            optimizers = [o for o in self.optimizers if not isinstance(o, _MockOptimizer)]
+            _check_disjoint(optimizers)
+            for optimizer in optimizers:  # several (manual optimization) must hold disjoint parameters
                 self.engine.attach_optimizer(optimizer)
             self.optimizers = self.optimizers  # wrap again: the wrappers subclass the optimizers' (new) classes
         plugin.attach_engine(self.engine, self.root_device.type)
@@ -299,6 +302,8 @@ class ZeroQStrategy(DDPStrategy):
         if self.engine is not None and not getattr(self, "_failed", False):
             plugin = self.precision_plugin
             self.engine.release_module(dtype=plugin.param_dtype if plugin.precision.endswith("-true") else None)
+        elif self.engine is not None and not self.engine.retired:
+            self.engine.hand_back_optimizers()  # no collective: a failed fit's optimizer can be used again
         self.precision_plugin.teardown()
         assert self.accelerator is not None
         self.accelerator.teardown()

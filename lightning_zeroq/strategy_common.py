@@ -29,6 +29,7 @@ from torch import nn
 
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.precision import ZeroQPrecision
+from lightning_zeroq.zero.access import owning_engine
 from lightning_zeroq.zero.engine import ZeroEngine
 from lightning_zeroq.zero.materialize import parameters_on_meta
 
@@ -94,6 +95,9 @@ def build_engine(module: nn.Module, config: ZeroConfig, precision: ZeroQPrecisio
     ``shard_group_size="node"``."""
     if config.shard_group_size == "node":
         config = config.replace(shard_group_size=ranks_per_node)
+    previous = owning_engine(module)
+    if isinstance(previous, ZeroEngine):  # a fit that failed kept the module (its teardown runs no collective)
+        previous.release_module()  # collective: every rank is here, setting up the new fit
     return ZeroEngine(
         module,
         config,

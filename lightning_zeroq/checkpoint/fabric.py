@@ -46,7 +46,7 @@ def _roles(engine: Any, state: dict, what: str) -> tuple[Optional[str], Optional
     problems = [f"{k!r} is a module that ZeroQFabricStrategy did not set up" for k in modules
                 if state[k] is not engine.module]
     problems += [f"{k!r} is an optimizer that ZeroQFabricStrategy did not set up" for k in optimizers
-                 if state[k] is not bound]
+                 if state[k] is not bound and state[k] is not getattr(bound, "_zeroq_handed_back", None)]
     if len(modules) > 1 or len(optimizers) > 1:
         problems.append(f"it holds {len(modules)} modules and {len(optimizers)} optimizers; the strategy has one of each")
     if problems:

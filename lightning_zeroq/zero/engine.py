@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ from lightning_zeroq.zero.gather import Gatherer
 from lightning_zeroq.zero.loss_scaler import loss_scaler_from_config
 from lightning_zeroq.zero.materialize import sync_replicated_state
 from lightning_zeroq.zero.offload import optimizer_placement, shard_store
-from lightning_zeroq.zero.optimizers import Binding, bind_to_shards, route_zero_grad, unroute_zero_grad
+from lightning_zeroq.zero.optimizers import Binding, bind_to_shards, hand_back, route_zero_grad
 from lightning_zeroq.zero.plan import plan
 from lightning_zeroq.zero.reducer import Reducer, Window
 from lightning_zeroq.zero.stage3 import Stage3Coordinator
@@ -118,7 +118,7 @@ class ZeroEngine:
         )
         self._bindings: list[Binding] = []
         self._all = Binding(None, {}, frozenset(range(self.reducer.num_params)),  # type: ignore[arg-type]
-                            frozenset(u.index for u in self.units))
+                            frozenset(u.index for u in self.units), [])
         self._base = 1.0
         self.retired = False
         """``release_module`` handed the module back; the state stays readable, training is over."""
@@ -160,7 +160,7 @@ class ZeroEngine:
         """Rebind ``optimizer``'s param groups to this rank's fp32 master segments.
 
         The optimizer object itself is kept, so LR schedulers and ``LearningRateMonitor`` that hold it
-        keep working; its state starts empty. Several optimizers may be attached if their parameters are
+        keep working; state it holds for a parameter (Adagrad's) is cut to the segments. Several optimizers may be attached if their parameters are
         disjoint; one whose parameters overlap an attached one's replaces it (a new optimizer for the
         same model).
         """
@@ -363,12 +363,18 @@ class ZeroEngine:
 
     def release_module(self, dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None) -> None:
         """Collective: hand the module back as a plain module with the trained parameters (see
-        ``access.py``); the engine keeps its master shards and optimizer state for state dicts."""
+        ``access.py``) and each optimizer bound to its parameters again (``hand_back``); the engine keeps
+        its master shards and optimizer state (in a twin of the optimizer) for state dicts."""
         if not self.retired:
             access.release_module(self, dtype, device)
-            for binding in self._bindings:
-                unroute_zero_grad(binding.optimizer)
+            self.hand_back_optimizers()
             self.retired = True
+
+    def hand_back_optimizers(self) -> None:
+        for binding in self._bindings:  # each on the module's parameters again, no collective (hand_back)
+            user, twin, placement = binding.optimizer, hand_back(binding), cast(Any, self.placement)
+            if getattr(placement, "optimizer", None) is user:
+                placement.optimizer = twin
 
     def close(self) -> None:
         """Remove every hook and swap file; the module keeps its working parameters. ``closed`` then

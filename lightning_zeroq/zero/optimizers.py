@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import functools
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from typing import Optional, Sequence
 
 import torch
@@ -78,8 +78,10 @@ class Binding:
     engine if their parameters are disjoint, e.g. a GAN's generator and discriminator)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, optimized: dict[int, list[tuple[Tensor, Segment]]],
-                 param_ids: frozenset[int], unit_ids: frozenset[int]) -> None:
+                 param_ids: frozenset[int], unit_ids: frozenset[int], given: list[list[Tensor]]) -> None:
         self.optimizer = optimizer
+        self.given = given
+        """Per param group: the module's parameters it held before binding (``hand_back`` restores them)."""
         self.optimized = optimized
         """Per unit index: the (master segment view, segment) pairs this optimizer steps on this rank."""
         self.param_ids = param_ids
@@ -96,8 +98,9 @@ def bind_to_shards(optimizer: torch.optim.Optimizer, module: nn.Module, units: S
     """Rebind ``optimizer``'s param groups to this rank's fp32 master segments, in place.
 
     The optimizer object itself is kept, so LR schedulers and ``LearningRateMonitor`` that hold it keep
-    working; its state starts empty. An optimizer bound before (its groups hold segment views) binds
-    again to the same parameters.
+    working. State it holds for a parameter (Adagrad's, made by its constructor) is cut to that
+    parameter's segments, as DDP would keep it. An optimizer bound before (its groups hold segment
+    views) binds again to the same parameters, its state dropped.
     """
     check_elementwise(optimizer)
     # A group that was bound before holds master segment views: read them as their parameters.
@@ -116,6 +119,8 @@ def bind_to_shards(optimizer: torch.optim.Optimizer, module: nn.Module, units: S
             f"The optimizer holds {len(foreign)} tensor(s) that are not parameters of the module; "
             "build the optimizer from self.parameters() in configure_optimizers."
         )
+    given: list[list[Tensor]] = [list({id(q): q for q in (owner_of_view.get(id(p), p) for p in group["params"])}.values())
+                                 for group in optimizer.param_groups]
     new_params: list[list[Tensor]] = [[] for _ in optimizer.param_groups]
     optimized: dict[int, list[tuple[Tensor, Segment]]] = {u.index: [] for u in units}
     param_ids: set[int] = set()
@@ -130,10 +135,46 @@ def bind_to_shards(optimizer: torch.optim.Optimizer, module: nn.Module, units: S
             if group_index is not None:
                 new_params[group_index].append(view)
                 optimized[unit.index].append((view, seg))
+    made = {id(p): state for p, state in optimizer.state.items() if isinstance(p, Tensor)}
+    optimizer.state.clear()
+    for unit in units:  # state the constructor made (Adagrad's sum and step) goes to the segments
+        for seg, view in zip(unit.segments, unit.segment_masters):
+            param = unit.params[seg.param]
+            if id(param) in made and id(param) in group_of:
+                optimizer.state[view] = {k: _segment_of(v, param, seg, view) for k, v in made[id(param)].items()}
     for group, views in zip(optimizer.param_groups, new_params):
         group["params"] = views
-    optimizer.state.clear()
-    return Binding(optimizer, optimized, frozenset(param_ids), frozenset(unit_ids))
+    return Binding(optimizer, optimized, frozenset(param_ids), frozenset(unit_ids), given)
+
+
+def hand_back(binding: Binding) -> torch.optim.Optimizer:
+    """Give the user's optimizer back bound to the module's parameters (its param groups as given; its
+    state empty, as a new optimizer's), so another fit or strategy (DDP too) can take it. The binding
+    keeps a twin of it bound to the segments, with the state, for checkpoints saved after the fit;
+    returns the twin."""
+    user = binding.optimizer
+    unroute_zero_grad(user)
+    if "_zeroq_handed_back" in user.__dict__:
+        return user  # handed back already
+    twin = type(user).__new__(type(user))
+    twin.__dict__.update(user.__dict__)
+    twin.param_groups = [dict(group) for group in user.param_groups]
+    twin.__dict__["_zeroq_handed_back"] = user
+    user.state = defaultdict(dict)
+    for group, params in zip(user.param_groups, binding.given):
+        group["params"] = list(params)
+    binding.optimizer = twin
+    return twin
+
+
+def _segment_of(value: object, param: Tensor, seg: Segment, view: Tensor) -> object:
+    """One entry of a parameter's optimizer state, for one of its master segments: a tensor of the
+    parameter's size is cut to the segment, as the master's dtype and device; others are copied."""
+    if not isinstance(value, Tensor):
+        return copy.deepcopy(value)
+    if value.dim() > 0 and value.numel() == param.numel():
+        return value.detach().reshape(-1)[seg.param_span].to(device=view.device, dtype=view.dtype, copy=True)
+    return value.detach().to(device=view.device if value.device == param.device else value.device, copy=True)
 
 
 class OneStep:

@@ -47,7 +47,9 @@ FREED_HINT = (
 _METADATA = frozenset({"size", "dim", "numel", "nelement", "element_size", "is_floating_point", "is_complex",
                        "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "__hash__",
                        "__format__", "__repr__", "__reduce_ex__",
-                       "grad", "backward"})  # autograd.grad/backward with parameters as inputs: hooks gather
+                       "grad", "backward",  # autograd.grad/backward with parameters as inputs: hooks gather
+                       # new tensors shaped like it (an optimizer's constructor, e.g. Adagrad's sum): no values read
+                       "empty_like", "zeros_like", "ones_like", "full_like"})
 
 
 class FreedParameter(nn.Parameter):

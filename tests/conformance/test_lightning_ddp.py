@@ -304,8 +304,6 @@ def _params_on_device(spec: str, root: str) -> None:
     h.trainer(spec, root, fast_dev_run=1).fit(CheckOptimizerDeviceModel())
 
 
-@pytest.mark.xfail(strict=True, reason="new defect: configure_optimizers returning None (Lightning's fit without an "
-                   "optimizer) is refused with an error about sharding Lightning's internal _MockOptimizer")
 @pytest.mark.parametrize("spec", SPECS)
 def test_model_parameters_on_device_for_optimizer(dist_pool, tmp_path, spec):
     on_ranks(dist_pool, _params_on_device, spec, str(tmp_path))

@@ -30,12 +30,6 @@ from tests.conformance.harness import SPECS, on_ranks
 
 READS_WEIGHTS = [s for s in SPECS if s != h.STAGE3_FREED]  # cases that read parameters in hooks
 SHARED = "two optimizers over the same parameters: zeroq shards one optimizer state per parameter and refuses it"
-NO_OPTIMIZER = ("new defect: configure_optimizers returning None (Lightning's fit without an optimizer) is refused "
-                "with an error about sharding Lightning's internal _MockOptimizer")
-REUSED_OPTIMIZER = ("new defect: an optimizer object returned again for a second fit is refused ('holds tensors that are "
-                    "not parameters of the module'): the first fit left it bound to that fit's master shards")
-ADAGRAD_STATE = ("new defect: Adagrad's state, made by its constructor, is cleared when the strategy binds the optimizer; "
-                 "at on_train_start optimizer.state is empty (DDP: 'sum' on the device)")
 GRAD = "reads .grad between backward and step: zeroq keeps gradients in shards, .grad stays None (as DeepSpeed)"
 PARSER = "calls Lightning's optimizer-config parser directly, no Trainer or strategy involved"
 
@@ -472,7 +466,6 @@ def test_configure_optimizers_cases(dist_pool, tmp_path, spec, original):
     on_ranks(dist_pool, _configure_case, spec, str(tmp_path), case)
 
 
-@pytest.mark.xfail(strict=True, reason=NO_OPTIMIZER)
 @pytest.mark.parametrize("spec", SPECS)
 def test_none_optimizer(dist_pool, tmp_path, spec):
     on_ranks(dist_pool, _configure_case, spec, str(tmp_path), "none")
@@ -547,8 +540,7 @@ def _strict(spec: str, root: str, complete_epoch: bool) -> None:
         step_mock.assert_not_called()
 
 
-@pytest.mark.parametrize("complete_epoch", [pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=REUSED_OPTIMIZER)),
-                                            False])
+@pytest.mark.parametrize("complete_epoch", [True, False])
 @pytest.mark.parametrize("spec", SPECS)
 def test_lr_scheduler_strict(dist_pool, tmp_path, spec, complete_epoch):
     on_ranks(dist_pool, _strict, spec, str(tmp_path), complete_epoch)
@@ -569,7 +561,6 @@ def _state_on_device(spec: str, root: str) -> None:
     assert model.checked
 
 
-@pytest.mark.xfail(strict=True, reason=ADAGRAD_STATE)
 @pytest.mark.parametrize("spec", SPECS)
 def test_optimizer_state_on_device(dist_pool, tmp_path, spec):
     on_ranks(dist_pool, _state_on_device, spec, str(tmp_path))
