@@ -310,30 +310,15 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
 
 
 def check_swap_directory(path: Optional[str]) -> None:
-    """``ValueError`` unless ``path`` is an existing directory this process can create files in.
-
-    A write probe rather than permission bits: a read-only mount refuses root too, and root passes
-    every permission check. Made before any process starts (``zeroq-train``), so a bad path is one
-    line instead of a traceback from every rank once the engine builds its swap space.
-    """
-    import os
-    import tempfile
+    """``ValueError`` unless ``path`` can hold swap files (the swapper's own check), made before any
+    process starts (``zeroq-train``): a bad path is one line instead of a traceback from every rank."""
     from pathlib import Path
 
-    root = Path(path or "").expanduser()
-    if not path or not root.exists():
-        raise ValueError(f"ZeroConfig.nvme_path={path!r} does not exist; create the directory or set nvme_path "
-                         "to an existing directory on a fast local disk.")
-    if not root.is_dir():
-        raise ValueError(f"ZeroConfig.nvme_path={path!r} is not a directory; set nvme_path to a directory on a "
-                         "fast local disk.")
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".zeroq-probe-", dir=root)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as err:
-        raise ValueError(f"ZeroConfig.nvme_path={path!r} is not writable ({err.strerror}); fix its permissions or "
-                         "set nvme_path to a writable directory.") from None
+    from lightning_zeroq.swap.nvme import directory_problem
+
+    problem = directory_problem(Path(path or "").expanduser()) if path else "is not set"
+    if problem is not None:
+        raise ValueError(f"ZeroConfig.nvme_path={path!r} {problem}.")
 
 
 def memory_budget(value: Any, device_bytes: Optional[int]) -> Optional[int]:

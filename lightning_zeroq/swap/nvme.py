@@ -127,6 +127,7 @@ import re
 import secrets
 import shutil
 import signal
+import tempfile
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -1273,22 +1274,29 @@ def _check_arguments(
         raise ValueError(f"NvmeSwapper: prefix={prefix!r} must be characters from [A-Za-z0-9_.-]")
 
 
-def _check_directory(root: Path) -> Path:
+def directory_problem(root: Path) -> Optional[str]:
+    """Why ``root`` cannot hold swap files, as the end of a sentence naming it; None if it can.
+
+    A write probe rather than permission bits: a read-only mount refuses root too, and root passes
+    every permission check."""
     if not root.exists():
-        raise RuntimeError(
-            f"NvmeSwapper: nvme_path={str(root)!r} does not exist; create it or set nvme_path to an "
-            "existing directory on a fast local disk"
-        )
+        return "does not exist; create it or set nvme_path to an existing directory on a fast local disk"
     if not root.is_dir():
-        raise RuntimeError(
-            f"NvmeSwapper: nvme_path={str(root)!r} is not a directory; set nvme_path to a directory "
-            "on a fast local disk"
-        )
-    if not os.access(root, os.W_OK | os.X_OK):
-        raise RuntimeError(
-            f"NvmeSwapper: nvme_path={str(root)!r} is not writable by this process; fix its "
-            "permissions or set nvme_path to a writable directory"
-        )
+        return "is not a directory; set nvme_path to a directory on a fast local disk"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".zeroq-probe-", dir=root)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        return (f"is not writable by this process ({err.strerror}); fix its permissions or set nvme_path to a "
+                "writable directory")
+    return None
+
+
+def _check_directory(root: Path) -> Path:
+    problem = directory_problem(root)
+    if problem is not None:
+        raise RuntimeError(f"NvmeSwapper: nvme_path={str(root)!r} {problem}")
     return root
 
 
