@@ -68,17 +68,23 @@ def trainer(spec: Any, root: Optional[str] = None, wrap: Iterable[str] = ("Linea
 # a strategy's errors and Lightning's assertions do: each rank catches its exception and meets the others
 # at a barrier, which proves the process group consistent, then reports it. A rank that raised alone waits
 # at the barrier until the process group's timeout; the pool then restarts, as it would anyway.
-def _guarded(module: str, qualname: str, args: tuple, kwargs: dict) -> tuple:
+def resolve(module: str, qualname: str) -> Callable:
+    """The function a worker is asked to run, found by its module and qualified name."""
     import importlib
+
+    fn: Any = importlib.import_module(module)
+    for name in qualname.split("."):
+        fn = getattr(fn, name)
+    return fn
+
+
+def _guarded(module: str, qualname: str, args: tuple, kwargs: dict) -> tuple:
     import traceback
 
     import torch.distributed as dist
 
-    fn = importlib.import_module(module)
-    for name in qualname.split("."):
-        fn = getattr(fn, name)
     try:
-        return ("ok", fn(*args, **kwargs))
+        return ("ok", resolve(module, qualname)(*args, **kwargs))
     except Exception:
         report = traceback.format_exc()
     dist.barrier()

@@ -169,14 +169,12 @@ def _noop() -> None:
 def _guarded(module: str, qualname: str, args: tuple, kwargs: dict):
     """On a worker: the body, with a known defect's failure answered instead of raised, so that the
     pool survives it (a raise kills and restarts the pool: seconds per case)."""
-    import importlib
     import traceback
 
-    fn = importlib.import_module(module)
-    for name in qualname.split("."):
-        fn = getattr(fn, name)
+    from tests.conformance.harness import resolve
+
     try:
-        return ("ok", fn(*args, **kwargs))
+        return ("ok", resolve(module, qualname)(*args, **kwargs))
     except Exception:
         text = traceback.format_exc()
         if any(signature in text for _, signature in SIGNATURES):
