@@ -23,8 +23,10 @@ import errno
 import os
 import shutil
 import signal
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 TMP_TAG = ".zeroq-tmp-"
 OLD_TAG = ".zeroq-old-"
@@ -42,6 +44,27 @@ def fault(point: str) -> None:
 
 def temp_dir(path: Path, token: str) -> Path:
     return path.parent / f".{path.name}{TMP_TAG}{token[:16]}"
+
+
+@contextmanager
+def new_file(out: Path) -> Iterator[tuple[int, Path]]:
+    """A fresh file beside ``out`` to write, created exclusively under an unpredictable name (never
+    through a link): yields its open descriptor (the caller closes it) and its path. When the block
+    ends normally the file gets the mode a plain ``open()`` would give, replaces ``out`` and the
+    directory is fsynced (the caller fsyncs the file it wrote); whatever else happens it is removed."""
+    fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".zeroq-tmp", dir=out.parent)
+    tmp = Path(name)
+    try:
+        yield fd, tmp
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes 0600
+        os.replace(tmp, out)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
+    fsync_dir(out.parent)
 
 
 def fsync_dir(path: Path) -> None:

@@ -31,9 +31,7 @@ import pickle
 import signal
 import struct
 import sys
-import tempfile
 import threading
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -41,6 +39,7 @@ import torch
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from lightning_zeroq.checkpoint import atomic
 from lightning_zeroq.checkpoint.agree import CheckpointError
 from lightning_zeroq.checkpoint.checkpointer import Opened, open_checkpoint
 from lightning_zeroq.checkpoint.chunks import BytesTarget
@@ -277,36 +276,6 @@ def _output_format(out: Path, lightning: bool) -> str:
     raise ConvertError(f"{out}: the output's suffix decides its format: .pt/.ckpt (torch) or .safetensors.")
 
 
-@contextmanager
-def _atomic_output(out: Path) -> Iterator[Path]:
-    """A new, exclusively created file beside ``out`` (``O_EXCL``, never through a link, a random name)
-    to write into; renamed to ``out`` when the block ends normally, removed whatever else happens."""
-    parent = out.parent
-    fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".zeroq-convert-tmp", dir=parent)
-    tmp = Path(name)
-    try:
-        os.close(fd)
-        yield tmp
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)  # as a plain open() would have made it (mkstemp makes 0600)
-        os.replace(tmp, out)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    try:
-        dir_fd = os.open(parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except OSError:  # some file systems do not fsync directories
-        pass
-
-
 def consolidate(checkpoint: Path, out: Path, *, optimizer: bool = False, lightning: bool = False) -> Path:
     """Write checkpoint directory ``checkpoint`` as one file ``out`` (``.pt``, ``.ckpt`` or
     ``.safetensors``); see the module docstring. Returns ``out``. On any error nothing is left at
@@ -315,7 +284,8 @@ def consolidate(checkpoint: Path, out: Path, *, optimizer: bool = False, lightni
     kind = _output_format(out, lightning)
     _check_input(checkpoint)
     opened = open_checkpoint(checkpoint, None)
-    with _atomic_output(out) as tmp:
+    with atomic.new_file(out) as (fd, tmp):
+        os.close(fd)  # the writers open it by name (torch.save, its memory map)
         if kind == "safetensors":
             write_safetensors(opened, tmp, optimizer=optimizer)
         else:

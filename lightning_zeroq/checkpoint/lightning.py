@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
-from lightning_zeroq.checkpoint import codec
+from lightning_zeroq.checkpoint import atomic, codec
 from lightning_zeroq.checkpoint.agree import CheckpointError, agree, checkpoint_group, describe
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer, locate_error
 from lightning_zeroq.checkpoint.convert import lightning_checkpoint
@@ -99,22 +98,13 @@ def save_single_file(strategy: Any, checkpoint: dict, path: Path, checkpointer: 
             if engine is not None and engine.loss_scaler is not None:
                 out[ENGINE_KEY] = {"loss_scaler": engine.loss_scaler.state_dict()}
             path.parent.mkdir(parents=True, exist_ok=True)
-            # created exclusively under an unpredictable name (mkstemp: O_CREAT|O_EXCL, never through a link)
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.zeroq-tmp-", dir=path.parent)
-            try:
-                with os.fdopen(fd, "wb") as f:
+            with atomic.new_file(path) as (fd, _):
+                with os.fdopen(fd, "wb") as f:  # written through the descriptor mkstemp opened
                     torch.save(out, f)
                     f.flush()
                     os.fsync(f.fileno())
                 if path.is_dir() and not path.is_symlink():
-                    from lightning_zeroq.checkpoint.atomic import remove
-
-                    remove(path)
-                os.replace(tmp, path)
-            except BaseException:
-                if os.path.lexists(tmp):
-                    os.unlink(tmp)
-                raise
+                    atomic.remove(path)
         except Exception as error:
             errors.append(f"could not write {path}: {describe(error)}")
     agree(errors, f"Saving checkpoint {path}", group)
