@@ -173,9 +173,10 @@ def write_torch(opened: Opened, out: Path, *, optimizer: bool, lightning: bool) 
     _write_filled(opened, out, structure, sources)
 
 
-def _write_filled(opened: Opened, out: Path, structure: Any, sources: dict[tuple, str]) -> None:
+def _write_filled(opened: Opened, out: Path, structure: Any, sources: dict[tuple, str], *, fsync: bool = True) -> None:
     """``torch.save(structure, out)`` with each tensor at path ``p`` read from checkpoint key
-    ``sources[p]`` straight into the file's pages (one tensor in memory at a time)."""
+    ``sources[p]`` straight into the file's pages (one tensor in memory at a time); ``fsync=False``
+    for a file that is read back and removed."""
     # The trainer state's own tensors (ModelCheckpoint's scores, a scheduler's) come from the manifest,
     # already in memory: skip_data writes them without data too, so they are filled in like the others.
     held = [(path, t) for path, t in held_tensors(structure) if path not in sources]
@@ -188,8 +189,9 @@ def _write_filled(opened: Opened, out: Path, structure: Any, sources: dict[tuple
     for path, value in held:
         _tensor_at(mapped, path).copy_(value)
     del mapped
-    with open(out, "rb+") as f:
-        os.fsync(f.fileno())
+    if fsync:
+        with open(out, "rb+") as f:
+            os.fsync(f.fileno())
 
 
 def _map(path: Path, *, shared: bool) -> Any:
@@ -238,7 +240,8 @@ def write_safetensors(opened: Opened, out: Path, *, optimizer: bool) -> None:
     os.close(fd)
     staged = Path(name)
     try:
-        _write_filled(opened, staged, {n: _empty(opened, k) for n, k in keys}, {(n,): k for n, k in keys})
+        _write_filled(opened, staged, {n: _empty(opened, k) for n, k in keys}, {(n,): k for n, k in keys},
+                      fsync=False)
         tensors = _map(staged, shared=False)
         save_file(tensors, str(out), metadata=meta)
         del tensors
