@@ -141,8 +141,8 @@ def arm_zeroq(args, dev, path: Path, asynchronous: bool, staging_mib: Optional[f
                      for v, c in variants.items()}
     paths = {v: path.with_name(path.name + v) for v in variants}
     saves, blocked, peaks = {v: [] for v in variants}, {v: [] for v in variants}, {v: [] for v in variants}
-    for _ in range(args.repeats):
-        for v, checkpointer in checkpointers.items():
+    for r in range(args.repeats):
+        for v, checkpointer in _alternating(checkpointers, r):
             shutil.rmtree(paths[v], ignore_errors=True)
             sync()
             t, peak = timed(lambda: (save_engine(engine, paths[v], checkpointer=checkpointer), checkpointer.wait()))
@@ -160,8 +160,8 @@ def arm_zeroq(args, dev, path: Path, asynchronous: bool, staging_mib: Optional[f
     load_peak = 0.0
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*saved without checksums")
-        for _ in range(args.repeats if args.checksum_ab else 1):
-            for v in variants:
+        for r in range(args.repeats if args.checksum_ab else 1):
+            for v, _ in _alternating(variants, r):
                 t, peak = timed(lambda: load_engine(engine, paths[v]))
                 loads[v].append(t)
                 load_peak = max(load_peak, peak)
@@ -246,6 +246,12 @@ def arm_fsdp2(args, dev, path: Path, asynchronous: bool) -> dict:
 
 ARMS = {"zeroq": (arm_zeroq, False), "zeroq_pageable": (functools.partial(arm_zeroq, staging_mib=0), False),
         "zeroq_async": (arm_zeroq, True), "fsdp2": (arm_fsdp2, False), "fsdp2_async": (arm_fsdp2, True)}
+
+
+def _alternating(variants: dict, repeat: int) -> list:
+    """--checksum-ab: with and without checksums in ABBA order, so that neither always goes first."""
+    pairs = list(variants.items())
+    return pairs[::-1] if repeat % 2 else pairs
 
 
 def _checksum_ab(result: dict) -> dict:
