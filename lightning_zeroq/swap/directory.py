@@ -360,7 +360,7 @@ def create_file(resources: Resources, region: Region, when_full: str) -> None:
     files.add(region.name)
     try:
         if region.file_bytes:
-            preallocate(fd, region.file_bytes)
+            _preallocate(fd, region.file_bytes)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise RuntimeError(when_full) from e
@@ -369,7 +369,7 @@ def create_file(resources: Resources, region: Region, when_full: str) -> None:
         os.close(fd)
 
 
-def preallocate(fd: int, nbytes: int) -> None:
+def _preallocate(fd: int, nbytes: int) -> None:
     try:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as e:

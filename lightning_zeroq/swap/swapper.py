@@ -76,7 +76,14 @@ from lightning_zeroq.swap.directory import (
     report_leftovers,
 )
 from lightning_zeroq.swap.io import Failure, RegionIO, SwapHandle, choose_direct_io
-from lightning_zeroq.swap.regions import DEFAULT_BUFFER_BYTES, PathLike, Region, check_arguments, check_tensor, new_region
+from lightning_zeroq.swap.regions import (
+    DEFAULT_BUFFER_BYTES,
+    PathLike,
+    Region,
+    check_arguments,
+    check_tensor,
+    new_region,
+)
 
 __all__ = ["NvmeSwapper", "free_bytes", "human_bytes"]
 
