@@ -253,7 +253,7 @@ class Watchdog:
         except Exception:
             pass
         print(f"[rank {self.rank}] {message}", file=sys.stderr, flush=True)
-        from lightning_zeroq.swap.nvme import remove_live_files
+        from lightning_zeroq.swap.cleanup import remove_live_files
 
         for fn in [remove_live_files, *_cleanups]:
             try:

@@ -351,11 +351,11 @@ def test_a_failure_on_one_rank_before_a_collective_ends_every_rank(dist_pool, tm
 
 
 def _one_full_disk_body(tmp: str) -> str:
-    from lightning_zeroq.swap import nvme
+    from lightning_zeroq.swap import swapper
 
-    original = nvme.free_bytes
+    original = swapper.free_bytes
     if dist.get_rank() == 1:
-        nvme.free_bytes = lambda path: 1024  # rank 1's disk is "full"
+        swapper.free_bytes = lambda path: 1024  # rank 1's disk is "full"
     try:
         model = RichModel()
         engine = ZeroEngine(model, ZeroConfig(stage=2, offload_optimizer=True, offload_optimizer_device="nvme",
@@ -364,7 +364,7 @@ def _one_full_disk_body(tmp: str) -> str:
     except RuntimeError as err:
         return str(err)
     finally:
-        nvme.free_bytes = original
+        swapper.free_bytes = original
     return "no error"
 
 

@@ -158,7 +158,7 @@ def test_truncated_swap_file_stops_training_naming_the_file(dist_pool, tmp_path)
 
 
 def test_nvme_path_errors_are_clear(tmp_path, monkeypatch):
-    from lightning_zeroq.swap import nvme
+    from lightning_zeroq.swap import swapper
 
     model = TwoHeads()
     missing = tmp_path / "nope"
@@ -170,7 +170,7 @@ def test_nvme_path_errors_are_clear(tmp_path, monkeypatch):
     engine = ZeroEngine(TwoHeads(), ZeroConfig(offload_optimizer=True, offload_optimizer_device="nvme", nvme_path=str(a_file)))
     with pytest.raises(RuntimeError, match="file"):
         engine.attach_optimizer(torch.optim.AdamW(engine.module.parameters()))
-    monkeypatch.setattr(nvme, "free_bytes", lambda path: 1000)
+    monkeypatch.setattr(swapper, "free_bytes", lambda path: 1000)
     engine = ZeroEngine(TwoHeads(), ZeroConfig(offload_optimizer=True, offload_optimizer_device="nvme", nvme_path=str(tmp_path)))
     with pytest.raises(RuntimeError, match=r"free") as caught:
         engine.attach_optimizer(torch.optim.AdamW(engine.module.parameters()))
