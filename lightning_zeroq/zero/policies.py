@@ -7,12 +7,15 @@ the wires their quantization, the step its loss scaling), never the config. A po
 asked for in the engine's terms; what it means for the hardware (groups, stores, wires) is built
 from it by the part that owns it.
 
-| policy | from |
-|---|---|
-| ``Sharding``: stage, ``units`` (``Buckets`` in stages 1/2, ``ModuleUnits`` in stage 3), group size | ``stage``, ``reduce_bucket_size``, ``stage3_*``, ``reshard_after_forward``, ``shard_group_size``, ``overlap_comm``, ``managed_gradient_accumulation`` |
-| ``Offload``: ``optimizer`` and ``parameters`` each ``OnDevice``, ``Host(ratio)``, ``Nvme(path)``; the optimizer also ``Auto(budget)`` | ``offload_*``, ``nvme_path`` |
-| ``Quantization``: INT8 weights and gradients | ``quantized_*``, ``allgather_bucket_size``, ``quantize_cross_group_only`` |
-| ``Numerics``: fp16 loss scaling, what non-finite gradients do | ``loss_scale``, ``initial_scale_power``, ``loss_scale_window``, ``min_loss_scale``, ``nonfinite_gradients`` |
+- ``Sharding``: the stage, its units (``Buckets`` in stages 1/2, ``ModuleUnits`` in stage 3), the
+  shard group size; from ``stage``, ``reduce_bucket_size``, ``stage3_*``, ``reshard_after_forward``,
+  ``shard_group_size``, ``overlap_comm``, ``managed_gradient_accumulation``.
+- ``Offload``: ``optimizer`` and ``parameters``, each ``OnDevice``, ``Host(ratio)`` or ``Nvme(path)``,
+  the optimizer also ``Auto(budget)``; from ``offload_*`` and ``nvme_path``.
+- ``Quantization``: INT8 weights and gradients; from ``quantized_*``, ``allgather_bucket_size``,
+  ``quantize_cross_group_only``.
+- ``Numerics``: fp16 loss scaling and what non-finite gradients do; from ``loss_scale``,
+  ``initial_scale_power``, ``loss_scale_window``, ``min_loss_scale``, ``nonfinite_gradients``.
 """
 
 from __future__ import annotations
@@ -165,15 +168,13 @@ def from_config(config: ZeroConfig, *, loss_scaling: bool) -> Policies:
 
 
 def _offload(c: ZeroConfig) -> Offload:
-    optimizer: Union[OnDevice, Host, Nvme, Auto] = OnDevice()
-    if not c.offload_optimizer:
-        pass
-    elif c.offload_optimizer_device == "nvme":
-        assert c.nvme_path is not None  # ZeroConfig checks it
+    optimizer: Union[OnDevice, Host, Nvme, Auto] = OnDevice()  # also with ratio 0, which offloads nothing
+    if c.offload_optimizer and c.offload_optimizer_device == "nvme":
+        assert c.nvme_path is not None  # ZeroConfig checks it (and that the ratio is 1)
         optimizer = Nvme(c.nvme_path)
-    elif c.offload_optimizer_ratio == "auto":
+    elif c.offload_optimizer and c.offload_optimizer_ratio == "auto":
         optimizer = Auto(c.offload_memory_budget)
-    elif c.offload_optimizer_ratio > 0.0:  # ratio 0 offloads nothing
+    elif c.offload_optimizer and c.offload_optimizer_ratio > 0.0:
         optimizer = Host(c.offload_optimizer_ratio)
     parameters: Union[OnDevice, Host, Nvme] = OnDevice()
     if c.offload_parameters and c.offload_params_device == "nvme":
