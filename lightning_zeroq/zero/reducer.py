@@ -158,6 +158,7 @@ class Reducer:
         self._callback_queued = False
         self._boundary = boundary is True and self.managed
         self._reducing = self.reduce_every_backward or self._boundary
+        self.placement.begin_backward(self._boundary)
         self._next = 0
         for fired in self._fired:
             fired.clear()
@@ -288,12 +289,12 @@ class Reducer:
         stats[n_params + 2 * n_units + self.rank] = self._origin.float()
         if self.world_size > 1:
             comm.all_reduce(stats, dist.ReduceOp.MAX, self.group)
-        # One read-back of everything the step needs to know on the host (``used`` too: a later read-back
-        # would queue behind the gradient copies to the host on the copy engine, 65 ms on the 953M model).
+        # One read-back of everything the step needs to know on the host (``used`` too): it waits behind
+        # every copy to the host already queued on the copy engine, whatever its stream or priority
+        # (benchmarks/d2h_readback.py); offload keeps that queue short during the backward.
         read = (stats > 0).cpu()
         flags = read[n_params:].tolist()
-        # After the read-back: copies off the device (offload) would queue ahead of it on the copy engine.
-        self.placement.gradients_done(self.units)
+        self.placement.gradients_done(self.units)  # after the read-back: ahead of it, the copies would delay it
         dirty = {i for i in range(n_units) if flags[i]}
         return read[:n_params], dirty, flags[n_units:]
 
