@@ -4,19 +4,18 @@ Optimizer. The fp32 master shard of every unit and the optimizer state live on t
 optimizer steps there with torch's fused CPU kernel (``optimizers.prefer_fast_host_step``).
 
 Gradients to the host. Each unit's fp32 gradient shard is copied to a pinned host buffer on a copy
-stream of its own, with one event per unit; the step reads a unit's
-host gradient only after waiting for that unit's event (``step_grad``), so it starts on the first
-unit while the others are still crossing PCIe. The agreement on the window (a few bytes read back at
-finalize) must come first, and on an H200 it waits behind every copy to the host already queued,
-whatever the stream, its priority or the chunking (``benchmarks/d2h_readback.py``). So in a backward
-that ends the window (the caller said so: ``boundary=True``, which the Trainer passes with managed
-accumulation) a unit is copied as soon as it is reduced only if no earlier such copy is still
-running, and not for the unit reduced last (the first unit: the read-back comes right after it): the
-read-back then waits for the rest of one unit's copy at most. The other units (and all of them in
-an unmanaged window, or a unit that got gradients again after its copy) are copied at finalize,
-after the read-back. (Copying every unit during the backward made the agreement wait for all 3.8 GB
-of the 953M model's gradients, 45 ms; copying them all after it made them contend with the host
-step for host memory, which took 262 ms instead of 227.)
+stream of its own, with one event per unit; the step reads a unit's host gradient only after waiting
+for that unit's event (``step_grad``), so it starts on the first unit while the others are still
+crossing PCIe. The agreement on the window (a few bytes read back at finalize) must come first, and
+on an H200 it waits behind every copy to the host already queued, whatever the stream, its priority
+or the chunking (``benchmarks/d2h_readback.py``). So in a backward that ends the window (the caller
+said so: ``boundary=True``, which the Trainer passes with managed accumulation) a unit is copied as
+soon as it is reduced only if no earlier such copy is still running, and never the unit reduced last
+(the first unit: the read-back comes right after it); the read-back then waits for the rest of one
+unit's copy at most. The other units (all of them in an unmanaged window, and a unit that got
+gradients again after its copy) are copied at finalize, after the read-back. (On the 953M model on
+one H200, copying every unit during the backward made the agreement wait 45 ms for all 3.8 GB;
+copying them all after it, the host step took 262 ms instead of 227 while they landed.)
 
 The step walks the units one at a time, in the order their gradients were reduced (reverse unit
 order, the same on every rank, so the collectives of ``publish`` match): the copy back and the
