@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional
@@ -34,6 +35,11 @@ ones inline (handing them over would cost more than hashing them)."""
 
 READ_CHUNK = 64 << 20
 """A checked read goes in chunks of this size, each hashed while the next is read."""
+
+waited_s = 0.0
+"""Seconds (process total) that writers and readers spent hashing inline or waiting for the checksum
+thread after their own I/O was done: what checksums add to a save's or load's critical path. The
+benchmarks read it around a save; nothing else does."""
 
 _lock = threading.Lock()
 _pool: Optional[ThreadPoolExecutor] = None
@@ -89,13 +95,13 @@ class HashingWriter:
             return self.file.write(data)
         view = memoryview(data)
         if view.nbytes < OVERLAP_BYTES:
-            self.hash.update(view)
+            _timed(self.hash.update, view)
             return self.file.write(view)
         hashing = _beside(self.hash.update, view)  # reads ``data`` while this thread writes it out
         try:
             return self.file.write(view)
         finally:
-            hashing.result()  # ``data`` may be freed once this call returns
+            _timed(hashing.result)  # ``data`` may be freed once this call returns
 
     def flush(self) -> None:
         self.file.flush()
@@ -117,18 +123,27 @@ def read_hashed(read_into: Callable[[int, memoryview], int], buffer: memoryview,
             part = buffer[done:done + READ_CHUNK]
             got = read_into(done, part)
             if hashing is not None:
-                hashing.result()
+                _timed(hashing.result)
                 hashing = None
             if got <= 0:
                 break
             if got >= OVERLAP_BYTES:
                 hashing = _beside(h.update, part[:got])
             else:
-                h.update(part[:got])
+                _timed(h.update, part[:got])
             done += got
             if got < len(part):
                 break
     finally:
         if hashing is not None:
-            hashing.result()
+            _timed(hashing.result)
     return done, h.hexdigest()
+
+
+def _timed(fn: Callable[..., Any], *args: Any) -> None:
+    global waited_s
+    start = time.perf_counter()
+    try:
+        fn(*args)
+    finally:
+        waited_s += time.perf_counter() - start
