@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_zeroq.gpt import GPTConfig, GPTModel
+from lightning_zeroq.cli.gpt import GPTConfig, GPTModel
 
 
 class GPT(GPTModel):

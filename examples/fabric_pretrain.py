@@ -35,12 +35,12 @@ from torch.utils.data import DataLoader
 
 import lightning_zeroq  # noqa: F401  registers strategy="zeroq..." with Fabric (and the Trainer)
 from lightning_zeroq import ZeroQFabricStrategy
-from lightning_zeroq.data import TokenWindows, encode_bytes, load_text
-from lightning_zeroq.gpt import Block, GPTConfig, OptimConfig, lr_factor
+from lightning_zeroq.cli.data import TokenWindows, encode_bytes, load_text
+from lightning_zeroq.cli.gpt import Block, GPTConfig, OptimConfig, lr_factor
 
 
 class GPT(nn.Module):
-    """Token and position embeddings, pre-norm blocks (``lightning_zeroq.gpt.Block``), a final norm and a
+    """Token and position embeddings, pre-norm blocks (``lightning_zeroq.cli.gpt.Block``), a final norm and a
     head tied to the token embedding."""
 
     def __init__(self, cfg: GPTConfig) -> None:

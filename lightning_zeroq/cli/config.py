@@ -11,9 +11,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from lightning_zeroq.config import ZeroConfig, check_shard_group_size, check_swap_directory
-from lightning_zeroq.data import DataConfig, check_one_batch_per_rank
-from lightning_zeroq.gpt import GPTConfig, OptimConfig
-from lightning_zeroq.precision import PARAM_DTYPES
+from lightning_zeroq.cli.data import DataConfig, check_one_batch_per_rank
+from lightning_zeroq.cli.gpt import GPTConfig, OptimConfig
+from lightning_zeroq.common.precision import PARAM_DTYPES
 from lightning_zeroq.validation import check_int
 
 

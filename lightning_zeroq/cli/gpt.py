@@ -41,7 +41,7 @@ class GPTConfig:
     """Sizes of the GPT."""
 
     vocab_size: int = 256
-    """Number of token ids (256 for the byte-level tokenizer of ``lightning_zeroq.data``)."""
+    """Number of token ids (256 for the byte-level tokenizer of ``lightning_zeroq.cli.data``)."""
 
     block_size: int = 128
     """Longest sequence the model accepts (rows of the position embedding)."""

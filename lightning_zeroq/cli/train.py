@@ -1,7 +1,7 @@
 """``zeroq-train``: Hydra recipes in, a Lightning run with ``ZeroQStrategy`` out. The only Hydra import.
 
 Configuration:
-- The typed dataclasses (``ZeroConfig``, ``GPTConfig``, ``OptimConfig``, ``DataConfig`` and, in ``cli_config``,
+- The typed dataclasses (``ZeroConfig``, ``GPTConfig``, ``OptimConfig``, ``DataConfig`` and, in ``config``,
   ``TrainerConfig`` and the top-level ``RunConfig``) are stored in Hydra's ConfigStore as schemas
   (``base_config``, ``zero/base``, ``model/base``, ``data/base``, ``trainer/base``). The YAML files in
   ``conf/`` extend them through their defaults lists, so a misspelt key or a wrong type fails when the
@@ -14,7 +14,7 @@ Configuration:
   on the text (a GPU for ``trainer=gpu``, one batch of text per rank). A ``ValueError`` there (or the
   ``RuntimeError`` of a missing GPU) ends the program with one line that names the value, the fix and
   the config key, exit status 2, before any process is started.
-- ``conf/`` and ``recipes/`` are found inside the package (``lightning_zeroq/conf``: real directories
+- ``conf/`` and ``recipes/`` are found inside the package (``lightning_zeroq/cli/conf``: real directories
   in a wheel, links to the top-level directories in a source checkout), else at the top of the
   checkout.
 
@@ -64,10 +64,10 @@ from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_zeroq.cli_config import SECTIONS, RunConfig, build_run_config, config_error_line, preflight
-from lightning_zeroq.data import TextDataModule
-from lightning_zeroq.gpt import GPT
-from lightning_zeroq.strategy import ZeroQStrategy
+from lightning_zeroq.cli.config import SECTIONS, RunConfig, build_run_config, config_error_line, preflight
+from lightning_zeroq.cli.data import TextDataModule
+from lightning_zeroq.cli.gpt import GPT
+from lightning_zeroq.lightning.strategy import ZeroQStrategy
 
 HYDRA_VERSION_BASE = "1.3"
 CHILD_ENV = "ZEROQ_CHILD_CONFIG"
@@ -114,11 +114,11 @@ class TrainResult:
 def resource_dir(name: str) -> Path:
     """``conf`` or ``recipes``: inside the installed package, else at the top of the source checkout."""
     here = Path(__file__).parent
-    for candidate in (here / name, here.parent / name):
+    for candidate in (here / name, here.parents[1] / name):
         if candidate.is_dir():
             return candidate.resolve()
     raise RuntimeError(
-        f"lightning_zeroq cannot find its '{name}' directory (looked in {here} and {here.parent}); "
+        f"lightning_zeroq cannot find its '{name}' directory (looked in {here} and {here.parents[1]}); "
         "reinstall the package (pip install lightning-zeroq) or run from a complete source checkout."
     )
 

@@ -30,8 +30,8 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from torch import nn
 
 from lightning_zeroq.config import ZeroConfig
-from lightning_zeroq.precision import ZeroQPrecision
-from lightning_zeroq.watchdog import JOIN_TIMEOUT, start_watchdog, stop_watchdog
+from lightning_zeroq.common.precision import ZeroQPrecision
+from lightning_zeroq.common.watchdog import JOIN_TIMEOUT, start_watchdog, stop_watchdog
 from lightning_zeroq.zero.access import owning_engine
 from lightning_zeroq.zero.engine import ZeroEngine
 from lightning_zeroq.zero.materialize import parameters_on_meta

@@ -45,11 +45,11 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zeroq.checkpoint import fabric as fabric_checkpoint
+from lightning_zeroq.fabric import checkpoint as fabric_checkpoint
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer
 from lightning_zeroq.config import ZeroConfig
-from lightning_zeroq.precision import ZeroQPrecision
-from lightning_zeroq.strategy_common import (
+from lightning_zeroq.common.precision import ZeroQPrecision
+from lightning_zeroq.common.strategy import (
     as_zeroq_precision,
     build_engine,
     check_one_optimizer,
@@ -60,7 +60,7 @@ from lightning_zeroq.strategy_common import (
     register_presets,
     stage3_meta_init,
 )
-from lightning_zeroq.watchdog import report_uncaught_collective_failures
+from lightning_zeroq.common.watchdog import report_uncaught_collective_failures
 from lightning_zeroq.zero.engine import ZeroEngine
 
 if TYPE_CHECKING:

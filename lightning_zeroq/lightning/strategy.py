@@ -38,12 +38,12 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_zeroq.checkpoint import atomic
-from lightning_zeroq.checkpoint import lightning as checkpoint_glue
+from lightning_zeroq.lightning import checkpoint as checkpoint_glue
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer
 from lightning_zeroq.config import ZeroConfig
-from lightning_zeroq.launcher import ZeroQLauncher, record_sigterm_without_collectives
-from lightning_zeroq.precision import ZeroQPrecision
-from lightning_zeroq.strategy_common import (
+from lightning_zeroq.lightning.launcher import ZeroQLauncher, record_sigterm_without_collectives
+from lightning_zeroq.common.precision import ZeroQPrecision
+from lightning_zeroq.common.strategy import (
     as_zeroq_precision,
     build_engine,
     config_from_options,
@@ -55,7 +55,7 @@ from lightning_zeroq.strategy_common import (
 )
 from lightning_zeroq.checkpoint import engine_state
 from lightning_zeroq.zero import state_dict as zero_state
-from lightning_zeroq.watchdog import report_collective_failure
+from lightning_zeroq.common.watchdog import report_collective_failure
 from lightning_zeroq.zero.engine import ZeroEngine
 
 checkpoint_glue.install_load_from_checkpoint()

@@ -17,7 +17,7 @@ import torch
 
 from benchmarks import memory_account as ma
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SITE = "/venv/lib/python3.12/site-packages/"
 
 

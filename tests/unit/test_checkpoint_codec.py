@@ -3,7 +3,7 @@
 import pytest
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-import lightning_zeroq.checkpoint.lightning  # noqa: F401  (registers Lightning's and OmegaConf's types)
+import lightning_zeroq.lightning.checkpoint  # noqa: F401  (registers Lightning's and OmegaConf's types)
 from lightning_zeroq.checkpoint import codec
 
 

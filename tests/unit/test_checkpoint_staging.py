@@ -278,7 +278,7 @@ def _engine_body(tmp: str, config: str) -> bool:
 
     from lightning_zeroq.checkpoint.checkpointer import Checkpointer
     from lightning_zeroq.checkpoint.engine_io import load_engine, save_engine
-    from tests.test_checkpoint_engine import _engine, _state as full_state, _train, _assert_state_equal
+    from tests.integration.checkpoint.test_engine import _engine, _state as full_state, _train, _assert_state_equal
 
     engine = _engine(config, tmp)
     _train(engine, range(2))

@@ -1,11 +1,11 @@
-"""The package's GPT (``lightning_zeroq.gpt``): the demo model of ``zeroq-train`` and, with Llama-like options,
+"""The package's GPT (``lightning_zeroq.cli.gpt``): the demo model of ``zeroq-train`` and, with Llama-like options,
 the model of the step-time benchmarks."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_zeroq.gpt import GPTConfig, GPTModel
+from lightning_zeroq.cli.gpt import GPTConfig, GPTModel
 
 LLAMA_LIKE = dict(norm="rmsnorm", mlp="swiglu", bias=False, learned_positions=False, tie_embeddings=False,
                   init="torch")

@@ -15,7 +15,7 @@ import torch
 
 from lightning_zeroq.checkpoint import convert
 from lightning_zeroq.checkpoint.convert import main
-from tests.test_checkpoint_faults import _train_and_save
+from tests.integration.checkpoint.test_faults import _train_and_save
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ def _engine(name: str, tmp: str, seed: int = 0) -> ZeroEngine:
 
 
 def _train(engine: ZeroEngine, steps: range) -> None:
-    from tests.test_checkpoint_interop import _loss  # one global batch per step, split over the ranks
+    from tests.integration.checkpoint.test_interop import _loss  # one global batch per step, split over the ranks
 
     for step in steps:
         engine.backward(_loss(engine.module, step))

@@ -238,7 +238,7 @@ from lightning_zeroq.checkpoint import atomic
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer
 from lightning_zeroq.checkpoint.engine_io import save_engine
 from tests.models import make_batch
-from tests.test_checkpoint_faults import _engine
+from tests.integration.checkpoint.test_faults import _engine
 engine = _engine()
 checkpointer = Checkpointer(async_save={asynchronous})
 for steps in (1, 2):
@@ -297,7 +297,7 @@ def test_sigkill_of_one_rank_while_saving(tmp_path, world, victim, fault, asynch
     from lightning_zeroq.checkpoint import atomic
     from lightning_zeroq.checkpoint.agree import CheckpointError
     from lightning_zeroq.checkpoint.engine_io import load_engine
-    from tests.test_checkpoint_faults import _engine
+    from tests.integration.checkpoint.test_faults import _engine
 
     path = tmp_path / "last.ckpt"
     codes, seconds = _kill_one_rank(path, world, victim, fault, asynchronous)

@@ -197,7 +197,7 @@ CHILD = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     from lightning_zeroq.checkpoint import atomic
     from lightning_zeroq.checkpoint.engine_io import save_engine
-    from tests.test_checkpoint_faults import _engine
+    from tests.integration.checkpoint.test_faults import _engine
     from tests.models import make_batch
     atomic.exchange_supported = None if {exchange} else False
     engine = _engine()
@@ -253,7 +253,7 @@ class _nothing:
 
 
 def _fit_catching(ckpt: str, weights_only) -> tuple[str, str, float]:
-    from tests.test_checkpoint_reshard import S2, _second
+    from tests.integration.checkpoint.test_reshard import S2, _second
 
     start = time.monotonic()
     try:
@@ -276,7 +276,7 @@ def _fit_weights_only(ckpt: str, weights_only: bool) -> None:
 
 
 def test_trainer_resume_from_a_damaged_or_legacy_checkpoint_fails_alike_on_every_rank(dist_pool, tmp_path):
-    from tests.test_checkpoint_reshard import S2, _first
+    from tests.integration.checkpoint.test_reshard import S2, _first
 
     ckpt = tmp_path / "epoch1.ckpt"
     dist_pool(2).run(_first, S2, str(ckpt))

@@ -19,7 +19,7 @@ from lightning_zeroq.checkpoint.store import Manifest, classify
 from lightning_zeroq.checkpoint.writer import StagingRing
 from tests.dist_pool import REPO_ROOT
 from tests.models import RichModel, make_lit_module
-from tests.test_checkpoint_reshard import S2, _ddp, _first, _fit, _second, _strategy, assert_runs_match
+from tests.integration.checkpoint.test_reshard import S2, _ddp, _first, _fit, _second, _strategy, assert_runs_match
 
 STEPS_PER_EPOCH = 4
 
@@ -222,7 +222,7 @@ def _nvme_during_fit(kind: dict, dirpath: str) -> list[dict]:
 
 
 def test_nvme_offload_saves_during_fit_one_unit_at_a_time_and_resumes_elsewhere(dist_pool, tmp_path):
-    from tests.test_checkpoint_reshard import S3_OFFLOAD
+    from tests.integration.checkpoint.test_reshard import S3_OFFLOAD
 
     reference = dist_pool(3).run(_ddp)[0]
     kind = {**NVME, "nvme_path": str(tmp_path), "reduce_bucket_size": 300}
@@ -256,7 +256,7 @@ def test_a_torch_format_optimizer_state_is_loaded_only_with_a_matching_model(fau
     # a wrong shape (5x larger, or transposed: both hold enough elements to be misread) or a missing
     # key under strict is refused on every rank before anything changes, as nn.Module would.
     from lightning_zeroq.checkpoint.agree import CheckpointError
-    from lightning_zeroq.checkpoint.lightning import load_torch_optimizer_state
+    from lightning_zeroq.lightning.checkpoint import load_torch_optimizer_state
 
     engine, model, optimizer = _torch_format_state()
     name = "block.0.weight"

@@ -21,7 +21,7 @@ from lightning_zeroq.checkpoint.convert import iter_named_tensors, lightning_che
 from lightning_zeroq.checkpoint.engine_io import save_engine
 from lightning_zeroq.checkpoint.store import SELF_CHECKSUM, _self_checksum
 from tests.models import make_batch
-from tests.test_checkpoint_faults import _engine
+from tests.integration.checkpoint.test_faults import _engine
 
 
 def _trained(seed: int, steps: int = 1):
@@ -85,7 +85,7 @@ def test_a_data_file_that_is_a_link_is_not_followed(saved, tmp_path):
 
 def test_a_planted_temp_link_is_not_written_through(tmp_path):
     from lightning_zeroq.checkpoint.checkpointer import Checkpointer
-    from lightning_zeroq.checkpoint.lightning import save_single_file
+    from lightning_zeroq.lightning.checkpoint import save_single_file
 
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")

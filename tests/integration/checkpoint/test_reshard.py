@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import lightning_zeroq  # noqa: F401  (registers the strategy names)
 from tests.models import TokenDataset, make_lit_module
-from tests.test_engine_parity import STAGE3
+from tests.integration.engine.test_parity import STAGE3
 
 GLOBAL_BATCH, STEPS_PER_EPOCH = 6, 4
 TOL = 1e-5

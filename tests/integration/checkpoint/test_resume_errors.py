@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import lightning_zeroq  # noqa: F401
 from tests.models import make_lit_module
-from tests.test_checkpoint_reshard import S2, _first, _fit, _strategy
+from tests.integration.checkpoint.test_reshard import S2, _first, _fit, _strategy
 
 STEPS_PER_EPOCH = 4
 
@@ -101,7 +101,7 @@ def test_a_foreign_dcp_directory_resumes_in_fit_and_loads_in_load_from_checkpoin
 
 
 def _fit_single_file(path: str, allow: bool) -> str:
-    from tests.test_checkpoint_reshard import _second
+    from tests.integration.checkpoint.test_reshard import _second
 
     if allow:
         torch.serialization.add_safe_globals([Opaque])

@@ -1,10 +1,10 @@
 """``zeroq-train``'s configuration: composition, validation, error messages, ``--cfg`` and ``--multirun``.
 
-Most checks compose in this process with ``lightning_zeroq.cli.compose_config`` (what the command
+Most checks compose in this process with ``lightning_zeroq.cli.train.compose_config`` (what the command
 does before it runs anything); the rest run the command as ``python -m lightning_zeroq.cli`` in a
 temporary directory: config errors and ``--help`` (a few seconds each), a stale ``ZEROQ_CHILD_CONFIG``
 under a launcher, one short 2-rank run and one 2-job ``--multirun``. The installed console script is
-exercised by ``tests/test_wheel.py``.
+exercised by ``tests/integration/cli/test_wheel.py``.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-import lightning_zeroq.cli as cli
+import lightning_zeroq.cli.train as cli
 from lightning_zeroq import ZeroConfig
-from lightning_zeroq.cli import (
+from lightning_zeroq.cli.train import (
     CHILD_ENV,
     RECIPE_HEADER,
     SUMMARY_PREFIX,
@@ -35,9 +35,9 @@ from lightning_zeroq.cli import (
     resource_dir,
     to_run_config,
 )
-from lightning_zeroq.cli_config import build_run_config, config_error_line, preflight
+from lightning_zeroq.cli.config import build_run_config, config_error_line, preflight
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 GROUPS = ("zero", "offload", "quantization", "model", "data", "trainer")
 
 
@@ -210,9 +210,7 @@ def test_recipe_is_complete_and_documented(name: str) -> None:
 
 
 def test_conf_and_recipes_are_found_inside_the_package() -> None:
-    import lightning_zeroq
-
-    package = Path(lightning_zeroq.__file__).parent
+    package = Path(cli.__file__).parent  # lightning_zeroq/cli, beside zeroq-train's module
     assert resource_dir("conf") == (package / "conf").resolve() == (REPO_ROOT / "conf").resolve()
     assert resource_dir("recipes") == (package / "recipes").resolve() == (REPO_ROOT / "recipes").resolve()
 
@@ -377,7 +375,7 @@ def test_the_summary_counts_the_steps_the_engine_skipped() -> None:
     # the engine when training ends.
     from types import SimpleNamespace
 
-    from lightning_zeroq.cli import RunRecorder, TrainResult
+    from lightning_zeroq.cli.train import RunRecorder, TrainResult
 
     recorder = RunRecorder()
     trainer = SimpleNamespace(strategy=SimpleNamespace(engine=SimpleNamespace(skipped_steps=3)))

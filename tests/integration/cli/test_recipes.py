@@ -1,7 +1,7 @@
 """Recipe regression tests: every recipe in ``recipes/`` runs briefly and must reproduce its figures.
 
 Each recipe is composed with Hydra's compose API inside the 2 gloo workers of the session's
-``dist_pool`` and trained by ``lightning_zeroq.cli.train`` (the function ``zeroq-train`` runs), as it
+``dist_pool`` and trained by ``lightning_zeroq.cli.train.train`` (the function ``zeroq-train`` runs), as it
 is except for ``trainer.max_steps=STEPS`` (and no progress bar). The per-step loss trajectory (averaged
 over the ranks) is compared with ``recipes/<name>.expected.json``.
 
@@ -14,7 +14,7 @@ INT8 weights much more, because a rounding difference that moves a weight across
 INT8 grid changes that weight by a whole step (1/127 of its group's largest magnitude), not by an ulp.
 (A fresh clone on an AMD EPYC with AVX-512 saw 3.5e-5 on step 14 of both INT8 recipes.)
 
-How far, measured: ``python tests/test_recipes.py --spread`` runs every recipe under each setting of
+How far, measured: ``python tests/integration/cli/test_recipes.py --spread`` runs every recipe under each setting of
 ``SPREAD_SETTINGS`` (ATen's capability ``default``/``avx2``/``avx512``, MKL limited to AVX2 or SSE4.2,
 oneDNN limited to AVX2, all three at AVX2, all three at the baseline) and prints the largest relative
 deviation from the stored figures over the 15 steps. On an Intel Xeon with AVX-512 (torch 2.13.0+cpu,
@@ -27,7 +27,7 @@ more than 10x the largest tolerance, and a change of 1e-4 relative by 3.5e-5 (fp
 
 Regenerate the figures (all recipes, or the ones named) with ONE command, then commit the JSON files:
 
-    python tests/test_recipes.py --regenerate [RECIPE ...]
+    python tests/integration/cli/test_recipes.py --regenerate [RECIPE ...]
 
 A new recipe also needs its tolerance: run ``--spread`` and add it to ``RTOL`` with the measurement.
 """
@@ -45,9 +45,9 @@ from typing import Any
 import pytest
 
 if __package__ in (None, ""):  # run as a script: make `tests` and `lightning_zeroq` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from lightning_zeroq.cli import compose_config, figures_path, recipe_names, to_run_config, train  # noqa: E402
+from lightning_zeroq.cli.train import compose_config, figures_path, recipe_names, to_run_config, train  # noqa: E402
 
 STEPS = 15
 WORLD_SIZE = 2
@@ -82,7 +82,7 @@ SPREAD_SETTINGS: dict[str, dict[str, str]] = {
     "all baseline": {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
                      "ONEDNN_MAX_CPU_ISA": "SSE41"},
 }
-REGENERATE = "python tests/test_recipes.py --regenerate"
+REGENERATE = "python tests/integration/cli/test_recipes.py --regenerate"
 
 
 def run_recipe(name: str, steps: int, run_dir: str) -> list[float]:
@@ -118,7 +118,7 @@ def test_recipe_reproduces_its_figures(name: str, dist_pool: Any, tmp_path: Path
                     f"`{REGENERATE} {name}` and commit the file.")
     if name not in RTOL:
         pytest.fail(f"recipe {name!r} has no tolerance in RTOL; measure its spread with "
-                    "`python tests/test_recipes.py --spread` and add it with the measurement.")
+                    "`python tests/integration/cli/test_recipes.py --spread` and add it with the measurement.")
     rtol = RTOL[name]
     expected = json.loads(path.read_text())
     if expected.get("steps") != STEPS or expected.get("world_size") != WORLD_SIZE:
@@ -143,7 +143,7 @@ def test_recipe_reproduces_its_figures(name: str, dist_pool: Any, tmp_path: Path
 
 def run_all(names: list[str]) -> dict[str, list[float]]:
     """Run each recipe on a fresh 2-rank pool exactly as the test does; its losses by name."""
-    from tests import test_recipes  # the pool needs an importable module, not __main__
+    from tests.integration.cli import test_recipes  # the pool needs an importable module, not __main__
     from tests.dist_pool import DistPool
 
     unknown = sorted(set(names) - set(recipe_names()))
@@ -189,7 +189,7 @@ def spread(names: list[str]) -> None:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    usage = f"usage: {REGENERATE} [RECIPE ...] | python tests/test_recipes.py --spread [RECIPE ...]"
+    usage = f"usage: {REGENERATE} [RECIPE ...] | python tests/integration/cli/test_recipes.py --spread [RECIPE ...]"
     if not args:
         raise SystemExit(usage)
     if args[0] == "--regenerate":

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from lightning_zeroq.cli import CHILD_ENV, SUMMARY_PREFIX
-from tests.test_cli import run_command
+from lightning_zeroq.cli.train import CHILD_ENV, SUMMARY_PREFIX
+from tests.integration.cli.test_cli import run_command
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 SKIP_DIRS = {".git", ".venv", ".ci-venv", "build", "dist", "outputs", "multirun", "lightning_logs",
              "__pycache__", ".pytest_cache", ".whl"}
 
@@ -67,9 +67,9 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_wheel_contains_conf_recipes_and_every_module(installed: Path) -> None:
     (wheel,) = installed.parent.parent.glob("dist/*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    expected = {f"lightning_zeroq/conf/{p.relative_to(REPO_ROOT / 'conf').as_posix()}"
+    expected = {f"lightning_zeroq/cli/conf/{p.relative_to(REPO_ROOT / 'conf').as_posix()}"
                 for p in (REPO_ROOT / "conf").rglob("*.yaml")}
-    expected |= {f"lightning_zeroq/recipes/{p.name}" for p in (REPO_ROOT / "recipes").iterdir() if p.is_file()}
+    expected |= {f"lightning_zeroq/cli/recipes/{p.name}" for p in (REPO_ROOT / "recipes").iterdir() if p.is_file()}
     expected |= {p.relative_to(REPO_ROOT).as_posix() for p in (REPO_ROOT / "lightning_zeroq").rglob("*.py")
                  if "__pycache__" not in p.parts}
     assert expected - names == set(), f"missing from the wheel: {sorted(expected - names)}"

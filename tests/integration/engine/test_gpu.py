@@ -1,7 +1,7 @@
 """The parity tests again on CUDA GPUs with NCCL (``overlap_comm`` on: reductions on a side stream).
 
-Run on a machine with 2 GPUs: ``python -m pytest -q -m gpu tests/test_gpu.py``; at another world size
-(e.g. all 8 GPUs of a host): ``ZEROQ_GPU_WORLD=8 python -m pytest -q -m gpu tests/test_gpu.py``.
+Run on a machine with 2 GPUs: ``python -m pytest -q -m gpu tests/integration/engine/test_gpu.py``; at another world size
+(e.g. all 8 GPUs of a host): ``ZEROQ_GPU_WORLD=8 python -m pytest -q -m gpu tests/integration/engine/test_gpu.py``.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import os
 
 import pytest
 
-from tests import test_engine_parity as engine_tests
-from tests import test_strategy as strategy_tests
+from tests.integration.engine import test_parity as engine_tests
+from tests.integration.lightning import test_parity as strategy_tests
 
 pytestmark = pytest.mark.gpu
 
@@ -75,28 +75,28 @@ def test_half_precision_follows_fp32_gpu(gpu_pool, precision):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_quantized_reconstruction_nccl(gpu_pool, dtype):
-    from tests import test_quantized
+    from tests.integration.engine import test_quantized
 
     gpu_pool(WORLD).run(test_quantized._reconstruction_body, dtype, "cuda")
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_quantized_identical_working_weights_nccl(gpu_pool, stage):
-    from tests import test_quantized
+    from tests.integration.engine import test_quantized
 
     gpu_pool(WORLD).run(test_quantized._train_body, stage, True, 6, True, "cuda")
 
 
 @pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "on-demand"])
 def test_stage3_changing_control_flow_nccl(gpu_pool, prefetch):
-    from tests import test_stage3
+    from tests.integration.engine import test_stage3
 
     gpu_pool(WORLD).run(test_stage3._path_body, prefetch, "cuda")
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_late_gradients_reentrant_checkpointing_nccl(gpu_pool, stage):
-    from tests import test_hardening
+    from tests.integration.engine import test_accumulation as test_hardening
 
     worst = gpu_pool(WORLD).run(test_hardening._reentrant_body, stage, True, "cuda")
     print(f"stage {stage} reentrant checkpointing: worst |zeroq - reference| = {max(worst):.3g}")
@@ -104,7 +104,7 @@ def test_late_gradients_reentrant_checkpointing_nccl(gpu_pool, stage):
 
 @needs_world(2, "only rank 1 sees non-finite gradients, and rank 0 must stop with it")
 def test_nonfinite_gradients_stop_every_rank_nccl(gpu_pool):
-    from tests import test_hardening
+    from tests.integration.engine import test_accumulation as test_hardening
 
     for r in gpu_pool(WORLD).run(test_hardening._nonfinite_body, "error", 2, "cuda"):
         assert "rank(s) [1]" in r["error"] and r["unchanged"], r
@@ -112,7 +112,7 @@ def test_nonfinite_gradients_stop_every_rank_nccl(gpu_pool):
 
 @pytest.mark.parametrize("offload", ["none", "cpu"])
 def test_one_optimizer_step_per_step_nccl(gpu_pool, offload):
-    from tests import test_hardening
+    from tests.integration.engine import test_accumulation as test_hardening
 
     assert all(c == (3, 3) for c in gpu_pool(WORLD).run(test_hardening._one_step_body, offload, "cuda"))
 

@@ -20,7 +20,7 @@ from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.zero.engine import ZeroEngine
 from lightning_zeroq.zero.unit import UnitState
 from tests.models import RichModel, make_batch, param_groups
-from tests.test_engine_parity import OFFLOAD, _ddp_loss
+from tests.integration.engine.test_parity import OFFLOAD, _ddp_loss
 
 TRANSIENT = {"stage3_wrap_classes": ["Sequential", "Linear"], "stage3_param_persistence_threshold": 0}
 BACKWARDS_PER_STEP = [2, 3, 1]
@@ -307,7 +307,7 @@ def _fit(options, epochs: int, ckpt_path=None, save_to=None) -> list[dict]:
 
     from lightning_zeroq import ZeroQStrategy
     from tests.models import TokenDataset, make_lit_module
-    from tests.test_checkpoint_reshard import _recorder
+    from tests.integration.checkpoint.test_reshard import _recorder
 
     world = dist.get_world_size()
     torch.manual_seed(7)
@@ -334,7 +334,7 @@ FLAT_S1 = {"stage": 1, "reduce_bucket_size": 250}
 @pytest.mark.parametrize("before, after", [((4, HYBRID_S3), (3, FLAT_S2)), ((3, FLAT_S1), (4, HYBRID_S2))],
                          ids=["4-hybrid-stage3-to-3-flat-stage2", "3-flat-stage1-to-4-hybrid-stage2"])
 def test_resume_across_hybrid_and_flat_layouts_matches_ddp(dist_pool, tmp_path, before, after) -> None:
-    from tests.test_checkpoint_reshard import assert_runs_match
+    from tests.integration.checkpoint.test_reshard import assert_runs_match
 
     ckpt = str(tmp_path / "epoch1.ckpt")
     first = dist_pool(before[0]).run(_fit, before[1], 1, None, ckpt)[0]
@@ -348,8 +348,8 @@ def test_resume_across_hybrid_and_flat_layouts_matches_ddp(dist_pool, tmp_path, 
 
 
 def test_hydra_key_zero_shard_group_size() -> None:
-    from lightning_zeroq.cli import compose_config, to_run_config
-    from lightning_zeroq.cli_config import config_error_line, preflight
+    from lightning_zeroq.cli.train import compose_config, to_run_config
+    from lightning_zeroq.cli.config import config_error_line, preflight
 
     assert to_run_config(compose_config(["zero.shard_group_size=2", "trainer.devices=4"])).zero.shard_group_size == 2
     assert to_run_config(compose_config(["zero.shard_group_size=node"])).zero.shard_group_size == "node"
@@ -372,7 +372,7 @@ def _fabric_two_nodes_body() -> float:
     import lightning as L
 
     from lightning_zeroq import ZeroQFabricStrategy
-    from tests.test_fabric import _train_in_lockstep
+    from tests.integration.fabric.test_parity import _train_in_lockstep
 
     rank = dist.get_rank()
     os.environ.update(NODE_RANK=str(rank // 2), LOCAL_RANK=str(rank % 2))  # 2 nodes of 2 (the pool resets them)

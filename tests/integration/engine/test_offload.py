@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_zeroq import ZeroConfig, ZeroEngine
 from tests.models import DIM, SEQ, VOCAB
-from tests.test_engine_parity import OFFLOAD
+from tests.integration.engine.test_parity import OFFLOAD
 
 COMBOS = [(1, "none"), (1, "optimizer_cpu"), (1, "optimizer_nvme"), (2, "none"), (2, "optimizer_cpu"),
           (2, "optimizer_nvme"), (3, "none"), (3, "optimizer_cpu"), (3, "optimizer_nvme"),
@@ -180,7 +180,7 @@ def test_nvme_path_errors_are_clear(tmp_path, monkeypatch):
 
 def _trainer_nvme_body(path: str, stage: int) -> int:
     from lightning_zeroq import ZeroQStrategy
-    from tests.test_strategy import _fit
+    from tests.integration.lightning.test_parity import _fit
 
     strategy = ZeroQStrategy(stage=stage, offload_optimizer=True, offload_optimizer_device="nvme", nvme_path=path,
                              reduce_bucket_size=400, stage3_wrap_classes=["Sequential", "Linear"],

@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from lightning_zeroq import ZeroConfig, ZeroEngine
 from tests.models import RichModel, make_batch, param_groups
-from tests.test_engine_parity import OFFLOAD, STAGE3, _parity_body
-from tests.test_quantized import _check_units
+from tests.integration.engine.test_parity import OFFLOAD, STAGE3, _parity_body
+from tests.integration.engine.test_quantized import _check_units
 
 pytestmark = pytest.mark.slow
 WORLD = 8

@@ -107,7 +107,7 @@ def _train_body(stage: int, quantized: bool, steps: int, check: bool, device: st
     dev = _device(device)
     model = RichModel().to(dev)
     exact = 64  # quantize the embedding and the 16x16 weights; LayerNorm and biases go exactly
-    from tests.test_engine_parity import STAGE3
+    from tests.integration.engine.test_parity import STAGE3
 
     offload = {}
     if params_on:
@@ -169,7 +169,7 @@ def test_quantized_training_follows_full_width(dist_pool):
 
 def _encode_once_body() -> tuple[int, int]:
     from lightning_zeroq import ops
-    from tests.test_engine_parity import STAGE3
+    from tests.integration.engine.test_parity import STAGE3
 
     rank = dist.get_rank()
     model = RichModel()

@@ -18,7 +18,7 @@ from lightning_zeroq.zero.offload.device import CastMaster, DeviceStore
 from lightning_zeroq.zero.offload.split import SplitStore
 from lightning_zeroq.zero.unit import UnitState
 from tests.models import DIM, MostGathered, RichModel, make_batch, param_groups
-from tests.test_hardening import _assert_matches
+from tests.integration.engine.test_accumulation import _assert_matches
 
 TRANSIENT = {"stage3_wrap_classes": ["Linear"], "stage3_param_persistence_threshold": 0}
 

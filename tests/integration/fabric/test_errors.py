@@ -9,7 +9,7 @@ import torch.distributed as dist
 import lightning_zeroq  # noqa: F401  (registers the strategy names)
 from lightning_zeroq import ZeroQFabricStrategy, ZeroQStrategy
 from lightning_zeroq.checkpoint.agree import CheckpointError
-from lightning_zeroq.strategy_common import PRESETS
+from lightning_zeroq.common.strategy import PRESETS
 from tests.models import RichModel, make_batch, param_groups
 
 

@@ -3,7 +3,7 @@
 Both run in the same worker processes of the pool, in lockstep on the same micro-batches: each step
 is 2, 5, 3 or 1 backward passes (managed: every one but the last inside ``no_backward_sync``;
 unmanaged: plain backward passes, then the step), clipping by the global norm, AdamW (``eps=1e-3``,
-see tests/test_engine_parity.py for why) over two param groups. The model (tests/models.py) has a
+see tests/integration/engine/test_parity.py for why) over two param groups. The model (tests/models.py) has a
 tied embedding/head, a frozen layer, a block used twice, a layer used only on some steps, one never
 used, a buffer and a LayerNorm. After every step the full fp32 parameters must match DDP's to 1e-5.
 """
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import lightning_zeroq  # noqa: F401  (registers the strategy names)
 from tests.models import DIM, VOCAB, RichModel, make_batch, param_groups
-from tests.test_engine_parity import STAGE3
+from tests.integration.engine.test_parity import STAGE3
 
 BACKWARDS_PER_STEP = [2, 5, 3, 1]
 
@@ -127,7 +127,7 @@ def test_fabric_offload_and_int8_match_ddp(dist_pool, stage, arm, world_size, ma
 
 def _quantized_body(stage: int) -> None:
     """With INT8 quantization really on, DDP is no reference; Fabric must train exactly as the engine
-    driven by hand does (tests/test_quantized.py checks the engine against the INT8 reference)."""
+    driven by hand does (tests/integration/engine/test_quantized.py checks the engine against the INT8 reference)."""
     from lightning_zeroq import ZeroConfig, ZeroEngine, ZeroQFabricStrategy
 
     rank = dist.get_rank()
@@ -233,7 +233,7 @@ def _precision_body(precision: str) -> tuple[list[float], list[float]]:
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "bf16-true"])
 def test_half_precision_follows_fp32(dist_pool, precision):
-    # As for the Trainer (tests/test_strategy.py): one rounding of weights and activations to 8 (bf16)
+    # As for the Trainer (tests/integration/lightning/test_parity.py): one rounding of weights and activations to 8 (bf16)
     # or 11 (fp16) mantissa bits, kept from compounding by the fp32 masters.
     fp32, low = dist_pool(2).run(_precision_body, precision)[0]
     worst = max(abs(a - b) / abs(a) for a, b in zip(fp32, low))

@@ -10,7 +10,7 @@ import textwrap
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 SCRIPT = textwrap.dedent("""
     import sys, time

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 STEPS, ACCUMULATE, BATCH, CLIP, LR = 3, 2, 2, 0.5, 0.01
 
 SCRIPT = textwrap.dedent(f"""

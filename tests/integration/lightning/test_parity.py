@@ -84,7 +84,7 @@ def _assert_same(snaps, ref_snaps, tol):
 def _parity_body(stage: int, managed: bool, accelerator: str = "cpu") -> int:
     from lightning_zeroq import ZeroQStrategy
 
-    from tests.test_engine_parity import STAGE3
+    from tests.integration.engine.test_parity import STAGE3
 
     extra = STAGE3 if stage == 3 else {}
     strategy = ZeroQStrategy(stage=stage, reduce_bucket_size=400, managed_gradient_accumulation=managed, **extra)
