@@ -1,13 +1,11 @@
-"""Silent wrong answers found when the product was tried as a careful user would, each with the test
-that would have caught it: late gradients (reentrant checkpointing), ``zero_grad`` between
-backward passes, stage-1 accumulation precision, one optimizer step per step with offload, non-finite
-gradients, ``training_step`` returning ``None``."""
+"""Gradient accumulation and the optimizer step against a data-parallel reference: gradients that arrive
+after their unit was reduced (reentrant checkpointing), the user's ``zero_grad`` between backward
+passes, stage-1 accumulation of low-precision gradients in fp32, one optimizer step per step whatever
+the placement. Also the reference helpers the non-finite and rank-failure tests share."""
 
 from __future__ import annotations
 
 import copy
-import logging
-from typing import Optional
 
 import pytest
 import torch
@@ -17,7 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_zeroq import ZeroConfig, ZeroEngine, register_elementwise_optimizer
-from tests.models import DIM, SEQ, VOCAB, RichModel, make_batch, param_groups
+from tests.models import DIM, SEQ, VOCAB, RichModel, make_batch
 
 TRANSIENT = {"stage3_wrap_classes": ["Sequential"], "stage3_param_persistence_threshold": 0}
 
@@ -233,180 +231,6 @@ def test_the_optimizer_sees_one_step_per_step_whatever_the_placement(dist_pool, 
     assert all(c == (3, 3) for c in counts), counts
 
 
-OFFLOADS = {"none": {}, "cpu": {"offload_optimizer": True}, "params_cpu": {"offload_optimizer": True, "offload_parameters": True},
-            "ratio": {"offload_optimizer": True, "offload_optimizer_ratio": 0.5},
-            "auto": {"offload_optimizer": True, "offload_optimizer_ratio": "auto", "offload_memory_budget": "50%"}}
-
-
-def _nonfinite_body(action: str, stage: int, device: str = "cpu", offload: str = "none",
-                    boundary: Optional[bool] = None) -> dict:
-    torch.manual_seed(0)
-    dev = _device(device)
-    model = RichModel().to(dev)
-    engine = ZeroEngine(model, ZeroConfig(stage=stage, nonfinite_gradients=action, **_stage_options(stage),
-                                          **OFFLOADS[offload]))
-    if offload == "auto":  # a stand-in device that holds about half the units (see test_engine_parity)
-        engine.placement.measure = lambda: (0, 0, 16000)
-    engine.attach_optimizer(torch.optim.AdamW(param_groups(model)))
-    rank = dist.get_rank()
-    batch = lambda step: tuple(t.to(dev) if torch.is_tensor(t) else t for t in make_batch(step, 0, rank, uniform=True))  # noqa: E731
-    engine.backward(model.loss(batch(0)), boundary=boundary)
-    assert engine.step()
-    if offload == "auto":
-        assert 0 < len(engine.placement.host_units) < len(engine.units)
-    before = engine.full_state_dict()
-    state_before = [{k: v.clone() for k, v in s.items()} for s in engine.optimizer.state.values()]
-    loss = model.loss(batch(1))
-    engine.backward(loss * float("nan") if rank == 1 else loss, boundary=boundary)  # only rank 1 goes wrong
-    out: dict = {}
-    try:
-        out["stepped"] = engine.step()
-    except RuntimeError as err:
-        out["error"] = str(err)
-    after = engine.full_state_dict()
-    state_after = list(engine.optimizer.state.values())
-    out["unchanged"] = all(torch.equal(before[k], after[k]) for k in before) and len(state_before) == len(state_after) \
-        and all(torch.equal(a[k], b[k]) for a, b in zip(state_before, state_after) for k in a)
-    out["skipped"] = engine.skipped_steps
-    engine.backward(model.loss(batch(2)), boundary=boundary)  # training goes on with finite ones
-    out["next_stepped"] = engine.step() if "error" not in out else None
-    return out
-
-
-@pytest.mark.parametrize("stage", [2, 3])
-def test_nonfinite_gradients_stop_training_on_every_rank_by_default(dist_pool, stage):
-    results = dist_pool(2).run(_nonfinite_body, "error", stage)
-    for r in results:
-        assert "non-finite gradients" in r["error"] and "step 2" in r["error"] and "rank(s) [1]" in r["error"], r
-        assert "nonfinite_gradients='skip'" in r["error"] and r["unchanged"]
-
-
-@pytest.mark.parametrize("stage, offload", [(2, "cpu"), (3, "params_cpu"), (2, "ratio"), (2, "auto"), (3, "auto")])
-@pytest.mark.parametrize("boundary", [None, True], ids=["copies_at_finalize", "copies_during_backward"])
-def test_nonfinite_gradients_leave_offloaded_models_untouched_on_every_rank(dist_pool, stage, offload, boundary):
-    # Optimizer offload (host step unit by unit), partial and auto offload: a NaN on rank 1 in step 2
-    # stops the step on both ranks before any unit is stepped; values and optimizer state are as before.
-    # boundary=True: the gradients leave for the host during the backward, before the agreement.
-    results = dist_pool(2).run(_nonfinite_body, "error", stage, "cpu", offload, boundary)
-    assert all("non-finite gradients" in r["error"] and r["unchanged"] for r in results), results
-
-
-def test_nonfinite_gradients_can_skip_the_step_everywhere(dist_pool):
-    results = dist_pool(2).run(_nonfinite_body, "skip", 2)
-    assert all(r == {"stepped": False, "unchanged": True, "skipped": 1, "next_stepped": True} for r in results), results
-
-
-def _overflow_log_body() -> list[str]:
-    records: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    logger = logging.getLogger("lightning_zeroq")
-    handler = Keep()
-    logger.addHandler(handler)
-    try:
-        model = RichModel()
-        engine = ZeroEngine(model, ZeroConfig(stage=2), param_dtype=torch.float16, loss_scaling=True)
-        engine.attach_optimizer(torch.optim.AdamW(param_groups(model)))
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = model.loss(make_batch(0, 0, dist.get_rank()))
-        engine.backward(loss * float("inf"))
-        assert engine.step() is False and engine.skipped_steps == 1
-    finally:
-        logger.removeHandler(handler)
-    return records
-
-
-def test_fp16_overflow_skips_are_logged_with_the_step_and_the_new_scale(dist_pool):
-    records = dist_pool(2).run(_overflow_log_body)
-    assert any("fp16 overflow in step 1" in m and "loss scale 65536 -> 32768" in m for m in records[0]), records[0]
-    assert records[1] == []  # said once, by rank 0
-
-
 # --------------------------------------------------------------------------- faults: every rank agrees
 
 
-def _one_bad_path_body(tmp: str) -> str:
-    import os
-
-    rank = dist.get_rank()
-    path = tmp if rank == 0 else os.path.join(tmp, "missing", "dir")  # only rank 1's path is wrong
-    model = RichModel()
-    try:
-        ZeroEngine(model, ZeroConfig(stage=3, offload_parameters=True, offload_params_device="nvme", nvme_path=path,
-                                     **TRANSIENT))
-    except (RuntimeError, ValueError) as err:
-        return str(err)
-    return "no error"
-
-
-def test_a_failure_on_one_rank_before_a_collective_ends_every_rank(dist_pool, tmp_path):
-    # Before: rank 1 raised and rank 0 walked into the first broadcast and waited for the collective
-    # timeout (30 minutes by default).
-    import time
-
-    start = time.monotonic()
-    messages = dist_pool(2).run(_one_bad_path_body, str(tmp_path))
-    assert time.monotonic() - start < 30
-    assert "missing" in messages[1]  # rank 1: its own error, naming its path
-    assert "rank(s) [1] failed while building the ZeRO engine" in messages[0] and "missing" in messages[0]
-
-
-def _one_full_disk_body(tmp: str) -> str:
-    from lightning_zeroq.swap import swapper
-
-    original = swapper.free_bytes
-    if dist.get_rank() == 1:
-        swapper.free_bytes = lambda path: 1024  # rank 1's disk is "full"
-    try:
-        model = RichModel()
-        engine = ZeroEngine(model, ZeroConfig(stage=2, offload_optimizer=True, offload_optimizer_device="nvme",
-                                              nvme_path=tmp))
-        engine.attach_optimizer(torch.optim.AdamW(param_groups(model)))
-    except RuntimeError as err:
-        return str(err)
-    finally:
-        swapper.free_bytes = original
-    return "no error"
-
-
-def test_a_full_disk_on_one_rank_stops_every_rank_at_attach(dist_pool, tmp_path):
-    messages = dist_pool(2).run(_one_full_disk_body, str(tmp_path))
-    assert "rank(s) [1] failed while attaching the optimizer" in messages[0], messages
-    assert "free" in messages[1].lower() or "space" in messages[1].lower(), messages[1]
-
-
-def _timeout_body() -> str:
-    """A collective that fails (here: a rank that never joins) must raise, not switch the engine to a
-    fallback path for the rest of the run."""
-    from datetime import timedelta
-
-    from lightning_zeroq.zero import comm
-
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=2))
-    out = torch.empty(4)
-    if dist.get_rank() == 0:
-        try:
-            comm.reduce_scatter(out[:2], torch.ones(4), group)  # rank 1 never comes
-        except RuntimeError as err:
-            message = str(err)
-        else:
-            message = "no error"
-    else:
-        message = "skipped"
-    dist.barrier()
-    comm.reduce_scatter(out[:2], torch.ones(4), group=None)  # the flat collective is still used afterwards
-    return message
-
-
-def test_a_failing_collective_raises_instead_of_switching_paths(dist_pool):
-    # Before: comm.reduce_scatter caught any gloo RuntimeError (a timeout, say) and silently switched
-    # every later reduce-scatter to the all-reduce fallback.
-    from lightning_zeroq.zero.comm import has_flat_collectives
-
-    assert has_flat_collectives("nccl", (2, 4)) and has_flat_collectives("gloo", (2, 13))
-    assert not has_flat_collectives("gloo", (2, 7))
-    messages = dist_pool(2).run(_timeout_body)
-    assert messages[1] == "skipped" and messages[0] != "no error", messages

@@ -96,23 +96,23 @@ def test_stage3_changing_control_flow_nccl(gpu_pool, prefetch):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_late_gradients_reentrant_checkpointing_nccl(gpu_pool, stage):
-    from tests.integration.engine import test_accumulation as test_hardening
+    from tests.integration.engine import test_accumulation
 
-    worst = gpu_pool(WORLD).run(test_hardening._reentrant_body, stage, True, "cuda")
+    worst = gpu_pool(WORLD).run(test_accumulation._reentrant_body, stage, True, "cuda")
     print(f"stage {stage} reentrant checkpointing: worst |zeroq - reference| = {max(worst):.3g}")
 
 
 @needs_world(2, "only rank 1 sees non-finite gradients, and rank 0 must stop with it")
 def test_nonfinite_gradients_stop_every_rank_nccl(gpu_pool):
-    from tests.integration.engine import test_accumulation as test_hardening
+    from tests.integration.engine import test_nonfinite
 
-    for r in gpu_pool(WORLD).run(test_hardening._nonfinite_body, "error", 2, "cuda"):
+    for r in gpu_pool(WORLD).run(test_nonfinite._nonfinite_body, "error", 2, "cuda"):
         assert "rank(s) [1]" in r["error"] and r["unchanged"], r
 
 
 @pytest.mark.parametrize("offload", ["none", "cpu"])
 def test_one_optimizer_step_per_step_nccl(gpu_pool, offload):
-    from tests.integration.engine import test_accumulation as test_hardening
+    from tests.integration.engine import test_accumulation
 
-    assert all(c == (3, 3) for c in gpu_pool(WORLD).run(test_hardening._one_step_body, offload, "cuda"))
+    assert all(c == (3, 3) for c in gpu_pool(WORLD).run(test_accumulation._one_step_body, offload, "cuda"))
 
