@@ -608,6 +608,36 @@ def test_sigterm_removes_the_files_and_still_kills(tmp_path: Path) -> None:
     assert not directory.exists() and list(tmp_path.iterdir()) == []
 
 
+_SIGNAL_IN_THE_WINDOW = """
+import os, signal, sys, types
+package = types.ModuleType("lightning_zeroq")
+package.__path__ = [{package!r}]
+sys.modules["lightning_zeroq"] = package
+from lightning_zeroq.swap import directory, swapper
+made = directory.create_private_directory
+
+def made_then_signalled(*args, **kwargs):  # SIGTERM lands after the mkdir, before the directory is tracked
+    resources = made(*args, **kwargs)
+    print(resources.directory, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    return resources
+
+swapper.create_private_directory = made_then_signalled
+swapper.NvmeSwapper({path!r}, buffer_bytes=65536)
+print("survived", flush=True)
+"""
+
+
+def test_a_signal_between_making_the_directory_and_tracking_it_still_removes_it(tmp_path: Path) -> None:
+    code = _SIGNAL_IN_THE_WINDOW.format(package=str(Path(lightning_zeroq.swap.__file__).parents[1]), path=str(tmp_path))
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    directory = Path(child.stdout.splitlines()[0])
+    assert directory.parent == tmp_path, child.stderr
+    assert child.returncode == -signal.SIGTERM, (child.stdout, child.stderr)
+    assert "survived" not in child.stdout
+    assert list(tmp_path.iterdir()) == [], "the swap directory was left behind"
+
+
 def test_sigint_raises_keyboard_interrupt_then_the_files_go_at_exit(tmp_path: Path) -> None:
     scenario = (
         "try:\n"
