@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_zeroq.checkpoint import convert
-from lightning_zeroq.checkpoint.convert import main
+from lightning_zeroq.cli.convert import main
 from tests.integration.checkpoint.test_faults import _train_and_save
 
 

@@ -146,7 +146,7 @@ def test_zeroq_convert_round_trip_bit_for_bit(dist_pool, tmp_path):
     ckpt = tmp_path / "engine.ckpt"
     saved = dist_pool(3).run(_engine_save, str(ckpt))[0]
     out = tmp_path / "model.pt"
-    run = subprocess.run([sys.executable, "-m", "lightning_zeroq.checkpoint.convert", str(ckpt), str(out)],
+    run = subprocess.run([sys.executable, "-m", "lightning_zeroq.cli.convert", str(ckpt), str(out)],
                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     state = torch.load(out, weights_only=True)
@@ -155,7 +155,7 @@ def test_zeroq_convert_round_trip_bit_for_bit(dist_pool, tmp_path):
     for name, param in model.named_parameters(remove_duplicate=False):
         assert torch.equal(param.detach(), saved["full"][name]), name
     assert torch.equal(model.gain, saved["gain"])
-    from lightning_zeroq.checkpoint.convert import main
+    from lightning_zeroq.cli.convert import main
 
     assert main([str(ckpt), str(tmp_path / "model.safetensors"), "--optimizer"]) == 0
     safetensors = pytest.importorskip("safetensors.torch")
@@ -166,7 +166,7 @@ def test_zeroq_convert_round_trip_bit_for_bit(dist_pool, tmp_path):
 
 
 def test_zeroq_convert_errors_name_the_path(tmp_path, capsys):
-    from lightning_zeroq.checkpoint.convert import main
+    from lightning_zeroq.cli.convert import main
 
     assert main([str(tmp_path / "missing"), str(tmp_path / "out.pt")]) == 1
     assert "missing does not exist" in capsys.readouterr().err
@@ -192,7 +192,7 @@ def test_ddp_single_file_resumes_in_zeroq_and_zeroq_exports_one_ddp_resumes(dist
     zeroq_dir = tmp_path / "zeroq.ckpt"
     first = dist_pool(2).run(_first, S2, str(zeroq_dir))[0]
     exported = tmp_path / "exported.ckpt"
-    from lightning_zeroq.checkpoint.convert import main
+    from lightning_zeroq.cli.convert import main
 
     assert main([str(zeroq_dir), str(exported), "--optimizer"]) == 0
     second = dist_pool(2).run(_ddp_second, str(exported))[0]

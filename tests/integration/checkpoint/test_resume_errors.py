@@ -113,7 +113,7 @@ def _fit_single_file(path: str, allow: bool) -> str:
 
 
 def test_a_refused_single_file_names_a_way_that_works(dist_pool, tmp_path):
-    from lightning_zeroq.checkpoint.convert import main
+    from lightning_zeroq.cli.convert import main
 
     directory, single = tmp_path / "zeroq.ckpt", tmp_path / "trusted.ckpt"
     dist_pool(2).run(_first, S2, str(directory))
