@@ -180,7 +180,7 @@ def _one_process(reader: str, ckpt: Path, out: Path) -> tuple[str, str, float, d
     import contextlib
     import io
 
-    from lightning_zeroq.checkpoint import convert
+    from lightning_zeroq.cli import convert
 
     stderr = io.StringIO()
     start = time.monotonic()
