@@ -192,8 +192,8 @@ def load_sharded(engine: Any, read: Callable[[dict], None], *, model_prefix: str
                                                     target=state_buffer)
                     writes.append((part.write, state_buffer))
                 else:
-                    targets[ckpt_key] = scalar_target(ckpt_key)
-                    writes.append((lambda value, pv=pv, key=key: pv.write_scalar(key, _value(value)), targets[ckpt_key]))
+                    targets[ckpt_key] = target = scalar_target(ckpt_key)
+                    writes.append((lambda value, pv=pv, key=key: pv.write_scalar(key, _value(value)), target))
         _read_settled(read, targets, settle)
         for write, value in writes:
             write(value)

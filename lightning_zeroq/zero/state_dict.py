@@ -242,7 +242,8 @@ class ShardedView:
         if batch:
             yield from self._publish_after(batch, target)
 
-    def _publish_after(self, units: list[Unit], optimizer: Optional[torch.optim.Optimizer]) -> Iterator[list[ParamView]]:
+    def _publish_after(self, units: list[Unit],
+                       optimizer: Optional[torch.optim.Optimizer]) -> Iterator[list[ParamView]]:
         params = [pv for unit in units for pv in self._unit_params[unit.index]]
         yield params
         for unit in units:
