@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.step_time import GPT  # noqa: E402
+from lightning_zeroq.checkpoint import checksum  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 
@@ -141,12 +142,19 @@ def arm_zeroq(args, dev, path: Path, asynchronous: bool, staging_mib: Optional[f
                      for v, c in variants.items()}
     paths = {v: path.with_name(path.name + v) for v in variants}
     saves, blocked, peaks = {v: [] for v in variants}, {v: [] for v in variants}, {v: [] for v in variants}
-    for _ in range(args.repeats):
+    hashing: dict[str, list[float]] = {v: [] for v in variants}  # seconds the I/O waited for checksums
+    if args.checksum_ab:  # a process's first save pays one-time costs (staging ring, threads): not in the A/B
         for v, checkpointer in checkpointers.items():
+            save_engine(engine, paths[v], checkpointer=checkpointer)
+            checkpointer.wait()
+    for r in range(args.repeats):
+        for v, checkpointer in _alternating(checkpointers, r):
             shutil.rmtree(paths[v], ignore_errors=True)
             sync()
+            waited = checksum.waited_s
             t, peak = timed(lambda: (save_engine(engine, paths[v], checkpointer=checkpointer), checkpointer.wait()))
             saves[v].append(t)
+            hashing[v].append(checksum.waited_s - waited)
             blocked[v].append(checkpointer.last.blocked_s)
             peaks[v].append(peak)
     reference = engine.full_state_dict() if args.verify else None
@@ -157,13 +165,16 @@ def arm_zeroq(args, dev, path: Path, asynchronous: bool, staging_mib: Optional[f
     engine = ZeroEngine(model, ZeroConfig(stage=2, reduce_bucket_size=int(args.bucket)), param_dtype=torch.bfloat16)
     engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=ON_GPU))
     loads = {v: [] for v in variants}
+    load_hashing: list[float] = []
     load_peak = 0.0
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*saved without checksums")
-        for _ in range(args.repeats if args.checksum_ab else 1):
-            for v in variants:
+        for r in range(args.repeats if args.checksum_ab else 1):
+            for v, _ in _alternating(variants, r):
+                waited = checksum.waited_s
                 t, peak = timed(lambda: load_engine(engine, paths[v]))
                 loads[v].append(t)
+                load_hashing.append(checksum.waited_s - waited) if v == "" else None
                 load_peak = max(load_peak, peak)
                 if reference is not None:
                     got = engine.full_state_dict()
@@ -175,7 +186,10 @@ def arm_zeroq(args, dev, path: Path, asynchronous: bool, staging_mib: Optional[f
             shutil.rmtree(paths[v], ignore_errors=True)
     engine.close()
     out = {"save_s": saves[""], "blocked_s": blocked[""], "save_peak": peaks[""], "load_s": statistics.median(loads[""]),
-           "load_peak": load_peak, "staging_MiB": 0 if asynchronous else staging_mib}
+           "load_peak": load_peak, "staging_MiB": 0 if asynchronous else staging_mib,
+           "checksum_wait_s": round(statistics.median(hashing[""]), 3),
+           "checksum_wait_pct_of_save": round(100 * statistics.median(hashing[""]) / statistics.median(saves[""]), 2),
+           "checksum_load_wait_s": round(statistics.median(load_hashing), 3) if load_hashing else None}
     if args.checksum_ab:
         out.update(save_s_no_checksum=saves["_no_checksum"], load_s_no_checksum=statistics.median(loads["_no_checksum"]),
                    save_s_all_no_checksum=saves["_no_checksum"], load_s_all=loads[""],
@@ -248,6 +262,12 @@ ARMS = {"zeroq": (arm_zeroq, False), "zeroq_pageable": (functools.partial(arm_ze
         "zeroq_async": (arm_zeroq, True), "fsdp2": (arm_fsdp2, False), "fsdp2_async": (arm_fsdp2, True)}
 
 
+def _alternating(variants: dict, repeat: int) -> list:
+    """--checksum-ab: with and without checksums in ABBA order, so that neither always goes first."""
+    pairs = list(variants.items())
+    return pairs[::-1] if repeat % 2 else pairs
+
+
 def _checksum_ab(result: dict) -> dict:
     """--checksum-ab: this rank's medians with and without checksums and the cost in percent."""
     if "save_s_no_checksum" not in result:
@@ -312,6 +332,8 @@ def main() -> None:
                 "load_peak_rss_GiB_per_rank": [round(r[4], 2) for r in per_rank],
                 "save_s_all": [round(s, 3) for s in result["save_s"]],
                 **({"staging_MiB": result["staging_MiB"]} if "staging_MiB" in result else {}),
+                **{k: result[k] for k in ("checksum_wait_s", "checksum_wait_pct_of_save", "checksum_load_wait_s")
+                   if k in result},  # rank 0's: seconds its save's and load's I/O waited for the checksums
                 **_checksum_ab(result),
             }), flush=True)
         dist.barrier()

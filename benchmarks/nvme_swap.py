@@ -42,7 +42,9 @@ from typing import NamedTuple
 
 import torch
 
-from lightning_zeroq.swap.nvme import NvmeSwapper, aligned_empty, filesystem_type, human_bytes
+from lightning_zeroq.swap.buffers import aligned_empty
+from lightning_zeroq.swap.io import filesystem_type
+from lightning_zeroq.swap.swapper import NvmeSwapper, human_bytes
 
 MiB = 1024 * 1024
 

@@ -314,7 +314,7 @@ def check_swap_directory(path: Optional[str]) -> None:
     process starts (``zeroq-train``): a bad path is one line instead of a traceback from every rank."""
     from pathlib import Path
 
-    from lightning_zeroq.swap.nvme import directory_problem
+    from lightning_zeroq.swap.directory import directory_problem
 
     problem = directory_problem(Path(path or "").expanduser()) if path else "is not set"
     if problem is not None:

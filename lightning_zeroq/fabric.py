@@ -32,6 +32,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Generator, Optional, Union
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
@@ -53,10 +54,13 @@ from lightning_zeroq.strategy_common import (
     build_engine,
     check_one_optimizer,
     config_from_options,
+    join_then_timeout,
     local_checkpoint_path,
+    own_process_group,
     register_presets,
     stage3_meta_init,
 )
+from lightning_zeroq.watchdog import report_uncaught_collective_failures
 from lightning_zeroq.zero.engine import ZeroEngine
 
 if TYPE_CHECKING:
@@ -168,6 +172,20 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
         self._backward_sync_control: ZeroQBackwardSyncControl = ZeroQBackwardSyncControl()
         self.engine: Optional[ZeroEngine] = None
         self.checkpointer = Checkpointer()
+
+    # ------------------------------------------------------------------ the process group
+
+    @override
+    def setup_environment(self) -> None:
+        owned = not (dist.is_available() and dist.is_initialized())
+        super().setup_environment()
+        if owned and dist.is_initialized():  # as the Trainer's strategy: a stalled or dead rank ends the job
+            own_process_group(self._timeout)
+            report_uncaught_collective_failures()
+
+    @override
+    def _setup_distributed(self) -> None:
+        join_then_timeout(self, super()._setup_distributed)
 
     # ------------------------------------------------------------------ precision
 

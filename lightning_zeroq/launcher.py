@@ -8,7 +8,7 @@ directories (``<nvme_path>/zeroq_rank<r>_*``, ``zeroq_params_rank<r>_*``) stayed
 
 ``ZeroQLauncher`` is that launcher plus, after every SIGKILL it sends: wait for those processes to
 be gone, then remove the swap directories whose lock names one of them
-(``swap.nvme.remove_directories_of``: provably theirs); before the observer kills rank 0 itself, rank
+(``swap.directory.remove_directories_of``: provably theirs); before the observer kills rank 0 itself, rank
 0's own swap files are removed first.
 """
 
@@ -25,7 +25,8 @@ from lightning.fabric.strategies.launchers.subprocess_script import _ChildProces
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-from lightning_zeroq.swap.nvme import remove_directories_of, remove_live_files
+from lightning_zeroq.swap.cleanup import remove_live_files
+from lightning_zeroq.swap.directory import remove_directories_of
 
 log = logging.getLogger("lightning_zeroq")
 

@@ -17,7 +17,6 @@ Lifecycle:
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
 from datetime import timedelta
@@ -48,13 +47,15 @@ from lightning_zeroq.strategy_common import (
     as_zeroq_precision,
     build_engine,
     config_from_options,
+    join_then_timeout,
     local_checkpoint_path,
+    own_process_group,
     register_presets,
     stage3_meta_init,
 )
 from lightning_zeroq.checkpoint import engine_io
 from lightning_zeroq.zero import state_dict as zero_state
-from lightning_zeroq.watchdog import JOIN_TIMEOUT, report_collective_failure, start_watchdog, stop_watchdog
+from lightning_zeroq.watchdog import report_collective_failure
 from lightning_zeroq.zero.engine import ZeroEngine
 
 checkpoint_glue.install_load_from_checkpoint()
@@ -150,12 +151,7 @@ class ZeroQStrategy(DDPStrategy):
         owned = not (dist.is_available() and dist.is_initialized())
         super().setup_environment()
         if owned and dist.is_initialized():
-            # Destroy the group we created before the interpreter tears down: otherwise the backend's
-            # threads can outlive it and a successful run ends with "terminate called without an active
-            # exception" (exit status 134). Not at teardown: save_checkpoint and full_state_dict after
-            # fit are collectives and need it.
-            _destroy_process_group_at_exit()
-            start_watchdog(self._timeout)
+            own_process_group(self._timeout)
 
     @override
     def _configure_launcher(self) -> None:
@@ -166,21 +162,7 @@ class ZeroQStrategy(DDPStrategy):
 
     @override
     def setup_distributed(self) -> None:
-        # Ranks join within JOIN_TIMEOUT (a short collective timeout must not fail a slow start: the
-        # launcher's children import torch and Lightning first); collectives then get ``timeout``.
-        # A lone process joins nobody: it gets ``timeout`` as given, as in Lightning's own strategies.
-        timeout = self._timeout
-        if (timeout is not None and timeout < JOIN_TIMEOUT and not dist.is_initialized()
-                and self.cluster_environment is not None and self.cluster_environment.world_size() > 1):
-            self._timeout = JOIN_TIMEOUT
-            try:
-                super().setup_distributed()
-            finally:
-                self._timeout = timeout
-            if dist.is_initialized():  # not when the caller stood in for init_process_group
-                dist.distributed_c10d._set_pg_timeout(timeout)
-            return
-        super().setup_distributed()
+        join_then_timeout(self, super().setup_distributed)
 
     @override
     def setup(self, trainer: "Any") -> None:
@@ -430,19 +412,4 @@ def _check_disjoint(optimizers: list) -> None:
                         f"shape {tuple(p.shape)}; ZeroQ shards each parameter's optimizer state once: give every "
                         "parameter to one optimizer."
                     )
-
-
-_EXIT_HOOK: list[bool] = []
-
-
-def _destroy_process_group_at_exit() -> None:
-    if not _EXIT_HOOK:
-        _EXIT_HOOK.append(True)
-        atexit.register(_close_process_group)
-
-
-def _close_process_group() -> None:
-    stop_watchdog()
-    if dist.is_initialized():
-        dist.destroy_process_group()
 

@@ -18,17 +18,20 @@ front door lives here, once, so the two cannot drift apart:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import re
 from pathlib import Path
-from typing import Any, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from torch import nn
 
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.precision import ZeroQPrecision
+from lightning_zeroq.watchdog import JOIN_TIMEOUT, start_watchdog, stop_watchdog
 from lightning_zeroq.zero.access import owning_engine
 from lightning_zeroq.zero.engine import ZeroEngine
 from lightning_zeroq.zero.materialize import parameters_on_meta
@@ -121,3 +124,43 @@ def stage3_meta_init(config: ZeroConfig) -> contextlib.AbstractContextManager:
     by unit with their module's ``reset_parameters()``, so a model larger than one device can be built;
     buffers and other state are created normally. Other stages: no-op."""
     return parameters_on_meta() if config.stage == 3 else contextlib.nullcontext()
+
+
+def join_then_timeout(strategy: Any, setup: Callable[[], None]) -> None:
+    """Create the process group through ``setup`` (the parent strategy's): ranks join within
+    ``JOIN_TIMEOUT`` (a short collective timeout must not fail a slow start: the launcher's children
+    import torch and Lightning first); collectives then get the strategy's ``timeout``. A lone
+    process joins nobody: it gets ``timeout`` as given, as in Lightning's own strategies."""
+    timeout = strategy._timeout
+    if (timeout is not None and timeout < JOIN_TIMEOUT and not dist.is_initialized()
+            and strategy.cluster_environment is not None and strategy.cluster_environment.world_size() > 1):
+        strategy._timeout = JOIN_TIMEOUT
+        try:
+            setup()
+        finally:
+            strategy._timeout = timeout
+        if dist.is_initialized():  # not when the caller stood in for init_process_group
+            dist.distributed_c10d._set_pg_timeout(timeout)
+        return
+    setup()
+
+
+_EXIT_HOOK: list[bool] = []
+
+
+def own_process_group(timeout: Any) -> None:
+    """For a process group this strategy created: a watchdog that ends the job when a rank stalls or
+    dies, and, at the interpreter's exit, the watchdog stopped and the group destroyed. Not at
+    teardown: ``save_checkpoint`` and ``full_state_dict`` after ``fit`` are collectives and need it;
+    and before the interpreter tears down: otherwise the backend's threads can outlive it and a
+    successful run ends with "terminate called without an active exception" (exit status 134)."""
+    if not _EXIT_HOOK:
+        _EXIT_HOOK.append(True)
+        atexit.register(_close_process_group)
+    start_watchdog(timeout)
+
+
+def _close_process_group() -> None:
+    stop_watchdog()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -253,7 +253,7 @@ class Watchdog:
         except Exception:
             pass
         print(f"[rank {self.rank}] {message}", file=sys.stderr, flush=True)
-        from lightning_zeroq.swap.nvme import remove_live_files
+        from lightning_zeroq.swap.cleanup import remove_live_files
 
         for fn in [remove_live_files, *_cleanups]:
             try:
@@ -300,3 +300,21 @@ def report_collective_failure(error: BaseException) -> Optional[str]:
     if watchdog is None or not is_collective_failure(error):
         return None
     return watchdog.report(error)
+
+
+def report_uncaught_collective_failures() -> None:
+    """Where no strategy hook sees the error (a Fabric script): a collective's failure that ends the
+    main thread is reported as ``report_collective_failure`` does (the stalled rank named in the
+    traceback's last line, the other ranks ended) before Python prints it."""
+    previous = sys.excepthook
+    if getattr(previous, "zeroq", False):
+        return
+
+    def hook(kind: Any, error: BaseException, traceback: Any) -> None:
+        try:
+            report_collective_failure(error)
+        finally:
+            previous(kind, error, traceback)
+
+    hook.zeroq = True  # type: ignore[attr-defined]  # marks our hook: installed once
+    sys.excepthook = hook

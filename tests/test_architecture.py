@@ -4,8 +4,11 @@
   level, inside a function, under ``if TYPE_CHECKING:``), because a cycle hidden behind a lazy or
   type-only import is still two files that cannot be read one after the other.
 - No private name (``_x``) is imported from another file of the package.
-- The engine's files (everything under ``zero/``) stay small enough to read in one sitting.
+- Every file of the package stays small enough to read in one sitting (450 lines), the engine's
+  (everything under ``zero/``) smaller still (400).
 - The engine never imports Lightning or Hydra, so plain PyTorch, Fabric and tests can drive it.
+- The engine reads its settings from policies (``zero/policies.py``), never from ``ZeroConfig``: only
+  that module reads the config's fields.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_zeroq"
+PACKAGE_MAX_LINES = 450
 ENGINE_MAX_LINES = 400
 
 
@@ -118,10 +122,20 @@ def test_no_private_name_is_imported_from_another_file():
     assert not offenders, offenders
 
 
+def _assert_small(path: Path, limit: int) -> None:
+    lines = len(path.read_text(encoding="utf-8").splitlines())
+    where = path.relative_to(PACKAGE)
+    assert lines <= limit, f"{where} has {lines} lines (at most {limit}); split it by what its parts do"
+
+
+@pytest.mark.parametrize("path", sorted(_modules().values()), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_package_files_stay_small(path: Path):
+    _assert_small(path, PACKAGE_MAX_LINES)
+
+
 @pytest.mark.parametrize("path", sorted((PACKAGE / "zero").rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_engine_files_stay_small(path: Path):
-    lines = len(path.read_text(encoding="utf-8").splitlines())
-    assert lines <= ENGINE_MAX_LINES, f"{path.name} has {lines} lines; split it by what its parts do"
+    _assert_small(path, ENGINE_MAX_LINES)
 
 
 def test_the_engine_imports_neither_lightning_nor_hydra():
@@ -131,6 +145,66 @@ def test_the_engine_imports_neither_lightning_nor_hydra():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             bad = [n for n in names if n.split(".")[0] in ("lightning", "pytorch_lightning", "hydra", "omegaconf")]
             assert not bad, f"{path.relative_to(PACKAGE)} imports {bad}"
+
+
+POLICY_BUILDER = PACKAGE / "zero" / "policies.py"
+CONFIG_NAMES = ("config", "cfg", "zero_config")
+"""What a ``ZeroConfig`` is called where it is passed around (and any parameter annotated ``ZeroConfig``)."""
+
+
+def _config_members() -> set[str]:
+    """Every field, property and method ``ZeroConfig`` defines, from ``config.py``'s source."""
+    tree = ast.parse((PACKAGE / "config.py").read_text(encoding="utf-8"))
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ZeroConfig")
+    names = {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    return names | {n.name for n in cls.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("__")}
+
+
+def _config_reads(source: str, members: set[str]) -> list[str]:
+    """``config.stage``, ``self.config.stage``, ``getattr(config, ...)``: every read of a ``ZeroConfig``
+    member from an expression that holds a config (by its name, or a parameter annotated ``ZeroConfig``)."""
+    tree = ast.parse(source)
+    holders = set(CONFIG_NAMES)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg) and node.annotation is not None and "ZeroConfig" in ast.unparse(node.annotation):
+            holders.add(node.arg)
+
+    def holds_config(expr: ast.expr) -> bool:
+        return (isinstance(expr, ast.Name) and expr.id in holders) or (
+            isinstance(expr, ast.Attribute) and expr.attr in CONFIG_NAMES)
+
+    reads = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr in members and holds_config(node.value)) or (
+                isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                and node.args and holds_config(node.args[0])):
+            reads.append((node.lineno, node.col_offset, f"line {node.lineno}: {ast.unparse(node)}"))
+    return [read for *_, read in sorted(reads)]
+
+
+def test_the_config_read_finder_finds_reads():
+    members = _config_members()
+    assert {"stage", "nvme_path", "ineffective", "uses_nvme"} <= members
+    source = (
+        "def f(c: ZeroConfig, config, policy):\n"
+        "    a = c.stage + config.overlap_comm + self.config.nvme_path + getattr(config, 'x')\n"
+        "    b = policy.stage + c.world_size + sharding.config\n"
+    )
+    assert [r.split(": ")[1] for r in _config_reads(source, members)] == [
+        "c.stage", "config.overlap_comm", "self.config.nvme_path", "getattr(config, 'x')"]
+
+
+def test_only_the_policy_builder_reads_the_config():
+    members = _config_members()
+    offenders = [
+        f"{path.relative_to(PACKAGE)} {read}"
+        for path in sorted((PACKAGE / "zero").rglob("*.py")) if path != POLICY_BUILDER
+        for read in _config_reads(path.read_text(encoding="utf-8"), members)
+    ]
+    assert not offenders, (
+        "the engine reads ZeroConfig outside zero/policies.py; add what it needs to a policy there: "
+        f"{offenders}"
+    )
 
 
 ENGINE_VIEW = "lightning_zeroq.zero.state_dict"

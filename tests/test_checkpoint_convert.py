@@ -4,8 +4,10 @@ output path, an existing file there is kept, and no temporary file remains."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -140,3 +142,42 @@ def test_unwrap_takes_torchs_exception_out_of_its_pair():
     nested = CheckpointException("outer", {0: _wrap_exception(CheckpointException("inner", {0: pair}))})
     assert describe(unwrap(nested)) == "[Errno 28] No space left on device"
     assert str(unwrap(CheckpointException("x", {0: "text only"}))) == "text only"
+
+
+def test_safetensors_output_holds_the_torch_outputs_tensors_bitwise(saved, tmp_path):
+    safetensors = pytest.importorskip("safetensors")
+    from safetensors.torch import load_file
+
+    assert main([str(saved), str(tmp_path / "model.pt")]) == 0
+    assert main([str(saved), str(tmp_path / "full.ckpt"), "--optimizer"]) == 0
+    assert main([str(saved), str(tmp_path / "model.safetensors"), "--optimizer"]) == 0
+    assert _entries(tmp_path) == ["full.ckpt", "model.pt", "model.safetensors"]  # the staged file is gone
+    flat = load_file(str(tmp_path / "model.safetensors"))
+    model = torch.load(tmp_path / "model.pt", weights_only=True)
+    for name, value in model.items():
+        assert flat[name].dtype == value.dtype and torch.equal(flat[name], value), name
+    with safetensors.safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        meta = f.metadata()
+    groups = json.loads(meta["optimizer_param_groups"])
+    optim = torch.load(tmp_path / "full.ckpt", weights_only=True)["optimizer_states"][0]
+    names = [name for group in groups for name in group["params"]]
+    assert [i for g in optim["param_groups"] for i in g["params"]] == list(range(len(names)))
+    checked = 0
+    for index, state in optim["state"].items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(flat[f"optimizer.state.{names[index]}.{key}"], value), (names[index], key)
+                checked += 1
+    assert checked >= len(model) and len(flat) == len(model) + checked
+
+
+def test_safetensors_output_without_the_package_is_one_line_naming_the_extra(saved, tmp_path, monkeypatch, capsys):
+    reads = []
+    monkeypatch.setattr(convert, "read_entries", lambda reader, targets: reads.append(1))
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    out = tmp_path / "model.safetensors"
+    assert main([str(saved), str(out)]) == 1
+    err = _error(capsys)
+    assert 'pip install "lightning-zeroq[safetensors]"' in err and f"{out} was not written" in err, err
+    assert reads == [] and _entries(tmp_path) == []  # said before any work

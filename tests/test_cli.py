@@ -29,15 +29,13 @@ from lightning_zeroq.cli import (
     CHILD_ENV,
     RECIPE_HEADER,
     SUMMARY_PREFIX,
-    build_run_config,
     compose_config,
-    config_error_line,
     inherited_payload,
-    preflight,
     recipe_names,
     resource_dir,
     to_run_config,
 )
+from lightning_zeroq.cli_config import build_run_config, config_error_line, preflight
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GROUPS = ("zero", "offload", "quantization", "model", "data", "trainer")

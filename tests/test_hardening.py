@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from typing import Optional
 
 import pytest
 import torch
@@ -237,7 +238,8 @@ OFFLOADS = {"none": {}, "cpu": {"offload_optimizer": True}, "params_cpu": {"offl
             "auto": {"offload_optimizer": True, "offload_optimizer_ratio": "auto", "offload_memory_budget": "50%"}}
 
 
-def _nonfinite_body(action: str, stage: int, device: str = "cpu", offload: str = "none") -> dict:
+def _nonfinite_body(action: str, stage: int, device: str = "cpu", offload: str = "none",
+                    boundary: Optional[bool] = None) -> dict:
     torch.manual_seed(0)
     dev = _device(device)
     model = RichModel().to(dev)
@@ -248,14 +250,14 @@ def _nonfinite_body(action: str, stage: int, device: str = "cpu", offload: str =
     engine.attach_optimizer(torch.optim.AdamW(param_groups(model)))
     rank = dist.get_rank()
     batch = lambda step: tuple(t.to(dev) if torch.is_tensor(t) else t for t in make_batch(step, 0, rank, uniform=True))  # noqa: E731
-    engine.backward(model.loss(batch(0)))
+    engine.backward(model.loss(batch(0)), boundary=boundary)
     assert engine.step()
     if offload == "auto":
         assert 0 < len(engine.placement.host_units) < len(engine.units)
     before = engine.full_state_dict()
     state_before = [{k: v.clone() for k, v in s.items()} for s in engine.optimizer.state.values()]
     loss = model.loss(batch(1))
-    engine.backward(loss * float("nan") if rank == 1 else loss)  # only rank 1 goes wrong
+    engine.backward(loss * float("nan") if rank == 1 else loss, boundary=boundary)  # only rank 1 goes wrong
     out: dict = {}
     try:
         out["stepped"] = engine.step()
@@ -266,7 +268,7 @@ def _nonfinite_body(action: str, stage: int, device: str = "cpu", offload: str =
     out["unchanged"] = all(torch.equal(before[k], after[k]) for k in before) and len(state_before) == len(state_after) \
         and all(torch.equal(a[k], b[k]) for a, b in zip(state_before, state_after) for k in a)
     out["skipped"] = engine.skipped_steps
-    engine.backward(model.loss(batch(2)))  # training goes on with finite ones
+    engine.backward(model.loss(batch(2)), boundary=boundary)  # training goes on with finite ones
     out["next_stepped"] = engine.step() if "error" not in out else None
     return out
 
@@ -280,10 +282,12 @@ def test_nonfinite_gradients_stop_training_on_every_rank_by_default(dist_pool, s
 
 
 @pytest.mark.parametrize("stage, offload", [(2, "cpu"), (3, "params_cpu"), (2, "ratio"), (2, "auto"), (3, "auto")])
-def test_nonfinite_gradients_leave_offloaded_models_untouched_on_every_rank(dist_pool, stage, offload):
+@pytest.mark.parametrize("boundary", [None, True], ids=["copies_at_finalize", "copies_during_backward"])
+def test_nonfinite_gradients_leave_offloaded_models_untouched_on_every_rank(dist_pool, stage, offload, boundary):
     # Optimizer offload (host step unit by unit), partial and auto offload: a NaN on rank 1 in step 2
     # stops the step on both ranks before any unit is stepped; values and optimizer state are as before.
-    results = dist_pool(2).run(_nonfinite_body, "error", stage, "cpu", offload)
+    # boundary=True: the gradients leave for the host during the backward, before the agreement.
+    results = dist_pool(2).run(_nonfinite_body, "error", stage, "cpu", offload, boundary)
     assert all("non-finite gradients" in r["error"] and r["unchanged"] for r in results), results
 
 
@@ -351,11 +355,11 @@ def test_a_failure_on_one_rank_before_a_collective_ends_every_rank(dist_pool, tm
 
 
 def _one_full_disk_body(tmp: str) -> str:
-    from lightning_zeroq.swap import nvme
+    from lightning_zeroq.swap import swapper
 
-    original = nvme.free_bytes
+    original = swapper.free_bytes
     if dist.get_rank() == 1:
-        nvme.free_bytes = lambda path: 1024  # rank 1's disk is "full"
+        swapper.free_bytes = lambda path: 1024  # rank 1's disk is "full"
     try:
         model = RichModel()
         engine = ZeroEngine(model, ZeroConfig(stage=2, offload_optimizer=True, offload_optimizer_device="nvme",
@@ -364,7 +368,7 @@ def _one_full_disk_body(tmp: str) -> str:
     except RuntimeError as err:
         return str(err)
     finally:
-        nvme.free_bytes = original
+        swapper.free_bytes = original
     return "no error"
 
 

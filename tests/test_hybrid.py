@@ -348,7 +348,8 @@ def test_resume_across_hybrid_and_flat_layouts_matches_ddp(dist_pool, tmp_path, 
 
 
 def test_hydra_key_zero_shard_group_size() -> None:
-    from lightning_zeroq.cli import compose_config, config_error_line, preflight, to_run_config
+    from lightning_zeroq.cli import compose_config, to_run_config
+    from lightning_zeroq.cli_config import config_error_line, preflight
 
     assert to_run_config(compose_config(["zero.shard_group_size=2", "trainer.devices=4"])).zero.shard_group_size == 2
     assert to_run_config(compose_config(["zero.shard_group_size=node"])).zero.shard_group_size == "node"

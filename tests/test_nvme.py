@@ -1,4 +1,4 @@
-"""Tests of the NVMe swap space (``lightning_zeroq.swap.nvme``) on a temporary directory."""
+"""Tests of the NVMe swap space (``lightning_zeroq.swap``) on a temporary directory."""
 
 from __future__ import annotations
 
@@ -18,10 +18,15 @@ from typing import Iterator
 import pytest
 import torch
 
-from lightning_zeroq.swap import nvme
-from lightning_zeroq.swap.nvme import NvmeSwapper, SwapHandle, aligned_empty
+import lightning_zeroq.swap
+from lightning_zeroq.swap import NvmeSwapper, SwapHandle, aligned_empty
+from lightning_zeroq.swap import cleanup as swap_cleanup
+from lightning_zeroq.swap import directory as swap_directory
+from lightning_zeroq.swap import io as swap_io
+from lightning_zeroq.swap import swapper as swap_swapper
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.uint8]  # uint8: stage 3's INT8 payloads
+SWAP_LOGGER = "lightning_zeroq.swap"  # its modules log under it
 SMALL_BUFFER = 64 * 1024  # several chunks per region, so chunking and queueing are exercised
 
 
@@ -157,8 +162,8 @@ def test_empty_region(swapper: NvmeSwapper) -> None:
 
 
 def test_direct_io_is_probed_and_reported(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    nvme._warned_buffered.clear()
-    with caplog.at_level(logging.WARNING, logger=nvme.__name__):
+    swap_io._warned_buffered.clear()
+    with caplog.at_level(logging.WARNING, logger=SWAP_LOGGER):
         sw = NvmeSwapper(tmp_path, buffer_bytes=SMALL_BUFFER)
         sw.register("k", 10_001, torch.float32)
         sw.reserve()
@@ -184,21 +189,21 @@ def _reject_o_direct(monkeypatch: pytest.MonkeyPatch) -> None:
             raise OSError(errno.EINVAL, "Invalid argument", str(path))
         return real_open(path, flags, *args, **kwargs)
 
-    monkeypatch.setattr(nvme.os, "open", fake_open)
+    monkeypatch.setattr(os, "open", fake_open)
 
 
 def test_fallback_to_buffered_io_warns_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     _reject_o_direct(monkeypatch)
-    nvme._warned_buffered.clear()
-    with caplog.at_level(logging.WARNING, logger=nvme.__name__):
+    swap_io._warned_buffered.clear()
+    with caplog.at_level(logging.WARNING, logger=SWAP_LOGGER):
         swappers = [NvmeSwapper(tmp_path, rank=r, buffer_bytes=SMALL_BUFFER) for r in range(2)]
         for sw in swappers:
             sw.register("k", 5000, torch.bfloat16)
             sw.reserve()
     messages = [r.getMessage() for r in caplog.records if "O_DIRECT" in r.getMessage()]
-    assert messages == [f"O_DIRECT not supported on {tmp_path} ({nvme.filesystem_type(tmp_path)}), using buffered I/O"]
+    assert messages == [f"O_DIRECT not supported on {tmp_path} ({swap_io.filesystem_type(tmp_path)}), using buffered I/O"]
     for sw in swappers:
         assert sw.direct_io is False
         _assert_round_trip(sw, _random(5000, torch.bfloat16, seed=1))
@@ -246,7 +251,7 @@ def test_path_not_writable(tmp_path: Path) -> None:
 
 
 def test_too_small(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(nvme, "free_bytes", lambda path: 3 * 1024 * 1024)
+    monkeypatch.setattr(swap_swapper, "free_bytes", lambda path: 3 * 1024 * 1024)
     sw = NvmeSwapper(tmp_path)
     sw.register("a", 1_000_000, torch.float32)  # 4_000_000 bytes, rounded up to 4096: 4_001_792
     sw.register("b", 10, torch.float16)  # one 4096-byte block
@@ -378,7 +383,7 @@ def test_keeps_a_directory_it_did_not_create(tmp_path: Path) -> None:
 
 
 def test_swappers_on_one_path_and_rank_never_share_files(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger=nvme.__name__):
+    with caplog.at_level(logging.WARNING, logger=SWAP_LOGGER):
         a, b = (NvmeSwapper(tmp_path, rank=3, buffer_bytes=SMALL_BUFFER) for _ in range(2))
     assert "left behind" not in caplog.text  # a live swapper's directory is locked, never reported
     assert a.directory != b.directory
@@ -497,7 +502,7 @@ def test_only_a_default_signal_action_is_replaced_and_put_back(tmp_path: Path) -
     try:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         with NvmeSwapper(tmp_path):
-            assert isinstance(signal.getsignal(signal.SIGTERM), nvme._CleanupHandler)
+            assert isinstance(signal.getsignal(signal.SIGTERM), swap_cleanup._CleanupHandler)
             assert signal.getsignal(signal.SIGINT) is sigint  # Python's: KeyboardInterrupt as ever
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
@@ -553,9 +558,9 @@ def test_swapper_outside_the_main_thread_warns_once(
     gc.collect()
     if signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
         pytest.skip("SIGTERM already has a handler in this process")
-    monkeypatch.setattr(nvme, "_warned_not_main_thread", False)
+    monkeypatch.setattr(swap_cleanup, "_warned_not_main_thread", False)
     swappers: list[NvmeSwapper] = []
-    with caplog.at_level(logging.WARNING, logger=nvme.__name__):
+    with caplog.at_level(logging.WARNING, logger=SWAP_LOGGER):
         for _ in range(2):
             worker = threading.Thread(target=lambda: swappers.append(NvmeSwapper(tmp_path)))
             worker.start()
@@ -567,15 +572,15 @@ def test_swapper_outside_the_main_thread_warns_once(
 
 
 # A fresh interpreter that holds a swapper with data in it, reports its directory on stdout, then
-# runs ``scenario``. nvme.py is loaded by path, without the package (and Lightning), to start fast.
+# runs ``scenario``. The swap package is loaded without the package above it (and Lightning), to start fast.
 _CHILD = """
-import importlib.util, sys
-spec = importlib.util.spec_from_file_location("nvme_child", {module!r})
-nvme = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = nvme
-spec.loader.exec_module(nvme)
+import sys, types
+package = types.ModuleType("lightning_zeroq")
+package.__path__ = [{package!r}]
+sys.modules["lightning_zeroq"] = package
+from lightning_zeroq.swap import directory, swapper
 import torch
-sw = nvme.NvmeSwapper({path!r}, buffer_bytes=65536)
+sw = swapper.NvmeSwapper({path!r}, buffer_bytes=65536)
 sw.register("k", 100_000, torch.float32)
 sw.reserve()
 sw.write("k", torch.ones(100_000))
@@ -585,7 +590,7 @@ print(sw.directory, flush=True)
 
 
 def _start_child(tmp_path: Path, scenario: str) -> tuple["subprocess.Popen[str]", Path]:
-    code = _CHILD.format(module=nvme.__file__, path=str(tmp_path), scenario=scenario)
+    code = _CHILD.format(package=str(Path(lightning_zeroq.swap.__file__).parents[1]), path=str(tmp_path), scenario=scenario)
     child = subprocess.Popen(
         [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -637,7 +642,7 @@ def test_leftovers_of_a_killed_run_are_reported_not_removed(
     child.kill()  # SIGKILL: nothing can clean up
     child.communicate(timeout=60)
     assert (directory / "k.swp").is_file()
-    with caplog.at_level(logging.WARNING, logger=nvme.__name__):
+    with caplog.at_level(logging.WARNING, logger=SWAP_LOGGER):
         with NvmeSwapper(tmp_path):
             pass
     messages = [r.getMessage() for r in caplog.records if "left behind" in r.getMessage()]
@@ -658,7 +663,7 @@ def test_a_second_signal_during_the_clean_up_does_not_cut_it_short(tmp_path: Pat
     # comes here right after the first file is unlinked.
     scenario = (
         "import os, types\n"
-        "other = nvme.NvmeSwapper({path!r}, prefix='zeroq_params')\n"
+        "other = swapper.NvmeSwapper({path!r}, prefix='zeroq_params')\n"
         "other.register('p', 1000, torch.float32)\n"
         "other.reserve()\n"
         "real, fired = os.unlink, []\n"
@@ -667,8 +672,8 @@ def test_a_second_signal_during_the_clean_up_does_not_cut_it_short(tmp_path: Pat
         "    if not fired:\n"
         "        fired.append(1)\n"
         "        os.kill(os.getpid(), {signum})\n"
-        "nvme.os = types.SimpleNamespace(**{{k: getattr(os, k) for k in dir(os) if not k.startswith('__')}})\n"
-        "nvme.os.unlink = unlink\n"
+        "directory.os = types.SimpleNamespace(**{{k: getattr(os, k) for k in dir(os) if not k.startswith('__')}})\n"
+        "directory.os.unlink = unlink\n"
         "print('ready', flush=True)\n"
         "sys.stdin.readline()\n"
     ).format(path=str(tmp_path), signum=int(signum))
@@ -683,7 +688,7 @@ def test_a_second_signal_during_the_clean_up_does_not_cut_it_short(tmp_path: Pat
 def _killed_job(tmp_path: Path) -> tuple[int, list[Path]]:
     """Swap directories of two ranks and both prefixes left by a process killed with SIGKILL."""
     scenario = (
-        "kept = [nvme.NvmeSwapper({path!r}, rank=r, prefix=p) for r in (0, 1) for p in ('zeroq', 'zeroq_params')]\n"
+        "kept = [swapper.NvmeSwapper({path!r}, rank=r, prefix=p) for r in (0, 1) for p in ('zeroq', 'zeroq_params')]\n"
         "print(' '.join(str(s.directory) for s in kept), flush=True)\n"
         "sys.stdin.readline()\n"
     ).format(path=str(tmp_path))
@@ -698,7 +703,7 @@ def _killed_job(tmp_path: Path) -> tuple[int, list[Path]]:
 def test_rank_0_names_every_leftover_of_a_killed_job(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     pid, leftovers = _killed_job(tmp_path)
     assert len(leftovers) == 5 and all(p.is_dir() for p in leftovers)
-    with caplog.at_level(logging.WARNING, logger=nvme.__name__):
+    with caplog.at_level(logging.WARNING, logger=SWAP_LOGGER):
         with NvmeSwapper(tmp_path, rank=0, prefix="zeroq_params"):
             pass
         with NvmeSwapper(tmp_path, rank=0):  # the same process names each one once
@@ -713,7 +718,7 @@ def test_a_launcher_removes_the_directories_of_the_ranks_it_killed_only(tmp_path
     pid, killed = _killed_job(tmp_path)
     _, other_job = _killed_job(tmp_path)
     with NvmeSwapper(tmp_path) as live:
-        removed = nvme.remove_directories_of(tmp_path, [pid, os.getpid()])
+        removed = swap_directory.remove_directories_of(tmp_path, [pid, os.getpid()])
         assert sorted(removed) == sorted(killed)
         assert live.directory.is_dir() and all(p.is_dir() for p in other_job)
     assert sorted(tmp_path.iterdir()) == sorted(other_job)

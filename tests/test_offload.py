@@ -158,7 +158,7 @@ def test_truncated_swap_file_stops_training_naming_the_file(dist_pool, tmp_path)
 
 
 def test_nvme_path_errors_are_clear(tmp_path, monkeypatch):
-    from lightning_zeroq.swap import nvme
+    from lightning_zeroq.swap import swapper
 
     model = TwoHeads()
     missing = tmp_path / "nope"
@@ -170,7 +170,7 @@ def test_nvme_path_errors_are_clear(tmp_path, monkeypatch):
     engine = ZeroEngine(TwoHeads(), ZeroConfig(offload_optimizer=True, offload_optimizer_device="nvme", nvme_path=str(a_file)))
     with pytest.raises(RuntimeError, match="file"):
         engine.attach_optimizer(torch.optim.AdamW(engine.module.parameters()))
-    monkeypatch.setattr(nvme, "free_bytes", lambda path: 1000)
+    monkeypatch.setattr(swapper, "free_bytes", lambda path: 1000)
     engine = ZeroEngine(TwoHeads(), ZeroConfig(offload_optimizer=True, offload_optimizer_device="nvme", nvme_path=str(tmp_path)))
     with pytest.raises(RuntimeError, match=r"free") as caught:
         engine.attach_optimizer(torch.optim.AdamW(engine.module.parameters()))
@@ -308,11 +308,13 @@ def test_a_host_master_is_written_only_after_the_device_read_it(dist_pool, offlo
     assert min(dist_pool(2).run(_device_reads_body, offload)) > 0
 
 
-def _copy_stream_body() -> tuple[list, list, list]:
-    """The gradient copies to the host (CUDA only; emulated): issued at finalize on the copy stream,
-    one event per unit; the step reads a unit's host gradient only after its event; a window dropped
-    after its copies were issued makes the compute stream wait for them before the device shards are
-    zeroed."""
+def _copy_stream_body(boundary, idle: bool) -> tuple[list, list, list, list, int]:
+    """The gradient copies to the host (CUDA only; emulated): in a backward that ends the window
+    (``boundary=True``) a unit is copied as soon as it is reduced if no such copy is still running
+    (``idle``: each finished before the next unit's reduction), the others at finalize; on the
+    copy stream, one event per unit; the step reads a unit's host gradient only after its event; a
+    window dropped after its copies were issued makes the compute stream wait for them before the
+    device shards are zeroed."""
     from contextlib import nullcontext
 
     from lightning_zeroq.zero import comm
@@ -339,6 +341,9 @@ def _copy_stream_body() -> tuple[list, list, list]:
         def synchronize(self) -> None:
             log.append(("host waits", self.n))
 
+        def query(self) -> bool:
+            return idle
+
     real = (torch.cuda.Event, torch.cuda.current_stream, torch.cuda.stream, comm.side_stream)
     torch.cuda.Event, torch.cuda.current_stream = Event, (lambda device=None: Stream())
     torch.cuda.stream, comm.side_stream = (lambda stream: nullcontext()), (lambda device: Stream())
@@ -349,23 +354,30 @@ def _copy_stream_body() -> tuple[list, list, list]:
                                               offload_optimizer=True))
         engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
         n = len(engine.units)
-        engine.backward(_loss(model, 0, 0, 0), boundary=True)
-        assert not log, log  # nothing leaves the device during the backward
+        engine.backward(_loss(model, 0, 0, 0), boundary=boundary)
+        during_backward = list(log)
         engine.clip_grad_norm_(1.0)
         issued = list(log)
         engine.step()
         stepped = log[len(issued):]
         log.clear()
-        engine.backward(_loss(model, 1, 0, 0), boundary=True)
-        engine.clip_grad_norm_(1.0)  # finalize issues the copies ...
+        engine.backward(_loss(model, 1, 0, 0), boundary=boundary)
+        engine.clip_grad_norm_(1.0)  # the copies are issued (during the backward or at finalize) ...
         engine.zero_grad()  # ... and the window is dropped
-        return issued, stepped, log[n:], n
+        return during_backward, issued, stepped, log[n:], n
     finally:
         torch.cuda.Event, torch.cuda.current_stream, torch.cuda.stream, comm.side_stream = real
 
 
-def test_gradient_copies_are_waited_for_unit_by_unit(dist_pool):
-    issued, stepped, dropped, n = dist_pool(2).run(_copy_stream_body)[0]
+@pytest.mark.parametrize("boundary, idle", [(True, True), (True, False), (None, True)],
+                         ids=["last_backward_idle_copies", "last_backward_busy_copies", "unmanaged"])
+def test_gradient_copies_are_waited_for_unit_by_unit(dist_pool, boundary, idle):
+    during_backward, issued, stepped, dropped, n = dist_pool(2).run(_copy_stream_body, boundary, idle)[0]
+    assert n > 1
+    # a backward that ends the window copies a unit as it is reduced while no such copy is running
+    # (busy: the first only; the agreement's read-back then waits for it alone), except the unit reduced
+    # last (the read-back comes right after it); the others at finalize
+    assert during_backward == (issued[: n - 1] if idle else issued[:1]) if boundary else during_backward == []
     assert [kind for kind, _ in issued] == ["copy issued"] * n
     assert sorted(e for _, e in stepped) == sorted(e for _, e in issued)  # each copy waited for once
     assert all(kind == "host waits" for kind, _ in stepped)

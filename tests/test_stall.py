@@ -1,6 +1,7 @@
-"""A stalled rank ends the whole job (2 processes through Lightning's subprocess launcher on CPU): with a
-short collective timeout, every process exits soon after it with an error naming the stalled rank and
-where its code is; no process is left behind, whichever rank stalls (rank 0 launched the other)."""
+"""A stalled rank ends the whole job (2 processes through Lightning's subprocess launcher on CPU, in a Trainer's
+fit and in a Fabric loop): with a short collective timeout, every process exits soon after it with an error
+naming the stalled rank and where its code is; no process is left behind, whichever rank stalls (rank 0
+launched the other)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 3
 
-SCRIPT = textwrap.dedent("""
+TRAINER = textwrap.dedent("""
     import os, sys, time
     from datetime import timedelta
     import torch
@@ -52,6 +53,34 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+FABRIC = textwrap.dedent("""
+    import os, sys, time
+    from datetime import timedelta
+    import torch
+    import lightning as L
+    from lightning_zeroq import ZeroQFabricStrategy
+    from tests.models import RichModel, TokenDataset
+
+    STALL_RANK, TIMEOUT_S, PIDS = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+    strategy = ZeroQFabricStrategy(stage=2, timeout=timedelta(seconds=TIMEOUT_S))
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    model = RichModel()
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(TokenDataset(64), batch_size=2))
+    with open(PIDS, "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    for i, (tokens, targets) in enumerate(loader):
+        if fabric.global_rank == STALL_RANK and i == 2:
+            with open(PIDS + ".stall", "w") as f:
+                f.write(str(time.time()))
+            time.sleep(600)  # user code that never returns
+        fabric.backward(torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()))
+        optimizer.step()
+        optimizer.zero_grad()
+""")
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -63,10 +92,10 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("stall_rank", [1, 0])
-def test_a_stalled_rank_ends_every_process_with_its_name(tmp_path, stall_rank):
+@pytest.mark.parametrize("loop,stall_rank", [("trainer", 1), ("trainer", 0), ("fabric", 1), ("fabric", 0)])
+def test_a_stalled_rank_ends_every_process_with_its_name(tmp_path, loop, stall_rank):
     script, pids = tmp_path / "fit.py", tmp_path / "pids"
-    script.write_text(SCRIPT)
+    script.write_text(TRAINER if loop == "trainer" else FABRIC)
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.pop("LOCAL_RANK", None)
     proc = subprocess.Popen([sys.executable, str(script), str(stall_rank), str(TIMEOUT_S), str(pids)], cwd=tmp_path,

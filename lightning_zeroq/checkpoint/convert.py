@@ -8,13 +8,15 @@ process group (``zeroq-convert CKPT OUT``).
   torch's own format (integer parameter ids in param-group order), so ``Trainer(strategy="ddp")``
   resumes from it.
 - ``OUT.safetensors``: the same tensors (``--optimizer``: also ``optimizer.state.<name>.<key>``, the
-  param groups as JSON in the metadata); written by this module (the format is a JSON header and
-  raw bytes), readable by the ``safetensors`` package.
+  param groups as JSON in the metadata), written by the ``safetensors`` package
+  (``pip install "lightning-zeroq[safetensors]"``), whose format rules stay its own to keep right.
 
 Memory stays at about one tensor: the torch file is first written as a skeleton (``torch.save``
 under ``torch.serialization.skip_data``: the pickle and empty record space), then mapped shared and
-each tensor is read from the checkpoint straight into its place in the file; the safetensors file
-is written sequentially, one tensor in memory at a time. Every read goes through the safe reader.
+each tensor is read from the checkpoint straight into its place in the file. A safetensors output
+is staged that way too (a flat torch file beside it, removed afterwards), and ``save_file`` reads
+its tensors from a memory map of it: page cache, not process memory. Every read goes through the
+safe reader.
 
 The output is written under a temporary name in its own directory (created exclusively, with an
 unpredictable name) and renamed into place only when complete: whatever fails (a damaged checkpoint,
@@ -29,8 +31,8 @@ import mmap
 import os
 import pickle
 import signal
-import struct
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -46,9 +48,7 @@ from lightning_zeroq.checkpoint.chunks import BytesTarget
 from lightning_zeroq.checkpoint.safe import read_entries
 from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY, Kind, classify
 
-SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-                      torch.bool: "BOOL"}
+SAFETENSORS_EXTRA = 'pip install "lightning-zeroq[safetensors]"'
 
 
 def _read(opened: Opened, targets: dict) -> None:
@@ -170,25 +170,38 @@ def held_tensors(obj: Any, path: tuple = ()) -> Iterator[tuple[tuple, Tensor]]:
 
 def write_torch(opened: Opened, out: Path, *, optimizer: bool, lightning: bool) -> None:
     structure, sources = skeleton(opened, optimizer=optimizer, lightning=lightning)
+    _write_filled(opened, out, structure, sources)
+
+
+def _write_filled(opened: Opened, out: Path, structure: Any, sources: dict[tuple, str], *, fsync: bool = True) -> None:
+    """``torch.save(structure, out)`` with each tensor at path ``p`` read from checkpoint key
+    ``sources[p]`` straight into the file's pages (one tensor in memory at a time); ``fsync=False``
+    for a file that is read back and removed."""
     # The trainer state's own tensors (ModelCheckpoint's scores, a scheduler's) come from the manifest,
     # already in memory: skip_data writes them without data too, so they are filled in like the others.
     held = [(path, t) for path, t in held_tensors(structure) if path not in sources]
     with torch.serialization.skip_data():
         torch.save(structure, out)
     del structure
-    previous = torch.serialization.get_default_mmap_options()
-    torch.serialization.set_default_mmap_options(mmap.MAP_SHARED)
-    try:
-        mapped = torch.load(out, mmap=True, weights_only=True, map_location="cpu")
-    finally:
-        torch.serialization.set_default_mmap_options(previous or mmap.MAP_PRIVATE)
+    mapped = _map(out, shared=True)
     for path, key in sources.items():  # one tensor at a time, straight into the file's pages
         _read(opened, {key: _tensor_at(mapped, path)})
     for path, value in held:
         _tensor_at(mapped, path).copy_(value)
     del mapped
-    with open(out, "rb+") as f:
-        os.fsync(f.fileno())
+    if fsync:
+        with open(out, "rb+") as f:
+            os.fsync(f.fileno())
+
+
+def _map(path: Path, *, shared: bool) -> Any:
+    """``torch.load`` of ``path`` memory-mapped: shared (writes reach the file) or private (read only)."""
+    previous = torch.serialization.get_default_mmap_options()
+    torch.serialization.set_default_mmap_options(mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE)
+    try:
+        return torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+    finally:
+        torch.serialization.set_default_mmap_options(previous or mmap.MAP_PRIVATE)
 
 
 def iter_named_tensors(opened: Opened, *, optimizer: bool) -> Iterator[tuple[str, Tensor]]:
@@ -203,32 +216,38 @@ def iter_named_tensors(opened: Opened, *, optimizer: bool) -> Iterator[tuple[str
             yield "optimizer." + key[len(OPTIMIZER_KEY) + 1:], tensor
 
 
+def _safetensors_save_file() -> Any:
+    """``safetensors.torch.save_file``, or a one-line error saying how to install it."""
+    try:
+        from safetensors.torch import save_file
+    except ImportError as error:
+        raise ConvertError(f"writing .safetensors needs the safetensors package: {SAFETENSORS_EXTRA} "
+                           "(or write a .pt file).") from error
+    return save_file
+
+
 def write_safetensors(opened: Opened, out: Path, *, optimizer: bool) -> None:
-    entries, offset = {}, 0
+    save_file = _safetensors_save_file()
     keys = [(k[len(MODEL_KEY) + 1:], k) for k in _tensor_keys(opened, MODEL_KEY + ".")]
     if optimizer:
         keys += [("optimizer." + k[len(OPTIMIZER_KEY) + 1:], k) for k in _tensor_keys(opened, f"{OPTIMIZER_KEY}.state.")]
-    for name, key in keys:
-        md = opened.keys()[key]
-        if md.properties.dtype not in SAFETENSORS_DTYPES:
-            raise ValueError(f"{key} is {md.properties.dtype}, which safetensors cannot store; write a .pt file.")
-        nbytes = torch.Size(md.size).numel() * torch.empty((), dtype=md.properties.dtype).element_size()
-        entries[name] = {"dtype": SAFETENSORS_DTYPES[md.properties.dtype], "shape": list(md.size),
-                         "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
     meta = {"format": "pt", "source": "lightning_zeroq"}
     if optimizer:
         meta["optimizer_param_groups"] = json.dumps(_param_groups(opened))
-    header = json.dumps({"__metadata__": meta, **entries}, separators=(",", ":")).encode()
-    header += b" " * (-len(header) % 8)
-    with open(out, "wb") as f:
-        f.write(struct.pack("<Q", len(header)))
-        f.write(header)
-        for _name, key in keys:
-            tensor = _empty(opened, key)
-            _read(opened, {key: tensor})
-            f.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data if tensor.numel() else b"")
-        f.flush()
+    # save_file takes every tensor at once: staged in a flat torch file and memory-mapped from there,
+    # they are page cache the kernel can drop, so memory stays near one tensor as for a .pt output.
+    fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".staged", dir=out.parent)
+    os.close(fd)
+    staged = Path(name)
+    try:
+        _write_filled(opened, staged, {n: _empty(opened, k) for n, k in keys}, {(n,): k for n, k in keys},
+                      fsync=False)
+        tensors = _map(staged, shared=False)
+        save_file(tensors, str(out), metadata=meta)
+        del tensors
+    finally:
+        os.unlink(staged)
+    with open(out, "rb+") as f:
         os.fsync(f.fileno())
 
 
@@ -270,6 +289,7 @@ def _output_format(out: Path, lightning: bool) -> str:
     if out.suffix == ".safetensors":
         if lightning:
             raise ConvertError("--lightning needs a .pt or .ckpt output (a Lightning checkpoint is a torch file).")
+        _safetensors_save_file()  # missing: said before any work
         return "safetensors"
     if out.suffix in TORCH_SUFFIXES:
         return "torch"

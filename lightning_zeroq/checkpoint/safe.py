@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.futures import Future
 
 from lightning_zeroq.checkpoint.agree import CheckpointError
-from lightning_zeroq.checkpoint.checksum import digest
+from lightning_zeroq.checkpoint.checksum import read_hashed
 from lightning_zeroq.checkpoint.chunks import BytesTarget, LocalChunks
 from lightning_zeroq.checkpoint.files import Files
 
@@ -134,14 +134,20 @@ class SafeReader(FileSystemReader):
         if self._buffer is None or len(self._buffer) < info.length:
             self._buffer = bytearray(info.length)
         data = memoryview(self._buffer)[:info.length]
-        data = data[:self._files().read_into(info.relative_path, info.offset, data)]
+        files = self._files()
+        got: Optional[str] = None
+        if self.checksums is None:
+            data = data[:files.read_into(info.relative_path, info.offset, data)]
+        else:  # hashed chunk by chunk while the next chunk is read
+            n, got = read_hashed(lambda at, view: files.read_into(info.relative_path, info.offset + at, view),
+                                 data, self.checksums["algorithm"])
+            data = data[:n]
         where = f"{Path(self.path) / info.relative_path}: item {read_item.storage_index.fqn!r}"
         if len(data) != info.length:
             raise ItemError(f"{where} ends after {len(data)} of its {info.length} bytes: the file is truncated. "
                             "Resume from an earlier checkpoint.")
         if self.checksums is not None:
             expected = self.checksums["items"].get(info.relative_path, {}).get(str(info.offset))
-            got = digest(data, self.checksums["algorithm"])
             if got != expected:
                 raise ItemError(f"{where} (bytes {info.offset}-{info.offset + info.length}) fails its checksum "
                                 f"({self.checksums['algorithm']} {got}, saved {expected}): the file is damaged. "

@@ -5,7 +5,8 @@ Built once per model, in this order:
 1. ``plan.py``: which parameters form which unit (stage 1/2 buckets, stage 3 module units).
 2. ``offload/``: where masters and optimizer state live (device, host, NVMe) and, in stage 3, where
    a transient unit's shard rests (device, host, NVMe); ``wire.py``: how shards travel (full width
-   or INT8). Each is an object chosen once from the config; nothing below branches on the mode.
+   or INT8). Each is an object chosen once from the policies (``policies.py``: the ``ZeroConfig``
+   turned into small frozen objects at the front door); nothing below branches on the mode.
 3. ``unit.py``: the units, built one at a time; ``gather.py`` publishes each (stage 3 frees it at once).
 4. ``stage3.py`` (stage 3): module hooks that gather and free units; ``reducer.py``: gradient hooks.
 
@@ -31,13 +32,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_zeroq.config import ZeroConfig
-from lightning_zeroq.zero import access, comm, hybrid, norms, state_dict, update
+from lightning_zeroq.zero import access, comm, hybrid, loss_scaler, norms, policies, state_dict, update
 from lightning_zeroq.zero.gather import Gatherer
-from lightning_zeroq.zero.loss_scaler import loss_scaler_from_config
 from lightning_zeroq.zero.materialize import sync_replicated_state
 from lightning_zeroq.zero.offload import optimizer_placement, shard_store
 from lightning_zeroq.zero.optimizers import Binding, bind_to_shards, hand_back, route_zero_grad
 from lightning_zeroq.zero.plan import plan
+from lightning_zeroq.zero.policies import ModuleUnits
 from lightning_zeroq.zero.reducer import Reducer, Window
 from lightning_zeroq.zero.stage3 import Stage3Coordinator
 from lightning_zeroq.zero.unit import build_units, plan_layouts, trainable_parameters
@@ -66,28 +67,32 @@ class ZeroEngine:
         loss_scaling: bool = False,
         device: Optional[torch.device] = None,
     ) -> None:
-        self.config, self.module, self.param_dtype = config, module, param_dtype
+        self.config, self.module, self.param_dtype = config, module, param_dtype  # the config is not read below
+        self.policies = pol = policies.from_config(config, loss_scaling=loss_scaling)
         # ``group``: the world (first broadcast, the step's agreement); ``self.group``: the shard group (hybrid.py).
-        self.topology = topo = hybrid.topology(config, group)
+        self.topology = topo = hybrid.topology(pol.sharding.group_size, pol.quantization, group)
         self.world_group, self.group, self.replica_group = group, topo.group, topo.replica_group
         self.rank, self.world_size, self.replica_rank, self.num_groups = (
             topo.rank, topo.world_size, topo.replica_rank, topo.num_groups)
         if comm.world(group)[0] == 0:
-            for message in config.ineffective(loss_scaling):
+            for message in pol.ineffective:
                 warnings.warn(f"ZeroConfig: {message}", stacklevel=2)
-        self.loss_scaler = loss_scaler_from_config(config) if loss_scaling else None
+        scaling = pol.numerics.loss_scaling
+        self.loss_scaler = loss_scaler.from_policy(scaling) if scaling is not None else None
         # What can fail on one rank only (an NVMe path, its free space, the kernel build) fails on all ranks.
         with comm.agreed(group, "building the ZeRO engine"):
             self.device = _target_device(module, device)
-            specs = plan(module, trainable_parameters(module), config)
-            layouts = plan_layouts(specs, self.world_size, topo.align(config))
-            self.placement = optimizer_placement(config, self.device, param_dtype, self.rank, self.world_size, layouts)
+            specs = plan(module, trainable_parameters(module), pol.sharding.units)
+            layouts = plan_layouts(specs, self.world_size, topo.align(pol.quantization))
+            self.placement = optimizer_placement(pol.offload.optimizer, self.device, param_dtype, self.rank,
+                                                 self.world_size, layouts)
             wire = self._wire(layouts)
             transient = {i: wire.payload_numel(i) for i, spec in enumerate(specs) if not spec.persistent}
             store = None
             if transient:
-                store = shard_store(config, self.device, payload_dtype=wire.payload_dtype, payload_numels=transient,
-                                    param_dtype=param_dtype, rank=self.rank,
+                store = shard_store(pol.offload.parameters, self.device, payload_dtype=wire.payload_dtype,
+                                    payload_numels=transient, param_dtype=param_dtype, rank=self.rank,
+                                    quantized=pol.quantization.weights,
                                     master_on_device=self.placement.master_on_device)
         sync_replicated_state(module, self.device, group)
         self.gatherer = Gatherer(wire, self.placement, store, self.device,
@@ -99,26 +104,24 @@ class ZeroEngine:
         for unit in self.units:
             for p in unit.params:
                 p.__dict__["_zeroq_name"] = self._param_names.get(id(p), "?")  # named in FreedParameter's errors
-        self.stage3 = None
-        if transient:
-            self.stage3 = Stage3Coordinator(
-                self.gatherer, self.units, prefetch_depth=config.stage3_prefetch_depth if config.stage3_prefetch else 0,
-                reshard_after_forward=config.reshard_after_forward)
+        self.stage3, units = None, pol.sharding.units
+        if transient and isinstance(units, ModuleUnits):  # transient units are stage 3's module units
+            self.stage3 = Stage3Coordinator(self.gatherer, self.units, prefetch_depth=units.prefetch_depth,
+                                            reshard_after_forward=units.reshard_after_forward)
         self.reducer = Reducer(
             self.units,
             placement=self.placement,
-            reduce_every_backward=config.stage >= 2,
-            managed=config.managed_gradient_accumulation,
+            sharding=pol.sharding,
             param_dtype=param_dtype,
             group=group,  # the agreement on used parameters and non-finite gradients spans the world
             device=self.device,
-            overlap_comm=config.overlap_comm,
-            wire=topo.gradient_wire(self.device, config.quantized_weights_group_size),
+            wire=topo.gradient_wire(self.device, pol.quantization.group_size),
             listener=self.stage3,
         )
-        self._bindings: list[Binding] = []
         self._all = Binding(None, {}, frozenset(range(self.reducer.num_params)),  # type: ignore[arg-type]
                             frozenset(u.index for u in self.units), [])
+        self._attached = update.attached([], self._all)
+        """The optimizers attached: one (or none) or several, chosen again at each ``attach_optimizer``."""
         self._base = 1.0
         self.retired = False
         """``release_module`` handed the module back; the state stays readable, training is over."""
@@ -132,16 +135,9 @@ class ZeroEngine:
     def _wire(self, layouts) -> Wire:
         if not self.topology.int8_weights:
             return FullWidth(layouts, self.param_dtype, self.group)
-        return Int8(
-            layouts,
-            param_dtype=self.param_dtype,
-            rank=self.rank,
-            group=self.group,
-            device=self.device,
-            group_size=self.config.quantized_weights_group_size,
-            exact_numel=self.config.quantized_weights_exact_numel,
-            bucket_numel=self.config.allgather_bucket_size,
-        )
+        q = self.policies.quantization
+        return Int8(layouts, param_dtype=self.param_dtype, rank=self.rank, group=self.group, device=self.device,
+                    group_size=q.group_size, exact_numel=q.exact_numel, bucket_numel=q.gather_bucket_numel)
 
     @property
     def num_params(self) -> int:
@@ -150,11 +146,11 @@ class ZeroEngine:
     @property
     def optimizer(self) -> Optional[torch.optim.Optimizer]:
         """The optimizer (the first one attached, when there are several)."""
-        return self._bindings[0].optimizer if self._bindings else None
+        return self._attached.bindings[0].optimizer if self._attached.bindings else None
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
-        return [b.optimizer for b in self._bindings]
+        return [b.optimizer for b in self._attached.bindings]
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Rebind ``optimizer``'s param groups to this rank's fp32 master segments.
@@ -165,19 +161,15 @@ class ZeroEngine:
         same model).
         """
         binding = bind_to_shards(optimizer, self.module, self.units)
-        self._bindings = [b for b in self._bindings if not b.param_ids & binding.param_ids] + [binding]
+        kept = [b for b in self._attached.bindings if not b.param_ids & binding.param_ids]
+        self._attached = update.attached(kept + [binding], self._all)
         route_zero_grad(optimizer, self)
         with comm.agreed(self.world_group, "attaching the optimizer (NVMe swap space)"):
             self.placement.attach(self.units, self.optimizers)
 
     def _binding(self, optimizer: Optional[torch.optim.Optimizer]) -> Binding:
         """The binding of ``optimizer``; without one, the only binding or (none, several) all units."""
-        if optimizer is not None:
-            for binding in self._bindings:
-                if binding.optimizer is optimizer:
-                    return binding
-            raise ValueError(f"{type(optimizer).__name__} is not attached to this engine; attach_optimizer() it first.")
-        return self._bindings[0] if len(self._bindings) == 1 else self._all
+        return self._attached.binding(optimizer)
 
     # ------------------------------------------------------------------ backward
 
@@ -223,7 +215,7 @@ class ZeroEngine:
             with torch.profiler.record_function("zeroq.finalize"):
                 self.reducer.finalize()
             self._base = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-            for binding in [*self._bindings, self._all]:
+            for binding in [*self._attached.bindings, self._all]:
                 binding.multiplier, binding.skip = self._base, None
         binding = self._binding(optimizer)
         if binding.skip is None:
@@ -231,7 +223,7 @@ class ZeroEngine:
             bad = [u for u in agreement.nonfinite_units if u in binding.unit_ids]
             try:
                 binding.skip = bool(bad) and update.decide_nonfinite(
-                    agreement, bad, scaler=self.loss_scaler, action=self.config.nonfinite_gradients,
+                    agreement, bad, scaler=self.loss_scaler, action=self.policies.numerics.nonfinite_gradients,
                     step=self.steps + 1, names=self._names_of(bad), rank=self.rank)
             except RuntimeError:
                 self.reducer.clear()  # the model is untouched and the engine usable (a caller may go on)
@@ -248,26 +240,17 @@ class ZeroEngine:
         binding = self._binding(optimizer)
         if self.finalize_gradients(optimizer):
             return torch.tensor(float("inf"), device=self.device)
-        if len(self._bindings) <= 1:
-            norm = norms.global_norm(self.units, self.group, self.device)
-        else:
-            squared = update.segments_norm_squared(binding, self.units, self.device)
-            if self.world_size > 1:
-                comm.all_reduce(squared, dist.ReduceOp.SUM, self.group)
-            norm = squared.sqrt()
-        norm = norm * binding.multiplier
+        norm = self._attached.norm(binding, self.units, self.group, self.device) * binding.multiplier
         binding.multiplier *= float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
         return norm
 
     def clip_grad_value_(self, clip_value: float, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         binding = self._binding(optimizer)
         if not self.finalize_gradients(optimizer):
-            update.apply_multiplier(binding, self.units, self.placement, whole=len(self._bindings) <= 1)
+            update.apply_multiplier(binding, self.units, self.placement, self._attached)
             for unit in self.units:
                 grad = self.placement.step_grad(unit)
-                spans = [seg.shard_span for _, seg in binding.optimized.get(unit.index, ())] \
-                    if len(self._bindings) > 1 else [slice(None)]
-                for span in spans:
+                for span in self._attached.spans(binding, unit):
                     grad[span].clamp_(-clip_value, clip_value)
 
     def grad_norms(self, norm_type: float = 2.0) -> dict[str, Tensor]:
@@ -286,32 +269,26 @@ class ZeroEngine:
         """Apply one update of ``optimizer`` (needed when several are attached) from this window's
         gradients. Returns False if it was skipped."""
         self._check_active()
-        if not self._bindings:
+        if not self._attached.bindings:
             raise RuntimeError("ZeroEngine.step() needs an optimizer: call attach_optimizer() first.")
         binding = self._binding(optimizer)
         if binding is self._all:
             raise ValueError("Several optimizers are attached: name the one to step, engine.step(optimizer).")
         skip = self.finalize_gradients(binding.optimizer)
         if not skip:
-            update.apply_multiplier(binding, self.units, self.placement, whole=len(self._bindings) == 1)
+            update.apply_multiplier(binding, self.units, self.placement, self._attached)
             update.run(binding, self.units, self.placement, self.gatherer, self.reducer.finalize().used)
         if self.loss_scaler is not None:
             self.loss_scaler.update(skip)
         self.steps += 1
         self.skipped_steps += int(skip)
-        self._clear(binding)
+        self._attached.clear(self.reducer, binding)
         self.placement.step_done(self.units, self.optimizers, not skip, self.group)
         return not skip
 
     def zero_grad(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         """Drop this window's gradients (of ``optimizer``'s parameters, when several are attached)."""
-        self._clear(self._binding(optimizer) if optimizer is not None else None)
-
-    def _clear(self, binding: Optional[Binding]) -> None:
-        if binding is None or len(self._bindings) <= 1:
-            self.reducer.clear()
-        else:
-            self.reducer.clear_params(binding.param_ids, binding.optimized)
+        self._attached.clear(self.reducer, self._binding(optimizer) if optimizer is not None else None)
 
     def publish(self) -> None:
         """Bring every unit's working weights up to date with its master shard."""
@@ -368,7 +345,7 @@ class ZeroEngine:
             self.retired = True
 
     def hand_back_optimizers(self) -> None:
-        for binding in self._bindings:  # each on the module's parameters again, no collective (hand_back)
+        for binding in self._attached.bindings:  # each on the module's parameters again, no collective (hand_back)
             user, twin, placement = binding.optimizer, hand_back(binding), cast(Any, self.placement)
             if getattr(placement, "optimizer", None) is user:
                 placement.optimizer = twin

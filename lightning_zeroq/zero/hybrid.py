@@ -23,15 +23,16 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from lightning_zeroq.config import ZeroConfig, check_shard_group_size
+from lightning_zeroq.config import check_shard_group_size
 from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.grad_wire import AcrossGroups, FullWidthReduce, GradientWire, Int8Reduce
 from lightning_zeroq.zero.layout import ALIGN
+from lightning_zeroq.zero.policies import Quantization
 
 
 @dataclass(frozen=True)
@@ -56,11 +57,10 @@ class Topology:
     def hybrid(self) -> bool:
         return self.replica_group is not None
 
-    def align(self, config: ZeroConfig) -> int:
+    def align(self, quantization: Quantization) -> int:
         """What every shard's length is a multiple of: ``ALIGN``, whole INT8 groups where anything is
         quantized, and whole INT8 groups per shard group for the INT8 sum across groups."""
-        quantized = config.quantized_weights or config.quantized_gradients
-        align = math.lcm(ALIGN, config.quantized_weights_group_size) if quantized else ALIGN
+        align = math.lcm(ALIGN, quantization.group_size) if quantization.any else ALIGN
         return align * self.num_groups if self.int8_gradients_across else align
 
     def gradient_wire(self, device: torch.device, group_size: int) -> GradientWire:
@@ -72,27 +72,29 @@ class Topology:
         return AcrossGroups(inner, self.replica_group, device, self.int8_gradients_across, group_size)
 
 
-def topology(config: ZeroConfig, group: Optional[dist.ProcessGroup]) -> Topology:
-    """The groups of ``config.shard_group_size`` on ``group`` (collective the first time, see ``groups``)."""
+def topology(group_size: Union[None, int, str], quantization: Quantization,
+             group: Optional[dist.ProcessGroup]) -> Topology:
+    """The groups of ``group_size`` ranks (``Sharding.group_size``) on ``group`` (collective the first
+    time, see ``groups``), and where INT8 travels on them."""
+    q = quantization
     world_rank, world_size = comm.world(group)
-    shard, replica = groups(group, shard_group_size(config, world_size))
+    shard, replica = groups(group, shard_group_size(group_size, world_size))
     rank, size = comm.world(shard)
     replica_rank, num_groups = comm.world(replica) if replica is not None else (0, 1)
-    cross_only = replica is not None and config.quantize_cross_group_only
-    if world_rank == 0 and config.quantize_cross_group_only and config.quantized_gradients and replica is None:
+    cross_only = replica is not None and q.cross_group_only
+    if world_rank == 0 and q.cross_group_only and q.gradients and replica is None:
         warnings.warn(f"ZeroConfig: quantize_cross_group_only=True has no effect: one group holds all {world_size} "
                       "ranks and nothing crosses groups; set shard_group_size to a divisor of the world size.",
                       stacklevel=3)
     return Topology(group, shard, replica, rank, size, replica_rank, num_groups,
-                    int8_weights=config.quantized_weights and not cross_only,
-                    int8_gradients_in_group=config.quantized_gradients and not cross_only,
-                    int8_gradients_across=config.quantized_gradients)
+                    int8_weights=q.weights and not cross_only,
+                    int8_gradients_in_group=q.gradients and not cross_only,
+                    int8_gradients_across=q.gradients)
 
 
-def shard_group_size(config: ZeroConfig, world_size: int) -> int:
-    """The ranks per shard group: ``config.shard_group_size`` checked against the world size (None:
+def shard_group_size(size: Union[None, int, str], world_size: int) -> int:
+    """The ranks per shard group: ``ZeroConfig.shard_group_size`` checked against the world size (None:
     all ranks). ``"node"`` is resolved before (the strategies do it from the cluster environment)."""
-    size = config.shard_group_size
     if size is None:
         return world_size
     if size == "node":

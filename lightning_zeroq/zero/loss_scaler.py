@@ -8,7 +8,8 @@ ranks disagree once gradients are sharded.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from lightning_zeroq.zero.policies import LossScaling
 
 
 @dataclass(kw_only=True)
@@ -53,12 +54,9 @@ class DynamicLossScaler:
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
 
-def loss_scaler_from_config(config: Any) -> DynamicLossScaler:
-    """The scaler a ``ZeroConfig`` asks for (DeepSpeed's ``loss_scale``/``initial_scale_power``/...)."""
-    if config.loss_scale > 0:
-        return DynamicLossScaler(scale=float(config.loss_scale), dynamic=False)
-    return DynamicLossScaler(
-        scale=2.0 ** config.initial_scale_power,
-        growth_interval=config.loss_scale_window,
-        min_scale=float(config.min_loss_scale),
-    )
+def from_policy(policy: LossScaling) -> DynamicLossScaler:
+    """The scaler ``policy`` asks for (DeepSpeed's ``loss_scale``/``initial_scale_power``/...)."""
+    if policy.fixed_scale is not None:
+        return DynamicLossScaler(scale=policy.fixed_scale, dynamic=False)
+    return DynamicLossScaler(scale=policy.initial_scale, growth_interval=policy.growth_interval,
+                             min_scale=policy.min_scale)

@@ -16,12 +16,12 @@ ends of every step).
 from __future__ import annotations
 
 from collections import Counter
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional, Sequence, Union
 
 from torch import nn
 
-from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.zero.layout import plan_units
+from lightning_zeroq.zero.policies import Buckets, ModuleUnits
 
 
 class UnitSpec(NamedTuple):
@@ -126,15 +126,15 @@ def _post_order(module: nn.Module) -> list[nn.Module]:
     return out
 
 
-def plan(module: nn.Module, trainable: Sequence[nn.Parameter], config: ZeroConfig) -> list[UnitSpec]:
-    """The units of ``module`` for ``config.stage``."""
-    if config.stage == 3:
+def plan(module: nn.Module, trainable: Sequence[nn.Parameter], units: Union[Buckets, ModuleUnits]) -> list[UnitSpec]:
+    """The units of ``module``: stage 3's module units, or stage 1/2's buckets."""
+    if isinstance(units, ModuleUnits):
         return plan_module_units(
             module,
             trainable,
-            wrap_classes=config.stage3_wrap_classes,
-            unit_size=config.stage3_unit_size,
-            persistence_threshold=config.stage3_param_persistence_threshold,
+            wrap_classes=units.wrap_classes,
+            unit_size=units.unit_size,
+            persistence_threshold=units.persistence_threshold,
         )
-    buckets = plan_units([p.numel() for p in trainable], config.reduce_bucket_size)
+    buckets = plan_units([p.numel() for p in trainable], units.numel)
     return [UnitSpec([trainable[i] for i in members], None, True) for members in buckets]

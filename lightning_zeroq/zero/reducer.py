@@ -14,8 +14,7 @@ States of the window (``Window``):
   backward ends (unused parameters) are flushed then, with zeros for the missing gradients.
 - ACCUMULATED: at least one backward ended. Stage 1 may still hold *local* gradients that no
   backward reduced: in ``p.grad`` for fp32 working weights, else summed in an fp32 buffer per unit
-  (bf16/fp16 ``p.grad`` would lose precision over many micro-batches; the buffer costs 4 bytes per
-  parameter, DDP's cost, only in stage 1 and only once a backward accumulates locally).
+  (``accumulate.py``: the object chosen once that keeps them).
 - FINALIZED: ``finalize`` reduced what was local, waited for the reduction stream, and agreed with
   every rank in one MAX all-reduce on which parameters any rank used, which units got gradients
   after their reduction (below), and which ranks and units hold non-finite gradients. Only
@@ -50,9 +49,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_zeroq.zero import comm
+from lightning_zeroq.zero.accumulate import accumulation
 from lightning_zeroq.zero.grad_wire import GradientWire
 from lightning_zeroq.zero.hooks import WeakHook
 from lightning_zeroq.zero.offload import OptimizerPlacement
+from lightning_zeroq.zero.policies import Sharding
 from lightning_zeroq.zero.unit import Unit
 
 
@@ -105,40 +106,35 @@ class Reducer:
         units: Sequence[Unit],
         *,
         placement: OptimizerPlacement,
-        reduce_every_backward: bool,
-        managed: bool,
+        sharding: Sharding,
         param_dtype: torch.dtype,
         group: Optional[dist.ProcessGroup],
         device: torch.device,
-        overlap_comm: bool,
         wire: GradientWire,
         listener: Optional[ReduceListener] = None,
     ) -> None:
         self.units, self.placement, self.wire = units, placement, wire
         self.listener: ReduceListener = listener if listener is not None else _NoListener()
-        self.reduce_every_backward, self.managed = reduce_every_backward, managed
         self.param_dtype, self.group, self.device = param_dtype, group, device
+        self.accumulation = accumulation(sharding, units, param_dtype, device)
+        self._managed = sharding.managed_accumulation
+        """Where the gradients of a backward that does not reduce wait (stage 1), see ``accumulate.py``."""
         self.rank, self.world_size = comm.world(group)
         self.num_params = sum(len(u.params) for u in units)
         self.window = Window.EMPTY
         self.agreement: Optional[Agreement] = None
         self._where = {id(p): (u, i) for u in units for i, p in enumerate(u.params)}
         self._order = list(reversed(units))
-        self._stream = comm.SideStream(device, enabled=overlap_comm)
+        self._stream = comm.SideStream(device, enabled=sharding.overlap_comm)
         self._hooks = [p.register_post_accumulate_grad_hook(WeakHook(self, "_on_grad_ready")) for u in units
                        for p in u.params]
         self._used: set[int] = set()
-        self._local = False
-        """Stage 1: some backward left its gradients local (``p.grad`` or ``_accum``) without reducing them."""
-        self._accum: dict[int, Tensor] = {}
-        """Stage 1 with bf16/fp16 working weights: per unit, the fp32 sum of the local gradients."""
         self._dirty: set[int] = set()
         """Units that got gradients after their reduction in the same backward (see the docstring)."""
         self._origin = torch.zeros((), dtype=torch.bool, device=device)
         """This rank contributed a non-finite gradient to some reduction of this window."""
         # The backward in progress:
         self._reducing = False
-        self._boundary = False
         self._fired: list[set[int]] = [set() for _ in units]
         self._reduced: list[bool] = [False] * len(units)
         self._next = 0
@@ -156,18 +152,12 @@ class Reducer:
             )
         self.window = Window.BACKWARD
         self._callback_queued = False
-        self._boundary = boundary is True and self.managed
-        self._reducing = self.reduce_every_backward or self._boundary
+        self._reducing = self.accumulation.begin(boundary is True)
+        self.placement.begin_backward(boundary is True and self._managed)
         self._next = 0
         for fired in self._fired:
             fired.clear()
         self._reduced = [False] * len(self.units)
-        if not self._reducing:
-            self._local = True
-            if self.param_dtype != torch.float32 and not self._accum:
-                # Every unit at once, on every rank alike: a unit with an fp32 sum is reduced in fp32,
-                # and all ranks must reduce a unit in the same dtype.
-                self._accum = {u.index: torch.zeros(u.layout.padded_numel, device=self.device) for u in self.units}
 
     def _on_grad_ready(self, param: Tensor) -> None:
         if self.window is not Window.BACKWARD:
@@ -178,19 +168,12 @@ class Reducer:
         unit, i = self._where[id(param)]
         self._used.add(unit.param_id(i))
         if not self._reducing:
-            self._accumulate_locally(unit, i, param)
+            self.accumulation.add(unit, i, param)
         elif self._reduced[unit.index]:
             self._dirty.add(unit.index)  # a late gradient: it waits in p.grad for finalize
         else:
             self._fired[unit.index].add(i)
             self._launch_ready()
-
-    @torch.no_grad()
-    def _accumulate_locally(self, unit: Unit, i: int, param: Tensor) -> None:
-        if not self._accum or param.grad is None:
-            return  # fp32 gradients accumulate in p.grad without loss
-        self._accum[unit.index][unit.layout.slots[i].span].add_(param.grad.reshape(-1))
-        param.grad = None
 
     def _launch_ready(self) -> None:
         while self._next < len(self._order):
@@ -208,7 +191,7 @@ class Reducer:
             for unit in self._order[self._next :]:
                 self._reduce(unit)
             self._next = len(self._order)
-            self._local = False
+            self.accumulation.reduced()
         self.listener.backward_ended()
         self.window = Window.ACCUMULATED
 
@@ -217,18 +200,12 @@ class Reducer:
         """Reduce-scatter the unit's local gradients into its fp32 gradient shard."""
         layout = unit.layout
         with self._stream.context():
-            accum = self._accum.get(unit.index)
-            # An fp32 local sum is reduced in fp32 (once per window, so twice the bytes of one bf16
-            # reduction buys the exact sum); otherwise the gradients travel in the working dtype.
-            flat_grad = (accum.clone() if accum is not None
-                         else torch.zeros(layout.padded_numel, dtype=self.param_dtype, device=self.device))
+            flat_grad = self.accumulation.start(unit)  # the working dtype, or stage 1's fp32 local sum
             for p, slot in zip(unit.params, layout.slots):
                 if p.grad is not None:
                     flat_grad[slot.span].add_(p.grad.reshape(-1))
                     self._stream.keep_alive(p.grad)
                     p.grad = None
-            if accum is not None:
-                accum.zero_()
             # Where a non-finite value came from is only visible before the sum over ranks spreads it.
             self._origin.logical_or_(~torch.isfinite(flat_grad.sum()))
             unit.add_grad(self.wire.reduce(flat_grad))
@@ -248,10 +225,10 @@ class Reducer:
             assert self.agreement is not None
             return self.agreement
         self.end_backward()
-        if self._local:
+        if self.accumulation.pending:
             for unit in self._order:
                 self._reduce(unit)
-            self._local = False
+            self.accumulation.reduced()
         used, dirty, nonfinite = self._agree(with_dirty=True)
         if dirty:  # rare: reduce the late gradients everywhere, then look at finiteness again
             for unit in self._order:
@@ -288,12 +265,12 @@ class Reducer:
         stats[n_params + 2 * n_units + self.rank] = self._origin.float()
         if self.world_size > 1:
             comm.all_reduce(stats, dist.ReduceOp.MAX, self.group)
-        # One read-back of everything the step needs to know on the host (``used`` too: a later read-back
-        # would queue behind the gradient copies to the host on the copy engine, 65 ms on the 953M model).
+        # One read-back of everything the step needs to know on the host (``used`` too): it waits behind
+        # every copy to the host already queued on the copy engine, whatever its stream or priority
+        # (benchmarks/d2h_readback.py); offload keeps that queue short during the backward.
         read = (stats > 0).cpu()
         flags = read[n_params:].tolist()
-        # After the read-back: copies off the device (offload) would queue ahead of it on the copy engine.
-        self.placement.gradients_done(self.units)
+        self.placement.gradients_done(self.units)  # after the read-back: ahead of it, the copies would delay it
         dirty = {i for i in range(n_units) if flags[i]}
         return read[:n_params], dirty, flags[n_units:]
 
@@ -310,12 +287,10 @@ class Reducer:
             unit.drop_grad(compute)  # the next window allocates it again
             for p in unit.params:
                 p.grad = None
-        for accum in self._accum.values() if written else ():
-            accum.zero_()
+        self.accumulation.clear(written)
         self._used.clear()
         self._dirty.clear()
         self._origin.zero_()
-        self._local = False
         self.agreement = None
         self.window = Window.EMPTY
 
@@ -330,12 +305,10 @@ class Reducer:
                 unit.grad[seg.shard_span].zero_()
                 if host is not unit.grad:
                     host[seg.shard_span].zero_()
-            accum = self._accum.get(unit.index)
             for i, (p, slot) in enumerate(zip(unit.params, unit.layout.slots)):
                 if unit.param_id(i) in param_ids:
                     p.grad = None
-                    if accum is not None:
-                        accum[slot.span].zero_()
+                    self.accumulation.drop(unit, slot.span)
         self._used -= param_ids
         if self.window is Window.FINALIZED:
             self.window, self.agreement = Window.ACCUMULATED, None

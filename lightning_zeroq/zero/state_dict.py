@@ -43,6 +43,7 @@ from lightning_zeroq.zero import access, comm
 from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
 from lightning_zeroq.zero.offload import OptimizerPlacement
 from lightning_zeroq.zero.offload.nvme import per_element_state_keys
+from lightning_zeroq.zero.policies import Nvme, Policies
 from lightning_zeroq.zero.unit import Unit
 
 
@@ -51,6 +52,7 @@ class ShardedParts(access.EngineParts, Protocol):
     needs to publish loaded masters, and these."""
 
     loss_scaler: Optional[DynamicLossScaler]
+    policies: Policies
     rank: int
     world_size: int
 
@@ -157,11 +159,10 @@ class ShardedView:
         self.optimizer = engine.optimizer
         self.closed: bool = getattr(engine, "closed", False)
         """The engine released its shards (a new fit replaced it): there is nothing to save."""
-        nvme = type(engine.placement).__name__.startswith("Nvme")
-        self.stable = not nvme
+        self.stable = not isinstance(engine.policies.offload.optimizer, Nvme)
         """What a read returns keeps its contents while the walk goes on (NVMe reuses its buffers)."""
         self.pin = engine.device.type == "cuda" and torch.cuda.is_available()
-        self.stage = getattr(getattr(engine, "config", None), "stage", None)
+        self.stage = engine.policies.sharding.stage
         names = unit_parameter_names(engine)
         groups = {}
         if self.optimizer is not None:

@@ -1,10 +1,11 @@
 """The optimizer side of a step: whether to step (non-finite gradients, fp16 overflow), the pending
 gradient multiplier (unscaling and clipping), and the step loop over resident units.
 
-Each optimizer is a ``Binding`` (``optimizers.py``). With one optimizer it covers every segment and
-its multiplier is applied to whole gradient shards; with several (disjoint parameters) each applies
-its own to its own segments, and stepping one leaves the others' gradients in place, as
-``optimizer.step()`` does with DDP.
+Each optimizer is a ``Binding`` (``optimizers.py``). How many are attached is an object, chosen again
+whenever one is attached: ``OneOptimizer`` (none or one: it covers every segment, its multiplier is
+applied to whole gradient shards, its norm is the global norm) or ``SeveralOptimizers`` (disjoint
+parameters: each applies its own multiplier to its own segments, and stepping or zeroing one leaves
+the others' gradients in place, as ``optimizer.step()`` does with DDP).
 """
 
 from __future__ import annotations
@@ -13,13 +14,15 @@ import logging
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
+from lightning_zeroq.zero import comm, norms
 from lightning_zeroq.zero.gather import Gatherer
 from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
 from lightning_zeroq.zero.offload import OptimizerPlacement
 from lightning_zeroq.zero.optimizers import Binding, OneStep
-from lightning_zeroq.zero.reducer import Agreement
+from lightning_zeroq.zero.reducer import Agreement, Reducer
 from lightning_zeroq.zero.unit import Unit
 
 log = logging.getLogger("lightning_zeroq")
@@ -47,29 +50,80 @@ def decide_nonfinite(agreement: Agreement, bad_units: list[int], *, scaler: Opti
     )
 
 
+class OneOptimizer:
+    """None or one optimizer attached (``everything``: the binding of all units, used without one)."""
+
+    def __init__(self, bindings: list[Binding], everything: Binding) -> None:
+        self.bindings = bindings
+        self.default = bindings[0] if bindings else everything
+        """The binding a call without an optimizer means."""
+
+    def binding(self, optimizer: Optional[torch.optim.Optimizer]) -> Binding:
+        if optimizer is None:
+            return self.default
+        for binding in self.bindings:
+            if binding.optimizer is optimizer:
+                return binding
+        raise ValueError(f"{type(optimizer).__name__} is not attached to this engine; attach_optimizer() it first.")
+
+    def spans(self, binding: Binding, unit: Unit) -> list[slice]:
+        """The parts of ``unit``'s gradient shard that ``binding``'s optimizer reads."""
+        return [slice(None)]
+
+    def norm(self, binding: Binding, units: Sequence[Unit], group: Optional[dist.ProcessGroup],
+             device: torch.device) -> Tensor:
+        """Collective: the 2-norm of ``binding``'s gradients over all ranks."""
+        return norms.global_norm(units, group, device)
+
+    def clear(self, reducer: Reducer, binding: Optional[Binding]) -> None:
+        """Drop ``binding``'s gradients (None: all of them)."""
+        reducer.clear()
+
+
+class SeveralOptimizers(OneOptimizer):
+    """Several optimizers with disjoint parameters; a call without one means all units."""
+
+    def __init__(self, bindings: list[Binding], everything: Binding) -> None:
+        super().__init__(bindings, everything)
+        self.default = everything
+
+    def spans(self, binding: Binding, unit: Unit) -> list[slice]:
+        return [seg.shard_span for _, seg in binding.optimized.get(unit.index, ())]
+
+    @torch.no_grad()
+    def norm(self, binding: Binding, units: Sequence[Unit], group: Optional[dist.ProcessGroup],
+             device: torch.device) -> Tensor:
+        squared = torch.zeros((), device=device)
+        for unit in units:
+            for span in self.spans(binding, unit):
+                squared += unit.grad[span].pow(2).sum()
+        if comm.world(group)[1] > 1:
+            comm.all_reduce(squared, dist.ReduceOp.SUM, group)
+        return squared.sqrt()
+
+    def clear(self, reducer: Reducer, binding: Optional[Binding]) -> None:
+        if binding is None:
+            reducer.clear()
+        else:
+            reducer.clear_params(binding.param_ids, binding.optimized)
+
+
+def attached(bindings: list[Binding], everything: Binding) -> OneOptimizer:
+    """The object for these attached optimizers."""
+    return SeveralOptimizers(bindings, everything) if len(bindings) > 1 else OneOptimizer(bindings, everything)
+
+
 @torch.no_grad()
-def apply_multiplier(binding: Binding, units: Sequence[Unit], placement: OptimizerPlacement, whole: bool) -> None:
+def apply_multiplier(binding: Binding, units: Sequence[Unit], placement: OptimizerPlacement,
+                     optimizers: OneOptimizer) -> None:
     """Scale this optimizer's gradients (where the optimizer reads them) by its pending multiplier."""
     if binding.multiplier == 1.0:
         return
     for unit in units:
         grad = placement.step_grad(unit)
-        if whole:
-            grad.mul_(binding.multiplier)
-        else:
-            for _, seg in binding.optimized.get(unit.index, ()):
-                grad[seg.shard_span].mul_(binding.multiplier)
+        for span in optimizers.spans(binding, unit):
+            grad[span].mul_(binding.multiplier)
     binding.multiplier = 1.0
-
-
-@torch.no_grad()
-def segments_norm_squared(binding: Binding, units: Sequence[Unit], device: torch.device) -> Tensor:
-    """This rank's part of the squared 2-norm of one optimizer's gradients."""
-    local = torch.zeros((), device=device)
-    for unit in units:
-        for _, seg in binding.optimized.get(unit.index, ()):
-            local += unit.grad[seg.shard_span].pow(2).sum()
-    return local
 
 
 def run(binding: Binding, units: Sequence[Unit], placement: OptimizerPlacement, gatherer: Gatherer,

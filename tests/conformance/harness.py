@@ -13,8 +13,6 @@ devices=2, strategy=...)`` inside a body runs exactly as under ``torchrun``.
   of the pool, with Lightning's defaults otherwise (``ModelCheckpoint``, logger, progress bar off only
   where the original turned them off).
 - ``on_ranks(dist_pool, body, ...)``: run a body on the 2 ranks and return their results in rank order.
-- ``known_defect(what)``: a strict ``xfail`` for a defect that is being fixed, so the case turns into a
-  failure (XPASS) the moment the fix lands and its mark must go.
 - ``deselected(table)``: one skipped case per entry of a module's ``{"original_test": "reason"}`` table,
   so every deselection shows in the run (``pytest -rs``) with its one-line reason.
 """
@@ -99,10 +97,6 @@ def on_ranks(dist_pool: Callable, body: Callable, *args: Any, world: int = WORLD
     if failed:
         raise RuntimeError(f"{body.__qualname__} failed on {len(failed)} of {world} ranks\n" + "\n".join(failed))
     return [value for _, value in replies]
-
-
-def known_defect(what: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(strict=True, reason=f"known defect: {what}")
 
 
 def deselected(table: dict[str, str]) -> Optional[Callable]:

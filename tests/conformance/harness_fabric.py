@@ -1,6 +1,5 @@
 """What the checkpoint and Fabric conformance modules share: the zeroq arms a ported case runs under,
-Trainer/Fabric builders for the worker pool, reading a checkpoint directory in the pytest process, and
-the known defects a case may fail on (as ``xfail(strict=True)``, which flips once the fix lands).
+Trainer/Fabric builders for the worker pool, and reading a checkpoint directory in the pytest process.
 
 A case's body runs on every rank of the gloo pool (``tests/dist_pool.py``). Lightning's own tests run
 in one process, so where they count batches per epoch each rank here gets the same count: the models'
@@ -13,7 +12,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
@@ -119,91 +117,14 @@ def is_checkpoint(path) -> bool:
     return path.is_dir() and (path / "zeroq.json").is_file() and (path / ".metadata").is_file()
 
 
-# --------------------------------------------------------------------------- known defects
-
-
-class KnownDefect(Exception):
-    """A failure whose cause is one of the issue's known defects (recognized by its message)."""
-
-
-class StatelessOptimizerGuard(KnownDefect):
-    """saving with an optimizer that keeps no state (plain SGD) raises 'the optimizer holds no state'"""
-
-
-class LoadAfterFit(KnownDefect):
-    """loading a checkpoint into a strategy whose fit has finished (test/validate(ckpt_path) after fit)"""
-
-
-class OneRankReadWithGroup(KnownDefect):
-    """consolidate()/load_from_checkpoint(dir) on one rank while a process group is up"""
-
-
-SIGNATURES = [
-    (StatelessOptimizerGuard, "the optimizer holds no state after"),
-    (LoadAfterFit, "invalid tensor size"),
-    (LoadAfterFit, "assert self.store is not None"),
-    # the same in stage 3 with freed units, reported through the loader's agreement (no traceback there)
-    (LoadAfterFit, "rank 0: AssertionError (the state of this rank may be partly loaded"),
-]
-
-
-FIXED: set = {StatelessOptimizerGuard, LoadAfterFit, OneRankReadWithGroup}
-"""Known defects fixed since: add the class here and every case marked with it runs as a plain case
-(or keeps the mark of its other defects)."""
-
-
-def known(*defects: type[KnownDefect]):
-    """``xfail(strict=True)`` for exactly these defects (a case may meet a second once the first is
-    fixed): any other failure still fails the case, and a case that passes fails as XPASS(strict)."""
-    open_defects = tuple(d for d in defects if d not in FIXED)
-    if not open_defects:
-        return pytest.mark.skipif(False, reason="")  # a no-op mark, valid in pytest.param too
-    return pytest.mark.xfail(strict=True, raises=open_defects,
-                             reason="known defect: " + "; then ".join(d.__doc__ for d in open_defects))
-
-
 def _noop() -> None:
     return None
 
 
-def _guarded(module: str, qualname: str, args: tuple, kwargs: dict):
-    """On a worker: the body, with a known defect's failure answered instead of raised, so that the
-    pool survives it (a raise kills and restarts the pool: seconds per case)."""
-    import traceback
-
-    from tests.conformance.harness import resolve
-
-    try:
-        return ("ok", resolve(module, qualname)(*args, **kwargs))
-    except Exception:
-        text = traceback.format_exc()
-        if any(signature in text for _, signature in SIGNATURES):
-            return ("known", text)
-        raise
-
-
 def run(pool, fn, *args, timeout: float | None = None, **kwargs):
-    """``pool.run(fn, ...)``; a failure that shows a known defect is raised as that defect."""
-    if timeout is not None and not pool._procs:
-        pool.run(_noop)  # start the pool under its own timeout; the short one is for ``fn`` alone
-    saved = pool.timeout
-    if timeout is not None:
-        pool.timeout = timeout
-    try:
-        replies = pool.run(_guarded, fn.__module__, fn.__qualname__, args, kwargs)
-    except RuntimeError as error:
-        text = str(error)
-        for defect, signature in SIGNATURES:
-            if signature in text:
-                raise defect(text) from None
-        if timeout is not None and "no answer" in text:
-            raise OneRankReadWithGroup(text) from None
-        raise
-    finally:
-        pool.timeout = saved
-    for status, value in replies:
-        if status == "known":
-            for defect, signature in SIGNATURES:
-                if signature in value:
-                    raise defect(value)
-    return [value for _, value in replies]
+    """``pool.run(fn, ...)``; with ``timeout``, ``fn`` alone runs under it (the pool starts under its own)."""
+    if timeout is None:
+        return pool.run(fn, *args, **kwargs)
+    if not pool._procs:
+        pool.run(_noop)
+    return pool.run_within(timeout, fn, *args, **kwargs)

@@ -28,10 +28,7 @@ from tests.conformance.harness_fabric import (
     STAGES,
     Boring,
     LogInTwoMethods,
-    StatelessOptimizerGuard,
-    LoadAfterFit,
     is_checkpoint,
-    known,
     read,
     run,
     trainer,
@@ -104,9 +101,6 @@ ORIGINAL = {
     "test_save_last_without_save_on_train_epoch_and_without_val": PORTED,
     "test_save_last_only_when_checkpoint_saved": PORTED,
 }
-
-# Every save of these cases (plain SGD keeps no optimizer state) hits the first known defect.
-SGD = known(StatelessOptimizerGuard)
 
 
 def _key(monitor) -> str:
@@ -191,7 +185,6 @@ def _score_body(tmp, arm, validation_step_none, val_dataloaders_none, monitor, p
 _SCORE_CASES = [(False, False, "val_log"), (True, False, "train_log_epoch"), (False, True, "val_log")]
 
 
-@SGD
 @pytest.mark.parametrize(  # the original's six cases; the stages rotate over them
     "validation_step_none, val_dataloaders_none, monitor, plateau, arm",
     [(*case, plateau, STAGES[(2 * i + plateau) % 3]) for i, case in enumerate(_SCORE_CASES) for plateau in (False, True)])
@@ -259,7 +252,6 @@ def _score_interval_body(tmp, arm, val_check_interval, plateau):
     return [float(s) for s in model.scores], expected, calls, callback.dirpath
 
 
-@SGD
 @pytest.mark.parametrize("val_check_interval, plateau, epoch_aligned, arm",
                          [(0.25, True, True, "zeroq_stage_1"), (0.25, False, True, "zeroq_stage_2"),
                           (0.42, False, False, "stage3_freed")])
@@ -301,9 +293,8 @@ def _non_string_body(tmp, arm, save_top_k):
     return callback.dirpath
 
 
-@pytest.mark.parametrize("save_top_k, arm", [pytest.param(-1, "zeroq_stage_1", marks=SGD), (0, "zeroq_stage_2"),
-                                             pytest.param(1, "stage3_freed", marks=SGD),
-                                             pytest.param(2, "zeroq_stage_3", marks=SGD)])
+@pytest.mark.parametrize("save_top_k, arm", [(-1, "zeroq_stage_1"), (0, "zeroq_stage_2"),
+                                             (1, "stage3_freed"), (2, "zeroq_stage_3")])
 def test_model_checkpoint_with_non_string_input(dist_pool, tmp_path, save_top_k, arm):
     dirpath = run(dist_pool(2), _non_string_body, str(tmp_path), arm, save_top_k)[0]
     assert dirpath == str(tmp_path / "checkpoints")
@@ -325,9 +316,8 @@ def _to_yaml_body(tmp, arm, save_top_k):
             assert yaml.full_load(f) == dict(callback.best_k_models.items())
 
 
-@pytest.mark.parametrize("save_top_k, arm", [pytest.param(-1, "stage3_freed", marks=SGD), (0, "zeroq_stage_1"),
-                                             pytest.param(1, "zeroq_stage_2", marks=SGD),
-                                             pytest.param(2, "stage3_freed", marks=SGD)])
+@pytest.mark.parametrize("save_top_k, arm", [(-1, "stage3_freed"), (0, "zeroq_stage_1"),
+                                             (1, "zeroq_stage_2"), (2, "stage3_freed")])
 def test_model_checkpoint_to_yaml(dist_pool, tmp_path, save_top_k, arm):
     run(dist_pool(2), _to_yaml_body, str(tmp_path), arm, save_top_k)
 
@@ -339,7 +329,6 @@ def _path_body(tmp, arm, version):
     return Path(t.checkpoint_callback.dirpath).parent.name
 
 
-@SGD
 @pytest.mark.parametrize("version, expected, arm", [(None, "version_0", "zeroq_stage_1"), (1, "version_1", "zeroq_stage_2"),
                                                     ("awesome", "awesome", "stage3_freed")])
 def test_model_checkpoint_path(dist_pool, tmp_path, version, expected, arm):
@@ -383,7 +372,6 @@ def _invocations_body(tmp, arm):
     assert t.state.finished, f"Training failed with {t.state}"
 
 
-@SGD
 @pytest.mark.parametrize("arm", ["zeroq_stage_2"])
 def test_model_checkpoint_no_extraneous_invocations(dist_pool, tmp_path, arm):
     run(dist_pool(2), _invocations_body, str(tmp_path), arm)
@@ -398,7 +386,6 @@ def _extension_body(tmp, arm):
     trainer(arm, default_root_dir=tmp, callbacks=[callback], max_steps=1, logger=False).fit(LogInTwoMethods())
 
 
-@SGD
 @pytest.mark.parametrize("arm", ["stage3_freed"])
 def test_model_checkpoint_file_extension(dist_pool, tmp_path, arm):
     run(dist_pool(2), _extension_body, str(tmp_path), arm)
@@ -417,7 +404,6 @@ def _save_last_body(tmp, arm, save_last):
     return last, callback.last_model_path, callback._last_checkpoint_saved
 
 
-@SGD
 @pytest.mark.parametrize("arm", [*STAGES, "zeroq_stage_3", "stage2_offload"])
 @pytest.mark.parametrize("save_last", [True, "link"])
 def test_model_checkpoint_save_last(dist_pool, tmp_path, save_last, arm):
@@ -442,7 +428,6 @@ def _not_alternating_body(tmp, arm):
             logger=False).fit(ListDir())
 
 
-@SGD
 @pytest.mark.parametrize("arm", STAGES)
 def test_none_monitor_not_alternating(dist_pool, tmp_path, arm):
     run(dist_pool(2), _not_alternating_body, str(tmp_path), arm)
@@ -461,7 +446,6 @@ def _last_none_monitor_body(tmp, arm):
     assert callback.kth_best_model_path == ""
 
 
-@SGD
 @pytest.mark.parametrize("arm", ["zeroq_stage_1"])
 def test_model_checkpoint_save_last_none_monitor(dist_pool, tmp_path, arm):
     run(dist_pool(2), _last_none_monitor_body, str(tmp_path), arm)
@@ -475,10 +459,8 @@ def _every_n_epochs_body(tmp, arm, every_n_epochs):
             limit_val_batches=1, logger=False).fit(LogInTwoMethods())
 
 
-@pytest.mark.parametrize("every_n_epochs, arm", [pytest.param(0, "zeroq_stage_1"),
-                                                 pytest.param(1, "zeroq_stage_2", marks=SGD),
-                                                 pytest.param(2, "stage3_freed", marks=SGD),
-                                                 pytest.param(3, "zeroq_stage_3", marks=SGD)])
+@pytest.mark.parametrize("every_n_epochs, arm", [(0, "zeroq_stage_1"), (1, "zeroq_stage_2"),
+                                                 (2, "stage3_freed"), (3, "zeroq_stage_3")])
 def test_model_checkpoint_every_n_epochs(dist_pool, tmp_path, every_n_epochs, arm):
     run(dist_pool(2), _every_n_epochs_body, str(tmp_path), arm, every_n_epochs)
     expected = {f"epoch={e}.ckpt" for e in range(5) if not (e + 1) % every_n_epochs} if every_n_epochs > 0 else set()
@@ -491,7 +473,6 @@ def _every_n_steps_body(tmp, arm):
     trainer(arm, default_root_dir=tmp, max_epochs=2, callbacks=[callback], logger=False).fit(LogInTwoMethods())
 
 
-@SGD
 @pytest.mark.parametrize("arm", ["stage3_freed"])
 def test_ckpt_every_n_train_steps(dist_pool, tmp_path, arm):
     run(dist_pool(2), _every_n_steps_body, str(tmp_path), arm)
@@ -553,7 +534,6 @@ def _already_saved_body(tmp, arm):
         t.fit(Troubled())
 
 
-@SGD
 @pytest.mark.parametrize("arm", ["zeroq_stage_1"])
 def test_model_checkpoint_on_exception_run_condition_on_train_batch_start(dist_pool, tmp_path, arm):
     run(dist_pool(2), _already_saved_body, str(tmp_path), arm)
@@ -659,7 +639,6 @@ def _check_exception_checkpoint(tmp_path):
     assert ckpt["state_dict"] != {}
 
 
-@SGD
 @pytest.mark.parametrize("hook", list(TROUBLED_MODEL_HOOKS))
 def test_model_checkpoint_on_exception_parametrized(dist_pool, tmp_path, hook):
     arm = STAGES[list(TROUBLED_MODEL_HOOKS).index(hook) % 3]
@@ -667,7 +646,6 @@ def test_model_checkpoint_on_exception_parametrized(dist_pool, tmp_path, hook):
     _check_exception_checkpoint(tmp_path)
 
 
-@SGD
 @pytest.mark.parametrize("hook", list(TROUBLED_CALLBACK_HOOKS))
 def test_model_checkpoint_on_exception_in_other_callbacks(dist_pool, tmp_path, hook):
     arm = STAGES[list(TROUBLED_CALLBACK_HOOKS).index(hook) % 3]
@@ -690,7 +668,6 @@ def _time_interval_body(tmp, arm):
                 logger=False).fit(Boring())
 
 
-@SGD
 @pytest.mark.parametrize("arm", ["zeroq_stage_2"])
 def test_model_checkpoint_train_time_interval(dist_pool, tmp_path, arm):
     # 7 s a batch, a checkpoint every minute, 2 x 64 batches: 14 checkpoints
@@ -710,7 +687,6 @@ def _topk_zero_body(tmp, arm):
     assert not os.path.islink(callback.last_model_path)  # nothing to link to
 
 
-@SGD
 @pytest.mark.parametrize("arm", ["stage3_freed"])
 def test_model_checkpoint_topk_zero(dist_pool, tmp_path, arm):
     run(dist_pool(2), _topk_zero_body, str(tmp_path), arm)
@@ -731,7 +707,6 @@ def _topk_all_body(tmp, arm):
     assert callback.kth_best_model_path == str(tmp / "epoch=0.ckpt")
 
 
-@SGD
 @pytest.mark.parametrize("arm", [*STAGES, "zeroq_stage_3"])
 def test_model_checkpoint_topk_all(dist_pool, tmp_path, arm):
     run(dist_pool(2), _topk_all_body, str(tmp_path), arm)
@@ -745,7 +720,6 @@ def _metric_names_body(tmp, arm):
             ).fit(LogInTwoMethods())
 
 
-@SGD
 @pytest.mark.parametrize("arm", ["zeroq_stage_1"])
 def test_ckpt_metric_names(dist_pool, tmp_path, arm):
     run(dist_pool(2), _metric_names_body, str(tmp_path), arm)
@@ -768,7 +742,6 @@ def _default_behavior_body(tmp, arm):
                            for e, s in [(0, 5), (1, 10), (2, 15)]])
 
 
-@known(StatelessOptimizerGuard, LoadAfterFit)
 @pytest.mark.parametrize("arm", STAGES)
 def test_default_checkpoint_behavior(dist_pool, tmp_path, arm):
     # trainer.test() after fit loads the best checkpoint into the finished strategy
@@ -784,7 +757,6 @@ def _last_contents_body(tmp, arm):
     return callback.last_model_path
 
 
-@SGD
 @pytest.mark.parametrize("arm", [*STAGES, "zeroq_stage_3", "stage2_offload"])
 def test_model_checkpoint_save_last_checkpoint_contents(dist_pool, tmp_path, arm):
     last_model_path = run(dist_pool(2), _last_contents_body, str(tmp_path), arm)[0]
@@ -824,7 +796,6 @@ def _repeated_body(tmp, arm):
     assert _listdir(Path(tmp) / "lightning_logs") == {"version_0"}  # the resumed fits log nothing
 
 
-@known(StatelessOptimizerGuard, LoadAfterFit)
 @pytest.mark.parametrize("arm", ["zeroq_stage_2"])
 def test_checkpoint_repeated_strategy(dist_pool, tmp_path, arm):
     run(dist_pool(2), _repeated_body, str(tmp_path), arm)
@@ -883,7 +854,6 @@ def _repeated_extended_body(tmp, arm):
     return newest_paths
 
 
-@SGD
 @pytest.mark.parametrize("arm", ["stage3_freed"])
 def test_checkpoint_repeated_strategy_extended(dist_pool, tmp_path, arm):
     # the content of the newest checkpoint, read here after the run (the original reads it in the loop;
@@ -900,7 +870,6 @@ def _val_interval_files_body(tmp, arm):
             callbacks=[callback], logger=False).fit(LogInTwoMethods())
 
 
-@SGD
 @pytest.mark.parametrize("arm", ["zeroq_stage_2"])
 def test_val_check_interval_checkpoint_files(dist_pool, tmp_path, arm):
     run(dist_pool(2), _val_interval_files_body, str(tmp_path), arm)
@@ -919,7 +888,6 @@ def _current_score_body(tmp, arm):
     assert callback.current_score == 0.3
 
 
-@SGD
 @pytest.mark.parametrize("arm", ["stage3_freed", "zeroq_stage_1"])
 def test_current_score(dist_pool, tmp_path, arm):
     run(dist_pool(2), _current_score_body, str(tmp_path), arm)
@@ -943,7 +911,6 @@ def _nan_score_body(tmp, arm, mode):
     assert callback.current_score == expected
 
 
-@SGD
 @pytest.mark.parametrize("mode, arm", [("min", "zeroq_stage_2"), ("max", "stage3_freed")])
 def test_current_score_when_nan(dist_pool, tmp_path, mode, arm):
     run(dist_pool(2), _nan_score_body, str(tmp_path), arm, mode)
@@ -977,7 +944,6 @@ def _hparams_body(tmp, arm, use_omegaconf):
         assert type(ckpt[model.CHECKPOINT_HYPER_PARAMS_KEY]) is dict  # not an AttributeDict
 
 
-@SGD
 @pytest.mark.parametrize("use_omegaconf, arm", [(False, "zeroq_stage_1"), (True, "stage3_freed")])
 def test_hparams_type(dist_pool, tmp_path, use_omegaconf, arm):
     run(dist_pool(2), _hparams_body, str(tmp_path), arm, use_omegaconf)
@@ -995,7 +961,6 @@ def _rerun_new_trainer_body(tmp, arm):
         assert {Path(f).name for f in mc.best_k_models} == expected
 
 
-@SGD
 @pytest.mark.parametrize("arm", ["zeroq_stage_2"])
 def test_ckpt_version_after_rerun_new_trainer(dist_pool, tmp_path, arm):
     run(dist_pool(2), _rerun_new_trainer_body, str(tmp_path), arm)
@@ -1014,7 +979,6 @@ def _rerun_same_trainer_body(tmp, arm):
     return sorted(expected)
 
 
-@SGD
 @pytest.mark.parametrize("arm", ["stage3_freed"])
 def test_ckpt_version_after_rerun_same_trainer(dist_pool, tmp_path, arm):
     expected = run(dist_pool(2), _rerun_same_trainer_body, str(tmp_path), arm)[0]
@@ -1030,7 +994,6 @@ def _counter_disabled_body(tmp, arm):
         assert Path(mc.last_model_path).name == "last.ckpt"
 
 
-@SGD
 @pytest.mark.parametrize("arm", ["zeroq_stage_1", "stage3_freed"])
 def test_ckpt_version_counter_disabled_after_rerun_new_trainer(dist_pool, tmp_path, arm):
     # the same names written again: a zeroq save replaces an existing checkpoint directory
@@ -1043,7 +1006,6 @@ def _val_every_n_body(tmp, arm):
     _short(arm, tmp, num_sanity_val_steps=0, max_epochs=5, check_val_every_n_epoch=2, callbacks=mc).fit(Boring())
 
 
-@SGD
 @pytest.mark.parametrize("arm", ["zeroq_stage_2"])
 def test_check_val_every_n_epochs_top_k_integration(dist_pool, tmp_path, arm):
     run(dist_pool(2), _val_every_n_body, str(tmp_path), arm)
@@ -1066,7 +1028,6 @@ def _preserves_last_body(tmp, arm):
         model, ckpt_path=tmp / "checkpoints" / "step=2.ckpt")
 
 
-@SGD
 @pytest.mark.parametrize("arm", STAGES)
 def test_resume_training_preserves_old_ckpt_last(dist_pool, tmp_path, arm):
     run(dist_pool(2), _preserves_last_body, str(tmp_path), arm)
@@ -1097,7 +1058,6 @@ def _last_versioning_body(tmp, arm):
         trainer(arm, max_epochs=2, callbacks=mc, limit_train_batches=1, limit_val_batches=0, logger=False).fit(model)
 
 
-@SGD
 @pytest.mark.parametrize("arm", ["stage3_freed"])
 def test_save_last_versioning(dist_pool, tmp_path, arm):
     run(dist_pool(2), _last_versioning_body, str(tmp_path), arm)
@@ -1134,7 +1094,6 @@ def _old_files_remain_body(tmp, arm, same_folder):
             **kwargs).fit(model, ckpt_path=str(first / "epoch=0-step=4.ckpt"))
 
 
-@SGD
 @pytest.mark.parametrize("same_folder, arm", [(True, "zeroq_stage_1"), (False, "stage3_freed"),
                                               (True, "zeroq_stage_3")])
 def test_resume_and_old_checkpoint_files_remain(dist_pool, tmp_path, same_folder, arm):
@@ -1174,7 +1133,6 @@ def _inf_loader_body(tmp, arm):
     trainer(arm, **kwargs, callbacks=ModelCheckpoint(**mc)).fit(model, ckpt_path=path)
 
 
-@SGD
 @pytest.mark.parametrize("arm", ["zeroq_stage_2"])
 def test_load_with_inf_data_loader(dist_pool, tmp_path, arm):
     run(dist_pool(2), _inf_loader_body, str(tmp_path), arm)
@@ -1188,7 +1146,6 @@ def _last_without_val_body(tmp, arm):
     trainer(arm, max_epochs=2, callbacks=[mc], logger=False).fit(model)
 
 
-@SGD
 @pytest.mark.parametrize("arm", ["stage3_freed"])
 def test_save_last_without_save_on_train_epoch_and_without_val(dist_pool, tmp_path, arm):
     run(dist_pool(2), _last_without_val_body, str(tmp_path), arm)
@@ -1219,7 +1176,6 @@ def _last_only_when_saved_body(tmp, arm):
             enable_checkpointing=True).fit(Selective())
 
 
-@SGD
 @pytest.mark.parametrize("arm", ["zeroq_stage_1"])
 def test_save_last_only_when_checkpoint_saved(dist_pool, tmp_path, arm):
     run(dist_pool(2), _last_only_when_saved_body, str(tmp_path), arm)

@@ -25,10 +25,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from tests.conformance.harness_fabric import (
     STAGES,
     Boring,
-    LoadAfterFit,
-    StatelessOptimizerGuard,
     is_checkpoint,
-    known,
     run,
     trainer,
 )
@@ -64,8 +61,6 @@ ORIGINAL = {
     "test_strict_loading": PORTED,
     "test_restore_callbacks_in_non_fit_phases": PORTED,
 }
-
-SGD = known(StatelessOptimizerGuard)
 
 
 def _count_saves(t) -> list:
@@ -104,7 +99,6 @@ def _default_freq_body(tmp, arm, epochs, val_check_interval):
     return len(saves)
 
 
-@SGD
 @pytest.mark.parametrize("epochs, val_check_interval, expected, arm",
                          [(1, 1.0, 1, "zeroq_stage_1"), (2, 1.0, 2, "zeroq_stage_2"), (1, 0.25, 4, "stage3_freed"),
                           (2, 0.3, 6, "zeroq_stage_3")])
@@ -137,7 +131,6 @@ def _top_k_body(tmp, arm, k, epochs, val_check_interval, save_last):
 _TOP_K = [(1, 1, 1.0, 1), (2, 2, 1.0, 2), (2, 1, 0.25, 4), (2, 2, 0.3, 6)]
 
 
-@SGD
 @pytest.mark.parametrize("save_last", [False, True, "link"])
 @pytest.mark.parametrize("k, epochs, val_check_interval, expected", _TOP_K)
 def test_top_k(dist_pool, tmp_path, k, epochs, val_check_interval, expected, save_last):
@@ -172,7 +165,6 @@ def _top_k_ddp_body(tmp, arm, k, epochs, val_check_interval):
     return len(saves)
 
 
-@SGD
 @pytest.mark.parametrize("k, epochs, val_check_interval, expected, arm",
                          [(1, 1, 1.0, 1, "zeroq_stage_2"), (2, 2, 0.3, 4, "stage3_freed")])
 def test_top_k_ddp(dist_pool, tmp_path, k, epochs, val_check_interval, expected, arm):
@@ -187,7 +179,6 @@ def _monitor_none_body(tmp, arm):
     return checkpoint.best_model_path
 
 
-@SGD
 @pytest.mark.parametrize("arm", STAGES)
 def test_model_checkpoint_ddp_monitor_none(dist_pool, tmp_path, arm):
     assert run(dist_pool(2), _monitor_none_body, str(tmp_path), arm)[0]
@@ -225,7 +216,6 @@ def _finetuning_body(tmp, arm):
             assert f"epoch={idx + 1}" in path
 
 
-@known(StatelessOptimizerGuard, LoadAfterFit)
 @pytest.mark.parametrize("arm", STAGES)
 def test_finetuning_with_ckpt_path(dist_pool, tmp_path, arm):
     run(dist_pool(2), _finetuning_body, str(tmp_path), arm)
@@ -260,7 +250,6 @@ def _storage_options_body(tmp, arm):
             io.save_checkpoint({}, path, storage_options=options)
 
 
-@SGD
 @pytest.mark.parametrize("arm", ["zeroq_stage_2"])
 def test_trainer_save_checkpoint_storage_options(dist_pool, tmp_path, arm):
     run(dist_pool(2), _storage_options_body, str(tmp_path), arm)
@@ -279,14 +268,12 @@ def _torch_save_body(tmp, arm, load_back):
         torch.load(where, weights_only=False)
 
 
-@SGD
 @pytest.mark.parametrize("arm", STAGES)
 def test_model_torch_save(dist_pool, tmp_path, arm):
     # the original's one process also loads the Trainer back; here every rank does
     run(dist_pool(2), _torch_save_body, str(tmp_path), arm, True)
 
 
-@SGD
 @pytest.mark.parametrize("arm", ["zeroq_stage_3"])
 def test_model_torch_save_ddp_cpu(dist_pool, tmp_path, arm):
     run(dist_pool(2), _torch_save_body, str(tmp_path), arm, False)
@@ -325,7 +312,6 @@ def _lifecycle_body(tmp, arm):
     assert not connector._loaded_checkpoint
 
 
-@known(StatelessOptimizerGuard, LoadAfterFit)
 @pytest.mark.parametrize("arm", ["zeroq_stage_1", "stage3_freed"])
 def test_preloaded_checkpoint_lifecycle(dist_pool, tmp_path, arm):
     run(dist_pool(2), _lifecycle_body, str(tmp_path), arm)
@@ -343,7 +329,6 @@ def _hpc_version_body(tmp, arm):
     assert connector._CheckpointConnector__max_ckpt_version_in_folder(tmp / "not" / "existing") is None
 
 
-@SGD
 @pytest.mark.parametrize("arm", ["zeroq_stage_2"])
 def test_hpc_max_ckpt_version(dist_pool, tmp_path, arm):
     run(dist_pool(2), _hpc_version_body, str(tmp_path), arm)
@@ -387,7 +372,6 @@ def _stateful_path_body(tmp, arm):
     assert t.ckpt_path == best_path
 
 
-@known(LoadAfterFit)
 @pytest.mark.parametrize("arm", ["zeroq_stage_1", "stage3_freed"])
 def test_stateful_trainer_ckpt_path_support(dist_pool, tmp_path, arm):
     run(dist_pool(2), _stateful_path_body, str(tmp_path), arm)
@@ -409,7 +393,6 @@ def _strict_body(tmp, arm, strict_loading, expected):
     load.assert_called_once_with(ANY, ANY, load_optimizer=True, strict=expected)
 
 
-@SGD
 @pytest.mark.parametrize("strict_loading, expected, arm",
                          [(None, True, "zeroq_stage_1"), (True, True, "zeroq_stage_2"), (False, False, "stage3_freed")])
 def test_strict_loading(dist_pool, tmp_path, strict_loading, expected, arm):
@@ -448,7 +431,6 @@ def _non_fit_restore_body(tmp, arm, trainer_fn):
     assert new_callback.restored
 
 
-@SGD
 @pytest.mark.parametrize("trainer_fn, arm", [("validate", "zeroq_stage_1"), ("test", "zeroq_stage_2"),
                                              ("predict", "stage3_freed")])
 def test_restore_callbacks_in_non_fit_phases(dist_pool, tmp_path, trainer_fn, arm):

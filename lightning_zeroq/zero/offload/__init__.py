@@ -1,7 +1,8 @@
 """Placements: where the optimizer's state and stage 3's resting parameter shards live.
 
-Chosen once, when the engine is built, from the ``ZeroConfig``; the engine then calls the chosen
-objects at fixed points and never branches on the offload mode itself.
+Chosen once, when the engine is built, from the ``Offload`` policy (``policies.py``, made from the
+``ZeroConfig`` options below); the engine then calls the chosen objects at fixed points and never
+branches on the offload mode itself.
 
 | config | optimizer placement | stage-3 shard store |
 |---|---|---|
@@ -31,61 +32,57 @@ The generic swap space the NVMe placements build on is ``lightning_zeroq.swap``.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Sequence, Union
 
 import torch
 
-from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.zero.layout import UnitLayout
 from lightning_zeroq.zero.offload.auto import AutoSplit
 from lightning_zeroq.zero.offload.device import CastMaster, DeviceStore, MasterAlias, OptimizerPlacement, ShardStore
 from lightning_zeroq.zero.offload.host import HostOptimizer, HostStore
 from lightning_zeroq.zero.offload.nvme import NvmeOptimizer, NvmeStore
 from lightning_zeroq.zero.offload.split import SplitOptimizer, SplitStore, host_units
+from lightning_zeroq.zero.policies import Auto, Host, Nvme, OnDevice
 
 __all__ = ["OptimizerPlacement", "ShardStore", "SplitOptimizer", "host_units", "optimizer_placement", "shard_store"]
 
 
 def optimizer_placement(
-    config: ZeroConfig, device: torch.device, param_dtype: torch.dtype, rank: int, world_size: int,
-    layouts: Sequence[UnitLayout],
+    policy: Union[OnDevice, Host, Nvme, Auto], device: torch.device, param_dtype: torch.dtype, rank: int,
+    world_size: int, layouts: Sequence[UnitLayout],
 ) -> OptimizerPlacement:
-    if not _offloads_optimizer(config):
+    """Where masters and optimizer state live (``Offload.optimizer``)."""
+    if isinstance(policy, OnDevice):
         return OptimizerPlacement(device)
-    if config.offload_optimizer_device == "nvme":
-        assert config.nvme_path is not None  # ZeroConfig checks it
-        return NvmeOptimizer(device, param_dtype, world_size, nvme_path=config.nvme_path, rank=rank)
+    if isinstance(policy, Nvme):
+        return NvmeOptimizer(device, param_dtype, world_size, nvme_path=policy.path, rank=rank)
     host = HostOptimizer(device, param_dtype, world_size)
-    if config.offload_optimizer_ratio == "auto":
-        return AutoSplit(device, host, len(layouts), config.offload_memory_budget, rank)
-    if config.offload_optimizer_ratio == 1.0:
+    if isinstance(policy, Auto):
+        return AutoSplit(device, host, len(layouts), policy.budget, rank)
+    if policy.ratio == 1.0:
         return host
-    return SplitOptimizer(device, host, host_units(layouts, config.offload_optimizer_ratio))
-
-
-def _offloads_optimizer(config: ZeroConfig) -> bool:
-    """Some master and optimizer state is off the device (ratio 0 offloads nothing)."""
-    return config.offload_optimizer and (config.offload_optimizer_ratio == "auto" or config.offload_optimizer_ratio > 0.0)
+    return SplitOptimizer(device, host, host_units(layouts, policy.ratio))
 
 
 def shard_store(
-    config: ZeroConfig,
+    policy: Union[OnDevice, Host, Nvme],
     device: torch.device,
     *,
     payload_dtype: torch.dtype,
     payload_numels: dict[int, int],
     param_dtype: torch.dtype,
     rank: int,
+    quantized: bool,
     master_on_device: Callable[[int], bool] = lambda index: True,
 ) -> ShardStore:
-    """The store of stage 3's transient units (``payload_numels``: unit index -> payload elements;
-    ``master_on_device``: the optimizer placement's answer, per unit)."""
-    if config.offload_parameters and config.offload_params_device == "nvme":
-        assert config.nvme_path is not None
-        return NvmeStore(device, payload_dtype, payload_numels, nvme_path=config.nvme_path, rank=rank)
-    if config.offload_parameters:
+    """The store of stage 3's transient units (``policy``: ``Offload.parameters``; ``payload_numels``: unit
+    index -> payload elements; ``quantized``: the payload is INT8; ``master_on_device``: the optimizer
+    placement's answer, per unit)."""
+    if isinstance(policy, Nvme):
+        return NvmeStore(device, payload_dtype, payload_numels, nvme_path=policy.path, rank=rank)
+    if isinstance(policy, Host):
         return HostStore(device, payload_dtype, payload_numels)
-    if config.quantized_weights:
+    if quantized:
         return DeviceStore(device, payload_dtype, payload_numels)
     # Full width: a master on the device is the working shard (fp32) or is cast at each gather (the
     # bytes a DeviceStore would keep, bitwise); a master off the device leaves its payload on the device.

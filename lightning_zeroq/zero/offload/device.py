@@ -10,7 +10,9 @@ it has:
   ``master_on_device``: whether a unit's master stays on the device (the stage-3 store reads it there);
 - ``attach`` (``attach_optimizer``): the optimizer is bound to the master segments;
   ``state_loaded``: its state was just loaded from a checkpoint;
-- ``grad_reduced`` (backward, on the reduction stream): a unit's gradient just grew;
+- ``begin_backward`` (``last``: the caller said a step follows this backward); ``grad_reduced``
+  (backward, on the reduction stream): a unit's gradient just grew (offload: copy it to the host now
+  if the backward is the last);
 - ``gradients_done`` (finalize, after the reductions completed and the agreement was read back):
   every gradient shard is final (offload: copy them to the host now);
 - ``resident`` (publish, state dicts): the units in order, each with its master (and state) readable
@@ -87,6 +89,9 @@ class OptimizerPlacement:
 
     def step_batches(self, units: Sequence[Unit]) -> Iterator[list[Unit]]:
         yield list(units)
+
+    def begin_backward(self, last: bool) -> None:
+        pass
 
     def grad_reduced(self, unit: Unit) -> None:
         pass

@@ -3,14 +3,19 @@
 Optimizer. The fp32 master shard of every unit and the optimizer state live on the host; the
 optimizer steps there with torch's fused CPU kernel (``optimizers.prefer_fast_host_step``).
 
-Gradients to the host. At finalize, once every rank agreed on the window (the read-back of that
-agreement is queued first), each unit's fp32 gradient shard is copied to a pinned host buffer on a
-copy stream of its own, in the order the step takes them, with one event per unit; the step reads a
-unit's host gradient only after waiting for that unit's event (``step_grad``), so it starts on the
-first unit while the others are still crossing PCIe. (Copying each unit during the last backward, as
-soon as it is reduced, queued up to all the gradients' bytes on the device-to-host copy engine ahead
-of the agreement's few bytes: on the 953M model on one H200 the agreement then waited 40 ms for 3.5
-GB of copies, longer than the step gains from starting them early.)
+Gradients to the host. Each unit's fp32 gradient shard is copied to a pinned host buffer on a copy
+stream of its own, with one event per unit; the step reads a unit's host gradient only after waiting
+for that unit's event (``step_grad``), so it starts on the first unit while the others are still
+crossing PCIe. The agreement on the window (a few bytes read back at finalize) must come first, and
+on an H200 it waits behind every copy to the host already queued, whatever the stream, its priority
+or the chunking (``benchmarks/d2h_readback.py``). So in a backward that ends the window (the caller
+said so: ``boundary=True``, which the Trainer passes with managed accumulation) a unit is copied as
+soon as it is reduced only if no earlier such copy is still running, and never the unit reduced last
+(the first unit: the read-back comes right after it); the read-back then waits for the rest of one
+unit's copy at most. The other units (all of them in an unmanaged window, and a unit that got
+gradients again after its copy) are copied at finalize, after the read-back. (On the 953M model on
+one H200, copying every unit during the backward made the agreement wait 45 ms for all 3.8 GB;
+copying them all after it, the host step took 262 ms instead of 227 while they landed.)
 
 The step walks the units one at a time, in the order their gradients were reduced (reverse unit
 order, the same on every rank, so the collectives of ``publish`` match): the copy back and the
@@ -67,6 +72,10 @@ class HostOptimizer(OptimizerPlacement):
         """Units whose host gradient already holds this window's gradients."""
         self.device_reads: dict[int, "torch.cuda.Event"] = {}
         """Units whose master the device may still be reading (``published``), with the event after it."""
+        self.copy_early = False
+        """This backward ends the window (``begin_backward``): copy units as they are reduced."""
+        self.early: list["torch.cuda.Event"] = []
+        """The events of the copies issued during this backward that may still be running."""
         self.also_on: Optional[torch.device] = None
         """Partial offload (``split.SplitOptimizer``): the optimizer's groups hold segments on this device too."""
 
@@ -84,8 +93,23 @@ class HostOptimizer(OptimizerPlacement):
                 prefer_fast_host_step(optimizer, group, self.also_on)
         _give_the_host_step_threads(self.world_size)
 
+    def begin_backward(self, last: bool) -> None:
+        self.copy_early = last
+
     def grad_reduced(self, unit: Unit) -> None:
         self.fresh.discard(unit.index)  # more gradients arrived: an earlier copy is stale
+        # The unit reduced last (the first) is left to finalize: its copy would sit whole before the read-back.
+        if self.copy_early and unit.index in self.host_grads and unit.index != min(self.host_grads) \
+                and self._copies_idle():
+            unit.materialize_grad()  # on the reduction stream, as finalize would (bitwise the same)
+            self._copy_to_host(unit)
+            if unit.index in self.in_flight:
+                self.early.append(self.in_flight[unit.index])
+
+    def _copies_idle(self) -> bool:
+        """No copy issued during this backward is still running (see the module's docstring)."""
+        self.early = [done for done in self.early if not done.query()]
+        return not self.early
 
     def _copy_to_host(self, unit: Unit) -> None:
         """Copy the unit's gradient shard to the host after what the current stream issued so far (its
@@ -147,6 +171,7 @@ class HostOptimizer(OptimizerPlacement):
             current.wait_event(done)
         self.in_flight.clear()
         self.fresh.clear()
+        self.copy_early, self.early = False, []
 
 
 def _wait(events: dict[int, "torch.cuda.Event"], index: int) -> None:

@@ -92,6 +92,10 @@ class SplitOptimizer(OptimizerPlacement):
         if on_host:
             yield from self.host.step_batches(on_host)
 
+    def begin_backward(self, last: bool) -> None:
+        self.on_device.begin_backward(last)
+        self.host.begin_backward(last)
+
     def grad_reduced(self, unit: Unit) -> None:
         self._of(unit).grad_reduced(unit)
 

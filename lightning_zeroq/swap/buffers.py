@@ -1,0 +1,121 @@
+"""Aligned host buffers for the swap space.
+
+Buffers
+    ``O_DIRECT`` also needs the memory address aligned. A transfer is cut into chunks of
+    ``buffer_bytes``; a chunk whose memory is aligned (tensors from :func:`aligned_empty`, pinned
+    host memory) goes straight between the caller's tensor and the file. Others, and the sub-block
+    tail of every region, go through a bounce buffer from a pool of ``num_buffers`` aligned buffers
+    (pinned when CUDA is available, so the engine's H2D copies from them are fast). In buffered
+    mode every chunk goes straight from the caller's memory.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import threading
+from typing import Optional
+
+import torch
+
+
+def align_up(n: int, alignment: int) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+def aligned_empty(
+    numel: int, dtype: torch.dtype, alignment: int = 4096, pin_memory: Optional[bool] = None
+) -> torch.Tensor:
+    """An uninitialized 1-D CPU tensor whose data starts at an ``alignment``-byte boundary.
+
+    Tensors from here (or pinned host memory) let ``O_DIRECT`` transfers skip the bounce buffers.
+    ``pin_memory=None`` pins when CUDA is available.
+    """
+    if numel < 0:
+        raise ValueError(f"aligned_empty: numel={numel} must be >= 0")
+    if pin_memory is None:
+        pin_memory = torch.cuda.is_available()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * itemsize
+    raw = torch.empty(nbytes + alignment, dtype=torch.uint8, pin_memory=pin_memory)
+    offset = (-raw.data_ptr()) % alignment
+    return raw[offset : offset + nbytes].view(dtype)
+
+
+def memoryview_of(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU uint8 tensor's memory (the caller keeps ``t`` alive)."""
+    n = t.numel()
+    if n == 0:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s memory as a flat uint8 tensor (``t`` contiguous)."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+class BouncePool:
+    """Up to ``count`` aligned buffers of ``nbytes`` each, allocated on first use."""
+
+    def __init__(self, count: int, nbytes: int, alignment: int, pin: bool) -> None:
+        self._count, self._nbytes, self._alignment, self._pin = count, nbytes, alignment, pin
+        self._free: list[torch.Tensor] = []
+        self._allocated = 0
+        self._cond = threading.Condition()
+
+    def try_acquire(self) -> Optional[torch.Tensor]:
+        with self._cond:
+            return self._take_locked()
+
+    def acquire(self) -> torch.Tensor:
+        with self._cond:
+            while True:
+                buf = self._take_locked()
+                if buf is not None:
+                    return buf
+                self._cond.wait()
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._cond:
+            self._free.append(buf)
+            self._cond.notify()
+
+    def _take_locked(self) -> Optional[torch.Tensor]:
+        if self._free:
+            return self._free.pop()
+        if self._allocated < self._count:
+            self._allocated += 1
+            return aligned_empty(self._nbytes, torch.uint8, self._alignment, self._pin)
+        return None
+
+
+class StagingCache:
+    """Aligned whole-region read-ahead buffers, reused by size; keeps at most ``keep`` idle ones."""
+
+    def __init__(self, keep: int, alignment: int, pin: bool) -> None:
+        self._keep, self._alignment, self._pin = keep, alignment, pin
+        self._idle: collections.OrderedDict[int, list[torch.Tensor]] = collections.OrderedDict()
+        self._idle_count = 0
+        self._lock = threading.Lock()
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            bucket = self._idle.get(nbytes)
+            if bucket:
+                self._idle_count -= 1
+                return bucket.pop()
+        return aligned_empty(nbytes, torch.uint8, self._alignment, self._pin)
+
+    def put(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._idle.setdefault(buf.numel(), []).append(buf)
+            self._idle.move_to_end(buf.numel())
+            self._idle_count += 1
+            while self._idle_count > self._keep:
+                size, bucket = next(iter(self._idle.items()))
+                bucket.pop(0)
+                self._idle_count -= 1
+                if not bucket:
+                    del self._idle[size]
+

@@ -1,0 +1,121 @@
+"""Signal handlers that remove the swap files before a signal's default action kills the process.
+
+Signals
+    A SIGTERM, SIGINT or SIGHUP whose disposition is the default kills the process without running
+    ``atexit``, which would leave the files behind. So a swapper created in the main thread replaces
+    that default (and only that: in practice SIGTERM and SIGHUP) by a handler that removes the files of every
+    live swapper, restores the default and raises the signal again, so the process still dies by it,
+    with the usual status. A Python handler already installed is left alone: it decides, and the
+    files go when the swapper is closed or the process exits (Python's own SIGINT handler raises
+    ``KeyboardInterrupt``, and whoever catches it may still need the files: Lightning's
+    on-exception checkpoint after Ctrl-C, a notebook interrupted mid-cell). Ignored signals stay
+    ignored. A handler installed later that calls ours as one of several decides alone, and ours
+    does nothing: Lightning's trainer installs its SIGTERM handler after the strategy made the
+    swappers, calls the handler it found, and stops training gracefully. The default is put back
+    when the last swapper is gone, if ours is still the one installed. Limits: Python runs signal
+    handlers between bytecodes only, so while a swapper lives a process stuck in a long C call (a
+    hung collective) reacts to SIGTERM when that call returns; what SIGKILL leaves behind is only
+    reported (see ``directory``); a swapper created outside the main thread cannot install the handler
+    (logged once per process).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Optional, Protocol
+
+log = logging.getLogger(__name__)
+
+_CLEANUP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class Removable(Protocol):
+    """What the handlers remove: a swapper's files (``directory.Resources``)."""
+
+    @property
+    def directory(self) -> Path: ...
+
+    def remove_files(self) -> None: ...
+
+
+# Resources of every swapper that has not been cleaned up yet, for the signal handlers. Plain dict
+# operations (atomic under the GIL), no lock: a handler or a finalizer can run at any bytecode.
+_live: dict[int, Removable] = {}
+_signal_handlers: dict[int, "_CleanupHandler"] = {}
+_dying = False
+_warned_not_main_thread = False
+
+
+class _CleanupHandler:
+    """Replaces the default action of SIGTERM/SIGINT: remove every live swapper's files, then die by
+    the signal (see "Signals")."""
+
+    def __call__(self, signum: int, frame: Optional[FrameType]) -> None:
+        if signal.getsignal(signum) is not self:
+            # A handler installed after us calls us as one of several (Lightning's SIGTERM handler
+            # does, then stops the trainer gracefully): the default action we stand in for is not
+            # going to happen, so neither remove the files nor die.
+            return
+        global _dying
+        if _dying:
+            # The same signal again while we clean up (sent to the whole process group and forwarded by
+            # a parent, such as ``timeout`` or Lightning's launcher): Python runs handlers between any
+            # two bytecodes, this one too, so without this a second call would die half-way through
+            # the first one's removal and leave the rest behind.
+            return
+        _dying = True
+        for resources in list(_live.values()):
+            resources.remove_files()
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)
+
+
+def track_live(resources: Removable) -> None:
+    global _warned_not_main_thread
+    _live[id(resources)] = resources
+    if threading.current_thread() is threading.main_thread():
+        for signum in _CLEANUP_SIGNALS:
+            current = signal.getsignal(signum)
+            if isinstance(current, _CleanupHandler):
+                _signal_handlers[signum] = current  # ours already (put back by someone), reused
+            elif current == signal.SIG_DFL:
+                handler = _CleanupHandler()
+                signal.signal(signum, handler)
+                _signal_handlers[signum] = handler
+        return
+    if any(signal.getsignal(s) == signal.SIG_DFL for s in _CLEANUP_SIGNALS) and not _warned_not_main_thread:
+        _warned_not_main_thread = True
+        log.warning(
+            "NvmeSwapper created outside the main thread cannot install its SIGTERM handler, so a SIGTERM "
+            "would leave %s behind (close() and a normal exit still remove it); create the first swapper "
+            "from the main thread", resources.directory
+        )
+
+
+def forget_live(resources: Removable) -> None:
+    """Drop ``resources`` from the registry; the last one out puts the default actions back."""
+    _live.pop(id(resources), None)
+    if _live or threading.current_thread() is not threading.main_thread():
+        return
+    for signum, handler in list(_signal_handlers.items()):
+        try:
+            if signal.getsignal(signum) is handler:
+                signal.signal(signum, signal.SIG_DFL)
+        except (ValueError, TypeError, OSError):
+            pass
+        _signal_handlers.pop(signum, None)
+
+
+def remove_live_files() -> None:
+    """Remove the files and directories of every live swapper of this process, now (before the
+    process is ended in a way that runs no cleanup: ``os._exit``, SIGKILL). Safe from any thread."""
+    for resources in list(_live.values()):
+        try:
+            resources.remove_files()
+        except Exception:
+            pass
+

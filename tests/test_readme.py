@@ -1,0 +1,88 @@
+"""The README's reference and migration tables against the code they describe: every ``ZeroConfig``
+field and strategy argument is in the options section, every registered name is listed, and every
+DeepSpeed/FSDP option the migration guide maps exists in Lightning's own strategy signatures (so
+the guide is redone when Lightning renames one)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+from lightning.fabric.strategies import DeepSpeedStrategy as FabricDeepSpeed
+from lightning.fabric.strategies import FSDPStrategy as FabricFSDP
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, StrategyRegistry
+
+from lightning_zeroq import ZeroConfig, ZeroQFabricStrategy, ZeroQStrategy
+
+README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+
+
+def _section(title: str) -> str:
+    start = README.index(f"\n## {title}\n")
+    end = README.find("\n## ", start + 1)
+    return README[start:end if end >= 0 else None]
+
+
+def _parameters(*classes: type) -> set[str]:
+    names: set[str] = set()
+    for cls in classes:
+        names |= {p.name for p in inspect.signature(cls.__init__).parameters.values()
+                  if p.kind is not inspect.Parameter.VAR_KEYWORD and p.name != "self"}
+    return names
+
+
+def _table_after(text: str, marker: str) -> list[list[str]]:
+    """The rows (cells) of the Markdown table whose header line is ``marker``, its rule left out."""
+    rows = []
+    for line in text[text.index(marker):].split("\n")[1:]:
+        if line.startswith("|"):
+            rows.append([cell.strip() for cell in line.strip("|").split(" | ")])
+        elif rows:
+            break
+    return rows[1:]
+
+
+def _names(cell: str) -> set[str]:
+    """Option names in a cell: backticked identifiers, and the left side of backticked ``name=...``."""
+    names = set(re.findall(r"`([a-z_][a-z0-9_]*)`", cell))
+    names |= set(re.findall(r"`([a-z_][a-z0-9_]*)=", cell))
+    return names
+
+
+def test_every_option_and_strategy_argument_is_in_the_options_section():
+    options = _section("Options")
+    fields = [f.name for f in dataclasses.fields(ZeroConfig)]
+    missing = [name for name in fields if f"| `{name}`" not in options and f", `{name}`" not in options]
+    assert not missing, f"ZeroConfig fields missing from the README's options table: {missing}"
+    arguments = _parameters(ZeroQStrategy, ZeroQFabricStrategy) - {"config"}
+    missing = sorted(name for name in arguments if f"`{name}`" not in options)
+    assert not missing, f"strategy arguments missing from the README's options section: {missing}"
+    assert "`ZeroQStrategy(config=None, **options)`" in options
+
+
+def test_every_registered_name_is_listed():
+    names = _table_after(_section("Options"), "| name | options |")
+    listed = {n for row in names for n in re.findall(r'`"([a-z0-9_]+)"`', row[0])}
+    registered = {name for name, entry in StrategyRegistry.items() if entry["strategy"] is ZeroQStrategy}
+    assert listed == registered and len(registered) >= 6
+
+
+@pytest.mark.parametrize(("marker", "peers"), [
+    ("| DeepSpeed option | ZeroQ |", (DeepSpeedStrategy, FabricDeepSpeed)),
+    ("| FSDP option | ZeroQ |", (FSDPStrategy, FabricFSDP)),
+])
+def test_the_migration_guide_names_only_options_lightning_has(marker, peers):
+    rows = _table_after(_section("Migrating from DeepSpeed or FSDP"), marker)
+    theirs = _parameters(*peers)
+    named = set()
+    for row in rows:
+        if row[0].startswith("`**kwargs`"):
+            continue  # FSDP's own keyword arguments, passed through by Lightning
+        named |= _names(row[0])
+    unknown = sorted(named - theirs)
+    assert not unknown, f"the README maps options Lightning's {peers[0].__name__} does not have: {unknown}"
+    unmapped = sorted(theirs - named)
+    assert not unmapped, f"options of Lightning's {peers[0].__name__} the README's migration guide leaves out: {unmapped}"
