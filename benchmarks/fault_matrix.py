@@ -1,4 +1,4 @@
-"""The checkpoint fault matrix as a table: runs ``tests/test_checkpoint_fault_matrix.py`` (CPU, gloo,
+"""The checkpoint fault matrix as a table: runs ``tests/integration/checkpoint/test_fault_matrix.py`` (CPU, gloo,
 2 and 3 ranks) and prints every cell's outcome, the time to it and the error text, as Markdown::
 
     python benchmarks/fault_matrix.py                 # the whole matrix and the SIGKILL cells
@@ -28,7 +28,7 @@ def main() -> int:
         out = Path(tmp) / "cells.jsonl"
         env = {**os.environ, "ZEROQ_FAULT_MATRIX_OUT": str(out),
                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:logging", "tests/test_checkpoint_fault_matrix.py",
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:logging", "tests/integration/checkpoint/test_fault_matrix.py",
                *sys.argv[1:]]
         code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=sys.stderr).returncode
         rows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []

@@ -61,6 +61,7 @@ RULES = [
     ("lightning_zeroq/zero/reducer.py", {"begin_backward"}, "gradient accumulation (fp32 local sums)"),
     ("lightning_zeroq/zero/reducer.py", None, GRAD_STAGING),
     ("lightning_zeroq/zero/grad_wire.py", None, GRAD_STAGING),
+    ("lightning_zeroq/cli/gpt.py", None, ACTIVATIONS),  # the benchmarks' model
     ("lightning_zeroq/", None, "zeroq other"),
     ("torch/optim/", {"_init_group"}, "optimizer_state"),
     ("torch/optim/", None, "optimizer step temporaries"),

@@ -46,48 +46,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight)
+from lightning_zeroq.cli.gpt import GPTConfig, GPTModel
 
 
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int, ffn: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.attn_norm, self.mlp_norm = RMSNorm(dim), RMSNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
-        self.proj = nn.Linear(dim, dim, bias=False)
-        self.gate_up = nn.Linear(dim, 2 * ffn, bias=False)
-        self.down = nn.Linear(ffn, dim, bias=False)
+class GPT(GPTModel):
+    """The package's GPT with Llama-like blocks (RMSNorm, SwiGLU, no biases, no position embedding, untied
+    head) and the layers' own initialization; ``forward`` returns the next-token loss."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.attn_norm(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
-        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
-
-
-class GPT(nn.Module):
     def __init__(self, vocab: int, dim: int, layers: int, heads: int, ffn: int) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads, ffn) for _ in range(layers))
-        self.norm = RMSNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
+        super().__init__(GPTConfig(vocab_size=vocab, n_embd=dim, n_layer=layers, n_head=heads, ffn_hidden=ffn,
+                                   norm="rmsnorm", mlp="swiglu", bias=False, learned_positions=False,
+                                   tie_embeddings=False, init="torch"))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.norm(x))
+        logits = super().forward(tokens)
         return F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), tokens.roll(-1, 1).view(-1))
 
 

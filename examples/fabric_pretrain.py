@@ -30,37 +30,16 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 from torch.utils.data import DataLoader
 
 import lightning_zeroq  # noqa: F401  registers strategy="zeroq..." with Fabric (and the Trainer)
 from lightning_zeroq import ZeroQFabricStrategy
-from lightning_zeroq.data import TokenWindows, encode_bytes, load_text
-from lightning_zeroq.gpt import Block, GPTConfig, OptimConfig, lr_factor
+from lightning_zeroq.cli.data import TokenWindows, encode_bytes, load_text
+from lightning_zeroq.cli.gpt import GPTConfig, GPTModel, OptimConfig, lr_factor
 
 
-class GPT(nn.Module):
-    """Token and position embeddings, pre-norm blocks (``lightning_zeroq.gpt.Block``), a final norm and a
-    head tied to the token embedding."""
-
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd)
-        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.head.weight = self.tok_emb.weight
-
-    def forward(self, idx: Tensor) -> Tensor:
-        x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
-
-
-def set_initializers(model: GPT) -> None:
+def set_initializers(model: GPTModel) -> None:
     """GPT-2's initialization as each module's ``reset_parameters``: stage 3 builds the model on the meta
     device and the engine calls these as it materializes each unit; the other stages call them here."""
 
@@ -102,11 +81,12 @@ def main(args: argparse.Namespace) -> None:
     fabric.launch()
     fabric.seed_everything(args.seed)
 
+    # the layers' own initialization here; set_initializers makes GPT-2's their reset_parameters
     cfg = GPTConfig(vocab_size=256, block_size=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
-                    n_embd=args.n_embd)
+                    n_embd=args.n_embd, init="torch")
     t0 = time.perf_counter()
     with fabric.init_module(empty_init=args.stage == 3):
-        model = GPT(cfg)
+        model = GPTModel(cfg)
     set_initializers(model)
     if args.stage != 3:
         for module in model.modules():

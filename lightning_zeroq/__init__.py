@@ -12,9 +12,9 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REG
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zeroq.config import ZeroConfig
-from lightning_zeroq.fabric import ZeroQFabricPrecision, ZeroQFabricStrategy
-from lightning_zeroq.precision import ZeroQPrecision
-from lightning_zeroq.strategy import ZeroQStrategy
+from lightning_zeroq.fabric.strategy import ZeroQFabricPrecision, ZeroQFabricStrategy
+from lightning_zeroq.common.precision import ZeroQPrecision
+from lightning_zeroq.lightning.strategy import ZeroQStrategy
 from lightning_zeroq.zero.access import owning_engine
 from lightning_zeroq.zero.engine import ZeroEngine
 from lightning_zeroq.zero.optimizers import register_elementwise_optimizer

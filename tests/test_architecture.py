@@ -9,6 +9,10 @@
 - The engine never imports Lightning or Hydra, so plain PyTorch, Fabric and tests can drive it.
 - The engine reads its settings from policies (``zero/policies.py``), never from ``ZeroConfig``: only
   that module reads the config's fields.
+- Layers (``LAYERS``): the library (``zero``, ``swap``, ``ops``, ``checkpoint``, ``config``, ``validation``)
+  imports neither the integrations nor the CLI, nor Lightning or Hydra; the integrations (``lightning``,
+  ``fabric`` and their ``common`` part) never import the CLI, and neither of the two imports the other.
+  Every module of the package belongs to a layer.
 """
 
 from __future__ import annotations
@@ -205,6 +209,75 @@ def test_only_the_policy_builder_reads_the_config():
         "the engine reads ZeroConfig outside zero/policies.py; add what it needs to a policy there: "
         f"{offenders}"
     )
+# Each layer of the package: its top-level names under lightning_zeroq, and the layers it may import.
+LAYERS = {
+    "library": ({"zero", "swap", "ops", "checkpoint", "config", "validation"}, {"library"}),
+    "common": ({"common"}, {"library", "common"}),
+    "lightning": ({"lightning"}, {"library", "common", "lightning"}),
+    "fabric": ({"fabric"}, {"library", "common", "fabric"}),
+    "cli": ({"cli"}, {"library", "common", "lightning", "fabric", "cli"}),
+}
+# Imports across layers that are allowed, each with its reason.
+ALLOWED = {
+    # fabric.load reads the Trainer's single-file checkpoints with the Trainer glue's readers
+    # (torch_load, load_torch_optimizer_state)
+    ("lightning_zeroq.fabric.checkpoint", "lightning_zeroq.lightning.checkpoint"),
+}
+THIRD_PARTY_FRONT_ENDS = ("lightning", "pytorch_lightning", "lightning_utilities", "hydra", "omegaconf")
+
+
+def _layer(module: str) -> str | None:
+    """The layer of ``lightning_zeroq.<top>...``; the package's ``__init__`` (the public API) is in none."""
+    parts = module.split(".")
+    if len(parts) < 2:
+        return None
+    return next((name for name, (tops, _) in LAYERS.items() if parts[1] in tops), "unassigned")
+
+
+def _layer_violations(graph: dict[str, set[str]], allowed: frozenset = frozenset(ALLOWED)) -> list[str]:
+    found = []
+    for module, targets in sorted(graph.items()):
+        layer = _layer(module)
+        if layer == "unassigned":
+            found.append(f"{module} belongs to no layer; add its name to LAYERS")
+            continue
+        for target in sorted(targets):
+            other = _layer(target)
+            if (layer is not None and other is not None and other != "unassigned" and other not in LAYERS[layer][1]
+                    and (module, target) not in allowed):
+                found.append(f"{module} ({layer}) imports {target} ({other})")
+    return found
+
+
+def test_the_layer_check_finds_an_import_against_the_layers():
+    graph = {"lightning_zeroq.zero.engine": {"lightning_zeroq.lightning.strategy"},
+             "lightning_zeroq.fabric.strategy": {"lightning_zeroq.lightning.checkpoint", "lightning_zeroq.zero.engine"},
+             "lightning_zeroq.common.strategy": {"lightning_zeroq.cli.train"},
+             "lightning_zeroq.cli.train": {"lightning_zeroq.lightning.strategy", "lightning_zeroq.config"},
+             "lightning_zeroq.helpers": set(), "lightning_zeroq": {"lightning_zeroq.cli.gpt"}}
+    assert _layer_violations(graph, frozenset()) == [
+        "lightning_zeroq.common.strategy (common) imports lightning_zeroq.cli.train (cli)",
+        "lightning_zeroq.fabric.strategy (fabric) imports lightning_zeroq.lightning.checkpoint (lightning)",
+        "lightning_zeroq.helpers belongs to no layer; add its name to LAYERS",
+        "lightning_zeroq.zero.engine (library) imports lightning_zeroq.lightning.strategy (lightning)",
+    ]
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    violations = _layer_violations(_graph())
+    assert not violations, violations
+
+
+def test_the_library_imports_neither_lightning_nor_hydra():
+    offenders = []
+    for name, path in sorted(_modules().items()):
+        if _layer(name) != "library":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            offenders += [f"{name} imports {n}" for n in names if n.split(".")[0] in THIRD_PARTY_FRONT_ENDS]
+    assert not offenders, offenders
 
 
 ENGINE_VIEW = "lightning_zeroq.zero.state_dict"

@@ -15,8 +15,8 @@
 | ``checkpointer.py`` | the save protocol (sync and async) and ``open_checkpoint`` |
 | ``engine_io.py`` | a ``ZeroEngine``'s save and load (``save_engine``, ``load_engine``), through the engine's sharded view (``zero/state_dict.py``), the only part of ``zero/`` this package uses |
 | ``convert.py`` | ``zeroq-convert``: one file, tensor by tensor, no GPU, no process group |
-| ``lightning.py`` | what ``ZeroQStrategy``'s checkpoint methods do |
-| ``fabric.py`` | what ``ZeroQFabricStrategy``'s ``save_checkpoint``/``load_checkpoint`` do (``fabric.save``/``load``) |
 
-Nothing is imported here, so importing one file does not import Lightning.
+What ``ZeroQStrategy``'s and ``ZeroQFabricStrategy``'s checkpoint methods do lives with them
+(``lightning_zeroq/lightning/checkpoint.py``, ``lightning_zeroq/fabric/checkpoint.py``). Nothing is imported
+here, so importing one file does not import Lightning.
 """

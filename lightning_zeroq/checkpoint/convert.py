@@ -1,5 +1,5 @@
 """Offline consolidation: a sharded checkpoint directory to one file, tensor by tensor, no GPU, no
-process group (``zeroq-convert CKPT OUT``).
+process group (what ``zeroq-convert CKPT OUT`` runs; its command line is ``cli/convert.py``).
 
 - ``OUT.pt`` / ``OUT.ckpt`` (torch): the full fp32 parameters (and buffers) by ``state_dict`` name, so
   ``nn.Module.load_state_dict(torch.load(OUT), strict=True)`` works; with ``--lightning`` a Lightning
@@ -25,17 +25,13 @@ a full disk, Ctrl-C), nothing is left at the output path and no temporary file e
 
 from __future__ import annotations
 
-import argparse
 import json
 import mmap
 import os
 import pickle
-import signal
-import sys
 import tempfile
-import threading
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor
@@ -313,17 +309,6 @@ def consolidate(checkpoint: Path, out: Path, *, optimizer: bool = False, lightni
     return out
 
 
-def one_line(error: BaseException) -> str:
-    """An error as one line: a one-process ``CheckpointError``'s rank lines joined, newlines folded."""
-    text = str(error).strip() or type(error).__name__
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    if isinstance(error, CheckpointError) and len(lines) > 1 and lines[0].endswith("rank(s):"):
-        lines = [line.split(": ", 1)[1] if line.startswith("rank ") else line for line in lines[1:]]
-    if not isinstance(error, (ConvertError, CheckpointError, OSError, ValueError, RuntimeError)):
-        lines[0] = f"{type(error).__name__}: {lines[0]}"
-    return "; ".join(lines)
-
-
 def lightning_checkpoint(checkpoint: Path, map_location: Any = None) -> dict:
     """In memory (one process): the Lightning checkpoint dict of a checkpoint directory, weights only
     (what ``LightningModule.load_from_checkpoint`` needs)."""
@@ -335,41 +320,3 @@ def lightning_checkpoint(checkpoint: Path, map_location: Any = None) -> dict:
         out["state_dict"] = {k: v.to(map_location if not isinstance(map_location, dict) else "cpu")
                              for k, v in out["state_dict"].items()}
     return out
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="zeroq-convert",
-        description="Consolidate a lightning_zeroq (or any torch.distributed.checkpoint) checkpoint directory "
-                    "into one file of full fp32 tensors by state_dict name, tensor by tensor, without a GPU.")
-    parser.add_argument("checkpoint", type=Path, help="the checkpoint directory (what trainer.save_checkpoint wrote)")
-    parser.add_argument("out", type=Path, help="OUT.pt, OUT.ckpt or OUT.safetensors")
-    parser.add_argument("--optimizer", action="store_true", help="keep the optimizer state (with .pt/.ckpt: a "
-                        "Lightning checkpoint that strategy='ddp' resumes)")
-    parser.add_argument("--lightning", action="store_true", help="write a Lightning checkpoint (state_dict and "
-                        "trainer state) instead of a bare state_dict")
-    args = parser.parse_args(argv)
-
-    def interrupted(signum: int, frame: Any) -> None:  # SIGTERM/SIGHUP end it as Ctrl-C does: nothing left
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = {s: signal.signal(s, interrupted) for s in (signal.SIGTERM, signal.SIGHUP)} if main_thread else {}
-    try:
-        out = consolidate(args.checkpoint, args.out, optimizer=args.optimizer,
-                          lightning=args.lightning or (args.optimizer and args.out.suffix != ".safetensors"))
-    except KeyboardInterrupt as stop:
-        print(f"zeroq-convert: interrupted ({stop or 'SIGINT'}); {args.out} was not written.", file=sys.stderr)
-        return 130
-    except Exception as error:  # one line, no traceback: the messages name the file and the fix
-        print(f"zeroq-convert: error: {one_line(error)} ({args.out} was not written)", file=sys.stderr)
-        return 1
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
-    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

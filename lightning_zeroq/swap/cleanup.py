@@ -16,17 +16,20 @@ Signals
     handlers between bytecodes only, so while a swapper lives a process stuck in a long C call (a
     hung collective) reacts to SIGTERM when that call returns; what SIGKILL leaves behind is only
     reported (see ``directory``); a swapper created outside the main thread cannot install the handler
-    (logged once per process).
+    (logged once per process). Between the moment a swapper makes its directory and the moment the
+    handler knows it, a signal is held (``signals_held``): the handler is installed first, notes a
+    signal that arrives then, and acts on it once the directory is tracked.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
 from pathlib import Path
 from types import FrameType
-from typing import Optional, Protocol
+from typing import Iterator, Optional, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,8 @@ _live: dict[int, Removable] = {}
 _signal_handlers: dict[int, "_CleanupHandler"] = {}
 _dying = False
 _warned_not_main_thread = False
+_holding = 0  # > 0 inside ``signals_held``
+_held: list[int] = []  # signals that arrived while held
 
 
 class _CleanupHandler:
@@ -59,6 +64,9 @@ class _CleanupHandler:
             # A handler installed after us calls us as one of several (Lightning's SIGTERM handler
             # does, then stops the trainer gracefully): the default action we stand in for is not
             # going to happen, so neither remove the files nor die.
+            return
+        if _holding:  # a swap directory may exist that the registry does not know yet
+            _held.append(signum)
             return
         global _dying
         if _dying:
@@ -74,18 +82,46 @@ class _CleanupHandler:
         signal.raise_signal(signum)
 
 
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Install the handlers now (main thread) and hold a signal that arrives inside the block until
+    its end, when what it should remove is tracked (``track_live``); then act on it."""
+    global _holding
+    _install_handlers()
+    _holding += 1
+    try:
+        yield
+    finally:
+        _holding -= 1
+        if not _holding and _held:
+            signum = _held[0]
+            _held.clear()
+            handler = signal.getsignal(signum)
+            if isinstance(handler, _CleanupHandler):
+                handler(signum, None)
+        if not _holding:
+            _restore_defaults()  # nothing was tracked (the directory could not be made)
+
+
+def _install_handlers() -> bool:
+    """Put our handler where a cleanup signal has its default action; False outside the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    for signum in _CLEANUP_SIGNALS:
+        current = signal.getsignal(signum)
+        if isinstance(current, _CleanupHandler):
+            _signal_handlers[signum] = current  # ours already (put back by someone), reused
+        elif current == signal.SIG_DFL:
+            handler = _CleanupHandler()
+            signal.signal(signum, handler)
+            _signal_handlers[signum] = handler
+    return True
+
+
 def track_live(resources: Removable) -> None:
     global _warned_not_main_thread
     _live[id(resources)] = resources
-    if threading.current_thread() is threading.main_thread():
-        for signum in _CLEANUP_SIGNALS:
-            current = signal.getsignal(signum)
-            if isinstance(current, _CleanupHandler):
-                _signal_handlers[signum] = current  # ours already (put back by someone), reused
-            elif current == signal.SIG_DFL:
-                handler = _CleanupHandler()
-                signal.signal(signum, handler)
-                _signal_handlers[signum] = handler
+    if _install_handlers():
         return
     if any(signal.getsignal(s) == signal.SIG_DFL for s in _CLEANUP_SIGNALS) and not _warned_not_main_thread:
         _warned_not_main_thread = True
@@ -99,6 +135,11 @@ def track_live(resources: Removable) -> None:
 def forget_live(resources: Removable) -> None:
     """Drop ``resources`` from the registry; the last one out puts the default actions back."""
     _live.pop(id(resources), None)
+    _restore_defaults()
+
+
+def _restore_defaults() -> None:
+    """With no swapper left (main thread): the default actions back where ours is still installed."""
     if _live or threading.current_thread() is not threading.main_thread():
         return
     for signum, handler in list(_signal_handlers.items()):

@@ -66,7 +66,7 @@ from typing import Optional
 import torch
 
 from lightning_zeroq.swap.buffers import BouncePool, StagingCache, byte_view
-from lightning_zeroq.swap.cleanup import track_live
+from lightning_zeroq.swap.cleanup import signals_held, track_live
 from lightning_zeroq.swap.directory import (
     THREAD_PREFIX,
     check_directory,
@@ -158,7 +158,9 @@ class NvmeSwapper:
     ) -> None:
         check_arguments(rank, num_buffers, alignment, buffer_bytes, num_threads, prefix)
         self.root = check_directory(Path(nvme_path))
-        self._resources = create_private_directory(self.root, prefix, rank)
+        with signals_held():  # a signal before the directory is tracked would leave it behind
+            self._resources = create_private_directory(self.root, prefix, rank)
+            track_live(self._resources)
         self._finalizer = weakref.finalize(self, self._resources.cleanup)
         self.directory = self._resources.directory
         self.rank = rank
@@ -181,7 +183,6 @@ class NvmeSwapper:
         self._ops = ThreadPoolExecutor(_ASYNC_OP_THREADS, thread_name_prefix=f"{THREAD_PREFIX}op-r{rank}")
         self._resources.executors += [self._ops, io]
         self._region_io = RegionIO(self._resources.dir_fd, io, self._bounce, alignment, buffer_bytes, num_threads)
-        track_live(self._resources)
         report_leftovers(self._resources, directory_stem(prefix, rank), everyone=rank == 0)
 
     # -- declaration and reservation ------------------------------------------------------------

@@ -42,7 +42,7 @@ def strategy(spec: str, wrap: Iterable[str] = ("Linear",), **options: Any):
     ``wrap``: the module classes that become freed stage-3 units (``stage3_freed`` only)."""
     import lightning_zeroq  # noqa: F401  (registers the preset names)
     from lightning_zeroq import ZeroQStrategy
-    from lightning_zeroq.strategy_common import PRESETS
+    from lightning_zeroq.common.strategy import PRESETS
 
     if spec == STAGE3_FREED:
         return ZeroQStrategy(stage=3, stage3_wrap_classes=list(wrap), stage3_param_persistence_threshold=0, **options)

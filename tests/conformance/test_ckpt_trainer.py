@@ -378,7 +378,7 @@ def test_stateful_trainer_ckpt_path_support(dist_pool, tmp_path, arm):
 
 
 def _strict_body(tmp, arm, strict_loading, expected):
-    import lightning_zeroq.checkpoint.lightning as glue
+    import lightning_zeroq.lightning.checkpoint as glue
 
     tmp = Path(tmp)
     t = trainer(arm, default_root_dir=tmp, barebones=True, max_steps=1)

@@ -40,7 +40,7 @@ ORIGINAL = {
     "test_deepspeed_with_bfloat16_precision": PORTED,
     "test_deepspeed_save_load_checkpoint_zero_3": PORTED,
     "test_deepspeed_init_module_with_stage_3": "asserts deepspeed.zero.Init is entered; zeroq's stage-3 meta init is "
-                                               "tests/test_fabric.py::test_init_module_stage3_meta_then_matches_ddp",
+                                               "tests/integration/fabric/test_parity.py::test_init_module_stage3_meta_then_matches_ddp",
     "test_deepspeed_init_module_with_stages_1_2": PORTED,
 }
 

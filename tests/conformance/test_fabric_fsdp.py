@@ -31,7 +31,7 @@ ORIGINAL = {
                                         "their full shapes",
     "test_setup_with_orig_params_and_multiple_param_groups": "FSDP's use_orig_params and parameters as views of its "
                                                              "flat parameter; zeroq rebinds the groups to master "
-                                                             "shards (tests/test_fabric.py checks the rebinding)",
+                                                             "shards (tests/integration/fabric/test_parity.py checks the rebinding)",
     "test_reapply_compile": "torch.compile re-applied over the FSDP wrapper (_reapply_compile); zeroq does not "
                             "support torch.compile yet (a separate piece of work)",
     "test_module_init_context": PORTED,

@@ -30,7 +30,7 @@ DESELECTED = {
     "test_invalid_on_cpu": "FSDP requires a GPU; zeroq runs on the CPU (this whole suite)",
     "test_custom_mixed_precision": FSDP_CONFIG + " (MixedPrecision)",
     "test_activation_checkpointing": FSDP_CONFIG + " (activation_checkpointing_policy); zeroq leaves it to torch.utils.checkpoint",
-    "test_strategy_cpu_offload": FSDP_CONFIG + " (CPUOffload); zeroq's offload options are tested in tests/test_offload.py",
+    "test_strategy_cpu_offload": FSDP_CONFIG + " (CPUOffload); zeroq's offload options are tested in tests/integration/engine/test_offload.py",
     "test_sharding_strategy": FSDP_CONFIG + " (ShardingStrategy)",
     "test_hybrid_shard_configuration": FSDP_CONFIG + " (HYBRID_SHARD with a device mesh)",
     "test_use_orig_params": FSDP_CONFIG + " (use_orig_params)",
@@ -40,8 +40,8 @@ DESELECTED = {
     "test_save_checkpoint_path_exists": "mocks FSDP's private state-dict contexts and shutil",
     "test_strategy_load_optimizer_states_multiple": "mocks FSDP's optimizer-state loading internals",
     "test_device_mesh_type_annotation": "FSDP's device_mesh argument and jsonargparse",
-    "test_strategy_save_optimizer_states": "compares FSDP's full optimizer state on rank 0 with DDP's (state_dict_type='full'); zeroq's is sharded by name; its DDP round trip is in tests/test_checkpoint_interop.py",
-    "test_strategy_load_optimizer_states": "compares DDP's optimizer state with FSDP's full one on rank 0; zeroq's is sharded by name; its DDP round trip is in tests/test_checkpoint_interop.py",
+    "test_strategy_save_optimizer_states": "compares FSDP's full optimizer state on rank 0 with DDP's (state_dict_type='full'); zeroq's is sharded by name; its DDP round trip is in tests/integration/checkpoint/test_interop.py",
+    "test_strategy_load_optimizer_states": "compares DDP's optimizer state with FSDP's full one on rank 0; zeroq's is sharded by name; its DDP round trip is in tests/integration/checkpoint/test_interop.py",
 }
 test_deselected = h.deselected(DESELECTED)
 

@@ -1,0 +1,166 @@
+"""What the two ZeroQ strategies share: the Trainer's ``ZeroQStrategy`` (``strategy.py``) and Fabric's
+``ZeroQFabricStrategy`` (``fabric.py``).
+
+Each strategy is glue between its front door's lifecycle and the engine. What does not depend on the
+front door lives here, once, so the two cannot drift apart:
+
+- ``PRESETS`` / ``register_presets``: the registered names, the same in the Trainer's and Fabric's
+  registries.
+- ``config_from_options``: the ``ZeroConfig`` from an optional config plus keyword overrides, and the
+  error for an option that is not a ``ZeroConfig`` field (values are validated by ``ZeroConfig``).
+- ``as_zeroq_precision``: whatever precision plugin a connector hands over becomes the strategy's own
+  plugin for the same precision string (which rejects unsupported precisions with one message).
+- ``build_engine``: the engine for a module, with the precision's working dtype and loss scaling.
+- ``check_one_optimizer``: Fabric's strategy steps one optimizer (the Trainer's takes several).
+- ``stage3_meta_init``: the meta-device context in which stage 3 builds a model.
+- ``local_checkpoint_path``: a checkpoint path, refusing a remote file system's URL.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import re
+from pathlib import Path
+from typing import Any, Callable, Optional, TypeVar
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from torch import nn
+
+from lightning_zeroq.config import ZeroConfig
+from lightning_zeroq.common.precision import ZeroQPrecision
+from lightning_zeroq.common.watchdog import JOIN_TIMEOUT, start_watchdog, stop_watchdog
+from lightning_zeroq.zero.access import owning_engine
+from lightning_zeroq.zero.engine import ZeroEngine
+from lightning_zeroq.zero.materialize import parameters_on_meta
+
+def local_checkpoint_path(path: Any) -> Path:
+    """``path`` as an absolute local path. A URL of a remote (fsspec) file system is refused: every rank
+    writes its own files with local I/O, so ``memory://x`` would become a local directory ``memory:``."""
+    text = str(path)
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", text) and not text.startswith("file://"):
+        raise ValueError(f"ZeroQ checkpoints are local directories written by every rank; {text!r} names a remote "
+                         "file system. Save to a local or mounted path and copy the directory afterwards.")
+    return Path(text.removeprefix("file://")).absolute()
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "zeroq": {},
+    "zeroq_stage_1": {"stage": 1},
+    "zeroq_stage_2": {"stage": 2},
+    "zeroq_stage_2_offload": {"stage": 2, "offload_optimizer": True},
+    "zeroq_stage_3": {"stage": 3},
+    "zeroq_stage_3_offload": {"stage": 3, "offload_optimizer": True, "offload_parameters": True},
+}
+
+P = TypeVar("P", bound=ZeroQPrecision)
+
+
+def register_presets(registry: _StrategyRegistry, strategy_cls: type) -> None:
+    """Register every preset name for ``strategy_cls``; a name already registered is left alone, so
+    importing the package twice (or registering by hand) is harmless."""
+    for name, options in PRESETS.items():
+        if name in registry:
+            continue
+        registry.register(name, strategy_cls, description=f"ZeroQ with {options or 'defaults (stage 2)'}", **options)
+
+
+def config_from_options(owner: str, config: Optional[ZeroConfig], options: dict[str, Any]) -> ZeroConfig:
+    """``config`` (default: ``ZeroConfig()``) with ``options`` applied and validated; ``owner`` names the
+    strategy class in the error for an unknown option."""
+    if config is not None and not isinstance(config, ZeroConfig):
+        raise TypeError(
+            f"{owner}(config=...) takes a ZeroConfig, got {type(config).__name__}; pass the options as "
+            f"keywords ({owner}(stage=3, offload_optimizer=True)) or as {owner}(ZeroConfig(**options))."
+        )
+    known = set(ZeroConfig.__dataclass_fields__)
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"{owner} got unknown option(s) {unknown}; valid options are {sorted(known)}.")
+    return (config or ZeroConfig()).replace(**options)
+
+
+def as_zeroq_precision(plugin: Optional[Any], plugin_cls: type[P]) -> Optional[P]:
+    """The connector's plugin (Lightning picks one from ``precision=...``) as ``plugin_cls`` with the same
+    precision string; ``plugin_cls`` raises for a precision ZeroQ does not support."""
+    if plugin is not None and not isinstance(plugin, plugin_cls):
+        plugin = plugin_cls(str(plugin.precision))
+    return plugin
+
+
+def build_engine(module: nn.Module, config: ZeroConfig, precision: ZeroQPrecision, device: torch.device,
+                 ranks_per_node: Optional[int] = None) -> ZeroEngine:
+    """The engine for ``module``. It moves the module to ``device`` unit by unit (stage 3 never holds it
+    whole), materializes meta-device parameters with ``reset_parameters()``, and starts every rank from
+    rank 0's values, as DDP does. ``ranks_per_node`` (the strategy's ``num_processes``) resolves
+    ``shard_group_size="node"``."""
+    if config.shard_group_size == "node":
+        config = config.replace(shard_group_size=ranks_per_node)
+    previous = owning_engine(module)
+    if isinstance(previous, ZeroEngine):  # a fit that failed kept the module (its teardown runs no collective)
+        previous.release_module()  # collective: every rank is here, setting up the new fit
+    return ZeroEngine(
+        module,
+        config,
+        param_dtype=precision.param_dtype,
+        loss_scaling=precision.loss_scaling,
+        device=device,
+    )
+
+
+def check_one_optimizer(owner: str, found: str, count: int) -> None:
+    """``found`` says where the optimizers came from, e.g. ``"configure_optimizers returned"``."""
+    if count != 1:
+        raise ValueError(
+            f"{owner} supports exactly one optimizer, {found} {count}; put all parameters in one optimizer "
+            "with several param groups."
+        )
+
+
+def stage3_meta_init(config: ZeroConfig) -> contextlib.AbstractContextManager:
+    """Stage 3: parameters created here live on the meta device until the engine materializes them unit
+    by unit with their module's ``reset_parameters()``, so a model larger than one device can be built;
+    buffers and other state are created normally. Other stages: no-op."""
+    return parameters_on_meta() if config.stage == 3 else contextlib.nullcontext()
+
+
+def join_then_timeout(strategy: Any, setup: Callable[[], None]) -> None:
+    """Create the process group through ``setup`` (the parent strategy's): ranks join within
+    ``JOIN_TIMEOUT`` (a short collective timeout must not fail a slow start: the launcher's children
+    import torch and Lightning first); collectives then get the strategy's ``timeout``. A lone
+    process joins nobody: it gets ``timeout`` as given, as in Lightning's own strategies."""
+    timeout = strategy._timeout
+    if (timeout is not None and timeout < JOIN_TIMEOUT and not dist.is_initialized()
+            and strategy.cluster_environment is not None and strategy.cluster_environment.world_size() > 1):
+        strategy._timeout = JOIN_TIMEOUT
+        try:
+            setup()
+        finally:
+            strategy._timeout = timeout
+        if dist.is_initialized():  # not when the caller stood in for init_process_group
+            dist.distributed_c10d._set_pg_timeout(timeout)
+        return
+    setup()
+
+
+_EXIT_HOOK: list[bool] = []
+
+
+def own_process_group(timeout: Any) -> None:
+    """For a process group this strategy created: a watchdog that ends the job when a rank stalls or
+    dies, and, at the interpreter's exit, the watchdog stopped and the group destroyed. Not at
+    teardown: ``save_checkpoint`` and ``full_state_dict`` after ``fit`` are collectives and need it;
+    and before the interpreter tears down: otherwise the backend's threads can outlive it and a
+    successful run ends with "terminate called without an active exception" (exit status 134)."""
+    if not _EXIT_HOOK:
+        _EXIT_HOOK.append(True)
+        atexit.register(_close_process_group)
+    start_watchdog(timeout)
+
+
+def _close_process_group() -> None:
+    stop_watchdog()
+    if dist.is_initialized():
+        dist.destroy_process_group()

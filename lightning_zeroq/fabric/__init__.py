@@ -1,0 +1,1 @@
+"""The Fabric integration: ``ZeroQFabricStrategy`` (``strategy``) and its checkpoint glue (``checkpoint``)."""

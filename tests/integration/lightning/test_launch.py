@@ -1,0 +1,67 @@
+"""Real launches through Lightning's subprocess launcher (2 processes on CPU): a successful fit exits 0,
+and an error on one rank ends every rank within seconds (no rank waits in a collective)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+
+SCRIPT = textwrap.dedent("""
+    import sys, time
+    import torch
+    import lightning as L
+    import lightning_zeroq  # noqa: F401
+    from tests.models import RichModel, TokenDataset
+
+    FAIL_AT, STAMP = int(sys.argv[1]), sys.argv[2]
+
+    class M(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = RichModel()
+
+        def training_step(self, batch, batch_idx):
+            if self.global_rank == 1 and batch_idx == FAIL_AT:
+                open(STAMP, "w").write(str(time.time()))
+                raise ValueError("deliberate failure on rank 1")
+            tokens, targets = batch
+            return self.model.loss((tokens, targets, False))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="zeroq_stage_3", max_steps=6, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(M(), torch.utils.data.DataLoader(TokenDataset(64), batch_size=2))
+""")
+
+
+def _launch(tmp_path: Path, fail_at: int) -> tuple[int, float, str]:
+    script = tmp_path / "fit.py"
+    script.write_text(SCRIPT)
+    stamp = tmp_path / "failed_at"
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.run([sys.executable, str(script), str(fail_at), str(stamp)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=240)
+    ended = time.time()
+    failed = float(stamp.read_text()) if stamp.exists() else ended
+    return proc.returncode, ended - failed, proc.stdout + proc.stderr
+
+
+def test_a_successful_fit_exits_zero(tmp_path):
+    code, _, output = _launch(tmp_path, fail_at=-1)
+    assert code == 0, output[-3000:]
+    assert "terminate called" not in output
+
+
+def test_an_error_on_one_rank_ends_every_rank_within_seconds(tmp_path):
+    code, seconds_after_failure, output = _launch(tmp_path, fail_at=2)
+    assert code != 0 and "deliberate failure on rank 1" in output, output[-3000:]
+    assert seconds_after_failure < 20, f"the run went on for {seconds_after_failure:.1f} s after rank 1 failed"

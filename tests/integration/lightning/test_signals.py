@@ -1,0 +1,106 @@
+"""SIGINT, SIGTERM and SIGHUP sent to a whole process group (2 or 3 ranks through Lightning's
+subprocess launcher on CPU, NVMe optimizer and parameter offload) during set-up, a step or a save:
+every process ends and no swap directory of any rank is left (each case was seen to leave rank 1's
+directories, or to hang, before: Lightning killed its children mid-clean-up, a forwarded second
+signal cut the clean-up short, Lightning's SIGTERM handler ran a collective)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+
+SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    import torch
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning_zeroq import ZeroQStrategy
+    from tests.models import RichModel, TokenDataset
+
+    SIG, MOMENT, RANKS, NVME, OUT = getattr(signal, sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
+
+    with open(os.path.join(OUT, f"pid{os.environ.get('LOCAL_RANK', '0')}"), "w") as f:
+        f.write(str(os.getpid()))
+
+    def fire(where):  # rank 0 signals the whole process group, as Ctrl-C in a terminal does
+        if MOMENT == where and int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            with open(os.path.join(OUT, "fired"), "w") as f:
+                f.write(str(time.time()))
+            os.killpg(os.getpgid(0), SIG)
+            time.sleep(0.5)
+
+    class M(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = RichModel()
+
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 2:
+                fire("step")
+            tokens, targets = batch
+            return self.model.loss((tokens, targets, False))
+
+        def configure_optimizers(self):
+            fire("setup")  # the engine and its parameter swap space exist, the optimizer's not yet
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+        def on_save_checkpoint(self, checkpoint):
+            if self.global_step == 3:
+                fire("save")
+
+    strategy = ZeroQStrategy(stage=3, offload_optimizer=True, offload_optimizer_device="nvme", offload_parameters=True,
+                             offload_params_device="nvme", nvme_path=NVME, stage3_wrap_classes=["Sequential"],
+                             stage3_param_persistence_threshold=0)
+    ckpt = ModelCheckpoint(dirpath=os.path.join(OUT, "ckpts"), save_last=True, every_n_train_steps=1, save_top_k=0)
+    trainer = L.Trainer(accelerator="cpu", devices=RANKS, strategy=strategy, max_steps=8, logger=False,
+                        callbacks=[ckpt], enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(M(), torch.utils.data.DataLoader(TokenDataset(64), batch_size=2))
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("sig, moment, ranks", [
+    ("SIGINT", "step", 2), ("SIGINT", "save", 3), ("SIGTERM", "setup", 3), ("SIGTERM", "step", 2),
+    ("SIGHUP", "setup", 2), ("SIGHUP", "save", 3)])
+def test_a_signal_to_the_process_group_leaves_no_swap_directory(tmp_path, sig, moment, ranks):
+    script, nvme = tmp_path / "fit.py", tmp_path / "nvme"
+    script.write_text(SCRIPT)
+    nvme.mkdir()
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.Popen([sys.executable, str(script), sig, moment, str(ranks), str(nvme), str(tmp_path)],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # its own process group, which the script signals
+    try:
+        output = proc.communicate(timeout=240)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    fired = float((tmp_path / "fired").read_text())
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(ranks) if (tmp_path / f"pid{r}").exists()]
+    deadline = time.time() + 20
+    while any(_alive(p) for p in pids) and time.time() < deadline:
+        time.sleep(0.1)
+    gone_after = time.time() - fired
+    left = [p for p in pids if _alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert len(pids) == ranks and not left, (pids, left, output[-3000:])
+    assert sorted(os.listdir(nvme)) == [], (sorted(os.listdir(nvme)), output[-3000:])
+    assert gone_after < 40, gone_after  # SIGTERM lets the step finish; the others end at once
+    print(f"{sig} during {moment}, {ranks} ranks: every process gone {gone_after:.1f} s after the signal")
