@@ -278,3 +278,25 @@ def test_the_library_imports_neither_lightning_nor_hydra():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
             offenders += [f"{name} imports {n}" for n in names if n.split(".")[0] in THIRD_PARTY_FRONT_ENDS]
     assert not offenders, offenders
+
+
+ENGINE_VIEW = "lightning_zeroq.zero.state_dict"
+ENGINE_INTERNALS = frozenset({"units", "placement", "segments", "segment_masters", "master", "shard_span", "param_span",
+                              "resident", "state_loaded", "device_master", "swapper", "gatherer", "reducer"})
+
+
+def test_checkpoints_see_the_engine_only_through_its_sharded_view():
+    # checkpoint/ imports nothing of zero/ but the view's module, and reads no engine internals by name
+    # (units, placement, segments, swap keys): what it knows of the engine's state, the view tells it.
+    modules = _modules()
+    offenders = []
+    for name, path in modules.items():
+        if not name.startswith("lightning_zeroq.checkpoint"):
+            continue
+        for target, _ in _imports(path, name, modules):
+            if target.startswith("lightning_zeroq.zero") and target != ENGINE_VIEW:
+                offenders.append(f"{name} imports {target}")
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and node.attr in ENGINE_INTERNALS:
+                offenders.append(f"{name}:{node.lineno} reads .{node.attr}")
+    assert not offenders, offenders

@@ -13,8 +13,7 @@
 | ``agree.py`` | the checkpoint gloo group; every rank raises the same ``CheckpointError`` |
 | ``codec.py`` | the trainer state as JSON (tensors bit for bit) |
 | ``checkpointer.py`` | the save protocol (sync and async) and ``open_checkpoint`` |
-| ``engine_state.py`` | a ``ZeroEngine``'s state as full-shape chunks (``sharded_model_state``, ``load_sharded``) |
-| ``engine_io.py`` | a ``ZeroEngine``'s save and load (``save_engine``, ``load_engine``) |
+| ``engine_io.py`` | a ``ZeroEngine``'s save and load (``save_engine``, ``load_engine``), through the engine's sharded view (``zero/state_dict.py``), the only part of ``zero/`` this package uses |
 | ``convert.py`` | ``zeroq-convert``: one file, tensor by tensor, no GPU, no process group |
 
 What ``ZeroQStrategy``'s and ``ZeroQFabricStrategy``'s checkpoint methods do lives with them

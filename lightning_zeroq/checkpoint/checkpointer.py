@@ -1,24 +1,25 @@
 """Saving and opening checkpoints: the protocol every rank follows, independent of the engine.
 
 Save (``Checkpointer.save``; every rank calls it with its own ``state``, a nested dict whose
-sharded tensors are ``LocalChunks``):
+sharded tensors are ``LocalChunks``) is three steps in a line, ``stage`` -> ``write`` -> ``publish``,
+carrying one ``SaveJob``:
 
-1. wait for the previous asynchronous save; encode the trainer state as JSON (every rank, so a
-   value that cannot be stored fails everywhere); rank 0 draws the save's token; ``agree``.
-2. rank 0 creates the temporary sibling directory; ``agree``.
-3. ``torch.distributed.checkpoint.save`` with ``ChunkSavePlanner``/``ChunkWriter`` on the checkpoint
-   group: each rank writes only its chunks (replicated tensors once; device tensors copied through
-   the checkpointer's pinned ``StagingRing``), fsyncs its file, rank 0 writes ``.metadata``. DCP
-   itself makes every rank raise if one rank's write fails.
-4. ``agree`` (with each rank's file name and size); rank 0 writes ``zeroq.json`` last, fsyncs,
-   publishes the directory atomically (``atomic.publish``) and removes leftovers of earlier
-   interrupted saves of the same path; ``agree`` again so no rank returns before the checkpoint is
-   in place.
+1. ``stage``: wait for the previous asynchronous save; encode the trainer state as JSON (every rank,
+   so a value that cannot be stored fails everywhere); rank 0 draws the save's token; ``agree``;
+   rank 0 creates the temporary sibling directory; ``agree``. Asynchronous (``async_save=True``):
+   the state is copied to host memory (the only part training waits for); ``agree``.
+2. ``write``: ``torch.distributed.checkpoint.save`` with ``ChunkSavePlanner``/``ChunkWriter`` on the
+   checkpoint group: each rank writes only its chunks (replicated tensors once; device tensors
+   copied through the checkpointer's pinned ``StagingRing``), fsyncs its file, rank 0 writes
+   ``.metadata``. DCP itself makes every rank raise if one rank's write fails. Asynchronous: the
+   host copy, through ``torch.distributed.checkpoint.async_save``, in the background.
+3. ``publish`` (``put_in_place``): ``agree`` (with each rank's file name and size); rank 0 writes
+   ``zeroq.json`` last, fsyncs, publishes the directory atomically (``atomic.publish``) and removes
+   leftovers of earlier interrupted saves of the same path; ``agree`` again so no rank returns
+   before the checkpoint is in place. Asynchronous: in a background thread once the write is done;
+   ``wait()`` (the next save or load, teardown) returns then and raises its error, if any.
 
-Asynchronous (``async_save=True``): steps 1 and 2 as above, then the state is staged (copied to
-host memory: the only part training waits for) and steps 3 and 4 run in a background thread through
-``torch.distributed.checkpoint.async_save``; ``wait()`` (the next save or load, teardown) returns
-when it is done and raises its error, if any.
+A step that fails on one rank fails on all (``agree``, DCP) and removes the temporary directory.
 
 Open (``open_checkpoint``) classifies the path, validates a ZeroQ directory completely (or a
 foreign DCP directory's files) through ``store.Files`` (every file opened once; the load reads
@@ -34,7 +35,7 @@ import time
 import uuid
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -61,6 +62,43 @@ class SaveTiming:
     """Time the caller waited (the whole save, or the staging of an asynchronous one)."""
     total_s: float = 0.0
     """Until the checkpoint was in place (asynchronous: measured in the background)."""
+
+
+@dataclass(eq=False)
+class SaveJob:
+    """One save on its way from ``Checkpointer.stage`` to ``publish``."""
+
+    path: Path
+    state: Any
+    """What ``write`` writes: the caller's state, or (asynchronous) its copy in host memory."""
+    optimizer: bool
+    extra: dict
+    before_read: Optional[Callable[[int], None]]
+    after_read: Optional[Callable[[], None]]
+    pin: bool
+    asynchronous: bool
+    views_stable: bool
+    start: float = field(default_factory=time.perf_counter)
+    timing: SaveTiming = field(default_factory=SaveTiming)
+    group: Any = None
+    token: str = ""
+    tmp: Path = Path()
+    manifest: Optional[Manifest] = None
+    writer: Optional[ChunkWriter] = None
+    written: Optional[Future] = None
+    """An asynchronous write in flight."""
+
+    def end_reads(self) -> None:
+        if self.after_read is not None:
+            self.after_read()
+
+    def discard(self) -> None:
+        """Rank 0 removes the temporary directory of a save that failed."""
+        if rank_and_size(self.group)[0] == 0:
+            try:
+                atomic.remove(self.tmp)
+            except OSError:
+                pass
 
 
 class Checkpointer:
@@ -93,115 +131,90 @@ class Checkpointer:
              before_read: Optional[Callable[[int], None]] = None, after_read: Optional[Callable[[], None]] = None,
              pin: bool = False, allow_async: bool = True, extra: Optional[dict] = None,
              views_stable: bool = False) -> None:
-        """Collective. ``before_read(order)`` makes data resident before a ``LocalChunks`` of that order
-        is read, ``after_read()`` ends that walk; ``pin``: stage into pinned memory (CUDA);
-        ``views_stable``: the host memory of what was read keeps its contents while ``before_read``
-        walks on (not so with NVMe offload, whose buffers are reused), so a synchronous save writes
-        CPU views without copying them first."""
-        start = time.perf_counter()
+        """Collective: ``stage`` -> ``write`` -> ``publish``, each called once and returning once.
+        ``before_read(order)`` makes data resident before a ``LocalChunks`` of that order is read,
+        ``after_read()`` ends that walk; ``pin``: stage into pinned memory (CUDA); ``allow_async``: the
+        state may be copied to host memory for an asynchronous save; ``views_stable``: the host memory of
+        what was read keeps its contents while ``before_read`` walks on (not so with NVMe offload, whose
+        buffers are reused), so a synchronous save writes CPU views without copying them first."""
+        job = self.stage(SaveJob(Path(path).absolute(), state, optimizer=optimizer, extra=extra or {},
+                                 before_read=before_read, after_read=after_read, pin=pin,
+                                 asynchronous=self.async_save and allow_async, views_stable=views_stable),
+                         trainer_state)
+        self.write(job)
+        self.publish(job)
+
+    def stage(self, job: SaveJob, trainer_state: Any) -> SaveJob:
+        """Every rank: wait for the previous asynchronous save, encode the trainer state (a value that
+        cannot be stored fails everywhere), draw the save's token (rank 0), create the temporary sibling
+        directory (rank 0) and, for an asynchronous save, copy the state to host memory (the only part
+        training waits for); ``agree`` after each."""
         self.wait()
-        path = Path(path).absolute()
-        group = checkpoint_group()
-        rank, world_size = rank_and_size(group)
+        job.group = checkpoint_group()
+        rank, world_size = rank_and_size(job.group)
         errors, encoded = [], None
         try:
             encoded = codec.encode(trainer_state, "the checkpoint")
         except codec.UnsupportedValue as error:
             errors.append(str(error))
-        token = uuid.uuid4().hex if rank == 0 else None
-        token = agree(errors, f"Saving checkpoint {path}", group, token)[0]
-        tmp = atomic.temp_dir(path, token)
+        token = agree(errors, f"Saving checkpoint {job.path}", job.group, uuid.uuid4().hex if rank == 0 else None)[0]
+        job.token, job.tmp = token, atomic.temp_dir(job.path, token)
         errors = []
         if rank == 0:
             try:
-                tmp.mkdir(parents=True)
+                job.tmp.mkdir(parents=True)
             except OSError as error:
-                errors.append(f"cannot create {tmp}: {error}")
-        agree(errors, f"Saving checkpoint {path}", group)
-        manifest = Manifest(token=token, world_size=world_size, files={}, metadata_sha256="", trainer_state=encoded,
-                            optimizer=optimizer, extra=extra or {})
-        if self.async_save and allow_async:
-            # the staged buffers wait for the write: no copy of views
-            writer = ChunkWriter(str(tmp), token, copy_views=False, checksums=self.checksums)
-            errors, staged = [], None
+                errors.append(f"cannot create {job.tmp}: {error}")
+        agree(errors, f"Saving checkpoint {job.path}", job.group)
+        job.manifest = Manifest(token=token, world_size=world_size, files={}, metadata_sha256="",
+                                trainer_state=encoded, optimizer=job.optimizer, extra=job.extra)
+        if job.asynchronous:
+            errors = []
             try:
-                staged = stage_state(state, before_read, pin, self._staging)
+                job.state = stage_state(job.state, job.before_read, job.pin, self._staging)
             except Exception as error:  # e.g. no pinned memory left: every rank must stop here
                 errors.append(f"staging for the asynchronous save failed: {describe(error)}")
             finally:
-                if after_read is not None:
-                    after_read()
+                job.end_reads()
             try:
-                agree(errors, f"Saving checkpoint {path}", group)
+                agree(errors, f"Saving checkpoint {job.path}", job.group)
             except CheckpointError:
-                self._discard(tmp, rank)
+                job.discard()
                 raise
-            assert staged is not None  # agree() raised if staging failed on any rank
-            future = dcp.async_save(staged, storage_writer=writer, planner=ChunkSavePlanner(), process_group=group)
+        return job
+
+    def write(self, job: SaveJob) -> None:
+        """``torch.distributed.checkpoint`` writes each rank's chunks into the temporary directory: now
+        (through the pinned ring), or, for an asynchronous save, in the background from the host copy."""
+        if job.asynchronous:  # the staged buffers wait for the write: no copy of views
+            job.writer = ChunkWriter(str(job.tmp), job.token, copy_views=False, checksums=self.checksums)
+            future = dcp.async_save(job.state, storage_writer=job.writer, planner=ChunkSavePlanner(),
+                                    process_group=job.group)
             assert isinstance(future, Future)  # an AsyncSaveResponse comes only with a non-blocking stager
-            self._pending_path = path
-            self._pending = self._executor_().submit(self._finish_async, future, writer, manifest, tmp, path, group,
-                                                     start)
-            self.last = SaveTiming(blocked_s=time.perf_counter() - start)
-            return
-        writer = ChunkWriter(str(tmp), token, staging=self.staging, copy_views=not views_stable,
-                             checksums=self.checksums)
-        try:
-            dcp.save(state, storage_writer=writer, planner=ChunkSavePlanner(before_read), process_group=group)
-        except CheckpointException as error:
-            self._discard(tmp, rank)
-            raise CheckpointError(f"Saving checkpoint {path} failed: {describe(unwrap(error))}") from None
-        finally:
-            if after_read is not None:
-                after_read()
-        nbytes = self._finish(writer, manifest, tmp, path, group)
-        elapsed = time.perf_counter() - start
-        self.last = SaveTiming(blocked_s=elapsed, total_s=elapsed)
-        _log_saved(path, nbytes, world_size, rank, self.last)
-
-    @staticmethod
-    def _discard(tmp: Path, rank: int) -> None:
-        if rank == 0:
+            job.written = future
+        else:
+            job.writer = ChunkWriter(str(job.tmp), job.token, staging=self.staging,
+                                     copy_views=not job.views_stable, checksums=self.checksums)
             try:
-                atomic.remove(tmp)
-            except OSError:
-                pass
+                dcp.save(job.state, storage_writer=job.writer, planner=ChunkSavePlanner(job.before_read),
+                         process_group=job.group)
+            except CheckpointException as error:
+                job.discard()
+                raise CheckpointError(f"Saving checkpoint {job.path} failed: {describe(unwrap(error))}") from None
+            finally:
+                job.end_reads()
 
-    def _finish_async(self, future: Future, writer: ChunkWriter, manifest: Manifest, tmp: Path, path: Path,
-                      group: Any, start: float) -> None:
-        try:
-            future.result()
-        except CheckpointException as error:
-            self._discard(tmp, rank_and_size(group)[0])
-            raise CheckpointError(f"Saving checkpoint {path} failed: {describe(unwrap(error))}") from None
-        nbytes = self._finish(writer, manifest, tmp, path, group)
-        self.last.total_s = time.perf_counter() - start
-        rank, world_size = rank_and_size(group)
-        _log_saved(path, nbytes, world_size, rank, self.last, asynchronous=True)
-
-    def _finish(self, writer: ChunkWriter, manifest: Manifest, tmp: Path, path: Path, group: Any) -> int:
-        """Publish the written files; returns the bytes all ranks wrote."""
-        atomic.fault("after_data")
-        files = agree([], f"Saving checkpoint {path}", group, writer.written)
-        rank, _ = rank_and_size(group)
-        errors = []
-        if rank == 0:
-            try:
-                manifest.files = {name: size for written in files for name, size, _ in written}
-                if writer.algorithm is not None:
-                    manifest.checksums = {"algorithm": writer.algorithm,
-                                          "items": {name: sums for written in files for name, _, sums in written}}
-                manifest.metadata_sha256 = sha256(tmp / METADATA_FILE)
-                manifest.write(tmp)
-                atomic.fault("after_manifest")
-                atomic.publish(tmp, path, manifest.token)
-                atomic.fault("after_publish")
-                for leftover in atomic.leftovers(path):
-                    atomic.remove(leftover)
-            except OSError as error:
-                errors.append(f"could not put the checkpoint in place at {path}: {error}")
-        agree(errors, f"Saving checkpoint {path}", group)
-        return sum(size for written in files for _, size, _ in written)
+    def publish(self, job: SaveJob) -> None:
+        """Put the written checkpoint in place atomically (``put_in_place``): now, or for an asynchronous
+        save in the background once its write is done (``wait()`` returns then and raises its error)."""
+        if job.written is None:
+            put_in_place(job)
+            job.timing.blocked_s = job.timing.total_s
+        else:
+            job.timing.blocked_s = time.perf_counter() - job.start
+            self._pending_path = job.path
+            self._pending = self._executor_().submit(put_in_place, job)
+        self.last = job.timing
 
     def _executor_(self) -> ThreadPoolExecutor:
         if self._executor is None:
@@ -232,6 +245,44 @@ class Checkpointer:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+
+
+def put_in_place(job: SaveJob) -> None:
+    """After the write (waited for, if asynchronous): ``agree`` with each rank's file names and sizes;
+    rank 0 writes ``zeroq.json`` last, fsyncs, publishes the directory atomically (``atomic.publish``)
+    and removes leftovers of earlier interrupted saves of the same path; ``agree`` again, so no rank
+    returns before the checkpoint is in place."""
+    if job.written is not None:
+        try:
+            job.written.result()
+        except CheckpointException as error:
+            job.discard()
+            raise CheckpointError(f"Saving checkpoint {job.path} failed: {describe(unwrap(error))}") from None
+    manifest, writer = job.manifest, job.writer
+    assert manifest is not None and writer is not None  # stage and write made them
+    atomic.fault("after_data")
+    files = agree([], f"Saving checkpoint {job.path}", job.group, writer.written)
+    rank, world_size = rank_and_size(job.group)
+    errors = []
+    if rank == 0:
+        try:
+            manifest.files = {name: size for written in files for name, size, _ in written}
+            if writer.algorithm is not None:
+                manifest.checksums = {"algorithm": writer.algorithm,
+                                      "items": {name: sums for written in files for name, _, sums in written}}
+            manifest.metadata_sha256 = sha256(job.tmp / METADATA_FILE)
+            manifest.write(job.tmp)
+            atomic.fault("after_manifest")
+            atomic.publish(job.tmp, job.path, manifest.token)
+            atomic.fault("after_publish")
+            for leftover in atomic.leftovers(job.path):
+                atomic.remove(leftover)
+        except OSError as error:
+            errors.append(f"could not put the checkpoint in place at {job.path}: {error}")
+    agree(errors, f"Saving checkpoint {job.path}", job.group)
+    job.timing.total_s = time.perf_counter() - job.start
+    nbytes = sum(size for written in files for _, size, _ in written)
+    _log_saved(job.path, nbytes, world_size, rank, job.timing, asynchronous=job.written is not None)
 
 
 def _log_saved(path: Path, nbytes: int, world_size: int, rank: int, timing: SaveTiming,

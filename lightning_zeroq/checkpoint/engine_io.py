@@ -1,73 +1,204 @@
 """A ZeRO engine's checkpoint: save and load ``ZeroEngine`` state at any world size, stage or layout.
 
-Used by the Lightning strategy and usable from plain PyTorch or Fabric::
+Used by the Lightning and Fabric strategies and usable from plain PyTorch::
 
     from lightning_zeroq.checkpoint.engine_io import load_engine, save_engine
     save_engine(engine, "ckpt/step100", trainer_state={"step": 100})   # collective
     state = load_engine(engine, "ckpt/step100")                        # collective; returns trainer_state
 
-The model is stored under ``state_dict.<name>`` and the optimizer under ``optimizer_0.*`` (see
-``store.py``); loading also reads DCP checkpoints written by FSDP2 (``get_state_dict``) under
-``state_dict``/``optimizer_0`` (Lightning's ``ModelParallelStrategy``), ``model``/``optim`` or at
-the top level. Loading validates everything on every rank first (files, names, shapes, dtypes,
-optimizer kind and param groups) and ``agree``s, then reads only this rank's chunks.
+The engine is seen through its sharded view (``lightning_zeroq.zero.state_dict.ShardedView``: per
+parameter, the global shape and this rank's flat range, read and written by functions), nothing else.
+
+- Save: ``sharded_model_state`` / ``sharded_optimizer_state`` are this rank's part of every parameter
+  and of every per-element optimizer state tensor as ``LocalChunks`` of the full shape, keyed like
+  ``state_dict()`` and ``get_optimizer_state_dict``; nothing is copied: the data is read when the
+  writer reaches it, after the view's walk made its unit resident (NVMe: one unit at a time). The
+  model is stored under ``state_dict.<name>`` and the optimizer under ``optimizer_0.*`` (``store.py``).
+- Load: reads DCP checkpoints written by ZeroQ or by FSDP2 (``get_state_dict``) under
+  ``state_dict``/``optimizer_0`` (Lightning's ``ModelParallelStrategy``), ``model``/``optim`` or at
+  the top level. It validates everything on every rank first (files, names, shapes, dtypes,
+  optimizer kind and param groups) and ``agree``s, then reads only this rank's chunks, batch by
+  batch of resident units (``load_sharded``), and republishes.
 """
 
 from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
+from torch import Tensor
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from lightning_zeroq.checkpoint.agree import CheckpointError, agree, checkpoint_group, describe
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer, Opened, bytes_keys, check_entries, open_checkpoint
-from lightning_zeroq.checkpoint.chunks import BytesTarget
+from lightning_zeroq.checkpoint.chunks import BytesTarget, LocalChunks
 from lightning_zeroq.checkpoint.safe import read_entries
 from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY
-from lightning_zeroq.checkpoint import engine_state as chunked
-from lightning_zeroq.zero import state_dict as zsd
+from lightning_zeroq.zero.state_dict import Part, ShardedView
 
 MODEL_PREFIXES = (MODEL_KEY + ".", "model.", "app.model.", "")
 OPTIMIZER_PREFIXES = (OPTIMIZER_KEY + ".", "optim.", "optimizer.", "app.optim.", "")
 
 
+def _chunks(part: Part) -> LocalChunks:
+    """What the writer writes of ``part``: read when it gets there."""
+    return LocalChunks(part.shape, part.dtype, part.offset, part.numel, order=part.order, read=part.read)
+
+
+def sharded_model_state(engine: Any) -> dict[str, Any]:
+    """Every ``state_dict()`` entry: this rank's chunks of the fp32 masters (``LocalChunks``, read
+    later), frozen parameters and buffers as they are (replicated: DCP writes them once)."""
+    view = ShardedView(engine)
+    chunks: dict[str, Any] = {}
+    for pv in view.params:
+        if pv.part is not None:
+            value: Any = _chunks(pv.part)
+        elif pv.shape.numel() == 0 and view.rank == 0:  # no rank owns an element: rank 0 writes the empty tensor
+            value = torch.empty(pv.shape)
+        else:
+            continue  # owned by other ranks: they write it
+        for name in pv.names:
+            chunks[name] = value
+    unmanaged = view.unmanaged()
+    return {key: chunks[key] if key in chunks else unmanaged[key] for key in view.state_dict_keys()
+            if key in chunks or key in unmanaged}
+
+
+def sharded_optimizer_state(engine: Any) -> dict[str, Any]:
+    """Collective on the engine's group (training's, on the calling thread, so it never meets an
+    asynchronous save's collectives): ``{"state": {name: {key: value}}, "param_groups": [...]}`` as
+    ``get_optimizer_state_dict`` has it: per-element state as ``LocalChunks`` of the parameter's
+    shape, scalar state (Adam's ``step``) from the rank that owns the parameter's first element,
+    ``param_groups`` with every parameter's canonical name (gathered from all ranks)."""
+    view = ShardedView(engine)
+    optimizer = view.optimizer
+    assert optimizer is not None
+    state: dict[str, dict[str, Any]] = {}
+    for group in view.groups():
+        for pv in group:
+            entry = {k: _chunks(v) if isinstance(v, Part) else v for k, v in pv.state().items()}
+            if entry:
+                state[pv.name] = entry
+    groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": members}
+              for group, members in zip(optimizer.param_groups, view.group_names())]
+    return {"state": state, "param_groups": groups}
+
+
+def model_entries(engine: Any) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """What a checkpoint must hold for this model: name -> (shape, dtype); fp32 for the engine's."""
+    view = ShardedView(engine)
+    managed = {n: pv.shape for pv in view.params for n in pv.names}
+    unmanaged = view.unmanaged()
+    return {key: (managed[key], torch.float32) if key in managed else (unmanaged[key].shape, unmanaged[key].dtype)
+            for key in view.state_dict_keys() if key in managed or isinstance(unmanaged.get(key), Tensor)}
+
+
 def engine_state(engine: Any, optimizer: bool) -> dict:
     """Collective (the optimizer's param groups are gathered): the nested state a save writes."""
-    state: dict[str, Any] = {MODEL_KEY: chunked.sharded_model_state(engine)}
+    state: dict[str, Any] = {MODEL_KEY: sharded_model_state(engine)}
     if optimizer and engine.optimizer is not None:
-        state[OPTIMIZER_KEY] = chunked.sharded_optimizer_state(engine)
+        state[OPTIMIZER_KEY] = sharded_optimizer_state(engine)
     return state
 
 
 def save_state(engine: Any, path: Path, state: dict, trainer_state: Any, checkpointer: Checkpointer) -> None:
-    if getattr(engine, "closed", False):  # what the engine released; an empty optimizer state is fine (plain SGD)
+    """Collective: write ``state`` (``engine_state`` or the like) and ``trainer_state`` to ``path``."""
+    view = ShardedView(engine)
+    if view.closed:  # what the engine released; an empty optimizer state is fine (plain SGD)
         # No collective: every rank closes its engine at the same point (a new fit), and an asynchronous
         # save may still be using the checkpoint group.
         raise CheckpointError(
             f"Saving checkpoint {path}: the engine that held its state was closed (a new fit replaced it), so its "
             "master shards and optimizer state are gone (with NVMe offload, their swap files); save during fit "
             "(ModelCheckpoint) or before the next fit starts.")
-    residency = chunked.Residency(engine)
-    pin = engine.device.type == "cuda" and torch.cuda.is_available()
-    nvme = type(engine.placement).__name__.startswith("Nvme")
-    if nvme and checkpointer.async_save and not getattr(checkpointer, "_warned_nvme", False):
+    if not view.stable and checkpointer.async_save and not getattr(checkpointer, "_warned_nvme", False):
         checkpointer._warned_nvme = True  # type: ignore[attr-defined]
         warnings.warn("async_checkpoint with NVMe optimizer offload: saves stay synchronous (an asynchronous save "
                       "would need the whole optimizer state in host memory, which NVMe offload exists to avoid).",
                       stacklevel=3)
+    walk = view.walk()
     checkpointer.save(Path(path), state, trainer_state, optimizer=OPTIMIZER_KEY in state,
-                      before_read=residency.ensure, after_read=residency.close, pin=pin, allow_async=not nvme,
-                      extra={"world_size": engine.world_size, "stage": getattr(engine.config, "stage", None)},
-                      views_stable=not nvme)
+                      before_read=walk.ensure, after_read=walk.close, pin=view.pin, allow_async=view.stable,
+                      extra={"world_size": view.world_size, "stage": view.stage}, views_stable=view.stable)
 
 
 def save_engine(engine: Any, path: Path, *, trainer_state: Any = None, optimizer: bool = True,
                 checkpointer: Optional[Checkpointer] = None) -> None:
     """Collective: write ``engine``'s model (and optimizer) state and ``trainer_state`` (JSON) to ``path``."""
     save_state(engine, path, engine_state(engine, optimizer), trainer_state or {}, checkpointer or Checkpointer())
+
+
+# ---------------------------------------------------------------------- load
+
+
+def _read_settled(read: Callable[[dict], None], targets: dict, settle: Optional[Callable[[list[str]], object]]) -> None:
+    """``read(targets)``, then ``settle`` (every rank, whatever happened): a read that fails on one rank
+    becomes the error every rank raises, before any rank enters a collective of the engine."""
+    if settle is None:
+        read(targets)
+        return
+    errors = []
+    try:
+        read(targets)
+    except Exception as error:
+        errors.append(describe(error))
+    settle(errors)
+
+
+def _value(target: Any) -> Any:
+    return target.value if isinstance(target, BytesTarget) else target
+
+
+@torch.no_grad()
+def load_sharded(engine: Any, read: Callable[[dict], None], *, model_prefix: str,
+                 stored: set[str], optimizer_prefix: Optional[str] = None,
+                 optimizer_keys: Optional[dict[str, list[str]]] = None,
+                 param_groups: Optional[list[dict]] = None,
+                 scalar_target: Callable[[str], Any] = lambda key: BytesTarget(),
+                 settle: Optional[Callable[[list[str]], object]] = None) -> None:
+    """Read this rank's part of every entry, batch by batch of resident units (``read(targets)`` fills
+    a dict of checkpoint key -> ``LocalChunks``/tensor/``BytesTarget``). ``stored``: the checkpoint's
+    keys without the model prefix (a tied parameter is read under whichever of its names is there).
+    ``optimizer_keys``: name -> state keys in the checkpoint, if the optimizer state is to be loaded;
+    ``scalar_target(key)``: what to read a non-per-element state entry into (a 0-d tensor or a
+    ``BytesTarget``, as the checkpoint stores it). ``settle(errors)``: collective, called by every rank
+    after each read with what failed there (raises the agreed error on every rank, e.g. ``agree``):
+    every read is settled before the units it filled are published (the engine's collectives), so a
+    rank whose read fails never leaves the others in a gather."""
+    view = ShardedView(engine)
+    rest = {model_prefix + k: v for k, v in view.unmanaged().items() if isinstance(v, Tensor)}
+    _read_settled(read, rest, settle)
+    optimizer = view.optimizer if optimizer_keys is not None else None
+    per_element = view.per_element_keys()
+    for batch in view.load(optimizer=optimizer is not None):
+        targets: dict[str, Any] = {}
+        writes: list[tuple[Callable[..., None], Any]] = []
+        for pv in batch:
+            assert pv.part is not None  # a batch holds the parameters with a part here
+            name = next((n for n in pv.names if n in stored), pv.name)
+            buffer = pv.part.buffer()
+            targets[model_prefix + name] = LocalChunks(pv.shape, torch.float32, pv.part.offset, pv.part.numel,
+                                                       target=buffer)
+            writes.append((pv.part.write, buffer))
+            keys = optimizer_keys.get(pv.name) if optimizer_keys is not None and pv.group is not None else None
+            for key in keys or ():
+                ckpt_key = f"{optimizer_prefix}state.{pv.name}.{key}"
+                if key in per_element:
+                    part = pv.state_part(key)
+                    state_buffer = part.buffer()
+                    targets[ckpt_key] = LocalChunks(pv.shape, torch.float32, part.offset, part.numel,
+                                                    target=state_buffer)
+                    writes.append((part.write, state_buffer))
+                else:
+                    targets[ckpt_key] = target = scalar_target(ckpt_key)
+                    writes.append((lambda value, pv=pv, key=key: pv.write_scalar(key, _value(value)), target))
+        _read_settled(read, targets, settle)
+        for write, value in writes:
+            write(value)
+    if optimizer is not None and param_groups is not None:
+        view.set_hyperparameters(param_groups)
 
 
 def _prefix(opened: Opened, candidates: tuple[str, ...], probe: list[str]) -> str:
@@ -101,15 +232,16 @@ def _read_param_groups(opened: Opened, prefix: str) -> list[dict]:
 
 def _optimizer_plan(engine: Any, opened: Opened, prefix: str, groups: list[dict]) -> tuple[dict, list[str]]:
     """name -> state keys in the checkpoint, and what does not match this optimizer."""
-    optimizer = engine.optimizer
+    view = ShardedView(engine)
+    optimizer = view.optimizer
+    assert optimizer is not None
     errors: list[str] = []
     if len(groups) != len(optimizer.param_groups):
         errors.append(f"the checkpoint's optimizer has {len(groups)} param group(s), this one "
                       f"{len(optimizer.param_groups)}: configure_optimizers must build the same groups.")
         return {}, errors
-    names = zsd.parameter_names(engine.module)
-    shapes = {names[id(p)][0]: p.shape for u in engine.units for p in u.params}
-    per_element = chunked.per_element_keys(optimizer)
+    shapes = {pv.name: pv.shape for pv in view.params}
+    per_element = view.per_element_keys()
     keys: dict[str, list[str]] = {}
     stored = opened.keys()
     base = prefix + "state."
@@ -132,11 +264,9 @@ def _optimizer_plan(engine: Any, opened: Opened, prefix: str, groups: list[dict]
             if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != tuple(shape):
                 errors.append(f"the checkpoint's optimizer state {name}.{k} has shape "
                               f"{tuple(getattr(md, 'size', ()))}, the parameter's is {tuple(shape)}.")
-    for g, (group, saved) in enumerate(zip(optimizer.param_groups, groups)):
+    for g, (mine, saved) in enumerate(zip(view.groups(), groups)):
         members = set(saved.get("params", []))
-        mine = {names[id(u.params[seg.param])][0] for u in engine.units for seg, view in
-                zip(u.segments, u.segment_masters) if any(view is v for v in group["params"])}
-        outside = sorted(mine - members)
+        outside = sorted({pv.name for pv in mine} - members)
         if members and outside:
             errors.append(f"param group {g} of this optimizer holds {outside[:4]}, which the checkpoint's group {g} "
                           "does not: configure_optimizers must put the same parameters in the same groups.")
@@ -159,7 +289,7 @@ def load_engine(engine: Any, path: Path, *, load_optimizer: bool = True, strict:
 
 
 def _load_opened(engine: Any, opened: Opened, group: Any, load_optimizer: bool, strict: bool) -> Any:
-    expected = chunked.model_entries(engine)
+    expected = model_entries(engine)
     model_prefix = _prefix(opened, MODEL_PREFIXES, list(expected)[:8])
     errors = check_entries(opened, expected, strict=strict, prefix=model_prefix, what="the model")
     optimizer_prefix = optimizer_keys = groups = None
@@ -186,10 +316,10 @@ def _load_opened(engine: Any, opened: Opened, group: Any, load_optimizer: bool, 
 
     errors = []
     try:
-        chunked.load_sharded(engine, lambda targets: read_entries(opened.reader, targets), model_prefix=model_prefix,
-                             stored=stored, optimizer_prefix=optimizer_prefix, optimizer_keys=optimizer_keys,
-                             param_groups=groups, scalar_target=scalar_target,
-                             settle=lambda errs: agree(errs, f"Loading checkpoint {opened.path}", group))
+        load_sharded(engine, lambda targets: read_entries(opened.reader, targets), model_prefix=model_prefix,
+                     stored=stored, optimizer_prefix=optimizer_prefix, optimizer_keys=optimizer_keys,
+                     param_groups=groups, scalar_target=scalar_target,
+                     settle=lambda errs: agree(errs, f"Loading checkpoint {opened.path}", group))
     except CheckpointError:  # agreed: every rank raises it
         raise
     except Exception as error:

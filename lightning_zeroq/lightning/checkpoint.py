@@ -33,9 +33,9 @@ from lightning_zeroq.checkpoint import atomic, codec
 from lightning_zeroq.checkpoint.agree import CheckpointError, agree, checkpoint_group, describe
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer, locate_error
 from lightning_zeroq.checkpoint.convert import lightning_checkpoint
-from lightning_zeroq.checkpoint.engine_io import load_engine, save_state
+from lightning_zeroq.checkpoint.engine_io import (load_engine, load_sharded, model_entries, save_state,
+                                                  sharded_optimizer_state)
 from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY, Kind, classify
-from lightning_zeroq.checkpoint import engine_state
 from lightning_zeroq.zero import state_dict as zsd
 
 ENGINE_KEY = "zeroq"
@@ -227,7 +227,7 @@ def load_single_file(strategy: Any, path: Path, weights_only: Optional[bool], fi
 def model_errors(engine: Any, model: dict, strict: bool) -> list[str]:
     """What is wrong with a full ``state_dict`` for this engine's module, as ``nn.Module.load_state_dict``
     judges it: a shape mismatch always, missing and unexpected keys under ``strict``."""
-    expected = engine_state.model_entries(engine)
+    expected = model_entries(engine)
     errors = [f"size mismatch for {k}: checkpoint {tuple(v.shape)}, model {tuple(expected[k][0])}"
               for k, v in model.items() if k in expected and isinstance(v, Tensor) and v.shape != expected[k][0]]
     if strict:
@@ -249,7 +249,7 @@ def load_torch_optimizer_state(engine: Any, model: dict, optimizer_state: dict, 
     it, or keyed by parameter name, as Lightning's consolidation of a ZeroQ directory gives it) into
     the shards, with the model's weights, unit by unit; ``model`` is checked first (``model_errors``),
     on every rank, before any state changes."""
-    groups = engine_state.sharded_optimizer_state(engine)["param_groups"]  # every parameter's name, by group
+    groups = sharded_optimizer_state(engine)["param_groups"]  # every parameter's name, by group
     saved = optimizer_state.get("param_groups", [])
     errors = model_errors(engine, model, strict)
     if len(saved) != len(groups):
@@ -297,9 +297,9 @@ def load_torch_optimizer_state(engine: Any, model: dict, optimizer_state: dict, 
             else:
                 target.value, target.loaded = value, True
 
-    engine_state.load_sharded(engine, read, model_prefix=f"{MODEL_KEY}.", stored=set(model), optimizer_prefix=f"{OPTIMIZER_KEY}.",
-                     optimizer_keys=keys, param_groups=saved,
-                     settle=lambda errs: agree(errs, "Loading the optimizer state", group))
+    load_sharded(engine, read, model_prefix=f"{MODEL_KEY}.", stored=set(model), optimizer_prefix=f"{OPTIMIZER_KEY}.",
+                 optimizer_keys=keys, param_groups=saved,
+                 settle=lambda errs: agree(errs, "Loading the optimizer state", group))
 
 
 def install_load_from_checkpoint() -> None:

@@ -53,7 +53,7 @@ from lightning_zeroq.common.strategy import (
     register_presets,
     stage3_meta_init,
 )
-from lightning_zeroq.checkpoint import engine_state
+from lightning_zeroq.checkpoint import engine_io
 from lightning_zeroq.zero import state_dict as zero_state
 from lightning_zeroq.common.watchdog import report_collective_failure
 from lightning_zeroq.zero.engine import ZeroEngine
@@ -316,14 +316,14 @@ class ZeroQStrategy(DDPStrategy):
         checkpoint is written, nothing is gathered), frozen parameters and buffers as they are."""
         if self.engine is None:
             return super().lightning_module_state_dict()
-        return engine_state.sharded_model_state(self.engine)
+        return engine_io.sharded_model_state(self.engine)
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Collective: this rank's part of the optimizer state, keyed by parameter name."""
         if self.engine is None or self.engine.optimizer is None:
             return super().optimizer_state(optimizer)
-        return engine_state.sharded_optimizer_state(self.engine)
+        return engine_io.sharded_optimizer_state(self.engine)
 
     @override
     def save_checkpoint(

@@ -306,12 +306,9 @@ class ZeroEngine:
         names of the engine's parameters (all aliases of tied ones)."""
         return state_dict.load_full_state_dict(self, state)
 
-    def sharded_state_dict(self) -> dict:
-        """This rank's masters, optimizer state and loss scale (for checkpoints at the same world size)."""
-        return state_dict.sharded_state_dict(self)
-
-    def load_sharded_state_dict(self, state: dict) -> None:
-        state_dict.load_sharded_state_dict(self, state)
+    def full_optimizer_state(self) -> dict[str, dict[str, Any]]:
+        """Collective: every parameter's optimizer state at full shape by name on every rank (CPU tensors)."""
+        return state_dict.full_optimizer_state(self)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds on the device, by kind (what a benchmark compares with the formula).

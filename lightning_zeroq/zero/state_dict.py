@@ -1,23 +1,39 @@
-"""Full and sharded state of an engine: what checkpoints, exports and tests read and write.
+"""The engine's state by parameter name: the one door from checkpoints and exports into the engine.
+
+**Sharded view** (``ShardedView(engine)``; what ``lightning_zeroq/checkpoint`` reads and writes, and
+all it uses of the engine). Every parameter the engine manages is a tensor of its full shape, and this
+rank holds one contiguous range of it, flattened: a DTensor sharded on the flattened parameter, as
+FSDP2 hands DCP one sharded on dim 0. A ``Part`` says so: global shape, dtype, this rank's flat
+offset and count, and functions that read the range (1-D) or write it. A ``ParamView`` is one
+parameter: every name of it (tied parameters have several; the first is canonical), its shape, its
+param group, its ``part`` (None: no element on this rank), and its optimizer state alike: per-element
+state (Adam's moments) is sharded as the parameter is; scalar state (Adam's ``step``) is the part of
+the rank that holds the parameter's first element.
+
+- ``params``: every managed parameter, unit by unit; ``groups()``: them by param group;
+  ``unmanaged()``: the module's other ``state_dict()`` entries (buffers, frozen parameters).
+- ``walk()``: reads of a ``Part`` in increasing ``order`` come after ``walk().ensure(order)`` (with
+  NVMe offload one unit is resident at a time), and ``close()`` ends the walk.
+- ``load(optimizer)``: yields batches of parameters that are resident now; the caller writes their
+  parts, and the view publishes each batch (the engine's collectives) before the next.
+- ``group_names()``: collective, every param group's parameter names from all ranks.
+
+**Full state** (exports, tests, single-file checkpoints):
 
 - ``full_state_dict``: collective; the full fp32 parameters by name (CPU tensors), gathered unit by
   unit from the master shards, on every rank or (``rank0_only``) on rank 0 only, whose host then
   holds one copy of the model and no rank ever holds two; frozen parameters are included as they are.
 - ``load_full_state_dict``: every rank sets its own slice of each master from full parameters by
   name, then republishes the working weights. No collective but the publish.
-- ``sharded_state_dict`` / ``load_sharded_state_dict``: the former per-rank format (same world size
-  and units only); kept for the engine's API, unused by the strategy.
+- ``full_optimizer_state``: collective, every parameter's optimizer state at full shape.
 
-The checkpoint format's view of the same state (full-shape chunks, any world size) is
-``lightning_zeroq/checkpoint/engine_state.py``.
-
-With NVMe offload the masters are walked through the placement's ``resident`` iterator, so one unit
-at a time is in memory.
+Every walk over the masters goes through the placement's ``resident`` iterator (NVMe: one unit at a time).
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -25,6 +41,9 @@ from torch import Tensor, nn
 
 from lightning_zeroq.zero import access, comm
 from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
+from lightning_zeroq.zero.offload import OptimizerPlacement
+from lightning_zeroq.zero.offload.nvme import per_element_state_keys
+from lightning_zeroq.zero.policies import Nvme, Policies
 from lightning_zeroq.zero.unit import Unit
 
 
@@ -33,6 +52,7 @@ class ShardedParts(access.EngineParts, Protocol):
     needs to publish loaded masters, and these."""
 
     loss_scaler: Optional[DynamicLossScaler]
+    policies: Policies
     rank: int
     world_size: int
 
@@ -40,12 +60,218 @@ class ShardedParts(access.EngineParts, Protocol):
     def optimizer(self) -> Optional[torch.optim.Optimizer]: ...
 
 
-def _named_managed(engine: ShardedParts) -> Iterator[tuple[list[str], Unit, int]]:
-    """(every name of the parameter, its unit, its index in the unit), for the engine's parameters."""
-    names = parameter_names(engine.module)
-    for unit in engine.units:
-        for i, p in enumerate(unit.params):
-            yield names.get(id(p), []), unit, i
+KERNEL_CHOICES = frozenset({"fused", "foreach", "capturable", "differentiable"})
+"""Param-group entries that choose how the step runs, not what it computes: they belong to this run
+(the offload placement sets ``fused`` for the host step), so a load keeps the live ones. Copying a
+checkpoint's would, e.g., turn on a fused CPU kernel that the device has not (fused Adagrad on CUDA)."""
+
+
+@dataclass(eq=False)
+class Part:
+    """This rank's range ``[offset, offset + numel)`` of a tensor of ``shape``, flattened."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    offset: int
+    numel: int
+    order: int
+    """Its unit: read it after ``walk().ensure(order)``, in increasing order."""
+    read: Callable[..., Tensor]
+    """The range as a 1-D tensor (the engine's own memory: copy it before the walk goes on). The three
+    functions take no argument but ``write``'s value (typed ``...``: mypy cannot match default-argument
+    lambdas)."""
+    buffer: Callable[..., Tensor]
+    """A 1-D tensor a load may fill and hand to ``write`` (the master itself: no copy)."""
+    write: Callable[..., None]
+    """Takes the range (1-D, ``numel`` elements)."""
+
+
+@dataclass(eq=False)
+class ParamView:
+    names: list[str]
+    shape: torch.Size
+    group: Optional[int]
+    """Its param group in the engine's optimizer (None: no part here, or not optimized)."""
+    part: Optional[Part]
+    _view: Optional[Tensor] = None  # the master segment the optimizer steps
+    _optimizer: Optional[torch.optim.Optimizer] = None
+    _step_device: torch.device = torch.device("cpu")
+    _loaded: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+    def state(self) -> dict[str, Any]:
+        """This rank's optimizer state: per-element keys as ``Part``s, scalar ones (held by the rank of the
+        first element) as values."""
+        if self._optimizer is None or self._view is None or self.part is None:
+            return {}
+        out: dict[str, Any] = {}
+        per_element = per_element_keys(self._optimizer)
+        for key, value in self._optimizer.state.get(self._view, {}).items():
+            if key in per_element:
+                out[key] = self.state_part(key, value.dtype)
+            elif self.part.offset == 0:
+                out[key] = value.detach().clone() if isinstance(value, Tensor) else value
+        return out
+
+    def state_part(self, key: str, dtype: torch.dtype = torch.float32) -> Part:
+        """Per-element state ``key`` of this parameter on this rank (``load``: written with its batch)."""
+        assert self.part is not None and self._view is not None and self._optimizer is not None
+        optimizer, view = self._optimizer, self._view
+        return Part(self.shape, dtype, self.part.offset, self.part.numel, self.part.order,
+                    read=lambda: optimizer.state[view][key],
+                    buffer=lambda: torch.empty(view.numel(), dtype=torch.float32, device=view.device),
+                    write=lambda value: self._loaded.__setitem__(key, value))
+
+    def write_scalar(self, key: str, value: Any) -> None:
+        """Scalar state ``key`` (``load``: written with its batch; floating tensors where the step reads them)."""
+        if isinstance(value, Tensor) and value.is_floating_point():
+            value = value.to(dtype=torch.float32, device=self._step_device)
+        self._loaded[key] = value
+
+
+class Walk:
+    """Walks ``placement.resident`` lazily: ``ensure(i)`` makes unit ``i`` resident (units in
+    increasing index only), ``close()`` finishes the walk (NVMe writes the last units back)."""
+
+    def __init__(self, engine: ShardedParts) -> None:
+        self._walk = engine.placement.resident(engine.units)
+        self.current = -1
+
+    def ensure(self, index: int) -> None:
+        while self.current < index:
+            self.current = next(self._walk).index
+        assert self.current == index, f"unit {index} requested after unit {self.current}"
+
+    def close(self) -> None:
+        for _ in self._walk:
+            pass
+
+
+class ShardedView:
+    """See the module docstring."""
+
+    def __init__(self, engine: ShardedParts) -> None:
+        self._engine = engine
+        self.rank, self.world_size = engine.rank, engine.world_size
+        self.optimizer = engine.optimizer
+        self.closed: bool = getattr(engine, "closed", False)
+        """The engine released its shards (a new fit replaced it): there is nothing to save."""
+        self.stable = not isinstance(engine.policies.offload.optimizer, Nvme)
+        """What a read returns keeps its contents while the walk goes on (NVMe reuses its buffers)."""
+        self.pin = engine.device.type == "cuda" and torch.cuda.is_available()
+        self.stage = engine.policies.sharding.stage
+        names = unit_parameter_names(engine)
+        groups = {}
+        if self.optimizer is not None:
+            groups = {id(v): g for g, group in enumerate(self.optimizer.param_groups) for v in group["params"]}
+        self.params: list[ParamView] = []
+        self._unit_params: list[list[ParamView]] = []
+        for unit in engine.units:
+            views = {seg.param: (seg, view) for seg, view in zip(unit.segments, unit.segment_masters)}
+            self._unit_params.append([])
+            for i, p in enumerate(unit.params):
+                pv = ParamView(names[id(p)], p.shape, None, None)
+                if i in views:
+                    seg, view = views[i]
+                    pv.part = Part(p.shape, torch.float32, seg.param_start, seg.numel, unit.index,
+                                   read=lambda u=unit, s=seg: u.master[s.shard_span],
+                                   buffer=lambda u=unit, s=seg: u.master[s.shard_span],
+                                   write=lambda value, u=unit, s=seg: _copy_into(u.master[s.shard_span], value))
+                    pv.group, pv._view, pv._optimizer = groups.get(id(view)), view, self.optimizer
+                    if pv.group is not None:
+                        assert self.optimizer is not None
+                        group = self.optimizer.param_groups[pv.group]
+                        fused = group.get("fused") or group.get("capturable")
+                        pv._step_device = view.device if fused else torch.device("cpu")
+                    self._unit_params[-1].append(pv)
+                self.params.append(pv)
+        self._by_view = {id(pv._view): pv for pv in self.params if pv._view is not None}
+        self.managed = {n for pv in self.params for n in pv.names}
+
+    def unmanaged(self) -> dict[str, Any]:
+        """The module's ``state_dict()`` entries the engine does not shard (buffers, frozen parameters)."""
+        return {k: v.detach() if isinstance(v, Tensor) else v
+                for k, v in self._engine.module.state_dict(keep_vars=True).items() if k not in self.managed}
+
+    def state_dict_keys(self) -> list[str]:
+        return list(self._engine.module.state_dict(keep_vars=True))
+
+    def groups(self) -> list[list[ParamView]]:
+        """This rank's parameters by param group, in the optimizer's order."""
+        if self.optimizer is None:
+            return []
+        return [[self._by_view[id(v)] for v in group["params"]] for group in self.optimizer.param_groups]
+
+    def group_names(self) -> list[list[str]]:
+        """Collective on the engine's group: every param group's canonical names, gathered from all ranks,
+        in the module's order."""
+        local = [[pv.name for pv in group] for group in self.groups()]
+        everyone: list[Any] = [local]
+        if comm.is_distributed() and self.world_size > 1:
+            everyone = [None] * self.world_size
+            dist.all_gather_object(everyone, local, group=self._engine.group)
+        order = {n: i for i, (n, _) in enumerate(self._engine.module.named_parameters())}
+        return [sorted({n for ranks in everyone for n in ranks[g]}, key=lambda n: order.get(n, len(order)))
+                for g in range(len(local))]
+
+    def per_element_keys(self) -> set[str]:
+        return per_element_keys(self.optimizer) if self.optimizer is not None else set()
+
+    def walk(self) -> Walk:
+        return Walk(self._engine)
+
+    @torch.no_grad()
+    def load(self, optimizer: bool) -> Iterator[list[ParamView]]:
+        """Batches of parameters resident now (every unit at once, or with NVMe one unit at a time); the
+        caller writes their parts (and, with ``optimizer``, their state: the rest is cleared), then
+        asks for the next batch, and the view publishes this one: every rank walks the same batches."""
+        engine = self._engine
+        target = self.optimizer if optimizer else None
+        if target is not None:
+            target.state.clear()
+            engine.placement.state_loaded(target)  # before the walk: NVMe writes the new state as it goes
+        at_once = type(engine.placement).resident is OptimizerPlacement.resident
+        batch: list[Unit] = []
+        for unit in engine.placement.resident(engine.units):
+            batch.append(unit)
+            if not at_once:
+                yield from self._publish_after(batch, target)
+                batch = []
+        if batch:
+            yield from self._publish_after(batch, target)
+
+    def _publish_after(self, units: list[Unit],
+                       optimizer: Optional[torch.optim.Optimizer]) -> Iterator[list[ParamView]]:
+        params = [pv for unit in units for pv in self._unit_params[unit.index]]
+        yield params
+        for unit in units:
+            for pv in self._unit_params[unit.index]:
+                if pv._loaded and optimizer is not None and pv._view is not None:
+                    optimizer.state[pv._view] = pv._loaded
+                pv._loaded = {}
+            access.publish_loaded(self._engine, unit)
+
+    def set_hyperparameters(self, param_groups: list[dict]) -> None:
+        """A checkpoint's param-group entries, but for ``params`` and this run's ``KERNEL_CHOICES``."""
+        assert self.optimizer is not None
+        for group, saved in zip(self.optimizer.param_groups, param_groups):
+            group.update({k: v for k, v in saved.items() if k != "params" and k not in KERNEL_CHOICES})
+
+
+def _copy_into(target: Tensor, value: Tensor) -> None:
+    if value.data_ptr() != target.data_ptr():
+        target.copy_(value)
+
+
+def per_element_keys(optimizer: torch.optim.Optimizer) -> set[str]:
+    cached = getattr(optimizer, "_zeroq_per_element_keys", None)
+    if cached is None:
+        cached = set(per_element_state_keys(optimizer))
+        optimizer._zeroq_per_element_keys = cached  # type: ignore[attr-defined]
+    return cached
 
 
 def parameter_names(module: nn.Module) -> dict[int, list[str]]:
@@ -110,10 +336,11 @@ def load_full_state_dict(engine: ShardedParts, state: dict[str, Tensor]) -> set[
     managed: set[str] = set()
     names_of: dict[int, list[list[str]]] = {u.index: [[] for _ in u.params] for u in engine.units}
     mismatched = []
-    for names, owner, i in _named_managed(engine):
+    every_name = parameter_names(engine.module)
+    for owner, i, shape, names in ((u, i, p.shape, every_name.get(id(p), [])) for u in engine.units
+                                   for i, p in enumerate(u.params)):
         names_of[owner.index][i] = names
         managed.update(names)
-        shape = owner.params[i].shape
         mismatched += [f"{n}: checkpoint {tuple(state[n].shape)}, parameter {tuple(shape)}"
                        for n in names if n in state and tuple(state[n].shape) != tuple(shape)]
     if mismatched:
@@ -138,46 +365,36 @@ def load_module_state_dict(engine: ShardedParts, module: nn.Module, state: dict[
     return [k for k in missing if k not in managed] + sorted(k for k in managed if k not in state), list(unexpected)
 
 
-def sharded_state_dict(engine: ShardedParts) -> dict[str, Any]:
-    masters, state = [], {}
+def full_optimizer_state(engine: ShardedParts) -> dict[str, dict[str, Any]]:
+    """Collective (tests, exports): every parameter's optimizer state at full shape on every rank."""
     optimizer = engine.optimizer
-    for unit in engine.placement.resident(engine.units):  # with NVMe offload: one unit resident at a time
-        masters.append(unit.master.detach().cpu().clone())
-        if optimizer is not None:
-            for view in unit.segment_masters:
-                if view in optimizer.state:
-                    state[id(view)] = {
-                        k: v.clone() if isinstance(v, Tensor) else v for k, v in optimizer.state[view].items()
-                    }
-    optimizer_state = None
-    if optimizer is not None:
-        optimizer_state = optimizer.state_dict()  # param_groups; state rebuilt from the clones
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        optimizer_state["state"] = {i: state[id(p)] for i, p in enumerate(params) if id(p) in state}
-    return {
-        "world_size": engine.world_size,
-        "rank": engine.rank,
-        "unit_numels": [u.layout.numel for u in engine.units],
-        "masters": masters,
-        "optimizer": optimizer_state,
-        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
-    }
-
-
-@torch.no_grad()
-def load_sharded_state_dict(engine: ShardedParts, state: dict[str, Any]) -> None:
-    numels = [u.layout.numel for u in engine.units]
-    if state["world_size"] != engine.world_size or state["unit_numels"] != numels:
-        raise ValueError(
-            f"This sharded checkpoint was written by {state['world_size']} ranks with units "
-            f"{state['unit_numels'][:4]}...; this run has {engine.world_size} ranks and units {numels[:4]}... "
-            "Resume with the same number of devices and the same reduce_bucket_size."
-        )
-    if engine.optimizer is not None and state["optimizer"] is not None:
-        engine.optimizer.load_state_dict(state["optimizer"])
-        engine.placement.state_loaded(engine.optimizer)  # it replaces the state swapped out to NVMe
-    if engine.loss_scaler is not None and state["loss_scaler"] is not None:
-        engine.loss_scaler.load_state_dict(state["loss_scaler"])
+    assert optimizer is not None
+    names = parameter_names(engine.module)
+    per_element = per_element_keys(optimizer)
+    local: dict[str, dict[str, Any]] = {}
     for unit in engine.placement.resident(engine.units):
-        unit.master.copy_(state["masters"][unit.index])
-        access.publish_loaded(engine, unit)
+        for seg, view in zip(unit.segments, unit.segment_masters):
+            name = names[id(unit.params[seg.param])][0]
+            for key, value in optimizer.state.get(view, {}).items():
+                entry = local.setdefault(name, {})
+                if key in per_element:
+                    entry.setdefault(key, []).append((seg.param_start, value.detach().cpu().clone()))
+                else:
+                    entry[key] = value.detach().cpu().clone() if isinstance(value, Tensor) else value
+    everyone: list[Any] = [local]
+    if comm.is_distributed() and engine.world_size > 1:
+        everyone = [None] * engine.world_size
+        dist.all_gather_object(everyone, local, group=engine.group)
+    shapes = {names[id(p)][0]: p.shape for u in engine.units for p in u.params}
+    out: dict[str, dict[str, Any]] = {}
+    for rank_state in everyone:
+        for name, entry in rank_state.items():
+            merged = out.setdefault(name, {})
+            for key, value in entry.items():
+                if key in per_element:
+                    full = merged.setdefault(key, torch.zeros(shapes[name]))
+                    for start, part in value:
+                        full.view(-1)[start:start + part.numel()] = part
+                else:
+                    merged[key] = value
+    return out

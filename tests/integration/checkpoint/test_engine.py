@@ -10,7 +10,7 @@ import torch
 
 from lightning_zeroq import ZeroConfig, ZeroEngine
 from lightning_zeroq.checkpoint.engine_io import load_engine, save_engine
-from lightning_zeroq.checkpoint import engine_state
+from lightning_zeroq.zero.state_dict import full_optimizer_state
 from tests.models import RichModel, param_groups
 
 CONFIGS = {
@@ -50,7 +50,7 @@ def _train(engine: ZeroEngine, steps: range) -> None:
 
 
 def _state(engine: ZeroEngine) -> dict:
-    return {"params": engine.full_state_dict(), "optimizer": engine_state.full_optimizer_state(engine)}
+    return {"params": engine.full_state_dict(), "optimizer": full_optimizer_state(engine)}
 
 
 def _save_body(name: str, tmp: str) -> tuple[dict, dict]:
@@ -145,7 +145,7 @@ def _async_body(tmp: str) -> bool:
     for name in ("sync", "async"):
         fresh = _engine("s2", tmp, seed=5)
         load_engine(fresh, os.path.join(tmp, name))
-        states.append({"params": fresh.full_state_dict(), "optimizer": engine_state.full_optimizer_state(fresh)})
+        states.append({"params": fresh.full_state_dict(), "optimizer": full_optimizer_state(fresh)})
     _assert_state_equal(*states)
     return True
 

@@ -103,7 +103,7 @@ def _zeroq_engine(stage_options: dict):
 
 
 def _zeroq_snapshot(engine) -> dict:
-    from lightning_zeroq.checkpoint.engine_state import full_optimizer_state
+    from lightning_zeroq.zero.state_dict import full_optimizer_state
 
     names = {n for n, _ in engine.module.named_parameters()}
     return {"params": {k: v for k, v in engine.full_state_dict().items() if k in names},

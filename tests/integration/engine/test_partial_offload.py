@@ -97,12 +97,14 @@ def _optimizer_state(engine: ZeroEngine) -> list[dict[str, torch.Tensor]]:
 
 
 @pytest.mark.parametrize("saved, loaded", [(0.5, 0.25), (0.25, 1.0), (0.75, 0.0), (0.5, 0.5)])
-def test_sharded_state_loads_into_another_ratio(saved: float, loaded: float) -> None:
+def test_sharded_state_loads_into_another_ratio(saved: float, loaded: float, tmp_path) -> None:
+    from lightning_zeroq.checkpoint.engine_io import load_engine, save_engine
+
     source = _engine(saved)
     _train(source, range(3))
-    state = source.sharded_state_dict()
+    save_engine(source, tmp_path / "ckpt")
     target = _engine(loaded, seed=1)
-    target.load_sharded_state_dict(state)
+    load_engine(target, tmp_path / "ckpt")
     target.module.frozen.load_state_dict(source.module.frozen.state_dict())  # not the engine's: not in the state
     assert all(torch.equal(a, b) for a, b in zip(source.full_state_dict().values(), target.full_state_dict().values()))
     for a, b in zip(_optimizer_state(source), _optimizer_state(target)):
@@ -207,16 +209,19 @@ def test_auto_keeps_the_largest_units_that_fit_and_never_exceeds_the_budget(capl
         assert (unit.index in engine.placement.host.host_grads) == (unit.index in decision["host_units"])
 
 
-def test_sharded_state_loads_into_an_auto_engine_after_its_decision() -> None:
+def test_sharded_state_loads_into_an_auto_engine_after_its_decision(tmp_path) -> None:
     # The state loads next to each master, wherever "auto" put it; both engines then train alike.
+    from lightning_zeroq.checkpoint.engine_io import load_engine, save_engine
+
     source = _engine(0.5)
     _train(source, range(3))
+    save_engine(source, tmp_path / "ckpt")
     target = _engine("auto", seed=1)
     target.placement.measure = lambda: (0, 0, 20_000)
     target.placement.budget = "65%"
     _train(target, range(1))  # decides: some units on the device, the others on the host
     assert 0 < len(target.placement.decision["device_units"]) < len(target.units)
-    target.load_sharded_state_dict(source.sharded_state_dict())
+    load_engine(target, tmp_path / "ckpt")
     target.module.frozen.load_state_dict(source.module.frozen.state_dict())
     for a, b in zip(_optimizer_state(source), _optimizer_state(target)):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

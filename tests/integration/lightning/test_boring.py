@@ -132,7 +132,8 @@ def _scored_fit(tmp: str) -> dict:
     from lightning.pytorch.demos.boring_classes import BoringModel
 
     from lightning_zeroq import ZeroQStrategy
-    from lightning_zeroq.checkpoint import engine_state
+    from lightning_zeroq.checkpoint.engine_io import sharded_optimizer_state
+    from lightning_zeroq.zero.state_dict import full_optimizer_state
 
     class Scored(BoringModel):
         def training_step(self, batch, batch_idx):
@@ -153,10 +154,10 @@ def _scored_fit(tmp: str) -> dict:
     trainer.fit(Scored(), torch.utils.data.DataLoader(data, batch_size=2))
     trainer.save_checkpoint(os.path.join(tmp, "final.ckpt"))
     memory = trainer._checkpoint_connector.dump_checkpoint()
-    names = [n for g in engine_state.sharded_optimizer_state(strategy.engine)["param_groups"] for n in g["params"]]
+    names = [n for g in sharded_optimizer_state(strategy.engine)["param_groups"] for n in g["params"]]
     return {"trainer": {k: v for k, v in memory.items() if k not in ("state_dict", "optimizer_states")},
             "params": strategy.full_state_dict(), "names": names,
-            "optimizer": engine_state.full_optimizer_state(strategy.engine)}
+            "optimizer": full_optimizer_state(strategy.engine)}
 
 
 @pytest.fixture(scope="module")
