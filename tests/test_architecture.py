@@ -218,11 +218,7 @@ LAYERS = {
     "cli": ({"cli"}, {"library", "common", "lightning", "fabric", "cli"}),
 }
 # Imports across layers that are allowed, each with its reason.
-ALLOWED = {
-    # fabric.load reads the Trainer's single-file checkpoints with the Trainer glue's readers
-    # (torch_load, load_torch_optimizer_state)
-    ("lightning_zeroq.fabric.checkpoint", "lightning_zeroq.lightning.checkpoint"),
-}
+ALLOWED: set[tuple[str, str]] = set()
 THIRD_PARTY_FRONT_ENDS = ("lightning", "pytorch_lightning", "lightning_utilities", "hydra", "omegaconf")
 
 

@@ -26,8 +26,8 @@ from torch.optim import Optimizer
 from lightning_zeroq.checkpoint.agree import CheckpointError, agree, checkpoint_group
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer, locate_error
 from lightning_zeroq.checkpoint.engine_io import engine_state, load_engine, save_state
-from lightning_zeroq.lightning.checkpoint import torch_load, load_torch_optimizer_state
 from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY, Kind, classify
+from lightning_zeroq.checkpoint.torch_file import load_torch_optimizer_state, torch_load
 from lightning_zeroq.zero import state_dict as zsd
 
 FABRIC_KEY = "zeroq_fabric"
