@@ -14,7 +14,8 @@
 | ``codec.py`` | the trainer state as JSON (tensors bit for bit) |
 | ``checkpointer.py`` | the save protocol (sync and async) and ``open_checkpoint`` |
 | ``engine_io.py`` | a ``ZeroEngine``'s save and load (``save_engine``, ``load_engine``), through the engine's sharded view (``zero/state_dict.py``), the only part of ``zero/`` this package uses |
-| ``convert.py`` | ``zeroq-convert``: one file, tensor by tensor, no GPU, no process group |
+| ``convert.py`` | consolidation (what ``zeroq-convert`` runs): one file, tensor by tensor, no GPU, no process group |
+| ``torch_file.py`` | a single-file torch checkpoint (``strategy="ddp"``'s) into the engine: safe load, model check, optimizer state |
 
 What ``ZeroQStrategy``'s and ``ZeroQFabricStrategy``'s checkpoint methods do lives with them
 (``lightning_zeroq/lightning/checkpoint.py``, ``lightning_zeroq/fabric/checkpoint.py``). Nothing is imported

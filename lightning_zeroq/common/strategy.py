@@ -1,5 +1,5 @@
-"""What the two ZeroQ strategies share: the Trainer's ``ZeroQStrategy`` (``strategy.py``) and Fabric's
-``ZeroQFabricStrategy`` (``fabric.py``).
+"""What the two ZeroQ strategies share: the Trainer's ``ZeroQStrategy`` (``lightning/strategy.py``) and
+Fabric's ``ZeroQFabricStrategy`` (``fabric/strategy.py``).
 
 Each strategy is glue between its front door's lifecycle and the engine. What does not depend on the
 front door lives here, once, so the two cannot drift apart:

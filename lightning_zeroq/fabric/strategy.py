@@ -1,5 +1,5 @@
-"""``ZeroQFabricStrategy``: Fabric's calls in, the ZeRO engine out. Glue only, like ``strategy.py``
-(the Trainer's twin); what the two share is in ``strategy_common.py``.
+"""``ZeroQFabricStrategy``: Fabric's calls in, the ZeRO engine out. Glue only, like ``lightning/strategy.py``
+(the Trainer's twin); what the two share is in ``common/``.
 
 Fabric leaves the training loop to the user, so each of its calls maps onto the engine directly:
 
@@ -14,7 +14,7 @@ Fabric leaves the training loop to the user, so each of its calls maps onto the 
 - ``fabric.clip_gradients(model, optimizer, max_norm=...)``: the global 2-norm across shards.
 - ``optimizer.step()``: ``ZeroEngine.step`` (finalize, unscale and clip, step, publish).
 - ``fabric.strategy.full_state_dict()``: collective, the full fp32 parameters by name.
-- ``fabric.save`` / ``fabric.load``: the Trainer's checkpoint directory, sharded (``checkpoint/fabric.py``).
+- ``fabric.save`` / ``fabric.load``: the Trainer's checkpoint directory, sharded (``fabric/checkpoint.py``).
 
 Accumulation, as configured by ``managed_gradient_accumulation``: managed, the user marks every
 micro-batch but the last with ``no_backward_sync(model, enabled=True)`` (as for DDP), so stage 1
@@ -67,7 +67,7 @@ if TYPE_CHECKING:
     from torch.optim.lr_scheduler import _LRScheduler
 
 class ZeroQFabricPrecision(ZeroQPrecision):
-    """ZeroQ's precision modes (``precision.py``: working dtype, fp32 masters, autocast, fp16 loss
+    """ZeroQ's precision modes (``common/precision.py``: working dtype, fp32 masters, autocast, fp16 loss
     scaling) behind Fabric's calls.
 
     The Trainer's plugin takes the LightningModule in its backward hooks and runs its callbacks there;
