@@ -1,8 +1,11 @@
 """Shared pytest configuration: the ``gpu`` marker and the session-wide distributed worker pools."""
 
+import os
+
 import pytest
 
 from tests.dist_pool import DistPool
+from tests.launch_env import LAUNCH_ENV
 
 
 def pytest_configure(config):
@@ -19,6 +22,19 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is False)")
         for item in gpu_items:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _launch_env_as_found():
+    """A test whose Trainer launched in this process (Lightning's launcher sets ``MASTER_PORT`` and the like
+    in ``os.environ``) leaves those variables as it found them, for the tests after it."""
+    before = {k: os.environ.get(k) for k in LAUNCH_ENV}
+    yield
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,6 @@ Fabric's own subprocess launcher and with torchrun, 2 processes on CPU (gloo).""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,14 +11,13 @@ from pathlib import Path
 import torch
 
 from lightning_zeroq.checkpoint.convert import lightning_checkpoint
+from tests.launch_env import launch_env
 
 REPO = Path(__file__).resolve().parents[3]
-LAUNCH_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
 
 def _run(args: list[str], cwd: Path) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = launch_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     out = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, f"{args} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     return out.stdout

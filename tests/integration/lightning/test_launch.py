@@ -3,14 +3,14 @@ and an error on one rank ends every rank within seconds (no rank waits in a coll
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[3]
+from tests.launch_env import launch_env
+
 
 SCRIPT = textwrap.dedent("""
     import sys, time
@@ -46,8 +46,7 @@ def _launch(tmp_path: Path, fail_at: int) -> tuple[int, float, str]:
     script = tmp_path / "fit.py"
     script.write_text(SCRIPT)
     stamp = tmp_path / "failed_at"
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    env.pop("LOCAL_RANK", None)
+    env = launch_env()
     proc = subprocess.run([sys.executable, str(script), str(fail_at), str(stamp)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=240)
     ended = time.time()

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[3]
+from tests.launch_env import launch_env
+
 
 SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
@@ -81,8 +82,7 @@ def test_a_signal_to_the_process_group_leaves_no_swap_directory(tmp_path, sig, m
     script, nvme = tmp_path / "fit.py", tmp_path / "nvme"
     script.write_text(SCRIPT)
     nvme.mkdir()
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    env.pop("LOCAL_RANK", None)
+    env = launch_env()
     proc = subprocess.Popen([sys.executable, str(script), sig, moment, str(ranks), str(nvme), str(tmp_path)],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # its own process group, which the script signals

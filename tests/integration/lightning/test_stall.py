@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[3]
+from tests.launch_env import launch_env
+
 TIMEOUT_S = 3
 
 TRAINER = textwrap.dedent("""
@@ -96,8 +97,7 @@ def _alive(pid: int) -> bool:
 def test_a_stalled_rank_ends_every_process_with_its_name(tmp_path, loop, stall_rank):
     script, pids = tmp_path / "fit.py", tmp_path / "pids"
     script.write_text(TRAINER if loop == "trainer" else FABRIC)
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    env.pop("LOCAL_RANK", None)
+    env = launch_env()
     proc = subprocess.Popen([sys.executable, str(script), str(stall_rank), str(TIMEOUT_S), str(pids)], cwd=tmp_path,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
