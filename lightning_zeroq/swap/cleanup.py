@@ -27,6 +27,7 @@ import contextlib
 import logging
 import signal
 import threading
+import time
 from pathlib import Path
 from types import FrameType
 from typing import Iterator, Optional, Protocol
@@ -43,6 +44,12 @@ class Removable(Protocol):
     def directory(self) -> Path: ...
 
     def remove_files(self) -> None: ...
+
+    @property
+    def removed(self) -> bool: ...
+
+    @property
+    def removal_done(self) -> bool: ...
 
 
 # Resources of every swapper that has not been cleaned up yet, for the signal handlers. Plain dict
@@ -76,8 +83,7 @@ class _CleanupHandler:
             # the first one's removal and leave the rest behind.
             return
         _dying = True
-        for resources in list(_live.values()):
-            resources.remove_files()
+        _remove_all()
         signal.signal(signum, signal.SIG_DFL)
         signal.raise_signal(signum)
 
@@ -154,9 +160,20 @@ def _restore_defaults() -> None:
 def remove_live_files() -> None:
     """Remove the files and directories of every live swapper of this process, now (before the
     process is ended in a way that runs no cleanup: ``os._exit``, SIGKILL). Safe from any thread."""
-    for resources in list(_live.values()):
+    _remove_all()
+
+
+def _remove_all(wait_s: float = 2.0) -> None:
+    """Remove every live swapper's files; a removal another thread started (the watchdog ending the
+    process while a signal handler cleans up, or the other way round) is waited for, up to ``wait_s``,
+    so that neither ends the process half-way through the other's work."""
+    live = list(_live.values())
+    for resources in live:
         try:
             resources.remove_files()
         except Exception:
             pass
+    deadline = time.monotonic() + wait_s
+    while any(r.removed and not r.removal_done for r in live) and time.monotonic() < deadline:
+        time.sleep(0.01)
 

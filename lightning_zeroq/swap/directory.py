@@ -61,6 +61,7 @@ class Resources:
     files: set[str] = field(default_factory=set)  # names of the swap files this swapper created
     executors: list[ThreadPoolExecutor] = field(default_factory=list)
     removed: bool = False
+    removal_done: bool = False  # ``remove_files`` ran to its end (in whichever thread started it)
     released: bool = False
 
     @property
@@ -103,6 +104,12 @@ class Resources:
         if self.removed or os.getpid() != self.owner_pid:
             return
         self.removed = True
+        try:
+            self._remove_files()
+        finally:
+            self.removal_done = True
+
+    def _remove_files(self) -> None:
         for name in [*sorted(self.files), *([_LOCK_NAME] if self.lock_fd is not None else [])]:
             try:
                 os.unlink(name, dir_fd=self.dir_fd)

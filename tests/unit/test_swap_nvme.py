@@ -752,3 +752,34 @@ def test_a_launcher_removes_the_directories_of_the_ranks_it_killed_only(tmp_path
         assert sorted(removed) == sorted(killed)
         assert live.directory.is_dir() and all(p.is_dir() for p in other_job)
     assert sorted(tmp_path.iterdir()) == sorted(other_job)
+
+
+def test_ending_the_process_waits_for_a_removal_another_thread_started(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The watchdog ends a process (remove_live_files, then os._exit) while a signal handler removes the
+    # same files, or the other way round: the second caller must not return (and let the process end)
+    # before the first one's removal is done, or the directory stays behind.
+    sw = NvmeSwapper(tmp_path, buffer_bytes=65536)
+    sw.register("k", 1000, torch.float32)
+    sw.reserve()
+    directory = sw.directory
+    unlink, entered, release = os.unlink, threading.Event(), threading.Event()
+
+    def slow_unlink(*args, **kwargs):
+        entered.set()
+        release.wait(30)
+        return unlink(*args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", slow_unlink)
+    first = threading.Thread(target=sw._resources.remove_files)
+    first.start()
+    assert entered.wait(30)
+    second = threading.Thread(target=swap_cleanup.remove_live_files)
+    second.start()
+    second.join(0.5)
+    assert second.is_alive(), "returned while the other thread was still removing the files"
+    monkeypatch.setattr(os, "unlink", unlink)
+    release.set()
+    first.join(30)
+    second.join(30)
+    assert not directory.exists()
+    sw.close()
