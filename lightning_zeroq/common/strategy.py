@@ -126,23 +126,29 @@ def stage3_meta_init(config: ZeroConfig) -> contextlib.AbstractContextManager:
     return parameters_on_meta() if config.stage == 3 else contextlib.nullcontext()
 
 
-def join_then_timeout(strategy: Any, setup: Callable[[], None]) -> None:
+def create_process_group(strategy: Any, setup: Callable[[], None]) -> None:
     """Create the process group through ``setup`` (the parent strategy's): ranks join within
     ``JOIN_TIMEOUT`` (a short collective timeout must not fail a slow start: the launcher's children
     import torch and Lightning first); collectives then get the strategy's ``timeout``. A lone
-    process joins nobody: it gets ``timeout`` as given, as in Lightning's own strategies."""
+    process joins nobody: it gets ``timeout`` as given, as in Lightning's own strategies. A group
+    created here is owned here (``own_process_group``); one the caller created is left alone."""
+    if dist.is_initialized():  # the caller stood in for init_process_group
+        setup()
+        return
     timeout = strategy._timeout
-    if (timeout is not None and timeout < JOIN_TIMEOUT and not dist.is_initialized()
+    if (timeout is not None and timeout < JOIN_TIMEOUT
             and strategy.cluster_environment is not None and strategy.cluster_environment.world_size() > 1):
         strategy._timeout = JOIN_TIMEOUT
         try:
             setup()
         finally:
             strategy._timeout = timeout
-        if dist.is_initialized():  # not when the caller stood in for init_process_group
+        if dist.is_initialized():
             dist.distributed_c10d._set_pg_timeout(timeout)
-        return
-    setup()
+    else:
+        setup()
+    if dist.is_initialized():
+        own_process_group(timeout)
 
 
 _EXIT_HOOK: list[bool] = []

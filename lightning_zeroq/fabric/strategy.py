@@ -32,7 +32,6 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Generator, Optional, Union
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
@@ -54,9 +53,8 @@ from lightning_zeroq.common.strategy import (
     build_engine,
     check_one_optimizer,
     config_from_options,
-    join_then_timeout,
+    create_process_group,
     local_checkpoint_path,
-    own_process_group,
     register_presets,
     stage3_meta_init,
 )
@@ -176,16 +174,9 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
     # ------------------------------------------------------------------ the process group
 
     @override
-    def setup_environment(self) -> None:
-        owned = not (dist.is_available() and dist.is_initialized())
-        super().setup_environment()
-        if owned and dist.is_initialized():  # as the Trainer's strategy: a stalled or dead rank ends the job
-            own_process_group(self._timeout)
-            report_uncaught_collective_failures()
-
-    @override
     def _setup_distributed(self) -> None:
-        join_then_timeout(self, super()._setup_distributed)
+        create_process_group(self, super()._setup_distributed)  # as the Trainer's: a stalled or dead rank ends the job
+        report_uncaught_collective_failures()  # Fabric has no on_exception: the hook reports what ends the script
 
     # ------------------------------------------------------------------ precision
 

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any, Generator, Mapping, Optional
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
@@ -47,9 +46,8 @@ from lightning_zeroq.common.strategy import (
     as_zeroq_precision,
     build_engine,
     config_from_options,
-    join_then_timeout,
+    create_process_group,
     local_checkpoint_path,
-    own_process_group,
     register_presets,
     stage3_meta_init,
 )
@@ -147,13 +145,6 @@ class ZeroQStrategy(DDPStrategy):
         self._precision_plugin = as_zeroq_precision(plugin, ZeroQPrecision)
 
     @override
-    def setup_environment(self) -> None:
-        owned = not (dist.is_available() and dist.is_initialized())
-        super().setup_environment()
-        if owned and dist.is_initialized():
-            own_process_group(self._timeout)
-
-    @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         if type(self._launcher) is _SubprocessScriptLauncher:  # the ranks it kills leave no swap directory
@@ -162,7 +153,7 @@ class ZeroQStrategy(DDPStrategy):
 
     @override
     def setup_distributed(self) -> None:
-        join_then_timeout(self, super().setup_distributed)
+        create_process_group(self, super().setup_distributed)
 
     @override
     def setup(self, trainer: "Any") -> None:

@@ -12,11 +12,10 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.launch_env import launch_env
+from tests.launch_env import alive, launch_env
 
 
 SCRIPT = textwrap.dedent("""
@@ -68,13 +67,6 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.parametrize("sig, moment, ranks", [
     ("SIGINT", "step", 2), ("SIGINT", "save", 3), ("SIGTERM", "setup", 3), ("SIGTERM", "step", 2),
     ("SIGHUP", "setup", 2), ("SIGHUP", "save", 3)])
@@ -94,10 +86,10 @@ def test_a_signal_to_the_process_group_leaves_no_swap_directory(tmp_path, sig, m
     fired = float((tmp_path / "fired").read_text())
     pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(ranks) if (tmp_path / f"pid{r}").exists()]
     deadline = time.time() + 20
-    while any(_alive(p) for p in pids) and time.time() < deadline:
+    while any(alive(p) for p in pids) and time.time() < deadline:
         time.sleep(0.1)
     gone_after = time.time() - fired
-    left = [p for p in pids if _alive(p)]
+    left = [p for p in pids if alive(p)]
     for p in left:
         os.kill(p, signal.SIGKILL)
     assert len(pids) == ranks and not left, (pids, left, output[-3000:])

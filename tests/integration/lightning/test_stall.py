@@ -10,11 +10,10 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.launch_env import launch_env
+from tests.launch_env import alive, launch_env
 
 TIMEOUT_S = 3
 
@@ -82,17 +81,6 @@ FABRIC = textwrap.dedent("""
 """)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.parametrize("loop,stall_rank", [("trainer", 1), ("trainer", 0), ("fabric", 1), ("fabric", 0)])
 def test_a_stalled_rank_ends_every_process_with_its_name(tmp_path, loop, stall_rank):
     script, pids = tmp_path / "fit.py", tmp_path / "pids"
@@ -108,10 +96,10 @@ def test_a_stalled_rank_ends_every_process_with_its_name(tmp_path, loop, stall_r
     ranks = [int(line) for line in pids.read_text().split()]
     assert len(ranks) == 2, output[-3000:]
     deadline = time.time() + 10
-    while any(_alive(pid) for pid in ranks) and time.time() < deadline:
+    while any(alive(pid) for pid in ranks) and time.time() < deadline:
         time.sleep(0.2)
     last_exit = time.time()
-    left = [pid for pid in ranks if _alive(pid)]
+    left = [pid for pid in ranks if alive(pid)]
     for pid in left:
         os.kill(pid, 9)
     assert not left, f"processes {left} outlived the job:\n{output[-3000:]}"
