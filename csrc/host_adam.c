@@ -1,0 +1,352 @@
+/* The host step of optimizer offload: Adam and AdamW over fp32 arrays in host memory.
+
+   The arithmetic is torch's fused CPU Adam/AdamW kernel's, element for element (its vectorized body
+   for the elements [0, vec_end), its scalar tail for [vec_end, n)), so the result is bitwise the one
+   torch.optim.Adam(W)(fused=True) gives. Where the compiler that built torch fused a product and a
+   sum into one rounding cannot be known from here, so those are variants (``ZQ_*`` flags below):
+   lightning_zeroq/ops/host_adam.py builds this file once with every variant chosen at run time
+   (``-DZQ_PROBE``), finds the one that matches torch bitwise on this machine, and builds it again
+   with that variant fixed (``-DZQ_BODY=<flags>``), which the host step then uses. Where no variant
+   matches, torch's kernel steps as before.
+
+   What torch's kernel cannot do, this one does in the same pass over memory:
+   - read the gradient as bf16 (``gh``): the working-dtype gradient a window got from a single
+     reduction is exact in bf16, and crosses PCIe in half the bytes;
+   - scale the gradient first (``gmul``: unscaling and clipping, one multiplier), as
+     ``grad.mul_(gmul)`` before the step would, without a pass of its own over the gradient;
+   - write the updated parameter rounded to bf16 (``wh``, round to nearest even as a cast on the GPU
+     rounds), which crosses PCIe or rests in a stage-3 store instead of the fp32 master;
+   - write the values it replaces (parameter, exp_avg, exp_avg_sq) to backup arrays (``bp``, ``bm``,
+     ``bv``), so a step taken before the step's global checks are known can be undone exactly.
+
+   Threads: a small pool of its own (pthreads), one call at a time; the caller's thread works too.
+   No Python, no torch: a plain shared object called through ctypes, which releases the GIL for the
+   call. Build: cc -O3 -march=native -ffp-contract=off -fno-math-errno -shared -fPIC -pthread. */
+
+#define _GNU_SOURCE
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define ZQ_DECOUPLED 1      /* AdamW: p *= 1 - lr * wd before the update (else Adam with L2: g += wd * p) */
+#define ZQ_L2_FMA 2         /* Adam with weight decay, vector body: g = fma(p, wd, g) (else g + p * wd) */
+#define ZQ_V_FMA_A 4        /* vector body: v = fma(v, beta2, (c2 * g) * g) */
+#define ZQ_V_FMA_B 8        /* vector body: v = fma(c2 * g, g, v * beta2) (neither: two roundings) */
+#define ZQ_TAIL_FMA 16      /* scalar tail: m and the L2 term each as one fma */
+#define ZQ_WEIGHT_DECAY 32  /* weight decay is not zero */
+#define ZQ_TAIL_V_FMA_A 64  /* scalar tail: v = fma(v, beta2, (c2 * g) * g) */
+#define ZQ_TAIL_V_FMA_B 128 /* scalar tail: v = fma(c2 * g, g, v * beta2) */
+#define ZQ_VARIANT_BITS (ZQ_L2_FMA | ZQ_V_FMA_A | ZQ_V_FMA_B)
+
+typedef struct {
+    float *p, *m, *v;
+    const float *g;      /* fp32 gradient, or NULL when gh is given */
+    const uint16_t *gh;  /* bf16 gradient, or NULL */
+    uint16_t *wh;        /* the updated parameter in bf16, or NULL */
+    float *bp, *bm, *bv; /* backups of the replaced values, or all NULL */
+    int64_t n, vec_end;
+    float gmul;     /* gradient multiplier (1: none) */
+    float gsign;    /* -1 with maximize */
+    float decay;    /* float(1 - lr * wd) (decoupled) */
+    float wd;       /* float(wd) (L2) */
+    float w;        /* float(1 - beta1), the lerp weight */
+    float beta2, c2, bc2s, eps;
+    float neg_step; /* float(-(lr / bias_correction1)) */
+    float step;     /* float(lr / bias_correction1) */
+    int flags;      /* DECOUPLED, WEIGHT_DECAY and the tail's variant; the body's variant is ZQ_BODY (or
+                       these flags with -DZQ_PROBE) */
+} zq_adam;
+
+static inline float from_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch casts (a NaN: 0x7fc0) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline __attribute__((always_inline)) void update(const zq_adam *a, int64_t lo, int64_t hi, int flags,
+                                                         int half_in, int half_out) {
+    float *restrict p = a->p, *restrict m = a->m, *restrict v = a->v;
+    const float *restrict g = a->g;
+    const uint16_t *restrict gh = a->gh;
+    uint16_t *restrict wh = a->wh;
+    const float gmul = a->gmul, gsign = a->gsign, decay = a->decay, wd = a->wd, beta2 = a->beta2, c2 = a->c2,
+                bc2s = a->bc2s, eps = a->eps, neg_step = a->neg_step;
+    const float w = a->w;
+    const int small = fabsf(w) < 0.5f;
+    const float coeff = small ? w : w - 1.0f;
+    for (int64_t i = lo; i < hi; i++) {
+        float pi = p[i], mi = m[i], vi = v[i];
+        float gi = (half_in ? from_bf16(gh[i]) : g[i]) * gmul;
+        gi = gi * gsign;
+        if (flags & ZQ_WEIGHT_DECAY) {
+            if (flags & ZQ_DECOUPLED)
+                pi = pi * decay;
+            else if (flags & ZQ_L2_FMA)
+                gi = fmaf(pi, wd, gi);
+            else
+                gi = gi + pi * wd;
+        }
+        const float base = small ? mi : gi;
+        mi = fmaf(coeff, gi - mi, base);
+        const float gg = (c2 * gi) * gi;
+        if (flags & ZQ_V_FMA_A)
+            vi = fmaf(vi, beta2, gg);
+        else if (flags & ZQ_V_FMA_B)
+            vi = fmaf(c2 * gi, gi, vi * beta2);
+        else
+            vi = vi * beta2 + gg;
+        const float denom = sqrtf(vi) / bc2s + eps;
+        pi = pi + (neg_step * mi) / denom;
+        p[i] = pi;
+        m[i] = mi;
+        v[i] = vi;
+        if (half_out) wh[i] = to_bf16(pi);
+    }
+}
+
+/* dst[0, n) = src[0, n), the stores bypassing the caches where the target has streaming stores (the
+   backups are read again only to undo a step). */
+static inline void stream_copy(float *restrict dst, const float *restrict src, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i < n && ((uintptr_t)(dst + i) & 63); i++) dst[i] = src[i];
+    for (; i + 16 <= n; i += 16) _mm512_stream_ps(dst + i, _mm512_loadu_ps(src + i));
+#elif defined(__AVX__)
+    for (; i < n && ((uintptr_t)(dst + i) & 31); i++) dst[i] = src[i];
+    for (; i + 8 <= n; i += 8) _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
+#endif
+    for (; i < n; i++) dst[i] = src[i];
+}
+
+#define ZQ_BLOCK 2048 /* elements per block: its arrays stay in the L1/L2 cache between backup and step */
+
+static inline __attribute__((always_inline)) void body(const zq_adam *a, int64_t lo, int64_t hi, int flags,
+                                                       int backup, int half_in, int half_out) {
+    if (!backup) {
+        update(a, lo, hi, flags, half_in, half_out);
+        return;
+    }
+    for (int64_t start = lo; start < hi; start += ZQ_BLOCK) {
+        const int64_t end = start + ZQ_BLOCK < hi ? start + ZQ_BLOCK : hi;
+        stream_copy(a->bp + start, a->p + start, end - start);
+        stream_copy(a->bm + start, a->m + start, end - start);
+        stream_copy(a->bv + start, a->v + start, end - start);
+        update(a, start, end, flags, half_in, half_out);
+    }
+#if defined(__AVX__) || defined(__AVX512F__)
+    _mm_sfence();
+#endif
+}
+
+/* torch's scalar tail: the last n % (its vector width) elements of each tensor. */
+static void tail(const zq_adam *a) {
+    const int flags = a->flags, contract = flags & ZQ_TAIL_FMA;
+    for (int64_t i = a->vec_end; i < a->n; i++) {
+        float pi = a->p[i], mi = a->m[i], vi = a->v[i];
+        if (a->bp) {
+            a->bp[i] = pi;
+            a->bm[i] = mi;
+            a->bv[i] = vi;
+        }
+        float gi = (a->gh ? from_bf16(a->gh[i]) : a->g[i]) * a->gmul;
+        gi = gi * a->gsign;
+        if (flags & ZQ_WEIGHT_DECAY) {
+            if (flags & ZQ_DECOUPLED)
+                pi = pi * a->decay;
+            else
+                gi = contract ? fmaf(pi, a->wd, gi) : gi + pi * a->wd;
+        }
+        const float w = a->w;
+        if (fabsf(w) < 0.5f)
+            mi = contract ? fmaf(w, gi - mi, mi) : mi + w * (gi - mi);
+        else
+            mi = contract ? fmaf(-(gi - mi), 1.0f - w, gi) : gi - (gi - mi) * (1.0f - w);
+        if (flags & ZQ_TAIL_V_FMA_A)
+            vi = fmaf(vi, a->beta2, (a->c2 * gi) * gi);
+        else if (flags & ZQ_TAIL_V_FMA_B)
+            vi = fmaf(a->c2 * gi, gi, vi * a->beta2);
+        else
+            vi = vi * a->beta2 + (a->c2 * gi) * gi;
+        const float denom = sqrtf(vi) / a->bc2s + a->eps;
+        pi = pi - (a->step * mi) / denom;
+        a->p[i] = pi;
+        a->m[i] = mi;
+        a->v[i] = vi;
+        if (a->wh) a->wh[i] = to_bf16(pi);
+    }
+}
+
+#ifdef ZQ_PROBE
+/* Every variant at run time: only for finding the one that matches torch (small arrays). */
+static void run_range(const zq_adam *a, int64_t lo, int64_t hi) {
+    body(a, lo, hi, a->flags, a->bp != NULL, a->gh != NULL, a->wh != NULL);
+}
+#else
+#ifndef ZQ_BODY
+#error "build with -DZQ_PROBE, or with -DZQ_BODY=<the variant's flags> (lightning_zeroq/ops/host_adam.py does)"
+#endif
+/* One loop per mode and buffer choice, each vectorized without branches. */
+#define ZQ_LOOP(MODE)                                                          \
+    do {                                                                       \
+        const int f = (MODE) | (ZQ_BODY & ZQ_VARIANT_BITS);                    \
+        switch ((a->bp != NULL) * 4 + (a->gh != NULL) * 2 + (a->wh != NULL)) { \
+        case 0: body(a, lo, hi, f, 0, 0, 0); return;                           \
+        case 1: body(a, lo, hi, f, 0, 0, 1); return;                           \
+        case 2: body(a, lo, hi, f, 0, 1, 0); return;                           \
+        case 3: body(a, lo, hi, f, 0, 1, 1); return;                           \
+        case 4: body(a, lo, hi, f, 1, 0, 0); return;                           \
+        case 5: body(a, lo, hi, f, 1, 0, 1); return;                           \
+        case 6: body(a, lo, hi, f, 1, 1, 0); return;                           \
+        default: body(a, lo, hi, f, 1, 1, 1); return;                          \
+        }                                                                      \
+    } while (0)
+
+static void run_range(const zq_adam *a, int64_t lo, int64_t hi) {
+    if (!(a->flags & ZQ_WEIGHT_DECAY))
+        ZQ_LOOP(0);
+    else if (a->flags & ZQ_DECOUPLED)
+        ZQ_LOOP(ZQ_WEIGHT_DECAY | ZQ_DECOUPLED);
+    else
+        ZQ_LOOP(ZQ_WEIGHT_DECAY);
+}
+#endif
+
+/* ---- the pool ------------------------------------------------------------------------------ */
+
+#define ZQ_MAX_THREADS 256
+
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_wake = PTHREAD_COND_INITIALIZER;
+static pthread_cond_t pool_done = PTHREAD_COND_INITIALIZER;
+static int pool_workers = 0; /* threads started (the caller is one more) */
+static uint64_t pool_generation = 0;
+static int pool_remaining = 0;
+static const zq_adam *pool_job = NULL;
+static int pool_parts = 1;
+static int pool_cpus[ZQ_MAX_THREADS];
+static int pool_bound = 0; /* pool_cpus holds one cpu per part (0: no binding) */
+
+static void part_range(const zq_adam *a, int part, int parts, int64_t *lo, int64_t *hi) {
+    /* Cache-line (16 float) aligned parts of the body. */
+    const int64_t lines = (a->vec_end + 15) / 16;
+    const int64_t per = (lines + parts - 1) / parts;
+    int64_t start = (int64_t)part * per * 16, end = start + per * 16;
+    if (start > a->vec_end) start = a->vec_end;
+    if (end > a->vec_end) end = a->vec_end;
+    *lo = start;
+    *hi = end;
+}
+
+static void bind_self(int part) {
+    if (part >= pool_bound) return;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(pool_cpus[part], &set);
+    sched_setaffinity(0, sizeof(set), &set);
+}
+
+static void *worker(void *arg) {
+    const int id = (int)(intptr_t)arg; /* its part (the caller takes part 0) */
+    uint64_t seen = 0, bound_at = 0;
+    for (;;) {
+        pthread_mutex_lock(&pool_lock);
+        while (pool_generation == seen) pthread_cond_wait(&pool_wake, &pool_lock);
+        seen = pool_generation;
+        const zq_adam *job = pool_job;
+        const int parts = pool_parts;
+        pthread_mutex_unlock(&pool_lock);
+        if (bound_at == 0) {
+            bind_self(id);
+            bound_at = seen;
+        }
+        if (id < parts) {
+            int64_t lo, hi;
+            part_range(job, id, parts, &lo, &hi);
+            if (lo < hi) run_range(job, lo, hi);
+        }
+        pthread_mutex_lock(&pool_lock);
+        if (--pool_remaining == 0) pthread_cond_signal(&pool_done);
+        pthread_mutex_unlock(&pool_lock);
+    }
+    return NULL;
+}
+
+static int grow_pool(int workers) {
+    while (pool_workers < workers) {
+        pthread_t thread;
+        if (pthread_create(&thread, NULL, worker, (void *)(intptr_t)(pool_workers + 1)) != 0) return -1;
+        pthread_detach(thread);
+        pool_workers++;
+    }
+    return 0;
+}
+
+/* Bind the threads that start from now on: part i to cpus[i] (the caller's thread is not bound).
+   Call before the first step. Returns 0, or -1 for a bad count. */
+int zq_bind(const int *cpus, int count) {
+    if (count < 0 || count > ZQ_MAX_THREADS) return -1;
+    pthread_mutex_lock(&call_lock);
+    pthread_mutex_lock(&pool_lock);
+    for (int i = 0; i < count; i++) pool_cpus[i] = cpus[i];
+    pool_bound = count;
+    pthread_mutex_unlock(&pool_lock);
+    pthread_mutex_unlock(&call_lock);
+    return 0;
+}
+
+/* One step over one array set with ``threads`` threads (the caller's included). Returns 0, or -1 when
+   a thread could not be started (nothing was written). */
+int zq_adam_step(const zq_adam *a, int threads) {
+    if (threads < 1) threads = 1;
+    if (threads > ZQ_MAX_THREADS) threads = ZQ_MAX_THREADS;
+    /* Small arrays: the pool's wake-up would cost more than the work. */
+    if (a->vec_end < (int64_t)threads * 16384) threads = (int)(a->vec_end / 16384) + 1;
+    pthread_mutex_lock(&call_lock);
+    if (threads > 1) {
+        pthread_mutex_lock(&pool_lock);
+        if (grow_pool(threads - 1) != 0) {
+            pthread_mutex_unlock(&pool_lock);
+            pthread_mutex_unlock(&call_lock);
+            return -1;
+        }
+        pool_job = a;
+        pool_parts = threads;
+        pool_remaining = pool_workers;
+        pool_generation++;
+        pthread_cond_broadcast(&pool_wake);
+        pthread_mutex_unlock(&pool_lock);
+    }
+    int64_t lo, hi;
+    part_range(a, 0, threads, &lo, &hi);
+    if (lo < hi) run_range(a, lo, hi);
+    if (threads > 1) {
+        pthread_mutex_lock(&pool_lock);
+        while (pool_remaining > 0) pthread_cond_wait(&pool_done, &pool_lock);
+        pthread_mutex_unlock(&pool_lock);
+    }
+    tail(a);
+    pthread_mutex_unlock(&call_lock);
+    return 0;
+}
+
+/* Undo a step from its backups: p, m, v = bp, bm, bv (n elements each). */
+void zq_restore(float *p, float *m, float *v, const float *bp, const float *bm, const float *bv, int64_t n) {
+    memcpy(p, bp, (size_t)n * 4);
+    memcpy(m, bm, (size_t)n * 4);
+    memcpy(v, bv, (size_t)n * 4);
+}

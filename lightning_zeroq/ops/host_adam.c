@@ -1,0 +1,1 @@
+../../csrc/host_adam.c

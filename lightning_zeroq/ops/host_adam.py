@@ -1,0 +1,239 @@
+"""The host Adam/AdamW kernel of optimizer offload (``csrc/host_adam.c``): built, checked, called.
+
+``host_adam()`` returns the kernel, or ``None`` with the reason logged once. On first use it compiles
+the C source with the system C compiler (``$CC``, default ``cc``) into a cache directory keyed by the
+source, the compiler and this machine's CPU (the build targets it: ``-march=native``), loads it with
+``ctypes`` and checks it against torch. The kernel follows torch's fused CPU Adam/AdamW element for
+element; the details the source cannot know (where the compiler that built torch fused a product and
+a sum into one rounding, and torch's vector width, whose remainder takes torch's scalar path) are
+found by stepping random data with every variant of a probe build beside ``torch._fused_adam(w)_`` and
+keeping the one that matches bitwise in every case; the library is then built again with that
+variant fixed, and checked once more. If no variant matches, or no compiler is found, there is no
+kernel and offload steps with torch's kernel as before (only what the kernel adds is lost).
+
+What it adds over torch's kernel, in the same pass over memory: bf16 gradients read as they crossed
+PCIe, the gradient multiplier applied on the fly, the updated parameter also written in bf16, and the
+replaced values written to backups (see the C file).
+
+Both builds take a few seconds, once per machine. ``ZEROQ_HOST_KERNEL=0`` disables the kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import itertools
+import logging
+import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger("lightning_zeroq")
+
+_SOURCE_NAMES = (Path(__file__).resolve().parents[2] / "csrc" / "host_adam.c",  # a checkout
+                 Path(__file__).resolve().parent / "host_adam.c")  # the copy an installed package carries
+_CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-pthread")
+
+DECOUPLED, L2_FMA, V_FMA_A, V_FMA_B, TAIL_FMA, WEIGHT_DECAY, TAIL_V_FMA_A, TAIL_V_FMA_B = 1, 2, 4, 8, 16, 32, 64, 128
+_F = ctypes.POINTER(ctypes.c_float)
+
+
+_H = ctypes.POINTER(ctypes.c_uint16)
+
+
+class _Job(ctypes.Structure):
+    _fields_ = [("p", _F), ("m", _F), ("v", _F), ("g", _F), ("gh", _H), ("wh", _H), ("bp", _F), ("bm", _F), ("bv", _F),
+                ("n", ctypes.c_int64), ("vec_end", ctypes.c_int64),
+                ("gmul", ctypes.c_float), ("gsign", ctypes.c_float), ("decay", ctypes.c_float),
+                ("wd", ctypes.c_float), ("w", ctypes.c_float), ("beta2", ctypes.c_float), ("c2", ctypes.c_float),
+                ("bc2s", ctypes.c_float), ("eps", ctypes.c_float), ("neg_step", ctypes.c_float),
+                ("step", ctypes.c_float), ("flags", ctypes.c_int)]
+
+
+def _pointer(t: Optional[Tensor], kind=_F):
+    return None if t is None else ctypes.cast(t.data_ptr(), kind)
+
+
+class HostAdam:
+    """The loaded kernel with the variant that matches torch here (``flags``, ``width``)."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.lib, self.path = lib, path
+        lib.zq_adam_step.argtypes = [ctypes.POINTER(_Job), ctypes.c_int]
+        lib.zq_adam_step.restype = ctypes.c_int
+        lib.zq_bind.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+        lib.zq_bind.restype = ctypes.c_int
+        self.flags, self.width = 0, 16
+
+    def step(self, param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, step: float, lr: float,
+             beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool, maximize: bool = False,
+             gmul: float = 1.0, working: Optional[Tensor] = None, backup: Optional[Sequence[Tensor]] = None,
+             threads: Optional[int] = None) -> None:
+        """One Adam (``decoupled``: AdamW) step of ``param`` in place, as ``torch._fused_adam(w)_`` with
+        state step ``step`` (already advanced) would take it after ``grad.float().mul_(gmul)``; ``grad``
+        (float32 or bfloat16) is not written. ``working``: a bfloat16 tensor that receives the updated
+        parameter rounded to nearest even (``param.to(torch.bfloat16)``). ``backup``: three float32
+        tensors that receive the replaced param, exp_avg, exp_avg_sq."""
+        n = param.numel()
+        for t, dtypes in [(param, (torch.float32,)), (grad, (torch.float32, torch.bfloat16)), (exp_avg, (torch.float32,)),
+                          (exp_avg_sq, (torch.float32,)), *((t, (torch.float32,)) for t in backup or ()),
+                          *([(working, (torch.bfloat16,))] if working is not None else [])]:
+            if t.dtype not in dtypes or t.device.type != "cpu" or not t.is_contiguous() or t.numel() != n:
+                raise ValueError("host_adam.step needs contiguous CPU tensors of one size (float32; the gradient "
+                                 "float32 or bfloat16, the working copy bfloat16)")
+        bias_correction1 = 1 - beta1**step
+        bias_correction2 = 1 - beta2**step
+        step_size = lr / bias_correction1
+        flags = self.flags | (DECOUPLED if decoupled else 0) | (WEIGHT_DECAY if weight_decay != 0 else 0)
+        half = grad.dtype == torch.bfloat16
+        bp, bm, bv = (_pointer(t) for t in backup) if backup is not None else (None, None, None)
+        job = _Job(_pointer(param), _pointer(exp_avg), _pointer(exp_avg_sq), None if half else _pointer(grad),
+                   _pointer(grad, _H) if half else None, _pointer(working, _H), bp, bm, bv,
+                   n, n - n % self.width, gmul, -1.0 if maximize else 1.0, 1 - lr * weight_decay, weight_decay,
+                   1 - beta1, beta2, 1 - beta2, math.sqrt(bias_correction2), eps, -step_size, step_size, flags)
+        if self.lib.zq_adam_step(ctypes.byref(job), threads or torch.get_num_threads()) != 0:
+            raise RuntimeError("host_adam: a thread of the host step could not be started")
+
+    def restore(self, param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, backup: Sequence[Tensor]) -> None:
+        """Undo a step that wrote ``backup``."""
+        for t, b in zip((param, exp_avg, exp_avg_sq), backup):
+            t.copy_(b)
+
+    def bind(self, cpus: Sequence[int]) -> None:
+        """Pin part i of every later step to ``cpus[i]`` (empty: no binding)."""
+        array = (ctypes.c_int * max(1, len(cpus)))(*cpus)
+        if self.lib.zq_bind(array, len(cpus)) != 0:
+            raise ValueError(f"host_adam.bind: {len(cpus)} cpus, at most 256")
+
+
+def _fused(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, decoupled, maximize):
+    fn = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    fn([param], [grad], [exp_avg], [exp_avg_sq], [], [torch.tensor(float(step))], amsgrad=False, lr=lr, beta1=beta1,
+       beta2=beta2, weight_decay=weight_decay, eps=eps, maximize=maximize, grad_scale=None, found_inf=None)
+
+
+_HYPER: list[dict[str, Any]] = [
+    {"lr": lr, "beta1": b1, "beta2": 0.999, "eps": 1e-8, "weight_decay": wd, "decoupled": dec, "maximize": mx,
+     "step": s}
+    for (dec, wd, b1, mx), (lr, s) in zip(itertools.product([True, False], [0.0, 0.1], [0.9, 0.3], [False, True]),
+                                                itertools.cycle([(1e-3, 1.0), (3e-4, 7.0), (1.0, 2.0)]))]
+
+
+def _sample(n: int, gen: torch.Generator) -> list[Tensor]:
+    scale = 10.0 ** torch.randint(-8, 3, (n,), generator=gen)
+    return [torch.randn(n, generator=gen), torch.randn(n, generator=gen) * scale,
+            torch.randn(n, generator=gen) * 1e-2, torch.rand(n, generator=gen) * scale * 1e-3]
+
+
+def _matches(kernel: HostAdam, sizes: Sequence[int], gen: torch.Generator) -> bool:
+    for hyper, n in itertools.product(_HYPER, sizes):
+        p, g, m, v = _sample(n, gen)
+        ours, theirs = [t.clone() for t in (p, m, v)], [t.clone() for t in (p, g, m, v)]
+        kernel.step(ours[0], g, ours[1], ours[2], threads=1, **hyper)
+        _fused(*theirs, **hyper)
+        if not all(torch.equal(a, b) for a, b in zip(ours, (theirs[0], theirs[2], theirs[3]))):
+            return False
+    return True
+
+
+def _calibrate(kernel: HostAdam) -> Optional[tuple[int, int]]:
+    """The variant (flags, torch's vector width) that steps bitwise as torch does here (``kernel``: the
+    probe build), or None."""
+    gen = torch.Generator().manual_seed(0)
+    kernel.width = 1  # every element through the body
+    for v_flag, l2 in itertools.product((0, V_FMA_A, V_FMA_B), (0, L2_FMA)):
+        kernel.flags = v_flag | l2
+        if _matches(kernel, (4096,), gen):  # torch: no tail for any vector width dividing 4096
+            break
+    else:
+        return None
+    for width, tail_v, tail in itertools.product((16, 8, 32, 4), (0, TAIL_V_FMA_A, TAIL_V_FMA_B), (0, TAIL_FMA)):
+        kernel.width = width
+        kernel.flags = v_flag | l2 | tail_v | tail
+        if _matches(kernel, (width + width - 1, 64 + width // 2 + 1, 3), gen):
+            return kernel.flags, width
+    return None
+
+
+_lock = threading.Lock()
+_kernel: Optional[HostAdam] = None
+_tried = False
+
+
+def host_adam() -> Optional[HostAdam]:
+    """The kernel, built, loaded and checked on first call; None (logged once) where it cannot be."""
+    global _kernel, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            _kernel, reason = _load()
+            if _kernel is None:
+                log.info(f"lightning_zeroq: the host Adam kernel is not used ({reason}); optimizer offload steps "
+                         "with torch's fused CPU kernel")
+        return _kernel
+
+
+def _load() -> tuple[Optional[HostAdam], str]:
+    if os.environ.get("ZEROQ_HOST_KERNEL", "").strip().lower() in ("0", "false", "no", "off"):
+        return None, "ZEROQ_HOST_KERNEL=0"
+    source = next((p for p in _SOURCE_NAMES if p.is_file()), None)
+    if source is None:
+        return None, "its source host_adam.c is not found"
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        return None, f"no C compiler ({os.environ.get('CC', 'cc')}) on the PATH"
+    try:
+        probe_path = _build(source, compiler, ("-DZQ_PROBE",))
+        variant = _calibrate(HostAdam(ctypes.CDLL(str(probe_path)), probe_path))
+        if variant is None:
+            return None, "no variant of it steps bitwise as torch's fused kernel does on this machine"
+        flags, width = variant
+        path = _build(source, compiler, (f"-DZQ_BODY={flags}",))
+        kernel = HostAdam(ctypes.CDLL(str(path)), path)
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", "") or ""
+        return None, f"building it failed: {error} {detail[-400:]}"
+    kernel.flags, kernel.width = flags, width
+    if not _matches(kernel, (4096, width + width - 1, 3), torch.Generator().manual_seed(1)):
+        return None, "its build with the variant fixed does not step as torch's fused kernel does"
+    return kernel, ""
+
+
+def _cpu_key() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = []
+    return platform.machine() + "".join(lines)
+
+
+def _build(source: Path, compiler: str, defines: tuple[str, ...]) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    digest = hashlib.sha256(source.read_bytes())
+    for part in (compiler, version, _cpu_key(), *_CFLAGS, *defines):
+        digest.update(part.encode())
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    folder = Path(os.environ.get("ZEROQ_EXT_CACHE") or base / "lightning_zeroq") / f"host-{digest.hexdigest()[:12]}"
+    library = folder / "libzeroq_host_adam.so"
+    if library.is_file():
+        return library
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=folder, suffix=".so", delete=False) as tmp:
+        partial = Path(tmp.name)
+    try:
+        subprocess.run([compiler, *_CFLAGS, *defines, "-o", str(partial), str(source), "-lm"], check=True,
+                       capture_output=True, text=True)
+        os.replace(partial, library)  # atomic: a concurrent build of the same key writes the same bytes
+    finally:
+        partial.unlink(missing_ok=True)
+    return library

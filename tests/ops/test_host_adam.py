@@ -1,0 +1,91 @@
+"""The host Adam/AdamW kernel (csrc/host_adam.c) against torch's fused CPU kernel: bitwise, on random
+data of every size class (torch's vector body and its scalar tail), every mode, and what the kernel adds
+(bf16 gradients, the multiplier, the bf16 working copy, backups)."""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+
+import pytest
+import torch
+
+from lightning_zeroq.ops import host_adam as H
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build the host kernel")
+
+
+@pytest.fixture(scope="module")
+def kernel() -> H.HostAdam:
+    k = H.host_adam()
+    assert k is not None, "the host kernel did not load (see the log): it builds with cc and matches torch here"
+    return k
+
+
+def _data(n: int, seed: int) -> list[torch.Tensor]:
+    return H._sample(n, torch.Generator().manual_seed(seed))
+
+
+SIZES = (1, 3, 7, 8, 15, 16, 17, 31, 33, 100_003, 1 << 20)
+MODES = [dict(decoupled=d, weight_decay=wd, beta1=b1, maximize=mx)
+         for d, wd, b1, mx in itertools.product([True, False], [0.0, 0.01], [0.9, 0.2], [False, True])]
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()))
+def test_bitwise_as_torch_fused(kernel: H.HostAdam, mode: dict) -> None:
+    for n, step in zip(SIZES, itertools.cycle([1.0, 2.0, 10.0])):
+        p, g, m, v = _data(n, n)
+        hyper = dict(mode, step=step, lr=3e-4, beta2=0.95, eps=1e-6)
+        ref = [t.clone() for t in (p, g, m, v)]
+        H._fused(*ref, **hyper)
+        ours = [t.clone() for t in (p, m, v)]
+        kernel.step(ours[0], g.clone(), ours[1], ours[2], **hyper)
+        for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), ours, (ref[0], ref[2], ref[3])):
+            assert torch.equal(a, b), f"n={n} {name}: {(a != b).sum().item()} elements differ"
+
+
+def test_bf16_gradients_multiplier_working_copy_and_backups(kernel: H.HostAdam) -> None:
+    """What torch would do after ``grad.float().mul_(gmul)``, the working copy as ``param.bfloat16()``,
+    the backups the values before; ``restore`` undoes the step."""
+    for n in (5, 17, 4099, 1 << 18):
+        p, g, m, v = _data(n, 7 * n)
+        gh = g.bfloat16()
+        hyper = dict(step=3.0, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True)
+        ref = [p.clone(), gh.float().mul_(0.3125), m.clone(), v.clone()]
+        H._fused(*ref, maximize=False, **hyper)
+        ours = [t.clone() for t in (p, m, v)]
+        working = torch.full((n,), float("nan"), dtype=torch.bfloat16)
+        backup = [torch.full((n,), float("nan")) for _ in range(3)]
+        kernel.step(ours[0], gh, ours[1], ours[2], gmul=0.3125, working=working, backup=backup, **hyper)
+        assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[2]) and torch.equal(ours[2], ref[3])
+        assert torch.equal(working, ref[0].bfloat16())
+        assert all(torch.equal(b, t) for b, t in zip(backup, (p, m, v)))
+        kernel.restore(*ours, backup)
+        assert all(torch.equal(a, t) for a, t in zip(ours, (p, m, v)))
+
+
+def test_many_threads_same_bits(kernel: H.HostAdam) -> None:
+    p, g, m, v = _data(3_000_017, 3)
+    hyper = dict(step=2.0, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True)
+    one = [t.clone() for t in (p, m, v)]
+    kernel.step(one[0], g, one[1], one[2], threads=1, **hyper)
+    many = [t.clone() for t in (p, m, v)]
+    kernel.step(many[0], g, many[1], many[2], threads=7, **hyper)
+    assert all(torch.equal(a, b) for a, b in zip(one, many))
+
+
+def test_bad_tensors_are_refused(kernel: H.HostAdam) -> None:
+    p, g, m, v = _data(64, 0)
+    hyper = dict(step=1.0, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
+    with pytest.raises(ValueError, match="contiguous CPU tensors of one size"):
+        kernel.step(p, g[:32], m, v, **hyper)
+    with pytest.raises(ValueError, match="float32"):
+        kernel.step(p.double(), g, m, v, **hyper)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernel.step(p, torch.randn(128)[::2], m, v, **hyper)
+
+
+def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ZEROQ_HOST_KERNEL", "0")
+    kernel, reason = H._load()
+    assert kernel is None and reason == "ZEROQ_HOST_KERNEL=0"
