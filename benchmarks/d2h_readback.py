@@ -8,7 +8,9 @@ of a "backward" of about 30 ms on the compute stream (one unit reduced, and its 
 30/units ms), and when every copy has landed. Variants: ``nocopy`` (no copies: the floor),
 ``pageable`` (``.cpu()`` on the compute stream, as the engine reads back), ``pinned`` (non-blocking
 into pinned memory, then an event), ``highprio`` (the read-back on a stream of the highest priority),
-``chunk`` (each copy in ``--chunk-mib`` pieces), ``lowprio`` (the copies on a low-priority stream).
+``chunk`` (each copy in ``--chunk-mib`` pieces), ``lowprio`` (the copies on a low-priority stream),
+``mapped`` (no copy at all: a kernel on the compute stream writes the flags into pinned host memory
+through its device address, then an event).
 
     python benchmarks/d2h_readback.py [--gib 3.5] [--units 8]
 """
@@ -27,6 +29,14 @@ def spin(ms: float) -> None:
     torch.cuda._sleep(int(ms * 1.98e6))
 
 
+def mapped_view(host: torch.Tensor) -> torch.Tensor:
+    """A CUDA tensor over the pinned host tensor ``host`` (its device address: the same pointer under
+    unified addressing), so a kernel writes the host memory directly over PCIe."""
+    from lightning_zeroq.zero.comm import device_alias
+
+    return device_alias(host)
+
+
 def run(variant: str, grads: list[torch.Tensor], hosts: list[torch.Tensor], chunk: int) -> dict:
     dev = grads[0].device
     compute = torch.cuda.current_stream(dev)
@@ -35,6 +45,7 @@ def run(variant: str, grads: list[torch.Tensor], hosts: list[torch.Tensor], chun
     copies = low if "lowprio" in variant else torch.cuda.Stream(dev)
     flags_dev = torch.zeros(16, device=dev)
     flags_host = torch.empty(16).pin_memory()
+    flags_mapped = torch.zeros(16, dtype=torch.bool).pin_memory()
     torch.cuda.synchronize()
     t_start = time.perf_counter()
     # the "backward": 8 units reduced one after another, each copied as soon as it is reduced
@@ -51,7 +62,14 @@ def run(variant: str, grads: list[torch.Tensor], hosts: list[torch.Tensor], chun
             else:
                 h.copy_(g, non_blocking=True)
     flags_dev.add_(1.0)
-    if "pageable" in variant:
+    if "mapped" in variant:
+        torch.gt(flags_dev, 0, out=mapped_view(flags_mapped))
+        done = torch.cuda.Event()
+        done.record(compute)
+        done.synchronize()
+        assert bool(flags_mapped.all())
+        readable = time.perf_counter()
+    elif "pageable" in variant:
         flags_dev.cpu()
         readable = time.perf_counter()
     else:
@@ -81,7 +99,7 @@ def main() -> None:
     grads = [torch.randn(numel, device=dev) for _ in range(args.units)]
     hosts = [torch.empty(numel).pin_memory() for _ in range(args.units)]
     chunk = args.chunk_mib * 2**20 // 4
-    variants = ["nocopy", "pageable", "pinned", "pinned_highprio", "chunk_pinned", "chunk_pinned_highprio",
+    variants = ["nocopy", "mapped", "pageable", "pinned", "pinned_highprio", "chunk_pinned", "chunk_pinned_highprio",
                 "chunk_lowprio_pinned_highprio", "lowprio_pinned_highprio"]
     for _ in range(2):
         for v in variants:

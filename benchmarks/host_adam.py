@@ -1,14 +1,21 @@
-"""The host AdamW step at offload size: torch's fused CPU AdamW, torch's foreach AdamW and DeepSpeed's
-DeepSpeedCPUAdam (AVX, JIT-built) on the same tensors, in one process, alternating.
+"""The host AdamW step at offload size: torch's fused CPU AdamW, torch's foreach AdamW, DeepSpeed's
+DeepSpeedCPUAdam (AVX, JIT-built) and lightning_zeroq's host kernel (``csrc/host_adam.c``, plain and
+writing backups of what it replaces), on the same tensors, in one process, alternating.
 
-One rank's share of the 953M GPT under stage-2 optimizer offload on 2 ranks is about 476M fp32
-elements (``--numel``). Each arm steps ``--steps`` times after one warm-up step over the same
-parameter/gradient/state values (copies), with ``--threads`` intra-op threads; the median step time and
+The 953M GPT under optimizer offload at world size 1 steps all of its 953M fp32 elements on the host
+(``--numel``); at 2 ranks about 476M each. The elements are split into ``--tensors`` tensors (the
+engine steps one unit at a time). Each arm steps ``--steps`` times after one warm-up step over the
+same parameter/gradient/state values (copies), with ``--threads`` threads; the median step time and
 the effective bandwidth (7 fp32 arrays read or written per element: param, grad, exp_avg, exp_avg_sq
-read; param, exp_avg, exp_avg_sq written) are printed as JSON lines. The arms also agree on the result:
-the largest difference of the updated parameters against the fused arm is reported.
+read; param, exp_avg, exp_avg_sq written; backups not counted) are printed as JSON lines, with the
+largest difference of the updated parameters against the fused arm (0 for the zeroq kernel: it is
+checked bitwise against torch's at load).
 
-    python benchmarks/host_adam.py --threads 16 --numel 476000000
+``--dma`` (CUDA): while each arm steps, a side stream copies a gradient-sized buffer from the GPU to
+pinned host memory and the masters back, again and again, as an offload step's PCIe traffic lands in
+host memory beside the host step; the copies' bandwidth is reported per arm.
+
+    python benchmarks/host_adam.py --threads 16 --numel 953223168 --dma
 """
 
 from __future__ import annotations
@@ -16,16 +23,26 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import threading
 import time
 
 import torch
 
 
 def _arms(threads: int) -> dict:
-    arms = {
-        "torch_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1, fused=True),
-        "torch_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1, foreach=True),
-    }
+    def fused(ps):
+        return torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1, fused=True)
+
+    arms = {"torch_fused": fused,
+            "torch_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1, foreach=True)}
+    from lightning_zeroq.ops.host_adam import host_adam
+
+    kernel = host_adam()
+    if kernel is not None:
+        arms["zeroq_kernel"] = lambda ps: _ZeroqAdamW(ps, kernel, threads, backup=False)
+        arms["zeroq_kernel_backup"] = lambda ps: _ZeroqAdamW(ps, kernel, threads, backup=True)
+    else:
+        print(json.dumps({"arm": "zeroq_kernel", "error": "not available (see the log)"}), flush=True)
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -35,6 +52,55 @@ def _arms(threads: int) -> dict:
     return arms
 
 
+class _ZeroqAdamW:
+    """AdamW(lr=1e-4, weight_decay=0.1) through the host kernel, one tensor at a time (as the engine
+    steps units); ``backup``: also write the replaced values (pinned-size buffers made once)."""
+
+    def __init__(self, params, kernel, threads: int, backup: bool) -> None:
+        self.params, self.kernel, self.threads, self.count = params, kernel, threads, 0
+        self.state = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
+        self.backups = [[torch.empty_like(p) for _ in range(3)] for p in params] if backup else None
+        for group in self.backups or ():
+            for b in group:
+                b.fill_(0)  # touched once, as the engine's pool is
+
+    def step(self) -> None:
+        self.count += 1
+        for i, (p, (m, v)) in enumerate(zip(self.params, self.state)):
+            self.kernel.step(p.data, p.grad, m, v, step=float(self.count), lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
+                             weight_decay=0.1, decoupled=True, backup=self.backups[i] if self.backups else None,
+                             threads=self.threads)
+
+
+class _Traffic:
+    """``--dma``: copies device -> pinned host and back on a side stream while the host steps."""
+
+    def __init__(self, numel: int) -> None:
+        self.device_buf = torch.empty(numel // 2, dtype=torch.float32, device="cuda")
+        self.host_buf = torch.empty(numel // 2, dtype=torch.float32).pin_memory()
+        self.stream = torch.cuda.Stream()
+        self.bytes, self.running = 0, False
+
+    def __enter__(self) -> "_Traffic":
+        self.running, self.bytes, self.start = True, 0, time.perf_counter()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        with torch.cuda.stream(self.stream):
+            while self.running:
+                self.host_buf.copy_(self.device_buf, non_blocking=True)
+                self.device_buf.copy_(self.host_buf, non_blocking=True)
+                self.stream.synchronize()
+                self.bytes += 2 * self.host_buf.numel() * 4
+
+    def __exit__(self, *exc) -> None:
+        self.running = False
+        self.thread.join()
+        self.gb_per_s = self.bytes / (time.perf_counter() - self.start) / 1e9
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--numel", type=int, default=476_000_000)
@@ -42,6 +108,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=16)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2, help="alternate the arms this many times")
+    parser.add_argument("--dma", action="store_true", help="PCIe copies to and from pinned host memory meanwhile (CUDA)")
+    parser.add_argument("--arms", default="", help="comma-separated subset of the arms (default: all)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
@@ -49,7 +117,11 @@ def main() -> None:
     base = [torch.randn(n, generator=gen) for n in sizes]
     grads = [torch.randn(n, generator=gen) * 1e-3 for n in sizes]
     arms = _arms(args.threads)
+    if args.arms:
+        arms = {k: v for k, v in arms.items() if k in args.arms.split(",")}
+    traffic = _Traffic(args.numel) if args.dma and torch.cuda.is_available() else None
     results: dict[str, list[float]] = {name: [] for name in arms}
+    dma: dict[str, list[float]] = {name: [] for name in arms}
     finals: dict[str, list[torch.Tensor]] = {}
     for _ in range(args.rounds):
         for name, make in arms.items():
@@ -59,18 +131,28 @@ def main() -> None:
             opt = make(params)
             opt.step()  # warm-up: creates the state (and builds DeepSpeed's op on first use)
             for _ in range(args.steps):
-                start = time.perf_counter()
-                opt.step()
-                results[name].append(time.perf_counter() - start)
+                if traffic is not None:
+                    with traffic:
+                        start = time.perf_counter()
+                        opt.step()
+                        results[name].append(time.perf_counter() - start)
+                    dma[name].append(traffic.gb_per_s)
+                else:
+                    start = time.perf_counter()
+                    opt.step()
+                    results[name].append(time.perf_counter() - start)
             finals[name] = [p.detach() for p in params]
             del opt
     reference = finals.get("torch_fused")
     for name, times in results.items():
         median = statistics.median(times)
         diff = max((a - b).abs().max().item() for a, b in zip(finals[name], reference)) if reference else None
-        print(json.dumps({"arm": name, "numel": args.numel, "threads": args.threads, "median_s": round(median, 4),
-                          "all_s": [round(t, 4) for t in times], "GB_per_s": round(7 * 4 * args.numel / median / 1e9, 2),
-                          "max_abs_diff_vs_fused": diff}), flush=True)
+        line = {"arm": name, "numel": args.numel, "threads": args.threads, "median_s": round(median, 4),
+                "all_s": [round(t, 4) for t in times], "GB_per_s": round(7 * 4 * args.numel / median / 1e9, 2),
+                "max_abs_diff_vs_fused": diff}
+        if traffic is not None:
+            line["dma_GB_per_s"] = round(statistics.median(dma[name]), 1)
+        print(json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":

@@ -96,6 +96,28 @@ def side_stream(device: torch.device) -> Optional["torch.cuda.Stream"]:
     return torch.cuda.Stream(device=device) if device.type == "cuda" else None
 
 
+class _ArrayInterface:
+    """What ``torch.as_tensor`` reads to wrap foreign CUDA memory (the CUDA array interface, v3)."""
+
+    def __init__(self, host: Tensor) -> None:
+        self.host = host  # kept alive as long as the alias
+        typestr = {torch.bool: "|b1", torch.float32: "<f4", torch.uint8: "|u1", torch.int32: "<i4"}[host.dtype]
+        self.__cuda_array_interface__ = {"shape": tuple(host.shape), "typestr": typestr,
+                                         "data": (host.data_ptr(), False), "version": 3, "strides": None,
+                                         "stream": None}
+
+
+def device_alias(host: Tensor) -> Tensor:
+    """A CUDA tensor over the pinned host tensor ``host``: under unified addressing a pinned buffer's
+    device address is its host address, so a kernel writing the alias stores straight into host
+    memory over PCIe, with no copy engine involved (a copy to the host would queue behind every
+    copy already issued, whatever its stream: ``benchmarks/d2h_readback.py``). The host reads
+    ``host`` once an event recorded after that kernel completed."""
+    if not host.is_pinned() or not host.is_contiguous():
+        raise ValueError("device_alias needs a contiguous pinned host tensor")
+    return torch.as_tensor(_ArrayInterface(host))
+
+
 class SideStream:
     """A CUDA stream that runs collectives beside the compute stream (``enabled`` and on CUDA); on
     CPU, or disabled, every call is a no-op and the work runs in order on the caller's stream."""
