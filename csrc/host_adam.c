@@ -236,7 +236,8 @@ static pthread_cond_t pool_done = PTHREAD_COND_INITIALIZER;
 static int pool_workers = 0; /* threads started (the caller is one more) */
 static uint64_t pool_generation = 0;
 static int pool_remaining = 0;
-static const zq_adam *pool_job = NULL;
+static const zq_adam *pool_jobs = NULL;
+static int pool_count = 0;
 static int pool_parts = 1;
 static int pool_cpus[ZQ_MAX_THREADS];
 static int pool_bound = 0; /* pool_cpus holds one cpu per part (0: no binding) */
@@ -252,6 +253,15 @@ static void part_range(const zq_adam *a, int part, int parts, int64_t *lo, int64
     *hi = end;
 }
 
+/* Part ``part`` of every job: each array set is cut into ``parts`` pieces, one per thread. */
+static void run_part(const zq_adam *jobs, int count, int part, int parts) {
+    for (int j = 0; j < count; j++) {
+        int64_t lo, hi;
+        part_range(&jobs[j], part, parts, &lo, &hi);
+        if (lo < hi) run_range(&jobs[j], lo, hi);
+    }
+}
+
 static void bind_self(int part) {
     if (part >= pool_bound) return;
     cpu_set_t set;
@@ -262,23 +272,20 @@ static void bind_self(int part) {
 
 static void *worker(void *arg) {
     const int id = (int)(intptr_t)arg; /* its part (the caller takes part 0) */
-    uint64_t seen = 0, bound_at = 0;
+    uint64_t seen = 0;
+    int bound = 0;
     for (;;) {
         pthread_mutex_lock(&pool_lock);
         while (pool_generation == seen) pthread_cond_wait(&pool_wake, &pool_lock);
         seen = pool_generation;
-        const zq_adam *job = pool_job;
-        const int parts = pool_parts;
+        const zq_adam *jobs = pool_jobs;
+        const int count = pool_count, parts = pool_parts;
         pthread_mutex_unlock(&pool_lock);
-        if (bound_at == 0) {
+        if (!bound) {
             bind_self(id);
-            bound_at = seen;
+            bound = 1;
         }
-        if (id < parts) {
-            int64_t lo, hi;
-            part_range(job, id, parts, &lo, &hi);
-            if (lo < hi) run_range(job, lo, hi);
-        }
+        if (id < parts) run_part(jobs, count, id, parts);
         pthread_mutex_lock(&pool_lock);
         if (--pool_remaining == 0) pthread_cond_signal(&pool_done);
         pthread_mutex_unlock(&pool_lock);
@@ -309,13 +316,15 @@ int zq_bind(const int *cpus, int count) {
     return 0;
 }
 
-/* One step over one array set with ``threads`` threads (the caller's included). Returns 0, or -1 when
-   a thread could not be started (nothing was written). */
-int zq_adam_step(const zq_adam *a, int threads) {
+/* One step over ``count`` array sets with ``threads`` threads (the caller's included): one wake-up of
+   the pool for all of them. Returns 0, or -1 when a thread could not be started (nothing was written). */
+int zq_adam_steps(const zq_adam *jobs, int count, int threads) {
+    int64_t total = 0;
+    for (int j = 0; j < count; j++) total += jobs[j].vec_end;
     if (threads < 1) threads = 1;
     if (threads > ZQ_MAX_THREADS) threads = ZQ_MAX_THREADS;
-    /* Small arrays: the pool's wake-up would cost more than the work. */
-    if (a->vec_end < (int64_t)threads * 16384) threads = (int)(a->vec_end / 16384) + 1;
+    /* Small work: the pool's wake-up would cost more than it saves. */
+    if (total < (int64_t)threads * 16384) threads = (int)(total / 16384) + 1;
     pthread_mutex_lock(&call_lock);
     if (threads > 1) {
         pthread_mutex_lock(&pool_lock);
@@ -324,29 +333,21 @@ int zq_adam_step(const zq_adam *a, int threads) {
             pthread_mutex_unlock(&call_lock);
             return -1;
         }
-        pool_job = a;
+        pool_jobs = jobs;
+        pool_count = count;
         pool_parts = threads;
         pool_remaining = pool_workers;
         pool_generation++;
         pthread_cond_broadcast(&pool_wake);
         pthread_mutex_unlock(&pool_lock);
     }
-    int64_t lo, hi;
-    part_range(a, 0, threads, &lo, &hi);
-    if (lo < hi) run_range(a, lo, hi);
+    run_part(jobs, count, 0, threads);
     if (threads > 1) {
         pthread_mutex_lock(&pool_lock);
         while (pool_remaining > 0) pthread_cond_wait(&pool_done, &pool_lock);
         pthread_mutex_unlock(&pool_lock);
     }
-    tail(a);
+    for (int j = 0; j < count; j++) tail(&jobs[j]);
     pthread_mutex_unlock(&call_lock);
     return 0;
-}
-
-/* Undo a step from its backups: p, m, v = bp, bm, bv (n elements each). */
-void zq_restore(float *p, float *m, float *v, const float *bp, const float *bm, const float *bv, int64_t n) {
-    memcpy(p, bp, (size_t)n * 4);
-    memcpy(m, bm, (size_t)n * 4);
-    memcpy(v, bv, (size_t)n * 4);
 }

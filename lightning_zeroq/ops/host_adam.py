@@ -68,21 +68,25 @@ class HostAdam:
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.lib, self.path = lib, path
-        lib.zq_adam_step.argtypes = [ctypes.POINTER(_Job), ctypes.c_int]
-        lib.zq_adam_step.restype = ctypes.c_int
+        lib.zq_adam_steps.argtypes = [ctypes.POINTER(_Job), ctypes.c_int, ctypes.c_int]
+        lib.zq_adam_steps.restype = ctypes.c_int
         lib.zq_bind.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
         lib.zq_bind.restype = ctypes.c_int
         self.flags, self.width = 0, 16
 
-    def step(self, param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, step: float, lr: float,
-             beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool, maximize: bool = False,
-             gmul: float = 1.0, working: Optional[Tensor] = None, backup: Optional[Sequence[Tensor]] = None,
-             threads: Optional[int] = None) -> None:
-        """One Adam (``decoupled``: AdamW) step of ``param`` in place, as ``torch._fused_adam(w)_`` with
-        state step ``step`` (already advanced) would take it after ``grad.float().mul_(gmul)``; ``grad``
-        (float32 or bfloat16) is not written. ``working``: a bfloat16 tensor that receives the updated
-        parameter rounded to nearest even (``param.to(torch.bfloat16)``). ``backup``: three float32
-        tensors that receive the replaced param, exp_avg, exp_avg_sq."""
+    def step(self, param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, threads: Optional[int] = None,
+             **hyper: Any) -> None:
+        """One Adam (``decoupled``: AdamW) step of ``param`` in place; see ``job`` for the arguments."""
+        self.run([self.job(param, grad, exp_avg, exp_avg_sq, **hyper)], threads)
+
+    def job(self, param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, step: float, lr: float,
+            beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool, maximize: bool = False,
+            gmul: float = 1.0, working: Optional[Tensor] = None, backup: Optional[Sequence[Tensor]] = None) -> _Job:
+        """The step of one tensor, for ``run``: as ``torch._fused_adam(w)_`` with state step ``step`` (already
+        advanced) would take it after ``grad.float().mul_(gmul)``; ``grad`` (float32 or bfloat16) is not
+        written. ``working``: a bfloat16 tensor that receives the updated parameter rounded to nearest
+        even (``param.to(torch.bfloat16)``). ``backup``: three float32 tensors that receive the replaced
+        param, exp_avg, exp_avg_sq. The tensors must outlive ``run``."""
         n = param.numel()
         for t, dtypes in [(param, (torch.float32,)), (grad, (torch.float32, torch.bfloat16)), (exp_avg, (torch.float32,)),
                           (exp_avg_sq, (torch.float32,)), *((t, (torch.float32,)) for t in backup or ()),
@@ -96,11 +100,18 @@ class HostAdam:
         flags = self.flags | (DECOUPLED if decoupled else 0) | (WEIGHT_DECAY if weight_decay != 0 else 0)
         half = grad.dtype == torch.bfloat16
         bp, bm, bv = (_pointer(t) for t in backup) if backup is not None else (None, None, None)
-        job = _Job(_pointer(param), _pointer(exp_avg), _pointer(exp_avg_sq), None if half else _pointer(grad),
-                   _pointer(grad, _H) if half else None, _pointer(working, _H), bp, bm, bv,
-                   n, n - n % self.width, gmul, -1.0 if maximize else 1.0, 1 - lr * weight_decay, weight_decay,
-                   1 - beta1, beta2, 1 - beta2, math.sqrt(bias_correction2), eps, -step_size, step_size, flags)
-        if self.lib.zq_adam_step(ctypes.byref(job), threads or torch.get_num_threads()) != 0:
+        return _Job(_pointer(param), _pointer(exp_avg), _pointer(exp_avg_sq), None if half else _pointer(grad),
+                    _pointer(grad, _H) if half else None, _pointer(working, _H), bp, bm, bv,
+                    n, n - n % self.width, gmul, -1.0 if maximize else 1.0, 1 - lr * weight_decay, weight_decay,
+                    1 - beta1, beta2, 1 - beta2, math.sqrt(bias_correction2), eps, -step_size, step_size, flags)
+
+    def run(self, jobs: Sequence[_Job], threads: Optional[int] = None) -> None:
+        """Run ``jobs`` with ``threads`` threads (default: torch's intra-op threads), one wake-up of the
+        kernel's pool for all of them; the GIL is released meanwhile."""
+        if not jobs:
+            return
+        array = (_Job * len(jobs))(*jobs)
+        if self.lib.zq_adam_steps(array, len(jobs), threads or torch.get_num_threads()) != 0:
             raise RuntimeError("host_adam: a thread of the host step could not be started")
 
     def restore(self, param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, backup: Sequence[Tensor]) -> None:

@@ -89,3 +89,17 @@ def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ZEROQ_HOST_KERNEL", "0")
     kernel, reason = H._load()
     assert kernel is None and reason == "ZEROQ_HOST_KERNEL=0"
+
+
+def test_one_run_of_many_jobs_as_each_alone(kernel: H.HostAdam) -> None:
+    """``run`` of several tensors (one wake-up of the pool, as a unit's segments step) gives each tensor
+    the bits it gets stepped alone, tails included."""
+    sizes = (5, 40_000, 17, 300_001, 1)
+    data = [_data(n, 11 * n) for n in sizes]
+    hyper = dict(step=4.0, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True)
+    alone = [[t.clone() for t in (p, m, v)] for p, _, m, v in data]
+    for (_, g, _, _), (p, m, v) in zip(data, alone):
+        kernel.step(p, g, m, v, threads=3, **hyper)
+    together = [[t.clone() for t in (p, m, v)] for p, _, m, v in data]
+    kernel.run([kernel.job(p, g, m, v, **hyper) for (_, g, _, _), (p, m, v) in zip(data, together)], threads=3)
+    assert all(torch.equal(a, b) for x, y in zip(alone, together) for a, b in zip(x, y))
