@@ -118,6 +118,53 @@ def device_alias(host: Tensor) -> Tensor:
     return torch.as_tensor(_ArrayInterface(host))
 
 
+_MAPPED: dict[int, bool] = {}
+
+
+def mapped_readback(device: torch.device) -> bool:
+    """Whether ``HostFlags`` reads back through mapped host memory on ``device`` (checked once per
+    device: a pinned buffer is wrapped and written by a kernel); otherwise it copies, through the copy
+    engine, and the read-back waits for the copies to the host queued before it."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _MAPPED:
+        try:
+            with torch.cuda.device(index):
+                host = torch.zeros(4, dtype=torch.bool).pin_memory()
+                torch.gt(torch.ones(4, device="cuda"), 0, out=device_alias(host))
+                torch.cuda.synchronize()
+                _MAPPED[index] = bool(host.all())
+        except (RuntimeError, TypeError, ValueError):
+            _MAPPED[index] = False
+    return _MAPPED[index]
+
+
+class HostFlags:
+    """Reads small results back to the host: through mapped host memory where ``mapped_readback``
+    (a kernel stores the result into a pinned buffer; an event after it says it is there), else with
+    a copy."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffers: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def positive(self, values: Tensor) -> Tensor:
+        """``values > 0`` (1-D, on the device) as a bool tensor on the host."""
+        if not mapped_readback(self.device):
+            return (values > 0).cpu()
+        n = values.numel()
+        if n not in self._buffers:
+            host = torch.zeros(n, dtype=torch.bool).pin_memory()
+            self._buffers[n] = (host, device_alias(host))
+        host, alias = self._buffers[n]
+        torch.gt(values, 0, out=alias)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        done.synchronize()
+        return host.clone()
+
+
 class SideStream:
     """A CUDA stream that runs collectives beside the compute stream (``enabled`` and on CUDA); on
     CPU, or disabled, every call is a no-op and the work runs in order on the caller's stream."""

@@ -93,7 +93,8 @@ class ZeroEngine:
                 store = shard_store(pol.offload.parameters, self.device, payload_dtype=wire.payload_dtype,
                                     payload_numels=transient, param_dtype=param_dtype, rank=self.rank,
                                     quantized=pol.quantization.weights,
-                                    master_on_device=self.placement.master_on_device)
+                                    master_on_device=self.placement.master_on_device,
+                                    share_working=self.placement.share_working)
         sync_replicated_state(module, self.device, group)
         self.gatherer = Gatherer(wire, self.placement, store, self.device,
                                  sync_persistent_on_build=topo.int8_weights)

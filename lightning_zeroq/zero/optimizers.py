@@ -73,6 +73,37 @@ def prefer_fast_host_step(optimizer: torch.optim.Optimizer, group: dict,
         group["foreach"] = True
 
 
+def _unwrapped(fn: object) -> object:
+    while hasattr(fn, "__wrapped__"):  # torch's own step hooks wrap it with functools.wraps
+        fn = fn.__wrapped__
+    return fn
+
+
+_ADAM_STEPS = {_unwrapped(torch.optim.Adam.step), _unwrapped(torch.optim.AdamW.step)}
+
+
+def adam_kind(optimizer: torch.optim.Optimizer) -> Optional[bool]:
+    """For torch's own Adam or AdamW step (also in a subclass that keeps it): whether weight decay is
+    decoupled unless a group says otherwise (AdamW); None for any other step, which the host kernel
+    must not replace."""
+    if _unwrapped(type(optimizer).step) not in _ADAM_STEPS:
+        return None
+    return isinstance(optimizer, torch.optim.AdamW)
+
+
+def kernel_group(group: dict, decoupled: bool) -> Optional[dict]:
+    """The host kernel's arguments for an Adam/AdamW param group, or None where the group asks for what
+    it does not do (AMSGrad, capturable or differentiable steps, tensor hyperparameters)."""
+    if group.get("amsgrad") or group.get("capturable") or group.get("differentiable"):
+        return None
+    lr, (beta1, beta2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    if any(isinstance(x, Tensor) for x in (lr, beta1, beta2, eps, weight_decay)):
+        return None
+    return {"lr": float(lr), "beta1": float(beta1), "beta2": float(beta2), "eps": float(eps),
+            "weight_decay": float(weight_decay), "decoupled": bool(group.get("decoupled_weight_decay", decoupled)),
+            "maximize": bool(group.get("maximize", False))}
+
+
 class Binding:
     """One optimizer bound to the master segments of its parameters (several optimizers may share an
     engine if their parameters are disjoint, e.g. a GAN's generator and discriminator)."""

@@ -131,6 +131,7 @@ class Reducer:
         self._used: set[int] = set()
         self._dirty: set[int] = set()
         """Units that got gradients after their reduction in the same backward (see the docstring)."""
+        self._flags = comm.HostFlags(device)
         self._origin = torch.zeros((), dtype=torch.bool, device=device)
         """This rank contributed a non-finite gradient to some reduction of this window."""
         # The backward in progress:
@@ -252,6 +253,8 @@ class Reducer:
 
     def _agree(self, with_dirty: bool) -> tuple[Tensor, set[int], list[bool]]:
         """One MAX all-reduce: [used per parameter | dirty per unit | non-finite per unit | per rank]."""
+        self.wait()
+        self.placement.gradients_ready(self.units)  # offload with a mapped read-back: the last copies now
         self._materialize()
         n_params, n_units = self.num_params, len(self.units)
         stats = torch.zeros(n_params + 2 * n_units + self.world_size, device=self.device)
@@ -265,10 +268,10 @@ class Reducer:
         stats[n_params + 2 * n_units + self.rank] = self._origin.float()
         if self.world_size > 1:
             comm.all_reduce(stats, dist.ReduceOp.MAX, self.group)
-        # One read-back of everything the step needs to know on the host (``used`` too): it waits behind
-        # every copy to the host already queued on the copy engine, whatever its stream or priority
-        # (benchmarks/d2h_readback.py); offload keeps that queue short during the backward.
-        read = (stats > 0).cpu()
+        # One read-back of everything the step needs to know on the host (``used`` too). Through the copy
+        # engine it would wait behind every copy to the host already queued, whatever its stream or
+        # priority (benchmarks/d2h_readback.py); mapped host memory (a kernel's stores) waits for none.
+        read = self._flags.positive(stats)
         flags = read[n_params:].tolist()
         self.placement.gradients_done(self.units)  # after the read-back: ahead of it, the copies would delay it
         dirty = {i for i in range(n_units) if flags[i]}

@@ -120,9 +120,7 @@ def apply_multiplier(binding: Binding, units: Sequence[Unit], placement: Optimiz
     if binding.multiplier == 1.0:
         return
     for unit in units:
-        grad = placement.step_grad(unit)
-        for span in optimizers.spans(binding, unit):
-            grad[span].mul_(binding.multiplier)
+        placement.scale_grads(unit, optimizers.spans(binding, unit), binding.multiplier)
     binding.multiplier = 1.0
 
 
@@ -130,11 +128,23 @@ def run(binding: Binding, units: Sequence[Unit], placement: OptimizerPlacement, 
         used: Tensor) -> None:
     """Give the optimizer the gradient of every used segment (unused segments get ``None``, so the
     optimizer leaves value and state alone, as ``torch.optim`` does with DDP), step it once per batch
-    of resident units, and publish each batch's new masters."""
+    of resident units (or let the placement step the batch, ``step_batch``: the host kernel), and
+    publish each batch's new masters. The optimizer's own ``step()`` runs at least once (with no
+    gradients, if the placement stepped every batch), so what watches it (an LR scheduler's order
+    check, the profiler) sees the step."""
     used_ids = used.tolist()
     mine = [u for u in units if u.index in binding.unit_ids]
     with OneStep(binding.optimizer) as one_step:
+        optimizer_ran = False
         for batch in placement.step_batches(mine):
+            with torch.profiler.record_function("zeroq.optimizer_step"):
+                stepped_here = placement.step_batch(batch, binding, used_ids)
+            if stepped_here:
+                with torch.profiler.record_function("zeroq.publish"):
+                    for unit in batch:
+                        gatherer.publish(unit)
+                continue
+            optimizer_ran = True
             for unit in batch:
                 grad = placement.step_grad(unit)
                 for view, seg in binding.optimized[unit.index]:
@@ -147,3 +157,5 @@ def run(binding: Binding, units: Sequence[Unit], placement: OptimizerPlacement, 
                     view.grad = None
                 with torch.profiler.record_function("zeroq.publish"):
                     gatherer.publish(unit)
+        if not optimizer_ran:
+            one_step.step()

@@ -10,8 +10,9 @@ once, when the engine is built, and offers three operations:
   (``offload/``) keeps it between gathers wherever the parameters live.
 - ``gather(unit, payload)``: stage 3, before every use: every rank's payload -> ``unit.flat``.
 
-Full width. The payload is the working-dtype shard; ``encode`` hands the master over as it is and
-the store casts it where the payload rests: on the host into pinned memory (parameter offload), on
+Full width. The payload is the working-dtype shard; ``encode`` hands over the copy a host step wrote
+in that dtype (``OptimizerPlacement.host_working``), or else the master as it is, which the store casts
+where the payload rests: on the host into pinned memory (parameter offload), on
 the GPU after the fp32 master crossed PCIe once (a host master, payload on the device), or at each
 gather (a device master: nothing rests).
 
@@ -80,7 +81,10 @@ class FullWidth:
         comm.all_gather(unit.flat, placement.device_working(unit, self.payload_dtype), self.group)
 
     def encode(self, unit: Unit, placement: OptimizerPlacement) -> Tensor:
-        return unit.master  # the store's copy casts it, where the master lives
+        # The step's own working-dtype copy of a host master (the host kernel's), else the master,
+        # which the store's copy casts where the master lives.
+        working = placement.host_working(unit, self.payload_dtype)
+        return working if working is not None else unit.master
 
     def gather(self, unit: Unit, payload: Tensor) -> None:
         comm.all_gather(unit.flat, payload, self.group)

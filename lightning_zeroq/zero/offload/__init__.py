@@ -74,14 +74,17 @@ def shard_store(
     rank: int,
     quantized: bool,
     master_on_device: Callable[[int], bool] = lambda index: True,
+    share_working: Callable[[dict[int, torch.Tensor]], None] = lambda buffers: None,
 ) -> ShardStore:
     """The store of stage 3's transient units (``policy``: ``Offload.parameters``; ``payload_numels``: unit
     index -> payload elements; ``quantized``: the payload is INT8; ``master_on_device``: the optimizer
-    placement's answer, per unit)."""
+    placement's answer, per unit; ``share_working``: the placement's, for a store on the host)."""
     if isinstance(policy, Nvme):
         return NvmeStore(device, payload_dtype, payload_numels, nvme_path=policy.path, rank=rank)
     if isinstance(policy, Host):
-        return HostStore(device, payload_dtype, payload_numels)
+        store = HostStore(device, payload_dtype, payload_numels)
+        share_working(store.buffers)  # a host step writes its bf16 copy straight into the store
+        return store
     if quantized:
         return DeviceStore(device, payload_dtype, payload_numels)
     # Full width: a master on the device is the working shard (fp32) or is cast at each gather (the

@@ -13,15 +13,21 @@ it has:
 - ``begin_backward`` (``last``: the caller said a step follows this backward); ``grad_reduced``
   (backward, on the reduction stream): a unit's gradient just grew (offload: copy it to the host now
   if the backward is the last);
-- ``gradients_done`` (finalize, after the reductions completed and the agreement was read back):
-  every gradient shard is final (offload: copy them to the host now);
+- ``gradients_ready`` (finalize, every reduction issued, before the agreement) and ``gradients_done``
+  (after the agreement was read back): every gradient shard is final (offload: copy the rest to the
+  host, before the read-back where it is mapped and waits for no copy, else after it);
 - ``resident`` (publish, state dicts): the units in order, each with its master (and state) readable
   while the caller holds it; ``step_batches`` (step): the units in the batches the optimizer
   steps (all units at once on the device; one unit at a time with offload, in reverse order as the
   gradients left the device, so the copy back and gather of one unit overlap the host update of the
   next, and NVMe needs only a few resident); the order must be the same on every rank;
+- ``scale_grads`` (unscaling and clipping, before the step): multiply parts of a unit's gradient (the
+  host kernel applies it as it steps instead); ``step_batch``: step a batch itself, or leave it to
+  ``optimizer.step()`` (offload: the host kernel, for torch's Adam/AdamW);
 - ``step_grad``: the gradient shard the optimizer reads (offload: after its copy finished);
   ``device_master``/``device_working``: the master as fp32 or working dtype on the device, for the wire;
+  ``host_working``: the working-dtype copy of a host master the step wrote, if fresh (stage 3's payload);
+  ``share_working``: a stage-3 store's host buffers, where that copy is to be written;
 - ``published`` (after ``Gatherer.publish`` issued the copies that read the unit's master): a host
   master must not be written, or its buffer reused, before they ran;
 - ``end_window``, ``close``.
@@ -34,7 +40,7 @@ payload is the device master itself, nothing rests: ``MasterAlias`` (fp32) hands
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -43,6 +49,8 @@ from lightning_zeroq.zero.unit import Unit
 
 if TYPE_CHECKING:
     import torch.distributed as dist
+
+    from lightning_zeroq.zero.optimizers import Binding
 
 
 CAST_CHUNK_NUMEL = 1 << 24
@@ -96,11 +104,29 @@ class OptimizerPlacement:
     def grad_reduced(self, unit: Unit) -> None:
         pass
 
+    def gradients_ready(self, units: Sequence[Unit]) -> None:
+        pass
+
     def gradients_done(self, units: Sequence[Unit]) -> None:
         pass
 
     def step_grad(self, unit: Unit) -> Tensor:
         return unit.grad
+
+    def scale_grads(self, unit: Unit, spans: Sequence[slice], multiplier: float) -> None:
+        grad = self.step_grad(unit)
+        for span in spans:
+            grad[span].mul_(multiplier)
+
+    def step_batch(self, batch: Sequence[Unit], binding: "Binding", used: Sequence[Any]) -> bool:
+        """Step ``batch`` here (True), or leave it to the optimizer's own ``step()`` (False)."""
+        return False
+
+    def host_working(self, unit: Unit, dtype: torch.dtype) -> Optional[Tensor]:
+        return None
+
+    def share_working(self, buffers: dict[int, Tensor]) -> None:
+        pass
 
     def device_master(self, unit: Unit) -> Tensor:
         return unit.master

@@ -3,32 +3,48 @@
 Optimizer. The fp32 master shard of every unit and the optimizer state live on the host; the
 optimizer steps there with torch's fused CPU kernel (``optimizers.prefer_fast_host_step``).
 
-Gradients to the host. Each unit's fp32 gradient shard is copied to a pinned host buffer on a copy
-stream of its own, with one event per unit; the step reads a unit's host gradient only after waiting
-for that unit's event (``step_grad``), so it starts on the first unit while the others are still
-crossing PCIe. The agreement on the window (a few bytes read back at finalize) must come first, and
-on an H200 it waits behind every copy to the host already queued, whatever the stream, its priority
-or the chunking (``benchmarks/d2h_readback.py``). So in a backward that ends the window (the caller
-said so: ``boundary=True``, which the Trainer passes with managed accumulation) a unit is copied as
-soon as it is reduced only if no earlier such copy is still running, and never the unit reduced last
-(the first unit: the read-back comes right after it); the read-back then waits for the rest of one
-unit's copy at most. The other units (all of them in an unmanaged window, and a unit that got
-gradients again after its copy) are copied at finalize, after the read-back. (On the 953M model on
-one H200, copying every unit during the backward made the agreement wait 45 ms for all 3.8 GB;
-copying them all after it, the host step took 262 ms instead of 227 while they landed.)
+Gradients to the host. Each unit's gradient shard is copied to a pinned host buffer on a copy stream
+of its own, with one event per unit; the step reads a unit's host gradient only after waiting for that
+unit's event (``step_grad``), so it starts on the first unit while the others are still crossing PCIe.
+A window whose unit got exactly one reduction holds its gradient in the working dtype (``Unit.pending``);
+in bf16 that crosses PCIe as it is, in half the bytes of fp32, into a bf16 host buffer, and the host
+kernel reads it there (``ops.host_adam``: the fp32 value is the bf16 one exactly); any other reader gets
+it in fp32 (``step_grad`` widens it first). The agreement on the window (a few bytes read back at
+finalize) must come first. Through the copy engine, on an H200, that read-back waits behind every
+copy to the host already queued, whatever the stream, its priority or the chunking
+(``benchmarks/d2h_readback.py``); where the reducer reads it back through mapped host memory instead
+(``comm.mapped_readback``: a kernel stores the flags into pinned memory, no copy engine involved), it
+waits for nothing, so in a backward that ends the window (the caller said so: ``boundary=True``, which
+the Trainer passes with managed accumulation) every unit is copied as soon as it is reduced. Without
+mapped read-back a unit is copied then only if no earlier such copy is still running, and never the
+unit reduced last (the first unit: the read-back comes right after it); the read-back then waits for
+the rest of one unit's copy at most. The other units (all of them in an unmanaged window, and a unit
+that got gradients again after its copy) are copied at finalize: before the agreement where the
+read-back is mapped (``gradients_ready``), after it otherwise (``gradients_done``). (On the 953M model
+on one H200, copying every unit during the backward made a copy-engine read-back wait 45 ms for all
+3.8 GB; copying them all after it, the host step took 262 ms instead of 227 while they landed.)
+
+The host step. For torch's Adam and AdamW the host kernel (``ops.host_adam``, torch's fused
+arithmetic bitwise) steps a unit's segments in one call: it reads bf16 gradients, applies the pending
+gradient multiplier (unscaling and clipping) on the fly instead of a pass of its own, and, with bf16
+working weights, writes the updated master rounded to bf16 beside it (``working``), which crosses
+PCIe in half the bytes (``device_working``) or, with stage-3 parameter offload, is written straight
+into the store's pinned buffer, so nothing crosses back. Other optimizers step through
+``optimizer.step()`` with torch's fused CPU kernel where torch has one.
 
 The step walks the units one at a time, in the order their gradients were reduced (reverse unit
 order, the same on every rank, so the collectives of ``publish`` match): the copy back and the
 gather of one unit (asynchronous on the GPU) overlap the host update of the next.
 
-Weights back to the device (``device_working``). The fp32 master crosses PCIe as it is, in chunks,
-and is cast to the working dtype on the GPU: the CPU only enqueues the copies. (Casting on the host
-first halves the bytes on PCIe but cost the CPU about a third of the AdamW step's time on the 953M
-model, as a second pass over the masters; the copy engine is otherwise idle during the host step.)
+Weights back to the device (``device_working``). The working-dtype copy the kernel wrote, where it is
+fresh (bf16; fp16 and other optimizers: the fp32 master crosses PCIe as it is, in chunks, and is cast
+to the working dtype on the GPU, so the CPU only enqueues the copies: casting on the host as a pass of
+its own cost the CPU about a third of the AdamW step's time on the 953M model).
 
 Parameters (stage 3). A transient unit's payload rests in pinned host memory and is copied to the
-device right before each gather (on the gather stream when prefetched). After a step the host master
-is cast to that payload on the GPU and copied back (``HostStore.put``), not on the CPU.
+device right before each gather (on the gather stream when prefetched). After a step the kernel's
+bf16 copy is that payload already; otherwise the host master is cast to it on the GPU and copied back
+(``HostStore.put``), not on the CPU.
 
 On a machine without a GPU "host" and "device" are the same memory; the code path is the same and
 is what the CPU tests exercise. Host buffers are pinned only where a GPU copies from or to them.
@@ -39,14 +55,15 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from typing import Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
 
+from lightning_zeroq.ops.host_adam import HostAdam, host_adam
 from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.offload.device import OptimizerPlacement, copy_cast_to_device
-from lightning_zeroq.zero.optimizers import prefer_fast_host_step
+from lightning_zeroq.zero.optimizers import Binding, adam_kind, kernel_group, prefer_fast_host_step
 from lightning_zeroq.zero.unit import Unit
 
 
@@ -64,20 +81,34 @@ class HostOptimizer(OptimizerPlacement):
         self.pin = device.type == "cuda"
         self.param_dtype, self.world_size = param_dtype, world_size
         self.host_grads: dict[int, Tensor] = {}
+        self.half_grads: dict[int, Tensor] = {}
+        """bf16 host gradient buffers (made at a unit's first bf16 copy)."""
         self.copies = comm.side_stream(device)
         """CUDA only: the stream the gradient shards leave the device on."""
         self.in_flight: dict[int, "torch.cuda.Event"] = {}
         """Units whose gradient copy to the host may still be running, with its event."""
         self.fresh: set[int] = set()
         """Units whose host gradient already holds this window's gradients."""
+        self.half: set[int] = set()
+        """Fresh units whose host gradient is the bf16 copy (``half_grads``), not yet widened."""
+        self.multiplier: dict[int, float] = {}
+        """Units whose host gradient still owes this multiplier (the kernel applies it as it steps)."""
         self.device_reads: dict[int, "torch.cuda.Event"] = {}
         """Units whose master the device may still be reading (``published``), with the event after it."""
         self.copy_early = False
         """This backward ends the window (``begin_backward``): copy units as they are reduced."""
+        self.copy_all = comm.mapped_readback(device)
+        """The agreement's read-back does not wait for copies to the host: copy every unit at once."""
         self.early: list["torch.cuda.Event"] = []
         """The events of the copies issued during this backward that may still be running."""
         self.also_on: Optional[torch.device] = None
         """Partial offload (``split.SplitOptimizer``): the optimizer's groups hold segments on this device too."""
+        self.kernel: Optional[HostAdam] = None
+        """The host Adam kernel, when an attached optimizer is torch's Adam or AdamW (and it loaded)."""
+        self.working: dict[int, Tensor] = {}
+        """bf16 host copies of the masters the kernel writes (own buffers, or a stage-3 store's)."""
+        self.working_fresh: set[int] = set()
+        """Units whose ``working`` copy is the master's bf16 cast, written by this step."""
 
     def adopt_master(self, index: int, shard: Tensor) -> Tensor:
         master = host_copy(shard, self.pin)
@@ -87,23 +118,32 @@ class HostOptimizer(OptimizerPlacement):
     def master_on_device(self, index: int) -> bool:
         return False
 
+    def share_working(self, buffers: dict[int, Tensor]) -> None:
+        """The kernel writes these units' bf16 copies into ``buffers`` (a stage-3 store's, which then
+        holds the step's payload as soon as the step is done)."""
+        if self.param_dtype == torch.bfloat16:
+            self.working.update({i: b for i, b in buffers.items() if b.dtype == torch.bfloat16})
+
     def attach(self, units: Sequence[Unit], optimizers: Sequence[torch.optim.Optimizer]) -> None:
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 prefer_fast_host_step(optimizer, group, self.also_on)
         _give_the_host_step_threads(self.world_size)
+        self.kernel = host_adam() if any(adam_kind(o) is not None for o in optimizers) else None
 
     def begin_backward(self, last: bool) -> None:
         self.copy_early = last
 
     def grad_reduced(self, unit: Unit) -> None:
         self.fresh.discard(unit.index)  # more gradients arrived: an earlier copy is stale
-        # The unit reduced last (the first) is left to finalize: its copy would sit whole before the read-back.
-        if self.copy_early and unit.index in self.host_grads and unit.index != min(self.host_grads) \
-                and self._copies_idle():
-            unit.materialize_grad()  # on the reduction stream, as finalize would (bitwise the same)
-            self._copy_to_host(unit)
-            if unit.index in self.in_flight:
+        self.half.discard(unit.index)
+        if not self.copy_early or unit.index not in self.host_grads:
+            return
+        # Without mapped read-back, the unit reduced last (the first) is left to finalize: its copy
+        # would sit whole before the read-back.
+        if self.copy_all or (unit.index != min(self.host_grads) and self._copies_idle()):
+            self._copy_to_host(unit)  # on the reduction stream, as finalize would (bitwise the same)
+            if not self.copy_all and unit.index in self.in_flight:
                 self.early.append(self.in_flight[unit.index])
 
     def _copies_idle(self) -> bool:
@@ -113,28 +153,49 @@ class HostOptimizer(OptimizerPlacement):
 
     def _copy_to_host(self, unit: Unit) -> None:
         """Copy the unit's gradient shard to the host after what the current stream issued so far (its
-        reduction), on the copy stream; ``step_grad`` waits for it."""
-        host = self.host_grads[unit.index]
+        reduction), on the copy stream; ``step_grad`` waits for it. The window's single reduced part
+        goes as it is where it is bf16 and the kernel reads it; otherwise the fp32 shard."""
+        pending = unit.pending
+        half = (self.kernel is not None and pending is not None and not unit.has_grad_storage
+                and pending.dtype == torch.bfloat16)
+        if half:
+            assert pending is not None  # half says so
+            source, host = pending, self._half_buffer(unit)
+        else:
+            unit.materialize_grad()
+            source, host = unit.grad, self.host_grads[unit.index]
         if self.copies is None:
-            host.copy_(unit.grad)
+            host.copy_(source)
         else:
             self.copies.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.copies):
-                host.copy_(unit.grad, non_blocking=True)
+                host.copy_(source, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(self.copies)
+            if half:  # finalize widens the pending part into the fp32 shard and drops it meanwhile
+                source.record_stream(self.copies)
             self.in_flight[unit.index] = done
         self.fresh.add(unit.index)
+        if half:
+            self.half.add(unit.index)
+
+    def _half_buffer(self, unit: Unit) -> Tensor:
+        buffer = self.half_grads.get(unit.index)
+        if buffer is None:
+            buffer = self.half_grads[unit.index] = host_copy(
+                torch.empty(self.host_grads[unit.index].numel(), dtype=torch.bfloat16), self.pin)
+        return buffer
 
     def resident(self, units: Sequence[Unit]) -> Iterator[Unit]:
         """The units in order; each only once the device finished reading its master (whoever writes
         the masters walks them through here: the step, checkpoint loads, ``gathered_parameters``)."""
         for unit in units:
             self.wait_device_reads(unit.index)
+            self.working_fresh.discard(unit.index)  # the walker may write the master
             yield unit
 
     def published(self, unit: Unit) -> None:
-        if self.pin:  # the copies just issued read the pinned master asynchronously
+        if self.pin:  # the copies just issued read the pinned master (or its bf16 copy) asynchronously
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(self.device))
             self.device_reads[unit.index] = done
@@ -146,19 +207,107 @@ class HostOptimizer(OptimizerPlacement):
         for unit in self.resident(list(reversed(units))):  # the order the gradients left the device
             yield [unit]
 
+    def gradients_ready(self, units: Sequence[Unit]) -> None:
+        if self.copy_all:
+            self.gradients_done(units)
+
     def gradients_done(self, units: Sequence[Unit]) -> None:
         for unit in reversed(units):
-            if unit.index not in self.fresh:
+            if unit.index not in self.fresh and unit.index in self.host_grads:
                 self._copy_to_host(unit)
 
     def step_grad(self, unit: Unit) -> Tensor:
+        """The unit's fp32 host gradient, with every multiplier owed applied (a reader other than the
+        kernel: the optimizer's own step, value clipping)."""
         _wait(self.in_flight, unit.index)
-        return self.host_grads[unit.index]
+        grad = self.host_grads[unit.index]
+        if unit.index in self.half:
+            grad.copy_(self.half_grads[unit.index])  # exact: every bf16 value is an fp32 one
+            self.half.discard(unit.index)
+        owed = self.multiplier.pop(unit.index, None)
+        if owed is not None:
+            grad.mul_(owed)
+        return grad
+
+    def scale_grads(self, unit: Unit, spans: Sequence[slice], multiplier: float) -> None:
+        if self.kernel is not None and list(spans) == [slice(None)] and unit.index not in self.multiplier:
+            self.multiplier[unit.index] = multiplier  # the kernel multiplies as it reads, as mul_ would
+            return
+        super().scale_grads(unit, spans, multiplier)
+
+    def step_batch(self, batch: Sequence[Unit], binding: Binding, used: Sequence[Any]) -> bool:
+        """Step ``batch`` with the host kernel (True) where the optimizer is torch's Adam or AdamW over
+        every segment of these units, each group's settings are ones the kernel takes and its state is
+        Adam's; else leave it to ``optimizer.step()`` (False). ``used``: per parameter id, whether it got
+        a gradient (the others are not stepped, as torch skips a parameter without one)."""
+        kernel, optimizer = self.kernel, binding.optimizer
+        decoupled = adam_kind(optimizer) if kernel is not None else None
+        if kernel is None or decoupled is None:
+            return False
+        group_of = {id(view): group for group in optimizer.param_groups for view in group["params"]}
+        hypers: dict[int, dict[str, Any]] = {}
+        for unit in batch:
+            if len(binding.optimized[unit.index]) != len(unit.segments):
+                return False  # several optimizers share the unit
+            for view, _ in binding.optimized[unit.index]:
+                group = group_of[id(view)]
+                if id(group) not in hypers:
+                    hyper = kernel_group(group, decoupled)
+                    if hyper is None:
+                        return False
+                    hypers[id(group)] = hyper
+                state = optimizer.state.get(view)
+                if view.device.type != "cpu" or (state and not _adam_state(state)):
+                    return False
+        jobs = []
+        for unit in batch:
+            _wait(self.in_flight, unit.index)
+            grad = self.half_grads[unit.index] if unit.index in self.half else self.host_grads[unit.index]
+            gmul = self.multiplier.pop(unit.index, 1.0)
+            working = self._working(unit)
+            for view, seg in binding.optimized[unit.index]:
+                span = seg.shard_span
+                if not used[unit.param_id(seg.param)]:
+                    if working is not None:  # not stepped: its copy is the master's cast
+                        working[span].copy_(unit.master[span])
+                    continue
+                state = optimizer.state[view]
+                if not state:  # as torch's Adam makes it for a fused step
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=view.device)
+                    state["exp_avg"] = torch.zeros_like(view, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(view, memory_format=torch.preserve_format)
+                state["step"].add_(1)
+                jobs.append(kernel.job(view.detach(), grad[span], state["exp_avg"], state["exp_avg_sq"],
+                                       step=float(state["step"].item()), gmul=gmul,
+                                       working=working[span] if working is not None else None,
+                                       **hypers[id(group_of[id(view)])]))
+        kernel.run(jobs)  # the tensors' storages outlive it: masters, gradients, state and copies are kept
+        for unit in batch:
+            self.half.discard(unit.index)
+            if self.param_dtype == torch.bfloat16:
+                self.working_fresh.add(unit.index)
+        return True
+
+    def _working(self, unit: Unit) -> Optional[Tensor]:
+        """Where the kernel writes the unit's bf16 master copy (bf16 working weights only)."""
+        if self.param_dtype != torch.bfloat16:
+            return None
+        buffer = self.working.get(unit.index)
+        if buffer is None:  # the padding is zero in the master and stays zero here
+            buffer = self.working[unit.index] = host_copy(unit.master.to(torch.bfloat16), self.pin)
+        return buffer
+
+    def host_working(self, unit: Unit, dtype: torch.dtype) -> Optional[Tensor]:
+        fresh = unit.index in self.working_fresh and dtype == torch.bfloat16
+        return self.working[unit.index] if fresh else None
 
     def device_master(self, unit: Unit) -> Tensor:
         return unit.master.to(self.device, non_blocking=True)
 
     def device_working(self, unit: Unit, dtype: torch.dtype) -> Tensor:
+        working = self.host_working(unit, dtype)
+        if working is not None:  # the step's own bf16 copy: half the bytes of the master
+            return working.to(self.device, non_blocking=True)
         if self.pin and dtype != unit.master.dtype:
             return copy_cast_to_device(torch.empty(unit.master.shape, dtype=dtype, device=self.device), unit.master)
         return unit.master.to(device=self.device, dtype=dtype, non_blocking=True)
@@ -171,7 +320,19 @@ class HostOptimizer(OptimizerPlacement):
             current.wait_event(done)
         self.in_flight.clear()
         self.fresh.clear()
+        self.half.clear()
+        self.multiplier.clear()
+        self.working_fresh.clear()
         self.copy_early, self.early = False, []
+
+
+def _adam_state(state: dict) -> bool:
+    """``state`` is what torch's Adam keeps for a parameter stepped with a fused step (a float32 CPU step
+    count, the two moments), as the kernel reads and writes it."""
+    step = state.get("step")
+    return (set(state) == {"step", "exp_avg", "exp_avg_sq"} and isinstance(step, Tensor) and step.device.type == "cpu"
+            and step.dtype == torch.float32 and step.numel() == 1
+            and all(state[k].dtype == torch.float32 and state[k].is_contiguous() for k in ("exp_avg", "exp_avg_sq")))
 
 
 def _wait(events: dict[int, "torch.cuda.Event"], index: int) -> None:
@@ -190,6 +351,8 @@ class HostStore:
 
     def put(self, unit: Unit, payload: Tensor) -> None:
         buffer = self.buffers[unit.index]
+        if payload.data_ptr() == buffer.data_ptr():
+            return  # the host kernel wrote the step's payload here (``HostOptimizer.share_working``)
         if self.pin and payload.device.type == "cpu" and payload.dtype != buffer.dtype:
             # A host master (optimizer offload): cast on the GPU and copy the payload back, so the CPU,
             # which steps the next unit meanwhile, only enqueues copies (casting 953M fp32 elements on

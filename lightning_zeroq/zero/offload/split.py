@@ -16,7 +16,7 @@ fused CPU kernel where there is one) also steps the device units when torch has 
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -24,6 +24,7 @@ from torch import Tensor
 from lightning_zeroq.zero.layout import UnitLayout
 from lightning_zeroq.zero.offload.device import OptimizerPlacement, ShardStore
 from lightning_zeroq.zero.offload.host import HostOptimizer
+from lightning_zeroq.zero.optimizers import Binding
 from lightning_zeroq.zero.unit import Unit
 
 
@@ -104,8 +105,26 @@ class SplitOptimizer(OptimizerPlacement):
         self.on_device.gradients_done(on_device)
         self.host.gradients_done(on_host)
 
+    def gradients_ready(self, units: Sequence[Unit]) -> None:
+        on_device, on_host = self._split(units)
+        self.on_device.gradients_ready(on_device)
+        self.host.gradients_ready(on_host)
+
     def step_grad(self, unit: Unit) -> Tensor:
         return self._of(unit).step_grad(unit)
+
+    def scale_grads(self, unit: Unit, spans: Sequence[slice], multiplier: float) -> None:
+        self._of(unit).scale_grads(unit, spans, multiplier)
+
+    def step_batch(self, batch: Sequence[Unit], binding: Binding, used: Sequence[Any]) -> bool:
+        # step_batches yields device units and host units in batches of their own
+        return bool(batch) and all(u.index in self.host_units for u in batch) and self.host.step_batch(batch, binding, used)
+
+    def host_working(self, unit: Unit, dtype: torch.dtype) -> Optional[Tensor]:
+        return self._of(unit).host_working(unit, dtype)
+
+    def share_working(self, buffers: dict[int, Tensor]) -> None:
+        self.host.share_working(buffers)
 
     def device_master(self, unit: Unit) -> Tensor:
         return self._of(unit).device_master(unit)

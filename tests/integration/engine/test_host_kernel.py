@@ -1,0 +1,146 @@
+"""Optimizer offload through the host kernel (ops.host_adam) is bitwise the offload through torch's
+fused CPU step, and takes its own paths: bf16 gradients to the host, the multiplier (clipping) on the
+fly, the bf16 working copy the wire and stage 3's host store take instead of the master. Two gloo
+ranks; the same training with the kernel and with it switched off, compared bit for bit after every
+step (masters, optimizer state, working weights, losses)."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_zeroq import ZeroConfig, ZeroEngine
+from tests.integration.engine.test_offload import TwoHeads, _loss
+
+CASES = {
+    "s2_opt_bf16": (2, {"offload_optimizer": True}, torch.bfloat16),
+    "s2_opt_fp32": (2, {"offload_optimizer": True}, torch.float32),
+    "s1_opt_bf16": (1, {"offload_optimizer": True}, torch.bfloat16),
+    "s3_params_bf16": (3, {"offload_optimizer": True, "offload_parameters": True}, torch.bfloat16),
+    "s3_opt_bf16": (3, {"offload_optimizer": True}, torch.bfloat16),
+    "s2_ratio_bf16": (2, {"offload_optimizer": True, "offload_optimizer_ratio": 0.5}, torch.bfloat16),
+    "s3_params_ratio_bf16": (3, {"offload_optimizer": True, "offload_parameters": True,
+                                 "offload_optimizer_ratio": 0.5}, torch.bfloat16),
+    "s2_nvme_bf16": (2, {"offload_optimizer": True, "offload_optimizer_device": "nvme"}, torch.bfloat16),
+    "s2_hybrid_fp32": (2, {"offload_optimizer": True, "shard_group_size": 1}, torch.float32),
+    "s3_hybrid_params_bf16": (3, {"offload_optimizer": True, "offload_parameters": True, "shard_group_size": 1},
+                              torch.bfloat16),
+}
+# (backward passes per step, boundary given: managed accumulation, clip norm)
+WINDOWS = {"one_backward_clip": (1, True, 0.05), "accumulate_managed": (3, True, None),
+           "accumulate_unmanaged_clip": (2, False, 0.05)}
+
+
+def _train(case: str, window: str, kernel_on: bool, optimizer: str):
+    import lightning_zeroq.zero.offload.host as host
+
+    stage, options, dtype = CASES[case]
+    backwards, managed, clip = WINDOWS[window]
+    options = dict(options)
+    if options.get("offload_optimizer_device") == "nvme":
+        options["nvme_path"] = tempfile.mkdtemp()
+    real, runs, halves = host.host_adam, [0], []
+    if kernel_on:
+        kernel = real()
+        assert kernel is not None
+        run = kernel.run
+
+        def counting(jobs, threads=None):
+            runs[0] += 1
+            return run(jobs, threads)
+
+        kernel.run = counting  # type: ignore[method-assign]
+    else:
+        host.host_adam = lambda: None  # type: ignore[assignment]
+    try:
+        torch.manual_seed(0)
+        model = TwoHeads().to(dtype)
+        config = ZeroConfig(stage=stage, reduce_bucket_size=700, stage3_wrap_classes=["Linear"],
+                            stage3_param_persistence_threshold=40, **options)
+        engine = ZeroEngine(model, config, param_dtype=dtype)
+        make = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+                "adam_l2": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.01, betas=(0.8, 0.95))}[optimizer]
+        engine.attach_optimizer(make(model.parameters()))
+        placement = getattr(engine.placement, "host", engine.placement)
+        out = []
+        for step in range(4):
+            for micro in range(backwards):
+                loss = _loss(model, step, micro, head=step % 2)  # the other head is unused this window
+                engine.backward(loss.float() / backwards, boundary=(micro == backwards - 1) if managed else None)
+            halves.append(len(placement.half))
+            if clip is not None:
+                engine.clip_grad_norm_(clip)
+            engine.step()
+            engine.zero_grad()
+            state = [t.detach().clone() for s in engine.optimizer.state.values() for t in s.values()]
+            out.append((loss.detach().float(), [u.master.detach().cpu().clone() for u in engine.units], state,
+                        engine.full_state_dict()))
+        engine.close()
+        return out, runs[0], halves
+    finally:
+        host.host_adam = real
+        if kernel_on:
+            del kernel.run
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adam_l2"])
+@pytest.mark.parametrize("window", list(WINDOWS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_offload_is_bitwise_torch_offload(dist_pool, case, window, optimizer):
+    if optimizer == "adam_l2" and case not in ("s2_opt_bf16", "s3_params_bf16"):
+        pytest.skip("Adam with L2 decay: two cases are enough")
+    results = dist_pool(2).run(_train, case, window, True, optimizer)
+    references = dist_pool(2).run(_train, case, window, False, optimizer)
+    for (ours, runs, halves), (theirs, torch_runs, _) in zip(results, references):
+        assert runs > 0 and torch_runs == 0, "the kernel stepped the host units (and only with it on)"
+        stage, options, dtype = CASES[case]
+        if dtype == torch.bfloat16 and WINDOWS[window][:2] == (1, True) and stage > 1:
+            assert all(h > 0 for h in halves), "a single reduction's bf16 gradient went to the host as it is"
+        for step, (a, b) in enumerate(zip(ours, theirs)):
+            loss_a, masters_a, state_a, full_a = a
+            loss_b, masters_b, state_b, full_b = b
+            assert torch.equal(loss_a, loss_b), f"step {step}: the losses differ"
+            assert all(torch.equal(x, y) for x, y in zip(masters_a, masters_b)), f"step {step}: masters differ"
+            assert len(state_a) == len(state_b) and all(torch.equal(x, y) for x, y in zip(state_a, state_b)), \
+                f"step {step}: optimizer state differs"
+            assert full_a.keys() == full_b.keys() and all(torch.equal(full_a[k], full_b[k]) for k in full_a)
+
+
+def _working_body():
+    """After a kernel step the working weights are the masters' bf16 casts, everywhere they rest: the
+    module (stage 2) and stage 3's host store."""
+    from lightning_zeroq.zero.offload.host import HostStore
+
+    out = {}
+    for stage, options in ((2, {"offload_optimizer": True}),
+                           (3, {"offload_optimizer": True, "offload_parameters": True})):
+        torch.manual_seed(0)
+        model = TwoHeads().to(torch.bfloat16)
+        engine = ZeroEngine(model, ZeroConfig(stage=stage, reduce_bucket_size=700, stage3_wrap_classes=["Linear"],
+                                              stage3_param_persistence_threshold=40, **options),
+                            param_dtype=torch.bfloat16)
+        engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+        engine.backward(_loss(model, 0, 0, 0).float(), boundary=True)
+        engine.step()
+        store = engine.gatherer.store
+        checked = 0
+        for unit in engine.units:
+            cast = unit.master.to(torch.bfloat16)
+            if unit.persistent:
+                shard = unit.flat[unit.layout.shard_span(dist.get_rank())]
+                assert torch.equal(shard, cast), unit.index
+            else:
+                assert isinstance(store, HostStore)
+                assert torch.equal(store.buffers[unit.index], cast), unit.index
+            checked += 1
+        out[stage] = checked
+        engine.close()
+    return out
+
+
+def test_working_weights_are_the_masters_casts(dist_pool):
+    for checked in dist_pool(2).run(_working_body):
+        assert checked[2] > 0 and checked[3] > 0
