@@ -110,6 +110,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="alternate the arms this many times")
     parser.add_argument("--dma", action="store_true", help="PCIe copies to and from pinned host memory meanwhile (CUDA)")
     parser.add_argument("--arms", default="", help="comma-separated subset of the arms (default: all)")
+    parser.add_argument("--bind", action="store_true", help="pin the zeroq kernel's threads to cores 1..threads-1")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
@@ -117,6 +118,12 @@ def main() -> None:
     base = [torch.randn(n, generator=gen) for n in sizes]
     grads = [torch.randn(n, generator=gen) * 1e-3 for n in sizes]
     arms = _arms(args.threads)
+    if args.bind:
+        from lightning_zeroq.ops.host_adam import host_adam
+
+        kernel = host_adam()
+        if kernel is not None:
+            kernel.bind(list(range(args.threads)))
     if args.arms:
         arms = {k: v for k, v in arms.items() if k in args.arms.split(",")}
     traffic = _Traffic(args.numel) if args.dma and torch.cuda.is_available() else None

@@ -362,6 +362,8 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
     gc.collect()
     if ON_GPU:
         torch.cuda.empty_cache()
+        if hasattr(torch._C, "_host_emptyCache"):  # pinned host blocks an offload arm left in torch's cache
+            torch._C._host_emptyCache()
     return result
 
 

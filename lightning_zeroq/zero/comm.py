@@ -155,9 +155,12 @@ class HostFlags:
             return (values > 0).cpu()
         n = values.numel()
         if n not in self._buffers:
-            host = torch.zeros(n, dtype=torch.bool).pin_memory()
-            self._buffers[n] = (host, device_alias(host))
+            with torch.cuda.device(self.device):
+                host = torch.zeros(n, dtype=torch.bool).pin_memory()
+                self._buffers[n] = (host, device_alias(host))
         host, alias = self._buffers[n]
+        if alias.device != values.device:  # the buffer belongs to another device's context
+            return (values > 0).cpu()
         torch.gt(values, 0, out=alias)
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))

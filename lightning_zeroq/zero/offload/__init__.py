@@ -9,7 +9,7 @@ branches on the offload mode itself.
 | no offload | ``device.OptimizerPlacement`` | full width: ``device.MasterAlias`` (fp32) or ``device.CastMaster`` (bf16/fp16); INT8: ``device.DeviceStore`` |
 | ``offload_optimizer`` (cpu) | ``host.HostOptimizer`` | ``device.DeviceStore`` |
 | ``offload_optimizer`` (cpu), ``0 < offload_optimizer_ratio < 1`` | ``split.SplitOptimizer`` | full width: ``split.SplitStore`` (as no offload for the units whose master stays on the device, ``device.DeviceStore`` for the others); INT8: ``device.DeviceStore`` |
-| ``offload_optimizer`` (cpu), ``offload_optimizer_ratio="auto"`` | ``auto.AutoSplit`` (a ``SplitOptimizer`` that starts with every unit on the host and brings back what fits after the first step) | ``device.DeviceStore`` (kept after the decision) |
+| ``offload_optimizer`` (cpu), ``offload_optimizer_ratio="auto"`` | ``auto.AutoSplit`` (a ``SplitOptimizer`` that starts with every unit on the host and brings back what fits after the first step) | full width: ``split.SplitStore`` with every unit off the device at first; a unit brought back gathers from its master from then on, as with a ratio, its payload dropped; INT8: ``device.DeviceStore`` |
 | ``offload_optimizer`` (cpu), ``offload_optimizer_ratio=0`` | ``device.OptimizerPlacement`` | as no offload |
 | ``offload_optimizer_device="nvme"`` | ``nvme.NvmeOptimizer`` | ``device.DeviceStore`` |
 | ``offload_parameters`` (cpu) | | ``host.HostStore`` |
@@ -75,10 +75,12 @@ def shard_store(
     quantized: bool,
     master_on_device: Callable[[int], bool] = lambda index: True,
     share_working: Callable[[dict[int, torch.Tensor]], None] = lambda buffers: None,
+    masters_may_move: bool = False,
 ) -> ShardStore:
     """The store of stage 3's transient units (``policy``: ``Offload.parameters``; ``payload_numels``: unit
     index -> payload elements; ``quantized``: the payload is INT8; ``master_on_device``: the optimizer
-    placement's answer, per unit; ``share_working``: the placement's, for a store on the host)."""
+    placement's answer, per unit; ``share_working``: the placement's, for a store on the host;
+    ``masters_may_move``: the placement brings masters to the device later, ``auto.AutoSplit``)."""
     if isinstance(policy, Nvme):
         return NvmeStore(device, payload_dtype, payload_numels, nvme_path=policy.path, rank=rank)
     if isinstance(policy, Host):
@@ -94,4 +96,5 @@ def shard_store(
     if len(on_device) == len(payload_numels):
         return reads_master
     kept = DeviceStore(device, payload_dtype, {i: n for i, n in payload_numels.items() if i not in on_device})
-    return SplitStore(reads_master, kept, on_device) if on_device else kept
+    # Masters that may come to the device later ("auto") need the split even while none is there.
+    return SplitStore(reads_master, kept, on_device) if on_device or masters_may_move else kept

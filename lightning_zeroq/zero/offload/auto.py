@@ -8,10 +8,11 @@ master and the optimizer state the step created for it. Every rank contributes, 
 its own shortfall (peak minus budget) and its own costs, so all ranks decide alike from the worst of
 them. Then, largest first (ties: lower index), each unit whose cost still fits under the budget moves
 its master and state to the device and steps there from then on (``split.SplitOptimizer``); the
-others stay on the host. The new peak is the measured one plus what moved, at most the budget. Stage
-3 keeps the store it was built with: a unit brought back still rests its working-dtype payload on the
-device (2 bytes per element, counted in the measured peak), where a hand-picked ratio would cast the
-master at each gather.
+others stay on the host. The new peak is the measured one plus what moved, at most the budget. In
+stage 3 at full width a unit brought back gathers from its master from then on, as a hand-picked
+ratio's device units do (cast at each gather), and the working-dtype payload it rested on the device
+while its master was on the host (2 bytes per element, counted in the measured peak) is released, so
+it costs that much less (``split.SplitStore.master_moved``); with INT8 weights the payload stays.
 
 On a CPU device there is no device memory to fill: ``"auto"`` warns once and keeps every unit on the
 host (as ratio 1). Tests replace ``measure`` to run the decision on the CPU.
@@ -28,6 +29,7 @@ import torch.distributed as dist
 
 from lightning_zeroq.config import memory_budget
 from lightning_zeroq.zero import comm
+from lightning_zeroq.zero.offload.device import ShardStore, freed_by_moving, master_moved
 from lightning_zeroq.zero.offload.host import HostOptimizer
 from lightning_zeroq.zero.offload.split import SplitOptimizer
 from lightning_zeroq.zero.unit import Unit
@@ -55,13 +57,20 @@ def cuda_memory(device: torch.device) -> Measure:
 class AutoSplit(SplitOptimizer):
     """Starts with every unit on the host; ``step_done`` brings back what fits, once."""
 
+    masters_may_move = True
+
     def __init__(self, device: torch.device, host: HostOptimizer, num_units: int, budget: Any, rank: int) -> None:
         super().__init__(device, host, frozenset(range(num_units)))
         self.budget, self.rank = budget, rank
+        self.store: Optional[ShardStore] = None
+        """Stage 3's shard store (``store_built``): a unit brought back gathers from its master there."""
         self.measure: Measure = cuda_memory(device)
         self.decided = False
         self.decision: Optional[dict] = None
         """What was decided (units and bytes each side), for logs and tests."""
+
+    def store_built(self, store: ShardStore) -> None:
+        self.store = store
 
     def step_done(self, units: Sequence[Unit], optimizers: Sequence[torch.optim.Optimizer], stepped: bool,
                   group: Optional[dist.ProcessGroup]) -> None:
@@ -77,7 +86,7 @@ class AutoSplit(SplitOptimizer):
         budget = memory_budget(self.budget, total)
         if budget is None:
             budget = peak + free - int(MARGIN * total)
-        costs = [_device_cost(unit, optimizers) for unit in units]
+        costs = [_device_cost(unit, optimizers) - freed_by_moving(self.store, unit.index) for unit in units]
         # One MAX all-reduce: the worst shortfall (peak - budget) and the largest cost of each unit.
         stats = torch.tensor([float(peak - budget)] + [float(c) for c in costs], dtype=torch.float64,
                              device=self.device)
@@ -122,7 +131,10 @@ class AutoSplit(SplitOptimizer):
                         if isinstance(value, torch.Tensor) and (key != "step" or fused):
                             state[key] = value.to(self.device)
         self.host.host_grads.pop(unit.index, None)
+        self.host.half_grads.pop(unit.index, None)
+        self.host.working.pop(unit.index, None)
         self.host.fresh.discard(unit.index)
+        master_moved(self.store, unit.index)
 
 
 def _device_cost(unit: Unit, optimizers: Sequence[torch.optim.Optimizer]) -> int:

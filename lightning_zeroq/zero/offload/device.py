@@ -27,7 +27,8 @@ it has:
 - ``step_grad``: the gradient shard the optimizer reads (offload: after its copy finished);
   ``device_master``/``device_working``: the master as fp32 or working dtype on the device, for the wire;
   ``host_working``: the working-dtype copy of a host master the step wrote, if fresh (stage 3's payload);
-  ``share_working``: a stage-3 store's host buffers, where that copy is to be written;
+  ``share_working``: a stage-3 store's host buffers, where that copy is to be written; ``store_built``:
+  the stage-3 store itself;
 - ``published`` (after ``Gatherer.publish`` issued the copies that read the unit's master): a host
   master must not be written, or its buffer reused, before they ran;
 - ``end_window``, ``close``.
@@ -71,6 +72,9 @@ def copy_cast_to_device(dst: Tensor, src: Tensor, chunk_numel: int = CAST_CHUNK_
 
 class OptimizerPlacement:
     """Masters and optimizer state on the compute device; the optimizer steps all units at once."""
+
+    masters_may_move = False
+    """Masters come to the device after the engine is built (``auto.AutoSplit``)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -128,6 +132,9 @@ class OptimizerPlacement:
     def share_working(self, buffers: dict[int, Tensor]) -> None:
         pass
 
+    def store_built(self, store: ShardStore) -> None:
+        """Stage 3's shard store, once built (``auto.AutoSplit`` moves units within it)."""
+
     def device_master(self, unit: Unit) -> Tensor:
         return unit.master
 
@@ -152,6 +159,20 @@ class ShardStore(Protocol):
     def device_tensors(self) -> list[Tensor]: ...
 
     def close(self) -> None: ...
+
+
+def freed_by_moving(store: Optional[ShardStore], index: int) -> int:
+    """Device bytes ``store`` gives up when unit ``index``'s master comes to the device (a payload it
+    keeps there only because the master was elsewhere), as the caching allocator counts them."""
+    follows = getattr(store, "freed_by_moving", None)
+    return follows(index) if follows is not None else 0
+
+
+def master_moved(store: Optional[ShardStore], index: int) -> None:
+    """Unit ``index``'s master is on the device now: ``store`` gathers from it (where it can)."""
+    follow = getattr(store, "master_moved", None)
+    if follow is not None:
+        follow(index)
 
 
 class MasterAlias:
@@ -226,6 +247,11 @@ class DeviceStore:
 
     def get(self, unit: Unit) -> Tensor:
         return self.buffers[unit.index]
+
+    def drop(self, index: int) -> int:
+        """Release unit ``index``'s buffer (another store serves it now); returns its allocated bytes."""
+        buffer = self.buffers.pop(index)
+        return -(-buffer.numel() * buffer.element_size() // 512) * 512
 
     def device_tensors(self) -> list[Tensor]:
         return list(self.buffers.values())

@@ -6,6 +6,7 @@ step (masters, optimizer state, working weights, losses)."""
 
 from __future__ import annotations
 
+import os
 import tempfile
 
 import pytest
@@ -34,7 +35,7 @@ WINDOWS = {"one_backward_clip": (1, True, 0.05), "accumulate_managed": (3, True,
            "accumulate_unmanaged_clip": (2, False, 0.05)}
 
 
-def _train(case: str, window: str, kernel_on: bool, optimizer: str):
+def _train(case: str, window: str, kernel_on: bool, optimizer: str, device: str = "cpu"):
     import lightning_zeroq.zero.offload.host as host
 
     stage, options, dtype = CASES[case]
@@ -57,7 +58,8 @@ def _train(case: str, window: str, kernel_on: bool, optimizer: str):
         host.host_adam = lambda: None  # type: ignore[assignment]
     try:
         torch.manual_seed(0)
-        model = TwoHeads().to(dtype)
+        dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+        model = TwoHeads().to(dtype).to(dev)
         config = ZeroConfig(stage=stage, reduce_bucket_size=700, stage3_wrap_classes=["Linear"],
                             stage3_param_persistence_threshold=40, **options)
         engine = ZeroEngine(model, config, param_dtype=dtype)
@@ -68,7 +70,7 @@ def _train(case: str, window: str, kernel_on: bool, optimizer: str):
         out = []
         for step in range(4):
             for micro in range(backwards):
-                loss = _loss(model, step, micro, head=step % 2)  # the other head is unused this window
+                loss = _loss(model, step, micro, head=step % 2, device=dev)  # the other head is unused
                 engine.backward(loss.float() / backwards, boundary=(micro == backwards - 1) if managed else None)
             halves.append(len(placement.half))
             if clip is not None:
@@ -76,10 +78,11 @@ def _train(case: str, window: str, kernel_on: bool, optimizer: str):
             engine.step()
             engine.zero_grad()
             state = [t.detach().clone() for s in engine.optimizer.state.values() for t in s.values()]
-            out.append((loss.detach().float(), [u.master.detach().cpu().clone() for u in engine.units], state,
+            state = [t.cpu() for t in state]
+            out.append((loss.detach().float().cpu(), [u.master.detach().cpu().clone() for u in engine.units], state,
                         engine.full_state_dict()))
         engine.close()
-        return out, runs[0], halves
+        return out, runs[0], halves, placement.copy_all
     finally:
         host.host_adam = real
         if kernel_on:
@@ -92,10 +95,27 @@ def _train(case: str, window: str, kernel_on: bool, optimizer: str):
 def test_kernel_offload_is_bitwise_torch_offload(dist_pool, case, window, optimizer):
     if optimizer == "adam_l2" and case not in ("s2_opt_bf16", "s3_params_bf16"):
         pytest.skip("Adam with L2 decay: two cases are enough")
-    results = dist_pool(2).run(_train, case, window, True, optimizer)
-    references = dist_pool(2).run(_train, case, window, False, optimizer)
-    for (ours, runs, halves), (theirs, torch_runs, _) in zip(results, references):
+    _compare(dist_pool(2), case, window, optimizer, "cpu")
+
+
+GPU_WORLD = int(os.environ.get("ZEROQ_GPU_WORLD", "2"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", list(WINDOWS))
+@pytest.mark.parametrize("case", [c for c in CASES if "hybrid" not in c or GPU_WORLD > 1])
+def test_kernel_offload_is_bitwise_torch_offload_cuda(gpu_pool, case, window):
+    """On CUDA the kernel's paths include the copy stream, the mapped read-back, the bf16 copies to and
+    from pinned memory and stage 3's pinned store."""
+    _compare(gpu_pool(GPU_WORLD), case, window, "adamw", "cuda")
+
+
+def _compare(pool, case, window, optimizer, device):
+    results = pool.run(_train, case, window, True, optimizer, device)
+    references = pool.run(_train, case, window, False, optimizer, device)
+    for (ours, runs, halves, copy_all), (theirs, torch_runs, _, _) in zip(results, references):
         assert runs > 0 and torch_runs == 0, "the kernel stepped the host units (and only with it on)"
+        assert copy_all == (device == "cuda"), "CUDA reads the agreement back through mapped memory"
         stage, options, dtype = CASES[case]
         if dtype == torch.bfloat16 and WINDOWS[window][:2] == (1, True) and stage > 1:
             assert all(h > 0 for h in halves), "a single reduction's bf16 gradient went to the host as it is"

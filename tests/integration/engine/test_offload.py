@@ -48,9 +48,9 @@ class TwoHeads(nn.Module):
         return self.heads[head](self.trunk(tokens))
 
 
-def _loss(model, step: int, micro: int, head: int) -> torch.Tensor:
+def _loss(model, step: int, micro: int, head: int, device: torch.device = torch.device("cpu")) -> torch.Tensor:
     g = torch.Generator().manual_seed(97 * step + 7 * micro + dist.get_rank())
-    tokens = torch.randint(0, VOCAB, (4, SEQ), generator=g)
+    tokens = torch.randint(0, VOCAB, (4, SEQ), generator=g).to(device)
     return F.cross_entropy(model(tokens, head).reshape(-1, VOCAB), tokens.roll(-1, 1).reshape(-1))
 
 

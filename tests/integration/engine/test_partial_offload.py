@@ -229,3 +229,45 @@ def test_sharded_state_loads_into_an_auto_engine_after_its_decision(tmp_path) ->
     _train(target, range(3, 5))
     for name, value in source.full_state_dict().items():
         assert (value - target.full_state_dict()[name]).abs().max() <= 1e-6, name
+
+
+def test_auto_in_stage_3_gathers_brought_back_units_from_their_masters() -> None:
+    """A transient unit whose master "auto" brings back to the device drops the bf16 payload it rested on
+    the device while its master was on the host (the decision counts that saving), and gathers from its
+    master from then on, as a ratio's device units do; training goes on alike (DDP parity: test_parity)."""
+    from lightning_zeroq.zero.offload.device import CastMaster
+    from lightning_zeroq.zero.offload.split import SplitStore
+
+    torch.manual_seed(0)
+    model = RichModel().to(DEVICE).to(torch.bfloat16)
+    engine = ZeroEngine(model, ZeroConfig(stage=3, offload_optimizer=True, offload_optimizer_ratio="auto",
+                                          stage3_wrap_classes=["Sequential", "Linear"],
+                                          stage3_param_persistence_threshold=20),
+                        param_dtype=torch.bfloat16)
+    engine.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-2))
+    store = engine.gatherer.store
+    assert isinstance(store, SplitStore) and not store.device_units and isinstance(store.on_device, CastMaster)
+    transient = [u.index for u in engine.units if not u.persistent]
+    payload = {i: store.freed_by_moving(i) for i in transient}
+    assert all(b > 0 for b in payload.values())
+    before = engine.memory_report()["stored_shards"]
+    engine.placement.measure = lambda: (1000, 10**9, 10**9 + 1000)  # room for every unit
+    engine.backward(engine.module.loss(_batch(0)).float())
+    engine.step()
+    decision = engine.placement.decision
+    assert decision["host_units"] == [] and set(store.device_units) == set(transient)
+    assert not store.off_device.buffers and engine.memory_report()["stored_shards"] == 0 < before
+    full = sum(_device_cost_of(engine, u) for u in engine.units)
+    assert decision["device_bytes"] == full - sum(payload.values())
+    engine.backward(engine.module.loss(_batch(1)).float())
+    assert engine.step()
+    for unit in engine.units:  # gathers read the master, on the device now: their payload is its cast
+        assert unit.master.device == DEVICE
+        if not unit.persistent:
+            assert torch.equal(store.get(unit), unit.master.to(torch.bfloat16))
+
+
+def _device_cost_of(engine: ZeroEngine, unit) -> int:
+    from lightning_zeroq.zero.offload.auto import _device_cost
+
+    return _device_cost(unit, engine.optimizers)
