@@ -89,6 +89,7 @@ OFFLOAD_TABLE = ("zeroq3+offload_params,fsdp2+offload_optimizer,zeroq2+offload_o
                  "zeroq2+offload_optimizer+ratio25,zeroq2+offload_optimizer+ratio50,zeroq2+offload_optimizer+ratio75,"
                  "zeroq2+offload_optimizer+auto,zeroq3+offload_optimizer+ratio50,zeroq3+offload_optimizer+auto,"
                  "zeroq3+offload_params,fsdp2+offload_optimizer")
+DS_OFFLOAD = "ds2+offload_optimizer,ds3+offload_optimizer+offload_params"
 OFFLOAD = ("zeroq2,zeroq2+offload_optimizer,zeroq2+offload_optimizer+ratio75,zeroq2+offload_optimizer+ratio50,"
            "zeroq2+offload_optimizer+ratio25,zeroq3,zeroq3+offload_params,zeroq3+int8+offload_params")
 PEERS = "ddp,fsdp2,fsdp2+keep,ds2,ds3,ds3+int8,zeroq2,zeroq2+int8,zeroq3,zeroq3+int8,zeroq3+keep"
@@ -113,13 +114,18 @@ SUITES: dict[str, Suite] = {
          *step_time(FIVE, links=("shm",), timeout=150),
          *step_time(FIVE, links=("socket",), timeout=200)), build=True),
     "offload": Suite(
-        "CPU offload on one GPU: the host's floor (fused AdamW over all 953M fp32 elements), full, partial and "
-        "automatic (budget 13 GiB) optimizer offload in stages 2 and 3, parameter offload, FSDP2's CPU offload, "
-        "with what is live at each arm's peak",
+        "CPU offload on one GPU: the host's floor (fused AdamW over all 953M fp32 elements: torch's kernel and "
+        "lightning_zeroq's), full, partial and automatic (budget 13 GiB) optimizer offload in stages 2 and 3, "
+        "parameter offload, FSDP2's CPU offload, DeepSpeed's ZeRO-2 and ZeRO-3 offload (where DeepSpeed is "
+        "installed), stage 2 at 50M-element units, with what is live at each arm's peak",
         (Launch("host_adam", ("benchmarks/host_adam.py", "--numel", "953223168", "--threads", "{cores}", "--steps",
-                              "3", "--rounds", "1"), timeout=60),
+                              "3", "--rounds", "2", "--arms", "torch_fused,zeroq_kernel"), timeout=90),
          *step_time(OFFLOAD_TABLE, world_sizes=(1,), timeout=300,
-                    extra=("--steps", "4", "--warmup", "2", "--budget", "13", "--memory-peak"))), build=True),
+                    extra=("--steps", "4", "--warmup", "2", "--budget", "13", "--memory-peak")),
+         *step_time("zeroq2+offload_optimizer", world_sizes=(1,), timeout=90,
+                    extra=("--steps", "4", "--warmup", "2", "--bucket", "5e7")),
+         *step_time(DS_OFFLOAD, world_sizes=(1,), timeout=300, requires=("deepspeed",),
+                    extra=("--steps", "4", "--warmup", "2"))), build=True),
     "offload-2gpu": Suite(
         "CPU offload at 2 GPUs: full and partial optimizer offload, stage-3 parameter offload (also with INT8 "
         "weights); the host step with one thread per rank; the host AdamW step over one rank's share",
