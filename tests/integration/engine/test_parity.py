@@ -119,9 +119,10 @@ def _parity_body(
             decisions = [None] * dist.get_world_size()
             dist.all_gather_object(decisions, decision["device_units"])
             assert all(d == decisions[0] for d in decisions), decisions
-            for unit in engine.units:
-                assert unit.master.device == dev and (unit.index in decision["device_units"]) == (
-                    engine.placement.step_grad(unit) is unit.grad)
+            for unit in engine.units:  # a unit brought back holds its master and gradient on the device
+                on_device = unit.index in decision["device_units"]
+                assert unit.master.device.type == (dev.type if on_device else "cpu"), unit.index
+                assert on_device == (engine.placement.step_grad(unit) is unit.grad), unit.index
         full = engine.full_state_dict()
         for name, p in ref_model.named_parameters(remove_duplicate=False):
             diff = (full[name] - p.detach().cpu()).abs().max().item()
