@@ -132,7 +132,8 @@ class AutoSplit(SplitOptimizer):
                             state[key] = value.to(self.device)
         self.host.host_grads.pop(unit.index, None)
         self.host.half_grads.pop(unit.index, None)
-        self.host.working.pop(unit.index, None)
+        if self.host.kernel is not None:
+            self.host.kernel.forget(unit.index)
         self.host.fresh.discard(unit.index)
         master_moved(self.store, unit.index)
 

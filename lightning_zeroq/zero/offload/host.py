@@ -60,10 +60,11 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_zeroq.ops.host_adam import HostAdam, host_adam
+from lightning_zeroq.ops.host_adam import host_adam
 from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.offload.device import OptimizerPlacement, copy_cast_to_device
-from lightning_zeroq.zero.optimizers import Binding, adam_kind, kernel_group, prefer_fast_host_step
+from lightning_zeroq.zero.offload.kernel import KernelSteps
+from lightning_zeroq.zero.optimizers import Binding, adam_kind, prefer_fast_host_step
 from lightning_zeroq.zero.unit import Unit
 
 
@@ -103,12 +104,9 @@ class HostOptimizer(OptimizerPlacement):
         """The events of the copies issued during this backward that may still be running."""
         self.also_on: Optional[torch.device] = None
         """Partial offload (``split.SplitOptimizer``): the optimizer's groups hold segments on this device too."""
-        self.kernel: Optional[HostAdam] = None
-        """The host Adam kernel, when an attached optimizer is torch's Adam or AdamW (and it loaded)."""
-        self.working: dict[int, Tensor] = {}
-        """bf16 host copies of the masters the kernel writes (own buffers, or a stage-3 store's)."""
-        self.working_fresh: set[int] = set()
-        """Units whose ``working`` copy is the master's bf16 cast, written by this step."""
+        self.kernel: Optional[KernelSteps] = None
+        """The host kernel's steps, when an attached optimizer is torch's Adam or AdamW (and it loaded)."""
+        self._shared: dict[int, Tensor] = {}
 
     def adopt_master(self, index: int, shard: Tensor) -> Tensor:
         master = host_copy(shard, self.pin)
@@ -121,15 +119,21 @@ class HostOptimizer(OptimizerPlacement):
     def share_working(self, buffers: dict[int, Tensor]) -> None:
         """The kernel writes these units' bf16 copies into ``buffers`` (a stage-3 store's, which then
         holds the step's payload as soon as the step is done)."""
-        if self.param_dtype == torch.bfloat16:
-            self.working.update({i: b for i, b in buffers.items() if b.dtype == torch.bfloat16})
+        self._shared.update(buffers)
+        if self.kernel is not None:
+            self.kernel.share(buffers)
 
     def attach(self, units: Sequence[Unit], optimizers: Sequence[torch.optim.Optimizer]) -> None:
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 prefer_fast_host_step(optimizer, group, self.also_on)
         _give_the_host_step_threads(self.world_size)
-        self.kernel = host_adam() if any(adam_kind(o) is not None for o in optimizers) else None
+        kernel = host_adam() if any(adam_kind(o) is not None for o in optimizers) else None
+        if kernel is None:
+            self.kernel = None
+        elif self.kernel is None:
+            self.kernel = KernelSteps(kernel, self.param_dtype, self.pin)
+            self.kernel.share(self._shared)
 
     def begin_backward(self, last: bool) -> None:
         self.copy_early = last
@@ -191,7 +195,8 @@ class HostOptimizer(OptimizerPlacement):
         the masters walks them through here: the step, checkpoint loads, ``gathered_parameters``)."""
         for unit in units:
             self.wait_device_reads(unit.index)
-            self.working_fresh.discard(unit.index)  # the walker may write the master
+            if self.kernel is not None:
+                self.kernel.fresh.discard(unit.index)  # the walker may write the master
             yield unit
 
     def published(self, unit: Unit) -> None:
@@ -236,70 +241,21 @@ class HostOptimizer(OptimizerPlacement):
         super().scale_grads(unit, spans, multiplier)
 
     def step_batch(self, batch: Sequence[Unit], binding: Binding, used: Sequence[Any]) -> bool:
-        """Step ``batch`` with the host kernel (True) where the optimizer is torch's Adam or AdamW over
-        every segment of these units, each group's settings are ones the kernel takes and its state is
-        Adam's; else leave it to ``optimizer.step()`` (False). ``used``: per parameter id, whether it got
-        a gradient (the others are not stepped, as torch skips a parameter without one)."""
-        kernel, optimizer = self.kernel, binding.optimizer
-        decoupled = adam_kind(optimizer) if kernel is not None else None
-        if kernel is None or decoupled is None:
+        """Step ``batch`` with the host kernel where it takes it (``kernel.KernelSteps``); else False, and
+        ``optimizer.step()`` steps it."""
+        if self.kernel is None or not self.kernel.step(batch, binding, used, self._kernel_grad,
+                                                        lambda unit: self.multiplier.pop(unit.index, 1.0)):
             return False
-        group_of = {id(view): group for group in optimizer.param_groups for view in group["params"]}
-        hypers: dict[int, dict[str, Any]] = {}
-        for unit in batch:
-            if len(binding.optimized[unit.index]) != len(unit.segments):
-                return False  # several optimizers share the unit
-            for view, _ in binding.optimized[unit.index]:
-                group = group_of[id(view)]
-                if id(group) not in hypers:
-                    hyper = kernel_group(group, decoupled)
-                    if hyper is None:
-                        return False
-                    hypers[id(group)] = hyper
-                state = optimizer.state.get(view)
-                if view.device.type != "cpu" or (state and not _adam_state(state)):
-                    return False
-        jobs = []
-        for unit in batch:
-            _wait(self.in_flight, unit.index)
-            grad = self.half_grads[unit.index] if unit.index in self.half else self.host_grads[unit.index]
-            gmul = self.multiplier.pop(unit.index, 1.0)
-            working = self._working(unit)
-            for view, seg in binding.optimized[unit.index]:
-                span = seg.shard_span
-                if not used[unit.param_id(seg.param)]:
-                    if working is not None:  # not stepped: its copy is the master's cast
-                        working[span].copy_(unit.master[span])
-                    continue
-                state = optimizer.state[view]
-                if not state:  # as torch's Adam makes it for a fused step
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=view.device)
-                    state["exp_avg"] = torch.zeros_like(view, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(view, memory_format=torch.preserve_format)
-                state["step"].add_(1)
-                jobs.append(kernel.job(view.detach(), grad[span], state["exp_avg"], state["exp_avg_sq"],
-                                       step=float(state["step"].item()), gmul=gmul,
-                                       working=working[span] if working is not None else None,
-                                       **hypers[id(group_of[id(view)])]))
-        kernel.run(jobs)  # the tensors' storages outlive it: masters, gradients, state and copies are kept
-        for unit in batch:
-            self.half.discard(unit.index)
-            if self.param_dtype == torch.bfloat16:
-                self.working_fresh.add(unit.index)
+        self.half.difference_update(u.index for u in batch)
         return True
 
-    def _working(self, unit: Unit) -> Optional[Tensor]:
-        """Where the kernel writes the unit's bf16 master copy (bf16 working weights only)."""
-        if self.param_dtype != torch.bfloat16:
-            return None
-        buffer = self.working.get(unit.index)
-        if buffer is None:  # the padding is zero in the master and stays zero here
-            buffer = self.working[unit.index] = host_copy(unit.master.to(torch.bfloat16), self.pin)
-        return buffer
+    def _kernel_grad(self, unit: Unit) -> Tensor:
+        """The unit's host gradient as it landed (bf16 where it crossed so), for the kernel."""
+        _wait(self.in_flight, unit.index)
+        return self.half_grads[unit.index] if unit.index in self.half else self.host_grads[unit.index]
 
     def host_working(self, unit: Unit, dtype: torch.dtype) -> Optional[Tensor]:
-        fresh = unit.index in self.working_fresh and dtype == torch.bfloat16
-        return self.working[unit.index] if fresh else None
+        return self.kernel.copy(unit, dtype) if self.kernel is not None else None
 
     def device_master(self, unit: Unit) -> Tensor:
         return unit.master.to(self.device, non_blocking=True)
@@ -322,17 +278,9 @@ class HostOptimizer(OptimizerPlacement):
         self.fresh.clear()
         self.half.clear()
         self.multiplier.clear()
-        self.working_fresh.clear()
+        if self.kernel is not None:
+            self.kernel.fresh.clear()
         self.copy_early, self.early = False, []
-
-
-def _adam_state(state: dict) -> bool:
-    """``state`` is what torch's Adam keeps for a parameter stepped with a fused step (a float32 CPU step
-    count, the two moments), as the kernel reads and writes it."""
-    step = state.get("step")
-    return (set(state) == {"step", "exp_avg", "exp_avg_sq"} and isinstance(step, Tensor) and step.device.type == "cpu"
-            and step.dtype == torch.float32 and step.numel() == 1
-            and all(state[k].dtype == torch.float32 and state[k].is_contiguous() for k in ("exp_avg", "exp_avg_sq")))
 
 
 def _wait(events: dict[int, "torch.cuda.Event"], index: int) -> None:

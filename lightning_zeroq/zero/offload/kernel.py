@@ -1,0 +1,130 @@
+"""The host kernel's step of offloaded units (``ops.host_adam``), and the bf16 copies it writes.
+
+``KernelSteps`` steps a batch of host units when the optimizer is torch's own Adam or AdamW over every
+segment of them, each param group asks for nothing the kernel lacks (AMSGrad, capturable or
+differentiable steps, tensor hyperparameters: ``optimizers.kernel_group``) and the state is Adam's;
+otherwise the placement leaves the batch to ``optimizer.step()``. It does what that step would do to
+the state, bit for bit: a state made for a parameter's first step as torch's Adam makes it for a
+fused step (a float32 step count on the parameter's device, two zeroed moments), the step count
+advanced, a parameter without a gradient left alone.
+
+With bf16 working weights the kernel also writes each updated master rounded to bf16 (``working``):
+buffers of its own, whose copy crosses PCIe in half the bytes of the master, or a stage-3 host store's,
+which then holds the step's payload (``share``). ``copy`` hands it out only while it is the cast of
+the master just stepped (``fresh``); anything else that writes a master (a load, a write-back) walks
+the units through the placement's ``resident``, which makes the copy stale again.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_zeroq.ops.host_adam import HostAdam
+from lightning_zeroq.zero.optimizers import Binding, adam_kind, kernel_group
+from lightning_zeroq.zero.unit import Unit
+
+
+class KernelSteps:
+    def __init__(self, kernel: HostAdam, param_dtype: torch.dtype, pin: bool) -> None:
+        self.kernel, self.param_dtype, self.pin = kernel, param_dtype, pin
+        self.working: dict[int, Tensor] = {}
+        """bf16 host copies of the masters (own buffers, or a stage-3 store's)."""
+        self.fresh: set[int] = set()
+        """Units whose ``working`` copy is the cast of the master this step wrote."""
+
+    def share(self, buffers: dict[int, Tensor]) -> None:
+        """Write these units' bf16 copies into ``buffers`` (a stage-3 store's)."""
+        if self.param_dtype == torch.bfloat16:
+            self.working.update({i: b for i, b in buffers.items() if b.dtype == torch.bfloat16})
+
+    def plan(self, batch: Sequence[Unit], binding: Binding) -> Optional[dict[int, dict[str, Any]]]:
+        """Each param group's kernel arguments (by the group's id) if the kernel steps ``batch``, else None."""
+        optimizer = binding.optimizer
+        decoupled = adam_kind(optimizer)
+        if decoupled is None:
+            return None
+        group_of = {id(view): group for group in optimizer.param_groups for view in group["params"]}
+        hypers: dict[int, dict[str, Any]] = {}
+        for unit in batch:
+            if len(binding.optimized[unit.index]) != len(unit.segments):
+                return None  # several optimizers share the unit
+            for view, _ in binding.optimized[unit.index]:
+                group = group_of[id(view)]
+                if id(group) not in hypers:
+                    hyper = kernel_group(group, decoupled)
+                    if hyper is None:
+                        return None
+                    hypers[id(group)] = hyper
+                state = optimizer.state.get(view)
+                if view.device.type != "cpu" or (state and not adam_state(state)):
+                    return None
+        return {id(view): hypers[id(group_of[id(view)])] for unit in batch
+                for view, _ in binding.optimized[unit.index]}
+
+    def step(self, batch: Sequence[Unit], binding: Binding, used: Sequence[Any], grad_of: Callable[[Unit], Tensor],
+             multiplier_of: Callable[[Unit], float]) -> bool:
+        """Step ``batch`` (True), or leave it (False: ``plan`` says the kernel does not take it). ``used``:
+        per parameter id, whether any rank gave it a gradient; ``grad_of``: a unit's host gradient (fp32
+        or bf16) once it has landed; ``multiplier_of``: the multiplier it still owes."""
+        hypers = self.plan(batch, binding)
+        if hypers is None:
+            return False
+        jobs = []
+        for unit in batch:
+            jobs.extend(self.jobs(unit, binding, used, grad_of(unit), multiplier_of(unit), hypers))
+        self.kernel.run(jobs)  # the tensors' storages outlive it: masters, gradients, state, copies are kept
+        if self.param_dtype == torch.bfloat16:
+            self.fresh.update(u.index for u in batch)
+        return True
+
+    def jobs(self, unit: Unit, binding: Binding, used: Sequence[Any], grad: Tensor, gmul: float,
+             hypers: dict[int, dict[str, Any]]) -> list:
+        """The kernel's jobs for one unit (its state made and its step counts advanced as torch would)."""
+        optimizer, working, jobs = binding.optimizer, self._working(unit), []
+        for view, seg in binding.optimized[unit.index]:
+            span = seg.shard_span
+            if not used[unit.param_id(seg.param)]:
+                if working is not None:  # not stepped: its copy is the master's cast
+                    working[span].copy_(unit.master[span])
+                continue
+            state = optimizer.state[view]
+            if not state:  # as torch's Adam makes it for a fused step
+                state["step"] = torch.zeros((), dtype=torch.float32, device=view.device)
+                state["exp_avg"] = torch.zeros_like(view, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(view, memory_format=torch.preserve_format)
+            state["step"].add_(1)
+            jobs.append(self.kernel.job(view.detach(), grad[span], state["exp_avg"], state["exp_avg_sq"],
+                                        step=float(state["step"].item()), gmul=gmul,
+                                        working=working[span] if working is not None else None, **hypers[id(view)]))
+        return jobs
+
+    def _working(self, unit: Unit) -> Optional[Tensor]:
+        """Where the kernel writes the unit's bf16 master copy (bf16 working weights only)."""
+        if self.param_dtype != torch.bfloat16:
+            return None
+        buffer = self.working.get(unit.index)
+        if buffer is None:  # the padding is zero in the master and stays zero here
+            buffer = unit.master.detach().to("cpu", dtype=torch.bfloat16, copy=True)
+            buffer = self.working[unit.index] = buffer.pin_memory() if self.pin else buffer
+        return buffer
+
+    def copy(self, unit: Unit, dtype: torch.dtype) -> Optional[Tensor]:
+        """The unit's bf16 copy of its master, if the step just wrote it (and ``dtype`` is bf16)."""
+        return self.working[unit.index] if unit.index in self.fresh and dtype == torch.bfloat16 else None
+
+    def forget(self, index: int) -> None:
+        """Unit ``index`` no longer steps on the host (``auto`` brought it back)."""
+        self.working.pop(index, None)
+        self.fresh.discard(index)
+
+
+def adam_state(state: dict) -> bool:
+    """``state`` is what torch's Adam keeps for a parameter stepped with a fused step (a float32 CPU step
+    count, the two moments), as the kernel reads and writes it."""
+    step = state.get("step")
+    return (set(state) == {"step", "exp_avg", "exp_avg_sq"} and isinstance(step, Tensor) and step.device.type == "cpu"
+            and step.dtype == torch.float32 and step.numel() == 1
+            and all(state[k].dtype == torch.float32 and state[k].is_contiguous() for k in ("exp_avg", "exp_avg_sq")))
