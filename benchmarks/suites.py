@@ -88,7 +88,7 @@ FIVE = "ddp,zeroq2,zeroq2+int8,zeroq3,zeroq3+int8"
 OFFLOAD_TABLE = ("zeroq3+offload_params,fsdp2+offload_optimizer,zeroq2+offload_optimizer,zeroq2,"
                  "zeroq2+offload_optimizer+ratio25,zeroq2+offload_optimizer+ratio50,zeroq2+offload_optimizer+ratio75,"
                  "zeroq2+offload_optimizer+auto,zeroq3+offload_optimizer+ratio50,zeroq3+offload_optimizer+auto,"
-                 "zeroq3+offload_params,fsdp2+offload_optimizer")
+                 "zeroq3+offload_params,fsdp2+offload_optimizer,zeroq2+offload_optimizer+spec,zeroq3+offload_params+spec")
 DS_OFFLOAD = "ds2+offload_optimizer,ds3+offload_optimizer+offload_params"
 OFFLOAD = ("zeroq2,zeroq2+offload_optimizer,zeroq2+offload_optimizer+ratio75,zeroq2+offload_optimizer+ratio50,"
            "zeroq2+offload_optimizer+ratio25,zeroq3,zeroq3+offload_params,zeroq3+int8+offload_params")
@@ -116,8 +116,8 @@ SUITES: dict[str, Suite] = {
     "offload": Suite(
         "CPU offload on one GPU: the host's floor (fused AdamW over all 953M fp32 elements: torch's kernel and "
         "lightning_zeroq's), full, partial and automatic (budget 13 GiB) optimizer offload in stages 2 and 3, "
-        "parameter offload, FSDP2's CPU offload, DeepSpeed's ZeRO-2 and ZeRO-3 offload (where DeepSpeed is "
-        "installed), stage 2 at 50M-element units, with what is live at each arm's peak",
+        "parameter offload, speculative host steps, FSDP2's CPU offload, DeepSpeed's ZeRO-2 and ZeRO-3 offload "
+        "(where DeepSpeed is installed), stage 2 at 50M-element units, with what is live at each arm's peak",
         (Launch("host_adam", ("benchmarks/host_adam.py", "--numel", "953223168", "--threads", "{cores}", "--steps",
                               "3", "--rounds", "2", "--arms", "torch_fused,zeroq_kernel"), timeout=90),
          *step_time(OFFLOAD_TABLE, world_sizes=(1,), timeout=300,

@@ -67,6 +67,13 @@ class ZeroConfig:
     None: what the device has free after the first step (the caching allocator's unused reserve
     included), less a margin of 10% of its memory."""
 
+    offload_speculative_step: bool = False
+    """With CPU optimizer offload: step each unit on the host while the backward still runs, as soon as its
+    gradient has landed, and undo that step exactly if the window's checks (finite gradients, clipping,
+    used parameters) say otherwise, so the result is bitwise the same. For torch's Adam/AdamW through
+    the host kernel, in a backward that ends the window, without fp16 loss scaling. Costs host memory
+    for backups: 12 bytes per element of the units it steps early."""
+
     offload_parameters: bool = False
     """Keep parameter shards off the GPU between uses (stage 3 only)."""
 
@@ -150,7 +157,7 @@ class ZeroConfig:
         for name in ("reduce_bucket_size", "allgather_bucket_size"):
             setattr(self, name, _check_int(name, getattr(self, name), 1))
         for name in ("overlap_comm", "managed_gradient_accumulation", "offload_optimizer",
-                     "offload_parameters", "quantized_weights", "reshard_after_forward", "stage3_prefetch",
+                     "offload_speculative_step", "offload_parameters", "quantized_weights", "reshard_after_forward", "stage3_prefetch",
                      "quantized_gradients", "quantize_cross_group_only"):
             check_bool("ZeroConfig", name, getattr(self, name))
         self.shard_group_size = check_shard_group_size(self.shard_group_size)
@@ -270,6 +277,16 @@ class ZeroConfig:
         if self.offload_memory_budget is not None and self.offload_optimizer_ratio != "auto":
             out.append(f"offload_memory_budget={self.offload_memory_budget!r} has no effect without "
                        "offload_optimizer_ratio='auto'.")
+        if self.offload_speculative_step and not (self.offload_optimizer and self.offload_optimizer_device == "cpu"
+                                                  and self.offload_optimizer_ratio != 0.0):
+            out.append("offload_speculative_step=True has no effect without CPU optimizer offload "
+                       "(offload_optimizer=True, offload_optimizer_device='cpu').")
+        elif self.offload_speculative_step and loss_scaling:
+            out.append("offload_speculative_step=True has no effect with fp16 loss scaling (precision='16-mixed'): "
+                       "the step's unscaling multiplier is never 1.")
+        elif self.offload_speculative_step and not self.managed_gradient_accumulation:
+            out.append("offload_speculative_step=True has no effect with managed_gradient_accumulation=False: "
+                       "no backward is known to end the window.")
         if not self.offload_parameters and changed("offload_params_device"):
             out.append(f"offload_params_device={self.offload_params_device!r} has no effect without "
                        "offload_parameters=True.")

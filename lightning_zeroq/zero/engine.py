@@ -85,7 +85,7 @@ class ZeroEngine:
             specs = plan(module, trainable_parameters(module), pol.sharding.units)
             layouts = plan_layouts(specs, self.world_size, topo.align(pol.quantization))
             self.placement = optimizer_placement(pol.offload.optimizer, self.device, param_dtype, self.rank,
-                                                 self.world_size, layouts)
+                                                 self.world_size, layouts, pol.offload.speculative)
             wire = self._wire(layouts)
             transient = {i: wire.payload_numel(i) for i, spec in enumerate(specs) if not spec.persistent}
             store = None

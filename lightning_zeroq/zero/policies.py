@@ -11,7 +11,8 @@ from it by the part that owns it.
   shard group size; from ``stage``, ``reduce_bucket_size``, ``stage3_*``, ``reshard_after_forward``,
   ``shard_group_size``, ``overlap_comm``, ``managed_gradient_accumulation``.
 - ``Offload``: ``optimizer`` and ``parameters``, each ``OnDevice``, ``Host(ratio)`` or ``Nvme(path)``,
-  the optimizer also ``Auto(budget)``; from ``offload_*`` and ``nvme_path``.
+  the optimizer also ``Auto(budget)``, and whether host steps are ``speculative``; from ``offload_*``
+  and ``nvme_path``.
 - ``Quantization``: INT8 weights and gradients; from ``quantized_*``, ``allgather_bucket_size``,
   ``quantize_cross_group_only``.
 - ``Numerics``: fp16 loss scaling and what non-finite gradients do; from ``loss_scale``,
@@ -92,6 +93,9 @@ class Offload:
     """Where fp32 masters and optimizer state live."""
     parameters: Union[OnDevice, Host, Nvme]
     """Where stage 3 rests a transient unit's shard between gathers."""
+    speculative: bool = False
+    """Host units step during the backward, undone where the window's checks say otherwise (host or
+    auto optimizer offload, no loss scaling, managed accumulation)."""
 
 
 @dataclass(frozen=True)
@@ -163,11 +167,11 @@ def from_config(config: ZeroConfig, *, loss_scaling: bool) -> Policies:
     if loss_scaling:
         scaling = LossScaling(float(c.loss_scale) if c.loss_scale > 0 else None, 2.0 ** c.initial_scale_power,
                               c.loss_scale_window, float(c.min_loss_scale))
-    return Policies(sharding, _offload(c), quantization, Numerics(scaling, c.nonfinite_gradients),
+    return Policies(sharding, _offload(c, loss_scaling), quantization, Numerics(scaling, c.nonfinite_gradients),
                     tuple(c.ineffective(loss_scaling)))
 
 
-def _offload(c: ZeroConfig) -> Offload:
+def _offload(c: ZeroConfig, loss_scaling: bool) -> Offload:
     optimizer: Union[OnDevice, Host, Nvme, Auto] = OnDevice()  # also with ratio 0, which offloads nothing
     if c.offload_optimizer and c.offload_optimizer_device == "nvme":
         assert c.nvme_path is not None  # ZeroConfig checks it (and that the ratio is 1)
@@ -182,4 +186,6 @@ def _offload(c: ZeroConfig) -> Offload:
         parameters = Nvme(c.nvme_path)
     elif c.offload_parameters:
         parameters = Host()
-    return Offload(optimizer, parameters)
+    speculative = (c.offload_speculative_step and isinstance(optimizer, (Host, Auto)) and not loss_scaling
+                   and c.managed_gradient_accumulation)
+    return Offload(optimizer, parameters, speculative)

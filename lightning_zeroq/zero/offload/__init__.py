@@ -49,14 +49,14 @@ __all__ = ["OptimizerPlacement", "ShardStore", "SplitOptimizer", "host_units", "
 
 def optimizer_placement(
     policy: Union[OnDevice, Host, Nvme, Auto], device: torch.device, param_dtype: torch.dtype, rank: int,
-    world_size: int, layouts: Sequence[UnitLayout],
+    world_size: int, layouts: Sequence[UnitLayout], speculative: bool = False,
 ) -> OptimizerPlacement:
-    """Where masters and optimizer state live (``Offload.optimizer``)."""
+    """Where masters and optimizer state live (``Offload.optimizer``; ``speculative``: ``Offload.speculative``)."""
     if isinstance(policy, OnDevice):
         return OptimizerPlacement(device)
     if isinstance(policy, Nvme):
         return NvmeOptimizer(device, param_dtype, world_size, nvme_path=policy.path, rank=rank)
-    host = HostOptimizer(device, param_dtype, world_size)
+    host = HostOptimizer(device, param_dtype, world_size, speculative=speculative)
     if isinstance(policy, Auto):
         return AutoSplit(device, host, len(layouts), policy.budget, rank)
     if policy.ratio == 1.0:

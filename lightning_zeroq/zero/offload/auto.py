@@ -134,6 +134,8 @@ class AutoSplit(SplitOptimizer):
         self.host.half_grads.pop(unit.index, None)
         if self.host.kernel is not None:
             self.host.kernel.forget(unit.index)
+        if self.host.spec is not None:
+            self.host.spec.forget(unit.index)
         self.host.fresh.discard(unit.index)
         master_moved(self.store, unit.index)
 

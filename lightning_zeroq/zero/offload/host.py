@@ -64,6 +64,7 @@ from lightning_zeroq.ops.host_adam import host_adam
 from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.offload.device import OptimizerPlacement, copy_cast_to_device
 from lightning_zeroq.zero.offload.kernel import KernelSteps
+from lightning_zeroq.zero.offload.speculate import Speculation
 from lightning_zeroq.zero.optimizers import Binding, adam_kind, prefer_fast_host_step
 from lightning_zeroq.zero.unit import Unit
 
@@ -77,8 +78,14 @@ def host_copy(tensor: Tensor, pin: bool) -> Tensor:
 class HostOptimizer(OptimizerPlacement):
     """Masters and optimizer state in host memory; the step runs on the CPU, unit by unit."""
 
-    def __init__(self, device: torch.device, param_dtype: torch.dtype, world_size: int) -> None:
+    def __init__(self, device: torch.device, param_dtype: torch.dtype, world_size: int,
+                 speculative: bool = False) -> None:
         super().__init__(device)
+        self.speculative = speculative
+        self.spec: Optional[Speculation] = None
+        """Host steps taken during the backward (``speculate.py``), with ``speculative`` and the kernel."""
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._stepping = False
         self.pin = device.type == "cuda"
         self.param_dtype, self.world_size = param_dtype, world_size
         self.host_grads: dict[int, Tensor] = {}
@@ -134,13 +141,22 @@ class HostOptimizer(OptimizerPlacement):
         elif self.kernel is None:
             self.kernel = KernelSteps(kernel, self.param_dtype, self.pin)
             self.kernel.share(self._shared)
+        self._optimizers = list(optimizers)
+        if self.spec is not None:
+            self.spec.undo_all()
+        self.spec = (Speculation(self.kernel, self._kernel_grad, self.wait_device_reads)
+                     if self.speculative and self.kernel is not None else None)
 
     def begin_backward(self, last: bool) -> None:
         self.copy_early = last
+        if last and self.spec is not None:
+            self.spec.open(self._optimizers)
 
     def grad_reduced(self, unit: Unit) -> None:
         self.fresh.discard(unit.index)  # more gradients arrived: an earlier copy is stale
         self.half.discard(unit.index)
+        if self.spec is not None:
+            self.spec.regrown(unit)
         if not self.copy_early or unit.index not in self.host_grads:
             return
         # Without mapped read-back, the unit reduced last (the first) is left to finalize: its copy
@@ -149,6 +165,8 @@ class HostOptimizer(OptimizerPlacement):
             self._copy_to_host(unit)  # on the reduction stream, as finalize would (bitwise the same)
             if not self.copy_all and unit.index in self.in_flight:
                 self.early.append(self.in_flight[unit.index])
+            if self.spec is not None:
+                self.spec.offer(unit)
 
     def _copies_idle(self) -> bool:
         """No copy issued during this backward is still running (see the module's docstring)."""
@@ -192,7 +210,18 @@ class HostOptimizer(OptimizerPlacement):
 
     def resident(self, units: Sequence[Unit]) -> Iterator[Unit]:
         """The units in order; each only once the device finished reading its master (whoever writes
-        the masters walks them through here: the step, checkpoint loads, ``gathered_parameters``)."""
+        the masters walks them through here: the step, checkpoint loads, ``gathered_parameters``). A
+        walker other than the step sees the masters as before any speculative step."""
+        if not self._stepping:
+            self.abandon_speculation()
+        yield from self._walk(units)
+
+    def abandon_speculation(self) -> None:
+        """Undo every speculative step of this window (a reader or writer comes before the step)."""
+        if self.spec is not None:
+            self.spec.undo_all()
+
+    def _walk(self, units: Sequence[Unit]) -> Iterator[Unit]:
         for unit in units:
             self.wait_device_reads(unit.index)
             if self.kernel is not None:
@@ -209,10 +238,16 @@ class HostOptimizer(OptimizerPlacement):
         _wait(self.device_reads, index)
 
     def step_batches(self, units: Sequence[Unit]) -> Iterator[list[Unit]]:
-        for unit in self.resident(list(reversed(units))):  # the order the gradients left the device
-            yield [unit]
+        self._stepping = True  # the step's own walk keeps what it may (``step_batch``)
+        try:
+            for unit in self.resident(list(reversed(units))):  # the order the gradients left the device
+                yield [unit]
+        finally:
+            self._stepping = False
 
     def gradients_ready(self, units: Sequence[Unit]) -> None:
+        if self.spec is not None:
+            self.spec.stop()  # the backward is over: the units not yet stepped step as usual
         if self.copy_all:
             self.gradients_done(units)
 
@@ -224,6 +259,7 @@ class HostOptimizer(OptimizerPlacement):
     def step_grad(self, unit: Unit) -> Tensor:
         """The unit's fp32 host gradient, with every multiplier owed applied (a reader other than the
         kernel: the optimizer's own step, value clipping)."""
+        self.abandon_speculation()
         _wait(self.in_flight, unit.index)
         grad = self.host_grads[unit.index]
         if unit.index in self.half:
@@ -243,6 +279,12 @@ class HostOptimizer(OptimizerPlacement):
     def step_batch(self, batch: Sequence[Unit], binding: Binding, used: Sequence[Any]) -> bool:
         """Step ``batch`` with the host kernel where it takes it (``kernel.KernelSteps``); else False, and
         ``optimizer.step()`` steps it."""
+        if self.spec is not None:  # step_batches yields one unit at a time
+            kept = [u for u in batch if self.spec.keep(u, binding, used, u.index in self.multiplier)]
+            self.half.difference_update(u.index for u in kept)
+            batch = [u for u in batch if u not in kept]
+            if not batch:
+                return True  # stepped during the backward, and that step stands
         if self.kernel is None or not self.kernel.step(batch, binding, used, self._kernel_grad,
                                                         lambda unit: self.multiplier.pop(unit.index, 1.0)):
             return False
@@ -268,8 +310,14 @@ class HostOptimizer(OptimizerPlacement):
             return copy_cast_to_device(torch.empty(unit.master.shape, dtype=dtype, device=self.device), unit.master)
         return unit.master.to(device=self.device, dtype=dtype, non_blocking=True)
 
+    def close(self) -> None:
+        if self.spec is not None:
+            self.spec.close()
+
     def end_window(self) -> None:
-        """Before the device gradient shards are released: the copies still reading them come first."""
+        """Before the device gradient shards are released: the copies still reading them come first.
+        A speculative step the window did not keep is undone."""
+        self.abandon_speculation()
         current = torch.cuda.current_stream(self.device) if self.in_flight else None
         for done in self.in_flight.values():
             assert current is not None  # set whenever a copy is in flight

@@ -40,8 +40,9 @@ class KernelSteps:
         if self.param_dtype == torch.bfloat16:
             self.working.update({i: b for i, b in buffers.items() if b.dtype == torch.bfloat16})
 
-    def plan(self, batch: Sequence[Unit], binding: Binding) -> Optional[dict[int, dict[str, Any]]]:
-        """Each param group's kernel arguments (by the group's id) if the kernel steps ``batch``, else None."""
+    def plan(self, batch: Sequence[Unit], binding: Any) -> Optional[dict[int, dict[str, Any]]]:
+        """Each segment view's kernel arguments (by the view's id) if the kernel steps ``batch``, else
+        None. ``binding``: a ``Binding``, or anything with its ``optimizer`` and ``optimized``."""
         optimizer = binding.optimizer
         decoupled = adam_kind(optimizer)
         if decoupled is None:
@@ -80,9 +81,10 @@ class KernelSteps:
             self.fresh.update(u.index for u in batch)
         return True
 
-    def jobs(self, unit: Unit, binding: Binding, used: Sequence[Any], grad: Tensor, gmul: float,
-             hypers: dict[int, dict[str, Any]]) -> list:
-        """The kernel's jobs for one unit (its state made and its step counts advanced as torch would)."""
+    def jobs(self, unit: Unit, binding: Any, used: Any, grad: Tensor, gmul: float,
+             hypers: dict[int, dict[str, Any]], backup: Optional[Tensor] = None) -> list:
+        """The kernel's jobs for one unit (its state made and its step counts advanced as torch would);
+        ``used``: indexed by parameter id, whether it is stepped; ``backup``: a (3, shard elements) buffer that receives the replaced master, exp_avg, exp_avg_sq."""
         optimizer, working, jobs = binding.optimizer, self._working(unit), []
         for view, seg in binding.optimized[unit.index]:
             span = seg.shard_span
@@ -98,7 +100,9 @@ class KernelSteps:
             state["step"].add_(1)
             jobs.append(self.kernel.job(view.detach(), grad[span], state["exp_avg"], state["exp_avg_sq"],
                                         step=float(state["step"].item()), gmul=gmul,
-                                        working=working[span] if working is not None else None, **hypers[id(view)]))
+                                        working=working[span] if working is not None else None,
+                                        backup=[b[span] for b in backup] if backup is not None else None,
+                                        **hypers[id(view)]))
         return jobs
 
     def _working(self, unit: Unit) -> Optional[Tensor]:

@@ -81,6 +81,7 @@ class SplitOptimizer(OptimizerPlacement):
 
     def resident(self, units: Sequence[Unit]) -> Iterator[Unit]:
         """Every unit stays resident in both parts; a host unit once the device read its master."""
+        self.host.abandon_speculation()
         for unit in units:
             if unit.index in self.host_units:
                 self.host.wait_device_reads(unit.index)

@@ -17,7 +17,9 @@ from tests.integration.engine.test_accumulation import _device, _stage_options
 
 OFFLOADS = {"none": {}, "cpu": {"offload_optimizer": True}, "params_cpu": {"offload_optimizer": True, "offload_parameters": True},
             "ratio": {"offload_optimizer": True, "offload_optimizer_ratio": 0.5},
-            "auto": {"offload_optimizer": True, "offload_optimizer_ratio": "auto", "offload_memory_budget": "50%"}}
+            "auto": {"offload_optimizer": True, "offload_optimizer_ratio": "auto", "offload_memory_budget": "50%"},
+            "cpu_spec": {"offload_optimizer": True, "offload_speculative_step": True},
+            "params_cpu_spec": {"offload_optimizer": True, "offload_parameters": True, "offload_speculative_step": True}}
 
 
 def _nonfinite_body(action: str, stage: int, device: str = "cpu", offload: str = "none",
@@ -63,7 +65,8 @@ def test_nonfinite_gradients_stop_training_on_every_rank_by_default(dist_pool, s
         assert "nonfinite_gradients='skip'" in r["error"] and r["unchanged"]
 
 
-@pytest.mark.parametrize("stage, offload", [(2, "cpu"), (3, "params_cpu"), (2, "ratio"), (2, "auto"), (3, "auto")])
+@pytest.mark.parametrize("stage, offload", [(2, "cpu"), (3, "params_cpu"), (2, "ratio"), (2, "auto"), (3, "auto"),
+                                            (2, "cpu_spec"), (3, "params_cpu_spec")])
 @pytest.mark.parametrize("boundary", [None, True], ids=["copies_at_finalize", "copies_during_backward"])
 def test_nonfinite_gradients_leave_offloaded_models_untouched_on_every_rank(dist_pool, stage, offload, boundary):
     # Optimizer offload (host step unit by unit), partial and auto offload: a NaN on rank 1 in step 2

@@ -44,6 +44,12 @@ OFFLOAD = {
     "optimizer_cpu_auto": {"offload_optimizer": True, "offload_optimizer_ratio": "auto", "offload_memory_budget": "50%"},
     "params_optimizer_cpu_auto": {"offload_optimizer": True, "offload_parameters": True,
                                   "offload_optimizer_ratio": "auto", "offload_memory_budget": "50%"},
+    # Speculative host steps (during the backward, kept or undone at the step).
+    "optimizer_cpu_spec": {"offload_optimizer": True, "offload_speculative_step": True},
+    "params_optimizer_cpu_spec": {"offload_optimizer": True, "offload_parameters": True,
+                                  "offload_speculative_step": True},
+    "optimizer_cpu_0.5_spec": {"offload_optimizer": True, "offload_optimizer_ratio": 0.5,
+                               "offload_speculative_step": True},
 }
 
 
@@ -165,7 +171,8 @@ def test_matches_ddp(dist_pool, world_size: int, stage: int, managed: bool) -> N
 @pytest.mark.parametrize(
     "stage, offload",
     [(1, "optimizer_cpu"), (2, "optimizer_cpu"), (3, "optimizer_cpu"), (3, "params_optimizer_cpu"),
-     (1, "optimizer_nvme"), (2, "optimizer_nvme"), (3, "optimizer_nvme")],
+     (1, "optimizer_nvme"), (2, "optimizer_nvme"), (3, "optimizer_nvme"), (1, "optimizer_cpu_spec"),
+     (2, "optimizer_cpu_spec"), (3, "params_optimizer_cpu_spec"), (2, "optimizer_cpu_0.5_spec")],
 )
 @pytest.mark.parametrize("managed", [True, False], ids=["managed", "unmanaged"])
 def test_offload_matches_ddp(dist_pool, stage: int, offload: str, managed: bool) -> None:

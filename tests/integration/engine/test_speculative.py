@@ -1,0 +1,145 @@
+"""Speculative host steps (offload_speculative_step): units step on the host during the backward and
+are kept or undone at the step, so training is bitwise the training without speculation, whatever
+the window does: clipping in effect or not, accumulation, a parameter no rank used, a non-finite
+gradient on one rank, zero_grad or a state read between the backward and the step. Two gloo ranks.
+
+The worker races the backward; so that every case speculates for certain, the tests let the backward's
+end wait until each unit offered has been stepped (``_drain``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_zeroq import ZeroConfig, ZeroEngine
+from tests.integration.engine.test_offload import TwoHeads, _loss
+
+CASES = {
+    "s2_bf16": (2, {"offload_optimizer": True}, torch.bfloat16),
+    "s2_fp32": (2, {"offload_optimizer": True}, torch.float32),
+    "s3_params_bf16": (3, {"offload_optimizer": True, "offload_parameters": True}, torch.bfloat16),
+    "s3_opt_bf16": (3, {"offload_optimizer": True}, torch.bfloat16),
+    "s2_ratio_bf16": (2, {"offload_optimizer": True, "offload_optimizer_ratio": 0.5}, torch.bfloat16),
+}
+# What each step does between its backward passes and its step. The first makes the optimizer's state
+# (never speculated); clipping in effect comes last, since the windows after it do not speculate.
+SCRIPT = ["plain", "plain", "clip_idle", "accumulate", "state_read", "zero_grad_then_plain", "other_head",
+          "clip_in_effect", "plain"]
+
+
+def _drain() -> None:
+    """Make ``Speculation.stop`` wait until every unit offered so far has been stepped."""
+    from lightning_zeroq.zero.offload.speculate import Speculation
+
+    def stop(self) -> None:
+        with self._cv:
+            while self._queue or self._busy is not None:
+                self._cv.wait(timeout=1.0)
+            self._accepting = False
+
+    Speculation.stop = stop  # type: ignore[method-assign]
+
+
+def _train(case: str, speculative: bool, nan_step: int = -1, action: str = "skip"):
+    _drain()
+    stage, options, dtype = CASES[case]
+    torch.manual_seed(0)
+    model = TwoHeads().to(dtype)
+    engine = ZeroEngine(model, ZeroConfig(stage=stage, reduce_bucket_size=700, stage3_wrap_classes=["Linear"],
+                                          stage3_param_persistence_threshold=40, nonfinite_gradients=action,
+                                          offload_speculative_step=speculative, **options), param_dtype=dtype)
+    engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+    placement = getattr(engine.placement, "host", engine.placement)
+    assert (placement.spec is not None) == speculative
+    out, errors = [], []
+    for step, what in enumerate(SCRIPT):
+        head = 1 if what == "other_head" else 0  # the other head: parameters no rank used this window
+        backwards = 2 if what == "accumulate" else 1
+        for micro in range(backwards):
+            loss = _loss(model, step, micro, head=head).float()
+            if step == nan_step and dist.get_rank() == 1:
+                loss = loss * float("nan")
+            engine.backward(loss / backwards, boundary=micro == backwards - 1)
+        if what == "clip_in_effect":
+            engine.clip_grad_norm_(1e-3)
+        elif what == "clip_idle":
+            engine.clip_grad_norm_(1e6)
+        elif what == "state_read":
+            out.append(("read", engine.full_state_dict()))  # before the step: the masters as before it
+        elif what == "zero_grad_then_plain":
+            engine.zero_grad()
+            engine.backward(_loss(model, step, 7, head=1).float(), boundary=True)
+        try:
+            engine.step()
+        except RuntimeError as error:
+            errors.append(str(error))
+            engine.zero_grad()
+        engine.zero_grad()
+        state = [t.detach().clone() for s in engine.optimizer.state.values() for t in s.values()]
+        out.append((step, [u.master.detach().clone() for u in engine.units], state, engine.full_state_dict(),
+                    [p.detach().clone() for p in model.parameters()] if stage < 3 else []))  # working weights
+    counts = placement.spec.counts if placement.spec is not None else None
+    engine.close()
+    return out, errors, counts
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_speculative_steps_are_bitwise_the_steps(dist_pool, case):
+    ours = dist_pool(2).run(_train, case, True)
+    theirs = dist_pool(2).run(_train, case, False)
+    for (a, errors_a, counts), (b, errors_b, _) in zip(ours, theirs):
+        assert not errors_a and not errors_b
+        for x, y in zip(a, b):
+            assert _same(x, y), f"{case}: step {x[0]} differs"
+        # speculated from the second step on: kept in plain steps, with clipping idle and with
+        # accumulation; undone by a state read, zero_grad, unused parameters and clipping in effect
+        # (which pauses the windows after it)
+        assert counts.windows >= 6 and counts.kept > 0 and counts.undone > 0, counts
+
+
+@pytest.mark.parametrize("case", ["s2_bf16", "s3_params_bf16", "s2_ratio_bf16"])
+@pytest.mark.parametrize("action", ["skip", "error"])
+def test_a_nonfinite_gradient_undoes_every_speculative_step_on_every_rank(dist_pool, case, action):
+    """NaN on rank 1 in the first step that speculates: every rank restores what it stepped during the
+    backward; the step is skipped (or fails) everywhere, and training goes on bitwise as without
+    speculation."""
+    ours = dist_pool(2).run(_train, case, True, 1, action)
+    theirs = dist_pool(2).run(_train, case, False, 1, action)
+    for (a, errors_a, counts), (b, errors_b, _) in zip(ours, theirs):
+        assert len(errors_a) == len(errors_b) == (action == "error")
+        for x, y in zip(a, b):
+            assert _same(x, y), f"{case}: step {x[0]} differs"
+        assert counts.undone > 0, counts
+    before, after = ours[0][0][0], ours[0][0][1]
+    assert _same(before[3], after[3]), "the non-finite step left the model as it was"
+
+
+def test_speculation_needs_what_it_says(dist_pool):
+    """It is off (with a warning) where it cannot take effect: no CPU optimizer offload, fp16 loss scaling,
+    unmanaged accumulation."""
+    import warnings
+
+    for options, loss_scaling, text in (({}, False, "without CPU optimizer offload"),
+                                        ({"offload_optimizer": True}, True, "fp16 loss scaling"),
+                                        ({"offload_optimizer": True, "managed_gradient_accumulation": False}, False,
+                                         "managed_gradient_accumulation=False")):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine = ZeroEngine(TwoHeads(), ZeroConfig(stage=2, offload_speculative_step=True, **options),
+                                loss_scaling=loss_scaling)
+        assert any(text in str(w.message) for w in caught), [str(w.message) for w in caught]
+        assert getattr(getattr(engine.placement, "host", engine.placement), "spec", None) is None
+        engine.close()
+    with pytest.raises(ValueError, match="offload_speculative_step"):
+        ZeroConfig(offload_speculative_step="yes")
