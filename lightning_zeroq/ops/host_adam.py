@@ -114,11 +114,6 @@ class HostAdam:
         if self.lib.zq_adam_steps(array, len(jobs), threads or torch.get_num_threads()) != 0:
             raise RuntimeError("host_adam: a thread of the host step could not be started")
 
-    def restore(self, param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, backup: Sequence[Tensor]) -> None:
-        """Undo a step that wrote ``backup``."""
-        for t, b in zip((param, exp_avg, exp_avg_sq), backup):
-            t.copy_(b)
-
     def bind(self, cpus: Sequence[int]) -> None:
         """Pin part i of every later step to ``cpus[i]`` (empty: no binding)."""
         array = (ctypes.c_int * max(1, len(cpus)))(*cpus)

@@ -94,7 +94,6 @@ class ZeroEngine:
                                     payload_numels=transient, param_dtype=param_dtype, rank=self.rank,
                                     quantized=pol.quantization.weights,
                                     master_on_device=self.placement.master_on_device,
-                                    share_working=self.placement.share_working,
                                     masters_may_move=self.placement.masters_may_move)
                 self.placement.store_built(store)
         sync_replicated_state(module, self.device, group)

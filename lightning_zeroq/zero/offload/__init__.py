@@ -74,19 +74,15 @@ def shard_store(
     rank: int,
     quantized: bool,
     master_on_device: Callable[[int], bool] = lambda index: True,
-    share_working: Callable[[dict[int, torch.Tensor]], None] = lambda buffers: None,
     masters_may_move: bool = False,
 ) -> ShardStore:
     """The store of stage 3's transient units (``policy``: ``Offload.parameters``; ``payload_numels``: unit
     index -> payload elements; ``quantized``: the payload is INT8; ``master_on_device``: the optimizer
-    placement's answer, per unit; ``share_working``: the placement's, for a store on the host;
-    ``masters_may_move``: the placement brings masters to the device later, ``auto.AutoSplit``)."""
+    placement's answer, per unit; ``masters_may_move``: the placement brings masters to the device later, ``auto.AutoSplit``)."""
     if isinstance(policy, Nvme):
         return NvmeStore(device, payload_dtype, payload_numels, nvme_path=policy.path, rank=rank)
     if isinstance(policy, Host):
-        store = HostStore(device, payload_dtype, payload_numels)
-        share_working(store.buffers)  # a host step writes its bf16 copy straight into the store
-        return store
+        return HostStore(device, payload_dtype, payload_numels)
     if quantized:
         return DeviceStore(device, payload_dtype, payload_numels)
     # Full width: a master on the device is the working shard (fp32) or is cast at each gather (the

@@ -70,6 +70,7 @@ class AutoSplit(SplitOptimizer):
         """What was decided (units and bytes each side), for logs and tests."""
 
     def store_built(self, store: ShardStore) -> None:
+        super().store_built(store)
         self.store = store
 
     def step_done(self, units: Sequence[Unit], optimizers: Sequence[torch.optim.Optimizer], stepped: bool,

@@ -27,8 +27,8 @@ it has:
 - ``step_grad``: the gradient shard the optimizer reads (offload: after its copy finished);
   ``device_master``/``device_working``: the master as fp32 or working dtype on the device, for the wire;
   ``host_working``: the working-dtype copy of a host master the step wrote, if fresh (stage 3's payload);
-  ``share_working``: a stage-3 store's host buffers, where that copy is to be written; ``store_built``:
-  the stage-3 store itself;
+  ``store_built``: the stage-3 store (a host store's buffers are where that copy is written; ``auto``
+  moves units within a split store);
 - ``published`` (after ``Gatherer.publish`` issued the copies that read the unit's master): a host
   master must not be written, or its buffer reused, before they ran;
 - ``end_window``, ``close``.
@@ -129,11 +129,9 @@ class OptimizerPlacement:
     def host_working(self, unit: Unit, dtype: torch.dtype) -> Optional[Tensor]:
         return None
 
-    def share_working(self, buffers: dict[int, Tensor]) -> None:
-        pass
-
     def store_built(self, store: ShardStore) -> None:
-        """Stage 3's shard store, once built (``auto.AutoSplit`` moves units within it)."""
+        """Stage 3's shard store, once built (a host store's buffers take the host step's bf16 copies;
+        ``auto.AutoSplit`` moves units within a split store)."""
 
     def device_master(self, unit: Unit) -> Tensor:
         return unit.master

@@ -62,7 +62,7 @@ from torch import Tensor
 
 from lightning_zeroq.ops.host_adam import host_adam
 from lightning_zeroq.zero import comm
-from lightning_zeroq.zero.offload.device import OptimizerPlacement, copy_cast_to_device
+from lightning_zeroq.zero.offload.device import OptimizerPlacement, ShardStore, copy_cast_to_device
 from lightning_zeroq.zero.offload.kernel import KernelSteps
 from lightning_zeroq.zero.offload.speculate import Speculation
 from lightning_zeroq.zero.optimizers import Binding, adam_kind, prefer_fast_host_step
@@ -123,12 +123,13 @@ class HostOptimizer(OptimizerPlacement):
     def master_on_device(self, index: int) -> bool:
         return False
 
-    def share_working(self, buffers: dict[int, Tensor]) -> None:
-        """The kernel writes these units' bf16 copies into ``buffers`` (a stage-3 store's, which then
-        holds the step's payload as soon as the step is done)."""
-        self._shared.update(buffers)
-        if self.kernel is not None:
-            self.kernel.share(buffers)
+    def store_built(self, store: ShardStore) -> None:
+        """A host store: the kernel writes the units' bf16 copies into its buffers, which then hold the
+        step's payload as soon as the step is done."""
+        if isinstance(store, HostStore):
+            self._shared = store.buffers
+            if self.kernel is not None:
+                self.kernel.share(store.buffers)
 
     def attach(self, units: Sequence[Unit], optimizers: Sequence[torch.optim.Optimizer]) -> None:
         for optimizer in optimizers:
@@ -143,7 +144,7 @@ class HostOptimizer(OptimizerPlacement):
             self.kernel.share(self._shared)
         self._optimizers = list(optimizers)
         if self.spec is not None:
-            self.spec.undo_all()
+            self.spec.close()
         self.spec = (Speculation(self.kernel, self._kernel_grad, self.wait_device_reads)
                      if self.speculative and self.kernel is not None else None)
 
@@ -204,8 +205,8 @@ class HostOptimizer(OptimizerPlacement):
     def _half_buffer(self, unit: Unit) -> Tensor:
         buffer = self.half_grads.get(unit.index)
         if buffer is None:
-            buffer = self.half_grads[unit.index] = host_copy(
-                torch.empty(self.host_grads[unit.index].numel(), dtype=torch.bfloat16), self.pin)
+            buffer = self.half_grads[unit.index] = torch.empty(
+                self.host_grads[unit.index].numel(), dtype=torch.bfloat16, pin_memory=self.pin)
         return buffer
 
     def resident(self, units: Sequence[Unit]) -> Iterator[Unit]:
@@ -214,19 +215,16 @@ class HostOptimizer(OptimizerPlacement):
         walker other than the step sees the masters as before any speculative step."""
         if not self._stepping:
             self.abandon_speculation()
-        yield from self._walk(units)
-
-    def abandon_speculation(self) -> None:
-        """Undo every speculative step of this window (a reader or writer comes before the step)."""
-        if self.spec is not None:
-            self.spec.undo_all()
-
-    def _walk(self, units: Sequence[Unit]) -> Iterator[Unit]:
         for unit in units:
             self.wait_device_reads(unit.index)
             if self.kernel is not None:
                 self.kernel.fresh.discard(unit.index)  # the walker may write the master
             yield unit
+
+    def abandon_speculation(self) -> None:
+        """Undo every speculative step of this window (a reader or writer comes before the step)."""
+        if self.spec is not None:
+            self.spec.undo_all()
 
     def published(self, unit: Unit) -> None:
         if self.pin:  # the copies just issued read the pinned master (or its bf16 copy) asynchronously
@@ -279,17 +277,13 @@ class HostOptimizer(OptimizerPlacement):
     def step_batch(self, batch: Sequence[Unit], binding: Binding, used: Sequence[Any]) -> bool:
         """Step ``batch`` with the host kernel where it takes it (``kernel.KernelSteps``); else False, and
         ``optimizer.step()`` steps it."""
-        if self.spec is not None:  # step_batches yields one unit at a time
-            kept = [u for u in batch if self.spec.keep(u, binding, used, u.index in self.multiplier)]
-            self.half.difference_update(u.index for u in kept)
-            batch = [u for u in batch if u not in kept]
-            if not batch:
-                return True  # stepped during the backward, and that step stands
-        if self.kernel is None or not self.kernel.step(batch, binding, used, self._kernel_grad,
-                                                        lambda unit: self.multiplier.pop(unit.index, 1.0)):
+        spec = self.spec  # step_batches yields one unit at a time
+        rest = [u for u in batch if spec is None or not spec.keep(u, binding, used, u.index in self.multiplier)]
+        if rest and (self.kernel is None or not self.kernel.step(rest, binding, used, self._kernel_grad,
+                                                                  lambda u: self.multiplier.pop(u.index, 1.0))):
             return False
         self.half.difference_update(u.index for u in batch)
-        return True
+        return True  # the kernel stepped them, or their step during the backward stands
 
     def _kernel_grad(self, unit: Unit) -> Tensor:
         """The unit's host gradient as it landed (bf16 where it crossed so), for the kernel."""
@@ -348,7 +342,7 @@ class HostStore:
     def put(self, unit: Unit, payload: Tensor) -> None:
         buffer = self.buffers[unit.index]
         if payload.data_ptr() == buffer.data_ptr():
-            return  # the host kernel wrote the step's payload here (``HostOptimizer.share_working``)
+            return  # the host kernel wrote the step's payload here (``HostOptimizer.store_built``)
         if self.pin and payload.device.type == "cpu" and payload.dtype != buffer.dtype:
             # A host master (optimizer offload): cast on the GPU and copy the payload back, so the CPU,
             # which steps the next unit meanwhile, only enqueues copies (casting 953M fp32 elements on

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -81,8 +81,6 @@ class _Counts:
     undone: int = 0
     windows: int = 0
     """Windows that speculated."""
-    units: list[int] = field(default_factory=list)
-    """The units speculated in the last such window, in order."""
 
 
 class Speculation:
@@ -120,7 +118,6 @@ class Speculation:
         with self._cv:
             self._optimizer, self._accepting = optimizer, True
         self.counts.windows += 1
-        self.counts.units = []
 
     def offer(self, unit: Unit) -> None:
         """``unit``'s gradient is on its way to the host: step it once it has landed."""
@@ -223,7 +220,6 @@ class Speculation:
                 if record is not None:
                     record.stale = self._busy_stale
                     self.done[unit.index] = record
-                    self.counts.units.append(unit.index)
                 if error is not None:
                     self._error = error
                 self._busy = None

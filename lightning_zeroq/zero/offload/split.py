@@ -124,8 +124,8 @@ class SplitOptimizer(OptimizerPlacement):
     def host_working(self, unit: Unit, dtype: torch.dtype) -> Optional[Tensor]:
         return self._of(unit).host_working(unit, dtype)
 
-    def share_working(self, buffers: dict[int, Tensor]) -> None:
-        self.host.share_working(buffers)
+    def store_built(self, store: ShardStore) -> None:
+        self.host.store_built(store)
 
     def device_master(self, unit: Unit) -> Tensor:
         return self._of(unit).device_master(unit)
