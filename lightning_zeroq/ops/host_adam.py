@@ -173,19 +173,29 @@ def _calibrate(kernel: HostAdam) -> Optional[tuple[int, int]]:
 _lock = threading.Lock()
 _kernel: Optional[HostAdam] = None
 _tried = False
+_reason = ""
 
 
 def host_adam() -> Optional[HostAdam]:
     """The kernel, built, loaded and checked on first call; None (logged once) where it cannot be."""
-    global _kernel, _tried
+    global _kernel, _tried, _reason
     with _lock:
         if not _tried:
             _tried = True
             _kernel, reason = _load()
+            _reason = reason
             if _kernel is None:
                 log.info(f"lightning_zeroq: the host Adam kernel is not used ({reason}); optimizer offload steps "
                          "with torch's fused CPU kernel")
         return _kernel
+
+
+def unavailable_reason() -> str:
+    """Why ``host_adam()`` returned None ("" before the first call, or when it loaded)."""
+    return _reason
+
+
+NO_MATCH = "no variant of it steps bitwise as torch's fused kernel does on this machine"
 
 
 def _load() -> tuple[Optional[HostAdam], str]:
@@ -201,7 +211,7 @@ def _load() -> tuple[Optional[HostAdam], str]:
         probe_path = _build(source, compiler, ("-DZQ_PROBE",))
         variant = _calibrate(HostAdam(ctypes.CDLL(str(probe_path)), probe_path))
         if variant is None:
-            return None, "no variant of it steps bitwise as torch's fused kernel does on this machine"
+            return None, NO_MATCH
         flags, width = variant
         path = _build(source, compiler, (f"-DZQ_BODY={flags}",))
         kernel = HostAdam(ctypes.CDLL(str(path)), path)

@@ -22,7 +22,8 @@ import lightning_zeroq  # noqa: F401  (registers the strategy names)
 # Stage 3 whose units are really freed between uses: BoringModel's only module is a Linear.
 FREED = {"stage3_wrap_classes": ["Linear"], "stage3_param_persistence_threshold": 0}
 
-# The arms a case runs under: the three presets by name, stage 3 with freed units, and offload.
+# The arms a case runs under: the three presets by name, stage 3 with freed units, offload, and stage 3
+# with freed units and speculative host steps (parameters and optimizer on the CPU).
 STAGES = ["zeroq_stage_1", "zeroq_stage_2", "stage3_freed"]
 PRESETS = ["zeroq_stage_1", "zeroq_stage_2", "zeroq_stage_3"]
 
@@ -35,6 +36,9 @@ def strategy(arm: str, **extra):
         return ZeroQStrategy(stage=3, **FREED, **extra)
     if arm == "stage2_offload":
         return ZeroQStrategy(stage=2, offload_optimizer=True, **extra)
+    if arm == "stage3_freed_offload_spec":
+        return ZeroQStrategy(stage=3, **FREED, offload_optimizer=True, offload_parameters=True,
+                             offload_speculative_step=True, **extra)
     if extra:
         return ZeroQStrategy(stage=int(arm[-1]), **extra)
     return arm

@@ -404,7 +404,7 @@ def _save_last_body(tmp, arm, save_last):
     return last, callback.last_model_path, callback._last_checkpoint_saved
 
 
-@pytest.mark.parametrize("arm", [*STAGES, "zeroq_stage_3", "stage2_offload"])
+@pytest.mark.parametrize("arm", [*STAGES, "zeroq_stage_3", "stage2_offload", "stage3_freed_offload_spec"])
 @pytest.mark.parametrize("save_last", [True, "link"])
 def test_model_checkpoint_save_last(dist_pool, tmp_path, save_last, arm):
     last, last_model_path, last_saved = run(dist_pool(2), _save_last_body, str(tmp_path), arm, save_last)[0]
@@ -757,7 +757,7 @@ def _last_contents_body(tmp, arm):
     return callback.last_model_path
 
 
-@pytest.mark.parametrize("arm", [*STAGES, "zeroq_stage_3", "stage2_offload"])
+@pytest.mark.parametrize("arm", [*STAGES, "zeroq_stage_3", "stage2_offload", "stage3_freed_offload_spec"])
 def test_model_checkpoint_save_last_checkpoint_contents(dist_pool, tmp_path, arm):
     last_model_path = run(dist_pool(2), _last_contents_body, str(tmp_path), arm)[0]
     at_last_epoch, last = tmp_path / "epoch=2.ckpt", tmp_path / "last.ckpt"

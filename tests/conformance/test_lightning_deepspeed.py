@@ -510,7 +510,9 @@ def _accumulated_grad_batches(spec: str, root: str, offload: bool) -> None:
             self.on_train_batch_start_called = True
 
     verification_callback = VerificationCallback()
-    strategy = h.strategy(spec, wrap=("Sequential", "Linear"), offload_optimizer=offload)
+    options = {"offload_optimizer": True, "offload_speculative_step": True} if offload == "speculative" else \
+        {"offload_optimizer": offload}
+    strategy = h.strategy(spec, wrap=("Sequential", "Linear"), **options)
     trainer = h.trainer(strategy, root, max_epochs=1, limit_train_batches=5, limit_val_batches=2,
                         precision="bf16-mixed", accumulate_grad_batches=2, callbacks=[verification_callback],
                         **_quiet())
@@ -519,7 +521,7 @@ def _accumulated_grad_batches(spec: str, root: str, offload: bool) -> None:
     assert verification_callback.on_train_batch_start_called
 
 
-@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("offload", [False, True, "speculative"])
 @pytest.mark.parametrize("spec", SPECS)
 def test_deepspeed_multigpu_stage_2_accumulated_grad_batches(dist_pool, tmp_path, spec, offload):
     on_ranks(dist_pool, _accumulated_grad_batches, spec, str(tmp_path), offload)

@@ -5,21 +5,16 @@ data of every size class (torch's vector body and its scalar tail), every mode, 
 from __future__ import annotations
 
 import itertools
-import shutil
 
 import pytest
 import torch
 
 from lightning_zeroq.ops import host_adam as H
-
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build the host kernel")
-
+from tests.host_kernel import require
 
 @pytest.fixture(scope="module")
 def kernel() -> H.HostAdam:
-    k = H.host_adam()
-    assert k is not None, "the host kernel did not load (see the log): it builds with cc and matches torch here"
-    return k
+    return require()
 
 
 def _data(n: int, seed: int) -> list[torch.Tensor]:

@@ -32,6 +32,7 @@ speculate.
 from __future__ import annotations
 
 import threading
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -99,6 +100,7 @@ class Speculation:
         self._optimizer: Optional[torch.optim.Optimizer] = None
         self._pause = 0
         self._closed = False
+        self._warned = False
         self.done: dict[int, _Done] = {}
         self.backups: dict[int, Tensor] = {}
         self.counts = _Counts()
@@ -114,6 +116,11 @@ class Speculation:
         optimizer = optimizers[0] if len(optimizers) == 1 else None
         if (optimizer is None or adam_kind(optimizer) is None or optimizer._optimizer_step_pre_hooks
                 or _global_optimizer_pre_hooks):
+            if not self._warned:
+                self._warned = True
+                warnings.warn("offload_speculative_step=True does not speculate in this window: it needs one "
+                              "optimizer, torch's Adam or AdamW, without step pre-hooks (they may change what the "
+                              "step does); the step runs as usual.", stacklevel=2)
             return
         with self._cv:
             self._optimizer, self._accepting = optimizer, True

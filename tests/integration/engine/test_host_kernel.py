@@ -9,16 +9,19 @@ from __future__ import annotations
 import os
 import tempfile
 
-import shutil
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from lightning_zeroq import ZeroConfig, ZeroEngine
+from tests.host_kernel import require
 from tests.integration.engine.test_offload import TwoHeads, _loss
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build the host kernel")
+
+@pytest.fixture(autouse=True)
+def _kernel() -> None:
+    require()
+
 
 CASES = {
     "s2_opt_bf16": (2, {"offload_optimizer": True}, torch.bfloat16),

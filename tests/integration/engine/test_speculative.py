@@ -8,16 +8,19 @@ end wait until each unit offered has been stepped (``_drain``)."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from lightning_zeroq import ZeroConfig, ZeroEngine
+from tests.host_kernel import require
 from tests.integration.engine.test_offload import TwoHeads, _loss
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build the host kernel")
+
+@pytest.fixture(autouse=True)
+def _kernel() -> None:
+    require()
+
 
 CASES = {
     "s2_bf16": (2, {"offload_optimizer": True}, torch.bfloat16),
@@ -147,3 +150,9 @@ def test_speculation_needs_what_it_says(dist_pool):
         engine.close()
     with pytest.raises(ValueError, match="offload_speculative_step"):
         ZeroConfig(offload_speculative_step="yes")
+    model = TwoHeads()  # an optimizer the host kernel does not step: a warning, and no speculation
+    engine = ZeroEngine(model, ZeroConfig(stage=2, offload_optimizer=True, offload_speculative_step=True))
+    with pytest.warns(UserWarning, match="offload_speculative_step=True has no effect: .* the optimizer is neither"):
+        engine.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert engine.placement.spec is None
+    engine.close()
