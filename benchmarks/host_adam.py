@@ -1,13 +1,13 @@
 """The host AdamW step at offload size: torch's fused CPU AdamW, torch's foreach AdamW, DeepSpeed's
-DeepSpeedCPUAdam (AVX, JIT-built) and lightning_zeroq's host kernel (``csrc/host_adam.c``, plain and
-writing backups of what it replaces), on the same tensors, in one process, alternating.
+DeepSpeedCPUAdam (AVX, JIT-built) and lightning_zeroq's host kernel (``csrc/host_adam.c``, in place and
+out of place, as a speculative step writes), on the same tensors, in one process, alternating.
 
 The 953M GPT under optimizer offload at world size 1 steps all of its 953M fp32 elements on the host
 (``--numel``); at 2 ranks about 476M each. The elements are split into ``--tensors`` tensors (the
 engine steps one unit at a time). Each arm steps ``--steps`` times after one warm-up step over the
 same parameter/gradient/state values (copies), with ``--threads`` threads; the median step time and
 the effective bandwidth (7 fp32 arrays read or written per element: param, grad, exp_avg, exp_avg_sq
-read; param, exp_avg, exp_avg_sq written; backups not counted) are printed as JSON lines, with the
+read; param, exp_avg, exp_avg_sq written) are printed as JSON lines, with the
 largest difference of the updated parameters against the fused arm (0 for the zeroq kernel: it is
 checked bitwise against torch's at load).
 
@@ -39,8 +39,8 @@ def _arms(threads: int) -> dict:
 
     kernel = host_adam()
     if kernel is not None:
-        arms["zeroq_kernel"] = lambda ps: _ZeroqAdamW(ps, kernel, threads, backup=False)
-        arms["zeroq_kernel_backup"] = lambda ps: _ZeroqAdamW(ps, kernel, threads, backup=True)
+        arms["zeroq_kernel"] = lambda ps: _ZeroqAdamW(ps, kernel, threads, out=False)
+        arms["zeroq_kernel_out"] = lambda ps: _ZeroqAdamW(ps, kernel, threads, out=True)
     else:
         print(json.dumps({"arm": "zeroq_kernel", "error": "not available (see the log)"}), flush=True)
     try:
@@ -54,22 +54,25 @@ def _arms(threads: int) -> dict:
 
 class _ZeroqAdamW:
     """AdamW(lr=1e-4, weight_decay=0.1) through the host kernel, one tensor at a time (as the engine
-    steps units); ``backup``: also write the replaced values (pinned-size buffers made once)."""
+    steps units); ``out``: out of place into spare buffers (made and touched once), swapped in after
+    each step, as a kept speculative step is."""
 
-    def __init__(self, params, kernel, threads: int, backup: bool) -> None:
+    def __init__(self, params, kernel, threads: int, out: bool) -> None:
         self.params, self.kernel, self.threads, self.count = params, kernel, threads, 0
         self.state = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
-        self.backups = [[torch.empty_like(p) for _ in range(3)] for p in params] if backup else None
-        for group in self.backups or ():
-            for b in group:
-                b.fill_(0)  # touched once, as the engine's pool is
+        self.spares = [[torch.zeros_like(p) for _ in range(3)] for p in params] if out else None
 
     def step(self) -> None:
         self.count += 1
         for i, (p, (m, v)) in enumerate(zip(self.params, self.state)):
+            spare = self.spares[i] if self.spares else None
             self.kernel.step(p.data, p.grad, m, v, step=float(self.count), lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
-                             weight_decay=0.1, decoupled=True, backup=self.backups[i] if self.backups else None,
-                             threads=self.threads)
+                             weight_decay=0.1, decoupled=True, out=spare, threads=self.threads)
+            if spare is not None:
+                for current, other in zip((p, m, v), spare):
+                    read = current.data
+                    current.data = other.data
+                    other.data = read
 
 
 class _Traffic:

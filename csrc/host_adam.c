@@ -16,8 +16,9 @@
      ``grad.mul_(gmul)`` before the step would, without a pass of its own over the gradient;
    - write the updated parameter rounded to bf16 (``wh``, round to nearest even as a cast on the GPU
      rounds), which crosses PCIe or rests in a stage-3 store instead of the fp32 master;
-   - write the values it replaces (parameter, exp_avg, exp_avg_sq) to backup arrays (``bp``, ``bm``,
-     ``bv``), so a step taken before the step's global checks are known can be undone exactly.
+   - write the updated parameter, exp_avg and exp_avg_sq to other arrays (``op``, ``om``, ``ov``),
+     leaving the inputs as they were, so a step taken before the step's global checks are known is
+     undone by dropping its outputs, at no more memory traffic than a step in place.
 
    Threads: a small pool of its own (pthreads), one call at a time; the caller's thread works too.
    No Python, no torch: a plain shared object called through ctypes, which releases the GIL for the
@@ -49,7 +50,7 @@ typedef struct {
     const float *g;      /* fp32 gradient, or NULL when gh is given */
     const uint16_t *gh;  /* bf16 gradient, or NULL */
     uint16_t *wh;        /* the updated parameter in bf16, or NULL */
-    float *bp, *bm, *bv; /* backups of the replaced values, or all NULL */
+    float *op, *om, *ov; /* where the updated values go instead of p, m, v, or all NULL (in place) */
     int64_t n, vec_end;
     float gmul;     /* gradient multiplier (1: none) */
     float gsign;    /* -1 with maximize */
@@ -77,49 +78,35 @@ static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch cas
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-static inline __attribute__((always_inline)) void update(const zq_adam *a, int64_t lo, int64_t hi, int flags,
-                                                         int half_in, int half_out) {
-    float *restrict p = a->p, *restrict m = a->m, *restrict v = a->v;
-    const float *restrict g = a->g;
-    const uint16_t *restrict gh = a->gh;
-    uint16_t *restrict wh = a->wh;
-    const float gmul = a->gmul, gsign = a->gsign, decay = a->decay, wd = a->wd, beta2 = a->beta2, c2 = a->c2,
-                bc2s = a->bc2s, eps = a->eps, neg_step = a->neg_step;
-    const float w = a->w;
-    const int small = fabsf(w) < 0.5f;
-    const float coeff = small ? w : w - 1.0f;
-    for (int64_t i = lo; i < hi; i++) {
-        float pi = p[i], mi = m[i], vi = v[i];
-        float gi = (half_in ? from_bf16(gh[i]) : g[i]) * gmul;
-        gi = gi * gsign;
-        if (flags & ZQ_WEIGHT_DECAY) {
-            if (flags & ZQ_DECOUPLED)
-                pi = pi * decay;
-            else if (flags & ZQ_L2_FMA)
-                gi = fmaf(pi, wd, gi);
-            else
-                gi = gi + pi * wd;
-        }
-        const float base = small ? mi : gi;
-        mi = fmaf(coeff, gi - mi, base);
-        const float gg = (c2 * gi) * gi;
-        if (flags & ZQ_V_FMA_A)
-            vi = fmaf(vi, beta2, gg);
-        else if (flags & ZQ_V_FMA_B)
-            vi = fmaf(c2 * gi, gi, vi * beta2);
+/* One element: the updated (pi, mi, vi) from the old ones and the gradient gi (already scaled). */
+static inline __attribute__((always_inline)) void adam_one(const zq_adam *a, int flags, float coeff, int small,
+                                                           float *pi, float *mi, float *vi, float gi) {
+    gi = gi * a->gsign;
+    float p = *pi, m = *mi, v = *vi;
+    if (flags & ZQ_WEIGHT_DECAY) {
+        if (flags & ZQ_DECOUPLED)
+            p = p * a->decay;
+        else if (flags & ZQ_L2_FMA)
+            gi = fmaf(p, a->wd, gi);
         else
-            vi = vi * beta2 + gg;
-        const float denom = sqrtf(vi) / bc2s + eps;
-        pi = pi + (neg_step * mi) / denom;
-        p[i] = pi;
-        m[i] = mi;
-        v[i] = vi;
-        if (half_out) wh[i] = to_bf16(pi);
+            gi = gi + p * a->wd;
     }
+    const float base = small ? m : gi;
+    m = fmaf(coeff, gi - m, base);
+    const float gg = (a->c2 * gi) * gi;
+    if (flags & ZQ_V_FMA_A)
+        v = fmaf(v, a->beta2, gg);
+    else if (flags & ZQ_V_FMA_B)
+        v = fmaf(a->c2 * gi, gi, v * a->beta2);
+    else
+        v = v * a->beta2 + gg;
+    const float denom = sqrtf(v) / a->bc2s + a->eps;
+    *pi = p + (a->neg_step * m) / denom;
+    *mi = m;
+    *vi = v;
 }
 
-/* dst[0, n) = src[0, n), the stores bypassing the caches where the target has streaming stores (the
-   backups are read again only to undo a step). */
+/* dst[0, n) = src[0, n), the stores bypassing the caches where the target has streaming stores. */
 static inline void stream_copy(float *restrict dst, const float *restrict src, int64_t n) {
     int64_t i = 0;
 #if defined(__AVX512F__)
@@ -132,24 +119,68 @@ static inline void stream_copy(float *restrict dst, const float *restrict src, i
     for (; i < n; i++) dst[i] = src[i];
 }
 
-#define ZQ_BLOCK 2048 /* elements per block: its arrays stay in the L1/L2 cache between backup and step */
+#define ZQ_BLOCK 256 /* elements per block of a step out of place (three blocks stay in the L1 cache) */
 
-static inline __attribute__((always_inline)) void body(const zq_adam *a, int64_t lo, int64_t hi, int flags,
-                                                       int backup, int half_in, int half_out) {
-    if (!backup) {
-        update(a, lo, hi, flags, half_in, half_out);
+/* The arrays of one call never overlap (the caller's tensors are distinct): the loops say so, since
+   the ``restrict`` pointers alone leave GCC more alias checks than it makes. */
+#if defined(__clang__)
+#define ZQ_NO_ALIAS _Pragma("clang loop vectorize(assume_safety)")
+#elif defined(__GNUC__)
+#define ZQ_NO_ALIAS _Pragma("GCC ivdep")
+#else
+#define ZQ_NO_ALIAS
+#endif
+
+/* The vector body over [lo, hi): in place, or (``out``) into op, om, ov with p, m, v only read. Two
+   loops, so each one's pointers are ``restrict`` as they really are. */
+static inline __attribute__((always_inline)) void update(const zq_adam *a, int64_t lo, int64_t hi, int flags,
+                                                         int out, int half_in, int half_out) {
+    const zq_adam h = *a; /* the loops read the hyperparameters from here: no store can change them */
+    const float *restrict g = a->g;
+    const uint16_t *restrict gh = a->gh;
+    uint16_t *restrict wh = a->wh;
+    const float gmul = a->gmul, w = a->w;
+    const int small = fabsf(w) < 0.5f;
+    const float coeff = small ? w : w - 1.0f;
+    if (out) {
+        /* Block by block into the cache, then streamed out: plain stores to arrays not read here
+           would read each line first (one more pass over memory than a step in place). */
+        float tp[ZQ_BLOCK] __attribute__((aligned(64))), tm[ZQ_BLOCK] __attribute__((aligned(64))),
+            tv[ZQ_BLOCK] __attribute__((aligned(64)));
+        for (int64_t start = lo; start < hi; start += ZQ_BLOCK) {
+            const int64_t len = hi - start < ZQ_BLOCK ? hi - start : ZQ_BLOCK;
+            const float *restrict p = a->p + start, *restrict m = a->m + start, *restrict v = a->v + start;
+            const float *restrict gb = half_in ? NULL : g + start;
+            const uint16_t *restrict ghb = half_in ? gh + start : NULL;
+            uint16_t *restrict whb = half_out ? wh + start : NULL;
+            ZQ_NO_ALIAS
+            for (int64_t i = 0; i < len; i++) {
+                float pi = p[i], mi = m[i], vi = v[i];
+                adam_one(&h, flags, coeff, small, &pi, &mi, &vi, (half_in ? from_bf16(ghb[i]) : gb[i]) * gmul);
+                tp[i] = pi;
+                tm[i] = mi;
+                tv[i] = vi;
+                if (half_out) whb[i] = to_bf16(pi);
+            }
+            stream_copy(a->op + start, tp, len);
+            stream_copy(a->om + start, tm, len);
+            stream_copy(a->ov + start, tv, len);
+        }
+#if defined(__AVX__) || defined(__AVX512F__)
+        _mm_sfence();
+#endif
         return;
     }
-    for (int64_t start = lo; start < hi; start += ZQ_BLOCK) {
-        const int64_t end = start + ZQ_BLOCK < hi ? start + ZQ_BLOCK : hi;
-        stream_copy(a->bp + start, a->p + start, end - start);
-        stream_copy(a->bm + start, a->m + start, end - start);
-        stream_copy(a->bv + start, a->v + start, end - start);
-        update(a, start, end, flags, half_in, half_out);
+    float *restrict p = a->p, *restrict m = a->m, *restrict v = a->v;
+    ZQ_NO_ALIAS
+    for (int64_t i = lo; i < hi; i++) {
+        float pi = p[i], mi = m[i], vi = v[i];
+        adam_one(&h, flags, coeff, small, &pi, &mi, &vi, (half_in ? from_bf16(gh[i]) : g[i]) * gmul);
+        p[i] = pi;
+        m[i] = mi;
+        v[i] = vi;
+        if (half_out) wh[i] = to_bf16(pi);
     }
-#if defined(__AVX__) || defined(__AVX512F__)
-    _mm_sfence();
-#endif
 }
 
 /* torch's scalar tail: the last n % (its vector width) elements of each tensor. */
@@ -157,11 +188,6 @@ static void tail(const zq_adam *a) {
     const int flags = a->flags, contract = flags & ZQ_TAIL_FMA;
     for (int64_t i = a->vec_end; i < a->n; i++) {
         float pi = a->p[i], mi = a->m[i], vi = a->v[i];
-        if (a->bp) {
-            a->bp[i] = pi;
-            a->bm[i] = mi;
-            a->bv[i] = vi;
-        }
         float gi = (a->gh ? from_bf16(a->gh[i]) : a->g[i]) * a->gmul;
         gi = gi * a->gsign;
         if (flags & ZQ_WEIGHT_DECAY) {
@@ -183,9 +209,9 @@ static void tail(const zq_adam *a) {
             vi = vi * a->beta2 + (a->c2 * gi) * gi;
         const float denom = sqrtf(vi) / a->bc2s + a->eps;
         pi = pi - (a->step * mi) / denom;
-        a->p[i] = pi;
-        a->m[i] = mi;
-        a->v[i] = vi;
+        (a->op ? a->op : a->p)[i] = pi;
+        (a->om ? a->om : a->m)[i] = mi;
+        (a->ov ? a->ov : a->v)[i] = vi;
         if (a->wh) a->wh[i] = to_bf16(pi);
     }
 }
@@ -193,7 +219,7 @@ static void tail(const zq_adam *a) {
 #ifdef ZQ_PROBE
 /* Every variant at run time: only for finding the one that matches torch (small arrays). */
 static void run_range(const zq_adam *a, int64_t lo, int64_t hi) {
-    body(a, lo, hi, a->flags, a->bp != NULL, a->gh != NULL, a->wh != NULL);
+    update(a, lo, hi, a->flags, a->op != NULL, a->gh != NULL, a->wh != NULL);
 }
 #else
 #ifndef ZQ_BODY
@@ -203,15 +229,15 @@ static void run_range(const zq_adam *a, int64_t lo, int64_t hi) {
 #define ZQ_LOOP(MODE)                                                          \
     do {                                                                       \
         const int f = (MODE) | (ZQ_BODY & ZQ_VARIANT_BITS);                    \
-        switch ((a->bp != NULL) * 4 + (a->gh != NULL) * 2 + (a->wh != NULL)) { \
-        case 0: body(a, lo, hi, f, 0, 0, 0); return;                           \
-        case 1: body(a, lo, hi, f, 0, 0, 1); return;                           \
-        case 2: body(a, lo, hi, f, 0, 1, 0); return;                           \
-        case 3: body(a, lo, hi, f, 0, 1, 1); return;                           \
-        case 4: body(a, lo, hi, f, 1, 0, 0); return;                           \
-        case 5: body(a, lo, hi, f, 1, 0, 1); return;                           \
-        case 6: body(a, lo, hi, f, 1, 1, 0); return;                           \
-        default: body(a, lo, hi, f, 1, 1, 1); return;                          \
+        switch ((a->op != NULL) * 4 + (a->gh != NULL) * 2 + (a->wh != NULL)) { \
+        case 0: update(a, lo, hi, f, 0, 0, 0); return;                         \
+        case 1: update(a, lo, hi, f, 0, 0, 1); return;                         \
+        case 2: update(a, lo, hi, f, 0, 1, 0); return;                         \
+        case 3: update(a, lo, hi, f, 0, 1, 1); return;                         \
+        case 4: update(a, lo, hi, f, 1, 0, 0); return;                         \
+        case 5: update(a, lo, hi, f, 1, 0, 1); return;                         \
+        case 6: update(a, lo, hi, f, 1, 1, 0); return;                         \
+        default: update(a, lo, hi, f, 1, 1, 1); return;                        \
         }                                                                      \
     } while (0)
 

@@ -13,7 +13,7 @@ kernel and offload steps with torch's kernel as before (only what the kernel add
 
 What it adds over torch's kernel, in the same pass over memory: bf16 gradients read as they crossed
 PCIe, the gradient multiplier applied on the fly, the updated parameter also written in bf16, and the
-replaced values written to backups (see the C file).
+updated values written to other arrays than the inputs, which stay as they were (see the C file).
 
 Both builds take a few seconds, once per machine. ``ZEROQ_HOST_KERNEL=0`` disables the kernel.
 """
@@ -51,7 +51,7 @@ _H = ctypes.POINTER(ctypes.c_uint16)
 
 
 class _Job(ctypes.Structure):
-    _fields_ = [("p", _F), ("m", _F), ("v", _F), ("g", _F), ("gh", _H), ("wh", _H), ("bp", _F), ("bm", _F), ("bv", _F),
+    _fields_ = [("p", _F), ("m", _F), ("v", _F), ("g", _F), ("gh", _H), ("wh", _H), ("op", _F), ("om", _F), ("ov", _F),
                 ("n", ctypes.c_int64), ("vec_end", ctypes.c_int64),
                 ("gmul", ctypes.c_float), ("gsign", ctypes.c_float), ("decay", ctypes.c_float),
                 ("wd", ctypes.c_float), ("w", ctypes.c_float), ("beta2", ctypes.c_float), ("c2", ctypes.c_float),
@@ -81,27 +81,31 @@ class HostAdam:
 
     def job(self, param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, step: float, lr: float,
             beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool, maximize: bool = False,
-            gmul: float = 1.0, working: Optional[Tensor] = None, backup: Optional[Sequence[Tensor]] = None) -> _Job:
+            gmul: float = 1.0, working: Optional[Tensor] = None, out: Optional[Sequence[Tensor]] = None) -> _Job:
         """The step of one tensor, for ``run``: as ``torch._fused_adam(w)_`` with state step ``step`` (already
         advanced) would take it after ``grad.float().mul_(gmul)``; ``grad`` (float32 or bfloat16) is not
         written. ``working``: a bfloat16 tensor that receives the updated parameter rounded to nearest
-        even (``param.to(torch.bfloat16)``). ``backup``: three float32 tensors that receive the replaced
-        param, exp_avg, exp_avg_sq. The tensors must outlive ``run``."""
+        even (``param.to(torch.bfloat16)``). ``out``: three float32 tensors that receive the updated
+        param, exp_avg, exp_avg_sq instead (those three are then only read). No two of the tensors may
+        overlap, and they must outlive ``run``."""
         n = param.numel()
         for t, dtypes in [(param, (torch.float32,)), (grad, (torch.float32, torch.bfloat16)), (exp_avg, (torch.float32,)),
-                          (exp_avg_sq, (torch.float32,)), *((t, (torch.float32,)) for t in backup or ()),
+                          (exp_avg_sq, (torch.float32,)), *((t, (torch.float32,)) for t in out or ()),
                           *([(working, (torch.bfloat16,))] if working is not None else [])]:
             if t.dtype not in dtypes or t.device.type != "cpu" or not t.is_contiguous() or t.numel() != n:
                 raise ValueError("host_adam.step needs contiguous CPU tensors of one size (float32; the gradient "
                                  "float32 or bfloat16, the working copy bfloat16)")
+        if out is not None and len(out) != 3:
+            raise ValueError(f"host_adam.step: out= takes (param, exp_avg, exp_avg_sq), got {len(out)} tensors")
+        _disjoint([param, grad, exp_avg, exp_avg_sq, *(out or ()), *([working] if working is not None else [])])
         bias_correction1 = 1 - beta1**step
         bias_correction2 = 1 - beta2**step
         step_size = lr / bias_correction1
         flags = self.flags | (DECOUPLED if decoupled else 0) | (WEIGHT_DECAY if weight_decay != 0 else 0)
         half = grad.dtype == torch.bfloat16
-        bp, bm, bv = (_pointer(t) for t in backup) if backup is not None else (None, None, None)
+        op, om, ov = (_pointer(t) for t in out) if out is not None else (None, None, None)
         return _Job(_pointer(param), _pointer(exp_avg), _pointer(exp_avg_sq), None if half else _pointer(grad),
-                    _pointer(grad, _H) if half else None, _pointer(working, _H), bp, bm, bv,
+                    _pointer(grad, _H) if half else None, _pointer(working, _H), op, om, ov,
                     n, n - n % self.width, gmul, -1.0 if maximize else 1.0, 1 - lr * weight_decay, weight_decay,
                     1 - beta1, beta2, 1 - beta2, math.sqrt(bias_correction2), eps, -step_size, step_size, flags)
 
@@ -119,6 +123,14 @@ class HostAdam:
         array = (ctypes.c_int * max(1, len(cpus)))(*cpus)
         if self.lib.zq_bind(array, len(cpus)) != 0:
             raise ValueError(f"host_adam.bind: {len(cpus)} cpus, at most 256")
+
+
+def _disjoint(tensors: Sequence[Tensor]) -> None:
+    """The kernel's loops assume that no two arrays of a job overlap (``ZQ_NO_ALIAS``)."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors if t.numel())
+    if any(start < end for (_, end), (start, _) in zip(spans, spans[1:])):
+        raise ValueError("host_adam.step: the parameter, gradient, moments, working copy and outputs must not "
+                         "overlap in memory")
 
 
 def _fused(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, decoupled, maximize):
@@ -146,7 +158,10 @@ def _matches(kernel: HostAdam, sizes: Sequence[int], gen: torch.Generator) -> bo
         ours, theirs = [t.clone() for t in (p, m, v)], [t.clone() for t in (p, g, m, v)]
         kernel.step(ours[0], g, ours[1], ours[2], threads=1, **hyper)
         _fused(*theirs, **hyper)
-        if not all(torch.equal(a, b) for a, b in zip(ours, (theirs[0], theirs[2], theirs[3]))):
+        outs = [torch.empty_like(t) for t in (p, m, v)]  # and out of place, the inputs left as they were
+        kernel.run([kernel.job(p, g, m, v, out=outs, **hyper)], threads=1)
+        expected = (theirs[0], theirs[2], theirs[3])
+        if not all(torch.equal(a, b) and torch.equal(c, b) for a, b, c in zip(ours, expected, outs)):
             return False
     return True
 

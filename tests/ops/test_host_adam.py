@@ -1,6 +1,6 @@
 """The host Adam/AdamW kernel (csrc/host_adam.c) against torch's fused CPU kernel: bitwise, on random
 data of every size class (torch's vector body and its scalar tail), every mode, and what the kernel adds
-(bf16 gradients, the multiplier, the bf16 working copy, backups)."""
+(bf16 gradients, the multiplier, the bf16 working copy, outputs out of place)."""
 
 from __future__ import annotations
 
@@ -39,9 +39,9 @@ def test_bitwise_as_torch_fused(kernel: H.HostAdam, mode: dict) -> None:
             assert torch.equal(a, b), f"n={n} {name}: {(a != b).sum().item()} elements differ"
 
 
-def test_bf16_gradients_multiplier_working_copy_and_backups(kernel: H.HostAdam) -> None:
-    """What torch would do after ``grad.float().mul_(gmul)``, the working copy as ``param.bfloat16()``,
-    the backups the values before."""
+def test_bf16_gradients_multiplier_working_copy_and_outputs(kernel: H.HostAdam) -> None:
+    """What torch would do after ``grad.float().mul_(gmul)``, the working copy as ``param.bfloat16()``;
+    out of place, the same values in the outputs and the inputs untouched."""
     for n in (5, 17, 4099, 1 << 18):
         p, g, m, v = _data(n, 7 * n)
         gh = g.bfloat16()
@@ -50,11 +50,26 @@ def test_bf16_gradients_multiplier_working_copy_and_backups(kernel: H.HostAdam) 
         H._fused(*ref, maximize=False, **hyper)
         ours = [t.clone() for t in (p, m, v)]
         working = torch.full((n,), float("nan"), dtype=torch.bfloat16)
-        backup = [torch.full((n,), float("nan")) for _ in range(3)]
-        kernel.step(ours[0], gh, ours[1], ours[2], gmul=0.3125, working=working, backup=backup, **hyper)
+        kernel.step(ours[0], gh, ours[1], ours[2], gmul=0.3125, working=working, **hyper)
         assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[2]) and torch.equal(ours[2], ref[3])
         assert torch.equal(working, ref[0].bfloat16())
-        assert all(torch.equal(b, t) for b, t in zip(backup, (p, m, v)))
+        inputs = [t.clone() for t in (p, m, v)]
+        outs = [torch.full((n,), float("nan")) for _ in range(3)]
+        working.fill_(float("nan"))
+        kernel.step(inputs[0], gh, inputs[1], inputs[2], gmul=0.3125, working=working, out=outs, **hyper)
+        assert all(torch.equal(o, r) for o, r in zip(outs, (ref[0], ref[2], ref[3])))
+        assert all(torch.equal(i, t) for i, t in zip(inputs, (p, m, v)))
+        assert torch.equal(working, ref[0].bfloat16())
+
+
+def test_overlapping_outputs_are_refused(kernel: H.HostAdam) -> None:
+    p, g, m, v = _data(64, 1)
+    hyper = dict(step=1.0, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
+    spare = torch.empty(2 * 64)
+    with pytest.raises(ValueError, match="must not overlap"):
+        kernel.step(p, g, m, v, out=[spare[:64], spare[32:96], torch.empty(64)], **hyper)
+    with pytest.raises(ValueError, match="must not overlap"):
+        kernel.step(p, g, m, v, out=[p, torch.empty(64), torch.empty(64)], **hyper)
 
 
 def test_many_threads_same_bits(kernel: H.HostAdam) -> None:

@@ -82,9 +82,12 @@ class KernelSteps:
         return True
 
     def jobs(self, unit: Unit, binding: Any, used: Any, grad: Tensor, gmul: float,
-             hypers: dict[int, dict[str, Any]], backup: Optional[Tensor] = None) -> list:
+             hypers: dict[int, dict[str, Any]],
+             out: Optional[Callable[[Tensor, slice], Sequence[Tensor]]] = None) -> list:
         """The kernel's jobs for one unit (its state made and its step counts advanced as torch would);
-        ``used``: indexed by parameter id, whether it is stepped; ``backup``: a (3, shard elements) buffer that receives the replaced master, exp_avg, exp_avg_sq."""
+        ``used``: indexed by parameter id, whether it is stepped; ``out``: given a segment's view and
+        span, the three tensors its updated master, exp_avg and exp_avg_sq go to (the step out of
+        place: those it reads stay as they were)."""
         optimizer, working, jobs = binding.optimizer, self._working(unit), []
         for view, seg in binding.optimized[unit.index]:
             span = seg.shard_span
@@ -101,7 +104,7 @@ class KernelSteps:
             jobs.append(self.kernel.job(view.detach(), grad[span], state["exp_avg"], state["exp_avg_sq"],
                                         step=float(state["step"].item()), gmul=gmul,
                                         working=working[span] if working is not None else None,
-                                        backup=[b[span] for b in backup] if backup is not None else None,
+                                        out=out(view, span) if out is not None else None,
                                         **hypers[id(view)]))
         return jobs
 

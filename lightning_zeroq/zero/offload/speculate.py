@@ -7,26 +7,28 @@ with optimizer offload the host waits through the backward, and the backward and
 
 What is speculated. In a backward that ends the window (``boundary=True``), each unit whose gradient
 leaves for the host during it is handed to a worker thread, which waits for that copy to land and
-steps the unit with the host kernel (``kernel.KernelSteps``), writing the values it replaces (master,
-``exp_avg``, ``exp_avg_sq``) into the unit's backup buffers in the same pass, and the bf16 copy of the
-master. Only where the step is torch's Adam or AdamW through the kernel (one optimizer, no step
+steps the unit with the host kernel (``kernel.KernelSteps``) out of place: the updated master,
+``exp_avg`` and ``exp_avg_sq`` go to the unit's spare buffers (``_Spare``), the ones the step read stay
+as they were, and the bf16 copy of the master is written as usual. Only where the step is torch's Adam or AdamW through the kernel (one optimizer, no step
 pre-hooks), every segment's state was made by an earlier step, and no loss scaling (whose unscaling
 multiplier is not 1) is in use.
 
 Kept or undone. At the step a speculated unit is kept (``keep``) if its step is the one the step
 would take: no multiplier owed (no clipping took effect: the clip factor of a norm under the bound is
 exactly 1), the same hyperparameters, every parameter used on some rank, no gradient arrived after
-its copy. Otherwise it is restored from its backups (master, moments, step count, bf16 copy) and steps
-again as usual. Every speculated unit is restored first when the window ends without a step (a
+its copy; keeping it swaps the spare buffers in (the master's storage and each moment's, the tensor
+objects the optimizer holds staying the same), and the buffers the step read become the spares.
+Otherwise it is undone (its outputs dropped; the step counts and the bf16 copy restored) and the unit
+steps again as usual. Every speculated unit is restored first when the window ends without a step (a
 skipped or failed non-finite check, ``zero_grad``) and when something reads the host gradients
 (value clipping) or walks the masters (state dicts, checkpoints, ``gathered_parameters``) before the
 step. So the result is bitwise the result without speculation, whatever happens.
 
-Cost. Host memory: backup buffers of 12 bytes per element of every unit ever speculated (kept for the
-next step). Host time: a speculated unit costs its step plus the backup writes (about 1.4x, a
-measured 1.5x for torch's step on one H200's host), in time the host would otherwise wait. After a
-window whose multiplier undid the speculation (clipping in effect), the next ``PAUSE`` windows do not
-speculate.
+Cost. Host memory: spare buffers of 12 bytes per element of every unit ever speculated (kept for the
+next step). Host time: none beyond the step itself (out of place, a step moves the bytes a step in
+place moves), taken in time the host would otherwise wait; an undone unit's step is taken again.
+After a window whose multiplier undid the speculation (clipping in effect), the next ``PAUSE``
+windows do not speculate.
 """
 
 from __future__ import annotations
@@ -77,6 +79,18 @@ class _Done:
 
 
 @dataclass
+class _Spare:
+    """Where a unit's speculative step writes: a master of the unit's shape (its padding zero, as the
+    master's) and, per segment view (by id), an ``exp_avg`` and an ``exp_avg_sq``."""
+
+    master: Tensor
+    moments: dict[int, tuple[Tensor, Tensor]]
+
+    def outputs(self, view: Tensor, span: slice) -> tuple[Tensor, Tensor, Tensor]:
+        return (self.master[span], *self.moments[id(view)])
+
+
+@dataclass
 class _Counts:
     kept: int = 0
     undone: int = 0
@@ -102,7 +116,7 @@ class Speculation:
         self._closed = False
         self._warned = False
         self.done: dict[int, _Done] = {}
-        self.backups: dict[int, Tensor] = {}
+        self.spares: dict[int, _Spare] = {}
         self.counts = _Counts()
 
     # ------------------------------------------------------------------ the window
@@ -177,6 +191,7 @@ class Speculation:
                 and all(used[unit.param_id(seg.param)] for _, seg in record.pairs)
                 and self.steps.plan([unit], binding) == record.hypers)
         if same:
+            self._swap_in(record)
             if self.steps.param_dtype == torch.bfloat16:
                 self.steps.fresh.add(unit.index)
             self.counts.kept += 1
@@ -197,7 +212,7 @@ class Speculation:
 
     def forget(self, index: int) -> None:
         """Unit ``index`` no longer steps on the host."""
-        self.backups.pop(index, None)
+        self.spares.pop(index, None)
 
     def close(self) -> None:
         """Undo what is left and end the worker thread."""
@@ -205,7 +220,7 @@ class Speculation:
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        self.backups.clear()
+        self.spares.clear()
 
     # ------------------------------------------------------------------ the worker
 
@@ -242,23 +257,41 @@ class Speculation:
             return None  # the first step makes the state: never speculated
         grad = self._grad_of(unit)  # waits for the unit's copy to land
         self._wait_reads(unit.index)  # the device's read of the previous step's copies
-        backup = self.backups.get(unit.index)
-        if backup is None:
-            backup = self.backups[unit.index] = torch.empty(3, unit.master.numel(), dtype=torch.float32)
+        spare = self.spares.get(unit.index)
+        if spare is None:
+            spare = self.spares[unit.index] = self._spare(unit, optimizer, pairs)
         steps = [(optimizer.state[view]["step"], float(optimizer.state[view]["step"].item())) for view, _ in pairs]
-        jobs = self.steps.jobs(unit, binding, _Everything(), grad, 1.0, hypers, backup=backup)
+        jobs = self.steps.jobs(unit, binding, _Everything(), grad, 1.0, hypers, out=spare.outputs)
         self.steps.kernel.run(jobs, threads=max(1, torch.get_num_threads() - 1))  # a core for the backward
         return _Done(unit, pairs, hypers, steps)
 
-    def _undo(self, record: _Done) -> None:
-        unit, backup, optimizer = record.unit, self.backups[record.unit.index], self._optimizer
+    def _spare(self, unit: Unit, optimizer: torch.optim.Optimizer, pairs: list[tuple[Tensor, Segment]]) -> _Spare:
+        master = torch.zeros(unit.master.shape, dtype=unit.master.dtype, pin_memory=self.steps.pin)
+        moments = {id(view): (torch.empty_like(optimizer.state[view]["exp_avg"]),
+                              torch.empty_like(optimizer.state[view]["exp_avg_sq"])) for view, _ in pairs}
+        return _Spare(master, moments)
+
+    def _swap_in(self, record: _Done) -> None:
+        """Keep ``record``'s step: its outputs become the unit's master and moments, what it read the spares."""
+        unit, spare, optimizer = record.unit, self.spares[record.unit.index], self._optimizer
         assert optimizer is not None
+        for view, _ in record.pairs:
+            state = optimizer.state[view]
+            for key, other in zip(("exp_avg", "exp_avg_sq"), spare.moments[id(view)]):
+                current = state[key]
+                read = current.data
+                current.data = other.data  # the optimizer's tensor object stays; its storage is the output
+                other.data = read
+        read_master = unit.master
+        unit.set_master(spare.master)
+        spare.master = read_master
+
+    def _undo(self, record: _Done) -> None:
+        """Drop ``record``'s step: the master and moments were only read; the step counts and the bf16
+        copy it wrote are restored."""
+        unit = record.unit
         with torch.no_grad():
-            for (view, seg), (count, before) in zip(record.pairs, record.steps):
-                span, state = seg.shard_span, optimizer.state[view]
-                view.detach().copy_(backup[0][span])
-                state["exp_avg"].copy_(backup[1][span])
-                state["exp_avg_sq"].copy_(backup[2][span])
+            for count, before in record.steps:
                 count.fill_(before)
             working = self.steps.working.get(unit.index)
             if working is not None:  # the bf16 copy (a stage-3 store's payload, too) follows the master
