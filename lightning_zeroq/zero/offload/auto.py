@@ -6,9 +6,15 @@ that ran, ``AutoSplit.step_done`` reads the device's peak (``torch.cuda.max_memo
 forward, backward and step with everything offloaded) and what moving each unit costs there: its fp32
 master and the optimizer state the step created for it. Every rank contributes, in one MAX all-reduce,
 its own shortfall (peak minus budget) and its own costs, so all ranks decide alike from the worst of
-them. Then, largest first (ties: lower index), each unit whose cost still fits under the budget moves
-its master and state to the device and steps there from then on (``split.SplitOptimizer``); the
-others stay on the host. The new peak is the measured one plus what moved, at most the budget. In
+them. Two choices of the units that move their master and state to the device and step there from
+then on (``split.SplitOptimizer``) are made (``choose``), and the one that keeps more parameter
+elements on the device is taken (a tie: the second):
+- largest cost first (ties: lower index), each unit whose cost still fits under the budget;
+- a ratio's choice: units go to the host in the order ``offload_optimizer_ratio`` takes them
+  (``split.host_units``: largest first, ties lower index) until the rest fits, which is the set of the
+  smallest ratio that fits the budget.
+So "auto" never keeps fewer elements on the device than the best hand-picked ratio under the same
+budget would, and where it keeps as many, it is that ratio's choice. The others stay on the host. The new peak is the measured one plus what moved, at most the budget. In
 stage 3 at full width a unit brought back gathers from its master from then on, as a hand-picked
 ratio's device units do (cast at each gather), and the working-dtype payload it rested on the device
 while its master was on the host (2 bytes per element, counted in the measured peak) is released, so
@@ -54,6 +60,28 @@ def cuda_memory(device: torch.device) -> Measure:
     return measure
 
 
+def choose(costs: Sequence[int], sizes: Sequence[int], headroom: int) -> list[int]:
+    """The units to keep on the device (sorted), given each one's device cost in bytes, its parameter
+    elements, and the bytes free under the budget: of the two choices in the module's docstring, the
+    one with more elements on the device (a tie: the ratio's)."""
+    greedy: list[int] = []
+    left = headroom
+    for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        if costs[index] <= left:
+            greedy.append(index)
+            left -= costs[index]
+    ratio = set(range(len(costs)))
+    needed = sum(costs)
+    for index in sorted(range(len(costs)), key=lambda i: (-sizes[i], i)):  # split.host_units' order
+        if needed <= headroom:
+            break
+        ratio.discard(index)
+        needed -= costs[index]
+    if sum(sizes[i] for i in greedy) > sum(sizes[i] for i in ratio):
+        return sorted(greedy)
+    return sorted(ratio)
+
+
 class AutoSplit(SplitOptimizer):
     """Starts with every unit on the host; ``step_done`` brings back what fits, once."""
 
@@ -94,13 +122,8 @@ class AutoSplit(SplitOptimizer):
         if comm.world(group)[1] > 1:
             comm.all_reduce(stats, dist.ReduceOp.MAX, group)
         headroom, costs = -int(stats[0].item()), [int(c) for c in stats[1:].tolist()]
-        keep: list[int] = []
-        left = headroom
-        for index in sorted(range(len(units)), key=lambda i: (-costs[i], i)):
-            if costs[index] <= left:
-                keep.append(index)
-                left -= costs[index]
-        for index in sorted(keep):
+        keep = choose(costs, [unit.layout.numel for unit in units], headroom)
+        for index in keep:
             self._bring_back(units[index], optimizers)
         self.host_units = frozenset(i for i in range(len(units)) if i not in keep)
         gib = 2**30

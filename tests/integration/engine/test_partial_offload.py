@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_zeroq import ZeroConfig, ZeroEngine
-from lightning_zeroq.zero.layout import make_layout
+from lightning_zeroq.zero.layout import UnitLayout, make_layout
 from lightning_zeroq.zero.offload import OptimizerPlacement, SplitOptimizer, host_units
 from lightning_zeroq.zero.offload.device import MasterAlias
 from lightning_zeroq.zero.offload.host import HostOptimizer
@@ -207,6 +207,32 @@ def test_auto_keeps_the_largest_units_that_fit_and_never_exceeds_the_budget(capl
     assert any("2 of 4 units keep master and optimizer state on the device" in r.getMessage() for r in caplog.records)
     for unit in engine.units:  # the host no longer holds gradient buffers for the units that came back
         assert (unit.index in engine.placement.host.host_grads) == (unit.index in decision["host_units"])
+
+
+def test_auto_keeps_at_least_the_elements_the_best_fitting_ratio_keeps() -> None:
+    from lightning_zeroq.zero.offload.auto import choose
+    from lightning_zeroq.zero.offload.split import host_units
+
+    # The 953M GPT's six buckets in stage 2 (elements in units of 10^4; 12 bytes each on the device) under
+    # the headroom a 13 GiB budget leaves (4.91 GiB, 439M elements): largest cost first keeps units 2
+    # and 1 (382.8M); the ratio's order sends 2, 1, then 0 to the host and keeps 3, 4 and 5 (385.4M),
+    # more elements, so that is the choice, and it is exactly ratio 0.5's.
+    sizes = [18509, 18876, 19400, 18247, 13737, 6554]
+    costs = [12 * n for n in sizes]
+    keep = choose(costs, sizes, 12 * 43900)
+    layouts = [UnitLayout((), n, n, 1) for n in sizes]
+    assert keep == [3, 4, 5] == sorted(set(range(6)) - host_units(layouts, 0.5))
+    # Where largest-first keeps more (a big unit fits beside a small one), it is taken.
+    assert choose([100, 60, 60, 10], [100, 60, 60, 10], 115) == [0, 3]
+    assert choose([5, 5], [5, 5], -1) == [] and choose([5, 5], [5, 5], 10) == [0, 1]
+    # Never over the headroom, for any sizes.
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        sizes = torch.randint(1, 100, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen).tolist()
+        costs = [n * int(torch.randint(8, 17, (1,), generator=gen)) for n in sizes]
+        headroom = int(torch.randint(0, sum(costs) + 1, (1,), generator=gen))
+        keep = choose(costs, sizes, headroom)
+        assert sum(costs[i] for i in keep) <= headroom
 
 
 def test_sharded_state_loads_into_an_auto_engine_after_its_decision(tmp_path) -> None:
