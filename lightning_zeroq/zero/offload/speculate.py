@@ -235,7 +235,8 @@ class Speculation:
                 self._busy_stale = False
             record, error = None, None
             try:
-                record = self._speculate(unit)
+                with torch.profiler.record_function("zeroq.speculative_step"):
+                    record = self._speculate(unit)
             except BaseException as caught:  # reported by the next settle, on the main thread
                 error = caught
             with self._cv:
