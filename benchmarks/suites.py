@@ -119,8 +119,8 @@ SUITES: dict[str, Suite] = {
         "parameter offload, speculative host steps, FSDP2's CPU offload, DeepSpeed's ZeRO-2 and ZeRO-3 offload "
         "(where DeepSpeed is installed), stage 2 at 50M-element units, with what is live at each arm's peak",
         (Launch("host_adam", ("benchmarks/host_adam.py", "--numel", "953223168", "--threads", "{cores}", "--steps",
-                              "3", "--rounds", "2", "--arms", "torch_fused,zeroq_kernel"), timeout=90),
-         *step_time(OFFLOAD_TABLE, world_sizes=(1,), timeout=300,
+                              "3", "--rounds", "2", "--arms", "torch_fused,zeroq_kernel,zeroq_kernel_out"), timeout=120),
+         *step_time(OFFLOAD_TABLE, world_sizes=(1,), timeout=420,
                     extra=("--steps", "4", "--warmup", "2", "--budget", "13", "--memory-peak")),
          *step_time("zeroq2+offload_optimizer", world_sizes=(1,), timeout=90,
                     extra=("--steps", "4", "--warmup", "2", "--bucket", "5e7")),

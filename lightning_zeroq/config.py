@@ -72,7 +72,7 @@ class ZeroConfig:
     gradient has landed, and undo that step exactly if the window's checks (finite gradients, clipping,
     used parameters) say otherwise, so the result is bitwise the same. For torch's Adam/AdamW through
     the host kernel, in a backward that ends the window, without fp16 loss scaling. Costs host memory
-    for backups: 12 bytes per element of the units it steps early."""
+    for spare buffers (the step is taken out of place): 12 bytes per element of the units it steps early."""
 
     offload_parameters: bool = False
     """Keep parameter shards off the GPU between uses (stage 3 only)."""
