@@ -38,6 +38,14 @@ def _launch_env_as_found():
 
 
 @pytest.fixture(scope="session")
+def host_kernel():
+    """The host Adam kernel (``tests/host_kernel.py``: skips only where it cannot match torch here)."""
+    from tests.host_kernel import require
+
+    return require()
+
+
+@pytest.fixture(scope="session")
 def dist_pool():
     """``dist_pool(world_size) -> DistPool``; one pool per world size for the whole session."""
     pools: dict[int, DistPool] = {}

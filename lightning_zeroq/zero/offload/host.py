@@ -150,8 +150,7 @@ class HostOptimizer(OptimizerPlacement):
         if self.speculative and self.kernel is None:
             warnings.warn("ZeroConfig: offload_speculative_step=True has no effect: it needs torch's Adam or AdamW "
                           "stepped by the host kernel, and "
-                          + ("the optimizer is neither" if kernel is None and not any(adam_kind(o) is not None
-                                                                                      for o in optimizers)
+                          + ("the optimizer is neither" if not any(adam_kind(o) is not None for o in optimizers)
                              else "the kernel did not load here (see the log)") + ".", stacklevel=3)
 
     def begin_backward(self, last: bool) -> None:

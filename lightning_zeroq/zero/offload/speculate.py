@@ -169,9 +169,8 @@ class Speculation:
 
     def settle(self) -> None:
         """``stop``, and wait for the unit being stepped."""
-        with self._cv:
-            self._accepting = False
-            self._queue.clear()
+        with self._cv:  # a reentrant lock: ``stop`` takes it again
+            self.stop()
             while self._busy is not None:
                 self._cv.wait()
             error, self._error = self._error, None

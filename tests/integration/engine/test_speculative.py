@@ -13,13 +13,10 @@ import torch
 import torch.distributed as dist
 
 from lightning_zeroq import ZeroConfig, ZeroEngine
-from tests.host_kernel import require
 from tests.integration.engine.test_offload import TwoHeads, _loss
 
 
-@pytest.fixture(autouse=True)
-def _kernel() -> None:
-    require()
+pytestmark = pytest.mark.usefixtures("host_kernel")  # tests/conftest.py: skips where it cannot match torch
 
 
 CASES = {
