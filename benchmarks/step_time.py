@@ -29,6 +29,14 @@ every step, each the way its users do (``clip_grad_norm_``, DeepSpeed's ``gradie
 ``activations_GiB`` is what autograd saved for backward in one step (unique storages, parameters
 excluded), measured on the first warm-up step. Rank 0 prints one JSON line per arm;
 ``python benchmarks/suite.py links`` runs them over the three links.
+
+``--floor`` (arms with ``+offload_optimizer`` or ``+offload_params``): the host's floor measured beside the arm's own steps.
+After each timed step the same process takes one step of torch's fused AdamW (``fused=True``, fp32
+gradients, the threads the host step has) over as many fp32 elements as the arm's model has, split
+into 8 tensors, as ``host_adam.py`` does; ``floor_s_median`` is their median and ``over_floor_median``
+the median of each step's time over the floor step right after it. The host's speed drifts from
+minute to minute (the same fused step took 0.16 and 0.25 s in one process); a ratio taken step by
+step, seconds apart, does not carry that drift, where a floor measured in another launch does.
 """
 
 from __future__ import annotations
@@ -303,6 +311,34 @@ def build_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> Arm:
     return Arm(model, forward, finish, engine, opt, num_params)
 
 
+class Floor:
+    """``--floor``: torch's fused AdamW over ``numel`` fp32 elements (8 tensors), one step at a time."""
+
+    def __init__(self, numel: int) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.params = [nn.Parameter(torch.randn(numel // 8, generator=gen)) for _ in range(8)]
+        for p in self.params:
+            p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+        self.optimizer = torch.optim.AdamW(self.params, lr=1e-4, weight_decay=0.1, fused=True)
+        self.optimizer.step()  # the state is made here, outside any timed step
+
+    def time_step(self) -> float:
+        start = time.perf_counter()
+        self.optimizer.step()
+        return time.perf_counter() - start
+
+
+_FLOOR: dict[int, Floor] = {}
+
+
+def floor_for(numel: int) -> Floor:
+    """One floor per launch (its 16 bytes per element are made once)."""
+    if numel not in _FLOOR:
+        _FLOOR.clear()
+        _FLOOR[numel] = Floor(numel)
+    return _FLOOR[numel]
+
+
 def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
     rank = dist.get_rank()
     leftover = allocated_gib()
@@ -315,7 +351,9 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
     del built
     g = torch.Generator(device=dev).manual_seed(rank)
     saved = SavedBytes(model)
-    times, warmup_times = [], []
+    times, warmup_times, floor_times = [], [], []
+    floor = (floor_for(num_params) if args.floor and parse_arm(arm)[1] & {"offload_optimizer", "offload_params"}
+             else None)
     sync()
     if ON_GPU:
         torch.cuda.reset_peak_memory_stats()
@@ -337,6 +375,8 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
         finish(loss)
         sync()
         (times if i >= args.warmup else warmup_times).append(time.perf_counter() - t0)
+        if floor is not None and i >= args.warmup:
+            floor_times.append(floor.time_step())
     peak = allocated_gib(peak=True)
     compile_s = max(0.0, sum(warmup_times) - len(warmup_times) * statistics.median(times))
     if args.profile:
@@ -356,6 +396,10 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
         "compile_s": round(max(float(s[6]) for s in gathered), 1),
         "world_size": dist.get_world_size(), "torch": torch.__version__,
     }
+    if floor_times:
+        result.update(floor_s_median=round(statistics.median(floor_times), 4),
+                      over_floor_median=round(statistics.median(t / f for t, f in zip(times, floor_times)), 3),
+                      steps_s=[round(t, 4) for t in times], floor_s=[round(f, 4) for f in floor_times])
     if engine is not None:
         result.update(memory_bound(engine))
         result["bound_plus_activations_GiB"] = round(result["bound_GiB"] + result["activations_GiB"], 2)
@@ -458,6 +502,8 @@ def main() -> None:
     add_model_arguments(parser, steps=10, warmup=3)
     parser.add_argument("--memory-peak", action="store_true", help="print what is live at one step's peak (print_memory_peak)")
     parser.add_argument("--budget", default=None, help="offload_memory_budget of the +auto arms (GiB, or e.g. '50%%')")
+    parser.add_argument("--floor", action="store_true",
+                        help="offload arms: a step of torch's fused AdamW over the model's elements after each timed step (Floor)")
     parser.add_argument("--profile", default="", help="a folder: profile two more steps of each arm (profile_steps)")
     args = parser.parse_args()
     arms = args.arms.split(",")

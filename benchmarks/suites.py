@@ -32,7 +32,8 @@ SHARE_CORES = {"OMP_NUM_THREADS": "{threads}"}
 
 # Columns of the table printed (and stored) at the end of a JSON-lines results file.
 TABLE_COLUMNS: dict[str, tuple[str, ...]] = {
-    "step_time": ("arm", "link", "world_size", "params_M", "step_s_median", "peak_alloc_GiB_per_rank"),
+    "step_time": ("arm", "link", "world_size", "params_M", "step_s_median", "peak_alloc_GiB_per_rank",
+                  "floor_s_median", "over_floor_median"),
     "checkpoint_time": ("arm", "world_size", "checkpoint_GiB", "save_s", "blocked_s", "load_s"),
     "fabric_step_time": ("mode", "stage", "step_s_median", "fabric_over_trainer"),
     "host_adam": ("arm", "numel", "threads", "median_s", "GB_per_s"),
@@ -120,8 +121,8 @@ SUITES: dict[str, Suite] = {
         "(where DeepSpeed is installed), stage 2 at 50M-element units, with what is live at each arm's peak",
         (Launch("host_adam", ("benchmarks/host_adam.py", "--numel", "953223168", "--threads", "{cores}", "--steps",
                               "3", "--rounds", "2", "--arms", "torch_fused,zeroq_kernel,zeroq_kernel_out"), timeout=120),
-         *step_time(OFFLOAD_TABLE, world_sizes=(1,), timeout=420,
-                    extra=("--steps", "4", "--warmup", "2", "--budget", "13", "--memory-peak")),
+         *step_time(OFFLOAD_TABLE, world_sizes=(1,), timeout=480,
+                    extra=("--steps", "4", "--warmup", "2", "--budget", "13", "--memory-peak", "--floor")),
          *step_time("zeroq2+offload_optimizer", world_sizes=(1,), timeout=90,
                     extra=("--steps", "4", "--warmup", "2", "--bucket", "5e7")),
          *step_time(DS_OFFLOAD, world_sizes=(1,), timeout=300, requires=("deepspeed",),
