@@ -35,6 +35,7 @@ TABLE_COLUMNS: dict[str, tuple[str, ...]] = {
     "step_time": ("arm", "link", "world_size", "params_M", "step_s_median", "peak_alloc_GiB_per_rank",
                   "floor_s_median", "over_floor_median"),
     "checkpoint_time": ("arm", "world_size", "checkpoint_GiB", "save_s", "blocked_s", "load_s"),
+    "step_time_offload_floor": ("arm", "step_s_median", "floor_s_median", "over_floor_median", "peak_alloc_GiB_per_rank"),
     "fabric_step_time": ("mode", "stage", "step_s_median", "fabric_over_trainer"),
     "host_adam": ("arm", "numel", "threads", "median_s", "GB_per_s"),
     "quant_accuracy": ("stage", "steps", "final_loss_plain", "final_loss_int8", "final_loss_rel_diff"),
@@ -90,6 +91,10 @@ OFFLOAD_TABLE = ("zeroq3+offload_params,fsdp2+offload_optimizer,zeroq2+offload_o
                  "zeroq2+offload_optimizer+ratio25,zeroq2+offload_optimizer+ratio50,zeroq2+offload_optimizer+ratio75,"
                  "zeroq2+offload_optimizer+auto,zeroq3+offload_optimizer+ratio50,zeroq3+offload_optimizer+auto,"
                  "zeroq3+offload_params,fsdp2+offload_optimizer,zeroq2+offload_optimizer+spec,zeroq3+offload_params+spec")
+OFFLOAD_FLOOR = ("zeroq2+offload_optimizer,zeroq2+offload_optimizer+async,zeroq2+offload_optimizer+spec,"
+                 "zeroq2+offload_optimizer+spec+async,zeroq3+offload_params,zeroq3+offload_params+async,"
+                 "zeroq3+offload_params+spec+async,fsdp2+offload_optimizer,zeroq2+offload_optimizer,"
+                 "zeroq2+offload_optimizer+async")
 DS_OFFLOAD = "ds2+offload_optimizer,ds3+offload_optimizer+offload_params"
 OFFLOAD = ("zeroq2,zeroq2+offload_optimizer,zeroq2+offload_optimizer+ratio75,zeroq2+offload_optimizer+ratio50,"
            "zeroq2+offload_optimizer+ratio25,zeroq3,zeroq3+offload_params,zeroq3+int8+offload_params")
@@ -127,6 +132,13 @@ SUITES: dict[str, Suite] = {
                     extra=("--steps", "4", "--warmup", "2", "--bucket", "5e7")),
          *step_time(DS_OFFLOAD, world_sizes=(1,), timeout=300, requires=("deepspeed",),
                     extra=("--steps", "4", "--warmup", "2"))), build=True),
+    "offload-floor": Suite(
+        "Full CPU offload on one GPU beside the host's floor, step by step (step_time.py --floor: a fused AdamW "
+        "step over the model's 953M elements after each timed step): zeroq2 optimizer offload and zeroq3 "
+        "parameter offload, synchronous, asynchronous and speculative host steps, FSDP2's CPU offload; the "
+        "first two arms again at the end (a launch's first arm runs slow)",
+        (*step_time(OFFLOAD_FLOOR, world_sizes=(1,), timeout=480, bench="step_time_offload_floor",
+                    extra=("--steps", "6", "--warmup", "2", "--floor")),), build=True),
     "offload-2gpu": Suite(
         "CPU offload at 2 GPUs: full and partial optimizer offload, stage-3 parameter offload (also with INT8 "
         "weights); the host step with one thread per rank; the host AdamW step over one rank's share",

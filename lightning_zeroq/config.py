@@ -74,6 +74,19 @@ class ZeroConfig:
     the host kernel, in a backward that ends the window, without fp16 loss scaling. Costs host memory
     for spare buffers (the step is taken out of place): 12 bytes per element of the units it steps early."""
 
+    offload_async_step: bool = False
+    """With CPU optimizer offload of every unit: ``step()`` returns once the host's work is queued, and
+    the host steps the units in forward order on a thread of its own while the next forward runs; each
+    unit's new weights are published (copied to the device, gathered) right before the first module
+    that holds them runs (a forward pre-hook), so the forward waits per unit, not for the whole step.
+    Results are bitwise those without it. Everything else that reads or writes the weights or the
+    optimizer state through the engine (the next backward, state dicts, checkpoints,
+    ``gathered_parameters``, the next step) waits for the whole step first. Code that reads a
+    parameter's tensor outside its module's call before the next forward (a callback reading
+    ``param.data`` right after the step) must call ``engine.wait_for_step()`` first. For torch's
+    Adam/AdamW through the host kernel with one optimizer and no optimizer step hooks; otherwise the
+    step runs as usual (a warning says why)."""
+
     offload_parameters: bool = False
     """Keep parameter shards off the GPU between uses (stage 3 only)."""
 
@@ -157,7 +170,7 @@ class ZeroConfig:
         for name in ("reduce_bucket_size", "allgather_bucket_size"):
             setattr(self, name, _check_int(name, getattr(self, name), 1))
         for name in ("overlap_comm", "managed_gradient_accumulation", "offload_optimizer",
-                     "offload_speculative_step", "offload_parameters", "quantized_weights", "reshard_after_forward", "stage3_prefetch",
+                     "offload_speculative_step", "offload_async_step", "offload_parameters", "quantized_weights", "reshard_after_forward", "stage3_prefetch",
                      "quantized_gradients", "quantize_cross_group_only"):
             check_bool("ZeroConfig", name, getattr(self, name))
         self.shard_group_size = check_shard_group_size(self.shard_group_size)
@@ -287,6 +300,10 @@ class ZeroConfig:
         elif self.offload_speculative_step and not self.managed_gradient_accumulation:
             out.append("offload_speculative_step=True has no effect with managed_gradient_accumulation=False: "
                        "no backward is known to end the window.")
+        if self.offload_async_step and not (self.offload_optimizer and self.offload_optimizer_device == "cpu"
+                                            and self.offload_optimizer_ratio == 1.0):
+            out.append("offload_async_step=True has no effect without CPU optimizer offload of every unit "
+                       "(offload_optimizer=True, offload_optimizer_device='cpu', offload_optimizer_ratio=1.0).")
         if not self.offload_parameters and changed("offload_params_device"):
             out.append(f"offload_params_device={self.offload_params_device!r} has no effect without "
                        "offload_parameters=True.")

@@ -36,6 +36,8 @@ from lightning_zeroq.zero import access, comm, hybrid, loss_scaler, norms, polic
 from lightning_zeroq.zero.gather import Gatherer
 from lightning_zeroq.zero.materialize import sync_replicated_state
 from lightning_zeroq.zero.offload import optimizer_placement, shard_store
+from lightning_zeroq.zero.offload.ahead import StepAhead
+from lightning_zeroq.zero.offload.host import HostOptimizer
 from lightning_zeroq.zero.optimizers import Binding, bind_to_shards, hand_back, route_zero_grad
 from lightning_zeroq.zero.plan import plan
 from lightning_zeroq.zero.policies import ModuleUnits
@@ -110,6 +112,11 @@ class ZeroEngine:
         if transient and isinstance(units, ModuleUnits):  # transient units are stage 3's module units
             self.stage3 = Stage3Coordinator(self.gatherer, self.units, prefetch_depth=units.prefetch_depth,
                                             reshard_after_forward=units.reshard_after_forward)
+        self.ahead: Optional[StepAhead] = None
+        """``offload_async_step``: the host step runs beside the next forward (``offload/ahead.py``)."""
+        if pol.offload.asynchronous and isinstance(self.placement, HostOptimizer):
+            self.ahead = StepAhead(self.placement, module, self.units, self.gatherer.publish)
+            self.gatherer.ready = self.ahead.ready
         self.reducer = Reducer(
             self.units,
             placement=self.placement,
@@ -163,6 +170,7 @@ class ZeroEngine:
         same model).
         """
         binding = bind_to_shards(optimizer, self.module, self.units)
+        self.wait_for_step()
         kept = [b for b in self._attached.bindings if not b.param_ids & binding.param_ids]
         self._attached = update.attached(kept + [binding], self._all)
         route_zero_grad(optimizer, self)
@@ -178,6 +186,7 @@ class ZeroEngine:
     def pre_backward(self, boundary: Optional[bool] = None) -> None:
         """Open a backward pass. ``boundary=True``: the caller knows a step follows this backward (a
         managed accumulation window ends), so stage 1 reduces during it to overlap communication."""
+        self.wait_for_step()
         self._check_active()
         self.reducer.begin_backward(boundary)
 
@@ -213,6 +222,7 @@ class ZeroEngine:
         Unscaling and clipping are not applied here but folded into one multiplier per optimizer,
         applied once to the gradients it reads (on the host with offload) right before its step.
         """
+        self.wait_for_step()
         if self.reducer.window is not Window.FINALIZED:
             with torch.profiler.record_function("zeroq.finalize"):
                 self.reducer.finalize()
@@ -271,6 +281,7 @@ class ZeroEngine:
         """Apply one update of ``optimizer`` (needed when several are attached) from this window's
         gradients. Returns False if it was skipped."""
         self._check_active()
+        self.wait_for_step()
         if not self._attached.bindings:
             raise RuntimeError("ZeroEngine.step() needs an optimizer: call attach_optimizer() first.")
         binding = self._binding(optimizer)
@@ -279,7 +290,11 @@ class ZeroEngine:
         skip = self.finalize_gradients(binding.optimizer)
         if not skip:
             update.apply_multiplier(binding, self.units, self.placement, self._attached)
-            update.run(binding, self.units, self.placement, self.gatherer, self.reducer.finalize().used)
+            used = self.reducer.finalize().used
+            if self.ahead is not None and self.ahead.takes(binding, len(self._attached.bindings) > 1):
+                self.ahead.run(binding, used.tolist())
+            else:
+                update.run(binding, self.units, self.placement, self.gatherer, used)
         if self.loss_scaler is not None:
             self.loss_scaler.update(skip)
         self.steps += 1
@@ -288,12 +303,21 @@ class ZeroEngine:
         self.placement.step_done(self.units, self.optimizers, not skip, self.group)
         return not skip
 
+    def wait_for_step(self) -> None:
+        """Wait until the last step's work is done and every unit's weights are published (with
+        ``offload_async_step``; otherwise a no-op). The engine's other entry points wait by themselves,
+        and a module's forward waits for its own parameters; code that reads a parameter's tensor
+        otherwise between a step and the next forward calls this first."""
+        if self.ahead is not None:
+            self.ahead.drain()
+
     def zero_grad(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         """Drop this window's gradients (of ``optimizer``'s parameters, when several are attached)."""
         self._attached.clear(self.reducer, self._binding(optimizer) if optimizer is not None else None)
 
     def publish(self) -> None:
         """Bring every unit's working weights up to date with its master shard."""
+        self.wait_for_step()
         for unit in self.placement.resident(self.units):
             self.gatherer.publish(unit)
 
@@ -301,20 +325,24 @@ class ZeroEngine:
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """Collective: the full fp32 parameters by name on every rank (CPU tensors), frozen ones included."""
+        self.wait_for_step()
         return state_dict.full_state_dict(self)
 
     def load_full_state_dict(self, state: dict[str, Tensor]) -> set[str]:
         """Set the fp32 masters (and the working copies) from full parameters by name; returns the
         names of the engine's parameters (all aliases of tied ones)."""
+        self.wait_for_step()
         return state_dict.load_full_state_dict(self, state)
 
     def full_optimizer_state(self) -> dict[str, dict[str, Any]]:
         """Collective: every parameter's optimizer state at full shape by name on every rank (CPU tensors)."""
+        self.wait_for_step()
         return state_dict.full_optimizer_state(self)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds on the device, by kind (what a benchmark compares with the formula).
         ``gradient_shards``: the fp32 shards a window holds once finalized (released after the step)."""
+        self.wait_for_step()
 
         def on_device(tensors) -> int:
             return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, Tensor) and t.device == self.device)
@@ -335,12 +363,14 @@ class ZeroEngine:
                             writeback: bool = False) -> contextlib.AbstractContextManager:
         """Collective context manager: the full fp32 parameters of ``module`` (default: all) as plain
         tensors inside; ``writeback=True`` keeps what was changed. See ``access.py``."""
+        self.wait_for_step()
         return access.gathered_parameters(self, module, writeback)
 
     def release_module(self, dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None) -> None:
         """Collective: hand the module back as a plain module with the trained parameters (see
         ``access.py``) and each optimizer bound to its parameters again (``hand_back``); the engine keeps
         its master shards and optimizer state (in a twin of the optimizer) for state dicts."""
+        self.wait_for_step()
         if not self.retired:
             access.release_module(self, dtype, device)
             self.hand_back_optimizers()
@@ -356,6 +386,8 @@ class ZeroEngine:
         """Remove every hook and swap file; the module keeps its working parameters. ``closed`` then
         says the state is released (NVMe's masters were in the swap files): a save refuses it."""
         self.closed = True
+        if self.ahead is not None:
+            self.ahead.close()
         self.reducer.close()
         self.placement.close()
         self.gatherer.close()

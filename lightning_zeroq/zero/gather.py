@@ -19,7 +19,7 @@ Lifetimes: see ``unit.py``; when a unit is gathered and freed is decided by ``st
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -42,6 +42,9 @@ class Gatherer:
         self.wire, self.placement, self.store, self.device = wire, placement, store, device
         self.sync_persistent_on_build = sync_persistent_on_build
         self._stream = comm.side_stream(device) if store is not None else None
+        self.ready: Callable[[int, bool], bool] = _always
+        """Before a gather of unit i (prefetch or not): whether to go on; an asynchronous step
+        (``offload/ahead.py``) publishes the unit first, or declines a prefetch of one not stepped yet."""
 
     def adopt(self, unit: Unit) -> None:
         """A unit was just built (its working buffer holds rank 0's values at full width)."""
@@ -65,6 +68,8 @@ class Gatherer:
         """Give a transient unit its full working buffer (a no-op if it has it)."""
         if unit.state is UnitState.GATHERED:
             return
+        if unit.state is UnitState.SHARDED and not self.ready(unit.index, prefetch):
+            return  # a prefetch of a unit an asynchronous step has not stepped yet: gathered when used
         current = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         if unit.state is UnitState.PREFETCHING:
             if not prefetch:
@@ -100,3 +105,7 @@ class Gatherer:
             unit.ready = None
         unit.release_storage()
         unit.state = UnitState.SHARDED
+
+
+def _always(index: int, prefetch: bool) -> bool:
+    return True

@@ -11,7 +11,7 @@ from it by the part that owns it.
   shard group size; from ``stage``, ``reduce_bucket_size``, ``stage3_*``, ``reshard_after_forward``,
   ``shard_group_size``, ``overlap_comm``, ``managed_gradient_accumulation``.
 - ``Offload``: ``optimizer`` and ``parameters``, each ``OnDevice``, ``Host(ratio)`` or ``Nvme(path)``,
-  the optimizer also ``Auto(budget)``, and whether host steps are ``speculative``; from ``offload_*``
+  the optimizer also ``Auto(budget)``, and whether host steps are ``speculative`` or ``asynchronous``; from ``offload_*``
   and ``nvme_path``.
 - ``Quantization``: INT8 weights and gradients; from ``quantized_*``, ``allgather_bucket_size``,
   ``quantize_cross_group_only``.
@@ -96,6 +96,8 @@ class Offload:
     speculative: bool = False
     """Host units step during the backward, undone where the window's checks say otherwise (host or
     auto optimizer offload, no loss scaling, managed accumulation)."""
+    asynchronous: bool = False
+    """The host step runs beside the next forward, which waits per unit (every unit on the host)."""
 
 
 @dataclass(frozen=True)
@@ -188,4 +190,5 @@ def _offload(c: ZeroConfig, loss_scaling: bool) -> Offload:
         parameters = Host()
     speculative = (c.offload_speculative_step and isinstance(optimizer, (Host, Auto)) and not loss_scaling
                    and c.managed_gradient_accumulation)
-    return Offload(optimizer, parameters, speculative)
+    asynchronous = c.offload_async_step and isinstance(optimizer, Host) and optimizer.ratio == 1.0
+    return Offload(optimizer, parameters, speculative, asynchronous)

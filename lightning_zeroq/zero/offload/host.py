@@ -55,7 +55,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -114,6 +114,11 @@ class HostOptimizer(OptimizerPlacement):
         self.kernel: Optional[KernelSteps] = None
         """The host kernel's steps, when an attached optimizer is torch's Adam or AdamW (and it loaded)."""
         self._shared: dict[int, Tensor] = {}
+        self.later: set[int] = set()
+        """Units an asynchronous step handed to its worker and not published yet (``ahead.py``)."""
+        self.settle: Callable[[], None] = _nothing
+        """Waits for an asynchronous step still running (``ahead.StepAhead.drain``, set by the engine):
+        called before anything here reads or writes host gradients, masters or state outside it."""
 
     def adopt_master(self, index: int, shard: Tensor) -> Tensor:
         master = host_copy(shard, self.pin)
@@ -132,6 +137,7 @@ class HostOptimizer(OptimizerPlacement):
                 self.kernel.share(store.buffers)
 
     def attach(self, units: Sequence[Unit], optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self.settle()
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 prefer_fast_host_step(optimizer, group, self.also_on)
@@ -154,6 +160,7 @@ class HostOptimizer(OptimizerPlacement):
                              else "the kernel did not load here (see the log)") + ".", stacklevel=3)
 
     def begin_backward(self, last: bool) -> None:
+        self.settle()
         self.copy_early = last
         if last and self.spec is not None:
             self.spec.open(self._optimizers)
@@ -183,6 +190,7 @@ class HostOptimizer(OptimizerPlacement):
         """Copy the unit's gradient shard to the host after what the current stream issued so far (its
         reduction), on the copy stream; ``step_grad`` waits for it. The window's single reduced part
         goes as it is where it is bf16 and the kernel reads it; otherwise the fp32 shard."""
+        self.settle()  # an asynchronous step may still read the host gradient
         pending = unit.pending
         half = (self.kernel is not None and pending is not None and not unit.has_grad_storage
                 and pending.dtype == torch.bfloat16)
@@ -218,6 +226,7 @@ class HostOptimizer(OptimizerPlacement):
         """The units in order; each only once the device finished reading its master (whoever writes
         the masters walks them through here: the step, checkpoint loads, ``gathered_parameters``). A
         walker other than the step sees the masters as before any speculative step."""
+        self.settle()
         if not self._stepping:
             self.abandon_speculation()
         for unit in units:
@@ -232,6 +241,7 @@ class HostOptimizer(OptimizerPlacement):
             self.spec.undo_all()
 
     def published(self, unit: Unit) -> None:
+        self.later.discard(unit.index)
         if self.pin:  # the copies just issued read the pinned master (or its bf16 copy) asynchronously
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(self.device))
@@ -262,6 +272,7 @@ class HostOptimizer(OptimizerPlacement):
     def step_grad(self, unit: Unit) -> Tensor:
         """The unit's fp32 host gradient, with every multiplier owed applied (a reader other than the
         kernel: the optimizer's own step, value clipping)."""
+        self.settle()
         self.abandon_speculation()
         _wait(self.in_flight, unit.index)
         grad = self.host_grads[unit.index]
@@ -290,6 +301,27 @@ class HostOptimizer(OptimizerPlacement):
         self.half.difference_update(u.index for u in batch)
         return True  # the kernel stepped them, or their step during the backward stands
 
+    def step_later(self, unit: Unit, binding: Binding, used: Sequence[Any],
+                   hypers: dict[int, dict[str, Any]]) -> tuple[Optional["torch.cuda.Event"], list]:
+        """For an asynchronous step (``ahead.py``), on the calling thread: the host kernel's jobs for
+        ``unit`` (its state made, its step counts advanced, the multiplier it owes taken, as
+        ``step_batch`` would) and the event of its gradient's copy to the host, which the worker waits
+        for before running them; no jobs where a speculative step of it stands (kept here)."""
+        assert self.kernel is not None  # StepAhead.takes checked it
+        index = unit.index
+        self.wait_device_reads(index)
+        self.kernel.fresh.discard(index)
+        self.later.add(index)
+        if self.spec is not None and self.spec.keep(unit, binding, used, index in self.multiplier):
+            self.half.discard(index)
+            return None, []
+        grad = self.half_grads[index] if index in self.half else self.host_grads[index]
+        jobs = self.kernel.jobs(unit, binding, used, grad, self.multiplier.pop(index, 1.0), hypers)
+        if self.param_dtype == torch.bfloat16:
+            self.kernel.fresh.add(index)  # handed out only by a publish after the worker ran the jobs
+        self.half.discard(index)
+        return self.in_flight.get(index), jobs
+
     def _kernel_grad(self, unit: Unit) -> Tensor:
         """The unit's host gradient as it landed (bf16 where it crossed so), for the kernel."""
         _wait(self.in_flight, unit.index)
@@ -310,6 +342,7 @@ class HostOptimizer(OptimizerPlacement):
         return unit.master.to(device=self.device, dtype=dtype, non_blocking=True)
 
     def close(self) -> None:
+        self.settle()
         if self.spec is not None:
             self.spec.close()
 
@@ -325,9 +358,13 @@ class HostOptimizer(OptimizerPlacement):
         self.fresh.clear()
         self.half.clear()
         self.multiplier.clear()
-        if self.kernel is not None:
-            self.kernel.fresh.clear()
+        if self.kernel is not None:  # a unit an asynchronous step has not published yet keeps its fresh copy
+            self.kernel.fresh.intersection_update(self.later)
         self.copy_early, self.early = False, []
+
+
+def _nothing() -> None:
+    return None
 
 
 def _wait(events: dict[int, "torch.cuda.Event"], index: int) -> None:

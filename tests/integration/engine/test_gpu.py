@@ -37,7 +37,8 @@ def test_engine_matches_ddp_nccl(gpu_pool, stage, managed):
     [(1, "optimizer_cpu"), (2, "optimizer_cpu"), (3, "optimizer_cpu"), (3, "params_optimizer_cpu"),
      (2, "optimizer_nvme"), (3, "optimizer_nvme"), (1, "optimizer_cpu_0.5"), (2, "optimizer_cpu_0.5"),
      (3, "optimizer_cpu_0.25"), (2, "optimizer_cpu_auto"), (3, "optimizer_cpu_auto"),
-     (2, "optimizer_cpu_spec"), (3, "params_optimizer_cpu_spec"), (2, "optimizer_cpu_0.5_spec")],
+     (2, "optimizer_cpu_spec"), (3, "params_optimizer_cpu_spec"), (2, "optimizer_cpu_0.5_spec"),
+     (2, "optimizer_cpu_async"), (3, "params_optimizer_cpu_async"), (3, "params_optimizer_cpu_spec_async")],
 )
 @pytest.mark.parametrize("managed", [True, False], ids=["managed", "unmanaged"])
 def test_offload_matches_ddp_nccl(gpu_pool, stage, offload, managed):

@@ -50,6 +50,11 @@ OFFLOAD = {
                                   "offload_speculative_step": True},
     "optimizer_cpu_0.5_spec": {"offload_optimizer": True, "offload_optimizer_ratio": 0.5,
                                "offload_speculative_step": True},
+    # Asynchronous host steps (the next forward waits per unit), also with speculation.
+    "optimizer_cpu_async": {"offload_optimizer": True, "offload_async_step": True},
+    "params_optimizer_cpu_async": {"offload_optimizer": True, "offload_parameters": True, "offload_async_step": True},
+    "params_optimizer_cpu_spec_async": {"offload_optimizer": True, "offload_parameters": True,
+                                        "offload_speculative_step": True, "offload_async_step": True},
 }
 
 
@@ -172,7 +177,9 @@ def test_matches_ddp(dist_pool, world_size: int, stage: int, managed: bool) -> N
     "stage, offload",
     [(1, "optimizer_cpu"), (2, "optimizer_cpu"), (3, "optimizer_cpu"), (3, "params_optimizer_cpu"),
      (1, "optimizer_nvme"), (2, "optimizer_nvme"), (3, "optimizer_nvme"), (1, "optimizer_cpu_spec"),
-     (2, "optimizer_cpu_spec"), (3, "params_optimizer_cpu_spec"), (2, "optimizer_cpu_0.5_spec")],
+     (2, "optimizer_cpu_spec"), (3, "params_optimizer_cpu_spec"), (2, "optimizer_cpu_0.5_spec"),
+     (1, "optimizer_cpu_async"), (2, "optimizer_cpu_async"), (3, "optimizer_cpu_async"),
+     (3, "params_optimizer_cpu_async"), (3, "params_optimizer_cpu_spec_async")],
 )
 @pytest.mark.parametrize("managed", [True, False], ids=["managed", "unmanaged"])
 def test_offload_matches_ddp(dist_pool, stage: int, offload: str, managed: bool) -> None:

@@ -182,3 +182,34 @@ def _resume_body(tmp: str) -> None:
 def test_checkpoint_resume_is_exact(dist_pool):
     with tempfile.TemporaryDirectory() as tmp:
         dist_pool(2).run(_resume_body, tmp)
+
+
+def _async_body(stage: int, managed: bool) -> int:
+    """The Trainer's loop with offload_async_step: every step asynchronous (scheduler, clipping and
+    accumulation included), bitwise the synchronous steps, and within 1e-5 of DDP."""
+    from lightning_zeroq import ZeroQStrategy
+
+    from tests.integration.engine.test_parity import STAGE3
+
+    extra = dict(STAGE3, offload_parameters=True) if stage == 3 else {}
+
+    def strategy(asynchronous: bool):
+        return ZeroQStrategy(stage=stage, reduce_bucket_size=400, managed_gradient_accumulation=managed,
+                             offload_optimizer=True, offload_async_step=asynchronous, **extra)
+
+    trainer, _, snaps = _fit(strategy(True), accumulate=3, clip=0.5, scheduler=True)
+    assert trainer.strategy.engine.ahead is not None
+    steps = trainer.strategy.engine.ahead.steps
+    _, _, sync = _fit(strategy(False), accumulate=3, clip=0.5, scheduler=True)
+    _, _, ref = _fit("ddp_find_unused_parameters_true", accumulate=3, clip=0.5, scheduler=True)
+    _assert_same(snaps, sync, 0.0)
+    _assert_same(snaps, ref, 1e-5)
+    return steps
+
+
+@pytest.mark.usefixtures("host_kernel")  # tests/conftest.py: skips where the kernel cannot match torch
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("managed", [True, False], ids=["managed", "unmanaged"])
+def test_trainer_async_host_step_matches_ddp(dist_pool, stage, managed):
+    assert dist_pool(2).run(_async_body, stage, managed) == [2 * 3, 2 * 3]
+
