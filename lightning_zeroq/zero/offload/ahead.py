@@ -8,8 +8,9 @@ for its end. Its first unit's weights are ready long before that.
 How. At ``step()``, on the calling thread, each unit of the optimizer is prepared in forward order
 (unit 0 first, the one the forward needs first): a speculative step of it is kept (``speculate.py``),
 or its kernel jobs are built (state made, step counts advanced, the gradient multiplier taken; see
-``HostOptimizer.step_later``). A worker thread then runs the jobs unit by unit, each after its
-gradient's copy to the host has landed. Publishing a unit (its copy to the device, the gather of
+``HostOptimizer.step_later``). A worker thread then runs the jobs unit by unit: the first unit in
+forward order whose gradient has landed on the host, so that the host never waits while there is
+work (the gradients land in reverse order, unit 0's last). Publishing a unit (its copy to the device, the gather of
 stages 1/2, the bf16 payload of a stage-3 store) stays on the calling thread, in the same unit order
 on every rank, so collectives match: ``need(i)`` publishes every unit up to ``i`` once the worker has
 stepped it. It runs from a forward pre-hook on the topmost modules whose parameters lie in one unit
@@ -111,7 +112,11 @@ class StepAhead:
         kernel = self.host.kernel
         assert kernel is not None
         try:
-            for unit, copied, jobs in work:
+            left = list(work)  # in forward order
+            while left:
+                item = _next(left)
+                left.remove(item)
+                unit, copied, jobs = item
                 self._may_start(unit)
                 if jobs:
                     if copied is not None:
@@ -188,6 +193,17 @@ class StepAhead:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def _next(left: list) -> tuple:
+    """The unit to step next: the first in forward order whose gradient is on the host (a speculated
+    unit has nothing to wait for); if none has landed, the last (the gradients leave the device in
+    reverse order, so it lands first). The host never waits while a gradient it could step is there."""
+    for item in left:
+        copied, jobs = item[1], item[2]
+        if not jobs or copied is None or copied.query():
+            return item
+    return left[-1]
 
 
 def _hook_modules(root: nn.Module, units: Sequence[Unit]) -> list[tuple[nn.Module, int]]:
