@@ -30,13 +30,17 @@ every step, each the way its users do (``clip_grad_norm_``, DeepSpeed's ``gradie
 excluded), measured on the first warm-up step. Rank 0 prints one JSON line per arm;
 ``python benchmarks/suite.py links`` runs them over the three links.
 
-``--floor`` (arms with ``+offload_optimizer`` or ``+offload_params``): the host's floor measured beside the arm's own steps.
-After each timed step the same process takes one step of torch's fused AdamW (``fused=True``, fp32
-gradients, the threads the host step has) over as many fp32 elements as the arm's model has, split
-into 8 tensors, as ``host_adam.py`` does; ``floor_s_median`` is their median and ``over_floor_median``
-the median of each step's time over the floor step right after it. The host's speed drifts from
-minute to minute (the same fused step took 0.16 and 0.25 s in one process); a ratio taken step by
-step, seconds apart, does not carry that drift, where a floor measured in another launch does.
+``--floor`` (arms with ``+offload_optimizer`` or ``+offload_params``): the host's floor measured beside the
+arm's own steps. The timed steps run in blocks of ``--floor-block`` (3), each timed from a quiet start
+to the end of its last step's host work (``ZeroEngine.wait_for_step``: an asynchronous step's work
+counts in full, so a block gives up the overlap of its last step); after each block the same process
+takes one step of torch's fused AdamW (``fused=True``, fp32 gradients, the threads the host step has)
+over as many fp32 elements as the arm's model has, split into 8 tensors, as ``host_adam.py`` does.
+``step_s_median`` is then the median over blocks of a block's time per step, ``floor_s_median`` the
+floor steps' median and ``over_floor_median`` the median of each block's time per step over the
+floor step right after it. The host's speed drifts from minute to minute (the same fused step took
+0.16 and 0.25 s in one process); a ratio taken block by block, seconds apart, does not carry that
+drift, where a floor measured in another launch does.
 """
 
 from __future__ import annotations
@@ -365,9 +369,13 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
         if args.memory_peak and ON_GPU and i == 2:
             print_memory_peak(arm, torch.cuda.memory._snapshot())
             torch.cuda.memory._record_memory_history(enabled=None)
+        in_block = (i - args.warmup) % args.floor_block if floor is not None and i >= args.warmup else 0
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=dev, generator=g)
-        sync()
-        t0 = time.perf_counter()
+        if in_block == 0:
+            if engine is not None:
+                engine.wait_for_step()  # an asynchronous step's host work ends outside the time
+            sync()
+            t0 = time.perf_counter()
         with torch.autocast(dev.type, dtype=torch.bfloat16):
             if i == 0:
                 with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
@@ -375,9 +383,14 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
             else:
                 loss = forward(tokens)
         finish(loss)
-        sync()
-        (times if i >= args.warmup else warmup_times).append(time.perf_counter() - t0)
-        if floor is not None and i >= args.warmup:
+        if floor is None or i < args.warmup:
+            sync()
+            (times if i >= args.warmup else warmup_times).append(time.perf_counter() - t0)
+        elif in_block == args.floor_block - 1 or i == args.warmup + args.steps - 1:
+            if engine is not None:
+                engine.wait_for_step()  # the block's last host step counts in full
+            sync()
+            times.append((time.perf_counter() - t0) / (in_block + 1))
             floor_times.append(floor.time_step())
     peak = allocated_gib(peak=True)
     compile_s = max(0.0, sum(warmup_times) - len(warmup_times) * statistics.median(times))
@@ -505,7 +518,8 @@ def main() -> None:
     parser.add_argument("--memory-peak", action="store_true", help="print what is live at one step's peak (print_memory_peak)")
     parser.add_argument("--budget", default=None, help="offload_memory_budget of the +auto arms (GiB, or e.g. '50%%')")
     parser.add_argument("--floor", action="store_true",
-                        help="offload arms: a step of torch's fused AdamW over the model's elements after each timed step (Floor)")
+                        help="offload arms: a step of torch's fused AdamW over the model's elements after each block of timed steps (Floor)")
+    parser.add_argument("--floor-block", type=int, default=3, help="with --floor: steps timed together before each floor step")
     parser.add_argument("--profile", default="", help="a folder: profile two more steps of each arm (profile_steps)")
     args = parser.parse_args()
     arms = args.arms.split(",")

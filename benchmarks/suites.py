@@ -138,7 +138,7 @@ SUITES: dict[str, Suite] = {
         "parameter offload, synchronous, asynchronous and speculative host steps, FSDP2's CPU offload; the "
         "first two arms again at the end (a launch's first arm runs slow)",
         (*step_time(OFFLOAD_FLOOR, world_sizes=(1,), timeout=480, bench="step_time_offload_floor",
-                    extra=("--steps", "6", "--warmup", "2", "--floor")),), build=True),
+                    extra=("--steps", "9", "--warmup", "2", "--floor")),), build=True),
     "offload-2gpu": Suite(
         "CPU offload at 2 GPUs: full and partial optimizer offload, stage-3 parameter offload (also with INT8 "
         "weights); the host step with one thread per rank; the host AdamW step over one rank's share",
