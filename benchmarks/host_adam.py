@@ -1,6 +1,8 @@
 """The host AdamW step at offload size: torch's fused CPU AdamW, torch's foreach AdamW, DeepSpeed's
 DeepSpeedCPUAdam (AVX, JIT-built) and lightning_zeroq's host kernel (``csrc/host_adam.c``, in place and
-out of place, as a speculative step writes), on the same tensors, in one process, alternating.
+out of place, as a speculative step writes; and as the offload engine steps bf16 training,
+``_EngineStep``: bf16 gradients, a bf16 copy written, in pageable or pinned memory, with the given
+threads or one fewer), on the same tensors, in one process, alternating.
 
 The 953M GPT under optimizer offload at world size 1 steps all of its 953M fp32 elements on the host
 (``--numel``); at 2 ranks about 476M each. The elements are split into ``--tensors`` tensors (the
@@ -41,6 +43,11 @@ def _arms(threads: int) -> dict:
     if kernel is not None:
         arms["zeroq_kernel"] = lambda ps: _ZeroqAdamW(ps, kernel, threads, out=False)
         arms["zeroq_kernel_out"] = lambda ps: _ZeroqAdamW(ps, kernel, threads, out=True)
+        pin = torch.cuda.is_available()
+        arms["zeroq_engine"] = lambda ps: _EngineStep(ps, kernel, threads, pin=False)
+        if pin:
+            arms["zeroq_engine_pinned"] = lambda ps: _EngineStep(ps, kernel, threads, pin=True)
+            arms["zeroq_engine_pinned_less1"] = lambda ps: _EngineStep(ps, kernel, threads - 1, pin=True)
     else:
         print(json.dumps({"arm": "zeroq_kernel", "error": "not available (see the log)"}), flush=True)
     try:
@@ -73,6 +80,34 @@ class _ZeroqAdamW:
                     read = current.data
                     current.data = other.data
                     other.data = read
+
+
+class _EngineStep:
+    """The offload engine's host step of bf16 training: bf16 gradients in, the updated master also written
+    rounded to bf16 (the copy that goes back to the device), all tensors of a call in one kernel call per
+    tensor; ``pin``: the master, the gradient and the bf16 copy in pinned memory, as the engine holds
+    them (the moments in pageable memory, as torch's Adam makes them). Its values differ from the fp32-
+    gradient arms' (the gradients are rounded to bf16)."""
+
+    def __init__(self, params, kernel, threads: int, pin: bool) -> None:
+        def place(t):
+            return t.pin_memory() if pin else t
+
+        self.kernel, self.threads, self.count = kernel, threads, 0
+        self.params = params
+        self.masters = [place(p.detach().clone()) for p in params]
+        self.grads = [place(p.grad.to(torch.bfloat16)) for p in params]
+        self.working = [place(torch.empty(p.shape, dtype=torch.bfloat16)) for p in params]
+        self.state = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
+
+    def step(self) -> None:
+        self.count += 1
+        for master, grad, working, (m, v) in zip(self.masters, self.grads, self.working, self.state):
+            self.kernel.run([self.kernel.job(master, grad, m, v, step=float(self.count), lr=1e-4, beta1=0.9,
+                                             beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True,
+                                             working=working)], threads=self.threads)
+        for p, master in zip(self.params, self.masters):
+            p.data = master  # the result the fused arm's is compared with
 
 
 class _Traffic:

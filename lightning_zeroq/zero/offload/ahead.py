@@ -102,7 +102,7 @@ class StepAhead:
             self._pending.extend(mine)
             self._stepped.clear()
             self._asked = -1
-        threads = max(1, torch.get_num_threads() - 1)  # a core for the forward
+        threads = torch.get_num_threads()  # all of them: the calling thread mostly waits for the worker
         self._thread = threading.Thread(target=self._work, args=(work, threads), name="zeroq-async-step",
                                         daemon=True)
         self._thread.start()
