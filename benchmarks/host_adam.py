@@ -48,6 +48,7 @@ def _arms(threads: int) -> dict:
         if pin:
             arms["zeroq_engine_pinned"] = lambda ps: _EngineStep(ps, kernel, threads, pin=True)
             arms["zeroq_engine_pinned_less1"] = lambda ps: _EngineStep(ps, kernel, threads - 1, pin=True)
+            arms["zeroq_engine_pinned_parts"] = lambda ps: _EngineStep(ps, kernel, threads, pin=True, parts=True)
     else:
         print(json.dumps({"arm": "zeroq_kernel", "error": "not available (see the log)"}), flush=True)
     try:
@@ -89,11 +90,11 @@ class _EngineStep:
     them (the moments in pageable memory, as torch's Adam makes them). Its values differ from the fp32-
     gradient arms' (the gradients are rounded to bf16)."""
 
-    def __init__(self, params, kernel, threads: int, pin: bool) -> None:
+    def __init__(self, params, kernel, threads: int, pin: bool, parts: bool = False) -> None:
         def place(t):
             return t.pin_memory() if pin else t
 
-        self.kernel, self.threads, self.count = kernel, threads, 0
+        self.kernel, self.threads, self.count, self.parts = kernel, threads, 0, parts
         self.params = params
         self.masters = [place(p.detach().clone()) for p in params]
         self.grads = [place(p.grad.to(torch.bfloat16)) for p in params]
@@ -102,12 +103,26 @@ class _EngineStep:
 
     def step(self) -> None:
         self.count += 1
+        self.kernel.set_chunk(0 if self.parts else 1 << 18)  # parts: one fixed part per thread
         for master, grad, working, (m, v) in zip(self.masters, self.grads, self.working, self.state):
             self.kernel.run([self.kernel.job(master, grad, m, v, step=float(self.count), lr=1e-4, beta1=0.9,
                                              beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True,
                                              working=working)], threads=self.threads)
+        self.kernel.set_chunk(1 << 18)
         for p, master in zip(self.params, self.masters):
             p.data = master  # the result the fused arm's is compared with
+
+
+def _spin():
+    """``--busy``: a core kept busy (a process of its own, so this one's GIL is not contended), as by a
+    thread spinning in ``torch.cuda.synchronize()``."""
+    import atexit
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    atexit.register(proc.kill)
+    return proc
 
 
 class _Traffic:
@@ -148,6 +163,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="alternate the arms this many times")
     parser.add_argument("--dma", action="store_true", help="PCIe copies to and from pinned host memory meanwhile (CUDA)")
     parser.add_argument("--arms", default="", help="comma-separated subset of the arms (default: all)")
+    parser.add_argument("--busy", action="store_true", help="a process spins on a core meanwhile (as a caller "
+                        "waiting for its GPU does)")
     parser.add_argument("--bind", action="store_true", help="pin the zeroq kernel's threads to cores 1..threads-1")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -165,6 +182,8 @@ def main() -> None:
     if args.arms:
         arms = {k: v for k, v in arms.items() if k in args.arms.split(",")}
     traffic = _Traffic(args.numel) if args.dma and torch.cuda.is_available() else None
+    if args.busy:
+        _spin()
     results: dict[str, list[float]] = {name: [] for name in arms}
     dma: dict[str, list[float]] = {name: [] for name in arms}
     finals: dict[str, list[torch.Tensor]] = {}

@@ -21,6 +21,8 @@
      undone by dropping its outputs, at no more memory traffic than a step in place.
 
    Threads: a small pool of its own (pthreads), one call at a time; the caller's thread works too.
+   They take the call's elements in chunks of 256Ki (1 MiB of each fp32 array), one after another, so
+   a thread that runs late does not hold the others up (``zq_set_chunk``).
    No Python, no torch: a plain shared object called through ctypes, which releases the GIL for the
    call. Build: cc -O3 -march=native -ffp-contract=off -fno-math-errno -shared -fPIC -pthread. */
 
@@ -265,11 +267,16 @@ static int pool_remaining = 0;
 static const zq_adam *pool_jobs = NULL;
 static int pool_count = 0;
 static int pool_parts = 1;
+static int64_t pool_call_chunk = 0;
 static int pool_cpus[ZQ_MAX_THREADS];
 static int pool_bound = 0; /* pool_cpus holds one cpu per part (0: no binding) */
 
+static int64_t pool_chunk = 1 << 18; /* elements a thread takes at a time (0: one fixed part each) */
+static int64_t pool_next = 0;        /* the next chunk of this call to take (atomic) */
+
+/* Fixed parts (pool_chunk 0): each array set cut into ``parts`` cache-line (16 float) aligned pieces,
+   one per thread. A thread that is descheduled holds the whole call up. */
 static void part_range(const zq_adam *a, int part, int parts, int64_t *lo, int64_t *hi) {
-    /* Cache-line (16 float) aligned parts of the body. */
     const int64_t lines = (a->vec_end + 15) / 16;
     const int64_t per = (lines + parts - 1) / parts;
     int64_t start = (int64_t)part * per * 16, end = start + per * 16;
@@ -279,8 +286,31 @@ static void part_range(const zq_adam *a, int part, int parts, int64_t *lo, int64
     *hi = end;
 }
 
-/* Part ``part`` of every job: each array set is cut into ``parts`` pieces, one per thread. */
-static void run_part(const zq_adam *jobs, int count, int part, int parts) {
+static int64_t chunks_of(const zq_adam *a, int64_t chunk) { return (a->vec_end + chunk - 1) / chunk; }
+
+/* Chunks (pool_chunk > 0): every thread takes the next chunk of ``pool_chunk`` elements of the call's
+   bodies until none is left, so a thread that runs late (another process, the caller's own thread
+   busy elsewhere, an interrupt) leaves its share to the others. The numbers are the same whatever
+   the split: each element's update reads and writes that element only. */
+static void run_chunks(const zq_adam *jobs, int count, int64_t chunk) {
+    int j = 0;
+    int64_t before = 0; /* chunks of the jobs before job j */
+    for (;;) {
+        const int64_t c = __atomic_fetch_add(&pool_next, 1, __ATOMIC_RELAXED);
+        while (j < count && c >= before + chunks_of(&jobs[j], chunk)) before += chunks_of(&jobs[j++], chunk);
+        if (j >= count) return;
+        const int64_t lo = (c - before) * chunk;
+        const int64_t hi = lo + chunk < jobs[j].vec_end ? lo + chunk : jobs[j].vec_end;
+        run_range(&jobs[j], lo, hi);
+    }
+}
+
+/* Thread ``part``'s share of every job. */
+static void run_part(const zq_adam *jobs, int count, int part, int parts, int64_t chunk) {
+    if (chunk > 0) {
+        run_chunks(jobs, count, chunk);
+        return;
+    }
     for (int j = 0; j < count; j++) {
         int64_t lo, hi;
         part_range(&jobs[j], part, parts, &lo, &hi);
@@ -306,12 +336,13 @@ static void *worker(void *arg) {
         seen = pool_generation;
         const zq_adam *jobs = pool_jobs;
         const int count = pool_count, parts = pool_parts;
+        const int64_t chunk = pool_call_chunk;
         pthread_mutex_unlock(&pool_lock);
         if (!bound) {
             bind_self(id);
             bound = 1;
         }
-        if (id < parts) run_part(jobs, count, id, parts);
+        if (id < parts) run_part(jobs, count, id, parts, chunk);
         pthread_mutex_lock(&pool_lock);
         if (--pool_remaining == 0) pthread_cond_signal(&pool_done);
         pthread_mutex_unlock(&pool_lock);
@@ -342,6 +373,16 @@ int zq_bind(const int *cpus, int count) {
     return 0;
 }
 
+/* How the threads share a call's elements: chunks of ``elements`` (a positive multiple of 16) taken
+   one after another, or (0) one fixed part per thread. Returns 0, or -1 for a bad value. */
+int zq_set_chunk(int64_t elements) {
+    if (elements < 0 || elements % 16 != 0) return -1;
+    pthread_mutex_lock(&call_lock);
+    pool_chunk = elements;
+    pthread_mutex_unlock(&call_lock);
+    return 0;
+}
+
 /* One step over ``count`` array sets with ``threads`` threads (the caller's included): one wake-up of
    the pool for all of them. Returns 0, or -1 when a thread could not be started (nothing was written). */
 int zq_adam_steps(const zq_adam *jobs, int count, int threads) {
@@ -362,12 +403,14 @@ int zq_adam_steps(const zq_adam *jobs, int count, int threads) {
         pool_jobs = jobs;
         pool_count = count;
         pool_parts = threads;
+        pool_call_chunk = pool_chunk;
+        pool_next = 0;
         pool_remaining = pool_workers;
         pool_generation++;
         pthread_cond_broadcast(&pool_wake);
         pthread_mutex_unlock(&pool_lock);
     }
-    run_part(jobs, count, 0, threads);
+    run_part(jobs, count, 0, threads, threads > 1 ? pool_call_chunk : 0);
     if (threads > 1) {
         pthread_mutex_lock(&pool_lock);
         while (pool_remaining > 0) pthread_cond_wait(&pool_done, &pool_lock);

@@ -72,6 +72,8 @@ class HostAdam:
         lib.zq_adam_steps.restype = ctypes.c_int
         lib.zq_bind.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
         lib.zq_bind.restype = ctypes.c_int
+        lib.zq_set_chunk.argtypes = [ctypes.c_int64]
+        lib.zq_set_chunk.restype = ctypes.c_int
         self.flags, self.width = 0, 16
 
     def step(self, param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, threads: Optional[int] = None,
@@ -108,6 +110,14 @@ class HostAdam:
                     _pointer(grad, _H) if half else None, _pointer(working, _H), op, om, ov,
                     n, n - n % self.width, gmul, -1.0 if maximize else 1.0, 1 - lr * weight_decay, weight_decay,
                     1 - beta1, beta2, 1 - beta2, math.sqrt(bias_correction2), eps, -step_size, step_size, flags)
+
+    def set_chunk(self, elements: int) -> None:
+        """How the threads share a call's elements: chunks of ``elements`` (a positive multiple of 16)
+        taken one after another (the default, 262144), or ``0``: one fixed part per thread. Results
+        are the same either way."""
+        if not isinstance(elements, int) or isinstance(elements, bool) or self.lib.zq_set_chunk(elements) != 0:
+            raise ValueError(f"host_adam.set_chunk({elements!r}): use 0 (one part per thread) or a positive "
+                             "multiple of 16, e.g. 262144")
 
     def run(self, jobs: Sequence[_Job], threads: Optional[int] = None) -> None:
         """Run ``jobs`` with ``threads`` threads (default: torch's intra-op threads), one wake-up of the

@@ -111,3 +111,42 @@ def test_one_run_of_many_jobs_as_each_alone(kernel: H.HostAdam) -> None:
     together = [[t.clone() for t in (p, m, v)] for p, _, m, v in data]
     kernel.run([kernel.job(p, g, m, v, **hyper) for (_, g, _, _), (p, m, v) in zip(data, together)], threads=3)
     assert all(torch.equal(a, b) for x, y in zip(alone, together) for a, b in zip(x, y))
+
+
+@pytest.mark.parametrize("chunk", [0, 16, 48, 1 << 12])
+def test_every_split_of_the_work_gives_the_same_bits(kernel: H.HostAdam, chunk: int) -> None:
+    """Fixed parts (0) or chunks taken one after another, small enough that every thread takes many
+    and a chunk straddles no job: torch's bits in every element of every job (bodies and tails; a job
+    of bf16 gradients with a working copy and one out of place among them)."""
+    sizes = (5, 40_000, 17, 300_001, 1, 4096, 65_537)
+    data = [_data(n, 13 * n) for n in sizes]
+    hyper = dict(step=3.0, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True,
+                 maximize=False)
+    refs = []
+    for i, (p, g, m, v) in enumerate(data):
+        ref = [t.clone() for t in (p, g.bfloat16().float() if i == 1 else g, m, v)]
+        H._fused(*ref, **hyper)
+        refs.append(ref)
+    ours = [[t.clone() for t in (p, m, v)] for p, _, m, v in data]
+    working = torch.empty(sizes[1], dtype=torch.bfloat16)
+    half = data[1][1].bfloat16()  # held: a job keeps pointers, not tensors
+    outs = [torch.empty(sizes[3]) for _ in range(3)]
+    jobs = [kernel.job(p, half if i == 1 else g, m, v, working=working if i == 1 else None,
+                       out=outs if i == 3 else None, **hyper)
+            for i, ((_, g, _, _), (p, m, v)) in enumerate(zip(data, ours))]
+    try:
+        kernel.set_chunk(chunk)
+        kernel.run(jobs, threads=3)
+    finally:
+        kernel.set_chunk(1 << 18)
+    ours[3] = outs
+    for i, (got, ref) in enumerate(zip(ours, refs)):
+        for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), got, (ref[0], ref[2], ref[3])):
+            assert torch.equal(a, b), f"chunk={chunk} job {i} (n={sizes[i]}) {name}: {(a != b).sum().item()} differ"
+    assert torch.equal(working, refs[1][0].bfloat16())
+
+
+def test_bad_chunks_are_refused(kernel: H.HostAdam) -> None:
+    for bad in (-16, 17, 2.0, True):
+        with pytest.raises(ValueError, match="set_chunk"):
+            kernel.set_chunk(bad)
