@@ -133,8 +133,8 @@ SUITES: dict[str, Suite] = {
          *step_time(DS_OFFLOAD, world_sizes=(1,), timeout=300, requires=("deepspeed",),
                     extra=("--steps", "4", "--warmup", "2"))), build=True),
     "offload-floor": Suite(
-        "Full CPU offload on one GPU beside the host's floor, step by step (step_time.py --floor: a fused AdamW "
-        "step over the model's 953M elements after each timed step): zeroq2 optimizer offload and zeroq3 "
+        "Full CPU offload on one GPU beside the host's floor (step_time.py --floor: blocks of 3 steps, each "
+        "followed by a fused AdamW step over the model's 953M elements): zeroq2 optimizer offload and zeroq3 "
         "parameter offload, synchronous, asynchronous and speculative host steps, FSDP2's CPU offload; the "
         "first two arms again at the end (a launch's first arm runs slow)",
         (*step_time(OFFLOAD_FLOOR, world_sizes=(1,), timeout=480, bench="step_time_offload_floor",
