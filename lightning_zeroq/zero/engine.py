@@ -34,9 +34,9 @@ from torch import Tensor, nn
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.zero import access, comm, hybrid, loss_scaler, norms, policies, state_dict, update
 from lightning_zeroq.zero.gather import Gatherer
-from lightning_zeroq.zero.materialize import sync_replicated_state
+from lightning_zeroq.zero.materialize import sync_replicated_state, target_device
 from lightning_zeroq.zero.offload import optimizer_placement, shard_store
-from lightning_zeroq.zero.offload.ahead import StepAhead
+from lightning_zeroq.zero.offload.ahead import InStep, StepAhead
 from lightning_zeroq.zero.offload.host import HostOptimizer
 from lightning_zeroq.zero.optimizers import Binding, bind_to_shards, hand_back, route_zero_grad
 from lightning_zeroq.zero.plan import plan
@@ -83,7 +83,7 @@ class ZeroEngine:
         self.loss_scaler = loss_scaler.from_policy(scaling) if scaling is not None else None
         # What can fail on one rank only (an NVMe path, its free space, the kernel build) fails on all ranks.
         with comm.agreed(group, "building the ZeRO engine"):
-            self.device = _target_device(module, device)
+            self.device = target_device(module, device)
             specs = plan(module, trainable_parameters(module), pol.sharding.units)
             layouts = plan_layouts(specs, self.world_size, topo.align(pol.quantization))
             self.placement = optimizer_placement(pol.offload.optimizer, self.device, param_dtype, self.rank,
@@ -112,8 +112,8 @@ class ZeroEngine:
         if transient and isinstance(units, ModuleUnits):  # transient units are stage 3's module units
             self.stage3 = Stage3Coordinator(self.gatherer, self.units, prefetch_depth=units.prefetch_depth,
                                             reshard_after_forward=units.reshard_after_forward)
-        self.ahead: Optional[StepAhead] = None
-        """``offload_async_step``: the host step runs beside the next forward (``offload/ahead.py``)."""
+        self.ahead = InStep()
+        """``StepAhead`` with ``offload_async_step``: the host step runs beside the next forward (``offload/ahead.py``)."""
         if pol.offload.asynchronous and isinstance(self.placement, HostOptimizer):
             self.ahead = StepAhead(self.placement, module, self.units, self.gatherer.publish)
             self.gatherer.ready = self.ahead.ready
@@ -291,7 +291,7 @@ class ZeroEngine:
         if not skip:
             update.apply_multiplier(binding, self.units, self.placement, self._attached)
             used = self.reducer.finalize().used
-            if self.ahead is not None and self.ahead.takes(binding, len(self._attached.bindings) > 1):
+            if self.ahead.takes(binding, len(self._attached.bindings) > 1):
                 self.ahead.run(binding, used.tolist())
             else:
                 update.run(binding, self.units, self.placement, self.gatherer, used)
@@ -308,8 +308,7 @@ class ZeroEngine:
         ``offload_async_step``; otherwise a no-op). The engine's other entry points wait by themselves,
         and a module's forward waits for its own parameters; code that reads a parameter's tensor
         otherwise between a step and the next forward calls this first."""
-        if self.ahead is not None:
-            self.ahead.drain()
+        self.ahead.drain()
 
     def zero_grad(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         """Drop this window's gradients (of ``optimizer``'s parameters, when several are attached)."""
@@ -386,22 +385,8 @@ class ZeroEngine:
         """Remove every hook and swap file; the module keeps its working parameters. ``closed`` then
         says the state is released (NVMe's masters were in the swap files): a save refuses it."""
         self.closed = True
-        if self.ahead is not None:
-            self.ahead.close()
+        self.ahead.close()
         self.reducer.close()
         self.placement.close()
         self.gatherer.close()
 
-
-def _target_device(module: nn.Module, device: Optional[torch.device]) -> torch.device:
-    devices = {t.device for t in [*module.parameters(), *module.buffers()] if not t.is_meta}
-    if len(devices) > 1:
-        raise ValueError(
-            f"ZeroQ needs all parameters and buffers on one device, found {sorted(map(str, devices))}; "
-            "create the module on one device (tensors on the meta device are materialized unit by unit)."
-        )
-    source = devices.pop() if devices else torch.device("cpu")
-    target = torch.device(device) if device is not None else source
-    if target.type == "meta":
-        raise ValueError("ZeroEngine needs a real target device; pass device=... for a module on meta.")
-    return target

@@ -101,3 +101,18 @@ def sync_replicated_state(module: nn.Module, device: torch.device, group: Option
             t.data = t.data.to(device)
             if world_size > 1:
                 comm.broadcast(t.data, 0, group)
+
+
+def target_device(module: nn.Module, device: Optional[torch.device]) -> torch.device:
+    """The device the engine builds on: ``device``, else the one device of the module's tensors."""
+    devices = {t.device for t in [*module.parameters(), *module.buffers()] if not t.is_meta}
+    if len(devices) > 1:
+        raise ValueError(
+            f"ZeroQ needs all parameters and buffers on one device, found {sorted(map(str, devices))}; "
+            "create the module on one device (tensors on the meta device are materialized unit by unit)."
+        )
+    source = devices.pop() if devices else torch.device("cpu")
+    target = torch.device(device) if device is not None else source
+    if target.type == "meta":
+        raise ValueError("ZeroEngine needs a real target device; pass device=... for a module on meta.")
+    return target

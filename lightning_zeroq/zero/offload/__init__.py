@@ -12,7 +12,7 @@ branches on the offload mode itself.
 | ``offload_optimizer`` (cpu), ``offload_optimizer_ratio="auto"`` | ``auto.AutoSplit`` (a ``SplitOptimizer`` that starts with every unit on the host and brings back what fits after the first step) | full width: ``split.SplitStore`` with every unit off the device at first; a unit brought back gathers from its master from then on, as with a ratio, its payload dropped; INT8: ``device.DeviceStore`` |
 | ``offload_optimizer`` (cpu), ``offload_optimizer_ratio=0`` | ``device.OptimizerPlacement`` | as no offload |
 | ``offload_optimizer_device="nvme"`` | ``nvme.NvmeOptimizer`` | ``device.DeviceStore`` |
-| ``offload_parameters`` (cpu) | | ``host.HostStore`` |
+| ``offload_parameters`` (cpu) | | ``host_store.HostStore`` |
 | ``offload_params_device="nvme"`` | | ``nvme.NvmeStore`` |
 
 At full width with every master on the device, nothing rests between gathers: a gather reads the
@@ -39,7 +39,8 @@ import torch
 from lightning_zeroq.zero.layout import UnitLayout
 from lightning_zeroq.zero.offload.auto import AutoSplit
 from lightning_zeroq.zero.offload.device import CastMaster, DeviceStore, MasterAlias, OptimizerPlacement, ShardStore
-from lightning_zeroq.zero.offload.host import HostOptimizer, HostStore
+from lightning_zeroq.zero.offload.host import HostOptimizer
+from lightning_zeroq.zero.offload.host_store import HostStore
 from lightning_zeroq.zero.offload.nvme import NvmeOptimizer, NvmeStore
 from lightning_zeroq.zero.offload.split import SplitOptimizer, SplitStore, host_units
 from lightning_zeroq.zero.policies import Auto, Host, Nvme, OnDevice

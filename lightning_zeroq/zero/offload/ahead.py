@@ -41,7 +41,25 @@ from lightning_zeroq.zero.optimizers import Binding, OneStep
 from lightning_zeroq.zero.unit import Unit
 
 
-class StepAhead:
+class InStep:
+    """Without ``offload_async_step``: every step is done when ``step()`` returns."""
+
+    steps = 0
+
+    def takes(self, binding: Binding, several: bool) -> bool:
+        return False
+
+    def run(self, binding: Binding, used: Sequence[Any]) -> None:
+        raise AssertionError("takes() is False")
+
+    def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class StepAhead(InStep):
     """The asynchronous step of one engine whose every unit steps on the host."""
 
     def __init__(self, host: HostOptimizer, module: nn.Module, units: Sequence[Unit],

@@ -52,8 +52,6 @@ is what the CPU tests exercise. Host buffers are pinned only where a GPU copies 
 
 from __future__ import annotations
 
-import logging
-import os
 import warnings
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -64,15 +62,11 @@ from lightning_zeroq.ops.host_adam import host_adam
 from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.offload.device import OptimizerPlacement, ShardStore, copy_cast_to_device
 from lightning_zeroq.zero.offload.kernel import KernelSteps
+from lightning_zeroq.zero.offload.host_store import HostStore, host_copy
 from lightning_zeroq.zero.offload.speculate import Speculation
+from lightning_zeroq.zero.offload.threads import give_the_host_step_threads
 from lightning_zeroq.zero.optimizers import Binding, adam_kind, prefer_fast_host_step
 from lightning_zeroq.zero.unit import Unit
-
-
-def host_copy(tensor: Tensor, pin: bool) -> Tensor:
-    """A host copy of ``tensor``, pinned where a GPU will copy from or to it."""
-    host = tensor.detach().to("cpu", copy=True)
-    return host.pin_memory() if pin else host
 
 
 class HostOptimizer(OptimizerPlacement):
@@ -141,7 +135,7 @@ class HostOptimizer(OptimizerPlacement):
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 prefer_fast_host_step(optimizer, group, self.also_on)
-        _give_the_host_step_threads(self.world_size)
+        give_the_host_step_threads(self.world_size)
         kernel = host_adam() if any(adam_kind(o) is not None for o in optimizers) else None
         if kernel is None:
             self.kernel = None
@@ -372,63 +366,4 @@ def _wait(events: dict[int, "torch.cuda.Event"], index: int) -> None:
     done = events.pop(index, None)
     if done is not None:
         done.synchronize()
-
-
-class HostStore:
-    """Stage 3 parameter offload to CPU: each transient unit's payload in a pinned host buffer."""
-
-    def __init__(self, device: torch.device, dtype: torch.dtype, numels: dict[int, int]) -> None:
-        self.device, self.pin = device, device.type == "cuda"
-        self.buffers = {i: host_copy(torch.empty(n, dtype=dtype), self.pin) for i, n in numels.items()}
-
-    def put(self, unit: Unit, payload: Tensor) -> None:
-        buffer = self.buffers[unit.index]
-        if payload.data_ptr() == buffer.data_ptr():
-            return  # the host kernel wrote the step's payload here (``HostOptimizer.store_built``)
-        if self.pin and payload.device.type == "cpu" and payload.dtype != buffer.dtype:
-            # A host master (optimizer offload): cast on the GPU and copy the payload back, so the CPU,
-            # which steps the next unit meanwhile, only enqueues copies (casting 953M fp32 elements on
-            # the CPU took 72 ms of a 442 ms step on one H200). Both casts round to nearest even.
-            payload = copy_cast_to_device(torch.empty(payload.shape, dtype=buffer.dtype, device=self.device), payload)
-        buffer.copy_(payload, non_blocking=True)
-
-    def get(self, unit: Unit) -> Tensor:
-        return self.buffers[unit.index].to(self.device, non_blocking=True)
-
-    def device_tensors(self) -> list[Tensor]:
-        return []
-
-    def close(self) -> None:
-        pass
-
-
-_THREADS_SET: list[int] = []
-
-
-def _give_the_host_step_threads(world_size: int) -> None:
-    """The host step runs on torch's intra-op threads. torchrun sets ``OMP_NUM_THREADS=1`` for every
-    rank it starts unless the user set it (953M GPT on 2 H200s: 1.20 s a step with 1 thread, 0.32 s
-    with 16): under torchrun with that default, use the cores per local rank and say so once;
-    elsewhere, one thread is the user's choice, and gets a warning."""
-    if torch.get_num_threads() != 1:
-        return
-    cores = os.cpu_count() or 1
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    threads = max(1, cores // max(1, local_ranks))
-    if threads == 1:
-        return
-    if "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("OMP_NUM_THREADS") == "1":
-        torch.set_num_threads(threads)
-        if not _THREADS_SET:
-            _THREADS_SET.append(threads)
-            logging.getLogger("lightning_zeroq").info(
-                f"offload_optimizer: torchrun left each rank 1 thread (OMP_NUM_THREADS=1); the host step now uses "
-                f"{threads} ({cores} cores / {local_ranks} local ranks). Set OMP_NUM_THREADS to another value to choose."
-            )
-        return
-    warnings.warn(
-        "offload_optimizer: the optimizer step runs on the CPU with 1 thread (torch.get_num_threads() == 1). "
-        f"Set OMP_NUM_THREADS to the cores per rank, e.g. OMP_NUM_THREADS={threads}, or call torch.set_num_threads().",
-        stacklevel=4,
-    )
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zeroq import ZeroConfig, ZeroEngine
+from lightning_zeroq.zero.offload.ahead import StepAhead
 from tests.integration.engine.test_offload import TwoHeads, _loss
 
 pytestmark = pytest.mark.usefixtures("host_kernel")  # tests/conftest.py: skips where it cannot match torch
@@ -56,7 +57,7 @@ def _train(case: str, asynchronous: bool, nan_step: int = -1, action: str = "ski
                                           offload_optimizer=True, offload_async_step=asynchronous, **options),
                         param_dtype=dtype)
     engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
-    assert (engine.ahead is not None) == asynchronous
+    assert isinstance(engine.ahead, StepAhead) == asynchronous
     if stage == 3:
         assert sum(not u.persistent for u in engine.units) >= 3, "stage 3 must have units that are freed"
     out, errors = [], []
@@ -95,7 +96,7 @@ def _train(case: str, asynchronous: bool, nan_step: int = -1, action: str = "ski
     state = [t.detach().clone() for g in opt.param_groups for v in g["params"] for t in opt.state[v].values()]
     out.append(([u.master.detach().clone() for u in engine.units], state, engine.full_state_dict(),
                 [p.detach().clone() for p in model.parameters()] if stage < 3 else []))  # working weights
-    early = engine.ahead.published_early if engine.ahead is not None else 0
+    early = getattr(engine.ahead, "published_early", 0)
     engine.close()
     return out, errors, early
 
@@ -146,7 +147,7 @@ def test_async_step_needs_what_it_says(dist_pool):
             warnings.simplefilter("always")
             engine = ZeroEngine(TwoHeads(), ZeroConfig(stage=2, offload_async_step=True, **options))
         assert any("offload_async_step=True has no effect" in str(w.message) for w in caught), options
-        assert engine.ahead is None
+        assert not isinstance(engine.ahead, StepAhead)
         engine.close()
     with pytest.raises(ValueError, match="offload_async_step"):
         ZeroConfig(offload_async_step="yes")

@@ -166,6 +166,29 @@ def test_compiled_stage3_with_int8_weights_offload_and_prefetch_matches_eager(di
     dist_pool(2).run(_int8_offload_body, "whole")
 
 
+def _async_body(mode: str) -> list[int]:
+    """Compiled models with asynchronous host steps (their forward pre-hooks run outside the graphs)
+    against the same offload run eagerly and synchronously, stages 2 and 3 (parameters offloaded too)."""
+    graphs = []
+    for stage, extra in ((2, {}), (3, {"offload_parameters": True})):
+        config = {"offload_optimizer": True, **extra}
+        want = _zeroq_run(stage, "eager", False, **config)[:2]
+        torch._dynamo.reset()
+        before = _graphs()
+        *got, engine = _zeroq_run(stage, mode, False, offload_async_step=True, **config)
+        graphs.append(_graphs() - before)
+        assert engine.ahead.steps > 0
+        _assert_close(got, want, atol=1e-5)
+    return graphs
+
+
+@pytest.mark.usefixtures("host_kernel")  # tests/conftest.py: the asynchronous step needs the host kernel
+@pytest.mark.parametrize("mode", ["whole", "block"])
+def test_compiled_models_with_async_host_steps_match_eager(dist_pool, mode):
+    for graphs in dist_pool(2).run(_async_body, mode):
+        assert all(g > 0 for g in graphs), graphs
+
+
 def _guard_body() -> None:
     *_, engine = _zeroq_run(3, "block", False)
     weight = engine.module.blocks[0].a.weight
