@@ -16,8 +16,8 @@ on every rank, so collectives match: ``need(i)`` publishes every unit up to ``i`
 stepped it. It runs from a forward pre-hook on the topmost modules whose parameters lie in one unit
 (and on any module holding parameters of several units directly), and before a stage-3 gather.
 Anything else that reads or writes masters, state or host gradients waits for all of it first
-(``drain``): the host placement's walks and gradient copies, and the engine's entry points other than
-``zero_grad``.
+(``drain``): the host placement's walks and gradient copies, the engine's entry points other than
+``zero_grad``, and the optimizer's own ``state_dict`` and ``load_state_dict`` (pre-hooks).
 
 So the numbers are those of the step run in one go: the same jobs on the same inputs; only when each
 is run and when each unit is published move. What it cannot see: a parameter read outside its
@@ -77,6 +77,9 @@ class StepAhead(InStep):
         self.published_early = 0
         """Units published by a forward or a gather (not by ``drain``), over all steps."""
         self._asked = -1
+        self._held: list[torch.Tensor] = []
+        self._watched: dict[int, list] = {}
+        """Per optimizer (by id): its state_dict / load_state_dict pre-hooks, which wait for the step."""
         self._handles = [m.register_forward_pre_hook(EagerHook(self, "_before_forward", index))
                          for m, index in _hook_modules(module, units)]
         host.settle = self.drain
@@ -108,6 +111,7 @@ class StepAhead(InStep):
         self.drain()
         kernel = self.host.kernel
         assert kernel is not None  # takes() said so
+        self._watch(binding.optimizer)
         mine = [u for u in self.units if u.index in binding.unit_ids]
         hypers = kernel.plan(mine, binding)
         assert hypers is not None  # takes() said so
@@ -116,6 +120,11 @@ class StepAhead(InStep):
             for unit in mine:
                 work.append((unit, *self.host.step_later(unit, binding, used, hypers)))
             one_step.step()
+        # The jobs point into these tensors: held until the worker is done, whatever the optimizer's
+        # state dict is given meanwhile (a load_state_dict between the step and the next forward).
+        state = binding.optimizer.state
+        self._held = [t for unit in mine for view, _ in binding.optimized[unit.index]
+                      for t in (view, *state[view].values()) if isinstance(t, torch.Tensor)]
         with self._cv:
             self._pending.extend(mine)
             self._stepped.clear()
@@ -125,6 +134,20 @@ class StepAhead(InStep):
                                         daemon=True)
         self._thread.start()
         self.steps += 1
+
+    def _watch(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.state_dict()`` and ``load_state_dict()`` called directly (not through the engine)
+        wait for the step first, as the engine's own readers do."""
+        if id(optimizer) not in self._watched:
+            self._watched[id(optimizer)] = [
+                optimizer.register_state_dict_pre_hook(EagerHook(self, "_before_state_dict")),
+                optimizer.register_load_state_dict_pre_hook(EagerHook(self, "_before_load_state_dict"))]
+
+    def _before_state_dict(self, optimizer: torch.optim.Optimizer) -> None:
+        self.drain()
+
+    def _before_load_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        self.drain()
 
     def _work(self, work: list, threads: int) -> None:
         kernel = self.host.kernel
@@ -183,6 +206,7 @@ class StepAhead(InStep):
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._held = []
         if self._error is not None:
             self._fail(self._error)
 
@@ -208,9 +232,9 @@ class StepAhead(InStep):
 
     def close(self) -> None:
         self.drain()
-        for handle in self._handles:
+        for handle in [*self._handles, *(h for hs in self._watched.values() for h in hs)]:
             handle.remove()
-        self._handles = []
+        self._handles, self._watched = [], {}
 
 
 def _next(left: list) -> tuple:

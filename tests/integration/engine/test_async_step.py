@@ -1,8 +1,8 @@
 """Asynchronous host steps (offload_async_step): step() returns before the host has stepped, the next
 forward waits per unit, and training is bitwise the training with the step run in one go: losses,
 masters, optimizer state, working weights, state dicts, whatever the window does between steps
-(clipping, accumulation, unused parameters, a non-finite gradient on one rank, zero_grad, state reads
-and an evaluation forward right after a step). Two gloo ranks; stage 3 with units that really leave
+(clipping, accumulation, unused parameters, a non-finite gradient on one rank, zero_grad, state reads,
+an evaluation forward and the optimizer's load_state_dict right after a step). Two gloo ranks; stage 3 with units that really leave
 the gathered state (persistence threshold 40 elements).
 
 On CPU a tiny model's host step is over before the next forward begins, so the tests hold the worker
@@ -10,6 +10,8 @@ before each unit until something asks for it (``_gate``): every step's units are
 the next forward's hooks (or a stage-3 gather), which the tests check happened."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -32,7 +34,7 @@ CASES = {
     "s3_params_spec_bf16": (3, {"offload_parameters": True, "offload_speculative_step": True}, torch.bfloat16),
 }
 SCRIPT = ["plain", "plain", "clip_idle", "accumulate", "read_before_step", "eval_after_step", "zero_grad_then_plain",
-          "other_head", "clip_in_effect", "read_after_step", "plain"]
+          "other_head", "clip_in_effect", "read_after_step", "reload_state_after_step", "plain"]
 
 
 def _gate() -> None:
@@ -90,6 +92,10 @@ def _train(case: str, asynchronous: bool, nan_step: int = -1, action: str = "ski
                 losses.append(_loss(model, step, 9, head=0).float())
         if what == "read_after_step":
             out.append(("after", engine.full_state_dict(), engine.full_optimizer_state()))
+        if step == 1:
+            saved = copy.deepcopy(engine.optimizer.state_dict())
+        if what == "reload_state_after_step":  # while the step's jobs still point into the state it replaces
+            engine.optimizer.load_state_dict(saved)
         out.append((step, losses))
     engine.wait_for_step()
     opt = engine.optimizer  # state in the groups' order (an asynchronous step makes it in another order)
