@@ -81,7 +81,7 @@ class ZeroConfig:
     that holds them runs (a forward pre-hook), so the forward waits per unit, not for the whole step.
     Results are bitwise those without it. Everything else that reads or writes the weights or the
     optimizer state through the engine or the optimizer (the next backward, state dicts, checkpoints,
-    ``gathered_parameters``, ``optimizer.state_dict()``, the next step) waits for the whole step first. Code that reads a
+    ``gathered_parameters``, ``optimizer.state_dict()``, ``model.state_dict()``, the next step) waits for the whole step first. Code that reads a
     parameter's tensor outside its module's call before the next forward (a callback reading
     ``param.data`` right after the step) must call ``engine.wait_for_step()`` first. For torch's
     Adam/AdamW through the host kernel with one optimizer and no optimizer step hooks; otherwise the

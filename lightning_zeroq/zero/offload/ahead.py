@@ -17,7 +17,8 @@ stepped it. It runs from a forward pre-hook on the topmost modules whose paramet
 (and on any module holding parameters of several units directly), and before a stage-3 gather.
 Anything else that reads or writes masters, state or host gradients waits for all of it first
 (``drain``): the host placement's walks and gradient copies, the engine's entry points other than
-``zero_grad``, and the optimizer's own ``state_dict`` and ``load_state_dict`` (pre-hooks).
+``zero_grad``, the optimizer's own ``state_dict`` and ``load_state_dict`` and the model's
+``state_dict`` (pre-hooks).
 
 So the numbers are those of the step run in one go: the same jobs on the same inputs; only when each
 is run and when each unit is published move. What it cannot see: a parameter read outside its
@@ -80,8 +81,11 @@ class StepAhead(InStep):
         self._held: list[torch.Tensor] = []
         self._watched: dict[int, list] = {}
         """Per optimizer (by id): its state_dict / load_state_dict pre-hooks, which wait for the step."""
-        self._handles = [m.register_forward_pre_hook(EagerHook(self, "_before_forward", index))
-                         for m, index in _hook_modules(module, units)]
+        hooked = _hook_modules(module, units)
+        self._handles = [m.register_forward_pre_hook(EagerHook(self, "_before_forward", index)) for m, index in hooked]
+        # A module's state_dict() (the model's, or one of those modules') reads the weights: the step first.
+        for m in {id(m): m for m in [module, *(m for m, _ in hooked)]}.values():
+            self._handles.append(m.register_state_dict_pre_hook(EagerHook(self, "_before_module_state_dict")))
         host.settle = self.drain
 
     # ------------------------------------------------------------------ the step
@@ -142,6 +146,9 @@ class StepAhead(InStep):
             self._watched[id(optimizer)] = [
                 optimizer.register_state_dict_pre_hook(EagerHook(self, "_before_state_dict")),
                 optimizer.register_load_state_dict_pre_hook(EagerHook(self, "_before_load_state_dict"))]
+
+    def _before_module_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        self.drain()
 
     def _before_state_dict(self, optimizer: torch.optim.Optimizer) -> None:
         self.drain()

@@ -91,6 +91,8 @@ def _train(case: str, asynchronous: bool, nan_step: int = -1, action: str = "ski
             with torch.no_grad():
                 losses.append(_loss(model, step, 9, head=0).float())
         if what == "read_after_step":
+            if stage < 3:  # the model's own state dict first: its working weights, after the step
+                out.append(("module", {k: v.clone() for k, v in model.state_dict().items()}))
             out.append(("after", engine.full_state_dict(), engine.full_optimizer_state()))
         if step == 1:
             saved = copy.deepcopy(engine.optimizer.state_dict())
