@@ -76,16 +76,16 @@ class ZeroConfig:
 
     offload_async_step: bool = False
     """With CPU optimizer offload of every unit: ``step()`` returns once the host's work is queued, and
-    the host steps the units in forward order on a thread of its own while the next forward runs; each
-    unit's new weights are published (copied to the device, gathered) right before the first module
-    that holds them runs (a forward pre-hook), so the forward waits per unit, not for the whole step.
-    Results are bitwise those without it. Everything else that reads or writes the weights or the
-    optimizer state through the engine or the optimizer (the next backward, state dicts, checkpoints,
-    ``gathered_parameters``, ``optimizer.state_dict()``, ``model.state_dict()``, the next step) waits for the whole step first. Code that reads a
-    parameter's tensor outside its module's call before the next forward (a callback reading
-    ``param.data`` right after the step) must call ``engine.wait_for_step()`` first. For torch's
-    Adam/AdamW through the host kernel with one optimizer and no optimizer step hooks; otherwise the
-    step runs as usual (a warning says why)."""
+    a thread of its own steps the units (in forward order, as their gradients land) while the next
+    forward runs; each unit's new weights are published (copied to the device, gathered) right before
+    the first module that holds them runs (a forward pre-hook), so the forward waits per unit, not for
+    the whole step. Results are bitwise those without it. Everything else that reads or writes the
+    weights or the optimizer state waits for the whole step first: the next backward, state dicts,
+    checkpoints, ``gathered_parameters``, ``optimizer.state_dict()``, ``model.state_dict()``, the next
+    step. Code that reads a parameter's tensor outside its module's call before the next forward (a
+    callback reading ``param.data`` right after the step) must call ``engine.wait_for_step()`` first.
+    For torch's Adam/AdamW through the host kernel with one optimizer and no optimizer step hooks;
+    otherwise the step runs as usual (a warning says why)."""
 
     offload_parameters: bool = False
     """Keep parameter shards off the GPU between uses (stage 3 only)."""
