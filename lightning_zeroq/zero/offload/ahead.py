@@ -29,6 +29,7 @@ module) before that module runs; such code calls ``ZeroEngine.wait_for_step()`` 
 from __future__ import annotations
 
 import threading
+import warnings
 from collections import deque
 from typing import Any, Callable, Optional, Sequence
 
@@ -104,8 +105,6 @@ class StepAhead(InStep):
               or _global_optimizer_pre_hooks or _global_optimizer_post_hooks):
             why = "the optimizer has step hooks, which would run before the step's work is done"
         if why is not None and not self._warned:
-            import warnings
-
             self._warned = True
             warnings.warn(f"offload_async_step=True: this step runs synchronously: {why}.", stacklevel=3)
         return why is None

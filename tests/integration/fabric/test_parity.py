@@ -27,8 +27,8 @@ BACKWARDS_PER_STEP = [2, 5, 3, 1]
 
 
 def _arm_options(arm: str, stage: int) -> dict:
-    if arm == "offload":  # fp32 masters and AdamW state on the host (stage 3: the parameters too)
-        return {"offload_optimizer": True, "offload_parameters": stage == 3}
+    if arm in ("offload", "async"):  # fp32 masters and AdamW state on the host (stage 3: the parameters too)
+        return {"offload_optimizer": True, "offload_parameters": stage == 3, "offload_async_step": arm == "async"}
     if arm == "int8":  # the INT8 wire; every tensor of this tiny model travels on its exact side channel
         return {"quantized_weights": True}
     return {}
@@ -105,7 +105,10 @@ def _parity_body(stage: int, managed: bool, arm: str = "plain", separate_setup: 
         assert sum(not u.persistent for u in engine.units) == 3
     if arm == "offload":
         assert all(u.master.device.type == "cpu" and engine.placement.step_grad(u) is not u.grad for u in engine.units)
-    return _train_in_lockstep(zq, model, opt, ddp, ref_model, ref_opt, stage=stage, managed=managed)
+    worst = _train_in_lockstep(zq, model, opt, ddp, ref_model, ref_opt, stage=stage, managed=managed)
+    if arm == "async":  # every step was asynchronous (param groups of their own hyperparameters included)
+        assert engine.ahead.steps == len(BACKWARDS_PER_STEP)
+    return worst
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -118,9 +121,11 @@ def test_fabric_matches_ddp(dist_pool, world_size, stage, managed):
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("arm, world_size, managed", [("offload", 2, True), ("int8", 3, False)],
-                         ids=["offload-2ranks-managed", "int8-3ranks-unmanaged"])
-def test_fabric_offload_and_int8_match_ddp(dist_pool, stage, arm, world_size, managed):
+@pytest.mark.parametrize("arm, world_size, managed", [("offload", 2, True), ("int8", 3, False), ("async", 2, False)],
+                         ids=["offload-2ranks-managed", "int8-3ranks-unmanaged", "async-2ranks-unmanaged"])
+def test_fabric_offload_and_int8_match_ddp(dist_pool, request, stage, arm, world_size, managed):
+    if arm == "async":
+        request.getfixturevalue("host_kernel")  # tests/conftest.py: skips where the kernel cannot match torch
     worst = dist_pool(world_size).run(_parity_body, stage, managed, arm)
     assert max(worst) <= 1e-5
 
