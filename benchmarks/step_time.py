@@ -303,7 +303,7 @@ def build_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> Arm:
             extra["offload_async_step"] = True
         from lightning_zeroq.ops.host_adam import host_adam
 
-        if host_adam() is not None:  # +parts: the host kernel's threads each take one fixed part of a call
+        if offload and host_adam() is not None:  # +parts: the host kernel's threads each take one fixed part
             host_adam().set_chunk(0 if "parts" in options else 1 << 18)
         config = ZeroConfig(stage=stage, reduce_bucket_size=int(args.bucket) if stage < 3 else ZeroConfig().reduce_bucket_size,
                             quantized_weights="int8" in options, offload_optimizer=offload,

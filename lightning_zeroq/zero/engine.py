@@ -169,8 +169,8 @@ class ZeroEngine:
         disjoint; one whose parameters overlap an attached one's replaces it (a new optimizer for the
         same model).
         """
+        self.wait_for_step()  # the pending step's jobs belong to the binding replaced here
         binding = bind_to_shards(optimizer, self.module, self.units)
-        self.wait_for_step()
         kept = [b for b in self._attached.bindings if not b.param_ids & binding.param_ids]
         self._attached = update.attached(kept + [binding], self._all)
         route_zero_grad(optimizer, self)
@@ -186,7 +186,6 @@ class ZeroEngine:
     def pre_backward(self, boundary: Optional[bool] = None) -> None:
         """Open a backward pass. ``boundary=True``: the caller knows a step follows this backward (a
         managed accumulation window ends), so stage 1 reduces during it to overlap communication."""
-        self.wait_for_step()
         self._check_active()
         self.reducer.begin_backward(boundary)
 
@@ -222,7 +221,6 @@ class ZeroEngine:
         Unscaling and clipping are not applied here but folded into one multiplier per optimizer,
         applied once to the gradients it reads (on the host with offload) right before its step.
         """
-        self.wait_for_step()
         if self.reducer.window is not Window.FINALIZED:
             with torch.profiler.record_function("zeroq.finalize"):
                 self.reducer.finalize()
@@ -281,7 +279,6 @@ class ZeroEngine:
         """Apply one update of ``optimizer`` (needed when several are attached) from this window's
         gradients. Returns False if it was skipped."""
         self._check_active()
-        self.wait_for_step()
         if not self._attached.bindings:
             raise RuntimeError("ZeroEngine.step() needs an optimizer: call attach_optimizer() first.")
         binding = self._binding(optimizer)
@@ -305,9 +302,10 @@ class ZeroEngine:
 
     def wait_for_step(self) -> None:
         """Wait until the last step's work is done and every unit's weights are published (with
-        ``offload_async_step``; otherwise a no-op). The engine's other entry points wait by themselves,
-        and a module's forward waits for its own parameters; code that reads a parameter's tensor
-        otherwise between a step and the next forward calls this first."""
+        ``offload_async_step``; otherwise a no-op). Whatever reads or writes masters, state or host
+        gradients waits by itself (the host placement's ``settle``: state dicts, checkpoints, the next
+        backward, the next step), and a module's forward waits for its own parameters; code that reads
+        a parameter's tensor otherwise between a step and the next forward calls this first."""
         self.ahead.drain()
 
     def zero_grad(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
@@ -316,7 +314,6 @@ class ZeroEngine:
 
     def publish(self) -> None:
         """Bring every unit's working weights up to date with its master shard."""
-        self.wait_for_step()
         for unit in self.placement.resident(self.units):
             self.gatherer.publish(unit)
 
@@ -324,24 +321,20 @@ class ZeroEngine:
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """Collective: the full fp32 parameters by name on every rank (CPU tensors), frozen ones included."""
-        self.wait_for_step()
         return state_dict.full_state_dict(self)
 
     def load_full_state_dict(self, state: dict[str, Tensor]) -> set[str]:
         """Set the fp32 masters (and the working copies) from full parameters by name; returns the
         names of the engine's parameters (all aliases of tied ones)."""
-        self.wait_for_step()
         return state_dict.load_full_state_dict(self, state)
 
     def full_optimizer_state(self) -> dict[str, dict[str, Any]]:
         """Collective: every parameter's optimizer state at full shape by name on every rank (CPU tensors)."""
-        self.wait_for_step()
         return state_dict.full_optimizer_state(self)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds on the device, by kind (what a benchmark compares with the formula).
         ``gradient_shards``: the fp32 shards a window holds once finalized (released after the step)."""
-        self.wait_for_step()
 
         def on_device(tensors) -> int:
             return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, Tensor) and t.device == self.device)
@@ -362,14 +355,12 @@ class ZeroEngine:
                             writeback: bool = False) -> contextlib.AbstractContextManager:
         """Collective context manager: the full fp32 parameters of ``module`` (default: all) as plain
         tensors inside; ``writeback=True`` keeps what was changed. See ``access.py``."""
-        self.wait_for_step()
         return access.gathered_parameters(self, module, writeback)
 
     def release_module(self, dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None) -> None:
         """Collective: hand the module back as a plain module with the trained parameters (see
         ``access.py``) and each optimizer bound to its parameters again (``hand_back``); the engine keeps
         its master shards and optimizer state (in a twin of the optimizer) for state dicts."""
-        self.wait_for_step()
         if not self.retired:
             access.release_module(self, dtype, device)
             self.hand_back_optimizers()

@@ -16,9 +16,10 @@ on every rank, so collectives match: ``need(i)`` publishes every unit up to ``i`
 stepped it. It runs from a forward pre-hook on the topmost modules whose parameters lie in one unit
 (and on any module holding parameters of several units directly), and before a stage-3 gather.
 Anything else that reads or writes masters, state or host gradients waits for all of it first
-(``drain``): the host placement's walks and gradient copies, the engine's entry points other than
-``zero_grad``, the optimizer's own ``state_dict`` and ``load_state_dict`` and the model's
-``state_dict`` (pre-hooks).
+(``drain``): through the host placement's ``settle`` (its walks over the masters, which state dicts,
+checkpoints, loads and ``gathered_parameters`` take; its gradient copies and the next backward; the
+next step; attaching an optimizer), and the optimizer's own ``state_dict`` and ``load_state_dict``
+and the model's ``state_dict`` (pre-hooks). ``zero_grad`` does not wait.
 
 So the numbers are those of the step run in one go: the same jobs on the same inputs; only when each
 is run and when each unit is published move. What it cannot see: a parameter read outside its
@@ -78,7 +79,6 @@ class StepAhead(InStep):
         """Steps taken asynchronously."""
         self.published_early = 0
         """Units published by a forward or a gather (not by ``drain``), over all steps."""
-        self._asked = -1
         self._held: list[torch.Tensor] = []
         self._watched: dict[int, list] = {}
         """Per optimizer (by id): its state_dict / load_state_dict pre-hooks, which wait for the step."""
@@ -111,7 +111,7 @@ class StepAhead(InStep):
 
     def run(self, binding: Binding, used: Sequence[Any]) -> None:
         """Prepare every unit of ``binding`` here, in forward order, and hand their jobs to the worker."""
-        self.drain()
+        self.drain()  # the step before (a step with no backward since is possible)
         kernel = self.host.kernel
         assert kernel is not None  # takes() said so
         self._watch(binding.optimizer)
@@ -131,7 +131,6 @@ class StepAhead(InStep):
         with self._cv:
             self._pending.extend(mine)
             self._stepped.clear()
-            self._asked = -1
         threads = torch.get_num_threads()  # all of them: the calling thread mostly waits for the worker
         self._thread = threading.Thread(target=self._work, args=(work, threads), name="zeroq-async-step",
                                         daemon=True)
@@ -179,18 +178,13 @@ class StepAhead(InStep):
                 self._cv.notify_all()
 
     def _may_start(self, unit: Unit) -> None:
-        """The worker is about to step ``unit`` (a seam: the tests hold it here until the unit is asked for)."""
+        """The worker is about to step ``unit`` (a seam: the tests hold it here until the unit is needed)."""
 
     # ------------------------------------------------------------------ waiting
 
     def need(self, index: int, early: bool = True) -> None:
-        """Publish every pending unit up to unit ``index`` (in the step's order), each once it is stepped."""
-        if not self._pending or all(u.index != index for u in self._pending):
-            return
-        with self._cv:
-            self._asked = max(self._asked, index)
-            self._cv.notify_all()
-        while self._pending:
+        """Publish every pending unit up to unit ``index`` (in unit order), each once it is stepped."""
+        while self._pending and self._pending[0].index <= index:
             unit = self._pending[0]
             with self._cv:
                 while unit.index not in self._stepped and self._error is None:
@@ -199,11 +193,12 @@ class StepAhead(InStep):
             if error is not None:
                 self._fail(error)
             self._pending.popleft()
+            kernel = self.host.kernel
+            assert kernel is not None  # run() had it
+            kernel.stepped(unit.index)  # its bf16 copy is the new master's cast, whatever a zero_grad cleared
             with torch.profiler.record_function("zeroq.publish"):
                 self._publish(unit)
             self.published_early += early
-            if unit.index == index:
-                return
 
     def drain(self) -> None:
         """Publish every pending unit; the worker has then ended."""
@@ -226,7 +221,7 @@ class StepAhead(InStep):
     def ready(self, index: int, prefetch: bool) -> bool:
         """Before a stage-3 gather of unit ``index``: publish it first; a prefetch of a unit the worker
         has not stepped yet is left out instead (False), so the forward is not held up for it."""
-        if prefetch and any(u.index == index for u in self._pending):
+        if prefetch and self._pending and self._pending[0].index <= index:
             with self._cv:
                 if index not in self._stepped:
                     return False

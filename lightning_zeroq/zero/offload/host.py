@@ -108,8 +108,6 @@ class HostOptimizer(OptimizerPlacement):
         self.kernel: Optional[KernelSteps] = None
         """The host kernel's steps, when an attached optimizer is torch's Adam or AdamW (and it loaded)."""
         self._shared: dict[int, Tensor] = {}
-        self.later: set[int] = set()
-        """Units an asynchronous step handed to its worker and not published yet (``ahead.py``)."""
         self.settle: Callable[[], None] = _nothing
         """Waits for an asynchronous step still running (``ahead.StepAhead.drain``, set by the engine):
         called before anything here reads or writes host gradients, masters or state outside it."""
@@ -235,7 +233,6 @@ class HostOptimizer(OptimizerPlacement):
             self.spec.undo_all()
 
     def published(self, unit: Unit) -> None:
-        self.later.discard(unit.index)
         if self.pin:  # the copies just issued read the pinned master (or its bf16 copy) asynchronously
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(self.device))
@@ -304,15 +301,12 @@ class HostOptimizer(OptimizerPlacement):
         assert self.kernel is not None  # StepAhead.takes checked it
         index = unit.index
         self.wait_device_reads(index)
-        self.kernel.fresh.discard(index)
-        self.later.add(index)
+        self.kernel.fresh.discard(index)  # until the worker has run the jobs (``KernelSteps.stepped``)
         if self.spec is not None and self.spec.keep(unit, binding, used, index in self.multiplier):
             self.half.discard(index)
             return None, []
         grad = self.half_grads[index] if index in self.half else self.host_grads[index]
         jobs = self.kernel.jobs(unit, binding, used, grad, self.multiplier.pop(index, 1.0), hypers)
-        if self.param_dtype == torch.bfloat16:
-            self.kernel.fresh.add(index)  # handed out only by a publish after the worker ran the jobs
         self.half.discard(index)
         return self.in_flight.get(index), jobs
 
@@ -352,8 +346,8 @@ class HostOptimizer(OptimizerPlacement):
         self.fresh.clear()
         self.half.clear()
         self.multiplier.clear()
-        if self.kernel is not None:  # a unit an asynchronous step has not published yet keeps its fresh copy
-            self.kernel.fresh.intersection_update(self.later)
+        if self.kernel is not None:
+            self.kernel.fresh.clear()
         self.copy_early, self.early = False, []
 
 

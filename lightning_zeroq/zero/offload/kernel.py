@@ -77,9 +77,15 @@ class KernelSteps:
         for unit in batch:
             jobs.extend(self.jobs(unit, binding, used, grad_of(unit), multiplier_of(unit), hypers))
         self.kernel.run(jobs)  # the tensors' storages outlive it: masters, gradients, state, copies are kept
-        if self.param_dtype == torch.bfloat16:
-            self.fresh.update(u.index for u in batch)
+        for unit in batch:
+            self.stepped(unit.index)
         return True
+
+    def stepped(self, index: int) -> None:
+        """Unit ``index``'s master was just stepped through this kernel (its jobs ran, or a speculative
+        step of it was kept): with bf16 working weights, its copy is the new master's cast."""
+        if self.param_dtype == torch.bfloat16:
+            self.fresh.add(index)
 
     def jobs(self, unit: Unit, binding: Any, used: Any, grad: Tensor, gmul: float,
              hypers: dict[int, dict[str, Any]],

@@ -191,8 +191,7 @@ class Speculation:
                 and self.steps.plan([unit], binding) == record.hypers)
         if same:
             self._swap_in(record)
-            if self.steps.param_dtype == torch.bfloat16:
-                self.steps.fresh.add(unit.index)
+            self.steps.stepped(unit.index)
             self.counts.kept += 1
             return True
         if owed:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from lightning_zeroq import ZeroConfig, ZeroEngine
 from lightning_zeroq.zero.offload.ahead import StepAhead
 from tests.integration.engine.test_offload import TwoHeads, _loss
+from tests.integration.engine.test_speculative import _same
 
 pytestmark = pytest.mark.usefixtures("host_kernel")  # tests/conftest.py: skips where it cannot match torch
 
@@ -38,15 +39,28 @@ SCRIPT = ["plain", "plain", "clip_idle", "accumulate", "read_before_step", "eval
 
 
 def _gate() -> None:
-    """Hold the worker before each unit until the main thread asks for that unit (or a later one)."""
-    from lightning_zeroq.zero.offload.ahead import StepAhead
+    """Hold the worker before each unit until the main thread needs that unit (or a later one)."""
+    if getattr(StepAhead, "_gated", False):
+        return
+    run, need = StepAhead.run, StepAhead.need
+
+    def gated_run(self, *args) -> None:
+        self._asked = -1  # nothing is pending: the worker starts inside run
+        run(self, *args)
+
+    def gated_need(self, index: int, early: bool = True) -> None:
+        with self._cv:
+            self._asked = max(getattr(self, "_asked", -1), index)
+            self._cv.notify_all()
+        need(self, index, early)
 
     def may_start(self, unit) -> None:
         with self._cv:
             while self._asked < unit.index:
                 self._cv.wait()
 
-    StepAhead._may_start = may_start  # type: ignore[method-assign]
+    StepAhead.run, StepAhead.need, StepAhead._may_start = gated_run, gated_need, may_start  # type: ignore[method-assign]
+    StepAhead._gated = True
 
 
 def _train(case: str, asynchronous: bool, nan_step: int = -1, action: str = "skip"):
@@ -107,16 +121,6 @@ def _train(case: str, asynchronous: bool, nan_step: int = -1, action: str = "ski
     early = getattr(engine.ahead, "published_early", 0)
     engine.close()
     return out, errors, early
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 @pytest.mark.parametrize("case", list(CASES))
