@@ -527,6 +527,8 @@ def main() -> None:
     parser.add_argument("--floor-block", type=int, default=3, help="with --floor: steps timed together before each floor step")
     parser.add_argument("--profile", default="", help="a folder: profile two more steps of each arm (profile_steps)")
     args = parser.parse_args()
+    if args.floor_block < 1:
+        parser.error(f"--floor-block {args.floor_block}: give the steps timed together before each floor step, 1 or more")
     arms = args.arms.split(",")
     for arm in arms:
         parse_arm(arm)  # fail before any work

@@ -511,7 +511,7 @@ def _accumulated_grad_batches(spec: str, root: str, offload: bool) -> None:
 
     verification_callback = VerificationCallback()
     options = {"offload_optimizer": True, "offload_speculative_step": True} if offload == "speculative" else \
-        {"offload_optimizer": offload}
+        {"offload_optimizer": True, "offload_async_step": True} if offload == "async" else {"offload_optimizer": offload}
     strategy = h.strategy(spec, wrap=("Sequential", "Linear"), **options)
     trainer = h.trainer(strategy, root, max_epochs=1, limit_train_batches=5, limit_val_batches=2,
                         precision="bf16-mixed", accumulate_grad_batches=2, callbacks=[verification_callback],
@@ -519,11 +519,15 @@ def _accumulated_grad_batches(spec: str, root: str, offload: bool) -> None:
     assert trainer.limit_train_batches % trainer.accumulate_grad_batches != 0, "leftover batches should be tested"
     trainer.fit(ModelParallelClassificationModel(), datamodule=h.classif_datamodule())
     assert verification_callback.on_train_batch_start_called
+    if offload == "async":  # Adam through the host kernel: every step was asynchronous
+        assert trainer.strategy.engine.ahead.steps == trainer.global_step > 0
 
 
-@pytest.mark.parametrize("offload", [False, True, "speculative"])
+@pytest.mark.parametrize("offload", [False, True, "speculative", "async"])
 @pytest.mark.parametrize("spec", SPECS)
-def test_deepspeed_multigpu_stage_2_accumulated_grad_batches(dist_pool, tmp_path, spec, offload):
+def test_deepspeed_multigpu_stage_2_accumulated_grad_batches(dist_pool, request, tmp_path, spec, offload):
+    if offload == "async":
+        request.getfixturevalue("host_kernel")  # tests/conftest.py: skips where the kernel cannot match torch
     on_ranks(dist_pool, _accumulated_grad_batches, spec, str(tmp_path), offload)
 
 
