@@ -2,7 +2,8 @@
 DeepSpeedCPUAdam (AVX, JIT-built) and lightning_zeroq's host kernel (``csrc/host_adam.c``, in place and
 out of place, as a speculative step writes; and as the offload engine steps bf16 training,
 ``_EngineStep``: bf16 gradients, a bf16 copy written, in pageable or pinned memory, with the given
-threads or one fewer), on the same tensors, in one process, alternating.
+threads or one fewer, the threads taking chunks or fixed parts, the bf16 copy streamed past the
+caches or stored plainly), on the same tensors, in one process, alternating.
 
 The 953M GPT under optimizer offload at world size 1 steps all of its 953M fp32 elements on the host
 (``--numel``); at 2 ranks about 476M each. The elements are split into ``--tensors`` tensors (the
@@ -49,6 +50,7 @@ def _arms(threads: int) -> dict:
             arms["zeroq_engine_pinned"] = lambda ps: _EngineStep(ps, kernel, threads, pin=True)
             arms["zeroq_engine_pinned_less1"] = lambda ps: _EngineStep(ps, kernel, threads - 1, pin=True)
             arms["zeroq_engine_pinned_parts"] = lambda ps: _EngineStep(ps, kernel, threads, pin=True, parts=True)
+            arms["zeroq_engine_pinned_plain"] = lambda ps: _EngineStep(ps, kernel, threads, pin=True, plain=True)
     else:
         print(json.dumps({"arm": "zeroq_kernel", "error": "not available (see the log)"}), flush=True)
     try:
@@ -90,11 +92,11 @@ class _EngineStep:
     them (the moments in pageable memory, as torch's Adam makes them). Its values differ from the fp32-
     gradient arms' (the gradients are rounded to bf16)."""
 
-    def __init__(self, params, kernel, threads: int, pin: bool, parts: bool = False) -> None:
+    def __init__(self, params, kernel, threads: int, pin: bool, parts: bool = False, plain: bool = False) -> None:
         def place(t):
             return t.pin_memory() if pin else t
 
-        self.kernel, self.threads, self.count, self.parts = kernel, threads, 0, parts
+        self.kernel, self.threads, self.count, self.parts, self.plain = kernel, threads, 0, parts, plain
         self.params = params
         self.masters = [place(p.detach().clone()) for p in params]
         self.grads = [place(p.grad.to(torch.bfloat16)) for p in params]
@@ -104,11 +106,13 @@ class _EngineStep:
     def step(self) -> None:
         self.count += 1
         self.kernel.set_chunk(0 if self.parts else 1 << 18)  # parts: one fixed part per thread
+        self.kernel.set_stream_half(not self.plain)  # plain: the bf16 copy stored through the caches
         for master, grad, working, (m, v) in zip(self.masters, self.grads, self.working, self.state):
             self.kernel.run([self.kernel.job(master, grad, m, v, step=float(self.count), lr=1e-4, beta1=0.9,
                                              beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True,
                                              working=working)], threads=self.threads)
         self.kernel.set_chunk(1 << 18)
+        self.kernel.set_stream_half(True)
         for p, master in zip(self.params, self.masters):
             p.data = master  # the result the fused arm's is compared with
 

@@ -23,7 +23,8 @@ masters and AdamW state on the CPU) or ``+offload_params`` (stage 3: also the pa
 ``offload_optimizer_ratio``), ``+auto`` (with ``+offload_optimizer``: ``offload_optimizer_ratio="auto"`` under
 ``--budget``, ``offload_memory_budget``), ``+spec`` (with offload: ``offload_speculative_step``, host steps during
 the backward), ``+async`` (with offload: ``offload_async_step``, the host step beside the next forward), ``+parts`` (the host
-kernel's threads each take one fixed part of a call instead of chunks one after another), ``+group1/2/4`` (hybrid sharding, ``shard_group_size``: shard inside
+kernel's threads each take one fixed part of a call instead of chunks one after another), ``+plain`` (the
+host kernel stores the bf16 copy through the caches instead of streaming it out), ``+group1/2/4`` (hybrid sharding, ``shard_group_size``: shard inside
 groups of 1, 2 or 4 ranks, all-reduce across them) and ``+crossq`` (with a group option: INT8 gradients
 across groups only, ``quantize_cross_group_only``). ``+clip`` (every arm): clip the gradients' global norm to ``CLIP`` before
 every step, each the way its users do (``clip_grad_norm_``, DeepSpeed's ``gradient_clipping``).
@@ -99,7 +100,7 @@ def memory_bound(engine) -> dict:
 
 ARM_STAGES = {"ddp": 0, "zeroq1": 1, "zeroq2": 2, "zeroq3": 3}
 ARM_OPTIONS = ("int8", "offload_optimizer", "offload_params", "qgrad", "keep", "prefetch2", "ratio25", "ratio50", "ratio75",
-               "auto", "spec", "async", "parts", "clip", "compile", "compile_whole", "group1", "group2", "group4", "crossq")
+               "auto", "spec", "async", "parts", "plain", "clip", "compile", "compile_whole", "group1", "group2", "group4", "crossq")
 SHARD_GROUPS = {"group1": 1, "group2": 2, "group4": 4}  # hybrid sharding: shard_group_size
 # +compile (ddp, fsdp2, zeroq): block.compile() on every block (torchtitan's recipe; FSDP2's and stage 3's
 # module hooks run outside the graphs); +compile_whole: torch.compile of the whole model (ddp: of the DDP
@@ -305,6 +306,7 @@ def build_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> Arm:
 
         if offload and host_adam() is not None:  # +parts: the host kernel's threads each take one fixed part
             host_adam().set_chunk(0 if "parts" in options else 1 << 18)
+            host_adam().set_stream_half("plain" not in options)  # +plain: the bf16 copy stored through the caches
         config = ZeroConfig(stage=stage, reduce_bucket_size=int(args.bucket) if stage < 3 else ZeroConfig().reduce_bucket_size,
                             quantized_weights="int8" in options, offload_optimizer=offload,
                             offload_parameters="offload_params" in options, **extra)

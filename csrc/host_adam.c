@@ -121,7 +121,25 @@ static inline void stream_copy(float *restrict dst, const float *restrict src, i
     for (; i < n; i++) dst[i] = src[i];
 }
 
+/* The same for bf16 arrays. */
+static inline void stream_copy_half(uint16_t *restrict dst, const uint16_t *restrict src, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i < n && ((uintptr_t)(dst + i) & 63); i++) dst[i] = src[i];
+    for (; i + 32 <= n; i += 32) _mm512_stream_si512((void *)(dst + i), _mm512_loadu_si512((const void *)(src + i)));
+#elif defined(__AVX__)
+    for (; i < n && ((uintptr_t)(dst + i) & 31); i++) dst[i] = src[i];
+    for (; i + 16 <= n; i += 16)
+        _mm256_stream_si256((__m256i *)(dst + i), _mm256_loadu_si256((const __m256i *)(src + i)));
+#endif
+    for (; i < n; i++) dst[i] = src[i];
+}
+
 #define ZQ_BLOCK 256 /* elements per block of a step out of place (three blocks stay in the L1 cache) */
+
+/* Whether a step in place streams its bf16 copy out (1, the default) or stores it plainly (0, which
+   reads each line of the copy first: 2 more bytes of memory traffic per element). */
+static int stream_half = 1;
 
 /* The arrays of one call never overlap (the caller's tensors are distinct): the loops say so, since
    the ``restrict`` pointers alone leave GCC more alias checks than it makes. */
@@ -154,7 +172,7 @@ static inline __attribute__((always_inline)) void update(const zq_adam *a, int64
             const float *restrict p = a->p + start, *restrict m = a->m + start, *restrict v = a->v + start;
             const float *restrict gb = half_in ? NULL : g + start;
             const uint16_t *restrict ghb = half_in ? gh + start : NULL;
-            uint16_t *restrict whb = half_out ? wh + start : NULL;
+            uint16_t tw[ZQ_BLOCK] __attribute__((aligned(64)));
             ZQ_NO_ALIAS
             for (int64_t i = 0; i < len; i++) {
                 float pi = p[i], mi = m[i], vi = v[i];
@@ -162,8 +180,9 @@ static inline __attribute__((always_inline)) void update(const zq_adam *a, int64
                 tp[i] = pi;
                 tm[i] = mi;
                 tv[i] = vi;
-                if (half_out) whb[i] = to_bf16(pi);
+                if (half_out) tw[i] = to_bf16(pi);
             }
+            if (half_out) stream_copy_half(wh + start, tw, len);
             stream_copy(a->op + start, tp, len);
             stream_copy(a->om + start, tm, len);
             stream_copy(a->ov + start, tv, len);
@@ -174,6 +193,33 @@ static inline __attribute__((always_inline)) void update(const zq_adam *a, int64
         return;
     }
     float *restrict p = a->p, *restrict m = a->m, *restrict v = a->v;
+    if (half_out && stream_half) {
+        /* In place, the bf16 copy through a block in the cache streamed out. The first block ends
+           where the copy is 64-byte aligned, so every later one streams whole cache lines. */
+        uint16_t tw[ZQ_BLOCK] __attribute__((aligned(64)));
+        for (int64_t start = lo; start < hi;) {
+            int64_t len = ZQ_BLOCK - (int64_t)(((uintptr_t)(wh + start) & 63) / sizeof(uint16_t));
+            if (len > hi - start) len = hi - start;
+            float *restrict pb = p + start, *restrict mb = m + start, *restrict vb = v + start;
+            const float *restrict gb = half_in ? NULL : g + start;
+            const uint16_t *restrict ghb = half_in ? gh + start : NULL;
+            ZQ_NO_ALIAS
+            for (int64_t i = 0; i < len; i++) {
+                float pi = pb[i], mi = mb[i], vi = vb[i];
+                adam_one(&h, flags, coeff, small, &pi, &mi, &vi, (half_in ? from_bf16(ghb[i]) : gb[i]) * gmul);
+                pb[i] = pi;
+                mb[i] = mi;
+                vb[i] = vi;
+                tw[i] = to_bf16(pi);
+            }
+            stream_copy_half(wh + start, tw, len);
+            start += len;
+        }
+#if defined(__AVX__) || defined(__AVX512F__)
+        _mm_sfence();
+#endif
+        return;
+    }
     ZQ_NO_ALIAS
     for (int64_t i = lo; i < hi; i++) {
         float pi = p[i], mi = m[i], vi = v[i];
@@ -379,6 +425,16 @@ int zq_set_chunk(int64_t elements) {
     if (elements < 0 || elements % 16 != 0) return -1;
     pthread_mutex_lock(&call_lock);
     pool_chunk = elements;
+    pthread_mutex_unlock(&call_lock);
+    return 0;
+}
+
+/* Whether a step in place streams its bf16 copy past the caches (1, the default) or stores it (0).
+   The numbers are the same either way. Returns 0, or -1 for a value other than 0 or 1. */
+int zq_set_stream_half(int on) {
+    if (on != 0 && on != 1) return -1;
+    pthread_mutex_lock(&call_lock);
+    stream_half = on;
     pthread_mutex_unlock(&call_lock);
     return 0;
 }

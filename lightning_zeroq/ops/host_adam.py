@@ -74,6 +74,8 @@ class HostAdam:
         lib.zq_bind.restype = ctypes.c_int
         lib.zq_set_chunk.argtypes = [ctypes.c_int64]
         lib.zq_set_chunk.restype = ctypes.c_int
+        lib.zq_set_stream_half.argtypes = [ctypes.c_int]
+        lib.zq_set_stream_half.restype = ctypes.c_int
         self.flags, self.width = 0, 16
 
     def step(self, param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, threads: Optional[int] = None,
@@ -118,6 +120,14 @@ class HostAdam:
         if not isinstance(elements, int) or isinstance(elements, bool) or self.lib.zq_set_chunk(elements) != 0:
             raise ValueError(f"host_adam.set_chunk({elements!r}): use 0 (one part per thread) or a positive "
                              "multiple of 16, e.g. 262144")
+
+    def set_stream_half(self, on: bool) -> None:
+        """Whether a step in place writes its bf16 copy with streaming stores, past the caches (the
+        default), or with plain stores, which read each line of the copy first. Results are the same
+        either way."""
+        if not isinstance(on, bool):
+            raise ValueError(f"host_adam.set_stream_half({on!r}): use True (streaming stores) or False (plain)")
+        self.lib.zq_set_stream_half(int(on))
 
     def run(self, jobs: Sequence[_Job], threads: Optional[int] = None) -> None:
         """Run ``jobs`` with ``threads`` threads (default: torch's intra-op threads), one wake-up of the

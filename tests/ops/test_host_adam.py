@@ -74,7 +74,8 @@ def test_overlapping_outputs_are_refused(kernel: H.HostAdam) -> None:
 
 def test_many_threads_same_bits(kernel: H.HostAdam) -> None:
     p, g, m, v = _data(3_000_017, 3)
-    hyper = dict(step=2.0, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True)
+    hyper = dict(step=2.0, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True,
+                 maximize=False)
     one = [t.clone() for t in (p, m, v)]
     kernel.step(one[0], g, one[1], one[2], threads=1, **hyper)
     many = [t.clone() for t in (p, m, v)]
@@ -144,6 +145,49 @@ def test_every_split_of_the_work_gives_the_same_bits(kernel: H.HostAdam, chunk: 
         for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), got, (ref[0], ref[2], ref[3])):
             assert torch.equal(a, b), f"chunk={chunk} job {i} (n={sizes[i]}) {name}: {(a != b).sum().item()} differ"
     assert torch.equal(working, refs[1][0].bfloat16())
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("offset", [0, 1, 7, 31])
+@pytest.mark.parametrize("chunk", [48, 1 << 18])
+def test_the_bf16_copy_is_the_cast_wherever_it_starts(kernel: H.HostAdam, stream: bool, offset: int,
+                                                      chunk: int) -> None:
+    """The bf16 copy, streamed past the caches or stored plainly, from any alignment of its first
+    element and cut into chunks that start anywhere in a cache line: the cast of torch's updated
+    parameter, element for element, in place and out of place; the fp32 results torch's bits."""
+    sizes = (40_000, 300_001, 70)
+    hyper = dict(step=2.0, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True,
+                 maximize=False)
+    data = [_data(n, 17 * n + offset) for n in sizes]
+    halves = [g.bfloat16() for _, g, _, _ in data]
+    refs = []
+    for (p, _, m, v), half in zip(data, halves):
+        ref = [t.clone() for t in (p, half.float(), m, v)]
+        H._fused(*ref, **hyper)
+        refs.append(ref)
+    ours = [[t.clone() for t in (p, m, v)] for p, _, m, v in data]
+    workings = [torch.full((n + offset,), -1.0, dtype=torch.bfloat16)[offset:] for n in sizes]
+    outs = [torch.empty(sizes[1]) for _ in range(3)]
+    jobs = [kernel.job(p, half, m, v, working=working, out=outs if i == 1 else None, **hyper)
+            for i, ((p, m, v), half, working) in enumerate(zip(ours, halves, workings))]
+    try:
+        kernel.set_chunk(chunk)
+        kernel.set_stream_half(stream)
+        kernel.run(jobs, threads=3)
+    finally:
+        kernel.set_chunk(1 << 18)
+        kernel.set_stream_half(True)
+    ours[1] = outs
+    for i, (got, ref, working) in enumerate(zip(ours, refs, workings)):
+        for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), got, (ref[0], ref[2], ref[3])):
+            assert torch.equal(a, b), f"job {i} {name}: {(a != b).sum().item()} differ"
+        assert torch.equal(working, ref[0].bfloat16()), f"job {i}: {(working != ref[0].bfloat16()).sum()} differ"
+
+
+def test_bad_stream_settings_are_refused(kernel: H.HostAdam) -> None:
+    for bad in (1, "yes", None):
+        with pytest.raises(ValueError, match="set_stream_half"):
+            kernel.set_stream_half(bad)
 
 
 def test_bad_chunks_are_refused(kernel: H.HostAdam) -> None:
