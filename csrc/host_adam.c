@@ -15,7 +15,8 @@
    - scale the gradient first (``gmul``: unscaling and clipping, one multiplier), as
      ``grad.mul_(gmul)`` before the step would, without a pass of its own over the gradient;
    - write the updated parameter rounded to bf16 (``wh``, round to nearest even as a cast on the GPU
-     rounds), which crosses PCIe or rests in a stage-3 store instead of the fp32 master;
+     rounds), which crosses PCIe or rests in a stage-3 store instead of the fp32 master, with
+     streaming stores (``zq_set_stream_half``), so no line of it is read first;
    - write the updated parameter, exp_avg and exp_avg_sq to other arrays (``op``, ``om``, ``ov``),
      leaving the inputs as they were, so a step taken before the step's global checks are known is
      undone by dropping its outputs, at no more memory traffic than a step in place.
