@@ -152,28 +152,34 @@ static int stream_half = 1;
 #define ZQ_NO_ALIAS
 #endif
 
-/* The vector body over [lo, hi): in place, or (``out``) into op, om, ov with p, m, v only read. Two
+/* A block's length from ``start``: ZQ_BLOCK, less where the bf16 copy (if any) starts inside a cache
+   line, so that every later block streams whole lines of it; at most what is left of [start, hi). */
+static inline int64_t block_len(const uint16_t *wh, int64_t start, int64_t hi) {
+    int64_t len = ZQ_BLOCK;
+    if (wh) len -= (int64_t)(((uintptr_t)(wh + start) & 63) / sizeof(uint16_t));
+    return len < hi - start ? len : hi - start;
+}
+
+/* The vector body over [lo, hi), block by block: in place, or (``out``) into op, om, ov with p, m, v
+   only read. Outputs to arrays the loop does not read (op, om, ov; the bf16 copy) go to blocks in the
+   cache and are then streamed out, since plain stores would read each of their lines first. Two
    loops, so each one's pointers are ``restrict`` as they really are. */
 static inline __attribute__((always_inline)) void update(const zq_adam *a, int64_t lo, int64_t hi, int flags,
                                                          int out, int half_in, int half_out) {
     const zq_adam h = *a; /* the loops read the hyperparameters from here: no store can change them */
-    const float *restrict g = a->g;
-    const uint16_t *restrict gh = a->gh;
-    uint16_t *restrict wh = a->wh;
     const float gmul = a->gmul, w = a->w;
     const int small = fabsf(w) < 0.5f;
     const float coeff = small ? w : w - 1.0f;
-    if (out) {
-        /* Block by block into the cache, then streamed out: plain stores to arrays not read here
-           would read each line first (one more pass over memory than a step in place). */
-        float tp[ZQ_BLOCK] __attribute__((aligned(64))), tm[ZQ_BLOCK] __attribute__((aligned(64))),
-            tv[ZQ_BLOCK] __attribute__((aligned(64)));
-        for (int64_t start = lo; start < hi; start += ZQ_BLOCK) {
-            const int64_t len = hi - start < ZQ_BLOCK ? hi - start : ZQ_BLOCK;
+    uint16_t *const wh = half_out ? a->wh : NULL;
+    uint16_t tw[ZQ_BLOCK] __attribute__((aligned(64)));
+    float tp[ZQ_BLOCK] __attribute__((aligned(64))), tm[ZQ_BLOCK] __attribute__((aligned(64))),
+        tv[ZQ_BLOCK] __attribute__((aligned(64)));
+    for (int64_t start = lo, len; start < hi; start += len) {
+        len = out || half_out ? block_len(wh, start, hi) : hi - start; /* nothing to stream: one block */
+        const float *restrict gb = half_in ? NULL : a->g + start;
+        const uint16_t *restrict ghb = half_in ? a->gh + start : NULL;
+        if (out) {
             const float *restrict p = a->p + start, *restrict m = a->m + start, *restrict v = a->v + start;
-            const float *restrict gb = half_in ? NULL : g + start;
-            const uint16_t *restrict ghb = half_in ? gh + start : NULL;
-            uint16_t tw[ZQ_BLOCK] __attribute__((aligned(64)));
             ZQ_NO_ALIAS
             for (int64_t i = 0; i < len; i++) {
                 float pi = p[i], mi = m[i], vi = v[i];
@@ -183,53 +189,29 @@ static inline __attribute__((always_inline)) void update(const zq_adam *a, int64
                 tv[i] = vi;
                 if (half_out) tw[i] = to_bf16(pi);
             }
-            if (half_out) stream_copy_half(wh + start, tw, len);
             stream_copy(a->op + start, tp, len);
             stream_copy(a->om + start, tm, len);
             stream_copy(a->ov + start, tv, len);
-        }
-#if defined(__AVX__) || defined(__AVX512F__)
-        _mm_sfence();
-#endif
-        return;
-    }
-    float *restrict p = a->p, *restrict m = a->m, *restrict v = a->v;
-    if (half_out && stream_half) {
-        /* In place, the bf16 copy through a block in the cache streamed out. The first block ends
-           where the copy is 64-byte aligned, so every later one streams whole cache lines. */
-        uint16_t tw[ZQ_BLOCK] __attribute__((aligned(64)));
-        for (int64_t start = lo; start < hi;) {
-            int64_t len = ZQ_BLOCK - (int64_t)(((uintptr_t)(wh + start) & 63) / sizeof(uint16_t));
-            if (len > hi - start) len = hi - start;
-            float *restrict pb = p + start, *restrict mb = m + start, *restrict vb = v + start;
-            const float *restrict gb = half_in ? NULL : g + start;
-            const uint16_t *restrict ghb = half_in ? gh + start : NULL;
+        } else {
+            float *restrict p = a->p + start, *restrict m = a->m + start, *restrict v = a->v + start;
             ZQ_NO_ALIAS
             for (int64_t i = 0; i < len; i++) {
-                float pi = pb[i], mi = mb[i], vi = vb[i];
+                float pi = p[i], mi = m[i], vi = v[i];
                 adam_one(&h, flags, coeff, small, &pi, &mi, &vi, (half_in ? from_bf16(ghb[i]) : gb[i]) * gmul);
-                pb[i] = pi;
-                mb[i] = mi;
-                vb[i] = vi;
-                tw[i] = to_bf16(pi);
+                p[i] = pi;
+                m[i] = mi;
+                v[i] = vi;
+                if (half_out) tw[i] = to_bf16(pi);
             }
-            stream_copy_half(wh + start, tw, len);
-            start += len;
         }
+        if (half_out && (out || stream_half))
+            stream_copy_half(wh + start, tw, len);
+        else if (half_out)
+            memcpy(wh + start, tw, (size_t)len * sizeof(uint16_t)); /* plain stores (zq_set_stream_half(0)) */
+    }
 #if defined(__AVX__) || defined(__AVX512F__)
-        _mm_sfence();
+    if (out || half_out) _mm_sfence();
 #endif
-        return;
-    }
-    ZQ_NO_ALIAS
-    for (int64_t i = lo; i < hi; i++) {
-        float pi = p[i], mi = m[i], vi = v[i];
-        adam_one(&h, flags, coeff, small, &pi, &mi, &vi, (half_in ? from_bf16(gh[i]) : g[i]) * gmul);
-        p[i] = pi;
-        m[i] = mi;
-        v[i] = vi;
-        if (half_out) wh[i] = to_bf16(pi);
-    }
 }
 
 /* torch's scalar tail: the last n % (its vector width) elements of each tensor. */
