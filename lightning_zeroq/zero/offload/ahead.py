@@ -86,7 +86,7 @@ class StepAhead(InStep):
         self._handles = [m.register_forward_pre_hook(EagerHook(self, "_before_forward", index)) for m, index in hooked]
         # A module's state_dict() (the model's, or one of those modules') reads the weights: the step first.
         for m in {id(m): m for m in [module, *(m for m, _ in hooked)]}.values():
-            self._handles.append(m.register_state_dict_pre_hook(EagerHook(self, "_before_module_state_dict")))
+            self._handles.append(m.register_state_dict_pre_hook(EagerHook(self, "_before_read")))
         host.settle = self.drain
 
     # ------------------------------------------------------------------ the step
@@ -142,16 +142,11 @@ class StepAhead(InStep):
         wait for the step first, as the engine's own readers do."""
         if id(optimizer) not in self._watched:
             self._watched[id(optimizer)] = [
-                optimizer.register_state_dict_pre_hook(EagerHook(self, "_before_state_dict")),
-                optimizer.register_load_state_dict_pre_hook(EagerHook(self, "_before_load_state_dict"))]
+                optimizer.register_state_dict_pre_hook(EagerHook(self, "_before_read")),
+                optimizer.register_load_state_dict_pre_hook(EagerHook(self, "_before_read"))]
 
-    def _before_module_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        self.drain()
-
-    def _before_state_dict(self, optimizer: torch.optim.Optimizer) -> None:
-        self.drain()
-
-    def _before_load_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    def _before_read(self, *hook_args: Any) -> None:
+        """A state_dict / load_state_dict pre-hook (a module's or an optimizer's): the step first."""
         self.drain()
 
     def _work(self, work: list, threads: int) -> None:
