@@ -77,13 +77,11 @@ class ZeroConfig:
     offload_async_step: bool = False
     """With CPU optimizer offload of every unit: ``step()`` returns once the host's work is queued, and
     a thread of its own steps the units (in forward order, as their gradients land) while the next
-    forward runs; each unit's new weights are published (copied to the device, gathered) right before
-    the first module that holds them runs (a forward pre-hook), so the forward waits per unit, not for
-    the whole step. Results are bitwise those without it. Everything else that reads or writes the
-    weights or the optimizer state waits for the whole step first: the next backward, state dicts,
-    checkpoints, ``gathered_parameters``, ``optimizer.state_dict()``, ``model.state_dict()``, the next
-    step. Code that reads a parameter's tensor outside its module's call before the next forward (a
-    callback reading ``param.data`` right after the step) must call ``engine.wait_for_step()`` first.
+    forward runs, publishing each unit's new weights (copied to the device, gathered) in unit order, so
+    the forward waits per unit, not for the whole step. Results are bitwise those without it: any read of
+    a parameter before its unit is published (a module's forward, a callback averaging the weights,
+    ``param.data``) waits for that unit, and whatever reads or writes the optimizer state waits for the
+    whole step (the next backward, state dicts, checkpoints, ``gathered_parameters``, the next step).
     For torch's Adam/AdamW through the host kernel with one optimizer and no optimizer step hooks;
     otherwise the step runs as usual (a warning says why)."""
 

@@ -92,6 +92,29 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def duplicate(group: Optional[dist.ProcessGroup], world_group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+    """A new group of the same ranks as ``group`` (one of the consecutive, equal groups ``world_group``
+    is cut into), for collectives issued from another thread: their order then never interleaves with
+    the calling thread's, as each group keeps its own. Every rank of the default group calls it: the
+    groups are made in the same order everywhere, each under a name of its own. Without a process group,
+    or with one rank, there is nothing to communicate: ``group`` itself."""
+    if not is_distributed() or dist.get_world_size(group) == 1:
+        return group
+    everyone = list(range(dist.get_world_size()))
+    world = dist.get_process_group_ranks(world_group) if world_group is not None else everyone
+    mine = dist.get_process_group_ranks(group) if group is not None else everyone
+    if world != everyone:  # a group of part of the job: only its ranks make the copy
+        return dist.new_group(ranks=mine, use_local_synchronization=True)
+    made = None
+    for start in range(0, len(world), len(mine)):
+        ranks = world[start:start + len(mine)]
+        copy = dist.new_group(ranks=ranks)
+        if ranks == mine:
+            made = copy
+    assert made is not None, (mine, world)  # shard groups are consecutive ranks (hybrid.py)
+    return made
+
+
 def side_stream(device: torch.device) -> Optional["torch.cuda.Stream"]:
     return torch.cuda.Stream(device=device) if device.type == "cuda" else None
 

@@ -88,7 +88,7 @@ class ZeroEngine:
             layouts = plan_layouts(specs, self.world_size, topo.align(pol.quantization))
             self.placement = optimizer_placement(pol.offload.optimizer, self.device, param_dtype, self.rank,
                                                  self.world_size, layouts, pol.offload.speculative)
-            wire = self._wire(layouts)
+            wire = self._wire(layouts, self.group)
             transient = {i: wire.payload_numel(i) for i, spec in enumerate(specs) if not spec.persistent}
             store = None
             if transient:
@@ -114,8 +114,14 @@ class ZeroEngine:
                                             reshard_after_forward=units.reshard_after_forward)
         self.ahead = InStep()
         """``StepAhead`` with ``offload_async_step``: the host step runs beside the next forward (``offload/ahead.py``)."""
+        self._own_group: Optional[dist.ProcessGroup] = None
         if pol.offload.asynchronous and isinstance(self.placement, HostOptimizer):
-            self.ahead = StepAhead(self.placement, module, self.units, self.gatherer.publish)
+            publisher = self.gatherer
+            if self.world_size > 1:  # the worker's collectives: a group of their own, in unit order
+                self._own_group = comm.duplicate(self.group, group)
+                publisher = Gatherer(self._wire(layouts, self._own_group), self.placement, store, self.device,
+                                     sync_persistent_on_build=False)
+            self.ahead = StepAhead(self.placement, module, self.units, publisher.publish, self.device)
             self.gatherer.ready = self.ahead.ready
         self.reducer = Reducer(
             self.units,
@@ -141,11 +147,11 @@ class ZeroEngine:
         self.skipped_steps = 0
         """Steps skipped for fp16 overflow or (``nonfinite_gradients="skip"``) non-finite gradients."""
 
-    def _wire(self, layouts) -> Wire:
+    def _wire(self, layouts, group: Optional[dist.ProcessGroup]) -> Wire:
         if not self.topology.int8_weights:
-            return FullWidth(layouts, self.param_dtype, self.group)
+            return FullWidth(layouts, self.param_dtype, group)
         q = self.policies.quantization
-        return Int8(layouts, param_dtype=self.param_dtype, rank=self.rank, group=self.group, device=self.device,
+        return Int8(layouts, param_dtype=self.param_dtype, rank=self.rank, group=group, device=self.device,
                     group_size=q.group_size, exact_numel=q.exact_numel, bucket_numel=q.gather_bucket_numel)
 
     @property
@@ -377,6 +383,9 @@ class ZeroEngine:
         says the state is released (NVMe's masters were in the swap files): a save refuses it."""
         self.closed = True
         self.ahead.close()
+        if self._own_group is not None:
+            dist.destroy_process_group(self._own_group)
+            self._own_group = None
         self.reducer.close()
         self.placement.close()
         self.gatherer.close()

@@ -44,7 +44,7 @@ FREED_HINT = (
     "`with lightning_zeroq.gathered_parameters(module):` (a collective: every rank enters it), or after "
     "fit, when the strategy has handed the module back."
 )
-_METADATA = frozenset({"size", "dim", "numel", "nelement", "element_size", "is_floating_point", "is_complex",
+METADATA = frozenset({"size", "dim", "numel", "nelement", "element_size", "is_floating_point", "is_complex",
                        "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "__hash__",
                        "__format__", "__repr__", "__reduce_ex__",
                        "grad", "backward",  # autograd.grad/backward with parameters as inputs: hooks gather
@@ -62,7 +62,7 @@ class FreedParameter(nn.Parameter):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
         descriptor = getattr(func, "__self__", None)
-        is_metadata = name in _METADATA or (
+        is_metadata = name in METADATA or (
             name in ("__get__", "__set__", "__delete__") and getattr(descriptor, "__name__", "") != "data"
         )
         if is_metadata:

@@ -8,27 +8,39 @@ for its end. Its first unit's weights are ready long before that.
 How. At ``step()``, on the calling thread, each unit of the optimizer is prepared in forward order
 (unit 0 first, the one the forward needs first): a speculative step of it is kept (``speculate.py``),
 or its kernel jobs are built (state made, step counts advanced, the gradient multiplier taken; see
-``HostOptimizer.step_later``). A worker thread then runs the jobs unit by unit: the first unit in
-forward order whose gradient has landed on the host, so that the host never waits while there is
-work (the gradients land in reverse order, unit 0's last). Publishing a unit (its copy to the device, the gather of
-stages 1/2, the bf16 payload of a stage-3 store) stays on the calling thread, in the same unit order
-on every rank, so collectives match: ``need(i)`` publishes every unit up to ``i`` once the worker has
-stepped it. It runs from a forward pre-hook on the topmost modules whose parameters lie in one unit
-(and on any module holding parameters of several units directly), and before a stage-3 gather.
-Anything else that reads or writes masters, state or host gradients waits for all of it first
-(``drain``): through the host placement's ``settle`` (its walks over the masters, which state dicts,
-checkpoints, loads and ``gathered_parameters`` take; its gradient copies and the next backward; the
-next step; attaching an optimizer), and the optimizer's own ``state_dict`` and ``load_state_dict``
-and the model's ``state_dict`` (pre-hooks). ``zero_grad`` does not wait.
+``HostOptimizer.step_later``). A worker thread then runs the jobs unit by unit, the first unit in
+forward order whose gradient has landed on the host (so the host never waits while there is work; the
+gradients land in reverse order, unit 0's last), and publishes the units (the copy to the device, the
+gather of stages 1/2, the bf16 payload of a stage-3 store) strictly in unit order as they are stepped,
+on a stream of its own and, with several ranks, on a process group of its own. So every rank issues
+the publishing collectives in the same order whatever its calling thread does meanwhile: a module that
+only some ranks run, or a collective of the user's (``self.log(..., sync_dist=True)``), cannot
+interleave with them.
+
+Nothing reads a unit before it is published:
+
+- A persistent unit's parameters are ``PendingParameter``s from ``step()`` until their unit is
+  published: reading their values by any torch function (a module's forward, a callback averaging the
+  weights, ``.data``, a state dict) waits for that unit first (``need``), on the calling thread, and
+  turns them back into what they were; their metadata (shape, dtype, ``grad``) reads as usual. A
+  stage-3 unit is sharded at rest, and its gather waits the same way (``ready``).
+- Forward pre-hooks publish ahead of the forward's first read, outside any compiled graph: on the
+  topmost modules whose parameters all lie in one unit, below the module given to the engine (a
+  LightningModule's own forward is never called by the Trainer), and on any module holding parameters
+  of several units directly.
+- Whatever reads or writes masters, state or host gradients waits for all of it first (``drain``):
+  the host placement's ``settle`` (its walks over the masters, which state dicts, checkpoints, loads and
+  ``gathered_parameters`` take; its gradient copies and the next backward; the next step; attaching an
+  optimizer), and the optimizer's own ``state_dict`` and ``load_state_dict`` and the model's
+  ``state_dict`` (pre-hooks). ``zero_grad`` does not wait.
 
 So the numbers are those of the step run in one go: the same jobs on the same inputs; only when each
-is run and when each unit is published move. What it cannot see: a parameter read outside its
-module's call (a callback reading ``param.data`` after the step, a tied weight used through another
-module) before that module runs; such code calls ``ZeroEngine.wait_for_step()`` first.
+is run and when each unit is published move.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 from collections import deque
@@ -36,12 +48,13 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from lightning_zeroq.zero.hooks import EagerHook
+from lightning_zeroq.zero.hooks import EagerHook, WeakHook
 from lightning_zeroq.zero.offload.host import HostOptimizer
 from lightning_zeroq.zero.optimizers import Binding, OneStep
-from lightning_zeroq.zero.unit import Unit
+from lightning_zeroq.zero.unit import METADATA, Unit
 
 
 class InStep:
@@ -66,22 +79,35 @@ class StepAhead(InStep):
     """The asynchronous step of one engine whose every unit steps on the host."""
 
     def __init__(self, host: HostOptimizer, module: nn.Module, units: Sequence[Unit],
-                 publish: Callable[[Unit], None]) -> None:
+                 publish: Callable[[Unit], None], device: torch.device) -> None:
+        """``publish``: a unit's publication, run on the worker thread (with several ranks, its
+        collectives on a process group no other thread uses)."""
         self.host, self.units, self._publish = host, units, publish
+        self._device = device
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        """The worker's stream: its copies and collectives; the calling thread waits per unit."""
+        self._after: Optional[torch.cuda.Event] = None
+        """The calling thread's work before ``step()`` (the backward reading the working buffers)."""
         self._cv = threading.Condition()
         self._pending: deque[Unit] = deque()
-        """Units of the step queued last, in order, not yet published."""
+        """Units of the step queued last, in order, that the calling thread has not waited for yet."""
         self._stepped: set[int] = set()
+        self._published: dict[int, Optional[torch.cuda.Event]] = {}
+        """Units the worker has published, with the event after it on the worker's stream."""
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
         self._warned = False
         self.steps = 0
         """Steps taken asynchronously."""
         self.published_early = 0
-        """Units published by a forward or a gather (not by ``drain``), over all steps."""
+        """Units waited for by a read (a forward, a gather, a parameter read), not by ``drain``, over all steps."""
         self._held: list[torch.Tensor] = []
         self._watched: dict[int, list] = {}
         """Per optimizer (by id): its state_dict / load_state_dict pre-hooks, which wait for the step."""
+        for unit in units:
+            if unit.persistent:
+                for p in unit.params:
+                    p.__dict__["_zeroq_wait"] = WeakHook(self, "need", unit.index)
         hooked = _hook_modules(module, units)
         self._handles = [m.register_forward_pre_hook(EagerHook(self, "_before_forward", index)) for m, index in hooked]
         # A module's state_dict() (the model's, or one of those modules') reads the weights: the step first.
@@ -131,6 +157,14 @@ class StepAhead(InStep):
         with self._cv:
             self._pending.extend(mine)
             self._stepped.clear()
+            self._published.clear()
+        for unit in mine:  # readable again once published (need)
+            if unit.persistent:
+                for p in unit.params:
+                    p.__class__ = PendingParameter
+        if self._stream is not None:
+            self._after = torch.cuda.Event()
+            self._after.record(torch.cuda.current_stream(self._device))
         threads = torch.get_num_threads()  # all of them: the calling thread mostly waits for the worker
         self._thread = threading.Thread(target=self._work, args=(work, threads), name="zeroq-async-step",
                                         daemon=True)
@@ -153,24 +187,49 @@ class StepAhead(InStep):
         kernel = self.host.kernel
         assert kernel is not None
         try:
-            left = list(work)  # in forward order
-            while left:
-                item = _next(left)
-                left.remove(item)
-                unit, copied, jobs = item
-                self._may_start(unit)
-                if jobs:
-                    if copied is not None:
-                        copied.synchronize()  # the gradient's copy to the host
-                    with torch.profiler.record_function("zeroq.optimizer_step"):
-                        kernel.kernel.run(jobs, threads=threads)
-                with self._cv:
+            with self._on_stream():
+                order = deque(item[0] for item in work)  # forward order: the order of publication
+                left = list(work)
+                while left:
+                    item = _next(left)
+                    left.remove(item)
+                    unit, copied, jobs = item
+                    self._may_start(unit)
+                    if jobs:
+                        if copied is not None:
+                            copied.synchronize()  # the gradient's copy to the host
+                        with torch.profiler.record_function("zeroq.optimizer_step"):
+                            kernel.kernel.run(jobs, threads=threads)
                     self._stepped.add(unit.index)
-                    self._cv.notify_all()
+                    while order and order[0].index in self._stepped:
+                        self._publish_one(order.popleft())
         except BaseException as caught:  # reported by the next need() or drain(), on the calling thread
             with self._cv:
                 self._error = caught
                 self._cv.notify_all()
+
+    def _on_stream(self) -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()
+        if self._stream is not None:
+            assert self._after is not None  # run() recorded it
+            self._stream.wait_event(self._after)
+            stack.enter_context(torch.cuda.device(self._device))
+            stack.enter_context(torch.cuda.stream(self._stream))
+        return stack
+
+    def _publish_one(self, unit: Unit) -> None:
+        kernel = self.host.kernel
+        assert kernel is not None  # run() had it
+        kernel.stepped(unit.index)  # its bf16 copy is the new master's cast, whatever a zero_grad cleared
+        with torch.profiler.record_function("zeroq.publish"):
+            self._publish(unit)
+        done = None
+        if self._stream is not None:
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        with self._cv:
+            self._published[unit.index] = done
+            self._cv.notify_all()
 
     def _may_start(self, unit: Unit) -> None:
         """The worker is about to step ``unit`` (a seam: the tests hold it here until the unit is needed)."""
@@ -178,22 +237,23 @@ class StepAhead(InStep):
     # ------------------------------------------------------------------ waiting
 
     def need(self, index: int, early: bool = True) -> None:
-        """Publish every pending unit up to unit ``index`` (in unit order), each once it is stepped."""
+        """On the calling thread: wait until every pending unit up to unit ``index`` is published (the
+        worker publishes in unit order), and make its parameters readable again."""
+        last = None
         while self._pending and self._pending[0].index <= index:
             unit = self._pending[0]
             with self._cv:
-                while unit.index not in self._stepped and self._error is None:
+                while unit.index not in self._published and self._error is None:
                     self._cv.wait()
                 error = self._error
             if error is not None:
                 self._fail(error)
             self._pending.popleft()
-            kernel = self.host.kernel
-            assert kernel is not None  # run() had it
-            kernel.stepped(unit.index)  # its bf16 copy is the new master's cast, whatever a zero_grad cleared
-            with torch.profiler.record_function("zeroq.publish"):
-                self._publish(unit)
+            last = self._published[unit.index] or last
+            _readable(unit)
             self.published_early += early
+        if last is not None:
+            torch.cuda.current_stream(self._device).wait_event(last)
 
     def drain(self) -> None:
         """Publish every pending unit; the worker has then ended."""
@@ -208,6 +268,8 @@ class StepAhead(InStep):
 
     def _fail(self, error: BaseException) -> None:
         self._error = None
+        for unit in self._pending:
+            _readable(unit)
         self._pending.clear()
         raise RuntimeError("ZeroQ: the asynchronous host step failed part way (offload_async_step); the "
                            "model's weights and optimizer state are partly stepped: load the last "
@@ -215,10 +277,10 @@ class StepAhead(InStep):
 
     def ready(self, index: int, prefetch: bool) -> bool:
         """Before a stage-3 gather of unit ``index``: publish it first; a prefetch of a unit the worker
-        has not stepped yet is left out instead (False), so the forward is not held up for it."""
+        has not published yet is left out instead (False), so the forward is not held up for it."""
         if prefetch and self._pending and self._pending[0].index <= index:
             with self._cv:
-                if index not in self._stepped:
+                if index not in self._published:
                     return False
         self.need(index)
         return True
@@ -233,6 +295,37 @@ class StepAhead(InStep):
         self._handles, self._watched = [], {}
 
 
+class PendingParameter(nn.Parameter):
+    """A persistent unit's parameter between an asynchronous step and its unit's publication. Its
+    metadata (shape, dtype, device, ``grad``) reads as usual; any other torch function of it (its values
+    read or written, ``.data``) first waits for its unit (``StepAhead.need``, which turns it back into
+    what it was), so no path reads the weights from before the step."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        descriptor = getattr(func, "__self__", None)
+        metadata = name in _METADATA or (
+            name in ("__get__", "__set__", "__delete__") and getattr(descriptor, "__name__", "") != "data")
+        if not metadata:
+            for leaf in pytree.tree_leaves((args, kwargs)):
+                if isinstance(leaf, PendingParameter):
+                    leaf.__dict__["_zeroq_wait"]()
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+# Pickling, printing: values read under the metadata's switch (no torch function of the values is seen).
+_METADATA = METADATA - {"__repr__", "__format__", "__reduce_ex__"}
+
+
+def _readable(unit: Unit) -> None:
+    for p, cls in zip(unit.params, unit.param_classes):
+        if type(p) is PendingParameter:
+            p.__class__ = cls
+
+
 def _next(left: list) -> tuple:
     """The unit to step next: the first in forward order whose gradient is on the host (a speculated
     unit has nothing to wait for); if none has landed, the last (the gradients leave the device in
@@ -245,8 +338,10 @@ def _next(left: list) -> tuple:
 
 
 def _hook_modules(root: nn.Module, units: Sequence[Unit]) -> list[tuple[nn.Module, int]]:
-    """Where the forward waits: the topmost modules whose parameters all lie in one unit (waiting for
-    that unit), and any module holding parameters of several units directly (waiting for the last)."""
+    """Where the forward waits: below ``root`` (whose own forward may never run: the Trainer calls a
+    LightningModule's ``training_step``, which calls its submodules), the topmost modules whose parameters
+    all lie in one unit (waiting for that unit); and any other module holding parameters directly,
+    ``root`` included (waiting for the last unit of those)."""
     owner = {id(p): unit.index for unit in units for p in unit.params}
     below: dict[int, set[int]] = {}
 
@@ -262,7 +357,7 @@ def _hook_modules(root: nn.Module, units: Sequence[Unit]) -> list[tuple[nn.Modul
 
     def visit(module: nn.Module) -> None:
         found = units_below(module)
-        if len(found) == 1:
+        if len(found) == 1 and module is not root:
             hooks.append((module, next(iter(found))))
             return
         direct = {owner[id(p)] for p in module.parameters(recurse=False) if id(p) in owner}

@@ -23,6 +23,7 @@ region after each step and read back (into an aligned, pinned buffer) before eac
 from __future__ import annotations
 
 import inspect
+import threading
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -224,15 +225,19 @@ class NvmeStore:
         for index, numel in numels.items():
             self.swapper.register(swap_key(index, "param"), numel, dtype)
         self.swapper.reserve()  # the free space for every region, checked before the first write
+        self._lock = threading.Lock()
+        """An asynchronous step publishes (``put``) on its worker while the forward gathers (``get``)."""
 
     def put(self, unit: Unit, payload: Tensor) -> None:
-        self.swapper.write(swap_key(unit.index, "param"), payload.to("cpu", self.dtype))
+        with self._lock:
+            self.swapper.write(swap_key(unit.index, "param"), payload.to("cpu", self.dtype))
 
     def get(self, unit: Unit) -> Tensor:
-        source = self._pool.take(self.numels[unit.index])
-        self.swapper.read(swap_key(unit.index, "param"), source)
-        payload = source.to(self.device, non_blocking=True)
-        self._pool.give(source)  # on the stream of the copy: reused once that copy is done
+        with self._lock:
+            source = self._pool.take(self.numels[unit.index])
+            self.swapper.read(swap_key(unit.index, "param"), source)
+            payload = source.to(self.device, non_blocking=True)
+            self._pool.give(source)  # on the stream of the copy: reused once that copy is done
         return payload
 
     def device_tensors(self) -> list[Tensor]:
