@@ -233,6 +233,13 @@ def allocated_gib(peak: bool = False) -> float:
     return (torch.cuda.max_memory_allocated() if peak else torch.cuda.memory_allocated()) / 2**30
 
 
+def reserved_gib(peak: bool = False) -> float:
+    """What the caching allocator holds from the device (what decides whether the next size fits)."""
+    if not ON_GPU:
+        return 0.0
+    return (torch.cuda.max_memory_reserved() if peak else torch.cuda.memory_reserved()) / 2**30
+
+
 def host_rss_gib() -> float:
     """This process's resident host memory now (after the arm's steps: offloaded state included)."""
     try:
@@ -368,6 +375,7 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
     floor = (floor_for(num_params) if args.floor and parse_arm(arm)[1] & {"offload_optimizer", "offload_params"}
              else None)
     sync()
+    built_reserved = reserved_gib()
     if ON_GPU:
         torch.cuda.reset_peak_memory_stats()
     for i in range(args.warmup + args.steps):
@@ -399,18 +407,20 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
             sync()
             times.append((time.perf_counter() - t0) / (in_block + 1))
             floor_times.append(floor.time_step())
-    peak = allocated_gib(peak=True)
+    peak, peak_reserved = allocated_gib(peak=True), reserved_gib(peak=True)
     compile_s = max(0.0, sum(warmup_times) - len(warmup_times) * statistics.median(times))
     if args.profile:
         profile_steps(arm, args, dev, forward, finish, g)
-    stats = torch.tensor([statistics.median(times), peak, loss.item(), saved.gib, leftover, host_rss_gib(), compile_s],
-                         device=dev)
+    stats = torch.tensor([statistics.median(times), peak, loss.item(), saved.gib, leftover, host_rss_gib(), compile_s,
+                          peak_reserved, built_reserved], device=dev)
     gathered = [torch.empty_like(stats) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, stats)
     result = {
         "arm": arm, "link": args.link, "params_M": round(num_params / 1e6, 1),
         "step_s_median": round(max(float(s[0]) for s in gathered), 4),
         "peak_alloc_GiB_per_rank": [round(float(s[1]), 2) for s in gathered],
+        "peak_reserved_GiB_per_rank": [round(float(s[7]), 2) for s in gathered],
+        "reserved_after_build_GiB_per_rank": [round(float(s[8]), 2) for s in gathered],
         "final_loss": round(float(gathered[0][2]), 4),
         "activations_GiB": round(float(gathered[0][3]), 2),
         "leftover_GiB": round(max(float(s[4]) for s in gathered), 3),

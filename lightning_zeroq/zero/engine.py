@@ -146,6 +146,11 @@ class ZeroEngine:
         """Optimizer steps attempted (skipped ones included)."""
         self.skipped_steps = 0
         """Steps skipped for fp16 overflow or (``nonfinite_gradients="skip"``) non-finite gradients."""
+        if self.device.type == "cuda":
+            # The module's own tensors, now flattened into units (and, offloaded or sharded, mostly off the
+            # device), leave the caching allocator holding blocks of their sizes, which the step's
+            # allocations rarely fit: handed back once here, they stop counting as reserved memory.
+            torch.cuda.empty_cache()
 
     def _wire(self, layouts, group: Optional[dist.ProcessGroup]) -> Wire:
         if not self.topology.int8_weights:
