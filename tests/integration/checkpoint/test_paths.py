@@ -205,3 +205,40 @@ def test_a_checkpoint_saved_with_checksums_is_refused_when_they_are_stripped(sav
     (ckpt / "zeroq.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match=r"zeroq\.json .*no format version"):
         lightning_checkpoint(ckpt)
+
+
+def test_an_interpolation_in_a_resigned_manifest_never_resolves(saved, tmp_path, monkeypatch):
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    import lightning_zeroq.lightning.checkpoint  # noqa: F401  (registers OmegaConf's containers)
+
+    calls: list = []
+    monkeypatch.setenv("ZEROQ_TEST_SECRET", "hunter2-secret")
+    OmegaConf.register_new_resolver("zeroq_probe", lambda *args: calls.append(args) or "ran", replace=True)
+    try:
+        root, _ = saved
+        hparams = OmegaConf.create({"model": {"dim": 8, "widths": [8, "${model.dim}"]}, "name": "run-${model.dim}"})
+        engine = _trained(0)
+        save_engine(engine, tmp_path / "legit", trainer_state={"hyper_parameters": hparams, "hparams_type": DictConfig})
+        back = lightning_checkpoint(tmp_path / "legit")
+        assert back["hparams_type"] is DictConfig and isinstance(back["hyper_parameters"].model.widths, ListConfig)
+        assert OmegaConf.to_container(back["hyper_parameters"]) == {"model": {"dim": 8, "widths": [8, 8]},
+                                                                   "name": "run-8"}
+        for attack in ("${oc.env:ZEROQ_TEST_SECRET}", "${zeroq_probe:1}"):
+            ckpt = tmp_path / f"crafted{len(calls)}{attack[2:4]}"
+            shutil.copytree(tmp_path / "legit", ckpt)
+            manifest = json.loads((ckpt / "zeroq.json").read_text())
+            manifest["trainer_state"]["hyper_parameters"]["value"]["model"]["widths"][1] = attack
+            manifest.pop(SELF_CHECKSUM)
+            manifest[SELF_CHECKSUM] = _self_checksum(manifest)  # re-signed: only the interpolation is the attack
+            (ckpt / "zeroq.json").write_text(json.dumps(manifest))
+            for load in (lambda: lightning_checkpoint(ckpt), lambda: open_checkpoint(ckpt, None).trainer_state()):
+                try:
+                    outcome = str(OmegaConf.to_container(load()["hyper_parameters"], resolve=True))
+                except CheckpointError as error:
+                    outcome = str(error)
+                assert calls == [] and "hunter2-secret" not in outcome, outcome
+                assert (f"checkpoint['hyper_parameters'] holds the OmegaConf interpolation {attack!r} at "
+                        "model.widths[1]") in outcome, outcome
+    finally:
+        OmegaConf.clear_resolver("zeroq_probe")
