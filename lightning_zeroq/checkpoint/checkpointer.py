@@ -397,8 +397,9 @@ def open_checkpoint(path: Path, group: Any, *, kinds: tuple[Kind, ...] = (Kind.Z
                               f"({sorted(set(map(str, tokens)))}); it was replaced while being opened. Load it again.")
     assert metadata is not None
     if manifest is not None and manifest.checksums is None:
-        warnings.warn(f"{located.path} was saved without checksums (by an earlier lightning_zeroq, or with "
-                      "checksums off): damage to its data cannot be detected. Save it again to add them.",
+        warnings.warn(f"{located.path} was saved without checksums (format version 1: by an earlier lightning_zeroq, "
+                      "or with Checkpointer(checksums=False)): damage to its data cannot be detected. Save it again "
+                      "to add them.",
                       stacklevel=3)
     reader = SafeReader(located.path, metadata, files, manifest.checksums if manifest is not None else None)
     opened = Opened(located.path, located.kind, metadata, manifest, reader)

@@ -63,7 +63,13 @@ def encode(value: Any, path: str = "checkpoint") -> Any:
         return {TAG: "path", "value": str(value)}
     for name, (cls, to_plain, _) in _TYPES.items():
         if type(value) is cls:
-            return {TAG: "type", "name": name, "value": encode(to_plain(value), path)}
+            try:
+                plain = to_plain(value)
+            except Exception as error:
+                first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                raise UnsupportedValue(f"{path} is a {name} that cannot be stored ({type(error).__name__}: {first}); "
+                                       "fix the value or keep it out of the checkpoint.") from None
+            return {TAG: "type", "name": name, "value": encode(plain, path)}
         if value is cls:  # the class itself (Lightning saves ``hparams_type`` for OmegaConf hyperparameters)
             return {TAG: "class", "name": name}
     if isinstance(value, tuple):
@@ -86,14 +92,16 @@ def encode(value: Any, path: str = "checkpoint") -> Any:
     )
 
 
-def decode(data: Any) -> Any:
+def decode(data: Any, path: str = "checkpoint") -> Any:
+    """The value ``encode`` made ``data`` of; a registered type's ``from_plain`` that refuses its value
+    (raises ``ValueError``) is named by its ``path`` in the checkpoint."""
     if isinstance(data, list):
-        return [decode(v) for v in data]
+        return [decode(v, f"{path}[{i}]") for i, v in enumerate(data)]
     if not isinstance(data, dict):
         return data
     kind = data.get(TAG)
     if kind is None:
-        return {k: decode(v) for k, v in data.items()}
+        return {k: decode(v, f"{path}[{k!r}]") for k, v in data.items()}
     if kind == "tensor":
         dtype = DTYPES[data["dtype"]]
         raw = bytearray(base64.b64decode(data["data"]))
@@ -106,11 +114,15 @@ def decode(data: Any) -> Any:
     if kind == "path":
         return pathlib.Path(data["value"])
     if kind == "tuple":
-        return tuple(decode(v) for v in data["items"])
+        return tuple(decode(v, f"{path}[{i}]") for i, v in enumerate(data["items"]))
     if kind == "dict":
-        return {_hashable(decode(k)): decode(v) for k, v in data["items"]}
+        return {_hashable(decode(k)): decode(v, f"{path}[{_hashable(decode(k))!r}]") for k, v in data["items"]}
     if kind == "type" and data["name"] in _TYPES:
-        return _TYPES[data["name"]][2](decode(data["value"]))
+        value = decode(data["value"], path)
+        try:
+            return _TYPES[data["name"]][2](value)
+        except ValueError as error:
+            raise ValueError(f"{path} {error}") from None
     if kind == "class" and data["name"] in _TYPES:
         return _TYPES[data["name"]][0]
     raise ValueError(f"unknown tagged value {kind!r} (name {data.get('name')!r}) in a checkpoint's trainer state")

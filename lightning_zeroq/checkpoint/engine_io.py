@@ -36,10 +36,14 @@ from lightning_zeroq.checkpoint.checkpointer import Checkpointer, Opened, bytes_
 from lightning_zeroq.checkpoint.chunks import BytesTarget, LocalChunks
 from lightning_zeroq.checkpoint.safe import read_entries
 from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY
-from lightning_zeroq.zero.state_dict import Part, ShardedView
+from lightning_zeroq.zero.state_dict import KERNEL_CHOICES, Part, ShardedView
 
 MODEL_PREFIXES = (MODEL_KEY + ".", "model.", "app.model.", "")
 OPTIMIZER_PREFIXES = (OPTIMIZER_KEY + ".", "optim.", "optimizer.", "app.optim.", "")
+OPTIMIZER_CLASS = "optimizer_class"
+"""In the manifest's ``extra``: the class (``module.qualname``) of the optimizer whose state a save holds."""
+ANY_GROUP_KEYS = frozenset({"params", "param_names", "initial_lr"}) | KERNEL_CHOICES
+"""Param-group entries that say nothing of an optimizer's kind (LR schedulers add ``initial_lr``)."""
 
 
 def _chunks(part: Part) -> LocalChunks:
@@ -95,6 +99,34 @@ def model_entries(engine: Any) -> dict[str, tuple[torch.Size, torch.dtype]]:
             for key in view.state_dict_keys() if key in managed or isinstance(unmanaged.get(key), Tensor)}
 
 
+def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
+    """The optimizer's class as a checkpoint records it (the user's class, not the engine's routing subclass)."""
+    cls = getattr(type(optimizer), "_zeroq_base", type(optimizer))
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def optimizer_kind_errors(optimizer: torch.optim.Optimizer, saved_kind: Optional[str],
+                          saved_groups: list[dict]) -> list[str]:
+    """Why a checkpoint's optimizer state cannot go into ``optimizer``: another class (``saved_kind``, as
+    the save recorded it); where the checkpoint does not record it (saved by lightning_zeroq before it
+    did, by FSDP2 or DDP), param groups that both hold hyperparameters this optimizer does not have and
+    lack ones it has (a missing one alone is kept from this optimizer, as a newer torch may add one)."""
+    mine = optimizer_kind(optimizer)
+    fix = ("resume with the same optimizer (configure_optimizers, or the optimizer passed to fabric.load), or "
+           "load the weights only (fabric.load without the optimizer, or LightningModule.load_from_checkpoint "
+           "before fit)")
+    if saved_kind is not None:
+        return [] if saved_kind == mine else [
+            f"the checkpoint holds the state of a {saved_kind} optimizer, this one is a {mine}: {fix}."]
+    saved = set().union(*(g.keys() for g in saved_groups)) - ANY_GROUP_KEYS
+    own = set(optimizer.defaults).union(*(g.keys() for g in optimizer.param_groups)) - ANY_GROUP_KEYS
+    foreign, lacking = sorted(saved - own), sorted(set(optimizer.defaults) - ANY_GROUP_KEYS - saved)
+    if foreign and lacking:
+        return [(f"the checkpoint's optimizer param groups hold {foreign} and lack {lacking}, which this {mine} "
+                 f"has: its state is another kind of optimizer's (the checkpoint does not record which): {fix}.")]
+    return []
+
+
 def engine_state(engine: Any, optimizer: bool) -> dict:
     """Collective (the optimizer's param groups are gathered): the nested state a save writes."""
     state: dict[str, Any] = {MODEL_KEY: sharded_model_state(engine)}
@@ -118,10 +150,13 @@ def save_state(engine: Any, path: Path, state: dict, trainer_state: Any, checkpo
         warnings.warn("async_checkpoint with NVMe optimizer offload: saves stay synchronous (an asynchronous save "
                       "would need the whole optimizer state in host memory, which NVMe offload exists to avoid).",
                       stacklevel=3)
+    extra: dict[str, Any] = {"world_size": view.world_size, "stage": view.stage}
+    if OPTIMIZER_KEY in state and view.optimizer is not None:
+        extra[OPTIMIZER_CLASS] = optimizer_kind(view.optimizer)
     walk = view.walk()
     checkpointer.save(Path(path), state, trainer_state, optimizer=OPTIMIZER_KEY in state,
                       before_read=walk.ensure, after_read=walk.close, pin=view.pin, allow_async=view.stable,
-                      extra={"world_size": view.world_size, "stage": view.stage}, views_stable=view.stable)
+                      extra=extra, views_stable=view.stable)
 
 
 def save_engine(engine: Any, path: Path, *, trainer_state: Any = None, optimizer: bool = True,
@@ -301,7 +336,11 @@ def _load_opened(engine: Any, opened: Opened, group: Any, load_optimizer: bool, 
         else:
             try:
                 groups = _read_param_groups(opened, optimizer_prefix)
-                optimizer_keys, more = _optimizer_plan(engine, opened, optimizer_prefix, groups)
+                saved_kind = opened.manifest.extra.get(OPTIMIZER_CLASS) if opened.manifest is not None else None
+                more = optimizer_kind_errors(engine.optimizer, saved_kind if isinstance(saved_kind, str) else None,
+                                             groups)
+                if not more:
+                    optimizer_keys, more = _optimizer_plan(engine, opened, optimizer_prefix, groups)
                 errors += more
             except Exception as error:
                 errors.append(describe(error))

@@ -38,7 +38,12 @@ from lightning_zeroq.checkpoint.writer import HEADER_SIZE, token_of
 
 MANIFEST_FILE = "zeroq.json"
 FORMAT = "lightning_zeroq.dcp"
-VERSION = 1
+VERSION = 2
+"""The manifest's format version. 1: checksums optional (the first saves had none). 2: every save that
+records checksums; a version-2 manifest without them (or without its own) was edited or damaged."""
+CHECKSUMS_SINCE = 2
+"""From this version on, a manifest must carry its item checksums and its own checksum; a save made
+without checksums (``Checkpointer(checksums=False)``) is written as version ``CHECKSUMS_SINCE - 1``."""
 MODEL_KEY = "state_dict"
 OPTIMIZER_KEY = "optimizer_0"
 LEGACY_META = "meta.pt"
@@ -106,10 +111,12 @@ class Manifest:
     extra: dict = field(default_factory=dict)
     checksums: Optional[dict] = None
     """``{"algorithm": name, "items": {file: {offset: checksum}}}``: every stored item's (``checksum.py``);
-    None in checkpoints saved without them (before they existed, or ``Checkpointer(checksums=False)``)."""
+    None in checkpoints saved without them (format version 1: before they existed, or
+    ``Checkpointer(checksums=False)``); a manifest of version ``CHECKSUMS_SINCE`` or later must have them."""
 
     def to_json(self) -> str:
-        data = {"format": FORMAT, "version": VERSION, "token": self.token, "world_size": self.world_size,
+        version = VERSION if self.checksums is not None else CHECKSUMS_SINCE - 1
+        data = {"format": FORMAT, "version": version, "token": self.token, "world_size": self.world_size,
                 "files": self.files, "metadata_sha256": self.metadata_sha256, "optimizer": self.optimizer,
                 "extra": self.extra, "trainer_state": self.trainer_state}
         if self.checksums is not None:
@@ -132,9 +139,19 @@ class Manifest:
         if stored is not None and stored != _self_checksum(data):
             raise ValueError(f"{file} does not match its own checksum: it was edited or damaged after the save. "
                              "Resume from an earlier checkpoint.")
-        if not isinstance(data.get("version", 0), int) or data.get("version", 0) > VERSION:
-            raise ValueError(f"{file} has format version {data['version']}; this lightning_zeroq reads up to "
+        version = data.get("version")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise ValueError(f"{file} has no format version ({version!r}), which every save writes: it was edited "
+                             "or damaged after the save. Resume from an earlier checkpoint.")
+        if version > VERSION:
+            raise ValueError(f"{file} has format version {version}; this lightning_zeroq reads up to "
                              f"{VERSION}: upgrade lightning_zeroq to load it.")
+        missing = [key for key, value in ((SELF_CHECKSUM, stored), ("checksums", data.get("checksums")))
+                   if version >= CHECKSUMS_SINCE and value is None]
+        if missing:
+            raise ValueError(f"{file} has format version {version}, which is always saved with checksums, but its "
+                             f"checksums are missing ({' and '.join(missing)}): it was edited or damaged after the "
+                             "save, so damage to its data could not be detected. Resume from an earlier checkpoint.")
         try:
             checksums = data.get("checksums")
             if checksums is not None:

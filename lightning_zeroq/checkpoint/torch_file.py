@@ -12,7 +12,8 @@ import torch
 from torch import Tensor
 
 from lightning_zeroq.checkpoint.agree import agree
-from lightning_zeroq.checkpoint.engine_io import load_sharded, model_entries, sharded_optimizer_state
+from lightning_zeroq.checkpoint.engine_io import (load_sharded, model_entries, optimizer_kind_errors,
+                                                  sharded_optimizer_state)
 from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY
 
 
@@ -61,6 +62,7 @@ def load_torch_optimizer_state(engine: Any, model: dict, optimizer_state: dict, 
     errors = model_errors(engine, model, strict)
     if len(saved) != len(groups):
         errors.append(f"the checkpoint's optimizer has {len(saved)} param group(s), this one {len(groups)}.")
+    errors += optimizer_kind_errors(engine.optimizer, None, saved)  # a torch file does not record the kind
     names: dict[Any, str] = {}
     for g, (mine, theirs) in enumerate(zip(groups, saved)):
         if len(mine["params"]) != len(theirs["params"]):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -47,11 +48,63 @@ def _register_types() -> None:
     codec.register_type("AttributeDict", AttributeDict, dict, AttributeDict)
     codec.register_type("Namespace", argparse.Namespace, vars, lambda d: argparse.Namespace(**d))
     try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
+        from omegaconf import DictConfig, ListConfig
     except ImportError:
         return
-    codec.register_type("DictConfig", DictConfig, lambda c: OmegaConf.to_container(c, resolve=False), OmegaConf.create)
-    codec.register_type("ListConfig", ListConfig, lambda c: OmegaConf.to_container(c, resolve=False), OmegaConf.create)
+    codec.register_type("DictConfig", DictConfig, _config_to_plain, lambda plain: _config_from_plain(plain, dict))
+    codec.register_type("ListConfig", ListConfig, _config_to_plain, lambda plain: _config_from_plain(plain, list))
+
+
+# OmegaConf containers resolve an interpolation ("${oc.env:VAR}", "${resolver:...}", "${other.key}") when it is
+# read: one in a loaded checkpoint would copy the loading process's environment into hparams (and loggers) or run
+# a resolver it registered. So a save stores them resolved (as Lightning's hparams.yaml does), a literal "${"
+# escaped, and a load refuses any interpolation before OmegaConf sees the value.
+_INTERPOLATION_START = re.compile(r"(\\*)\$\{")
+
+
+def _config_to_plain(config: Any) -> Any:
+    from omegaconf import OmegaConf
+
+    def escape(value: Any) -> Any:  # OmegaConf reads "\${" as a literal "${" and halves the backslashes before it
+        if isinstance(value, str):
+            return _INTERPOLATION_START.sub(lambda m: m.group(1) * 2 + "\\${", value)
+        if isinstance(value, dict):
+            return {k: escape(v) for k, v in value.items()}
+        return [escape(v) for v in value] if isinstance(value, list) else value
+
+    return escape(OmegaConf.to_container(config, resolve=True))
+
+
+def _interpolation(value: Any, where: str = "") -> Optional[tuple[str, str]]:
+    """The first string in ``value`` (a plain container) that OmegaConf would resolve, and where it is: a
+    "${" not escaped by an odd number of backslashes."""
+    if isinstance(value, str):
+        return (value, where or "the top") if any(len(m.group(1)) % 2 == 0 for m in
+                                                 _INTERPOLATION_START.finditer(value)) else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _interpolation(item, f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else
+                               str(key))
+        if found is not None:
+            return found
+    return None
+
+
+def _config_from_plain(plain: Any, kind: type) -> Any:
+    from omegaconf import OmegaConf
+
+    name, value = ("DictConfig" if kind is dict else "ListConfig"), plain
+    if not isinstance(plain, kind):  # OmegaConf.create would parse a string as YAML
+        raise ValueError(f"holds a {name} made of a {type(plain).__name__}, not a {kind.__name__}: the trainer "
+                         "state was edited or damaged.")
+    found = _interpolation(plain)
+    if found is not None:
+        raise ValueError(f"holds the OmegaConf interpolation {found[0]!r} at {found[1]}, which loading never "
+                         "resolves (it could read environment variables or run a registered resolver); a save "
+                         "stores OmegaConf values resolved, so the checkpoint was edited or saved by an earlier "
+                         "lightning_zeroq: load its weights only (zeroq-convert CKPT OUT.pt) and set the "
+                         "hyperparameters yourself.")
+    return OmegaConf.create(value)
 
 
 _register_types()

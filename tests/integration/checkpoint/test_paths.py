@@ -158,9 +158,87 @@ def test_a_checkpoint_without_checksums_loads_with_a_warning(saved, tmp_path):
     _, first = saved
     engine = _trained(0)
     save_engine(engine, tmp_path / "bare", checkpointer=Checkpointer(checksums=False))
-    assert "checksums" not in json.loads((tmp_path / "bare" / "zeroq.json").read_text())
+    manifest = json.loads((tmp_path / "bare" / "zeroq.json").read_text())
+    assert "checksums" not in manifest and manifest["version"] == 1  # the format version without checksums
     with pytest.warns(UserWarning, match="saved without checksums .* damage to its data cannot be detected"):
         state = lightning_checkpoint(tmp_path / "bare")["state_dict"]
     assert all(torch.equal(state[k], first[k]) for k in state)
     with pytest.raises(ValueError, match=r"Checkpointer\(checksums='no'\): pass True"):
         Checkpointer(checksums="no")
+
+
+def _flip_an_exponent_bit(ckpt: Path, weights: dict) -> str:
+    """Sets bit 30 of one stored float32 weight (0.05 becomes about 1e37); returns its name."""
+    from lightning_zeroq.checkpoint.safe import read_metadata
+
+    shard = ckpt / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    for index, info in read_metadata(ckpt).storage_data.items():
+        name = index.fqn.removeprefix("state_dict.")
+        if info.relative_path != shard.name or weights.get(name) is None or weights[name].dtype != torch.float32:
+            continue
+        for value in weights[name].reshape(-1)[:8].tolist():
+            pattern = torch.tensor([value]).numpy().tobytes()
+            at = data.find(pattern, info.offset, info.offset + info.length)
+            if value != 0 and at >= 0:
+                data[at + 3] ^= 0x40
+                shard.write_bytes(bytes(data))
+                return name
+    raise AssertionError("no float32 weight found to damage")
+
+
+def test_a_checkpoint_saved_with_checksums_is_refused_when_they_are_stripped(saved, tmp_path):
+    root, weights = saved
+    ckpt = tmp_path / "stripped"
+    shutil.copytree(root / "good", ckpt)
+    name = _flip_an_exponent_bit(ckpt, weights)
+    manifest = json.loads((ckpt / "zeroq.json").read_text())
+    assert manifest["version"] >= 2  # a version that is always saved with checksums
+    del manifest["checksums"], manifest[SELF_CHECKSUM]  # the damage would fail them: they are removed
+    (ckpt / "zeroq.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"zeroq\.json .*format version 2.*checksums .*missing.*earlier "
+                                              r"checkpoint"):
+        state = lightning_checkpoint(ckpt)["state_dict"]
+        assert torch.equal(state[name], weights[name]), f"{name} loaded damaged: {state[name].abs().max()}"
+    manifest["version"] = 2
+    manifest.pop("version")  # no version at all: not a manifest any save wrote
+    (ckpt / "zeroq.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"zeroq\.json .*no format version"):
+        lightning_checkpoint(ckpt)
+
+
+def test_an_interpolation_in_a_resigned_manifest_never_resolves(saved, tmp_path, monkeypatch):
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    import lightning_zeroq.lightning.checkpoint  # noqa: F401  (registers OmegaConf's containers)
+
+    calls: list = []
+    monkeypatch.setenv("ZEROQ_TEST_SECRET", "hunter2-secret")
+    OmegaConf.register_new_resolver("zeroq_probe", lambda *args: calls.append(args) or "ran", replace=True)
+    try:
+        root, _ = saved
+        hparams = OmegaConf.create({"model": {"dim": 8, "widths": [8, "${model.dim}"]}, "name": "run-${model.dim}"})
+        engine = _trained(0)
+        save_engine(engine, tmp_path / "legit", trainer_state={"hyper_parameters": hparams, "hparams_type": DictConfig})
+        back = lightning_checkpoint(tmp_path / "legit")
+        assert back["hparams_type"] is DictConfig and isinstance(back["hyper_parameters"].model.widths, ListConfig)
+        assert OmegaConf.to_container(back["hyper_parameters"]) == {"model": {"dim": 8, "widths": [8, 8]},
+                                                                   "name": "run-8"}
+        for attack in ("${oc.env:ZEROQ_TEST_SECRET}", "${zeroq_probe:1}"):
+            ckpt = tmp_path / f"crafted{len(calls)}{attack[2:4]}"
+            shutil.copytree(tmp_path / "legit", ckpt)
+            manifest = json.loads((ckpt / "zeroq.json").read_text())
+            manifest["trainer_state"]["hyper_parameters"]["value"]["model"]["widths"][1] = attack
+            manifest.pop(SELF_CHECKSUM)
+            manifest[SELF_CHECKSUM] = _self_checksum(manifest)  # re-signed: only the interpolation is the attack
+            (ckpt / "zeroq.json").write_text(json.dumps(manifest))
+            for load in (lambda: lightning_checkpoint(ckpt), lambda: open_checkpoint(ckpt, None).trainer_state()):
+                try:
+                    outcome = str(OmegaConf.to_container(load()["hyper_parameters"], resolve=True))
+                except CheckpointError as error:
+                    outcome = str(error)
+                assert calls == [] and "hunter2-secret" not in outcome, outcome
+                assert (f"checkpoint['hyper_parameters'] holds the OmegaConf interpolation {attack!r} at "
+                        "model.widths[1]") in outcome, outcome
+    finally:
+        OmegaConf.clear_resolver("zeroq_probe")

@@ -124,3 +124,52 @@ def test_a_refused_single_file_names_a_way_that_works(dist_pool, tmp_path):
     refused = dist_pool(2).run(_fit_single_file, str(single), False)
     assert all("add_safe_globals" in m and m.startswith("CheckpointError") for m in refused), refused
     assert dist_pool(2).run(_fit_single_file, str(single), True) == ["ok", "ok"]
+
+
+def _fit_with(optim: str, ckpt: str) -> str:
+    import lightning as L
+
+    from tests.models import TokenDataset
+
+    trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=_strategy(S2), max_epochs=2,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    data = torch.utils.data.DataLoader(TokenDataset(8 * STEPS_PER_EPOCH), batch_size=8 // dist.get_world_size())
+    try:
+        trainer.fit(make_lit_module(optim=optim), data, ckpt_path=ckpt)
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def _without_recorded_kind(ckpt: str) -> None:
+    """The manifest as an earlier lightning_zeroq wrote it: no optimizer kind (re-signed)."""
+    import json
+
+    from lightning_zeroq.checkpoint.store import SELF_CHECKSUM, _self_checksum
+
+    path = os.path.join(ckpt, "zeroq.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    assert manifest["extra"].pop("optimizer_class") == "torch.optim.adamw.AdamW"
+    manifest.pop(SELF_CHECKSUM)
+    manifest[SELF_CHECKSUM] = _self_checksum(manifest)
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+
+
+def test_a_checkpoint_of_another_optimizer_kind_is_refused_in_fit(dist_pool, tmp_path):
+    ckpt = str(tmp_path / "adamw.ckpt")
+    dist_pool(2).run(_first, S2, ckpt)  # configure_optimizers returned AdamW
+    messages = dist_pool(2).run(_fit_with, "sgd", ckpt)
+    assert len(set(messages)) == 1, messages
+    message = messages[0]
+    assert message.startswith("CheckpointError"), message
+    for needle in ("torch.optim.adamw.AdamW", "torch.optim.sgd.SGD", "same optimizer", "weights only"):
+        assert needle in message, message
+    # a checkpoint that does not record the kind: its param groups' hyperparameters give it away
+    _without_recorded_kind(ckpt)
+    messages = dist_pool(2).run(_fit_with, "sgd", ckpt)
+    assert messages[0] == messages[1] and messages[0].startswith("CheckpointError"), messages
+    assert "['amsgrad', 'betas'" in messages[0] and "SGD" in messages[0], messages[0]
+    assert dist_pool(2).run(_fit_with, "adamw", ckpt) == ["no error", "no error"]  # the same kind resumes

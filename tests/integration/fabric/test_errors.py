@@ -158,3 +158,33 @@ def _misuse_body(tmp: str) -> list[str]:
 def test_misuse_is_named(dist_pool, tmp_path):
     seen = dist_pool(2).run(_misuse_body, str(tmp_path))
     assert seen[0] == seen[1] and len(seen[0]) == 13
+
+
+def _other_optimizer_body(tmp: str) -> tuple[str, str]:
+    import lightning as L
+
+    def fabric_with(make_optimizer):
+        fabric = L.Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=ZeroQFabricStrategy(stage=2))
+        fabric.launch()
+        net = RichModel()
+        return fabric, *fabric.setup(net, make_optimizer(param_groups(net)))
+
+    fabric, model, opt = fabric_with(torch.optim.AdamW)
+    tokens, targets, flag = make_batch(0, 0, dist.get_rank())
+    fabric.backward(model(tokens, flag).float().mean())
+    opt.step()
+    fabric.save(f"{tmp}/adamw", {"model": model, "optimizer": opt, "step": 1})
+    fabric, model, opt = fabric_with(torch.optim.SGD)
+    with pytest.raises(CheckpointError) as info:
+        fabric.load(f"{tmp}/adamw", {"model": model, "optimizer": opt})
+    weights_only = fabric.load(f"{tmp}/adamw", {"model": model})  # the weights alone still load
+    return str(info.value), repr(sorted(weights_only))
+
+
+def test_a_checkpoint_of_another_optimizer_kind_is_refused_by_fabric_load(dist_pool, tmp_path):
+    results = dist_pool(2).run(_other_optimizer_body, str(tmp_path))
+    assert results[0] == results[1], results
+    message, rest = results[0]
+    assert rest == "['step']", results
+    for needle in ("torch.optim.adamw.AdamW", "torch.optim.sgd.SGD", "same optimizer", "weights only"):
+        assert needle in message, message
