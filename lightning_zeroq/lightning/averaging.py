@@ -10,7 +10,10 @@ and what it writes becomes the masters (and the working weights), as under DDP. 
 module as it is, and what they write after the last step is kept when the module is handed back
 (``access.release_module``).
 
-Their ``setup`` (the copy of the model) runs before the strategy builds the engine and needs nothing.
+Their ``setup`` copies the model before the strategy builds the engine, so the copy is of the plain
+module. A stage-3 model made in ``Trainer.init_module()`` has its parameters on the meta device until
+the engine materializes them: there is nothing to copy yet, so such a fit is refused before it starts
+(``refuse_meta_copies``), naming the callback and the fix.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import functools
 from typing import Any, Callable, ContextManager, Iterable
 
 from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging
+from torch import nn
 from lightning.pytorch.callbacks.weight_averaging import WeightAveraging
 
 AVERAGING = (WeightAveraging, StochasticWeightAveraging)
@@ -51,3 +55,15 @@ def _gathered_hook(hook: Callable, gathered: Callable[[Any], ContextManager], tr
                    *args: Any, **kwargs: Any) -> Any:
     with gathered(pl_module):
         return hook(trainer, pl_module, *args, **kwargs)
+
+
+def refuse_meta_copies(callbacks: Iterable[Callback], module: nn.Module) -> None:
+    """Before a fit: a weight-averaging callback would copy parameters still on the meta device."""
+    meta = next((n for n, p in module.named_parameters() if p.is_meta), None)
+    averaging = next((c for c in callbacks if isinstance(c, AVERAGING)), None)
+    if meta is not None and averaging is not None:
+        raise ValueError(
+            f"{type(averaging).__name__} copies the model before fit, but {meta} is on the meta device (the model "
+            "was made in Trainer.init_module(), where ZeroQ stage 3 leaves parameters to the engine); create the "
+            "model outside Trainer.init_module() (stage 3 still shards it), or leave the callback out."
+        )

@@ -40,7 +40,7 @@ from typing_extensions import override
 
 from lightning_zeroq.checkpoint import atomic
 from lightning_zeroq.lightning import checkpoint as checkpoint_glue
-from lightning_zeroq.lightning.averaging import gather_around_averaging
+from lightning_zeroq.lightning.averaging import gather_around_averaging, refuse_meta_copies
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.lightning.launcher import ZeroQLauncher, record_sigterm_without_collectives
@@ -154,6 +154,14 @@ class ZeroQStrategy(DDPStrategy):
         if type(self._launcher) is _SubprocessScriptLauncher:  # the ranks it kills leave no swap directory
             self._launcher = ZeroQLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
                                            functools.partial(_swap_roots, self.config.nvme_path))
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        module = self.lightning_module
+        trainer: Any = module._trainer if module is not None else None
+        if module is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            refuse_meta_copies(trainer.callbacks, module)  # before the callbacks' setup copies the model
 
     @override
     def setup_distributed(self) -> None:

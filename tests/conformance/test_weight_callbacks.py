@@ -22,6 +22,9 @@ calls as a submodule, made one unit (default bucket size; stage 3: the ``Sequent
 synchronous on the device, offloaded (``offload_optimizer``), asynchronous (``offload_async_step``) and
 speculative and asynchronous. A fit runs once per configuration (cached here), its observations are
 compared in a case each.
+
+A stage-3 model made in ``Trainer.init_module()`` has nothing the averaging callbacks could copy before fit
+(its parameters are on the meta device until the engine materializes them): refused before fit, in one line.
 """
 
 from __future__ import annotations
@@ -230,3 +233,43 @@ def test_observed_as_under_ddp(dist_pool, tmp_path_factory, stage: int, units: s
     assert ddp[0][observer] is not None
     for rank, (mine, theirs) in enumerate(zip(ours, ddp)):
         _assert_close(mine[observer], theirs[observer], f"rank {rank} {observer}")
+
+
+def refused_in_init_module(callback: str) -> str:
+    """A stage-3 model made in ``Trainer.init_module()`` (parameters on the meta device until the engine
+    materializes them), with an averaging callback that copies the model before fit."""
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+    from lightning.pytorch import callbacks
+    from torch import nn
+
+    import lightning_zeroq
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 2))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.model(batch).sum()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    strategy = lightning_zeroq.ZeroQStrategy(stage=3, stage3_param_persistence_threshold=0)
+    trainer = pl.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy, max_steps=1,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[getattr(callbacks, callback)(swa_lrs=0.1)
+                                                                if callback == "StochasticWeightAveraging"
+                                                                else getattr(callbacks, callback)()])
+    with trainer.init_module():
+        model = Model()
+    with pytest.raises(ValueError) as info:
+        trainer.fit(model, [torch.zeros(2, 8)])
+    return str(info.value)
+
+
+@pytest.mark.parametrize("callback", ["EMAWeightAveraging", "StochasticWeightAveraging"])
+def test_averaging_a_stage3_model_made_in_init_module_is_refused_before_fit(dist_pool, callback: str) -> None:
+    for message in on_ranks(dist_pool, refused_in_init_module, callback):
+        assert message.startswith(callback) and "model.0.weight" in message and "init_module" in message, message
