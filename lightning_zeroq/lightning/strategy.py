@@ -9,6 +9,8 @@ Lifecycle:
 - backward: ``pre_backward`` tells the engine whether this backward ends a managed accumulation
   window (so stage 1 reduces during it); ``post_backward`` closes it.
 - step: ``ZeroQPrecision.optimizer_step`` drives the engine (finalize, hooks and clipping, step).
+- weight averaging (``EMAWeightAveraging``, ``StochasticWeightAveraging``): where the module does not hold the
+  fp32 masters between steps, their hooks run with the parameters gathered (``averaging.py``).
 - checkpoints: a ``torch.distributed.checkpoint`` directory in which every parameter and optimizer
   state tensor is stored by name at its full shape, each rank writing its own chunks, plus a JSON
   manifest with the trainer state; loadable at any world size, stage or layout, by FSDP2, and
@@ -21,7 +23,7 @@ import contextlib
 import functools
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Generator, Mapping, Optional
+from typing import Any, Callable, Generator, Mapping, Optional
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -38,6 +40,7 @@ from typing_extensions import override
 
 from lightning_zeroq.checkpoint import atomic
 from lightning_zeroq.lightning import checkpoint as checkpoint_glue
+from lightning_zeroq.lightning.averaging import gather_around_averaging, refuse_meta_copies
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.lightning.launcher import ZeroQLauncher, record_sigterm_without_collectives
@@ -52,7 +55,7 @@ from lightning_zeroq.common.strategy import (
     stage3_meta_init,
 )
 from lightning_zeroq.checkpoint import engine_io
-from lightning_zeroq.zero import state_dict as zero_state
+from lightning_zeroq.zero import access, state_dict as zero_state
 from lightning_zeroq.common.watchdog import report_collective_failure
 from lightning_zeroq.zero.engine import ZeroEngine
 
@@ -112,6 +115,7 @@ class ZeroQStrategy(DDPStrategy):
             start_method=start_method,  # type: ignore[arg-type]
         )
         self.engine: Optional[ZeroEngine] = None
+        self._unwrap_averaging: Callable[[], None] = _nothing  # see averaging.py
         self.checkpointer = Checkpointer(async_save=async_checkpoint)
         self._weights_loaded = False
 
@@ -152,6 +156,14 @@ class ZeroQStrategy(DDPStrategy):
                                            functools.partial(_swap_roots, self.config.nvme_path))
 
     @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        module = self.lightning_module
+        trainer: Any = module._trainer if module is not None else None
+        if module is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            refuse_meta_copies(trainer.callbacks, module)  # before the callbacks' setup copies the model
+
+    @override
     def setup_distributed(self) -> None:
         create_process_group(self, super().setup_distributed)
 
@@ -187,6 +199,10 @@ class ZeroQStrategy(DDPStrategy):
             for optimizer in optimizers:  # several (manual optimization) must hold disjoint parameters
                 self.engine.attach_optimizer(optimizer)
             self.optimizers = self.optimizers  # wrap again: the wrappers subclass the optimizers' (new) classes
+            if not access.module_holds_masters(self.engine):  # weight averages read and write the fp32 masters
+                self._unwrap_averaging()
+                self._unwrap_averaging = gather_around_averaging(
+                    trainer.callbacks, functools.partial(self.gathered_parameters, writeback=True))
         plugin.attach_engine(self.engine, self.root_device.type)
         plugin.convert_module(module)
         self.setup_precision_plugin()
@@ -277,6 +293,8 @@ class ZeroQStrategy(DDPStrategy):
             self.engine.release_module(dtype=plugin.param_dtype if plugin.precision.endswith("-true") else None)
         elif self.engine is not None and not self.engine.retired:
             self.engine.hand_back_optimizers()  # no collective: a failed fit's optimizer can be used again
+        self._unwrap_averaging()
+        self._unwrap_averaging = _nothing
         self.precision_plugin.teardown()
         assert self.accelerator is not None
         self.accelerator.teardown()
@@ -287,6 +305,7 @@ class ZeroQStrategy(DDPStrategy):
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state["engine"] = None  # shards, streams and swap files do not travel; a new setup builds an engine
+        state["_unwrap_averaging"] = _nothing
         return state
 
     # ------------------------------------------------------------------ state
@@ -390,6 +409,10 @@ def _swap_roots(nvme_path: Optional[str]) -> list[str]:
     """Where the launcher looks for the swap directories of the ranks it killed (a module-level
     function: the launcher, and so the Trainer, must pickle)."""
     return [str(nvme_path)] if nvme_path else []
+
+
+def _nothing() -> None:
+    pass
 
 
 def _check_disjoint(optimizers: list) -> None:

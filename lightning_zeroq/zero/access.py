@@ -12,7 +12,10 @@ parameter on every rank while inside: pass a submodule to gather less.
 ``release_module(dtype, device)``: hands the module back as a plain module: hooks removed, every
 trainable parameter an ordinary tensor with the trained values (in the dtype it had when the engine
 took it, unless ``dtype`` says otherwise), so a second ``fit``, another strategy or plain PyTorch can
-use it. The engine keeps its master shards and optimizer state (state dicts and checkpoints still
+use it. What a callback or hook wrote into the parameters after the last step (a weight average copied
+in at the end of training) is kept, and the master shards take it too: only where the module still
+holds what the engine last published do the masters' full values replace it (with bf16 working weights,
+an element written there is handed back as written, widened). The engine keeps its master shards and optimizer state (state dicts and checkpoints still
 read them) and frees everything else; it cannot train any more.
 
 ``publish_loaded(engine, unit)``: after a load changed ``unit``'s master shards, bring what uses them
@@ -35,6 +38,7 @@ from lightning_zeroq.zero.gather import Gatherer
 from lightning_zeroq.zero.offload import OptimizerPlacement
 from lightning_zeroq.zero.reducer import Reducer
 from lightning_zeroq.zero.unit import Unit, UnitState
+from lightning_zeroq.zero.wire import FullWidth
 
 
 class EngineParts(Protocol):
@@ -110,14 +114,26 @@ def gathered_parameters(engine: EngineParts, module: Optional[nn.Module] = None,
                     p.data = unit.flat[slot.span].view(p.shape)
 
 
+def module_holds_masters(engine: EngineParts) -> bool:
+    """Whether, between steps, every parameter the engine shards is a plain tensor with its master's full
+    fp32 values in the module: fp32 working weights, travelling at full width, in units that are never
+    freed (stages 1 and 2; stage 3 where every unit is persistent). Otherwise code that reads or writes
+    the weights outside forward and backward needs ``gathered_parameters``."""
+    return isinstance(engine.gatherer.wire, FullWidth) and all(
+        u.persistent and u.flat.dtype == torch.float32 for u in engine.units)
+
+
 @torch.no_grad()
 def release_module(engine: EngineParts, dtype: Optional[torch.dtype] = None,
                    device: Optional[torch.device] = None) -> None:
     engine.reducer.clear()
     engine.reducer.close()  # the gradient hooks and (stage 3) the module hooks
     target = device or engine.device
+    rank = comm.world(engine.group)[0]
     for unit in engine.placement.resident(engine.units):
         full = _full_masters(engine, unit)
+        if unit.state is UnitState.GATHERED:
+            full = _keep_written(engine, unit, full, rank)
         for p, slot, cls, own in zip(unit.params, unit.layout.slots, unit.param_classes, unit.param_dtypes):
             p.__class__ = cls
             p.data = full[slot.span].view(p.shape).to(device=target, dtype=dtype or own, copy=True)
@@ -125,3 +141,23 @@ def release_module(engine: EngineParts, dtype: Optional[torch.dtype] = None,
         unit.state = UnitState.SHARDED
     engine.gatherer.close()
     engine.gatherer.store = None
+
+
+def _keep_written(engine: EngineParts, unit: Unit, full: Tensor, rank: int) -> Tensor:
+    """The full parameters to hand back: the masters, except where the module's working buffer no longer
+    holds what the engine last published there (a callback or hook wrote it after the last step, e.g. a
+    weight average copied in at the end of training): there, what the module holds, which the master
+    shard takes too (each rank its own, as ``gathered_parameters(writeback=True)``). What was published is
+    made again from the masters (a gather is deterministic), one unit at a time."""
+    held = unit.flat
+    unit.flat = published = torch.empty_like(held)
+    try:
+        engine.gatherer.wire.sync(unit, engine.placement)
+    finally:
+        unit.flat = held
+    written = held != published
+    if not bool(written.any()):
+        return full
+    full = torch.where(written, held.to(full.dtype), full)
+    unit.master.copy_(full[unit.layout.shard_span(rank)])
+    return full

@@ -167,7 +167,8 @@ class Unit:
         """Free the working buffer; the parameters become ``FreedParameter``s until ``restore_storage``."""
         self.flat.untyped_storage().resize_(0)
         placeholder = torch.zeros(1, dtype=self.flat.dtype, device=self.flat.device)
-        for p in self.params:
+        for p, cls in zip(self.params, self.param_classes):
+            p.__class__ = cls  # already freed (a publish inside ``gathered_parameters``): set it again
             p.data = placeholder.expand(p.shape)
             p.__class__ = FreedParameter
 
