@@ -50,20 +50,6 @@ OBSERVERS = ("ema_average", "swa_average", "checkpoint", "batch_end_norms", "bef
 TOL = 1e-5
 EPOCHS, BATCHES = 2, 2
 
-ASYNC_MODES = ("async", "speculative_async")
-ASYNC_XFAIL = (
-    "asynchronous host step, stages 1/2: the step's new weights are not published before the next forward when "
-    "training_step calls a submodule (self.model(x)), so the fit itself drifts from DDP (a plain fit, no hook "
-    "reading weights, too) and hooks read weights of a step still pending"
-)
-
-
-def xfail_reason(stage: int, mode: str, observer: str) -> Optional[str]:
-    """Why a case fails for the asynchronous step alone (None: it must pass). Stage 3 gathers, which
-    publishes the pending step's units; ``log_graph`` reads the weights before the first step."""
-    return ASYNC_XFAIL if mode in ASYNC_MODES and stage != 3 and observer != "log_graph" else None
-
-
 def zeroq_options(stage: int, units: str, mode: str) -> dict[str, Any]:
     options: dict[str, Any] = {"stage": stage, **MODES[mode]}
     if stage == 3:
@@ -219,9 +205,7 @@ def _cases() -> list:
         for units in UNITS:
             for mode in MODES:
                 for observer in OBSERVERS:
-                    reason = xfail_reason(stage, mode, observer)
-                    marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-                    cases.append(pytest.param(stage, units, mode, observer, marks=marks,
+                    cases.append(pytest.param(stage, units, mode, observer,
                                               id=f"stage{stage}-{units}-{mode}-{observer}"))
     return cases
 
