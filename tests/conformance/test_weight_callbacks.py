@@ -50,6 +50,7 @@ OBSERVERS = ("ema_average", "swa_average", "checkpoint", "batch_end_norms", "bef
 TOL = 1e-5
 EPOCHS, BATCHES = 2, 2
 
+
 def zeroq_options(stage: int, units: str, mode: str) -> dict[str, Any]:
     options: dict[str, Any] = {"stage": stage, **MODES[mode]}
     if stage == 3:
