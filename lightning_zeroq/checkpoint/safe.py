@@ -325,13 +325,10 @@ def read_entries(reader: SafeReader, targets: dict[str, Any]) -> None:
             with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": no_dist is meant
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load(targets, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
-        except CheckpointException as error:
-            if reader.error is not None and isinstance(reader.error, Exception):
+        except CheckpointException as error:  # DCP wraps whatever the read raised, Ctrl-C too
+            if reader.error is not None:
                 raise reader.error from None
-            inner = unwrap(error)
-            if isinstance(inner, Exception):
-                raise inner from None
-            raise RuntimeError(str(error)) from None
+            raise unwrap(error) from None  # a KeyboardInterrupt stays one: the caller says "interrupted"
 
 
 def assert_safe_modules_loaded() -> None:

@@ -243,6 +243,42 @@ def test_dictconfig_hyperparameters_are_converted_as_saved(dist_pool, tmp_path_f
     assert _entries(tmp_path) == ["out.ckpt"]
 
 
+# ---------------------------------------------------------------------- a signal in the middle of the read
+
+_HELD_READ = """
+import sys
+from lightning_zeroq.checkpoint.files import Files
+from lightning_zeroq.cli.convert import main
+
+real = Files.read_into
+
+def held(self, name, offset, buffer):  # the first read of a tensor's bytes waits until the test signals
+    print("reading", flush=True)
+    sys.stdin.buffer.read(1)
+    return real(self, name, offset, buffer)
+
+Files.read_into = held
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM"])
+def test_a_signal_during_the_read_is_an_interruption_with_status_130(saved, tmp_path, how):
+    import subprocess
+
+    from tests.dist_pool import REPO_ROOT
+
+    out = tmp_path / "out.ckpt"
+    with subprocess.Popen([sys.executable, "-c", _HELD_READ, str(saved), str(out), "--optimizer"], cwd=REPO_ROOT,
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout.readline() == "reading\n"  # inside DCP's read of the first item
+        proc.send_signal(getattr(signal, how))
+        stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert stderr == f"zeroq-convert: interrupted ({how}); {out} was not written.\n", stderr
+    assert _entries(tmp_path) == []
+
+
 # ---------------------------------------------------------------------- no room for the output
 
 
