@@ -43,7 +43,7 @@ from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_zeroq.checkpoint import atomic, sparse_save
-from lightning_zeroq.checkpoint.agree import CheckpointError
+from lightning_zeroq.checkpoint.agree import CheckpointError, advising
 from lightning_zeroq.checkpoint.checkpointer import Opened, open_checkpoint
 from lightning_zeroq.checkpoint.chunks import BytesTarget
 from lightning_zeroq.checkpoint.safe import read_entries
@@ -301,23 +301,25 @@ def consolidate(checkpoint: Path, out: Path, *, optimizer: bool = False, lightni
     checkpoint, out = Path(checkpoint), Path(out)
     kind = _output_format(out, lightning)
     _check_input(checkpoint)
-    opened = open_checkpoint(checkpoint, None)
-    with atomic.new_file(out) as (fd, tmp):
-        os.close(fd)  # the writers open it by name (torch.save, its memory map)
-        if kind == "safetensors":
-            write_safetensors(opened, tmp, optimizer=optimizer)
-        else:
-            write_torch(opened, tmp, optimizer=optimizer, lightning=lightning)
+    with advising("Convert an earlier checkpoint."):
+        opened = open_checkpoint(checkpoint, None)
+        with atomic.new_file(out) as (fd, tmp):
+            os.close(fd)  # the writers open it by name
+            if kind == "safetensors":
+                write_safetensors(opened, tmp, optimizer=optimizer)
+            else:
+                write_torch(opened, tmp, optimizer=optimizer, lightning=lightning)
     return out
 
 
 def lightning_checkpoint(checkpoint: Path, map_location: Any = None) -> dict:
     """In memory (one process): the Lightning checkpoint dict of a checkpoint directory, weights only
     (what ``LightningModule.load_from_checkpoint`` needs)."""
-    opened = open_checkpoint(Path(checkpoint), None)
-    out = dict(opened.trainer_state())
-    out.pop("zeroq", None)
-    out["state_dict"] = dict(iter_named_tensors(opened, optimizer=False))
+    with advising("Load an earlier checkpoint."):
+        opened = open_checkpoint(Path(checkpoint), None)
+        out = dict(opened.trainer_state())
+        out.pop("zeroq", None)
+        out["state_dict"] = dict(iter_named_tensors(opened, optimizer=False))
     if map_location is not None and not callable(map_location):
         out["state_dict"] = {k: v.to(map_location if not isinstance(map_location, dict) else "cpu")
                              for k, v in out["state_dict"].items()}

@@ -279,6 +279,42 @@ def test_a_signal_during_the_read_is_an_interruption_with_status_130(saved, tmp_
     assert _entries(tmp_path) == []
 
 
+# ---------------------------------------------------------------------- damage: advice that fits the reader
+
+
+def _damaged(saved: Path, tmp_path: Path, how: str) -> Path:
+    import shutil
+
+    ckpt = tmp_path / f"damaged_{how}"
+    shutil.copytree(saved, ckpt)
+    shard = ckpt / "__1_0.distcp"
+    if how == "missing":
+        shard.unlink()
+    else:  # one bit of a model tensor's bytes (what every reader reads)
+        from lightning_zeroq.checkpoint.safe import read_metadata
+        from lightning_zeroq.checkpoint.store import MODEL_KEY
+
+        info = next(i for index, i in sorted(read_metadata(ckpt).storage_data.items(), key=lambda kv: kv[1].offset)
+                    if index.fqn.startswith(MODEL_KEY + ".") and i.relative_path == shard.name)
+        data = bytearray(shard.read_bytes())
+        data[info.offset + info.length // 2] ^= 0x01
+        shard.write_bytes(bytes(data))
+    return ckpt
+
+
+@pytest.mark.parametrize("how", ["flipped", "missing"])
+def test_damage_advice_fits_the_reader(saved, tmp_path, capsys, how):
+    from lightning_zeroq.checkpoint.agree import CheckpointError
+
+    ckpt = _damaged(saved, tmp_path, how)
+    assert main([str(ckpt), str(tmp_path / "o.pt")]) == 1
+    err = _error(capsys)
+    assert "__1_0.distcp" in err and "Convert an earlier checkpoint" in err and "Resume" not in err, err
+    with pytest.raises(CheckpointError) as caught:  # what LightningModule.load_from_checkpoint(dir) reads through
+        convert.lightning_checkpoint(ckpt)
+    assert "Load an earlier checkpoint" in str(caught.value) and "Resume" not in str(caught.value), caught.value
+
+
 # ---------------------------------------------------------------------- no room for the output
 
 
