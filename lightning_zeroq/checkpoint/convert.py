@@ -161,17 +161,18 @@ def _write_filled(opened: Opened, out: Path, structure: Any, sources: list[tuple
         offsets = sparse_save.write_skeleton(skeleton, f, out)
         for record, storage in skeleton.storages.items():
             key = keys.get(storage._cdata)
+            data: Any
             if key is None:  # the trainer state's own tensors (ModelCheckpoint's scores, a scheduler's)
                 data = storage
             else:  # the skeleton's tensor stays untouched (no memory); the checkpoint's is read beside it
-                tensor = _empty(opened, key)
-                _read(opened, {key: tensor})
-                data = tensor.untyped_storage()
+                data = _empty(opened, key)
+                _read(opened, {key: data})
+                data = data.untyped_storage()  # the only reference to the tensor's memory
             try:
                 sparse_save.pwrite_all(f.fileno(), sparse_save.as_bytes(data), offsets[record])
             except OSError as error:
                 raise sparse_save.no_room(error, out, skeleton.size) from error
-            del data
+            del data  # one tensor in memory at a time
         if fsync:
             os.fsync(f.fileno())
 
