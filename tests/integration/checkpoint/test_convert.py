@@ -187,7 +187,7 @@ def test_safetensors_output_without_the_package_is_one_line_naming_the_extra(sav
 # ---------------------------------------------------------------------- hyperparameters as Hydra saves them
 
 HYDRA_CFG = {"model": {"dim": 16, "blocks": [1, {"kind": "mlp", "sizes": [4, 8]}]},
-             "optim": {"lr": 0.01, "betas": [0.9, 0.99]}, "name": "run"}
+             "optim": {"lr": 0.01, "betas": [0.9, 0.99]}, "name": "run", "lr_again": "${optim.lr}"}
 
 
 def _hydra_lit_module(cfg):
@@ -239,7 +239,8 @@ def test_dictconfig_hyperparameters_are_converted_as_saved(dist_pool, tmp_path_f
     assert hparams.model.blocks[1].sizes == [4, 8]
     assert ("optimizer_states" in converted) == (flag == "--optimizer")
     module = type(_hydra_lit_module(hparams)).load_from_checkpoint(out, weights_only=False)
-    assert omegaconf.OmegaConf.to_container(module.hparams, resolve=False) == HYDRA_CFG
+    resolved = omegaconf.OmegaConf.to_container(omegaconf.OmegaConf.create(HYDRA_CFG), resolve=True)
+    assert omegaconf.OmegaConf.to_container(module.hparams, resolve=True) == resolved  # Lightning resolves them
     assert _entries(tmp_path) == ["out.ckpt"]
 
 
