@@ -16,14 +16,36 @@ collectives (on a background thread) apart from training's. ``group=None`` is th
 from __future__ import annotations
 
 import traceback
+from contextlib import contextmanager
+from contextvars import ContextVar
 from datetime import timedelta
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch.distributed as dist
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded; raised alike on every rank."""
+
+
+_earlier: ContextVar[str] = ContextVar("zeroq_earlier", default="Resume from an earlier checkpoint.")
+
+
+def earlier() -> str:
+    """The advice a message about a damaged or incomplete checkpoint ends with: what the reader can do
+    instead, which depends on who reads (resume from an earlier checkpoint, unless ``advising``)."""
+    return _earlier.get()
+
+
+@contextmanager
+def advising(text: str) -> Iterator[None]:
+    """Within the block, damaged-checkpoint messages advise ``text`` (``zeroq-convert``: convert an
+    earlier checkpoint; ``load_from_checkpoint``: load one)."""
+    token = _earlier.set(text)
+    try:
+        yield
+    finally:
+        _earlier.reset(token)
 
 
 _groups: dict[int, tuple[Any, Any]] = {}

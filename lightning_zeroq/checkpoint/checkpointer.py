@@ -45,7 +45,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from lightning_zeroq.checkpoint import atomic, codec
-from lightning_zeroq.checkpoint.agree import CheckpointError, agree, checkpoint_group, describe, rank_and_size
+from lightning_zeroq.checkpoint.agree import (CheckpointError, agree, checkpoint_group, describe, earlier,
+                                             rank_and_size)
 from lightning_zeroq.checkpoint.safe import METADATA_FILE, SafeReader, read_metadata, unwrap
 from lightning_zeroq.checkpoint.checksum import hasher
 from lightning_zeroq.checkpoint.store import (MANIFEST_FILE, Files, Kind, Located, Manifest, check_files, classify,
@@ -368,7 +369,7 @@ def open_checkpoint(path: Path, group: Any, *, kinds: tuple[Kind, ...] = (Kind.Z
             if not errors and any(token_of(files.read(name, 0, HEADER_SIZE)) is not None
                                   for name in {i.relative_path for i in metadata.storage_data.values()}):
                 errors.append(f"{located.path} was written by ZeroQ but has no {MANIFEST_FILE}, which a save writes "
-                              "last: the checkpoint is incomplete. Resume from an earlier checkpoint.")
+                              f"last: the checkpoint is incomplete. {earlier()}")
         except Exception as error:
             errors = [describe(error)]
     decoded = None

@@ -11,12 +11,15 @@ process group (what ``zeroq-convert CKPT OUT`` runs; its command line is ``cli/c
   param groups as JSON in the metadata), written by the ``safetensors`` package
   (``pip install "lightning-zeroq[safetensors]"``), whose format rules stay its own to keep right.
 
-Memory stays at about one tensor: the torch file is first written as a skeleton (``torch.save``
-under ``torch.serialization.skip_data``: the pickle and empty record space), then mapped shared and
-each tensor is read from the checkpoint straight into its place in the file. A safetensors output
-is staged that way too (a flat torch file beside it, removed afterwards), and ``save_file`` reads
-its tensors from a memory map of it: page cache, not process memory. Every read goes through the
-safe reader.
+Memory stays at about one tensor: the torch file's skeleton (the pickle and the zip headers, from
+``torch.save`` under ``torch.serialization.skip_data``) is built in memory, the whole file is
+reserved (``posix_fallocate``), and each tensor is read from the checkpoint and written into its
+record with ``pwrite`` (``sparse_save``): a full disk or a file-size limit is an error naming the
+bytes needed and free, never a SIGBUS. The output is pickled once, by torch, and never unpickled
+here, so any hyperparameters the trainer state holds (an OmegaConf ``DictConfig``) are written as
+they are. A safetensors output is staged that way too (a flat torch file beside it, removed
+afterwards), and ``save_file`` reads its tensors from a private memory map of it: page cache, not
+process memory. Every read goes through the safe reader.
 
 The output is written under a temporary name in its own directory (created exclusively, with an
 unpredictable name) and renamed into place only when complete: whatever fails (a damaged checkpoint,
@@ -25,10 +28,12 @@ a full disk, Ctrl-C), nothing is left at the output path and no temporary file e
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
 import pickle
+import re
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -37,8 +42,8 @@ import torch
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_zeroq.checkpoint import atomic
-from lightning_zeroq.checkpoint.agree import CheckpointError
+from lightning_zeroq.checkpoint import atomic, sparse_save
+from lightning_zeroq.checkpoint.agree import CheckpointError, advising
 from lightning_zeroq.checkpoint.checkpointer import Opened, open_checkpoint
 from lightning_zeroq.checkpoint.chunks import BytesTarget
 from lightning_zeroq.checkpoint.safe import read_entries
@@ -102,15 +107,15 @@ def optimizer_layout(opened: Opened) -> tuple[list[dict], dict[str, dict[str, st
     return out_groups, {str(ids[n]): keys for n, keys in layout.items()}
 
 
-def skeleton(opened: Opened, *, optimizer: bool, lightning: bool) -> tuple[dict, dict[tuple, str]]:
-    """The output's structure with empty (never touched) tensors, and tensor path -> checkpoint key."""
-    sources: dict[tuple, str] = {}
+def skeleton(opened: Opened, *, optimizer: bool, lightning: bool) -> tuple[dict, list[tuple[Tensor, str]]]:
+    """The output's structure with empty (never touched) tensors, and each of them with its checkpoint key."""
+    sources: list[tuple[Tensor, str]] = []
     model = {}
     nested = lightning or optimizer
     for key in _tensor_keys(opened, MODEL_KEY + "."):
         name = key[len(MODEL_KEY) + 1:]
         model[name] = _empty(opened, key)
-        sources[("state_dict", name) if nested else (name,)] = key
+        sources.append((model[name], key))
     if not nested:
         return model, sources
     out: dict[str, Any] = dict(opened.trainer_state())
@@ -125,7 +130,7 @@ def skeleton(opened: Opened, *, optimizer: bool, lightning: bool) -> tuple[dict,
             for state_key, ckpt_key in keys.items():
                 if isinstance(opened.keys()[ckpt_key], TensorStorageMetadata):
                     state[int(index)][state_key] = _empty(opened, ckpt_key)
-                    sources[("optimizer_states", 0, "state", int(index), state_key)] = ckpt_key
+                    sources.append((state[int(index)][state_key], ckpt_key))
         out["optimizer_states"] = [{"state": state, "param_groups": groups}]
     return out, sources
 
@@ -139,61 +144,43 @@ def _lightning_version() -> str:
         return "2.0.0"
 
 
-class _Attr(str):
-    """A path step that is an attribute (a tensor in an object's ``__dict__``, e.g. a ``Namespace``)."""
-
-
-def _tensor_at(obj: Any, path: tuple) -> Tensor:
-    for key in path:
-        obj = getattr(obj, key) if isinstance(key, _Attr) else obj[key]
-    return obj
-
-
-def held_tensors(obj: Any, path: tuple = ()) -> Iterator[tuple[tuple, Tensor]]:
-    """Every tensor in ``obj`` (dicts, lists, tuples, objects' attributes), by path."""
-    if isinstance(obj, Tensor):
-        yield path, obj
-    elif isinstance(obj, dict):
-        for key, value in obj.items():
-            yield from held_tensors(value, path + (key,))
-    elif isinstance(obj, (list, tuple)):
-        for index, value in enumerate(obj):
-            yield from held_tensors(value, path + (index,))
-    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
-        for key, value in vars(obj).items():
-            yield from held_tensors(value, path + (_Attr(key),))
-
-
 def write_torch(opened: Opened, out: Path, *, optimizer: bool, lightning: bool) -> None:
     structure, sources = skeleton(opened, optimizer=optimizer, lightning=lightning)
     _write_filled(opened, out, structure, sources)
 
 
-def _write_filled(opened: Opened, out: Path, structure: Any, sources: dict[tuple, str], *, fsync: bool = True) -> None:
-    """``torch.save(structure, out)`` with each tensor at path ``p`` read from checkpoint key
-    ``sources[p]`` straight into the file's pages (one tensor in memory at a time); ``fsync=False``
-    for a file that is read back and removed."""
-    # The trainer state's own tensors (ModelCheckpoint's scores, a scheduler's) come from the manifest,
-    # already in memory: skip_data writes them without data too, so they are filled in like the others.
-    held = [(path, t) for path, t in held_tensors(structure) if path not in sources]
-    with torch.serialization.skip_data():
-        torch.save(structure, out)
-    del structure
-    mapped = _map(out, shared=True)
-    for path, key in sources.items():  # one tensor at a time, straight into the file's pages
-        _read(opened, {key: _tensor_at(mapped, path)})
-    for path, value in held:
-        _tensor_at(mapped, path).copy_(value)
-    del mapped
-    if fsync:
-        with open(out, "rb+") as f:
+def _write_filled(opened: Opened, out: Path, structure: Any, sources: list[tuple[Tensor, str]], *,
+                  fsync: bool = True) -> None:
+    """``torch.save(structure, out)`` with each tensor of ``sources`` read from its checkpoint key into
+    its place in the file, one tensor in memory at a time (``sparse_save``); ``fsync=False`` for a file
+    that is read back and removed. A full disk or a file-size limit is one line with the sizes."""
+    keys = {tensor.untyped_storage()._cdata: key for tensor, key in sources}
+    skeleton = sparse_save.save_skeleton(structure)
+    del structure, sources
+    with open(out, "r+b") as f:
+        offsets = sparse_save.write_skeleton(skeleton, f, out)
+        for record, storage in skeleton.storages.items():
+            key = keys.get(storage._cdata)
+            data: Any
+            if key is None:  # the trainer state's own tensors (ModelCheckpoint's scores, a scheduler's)
+                data = storage
+            else:  # the skeleton's tensor stays untouched (no memory); the checkpoint's is read beside it
+                data = _empty(opened, key)
+                _read(opened, {key: data})
+                data = data.untyped_storage()  # the only reference to the tensor's memory
+            try:
+                sparse_save.pwrite_all(f.fileno(), sparse_save.as_bytes(data), offsets[record])
+            except OSError as error:
+                raise sparse_save.no_room(error, out, skeleton.size) from error
+            del data  # one tensor in memory at a time
+        if fsync:
             os.fsync(f.fileno())
 
 
-def _map(path: Path, *, shared: bool) -> Any:
-    """``torch.load`` of ``path`` memory-mapped: shared (writes reach the file) or private (read only)."""
+def _map(path: Path) -> Any:
+    """``torch.load`` of ``path``, memory-mapped privately (page cache the kernel can drop)."""
     previous = torch.serialization.get_default_mmap_options()
-    torch.serialization.set_default_mmap_options(mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE)
+    torch.serialization.set_default_mmap_options(mmap.MAP_PRIVATE)
     try:
         return torch.load(path, mmap=True, weights_only=True, map_location="cpu")
     finally:
@@ -236,15 +223,31 @@ def write_safetensors(opened: Opened, out: Path, *, optimizer: bool) -> None:
     os.close(fd)
     staged = Path(name)
     try:
-        _write_filled(opened, staged, {n: _empty(opened, k) for n, k in keys}, {(n,): k for n, k in keys},
-                      fsync=False)
-        tensors = _map(staged, shared=False)
-        save_file(tensors, str(out), metadata=meta)
+        structure = {n: _empty(opened, k) for n, k in keys}
+        _write_filled(opened, staged, structure, [(structure[n], k) for n, k in keys], fsync=False)
+        del structure
+        tensors = _map(staged)
+        _save_safetensors(save_file, tensors, out, meta)
         del tensors
     finally:
         os.unlink(staged)
     with open(out, "rb+") as f:
         os.fsync(f.fileno())
+
+
+def _save_safetensors(save_file: Any, tensors: dict, out: Path, meta: dict) -> None:
+    """``save_file``, a full disk or a file-size limit said as for a torch output (safetensors reports
+    them as its own error, the OS's code in its text)."""
+    try:
+        save_file(tensors, str(out), metadata=meta)
+    except Exception as error:
+        code = error.errno if isinstance(error, OSError) else None
+        found = re.search(r"(?:os error |code: )(\d+)", str(error))
+        code = code or (int(found.group(1)) if found else None)
+        if code not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+        data = sum(t.numel() * t.element_size() for t in tensors.values())
+        raise sparse_save.no_room(OSError(code, os.strerror(code)), out, data, at_least=True) from error
 
 
 TORCH_SUFFIXES = (".pt", ".ckpt", ".pth", ".bin")
@@ -299,23 +302,25 @@ def consolidate(checkpoint: Path, out: Path, *, optimizer: bool = False, lightni
     checkpoint, out = Path(checkpoint), Path(out)
     kind = _output_format(out, lightning)
     _check_input(checkpoint)
-    opened = open_checkpoint(checkpoint, None)
-    with atomic.new_file(out) as (fd, tmp):
-        os.close(fd)  # the writers open it by name (torch.save, its memory map)
-        if kind == "safetensors":
-            write_safetensors(opened, tmp, optimizer=optimizer)
-        else:
-            write_torch(opened, tmp, optimizer=optimizer, lightning=lightning)
+    with advising("Convert an earlier checkpoint."):
+        opened = open_checkpoint(checkpoint, None)
+        with atomic.new_file(out) as (fd, tmp):
+            os.close(fd)  # the writers open it by name
+            if kind == "safetensors":
+                write_safetensors(opened, tmp, optimizer=optimizer)
+            else:
+                write_torch(opened, tmp, optimizer=optimizer, lightning=lightning)
     return out
 
 
 def lightning_checkpoint(checkpoint: Path, map_location: Any = None) -> dict:
     """In memory (one process): the Lightning checkpoint dict of a checkpoint directory, weights only
     (what ``LightningModule.load_from_checkpoint`` needs)."""
-    opened = open_checkpoint(Path(checkpoint), None)
-    out = dict(opened.trainer_state())
-    out.pop("zeroq", None)
-    out["state_dict"] = dict(iter_named_tensors(opened, optimizer=False))
+    with advising("Load an earlier checkpoint."):
+        opened = open_checkpoint(Path(checkpoint), None)
+        out = dict(opened.trainer_state())
+        out.pop("zeroq", None)
+        out["state_dict"] = dict(iter_named_tensors(opened, optimizer=False))
     if map_location is not None and not callable(map_location):
         out["state_dict"] = {k: v.to(map_location if not isinstance(map_location, dict) else "cpu")
                              for k, v in out["state_dict"].items()}

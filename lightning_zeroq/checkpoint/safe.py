@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.futures import Future
 
-from lightning_zeroq.checkpoint.agree import CheckpointError
+from lightning_zeroq.checkpoint.agree import CheckpointError, earlier
 from lightning_zeroq.checkpoint.checksum import read_hashed
 from lightning_zeroq.checkpoint.chunks import BytesTarget, LocalChunks
 from lightning_zeroq.checkpoint.files import Files
@@ -145,13 +145,13 @@ class SafeReader(FileSystemReader):
         where = f"{Path(self.path) / info.relative_path}: item {read_item.storage_index.fqn!r}"
         if len(data) != info.length:
             raise ItemError(f"{where} ends after {len(data)} of its {info.length} bytes: the file is truncated. "
-                            "Resume from an earlier checkpoint.")
+                            f"{earlier()}")
         if self.checksums is not None:
             expected = self.checksums["items"].get(info.relative_path, {}).get(str(info.offset))
             if got != expected:
                 raise ItemError(f"{where} (bytes {info.offset}-{info.offset + info.length}) fails its checksum "
                                 f"({self.checksums['algorithm']} {got}, saved {expected}): the file is damaged. "
-                                "Resume from an earlier checkpoint.")
+                                f"{earlier()}")
         return data
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
@@ -193,7 +193,7 @@ class SafeReader(FileSystemReader):
                 except Exception as error:
                     first = str(error).strip().splitlines()[0] if str(error).strip() else ""
                     raise ItemError(f"{where} could not be decoded ({type(error).__name__}: {first}): the file is "
-                                    "damaged. Resume from an earlier checkpoint.") from None
+                                    f"damaged. {earlier()}") from None
                 cached = (cached[0], data)
             tensor = _narrow(data, req.storage_offsets, req.lengths)
             target = planner.resolve_tensor(req).detach()
@@ -325,13 +325,10 @@ def read_entries(reader: SafeReader, targets: dict[str, Any]) -> None:
             with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": no_dist is meant
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load(targets, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
-        except CheckpointException as error:
-            if reader.error is not None and isinstance(reader.error, Exception):
+        except CheckpointException as error:  # DCP wraps whatever the read raised, Ctrl-C too
+            if reader.error is not None:
                 raise reader.error from None
-            inner = unwrap(error)
-            if isinstance(inner, Exception):
-                raise inner from None
-            raise RuntimeError(str(error)) from None
+            raise unwrap(error) from None  # a KeyboardInterrupt stays one: the caller says "interrupted"
 
 
 def assert_safe_modules_loaded() -> None:

@@ -32,6 +32,7 @@ from typing import Any, Optional
 from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_zeroq.checkpoint import atomic
+from lightning_zeroq.checkpoint.agree import earlier
 from lightning_zeroq.checkpoint.files import Files, check_name
 from lightning_zeroq.checkpoint.safe import METADATA_FILE, UnsafeCheckpointError, read_metadata
 from lightning_zeroq.checkpoint.writer import HEADER_SIZE, token_of
@@ -138,11 +139,11 @@ class Manifest:
         stored = data.pop(SELF_CHECKSUM, None)
         if stored is not None and stored != _self_checksum(data):
             raise ValueError(f"{file} does not match its own checksum: it was edited or damaged after the save. "
-                             "Resume from an earlier checkpoint.")
+                             f"{earlier()}")
         version = data.get("version")
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise ValueError(f"{file} has no format version ({version!r}), which every save writes: it was edited "
-                             "or damaged after the save. Resume from an earlier checkpoint.")
+                             f"or damaged after the save. {earlier()}")
         if version > VERSION:
             raise ValueError(f"{file} has format version {version}; this lightning_zeroq reads up to "
                              f"{VERSION}: upgrade lightning_zeroq to load it.")
@@ -151,7 +152,7 @@ class Manifest:
         if missing:
             raise ValueError(f"{file} has format version {version}, which is always saved with checksums, but its "
                              f"checksums are missing ({' and '.join(missing)}): it was edited or damaged after the "
-                             "save, so damage to its data could not be detected. Resume from an earlier checkpoint.")
+                             f"save, so damage to its data could not be detected. {earlier()}")
         try:
             checksums = data.get("checksums")
             if checksums is not None:
@@ -197,7 +198,7 @@ def validate(files: Files) -> tuple[Optional[Manifest], Optional[Metadata], list
     if hashlib.sha256(raw).hexdigest() != manifest.metadata_sha256:  # checked before anything is unpickled
         return manifest, None, [
             (f"{directory / METADATA_FILE} is not the one this checkpoint was saved with (its sha256 differs from "
-            f"{MANIFEST_FILE}'s); it was replaced or damaged. Resume from an earlier checkpoint.")]
+            f"{MANIFEST_FILE}'s); it was replaced or damaged. {earlier()}")]
     try:
         metadata = read_metadata(directory, raw)
     except (UnsafeCheckpointError, RuntimeError, OSError) as error:
@@ -228,19 +229,19 @@ def check_files(files: Files, metadata: Metadata, manifest: Optional[Manifest]) 
             continue
         if not exists:
             errors.append(f"{file} is missing (rank {_rank_of(name)}'s data); the checkpoint is incomplete. "
-                          "Resume from an earlier checkpoint.")
+                          f"{earlier()}")
             continue
         size = files.size(name)
         if name in expected and size != expected[name] or size < needed.get(name, 0):
             errors.append(f"{file} has {size} bytes, the checkpoint recorded {expected.get(name, needed.get(name))}: "
-                          "it is truncated or was replaced. Resume from an earlier checkpoint.")
+                          f"it is truncated or was replaced. {earlier()}")
             continue
         if manifest is not None:
             token = token_of(files.read(name, 0, HEADER_SIZE))
             if token != manifest.token:
                 errors.append(f"{file} belongs to another save (its header names save {token!r}, this "
-                              f"checkpoint is save {manifest.token!r}); it was copied in from elsewhere. Resume "
-                              "from an earlier checkpoint.")
+                              f"checkpoint is save {manifest.token!r}); it was copied in from elsewhere. "
+                              f"{earlier()}")
     if manifest is not None and manifest.checksums is not None and not errors:
         items = manifest.checksums["items"]
         unlisted = [(i.relative_path, i.offset) for i in metadata.storage_data.values()

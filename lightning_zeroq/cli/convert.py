@@ -48,7 +48,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         out = consolidate(args.checkpoint, args.out, optimizer=args.optimizer,
                           lightning=args.lightning or (args.optimizer and args.out.suffix != ".safetensors"))
     except KeyboardInterrupt as stop:
-        print(f"zeroq-convert: interrupted ({stop or 'SIGINT'}); {args.out} was not written.", file=sys.stderr)
+        print(f"zeroq-convert: interrupted ({str(stop) or 'SIGINT'}); {args.out} was not written.", file=sys.stderr)
         return 130
     except Exception as error:  # one line, no traceback: the messages name the file and the fix
         print(f"zeroq-convert: error: {one_line(error)} ({args.out} was not written)", file=sys.stderr)

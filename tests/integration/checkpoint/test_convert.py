@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -181,3 +182,186 @@ def test_safetensors_output_without_the_package_is_one_line_naming_the_extra(sav
     err = _error(capsys)
     assert 'pip install "lightning-zeroq[safetensors]"' in err and f"{out} was not written" in err, err
     assert reads == [] and _entries(tmp_path) == []  # said before any work
+
+
+# ---------------------------------------------------------------------- hyperparameters as Hydra saves them
+
+HYDRA_CFG = {"model": {"dim": 16, "blocks": [1, {"kind": "mlp", "sizes": [4, 8]}]},
+             "optim": {"lr": 0.01, "betas": [0.9, 0.99]}, "name": "run", "lr_again": "${optim.lr}"}
+
+
+def _hydra_lit_module(cfg):
+    import lightning as L
+
+    from tests.models import RichModel, param_groups
+
+    class HydraLit(L.LightningModule):
+        def __init__(self, cfg) -> None:
+            super().__init__()
+            self.save_hyperparameters(cfg)  # a DictConfig: Lightning keeps it as one
+            self.model = RichModel()
+
+        def training_step(self, batch, batch_idx):
+            return self.model.loss((batch[0], batch[1], False))
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(param_groups(self.model), lr=self.hparams.optim.lr)
+
+    return HydraLit(cfg)
+
+
+def _fit_with_dictconfig_hparams(path: str) -> None:
+    import lightning as L
+    from omegaconf import OmegaConf
+
+    from lightning_zeroq import ZeroQStrategy
+    from tests.models import TokenDataset
+
+    module = _hydra_lit_module(OmegaConf.create(HYDRA_CFG))
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ZeroQStrategy(stage=2), max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, torch.utils.data.DataLoader(TokenDataset(16), batch_size=4))
+    trainer.save_checkpoint(path)
+
+
+@pytest.mark.parametrize("flag", ["--optimizer", "--lightning"])
+def test_dictconfig_hyperparameters_are_converted_as_saved(dist_pool, tmp_path_factory, tmp_path, flag):
+    omegaconf = pytest.importorskip("omegaconf")
+    ckpt = tmp_path_factory.getbasetemp() / "hydra.ckpt"
+    if not ckpt.exists():
+        dist_pool(2).run(_fit_with_dictconfig_hparams, str(ckpt))
+    out = tmp_path / "out.ckpt"
+    assert main([str(ckpt), str(out), flag]) == 0
+    converted = torch.load(out, weights_only=False)  # OmegaConf's classes: a file this test wrote
+    hparams = converted["hyper_parameters"]
+    assert isinstance(hparams, omegaconf.DictConfig) and converted["hparams_type"] is omegaconf.DictConfig
+    assert omegaconf.OmegaConf.to_container(hparams, resolve=False) == HYDRA_CFG
+    assert hparams.model.blocks[1].sizes == [4, 8]
+    assert ("optimizer_states" in converted) == (flag == "--optimizer")
+    module = type(_hydra_lit_module(hparams)).load_from_checkpoint(out, weights_only=False)
+    resolved = omegaconf.OmegaConf.to_container(omegaconf.OmegaConf.create(HYDRA_CFG), resolve=True)
+    assert omegaconf.OmegaConf.to_container(module.hparams, resolve=True) == resolved  # Lightning resolves them
+    assert _entries(tmp_path) == ["out.ckpt"]
+
+
+# ---------------------------------------------------------------------- a signal in the middle of the read
+
+_HELD_READ = """
+import sys
+from lightning_zeroq.checkpoint.files import Files
+from lightning_zeroq.cli.convert import main
+
+real = Files.read_into
+
+def held(self, name, offset, buffer):  # the first read of a tensor's bytes waits until the test signals
+    print("reading", flush=True)
+    sys.stdin.buffer.read(1)
+    return real(self, name, offset, buffer)
+
+Files.read_into = held
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM"])
+def test_a_signal_during_the_read_is_an_interruption_with_status_130(saved, tmp_path, how):
+    import subprocess
+
+    from tests.dist_pool import REPO_ROOT
+
+    out = tmp_path / "out.ckpt"
+    with subprocess.Popen([sys.executable, "-c", _HELD_READ, str(saved), str(out), "--optimizer"], cwd=REPO_ROOT,
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout.readline() == "reading\n"  # inside DCP's read of the first item
+        proc.send_signal(getattr(signal, how))
+        stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert stderr == f"zeroq-convert: interrupted ({how}); {out} was not written.\n", stderr
+    assert _entries(tmp_path) == []
+
+
+# ---------------------------------------------------------------------- damage: advice that fits the reader
+
+
+def _damaged(saved: Path, tmp_path: Path, how: str) -> Path:
+    import shutil
+
+    ckpt = tmp_path / f"damaged_{how}"
+    shutil.copytree(saved, ckpt)
+    shard = ckpt / "__1_0.distcp"
+    if how == "missing":
+        shard.unlink()
+    else:  # one bit of a model tensor's bytes (what every reader reads)
+        from lightning_zeroq.checkpoint.safe import read_metadata
+        from lightning_zeroq.checkpoint.store import MODEL_KEY
+
+        info = next(i for index, i in sorted(read_metadata(ckpt).storage_data.items(), key=lambda kv: kv[1].offset)
+                    if index.fqn.startswith(MODEL_KEY + ".") and i.relative_path == shard.name)
+        data = bytearray(shard.read_bytes())
+        data[info.offset + info.length // 2] ^= 0x01
+        shard.write_bytes(bytes(data))
+    return ckpt
+
+
+@pytest.mark.parametrize("how", ["flipped", "missing"])
+def test_damage_advice_fits_the_reader(saved, tmp_path, capsys, how):
+    from lightning_zeroq.checkpoint.agree import CheckpointError
+
+    ckpt = _damaged(saved, tmp_path, how)
+    assert main([str(ckpt), str(tmp_path / "o.pt")]) == 1
+    err = _error(capsys)
+    assert "__1_0.distcp" in err and "Convert an earlier checkpoint" in err and "Resume" not in err, err
+    with pytest.raises(CheckpointError) as caught:  # what LightningModule.load_from_checkpoint(dir) reads through
+        convert.lightning_checkpoint(ckpt)
+    assert "Load an earlier checkpoint" in str(caught.value) and "Resume" not in str(caught.value), caught.value
+
+
+# ---------------------------------------------------------------------- no room for the output
+
+
+def test_no_space_for_the_output_is_one_line_with_the_sizes_and_no_file_left(saved, tmp_path, monkeypatch, capsys):
+    import errno
+
+    assert main([str(saved), str(tmp_path / "fits.ckpt"), "--optimizer"]) == 0
+    capsys.readouterr()
+    size = (tmp_path / "fits.ckpt").stat().st_size
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    out = tmp_path / "out.ckpt"
+    assert main([str(saved), str(out), "--optimizer"]) == 1
+    err = _error(capsys)
+    assert f"needs {size} bytes" in err and re.search(r"has \d+ bytes \(.*\) free", err) and str(tmp_path) in err, err
+    assert "No space left on device" in err and "free space" in err and f"{out} was not written" in err, err
+    assert _entries(tmp_path) == ["fits.ckpt"]
+
+
+_LIMITED = """
+import resource, sys
+from lightning_zeroq.cli.convert import main
+
+limit = int(sys.argv.pop(1))
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("suffix", [".ckpt", ".safetensors"])
+def test_a_file_size_limit_is_named_as_the_reason(saved, tmp_path, suffix):
+    import subprocess
+
+    from tests.dist_pool import REPO_ROOT
+
+    if suffix == ".safetensors":
+        pytest.importorskip("safetensors")
+    out = tmp_path / f"out{suffix}"
+    # Python ignores SIGXFSZ, so a write past the limit fails with EFBIG instead of ending the process
+    run = subprocess.run([sys.executable, "-c", _LIMITED, "8192", str(saved), str(out), "--optimizer"],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, (run.returncode, run.stderr)
+    assert run.stderr.count("\n") == 1 and run.stderr.startswith("zeroq-convert: error: "), run.stderr
+    assert "could not grow" in run.stderr and "8192 bytes" in run.stderr and "ulimit -f" in run.stderr, run.stderr
+    assert "unexpected pos" not in run.stderr and f"{out} was not written" in run.stderr, run.stderr
+    assert _entries(tmp_path) == []

@@ -166,9 +166,34 @@ def scored(dist_pool, tmp_path_factory):
     return tmp, dist_pool(2).run(_scored_fit, str(tmp))[0]
 
 
+class _Attr(str):
+    """A path step that is an attribute (a tensor in an object's ``__dict__``, e.g. a ``Namespace``)."""
+
+
+def _tensor_at(obj, path: tuple):
+    for key in path:
+        obj = getattr(obj, key) if isinstance(key, _Attr) else obj[key]
+    return obj
+
+
+def held_tensors(obj, path: tuple = ()):
+    """Every tensor in ``obj`` (dicts, lists, tuples, objects' attributes), by path."""
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from held_tensors(value, path + (key,))
+    elif isinstance(obj, (list, tuple)):
+        for index, value in enumerate(obj):
+            yield from held_tensors(value, path + (index,))
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        for key, value in vars(obj).items():
+            yield from held_tensors(value, path + (_Attr(key),))
+
+
 @pytest.mark.parametrize("flags", [{"lightning": True}, {"optimizer": True}], ids=["lightning", "optimizer"])
 def test_zeroq_convert_writes_every_tensor_of_the_checkpoint(scored, tmp_path, flags):
-    from lightning_zeroq.checkpoint.convert import _tensor_at, consolidate, held_tensors
+    from lightning_zeroq.checkpoint.convert import consolidate
 
     saved, memory = scored
     out = consolidate(saved / "final.ckpt", tmp_path / "out.ckpt", **flags)
