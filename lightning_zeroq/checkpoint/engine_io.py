@@ -121,7 +121,8 @@ def save_state(engine: Any, path: Path, state: dict, trainer_state: Any, checkpo
     walk = view.walk()
     checkpointer.save(Path(path), state, trainer_state, optimizer=OPTIMIZER_KEY in state,
                       before_read=walk.ensure, after_read=walk.close, pin=view.pin, allow_async=view.stable,
-                      extra={"world_size": view.world_size, "stage": view.stage}, views_stable=view.stable)
+                      extra={"world_size": view.job_world_size, "shard_group_size": view.world_size,
+                             "stage": view.stage}, views_stable=view.stable)
 
 
 def save_engine(engine: Any, path: Path, *, trainer_state: Any = None, optimizer: bool = True,
