@@ -116,3 +116,12 @@ def test_node_that_does_not_divide_the_world_names_node(dist_pool) -> None:
     message = _one_error(results)
     assert "shard_group_size='node' (2 ranks on this node) does not divide the world size 3" in message, message
     assert "[1, 3]" in message, message
+
+
+def test_rank_local_settings_may_differ(dist_pool, tmp_path) -> None:
+    # Each node its own NVMe mount: not a difference the ranks must agree on.
+    for rank in (0, 1):
+        (tmp_path / f"nvme{rank}").mkdir()
+    options = {"all": {"offload_optimizer": True, "offload_optimizer_device": "nvme"},
+               0: {"nvme_path": str(tmp_path / "nvme0")}, 1: {"nvme_path": str(tmp_path / "nvme1")}}
+    assert _run(dist_pool, 2, options) == [("built", (2, 1))] * 2
