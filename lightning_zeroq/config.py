@@ -320,8 +320,9 @@ class ZeroConfig:
         return dataclasses.replace(self, **changes)
 
 
-def check_shard_group_size(value: Any, world_size: Optional[int] = None) -> Any:
-    """``value`` (None, ``"node"`` or a positive int) checked, and with ``world_size`` against it."""
+def check_shard_group_size(value: Any, world_size: Optional[int] = None, given: Optional[str] = None) -> Any:
+    """``value`` (None, ``"node"`` or a positive int) checked, and with ``world_size`` against it; ``given``:
+    what the user wrote, when ``value`` was resolved from it (``"'node' (2 ranks on this node)"``)."""
     if value is None or value == "node":
         return value
     if isinstance(value, float) and value.is_integer():
@@ -332,7 +333,7 @@ def check_shard_group_size(value: Any, world_size: Optional[int] = None) -> Any:
     if world_size is not None and (value > world_size or world_size % value):
         problem = "is larger than" if value > world_size else "does not divide"
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ValueError(f"ZeroConfig.shard_group_size={value} {problem} the world size {world_size}; {fix}: "
+        raise ValueError(f"ZeroConfig.shard_group_size={given or value} {problem} the world size {world_size}; {fix}: "
                          f"one of {divisors}.")
     return value
 

@@ -9,7 +9,7 @@
 | ``checksum.py`` | the checksum of every stored item (xxh3_64), computed as the writer writes |
 | ``safe.py`` | reading without unpickling code: allow-list metadata, ``weights_only`` items, checked items, ``read_entries`` |
 | ``store.py`` | the directory: manifest, what a path is (``classify``), completeness (``validate``) |
-| ``atomic.py`` | temporary sibling, fsync, ``RENAME_EXCHANGE`` publish, crash recovery, fault points |
+| ``atomic.py`` | temporary sibling (locked while its save lives), fsync, ``RENAME_EXCHANGE`` publish, crash recovery, fault points |
 | ``agree.py`` | the checkpoint gloo group; every rank raises the same ``CheckpointError`` |
 | ``codec.py`` | the trainer state as JSON (tensors bit for bit) |
 | ``checkpointer.py`` | the save protocol (sync and async) and ``open_checkpoint`` |

@@ -12,6 +12,12 @@ directory, and only then puts the directory in place:
   between the two renames leaves no ``path`` but a complete ``-old`` sibling, which ``recover``
   finds (the loader then reads it, with a warning).
 
+Several saves of the same path may run at once (two runs, two jobs sharing a directory). Each holds
+a shared ``flock`` on its temporary directory from its creation (``create_owned``) until it is in
+place (``release``); the cleanup of leftovers (``remove_leftovers``) removes only what it can lock
+exclusively, so it never removes a save in progress, and a publish that finds the path taken or
+gone since it looked tries again. The last publish wins; every save that returned was in place.
+
 ``fault(point)`` kills the process with SIGKILL at a named point when ``ZEROQ_CHECKPOINT_FAULT``
 names it: the crash tests use it; it costs one environment lookup otherwise.
 """
@@ -20,13 +26,16 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import os
 import shutil
 import signal
+import sys
+import time
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 TMP_TAG = ".zeroq-tmp-"
 OLD_TAG = ".zeroq-old-"
@@ -35,6 +44,10 @@ _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 exchange_supported: Optional[bool] = None
 """None: not tried yet; False: fall back to two renames (tests set it to exercise the fallback)."""
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL)
+_TAKEN = (errno.EEXIST, errno.ENOTEMPTY)
+PUBLISH_ATTEMPTS = 10
+DISPLACED_WAIT_S = 2.0
 
 
 def fault(point: str) -> None:
@@ -78,11 +91,98 @@ def fsync_dir(path: Path) -> None:
 
 
 def remove(path: Path) -> None:
-    """Remove a file, a link (never what it points to) or a directory tree; nothing if absent."""
-    if os.path.islink(path) or os.path.isfile(path):
-        os.unlink(path)
-    elif os.path.isdir(path):
-        shutil.rmtree(path)
+    """Remove a file, a link (never what it points to) or a directory tree; nothing if absent, and
+    nothing for what another process removes meanwhile."""
+    try:
+        if os.path.islink(path) or os.path.isfile(path):
+            os.unlink(path)
+        elif os.path.isdir(path):
+            if sys.version_info >= (3, 12):
+                shutil.rmtree(path, onexc=_gone_is_fine)
+            else:
+                shutil.rmtree(path, onerror=lambda fn, name, info: _gone_is_fine(fn, name, info[1]))
+    except FileNotFoundError:
+        pass
+
+
+def _gone_is_fine(fn: object, name: str, error: BaseException) -> None:
+    if not isinstance(error, FileNotFoundError):
+        raise error
+
+
+def _same(fd: int, path: Path) -> bool:
+    """Is ``path`` still the file ``fd`` was opened on (not removed, nor replaced)?"""
+    try:
+        here, held = os.stat(path, follow_symlinks=False), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino)
+
+
+def create_owned(tmp: Path) -> Optional[int]:
+    """Create the temporary directory ``tmp`` (and its parents) for a save, held with a shared ``flock``
+    until ``release(fd)``, so that no other save's cleanup removes it (``remove_leftovers``); the
+    directory keeps the lock when it is renamed into place. None where the file system has no locks."""
+    for _ in range(PUBLISH_ATTEMPTS):
+        tmp.mkdir(parents=True)
+        fd = os.open(tmp, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_NOFOLLOW)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # waits while a cleanup that took it first removes it
+        except OSError as error:
+            os.close(fd)
+            if error.errno in _NO_LOCKS:
+                return None
+            raise
+        if _same(fd, tmp):
+            return fd
+        os.close(fd)  # a cleanup removed it before the lock: make it again
+    raise OSError(errno.EAGAIN, f"{tmp} was removed by other saves' cleanup {PUBLISH_ATTEMPTS} times while being made")
+
+
+def release(fd: Optional[int]) -> Optional[int]:
+    """Close the lock ``fd`` of ``create_owned`` (None: nothing); returns None, what its holder keeps."""
+    if fd is not None:
+        os.close(fd)
+    return None
+
+
+def remove_unowned(path: Path, wait_s: float = 0.0) -> bool:
+    """Remove the leftover ``path`` unless a live save holds it (``create_owned``), waiting up to
+    ``wait_s`` for its lock (a checkpoint this save displaced: its own save releases it once it was in
+    place); True if removed. Where the file system has no locks, it is removed, as nothing can tell."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return False
+    except OSError as error:
+        if error.errno != errno.ELOOP:
+            raise
+        remove(path)  # a link: no save's directory
+        return True
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as error:
+                if error.errno in _NO_LOCKS:
+                    break
+                if time.monotonic() >= deadline:
+                    return False  # a save in progress (EWOULDBLOCK), or one removing it already
+                time.sleep(0.005)
+        if not _same(fd, path):
+            return False
+        remove(path)
+        return True
+    finally:
+        os.close(fd)
+
+
+def remove_leftovers(path: Path) -> None:
+    """Remove the temporary or displaced siblings of ``path`` that no live save holds."""
+    for leftover in leftovers(path):
+        remove_unowned(leftover)
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -105,24 +205,57 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, f"renameat2(RENAME_EXCHANGE) of {a} and {b} failed: {os.strerror(err)}")
 
 
-def publish(tmp: Path, path: Path, token: str) -> None:
-    """Put the complete directory ``tmp`` at ``path``, replacing whatever is there, atomically."""
+def publish(tmp: Path, path: Path, token: str, placed: Callable[[], None] = lambda: None) -> None:
+    """Put the complete directory ``tmp`` at ``path``, replacing whatever is there, atomically; ``placed()``
+    runs as soon as it is there (the save releases its lock, ``create_owned``). Another save of ``path``
+    may publish meanwhile: a path taken (or gone) since it was looked at is looked at again."""
     fsync_dir(tmp)
+    for _ in range(PUBLISH_ATTEMPTS):
+        if _publish_once(tmp, path, token, placed):
+            fsync_dir(path.parent)
+            return
+    raise OSError(errno.EAGAIN, f"{path} kept changing while {tmp} was put in its place (other saves of the same "
+                                f"path, {PUBLISH_ATTEMPTS} attempts); save again")
+
+
+def _publish_once(tmp: Path, path: Path, token: str, placed: Callable[[], None]) -> bool:
     if not os.path.lexists(path):
-        os.rename(tmp, path)
-    elif _exchange(tmp, path):
+        try:
+            os.rename(tmp, path)
+        except OSError as error:
+            if error.errno in _TAKEN:
+                return False  # another save put its checkpoint there meanwhile
+            raise
+        placed()
+        return True
+    try:
+        exchanged = _exchange(tmp, path)
+    except FileNotFoundError:
+        return False  # another save displaced it meanwhile (two renames)
+    if exchanged:
+        placed()
         fault("after_exchange")
         fsync_dir(path.parent)
-        remove(tmp)  # the previous checkpoint, now under the temporary name
-    else:
-        old = path.parent / f".{path.name}{OLD_TAG}{token[:16]}"
+        remove_unowned(tmp, wait_s=DISPLACED_WAIT_S)  # the previous checkpoint, now under the temporary name
+        return True
+    old = path.parent / f".{path.name}{OLD_TAG}{token[:16]}"
+    try:
         os.rename(path, old)
-        fsync_dir(path.parent)
-        fault("between_renames")
-        os.rename(tmp, path)
-        fsync_dir(path.parent)
-        remove(old)
+    except FileNotFoundError:
+        return False
     fsync_dir(path.parent)
+    fault("between_renames")
+    try:
+        os.rename(tmp, path)
+    except OSError as error:
+        if error.errno not in _TAKEN:
+            raise
+        remove_unowned(old, wait_s=DISPLACED_WAIT_S)  # another save's checkpoint took the place: ours next
+        return False
+    placed()
+    fsync_dir(path.parent)
+    remove_unowned(old, wait_s=DISPLACED_WAIT_S)
+    return True
 
 
 def leftovers(path: Path) -> list[Path]:

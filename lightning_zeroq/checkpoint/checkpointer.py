@@ -15,8 +15,8 @@ carrying one ``SaveJob``:
    host copy, through ``torch.distributed.checkpoint.async_save``, in the background.
 3. ``publish`` (``put_in_place``): ``agree`` (with each rank's file name and size); rank 0 writes
    ``zeroq.json`` last, fsyncs, publishes the directory atomically (``atomic.publish``) and removes
-   leftovers of earlier interrupted saves of the same path; ``agree`` again so no rank returns
-   before the checkpoint is in place. Asynchronous: in a background thread once the write is done;
+   leftovers of earlier interrupted saves of the same path (none a live save holds locked); ``agree``
+   again so no rank returns before the checkpoint is in place. Asynchronous: in a background thread once the write is done;
    ``wait()`` (the next save or load, teardown) returns then and raises its error, if any.
 
 A step that fails on one rank fails on all (``agree``, DCP) and removes the temporary directory.
@@ -29,6 +29,7 @@ token (ranks that opened different saves stop), before any state is touched.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import logging
 import time
@@ -88,6 +89,7 @@ class SaveJob:
     writer: Optional[ChunkWriter] = None
     written: Optional[Future] = None
     """An asynchronous write in flight."""
+    lock: Optional[int] = None  # rank 0: ``tmp``'s lock, keeping other saves' cleanup away (``atomic.create_owned``)
 
     def end_reads(self) -> None:
         if self.after_read is not None:
@@ -96,10 +98,12 @@ class SaveJob:
     def discard(self) -> None:
         """Rank 0 removes the temporary directory of a save that failed."""
         if rank_and_size(self.group)[0] == 0:
-            try:
+            with contextlib.suppress(OSError):
                 atomic.remove(self.tmp)
-            except OSError:
-                pass
+            self.release()
+
+    def release(self) -> None:
+        self.lock = atomic.release(self.lock)  # None
 
 
 class Checkpointer:
@@ -163,7 +167,7 @@ class Checkpointer:
         errors = []
         if rank == 0:
             try:
-                job.tmp.mkdir(parents=True)
+                job.lock = atomic.create_owned(job.tmp)
             except OSError as error:
                 errors.append(f"cannot create {job.tmp}: {error}")
         agree(errors, f"Saving checkpoint {job.path}", job.group)
@@ -274,11 +278,11 @@ def put_in_place(job: SaveJob) -> None:
             manifest.metadata_sha256 = sha256(job.tmp / METADATA_FILE)
             manifest.write(job.tmp)
             atomic.fault("after_manifest")
-            atomic.publish(job.tmp, job.path, manifest.token)
+            atomic.publish(job.tmp, job.path, manifest.token, placed=job.release)  # unlocked once in place
             atomic.fault("after_publish")
-            for leftover in atomic.leftovers(job.path):
-                atomic.remove(leftover)
+            atomic.remove_leftovers(job.path)
         except OSError as error:
+            job.release()
             errors.append(f"could not put the checkpoint in place at {job.path}: {error}")
     agree(errors, f"Saving checkpoint {job.path}", job.group)
     job.timing.total_s = time.perf_counter() - job.start

@@ -150,7 +150,8 @@ def save_state(engine: Any, path: Path, state: dict, trainer_state: Any, checkpo
         warnings.warn("async_checkpoint with NVMe optimizer offload: saves stay synchronous (an asynchronous save "
                       "would need the whole optimizer state in host memory, which NVMe offload exists to avoid).",
                       stacklevel=3)
-    extra: dict[str, Any] = {"world_size": view.world_size, "stage": view.stage}
+    extra: dict[str, Any] = {"world_size": view.job_world_size, "shard_group_size": view.world_size,
+                             "stage": view.stage}
     if OPTIMIZER_KEY in state and view.optimizer is not None:
         extra[OPTIMIZER_CLASS] = optimizer_kind(view.optimizer)
     walk = view.walk()

@@ -96,8 +96,6 @@ def build_engine(module: nn.Module, config: ZeroConfig, precision: ZeroQPrecisio
     whole), materializes meta-device parameters with ``reset_parameters()``, and starts every rank from
     rank 0's values, as DDP does. ``ranks_per_node`` (the strategy's ``num_processes``) resolves
     ``shard_group_size="node"``."""
-    if config.shard_group_size == "node":
-        config = config.replace(shard_group_size=ranks_per_node)
     previous = owning_engine(module)
     if isinstance(previous, ZeroEngine):  # a fit that failed kept the module (its teardown runs no collective)
         previous.release_module()  # collective: every rank is here, setting up the new fit
@@ -107,6 +105,7 @@ def build_engine(module: nn.Module, config: ZeroConfig, precision: ZeroQPrecisio
         param_dtype=precision.param_dtype,
         loss_scaling=precision.loss_scaling,
         device=device,
+        ranks_per_node=ranks_per_node,
     )
 
 

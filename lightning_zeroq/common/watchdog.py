@@ -183,20 +183,28 @@ class Watchdog:
             return None
         return self.store.get(ABORT_KEY).decode("utf-8", "replace")
 
-    def _beats(self) -> dict[int, Optional[dict]]:
+    def _beats(self) -> tuple[dict[int, Optional[dict]], bool]:
+        """Every rank's last beat (None: none), and whether the store could be read at all."""
         out: dict[int, Optional[dict]] = {}
+        reached = False
         for rank in range(self.world_size):
             key = f"{PREFIX}beat/{rank}"
             try:
-                out[rank] = json.loads(self.store.get(key)) if self.store.check([key]) else None
+                found = self.store.check([key])
+                reached = True
+                out[rank] = json.loads(self.store.get(key)) if found else None
             except Exception:
                 out[rank] = None
-        return out
+        return out, reached
 
     def diagnose(self) -> str:
-        """Which rank(s) the others wait for, and where they are."""
+        """Which rank(s) the others wait for, and where they are (never this rank, which is asking)."""
         now = time.time()
-        beats = self._beats()
+        beats, reached = self._beats()
+        if not reached:
+            return ("rank 0 ended (the job's store, which its process hosts with Lightning's launcher and "
+                    "zeroq-train, cannot be reached)")
+        beats.pop(self.rank, None)
         silent = {r: b for r, b in beats.items() if b is None or now - b["t"] > 4 * self.interval_s + 1
                   or (b["host"] == socket.gethostname() and not _alive(b["pid"]))}
         outside = {r: b for r, b in beats.items() if b is not None and r not in silent and not b["waiting"]}
@@ -209,8 +217,7 @@ class Watchdog:
             parts.append(f"rank {r} stopped (last sign of life {age}: killed or wedged"
                          + (f", last at {b['at']})" if b else ")"))
         for r, b in sorted(outside.items()):
-            if r != self.rank:
-                parts.append(f"rank {r} stalled outside any collective, at {b['at']}")
+            parts.append(f"rank {r} stalled outside any collective, at {b['at']}")
         if not parts:
             parts.append("no rank is outside a collective: the ranks wait in different collectives (code that "
                          "runs a collective on some ranks only)")

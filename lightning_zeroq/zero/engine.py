@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.zero import access, comm, hybrid, loss_scaler, norms, policies, state_dict, update
+from lightning_zeroq.zero.agreement import Agreement, describe_plan
 from lightning_zeroq.zero.gather import Gatherer
 from lightning_zeroq.zero.materialize import sync_replicated_state, target_device
 from lightning_zeroq.zero.offload import optimizer_placement, shard_store
@@ -56,7 +57,7 @@ class ZeroEngine:
         param_dtype: dtype of the working parameters (fp32, bf16 or fp16); masters are always fp32.
         group: the data-parallel process group (``None``: the default group, or a single process).
         loss_scaling: use dynamic loss scaling (fp16). device: where the working parameters live
-            (default: where the module is).
+            (default: where the module is). ranks_per_node: what ``shard_group_size="node"`` means here.
     """
 
     def __init__(
@@ -68,11 +69,19 @@ class ZeroEngine:
         group: Optional[dist.ProcessGroup] = None,
         loss_scaling: bool = False,
         device: Optional[torch.device] = None,
+        ranks_per_node: Optional[int] = None,
     ) -> None:
         self.config, self.module, self.param_dtype = config, module, param_dtype  # the config is not read below
         self.policies = pol = policies.from_config(config, loss_scaling=loss_scaling)
+        # Every rank builds the same engine or raises the same error, before any collective (agreement.py).
+        with Agreement(group, dict(pol.settings)) as agreed:
+            agreed.settings.update(shard_group_size=hybrid.given(pol.sharding.group_size, ranks_per_node),
+                                   param_dtype=str(param_dtype), loss_scaling=str(loss_scaling))
+            shard_size = hybrid.shard_group_size(pol.sharding.group_size, comm.world(group)[1], ranks_per_node)
+            specs = plan(module, trainable_parameters(module), pol.sharding.units)
+            agreed.plan = describe_plan(module, specs)
         # ``group``: the world (first broadcast, the step's agreement); ``self.group``: the shard group (hybrid.py).
-        self.topology = topo = hybrid.topology(pol.sharding.group_size, pol.quantization, group)
+        self.topology = topo = hybrid.topology(shard_size, pol.quantization, group)
         self.world_group, self.group, self.replica_group = group, topo.group, topo.replica_group
         self.rank, self.world_size, self.replica_rank, self.num_groups = (
             topo.rank, topo.world_size, topo.replica_rank, topo.num_groups)
@@ -84,7 +93,6 @@ class ZeroEngine:
         # What can fail on one rank only (an NVMe path, its free space, the kernel build) fails on all ranks.
         with comm.agreed(group, "building the ZeRO engine"):
             self.device = target_device(module, device)
-            specs = plan(module, trainable_parameters(module), pol.sharding.units)
             layouts = plan_layouts(specs, self.world_size, topo.align(pol.quantization))
             self.placement = optimizer_placement(pol.offload.optimizer, self.device, param_dtype, self.rank,
                                                  self.world_size, layouts, pol.offload.speculative)

@@ -72,13 +72,12 @@ class Topology:
         return AcrossGroups(inner, self.replica_group, device, self.int8_gradients_across, group_size)
 
 
-def topology(group_size: Union[None, int, str], quantization: Quantization,
-             group: Optional[dist.ProcessGroup]) -> Topology:
-    """The groups of ``group_size`` ranks (``Sharding.group_size``) on ``group`` (collective the first
-    time, see ``groups``), and where INT8 travels on them."""
+def topology(shard_size: int, quantization: Quantization, group: Optional[dist.ProcessGroup]) -> Topology:
+    """The groups of ``shard_size`` ranks (``shard_group_size``'s answer) on ``group`` (collective the
+    first time, see ``groups``), and where INT8 travels on them."""
     q = quantization
     world_rank, world_size = comm.world(group)
-    shard, replica = groups(group, shard_group_size(group_size, world_size))
+    shard, replica = groups(group, shard_size)
     rank, size = comm.world(shard)
     replica_rank, num_groups = comm.world(replica) if replica is not None else (0, 1)
     cross_only = replica is not None and q.cross_group_only
@@ -92,16 +91,26 @@ def topology(group_size: Union[None, int, str], quantization: Quantization,
                     int8_gradients_across=q.gradients)
 
 
-def shard_group_size(size: Union[None, int, str], world_size: int) -> int:
+def given(size: Union[None, int, str], ranks_per_node: Optional[int]) -> str:
+    """``shard_group_size`` as the user gave it, with what ``"node"`` resolves to on this node."""
+    if size == "node" and ranks_per_node is not None:
+        return f"'node' ({ranks_per_node} ranks on this node)"
+    return repr(size)
+
+
+def shard_group_size(size: Union[None, int, str], world_size: int, ranks_per_node: Optional[int] = None) -> int:
     """The ranks per shard group: ``ZeroConfig.shard_group_size`` checked against the world size (None:
-    all ranks). ``"node"`` is resolved before (the strategies do it from the cluster environment)."""
+    all ranks). ``"node"``: ``ranks_per_node`` (the strategies know it from the cluster environment)."""
     if size is None:
         return world_size
     if size == "node":
-        raise ValueError(
-            "ZeroConfig.shard_group_size='node' needs the ranks per node, which the ZeroQ strategies know; with "
-            "ZeroEngine directly pass the number instead (e.g. int(os.environ['LOCAL_WORLD_SIZE']))."
-        )
+        if ranks_per_node is None:
+            raise ValueError(
+                "ZeroConfig.shard_group_size='node' needs the ranks per node, which the ZeroQ strategies know; with "
+                "ZeroEngine directly pass the number instead (e.g. int(os.environ['LOCAL_WORLD_SIZE'])) or "
+                "ranks_per_node=."
+            )
+        return check_shard_group_size(ranks_per_node, world_size, given(size, ranks_per_node))
     return check_shard_group_size(size, world_size)
 
 

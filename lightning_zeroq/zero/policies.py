@@ -17,10 +17,13 @@ from it by the part that owns it.
   ``quantize_cross_group_only``.
 - ``Numerics``: fp16 loss scaling and what non-finite gradients do; from ``loss_scale``,
   ``initial_scale_power``, ``loss_scale_window``, ``min_loss_scale``, ``nonfinite_gradients``.
+- ``settings``: every field as given, which all ranks must agree on (``agreement.py``), less the
+  ones that may differ by rank (``RANK_LOCAL``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -147,6 +150,13 @@ class Policies:
     numerics: Numerics
     ineffective: tuple[str, ...]
     """One sentence per setting that cannot take effect (the engine warns about each once)."""
+    settings: tuple[tuple[str, str], ...] = ()
+    """``(field, repr of its value)`` of every field that must be the same on every rank."""
+
+
+RANK_LOCAL = ("nvme_path", "offload_memory_budget")
+"""Fields that may differ by rank: a node's own NVMe mount; the memory budget, which ranks agree on
+themselves (the worst rank's decides, ``offload/auto.py``)."""
 
 
 def from_config(config: ZeroConfig, *, loss_scaling: bool) -> Policies:
@@ -169,8 +179,9 @@ def from_config(config: ZeroConfig, *, loss_scaling: bool) -> Policies:
     if loss_scaling:
         scaling = LossScaling(float(c.loss_scale) if c.loss_scale > 0 else None, 2.0 ** c.initial_scale_power,
                               c.loss_scale_window, float(c.min_loss_scale))
+    settings = tuple((f.name, repr(getattr(c, f.name))) for f in dataclasses.fields(c) if f.name not in RANK_LOCAL)
     return Policies(sharding, _offload(c, loss_scaling), quantization, Numerics(scaling, c.nonfinite_gradients),
-                    tuple(c.ineffective(loss_scaling)))
+                    tuple(c.ineffective(loss_scaling)), settings)
 
 
 def _offload(c: ZeroConfig, loss_scaling: bool) -> Offload:

@@ -48,13 +48,13 @@ from lightning_zeroq.zero.unit import Unit
 
 
 class ShardedParts(access.EngineParts, Protocol):
-    """What these functions need of an engine (``ZeroEngine`` provides it): the parts ``access``
-    needs to publish loaded masters, and these."""
+    """What these functions need of an engine (``ZeroEngine`` provides it): the parts ``access`` needs to publish loaded masters, and these."""
 
     loss_scaler: Optional[DynamicLossScaler]
     policies: Policies
     rank: int
     world_size: int
+    num_groups: int  # ``world_size``: the shard group's; hybrid sharding: ``num_groups`` groups of it
 
     @property
     def optimizer(self) -> Optional[torch.optim.Optimizer]: ...
@@ -155,7 +155,7 @@ class ShardedView:
 
     def __init__(self, engine: ShardedParts) -> None:
         self._engine = engine
-        self.rank, self.world_size = engine.rank, engine.world_size
+        self.rank, self.world_size, self.job_world_size = engine.rank, engine.world_size, engine.world_size * engine.num_groups
         self.optimizer = engine.optimizer
         self.closed: bool = getattr(engine, "closed", False)
         """The engine released its shards (a new fit replaced it): there is nothing to save."""

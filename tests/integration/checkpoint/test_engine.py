@@ -26,6 +26,9 @@ CONFIGS = {
     "s1_quarter": dict(stage=1, reduce_bucket_size=300, offload_optimizer=True, offload_optimizer_ratio=0.25),
     "s3_three_quarters": dict(stage=3, stage3_param_persistence_threshold=20, stage3_unit_size=200,
                               offload_optimizer=True, offload_parameters=True, offload_optimizer_ratio=0.75),
+    # Hybrid sharding: groups of 2 ranks.
+    "s2_hybrid": dict(stage=2, reduce_bucket_size=700, shard_group_size=2),
+    "s3_hybrid": dict(stage=3, stage3_param_persistence_threshold=20, stage3_unit_size=200, shard_group_size=2),
 }
 
 
@@ -104,6 +107,24 @@ def test_partial_offload_round_trip(dist_pool, save, load):
         loaded = dist_pool(load[0]).run(_load_body, load[1], tmp)
     for state, after in loaded:
         _assert_state_equal(saved, state)
+        _assert_state_equal(stepped, after, 1e-6)
+
+
+def test_a_hybrid_save_records_the_world_and_the_shard_group_and_reshards(dist_pool):
+    from pathlib import Path
+
+    from lightning_zeroq.checkpoint.store import Manifest
+
+    with tempfile.TemporaryDirectory() as tmp:
+        saved, stepped = dist_pool(4).run(_save_body, "s2_hybrid", tmp)[0]
+        manifest = Manifest.read(Path(tmp) / "ckpt")
+        assert manifest.world_size == 4
+        assert manifest.extra == {"world_size": 4, "shard_group_size": 2, "stage": 2}, manifest.extra
+        hybrid = dist_pool(4).run(_load_body, "s3_hybrid", tmp)
+        flat = dist_pool(2).run(_load_body, "s1", tmp)
+    for state, after in hybrid + flat:
+        _assert_state_equal(saved, state)  # loading is exact, into groups or a world of another size
+    for _, after in hybrid:  # the same world: the next step is the same math (6 rows do not split evenly over 4)
         _assert_state_equal(stepped, after, 1e-6)
 
 
