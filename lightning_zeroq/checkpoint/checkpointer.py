@@ -15,13 +15,11 @@ carrying one ``SaveJob``:
    host copy, through ``torch.distributed.checkpoint.async_save``, in the background.
 3. ``publish`` (``put_in_place``): ``agree`` (with each rank's file name and size); rank 0 writes
    ``zeroq.json`` last, fsyncs, publishes the directory atomically (``atomic.publish``) and removes
-   leftovers of earlier interrupted saves of the same path (none a live save holds locked); ``agree``
-   again so no rank returns before the checkpoint is in place. Asynchronous: in a background thread once the write is done;
-   ``wait()`` (the next save or load, teardown) returns then and raises its error, if any.
+   leftovers of earlier interrupted saves of the same path (none a live save holds locked); ``agree`` again so
+   no rank returns before the checkpoint is in place. Asynchronous: in a background thread once the write is
+   done; ``wait()`` (the next save or load, teardown) returns then and raises its error, if any.
 
-A step that fails on one rank fails on all (``agree``, DCP) and removes the temporary directory.
-
-Open (``open_checkpoint``) classifies the path, validates a ZeroQ directory completely (or a
+A step that fails on one rank fails on all (``agree``, DCP) and removes the temporary directory. Open (``open_checkpoint``) classifies the path, validates a ZeroQ directory completely (or a
 foreign DCP directory's files) through ``store.Files`` (every file opened once; the load reads
 through the same handles, checking each item's checksum) and ``agree``s, with each rank's save
 token (ranks that opened different saves stop), before any state is touched.
@@ -30,8 +28,8 @@ token (ranks that opened different saves stop), before any state is touched.
 from __future__ import annotations
 
 import contextlib
-import os
 import logging
+import os
 import time
 import uuid
 import warnings
@@ -46,8 +44,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from lightning_zeroq.checkpoint import atomic, codec
-from lightning_zeroq.checkpoint.agree import (CheckpointError, agree, checkpoint_group, describe, earlier,
-                                             rank_and_size)
+from lightning_zeroq.checkpoint.agree import CheckpointError, agree, checkpoint_group, describe, earlier, rank_and_size
 from lightning_zeroq.checkpoint.safe import METADATA_FILE, SafeReader, read_metadata, unwrap
 from lightning_zeroq.checkpoint.checksum import hasher
 from lightning_zeroq.checkpoint.store import (MANIFEST_FILE, Files, Kind, Located, Manifest, check_files, classify,

@@ -122,14 +122,12 @@ class ZeroEngine:
                                             reshard_after_forward=units.reshard_after_forward)
         self.ahead = InStep()
         """``StepAhead`` with ``offload_async_step``: the host step runs beside the next forward (``offload/ahead.py``)."""
-        self._own_group: Optional[dist.ProcessGroup] = None
         if pol.offload.asynchronous and isinstance(self.placement, HostOptimizer):
-            publisher = self.gatherer
-            if self.world_size > 1:  # the worker's collectives: a group of their own, in unit order
-                self._own_group = comm.duplicate(self.group, group)
-                publisher = Gatherer(self._wire(layouts, self._own_group), self.placement, store, self.device,
-                                     sync_persistent_on_build=False)
-            self.ahead = StepAhead(self.placement, module, self.units, publisher.publish, self.device)
+            own = comm.duplicate(self.group, group)  # the worker's collectives: a group of their own
+            publisher = self.gatherer if own is self.group else Gatherer(
+                self._wire(layouts, own), self.placement, store, self.device, sync_persistent_on_build=False)
+            self.ahead = StepAhead(self.placement, module, self.units, publisher.publish, self.device,
+                                   own_group=None if own is self.group else own)
             self.gatherer.ready = self.ahead.ready
         self.reducer = Reducer(
             self.units,
@@ -154,10 +152,7 @@ class ZeroEngine:
         """Optimizer steps attempted (skipped ones included)."""
         self.skipped_steps = 0
         """Steps skipped for fp16 overflow or (``nonfinite_gradients="skip"``) non-finite gradients."""
-        if self.device.type == "cuda":
-            # The module's own tensors, now flattened into units (and, offloaded or sharded, mostly off the
-            # device), leave the caching allocator holding blocks of their sizes, which the step's
-            # allocations rarely fit: handed back once here, they stop counting as reserved memory.
+        if self.device.type == "cuda":  # the module's own tensors left blocks the step's allocations rarely fit
             torch.cuda.empty_cache()
 
     def _wire(self, layouts, group: Optional[dist.ProcessGroup]) -> Wire:
@@ -396,9 +391,6 @@ class ZeroEngine:
         says the state is released (NVMe's masters were in the swap files): a save refuses it."""
         self.closed = True
         self.ahead.close()
-        if self._own_group is not None:
-            dist.destroy_process_group(self._own_group)
-            self._own_group = None
         self.reducer.close()
         self.placement.close()
         self.gatherer.close()

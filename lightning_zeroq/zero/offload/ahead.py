@@ -47,6 +47,7 @@ from collections import deque
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
@@ -79,10 +80,11 @@ class StepAhead(InStep):
     """The asynchronous step of one engine whose every unit steps on the host."""
 
     def __init__(self, host: HostOptimizer, module: nn.Module, units: Sequence[Unit],
-                 publish: Callable[[Unit], None], device: torch.device) -> None:
+                 publish: Callable[[Unit], None], device: torch.device,
+                 own_group: Optional[dist.ProcessGroup] = None) -> None:
         """``publish``: a unit's publication, run on the worker thread (with several ranks, its
-        collectives on a process group no other thread uses)."""
-        self.host, self.units, self._publish = host, units, publish
+        collectives on ``own_group``, a process group no other thread uses, destroyed at ``close``)."""
+        self.host, self.units, self._publish, self._own_group = host, units, publish, own_group
         self._device = device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         """The worker's stream: its copies and collectives; the calling thread waits per unit."""
@@ -290,6 +292,9 @@ class StepAhead(InStep):
 
     def close(self) -> None:
         self.drain()
+        if self._own_group is not None:
+            dist.destroy_process_group(self._own_group)
+            self._own_group = None
         for handle in [*self._handles, *(h for hs in self._watched.values() for h in hs)]:
             handle.remove()
         self._handles, self._watched = [], {}
