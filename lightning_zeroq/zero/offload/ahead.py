@@ -320,6 +320,13 @@ class PendingParameter(nn.Parameter):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
+    def __deepcopy__(self, memo: dict) -> Any:
+        """A copy of the published parameter (``Parameter.__deepcopy__`` would copy this class too)."""
+        self.__dict__["_zeroq_wait"]()
+        if type(self) is PendingParameter:  # its engine is gone: nothing will publish it
+            self.__class__ = nn.Parameter
+        return self.__deepcopy__(memo)
+
 
 # Pickling, printing: values read under the metadata's switch (no torch function of the values is seen).
 _METADATA = METADATA - {"__repr__", "__format__", "__reduce_ex__"}

@@ -178,3 +178,27 @@ def _sgd_runs_synchronously() -> bool:
     stepped = not engine.ahead._pending and all(not torch.equal(a, u.master) for a, u in zip(before, engine.units))
     engine.close()
     return stepped
+
+
+def _copied_after_an_async_step() -> bool:
+    """A deep copy of the model taken right after an asynchronous step (a callback copying it, an EMA
+    made then) holds the stepped weights, as plain parameters."""
+    _gate()
+    torch.manual_seed(0)
+    copies = []
+    for asynchronous in (True, False):
+        torch.manual_seed(0)
+        model = TwoHeads()
+        engine = ZeroEngine(model, ZeroConfig(stage=2, offload_optimizer=True, offload_async_step=asynchronous))
+        engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+        engine.backward(_loss(model, 0, 0, head=0))
+        engine.step()
+        copied = copy.deepcopy(model)
+        copies.append([p.detach().clone() for p in copied.parameters()])
+        assert all(type(p) is torch.nn.Parameter for p in copied.parameters())
+        engine.close()
+    return all(torch.equal(a, b) for a, b in zip(*copies))
+
+
+def test_a_deep_copy_after_an_async_step_holds_the_stepped_weights(dist_pool):
+    assert dist_pool(2).run(_copied_after_an_async_step) == [True, True]
