@@ -324,7 +324,7 @@ class PendingParameter(nn.Parameter):
         """A copy of the published parameter (``Parameter.__deepcopy__`` would copy this class too)."""
         self.__dict__["_zeroq_wait"]()
         if type(self) is PendingParameter:  # its engine is gone: nothing will publish it
-            self.__class__ = nn.Parameter
+            self.__class__ = nn.Parameter  # type: ignore[assignment]
         return self.__deepcopy__(memo)
 
 
