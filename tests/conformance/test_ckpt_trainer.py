@@ -279,6 +279,37 @@ def test_model_torch_save_ddp_cpu(dist_pool, tmp_path, arm):
     run(dist_pool(2), _torch_save_body, str(tmp_path), arm, False)
 
 
+_ONE_PROCESS_TORCH_SAVE = """
+import sys, torch, lightning as L
+import lightning_zeroq
+from lightning.pytorch.demos.boring_classes import BoringModel
+from tests.conformance.harness_fabric import strategy
+for arm in ("zeroq_stage_2", "stage3_freed"):
+    t = L.Trainer(strategy=strategy(arm), accelerator="cpu", devices=1, default_root_dir=sys.argv[1], max_epochs=1,
+                  enable_progress_bar=False, enable_model_summary=False)
+    t.fit(BoringModel())
+    assert type(t.strategy.launcher).__name__ == "ZeroQLauncher"  # Lightning's launcher started this rank
+    path = sys.argv[1] + "/temp.pt"
+    torch.save(t.model, path)
+    torch.save(t, path)
+    torch.load(path, weights_only=False)
+print("saved")
+"""
+
+
+def test_model_torch_save_one_process(tmp_path):
+    # The original exactly: one process that Lightning's launcher (ours, ZeroQLauncher) started itself, not a
+    # pool rank launched from outside. Its own interpreter, so no process group is left in this one.
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, "-c", _ONE_PROCESS_TORCH_SAVE, str(tmp_path)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "saved" in proc.stdout, proc.stderr[-3000:]
+
+
 # --------------------------------------------------------------------------- the checkpoint connector
 
 
