@@ -21,7 +21,7 @@ import contextlib
 import functools
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Generator, Mapping, Optional
+from typing import Any, Generator, Mapping, Optional, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -40,11 +40,13 @@ from lightning_zeroq.checkpoint import atomic
 from lightning_zeroq.lightning import checkpoint as checkpoint_glue
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer
 from lightning_zeroq.config import ZeroConfig
+from lightning_zeroq.validation import check_bool
 from lightning_zeroq.lightning.launcher import ZeroQLauncher, record_sigterm_without_collectives
 from lightning_zeroq.common.precision import ZeroQPrecision
 from lightning_zeroq.common.strategy import (
     as_zeroq_precision,
     build_engine,
+    check_timeout,
     config_from_options,
     create_process_group,
     local_checkpoint_path,
@@ -54,6 +56,7 @@ from lightning_zeroq.common.strategy import (
 from lightning_zeroq.checkpoint import engine_io
 from lightning_zeroq.zero import state_dict as zero_state
 from lightning_zeroq.common.watchdog import report_collective_failure
+from lightning_zeroq.zero.access import check_module
 from lightning_zeroq.zero.engine import ZeroEngine
 
 checkpoint_glue.install_load_from_checkpoint()
@@ -89,7 +92,7 @@ class ZeroQStrategy(DDPStrategy):
         checkpoint_io: Optional[Any] = None,
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
         start_method: str = "popen",
         async_checkpoint: bool = False,
         **options: Any,
@@ -108,11 +111,11 @@ class ZeroQStrategy(DDPStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
-            timeout=timeout,
+            timeout=check_timeout("ZeroQStrategy", timeout),
             start_method=start_method,  # type: ignore[arg-type]
         )
         self.engine: Optional[ZeroEngine] = None
-        self.checkpointer = Checkpointer(async_save=async_checkpoint)
+        self.checkpointer = Checkpointer(async_save=check_bool("ZeroQStrategy", "async_checkpoint", async_checkpoint))
         self._weights_loaded = False
 
     # ------------------------------------------------------------------ Lightning contract
@@ -245,6 +248,7 @@ class ZeroQStrategy(DDPStrategy):
         (default: the LightningModule) are plain tensors with their full fp32 values, also in stage 3;
         ``writeback=True`` keeps what the block changed. Like FSDP's ``summon_full_params`` and
         DeepSpeed's ``GatheredParameters``."""
+        check_module("ZeroQStrategy.gathered_parameters", module, optional=True)
         if self.engine is None or self.engine.retired:
             return contextlib.nullcontext()  # the module holds plain, full parameters
         return self.engine.gathered_parameters(module, writeback)
