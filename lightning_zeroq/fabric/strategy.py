@@ -149,8 +149,10 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
         config: a ``ZeroConfig``; keyword ``options`` override its fields.
         **options: any ``ZeroConfig`` field, as for ``ZeroQStrategy`` (``stage``, ``offload_optimizer``,
             ``quantized_weights``, ``managed_gradient_accumulation``, ...).
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision,
-        process_group_backend, timeout: as in Fabric's ``DDPStrategy``.
+        accelerator, parallel_devices, cluster_environment, precision, process_group_backend: as in
+            Fabric's ``DDPStrategy``.
+        timeout: the longest a collective waits, a positive ``timedelta`` or number of seconds.
+        checkpoint_io: refused (``fabric.save`` / ``fabric.load`` write ZeroQ's directories themselves).
     """
 
     def __init__(

@@ -74,7 +74,8 @@ class ZeroQStrategy(DDPStrategy):
             ``nvme_path``, ``quantized_weights``, ``shard_group_size`` (``"node"``: the processes of
             one node, ``devices``), ``quantize_cross_group_only``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-        process_group_backend, timeout, start_method: as in Lightning's ``DDPStrategy``.
+        process_group_backend, start_method: as in Lightning's ``DDPStrategy``.
+        timeout: the longest a collective waits, a positive ``timedelta`` or number of seconds.
         async_checkpoint: save checkpoints with ``torch.distributed.checkpoint.async_save``: training
             waits only while the state is copied to host memory, the files are written in the
             background (the next save, a load or ``wait_for_checkpoint()`` waits for them).
