@@ -41,6 +41,7 @@ def gathered_parameters(module, writeback: bool = False):
 
     from lightning_zeroq.zero import access
 
+    access.check_module("lightning_zeroq.gathered_parameters", module)
     engine = owning_engine(module)
     return access.gathered_parameters(engine, module, writeback) if engine is not None else contextlib.nullcontext()
 

@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lightning_zeroq.validation import check_bool, check_choice, check_int
+from lightning_zeroq.validation import check_bool, check_choice, check_int, check_local_path
 
 OFFLOAD_DEVICES = ("cpu", "nvme")
 NONFINITE_ACTIONS = ("error", "skip")
@@ -162,8 +162,7 @@ class ZeroConfig:
     """fp16 dynamic loss scaling never halves the scale below this."""
 
     def __post_init__(self) -> None:
-        self.stage = _check_int("stage", self.stage, 1)
-        if self.stage not in (1, 2, 3):
+        if self.stage not in (1, 2, 3) or not isinstance(self.stage, int) or isinstance(self.stage, bool):
             raise ValueError(f"ZeroConfig.stage={self.stage!r} is not a ZeRO stage; use 1, 2 or 3.")
         for name in ("reduce_bucket_size", "allgather_bucket_size"):
             setattr(self, name, _check_int(name, getattr(self, name), 1))
@@ -240,6 +239,8 @@ class ZeroConfig:
                 f"ZeroConfig.offload_parameters=True needs stage=3 (got stage={self.stage}): parameters are "
                 "only sharded at rest in stage 3. Set stage=3 or offload only the optimizer."
             )
+        if self.nvme_path is not None:
+            check_local_path("ZeroConfig", "nvme_path", self.nvme_path)
         if self.uses_nvme and not self.nvme_path:
             raise ValueError(
                 f"ZeroConfig.nvme_path={self.nvme_path!r}: NVMe offload needs a directory to swap to; set "

@@ -4,6 +4,8 @@ the form ``zeroq-train`` turns into a Hydra key."""
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Any, Sequence
 
 
@@ -27,3 +29,15 @@ def check_choice(owner: str, name: str, value: Any, choices: Sequence[Any]) -> A
     if value not in choices:
         raise ValueError(f"{owner}.{name}={value!r} is not one of {list(choices)}; use one of them.")
     return value
+
+
+def check_local_path(owner: str, name: str, value: Any) -> str:
+    """``value`` as a local path: a string or ``os.PathLike``, not the URL of a remote file system (every
+    rank reads and writes its own files there with local I/O; ``s3://b`` would become the directory ``s3:/b``)."""
+    if not isinstance(value, (str, os.PathLike)) or not str(value):
+        raise ValueError(f"{owner}.{name}={value!r} must be a path to a local directory (a non-empty string).")
+    text = os.fspath(value)
+    if isinstance(text, str) and re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", text):
+        raise ValueError(f"{owner}.{name}={text!r} names a remote file system; use a local directory (for NVMe "
+                         "swap, a fast local disk such as /local_nvme).")
+    return str(text)

@@ -9,7 +9,7 @@ process group (what ``zeroq-convert CKPT OUT`` runs; its command line is ``cli/c
   resumes from it.
 - ``OUT.safetensors``: the same tensors (``--optimizer``: also ``optimizer.state.<name>.<key>``, the
   param groups as JSON in the metadata), written by the ``safetensors`` package
-  (``pip install "lightning-zeroq[safetensors]"``), whose format rules stay its own to keep right.
+  (``pip install safetensors``), whose format rules stay its own to keep right.
 
 Memory stays at about one tensor: the torch file's skeleton (the pickle and the zip headers, from
 ``torch.save`` under ``torch.serialization.skip_data``) is built in memory, the whole file is
@@ -49,7 +49,7 @@ from lightning_zeroq.checkpoint.chunks import BytesTarget
 from lightning_zeroq.checkpoint.safe import read_entries
 from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY, Kind, classify
 
-SAFETENSORS_EXTRA = 'pip install "lightning-zeroq[safetensors]"'
+SAFETENSORS_EXTRA = "pip install safetensors"  # what the extra installs; this package is on no index
 
 
 def _read(opened: Opened, targets: dict) -> None:

@@ -58,7 +58,7 @@ class TrainerConfig:
         for name, minimum in (("num_nodes", 1), ("max_steps", 1), ("accumulate_grad_batches", 1),
                               ("log_every_n_steps", 1)):
             check_int("TrainerConfig", name, getattr(self, name), minimum)
-        check_devices(self.devices)
+        check_devices(self.devices, self.accelerator)
         if self.precision not in PARAM_DTYPES:
             raise ValueError(
                 f"TrainerConfig.precision={self.precision!r} is not a precision ZeroQStrategy owns; "
@@ -124,25 +124,33 @@ def _build(cls: type, values: dict[str, Any]) -> Any:
     return cls(**values)
 
 
-def check_devices(devices: Any) -> None:
-    """``ValueError`` unless ``devices`` is what Lightning takes: a positive count, -1 (all), ``auto`` or a
-    non-empty list of distinct device indices (Hydra gives a list as a ``ListConfig``)."""
-    fix = "use a positive number of processes per node, -1 for all devices, auto, or a list of device indices."
+def check_devices(devices: Any, accelerator: str = "auto") -> None:
+    """``ValueError`` unless ``devices`` is what Lightning takes: a positive count, -1 (every GPU; not for
+    processes on the CPU), ``auto`` or a non-empty list of distinct device indices (Hydra gives a list as a
+    ``ListConfig``)."""
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    fix = ("use a positive number of processes per node (e.g. 2) or auto" if on_cpu else
+           "use a positive number of processes per node, -1 for all devices, auto, or a list of device indices")
     if isinstance(devices, str) and devices.lstrip("-").isdigit():
         devices = int(devices)
     if isinstance(devices, bool):
         pass
     elif isinstance(devices, int):
-        if devices >= 1 or devices == -1:
+        if devices >= 1 or (devices == -1 and not on_cpu):
             return
+        if devices == -1:
+            raise ValueError(f"TrainerConfig.devices=-1 means every GPU, and the accelerator is the CPU "
+                             f"(accelerator={accelerator!r}); {fix}.")
     elif devices == "auto":
         return
     elif not isinstance(devices, str) and isinstance(devices, Sequence):
         items = list(devices)
-        if items and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items) \
+        if on_cpu:
+            pass
+        elif items and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items) \
                 and len(set(items)) == len(items):
             return
-    raise ValueError(f"TrainerConfig.devices={devices!r} is not a device count Lightning can run; {fix}")
+    raise ValueError(f"TrainerConfig.devices={devices!r} is not a device count Lightning can run; {fix}.")
 
 
 def config_error_line(err: Exception) -> str:

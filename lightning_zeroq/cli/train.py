@@ -119,7 +119,7 @@ def resource_dir(name: str) -> Path:
             return candidate.resolve()
     raise RuntimeError(
         f"lightning_zeroq cannot find its '{name}' directory (looked in {here} and {here.parents[1]}); "
-        "reinstall the package (pip install lightning-zeroq) or run from a complete source checkout."
+        "reinstall the package from a complete source checkout (pip install .) or run from one."
     )
 
 

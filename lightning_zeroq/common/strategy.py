@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import re
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
@@ -30,6 +31,7 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from torch import nn
 
 from lightning_zeroq.config import ZeroConfig
+from lightning_zeroq.common.migration import unknown_options_message
 from lightning_zeroq.common.precision import ZeroQPrecision
 from lightning_zeroq.common.watchdog import JOIN_TIMEOUT, start_watchdog, stop_watchdog
 from lightning_zeroq.zero.access import owning_engine
@@ -78,8 +80,26 @@ def config_from_options(owner: str, config: Optional[ZeroConfig], options: dict[
     known = set(ZeroConfig.__dataclass_fields__)
     unknown = sorted(set(options) - known)
     if unknown:
-        raise TypeError(f"{owner} got unknown option(s) {unknown}; valid options are {sorted(known)}.")
+        raise TypeError(unknown_options_message(owner, unknown, sorted(known)))
     return (config or ZeroConfig()).replace(**options)
+
+
+def check_timeout(owner: str, timeout: Any) -> Optional[timedelta]:
+    """The collective timeout as a ``timedelta``: a positive ``timedelta``, or seconds as a positive number
+    (DeepSpeed's and torchrun's habit); None leaves torch's default."""
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    elif isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif timeout is None:
+        return None
+    else:
+        raise ValueError(f"{owner}(timeout={timeout!r}) is not a duration; pass a datetime.timedelta (e.g. "
+                         "timedelta(minutes=30)) or a number of seconds.")
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"{owner}(timeout={timeout!r}) must be positive (it bounds every collective); pass e.g. "
+                         "timedelta(minutes=30), or leave it out for the default.")
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
 
 
 def as_zeroq_precision(plugin: Optional[Any], plugin_cls: type[P]) -> Optional[P]:

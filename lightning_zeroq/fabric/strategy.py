@@ -51,6 +51,7 @@ from lightning_zeroq.common.precision import ZeroQPrecision
 from lightning_zeroq.common.strategy import (
     as_zeroq_precision,
     build_engine,
+    check_timeout,
     check_one_optimizer,
     config_from_options,
     create_process_group,
@@ -63,6 +64,15 @@ from lightning_zeroq.zero.engine import ZeroEngine
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import _LRScheduler
+
+def _refuse_checkpoint_io(io: Any) -> None:
+    if io is not None:
+        raise ValueError(
+            f"ZeroQFabricStrategy does not use a CheckpointIO plugin (got {type(io).__name__}): fabric.save and "
+            "fabric.load write and read ZeroQ's checkpoint directories themselves. Remove checkpoint_io (or the "
+            "plugin); to transform what is saved, change the state dict you pass to fabric.save."
+        )
+
 
 class ZeroQFabricPrecision(ZeroQPrecision):
     """ZeroQ's precision modes (``common/precision.py``: working dtype, fp32 masters, autocast, fp16 loss
@@ -139,8 +149,10 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
         config: a ``ZeroConfig``; keyword ``options`` override its fields.
         **options: any ``ZeroConfig`` field, as for ``ZeroQStrategy`` (``stage``, ``offload_optimizer``,
             ``quantized_weights``, ``managed_gradient_accumulation``, ...).
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision,
-        process_group_backend, timeout: as in Fabric's ``DDPStrategy``.
+        accelerator, parallel_devices, cluster_environment, precision, process_group_backend: as in
+            Fabric's ``DDPStrategy``.
+        timeout: the longest a collective waits, a positive ``timedelta`` or number of seconds.
+        checkpoint_io: refused (``fabric.save`` / ``fabric.load`` write ZeroQ's directories themselves).
     """
 
     def __init__(
@@ -153,10 +165,11 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
         checkpoint_io: Optional[Any] = None,
         precision: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
         **options: Any,
     ) -> None:
         self.config = config_from_options("ZeroQFabricStrategy", config, options)
+        _refuse_checkpoint_io(checkpoint_io)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -164,7 +177,7 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
             checkpoint_io=checkpoint_io,
             precision=precision,
             process_group_backend=process_group_backend,
-            timeout=timeout,
+            timeout=check_timeout("ZeroQFabricStrategy", timeout),
             start_method="popen",  # stage 3 state never travels between processes
         )
         self._backward_sync_control: ZeroQBackwardSyncControl = ZeroQBackwardSyncControl()
@@ -177,6 +190,17 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
     def _setup_distributed(self) -> None:
         create_process_group(self, super()._setup_distributed)  # as the Trainer's: a stalled or dead rank ends the job
         report_uncaught_collective_failures()  # Fabric has no on_exception: the hook reports what ends the script
+
+    @property
+    @override
+    def checkpoint_io(self) -> Any:
+        return super().checkpoint_io
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: Any) -> None:  # Fabric(plugins=[MyCheckpointIO()]) sets it here
+        _refuse_checkpoint_io(io)
+        self._checkpoint_io = io
 
     # ------------------------------------------------------------------ precision
 

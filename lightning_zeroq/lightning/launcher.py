@@ -76,6 +76,14 @@ class ZeroQLauncher(_SubprocessScriptLauncher):
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
 
+    def __getstate__(self) -> dict:
+        # The Trainer pickles (torch.save(trainer), Lightning's own tests do it after fit) with its strategy
+        # and launcher; the observer thread and the child processes it watches belong to this process alone.
+        state = self.__dict__.copy()
+        state["_observer"] = None
+        state["procs"] = []
+        return state
+
     def kill(self, signum: Any) -> None:
         super().kill(signum)
         if signum == signal.SIGKILL and self.procs:

@@ -23,7 +23,7 @@ import contextlib
 import functools
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Generator, Mapping, Optional
+from typing import Any, Callable, Generator, Mapping, Optional, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -43,11 +43,13 @@ from lightning_zeroq.lightning import checkpoint as checkpoint_glue
 from lightning_zeroq.lightning.averaging import gather_around_averaging, refuse_meta_copies
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer
 from lightning_zeroq.config import ZeroConfig
+from lightning_zeroq.validation import check_bool
 from lightning_zeroq.lightning.launcher import ZeroQLauncher, record_sigterm_without_collectives
 from lightning_zeroq.common.precision import ZeroQPrecision
 from lightning_zeroq.common.strategy import (
     as_zeroq_precision,
     build_engine,
+    check_timeout,
     config_from_options,
     create_process_group,
     local_checkpoint_path,
@@ -57,6 +59,7 @@ from lightning_zeroq.common.strategy import (
 from lightning_zeroq.checkpoint import engine_io
 from lightning_zeroq.zero import access, state_dict as zero_state
 from lightning_zeroq.common.watchdog import report_collective_failure
+from lightning_zeroq.zero.access import check_module
 from lightning_zeroq.zero.engine import ZeroEngine
 
 checkpoint_glue.install_load_from_checkpoint()
@@ -74,7 +77,8 @@ class ZeroQStrategy(DDPStrategy):
             ``nvme_path``, ``quantized_weights``, ``shard_group_size`` (``"node"``: the processes of
             one node, ``devices``), ``quantize_cross_group_only``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-        process_group_backend, timeout, start_method: as in Lightning's ``DDPStrategy``.
+        process_group_backend, start_method: as in Lightning's ``DDPStrategy``.
+        timeout: the longest a collective waits, a positive ``timedelta`` or number of seconds.
         async_checkpoint: save checkpoints with ``torch.distributed.checkpoint.async_save``: training
             waits only while the state is copied to host memory, the files are written in the
             background (the next save, a load or ``wait_for_checkpoint()`` waits for them).
@@ -92,7 +96,7 @@ class ZeroQStrategy(DDPStrategy):
         checkpoint_io: Optional[Any] = None,
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
         start_method: str = "popen",
         async_checkpoint: bool = False,
         **options: Any,
@@ -111,12 +115,12 @@ class ZeroQStrategy(DDPStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
-            timeout=timeout,
+            timeout=check_timeout("ZeroQStrategy", timeout),
             start_method=start_method,  # type: ignore[arg-type]
         )
         self.engine: Optional[ZeroEngine] = None
         self._unwrap_averaging: Callable[[], None] = _nothing  # see averaging.py
-        self.checkpointer = Checkpointer(async_save=async_checkpoint)
+        self.checkpointer = Checkpointer(async_save=check_bool("ZeroQStrategy", "async_checkpoint", async_checkpoint))
         self._weights_loaded = False
 
     # ------------------------------------------------------------------ Lightning contract
@@ -261,6 +265,7 @@ class ZeroQStrategy(DDPStrategy):
         (default: the LightningModule) are plain tensors with their full fp32 values, also in stage 3;
         ``writeback=True`` keeps what the block changed. Like FSDP's ``summon_full_params`` and
         DeepSpeed's ``GatheredParameters``."""
+        check_module("ZeroQStrategy.gathered_parameters", module, optional=True)
         if self.engine is None or self.engine.retired:
             return contextlib.nullcontext()  # the module holds plain, full parameters
         return self.engine.gathered_parameters(module, writeback)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Iterator, Optional, Protocol
+from typing import Any, Iterator, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -81,6 +81,13 @@ def publish_loaded(engine: EngineParts, unit: Unit) -> None:
     full = _full_masters(engine, unit)
     for p, slot in zip(unit.params, unit.layout.slots):
         p.data = full[slot.span].view(p.shape).to(device=p.device, dtype=p.dtype, copy=True)
+
+
+def check_module(call: str, module: Any, optional: bool = False) -> None:
+    """``TypeError`` naming ``call`` unless ``module`` is an ``nn.Module`` (or, ``optional``, None)."""
+    if not isinstance(module, nn.Module) and not (optional and module is None):
+        raise TypeError(f"{call}(module) takes the nn.Module whose parameters to gather (e.g. the model or one of "
+                        f"its submodules), got {type(module).__name__} {module!r}.")
 
 
 @contextlib.contextmanager

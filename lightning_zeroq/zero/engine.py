@@ -369,6 +369,7 @@ class ZeroEngine:
                             writeback: bool = False) -> contextlib.AbstractContextManager:
         """Collective context manager: the full fp32 parameters of ``module`` (default: all) as plain
         tensors inside; ``writeback=True`` keeps what was changed. See ``access.py``."""
+        access.check_module("ZeroEngine.gathered_parameters", module, optional=True)
         return access.gathered_parameters(self, module, writeback)
 
     def release_module(self, dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None) -> None:

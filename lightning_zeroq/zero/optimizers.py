@@ -38,6 +38,12 @@ ELEMENTWISE_OPTIMIZERS: list[type] = [
 
 def register_elementwise_optimizer(cls: type) -> type:
     """Declare an optimizer class elementwise, so ZeroQ accepts it. Usable as a class decorator."""
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        what = f"the class {cls.__name__}" if isinstance(cls, type) else f"an object of type {type(cls).__name__}"
+        raise TypeError(
+            f"register_elementwise_optimizer() takes an optimizer class (a subclass of torch.optim.Optimizer, "
+            f"e.g. register_elementwise_optimizer(MyAdam)); got {what}."
+        )
     if cls not in ELEMENTWISE_OPTIMIZERS:
         ELEMENTWISE_OPTIMIZERS.append(cls)
     return cls

@@ -95,6 +95,9 @@ def write_text(path: Path, nbytes: int) -> Path:
         (["trainer.precision=64-true"], "TrainerConfig.precision='64-true'", "trainer.precision"),
         (["data.seq_len=4096"], "DataConfig.seq_len=4096 exceeds GPTConfig.block_size=128", "data.seq_len"),
         (["+zero.stagee=2"], "ZeroConfig.stagee=2 is not a ZeroConfig field", "zero.stagee"),
+        (["trainer.devices=-1"], "TrainerConfig.devices=-1 means every GPU, and the accelerator is the CPU",
+         "trainer.devices"),
+        (["trainer.devices=0"], "use a positive number of processes per node (e.g. 2) or auto.", "trainer.devices"),
     ],
 )
 def test_semantic_errors_name_the_value_and_the_key(overrides: list[str], names: str, key: str) -> None:

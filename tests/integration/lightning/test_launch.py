@@ -64,3 +64,23 @@ def test_an_error_on_one_rank_ends_every_rank_within_seconds(tmp_path):
     code, seconds_after_failure, output = _launch(tmp_path, fail_at=2)
     assert code != 0 and "deliberate failure on rank 1" in output, output[-3000:]
     assert seconds_after_failure < 20, f"the run went on for {seconds_after_failure:.1f} s after rank 1 failed"
+
+
+def test_the_launcher_pickles_without_its_observer_and_children():
+    # torch.save(trainer) on rank 0 of devices=N: what the launcher watches belongs to this process alone
+    import functools
+    import pickle
+
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    from lightning_zeroq.lightning.launcher import ZeroQLauncher, _Observer
+    from lightning_zeroq.lightning.strategy import _swap_roots
+
+    launcher = ZeroQLauncher(LightningEnvironment(), 2, 1, functools.partial(_swap_roots, None))
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    launcher.procs = [child]
+    launcher._observer = _Observer(0, launcher.procs, [])
+    copy = pickle.loads(pickle.dumps(launcher))
+    assert copy._observer is None and copy.procs == [] and copy.num_processes == 2
+    assert launcher._observer is not None and launcher.procs == [child]  # the original keeps them
