@@ -387,8 +387,8 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
         in_block = (i - args.warmup) % args.floor_block if floor is not None and i >= args.warmup else 0
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=dev, generator=g)
         if in_block == 0:
-            if engine is not None:
-                engine.wait_for_step()  # an asynchronous step's host work ends outside the time
+            if engine is not None and floor is not None:
+                engine.wait_for_step()  # --floor: a block starts quiet (its last step's host work counts in full)
             sync()
             t0 = time.perf_counter()
         with torch.autocast(dev.type, dtype=torch.bfloat16):
