@@ -119,7 +119,8 @@ def test_a_hybrid_save_records_the_world_and_the_shard_group_and_reshards(dist_p
         saved, stepped = dist_pool(4).run(_save_body, "s2_hybrid", tmp)[0]
         manifest = Manifest.read(Path(tmp) / "ckpt")
         assert manifest.world_size == 4
-        assert manifest.extra == {"world_size": 4, "shard_group_size": 2, "stage": 2}, manifest.extra
+        assert manifest.extra == {"world_size": 4, "shard_group_size": 2, "stage": 2,
+                                  "optimizer_class": "torch.optim.adamw.AdamW"}, manifest.extra
         hybrid = dist_pool(4).run(_load_body, "s3_hybrid", tmp)
         flat = dist_pool(2).run(_load_body, "s1", tmp)
     for state, after in hybrid + flat:
