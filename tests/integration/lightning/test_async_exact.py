@@ -153,8 +153,12 @@ CASES = [(kind, stage, units) for kind in MODELS for stage in (1, 2, 3) for unit
          if not (kind == "branch" and (stage == 3 or units == "one"))]  # stage 3 runs the same modules everywhere
 
 
+PARAMS = [pytest.param(*case, id="-".join(map(str, case)), marks=[pytest.mark.hf] if case[0] == "llama" else [])
+          for case in CASES]  # Hugging Face's model: in the pass with transformers installed (pyproject.toml, hf)
+
+
 @pytest.mark.usefixtures("host_kernel")  # tests/conftest.py: skips where the kernel cannot match torch
-@pytest.mark.parametrize(("kind", "stage", "units"), CASES, ids=["-".join(map(str, c)) for c in CASES])
+@pytest.mark.parametrize(("kind", "stage", "units"), PARAMS)
 def test_async_steps_are_the_synchronous_steps_under_the_trainer(dist_pool, kind, stage, units):
     if kind == "litgpt":
         pytest.importorskip("litgpt")
