@@ -31,6 +31,7 @@ from torch import nn
 from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.plan import UnitSpec
 
+
 def describe_plan(module: nn.Module, specs: Sequence[UnitSpec]) -> list[str]:
     """One line per parameter of each unit, in order: the unit, its kind, the parameter's name, shape, dtype."""
     names = {id(p): name for name, p in module.named_parameters()}
