@@ -93,7 +93,6 @@ class StepAhead(InStep):
         self._cv = threading.Condition()
         self._pending: deque[Unit] = deque()
         """Units of the step queued last, in order, that the calling thread has not waited for yet."""
-        self._stepped: set[int] = set()
         self._published: dict[int, Optional[torch.cuda.Event]] = {}
         """Units the worker has published, with the event after it on the worker's stream."""
         self._error: Optional[BaseException] = None
@@ -158,7 +157,6 @@ class StepAhead(InStep):
                       for t in (view, *state[view].values()) if isinstance(t, torch.Tensor)]
         with self._cv:
             self._pending.extend(mine)
-            self._stepped.clear()
             self._published.clear()
         for unit in mine:  # readable again once published (need)
             if unit.persistent:
@@ -191,6 +189,7 @@ class StepAhead(InStep):
         try:
             with self._on_stream():
                 order = deque(item[0] for item in work)  # forward order: the order of publication
+                stepped: set[int] = set()
                 left = list(work)
                 while left:
                     item = _next(left)
@@ -202,8 +201,8 @@ class StepAhead(InStep):
                             copied.synchronize()  # the gradient's copy to the host
                         with torch.profiler.record_function("zeroq.optimizer_step"):
                             kernel.kernel.run(jobs, threads=threads)
-                    self._stepped.add(unit.index)
-                    while order and order[0].index in self._stepped:
+                    stepped.add(unit.index)
+                    while order and order[0].index in stepped:
                         self._publish_one(order.popleft())
         except BaseException as caught:  # reported by the next need() or drain(), on the calling thread
             with self._cv:
