@@ -17,6 +17,9 @@ Files
     those of every prefix and rank, so one rank's log names every leftover of a killed job. A
     launcher that killed the ranks it started removes their directories
     (:func:`remove_directories_of`: the lock names the dead pid, so they are provably its own).
+    A swapper that removes its directory first renames it to ``.<name>.pid<pid>@<host hash>``: until the
+    directory is gone, its lock or its name says whose it is, even after a SIGKILL that lands between
+    unlinking the lock and removing the directory.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import re
 import secrets
 import tempfile
 import threading
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +48,7 @@ THREAD_PREFIX = "zeroq-nvme-"
 _LOCK_NAME = ".lock"
 _NO_LOCKS_ERRNOS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL)
 _SWAP_DIRECTORY = re.compile(r"^[A-Za-z0-9_.-]+_rank\d{5}_[0-9a-f]{8}$")
+_CLAIMED = re.compile(r"^\.[A-Za-z0-9_.-]+_rank\d{5}_[0-9a-f]{8}\.pid(\d+)@([0-9a-f]{8})$")
 _reported_leftovers: set[str] = set()
 
 
@@ -110,26 +115,56 @@ class Resources:
             self.removal_done = True
 
     def _remove_files(self) -> None:
-        for name in [*sorted(self.files), *([_LOCK_NAME] if self.lock_fd is not None else [])]:
+        # First the directory takes the name ``.<name>.pid<pid>@<host>`` (see :func:`claimed_name`), so that
+        # at every moment until it is gone either its lock or its name says whose it is: a process killed
+        # between unlinking the lock and removing the directory leaves a name a launcher can still prove.
+        name = self._claim()
+        for entry in [*sorted(self.files), *([_LOCK_NAME] if self.lock_fd is not None else [])]:
             try:
-                os.unlink(name, dir_fd=self.dir_fd)
+                os.unlink(entry, dir_fd=self.dir_fd)
             except FileNotFoundError:
                 pass
             except OSError as e:
-                log.warning("could not remove swap file %s: %s", self.directory / name, e)
+                log.warning("could not remove swap file %s: %s", self.directory / entry, e)
         self.files.clear()
+        if name is None:
+            return
         try:
-            # Remove the directory by name only if that name still is our directory.
-            here = os.stat(self.name, dir_fd=self.root_fd, follow_symlinks=False)
-            ours = os.fstat(self.dir_fd)
-            if (here.st_dev, here.st_ino) != (ours.st_dev, ours.st_ino):
-                log.warning("swap directory %s was moved or replaced while in use; left it alone", self.directory)
-                return
-            os.rmdir(self.name, dir_fd=self.root_fd)
+            os.rmdir(name, dir_fd=self.root_fd)
         except FileNotFoundError:
             pass
         except OSError as e:
+            log.warning("could not remove swap directory %s: %s", self.root / name, e)
+
+    def _claim(self) -> Optional[str]:
+        """Rename the directory to its claimed name; return the name it has now, or None when the name
+        ``self.name`` is no longer this directory (moved or replaced: it is left alone)."""
+        try:
+            here = os.stat(self.name, dir_fd=self.root_fd, follow_symlinks=False)
+            ours = os.fstat(self.dir_fd)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
             log.warning("could not remove swap directory %s: %s", self.directory, e)
+            return None
+        if (here.st_dev, here.st_ino) != (ours.st_dev, ours.st_ino):
+            log.warning("swap directory %s was moved or replaced while in use; left it alone", self.directory)
+            return None
+        claimed = claimed_name(self.name, self.owner_pid)
+        try:
+            os.rename(self.name, claimed, src_dir_fd=self.root_fd, dst_dir_fd=self.root_fd)
+        except OSError:
+            return self.name  # removed under its own name, as before
+        return claimed
+
+
+def _host_tag() -> str:
+    return f"{zlib.crc32(os.uname().nodename.encode()):08x}"
+
+
+def claimed_name(name: str, pid: int) -> str:
+    """The name a swap directory ``name`` takes while its owner ``pid`` removes it."""
+    return f".{name}.pid{pid}@{_host_tag()}"
 
 
 def directory_stem(prefix: str, rank: int) -> str:
@@ -231,7 +266,8 @@ def report_leftovers(resources: Resources, stem: str, everyone: bool = False) ->
     behind."""
     try:
         names = sorted(n for n in os.listdir(resources.root_fd) if n != resources.name and (
-            n.startswith(stem) or everyone and _SWAP_DIRECTORY.match(n)))
+            n.startswith(stem) or n.startswith("." + stem) and _CLAIMED.match(n)
+            or everyone and (_SWAP_DIRECTORY.match(n) or _CLAIMED.match(n))))
     except OSError:
         return
     for name in names:
@@ -261,7 +297,7 @@ def remove_directories_of(root: PathLike, pids: Iterable[int]) -> list[Path]:
         return removed
     try:
         for name in sorted(os.listdir(root_fd)):
-            if not _SWAP_DIRECTORY.match(name) or _dead_owner(root_fd, name) not in wanted:
+            if not (_SWAP_DIRECTORY.match(name) or _CLAIMED.match(name)) or _dead_owner(root_fd, name) not in wanted:
                 continue
             try:
                 dir_fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=root_fd)
@@ -288,22 +324,30 @@ def remove_directories_of(root: PathLike, pids: Iterable[int]) -> list[Path]:
 
 def _dead_owner(root_fd: int, name: str) -> Optional[int]:
     """The pid that created the swap directory ``name`` if it provably left it behind: a directory
-    of this user (not a symlink) whose lock is free and whose pid no longer runs on this host.
-    ``None`` at any doubt."""
+    of this user (not a symlink) whose lock is free (or, under a claimed name, gone) and whose pid no
+    longer runs on this host. ``None`` at any doubt."""
     dir_fd = lock_fd = -1
     try:
         dir_fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=root_fd)
         if os.fstat(dir_fd).st_uid != os.geteuid():
             return None
-        lock_fd = os.open(_LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
         try:
-            fcntl.flock(lock_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return None  # its swapper is alive
-        fields = os.read(lock_fd, 256).decode("utf-8", "replace").split()
-        if len(fields) != 2 or not fields[0].isdigit() or fields[1] != os.uname().nodename:
-            return None
-        pid = int(fields[0])
+            lock_fd = os.open(_LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+        except FileNotFoundError:
+            # No lock: only a claimed name (its owner was killed after unlinking the lock) still says whose.
+            claimed = _CLAIMED.match(name)
+            if claimed is None or claimed.group(2) != _host_tag():
+                return None
+            pid = int(claimed.group(1))
+        else:
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return None  # its swapper is alive
+            fields = os.read(lock_fd, 256).decode("utf-8", "replace").split()
+            if len(fields) != 2 or not fields[0].isdigit() or fields[1] != os.uname().nodename:
+                return None
+            pid = int(fields[0])
         if pid == os.getpid():
             return None
         try:

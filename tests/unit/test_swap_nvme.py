@@ -783,3 +783,37 @@ def test_ending_the_process_waits_for_a_removal_another_thread_started(tmp_path:
     second.join(30)
     assert not directory.exists()
     sw.close()
+
+
+@pytest.mark.parametrize("killed_at", ["unlink", "rmdir"])
+def test_a_rank_killed_half_way_through_its_clean_up_leaves_a_directory_its_launcher_removes(
+    tmp_path: Path, killed_at: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Lightning's launcher SIGKILLs the ranks it started while they clean up after the same Ctrl-C.
+    # Killed after unlinking the lock and before removing the directory, a rank left an unlocked, empty
+    # directory that nothing could prove to be its own, so the launcher left it (a CI run saw it).
+    # ``unlink``: killed before the first file goes (the lock still names it); ``rmdir``: after the lock.
+    scenario = (
+        "import os, signal, types\n"
+        "def die(*args, **kwargs):\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "directory.os = types.SimpleNamespace(**{{k: getattr(os, k) for k in dir(os) if not k.startswith('__')}})\n"
+        "directory.os.{killed_at} = die\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.readline()\n"
+    ).format(killed_at=killed_at)
+    child, directory = _start_child(tmp_path, scenario)
+    assert child.stdout is not None and child.stdout.readline() == "ready\n"
+    child.send_signal(signal.SIGINT)
+    _, err = child.communicate(timeout=60)
+    assert child.returncode == -signal.SIGKILL, err
+    (left,) = list(tmp_path.iterdir())
+    assert left.name == swap_directory.claimed_name(directory.name, child.pid)
+    assert (left / ".lock").exists() == (killed_at == "unlink")
+    with caplog.at_level(logging.WARNING, logger=SWAP_LOGGER):
+        with NvmeSwapper(tmp_path):  # a new swapper of the same rank names the leftover
+            pass
+    assert f"{left} was left behind by pid {child.pid} " in caplog.text
+    assert swap_directory.remove_directories_of(tmp_path, [child.pid + 1]) == []  # not the killed pid: kept
+    assert swap_directory.remove_directories_of(tmp_path, [child.pid]) == [left]
+    assert list(tmp_path.iterdir()) == []
