@@ -1,8 +1,8 @@
 """Gradient norms from the shards: the global norm clipping needs, and every parameter's norm for
 logging (``on_before_optimizer_step``, where ``.grad`` is empty because gradients live in shards).
 
-Both read the fp32 gradient shards on the device (fast even when the step runs on the host) and cost
-one all-reduce: one number for the global norm, one per parameter for the per-parameter norms.
+Both read the fp32 gradient shards on the device (a gradient already copied to the host was
+measured as it left, ``Unit.land``, or comes back for the per-parameter norms) and cost one all-reduce: one number for the global norm, one per parameter for the per-parameter norms.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def global_norm(units: Sequence[Unit], group: Optional[dist.ProcessGroup], devic
     """The 2-norm of all gradient shards of all ranks together."""
     local = torch.zeros((), device=device)
     for unit in units:
-        local += unit.grad.pow(2).sum()
+        local += unit.grad_squares()
     if comm.world(group)[1] > 1:
         comm.all_reduce(local, dist.ReduceOp.SUM, group)
     return local.sqrt()
@@ -37,8 +37,9 @@ def grad_norms(units: Sequence[Unit], names: dict[int, str], norm_type: float, s
     infinite = norm_type == float("inf")
     per_param = torch.zeros(sum(len(u.params) for u in units), device=device)
     for unit in units:
+        grad = unit.fp32_grad()
         for seg in unit.segments:
-            values = unit.grad[seg.shard_span].abs()
+            values = grad[seg.shard_span].abs()
             index = unit.param_id(seg.param)
             if infinite:
                 per_param[index] = torch.maximum(per_param[index], values.max())

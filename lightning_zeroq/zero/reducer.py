@@ -243,12 +243,15 @@ class Reducer:
         self.window = Window.FINALIZED
         return self.agreement
 
-    def _materialize(self) -> None:
-        """Every unit's fp32 gradient shard exists and holds the window's gradient (on the reduction
-        stream, where the parts it adds were made); the compute stream then waits for it."""
+    def _materialize(self, all_units: bool = False) -> None:
+        """The fp32 gradient shard of every unit the optimizer steps on the device (``all_units``: of
+        every unit) exists and holds the window's gradient (on the reduction stream, where the parts it
+        adds were made); the compute stream then waits for it. A unit stepped on the host has its
+        gradient copied there instead (``offload/landing.py``), never widened here."""
         with self._stream.context():
             for unit in self.units:
-                unit.materialize_grad()
+                if all_units or self.placement.master_on_device(unit.index):
+                    unit.materialize_grad()
         self.wait()
 
     def _agree(self, with_dirty: bool) -> tuple[Tensor, set[int], list[bool]]:
@@ -263,7 +266,7 @@ class Reducer:
         if with_dirty and self._dirty:
             stats[[n_params + i for i in self._dirty]] = 1.0
         if self.units:  # a NaN or inf anywhere in a shard makes its sum non-finite
-            bad = (~torch.isfinite(torch.stack([u.grad.sum() for u in self.units]))).float()
+            bad = (~torch.isfinite(torch.stack([u.grad_sum() for u in self.units]))).float()
             stats[n_params + n_units : n_params + 2 * n_units] = bad
         stats[n_params + 2 * n_units + self.rank] = self._origin.float()
         if self.world_size > 1:
@@ -301,7 +304,7 @@ class Reducer:
         """Drop the gradients of some parameters only (one of several optimizers stepped or zeroed its
         own); the others' stay, and the window accepts more backward passes."""
         self.end_backward()
-        self._materialize()
+        self._materialize(all_units=True)
         for unit in self.units:
             host = self.placement.step_grad(unit)
             for _, seg in optimized.get(unit.index, ()):

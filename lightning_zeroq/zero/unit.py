@@ -113,6 +113,12 @@ class Unit:
     """Set while the unit is PREFETCHING."""
     pending: Optional[Tensor] = None
     """The window's first reduced part, while ``grad`` holds no storage (see the module docstring)."""
+    landed: Optional[Callable[[], Tensor]] = None
+    """Set while the window's gradient so far lives on the host only (``land``): brings it back."""
+    sums: Optional[tuple[Tensor, Optional[Tensor]]] = None
+    """Its fp32 sum and (where ``squares_asked``) sum of squares, measured as it left the device."""
+    squares_asked: bool = False
+    """A norm of this unit's gradient was asked for (``grad_squares``): measure it as it leaves."""
 
     def param_id(self, i: int) -> int:
         return self.first_param_id + i
@@ -135,6 +141,7 @@ class Unit:
     def add_grad(self, part: Tensor) -> None:
         """Add a reduced part (this rank's share, any float dtype) to the window's gradient. The first
         one is kept as it is (the caller hands it over); a second makes the fp32 shard."""
+        self.recall()
         if not self.has_grad_storage and self.pending is None:
             self.pending = part
             return
@@ -147,6 +154,7 @@ class Unit:
         (every x + 0 is x, and -0 becomes +0 as it does there)."""
         if self.has_grad_storage:
             return
+        self.recall()
         self.grad.untyped_storage().resize_(self.grad.numel() * self.grad.element_size())
         if self.pending is None:
             self.grad.zero_()
@@ -154,12 +162,47 @@ class Unit:
             torch.add(self.pending, 0.0, out=self.grad)
             self.pending = None
 
+    def land(self, recall: Callable[[], Tensor], stream: Optional["torch.cuda.Stream"]) -> None:
+        """The window's gradient was copied to the host (on ``stream``, still running): measure what the
+        agreement and clipping read of it, then release it here. ``recall`` brings it back."""
+        grad = self.grad if self.has_grad_storage else self.pending
+        assert grad is not None, "land() needs a gradient"
+        squares = grad.to(torch.float32, copy=True).pow_(2).sum() if self.squares_asked else None
+        sums = (grad.sum(dtype=torch.float32), squares)
+        self.drop_grad(stream)
+        self.landed, self.sums = recall, sums
+
+    def recall(self) -> None:
+        """Bring a landed gradient back to the device (as the pending part: the dtype it left in)."""
+        if self.landed is not None:
+            self.pending, self.landed, self.sums = self.landed(), None, None
+
+    def fp32_grad(self) -> Tensor:
+        """The window's gradient in fp32 on the device, for reading only: the shard itself, or a copy."""
+        if self.has_grad_storage:
+            return self.grad
+        part = self.pending if self.pending is not None else self.landed() if self.landed is not None else None
+        return torch.zeros(self.grad.numel(), device=self.grad.device) if part is None else part.float()
+
+    def grad_sum(self) -> Tensor:
+        """The fp32 sum of the window's gradient (a NaN or inf anywhere makes it non-finite)."""
+        return self.sums[0] if self.sums is not None else self.fp32_grad().sum()
+
+    def grad_squares(self) -> Tensor:
+        """The sum of the squares of the window's gradient, in fp32."""
+        self.squares_asked = True
+        if self.sums is not None and self.sums[1] is not None:
+            return self.sums[1]
+        return self.fp32_grad().pow(2).sum()
+
     def drop_grad(self, stream: Optional["torch.cuda.Stream"] = None) -> None:
         """Release the gradient (the window is over). ``stream``: the last stream that used it, so the
         allocator reuses the memory only after that stream's work (CUDA)."""
-        self.pending = None
+        if self.pending is not None and stream is not None and self.pending.is_cuda:
+            self.pending.record_stream(stream)
+        self.pending = self.landed = self.sums = None
         if self.has_grad_storage:
-            if stream is not None:
+            if stream is not None and self.grad.is_cuda:
                 self.grad.record_stream(stream)
             self.grad.untyped_storage().resize_(0)
 

@@ -95,8 +95,11 @@ class SeveralOptimizers(OneOptimizer):
              device: torch.device) -> Tensor:
         squared = torch.zeros((), device=device)
         for unit in units:
-            for span in self.spans(binding, unit):
-                squared += unit.grad[span].pow(2).sum()
+            spans = self.spans(binding, unit)
+            if spans:
+                grad = unit.fp32_grad()
+                for span in spans:
+                    squared += grad[span].pow(2).sum()
         if comm.world(group)[1] > 1:
             comm.all_reduce(squared, dist.ReduceOp.SUM, group)
         return squared.sqrt()

@@ -154,13 +154,11 @@ class AutoSplit(SplitOptimizer):
                         # A fused step keeps its step count beside the parameter; the others on the CPU.
                         if isinstance(value, torch.Tensor) and (key != "step" or fused):
                             state[key] = value.to(self.device)
-        self.host.host_grads.pop(unit.index, None)
-        self.host.half_grads.pop(unit.index, None)
+        self.host.landing.forget(unit.index)
         if self.host.kernel is not None:
             self.host.kernel.forget(unit.index)
         if self.host.spec is not None:
             self.host.spec.forget(unit.index)
-        self.host.fresh.discard(unit.index)
         master_moved(self.store, unit.index)
 
 

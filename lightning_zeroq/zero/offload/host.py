@@ -3,26 +3,8 @@
 Optimizer. The fp32 master shard of every unit and the optimizer state live on the host; the
 optimizer steps there with torch's fused CPU kernel (``optimizers.prefer_fast_host_step``).
 
-Gradients to the host. Each unit's gradient shard is copied to a pinned host buffer on a copy stream
-of its own, with one event per unit; the step reads a unit's host gradient only after waiting for that
-unit's event (``step_grad``), so it starts on the first unit while the others are still crossing PCIe.
-A window whose unit got exactly one reduction holds its gradient in the working dtype (``Unit.pending``);
-in bf16 that crosses PCIe as it is, in half the bytes of fp32, into a bf16 host buffer, and the host
-kernel reads it there (``ops.host_adam``: the fp32 value is the bf16 one exactly); any other reader gets
-it in fp32 (``step_grad`` widens it first). The agreement on the window (a few bytes read back at
-finalize) must come first. Through the copy engine, on an H200, that read-back waits behind every
-copy to the host already queued, whatever the stream, its priority or the chunking
-(``benchmarks/d2h_readback.py``); where the reducer reads it back through mapped host memory instead
-(``comm.mapped_readback``: a kernel stores the flags into pinned memory, no copy engine involved), it
-waits for nothing, so in a backward that ends the window (the caller said so: ``boundary=True``, which
-the Trainer passes with managed accumulation) every unit is copied as soon as it is reduced. Without
-mapped read-back a unit is copied then only if no earlier such copy is still running, and never the
-unit reduced last (the first unit: the read-back comes right after it); the read-back then waits for
-the rest of one unit's copy at most. The other units (all of them in an unmanaged window, and a unit
-that got gradients again after its copy) are copied at finalize: before the agreement where the
-read-back is mapped (``gradients_ready``), after it otherwise (``gradients_done``). (On the 953M model
-on one H200, copying every unit during the backward made a copy-engine read-back wait 45 ms for all
-3.8 GB; copying them all after it, the host step took 262 ms instead of 227 while they landed.)
+Gradients to the host: ``landing.GradientLanding`` copies each unit's reduced gradient shard into a
+host buffer and releases it on the device (its note says when).
 
 The host step. For torch's Adam and AdamW the host kernel (``ops.host_adam``, torch's fused
 arithmetic bitwise) steps a unit's segments in one call: it reads bf16 gradients, applies the pending
@@ -59,10 +41,10 @@ import torch
 from torch import Tensor
 
 from lightning_zeroq.ops.host_adam import host_adam
-from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.offload.device import OptimizerPlacement, ShardStore, copy_cast_to_device
 from lightning_zeroq.zero.offload.kernel import KernelSteps
 from lightning_zeroq.zero.offload.host_store import HostStore, host_copy
+from lightning_zeroq.zero.offload.landing import GradientLanding, wait_event
 from lightning_zeroq.zero.offload.speculate import Speculation
 from lightning_zeroq.zero.offload.threads import give_the_host_step_threads
 from lightning_zeroq.zero.optimizers import Binding, adam_kind, prefer_fast_host_step
@@ -82,27 +64,11 @@ class HostOptimizer(OptimizerPlacement):
         self._stepping = False
         self.pin = device.type == "cuda"
         self.param_dtype, self.world_size = param_dtype, world_size
-        self.host_grads: dict[int, Tensor] = {}
-        self.half_grads: dict[int, Tensor] = {}
-        """bf16 host gradient buffers (made at a unit's first bf16 copy)."""
-        self.copies = comm.side_stream(device)
-        """CUDA only: the stream the gradient shards leave the device on."""
-        self.in_flight: dict[int, "torch.cuda.Event"] = {}
-        """Units whose gradient copy to the host may still be running, with its event."""
-        self.fresh: set[int] = set()
-        """Units whose host gradient already holds this window's gradients."""
-        self.half: set[int] = set()
-        """Fresh units whose host gradient is the bf16 copy (``half_grads``), not yet widened."""
+        self.landing = GradientLanding(device, self.pin, self._settle)
         self.multiplier: dict[int, float] = {}
         """Units whose host gradient still owes this multiplier (the kernel applies it as it steps)."""
         self.device_reads: dict[int, "torch.cuda.Event"] = {}
         """Units whose master the device may still be reading (``published``), with the event after it."""
-        self.copy_early = False
-        """This backward ends the window (``begin_backward``): copy units as they are reduced."""
-        self.copy_all = comm.mapped_readback(device)
-        """The agreement's read-back does not wait for copies to the host: copy every unit at once."""
-        self.early: list["torch.cuda.Event"] = []
-        """The events of the copies issued during this backward that may still be running."""
         self.also_on: Optional[torch.device] = None
         """Partial offload (``split.SplitOptimizer``): the optimizer's groups hold segments on this device too."""
         self.kernel: Optional[KernelSteps] = None
@@ -112,9 +78,12 @@ class HostOptimizer(OptimizerPlacement):
         """Waits for an asynchronous step still running (``ahead.StepAhead.drain``, set by the engine):
         called before anything here reads or writes host gradients, masters or state outside it."""
 
+    def _settle(self) -> None:
+        self.settle()
+
     def adopt_master(self, index: int, shard: Tensor) -> Tensor:
         master = host_copy(shard, self.pin)
-        self.host_grads[index] = host_copy(torch.zeros_like(master), self.pin)
+        self.landing.add(index, master.numel())
         return master
 
     def master_on_device(self, index: int) -> bool:
@@ -153,66 +122,15 @@ class HostOptimizer(OptimizerPlacement):
 
     def begin_backward(self, last: bool) -> None:
         self.settle()
-        self.copy_early = last
+        self.landing.begin(last)
         if last and self.spec is not None:
             self.spec.open(self._optimizers)
 
     def grad_reduced(self, unit: Unit) -> None:
-        self.fresh.discard(unit.index)  # more gradients arrived: an earlier copy is stale
-        self.half.discard(unit.index)
         if self.spec is not None:
             self.spec.regrown(unit)
-        if not self.copy_early or unit.index not in self.host_grads:
-            return
-        # Without mapped read-back, the unit reduced last (the first) is left to finalize: its copy
-        # would sit whole before the read-back.
-        if self.copy_all or (unit.index != min(self.host_grads) and self._copies_idle()):
-            self._copy_to_host(unit)  # on the reduction stream, as finalize would (bitwise the same)
-            if not self.copy_all and unit.index in self.in_flight:
-                self.early.append(self.in_flight[unit.index])
-            if self.spec is not None:
-                self.spec.offer(unit)
-
-    def _copies_idle(self) -> bool:
-        """No copy issued during this backward is still running (see the module's docstring)."""
-        self.early = [done for done in self.early if not done.query()]
-        return not self.early
-
-    def _copy_to_host(self, unit: Unit) -> None:
-        """Copy the unit's gradient shard to the host after what the current stream issued so far (its
-        reduction), on the copy stream; ``step_grad`` waits for it. The window's single reduced part
-        goes as it is where it is bf16 and the kernel reads it; otherwise the fp32 shard."""
-        self.settle()  # an asynchronous step may still read the host gradient
-        pending = unit.pending
-        half = (self.kernel is not None and pending is not None and not unit.has_grad_storage
-                and pending.dtype == torch.bfloat16)
-        if half:
-            assert pending is not None  # half says so
-            source, host = pending, self._half_buffer(unit)
-        else:
-            unit.materialize_grad()
-            source, host = unit.grad, self.host_grads[unit.index]
-        if self.copies is None:
-            host.copy_(source)
-        else:
-            self.copies.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.copies):
-                host.copy_(source, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(self.copies)
-            if half:  # finalize widens the pending part into the fp32 shard and drops it meanwhile
-                source.record_stream(self.copies)
-            self.in_flight[unit.index] = done
-        self.fresh.add(unit.index)
-        if half:
-            self.half.add(unit.index)
-
-    def _half_buffer(self, unit: Unit) -> Tensor:
-        buffer = self.half_grads.get(unit.index)
-        if buffer is None:
-            buffer = self.half_grads[unit.index] = torch.empty(
-                self.host_grads[unit.index].numel(), dtype=torch.bfloat16, pin_memory=self.pin)
-        return buffer
+        if self.landing.reduced(unit, self.kernel is not None) and self.spec is not None:
+            self.spec.offer(unit)
 
     def resident(self, units: Sequence[Unit]) -> Iterator[Unit]:
         """The units in order; each only once the device finished reading its master (whoever writes
@@ -239,7 +157,7 @@ class HostOptimizer(OptimizerPlacement):
             self.device_reads[unit.index] = done
 
     def wait_device_reads(self, index: int) -> None:
-        _wait(self.device_reads, index)
+        wait_event(self.device_reads, index)
 
     def step_batches(self, units: Sequence[Unit]) -> Iterator[list[Unit]]:
         self._stepping = True  # the step's own walk keeps what it may (``step_batch``)
@@ -252,24 +170,17 @@ class HostOptimizer(OptimizerPlacement):
     def gradients_ready(self, units: Sequence[Unit]) -> None:
         if self.spec is not None:
             self.spec.stop()  # the backward is over: the units not yet stepped step as usual
-        if self.copy_all:
-            self.gradients_done(units)
+        self.landing.ready(units, self.kernel is not None)
 
     def gradients_done(self, units: Sequence[Unit]) -> None:
-        for unit in reversed(units):
-            if unit.index not in self.fresh and unit.index in self.host_grads:
-                self._copy_to_host(unit)
+        self.landing.done(units, self.kernel is not None)
 
     def step_grad(self, unit: Unit) -> Tensor:
         """The unit's fp32 host gradient, with every multiplier owed applied (a reader other than the
         kernel: the optimizer's own step, value clipping)."""
         self.settle()
         self.abandon_speculation()
-        _wait(self.in_flight, unit.index)
-        grad = self.host_grads[unit.index]
-        if unit.index in self.half:
-            grad.copy_(self.half_grads[unit.index])  # exact: every bf16 value is an fp32 one
-            self.half.discard(unit.index)
+        grad = self.landing.fp32(unit)
         owed = self.multiplier.pop(unit.index, None)
         if owed is not None:
             grad.mul_(owed)
@@ -289,7 +200,7 @@ class HostOptimizer(OptimizerPlacement):
         if rest and (self.kernel is None or not self.kernel.step(rest, binding, used, self._kernel_grad,
                                                                   lambda u: self.multiplier.pop(u.index, 1.0))):
             return False
-        self.half.difference_update(u.index for u in batch)
+        self.landing.half.difference_update(u.index for u in batch)
         return True  # the kernel stepped them, or their step during the backward stands
 
     def step_later(self, unit: Unit, binding: Binding, used: Sequence[Any],
@@ -303,17 +214,16 @@ class HostOptimizer(OptimizerPlacement):
         self.wait_device_reads(index)
         self.kernel.fresh.discard(index)  # until the worker has run the jobs (``KernelSteps.stepped``)
         if self.spec is not None and self.spec.keep(unit, binding, used, index in self.multiplier):
-            self.half.discard(index)
+            self.landing.half.discard(index)
             return None, []
-        grad = self.half_grads[index] if index in self.half else self.host_grads[index]
+        landing = self.landing
+        grad = landing.half_grads[index] if index in landing.half else landing.host_grads[index]
         jobs = self.kernel.jobs(unit, binding, used, grad, self.multiplier.pop(index, 1.0), hypers)
-        self.half.discard(index)
-        return self.in_flight.get(index), jobs
+        landing.half.discard(index)
+        return landing.in_flight.get(index), jobs
 
     def _kernel_grad(self, unit: Unit) -> Tensor:
-        """The unit's host gradient as it landed (bf16 where it crossed so), for the kernel."""
-        _wait(self.in_flight, unit.index)
-        return self.half_grads[unit.index] if unit.index in self.half else self.host_grads[unit.index]
+        return self.landing.as_landed(unit)
 
     def host_working(self, unit: Unit, dtype: torch.dtype) -> Optional[Tensor]:
         return self.kernel.copy(unit, dtype) if self.kernel is not None else None
@@ -338,26 +248,14 @@ class HostOptimizer(OptimizerPlacement):
         """Before the device gradient shards are released: the copies still reading them come first.
         A speculative step the window did not keep is undone."""
         self.abandon_speculation()
-        current = torch.cuda.current_stream(self.device) if self.in_flight else None
-        for done in self.in_flight.values():
-            assert current is not None  # set whenever a copy is in flight
-            current.wait_event(done)
-        self.in_flight.clear()
-        self.fresh.clear()
-        self.half.clear()
+        self.landing.end_window()
         self.multiplier.clear()
         if self.kernel is not None:
             self.kernel.fresh.clear()
-        self.copy_early, self.early = False, []
 
 
 def _nothing() -> None:
     return None
 
 
-def _wait(events: dict[int, "torch.cuda.Event"], index: int) -> None:
-    """The host waits for unit ``index``'s event, if one is pending (and forgets it)."""
-    done = events.pop(index, None)
-    if done is not None:
-        done.synchronize()
 

@@ -76,7 +76,7 @@ def _train(case: str, window: str, kernel_on: bool, optimizer: str, device: str 
             for micro in range(backwards):
                 loss = _loss(model, step, micro, head=step % 2, device=dev)  # the other head is unused
                 engine.backward(loss.float() / backwards, boundary=(micro == backwards - 1) if managed else None)
-            halves.append(len(placement.half))
+            halves.append(len(placement.landing.half))
             if clip is not None:
                 engine.clip_grad_norm_(clip)
             engine.step()
@@ -86,7 +86,7 @@ def _train(case: str, window: str, kernel_on: bool, optimizer: str, device: str 
             out.append((loss.detach().float().cpu(), [u.master.detach().cpu().clone() for u in engine.units], state,
                         engine.full_state_dict()))
         engine.close()
-        return out, runs[0], halves, placement.copy_all
+        return out, runs[0], halves, placement.landing.copy_all
     finally:
         host.host_adam = real
         if kernel_on:

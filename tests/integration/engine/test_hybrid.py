@@ -70,7 +70,7 @@ def _parity_body(stage: int, managed: bool, offload: str = "none", size: int = 2
         ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5)
         assert abs(float(norm) - float(ref_norm)) < 1e-5 * max(1.0, float(ref_norm))
         if groups > 1:
-            assert _same_across_groups(torch.cat([u.grad for u in engine.units]), engine)
+            assert _same_across_groups(torch.cat([u.fp32_grad() for u in engine.units]), engine)
         engine.step()
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
