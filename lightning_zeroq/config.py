@@ -67,6 +67,13 @@ class ZeroConfig:
     None: what the device has free after the first step (the caching allocator's unused reserve
     included), less a margin of 10% of its memory."""
 
+    host_memory_budget: Any = None
+    """Host memory this node's ranks may fill with offloaded state, checked before anything is allocated
+    (``offload/host_need.py`` counts the bytes per element): GiB as a number (e.g. ``120``), or a share of
+    the host's memory as a string ending in ``%`` (e.g. ``"80%"``). None: what the host reports available
+    when the engine is built (``MemAvailable``, or a cgroup's limit). Set it where the host's memory grows
+    as it is used (a virtual machine's balloon), which the available figure undercounts."""
+
     offload_speculative_step: bool = False
     """With CPU optimizer offload: step each unit on the host while the backward still runs, as soon as its
     gradient has landed, and undo that step exactly if the window's checks (finite gradients, clipping,
@@ -229,6 +236,7 @@ class ZeroConfig:
             )
         self.offload_optimizer_ratio = ratio if ratio == "auto" else float(ratio)
         memory_budget(self.offload_memory_budget, None)  # the form; the device's size is checked when known
+        host_budget(self.host_memory_budget)
         if self.offload_optimizer and self.offload_optimizer_device == "nvme" and self.offload_optimizer_ratio != 1.0:
             raise ValueError(
                 f"ZeroConfig.offload_optimizer_ratio={self.offload_optimizer_ratio!r}: partial optimizer offload "
@@ -289,6 +297,9 @@ class ZeroConfig:
         if self.offload_memory_budget is not None and self.offload_optimizer_ratio != "auto":
             out.append(f"offload_memory_budget={self.offload_memory_budget!r} has no effect without "
                        "offload_optimizer_ratio='auto'.")
+        if self.host_memory_budget is not None and not (self.offload_optimizer or self.offload_parameters):
+            out.append(f"host_memory_budget={self.host_memory_budget!r} has no effect without offload_optimizer or "
+                       "offload_parameters (nothing goes to the host).")
         if self.offload_speculative_step and not (self.offload_optimizer and self.offload_optimizer_device == "cpu"
                                                   and self.offload_optimizer_ratio != 0.0):
             out.append("offload_speculative_step=True has no effect without CPU optimizer offload "
@@ -379,3 +390,19 @@ def memory_budget(value: Any, device_bytes: Optional[int]) -> Optional[int]:
             f"({device_bytes / 2**30:.2f} GiB); {fix}, at most the device's memory."
         )
     return budget
+
+
+def host_budget(value: Any) -> None:
+    """``host_memory_budget``'s form: None, GiB above 0, or a share ``"N%"`` with 0 < N <= 100."""
+    if value is None:
+        return
+    fix = "use GiB as a number (e.g. 120), a share of the host's memory such as '80%', or None for what is available"
+    share = isinstance(value, str) and value.strip().endswith("%")
+    try:
+        if isinstance(value, bool) or (isinstance(value, str) and not share):
+            raise ValueError
+        number = float(value.strip().rstrip("%")) if isinstance(value, str) else float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"ZeroConfig.host_memory_budget={value!r} is not a number or a share; {fix}.") from None
+    if not number > 0 or number == float("inf") or (share and number > 100):
+        raise ValueError(f"ZeroConfig.host_memory_budget={value!r} must be above 0 (a share at most 100%); {fix}.")

@@ -39,6 +39,7 @@ from lightning_zeroq.zero.materialize import sync_replicated_state, target_devic
 from lightning_zeroq.zero.offload import optimizer_placement, shard_store
 from lightning_zeroq.zero.offload.ahead import InStep, StepAhead
 from lightning_zeroq.zero.offload.host import HostOptimizer
+from lightning_zeroq.zero.offload.host_need import HostBudget
 from lightning_zeroq.zero.optimizers import Binding, bind_to_shards, hand_back, route_zero_grad
 from lightning_zeroq.zero.plan import plan
 from lightning_zeroq.zero.policies import ModuleUnits
@@ -80,6 +81,7 @@ class ZeroEngine:
             shard_size = hybrid.shard_group_size(pol.sharding.group_size, comm.world(group)[1], ranks_per_node)
             specs = plan(module, trainable_parameters(module), pol.sharding.units)
             agreed.plan = describe_plan(module, specs)
+            self.host_memory = HostBudget(pol.offload, ranks_per_node)  # read before any rank allocates
         # ``group``: the world (first broadcast, the step's agreement); ``self.group``: the shard group (hybrid.py).
         self.topology = topo = hybrid.topology(shard_size, pol.quantization, group)
         self.world_group, self.group, self.replica_group = group, topo.group, topo.replica_group
@@ -98,6 +100,7 @@ class ZeroEngine:
                                                  self.world_size, layouts, pol.offload.speculative)
             wire = self._wire(layouts, self.group)
             transient = {i: wire.payload_numel(i) for i, spec in enumerate(specs) if not spec.persistent}
+            self.host_memory.built(layouts, self.rank, param_dtype, {i: (n, wire.payload_dtype) for i, n in transient.items()})
             store = None
             if transient:
                 store = shard_store(pol.offload.parameters, self.device, payload_dtype=wire.payload_dtype,
@@ -188,7 +191,8 @@ class ZeroEngine:
         kept = [b for b in self._attached.bindings if not b.param_ids & binding.param_ids]
         self._attached = update.attached(kept + [binding], self._all)
         route_zero_grad(optimizer, self)
-        with comm.agreed(self.world_group, "attaching the optimizer (NVMe swap space)"):
+        with comm.agreed(self.world_group, "attaching the optimizer (host memory, NVMe swap space)"):
+            self.host_memory.attached(self.optimizers)
             self.placement.attach(self.units, self.optimizers)
 
     def _binding(self, optimizer: Optional[torch.optim.Optimizer]) -> Binding:
@@ -338,8 +342,7 @@ class ZeroEngine:
         return state_dict.full_state_dict(self)
 
     def load_full_state_dict(self, state: dict[str, Tensor]) -> set[str]:
-        """Set the fp32 masters (and the working copies) from full parameters by name; returns the
-        names of the engine's parameters (all aliases of tied ones)."""
+        """Set the fp32 masters (and working copies) from full parameters by name; returns every parameter name."""
         return state_dict.load_full_state_dict(self, state)
 
     def full_optimizer_state(self) -> dict[str, dict[str, Any]]:
@@ -348,8 +351,7 @@ class ZeroEngine:
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds on the device, by kind (what a benchmark compares with the formula).
-        ``gradient_shards``: the fp32 shards a window holds once finalized (released after the step)."""
-
+        ``gradient_shards``: the fp32 shards a finalized window holds for the units stepped on the device."""
         def on_device(tensors) -> int:
             return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, Tensor) and t.device == self.device)
 
@@ -358,7 +360,7 @@ class ZeroEngine:
         store = self.gatherer.store
         return {
             "masters": on_device(u.master for u in self.units),
-            "gradient_shards": on_device(u.grad for u in self.units),
+            "gradient_shards": on_device(u.grad for u in self.units if self.placement.master_on_device(u.index)),
             "optimizer_state": on_device(state),
             "persistent_units": on_device(u.flat for u in self.units if u.persistent),
             "stored_shards": on_device(store.device_tensors()) if store is not None else 0,

@@ -101,6 +101,8 @@ class Offload:
     auto optimizer offload, no loss scaling, managed accumulation)."""
     asynchronous: bool = False
     """The host step runs beside the next forward, which waits per unit (every unit on the host)."""
+    host_budget: Any = None
+    """``ZeroConfig.host_memory_budget``: the host memory this node's ranks may fill (None: what is available)."""
 
 
 @dataclass(frozen=True)
@@ -154,9 +156,9 @@ class Policies:
     """``(field, repr of its value)`` of every field that must be the same on every rank."""
 
 
-RANK_LOCAL = ("nvme_path", "offload_memory_budget")
+RANK_LOCAL = ("nvme_path", "offload_memory_budget", "host_memory_budget")
 """Fields that may differ by rank: a node's own NVMe mount; the memory budget, which ranks agree on
-themselves (the worst rank's decides, ``offload/auto.py``)."""
+themselves (the worst rank's decides, ``offload/auto.py``); a node's own host memory."""
 
 
 def from_config(config: ZeroConfig, *, loss_scaling: bool) -> Policies:
@@ -202,4 +204,4 @@ def _offload(c: ZeroConfig, loss_scaling: bool) -> Offload:
     speculative = (c.offload_speculative_step and isinstance(optimizer, (Host, Auto)) and not loss_scaling
                    and c.managed_gradient_accumulation)
     asynchronous = c.offload_async_step and isinstance(optimizer, Host) and optimizer.ratio == 1.0
-    return Offload(optimizer, parameters, speculative, asynchronous)
+    return Offload(optimizer, parameters, speculative, asynchronous, c.host_memory_budget)

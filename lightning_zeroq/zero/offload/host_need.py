@@ -1,0 +1,227 @@
+"""The host memory an offload configuration needs, checked before it is allocated: a configuration the
+host cannot hold stops with one line naming the need, what is available and the fix, on every rank,
+before any step (not the kernel's OOM killer half-way through the first one).
+
+[Note: host bytes per element]
+Per element of this rank's shard of the units stepped on the host (``offload_optimizer``, CPU):
+
+- the fp32 master, 4 bytes; the fp32 gradient buffer the reduced gradient lands in, 4;
+- with bf16 working weights: the bf16 gradient buffer a single reduction lands in, 2, and the host
+  kernel's bf16 copy of the updated master, 2 (none for stage 3's transient units with their
+  parameters on the host: the kernel writes it into their buffer);
+- the optimizer state, counted when the optimizer is attached: torch's Adam and AdamW 8 (two fp32
+  moments), SGD with momentum 4; other optimizers are not counted;
+- ``offload_speculative_step``: the spare buffers, 12 (a bound: made for the units it steps early).
+
+With the optimizer on NVMe the host keeps the gradient buffers (4, and 2 in bf16); masters and state are
+on the disk, whose room the swap space checks when it reserves its files. Stage-3 parameters on the host
+(``offload_parameters``) rest in a buffer of the payload's dtype per transient unit: 2 bytes per element
+in bf16, about 1.06 with INT8 weights.
+
+Several ranks on one host each need their share: the check multiplies by the ranks on this node. What
+is available is read once, before any rank of the engine allocates: the kernel's ``MemAvailable``, or
+less where a cgroup limits the process (``memory.max`` less ``memory.current``). Where a host's memory
+grows as it is used (a virtual machine's balloon) that undercounts: ``host_memory_budget`` then says how
+much this node's ranks may use.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from lightning_zeroq.zero.layout import UnitLayout
+from lightning_zeroq.zero.offload.split import host_units
+from lightning_zeroq.zero.optimizers import adam_kind
+from lightning_zeroq.zero.policies import Auto, Host, Nvme, Offload, OnDevice
+
+GiB = 2**30
+
+
+class HostMemoryError(RuntimeError):
+    """The host cannot hold what the offload configuration puts there."""
+
+
+@dataclass
+class HostNeed:
+    """What this rank puts in host memory, by kind (bytes), and the elements of its host units."""
+
+    parts: dict[str, int] = field(default_factory=dict)
+    host_elements: int = 0
+    """Elements of this rank's segments of the units stepped on the host (the optimizer state's count:
+    the shards' padding has none)."""
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def text(self) -> str:
+        return ", ".join(f"{name} {nbytes / GiB:.1f}" for name, nbytes in self.parts.items() if nbytes)
+
+
+@dataclass(frozen=True)
+class Available:
+    bytes: int
+    source: str
+    """Where the figure comes from (``MemAvailable``, a cgroup's limit, ``host_memory_budget``)."""
+
+
+def engine_need(offload: Offload, layouts: Sequence[UnitLayout], rank: int, param_dtype: torch.dtype,
+                payload: dict[int, tuple[int, torch.dtype]]) -> HostNeed:
+    """The host memory the engine allocates for shard ``rank`` (``payload``: stage 3's transient units,
+    index -> (payload elements, dtype), rested on the host with ``offload.parameters`` Host)."""
+    need = HostNeed()
+    policy = offload.optimizer
+    if isinstance(policy, OnDevice):
+        on_host: frozenset[int] = frozenset()
+    elif isinstance(policy, Host):
+        on_host = host_units(layouts, policy.ratio)
+    else:  # Auto starts with every unit on the host; Nvme keeps every unit's gradient buffers there
+        on_host = frozenset(range(len(layouts)))
+    elements = sum(layouts[i].shard_numel for i in on_host)
+    half = param_dtype == torch.bfloat16
+    params_on_host = isinstance(offload.parameters, Host)
+    if not isinstance(policy, Nvme):
+        need.host_elements = sum(seg.numel for i in on_host for seg in layouts[i].segments(rank))
+        need.parts["fp32 masters"] = 4 * elements
+    need.parts["gradient buffers"] = (6 if half else 4) * elements
+    if half and isinstance(policy, (Host, Auto)):  # stage 3's host buffers hold a transient unit's copy
+        copied = (i for i in on_host if not (params_on_host and i in payload))
+        need.parts["bf16 copies of the masters"] = 2 * sum(layouts[i].shard_numel for i in copied)
+    if params_on_host:
+        need.parts["stage-3 parameters"] = sum(n * dtype.itemsize for n, dtype in payload.values())
+    return need
+
+
+def optimizer_need(optimizers: Sequence[torch.optim.Optimizer], host_elements: int, speculative: bool) -> HostNeed:
+    """The host memory the attached optimizers' state (and speculative spare buffers) will take."""
+    need = HostNeed(host_elements=host_elements)
+    per_element = 0
+    for optimizer in optimizers:
+        if adam_kind(optimizer) is not None:
+            per_element = max(per_element, 8)
+        elif isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum", 0) for g in optimizer.param_groups):
+            per_element = max(per_element, 4)
+    need.parts["optimizer state"] = per_element * host_elements
+    if speculative:
+        need.parts["speculative spare buffers"] = 12 * host_elements
+    return need
+
+
+def available(budget: Any) -> Optional[Available]:
+    """What this node's ranks may put in host memory: ``budget`` (``host_memory_budget``: GiB, or a share
+    of the host's memory as ``"N%"``) or what the host reports available; None where it cannot tell."""
+    if budget is not None:
+        share = isinstance(budget, str)
+        total = _meminfo("MemTotal") if share else None
+        if share:
+            if total is None:
+                return None
+            return Available(int(float(budget.strip().rstrip("%")) / 100 * total), f"host_memory_budget={budget!r}")
+        return Available(int(float(budget) * GiB), f"host_memory_budget={budget!r}")
+    free = _meminfo("MemAvailable")
+    if free is None:
+        return None
+    found = Available(free, "MemAvailable")
+    limited = _cgroup_room()
+    if limited is not None and limited < free:
+        found = Available(limited, "the cgroup's memory limit less its use")
+    return found
+
+
+def check(need: HostNeed, room: Optional[Available], ranks_on_node: int, what: str) -> None:
+    """Raise ``HostMemoryError`` (one line) if ``ranks_on_node`` ranks needing ``need`` each do not fit."""
+    if room is None or need.total == 0:
+        return
+    total = need.total * ranks_on_node
+    if total <= room.bytes:
+        return
+    ranks = f"{ranks_on_node} ranks x {need.total / GiB:.1f} GiB" if ranks_on_node > 1 else "1 rank"
+    raise HostMemoryError(
+        f"ZeroConfig: {what} needs {total / GiB:.1f} GiB of host memory on this node ({ranks}: {need.text()} GiB) "
+        f"and {room.bytes / GiB:.1f} GiB is available ({room.source}); offload less (offload_optimizer_ratio "
+        "below 1, or no offload_parameters), put the optimizer on NVMe (offload_optimizer_device='nvme'), spread "
+        "the model over more nodes, or, where this host's memory grows as it is used, set host_memory_budget "
+        "(GiB) to what it can hold."
+    )
+
+
+def ranks_on_node(ranks_per_node: Optional[int]) -> int:
+    """The ranks that share this host's memory: the strategy's count, else torchrun's ``LOCAL_WORLD_SIZE``."""
+    if ranks_per_node is not None:
+        return ranks_per_node
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(local) if local.isdigit() and int(local) > 0 else 1
+
+
+def _meminfo(key: str) -> Optional[int]:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            name, _, rest = line.partition(":")
+            if name == key:
+                return int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _cgroup_room() -> Optional[int]:
+    """Bytes this process's cgroup may still take (v2, then v1); None without a limit."""
+    pairs: list[tuple[Union[str, Path], Union[str, Path]]] = [
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ]
+    for limit_path, used_path in pairs:
+        try:
+            limit_text = Path(limit_path).read_text().strip()
+            used = int(Path(used_path).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if not limit_text.isdigit() or int(limit_text) >= 2**60:
+            return None  # "max", or v1's "unlimited" (a number near 2**63)
+        return max(0, int(limit_text) - used + _reclaimable(Path(used_path).parent))
+    return None
+
+
+def _reclaimable(cgroup: Path) -> int:
+    """The cgroup's inactive file cache (counted in its use, given back under pressure)."""
+    try:
+        for line in (cgroup / "memory.stat").read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name in ("inactive_file", "total_inactive_file"):
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+class HostBudget:
+    """The engine's host memory: what is available, read when the engine is built (before any rank
+    allocates), and the checks of what the build and the attached optimizers put there."""
+
+    def __init__(self, offload: Offload, ranks_per_node: Optional[int]) -> None:
+        self.offload, self.ranks = offload, ranks_on_node(ranks_per_node)
+        self.room = available(offload.host_budget)
+        self.need = HostNeed()
+        """What the build put on the host (this rank)."""
+
+    def built(self, layouts: Sequence[UnitLayout], rank: int, param_dtype: torch.dtype,
+              payload: dict[int, tuple[int, torch.dtype]]) -> None:
+        self.need = engine_need(self.offload, layouts, rank, param_dtype, payload)
+        check(self.need, self.room, self.ranks, "this offload configuration")
+
+    def attached(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Before the optimizers' state is made: it must fit beside what the build allocated."""
+        need = optimizer_need(optimizers, self.need.host_elements, self.offload.speculative)
+        if self.offload.host_budget is not None:
+            budget = available(self.offload.host_budget)
+            room = None if budget is None else Available(budget.bytes - self.need.total * self.ranks, budget.source
+                                                         + f" less the {self.need.total * self.ranks / GiB:.1f} GiB the "
+                                                           "engine holds")
+        else:
+            room = available(None)  # what the build allocated is already in use
+        check(need, room, self.ranks, "the optimizer's state on the host")
