@@ -200,6 +200,7 @@ class ZeroQStrategy(DDPStrategy):
             # configure_optimizers returned None: Lightning's stand-in steps nothing (it warns), as with DDP
             optimizers = [o for o in self.optimizers if not isinstance(o, _MockOptimizer)]
             _check_disjoint(optimizers)
+            self.engine.host_memory.accumulates = trainer.accumulate_grad_batches > 1 or not module.automatic_optimization
             for optimizer in optimizers:  # several (manual optimization) must hold disjoint parameters
                 self.engine.attach_optimizer(optimizer)
             self.optimizers = self.optimizers  # wrap again: the wrappers subclass the optimizers' (new) classes

@@ -100,7 +100,7 @@ class ZeroEngine:
                                                  self.world_size, layouts, pol.offload.speculative)
             wire = self._wire(layouts, self.group)
             transient = {i: wire.payload_numel(i) for i, spec in enumerate(specs) if not spec.persistent}
-            self.host_memory.built(layouts, self.rank, param_dtype, {i: (n, wire.payload_dtype) for i, n in transient.items()})
+            self.host_memory.built(layouts, self.rank, param_dtype, wire.payload_dtype, transient, self.placement)
             store = None
             if transient:
                 store = shard_store(pol.offload.parameters, self.device, payload_dtype=wire.payload_dtype,

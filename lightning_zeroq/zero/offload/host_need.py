@@ -5,15 +5,19 @@ before any step (not the kernel's OOM killer half-way through the first one).
 [Note: host bytes per element]
 Per element of this rank's shard of the units stepped on the host (``offload_optimizer``, CPU):
 
-- the fp32 master, 4 bytes; the fp32 gradient buffer the reduced gradient lands in, 4;
-- with bf16 working weights: the bf16 gradient buffer a single reduction lands in, 2, and the host
-  kernel's bf16 copy of the updated master, 2 (none for stage 3's transient units with their
-  parameters on the host: the kernel writes it into their buffer);
+- the fp32 master, 4 bytes;
+- the buffer the reduced gradient lands in: with bf16 working weights a bf16 buffer, 2, which the host
+  kernel reads as it is; an fp32 buffer, 4, otherwise, and also beside the bf16 one where a window
+  sums several backward passes (accumulation) or an optimizer other than the kernel's reads the
+  gradient (counted when the optimizer is attached where that is known: a Trainer with
+  ``accumulate_grad_batches`` above 1; else checked when the buffers are first made);
+- with bf16 working weights, the host kernel's bf16 copy of the updated master, 2 (none for stage 3's
+  transient units with their parameters on the host: the kernel writes it into their buffer);
 - the optimizer state, counted when the optimizer is attached: torch's Adam and AdamW 8 (two fp32
   moments), SGD with momentum 4; other optimizers are not counted;
 - ``offload_speculative_step``: the spare buffers, 12 (a bound: made for the units it steps early).
 
-With the optimizer on NVMe the host keeps the gradient buffers (4, and 2 in bf16); masters and state are
+With the optimizer on NVMe the host keeps the gradient buffers; masters and state are
 on the disk, whose room the swap space checks when it reserves its files. Stage-3 parameters on the host
 (``offload_parameters``) rest in a buffer of the payload's dtype per transient unit: 2 bytes per element
 in bf16, about 1.06 with INT8 weights.
@@ -60,7 +64,15 @@ class HostNeed:
         return sum(self.parts.values())
 
     def text(self) -> str:
-        return ", ".join(f"{name} {nbytes / GiB:.1f}" for name, nbytes in self.parts.items() if nbytes)
+        return ", ".join(f"{name} {size(nbytes)}" for name, nbytes in self.parts.items() if nbytes)
+
+
+def size(nbytes: float) -> str:
+    """``71.2 GiB``, ``512.0 MiB``, ``12.0 KiB``."""
+    for unit, scale in (("GiB", GiB), ("MiB", 2**20)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes / 2**10:.1f} KiB"
 
 
 @dataclass(frozen=True)
@@ -88,7 +100,7 @@ def engine_need(offload: Offload, layouts: Sequence[UnitLayout], rank: int, para
     if not isinstance(policy, Nvme):
         need.host_elements = sum(seg.numel for i in on_host for seg in layouts[i].segments(rank))
         need.parts["fp32 masters"] = 4 * elements
-    need.parts["gradient buffers"] = (6 if half else 4) * elements
+    need.parts["bf16 gradient buffers" if half else "fp32 gradient buffers"] = (2 if half else 4) * elements
     if half and isinstance(policy, (Host, Auto)):  # stage 3's host buffers hold a transient unit's copy
         copied = (i for i in on_host if not (params_on_host and i in payload))
         need.parts["bf16 copies of the masters"] = 2 * sum(layouts[i].shard_numel for i in copied)
@@ -140,10 +152,10 @@ def check(need: HostNeed, room: Optional[Available], ranks_on_node: int, what: s
     total = need.total * ranks_on_node
     if total <= room.bytes:
         return
-    ranks = f"{ranks_on_node} ranks x {need.total / GiB:.1f} GiB" if ranks_on_node > 1 else "1 rank"
+    ranks = f"{ranks_on_node} ranks x {size(need.total)}" if ranks_on_node > 1 else "1 rank"
     raise HostMemoryError(
-        f"ZeroConfig: {what} needs {total / GiB:.1f} GiB of host memory on this node ({ranks}: {need.text()} GiB) "
-        f"and {room.bytes / GiB:.1f} GiB is available ({room.source}); offload less (offload_optimizer_ratio "
+        f"ZeroConfig: {what} needs {size(total)} of host memory on this node ({ranks}: {need.text()}) "
+        f"and {size(room.bytes)} is available ({room.source}); offload less (offload_optimizer_ratio "
         "below 1, or no offload_parameters), put the optimizer on NVMe (offload_optimizer_device='nvme'), spread "
         "the model over more nodes, or, where this host's memory grows as it is used, set host_memory_budget "
         "(GiB) to what it can hold."
@@ -201,27 +213,61 @@ def _reclaimable(cgroup: Path) -> int:
 
 class HostBudget:
     """The engine's host memory: what is available, read when the engine is built (before any rank
-    allocates), and the checks of what the build and the attached optimizers put there."""
+    allocates), and the checks of what the build, the attached optimizers and, later, fp32 gradient
+    buffers put there."""
 
     def __init__(self, offload: Offload, ranks_per_node: Optional[int]) -> None:
         self.offload, self.ranks = offload, ranks_on_node(ranks_per_node)
         self.room = available(offload.host_budget)
         self.need = HostNeed()
-        """What the build put on the host (this rank)."""
+        """What this rank put on the host so far (counted)."""
+        self.accumulates: Optional[bool] = None
+        """Whether windows sum several backward passes (the Lightning strategy knows; None: unknown)."""
+        self.half = False
 
-    def built(self, layouts: Sequence[UnitLayout], rank: int, param_dtype: torch.dtype,
-              payload: dict[int, tuple[int, torch.dtype]]) -> None:
+    def built(self, layouts: Sequence[UnitLayout], rank: int, param_dtype: torch.dtype, payload_dtype: torch.dtype,
+              transient: dict[int, int], placement: Any) -> None:
+        """Check the build's need (``transient``: stage 3's units with their payload's elements) and watch
+        the placement's fp32 gradient buffers."""
+        self.half = param_dtype == torch.bfloat16
+        payload = {i: (n, payload_dtype) for i, n in transient.items()}
         self.need = engine_need(self.offload, layouts, rank, param_dtype, payload)
         check(self.need, self.room, self.ranks, "this offload configuration")
+        landing = getattr(getattr(placement, "host", placement), "landing", None)
+        if landing is not None:
+            landing.before_fp32 = self._fp32_buffers
 
     def attached(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Before the optimizers' state is made: it must fit beside what the build allocated."""
         need = optimizer_need(optimizers, self.need.host_elements, self.offload.speculative)
+        kernel_reads_all = all(adam_kind(o) is not None for o in optimizers) and _kernel_loads()
+        if self.half and self.need.host_elements and (self.accumulates or not kernel_reads_all):
+            need.parts["fp32 gradient buffers"] = 2 * self.need.parts.get("bf16 gradient buffers", 0)
+        for name in ("optimizer state", "speculative spare buffers"):  # another optimizer's, attached before
+            self.need.parts.pop(name, None)
+        self._check_more(need, "the optimizer's state on the host")
+        self.need.parts.update(need.parts)
+
+    def _fp32_buffers(self, nbytes: int) -> None:
+        """The landing makes its fp32 buffers (a window of several backward passes, an fp32 reader)."""
+        if "fp32 gradient buffers" in self.need.parts:
+            return  # counted already
+        need = HostNeed({"fp32 gradient buffers": nbytes})
+        self._check_more(need, "summing several backward passes on the host (fp32 gradient buffers)")
+        self.need.parts.update(need.parts)
+
+    def _check_more(self, need: HostNeed, what: str) -> None:
+        """``need`` beside what this engine holds already."""
         if self.offload.host_budget is not None:
-            budget = available(self.offload.host_budget)
-            room = None if budget is None else Available(budget.bytes - self.need.total * self.ranks, budget.source
-                                                         + f" less the {self.need.total * self.ranks / GiB:.1f} GiB the "
-                                                           "engine holds")
+            budget, held = available(self.offload.host_budget), self.need.total * self.ranks
+            room = None if budget is None else Available(
+                budget.bytes - held, f"{budget.source} less the {size(held)} the engine holds")
         else:
-            room = available(None)  # what the build allocated is already in use
-        check(need, room, self.ranks, "the optimizer's state on the host")
+            room = available(None)  # what this engine allocated is in use already
+        check(need, room, self.ranks, what)
+
+
+def _kernel_loads() -> bool:
+    from lightning_zeroq.ops.host_adam import host_adam
+
+    return host_adam() is not None

@@ -56,10 +56,15 @@ class GradientLanding:
         self.device, self.pin = device, pin
         self.settle = settle
         """Waits for an asynchronous step still reading host gradients (see ``HostOptimizer.settle``)."""
+        self.numels: dict[int, int] = {}
+        """The host units, with their shard's elements."""
         self.host_grads: dict[int, Tensor] = {}
-        """fp32 host gradient buffers, one per host unit."""
+        """fp32 host gradient buffers, made for every host unit at the first fp32 landing or reader
+        (``_fp32_buffer``): a window of one bf16 reduction stepped by the host kernel never needs them."""
         self.half_grads: dict[int, Tensor] = {}
         """bf16 host gradient buffers (made at a unit's first bf16 copy)."""
+        self.before_fp32: Callable[[int], None] = _nothing
+        """Called with the bytes the fp32 buffers take, before they are made (``host_need.HostBudget``)."""
         self.copies = comm.side_stream(device)
         """CUDA only: the stream the gradient shards leave the device on."""
         self.in_flight: dict[int, "torch.cuda.Event"] = {}
@@ -76,10 +81,11 @@ class GradientLanding:
         """The events of the copies issued during this backward that may still be running."""
 
     def add(self, index: int, numel: int) -> None:
-        self.host_grads[index] = host_copy(torch.zeros(numel), self.pin)
+        self.numels[index] = numel
 
     def forget(self, index: int) -> None:
         """Unit ``index`` no longer steps on the host (``auto.AutoSplit`` moved it to the device)."""
+        self.numels.pop(index, None)
         self.host_grads.pop(index, None)
         self.half_grads.pop(index, None)
         self.fresh.discard(index)
@@ -92,11 +98,11 @@ class GradientLanding:
         """A reduction reached ``unit``; True if it was copied to the host now (see the module's note)."""
         self.fresh.discard(unit.index)  # more gradients arrived: an earlier copy is stale
         self.half.discard(unit.index)
-        if not self.copy_early or unit.index not in self.host_grads:
+        if not self.copy_early or unit.index not in self.numels:
             return False
         # Without mapped read-back, the unit reduced last (the first) is left to finalize: its copy
         # would sit whole before the read-back.
-        if not (self.copy_all or (unit.index != min(self.host_grads) and self._copies_idle())):
+        if not (self.copy_all or (unit.index != min(self.numels) and self._copies_idle())):
             return False
         self.copy(unit, half_ok)  # on the reduction stream, as finalize would (bitwise the same)
         if not self.copy_all and unit.index in self.in_flight:
@@ -113,6 +119,12 @@ class GradientLanding:
         reduction), on the copy stream, and release it on the device. The window's single reduced part
         goes as it is where it is bf16 and ``half_ok`` (the host kernel reads it); otherwise in fp32."""
         self.settle()  # an asynchronous step may still read the host gradient
+        if half_ok and unit.flat.dtype == torch.bfloat16 and not (unit.has_grad_storage or unit.pending is not None
+                                                                   or unit.landed is not None):
+            self._half_buffer(unit).zero_()  # no gradient this window: zeros, as a materialized shard holds
+            self.fresh.add(unit.index)
+            self.half.add(unit.index)
+            return
         pending = unit.pending
         half = half_ok and pending is not None and not unit.has_grad_storage and pending.dtype == torch.bfloat16
         if half:
@@ -120,7 +132,7 @@ class GradientLanding:
             source, host = pending, self._half_buffer(unit)
         else:
             unit.materialize_grad()
-            source, host = unit.grad, self.host_grads[unit.index]
+            source, host = unit.grad, self._fp32_buffer(unit.index)
         if self.copies is None:
             host.copy_(source)
         else:
@@ -146,8 +158,14 @@ class GradientLanding:
         buffer = self.half_grads.get(unit.index)
         if buffer is None:
             buffer = self.half_grads[unit.index] = torch.empty(
-                self.host_grads[unit.index].numel(), dtype=torch.bfloat16, pin_memory=self.pin)
+                self.numels[unit.index], dtype=torch.bfloat16, pin_memory=self.pin)
         return buffer
+
+    def _fp32_buffer(self, index: int) -> Tensor:
+        if not self.host_grads:
+            self.before_fp32(4 * sum(self.numels.values()))
+            self.host_grads = {i: host_copy(torch.zeros(n), self.pin) for i, n in self.numels.items()}
+        return self.host_grads[index]
 
     def ready(self, units: Sequence[Unit], half_ok: bool) -> None:
         """Before the agreement's read-back: with a mapped read-back, the last copies now."""
@@ -157,7 +175,7 @@ class GradientLanding:
     def done(self, units: Sequence[Unit], half_ok: bool) -> None:
         """After it: every unit whose host gradient is not this window's yet."""
         for unit in reversed(units):
-            if unit.index not in self.fresh and unit.index in self.host_grads:
+            if unit.index not in self.fresh and unit.index in self.numels:
                 self.copy(unit, half_ok)
 
     def wait(self, index: int) -> None:
@@ -172,7 +190,7 @@ class GradientLanding:
     def fp32(self, unit: Unit) -> Tensor:
         """The unit's fp32 host gradient (the bf16 copy widened in place: exact)."""
         self.wait(unit.index)
-        grad = self.host_grads[unit.index]
+        grad = self._fp32_buffer(unit.index)
         if unit.index in self.half:
             grad.copy_(self.half_grads[unit.index])
             self.half.discard(unit.index)
@@ -195,3 +213,7 @@ def wait_event(events: dict[int, "torch.cuda.Event"], index: int) -> None:
     done = events.pop(index, None)
     if done is not None:
         done.synchronize()
+
+
+def _nothing(nbytes: int) -> None:
+    return None

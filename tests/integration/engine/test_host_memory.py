@@ -54,7 +54,7 @@ def _host_bytes(engine: ZeroEngine) -> int:
                 total += t.untyped_storage().nbytes()
         return total
 
-    units = [u for u in engine.units if u.index in host.landing.host_grads]
+    units = [u for u in engine.units if u.index in host.landing.numels]
     total = nbytes(u.master for u in units)
     total += nbytes(host.landing.host_grads.values()) + nbytes(host.landing.half_grads.values())
     store = engine.gatherer.store
@@ -65,9 +65,13 @@ def _host_bytes(engine: ZeroEngine) -> int:
     views = {id(v) for u in units for v in u.segment_masters}
     total += nbytes(t for view, state in engine.optimizer.state.items() if id(view) in views
                     for key, t in state.items() if isinstance(t, torch.Tensor) and key != "step")
-    if host.spec is not None:
-        total += nbytes(t for spare in host.spec.spares.values() for t in [spare.master, *(m for pair in spare.moments.values() for m in pair)])
     return total
+
+
+def _spare_bytes(engine: ZeroEngine) -> int:
+    spec = _host_of(engine).spec
+    return 0 if spec is None else sum(t.untyped_storage().nbytes() for spare in spec.spares.values()
+                                       for t in [spare.master, *(m for pair in spare.moments.values() for m in pair)])
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -79,17 +83,14 @@ def test_the_counted_need_is_what_the_engine_allocates(name: str) -> None:
         engine.step()
         engine.zero_grad()
     budget = engine.host_memory
-    counted = budget.need.total + host_need.optimizer_need(
-        engine.optimizers, budget.need.host_elements, budget.offload.speculative).total
+    counted = budget.need.total  # the build's and the optimizer's
     allocated = _host_bytes(engine)
     # RichModel has parameters that never get a gradient: no state is made for them (yet); counted anyway
-    stateless = sum(v.numel() for u in engine.units if u.index in _host_of(engine).landing.host_grads
+    stateless = sum(v.numel() for u in engine.units if u.index in _host_of(engine).landing.numels
                     for v in u.segment_masters if v not in engine.optimizer.state)
-    if budget.offload.speculative:  # a bound: spares exist for the units stepped early (on CPU, not the first)
-        spares = counted - allocated - 8 * stateless  # the spares of the units not stepped early
-        assert 0 < spares < 12 * budget.need.host_elements, (counted, allocated, stateless)
-    else:
-        assert counted == allocated + 8 * stateless, (budget.need.parts, counted, allocated, stateless)
+    spares = 12 * budget.need.host_elements if budget.offload.speculative else 0
+    assert counted - spares == allocated + 8 * stateless, (budget.need.parts, counted, allocated, stateless)
+    assert _spare_bytes(engine) <= spares  # a bound: made for the units stepped early
     engine.close()
 
 
@@ -98,7 +99,7 @@ def test_a_budget_below_the_build_stops_it_with_one_line() -> None:
         _engine(CONFIGS["stage3_params_optimizer_cpu"], host_memory_budget=1e-6)
     message = str(caught.value)
     assert "\n" not in message
-    assert message.startswith("ZeroConfig: this offload configuration needs ")
+    assert message.startswith("ZeroConfig: this offload configuration needs ") and " KiB of host memory" in message
     assert "fp32 masters" in message and "stage-3 parameters" in message
     assert "is available (host_memory_budget=1e-06)" in message and "set host_memory_budget" in message
 
@@ -107,12 +108,13 @@ def test_a_budget_below_the_optimizer_state_stops_at_attach() -> None:
     model, probe = _engine(CONFIGS["optimizer_cpu"])
     built = probe.host_memory.need.total
     probe.close()
-    # room for the build and for a quarter of AdamW's 8 bytes per element: SGD without momentum fits, AdamW not
-    budget = (built + 2 * probe.host_memory.need.host_elements) / 2**30
+    # room for the build and 6 bytes per element: SGD without momentum fits (its fp32 gradient buffers take 4,
+    # for it reads fp32 gradients), AdamW not (8 of state; the host kernel reads the bf16 gradients)
+    budget = (built + 6 * sum(u.layout.shard_numel for u in probe.units)) / 2**30
     model, engine = _engine(CONFIGS["optimizer_cpu"], host_memory_budget=budget)
     engine.attach_optimizer(torch.optim.SGD(param_groups(model), lr=1e-3))
     with pytest.raises(host_need.HostMemoryError, match=r"^ZeroConfig: the optimizer's state on the host needs "
-                                                         r"[0-9.]+ GiB .*optimizer state [0-9.]+ GiB\) and"):
+                                                         r"[0-9.]+ KiB .*optimizer state [0-9.]+ KiB\) and"):
         engine.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-3))
     assert not engine.optimizer.state  # nothing was made
     engine.close()
@@ -187,4 +189,56 @@ def test_the_trainer_stops_before_any_step(tmp_path) -> None:
                         default_root_dir=tmp_path, callbacks=[Counted()])
     with pytest.raises(host_need.HostMemoryError, match=r"^ZeroConfig: this offload configuration needs [^\n]*$"):
         trainer.fit(make_lit_module(), torch.utils.data.DataLoader(TokenDataset(8), batch_size=2))
+    assert steps == []
+
+
+def test_fp32_gradient_buffers_are_made_and_checked_only_when_a_window_sums_several_backwards() -> None:
+    model, probe = _engine(CONFIGS["optimizer_cpu"])
+    probe.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-3))
+    probe.backward(model.loss(make_batch(0, 0, 0)).float(), boundary=True)
+    probe.step()
+    assert probe.placement.landing.host_grads == {}  # one bf16 reduction per window: 2 bytes per element
+    held = probe.host_memory.need.total  # the build's and AdamW's state
+    probe.close()
+    model, engine = _engine(CONFIGS["optimizer_cpu"], host_memory_budget=(held + 64) / 2**30)
+    engine.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-3))
+    engine.backward(model.loss(make_batch(0, 0, 0)).float() / 2, boundary=False)
+    with pytest.raises(host_need.HostMemoryError, match=r"^ZeroConfig: summing several backward passes on the host "
+                                                         r"\(fp32 gradient buffers\) needs [^\n]*$"):
+        engine.backward(model.loss(make_batch(0, 1, 0)).float() / 2, boundary=True)  # its fp32 sum lands
+    assert engine.placement.landing.host_grads == {}
+    engine.close()
+
+
+def test_the_trainer_counts_the_fp32_buffers_of_accumulation_before_any_step(tmp_path) -> None:
+    import lightning as L
+
+    from lightning_zeroq import ZeroQStrategy
+    from tests.models import TokenDataset, make_lit_module
+
+    steps: list[int] = []
+
+    class Counted(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            steps.append(batch_idx)
+
+    def fit(accumulate: int, budget: float) -> ZeroQStrategy:
+        strategy = ZeroQStrategy(stage=2, offload_optimizer=True, host_memory_budget=budget, reduce_bucket_size=300)
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                            strategy=strategy, precision="bf16-true", accumulate_grad_batches=accumulate,
+                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                            callbacks=[Counted()])
+        trainer.fit(make_lit_module(), torch.utils.data.DataLoader(TokenDataset(8), batch_size=2))
+        return strategy
+
+    engine = fit(1, 1.0).engine
+    assert engine is not None and engine.placement.landing.host_grads == {}
+    held = engine.host_memory.need.total  # the build's and AdamW's state
+    steps.clear()
+    fit(1, (held + 64) / 2**30)  # room for the build and AdamW's state
+    assert steps == [0]
+    steps.clear()
+    with pytest.raises(host_need.HostMemoryError, match=r"^ZeroConfig: the optimizer's state on the host needs "
+                                                         r"[^\n]*fp32 gradient buffers"):
+        fit(2, (held + 64) / 2**30)  # accumulation sums in fp32 on the host: 4 more bytes per element
     assert steps == []

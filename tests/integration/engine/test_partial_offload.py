@@ -51,7 +51,7 @@ def test_engine_offloads_the_documented_units(ratio: float, expected: set[int]) 
     assert [u.layout.numel for u in engine.units] == [512, 272, 272, 83]
     placement = engine.placement
     assert isinstance(placement, SplitOptimizer) and placement.host_units == expected
-    assert set(placement.host.landing.host_grads) == expected  # only host units have host gradient buffers
+    assert set(placement.host.landing.numels) == expected  # only host units have host gradient buffers
     for unit in engine.units:
         on_host = unit.index in expected
         assert unit.master.device == (torch.device("cpu") if on_host else engine.device), unit.index
@@ -206,7 +206,7 @@ def test_auto_keeps_the_largest_units_that_fit_and_never_exceeds_the_budget(capl
     assert decision["budget_bytes"] == 13000
     assert any("2 of 4 units keep master and optimizer state on the device" in r.getMessage() for r in caplog.records)
     for unit in engine.units:  # the host no longer holds gradient buffers for the units that came back
-        assert (unit.index in engine.placement.host.landing.host_grads) == (unit.index in decision["host_units"])
+        assert (unit.index in engine.placement.host.landing.numels) == (unit.index in decision["host_units"])
 
 
 def test_auto_keeps_at_least_the_elements_the_best_fitting_ratio_keeps() -> None:
