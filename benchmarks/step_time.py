@@ -240,6 +240,14 @@ def reserved_gib(peak: bool = False) -> float:
     return (torch.cuda.max_memory_reserved() if peak else torch.cuda.memory_reserved()) / 2**30
 
 
+def pinned_gib() -> float:
+    """Pinned host memory torch's host allocator holds now (CUDA; 0 where it does not say)."""
+    if not ON_GPU or not hasattr(torch.cuda, "host_memory_stats"):
+        return 0.0
+    stats = torch.cuda.host_memory_stats()
+    return float(stats.get("reserved_bytes.current", stats.get("allocated_bytes.current", 0))) / 2**30
+
+
 def host_rss_gib() -> float:
     """This process's resident host memory now (after the arm's steps: offloaded state included)."""
     try:
@@ -248,6 +256,14 @@ def host_rss_gib() -> float:
     except (OSError, StopIteration, ValueError):
         return 0.0
     return kib / 2**20
+
+
+def gathered_counts(engine, dev: torch.device) -> list[float]:
+    """Every rank's host bytes as the engine counts them before allocating (``offload/host_need.py``)."""
+    mine = torch.tensor([float(engine.host_memory.need.total)], device=dev, dtype=torch.float64)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return [float(t) for t in out]
 
 
 class Arm(NamedTuple):
@@ -366,6 +382,7 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
     # so an arm would otherwise reuse an earlier arm's graphs and recompilations (and, past dynamo's
     # recompile limit, run eagerly without a word).
     torch._dynamo.reset()
+    rss_before, pinned_before = host_rss_gib(), pinned_gib()
     built = build_arm(arm, args, dev)
     model, forward, finish, engine, num_params = built.model, built.forward, built.finish, built.engine, built.num_params
     del built
@@ -411,8 +428,9 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
     compile_s = max(0.0, sum(warmup_times) - len(warmup_times) * statistics.median(times))
     if args.profile:
         profile_steps(arm, args, dev, forward, finish, g)
-    stats = torch.tensor([statistics.median(times), peak, loss.item(), saved.gib, leftover, host_rss_gib(), compile_s,
-                          peak_reserved, built_reserved], device=dev)
+    rss = host_rss_gib()
+    stats = torch.tensor([statistics.median(times), peak, loss.item(), saved.gib, leftover, rss, compile_s,
+                          peak_reserved, built_reserved, rss - rss_before, pinned_gib() - pinned_before], device=dev)
     gathered = [torch.empty_like(stats) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, stats)
     result = {
@@ -425,6 +443,11 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
         "activations_GiB": round(float(gathered[0][3]), 2),
         "leftover_GiB": round(max(float(s[4]) for s in gathered), 3),
         "host_rss_GiB_per_rank": [round(float(s[5]), 2) for s in gathered],
+        # What the arm added to the host (a launch's first arm: later arms reuse what earlier ones freed),
+        # per parameter of the model over the ranks of this host.
+        "host_rss_added_GiB_per_rank": [round(float(s[9]), 2) for s in gathered],
+        "host_pinned_added_GiB_per_rank": [round(float(s[10]), 2) for s in gathered],
+        "host_bytes_per_param": round(sum(float(s[9]) for s in gathered) * 2**30 / num_params, 2),
         "compile_s": round(max(float(s[6]) for s in gathered), 1),
         "world_size": dist.get_world_size(), "torch": torch.__version__,
     }
@@ -433,6 +456,8 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
                       over_floor_median=round(statistics.median(t / f for t, f in zip(times, floor_times)), 3),
                       steps_s=[round(t, 4) for t in times], floor_s=[round(f, 4) for f in floor_times])
     if engine is not None:
+        result["host_counted_bytes_per_param"] = round(
+            sum(float(s) for s in gathered_counts(engine, dev)) / num_params, 2)
         result.update(memory_bound(engine))
         result["bound_plus_activations_GiB"] = round(result["bound_GiB"] + result["activations_GiB"], 2)
         engine.close()
