@@ -258,6 +258,22 @@ def host_rss_gib() -> float:
     return kib / 2**20
 
 
+H200_BF16_DENSE_TFLOPS = 989.0
+
+
+def throughput(num_params: int, args: argparse.Namespace, step_s: float) -> dict:
+    """Tokens per step and per second over all ranks, model TFLOP/s per GPU (6 x parameters per token
+    plus attention, 12 x layers x dim x sequence) and, on an H200, its share of the bf16 dense peak."""
+    world = dist.get_world_size()
+    tokens = args.batch * args.seq * world
+    flops = tokens * (6 * num_params + 12 * args.layers * args.dim * args.seq)
+    tflops = flops / step_s / world / 1e12
+    out = {"tokens_per_step": tokens, "tokens_per_s": round(tokens / step_s), "tflops_per_gpu": round(tflops, 1)}
+    if ON_GPU and "H200" in torch.cuda.get_device_name():
+        out["mfu"] = round(tflops / H200_BF16_DENSE_TFLOPS, 3)
+    return out
+
+
 def gathered_counts(engine, dev: torch.device) -> list[float]:
     """Every rank's host bytes as the engine counts them before allocating (``offload/host_need.py``)."""
     mine = torch.tensor([float(engine.host_memory.need.total)], device=dev, dtype=torch.float64)
@@ -451,6 +467,7 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
         "compile_s": round(max(float(s[6]) for s in gathered), 1),
         "world_size": dist.get_world_size(), "torch": torch.__version__,
     }
+    result.update(throughput(num_params, args, float(result["step_s_median"])))
     if floor_times:
         result.update(floor_s_median=round(statistics.median(floor_times), 4),
                       over_floor_median=round(statistics.median(t / f for t, f in zip(times, floor_times)), 3),

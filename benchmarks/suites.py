@@ -22,6 +22,7 @@ LINKS: dict[str, dict[str, str]] = {
 MODELS: dict[str, tuple[str, ...]] = {
     "953m": (),  # the scripts' default: d=2048, 16 layers, SwiGLU 5632, vocab 32000, untied head
     "1b": ("--layers", "17"),  # 1.005B parameters
+    "3800m": ("--dim", "3072", "--layers", "32", "--heads", "24", "--ffn", "8192"),  # 3.82B parameters
     "tiny": ("--dim", "64", "--layers", "2", "--heads", "2", "--ffn", "128", "--vocab", "256", "--seq", "32",
              "--batch", "2"),  # CPU smoke runs
 }
@@ -34,6 +35,8 @@ SHARE_CORES = {"OMP_NUM_THREADS": "{threads}"}
 TABLE_COLUMNS: dict[str, tuple[str, ...]] = {
     "step_time": ("arm", "link", "world_size", "params_M", "step_s_median", "peak_alloc_GiB_per_rank",
                   "floor_s_median", "over_floor_median"),
+    "step_time_scale": ("arm", "params_M", "tokens_per_step", "step_s_median", "tokens_per_s", "mfu",
+                        "peak_alloc_GiB_per_rank", "peak_reserved_GiB_per_rank", "host_bytes_per_param"),
     "checkpoint_time": ("arm", "world_size", "checkpoint_GiB", "save_s", "blocked_s", "load_s"),
     "step_time_offload_floor": ("arm", "step_s_median", "floor_s_median", "over_floor_median", "peak_alloc_GiB_per_rank"),
     "fabric_step_time": ("mode", "stage", "step_s_median", "fabric_over_trainer"),
@@ -103,6 +106,23 @@ PEERS_OFFLOAD = ("zeroq2,zeroq2+offload_optimizer,ds2+offload_optimizer,fsdp2+of
                  "zeroq2+offload_optimizer+ratio25,zeroq2+offload_optimizer+ratio50,zeroq2+offload_optimizer+ratio75,"
                  "zeroq3,zeroq3+offload_params,ds3+offload_optimizer+offload_params")
 HYBRID = "ddp,zeroq2,zeroq2+group1,zeroq2+group1+crossq,zeroq3,zeroq3+group1,zeroq3+group1+crossq"
+# The scale suites' arms: no offload, the optimizer on the host (synchronous; speculative and asynchronous),
+# parameters and optimizer on the host; FSDP2 without and with CPUOffloadPolicy (its gradients reduce in fp32,
+# ours in bf16: one rank reduces nothing, the step's arithmetic is the same); no offload again at the end.
+SCALE = ("zeroq2,zeroq2+offload_optimizer,zeroq2+offload_optimizer+spec+async,zeroq3+offload_params,"
+         "zeroq3+offload_params+spec+async,fsdp2,fsdp2+offload_optimizer,zeroq2")
+SCALE_BIG = "zeroq3+offload_params,fsdp2+offload_optimizer,zeroq3+offload_params+spec+async"  # no room for state on the GPU
+SCALE_TOKENS = {"4k": ("--batch", "4", "--seq", "1024"), "16k": ("--batch", "16", "--seq", "1024"),
+                "32k": ("--batch", "32", "--seq", "1024"), "32k_seq4096": ("--batch", "8", "--seq", "4096")}
+
+
+def _scale(arms: str, model: str, tokens: str, timeout: int) -> list[Launch]:
+    extra = ("--steps", "4", "--warmup", "2", *SCALE_TOKENS[tokens])
+    return [*step_time(arms, models=(model,), world_sizes=(1,), timeout=timeout, bench="step_time_scale", extra=extra),
+            *step_time(DS_OFFLOAD, models=(model,), world_sizes=(1,), timeout=timeout, bench="step_time_scale",
+                       requires=("deepspeed",), extra=extra)]
+
+
 GPU_TESTS = ("-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rf", "-s", "tests")
 
 
@@ -113,6 +133,17 @@ def _memory_account(arm: str, timeout: int, requires=()) -> Launch:
 
 
 SUITES: dict[str, Suite] = {
+    "scale": Suite(
+        "Throughput at the batch offload exists for (953M GPT, one GPU): tokens/s and MFU of no offload, optimizer "
+        "offload and parameter + optimizer offload at 4K, 16K and 32K tokens per step (micro-batches of 1,024-token "
+        "sequences), beside FSDP2 with and without CPUOffloadPolicy and, where installed, DeepSpeed's ZeRO-2/3 "
+        "offload; peak reserved and host bytes per parameter in every row",
+        tuple(launch for tokens in ("4k", "16k", "32k") for launch in _scale(SCALE, "953m", tokens, 300)),
+        build=True),
+    "scale-3800m": Suite(
+        "The same for a 3.82B GPT with parameters and optimizer on the host (zeroq3, synchronous and speculative + "
+        "asynchronous, beside FSDP2's CPUOffloadPolicy and DeepSpeed's ZeRO-3 offload) at 4K and 32K tokens",
+        tuple(launch for tokens in ("4k", "32k") for launch in _scale(SCALE_BIG, "3800m", tokens, 600)), build=True),
     "links": Suite(
         "Step time and peak memory of DDP and ZeroQ stages 2 and 3, with and without INT8 weights, over NVLink, "
         "host memory and loopback sockets (953M GPT, 2 GPUs); offload arms on NVLink",
