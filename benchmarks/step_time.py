@@ -59,6 +59,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from lightning_zeroq.cli.gpt import GPTConfig, GPTModel
@@ -68,13 +69,22 @@ class GPT(GPTModel):
     """The package's GPT with Llama-like blocks (RMSNorm, SwiGLU, no biases, no position embedding, untied
     head) and the layers' own initialization; ``forward`` returns the next-token loss."""
 
-    def __init__(self, vocab: int, dim: int, layers: int, heads: int, ffn: int) -> None:
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, ffn: int, checkpoint: bool = False) -> None:
         super().__init__(GPTConfig(vocab_size=vocab, n_embd=dim, n_layer=layers, n_head=heads, ffn_hidden=ffn,
                                    norm="rmsnorm", mlp="swiglu", bias=False, learned_positions=False,
                                    tie_embeddings=False, init="torch"))
+        self.checkpoint = checkpoint
+        """``--checkpoint``: each block's activations recomputed in the backward (``torch.utils.checkpoint``,
+        non-reentrant), as the README advises for models whose activations do not fit."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        logits = super().forward(tokens)
+        if self.checkpoint:
+            x = self.drop(self.tok_emb(tokens))
+            for block in self.blocks:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            logits = self.head(self.ln_f(x))
+        else:
+            logits = super().forward(tokens)
         return F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), tokens.roll(-1, 1).view(-1))
 
 
@@ -100,7 +110,9 @@ def memory_bound(engine) -> dict:
 
 ARM_STAGES = {"ddp": 0, "zeroq1": 1, "zeroq2": 2, "zeroq3": 3}
 ARM_OPTIONS = ("int8", "offload_optimizer", "offload_params", "qgrad", "keep", "prefetch2", "ratio25", "ratio50", "ratio75",
-               "auto", "spec", "async", "parts", "plain", "clip", "compile", "compile_whole", "group1", "group2", "group4", "crossq")
+               "auto", "spec", "async", "parts", "plain", "clip", "compile", "compile_whole", "group1", "group2", "group4", "crossq",
+               "nvme")
+# +nvme (with +offload_optimizer / +offload_params): to NVMe swap files under --nvme-path instead of host memory
 SHARD_GROUPS = {"group1": 1, "group2": 2, "group4": 4}  # hybrid sharding: shard_group_size
 # +compile (ddp, fsdp2, zeroq): block.compile() on every block (torchtitan's recipe; FSDP2's and stage 3's
 # module hooks run outside the graphs); +compile_whole: torch.compile of the whole model (ddp: of the DDP
@@ -113,7 +125,7 @@ RATIOS = {"ratio25": 0.25, "ratio50": 0.5, "ratio75": 0.75}  # partial optimizer
 PEERS = {  # the peers, beside zeroq in one launch: base -> the options it takes
     "fsdp2": {"keep", "offload_optimizer", "clip", *COMPILE},
     "ds2": {"offload_optimizer", "clip"},
-    "ds3": {"int8", "offload_optimizer", "offload_params", "clip"},
+    "ds3": {"int8", "offload_optimizer", "offload_params", "clip", "nvme"},
 }
 
 
@@ -173,10 +185,11 @@ def deepspeed_arm(model: nn.Module, stage: int, options: set[str], args: argpars
         zero["reduce_bucket_size"] = int(args.bucket)
     if "int8" in options:
         zero["zero_quantized_weights"] = True
+    where = {"device": "nvme", "nvme_path": args.nvme_path} if "nvme" in options else {"device": "cpu"}
     if "offload_optimizer" in options:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        zero["offload_optimizer"] = {**where, "pin_memory": True}
     if "offload_params" in options:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+        zero["offload_param"] = {**where, "pin_memory": True}
     config = {
         "train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
         "bf16": {"enabled": True}, "zero_optimization": zero,
@@ -297,8 +310,10 @@ def build_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> Arm:
     """The model (seed 0) wrapped as ``arm`` says, with its optimizer; no step taken."""
     base, options = parse_arm(arm)
     stage = ARM_STAGES.get(base, -1)
+    if "nvme" in options and not getattr(args, "nvme_path", None):
+        raise SystemExit(f"arm {arm!r}: +nvme needs --nvme-path DIR (a directory on a fast local disk)")
     torch.manual_seed(0)
-    model = GPT(args.vocab, args.dim, args.layers, args.heads, args.ffn).to(dev)
+    model = GPT(args.vocab, args.dim, args.layers, args.heads, args.ffn, getattr(args, "checkpoint", False)).to(dev)
     num_params = sum(p.numel() for p in model.parameters())
     if "compile" in options:
         for block in model.blocks:
@@ -341,6 +356,10 @@ def build_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> Arm:
             extra["offload_speculative_step"] = True
         if "async" in options:
             extra["offload_async_step"] = True
+        if "nvme" in options:
+            extra.update(offload_optimizer_device="nvme", nvme_path=args.nvme_path)
+            if "offload_params" in options:
+                extra["offload_params_device"] = "nvme"
         from lightning_zeroq.ops.host_adam import host_adam
 
         if offload and host_adam() is not None:  # +parts: the host kernel's threads each take one fixed part
@@ -574,6 +593,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--arms", default="ddp,zeroq2", help="comma-separated, run in this order")
     add_model_arguments(parser, steps=10, warmup=3)
+    parser.add_argument("--checkpoint", action="store_true", help="activation checkpointing of every block")
+    parser.add_argument("--nvme-path", default=None, help="the +nvme arms' swap directory (a fast local disk)")
     parser.add_argument("--memory-peak", action="store_true", help="print what is live at one step's peak (print_memory_peak)")
     parser.add_argument("--budget", default=None, help="offload_memory_budget of the +auto arms (GiB, or e.g. '50%%')")
     parser.add_argument("--floor", action="store_true",

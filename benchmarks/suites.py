@@ -41,6 +41,8 @@ TABLE_COLUMNS: dict[str, tuple[str, ...]] = {
     "step_time_offload_floor": ("arm", "step_s_median", "floor_s_median", "over_floor_median", "peak_alloc_GiB_per_rank"),
     "fabric_step_time": ("mode", "stage", "step_s_median", "fabric_over_trainer"),
     "host_adam": ("arm", "numel", "threads", "median_s", "GB_per_s"),
+    "largest_model": ("arm", "deepest_layers", "params_B", "tokens_per_s", "mfu", "peak_reserved_GiB", "host_rss_GiB",
+                      "next_fails_because"),
     "quant_accuracy": ("stage", "steps", "final_loss_plain", "final_loss_int8", "final_loss_rel_diff"),
     "eps_noise": ("stage", "eps", "step", "ddp_reversed_vs_ddp", "zeroq_vs_ddp"),
 }
@@ -144,6 +146,18 @@ SUITES: dict[str, Suite] = {
         "The same for a 3.82B GPT with parameters and optimizer on the host (zeroq3, synchronous and speculative + "
         "asynchronous, beside FSDP2's CPUOffloadPolicy and DeepSpeed's ZeRO-3 offload) at 4K and 32K tokens",
         tuple(launch for tokens in ("4k", "32k") for launch in _scale(SCALE_BIG, "3800m", tokens, 600)), build=True),
+    "largest": Suite(
+        "The largest GPT each engine trains on one GPU and this host (benchmarks/largest_model.py: a search over "
+        "depth at a Llama-7B-like width, 4,096 tokens per step, activation checkpointing): zeroq3 with parameters "
+        "and optimizer on the host, FSDP2's CPUOffloadPolicy, DeepSpeed ZeRO-3 offload (where installed); then "
+        "with NVMe (zeroq3, DeepSpeed) in the --scratch folder",
+        (Launch("largest_model", ("benchmarks/largest_model.py", "--arms", "zeroq3+offload_params,fsdp2+offload_optimizer",
+                                  "--checkpoint", "--start", "24"), timeout=3600),
+         Launch("largest_model", ("benchmarks/largest_model.py", "--arms", "ds3+offload_optimizer+offload_params",
+                                  "--checkpoint", "--start", "24"), timeout=3600, requires=("deepspeed",)),
+         Launch("largest_model", ("benchmarks/largest_model.py", "--arms", "zeroq3+offload_params+nvme",
+                                  "--checkpoint", "--start", "24", "--nvme-path", "{scratch}"), timeout=3600)),
+        build=True),
     "links": Suite(
         "Step time and peak memory of DDP and ZeroQ stages 2 and 3, with and without INT8 weights, over NVLink, "
         "host memory and loopback sockets (953M GPT, 2 GPUs); offload arms on NVLink",
