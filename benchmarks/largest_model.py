@@ -66,6 +66,8 @@ def trial_command(arm: str, layers: int, args: argparse.Namespace) -> list[str]:
                "--steps", str(args.steps), "--warmup", "1"]
     if args.checkpoint:
         command.append("--checkpoint")
+    if arm.startswith("zeroq"):
+        command.append("--meta")  # never the whole model on the device: the engine materializes unit by unit
     if args.nvme_path:
         command += ["--nvme-path", args.nvme_path]
     return command

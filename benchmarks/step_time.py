@@ -48,6 +48,7 @@ drift, where a floor measured in another launch does.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -313,7 +314,11 @@ def build_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> Arm:
     if "nvme" in options and not getattr(args, "nvme_path", None):
         raise SystemExit(f"arm {arm!r}: +nvme needs --nvme-path DIR (a directory on a fast local disk)")
     torch.manual_seed(0)
-    model = GPT(args.vocab, args.dim, args.layers, args.heads, args.ffn, getattr(args, "checkpoint", False)).to(dev)
+    meta = getattr(args, "meta", False) and stage > 0
+    with torch.device("meta") if meta else contextlib.nullcontext():  # --meta: the engine materializes unit by unit
+        model = GPT(args.vocab, args.dim, args.layers, args.heads, args.ffn, getattr(args, "checkpoint", False))
+    if not meta:
+        model = model.to(dev)
     num_params = sum(p.numel() for p in model.parameters())
     if "compile" in options:
         for block in model.blocks:
@@ -368,7 +373,7 @@ def build_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> Arm:
         config = ZeroConfig(stage=stage, reduce_bucket_size=int(args.bucket) if stage < 3 else ZeroConfig().reduce_bucket_size,
                             quantized_weights="int8" in options, offload_optimizer=offload,
                             offload_parameters="offload_params" in options, **extra)
-        engine = ZeroEngine(model, config, param_dtype=torch.bfloat16)
+        engine = ZeroEngine(model, config, param_dtype=torch.bfloat16, device=dev)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         engine.attach_optimizer(opt)
         forward = torch.compile(model) if "compile_whole" in options else model
@@ -594,6 +599,8 @@ def main() -> None:
     parser.add_argument("--arms", default="ddp,zeroq2", help="comma-separated, run in this order")
     add_model_arguments(parser, steps=10, warmup=3)
     parser.add_argument("--checkpoint", action="store_true", help="activation checkpointing of every block")
+    parser.add_argument("--meta", action="store_true",
+                        help="zeroq arms: build the model on the meta device; the engine materializes it unit by unit")
     parser.add_argument("--nvme-path", default=None, help="the +nvme arms' swap directory (a fast local disk)")
     parser.add_argument("--memory-peak", action="store_true", help="print what is live at one step's peak (print_memory_peak)")
     parser.add_argument("--budget", default=None, help="offload_memory_budget of the +auto arms (GiB, or e.g. '50%%')")
