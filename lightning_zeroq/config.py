@@ -369,20 +369,11 @@ def check_swap_directory(path: Optional[str]) -> None:
 def memory_budget(value: Any, device_bytes: Optional[int]) -> Optional[int]:
     """``offload_memory_budget`` in bytes (None: the default). ``device_bytes``: the device's memory, or
     None to check the form alone. Raises ``ValueError`` naming the value and the fix."""
-    if value is None:
-        return None
     fix = "use GiB as a number (e.g. 60) or a share of the device's memory such as '50%'"
-    share = isinstance(value, str) and value.strip().endswith("%")
-    try:
-        if isinstance(value, bool):
-            raise ValueError
-        number = float(value.strip().rstrip("%")) if isinstance(value, str) else float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"ZeroConfig.offload_memory_budget={value!r} is not a number; {fix}.") from None
-    if not number > 0 or (share and number > 100) or number != number or number == float("inf"):
-        raise ValueError(f"ZeroConfig.offload_memory_budget={value!r} must be above 0 (and a share at most 100%); {fix}.")
-    if device_bytes is None:
+    form = budget_form("offload_memory_budget", value, fix)
+    if form is None or device_bytes is None:
         return None
+    number, share = form
     budget = int(number / 100 * device_bytes) if share else int(number * 2**30)
     if budget > device_bytes:
         raise ValueError(
@@ -392,17 +383,25 @@ def memory_budget(value: Any, device_bytes: Optional[int]) -> Optional[int]:
     return budget
 
 
-def host_budget(value: Any) -> None:
-    """``host_memory_budget``'s form: None, GiB above 0, or a share ``"N%"`` with 0 < N <= 100."""
-    if value is None:
-        return
+def host_budget(value: Any) -> Optional[tuple[float, bool]]:
+    """``host_memory_budget``'s form: None, GiB above 0, or a share ``"N%"`` with 0 < N <= 100 (a string
+    without ``%`` is refused); returns ``(number, is a share)``."""
     fix = "use GiB as a number (e.g. 120), a share of the host's memory such as '80%', or None for what is available"
+    return budget_form("host_memory_budget", value, fix, bare_strings=False)
+
+
+def budget_form(name: str, value: Any, fix: str, *, bare_strings: bool = True) -> Optional[tuple[float, bool]]:
+    """A memory budget given as GiB or as a share ``"N%"``: ``(number, is a share)``, None for None; a
+    ``ValueError`` naming field ``name``, the value and ``fix`` otherwise (``bare_strings``: ``"12"`` is GiB)."""
+    if value is None:
+        return None
     share = isinstance(value, str) and value.strip().endswith("%")
     try:
-        if isinstance(value, bool) or (isinstance(value, str) and not share):
+        if isinstance(value, bool) or (isinstance(value, str) and not share and not bare_strings):
             raise ValueError
         number = float(value.strip().rstrip("%")) if isinstance(value, str) else float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"ZeroConfig.host_memory_budget={value!r} is not a number or a share; {fix}.") from None
+        raise ValueError(f"ZeroConfig.{name}={value!r} is not a number; {fix}.") from None
     if not number > 0 or number == float("inf") or (share and number > 100):
-        raise ValueError(f"ZeroConfig.host_memory_budget={value!r} must be above 0 (a share at most 100%); {fix}.")
+        raise ValueError(f"ZeroConfig.{name}={value!r} must be above 0 (and a share at most 100%); {fix}.")
+    return number, share

@@ -216,11 +216,10 @@ class HostOptimizer(OptimizerPlacement):
         if self.spec is not None and self.spec.keep(unit, binding, used, index in self.multiplier):
             self.landing.half.discard(index)
             return None, []
-        landing = self.landing
-        grad = landing.half_grads[index] if index in landing.half else landing.host_grads[index]
+        grad = self.landing.buffer(index)
         jobs = self.kernel.jobs(unit, binding, used, grad, self.multiplier.pop(index, 1.0), hypers)
-        landing.half.discard(index)
-        return landing.in_flight.get(index), jobs
+        self.landing.half.discard(index)
+        return self.landing.in_flight.get(index), jobs
 
     def _kernel_grad(self, unit: Unit) -> Tensor:
         return self.landing.as_landed(unit)

@@ -34,10 +34,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence
 
 import torch
 
+from lightning_zeroq.config import host_budget
 from lightning_zeroq.zero.layout import UnitLayout
 from lightning_zeroq.zero.offload.split import host_units
 from lightning_zeroq.zero.optimizers import adam_kind
@@ -127,22 +128,21 @@ def optimizer_need(optimizers: Sequence[torch.optim.Optimizer], host_elements: i
 def available(budget: Any) -> Optional[Available]:
     """What this node's ranks may put in host memory: ``budget`` (``host_memory_budget``: GiB, or a share
     of the host's memory as ``"N%"``) or what the host reports available; None where it cannot tell."""
-    if budget is not None:
-        share = isinstance(budget, str)
+    form = host_budget(budget)
+    if form is not None:
+        number, share = form
         total = _meminfo("MemTotal") if share else None
-        if share:
-            if total is None:
-                return None
-            return Available(int(float(budget.strip().rstrip("%")) / 100 * total), f"host_memory_budget={budget!r}")
-        return Available(int(float(budget) * GiB), f"host_memory_budget={budget!r}")
+        if share and total is None:
+            return None
+        nbytes = int(number / 100 * total) if total is not None else int(number * GiB)
+        return Available(nbytes, f"host_memory_budget={budget!r}")
     free = _meminfo("MemAvailable")
     if free is None:
         return None
-    found = Available(free, "MemAvailable")
     limited = _cgroup_room()
     if limited is not None and limited < free:
-        found = Available(limited, "the cgroup's memory limit less its use")
-    return found
+        return Available(limited, "the cgroup's memory limit less its use")
+    return Available(free, "MemAvailable")
 
 
 def check(need: HostNeed, room: Optional[Available], ranks_on_node: int, what: str) -> None:
@@ -183,7 +183,7 @@ def _meminfo(key: str) -> Optional[int]:
 
 def _cgroup_room() -> Optional[int]:
     """Bytes this process's cgroup may still take (v2, then v1); None without a limit."""
-    pairs: list[tuple[Union[str, Path], Union[str, Path]]] = [
+    pairs = [
         ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
     ]
@@ -223,13 +223,11 @@ class HostBudget:
         """What this rank put on the host so far (counted)."""
         self.accumulates: Optional[bool] = None
         """Whether windows sum several backward passes (the Lightning strategy knows; None: unknown)."""
-        self.half = False
 
     def built(self, layouts: Sequence[UnitLayout], rank: int, param_dtype: torch.dtype, payload_dtype: torch.dtype,
               transient: dict[int, int], placement: Any) -> None:
         """Check the build's need (``transient``: stage 3's units with their payload's elements) and watch
         the placement's fp32 gradient buffers."""
-        self.half = param_dtype == torch.bfloat16
         payload = {i: (n, payload_dtype) for i, n in transient.items()}
         self.need = engine_need(self.offload, layouts, rank, param_dtype, payload)
         check(self.need, self.room, self.ranks, "this offload configuration")
@@ -241,8 +239,9 @@ class HostBudget:
         """Before the optimizers' state is made: it must fit beside what the build allocated."""
         need = optimizer_need(optimizers, self.need.host_elements, self.offload.speculative)
         kernel_reads_all = all(adam_kind(o) is not None for o in optimizers) and _kernel_loads()
-        if self.half and self.need.host_elements and (self.accumulates or not kernel_reads_all):
-            need.parts["fp32 gradient buffers"] = 2 * self.need.parts.get("bf16 gradient buffers", 0)
+        half = self.need.parts.get("bf16 gradient buffers", 0)  # bf16 weights: fp32 buffers only where read
+        if half and (self.accumulates or not kernel_reads_all):
+            need.parts["fp32 gradient buffers"] = 2 * half
         for name in ("optimizer state", "speculative spare buffers"):  # another optimizer's, attached before
             self.need.parts.pop(name, None)
         self._check_more(need, "the optimizer's state on the host")
@@ -258,10 +257,10 @@ class HostBudget:
 
     def _check_more(self, need: HostNeed, what: str) -> None:
         """``need`` beside what this engine holds already."""
-        if self.offload.host_budget is not None:
-            budget, held = available(self.offload.host_budget), self.need.total * self.ranks
-            room = None if budget is None else Available(
-                budget.bytes - held, f"{budget.source} less the {size(held)} the engine holds")
+        if self.offload.host_budget is not None:  # the budget, read at the build, less what the engine holds
+            held = self.need.total * self.ranks
+            room = None if self.room is None else Available(
+                self.room.bytes - held, f"{self.room.source} less the {size(held)} the engine holds")
         else:
             room = available(None)  # what this engine allocated is in use already
         check(need, room, self.ranks, what)

@@ -183,9 +183,13 @@ class GradientLanding:
         wait_event(self.in_flight, index)
 
     def as_landed(self, unit: Unit) -> Tensor:
-        """The unit's host gradient as it landed (bf16 where it crossed so), for the kernel."""
+        """The unit's host gradient as it landed (bf16 where it crossed so), for the kernel, once there."""
         self.wait(unit.index)
-        return self.half_grads[unit.index] if unit.index in self.half else self.host_grads[unit.index]
+        return self.buffer(unit.index)
+
+    def buffer(self, index: int) -> Tensor:
+        """The buffer unit ``index``'s gradient lands in this window (its copy may still be running)."""
+        return self.half_grads[index] if index in self.half else self.host_grads[index]
 
     def fp32(self, unit: Unit) -> Tensor:
         """The unit's fp32 host gradient (the bf16 copy widened in place: exact)."""
