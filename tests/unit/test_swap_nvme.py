@@ -817,3 +817,12 @@ def test_a_rank_killed_half_way_through_its_clean_up_leaves_a_directory_its_laun
     assert swap_directory.remove_directories_of(tmp_path, [child.pid + 1]) == []  # not the killed pid: kept
     assert swap_directory.remove_directories_of(tmp_path, [child.pid]) == [left]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_pinned_empty_without_pinning_is_a_plain_tensor_of_its_size_and_rejects_a_negative_size():
+    from lightning_zeroq.swap.buffers import pinned_empty
+
+    t = pinned_empty(3 << 20, torch.bfloat16, pin=False)
+    assert t.shape == (3 << 20,) and t.dtype == torch.bfloat16 and not t.is_pinned()
+    with pytest.raises(ValueError, match="numel=-1"):
+        pinned_empty(-1, torch.float32, pin=False)

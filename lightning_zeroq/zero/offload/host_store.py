@@ -3,17 +3,23 @@ gathers (see ``host.py`` for how the host kernel writes the step's payload there
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
+from lightning_zeroq.swap.buffers import pinned_empty
 from lightning_zeroq.zero.offload.device import copy_cast_to_device
 from lightning_zeroq.zero.unit import Unit
 
 
-def host_copy(tensor: Tensor, pin: bool) -> Tensor:
-    """A host copy of ``tensor``, pinned where a GPU will copy from or to it."""
-    host = tensor.detach().to("cpu", copy=True)
-    return host.pin_memory() if pin else host
+def host_copy(tensor: Tensor, pin: bool, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """A host copy of ``tensor`` (in ``dtype``, default its own), pinned where a GPU will copy from or
+    to it (exactly its bytes: ``pinned_empty``)."""
+    if not pin:
+        return tensor.detach().to("cpu", dtype=dtype, copy=True)
+    host = pinned_empty(tensor.numel(), dtype or tensor.dtype).view(tensor.shape)
+    return host.copy_(tensor.detach())
 
 
 class HostStore:
@@ -21,7 +27,7 @@ class HostStore:
 
     def __init__(self, device: torch.device, dtype: torch.dtype, numels: dict[int, int]) -> None:
         self.device, self.pin = device, device.type == "cuda"
-        self.buffers = {i: host_copy(torch.empty(n, dtype=dtype), self.pin) for i, n in numels.items()}
+        self.buffers = {i: pinned_empty(n, dtype, self.pin) for i, n in numels.items()}
 
     def put(self, unit: Unit, payload: Tensor) -> None:
         buffer = self.buffers[unit.index]

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from lightning_zeroq.ops.host_adam import HostAdam
+from lightning_zeroq.zero.offload.host_store import host_copy
 from lightning_zeroq.zero.optimizers import Binding, adam_kind, kernel_group
 from lightning_zeroq.zero.unit import Unit
 
@@ -120,8 +121,7 @@ class KernelSteps:
             return None
         buffer = self.working.get(unit.index)
         if buffer is None:  # the padding is zero in the master and stays zero here
-            buffer = unit.master.detach().to("cpu", dtype=torch.bfloat16, copy=True)
-            buffer = self.working[unit.index] = buffer.pin_memory() if self.pin else buffer
+            buffer = self.working[unit.index] = host_copy(unit.master, self.pin, torch.bfloat16)
         return buffer
 
     def copy(self, unit: Unit, dtype: torch.dtype) -> Optional[Tensor]:

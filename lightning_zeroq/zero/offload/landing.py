@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from lightning_zeroq.zero import comm
-from lightning_zeroq.zero.offload.host_store import host_copy
+from lightning_zeroq.swap.buffers import pinned_empty
 from lightning_zeroq.zero.unit import Unit
 
 
@@ -157,14 +157,13 @@ class GradientLanding:
     def _half_buffer(self, unit: Unit) -> Tensor:
         buffer = self.half_grads.get(unit.index)
         if buffer is None:
-            buffer = self.half_grads[unit.index] = torch.empty(
-                self.numels[unit.index], dtype=torch.bfloat16, pin_memory=self.pin)
+            buffer = self.half_grads[unit.index] = pinned_empty(self.numels[unit.index], torch.bfloat16, self.pin)
         return buffer
 
     def _fp32_buffer(self, index: int) -> Tensor:
         if not self.host_grads:
             self.before_fp32(4 * sum(self.numels.values()))
-            self.host_grads = {i: host_copy(torch.zeros(n), self.pin) for i, n in self.numels.items()}
+            self.host_grads = {i: pinned_empty(n, torch.float32, self.pin).zero_() for i, n in self.numels.items()}
         return self.host_grads[index]
 
     def ready(self, units: Sequence[Unit], half_ok: bool) -> None:

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import _global_optimizer_pre_hooks
 
+from lightning_zeroq.swap.buffers import pinned_empty
 from lightning_zeroq.zero.layout import Segment
 from lightning_zeroq.zero.offload.kernel import KernelSteps
 from lightning_zeroq.zero.optimizers import adam_kind
@@ -265,7 +266,7 @@ class Speculation:
         return _Done(unit, pairs, hypers, steps)
 
     def _spare(self, unit: Unit, optimizer: torch.optim.Optimizer, pairs: list[tuple[Tensor, Segment]]) -> _Spare:
-        master = torch.zeros(unit.master.shape, dtype=unit.master.dtype, pin_memory=self.steps.pin)
+        master = pinned_empty(unit.master.numel(), unit.master.dtype, self.steps.pin).zero_().view(unit.master.shape)
         moments = {id(view): (torch.empty_like(optimizer.state[view]["exp_avg"]),
                               torch.empty_like(optimizer.state[view]["exp_avg_sq"])) for view, _ in pairs}
         return _Spare(master, moments)
