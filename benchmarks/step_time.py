@@ -255,11 +255,15 @@ def reserved_gib(peak: bool = False) -> float:
 
 
 def pinned_gib() -> float:
-    """Pinned host memory torch's host allocator holds now (CUDA; 0 where it does not say)."""
-    if not ON_GPU or not hasattr(torch.cuda, "host_memory_stats"):
+    """Pinned host memory now (CUDA): what torch's host allocator holds, and what lightning_zeroq
+    registered exactly (``swap.buffers.pinned_empty``), which torch's statistics do not see."""
+    if not ON_GPU:
         return 0.0
-    stats = torch.cuda.host_memory_stats()
-    return float(stats.get("reserved_bytes.current", stats.get("allocated_bytes.current", 0))) / 2**30
+    from lightning_zeroq.swap.buffers import registered_bytes
+
+    stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+    held = stats.get("reserved_bytes.current", stats.get("allocated_bytes.current", 0))
+    return float(held + registered_bytes()) / 2**30
 
 
 def host_rss_gib() -> float:
@@ -501,6 +505,9 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
             sum(float(s) for s in gathered_counts(engine, dev)) / num_params, 2)
         result.update(memory_bound(engine))
         result["bound_plus_activations_GiB"] = round(result["bound_GiB"] + result["activations_GiB"], 2)
+        spec = getattr(getattr(engine.placement, "host", engine.placement), "spec", None)
+        if spec is not None:  # offload_speculative_step: units whose early step stayed, and those undone
+            result.update(speculated_kept=spec.counts.kept, speculated_undone=spec.counts.undone)
         engine.close()
     del model, forward, finish, loss, saved
     engine = None
