@@ -507,7 +507,10 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
         result["bound_plus_activations_GiB"] = round(result["bound_GiB"] + result["activations_GiB"], 2)
         spec = getattr(getattr(engine.placement, "host", engine.placement), "spec", None)
         if spec is not None:  # offload_speculative_step: units whose early step stayed, and those undone
-            result.update(speculated_kept=spec.counts.kept, speculated_undone=spec.counts.undone)
+            c = spec.counts
+            result.update(speculated_kept=c.kept, speculated_undone=c.undone, speculated_offered=c.offered,
+                          speculated_unstarted=c.unstarted, speculation_landing_s=round(c.landing_s, 3),
+                          speculation_stepping_s=round(c.stepping_s, 3))
         engine.close()
     del model, forward, finish, loss, saved
     engine = None

@@ -34,6 +34,7 @@ windows do not speculate.
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 from collections import deque
 from dataclasses import dataclass
@@ -93,10 +94,20 @@ class _Spare:
 
 @dataclass
 class _Counts:
+    """What speculation did so far (``benchmarks/step_time.py`` reports it beside the step time)."""
+
     kept: int = 0
     undone: int = 0
     windows: int = 0
     """Windows that speculated."""
+    offered: int = 0
+    """Units handed to the worker during a backward."""
+    unstarted: int = 0
+    """Offered units the backward ended before the worker began (they step as usual)."""
+    landing_s: float = 0.0
+    """The worker's time waiting for gradients to land on the host."""
+    stepping_s: float = 0.0
+    """The worker's time in the host kernel."""
 
 
 class Speculation:
@@ -147,6 +158,7 @@ class Speculation:
             if not self._accepting:
                 return
             self._queue.append(unit)
+            self.counts.offered += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="zeroq-speculative-step", daemon=True)
                 self._thread.start()
@@ -166,6 +178,7 @@ class Speculation:
         """The backward ended: no more units (those not started step as usual)."""
         with self._cv:
             self._accepting = False
+            self.counts.unstarted += len(self._queue)
             self._queue.clear()
 
     def settle(self) -> None:
@@ -255,14 +268,18 @@ class Speculation:
         hypers = self.steps.plan([unit], binding)
         if hypers is None or not all(optimizer.state.get(view) for view, _ in pairs):
             return None  # the first step makes the state: never speculated
+        began = time.perf_counter()
         grad = self._grad_of(unit)  # waits for the unit's copy to land
         self._wait_reads(unit.index)  # the device's read of the previous step's copies
+        landed = time.perf_counter()
+        self.counts.landing_s += landed - began
         spare = self.spares.get(unit.index)
         if spare is None:
             spare = self.spares[unit.index] = self._spare(unit, optimizer, pairs)
         steps = [(optimizer.state[view]["step"], float(optimizer.state[view]["step"].item())) for view, _ in pairs]
         jobs = self.steps.jobs(unit, binding, _Everything(), grad, 1.0, hypers, out=spare.outputs)
         self.steps.kernel.run(jobs, threads=max(1, torch.get_num_threads() - 1))  # a core for the backward
+        self.counts.stepping_s += time.perf_counter() - landed
         return _Done(unit, pairs, hypers, steps)
 
     def _spare(self, unit: Unit, optimizer: torch.optim.Optimizer, pairs: list[tuple[Tensor, Segment]]) -> _Spare:

@@ -110,6 +110,8 @@ def test_speculative_steps_are_bitwise_the_steps(dist_pool, case):
         # accumulation; undone by a state read, zero_grad, unused parameters and clipping in effect
         # (which pauses the windows after it)
         assert counts.windows >= 6 and counts.kept > 0 and counts.undone > 0, counts
+        # every unit the worker finished was offered to it, and its time was measured
+        assert counts.offered >= counts.kept + counts.undone + counts.unstarted and counts.stepping_s > 0, counts
 
 
 @pytest.mark.parametrize("case", ["s2_bf16", "s3_params_bf16", "s2_ratio_bf16"])
