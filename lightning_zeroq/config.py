@@ -61,6 +61,13 @@ class ZeroConfig:
     ``offload_memory_budget`` (measured peak plus their master and state), the same on every rank,
     and logs the decision. On a CPU device (no device memory) ``"auto"`` warns and offloads every unit."""
 
+    offload_optimizer_nvme_ratio: Any = 1.0
+    """With ``offload_optimizer_device="nvme"``: the fraction of the parameters whose fp32 master and
+    optimizer state are swapped to ``nvme_path`` (whole units, largest first, above 0 and up to 1); the
+    other units keep theirs in host memory, as with CPU offload. Below 1 a model whose optimizer state
+    outgrows the host spills to disk only as far as it must (disk: 12 bytes per element of the units
+    swapped, for AdamW). 1: every unit is swapped."""
+
     offload_memory_budget: Any = None
     """Device memory ``offload_optimizer_ratio="auto"`` may fill (peak allocated bytes): GiB as a number
     (e.g. ``60``), or a share of the device's memory as a string ending in ``%`` (e.g. ``"50%"``).
@@ -235,6 +242,14 @@ class ZeroConfig:
                 "parameters whose optimizer state is offloaded (e.g. 0.5; 1 offloads all of it), or 'auto'."
             )
         self.offload_optimizer_ratio = ratio if ratio == "auto" else float(ratio)
+        spill = self.offload_optimizer_nvme_ratio
+        if isinstance(spill, bool) or not isinstance(spill, (int, float)) or not 0.0 < spill <= 1.0:
+            raise ValueError(
+                f"ZeroConfig.offload_optimizer_nvme_ratio={spill!r} must be a number above 0 and up to 1: the "
+                "fraction of the parameters whose optimizer state is swapped to NVMe (e.g. 0.4; 1 swaps all of "
+                "it). To keep all of it in host memory, use offload_optimizer_device='cpu'."
+            )
+        self.offload_optimizer_nvme_ratio = float(spill)
         memory_budget(self.offload_memory_budget, None)  # the form; the device's size is checked when known
         host_budget(self.host_memory_budget)
         if self.offload_optimizer and self.offload_optimizer_device == "nvme" and self.offload_optimizer_ratio != 1.0:
@@ -294,6 +309,10 @@ class ZeroConfig:
         if not self.offload_optimizer and changed("offload_optimizer_ratio"):
             out.append(f"offload_optimizer_ratio={self.offload_optimizer_ratio!r} has no effect without "
                        "offload_optimizer=True (nothing is offloaded).")
+        if changed("offload_optimizer_nvme_ratio") and not (self.offload_optimizer
+                                                            and self.offload_optimizer_device == "nvme"):
+            out.append(f"offload_optimizer_nvme_ratio={self.offload_optimizer_nvme_ratio!r} has no effect without "
+                       "offload_optimizer=True and offload_optimizer_device='nvme'.")
         if self.offload_memory_budget is not None and self.offload_optimizer_ratio != "auto":
             out.append(f"offload_memory_budget={self.offload_memory_budget!r} has no effect without "
                        "offload_optimizer_ratio='auto'.")

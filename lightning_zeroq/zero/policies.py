@@ -77,9 +77,11 @@ class Host:
 
 @dataclass(frozen=True)
 class Nvme:
-    """Swapped to files under ``path``."""
+    """Swapped to files under ``path``; for the optimizer, the largest units up to ``ratio`` of the
+    parameters (the others stay in host memory)."""
 
     path: str
+    ratio: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -190,7 +192,7 @@ def _offload(c: ZeroConfig, loss_scaling: bool) -> Offload:
     optimizer: Union[OnDevice, Host, Nvme, Auto] = OnDevice()  # also with ratio 0, which offloads nothing
     if c.offload_optimizer and c.offload_optimizer_device == "nvme":
         assert c.nvme_path is not None  # ZeroConfig checks it (and that the ratio is 1)
-        optimizer = Nvme(c.nvme_path)
+        optimizer = Nvme(c.nvme_path, c.offload_optimizer_nvme_ratio)
     elif c.offload_optimizer and c.offload_optimizer_ratio == "auto":
         optimizer = Auto(c.offload_memory_budget)
     elif c.offload_optimizer and c.offload_optimizer_ratio > 0.0:

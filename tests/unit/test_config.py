@@ -46,6 +46,10 @@ from lightning_zeroq import ZeroConfig, ZeroEngine, ZeroQStrategy, register_elem
         ({"offload_optimizer_ratio": float("nan")}, r"offload_optimizer_ratio=nan must be a number from 0 to 1"),
         ({"offload_optimizer": True, "offload_optimizer_device": "nvme", "nvme_path": "/tmp",
           "offload_optimizer_ratio": 0.5}, r"offload_optimizer_ratio=0.5: partial .* offload_optimizer_device='cpu'"),
+        ({"offload_optimizer_nvme_ratio": 0}, r"offload_optimizer_nvme_ratio=0 must be a number above 0 .*='cpu'"),
+        ({"offload_optimizer_nvme_ratio": 1.5}, r"offload_optimizer_nvme_ratio=1.5 must be a number above 0"),
+        ({"offload_optimizer_nvme_ratio": "some"}, r"offload_optimizer_nvme_ratio='some' must be a number"),
+        ({"offload_optimizer_nvme_ratio": True}, r"offload_optimizer_nvme_ratio=True must be a number"),
     ],
 )
 def test_config_rejects_bad_values(options, match):
@@ -79,6 +83,8 @@ def test_offload_optimizer_ratio_accepts_the_closed_unit_interval():
         ({"offload_params_device": "nvme"}, False, "offload_params_device='nvme' has no effect"),
         ({"nvme_path": "/tmp"}, False, "nvme_path='/tmp' has no effect"),
         ({"offload_optimizer_ratio": 0.5}, False, "offload_optimizer_ratio=0.5 has no effect without offload_optimizer"),
+        ({"offload_optimizer": True, "offload_optimizer_nvme_ratio": 0.5}, False,
+         "offload_optimizer_nvme_ratio=0.5 has no effect without offload_optimizer=True and offload_optimizer_device"),
     ],
 )
 def test_settings_that_cannot_take_effect_warn_once_at_engine_build(options, loss_scaling, says):

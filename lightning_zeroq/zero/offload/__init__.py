@@ -56,7 +56,8 @@ def optimizer_placement(
     if isinstance(policy, OnDevice):
         return OptimizerPlacement(device)
     if isinstance(policy, Nvme):
-        return NvmeOptimizer(device, param_dtype, world_size, nvme_path=policy.path, rank=rank)
+        on_disk = None if policy.ratio == 1.0 else host_units(layouts, policy.ratio)
+        return NvmeOptimizer(device, param_dtype, world_size, nvme_path=policy.path, rank=rank, on_disk=on_disk)
     host = HostOptimizer(device, param_dtype, world_size, speculative=speculative)
     if isinstance(policy, Auto):
         return AutoSplit(device, host, len(layouts), policy.budget, rank)

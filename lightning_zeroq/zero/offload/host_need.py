@@ -98,11 +98,13 @@ def engine_need(offload: Offload, layouts: Sequence[UnitLayout], rank: int, para
     elements = sum(layouts[i].shard_numel for i in on_host)
     half = param_dtype == torch.bfloat16
     params_on_host = isinstance(offload.parameters, Host)
-    if not isinstance(policy, Nvme):
-        need.host_elements = sum(seg.numel for i in on_host for seg in layouts[i].segments(rank))
-        need.parts["fp32 masters"] = 4 * elements
+    # With NVMe, only the units not swapped keep master and state in host memory.
+    resident = on_host - host_units(layouts, policy.ratio) if isinstance(policy, Nvme) else on_host
+    if resident:
+        need.host_elements = sum(seg.numel for i in resident for seg in layouts[i].segments(rank))
+        need.parts["fp32 masters"] = 4 * sum(layouts[i].shard_numel for i in resident)
     need.parts["bf16 gradient buffers" if half else "fp32 gradient buffers"] = (2 if half else 4) * elements
-    if half and isinstance(policy, (Host, Auto)):  # stage 3's host buffers hold a transient unit's copy
+    if half and isinstance(policy, (Host, Auto, Nvme)):  # stage 3's host buffers hold a transient unit's copy
         copied = (i for i in on_host if not (params_on_host and i in payload))
         need.parts["bf16 copies of the masters"] = 2 * sum(layouts[i].shard_numel for i in copied)
     if params_on_host:

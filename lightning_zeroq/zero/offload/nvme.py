@@ -77,12 +77,14 @@ def per_element_state_keys(optimizer: torch.optim.Optimizer) -> list[str]:
 
 
 class NvmeOptimizer(HostOptimizer):
-    """Masters and per-element optimizer state in swap files; resident only while a unit steps."""
+    """Masters and per-element optimizer state in swap files; resident only while a unit steps. The
+    units not in ``on_disk`` (default: every unit is) keep theirs in host memory, as with CPU offload
+    (``offload_optimizer_nvme_ratio`` below 1: the state spills to disk only as far as the host needs)."""
 
     def __init__(self, device: torch.device, param_dtype: torch.dtype, world_size: int, *, nvme_path: str,
-                 rank: int) -> None:
+                 rank: int, on_disk: Optional[frozenset[int]] = None) -> None:
         super().__init__(device, param_dtype, world_size)
-        self.nvme_path, self.rank = nvme_path, rank
+        self.nvme_path, self.rank, self.on_disk = nvme_path, rank, on_disk
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.keys: list[str] = []
         self.swapper: Optional[NvmeSwapper] = None
@@ -105,13 +107,18 @@ class NvmeOptimizer(HostOptimizer):
             return
         self.keys = per_element_state_keys(optimizer)
         self.swapper = NvmeSwapper(self.nvme_path, rank=self.rank, pin_memory=self.pin)
-        for unit in units:
+        swapped = [unit for unit in units if self._swaps(unit)]
+        for unit in swapped:
             for name in ["master", *self.keys]:
                 self.swapper.register(swap_key(unit.index, name), unit.layout.shard_numel, torch.float32)
         self.swapper.reserve()  # checks the free space for every region before anything is written
-        for unit in units:
+        for unit in swapped:
             self.swapper.write(swap_key(unit.index, "master"), unit.master)
             self._evict(unit)
+
+    def _swaps(self, unit: Unit) -> bool:
+        """Whether ``unit``'s master and state live on disk (else in host memory all along)."""
+        return self.on_disk is None or unit.index in self.on_disk
 
     def state_loaded(self, optimizer: torch.optim.Optimizer) -> None:
         """Use ``optimizer`` (its state just loaded) from now on; it replaces the state on disk as each
@@ -132,7 +139,7 @@ class NvmeOptimizer(HostOptimizer):
         self._flush()
 
     def _prefetch(self, unit: Optional[Unit]) -> None:
-        if unit is None or unit.index in self._resident:
+        if unit is None or unit.index in self._resident or not self._swaps(unit):
             return
         self._finish_write(unit.index)
         assert self.swapper is not None  # resident() walks units only once attach() made it
@@ -144,7 +151,7 @@ class NvmeOptimizer(HostOptimizer):
 
     def _load(self, unit: Unit) -> None:
         """Make ``unit``'s master (and optimizer state) resident in host memory."""
-        if unit.index in self._resident:
+        if unit.index in self._resident or not self._swaps(unit):
             return
         self._finish_write(unit.index)
         assert self.swapper is not None and self.optimizer is not None  # attach() set both

@@ -5,6 +5,8 @@ bad budgets are refused."""
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,6 +23,11 @@ CONFIGS = {
     "stage3_params_optimizer_cpu": dict(stage=3, offload_optimizer=True, offload_parameters=True),
     "stage3_optimizer_cpu": dict(stage=3, offload_optimizer=True),
     "optimizer_cpu_speculative": dict(stage=2, offload_optimizer=True, offload_speculative_step=True),
+    "optimizer_nvme": dict(stage=2, offload_optimizer=True, offload_optimizer_device="nvme",
+                           nvme_path=tempfile.gettempdir()),
+    # half the parameters' state swapped to NVMe: only the units kept in host memory count there
+    "optimizer_nvme_spill": dict(stage=2, offload_optimizer=True, offload_optimizer_device="nvme",
+                                 offload_optimizer_nvme_ratio=0.5, nvme_path=tempfile.gettempdir()),
 }
 SMALL_UNITS = dict(reduce_bucket_size=300, stage3_wrap_classes=["Sequential", "Linear"],
                    stage3_param_persistence_threshold=20)

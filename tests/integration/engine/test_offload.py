@@ -33,6 +33,8 @@ def _offload_options(offload: str) -> dict:
     if offload == "params_nvme_optimizer_cpu":
         return {"offload_optimizer": True, "offload_parameters": True, "offload_params_device": "nvme",
                 "nvme_path": tempfile.mkdtemp(dir=NVME_ROOT)}
+    if offload == "optimizer_nvme_half":  # half the parameters' state swapped, the rest in host memory
+        return {**_offload_options("optimizer_nvme"), "offload_optimizer_nvme_ratio": 0.5}
     if offload == "params_optimizer_nvme":
         return {**_offload_options("optimizer_nvme"), "offload_parameters": True, "offload_params_device": "nvme"}
     return OFFLOAD[offload]
@@ -442,3 +444,31 @@ def test_offloaded_gradients_leave_the_device_and_their_norms_stay_bitwise(dist_
             assert torch.equal(norm, ref_norm)
             assert per_param.keys() == ref_per_param.keys()
             assert all(torch.equal(per_param[k], ref_per_param[k]) for k in per_param)
+
+
+def _nvme_spill_body(stage: int) -> None:
+    spilled, _ = _train(stage, "optimizer_nvme_half", True)
+    on_host, _ = _train(stage, "optimizer_cpu", True)
+    assert spilled.keys() == on_host.keys() and all(torch.equal(spilled[k], on_host[k]) for k in spilled)
+    model, engine = _engine(stage, "optimizer_nvme_half", True)
+    engine.backward(_loss(model, 0, 0, 0))
+    engine.step()
+    placement = engine.placement
+    swapped = {u.index for u in engine.units if placement._swaps(u)}
+    assert 0 < len(swapped) < len(engine.units), "some units swap, the others stay in host memory"
+    numel = sum(u.layout.numel for u in engine.units)
+    assert sum(u.layout.numel for u in engine.units if u.index in swapped) >= numel / 2, "largest first, to half"
+    regions = set(placement.swapper._regions)
+    for unit in engine.units:
+        on_disk = unit.index in swapped
+        assert (f"u{unit.index}.master" in regions) == on_disk, "only the swapped units have swap files"
+        assert (unit.master.numel() == 0) == on_disk, "between steps only the swapped units' masters are evicted"
+    engine.close()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_nvme_spill_keeps_the_other_units_in_host_memory_bitwise(dist_pool, stage):
+    """``offload_optimizer_nvme_ratio=0.5``: the largest units' optimizer state goes to the swap files
+    until half the parameters are there, the others' stays in host memory; the training is bitwise CPU
+    offload's (both step on the host)."""
+    dist_pool(2).run(_nvme_spill_body, stage)
