@@ -18,6 +18,8 @@ from lightning_zeroq.lightning.strategy import ZeroQStrategy
 from lightning_zeroq.zero.access import owning_engine
 from lightning_zeroq.zero.engine import ZeroEngine
 from lightning_zeroq.zero.optimizers import register_elementwise_optimizer
+from lightning_zeroq.zero.planner import Machine
+from lightning_zeroq.zero.planner import plan_training as plan
 
 ZeroQStrategy.register_strategies(StrategyRegistry)
 ZeroQFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
@@ -53,7 +55,9 @@ __all__ = [
     "ZeroQFabricStrategy",
     "ZeroQPrecision",
     "ZeroQStrategy",
+    "Machine",
     "gathered_parameters",
+    "plan",
     "register_elementwise_optimizer",
 ]
 

@@ -1,0 +1,130 @@
+"""``zeroq-plan``: what each configuration needs and whether it fits, before launch, for a GPT of the
+given shape (the package's GPT: ``--norm rmsnorm --mlp swiglu`` is Llama's block), built on the meta
+device, so a 70B model plans on a laptop in seconds (``zero/planner.py``). No GPU, nothing allocated.
+
+    zeroq-plan --dim 4096 --layers 32 --heads 32 --ffn 11008 --batch 8 --seq 4096 \\
+        --device-gib 139 --host-gib 120 --nvme-path /local/swap
+
+Per configuration (stages 1-3; no offload, half or all of the optimizer on the host, parameters too,
+NVMe where ``--nvme-path`` is given; each without and with checkpointing of every block), per rank:
+device memory (allocated: state, gathered units, activations), host and disk memory, a first-order
+step time from ``--tflops``, ``--host-elements-per-s``, ``--pcie-gbs`` and ``--nvme-gbs``, and
+whether it fits; the fitting ones first, fastest first. The machine's memory is read from this
+machine where not given (the GPU's where there is one, the host's available memory, the disk's free
+space at ``--nvme-path``). Exit status: 0 if some configuration fits, 1 if none does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from lightning_zeroq.cli.gpt import GPTConfig, GPTModel
+from lightning_zeroq.zero.offload.host_need import available
+from lightning_zeroq.zero.planner import GIB, Machine, Need, plan_training
+
+
+def _gib(value: Optional[float], what: str, parser: argparse.ArgumentParser) -> Optional[int]:
+    if value is None:
+        return None
+    if not value > 0:
+        parser.error(f"{what}={value}: give the memory in GiB, above 0")
+    return int(value * GIB)
+
+
+def machine_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Machine:
+    """The machine of the flags, what is not given read from this machine."""
+    device = _gib(args.device_gib, "--device-gib", parser)
+    if device is None and torch.cuda.is_available():
+        device = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    host = _gib(args.host_gib, "--host-gib", parser)
+    if host is None:
+        room = available(None)
+        host = room.bytes if room is not None else None
+    nvme = _gib(args.nvme_gib, "--nvme-gib", parser)
+    if nvme is None and args.nvme_path:
+        nvme = shutil.disk_usage(args.nvme_path).free
+    for name in ("tflops", "host_elements_per_s", "pcie_gbs", "nvme_gbs", "reserved_per_allocated"):
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)}: give a rate above 0")
+    return Machine(device, host, nvme, args.ranks_per_node, args.tflops * 1e12, args.host_elements_per_s,
+                   args.pcie_gbs * 1e9, args.nvme_gbs * 1e9, args.reserved_per_allocated)
+
+
+def table(needs: list[Need], tokens: int) -> str:
+    header = ("| configuration | device GiB allocated | reserved | of it activations | host GiB | disk GiB | step s "
+              "| tokens/s | fits |")
+    rows = [header, "|---|---|---|---|---|---|---|---|---|"]
+    for n in needs:
+        rows.append(f"| {n.name} | {n.device_total / GIB:.2f} | {n.reserved / GIB:.2f} | {n.device['activations'] / GIB:.2f} | "
+                    f"{n.host_total / GIB:.2f} | {n.nvme / GIB:.2f} | {n.step_s:.3f} | {tokens / n.step_s:,.0f} | "
+                    f"{'yes' if n.fits else 'no: ' + n.why} |")
+    return "\n".join(rows)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="zeroq-plan", description=__doc__.split("\n\n")[0].replace("\n", " "))
+    shape = parser.add_argument_group("the model (the package's GPT) and the batch")
+    shape.add_argument("--dim", type=int, default=2048)
+    shape.add_argument("--layers", type=int, default=16)
+    shape.add_argument("--heads", type=int, default=16)
+    shape.add_argument("--ffn", type=int, default=5632, help="hidden width of the MLP")
+    shape.add_argument("--vocab", type=int, default=32000)
+    shape.add_argument("--norm", choices=("rmsnorm", "layernorm"), default="rmsnorm")
+    shape.add_argument("--mlp", choices=("swiglu", "gelu"), default="swiglu")
+    shape.add_argument("--batch", type=int, default=4, help="sequences per micro-batch and rank")
+    shape.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
+    shape.add_argument("--world-size", type=int, default=1)
+    where = parser.add_argument_group("the machine (read from this one where not given)")
+    where.add_argument("--device-gib", type=float, default=None)
+    where.add_argument("--host-gib", type=float, default=None, help="host memory of one node")
+    where.add_argument("--ranks-per-node", type=int, default=1)
+    where.add_argument("--nvme-path", default=None, help="plan NVMe offload to this directory too")
+    where.add_argument("--nvme-gib", type=float, default=None, help="free disk space (default: at --nvme-path)")
+    where.add_argument("--tflops", type=float, default=400.0, help="achieved bf16 matmul TFLOP/s per GPU")
+    where.add_argument("--host-elements-per-s", type=float, default=5.0e9,
+                       help="optimizer elements the host steps per second (AdamW)")
+    where.add_argument("--pcie-gbs", type=float, default=40.0, help="host-device copy GB/s each way")
+    where.add_argument("--nvme-gbs", type=float, default=3.0, help="disk read/write GB/s")
+    where.add_argument("--reserved-per-allocated", type=float, default=1.2,
+                       help="the device memory the allocator reserves per byte allocated at the peak")
+    args = parser.parse_args(argv)
+    for name in ("dim", "layers", "heads", "ffn", "vocab", "batch", "seq", "world_size", "ranks_per_node"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)}: give a whole number, 1 or more")
+    machine = machine_from(args, parser)
+    try:
+        cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
+                        n_embd=args.dim, ffn_hidden=args.ffn, norm=args.norm, mlp=args.mlp, bias=False,
+                        learned_positions=False, tie_embeddings=False, init="torch")
+    except ValueError as error:
+        parser.error(str(error))
+    with torch.device("meta"):
+        model = GPTModel(cfg).to(torch.bfloat16)
+    tokens = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
+
+    def forward(m: torch.nn.Module) -> torch.Tensor:
+        logits = m(tokens)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens.reshape(-1))
+
+    needs = plan_training(model, forward, tokens=args.batch * args.seq, world_size=args.world_size, machine=machine,
+                          nvme_path=args.nvme_path)
+    params = sum(p.numel() for p in model.parameters())
+    known = ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in (("device", machine.device_bytes), ("host", machine.host_bytes),
+                                                           ("disk", machine.nvme_bytes)) if v is not None)
+    print(f"{params / 1e9:.2f}B parameters, {args.batch} x {args.seq} tokens per micro-batch and rank, world size "
+          f"{args.world_size}; machine: {known or 'memory unknown (nothing checked)'}; per rank, bf16, AdamW:\n")
+    print(table(needs, args.batch * args.seq))
+    best = next((n for n in needs if n.fits), None)
+    print(f"\nfastest that fits: {best.name} ({best.step_s:.3f} s a step)" if best else
+          "\nnothing fits: more ranks, a smaller micro-batch, or NVMe offload (--nvme-path)")
+    return 0 if best else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,327 @@
+"""What a configuration needs before launch, from the model alone: device, host and disk bytes per
+rank, whether it fits a machine, and a first-order step time (``lightning_zeroq.plan``, ``zeroq-plan``).
+
+The model is built on the meta device (shapes, no memory: a 70B model plans on a laptop). For each
+candidate ``ZeroConfig``:
+
+- *Device bytes* (peak allocated; reserved, which decides whether it fits, as a factor over it) are
+  the engine's own kinds (``ZeroEngine.memory_report``), computed from the unit
+  layouts the engine would make for that configuration (``plan.plan``, ``unit.plan_layouts``): fp32
+  masters and optimizer state of the units stepped on the device, the working weights of the
+  persistent units, the stored shards of stage 3's transient units, two of the largest transient unit
+  (the one in use and the one gathered ahead), the fp32 gradient shards the step holds; plus the
+  activations autograd saves, traced in one forward on the meta device (attention counted as a
+  flash kernel saves it: its inputs, output and one fp32 statistic per row). With activation
+  checkpointing of the repeated blocks, their saved tensors become each block's input, plus one
+  block's own while it is recomputed.
+- *Host bytes* are what the engine's host check counts (``offload/host_need.py``), the same
+  functions, so the plan and the check before launch agree.
+- *Disk bytes*: the swap files of NVMe offload (master and state of the swapped units; stage-3
+  payloads).
+- *Step time*: compute (6 x parameters x tokens, 8 x with checkpointing) at an achieved matmul rate,
+  plus the host step (elements per second), NVMe traffic (read and write of the swapped state) and
+  what crosses PCIe beyond the compute. A first-order model from given figures (``Machine``); the
+  measured side lives in the benchmarks.
+
+Hybrid sharding and INT8 payloads are planned as plain sharding over ``world_size`` and full-width
+weights (their savings are not counted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_zeroq.config import ZeroConfig
+from lightning_zeroq.zero.layout import ALIGN, UnitLayout
+from lightning_zeroq.zero.offload import host_units
+from lightning_zeroq.zero.offload.host_need import engine_need
+from lightning_zeroq.zero.plan import UnitSpec, auto_wrap_classes, plan
+from lightning_zeroq.zero.policies import Host, Nvme, OnDevice, Policies, from_config
+from lightning_zeroq.zero.unit import plan_layouts, trainable_parameters
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What one rank has, and the rates the step time is figured from (achieved, not peak)."""
+
+    device_bytes: Optional[int] = None
+    host_bytes: Optional[int] = None
+    """Host memory for all ranks of one node (``ranks_per_node`` of them)."""
+    nvme_bytes: Optional[int] = None
+    ranks_per_node: int = 1
+    matmul_flops: float = 400e12
+    host_step_elements_per_s: float = 5.0e9
+    pcie_bytes_per_s: float = 40e9
+    nvme_bytes_per_s: float = 3e9
+    reserved_per_allocated: float = 1.2
+    """The caching allocator's reserve over the peak allocated (what decides whether it fits): 1.08-1.20
+    measured for the 953M GPT on one H200, with and without optimizer offload."""
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Bytes autograd saves in one forward (deduplicated storages, parameters excluded)."""
+
+    total: int
+    in_blocks: int
+    """Of ``total``, saved inside the repeated blocks."""
+    block_inputs: int
+    """The blocks' inputs: what checkpointing the blocks saves instead."""
+    largest_block: int
+    """The most one block saves (held again while it is recomputed)."""
+
+    def with_checkpointing(self) -> int:
+        return self.total - self.in_blocks + self.block_inputs + self.largest_block
+
+
+@dataclass(frozen=True)
+class Need:
+    """One candidate's plan, per rank."""
+
+    name: str
+    config: ZeroConfig
+    checkpointing: bool
+    device: dict[str, int]
+    host: dict[str, int]
+    nvme: int
+    step_s: float
+    fits: bool
+    why: str
+    """What does not fit (empty when it fits)."""
+
+    reserved: int = 0
+    """The device bytes the allocator is predicted to reserve (``Machine.reserved_per_allocated``)."""
+
+    @property
+    def device_total(self) -> int:
+        return sum(self.device.values())
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
+
+
+def _flash_like(q: Tensor, k: Tensor, v: Tensor, attn_mask: Any = None, dropout_p: float = 0.0,
+                is_causal: bool = False, scale: Any = None, enable_gqa: bool = False) -> Tensor:
+    """Attention's memory as a flash kernel has it: saves q, k, v, the output and an fp32 row statistic."""
+    stat = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    return _Saves.apply(q, k, v, stat)
+
+
+class _Saves(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, stat: Tensor) -> Tensor:
+        out = torch.empty_like(q)
+        ctx.save_for_backward(q, k, v, out, stat)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
+
+
+def _fused_rms_norm(x: Tensor, normalized_shape: Any, weight: Optional[Tensor] = None, eps: Any = None) -> Tensor:
+    """RMSNorm's memory as CUDA's fused kernel has it: saves the input and one fp32 statistic per row
+    (decomposed, as on the meta device and the CPU, it would save fp32 intermediates too)."""
+    rows = x.shape[: x.dim() - len(tuple(normalized_shape))]
+    stat = torch.empty(*rows, 1, dtype=torch.float32, device=x.device)
+    out = _Norm.apply(x, stat)
+    return out * weight if weight is not None else out
+
+
+class _Norm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, stat: Tensor) -> Tensor:
+        ctx.save_for_backward(x, stat)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return torch.empty_like(grad), None
+
+
+@contextlib.contextmanager
+def _cuda_kernels() -> Iterator[None]:
+    """Attention and RMSNorm saving for backward what their CUDA kernels save."""
+    real = F.scaled_dot_product_attention, F.rms_norm
+    F.scaled_dot_product_attention, F.rms_norm = _flash_like, _fused_rms_norm  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention, F.rms_norm = real
+
+
+def trace_activations(model: nn.Module, forward: Callable[[nn.Module], Tensor], blocks: Sequence[nn.Module]) -> Activations:
+    """Run ``forward(model)`` (the model on the meta device; the loss or the output) once and count what
+    autograd saves, in total and per block of ``blocks`` (the repeated blocks)."""
+    parameters = {id(p.untyped_storage()) for p in model.parameters()}
+    saved: dict[int, tuple[Any, int, int]] = {}  # storage id -> (storage, bytes, block index or -1)
+    current = [-1]
+
+    def pack(t: Tensor) -> Tensor:
+        storage = t.untyped_storage()
+        if id(storage) not in parameters and id(storage) not in saved:
+            saved[id(storage)] = (storage, storage.nbytes(), current[0])
+        return t
+
+    inputs: list[int] = []
+    hooks = []
+    for i, block in enumerate(blocks):
+        def enter(module: nn.Module, args: Any, i: int = i) -> None:
+            current[0] = i
+            first = next((a for a in args if isinstance(a, Tensor)), None)
+            inputs.append(first.numel() * first.element_size() if first is not None else 0)
+
+        def leave(module: nn.Module, args: Any, out: Any) -> None:
+            current[0] = -1
+
+        hooks += [block.register_forward_pre_hook(enter), block.register_forward_hook(leave)]
+    try:
+        with _cuda_kernels(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            forward(model)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    per_block = [0] * len(blocks)
+    for _, nbytes, where in saved.values():
+        if where >= 0:
+            per_block[where] += nbytes
+    total = sum(nbytes for _, nbytes, _ in saved.values())
+    return Activations(total, sum(per_block), sum(inputs), max(per_block, default=0))
+
+
+def device_kinds(layouts: Sequence[UnitLayout], specs: Sequence[UnitSpec], policies: Policies,
+                 param_dtype: torch.dtype, state_bytes: int, rank: int = 0) -> dict[str, int]:
+    """Device bytes by ``memory_report``'s kinds for ``rank`` (``largest_transient_unit`` counted twice
+    as ``gathered_units``; ``state_bytes``: optimizer state per parameter element, none for padding)."""
+    offload = policies.offload
+    n = len(layouts)
+    on_host = _units_off_device(offload.optimizer, layouts)
+    itemsize = param_dtype.itemsize
+    device_units = [i for i in range(n) if i not in on_host]
+    transient = [i for i in range(n) if not specs[i].persistent]
+    stored = 0
+    if transient and isinstance(offload.parameters, OnDevice):
+        # a master on the device is cast at each gather (bf16) or is the working shard (fp32); else stored
+        stored = sum(layouts[i].shard_numel * itemsize for i in transient if i in on_host)
+    return {
+        "masters": 4 * sum(layouts[i].shard_numel for i in device_units),
+        "gradient_shards": 4 * sum(layouts[i].shard_numel for i in device_units),
+        "optimizer_state": state_bytes * sum(seg.numel for i in device_units for seg in layouts[i].segments(rank)),
+        "persistent_units": sum(layouts[i].padded_numel * itemsize for i in range(n) if specs[i].persistent),
+        "stored_shards": stored,
+        "gathered_units": 2 * max((layouts[i].padded_numel * itemsize for i in transient), default=0),
+    }
+
+
+def _units_off_device(policy: Any, layouts: Sequence[UnitLayout]) -> frozenset[int]:
+    if isinstance(policy, OnDevice):
+        return frozenset()
+    if isinstance(policy, Host):
+        return host_units(layouts, policy.ratio)
+    return frozenset(range(len(layouts)))  # Nvme, and Auto as it starts
+
+
+def _nvme_bytes(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequence[UnitSpec],
+                param_dtype: torch.dtype, state_bytes: int) -> int:
+    offload, total = policies.offload, 0
+    if isinstance(offload.optimizer, Nvme):
+        swapped = host_units(layouts, offload.optimizer.ratio)
+        total += (4 + state_bytes) * sum(layouts[i].shard_numel for i in swapped)
+    if isinstance(offload.parameters, Nvme):
+        total += sum(layouts[i].shard_numel * param_dtype.itemsize for i in range(len(layouts)) if not specs[i].persistent)
+    return total
+
+
+def candidates(nvme_path: Optional[str] = None) -> list[tuple[str, dict[str, Any]]]:
+    """The configurations a plan compares: stages 1-3 without offload, with half and all of the
+    optimizer on the host, stage 3 with parameters too, and NVMe where a path is given."""
+    out: list[tuple[str, dict[str, Any]]] = [(f"zeroq{s}", {"stage": s}) for s in (1, 2, 3)]
+    for s in (1, 2, 3):
+        out.append((f"zeroq{s}+optimizer_half_cpu", {"stage": s, "offload_optimizer": True, "offload_optimizer_ratio": 0.5}))
+        out.append((f"zeroq{s}+optimizer_cpu", {"stage": s, "offload_optimizer": True}))
+    out.append(("zeroq3+params_optimizer_cpu", {"stage": 3, "offload_optimizer": True, "offload_parameters": True}))
+    if nvme_path:
+        nvme: dict[str, Any] = {"offload_optimizer": True, "offload_optimizer_device": "nvme", "nvme_path": nvme_path}
+        out.append(("zeroq3+params_cpu_optimizer_nvme_half", {"stage": 3, **nvme, "offload_parameters": True,
+                                                               "offload_optimizer_nvme_ratio": 0.5}))
+        out.append(("zeroq3+params_cpu_optimizer_nvme", {"stage": 3, **nvme, "offload_parameters": True}))
+    return out
+
+
+def plan_config(model: nn.Module, config: ZeroConfig, activations: Activations, *, name: str,
+                world_size: int = 1, tokens: int = 0, checkpointing: bool = False, machine: Machine = Machine(),
+                param_dtype: torch.dtype = torch.bfloat16, state_bytes: int = 8, rank: int = 0) -> Need:
+    """The plan of one configuration (``model`` on the meta device; ``tokens`` per step and rank)."""
+    policies = from_config(config, loss_scaling=False)
+    specs = plan(model, trainable_parameters(model), policies.sharding.units)
+    align = math.lcm(ALIGN, policies.quantization.group_size) if policies.quantization.any else ALIGN
+    layouts = plan_layouts(specs, world_size, align)
+    device = device_kinds(layouts, specs, policies, param_dtype, state_bytes, rank)
+    device["activations"] = activations.with_checkpointing() if checkpointing else activations.total
+    payload = {i: (layouts[i].shard_numel, param_dtype) for i in range(len(specs)) if not specs[i].persistent}
+    host = engine_need(policies.offload, layouts, rank, param_dtype, payload)
+    host.parts["optimizer state"] = state_bytes * host.host_elements
+    nvme = _nvme_bytes(policies, layouts, specs, param_dtype, state_bytes)
+    step = _step_seconds(policies, layouts, specs, host.host_elements, tokens, checkpointing, machine, param_dtype)
+    why = []
+    reserved = int(sum(device.values()) * machine.reserved_per_allocated)
+    if machine.device_bytes is not None and reserved > machine.device_bytes:
+        why.append(f"device {reserved / GIB:.1f} reserved > {machine.device_bytes / GIB:.1f} GiB")
+    if machine.host_bytes is not None and host.total * machine.ranks_per_node > machine.host_bytes:
+        why.append(f"host {host.total * machine.ranks_per_node / GIB:.1f} > {machine.host_bytes / GIB:.1f} GiB")
+    if machine.nvme_bytes is not None and nvme * machine.ranks_per_node > machine.nvme_bytes:
+        why.append(f"disk {nvme * machine.ranks_per_node / GIB:.1f} > {machine.nvme_bytes / GIB:.1f} GiB")
+    return Need(name, config, checkpointing, device, dict(host.parts), nvme, step, not why, "; ".join(why), reserved)
+
+
+def _step_seconds(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequence[UnitSpec], host_elements: int,
+                  tokens: int, checkpointing: bool, machine: Machine, param_dtype: torch.dtype) -> float:
+    """Compute, plus the host step, plus NVMe traffic, plus what crosses PCIe beyond the compute."""
+    params = sum(layout.numel for layout in layouts)
+    compute = (8 if checkpointing else 6) * params * tokens / machine.matmul_flops
+    host = host_elements / machine.host_step_elements_per_s
+    offload = policies.offload
+    crossing = 0  # bytes over PCIe per step and rank
+    if not isinstance(offload.optimizer, OnDevice):
+        moved = sum(layouts[i].shard_numel for i in _units_off_device(offload.optimizer, layouts))
+        crossing += 2 * param_dtype.itemsize * moved  # the gradient down, the new weights up
+    if not isinstance(offload.parameters, OnDevice):
+        transient = sum(layouts[i].shard_numel for i in range(len(layouts)) if not specs[i].persistent)
+        crossing += 2 * param_dtype.itemsize * transient  # gathered for the forward and again for the backward
+    nvme = 2 * _nvme_bytes(policies, layouts, specs, param_dtype, 8) / machine.nvme_bytes_per_s
+    pcie = crossing / machine.pcie_bytes_per_s
+    return max(compute, pcie) + host + nvme
+
+
+def plan_training(model: nn.Module, forward: Callable[[nn.Module], Tensor], *, tokens: int, world_size: int = 1,
+                  machine: Machine = Machine(), configs: Optional[Sequence[tuple[str, dict]]] = None,
+                  nvme_path: Optional[str] = None, param_dtype: torch.dtype = torch.bfloat16,
+                  state_bytes: int = 8) -> list[Need]:
+    """Every candidate configuration (``configs``: ``(name, ZeroConfig fields)``, default
+    ``candidates``), each without and with checkpointing of the repeated blocks, planned for
+    ``model`` (on the meta device) and ``forward(model)`` (one micro-batch of ``tokens`` per rank):
+    the fitting ones first, fastest first, then the rest."""
+    if any(p.device.type != "meta" for p in model.parameters()):
+        raise ValueError("plan: build the model on the meta device (with torch.device('meta'): ...), so that "
+                         "planning allocates nothing; it needs only the shapes.")
+    blocks = [m for m in model.modules() if type(m) in auto_wrap_classes(model)]
+    activations = trace_activations(model, forward, blocks)
+    needs = []
+    for name, fields in (configs if configs is not None else candidates(nvme_path)):
+        config = ZeroConfig(**fields)
+        for checkpointing in ((False, True) if blocks else (False,)):
+            needs.append(plan_config(model, config, activations, name=name + ("+checkpointing" if checkpointing else ""),
+                                     world_size=world_size, tokens=tokens, checkpointing=checkpointing,
+                                     machine=machine, param_dtype=param_dtype, state_bytes=state_bytes))
+    return sorted(needs, key=lambda n: (not n.fits, n.step_s, n.device_total))

@@ -1,0 +1,144 @@
+"""The plan before launch (``zero/planner.py``, ``zeroq-plan``) against the engine it predicts: the
+device bytes by kind are what the engine's ``memory_report`` holds after a step, at world sizes 1 and
+2, in stages 1-3; the host bytes are what the engine's host check counts, in every offload mode; the
+activations traced on the meta device are what a real forward saves with the same kernels. The
+command plans a 70B model on this CPU machine within its time, and says when nothing fits."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_zeroq import ZeroConfig, ZeroEngine
+from lightning_zeroq.cli import plan as plan_cli
+from lightning_zeroq.cli.gpt import GPTConfig, GPTModel
+from lightning_zeroq.zero.planner import Machine, _cuda_kernels, plan_config, plan_training, trace_activations
+
+CFG = GPTConfig(vocab_size=96, block_size=16, n_layer=3, n_head=2, n_embd=32, ffn_hidden=80, norm="rmsnorm",
+                mlp="swiglu", bias=False, learned_positions=False, tie_embeddings=False, init="torch")
+CONFIGS = {
+    "s1": dict(stage=1, reduce_bucket_size=3000),
+    "s2": dict(stage=2, reduce_bucket_size=3000),
+    "s3": dict(stage=3, stage3_param_persistence_threshold=40),
+    "s2_half": dict(stage=2, reduce_bucket_size=3000, offload_optimizer=True, offload_optimizer_ratio=0.5),
+    "s3_half": dict(stage=3, stage3_param_persistence_threshold=40, offload_optimizer=True, offload_optimizer_ratio=0.5),
+    "s2_cpu": dict(stage=2, reduce_bucket_size=3000, offload_optimizer=True),
+    "s3_params": dict(stage=3, stage3_param_persistence_threshold=40, offload_optimizer=True, offload_parameters=True),
+    "s3_nvme_spill": dict(stage=3, stage3_param_persistence_threshold=40, offload_optimizer=True,
+                          offload_optimizer_device="nvme", offload_optimizer_nvme_ratio=0.5),
+}
+ON_DEVICE = ("s1", "s2", "s3")  # on CPU the "device" is the host: device kinds compare without offload
+TOKENS = torch.randint(0, CFG.vocab_size, (2, CFG.block_size), generator=torch.Generator().manual_seed(0))
+
+
+def _forward(model: torch.nn.Module, tokens: torch.Tensor = TOKENS) -> torch.Tensor:
+    tokens = tokens.to(next(model.parameters()).device)
+    logits = model(tokens)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens.reshape(-1))
+
+
+def _meta_model() -> GPTModel:
+    with torch.device("meta"):
+        return GPTModel(CFG).to(torch.bfloat16)
+
+
+def _planned_and_held(name: str, world_size: int) -> tuple[dict, dict, dict, dict]:
+    import torch.distributed as dist
+
+    fields = dict(CONFIGS[name])
+    if "nvme" in name:
+        fields["nvme_path"] = tempfile.gettempdir()
+    config = ZeroConfig(**fields)
+    meta = _meta_model()
+    activations = trace_activations(meta, _forward, list(meta.blocks))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    need = plan_config(meta, config, activations, name=name, world_size=world_size, rank=rank)
+    torch.manual_seed(0)
+    model = GPTModel(CFG).to(torch.bfloat16)
+    engine = ZeroEngine(model, config, param_dtype=torch.bfloat16)
+    engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    engine.backward(_forward(model))
+    engine.step()
+    held = engine.memory_report()
+    steps = [s["step"] for s in engine.optimizer.state.values() if isinstance(s.get("step"), torch.Tensor)]
+    held["optimizer_state"] -= sum(t.numel() * t.element_size() for t in steps)  # CPU scalars on a GPU
+    held["gathered_units"] = 2 * held.pop("largest_transient_unit")
+    held.pop("gradient_shards")  # made at finalize, dropped after the step
+    counted = dict(engine.host_memory.need.parts)
+    engine.close()
+    planned = {k: v for k, v in need.device.items() if k not in ("gradient_shards", "activations")}
+    return planned, held, dict(need.host), counted
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("name", ON_DEVICE)
+def test_planned_device_bytes_are_what_the_engine_holds(dist_pool, name, world_size):
+    for planned, held, _, _ in dist_pool(world_size).run(_planned_and_held, name, world_size):
+        assert planned == held, (planned, held)
+
+
+@pytest.mark.parametrize("name", [n for n in CONFIGS if n not in ON_DEVICE])
+def test_planned_host_bytes_are_what_the_engine_counts(dist_pool, name):
+    for _, _, planned, counted in dist_pool(2).run(_planned_and_held, name, 2):
+        assert planned == counted, (planned, counted)
+
+
+def test_activations_traced_on_meta_are_what_a_real_forward_saves():
+    meta = _meta_model()
+    traced = trace_activations(meta, _forward, list(meta.blocks))
+    torch.manual_seed(0)
+    real = GPTModel(CFG).to(torch.bfloat16)
+    parameters = {p.untyped_storage().data_ptr() for p in real.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with _cuda_kernels(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _forward(real)
+    assert traced.total == sum(saved.values()) > 0
+    assert 0 < traced.block_inputs < traced.in_blocks < traced.total
+    assert traced.with_checkpointing() < traced.total
+
+
+def test_the_plan_ranks_what_fits_first_and_names_what_does_not():
+    meta = _meta_model()
+    machine = Machine(device_bytes=200_000, host_bytes=10**9, nvme_bytes=10**9)
+    needs = plan_training(meta, _forward, tokens=TOKENS.numel(), machine=machine, nvme_path="/unused")
+    fits = [n for n in needs if n.fits]
+    assert fits and fits != needs and needs[: len(fits)] == fits
+    assert [n.step_s for n in fits] == sorted(n.step_s for n in fits)
+    assert all(n.device_total * 1.2 <= n.reserved + 1 <= machine.device_bytes + 1 for n in fits)
+    assert all("device" in n.why and n.reserved > machine.device_bytes for n in needs if not n.fits)
+    with pytest.raises(ValueError, match="meta device"):
+        plan_training(GPTModel(CFG), _forward, tokens=1)
+
+
+def test_zeroq_plan_plans_a_70b_model_on_this_machine_in_time(capsys):
+    start = time.perf_counter()
+    code = plan_cli.main(["--dim", "8192", "--layers", "80", "--heads", "64", "--ffn", "28672", "--batch", "1",
+                          "--seq", "4096", "--world-size", "8", "--ranks-per-node", "8", "--device-gib", "139",
+                          "--host-gib", "1000"])
+    took = time.perf_counter() - start
+    out = capsys.readouterr().out
+    assert code == 0 and "78.37B parameters" in out and "fastest that fits: " in out, out
+    assert took < 60, took
+
+
+def test_zeroq_plan_says_when_nothing_fits_and_refuses_bad_flags(capsys):
+    assert plan_cli.main(["--layers", "2", "--dim", "64", "--heads", "2", "--ffn", "128", "--device-gib", "0.0001",
+                          "--host-gib", "0.0001"]) == 1
+    assert "nothing fits" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        plan_cli.main(["--dim", "0"])
+    assert "--dim=0: give a whole number" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        plan_cli.main(["--host-gib", "-1"])
+    assert "--host-gib=-1.0: give the memory in GiB" in capsys.readouterr().err
