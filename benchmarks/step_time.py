@@ -112,8 +112,11 @@ def memory_bound(engine) -> dict:
 ARM_STAGES = {"ddp": 0, "zeroq1": 1, "zeroq2": 2, "zeroq3": 3}
 ARM_OPTIONS = ("int8", "offload_optimizer", "offload_params", "qgrad", "keep", "prefetch2", "ratio25", "ratio50", "ratio75",
                "auto", "spec", "async", "parts", "plain", "clip", "compile", "compile_whole", "group1", "group2", "group4", "crossq",
-               "nvme")
+               "nvme", "spill25", "spill50", "spill75")
 # +nvme (with +offload_optimizer / +offload_params): to NVMe swap files under --nvme-path instead of host memory
+# +spillNN (with +offload_optimizer): the optimizer state of NN% of the parameters (largest units) to NVMe
+# swap files under --nvme-path, the rest in host memory (offload_optimizer_nvme_ratio); parameters stay on the host
+SPILLS = {"spill25": 0.25, "spill50": 0.5, "spill75": 0.75}
 SHARD_GROUPS = {"group1": 1, "group2": 2, "group4": 4}  # hybrid sharding: shard_group_size
 # +compile (ddp, fsdp2, zeroq): block.compile() on every block (torchtitan's recipe; FSDP2's and stage 3's
 # module hooks run outside the graphs); +compile_whole: torch.compile of the whole model (ddp: of the DDP
@@ -315,8 +318,8 @@ def build_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> Arm:
     """The model (seed 0) wrapped as ``arm`` says, with its optimizer; no step taken."""
     base, options = parse_arm(arm)
     stage = ARM_STAGES.get(base, -1)
-    if "nvme" in options and not getattr(args, "nvme_path", None):
-        raise SystemExit(f"arm {arm!r}: +nvme needs --nvme-path DIR (a directory on a fast local disk)")
+    if ("nvme" in options or options & SPILLS.keys()) and not getattr(args, "nvme_path", None):
+        raise SystemExit(f"arm {arm!r}: +nvme and +spillNN need --nvme-path DIR (a directory on a fast local disk)")
     torch.manual_seed(0)
     meta = getattr(args, "meta", False) and stage > 0
     with torch.device("meta") if meta else contextlib.nullcontext():  # --meta: the engine materializes unit by unit
@@ -369,6 +372,9 @@ def build_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> Arm:
             extra.update(offload_optimizer_device="nvme", nvme_path=args.nvme_path)
             if "offload_params" in options:
                 extra["offload_params_device"] = "nvme"
+        for spill in options & SPILLS.keys():
+            extra.update(offload_optimizer_device="nvme", nvme_path=args.nvme_path,
+                         offload_optimizer_nvme_ratio=SPILLS[spill])
         from lightning_zeroq.ops.host_adam import host_adam
 
         if offload and host_adam() is not None:  # +parts: the host kernel's threads each take one fixed part
