@@ -150,13 +150,16 @@ SUITES: dict[str, Suite] = {
         "The largest GPT each engine trains on one GPU and this host (benchmarks/largest_model.py: a search over "
         "depth at a Llama-7B-like width, 4,096 tokens per step, activation checkpointing): zeroq3 with parameters "
         "and optimizer on the host, FSDP2's CPUOffloadPolicy, DeepSpeed ZeRO-3 offload (where installed); then "
-        "with NVMe (zeroq3, DeepSpeed) in the --scratch folder",
+        "with NVMe (zeroq3, DeepSpeed) in the --scratch folder, all of the optimizer state there or half of it",
         (Launch("largest_model", ("benchmarks/largest_model.py", "--arms", "zeroq3+offload_params,fsdp2+offload_optimizer",
                                   "--checkpoint", "--start", "24"), timeout=3600),
          Launch("largest_model", ("benchmarks/largest_model.py", "--arms", "ds3+offload_optimizer+offload_params",
                                   "--checkpoint", "--start", "24"), timeout=3600, requires=("deepspeed",)),
          Launch("largest_model", ("benchmarks/largest_model.py", "--arms", "zeroq3+offload_params+nvme",
-                                  "--checkpoint", "--start", "24", "--nvme-path", "{scratch}"), timeout=3600)),
+                                  "--checkpoint", "--start", "24", "--nvme-path", "{scratch}"), timeout=3600),
+         # the optimizer state of half the parameters on NVMe, the rest (and the parameters) in host memory
+         Launch("largest_model", ("benchmarks/largest_model.py", "--arms", "zeroq3+offload_params+spill50",
+                                  "--checkpoint", "--start", "32", "--nvme-path", "{scratch}"), timeout=3600)),
         build=True),
     "links": Suite(
         "Step time and peak memory of DDP and ZeroQ stages 2 and 3, with and without INT8 weights, over NVLink, "

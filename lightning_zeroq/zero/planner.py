@@ -9,9 +9,10 @@ candidate ``ZeroConfig``:
   layouts the engine would make for that configuration (``plan.plan``, ``unit.plan_layouts``): fp32
   masters and optimizer state of the units stepped on the device, the working weights of the
   persistent units, the stored shards of stage 3's transient units, two of the largest transient unit
-  (the one in use and the one gathered ahead), the fp32 gradient shards the step holds; plus the
-  activations autograd saves, traced in one forward on the meta device (attention counted as a
-  flash kernel saves it: its inputs, output and one fp32 statistic per row). With activation
+  (the one in use and the one gathered ahead); then the larger of the backward's start (the
+  activations autograd saves, traced in one forward on the meta device, with attention and RMSNorm
+  counted as their CUDA kernels save them, and the gradient of the largest of them, the loss's input)
+  and the step (the fp32 gradient shards). With activation
   checkpointing of the repeated blocks, their saved tensors become each block's input, plus one
   block's own while it is recomputed.
 - *Host bytes* are what the engine's host check counts (``offload/host_need.py``), the same
@@ -78,6 +79,9 @@ class Activations:
     """The blocks' inputs: what checkpointing the blocks saves instead."""
     largest_block: int
     """The most one block saves (held again while it is recomputed)."""
+    largest: int = 0
+    """The largest single tensor saved (the loss's input, in a language model: its gradient is made
+    as the backward starts, beside every activation)."""
 
     def with_checkpointing(self) -> int:
         return self.total - self.in_blocks + self.block_inputs + self.largest_block
@@ -103,7 +107,11 @@ class Need:
 
     @property
     def device_total(self) -> int:
-        return sum(self.device.values())
+        """The peak allocated: the state, the gathered units, and the larger of the backward's start
+        (every activation, and the gradient of the largest) and the step (the fp32 gradient shards)."""
+        d = self.device
+        held = sum(v for k, v in d.items() if k not in ("activations", "loss_gradient", "gradient_shards"))
+        return held + max(d["activations"] + d["loss_gradient"], d["gradient_shards"])
 
     @property
     def host_total(self) -> int:
@@ -197,7 +205,8 @@ def trace_activations(model: nn.Module, forward: Callable[[nn.Module], Tensor], 
         if where >= 0:
             per_block[where] += nbytes
     total = sum(nbytes for _, nbytes, _ in saved.values())
-    return Activations(total, sum(per_block), sum(inputs), max(per_block, default=0))
+    largest = max((nbytes for _, nbytes, _ in saved.values()), default=0)
+    return Activations(total, sum(per_block), sum(inputs), max(per_block, default=0), largest)
 
 
 def device_kinds(layouts: Sequence[UnitLayout], specs: Sequence[UnitSpec], policies: Policies,
@@ -269,13 +278,15 @@ def plan_config(model: nn.Module, config: ZeroConfig, activations: Activations, 
     layouts = plan_layouts(specs, world_size, align)
     device = device_kinds(layouts, specs, policies, param_dtype, state_bytes, rank)
     device["activations"] = activations.with_checkpointing() if checkpointing else activations.total
+    device["loss_gradient"] = activations.largest
     payload = {i: (layouts[i].shard_numel, param_dtype) for i in range(len(specs)) if not specs[i].persistent}
     host = engine_need(policies.offload, layouts, rank, param_dtype, payload)
     host.parts["optimizer state"] = state_bytes * host.host_elements
     nvme = _nvme_bytes(policies, layouts, specs, param_dtype, state_bytes)
     step = _step_seconds(policies, layouts, specs, host.host_elements, tokens, checkpointing, machine, param_dtype)
     why = []
-    reserved = int(sum(device.values()) * machine.reserved_per_allocated)
+    peak = Need("", config, checkpointing, device, {}, 0, 0.0, True, "").device_total
+    reserved = int(peak * machine.reserved_per_allocated)
     if machine.device_bytes is not None and reserved > machine.device_bytes:
         why.append(f"device {reserved / GIB:.1f} reserved > {machine.device_bytes / GIB:.1f} GiB")
     if machine.host_bytes is not None and host.total * machine.ranks_per_node > machine.host_bytes:

@@ -70,7 +70,7 @@ def _planned_and_held(name: str, world_size: int) -> tuple[dict, dict, dict, dic
     held.pop("gradient_shards")  # made at finalize, dropped after the step
     counted = dict(engine.host_memory.need.parts)
     engine.close()
-    planned = {k: v for k, v in need.device.items() if k not in ("gradient_shards", "activations")}
+    planned = {k: v for k, v in need.device.items() if k not in ("gradient_shards", "activations", "loss_gradient")}
     return planned, held, dict(need.host), counted
 
 
