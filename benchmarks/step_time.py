@@ -76,7 +76,7 @@ class GPT(GPTModel):
                                    tie_embeddings=False, init="torch"))
         self.checkpoint = checkpoint
         """``--checkpoint``: each block's activations recomputed in the backward (``torch.utils.checkpoint``,
-        non-reentrant), as the README advises for models whose activations do not fit."""
+        non-reentrant), as docs/migrating.md advises for models whose activations do not fit."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.checkpoint:
@@ -319,7 +319,7 @@ def build_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> Arm:
     base, options = parse_arm(arm)
     stage = ARM_STAGES.get(base, -1)
     if ("nvme" in options or options & SPILLS.keys()) and not getattr(args, "nvme_path", None):
-        raise SystemExit(f"arm {arm!r}: +nvme and +spillNN need --nvme-path DIR (a directory on a fast local disk)")
+        raise SystemExit(f"arm {arm!r}: +nvme needs --nvme-path DIR (a directory on a fast local disk; +spillNN too)")
     torch.manual_seed(0)
     meta = getattr(args, "meta", False) and stage > 0
     with torch.device("meta") if meta else contextlib.nullcontext():  # --meta: the engine materializes unit by unit

@@ -27,7 +27,7 @@ MODELS: dict[str, tuple[str, ...]] = {
              "--batch", "2"),  # CPU smoke runs
 }
 
-# Every launch runs with NVLink SHARP / multicast off, as the README's figures were measured.
+# Every launch runs with NVLink SHARP / multicast off, as the published figures were measured.
 BASE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 SHARE_CORES = {"OMP_NUM_THREADS": "{threads}"}
 

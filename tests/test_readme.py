@@ -1,5 +1,5 @@
-"""The README's reference and migration tables against the code they describe: every ``ZeroConfig``
-field and strategy argument is in the options section, every registered name is listed, and every
+"""The docs' reference and migration tables (``docs/options.md``, ``docs/migrating.md``) against the
+code they describe: every ``ZeroConfig`` field and strategy argument is in the options section, every registered name is listed, and every
 DeepSpeed/FSDP option the migration guide maps exists in Lightning's own strategy signatures (so
 the guide is redone when Lightning renames one)."""
 
@@ -17,7 +17,10 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, Strate
 
 from lightning_zeroq import ZeroConfig, ZeroQFabricStrategy, ZeroQStrategy
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+ROOT = Path(__file__).resolve().parents[1]
+# The README and the topic pages, each page's title (``# Title``) read as a section (``## Title``).
+README = "\n".join("\n" + re.sub(r"^# ", "## ", path.read_text())
+                   for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
 
 
 def _section(title: str) -> str:

@@ -1,6 +1,6 @@
 """DeepSpeed's and FSDP's option names that ZeroQ does not take, each with what to do instead.
 
-The README's "Migrating from DeepSpeed or FSDP" tables say the same for every name here;
+The migration guide's tables (``docs/migrating.md``) say the same for every name here;
 ``tests/unit/test_migration.py`` compares the two, so the error a strategy raises for such an option
 (``common/strategy.py``) and the guide cannot drift apart.
 """
@@ -60,9 +60,9 @@ _GROUPS: tuple[tuple[tuple[str, ...], str], ...] = (
 )
 
 ADVICE: dict[str, str] = {name: advice for names, advice in _GROUPS for name in names}
-"""Option name (DeepSpeed's or FSDP's) -> what ZeroQ offers instead, as the README's migration tables say."""
+"""Option name (DeepSpeed's or FSDP's) -> what ZeroQ offers instead, as the migration guide's tables say."""
 
-GUIDE = 'the README\'s "Migrating from DeepSpeed or FSDP"'
+GUIDE = "the migration guide (docs/migrating.md)"
 
 
 def unknown_options_message(owner: str, unknown: list[str], known: list[str]) -> str:

@@ -2,7 +2,7 @@
 matters, with ``Fabric(strategy="zeroq...", accelerator="cpu", devices=2)`` on the gloo pool instead of a
 single device or a mocked strategy.
 
-A zeroq strategy shards one model with one optimizer (README, Fabric: "One model and one optimizer per
+A zeroq strategy shards one model with one optimizer (docs, Fabric: "One model and one optimizer per
 strategy"; DeepSpeed's Fabric strategy takes one optimizer too), so where an original sets up several
 models on one Fabric, each gets a Fabric of its own. The cases that are not run are in ``ORIGINAL``.
 """
@@ -159,7 +159,7 @@ def _meta_optimizer_body():
     assert model.weight.is_meta
     optimizer = torch.optim.Adam(model.parameters())  # references the meta-device parameters
     # Fabric refuses this for FSDP; zeroq stage 3 materializes the module and rebinds such an optimizer
-    # (README: "optimizer over the meta parameters"), so the joint set-up works and the optimizer is real
+    # (docs: "optimizer over the meta parameters"), so the joint set-up works and the optimizer is real
     model, optimizer = f.setup(model, optimizer)
     assert not any(p.is_meta for g in optimizer.param_groups for p in g["params"])
 

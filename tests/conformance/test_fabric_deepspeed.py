@@ -198,7 +198,7 @@ def _bf16_body(stage):
 
         def forward(self, x):
             # The original asserts bf16 inputs: DeepSpeed casts the batch to bf16. ZeroQ's bf16-mixed is mixed
-            # precision as DDP and FSDP do it (README, Precision): forward under bf16 autocast, inputs untouched.
+            # precision as DDP and FSDP do it (docs, Precision): forward under bf16 autocast, inputs untouched.
             # So the input stays fp32 and the layer computes in bf16 under autocast.
             assert x.dtype == torch.float32
             assert torch.is_autocast_enabled(x.device.type)

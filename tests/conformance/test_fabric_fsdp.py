@@ -36,7 +36,7 @@ ORIGINAL = {
                             "support torch.compile yet (a separate piece of work)",
     "test_module_init_context": PORTED,
     "test_save_filter": "fabric.save(filter=...) for FSDP's full and sharded types; zeroq refuses filter= "
-                        "(README: the model is saved whole)",
+                        "(docs: the model is saved whole)",
     "test_manual_activation_checkpointing": "FSDP's activation_checkpointing_policy and its CheckpointWrapper",
     "test_rewrap_warnings": "FSDP's warnings about a model already wrapped by FSDP's wrap()",
     "test_clip_gradients": PORTED,

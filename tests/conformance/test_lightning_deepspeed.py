@@ -665,7 +665,7 @@ def _bf16_stage_3(spec: str, root: str) -> tuple[str, str]:
 def test_deepspeed_with_bfloat16_precision(dist_pool, tmp_path, spec):
     for during, after in on_ranks(dist_pool, _bf16_stage_3, spec, str(tmp_path)):
         # upstream: bf16 after fit. zeroq trains bf16 working copies (checked while training) and hands
-        # the fp32 masters back after fit, as DDP and FSDP do (README, precision): by design.
+        # the fp32 masters back after fit, as DDP and FSDP do (docs, precision): by design.
         assert during == "torch.bfloat16" and after == "torch.float32"
 
 
@@ -711,7 +711,7 @@ def test_deepspeed_init_module_with_stage_3(dist_pool, tmp_path, spec):
 @pytest.mark.parametrize("spec", ["zeroq_stage_1", "zeroq_stage_2"])
 def test_deepspeed_init_module_with_stages_1_2(dist_pool, tmp_path, spec):
     for during, after in on_ranks(dist_pool, _init_module, spec, str(tmp_path)):
-        # upstream: bf16 after fit; zeroq: bf16 while training, the fp32 masters after (README, precision)
+        # upstream: bf16 after fit; zeroq: bf16 while training, the fp32 masters after (docs, precision)
         assert during == "torch.bfloat16" and after == "torch.float32"
 
 

@@ -188,7 +188,7 @@ def _ckpt(global_step: int, epoch: int = 0, **extra) -> dict:
 def _loaded(checkpoint: dict) -> dict:
     """What the load hooks receive: as with DeepSpeed (and FSDP's sharded checkpoints), the weights and
     the optimizer state go straight into the shards, so the hooks get the trainer state without
-    ``state_dict`` and ``optimizer_states`` (README, Checkpoints). Upstream's default strategy loads one
+    ``state_dict`` and ``optimizer_states`` (docs, Checkpoints). Upstream's default strategy loads one
     file and hands over all of it."""
     return {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
 

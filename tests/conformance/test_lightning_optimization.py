@@ -35,7 +35,7 @@ PARSER = "calls Lightning's optimizer-config parser directly, no Trainer or stra
 
 DESELECTED = {
     # test_backward_calls.py
-    "test_backward_count_with_closure": "LBFGS (not elementwise) is refused by name, as by DeepSpeed's ZeRO (README 'Optimizers')",
+    "test_backward_count_with_closure": "LBFGS (not elementwise) is refused by name, as by DeepSpeed's ZeRO (docs/training.md, 'Optimizers')",
     # test_multiple_optimizers.py
     "test_multiple_optimizers_manual": SHARED,
     # test_manual_optimization.py

@@ -11,7 +11,7 @@ import pytest
 from lightning_zeroq import ZeroConfig, ZeroQFabricStrategy, ZeroQStrategy
 from lightning_zeroq.common.migration import ADVICE
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "migrating.md"
 
 
 @pytest.mark.parametrize("strategy_cls", [ZeroQStrategy, ZeroQFabricStrategy])
@@ -27,14 +27,14 @@ def test_deepspeed_and_fsdp_options_get_the_guides_advice(strategy_cls, option, 
     with pytest.raises(TypeError) as info:
         strategy_cls(**{option: True})
     message = str(info.value)
-    assert option in message and says in message and "Migrating from DeepSpeed or FSDP" in message
+    assert option in message and says in message and "docs/migrating.md" in message
     assert "Valid options are" in message and "\n" not in message
 
 
 def _readme_rows() -> dict[str, list[str]]:
     """Every name in the left column of the README's DeepSpeed and FSDP option tables that is not a ZeroQ
     option or strategy argument -> the right column of its rows, markdown removed."""
-    section = README.read_text(encoding="utf-8").split("## Migrating from DeepSpeed or FSDP")[1].split("\n## ")[0]
+    section = README.read_text(encoding="utf-8").split("# Migrating from DeepSpeed or FSDP")[1].split("\n## ")[0]
     ours = set(ZeroConfig.__dataclass_fields__)
     for cls in (ZeroQStrategy, ZeroQFabricStrategy):
         ours |= set(inspect.signature(cls.__init__).parameters)
