@@ -89,3 +89,27 @@ def test_the_migration_guide_names_only_options_lightning_has(marker, peers):
     assert not unknown, f"the README maps options Lightning's {peers[0].__name__} does not have: {unknown}"
     unmapped = sorted(theirs - named)
     assert not unmapped, f"options of Lightning's {peers[0].__name__} the README's migration guide leaves out: {unmapped}"
+
+
+def _slug(title: str) -> str:
+    """A heading's anchor as GitHub makes it."""
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_between_the_docs_resolves():
+    """The README, the pages of ``docs/`` and the tests' and benchmarks' READMEs link to files that exist
+    and to headings those files have."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "tests" / "README.md",
+             ROOT / "benchmarks" / "README.md"]
+    anchors = {p.resolve(): {_slug(m.group(1)) for m in re.finditer(r"^#{1,4} (.*)$", p.read_text(), re.M)}
+               for p in pages}
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"^[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            resolved = (page.parent / path).resolve() if path else page.resolve()
+            if not resolved.exists() or (anchor and resolved in anchors and anchor not in anchors[resolved]):
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, broken
