@@ -169,7 +169,7 @@ class HostOptimizer(OptimizerPlacement):
 
     def gradients_ready(self, units: Sequence[Unit]) -> None:
         if self.spec is not None:
-            self.spec.stop()  # the backward is over: the units not yet stepped step as usual
+            self.spec.end_offers()  # the backward is over here (not yet on a GPU): the offered units still step
         self.landing.ready(units, self.kernel is not None)
 
     def gradients_done(self, units: Sequence[Unit]) -> None:

@@ -174,8 +174,15 @@ class Speculation:
             if unit.index in self.done:
                 self.done[unit.index].stale = True
 
+    def end_offers(self) -> None:
+        """The backward ended on this thread: no more units. Those offered still step on the worker: on a
+        GPU the device is still running the backward (the CPU only queued it), so their gradients are
+        still landing, and the step waits for each in turn (``keep``) rather than stepping it itself."""
+        with self._cv:
+            self._accepting = False
+
     def stop(self) -> None:
-        """The backward ended: no more units (those not started step as usual)."""
+        """No more units, and those not started step as usual (a reader comes before the step)."""
         with self._cv:
             self._accepting = False
             self.counts.unstarted += len(self._queue)
@@ -194,8 +201,15 @@ class Speculation:
 
     def keep(self, unit: Unit, binding: Any, used: Sequence[Any], owed: bool) -> Optional[bool]:
         """At the step: None if ``unit`` was not speculated; True if its step stays; False if it was
-        undone (the caller steps it as usual). ``owed``: a gradient multiplier is pending for it."""
-        self.settle()
+        undone (the caller steps it as usual). ``owed``: a gradient multiplier is pending for it. Waits
+        for the worker to finish ``unit`` if it was offered and is still queued or running."""
+        with self._cv:
+            while unit in self._queue or self._busy is unit:
+                self._cv.wait()
+            error, self._error = self._error, None
+        if error is not None:
+            self.undo_all()
+            raise RuntimeError("ZeroQ: a speculative host step failed; the model is as before it") from error
         record = self.done.pop(unit.index, None)
         if record is None:
             return None

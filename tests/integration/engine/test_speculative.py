@@ -155,3 +155,52 @@ def test_speculation_needs_what_it_says(dist_pool):
         engine.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     assert engine.placement.spec is None
     engine.close()
+
+
+def _train_behind(speculative: bool):
+    """Three plain steps where the worker sees no gradient land before the step begins, as when a GPU
+    runs the backward after the CPU has queued it and moved on to the step."""
+    import threading
+
+    torch.manual_seed(0)
+    model = TwoHeads().to(torch.bfloat16)
+    engine = ZeroEngine(model, ZeroConfig(stage=2, reduce_bucket_size=700, offload_optimizer=True,
+                                          offload_speculative_step=speculative), param_dtype=torch.bfloat16)
+    engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+    placement = getattr(engine.placement, "host", engine.placement)
+    landed = threading.Event()
+    if speculative:
+        grad_of = placement.spec._grad_of
+
+        def held(unit):
+            landed.wait()
+            return grad_of(unit)
+
+        placement.spec._grad_of = held
+    offered_first = 0
+    for step in range(3):
+        landed.clear()
+        engine.backward(_loss(model, step, 0, head=0).float(), boundary=True)
+        landed.set()  # the step begins: the gradients land now
+        engine.step()
+        engine.zero_grad()
+        if step == 0 and speculative:
+            offered_first = placement.spec.counts.offered  # the first step makes the state: not speculated
+    counts = placement.spec.counts if speculative else None
+    masters = [u.master.detach().clone() for u in engine.units]
+    engine.close()
+    return masters, counts, offered_first
+
+
+def test_a_device_behind_the_cpu_still_steps_every_unit_offered(dist_pool):
+    """The backward's end on the CPU is not the device's: the step waits for each unit offered during
+    the backward (kept) instead of dropping those the worker had not begun."""
+    ours = dist_pool(2).run(_train_behind, True)
+    theirs = dist_pool(2).run(_train_behind, False)
+    for (a, counts, first), (b, _, _) in zip(ours, theirs):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+        # After the first step (which makes the state), each step offers 3 units: the worker is held on the
+        # first (the head no rank used: no state, nothing to step) until the step begins, and the 2 behind
+        # it are kept, not dropped; the trunk's first unit goes at the step (no mapped read-back on CPU).
+        assert first == 3 and counts.offered == 9, counts
+        assert counts.kept == 2 * 2 and counts.undone == 0 and counts.unstarted == 0, counts
