@@ -41,6 +41,10 @@ def registered_bytes() -> int:
 
 
 def _unregister(pointer: int, mapping: mmap.mmap) -> None:
+    # torch's pinned allocator keeps a freed block until the copies queued on it are done; these pages
+    # go back to the system, so first every copy queued on the device ends (a buffer dies rarely: when
+    # an engine closes or a unit's state moves to the device).
+    torch.cuda.synchronize()
     torch.cuda.cudart().cudaHostUnregister(pointer)
     _REGISTERED[0] -= len(mapping)
     del mapping  # the pages go back only now, after their registration ended
@@ -67,7 +71,8 @@ def pinned_empty(numel: int, dtype: torch.dtype, pin: bool = True) -> torch.Tens
         raise RuntimeError(f"CUDA could not page-lock {nbytes / 2**30:.2f} GiB of host memory for an offloaded "
                            f"buffer (cudaHostRegister error {error}): free host memory, or offload less")
     _REGISTERED[0] += len(mapping)
-    weakref.finalize(host.untyped_storage(), _unregister, pointer, mapping)
+    release = weakref.finalize(host.untyped_storage(), _unregister, pointer, mapping)
+    release.atexit = False  # at exit the process's pages go anyway, and CUDA may be gone first
     return host[:nbytes].view(dtype)
 
 
