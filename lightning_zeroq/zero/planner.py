@@ -42,9 +42,10 @@ from torch import Tensor, nn
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.zero.layout import ALIGN, UnitLayout
 from lightning_zeroq.zero.offload import host_units
+from lightning_zeroq.zero.offload.device_need import device_kinds, units_off_device
 from lightning_zeroq.zero.offload.host_need import engine_need
 from lightning_zeroq.zero.plan import UnitSpec, auto_wrap_classes, plan
-from lightning_zeroq.zero.policies import Host, Nvme, OnDevice, Policies, from_config
+from lightning_zeroq.zero.policies import Nvme, OnDevice, Policies, from_config
 from lightning_zeroq.zero.unit import plan_layouts, trainable_parameters
 
 GIB = 2**30
@@ -209,38 +210,6 @@ def trace_activations(model: nn.Module, forward: Callable[[nn.Module], Tensor], 
     return Activations(total, sum(per_block), sum(inputs), max(per_block, default=0), largest)
 
 
-def device_kinds(layouts: Sequence[UnitLayout], specs: Sequence[UnitSpec], policies: Policies,
-                 param_dtype: torch.dtype, state_bytes: int, rank: int = 0) -> dict[str, int]:
-    """Device bytes by ``memory_report``'s kinds for ``rank`` (``largest_transient_unit`` counted twice
-    as ``gathered_units``; ``state_bytes``: optimizer state per parameter element, none for padding)."""
-    offload = policies.offload
-    n = len(layouts)
-    on_host = _units_off_device(offload.optimizer, layouts)
-    itemsize = param_dtype.itemsize
-    device_units = [i for i in range(n) if i not in on_host]
-    transient = [i for i in range(n) if not specs[i].persistent]
-    stored = 0
-    if transient and isinstance(offload.parameters, OnDevice):
-        # a master on the device is cast at each gather (bf16) or is the working shard (fp32); else stored
-        stored = sum(layouts[i].shard_numel * itemsize for i in transient if i in on_host)
-    return {
-        "masters": 4 * sum(layouts[i].shard_numel for i in device_units),
-        "gradient_shards": 4 * sum(layouts[i].shard_numel for i in device_units),
-        "optimizer_state": state_bytes * sum(seg.numel for i in device_units for seg in layouts[i].segments(rank)),
-        "persistent_units": sum(layouts[i].padded_numel * itemsize for i in range(n) if specs[i].persistent),
-        "stored_shards": stored,
-        "gathered_units": 2 * max((layouts[i].padded_numel * itemsize for i in transient), default=0),
-    }
-
-
-def _units_off_device(policy: Any, layouts: Sequence[UnitLayout]) -> frozenset[int]:
-    if isinstance(policy, OnDevice):
-        return frozenset()
-    if isinstance(policy, Host):
-        return host_units(layouts, policy.ratio)
-    return frozenset(range(len(layouts)))  # Nvme, and Auto as it starts
-
-
 def _nvme_bytes(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequence[UnitSpec],
                 param_dtype: torch.dtype, state_bytes: int) -> int:
     offload, total = policies.offload, 0
@@ -276,7 +245,7 @@ def plan_config(model: nn.Module, config: ZeroConfig, activations: Activations, 
     specs = plan(model, trainable_parameters(model), policies.sharding.units)
     align = math.lcm(ALIGN, policies.quantization.group_size) if policies.quantization.any else ALIGN
     layouts = plan_layouts(specs, world_size, align)
-    device = device_kinds(layouts, specs, policies, param_dtype, state_bytes, rank)
+    device = device_kinds(layouts, [s.persistent for s in specs], policies.offload, param_dtype, state_bytes, rank)
     device["activations"] = activations.with_checkpointing() if checkpointing else activations.total
     device["loss_gradient"] = activations.largest
     payload = {i: (layouts[i].shard_numel, param_dtype) for i in range(len(specs)) if not specs[i].persistent}
@@ -305,7 +274,7 @@ def _step_seconds(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequ
     offload = policies.offload
     crossing = 0  # bytes over PCIe per step and rank
     if not isinstance(offload.optimizer, OnDevice):
-        moved = sum(layouts[i].shard_numel for i in _units_off_device(offload.optimizer, layouts))
+        moved = sum(layouts[i].shard_numel for i in units_off_device(offload.optimizer, layouts))
         crossing += 2 * param_dtype.itemsize * moved  # the gradient down, the new weights up
     if not isinstance(offload.parameters, OnDevice):
         transient = sum(layouts[i].shard_numel for i in range(len(layouts)) if not specs[i].persistent)

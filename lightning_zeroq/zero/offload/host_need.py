@@ -42,6 +42,7 @@ from lightning_zeroq.config import host_budget
 from lightning_zeroq.zero.layout import UnitLayout
 from lightning_zeroq.zero.offload.split import host_units
 from lightning_zeroq.zero.optimizers import adam_kind
+from lightning_zeroq.zero.offload import device_need
 from lightning_zeroq.zero.policies import Auto, Host, Nvme, Offload, OnDevice
 
 GiB = 2**30
@@ -112,16 +113,21 @@ def engine_need(offload: Offload, layouts: Sequence[UnitLayout], rank: int, para
     return need
 
 
-def optimizer_need(optimizers: Sequence[torch.optim.Optimizer], host_elements: int, speculative: bool) -> HostNeed:
-    """The host memory the attached optimizers' state (and speculative spare buffers) will take."""
-    need = HostNeed(host_elements=host_elements)
+def state_bytes_per_element(optimizers: Sequence[torch.optim.Optimizer]) -> int:
+    """The optimizer state per parameter element (fp32): Adam's two moments, SGD's momentum."""
     per_element = 0
     for optimizer in optimizers:
         if adam_kind(optimizer) is not None:
             per_element = max(per_element, 8)
         elif isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum", 0) for g in optimizer.param_groups):
             per_element = max(per_element, 4)
-    need.parts["optimizer state"] = per_element * host_elements
+    return per_element
+
+
+def optimizer_need(optimizers: Sequence[torch.optim.Optimizer], host_elements: int, speculative: bool) -> HostNeed:
+    """The host memory the attached optimizers' state (and speculative spare buffers) will take."""
+    need = HostNeed(host_elements=host_elements)
+    need.parts["optimizer state"] = state_bytes_per_element(optimizers) * host_elements
     if speculative:
         need.parts["speculative spare buffers"] = 12 * host_elements
     return need
@@ -216,7 +222,7 @@ def _reclaimable(cgroup: Path) -> int:
 class HostBudget:
     """The engine's host memory: what is available, read when the engine is built (before any rank
     allocates), and the checks of what the build, the attached optimizers and, later, fp32 gradient
-    buffers put there."""
+    buffers put there; with them, the device's share of the model's state (``device_need.py``)."""
 
     def __init__(self, offload: Offload, ranks_per_node: Optional[int]) -> None:
         self.offload, self.ranks = offload, ranks_on_node(ranks_per_node)
@@ -225,6 +231,8 @@ class HostBudget:
         """What this rank put on the host so far (counted)."""
         self.accumulates: Optional[bool] = None
         """Whether windows sum several backward passes (the Lightning strategy knows; None: unknown)."""
+        self._device: Optional[tuple] = None
+        """What the device check needs again when the optimizer comes: (layouts, persistent, rank, dtypes, payload bytes, device)."""
 
     def built(self, layouts: Sequence[UnitLayout], rank: int, param_dtype: torch.dtype, payload_dtype: torch.dtype,
               transient: dict[int, int], placement: Any) -> None:
@@ -233,6 +241,10 @@ class HostBudget:
         payload = {i: (n, payload_dtype) for i, n in transient.items()}
         self.need = engine_need(self.offload, layouts, rank, param_dtype, payload)
         check(self.need, self.room, self.ranks, "this offload configuration")
+        persistent = [i not in transient for i in range(len(layouts))]
+        payload_bytes = {i: n * payload_dtype.itemsize for i, n in transient.items()}
+        self._device = (layouts, persistent, rank, param_dtype, payload_bytes, placement.device)
+        self._check_device(0, "this configuration's state")
         landing = getattr(getattr(placement, "host", placement), "landing", None)
         if landing is not None:
             landing.before_fp32 = self._fp32_buffers
@@ -248,6 +260,14 @@ class HostBudget:
             self.need.parts.pop(name, None)
         self._check_more(need, "the optimizer's state on the host")
         self.need.parts.update(need.parts)
+        self._check_device(state_bytes_per_element(optimizers), "this configuration's state with the optimizer's")
+
+    def _check_device(self, state_bytes: int, what: str) -> None:
+        if self._device is None:
+            return
+        layouts, persistent, rank, param_dtype, payload_bytes, device = self._device
+        kinds = device_need.device_kinds(layouts, persistent, self.offload, param_dtype, state_bytes, rank, payload_bytes)
+        device_need.check(kinds, device_need.capacity(device), what)
 
     def _fp32_buffers(self, nbytes: int) -> None:
         """The landing makes its fp32 buffers (a window of several backward passes, an fp32 reader)."""

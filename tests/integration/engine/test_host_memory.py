@@ -249,3 +249,30 @@ def test_the_trainer_counts_the_fp32_buffers_of_accumulation_before_any_step(tmp
                                                          r"[^\n]*fp32 gradient buffers"):
         fit(2, (held + 64) / 2**30)  # accumulation sums in fp32 on the host: 4 more bytes per element
     assert steps == []
+
+
+def test_a_state_the_device_cannot_hold_stops_with_one_line_before_it_is_allocated(monkeypatch) -> None:
+    """The device's share of the model's state, from the layouts, against the device's memory: when the
+    engine is built (masters, gradient shards, working weights) and when the optimizer is attached (its
+    state), before either is allocated. On CPU the check is given a device of a few bytes."""
+    from lightning_zeroq.zero.offload import device_need
+
+    model, probe = _engine({"stage": 2})
+    probe.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-3))
+    numel = sum(u.layout.shard_numel for u in probe.units)
+    probe.close()
+    # bf16 weights, no offload, one rank: the build holds 10 bytes per element (fp32 master and gradient
+    # shard, bf16 working weights), the optimizer 8 more
+    monkeypatch.setattr(device_need, "capacity", lambda device: 8 * numel)
+    with pytest.raises(device_need.DeviceMemoryError, match=r"^ZeroConfig: this configuration's state needs "
+                       r"[0-9.]+ GiB of device memory per rank before any activation \(masters .*offload_optimizer=True"):
+        _engine({"stage": 2})
+    monkeypatch.setattr(device_need, "capacity", lambda device: 12 * numel)  # the build fits, Adam's 8 more do not
+    model, engine = _engine({"stage": 2})
+    with pytest.raises(device_need.DeviceMemoryError, match="with the optimizer's needs .*optimizer state"):
+        engine.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-3))
+    engine.close()
+    monkeypatch.setattr(device_need, "capacity", lambda device: 8 * numel)  # offloaded: only the weights there
+    model, engine = _engine({"stage": 2, "offload_optimizer": True})
+    engine.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-3))
+    engine.close()

@@ -1,0 +1,79 @@
+"""Device memory before launch: the bytes per rank that the unit layouts and the offload settings
+decide, by the kinds of ``ZeroEngine.memory_report`` (fp32 masters and optimizer state of the units
+stepped on the device, their fp32 gradient shards at the step, the working weights of the persistent
+units, the stored shards of stage 3's transient units, two of the largest transient unit). The plan
+(``zero/planner.py``) adds the activations; the engine checks the state alone against the GPU's memory
+when it is built and when the optimizer is attached (``host_need.HostBudget``), before allocating it,
+so a model whose state cannot fit stops with one line instead of running out of memory in its first
+step."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from lightning_zeroq.zero.layout import UnitLayout
+from lightning_zeroq.zero.offload.split import host_units
+from lightning_zeroq.zero.policies import Host, Offload, OnDevice
+
+GIB = 2**30
+
+
+class DeviceMemoryError(RuntimeError):
+    """The model's state cannot fit on the device (raised before it is allocated)."""
+
+
+def units_off_device(policy: Any, layouts: Sequence[UnitLayout]) -> frozenset[int]:
+    """The units whose master and optimizer state an optimizer offload policy keeps off the device."""
+    if isinstance(policy, OnDevice):
+        return frozenset()
+    if isinstance(policy, Host):
+        return host_units(layouts, policy.ratio)
+    return frozenset(range(len(layouts)))  # Nvme, and Auto as it starts
+
+
+def device_kinds(layouts: Sequence[UnitLayout], persistent: Sequence[bool], offload: Offload,
+                 param_dtype: torch.dtype, state_bytes: int, rank: int = 0,
+                 payload_bytes: Optional[dict[int, int]] = None) -> dict[str, int]:
+    """Device bytes by ``memory_report``'s kinds for ``rank`` (``largest_transient_unit`` counted twice
+    as ``gathered_units``; ``state_bytes``: optimizer state per parameter element, none for padding;
+    ``payload_bytes``: a transient unit's stored payload, default its shard in ``param_dtype``)."""
+    n = len(layouts)
+    off = units_off_device(offload.optimizer, layouts)
+    itemsize = param_dtype.itemsize
+    device_units = [i for i in range(n) if i not in off]
+    transient = [i for i in range(n) if not persistent[i]]
+    stored = 0
+    if transient and isinstance(offload.parameters, OnDevice):
+        # a master on the device is cast at each gather (bf16) or is the working shard (fp32); else stored
+        stored = sum((payload_bytes or {}).get(i, layouts[i].shard_numel * itemsize) for i in transient if i in off)
+    return {
+        "masters": 4 * sum(layouts[i].shard_numel for i in device_units),
+        "gradient_shards": 4 * sum(layouts[i].shard_numel for i in device_units),
+        "optimizer_state": state_bytes * sum(seg.numel for i in device_units for seg in layouts[i].segments(rank)),
+        "persistent_units": sum(layouts[i].padded_numel * itemsize for i in range(n) if persistent[i]),
+        "stored_shards": stored,
+        "gathered_units": 2 * max((layouts[i].padded_numel * itemsize for i in transient), default=0),
+    }
+
+
+def capacity(device: torch.device) -> Optional[int]:
+    """The device's memory (None off CUDA: nothing to check)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory
+
+
+def check(kinds: dict[str, int], room: Optional[int], what: str) -> None:
+    """Raise ``DeviceMemoryError`` (one line) if ``kinds`` exceed ``room``."""
+    total = sum(kinds.values())
+    if room is None or total <= room:
+        return
+    parts = ", ".join(f"{k.replace('_', ' ')} {v / GIB:.2f} GiB" for k, v in kinds.items() if v)
+    raise DeviceMemoryError(
+        f"ZeroConfig: {what} needs {total / GIB:.2f} GiB of device memory per rank before any activation "
+        f"({parts}) and the device has {room / GIB:.2f} GiB; offload the optimizer (offload_optimizer=True), "
+        "shard the parameters too (stage=3, offload_parameters=True), or use more GPUs (zeroq-plan shows what "
+        "fits, activations included)."
+    )
