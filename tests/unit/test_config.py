@@ -198,3 +198,28 @@ def test_stage3_rejects_the_spawn_launcher():
     with pytest.raises(ValueError, match="start_method='spawn'"):
         ZeroQStrategy(stage=3, start_method="spawn")
     assert ZeroQStrategy(stage=2, start_method="spawn").config.stage == 2
+
+
+# Every option users can set, frozen: a new option (or a renamed one) is a decision, made here, in
+# docs/options.md (tests/test_readme.py checks it) and, where DeepSpeed or FSDP has the same knob, under
+# its name there (docs/migrating.md).
+FROZEN_OPTIONS = (
+    "stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "managed_gradient_accumulation",
+    "offload_optimizer", "offload_optimizer_device", "offload_optimizer_ratio", "offload_optimizer_nvme_ratio",
+    "offload_memory_budget", "host_memory_budget", "offload_speculative_step", "offload_async_step",
+    "offload_parameters", "offload_params_device", "nvme_path", "quantized_weights", "quantized_weights_group_size",
+    "quantized_weights_exact_numel", "stage3_wrap_classes", "stage3_unit_size", "stage3_param_persistence_threshold",
+    "stage3_prefetch", "stage3_prefetch_depth", "reshard_after_forward", "quantized_gradients", "shard_group_size",
+    "quantize_cross_group_only", "nonfinite_gradients", "loss_scale", "initial_scale_power", "loss_scale_window",
+    "min_loss_scale",
+)
+
+
+def test_the_options_are_the_frozen_list():
+    import dataclasses
+
+    names = tuple(f.name for f in dataclasses.fields(ZeroConfig))
+    added, removed = sorted(set(names) - set(FROZEN_OPTIONS)), sorted(set(FROZEN_OPTIONS) - set(names))
+    assert names == FROZEN_OPTIONS, (
+        f"ZeroConfig's options changed (added {added}, removed {removed}, or reordered): a new or renamed option is a "
+        "decision; update FROZEN_OPTIONS, docs/options.md and, for a DeepSpeed or FSDP knob, docs/migrating.md")
