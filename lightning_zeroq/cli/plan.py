@@ -4,6 +4,11 @@ device, so a 70B model plans on a laptop in seconds (``zero/planner.py``). No GP
 
     zeroq-plan --dim 4096 --layers 32 --heads 32 --ffn 11008 --batch 8 --seq 4096 \\
         --device-gib 139 --host-gib 120 --nvme-path /local/swap
+    zeroq-plan --recipe gpt1m_zero3_offload_cpu model.n_layer=48   # a recipe of zeroq-train, with overrides
+
+With ``--recipe``, the model, the micro-batch, the world size and the precision are the recipe's
+(Hydra overrides as ``zeroq-train`` takes them), and the recipe's own ZeRO settings are planned first,
+beside the other candidates.
 
 Per configuration (stages 1-3; no offload, half or all of the optimizer on the host, parameters too,
 NVMe where ``--nvme-path`` is given; each without and with checkpointing of every block), per rank:
@@ -56,6 +61,28 @@ def machine_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> M
                    args.pcie_gbs * 1e9, args.nvme_gbs * 1e9, args.reserved_per_allocated)
 
 
+def _recipe(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[GPTConfig, list, torch.dtype]:
+    """The recipe's model, micro-batch, world size and precision (into ``args``), and the configurations to
+    plan: the recipe's own first, then the other candidates."""
+    import dataclasses
+
+    from lightning_zeroq.cli.config import _world_size, config_error_line
+    from lightning_zeroq.cli.train import compose_config, recipe_names, to_run_config
+    from lightning_zeroq.zero.planner import candidates
+
+    if args.recipe not in recipe_names():
+        parser.error(f"--recipe {args.recipe}: no such recipe; the recipes are {', '.join(recipe_names())}")
+    try:
+        run = to_run_config(compose_config([f"recipe={args.recipe}", *args.overrides]))
+    except Exception as error:  # Hydra's and the configs' own errors, as zeroq-train words them
+        parser.error(f"--recipe {args.recipe}: {config_error_line(error)}")
+    args.batch, args.seq = run.data.batch_size, run.data.seq_len
+    args.world_size = (_world_size(run.trainer) or 1) * run.trainer.num_nodes
+    dtype = torch.bfloat16 if run.trainer.precision.startswith("bf16") else torch.float32
+    own = {f.name: getattr(run.zero, f.name) for f in dataclasses.fields(run.zero)}
+    return run.model, [(f"recipe {args.recipe}", own), *candidates(args.nvme_path)], dtype
+
+
 def table(needs: list[Need], tokens: int) -> str:
     header = ("| configuration | device GiB allocated | reserved | of it activations | host GiB | disk GiB | step s "
               "| tokens/s | fits |")
@@ -93,19 +120,27 @@ def main(argv: Optional[list[str]] = None) -> int:
     where.add_argument("--nvme-gbs", type=float, default=3.0, help="disk read/write GB/s")
     where.add_argument("--reserved-per-allocated", type=float, default=1.2,
                        help="the device memory the allocator reserves per byte allocated at the peak")
+    shape.add_argument("--recipe", default=None, help="plan a zeroq-train recipe (conf/ and recipes/) instead")
+    shape.add_argument("overrides", nargs="*", help="with --recipe: Hydra overrides, as zeroq-train takes them")
     args = parser.parse_args(argv)
+    if args.overrides and not args.recipe:
+        parser.error(f"{args.overrides}: overrides need --recipe NAME (the model's shape is given by flags otherwise)")
     for name in ("dim", "layers", "heads", "ffn", "vocab", "batch", "seq", "world_size", "ranks_per_node"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)}: give a whole number, 1 or more")
     machine = machine_from(args, parser)
-    try:
-        cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
-                        n_embd=args.dim, ffn_hidden=args.ffn, norm=args.norm, mlp=args.mlp, bias=False,
-                        learned_positions=False, tie_embeddings=False, init="torch")
-    except ValueError as error:
-        parser.error(str(error))
+    configs, dtype = None, torch.bfloat16
+    if args.recipe:
+        cfg, configs, dtype = _recipe(args, parser)
+    else:
+        try:
+            cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
+                            n_embd=args.dim, ffn_hidden=args.ffn, norm=args.norm, mlp=args.mlp, bias=False,
+                            learned_positions=False, tie_embeddings=False, init="torch")
+        except ValueError as error:
+            parser.error(str(error))
     with torch.device("meta"):
-        model = GPTModel(cfg).to(torch.bfloat16)
+        model = GPTModel(cfg).to(dtype)
     tokens = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
 
     def forward(m: torch.nn.Module) -> torch.Tensor:
@@ -113,12 +148,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens.reshape(-1))
 
     needs = plan_training(model, forward, tokens=args.batch * args.seq, world_size=args.world_size, machine=machine,
-                          nvme_path=args.nvme_path)
+                          configs=configs, nvme_path=args.nvme_path, param_dtype=dtype)
     params = sum(p.numel() for p in model.parameters())
     known = ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in (("device", machine.device_bytes), ("host", machine.host_bytes),
                                                            ("disk", machine.nvme_bytes)) if v is not None)
-    print(f"{params / 1e9:.2f}B parameters, {args.batch} x {args.seq} tokens per micro-batch and rank, world size "
-          f"{args.world_size}; machine: {known or 'memory unknown (nothing checked)'}; per rank, bf16, AdamW:\n")
+    size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.2f}M"
+    print(f"{size} parameters, {args.batch} x {args.seq} tokens per micro-batch and rank, world size "
+          f"{args.world_size}; machine: {known or 'memory unknown (nothing checked)'}; per rank, "
+          f"{'bf16' if dtype == torch.bfloat16 else 'fp32'} weights, AdamW:\n")
     print(table(needs, args.batch * args.seq))
     best = next((n for n in needs if n.fits), None)
     print(f"\nfastest that fits: {best.name} ({best.step_s:.3f} s a step)" if best else

@@ -142,3 +142,19 @@ def test_zeroq_plan_says_when_nothing_fits_and_refuses_bad_flags(capsys):
     with pytest.raises(SystemExit):
         plan_cli.main(["--host-gib", "-1"])
     assert "--host-gib=-1.0: give the memory in GiB" in capsys.readouterr().err
+
+
+def test_zeroq_plan_plans_a_recipe_with_overrides_and_names_a_missing_one(capsys):
+    assert plan_cli.main(["--recipe", "gpt1m_zero3_offload_cpu", "model.n_layer=8", "--host-gib", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "16 x 128 tokens per micro-batch and rank, world size 2" in out and "fp32 weights" in out, out
+    assert "| recipe gpt1m_zero3_offload_cpu |" in out and "| recipe gpt1m_zero3_offload_cpu+checkpointing |" in out
+    with pytest.raises(SystemExit):
+        plan_cli.main(["--recipe", "no_such_recipe"])
+    assert "--recipe no_such_recipe: no such recipe; the recipes are gpt1m_" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        plan_cli.main(["model.n_layer=8"])
+    assert "overrides need --recipe NAME" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        plan_cli.main(["--recipe", "gpt1m_zero2_cpu", "model.n_layer=0"])
+    assert "--recipe gpt1m_zero2_cpu: " in capsys.readouterr().err
