@@ -65,11 +65,11 @@ class Machine:
     pcie_bytes_per_s: float = 40e9
     nvme_bytes_per_s: float = 3e9
     reserved_per_allocated: float = 1.2
-    """The caching allocator's reserve over the peak allocated (what decides whether it fits): 1.08-1.20
-    measured for the 953M GPT on one H200, with and without optimizer offload."""
+    """The caching allocator's reserve over the peak allocated (what decides whether it fits), as measured
+    (``docs/plan.md`` names the runs)."""
     stage3_offload_reserved_per_allocated: float = 1.65
     """The same for stage 3 with parameters offloaded, whose gathers and landing gradients leave more
-    unused in the allocator's cache: 1.34 measured at 953M, 1.65 at 3.82B (one H200)."""
+    unused in the allocator's cache (``docs/plan.md``)."""
 
 
 @dataclass(frozen=True)
