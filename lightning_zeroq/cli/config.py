@@ -178,7 +178,7 @@ def preflight(run: RunConfig) -> None:
             f"TrainerConfig.accelerator={cfg.accelerator!r} needs a CUDA GPU, and torch {torch.__version__} "
             f"({build}) sees none on this machine; use trainer=cpu."
         )
-    ranks = _world_size(cfg)
+    ranks = world_size_of(cfg)
     if ranks is not None:
         check_one_batch_per_rank(run.data, ranks)
         if run.zero.shard_group_size != "node":
@@ -187,7 +187,7 @@ def preflight(run: RunConfig) -> None:
         check_swap_directory(run.zero.nvme_path)
 
 
-def _world_size(cfg: TrainerConfig) -> Optional[int]:
+def world_size_of(cfg: TrainerConfig) -> Optional[int]:
     """The number of ranks the Trainer will run, where the config (and this machine) tells; else None."""
     devices = cfg.devices
     if isinstance(devices, (list, tuple)):

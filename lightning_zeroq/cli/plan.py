@@ -66,7 +66,7 @@ def _recipe(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[
     plan: the recipe's own first, then the other candidates."""
     import dataclasses
 
-    from lightning_zeroq.cli.config import _world_size, config_error_line
+    from lightning_zeroq.cli.config import world_size_of, config_error_line
     from lightning_zeroq.cli.train import compose_config, recipe_names, to_run_config
     from lightning_zeroq.zero.planner import candidates
 
@@ -77,7 +77,7 @@ def _recipe(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[
     except Exception as error:  # Hydra's and the configs' own errors, as zeroq-train words them
         parser.error(f"--recipe {args.recipe}: {config_error_line(error)}")
     args.batch, args.seq = run.data.batch_size, run.data.seq_len
-    args.world_size = (_world_size(run.trainer) or 1) * run.trainer.num_nodes
+    args.world_size = (world_size_of(run.trainer) or 1) * run.trainer.num_nodes
     dtype = torch.bfloat16 if run.trainer.precision.startswith("bf16") else torch.float32
     own = {f.name: getattr(run.zero, f.name) for f in dataclasses.fields(run.zero)}
     return run.model, [(f"recipe {args.recipe}", own), *candidates(args.nvme_path)], dtype

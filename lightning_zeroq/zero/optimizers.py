@@ -50,7 +50,9 @@ def register_elementwise_optimizer(cls: type) -> type:
 
 
 def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
-    if not isinstance(optimizer, tuple(ELEMENTWISE_OPTIMIZERS)):
+    from lightning_zeroq.zero.matrix import matrix_optimizers  # Muon: elementwise but for whole matrices
+
+    if not isinstance(optimizer, (*ELEMENTWISE_OPTIMIZERS, *matrix_optimizers())):
         name = type(optimizer).__name__
         raise ValueError(
             f"ZeroQ cannot shard optimizer {name}: it shards every parameter across ranks, so the update "

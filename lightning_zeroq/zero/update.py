@@ -20,6 +20,7 @@ from torch import Tensor
 from lightning_zeroq.zero import comm, norms
 from lightning_zeroq.zero.gather import Gatherer
 from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
+from lightning_zeroq.zero.matrix import is_matrix_optimizer, step_matrices
 from lightning_zeroq.zero.offload import OptimizerPlacement
 from lightning_zeroq.zero.optimizers import Binding, OneStep
 from lightning_zeroq.zero.reducer import Agreement, Reducer
@@ -154,6 +155,8 @@ def run(binding: Binding, units: Sequence[Unit], placement: OptimizerPlacement, 
                     if used_ids[unit.param_id(seg.param)]:
                         view.grad = grad[seg.shard_span]
             with torch.profiler.record_function("zeroq.optimizer_step"):
+                if is_matrix_optimizer(binding.optimizer):  # Muon: each matrix whole (``matrix.py``)
+                    step_matrices(binding, batch, used_ids, gatherer.wire.group, gatherer.device)
                 one_step.step()
             for unit in batch:
                 for view, _ in binding.optimized[unit.index]:

@@ -57,6 +57,8 @@ from lightning_zeroq.zero.unit import Unit
 
 class Wire(Protocol):
     payload_dtype: torch.dtype
+    group: Optional[dist.ProcessGroup]
+    """The shard group the shards travel in."""
 
     def payload_numel(self, index: int) -> int: ...
 

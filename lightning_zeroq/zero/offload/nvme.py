@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from lightning_zeroq.swap import NvmeSwapper, SwapHandle, aligned_empty
+from lightning_zeroq.zero.matrix import is_matrix_optimizer
 from lightning_zeroq.zero.offload.host import HostOptimizer
 from lightning_zeroq.zero.unit import Unit
 
@@ -67,7 +68,7 @@ def swap_key(unit_index: int, kind: str) -> str:
 
 def per_element_state_keys(optimizer: torch.optim.Optimizer) -> list[str]:
     """The state keys whose tensors have one element per parameter element, for this optimizer."""
-    probe = torch.zeros(16, requires_grad=True)
+    probe = torch.zeros(4, 4, requires_grad=True)  # a matrix: Muon steps nothing else
     accepted = inspect.signature(type(optimizer).__init__).parameters
     group = optimizer.param_groups[0] if optimizer.param_groups else {}
     twin = type(optimizer)([probe], **{k: v for k, v in group.items() if k in accepted and k != "params"})
@@ -94,6 +95,11 @@ class NvmeOptimizer(HostOptimizer):
         self._pool = BufferPool(torch.float32, self.pin)
 
     def attach(self, units: Sequence[Unit], optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        if any(is_matrix_optimizer(o) for o in optimizers):
+            raise ValueError(
+                "NVMe optimizer offload does not take Muon yet (its matrices are gathered whole at the step); use "
+                "offload_optimizer_device='cpu', which does."
+            )
         if len(optimizers) > 1:
             raise ValueError(
                 f"NVMe optimizer offload swaps one optimizer's state; {len(optimizers)} are attached. Use one "

@@ -1,0 +1,220 @@
+"""Muon (``torch.optim.Muon``) for the hidden matrices and AdamW for the rest, the standard recipe, in
+stages 1-3, with and without CPU optimizer offload, against DDP with the same two optimizers: gloo, 2 and
+3 ranks (3: uneven cuts), 20 steps of two backward passes each, each optimizer's gradients clipped,
+every weight within 1e-5 of DDP's after every step (``matrix.py``).
+
+torch's Newton-Schulz iterations run in bf16, so a last-bit difference in a gradient (any other order
+of summing it: ZeRO-2's sum of reduced micro-batches, a division before or after the sum) becomes
+~1e-4 of update. The parity runs therefore orthogonalize in fp32 (the same iteration, in both the
+engine and the reference), which tests the sharding, the gathering and the stepping; and where the
+gradients are bitwise DDP's (stage 1, 2 ranks) torch's own bf16 iteration gives bitwise DDP's weights."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_zeroq import ZeroConfig, ZeroEngine
+
+pytestmark = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="this torch has no torch.optim.Muon")
+
+VOCAB, DIM, SEQ = 48, 24, 6
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(DIM), nn.Linear(DIM, 2 * DIM, bias=False), nn.GELU(),
+                                                  nn.Linear(2 * DIM, DIM, bias=False)) for _ in range(2))
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def _split(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """Muon for the blocks' matrices; AdamW for the embedding, the norms and the head."""
+    hidden = [p for n, p in model.named_parameters() if n.startswith("blocks") and p.dim() == 2]
+    rest = [p for n, p in model.named_parameters() if not (n.startswith("blocks") and p.dim() == 2)]
+    return hidden, rest
+
+
+def _optimizers(model: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+    hidden, rest = _split(model)
+    return (torch.optim.Muon(hidden, lr=0.02, momentum=0.95, weight_decay=0.1),
+            torch.optim.AdamW(rest, lr=3e-3, weight_decay=0.01, eps=1e-3))
+
+
+def _loss(model: nn.Module, step: int, micro: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + dist.get_rank())
+    tokens = torch.randint(0, VOCAB, (4, SEQ), generator=g)
+    logits = model(tokens)
+    return F.cross_entropy(logits.reshape(-1, VOCAB), tokens.roll(-1, 1).reshape(-1))
+
+
+CONFIGS = {
+    1: {"stage": 1, "reduce_bucket_size": 700},
+    2: {"stage": 2, "reduce_bucket_size": 700},
+    3: {"stage": 3, "stage3_wrap_classes": ["Sequential"], "stage3_param_persistence_threshold": 0},
+}
+
+
+def _newton_schulz_fp32(grad: torch.Tensor, ns_coefficients, ns_steps: int, eps: float) -> torch.Tensor:
+    """The quintic Newton-Schulz iteration of Muon's paper, in fp32."""
+    a, b, c = ns_coefficients
+    x = grad.float()
+    tall = grad.size(0) > grad.size(1)
+    x = x.T if tall else x
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def _body(stage: int, offload: bool, exact_bf16: bool = False) -> float:
+    import torch.optim._muon as muon_module
+
+    real = muon_module._zeropower_via_newtonschulz
+    if not exact_bf16:
+        muon_module._zeropower_via_newtonschulz = _newton_schulz_fp32  # the engine's and DDP's optimizer alike
+    try:
+        return _train(stage, offload, tolerance=0.0 if exact_bf16 else 1e-5)
+    finally:
+        muon_module._zeropower_via_newtonschulz = real
+
+
+def _train(stage: int, offload: bool, tolerance: float) -> float:
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    engine = ZeroEngine(model, ZeroConfig(**CONFIGS[stage], offload_optimizer=offload))
+    muon, adam = _optimizers(model)
+    engine.attach_optimizer(muon)
+    engine.attach_optimizer(adam)
+    ddp = DistributedDataParallel(ref)
+    ref_muon, ref_adam = _optimizers(ref)
+    worst = 0.0
+    for step in range(20):
+        for micro in range(2):
+            engine.backward(_loss(model, step, micro) / 2, boundary=micro == 1)
+            if micro == 0:
+                with ddp.no_sync():
+                    (_loss(ddp, step, micro) / 2).backward()
+            else:
+                (_loss(ddp, step, micro) / 2).backward()
+        for ours, theirs, bound in ((muon, ref_muon, 0.5), (adam, ref_adam, 1.0)):
+            norm = engine.clip_grad_norm_(bound, optimizer=ours)
+            ref_norm = torch.nn.utils.clip_grad_norm_([p for g in theirs.param_groups for p in g["params"]], bound)
+            assert abs(float(norm) - float(ref_norm)) <= 1e-5 * max(1.0, float(ref_norm)), (step, norm, ref_norm)
+            engine.step(ours)
+            theirs.step()
+        engine.zero_grad(muon)
+        engine.zero_grad(adam)
+        ref_muon.zero_grad()
+        ref_adam.zero_grad()
+        full = engine.full_state_dict()
+        for name, p in ref.named_parameters():
+            diff = (full[name] - p.detach()).abs().max().item()
+            assert diff <= tolerance, f"step {step}: {name} differs from DDP by {diff}"
+            worst = max(worst, diff)
+    engine.close()
+    return worst
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "cpu_offload"])
+def test_muon_with_adamw_matches_ddp(dist_pool, world_size, stage, offload):
+    dist_pool(world_size).run(_body, stage, offload)
+
+
+def test_muon_in_stage_1_is_bitwise_ddp_with_torchs_own_iteration(dist_pool):
+    """2 ranks, stage 1: the gradients are DDP's bit for bit, so are the weights, bf16 iteration and all."""
+    dist_pool(2).run(_body, 1, False, True)
+
+
+class Matrices(nn.Module):
+    """Only bias-free linear layers: one Muon optimizer takes every parameter (a checkpoint holds one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(DIM, 2 * DIM, bias=False), nn.Tanh(), nn.Linear(2 * DIM, DIM, bias=False),
+                                    nn.Tanh(), nn.Linear(DIM, DIM, bias=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def _matrices_engine(stage: int, seed: int) -> tuple[nn.Module, ZeroEngine]:
+    torch.manual_seed(seed)
+    model = Matrices()
+    engine = ZeroEngine(model, ZeroConfig(**{**CONFIGS[stage], "stage3_wrap_classes": ["Linear"]}
+                                          if stage == 3 else CONFIGS[stage]))
+    engine.attach_optimizer(torch.optim.Muon(model.parameters(), lr=0.02, momentum=0.9, weight_decay=0.05))
+    return model, engine
+
+
+def _matrices_steps(model: nn.Module, engine: ZeroEngine, steps) -> None:
+    for step in steps:
+        g = torch.Generator().manual_seed(step)  # the same batch on every rank and world size
+        x = torch.randn(8, DIM, generator=g)
+        engine.backward(model(x).pow(2).mean(), boundary=True)
+        engine.step()
+        engine.zero_grad()
+
+
+def _save_body(path: str) -> None:
+    from lightning_zeroq.checkpoint.engine_io import save_engine
+
+    model, engine = _matrices_engine(2, seed=0)
+    _matrices_steps(model, engine, range(3))
+    save_engine(engine, Path(path))
+    _matrices_steps(model, engine, range(3, 6))  # where the run goes on from the checkpoint
+    torch.save(engine.full_state_dict(), Path(path) / f"after_rank{dist.get_rank()}.pt")
+    engine.close()
+
+
+def _load_body(path: str) -> float:
+    from lightning_zeroq.checkpoint.engine_io import load_engine
+
+    model, engine = _matrices_engine(3, seed=1)
+    load_engine(engine, Path(path))
+    _matrices_steps(model, engine, range(3, 6))
+    expected = torch.load(Path(path) / "after_rank0.pt")
+    got = engine.full_state_dict()
+    engine.close()
+    return max((got[k] - expected[k]).abs().max().item() for k in expected)
+
+
+def test_muon_state_saves_and_resumes_at_another_world_size_and_stage(dist_pool, tmp_path):
+    """Saved by stage 2 on 2 ranks, loaded by stage 3 on 3: the momentum buffers reshard with the
+    weights, and 3 more steps match the run that went on (fp32 iteration: the world sizes sum alike)."""
+    import torch.optim._muon as muon_module
+
+    for pool, body in ((dist_pool(2), _save_body), (dist_pool(3), _load_body)):
+        worst = pool.run(_patched, body, str(tmp_path / "ckpt"))
+    assert max(worst) <= 1e-6, worst
+    assert muon_module._zeropower_via_newtonschulz is not _newton_schulz_fp32
+
+
+def _patched(body, *args):
+    import torch.optim._muon as muon_module
+
+    real = muon_module._zeropower_via_newtonschulz
+    muon_module._zeropower_via_newtonschulz = _newton_schulz_fp32
+    try:
+        return body(*args)
+    finally:
+        muon_module._zeropower_via_newtonschulz = real
