@@ -52,6 +52,14 @@ def register_elementwise_optimizer(cls: type) -> type:
 def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
     from lightning_zeroq.zero.matrix import matrix_optimizers  # Muon: elementwise but for whole matrices
 
+    adafactor = getattr(torch.optim, "Adafactor", None)
+    if adafactor is not None and isinstance(optimizer, adafactor):
+        raise ValueError(
+            "ZeroQ cannot shard torch.optim.Adafactor: its second moment of each matrix is factored into a row "
+            "and a column vector, each reduced over the whole matrix at every step, and a shard cuts matrices "
+            "at arbitrary elements. Use AdamW (and torch.optim.Muon for the hidden matrices) with ZeroQ, or "
+            "Adafactor with DDP or FSDP."
+        )
     if not isinstance(optimizer, (*ELEMENTWISE_OPTIMIZERS, *matrix_optimizers())):
         name = type(optimizer).__name__
         raise ValueError(

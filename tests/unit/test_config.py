@@ -140,6 +140,9 @@ def test_non_elementwise_optimizer_is_rejected_by_name():
     engine = ZeroEngine(model, ZeroConfig())
     with pytest.raises(ValueError, match=r"LBFGS"):
         engine.attach_optimizer(torch.optim.LBFGS(model.parameters()))
+    if hasattr(torch.optim, "Adafactor"):  # refused with its own reason
+        with pytest.raises(ValueError, match=r"Adafactor: its second moment of each matrix is factored .*Muon"):
+            engine.attach_optimizer(torch.optim.Adafactor(model.parameters()))
 
     @register_elementwise_optimizer
     class MySGD(torch.optim.Optimizer):
