@@ -17,15 +17,18 @@ the group (its cost times the group's size, against once per matrix with an owne
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from lightning_zeroq.zero import comm
+from lightning_zeroq.zero.layout import UnitLayout
 from lightning_zeroq.zero.unit import Unit
 
 
+@functools.cache
 def matrix_optimizers() -> tuple[type, ...]:
     """The optimizer classes stepped here (``torch.optim.Muon`` where this torch has it)."""
     muon = getattr(torch.optim, "Muon", None)
@@ -55,13 +58,9 @@ def step_matrices(binding: Any, units: Sequence[Unit], used: Sequence[Any], grou
     orthogonalize, adjust_lr = parts
     optimizer = binding.optimizer
     groups = {id(p): optimizer.param_groups[gi] for gi, given in enumerate(binding.given) for p in given}
-    world = comm.world(group)[1]
     for unit in sorted(units, key=lambda u: u.index):
         mine: dict[int, tuple[Any, Any]] = {seg.param: (view, seg) for view, seg in binding.optimized[unit.index]}
-        counts = [[0] * len(unit.params) for _ in range(world)]
-        for r in range(world):
-            for seg in unit.layout.segments(r):
-                counts[r][seg.param] = seg.numel
+        counts = _segment_numels(unit.layout)
         for i, param in enumerate(unit.params):
             if unit.param_id(i) not in binding.param_ids or not used[unit.param_id(i)]:
                 continue  # another optimizer's, or no rank used it: left as torch.optim leaves it
@@ -82,7 +81,7 @@ def step_matrices(binding: Any, units: Sequence[Unit], used: Sequence[Any], grou
             else:
                 update = torch.empty(0, dtype=torch.float32)
             whole = torch.empty(param.numel(), dtype=torch.float32, device=device)
-            comm.all_gather_uneven(whole, update.to(device), [counts[r][i] for r in range(world)], group)
+            comm.all_gather_uneven(whole, update.to(device), counts[i], group)
             ortho = orthogonalize(whole.view(param.shape), hyper["ns_coefficients"], hyper["ns_steps"], hyper["eps"])
             if view is None or view.grad is None:
                 continue
@@ -92,3 +91,12 @@ def step_matrices(binding: Any, units: Sequence[Unit], used: Sequence[Any], grou
                                                                                           param.shape))
             view.grad = None
 
+
+@functools.lru_cache(maxsize=None)
+def _segment_numels(layout: UnitLayout) -> list[list[int]]:
+    """Per parameter of the unit, the elements of it each rank's shard holds (0 where none)."""
+    counts = [[0] * layout.world_size for _ in layout.slots]
+    for rank in range(layout.world_size):
+        for seg in layout.segments(rank):
+            counts[seg.param][rank] = seg.numel
+    return counts

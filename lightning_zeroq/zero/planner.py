@@ -111,15 +111,18 @@ class Need:
 
     @property
     def device_total(self) -> int:
-        """The peak allocated: the state, the gathered units, and the larger of the backward's start
-        (every activation, and the gradient of the largest) and the step (the fp32 gradient shards)."""
-        d = self.device
-        held = sum(v for k, v in d.items() if k not in ("activations", "loss_gradient", "gradient_shards"))
-        return held + max(d["activations"] + d["loss_gradient"], d["gradient_shards"])
+        return peak_allocated(self.device)
 
     @property
     def host_total(self) -> int:
         return sum(self.host.values())
+
+
+def peak_allocated(device: dict[str, int]) -> int:
+    """The peak of ``device``'s kinds: the state, the gathered units, and the larger of the backward's
+    start (every activation, and the gradient of the largest) and the step (the fp32 gradient shards)."""
+    held = sum(v for k, v in device.items() if k not in ("activations", "loss_gradient", "gradient_shards"))
+    return held + max(device["activations"] + device["loss_gradient"], device["gradient_shards"])
 
 
 def _flash_like(q: Tensor, k: Tensor, v: Tensor, attn_mask: Any = None, dropout_p: float = 0.0,
@@ -255,9 +258,9 @@ def plan_config(model: nn.Module, config: ZeroConfig, activations: Activations, 
     host = engine_need(policies.offload, layouts, rank, param_dtype, payload)
     host.parts["optimizer state"] = state_bytes * host.host_elements
     nvme = _nvme_bytes(policies, layouts, specs, param_dtype, state_bytes)
-    step = _step_seconds(policies, layouts, specs, host.host_elements, tokens, checkpointing, machine, param_dtype)
+    step = _step_seconds(policies, layouts, specs, host.host_elements, nvme, tokens, checkpointing, machine, param_dtype)
     why = []
-    peak = Need("", config, checkpointing, device, {}, 0, 0.0, True, "").device_total
+    peak = peak_allocated(device)
     factor = machine.reserved_per_allocated
     if not isinstance(policies.offload.parameters, OnDevice):
         factor = max(factor, machine.stage3_offload_reserved_per_allocated)
@@ -272,8 +275,9 @@ def plan_config(model: nn.Module, config: ZeroConfig, activations: Activations, 
 
 
 def _step_seconds(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequence[UnitSpec], host_elements: int,
-                  tokens: int, checkpointing: bool, machine: Machine, param_dtype: torch.dtype) -> float:
-    """Compute, plus the host step, plus NVMe traffic, plus what crosses PCIe beyond the compute."""
+                  nvme_bytes: int, tokens: int, checkpointing: bool, machine: Machine, param_dtype: torch.dtype) -> float:
+    """Compute, plus the host step, plus NVMe traffic (``nvme_bytes`` read and written), plus what
+    crosses PCIe beyond the compute."""
     params = sum(layout.numel for layout in layouts)
     compute = (8 if checkpointing else 6) * params * tokens / machine.matmul_flops
     host = host_elements / machine.host_step_elements_per_s
@@ -285,7 +289,7 @@ def _step_seconds(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequ
     if not isinstance(offload.parameters, OnDevice):
         transient = sum(layouts[i].shard_numel for i in range(len(layouts)) if not specs[i].persistent)
         crossing += 2 * param_dtype.itemsize * transient  # gathered for the forward and again for the backward
-    nvme = 2 * _nvme_bytes(policies, layouts, specs, param_dtype, 8) / machine.nvme_bytes_per_s
+    nvme = 2 * nvme_bytes / machine.nvme_bytes_per_s
     pcie = crossing / machine.pcie_bytes_per_s
     return max(compute, pcie) + host + nvme
 

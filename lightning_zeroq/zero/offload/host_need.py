@@ -231,8 +231,9 @@ class HostBudget:
         """What this rank put on the host so far (counted)."""
         self.accumulates: Optional[bool] = None
         """Whether windows sum several backward passes (the Lightning strategy knows; None: unknown)."""
-        self._device: Optional[tuple] = None
-        """What the device check needs again when the optimizer comes: (layouts, persistent, rank, dtypes, payload bytes, device)."""
+        self._device: Optional[tuple[dict[str, int], Optional[int]]] = None
+        """The build's device kinds (``optimizer_state``: the elements it steps there, one byte each) and
+        the device's memory, checked again with the optimizer's state."""
 
     def built(self, layouts: Sequence[UnitLayout], rank: int, param_dtype: torch.dtype, payload_dtype: torch.dtype,
               transient: dict[int, int], placement: Any) -> None:
@@ -243,7 +244,8 @@ class HostBudget:
         check(self.need, self.room, self.ranks, "this offload configuration")
         persistent = [i not in transient for i in range(len(layouts))]
         payload_bytes = {i: n * payload_dtype.itemsize for i, n in transient.items()}
-        self._device = (layouts, persistent, rank, param_dtype, payload_bytes, placement.device)
+        kinds = device_need.device_kinds(layouts, persistent, self.offload, param_dtype, 1, rank, payload_bytes)
+        self._device = (kinds, device_need.capacity(placement.device))
         self._check_device(0, "this configuration's state")
         landing = getattr(getattr(placement, "host", placement), "landing", None)
         if landing is not None:
@@ -263,11 +265,9 @@ class HostBudget:
         self._check_device(state_bytes_per_element(optimizers), "this configuration's state with the optimizer's")
 
     def _check_device(self, state_bytes: int, what: str) -> None:
-        if self._device is None:
-            return
-        layouts, persistent, rank, param_dtype, payload_bytes, device = self._device
-        kinds = device_need.device_kinds(layouts, persistent, self.offload, param_dtype, state_bytes, rank, payload_bytes)
-        device_need.check(kinds, device_need.capacity(device), what)
+        if self._device is not None:
+            kinds, room = self._device
+            device_need.check({**kinds, "optimizer_state": state_bytes * kinds["optimizer_state"]}, room, what)
 
     def _fp32_buffers(self, nbytes: int) -> None:
         """The landing makes its fp32 buffers (a window of several backward passes, an fp32 reader)."""

@@ -194,6 +194,11 @@ class Speculation:
             self.stop()
             while self._busy is not None:
                 self._cv.wait()
+        self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        """A step the worker failed is reported here, on the main thread, every speculated unit undone first."""
+        with self._cv:
             error, self._error = self._error, None
         if error is not None:
             self.undo_all()
@@ -206,10 +211,7 @@ class Speculation:
         with self._cv:
             while unit in self._queue or self._busy is unit:
                 self._cv.wait()
-            error, self._error = self._error, None
-        if error is not None:
-            self.undo_all()
-            raise RuntimeError("ZeroQ: a speculative host step failed; the model is as before it") from error
+        self._raise_failure()
         record = self.done.pop(unit.index, None)
         if record is None:
             return None
