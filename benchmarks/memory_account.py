@@ -180,6 +180,45 @@ def replay(trace: list, end_blocks: dict, end_reserved: int, start: int = 0, mom
             "final": {b[0] for b in live.values()}, "mismatch": len(live.keys() ^ end_blocks.keys())}
 
 
+def reserved_account(trace: list, end_reserved: int, start: int = 0, top: int = 8) -> dict:
+    """Where the reserved bytes are at their highest point from event ``start`` on: per CUDA stream (a block
+    freed on one stream's pool serves only allocations on that stream), the segments' bytes, the bytes
+    allocated in them then, and the segments grouped by the allocation that made the allocator reserve them."""
+    reserved = end_reserved - sum(e["size"] for e in trace if e["action"] in GROW) \
+        + sum(e["size"] for e in trace if e["action"] in SHRINK)
+    segments: dict = {}
+    blocks: dict = {}
+    best, at = -1, None
+    for i, e in enumerate(trace):
+        action = e["action"]
+        if action in GROW:
+            reserved += e["size"]
+            segments[e["addr"]] = (e["size"], e.get("stream", 0), e.get("frames", []))
+        elif action in SHRINK:
+            reserved -= e["size"]
+            segments.pop(e["addr"], None)
+        elif action == ALLOC:
+            blocks[e["addr"]] = (e["size"], e.get("stream", 0))
+        elif action == FREE:
+            blocks.pop(e["addr"], None)
+        if i >= start and reserved > best:
+            best, at = reserved, (dict(segments), dict(blocks), i)
+    if at is None:
+        return {}
+    segs, live, index = at
+    streams: dict = {}
+    makers: Counter = Counter()
+    for size, stream, frames in segs.values():
+        row = streams.setdefault(stream, {"reserved": 0, "allocated": 0, "segments": 0})
+        row["reserved"] += size
+        row["segments"] += 1
+        makers[f"stream {stream}: " + classify(frames, size)[1]] += size
+    for size, stream in live.values():
+        streams.setdefault(stream, {"reserved": 0, "allocated": 0, "segments": 0})["allocated"] += size
+    return {"index": index, "reserved_bytes": best, "streams": streams, "makers": makers.most_common(top),
+            "traced_segments_bytes": sum(s[0] for s in segs.values())}
+
+
 def find_marker(trace: list, name: str) -> int:
     for i, e in enumerate(trace):
         if e["action"] == ALLOC and any(f["name"] == name for f in e.get("frames", [])):
@@ -323,6 +362,8 @@ def run_one(name: str, args: argparse.Namespace, dev: torch.device) -> dict:
     owners = [(None, arm_owners(arm))] + ([("_mark_optimizer_step", grads)] if fired else [])
     sizes = autocast_sizes(arm.model)
     steps, step = (account(snapshot, device, m, owners, sizes) for m in ("_mark_steps", "_mark_measured"))
+    trace = snapshot["device_traces"][device] if device < len(snapshot["device_traces"]) else []
+    steps["reserved_peak"] = reserved_account(trace, end_state(snapshot, device)[1], steps["start"])
     formula = {ACTIVATIONS: saved.gib}
     bound = {}
     if arm.engine is not None:
@@ -365,13 +406,23 @@ def report(name: str, r: dict, per_rank: list) -> dict:
             + [("total (formula: memory_bound + activations)", s["peak_bytes"], m["peak_bytes"], bound)]:
         print(f"{cls:<52}" + "".join(f"{'-' if x is None else f'{x / k:.2f}':>{w}}" for x, k, w in
                                      ((a, GIB, 11), (b, GIB, 11), (c, 1, 9))))
+    rp = s.get("reserved_peak") or {}
+    if rp:
+        print(f"reserved at its highest point after the build: {rp['reserved_bytes'] / GIB:.2f} GiB at event {rp['index']}"
+              f" ({rp['traced_segments_bytes'] / GIB:.2f} in segments the trace saw made); per stream (reserved,"
+              " allocated then, segments): " + "; ".join(f"{k}: {v['reserved'] / GIB:.2f} {v['allocated'] / GIB:.2f}"
+                                                        f" {v['segments']}" for k, v in rp["streams"].items()))
+        print("segments then, by the allocation that made them, GiB:\n"
+              + "\n".join(f"  {v / GIB:7.2f}  {k}" for k, v in rp["makers"]))
     print("top frames at the steps peak, GiB:\n" + "\n".join(f"  {v / GIB:7.2f}  {k}" for k, v in s["top"]))
     gb = lambda d: {k: round(v / GIB, 3) for k, v in d.items()}  # noqa: E731
     return {"arm": name, "world_size": len(per_rank), "torch": torch.__version__,
             "per_rank_GiB_trace_alloc_reserved": [[round(x / GIB, 2) for x in p] for p in per_rank],
             "classes_GiB": gb(s["classes"]), "measured_step_classes_GiB": gb(m["classes"]),
             "formula_GiB": {k: round(v, 3) for k, v in f.items()}, **r["bound"],
-            "top_frames_GiB": [[k, round(v / GIB, 3)] for k, v in s["top"]], "snapshot_from_event": r["snapshot_from_event"]}
+            "top_frames_GiB": [[k, round(v / GIB, 3)] for k, v in s["top"]],
+            "reserved_peak": {k: (v if k not in ("reserved_bytes", "traced_segments_bytes") else round(v / GIB, 3))
+                              for k, v in (s.get("reserved_peak") or {}).items()}, "snapshot_from_event": r["snapshot_from_event"]}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -127,7 +127,7 @@ COMPILE = {"compile", "compile_whole"}
 CLIP = 1.0  # +clip: gradient-norm clipping at this norm before every step (Lightning's gradient_clip_val)
 RATIOS = {"ratio25": 0.25, "ratio50": 0.5, "ratio75": 0.75}  # partial optimizer offload (with +offload_optimizer)
 PEERS = {  # the peers, beside zeroq in one launch: base -> the options it takes
-    "fsdp2": {"keep", "offload_optimizer", "clip", *COMPILE},
+    "fsdp2": {"keep", "offload_optimizer", "clip", "bf16reduce", *COMPILE},
     "ds2": {"offload_optimizer", "clip"},
     "ds3": {"int8", "offload_optimizer", "offload_params", "clip", "nvme"},
 }
@@ -145,7 +145,7 @@ def parse_arm(arm: str) -> tuple[str, set[str]]:
 
 def fsdp2_arm(model: nn.Module, options: set[str], dev: torch.device):
     """FSDP2 as torchtitan uses it: ``fully_shard`` per block and at the root, bf16 parameters in
-    compute, fp32 gradient reduction; ``+keep``: ``reshard_after_forward=False``; ``+offload_optimizer``:
+    compute, fp32 gradient reduction (``+bf16reduce``: in bf16, as zeroq reduces); ``+keep``: ``reshard_after_forward=False``; ``+offload_optimizer``:
     ``CPUOffloadPolicy`` (FSDP2 offloads parameters, gradients and optimizer state together; the
     step runs on the CPU with torch's fused kernel)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -153,7 +153,8 @@ def fsdp2_arm(model: nn.Module, options: set[str], dev: torch.device):
 
     mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
     kwargs = {"mesh": mesh, "reshard_after_forward": "keep" not in options,
-              "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+              "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                reduce_dtype=torch.bfloat16 if "bf16reduce" in options else torch.float32)}
     if "offload_optimizer" in options:
         if dev.type != "cuda":
             raise SystemExit("fsdp2+offload_optimizer needs a GPU (FSDP2's CPUOffloadPolicy moves state off an accelerator)")

@@ -78,7 +78,16 @@ class Gatherer:
                 unit.ready, unit.state = None, UnitState.GATHERED
             return
         assert self.store is not None
-        unit.restore_storage()
+        if self._stream is not None:
+            # Allocated in the gather stream's pool: a freed working buffer then waits there for the next
+            # gather, whole, instead of being cut up by the forward's activations on the compute stream
+            # (which made the allocator reserve a new block for nearly every unit). Every write into a
+            # reused buffer comes after the compute stream's uses of it: on the compute stream itself, or
+            # on the gather stream after it waited for the compute stream (below).
+            with torch.cuda.stream(self._stream):
+                unit.restore_storage()
+        else:
+            unit.restore_storage()
         if prefetch and self._stream is not None:
             assert current is not None  # the side stream exists on CUDA only
             self._stream.wait_stream(current)

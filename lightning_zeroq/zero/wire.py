@@ -66,7 +66,14 @@ class Wire(Protocol):
 
     def encode(self, unit: Unit, placement: OptimizerPlacement) -> Tensor: ...
 
-    def gather(self, unit: Unit, payload: Tensor) -> None: ...
+    def gather(self, unit: Unit, payload: Tensor) -> None:
+        """Fill ``unit.flat`` from every rank's ``payload`` (on the device, or pinned on the host: a
+        store's own buffer, ``offload/host_store.py``)."""
+
+
+def on_device(payload: Tensor, device: torch.device) -> Tensor:
+    """``payload`` on ``device`` (a copy issued on the current stream where it rests on the host)."""
+    return payload if payload.device.type == device.type else payload.to(device, non_blocking=True)
 
 
 class FullWidth:
@@ -89,7 +96,10 @@ class FullWidth:
         return working if working is not None else unit.master
 
     def gather(self, unit: Unit, payload: Tensor) -> None:
-        comm.all_gather(unit.flat, payload, self.group)
+        if comm.world(self.group)[1] == 1:  # the payload is the unit: one copy, from wherever it rests
+            unit.flat.copy_(payload, non_blocking=True)
+        else:
+            comm.all_gather(unit.flat, on_device(payload, unit.flat.device), self.group)
 
 
 class ChunkPlan(NamedTuple):
@@ -270,6 +280,7 @@ class Int8:
 
     def gather(self, unit: Unit, payload: Tensor) -> None:
         plan = self.plans[unit.index]
+        payload = on_device(payload, self.device)
         for c in range(len(plan.chunks)):
             self._gather_chunk(unit, c, payload[plan.offsets[c] : plan.offsets[c + 1]])
         if plan.side is not None:

@@ -1,5 +1,6 @@
 """Stage 3 parameter offload to CPU: each transient unit's payload rests in a pinned host buffer between
-gathers (see ``host.py`` for how the host kernel writes the step's payload there directly)."""
+gathers (see ``host.py`` for how the host kernel writes the step's payload there directly); a gather
+reads it there (``Wire.gather`` takes a payload wherever it rests)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,9 @@ class HostStore:
         buffer.copy_(payload, non_blocking=True)
 
     def get(self, unit: Unit) -> Tensor:
-        return self.buffers[unit.index].to(self.device, non_blocking=True)
+        # The pinned buffer itself: the wire copies it to the device (at one rank in the shard group with
+        # full-width shards, straight into the working buffer: no unit-sized device copy in between).
+        return self.buffers[unit.index]
 
     def device_tensors(self) -> list[Tensor]:
         return []

@@ -310,16 +310,18 @@ def test_a_host_master_is_written_only_after_the_device_read_it(dist_pool, offlo
     assert min(dist_pool(2).run(_device_reads_body, offload)) > 0
 
 
-def _copy_stream_body(boundary, idle: bool) -> tuple[list, list, list, list, int]:
+def _copy_stream_body(boundary, idle: bool, in_flight: int = 100) -> tuple[list, list, list, list, int]:
     """The gradient copies to the host (CUDA only; emulated): in a backward that ends the window
     (``boundary=True``) a unit is copied as soon as it is reduced if no such copy is still running
     (``idle``: each finished before the next unit's reduction), the others at finalize; on the
     copy stream, one event per unit; the step reads a unit's host gradient only after its event; a
     window dropped after its copies were issued makes the compute stream wait for them before the
-    device shards are zeroed."""
+    device shards are zeroed. ``in_flight``: ``landing.IN_FLIGHT`` (the copies a backward keeps
+    running before the host waits for the oldest)."""
     from contextlib import nullcontext
 
     from lightning_zeroq.zero import comm
+    from lightning_zeroq.zero.offload import landing
 
     log: list = []
 
@@ -347,6 +349,7 @@ def _copy_stream_body(boundary, idle: bool) -> tuple[list, list, list, list, int
             return idle
 
     real = (torch.cuda.Event, torch.cuda.current_stream, torch.cuda.stream, comm.side_stream)
+    landing.IN_FLIGHT = in_flight
     torch.cuda.Event, torch.cuda.current_stream = Event, (lambda device=None: Stream())
     torch.cuda.stream, comm.side_stream = (lambda stream: nullcontext()), (lambda device: Stream())
     try:
@@ -360,11 +363,11 @@ def _copy_stream_body(boundary, idle: bool) -> tuple[list, list, list, list, int
         during_backward = list(log)
         engine.clip_grad_norm_(1.0)  # the first clip brings the landed gradients back for their norm ...
         recalled = [e for kind, e in log if kind == "stream waits"]
-        issued = [entry for entry in log if entry[0] != "stream waits"]
+        issued = [entry for entry in log if entry[0] == "copy issued"]
         assert sorted(recalled) == sorted(e for _, e in issued), log  # each once, after its copy
-        log[:] = issued
+        log[:] = before = [entry for entry in log if entry[0] != "stream waits"]  # with the waits of IN_FLIGHT
         engine.step()
-        stepped = log[len(issued):]
+        stepped = log[len(before):]
         log.clear()
         engine.backward(_loss(model, 1, 0, 0), boundary=boundary)
         engine.clip_grad_norm_(1.0)  # ... later ones measured it as it left; the copies are issued (during the backward or at finalize) ...
@@ -372,6 +375,7 @@ def _copy_stream_body(boundary, idle: bool) -> tuple[list, list, list, list, int
         return during_backward, issued, stepped, log[n:], n
     finally:
         torch.cuda.Event, torch.cuda.current_stream, torch.cuda.stream, comm.side_stream = real
+        landing.IN_FLIGHT = 3
 
 
 @pytest.mark.parametrize("boundary, idle", [(True, True), (True, False), (None, True)],
@@ -389,6 +393,20 @@ def test_gradient_copies_are_waited_for_unit_by_unit(dist_pool, boundary, idle):
     # reverse unit order, as the step takes them: the host starts on the first copy issued
     assert [e for _, e in stepped] == [e for _, e in issued]
     assert [kind for kind, _ in dropped] == ["stream waits"] * n
+
+
+def test_a_backward_waits_for_its_oldest_copy_past_the_copies_in_flight(dist_pool):
+    """A device gradient a copy still reads cannot be reused: past ``IN_FLIGHT`` copies running, the host
+    waits for the oldest before issuing the next, so the device never holds more unit gradients than that
+    waiting for PCIe (with 1: each copy after the first waits for the one before it)."""
+    during_backward, *_ , n = dist_pool(2).run(_copy_stream_body, True, True, 1)[0]
+    assert n > 2
+    issued = [e for kind, e in during_backward if kind == "copy issued"]
+    assert len(issued) == n - 1
+    expected = [("copy issued", issued[0])]
+    for before, e in zip(issued, issued[1:]):
+        expected += [("copy issued", e), ("host waits", before)]
+    assert during_backward == expected
 
 
 @pytest.mark.parametrize("numel, chunk", [(1000, 64), (1000, 1000), (1000, 3000), (1, 7), (0, 5)])
