@@ -9,9 +9,14 @@ States of the window (``Window``):
 - BACKWARD: a backward pass is running. A post-accumulate-grad hook on every parameter marks it
   used and, if this backward *reduces*, counts it towards its unit. A backward reduces always in
   stages 2/3 and, in stage 1, only when it is the last of a managed window (``boundary``). Units
-  are reduce-scattered as soon as all their parameters have their gradient, in a fixed order
-  (reverse unit order) so every rank issues the same collectives; units still waiting when the
-  backward ends (unused parameters) are flushed then, with zeros for the missing gradients.
+  are reduce-scattered as soon as all their parameters have their gradient, in a fixed order so
+  every rank issues the same collectives: reverse unit order until the first ``finalize``, which
+  agrees on the order in which rank 0's backwards so far completed the units (a broadcast, once), as
+  DDP rebuilds its buckets after the first iteration. Reverse unit order alone would hold every
+  reduction until the end of the backward where the unit reduced first completes last (stage 3's
+  root unit, which holds the embedding), and with it every gathered unit and every gradient.
+  Units still waiting when the backward ends (unused parameters) are flushed then, with zeros for
+  the missing gradients.
 - ACCUMULATED: at least one backward ended. Stage 1 may still hold *local* gradients that no
   backward reduced: in ``p.grad`` for fp32 working weights, else summed in an fp32 buffer per unit
   (``accumulate.py``: the object chosen once that keeps them).
@@ -125,6 +130,9 @@ class Reducer:
         self.agreement: Optional[Agreement] = None
         self._where = {id(p): (u, i) for u in units for i, p in enumerate(u.params)}
         self._order = list(reversed(units))
+        self._completed: list[int] = []
+        """Unit indices in the order the backwards so far gave them all their gradients (the first time each)."""
+        self._order_agreed = False
         self._stream = comm.SideStream(device, enabled=sharding.overlap_comm)
         self._hooks = [p.register_post_accumulate_grad_hook(WeakHook(self, "_on_grad_ready")) for u in units
                        for p in u.params]
@@ -173,7 +181,10 @@ class Reducer:
         elif self._reduced[unit.index]:
             self._dirty.add(unit.index)  # a late gradient: it waits in p.grad for finalize
         else:
-            self._fired[unit.index].add(i)
+            fired = self._fired[unit.index]
+            fired.add(i)
+            if not self._order_agreed and len(fired) == len(unit.params) and unit.index not in self._completed:
+                self._completed.append(unit.index)
             self._launch_ready()
 
     def _launch_ready(self) -> None:
@@ -241,7 +252,20 @@ class Reducer:
         units = [i for i in range(len(self.units)) if nonfinite[i]]
         self.agreement = Agreement(used, ranks, units)
         self.window = Window.FINALIZED
+        if not self._order_agreed:
+            self._agree_order()
         return self.agreement
+
+    def _agree_order(self) -> None:
+        """From now on reduce in the order rank 0's backwards completed the units (every rank alike)."""
+        seen = set(self._completed)
+        order = self._completed + [u.index for u in self._order if u.index not in seen]
+        if self.world_size > 1:
+            agreed = torch.tensor(order, dtype=torch.int64, device=self.device)
+            comm.broadcast(agreed, 0, self.group)
+            order = agreed.tolist()
+        self._order = [self.units[i] for i in order]
+        self._order_agreed, self._completed = True, []
 
     def _materialize(self, all_units: bool = False) -> None:
         """The fp32 gradient shard of every unit the optimizer steps on the device (``all_units``: of

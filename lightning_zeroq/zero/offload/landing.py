@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -88,6 +88,10 @@ class GradientLanding:
         """The agreement's read-back does not wait for copies to the host: copy every unit at once."""
         self.early: list["torch.cuda.Event"] = []
         """The events of the copies issued during this backward that may still be running."""
+        self.order: list[int] = []
+        """The units reduced in this backward, in order."""
+        self.last: Optional[int] = None
+        """The unit the last backward reduced last (before any: the first unit)."""
         self.leaving: collections.deque["torch.cuda.Event"] = collections.deque()
         """The events of the copies issued that may still be running, oldest first (``IN_FLIGHT``)."""
 
@@ -104,16 +108,20 @@ class GradientLanding:
 
     def begin(self, last: bool) -> None:
         self.copy_early = last
+        if self.order:
+            self.last, self.order = self.order[-1], []
 
     def reduced(self, unit: Unit, half_ok: bool) -> bool:
         """A reduction reached ``unit``; True if it was copied to the host now (see the module's note)."""
         self.fresh.discard(unit.index)  # more gradients arrived: an earlier copy is stale
         self.half.discard(unit.index)
+        self.order.append(unit.index)
         if not self.copy_early or unit.index not in self.numels:
             return False
-        # Without mapped read-back, the unit reduced last (the first) is left to finalize: its copy
-        # would sit whole before the read-back.
-        if not (self.copy_all or (unit.index != min(self.numels) and self._copies_idle())):
+        # Without mapped read-back, the unit reduced last (as the last backward did) is left to
+        # finalize: its copy would sit whole before the read-back.
+        last = self.last if self.last is not None else min(self.numels)
+        if not (self.copy_all or (unit.index != last and self._copies_idle())):
             return False
         self.copy(unit, half_ok)  # on the reduction stream, as finalize would (bitwise the same)
         if not self.copy_all and unit.index in self.in_flight:

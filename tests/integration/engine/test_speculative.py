@@ -200,7 +200,9 @@ def test_a_device_behind_the_cpu_still_steps_every_unit_offered(dist_pool):
     for (a, counts, first), (b, _, _) in zip(ours, theirs):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
         # After the first step (which makes the state), each step offers 3 units: the worker is held on the
-        # first (the head no rank used: no state, nothing to step) until the step begins, and the 2 behind
-        # it are kept, not dropped; the trunk's first unit goes at the step (no mapped read-back on CPU).
+        # first until the step begins, and those behind it are kept, not dropped. Without mapped read-back
+        # (CPU) the unit the last backward reduced last goes at the step: in the second step the trunk's
+        # first unit (the reverse order of the first backward: 2 kept); in the third the head no rank
+        # used, reduced last since the first step agreed on the order the units complete in (3 kept).
         assert first == 3 and counts.offered == 9, counts
-        assert counts.kept == 2 * 2 and counts.undone == 0 and counts.unstarted == 0, counts
+        assert counts.kept == 2 + 3 and counts.undone == 0 and counts.unstarted == 0, counts

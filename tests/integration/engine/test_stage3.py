@@ -176,3 +176,79 @@ def test_a_forward_does_not_prefetch_the_next_steps_first_unit() -> None:
         assert held == [], f"step {step}: units {held} are gathered between the forward and the backward"
         engine.backward(loss)
         engine.step()
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + F.gelu(self.linear(h))
+
+
+class Trunk(nn.Module):
+    """An embedding and a head around four blocks: the root unit (embedding and head) completes its
+    gradients last in a backward, though its head gets one first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.Sequential(*(Block() for _ in range(4)))
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(tokens)))
+
+
+def _reduction_order_body(offload: bool) -> list:
+    """Per step: for each unit reduced, how many parameters had their gradient by then and how many
+    transient units were gathered; and the order the reducer follows after the step."""
+    torch.manual_seed(0)
+    model = Trunk()
+    engine = ZeroEngine(model, ZeroConfig(stage=3, stage3_wrap_classes=["Block"], stage3_param_persistence_threshold=0,
+                                          offload_optimizer=offload, offload_parameters=offload))
+    engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    reducer, events, fired = engine.reducer, [], [0]
+    reduce, ready = reducer._reduce, reducer._on_grad_ready
+
+    def spy_ready(param):
+        fired[0] += 1
+        ready(param)
+
+    def spy_reduce(unit):
+        gathered = sum(u.state is UnitState.GATHERED for u in engine.units if not u.persistent)
+        events[-1].append((unit.index, fired[0], gathered))
+        reduce(unit)
+
+    reducer._reduce, reducer._on_grad_ready = spy_reduce, spy_ready
+    out, rank = [], dist.get_rank()
+    for step in range(3):
+        events.append([])
+        fired[0] = 0
+        tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(step * 10 + rank))
+        engine.backward(F.cross_entropy(model(tokens).reshape(-1, VOCAB), tokens.reshape(-1)), boundary=True)
+        engine.step()
+        engine.zero_grad()
+        out.append((events[-1], [u.index for u in reducer._order]))
+    root = next(u.index for u in engine.units if u.persistent)
+    engine.close()
+    return out, root, reducer.num_params
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+def test_units_are_reduced_during_the_backward_once_their_order_is_agreed(dist_pool, offload):
+    """The reduction order is reverse unit order until the first step, which agrees on the order rank
+    0's backward completed the units in: from then on each block is reduced (and stage 3 frees it) as
+    soon as its gradients are complete, not when the root unit, whose embedding gets its gradient last,
+    completes at the backward's end (which held every block gathered and every gradient until then)."""
+    (steps, root, n), (other_steps, _, _) = dist_pool(2).run(_reduction_order_body, offload)
+    assert [order for _, order in steps] == [order for _, order in other_steps]  # every rank alike
+    first, _ = steps[0]
+    assert [i for i, _, _ in first] == [root, 3, 2, 1, 0] and root == 4  # reverse unit order ...
+    assert all(fired == n for _, fired, _ in first)  # ... held every reduction until the last gradient
+    assert first[0][2] == 4  # with every block gathered again
+    for events, order in steps[1:]:
+        assert order == [3, 2, 1, 0, root] and [i for i, _, _ in events] == order  # the agreed order
+        assert all(fired < n for i, fired, _ in events if i != root)  # each block as its gradients complete
+        assert max(gathered for _, _, gathered in events) <= 2  # the block just finished and one prefetched
