@@ -10,11 +10,13 @@ States of the window (``Window``):
   used and, if this backward *reduces*, counts it towards its unit. A backward reduces always in
   stages 2/3 and, in stage 1, only when it is the last of a managed window (``boundary``). Units
   are reduce-scattered as soon as all their parameters have their gradient, in a fixed order so
-  every rank issues the same collectives: reverse unit order until the first ``finalize``, which
-  agrees on the order in which rank 0's backwards so far completed the units (a broadcast, once), as
-  DDP rebuilds its buckets after the first iteration. Reverse unit order alone would hold every
-  reduction until the end of the backward where the unit reduced first completes last (stage 3's
-  root unit, which holds the embedding), and with it every gathered unit and every gradient.
+  every rank issues the same collectives: until the first ``finalize``, the order the listener
+  expects (stage 3: the reverse of the forward's gathers), then reverse unit order; from the first
+  ``finalize`` on, the order in which rank 0's backwards so far completed the units (agreed with a
+  broadcast, once), as DDP rebuilds its buckets after the first iteration. Reverse unit order alone
+  would hold every reduction until the end of the backward where the unit reduced first completes
+  last (stage 3's root unit, which holds the embedding), and with it every gathered unit and every
+  gradient on the device.
   Units still waiting when the backward ends (unused parameters) are flushed then, with zeros for
   the missing gradients.
 - ACCUMULATED: at least one backward ended. Stage 1 may still hold *local* gradients that no
@@ -87,6 +89,11 @@ class Agreement(NamedTuple):
 class ReduceListener(Protocol):
     """Told about the window's progress (stage 3 frees units on it)."""
 
+    def expected_order(self) -> list[int]:
+        """Unit indices in the order a backward is expected to complete them, the same on every rank
+        (stage 3: the reverse of the forward's gathers); the others follow in reverse unit order."""
+        ...
+
     def unit_reduced(self, unit: Unit) -> None: ...
 
     def backward_ended(self) -> None: ...
@@ -95,6 +102,9 @@ class ReduceListener(Protocol):
 
 
 class _NoListener:
+    def expected_order(self) -> list[int]:
+        return []
+
     def unit_reduced(self, unit: Unit) -> None:
         pass
 
@@ -160,6 +170,10 @@ class Reducer:
                 "was skipped half-way); call the optimizer step before the next backward."
             )
         self.window = Window.BACKWARD
+        if not self._order_agreed:
+            expected = self.listener.expected_order()
+            known = set(expected)
+            self._order = [self.units[i] for i in expected] + [u for u in reversed(self.units) if u.index not in known]
         self._callback_queued = False
         self._reducing = self.accumulation.begin(boundary is True)
         self.placement.begin_backward(boundary is True and self._managed)

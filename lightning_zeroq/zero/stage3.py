@@ -10,7 +10,9 @@ Which modules become units is decided in ``plan.py``; how a unit is gathered and
   to reach them gathers it again for backward.
 - backward: the reducer reduce-scatters the unit's gradients once all of them are accumulated and
   tells this coordinator (``unit_reduced``), which frees the unit; units left gathered are freed when
-  the backward ends (``backward_ended``).
+  the backward ends (``backward_ended``). Until the reducer has agreed on the order units complete
+  in (after the first step), it reduces them in the reverse of their first use in the forward
+  (``expected_order``), so that even the first backward frees each unit as it goes.
 
 Order. The first forward records the order in which units are gathered; later forwards prefetch
 the next unit from that order (backward: the reverse). A unit that arrives out of order is gathered
@@ -59,6 +61,8 @@ class Stage3Coordinator:
         self._last: dict[bool, Optional[int]] = {False: None, True: None}
         self._prefetched: list[Unit] = []
         """Units gathered ahead and not used yet (at most ``depth``)."""
+        self._forward: dict[int, None] = {}
+        """The transient units the forwards since the last backward used, in the order of their first use."""
         self._warned = False
         self._handles = []
         for unit in units:
@@ -83,6 +87,8 @@ class Stage3Coordinator:
                 self._warned = True
             successors[last] = unit.index
         self._last[backward] = unit.index
+        if not backward:
+            self._forward.setdefault(unit.index)
         if unit in self._prefetched:
             self._prefetched.remove(unit)
         self.gatherer.gather(unit)
@@ -111,6 +117,12 @@ class Stage3Coordinator:
 
     # The reducer's listener interface.
 
+    def expected_order(self) -> list[int]:
+        """The transient units in the order a backward after the forward just run completes their
+        gradients: the reverse of their first use in it. The same on every rank, as the gathers are
+        collectives: every rank runs the same modules in a forward."""
+        return list(reversed(self._forward))
+
     def unit_reduced(self, unit: Unit) -> None:
         self.gatherer.free(unit)
 
@@ -122,6 +134,7 @@ class Stage3Coordinator:
         # forward's last (that prefetch was held through the loss and the backward, then freed unused).
         self._last[False] = self._last[True] = None
         self._prefetched = []
+        self._forward = {}
 
     # Hooks (installed as ``EagerHook``s).
 

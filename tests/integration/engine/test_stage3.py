@@ -189,25 +189,31 @@ class Block(nn.Module):
 
 class Trunk(nn.Module):
     """An embedding and a head around four blocks: the root unit (embedding and head) completes its
-    gradients last in a backward, though its head gets one first."""
+    gradients last in a backward, though its head gets one first. ``head_first``: the head is
+    registered first (stage 2's first bucket)."""
 
-    def __init__(self) -> None:
+    def __init__(self, head_first: bool = False) -> None:
         super().__init__()
+        if head_first:
+            self.head = nn.Linear(DIM, VOCAB)
         self.embed = nn.Embedding(VOCAB, DIM)
         self.blocks = nn.Sequential(*(Block() for _ in range(4)))
-        self.head = nn.Linear(DIM, VOCAB)
+        if not head_first:
+            self.head = nn.Linear(DIM, VOCAB)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.head(self.blocks(self.embed(tokens)))
 
 
-def _reduction_order_body(offload: bool) -> list:
+def _reduction_order_body(stage: int, offload: bool) -> list:
     """Per step: for each unit reduced, how many parameters had their gradient by then and how many
     transient units were gathered; and the order the reducer follows after the step."""
     torch.manual_seed(0)
-    model = Trunk()
-    engine = ZeroEngine(model, ZeroConfig(stage=3, stage3_wrap_classes=["Block"], stage3_param_persistence_threshold=0,
-                                          offload_optimizer=offload, offload_parameters=offload))
+    model = Trunk(head_first=stage == 2)
+    options = dict(stage3_wrap_classes=["Block"], stage3_param_persistence_threshold=0) if stage == 3 else \
+        dict(reduce_bucket_size=VOCAB * DIM + VOCAB)  # stage 2: the head is one bucket, the embedding another
+    engine = ZeroEngine(model, ZeroConfig(stage=stage, offload_optimizer=offload, offload_parameters=offload and stage == 3,
+                                          **options))
     engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
     reducer, events, fired = engine.reducer, [], [0]
     reduce, ready = reducer._reduce, reducer._on_grad_ready
@@ -231,24 +237,40 @@ def _reduction_order_body(offload: bool) -> list:
         engine.step()
         engine.zero_grad()
         out.append((events[-1], [u.index for u in reducer._order]))
-    root = next(u.index for u in engine.units if u.persistent)
+    names = {id(p): n for n, p in model.named_parameters()}
+    units = [[names[id(p)] for p in u.params] for u in engine.units]
     engine.close()
-    return out, root, reducer.num_params
+    return out, units, reducer.num_params
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
-def test_units_are_reduced_during_the_backward_once_their_order_is_agreed(dist_pool, offload):
-    """The reduction order is reverse unit order until the first step, which agrees on the order rank
-    0's backward completed the units in: from then on each block is reduced (and stage 3 frees it) as
-    soon as its gradients are complete, not when the root unit, whose embedding gets its gradient last,
-    completes at the backward's end (which held every block gathered and every gradient until then)."""
-    (steps, root, n), (other_steps, _, _) = dist_pool(2).run(_reduction_order_body, offload)
-    assert [order for _, order in steps] == [order for _, order in other_steps]  # every rank alike
-    first, _ = steps[0]
-    assert [i for i, _, _ in first] == [root, 3, 2, 1, 0] and root == 4  # reverse unit order ...
-    assert all(fired == n for _, fired, _ in first)  # ... held every reduction until the last gradient
-    assert first[0][2] == 4  # with every block gathered again
-    for events, order in steps[1:]:
-        assert order == [3, 2, 1, 0, root] and [i for i, _, _ in events] == order  # the agreed order
+def test_stage3_reduces_each_unit_as_its_gradients_complete_from_the_first_backward(dist_pool, offload):
+    """Stage 3 reduces in the reverse of the forward's gathers (the same on every rank) until the first
+    step agrees on the order units completed in: each block is reduced (and freed) as soon as its
+    gradients are complete, not when the root unit (first in reverse unit order), whose embedding gets
+    its gradient last, completes at the backward's end, which held every block gathered again and every
+    gradient on the device until then."""
+    (steps, units, n), (other, _, _) = dist_pool(2).run(_reduction_order_body, 3, offload)
+    root = next(i for i, names in enumerate(units) if "embed.weight" in names)
+    assert root == 4 and [order for _, order in steps] == [order for _, order in other]  # every rank alike
+    for events, order in steps:
+        assert order == [3, 2, 1, 0, root] and [i for i, _, _ in events] == order
         assert all(fired < n for i, fired, _ in events if i != root)  # each block as its gradients complete
         assert max(gathered for _, _, gathered in events) <= 2  # the block just finished and one prefetched
+
+
+def test_the_first_step_agrees_on_the_order_units_complete_in(dist_pool):
+    """Stage 2, the head registered first (unit 0, last in reverse unit order, though its gradient comes
+    first): the first backward holds the head's reduction until the embedding's gradient, the last,
+    arrives; the first step agrees (rank 0's order, the same on every rank) and later backwards reduce
+    the head first, as soon as its gradients are there."""
+    (steps, units, n), (other, _, _) = dist_pool(2).run(_reduction_order_body, 2, False)
+    head = next(i for i, names in enumerate(units) if "head.weight" in names)
+    assert head == 0 and [order for _, order in steps] == [order for _, order in other]
+    first, agreed = steps[0]
+    assert [i for i, _, _ in first] == list(reversed(range(len(units))))  # reverse unit order ...
+    assert [fired for i, fired, _ in first if i == head] == [n]  # ... held the head until the last gradient
+    assert agreed[0] == head and sorted(agreed) == list(range(len(units)))
+    for events, order in steps[1:]:
+        assert order == agreed and [i for i, _, _ in events] == agreed
+        assert events[0][1] == len(units[head])  # the head as soon as its own gradients are there
