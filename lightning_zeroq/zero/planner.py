@@ -67,9 +67,6 @@ class Machine:
     reserved_per_allocated: float = 1.2
     """The caching allocator's reserve over the peak allocated (what decides whether it fits), as measured
     (``docs/plan.md`` names the runs)."""
-    stage3_offload_reserved_per_allocated: float = 1.65
-    """The same for stage 3 with parameters offloaded, whose gathers and landing gradients leave more
-    unused in the allocator's cache (``docs/plan.md``)."""
 
 
 @dataclass(frozen=True)
@@ -261,10 +258,7 @@ def plan_config(model: nn.Module, config: ZeroConfig, activations: Activations, 
     step = _step_seconds(policies, layouts, specs, host.host_elements, nvme, tokens, checkpointing, machine, param_dtype)
     why = []
     peak = peak_allocated(device)
-    factor = machine.reserved_per_allocated
-    if not isinstance(policies.offload.parameters, OnDevice):
-        factor = max(factor, machine.stage3_offload_reserved_per_allocated)
-    reserved = int(peak * factor)
+    reserved = int(peak * machine.reserved_per_allocated)
     if machine.device_bytes is not None and reserved > machine.device_bytes:
         why.append(f"device {reserved / GIB:.1f} reserved > {machine.device_bytes / GIB:.1f} GiB")
     if machine.host_bytes is not None and host.total * machine.ranks_per_node > machine.host_bytes:

@@ -181,6 +181,9 @@ def _save_body(path: str) -> None:
     model, engine = _matrices_engine(2, seed=0)
     _matrices_steps(model, engine, range(3))
     save_engine(engine, Path(path))
+    optimizer = engine.full_optimizer_state()  # collective
+    if dist.get_rank() == 0:
+        torch.save(optimizer, Path(path).parent / "optimizer_at_save.pt")
     _matrices_steps(model, engine, range(3, 6))  # where the run goes on from the checkpoint
     torch.save(engine.full_state_dict(), Path(path) / f"after_rank{dist.get_rank()}.pt")
     engine.close()
@@ -207,6 +210,23 @@ def test_muon_state_saves_and_resumes_at_another_world_size_and_stage(dist_pool,
         worst = pool.run(_patched, body, str(tmp_path / "ckpt"))
     assert max(worst) <= 1e-6, worst
     assert muon_module._zeropower_via_newtonschulz is not _newton_schulz_fp32
+
+
+def test_zeroq_convert_keeps_muons_momentum(dist_pool, tmp_path):
+    """``zeroq-convert --optimizer`` of a checkpoint with Muon's state: every matrix's momentum buffer,
+    whole, bitwise what the engine's full optimizer state holds."""
+    from lightning_zeroq.cli.convert import main
+
+    dist_pool(2).run(_patched, _save_body, str(tmp_path / "ckpt"))
+    assert main([str(tmp_path / "ckpt"), str(tmp_path / "full.ckpt"), "--optimizer"]) == 0
+    converted = torch.load(tmp_path / "full.ckpt", weights_only=True)["optimizer_states"][0]
+    expected = torch.load(tmp_path / "optimizer_at_save.pt", weights_only=True)
+    names = [name for name, _ in Matrices().named_parameters()]  # the optimizer's parameter order
+    assert len(converted["state"]) == len(expected) == len(names) == 3
+    for index, name in enumerate(names):
+        buf = converted["state"][index]["momentum_buffer"]
+        assert buf.dim() == 2 and torch.equal(buf, expected[name]["momentum_buffer"]), name
+    assert converted["param_groups"][0]["ns_steps"] == 5 and converted["param_groups"][0]["momentum"] == 0.9
 
 
 def _patched(body, *args):
