@@ -9,6 +9,7 @@ step."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional, Sequence
 
 import torch
@@ -65,15 +66,52 @@ def capacity(device: torch.device) -> Optional[int]:
     return torch.cuda.get_device_properties(device).total_memory
 
 
-def check(kinds: dict[str, int], room: Optional[int], what: str) -> None:
-    """Raise ``DeviceMemoryError`` (one line) if ``kinds`` exceed ``room``."""
+RATIO_STEP = 0.05
+"""The steps of ``offload_optimizer_ratio`` the nearest fitting configuration is looked for in."""
+
+
+def nearest_fit(layouts: Sequence[UnitLayout], persistent: Sequence[bool], offload: Offload,
+                param_dtype: torch.dtype, state_bytes: int, rank: int, payload_bytes: Optional[dict[int, int]],
+                room: int) -> Optional[tuple[str, int]]:
+    """The least offload beyond ``offload`` whose state fits ``room`` (the options to set, and its bytes):
+    a larger share of the optimizer on the host (``offload_optimizer_ratio`` in steps of ``RATIO_STEP``),
+    then, with stage 3's transient units, the parameters too; None if none does."""
+    def state(option: Offload) -> int:
+        return sum(device_kinds(layouts, persistent, option, param_dtype, state_bytes, rank, payload_bytes).values())
+
+    start = offload.optimizer.ratio if isinstance(offload.optimizer, Host) else 0.0
+    if isinstance(offload.optimizer, (OnDevice, Host)):
+        steps = round(1 / RATIO_STEP)
+        for k in range(1, steps + 1):
+            ratio = round(k * RATIO_STEP, 2)
+            if ratio <= start:
+                continue
+            need = state(dataclasses.replace(offload, optimizer=Host(ratio)))
+            if need <= room:
+                return ("offload_optimizer=True" + (f", offload_optimizer_ratio={ratio}" if ratio < 1 else ""), need)
+    if not all(persistent) and isinstance(offload.parameters, OnDevice):
+        need = state(dataclasses.replace(offload, optimizer=Host(1.0), parameters=Host()))
+        if need <= room:
+            return "offload_optimizer=True, offload_parameters=True", need
+    return None
+
+
+def check(kinds: dict[str, int], room: Optional[int], what: str,
+          nearest: Optional[tuple[str, int]] = None, with_adam: bool = False) -> None:
+    """Raise ``DeviceMemoryError`` (one line) if ``kinds`` exceed ``room``; ``nearest``: the least offload
+    that fits (``nearest_fit``), named as the fix (``with_adam``: found for Adam's state, the optimizer
+    not being attached yet)."""
     total = sum(kinds.values())
     if room is None or total <= room:
         return
     parts = ", ".join(f"{k.replace('_', ' ')} {v / GIB:.2f} GiB" for k, v in kinds.items() if v)
+    if nearest is not None:
+        fix = (f"the nearest that fits{' with Adam' if with_adam else ''} is {nearest[0]} ({nearest[1] / GIB:.2f} "
+               "GiB of state; the activations come on top: zeroq-plan shows what fits with them)")
+    else:
+        fix = ("no offload setting makes the state fit: shard it over more GPUs (zeroq-plan shows what fits, "
+               "activations included)")
     raise DeviceMemoryError(
         f"ZeroConfig: {what} needs {total / GIB:.2f} GiB of device memory per rank before any activation "
-        f"({parts}) and the device has {room / GIB:.2f} GiB; offload the optimizer (offload_optimizer=True), "
-        "shard the parameters too (stage=3, offload_parameters=True), or use more GPUs (zeroq-plan shows what "
-        "fits, activations included)."
+        f"({parts}) and the device has {room / GIB:.2f} GiB; {fix}."
     )

@@ -234,6 +234,8 @@ class HostBudget:
         self._device: Optional[tuple[dict[str, int], Optional[int]]] = None
         """The build's device kinds (``optimizer_state``: the elements it steps there, one byte each) and
         the device's memory, checked again with the optimizer's state."""
+        self._layouts: Optional[tuple[Sequence[UnitLayout], list[bool], torch.dtype, int, dict[int, int]]] = None
+        """What ``device_need.nearest_fit`` needs to name the least offload that fits, should the state not."""
 
     def built(self, layouts: Sequence[UnitLayout], rank: int, param_dtype: torch.dtype, payload_dtype: torch.dtype,
               transient: dict[int, int], placement: Any) -> None:
@@ -246,6 +248,7 @@ class HostBudget:
         payload_bytes = {i: n * payload_dtype.itemsize for i, n in transient.items()}
         kinds = device_need.device_kinds(layouts, persistent, self.offload, param_dtype, 1, rank, payload_bytes)
         self._device = (kinds, device_need.capacity(placement.device))
+        self._layouts = (layouts, persistent, param_dtype, rank, payload_bytes)
         self._check_device(0, "this configuration's state")
         landing = getattr(getattr(placement, "host", placement), "landing", None)
         if landing is not None:
@@ -265,9 +268,17 @@ class HostBudget:
         self._check_device(state_bytes_per_element(optimizers), "this configuration's state with the optimizer's")
 
     def _check_device(self, state_bytes: int, what: str) -> None:
-        if self._device is not None:
-            kinds, room = self._device
-            device_need.check({**kinds, "optimizer_state": state_bytes * kinds["optimizer_state"]}, room, what)
+        if self._device is None:
+            return
+        kinds, room = self._device
+        kinds = {**kinds, "optimizer_state": state_bytes * kinds["optimizer_state"]}
+        nearest = None
+        if room is not None and sum(kinds.values()) > room and self._layouts is not None:
+            layouts, persistent, param_dtype, rank, payload_bytes = self._layouts
+            # At the build no optimizer is attached yet: the fix allows for Adam's state (8 bytes per element).
+            nearest = device_need.nearest_fit(layouts, persistent, self.offload, param_dtype, state_bytes or 8, rank,
+                                              payload_bytes, room)
+        device_need.check(kinds, room, what, nearest, with_adam=state_bytes == 0)
 
     def _fp32_buffers(self, nbytes: int) -> None:
         """The landing makes its fp32 buffers (a window of several backward passes, an fp32 reader)."""

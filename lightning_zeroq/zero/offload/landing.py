@@ -52,10 +52,10 @@ from lightning_zeroq.zero.unit import Unit
 
 IN_FLIGHT = 3
 """Copies to the host a backward may have running at once. A device gradient a copy still reads is kept
-from the allocator until that copy ends, so a backward that outran PCIe would reserve a new unit-sized
-block for every further unit (34 such blocks of 216 MiB at 3.8B parameters on one H200, in a cache the
-forward's activations cannot use); past this many, the CPU waits for the oldest copy before it issues
-the next (the step needs every copy anyway)."""
+from the allocator until that copy ends, so a backward that outran PCIe would make it reserve a new
+unit-sized block for every further unit, in the reduction stream's cache, which the activations cannot
+use; past this many, the CPU waits for the oldest copy before it issues the next (the step needs every
+copy anyway)."""
 
 
 class GradientLanding:

@@ -5,6 +5,7 @@ bad budgets are refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 
 import pytest
@@ -15,6 +16,7 @@ from lightning_zeroq import ZeroConfig, ZeroEngine
 from lightning_zeroq.zero.offload import host_need
 from lightning_zeroq.zero.offload.host import HostOptimizer
 from lightning_zeroq.zero.offload.host_store import HostStore
+from lightning_zeroq.zero.policies import Host
 from tests.models import RichModel, make_batch, param_groups
 
 CONFIGS = {
@@ -276,3 +278,59 @@ def test_a_state_the_device_cannot_hold_stops_with_one_line_before_it_is_allocat
     model, engine = _engine({"stage": 2, "offload_optimizer": True})
     engine.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-3))
     engine.close()
+
+
+@pytest.mark.parametrize("stage, capacity_per_element", [(2, 14), (2, 8), (3, None)])
+def test_a_state_that_does_not_fit_names_the_least_offload_that_does(monkeypatch, stage, capacity_per_element) -> None:
+    """The device check's fix is the nearest configuration that fits (the smallest share of the optimizer
+    on the host, in steps of 0.05, then parameters too in stage 3), and that configuration builds and
+    takes the optimizer under the same device. Stage 3: a device between what parameter offload leaves
+    there and what the optimizer's offload alone does."""
+    import re
+
+    from lightning_zeroq.zero.offload import device_need
+
+    model, probe = _engine({"stage": stage})
+    numel = sum(u.layout.shard_numel for u in probe.units)
+    room = capacity_per_element * numel if capacity_per_element else None
+    if room is None:
+        layouts = [u.layout for u in probe.units]
+        persistent = [u.persistent for u in probe.units]
+        offload = probe.policies.offload
+
+        def need(**where) -> int:
+            return sum(device_need.device_kinds(layouts, persistent, dataclasses.replace(offload, **where),
+                                                torch.bfloat16, 8).values())
+        both, optimizer_only = need(optimizer=Host(), parameters=Host()), need(optimizer=Host())
+        assert both < optimizer_only
+        room = (both + optimizer_only) // 2
+    probe.close()
+    monkeypatch.setattr(device_need, "capacity", lambda device: room)
+    model, engine = _engine({"stage": stage}) if (capacity_per_element or 0) > 10 else (None, None)
+    with pytest.raises(device_need.DeviceMemoryError) as caught:
+        if engine is None:
+            _engine({"stage": stage})
+        else:
+            engine.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-3))
+    message = str(caught.value)
+    found = re.search(r"the nearest that fits(?: with Adam)? is (offload_optimizer=True(?:, offload_optimizer_ratio=[0-9.]+"
+                      r"|, offload_parameters=True)?) \(", message)
+    assert found and "\n" not in message, message
+    options = {"offload_optimizer": True}
+    for option in found.group(1).split(", ")[1:]:
+        key, value = option.split("=")
+        options[key] = True if value == "True" else float(value)
+    if stage == 2:
+        assert "offload_optimizer_ratio" in options or capacity_per_element <= 8, message
+    else:
+        assert options.get("offload_parameters") is True, message
+    model, fitted = _engine({"stage": stage, **options})
+    fitted.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-3))  # fits, the optimizer's state too
+    fitted.close()
+    if "offload_optimizer_ratio" in options:  # and it is the least: one step less does not fit
+        less = round(options["offload_optimizer_ratio"] - device_need.RATIO_STEP, 2)
+        model, smaller = _engine({"stage": stage, "offload_optimizer": True, "offload_optimizer_ratio": less}) \
+            if less > 0 else _engine({"stage": stage})
+        with pytest.raises(device_need.DeviceMemoryError):
+            smaller.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-3))
+        smaller.close()

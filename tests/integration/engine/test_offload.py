@@ -349,7 +349,7 @@ def _copy_stream_body(boundary, idle: bool, in_flight: int = 100) -> tuple[list,
             return idle
 
     real = (torch.cuda.Event, torch.cuda.current_stream, torch.cuda.stream, comm.side_stream)
-    landing.IN_FLIGHT = in_flight
+    real_in_flight, landing.IN_FLIGHT = landing.IN_FLIGHT, in_flight
     torch.cuda.Event, torch.cuda.current_stream = Event, (lambda device=None: Stream())
     torch.cuda.stream, comm.side_stream = (lambda stream: nullcontext()), (lambda device: Stream())
     try:
@@ -375,7 +375,7 @@ def _copy_stream_body(boundary, idle: bool, in_flight: int = 100) -> tuple[list,
         return during_backward, issued, stepped, log[n:], n
     finally:
         torch.cuda.Event, torch.cuda.current_stream, torch.cuda.stream, comm.side_stream = real
-        landing.IN_FLIGHT = 3
+        landing.IN_FLIGHT = real_in_flight
 
 
 @pytest.mark.parametrize("boundary, idle", [(True, True), (True, False), (None, True)],
