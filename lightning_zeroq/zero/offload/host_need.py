@@ -31,10 +31,11 @@ much this node's ranks may use.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -153,20 +154,55 @@ def available(budget: Any) -> Optional[Available]:
     return Available(free, "MemAvailable")
 
 
-def check(need: HostNeed, room: Optional[Available], ranks_on_node: int, what: str) -> None:
-    """Raise ``HostMemoryError`` (one line) if ``ranks_on_node`` ranks needing ``need`` each do not fit."""
+RATIO_STEP = 0.05
+"""The steps of ``offload_optimizer_nvme_ratio`` the nearest fitting configuration is looked for in."""
+
+
+def nearest_fit(offload: Offload, total: Callable[[Offload], int], room: int) -> Optional[tuple[str, int]]:
+    """The nearest configuration to ``offload`` whose host need (``total``: this node's bytes under an
+    offload policy, the optimizer's state included) fits ``room``, as the options to set and its bytes:
+    without speculative spares; then the smallest share of the optimizer state swapped to NVMe
+    (``offload_optimizer_nvme_ratio`` in steps of ``RATIO_STEP``); None if none does."""
+    if offload.speculative:
+        need = total(dataclasses.replace(offload, speculative=False))
+        if need <= room:
+            return "offload_speculative_step=False", need
+        offload = dataclasses.replace(offload, speculative=False)
+    policy = offload.optimizer
+    if isinstance(policy, (Host, Auto)) or (isinstance(policy, Nvme) and policy.ratio < 1):
+        path = policy.path if isinstance(policy, Nvme) else ""
+        start = policy.ratio if isinstance(policy, Nvme) else 0.0
+        for k in range(1, round(1 / RATIO_STEP) + 1):
+            ratio = round(k * RATIO_STEP, 2)
+            if ratio <= start:
+                continue
+            need = total(dataclasses.replace(offload, optimizer=Nvme(path or ".", ratio)))
+            if need <= room:
+                where = "" if path else ", nvme_path=<a local disk>"
+                share = f", offload_optimizer_nvme_ratio={ratio}" if ratio < 1 else ""
+                return f"offload_optimizer_device='nvme'{where}{share}", need
+    return None
+
+
+def check(need: HostNeed, room: Optional[Available], ranks_on_node: int, what: str,
+          nearest: Optional[tuple[str, int]] = None, with_adam: bool = False) -> None:
+    """Raise ``HostMemoryError`` (one line) if ``ranks_on_node`` ranks needing ``need`` each do not fit;
+    ``nearest``: the nearest configuration that fits (``nearest_fit``), named as the fix (``with_adam``:
+    found for Adam's state, no optimizer being attached yet)."""
     if room is None or need.total == 0:
         return
     total = need.total * ranks_on_node
     if total <= room.bytes:
         return
     ranks = f"{ranks_on_node} ranks x {size(need.total)}" if ranks_on_node > 1 else "1 rank"
+    fix = (f"the nearest that fits{' with Adam' if with_adam else ''} is {nearest[0]} ({size(nearest[1])} on this "
+           "node); or, " if nearest is not None
+           else "offload less (offload_optimizer_ratio below 1, or no offload_parameters), put the optimizer on "
+                "NVMe (offload_optimizer_device='nvme'), spread the model over more nodes, or, ")
     raise HostMemoryError(
         f"ZeroConfig: {what} needs {size(total)} of host memory on this node ({ranks}: {need.text()}) "
-        f"and {size(room.bytes)} is available ({room.source}); offload less (offload_optimizer_ratio "
-        "below 1, or no offload_parameters), put the optimizer on NVMe (offload_optimizer_device='nvme'), spread "
-        "the model over more nodes, or, where this host's memory grows as it is used, set host_memory_budget "
-        "(GiB) to what it can hold."
+        f"and {size(room.bytes)} is available ({room.source}); {fix}where this host's memory grows as it is "
+        "used, set host_memory_budget (GiB) to what it can hold."
     )
 
 
@@ -234,6 +270,8 @@ class HostBudget:
         self._device: Optional[tuple[dict[str, int], Optional[int]]] = None
         """The build's device kinds (``optimizer_state``: the elements it steps there, one byte each) and
         the device's memory, checked again with the optimizer's state."""
+        self._build: Optional[tuple[Sequence[UnitLayout], int, torch.dtype, dict[int, tuple[int, torch.dtype]]]] = None
+        """What ``nearest_fit`` needs to count other host configurations, should this one not fit."""
         self._layouts: Optional[tuple[Sequence[UnitLayout], list[bool], torch.dtype, int, dict[int, int]]] = None
         """What ``device_need.nearest_fit`` needs to name the least offload that fits, should the state not."""
 
@@ -243,7 +281,9 @@ class HostBudget:
         the placement's fp32 gradient buffers."""
         payload = {i: (n, payload_dtype) for i, n in transient.items()}
         self.need = engine_need(self.offload, layouts, rank, param_dtype, payload)
-        check(self.need, self.room, self.ranks, "this offload configuration")
+        self._build = (layouts, rank, param_dtype, payload)
+        check(self.need, self.room, self.ranks, "this offload configuration", self._nearest(self.need, self.room, 8),
+              with_adam=True)
         persistent = [i not in transient for i in range(len(layouts))]
         payload_bytes = {i: n * payload_dtype.itemsize for i, n in transient.items()}
         kinds = device_need.device_kinds(layouts, persistent, self.offload, param_dtype, 1, rank, payload_bytes)
@@ -263,7 +303,7 @@ class HostBudget:
             need.parts["fp32 gradient buffers"] = 2 * half
         for name in ("optimizer state", "speculative spare buffers"):  # another optimizer's, attached before
             self.need.parts.pop(name, None)
-        self._check_more(need, "the optimizer's state on the host")
+        self._check_more(need, "the optimizer's state on the host", state_bytes_per_element(optimizers))
         self.need.parts.update(need.parts)
         self._check_device(state_bytes_per_element(optimizers), "this configuration's state with the optimizer's")
 
@@ -288,15 +328,39 @@ class HostBudget:
         self._check_more(need, "summing several backward passes on the host (fp32 gradient buffers)")
         self.need.parts.update(need.parts)
 
-    def _check_more(self, need: HostNeed, what: str) -> None:
-        """``need`` beside what this engine holds already."""
+    def _check_more(self, need: HostNeed, what: str, state_bytes: Optional[int] = None) -> None:
+        """``need`` beside what this engine holds already (``state_bytes``: the optimizer's per element,
+        for the nearest configuration that fits)."""
         if self.offload.host_budget is not None:  # the budget, read at the build, less what the engine holds
             held = self.need.total * self.ranks
             room = None if self.room is None else Available(
                 self.room.bytes - held, f"{self.room.source} less the {size(held)} the engine holds")
         else:
             room = available(None)  # what this engine allocated is in use already
-        check(need, room, self.ranks, what)
+        nearest = None
+        if state_bytes is not None and room is not None:  # the whole need against what the engine could have
+            whole = Available(room.bytes + self.need.total * self.ranks, room.source)
+            nearest = self._nearest(need, whole, state_bytes, with_held=True)
+        check(need, room, self.ranks, what, nearest)
+
+    def _nearest(self, need: HostNeed, room: Optional[Available], state_bytes: int,
+                 with_held: bool = False) -> Optional[tuple[str, int]]:
+        """The nearest configuration whose need, with ``state_bytes`` of optimizer state per host element,
+        fits ``room`` (only asked when ``need``, with what the engine holds if ``with_held``, does not)."""
+        if room is None or self._build is None:
+            return None
+        held = self.need.total if with_held else 0
+        if (held + need.total) * self.ranks <= room.bytes:
+            return None
+        layouts, rank, param_dtype, payload = self._build
+
+        def total(offload: Offload) -> int:
+            other = engine_need(offload, layouts, rank, param_dtype, payload)
+            state = optimizer_need([], other.host_elements, offload.speculative)
+            state.parts["optimizer state"] = state_bytes * other.host_elements
+            return (other.total + state.total) * self.ranks
+
+        return nearest_fit(self.offload, total, room.bytes)
 
 
 def _kernel_loads() -> bool:

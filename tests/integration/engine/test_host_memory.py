@@ -334,3 +334,52 @@ def test_a_state_that_does_not_fit_names_the_least_offload_that_does(monkeypatch
         with pytest.raises(device_need.DeviceMemoryError):
             smaller.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-3))
         smaller.close()
+
+
+def _budget_of(config: dict) -> int:
+    """Host bytes the configuration counts, AdamW attached."""
+    model, probe = _engine(config)
+    probe.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-3))
+    total = probe.host_memory.need.total
+    probe.close()
+    return total
+
+
+@pytest.mark.parametrize("case", ["speculative", "nvme_spill"])
+def test_a_host_that_cannot_hold_it_names_the_nearest_configuration_that_fits(case, tmp_path) -> None:
+    """The host check's fix is the nearest configuration that fits the same budget: without speculative
+    spares, else the smallest share of the optimizer state swapped to NVMe (steps of 0.05); that
+    configuration builds and takes AdamW under the budget, and (NVMe) one step less does not."""
+    import re
+
+    config = CONFIGS["optimizer_cpu_speculative" if case == "speculative" else "optimizer_cpu"]
+    full = _budget_of(config)
+    budget = (full - 1024) / 2**30 if case == "speculative" else 0.4 * full / 2**30
+    with pytest.raises(host_need.HostMemoryError) as caught:  # at the build (with Adam's state) or at attach
+        model, engine = _engine(config, host_memory_budget=budget)
+        try:
+            engine.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-3))
+        finally:
+            engine.close()
+    message = str(caught.value)
+    assert "\n" not in message, message
+    found = re.search(r"the nearest that fits(?: with Adam)? is (.*?) \([0-9.]+ [KMG]iB on this node\)", message)
+    assert found, message
+    if case == "speculative":
+        assert found.group(1) == "offload_speculative_step=False", message
+        options = {**config, "offload_speculative_step": False}
+    else:
+        ratio = re.fullmatch(r"offload_optimizer_device='nvme', nvme_path=<a local disk>, "
+                             r"offload_optimizer_nvme_ratio=([0-9.]+)", found.group(1))
+        assert ratio, message
+        options = {**config, "offload_optimizer_device": "nvme", "nvme_path": str(tmp_path),
+                   "offload_optimizer_nvme_ratio": float(ratio.group(1))}
+    model, fitted = _engine(options, host_memory_budget=budget)
+    fitted.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-3))
+    fitted.close()
+    if case == "nvme_spill":
+        less = round(options["offload_optimizer_nvme_ratio"] - host_need.RATIO_STEP, 2)
+        assert less > 0
+        with pytest.raises(host_need.HostMemoryError):
+            model, smaller = _engine({**options, "offload_optimizer_nvme_ratio": less}, host_memory_budget=budget)
+            smaller.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-3))
