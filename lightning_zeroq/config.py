@@ -141,6 +141,13 @@ class ZeroConfig:
     to backward: one gather per unit and step fewer, the memory of the whole model gathered at the
     end of the forward."""
 
+    activation_checkpointing_policy: Optional[list[Any]] = None
+    """The module classes (or their names) whose instances recompute their forward in the backward
+    instead of keeping its activations (Lightning's ``FSDPStrategy`` name and meaning; torch's
+    non-reentrant ``checkpoint``, which restores the random state: the same results, bitwise). Applied
+    to the model when the engine is built; with stage 3, a checkpointed unit is gathered again for its
+    recomputation. None: nothing recomputed. Stored as the class names."""
+
     quantized_gradients: bool = False
     """Reduce gradients as INT8 groups with fp32 scales instead of the working dtype (ZeRO++'s qgZ
     idea, all stages): each rank quantizes every rank's part of its gradients, an all-to-all moves
@@ -208,6 +215,7 @@ class ZeroConfig:
                 f"ZeroConfig.stage3_wrap_classes={self.stage3_wrap_classes!r} must be a list of module class "
                 "names, e.g. ['Block']."
             )
+        self.activation_checkpointing_policy = _class_names(self.activation_checkpointing_policy)
         if self.stage3_wrap_classes and self.stage3_unit_size:
             raise ValueError(
                 "ZeroConfig: set stage3_wrap_classes or stage3_unit_size, not both "
@@ -367,6 +375,20 @@ def check_shard_group_size(value: Any, world_size: Optional[int] = None, given: 
         raise ValueError(f"ZeroConfig.shard_group_size={given or value} {problem} the world size {world_size}; {fix}: "
                          f"one of {divisors}.")
     return value
+
+
+def _class_names(value: Any) -> Optional[list[str]]:
+    """``activation_checkpointing_policy``: None, or module classes / class names as a list of names."""
+    if value is None:
+        return None
+    items = list(value) if isinstance(value, (list, tuple, set, frozenset)) else None
+    names = [c if isinstance(c, str) else c.__name__ if isinstance(c, type) else None for c in items or ()]
+    if not items or any(not n for n in names):
+        raise ValueError(
+            f"ZeroConfig.activation_checkpointing_policy={value!r} must be a list of module classes or their "
+            "names, e.g. {Block} or ['Block'] (None: nothing recomputed)."
+        )
+    return sorted({n for n in names if n})
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:

@@ -2,7 +2,7 @@
 
 Built once per model, in this order:
 
-1. ``plan.py``: which parameters form which unit (stage 1/2 buckets, stage 3 module units).
+1. ``recompute.py``: activation checkpointing; ``plan.py``: which parameters form which unit.
 2. ``offload/``: where masters and optimizer state live (device, host, NVMe) and, in stage 3, where
    a transient unit's shard rests (device, host, NVMe); ``wire.py``: how shards travel (full width
    or INT8). Each is an object chosen once from the policies (``policies.py``: the ``ZeroConfig``
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_zeroq.config import ZeroConfig
-from lightning_zeroq.zero import access, comm, hybrid, loss_scaler, norms, policies, state_dict, update
+from lightning_zeroq.zero import access, comm, hybrid, loss_scaler, norms, policies, recompute, state_dict, update
 from lightning_zeroq.zero.agreement import Agreement, describe_plan
 from lightning_zeroq.zero.gather import Gatherer
 from lightning_zeroq.zero.materialize import sync_replicated_state, target_device
@@ -79,6 +79,7 @@ class ZeroEngine:
             agreed.settings.update(shard_group_size=hybrid.given(pol.sharding.group_size, ranks_per_node),
                                    param_dtype=str(param_dtype), loss_scaling=str(loss_scaling))
             shard_size = hybrid.shard_group_size(pol.sharding.group_size, comm.world(group)[1], ranks_per_node)
+            recompute.apply(module, pol.recompute)
             specs = plan(module, trainable_parameters(module), pol.sharding.units)
             agreed.plan = describe_plan(module, specs)
             self.host_memory = HostBudget(pol.offload, ranks_per_node)  # read before any rank allocates
@@ -110,8 +111,7 @@ class ZeroEngine:
                                     masters_may_move=self.placement.masters_may_move)
                 self.placement.store_built(store)
         sync_replicated_state(module, self.device, group)
-        self.gatherer = Gatherer(wire, self.placement, store, self.device,
-                                 sync_persistent_on_build=topo.int8_weights)
+        self.gatherer = Gatherer(wire, self.placement, store, self.device, sync_persistent_on_build=topo.int8_weights)
         self.units = build_units(module, specs, layouts, device=self.device, param_dtype=param_dtype, group=group,
                                  adopt_master=self.placement.adopt_master, on_built=self.gatherer.adopt,
                                  shard_rank=self.rank)

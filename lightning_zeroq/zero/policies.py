@@ -154,6 +154,8 @@ class Policies:
     numerics: Numerics
     ineffective: tuple[str, ...]
     """One sentence per setting that cannot take effect (the engine warns about each once)."""
+    recompute: tuple[str, ...] = ()
+    """Class names of the modules that recompute their forward in the backward (``recompute.py``)."""
     settings: tuple[tuple[str, str], ...] = ()
     """``(field, repr of its value)`` of every field that must be the same on every rank."""
 
@@ -185,7 +187,8 @@ def from_config(config: ZeroConfig, *, loss_scaling: bool) -> Policies:
                               c.loss_scale_window, float(c.min_loss_scale))
     settings = tuple((f.name, repr(getattr(c, f.name))) for f in dataclasses.fields(c) if f.name not in RANK_LOCAL)
     return Policies(sharding, _offload(c, loss_scaling), quantization, Numerics(scaling, c.nonfinite_gradients),
-                    tuple(c.ineffective(loss_scaling)), settings)
+                    tuple(c.ineffective(loss_scaling)), settings=settings,
+                    recompute=tuple(c.activation_checkpointing_policy or ()))
 
 
 def _offload(c: ZeroConfig, loss_scaling: bool) -> Offload:

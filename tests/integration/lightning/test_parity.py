@@ -212,3 +212,25 @@ def _async_body(stage: int, managed: bool) -> int:
 def test_trainer_async_host_step_matches_ddp(dist_pool, stage, managed):
     assert dist_pool(2).run(_async_body, stage, managed) == [2 * 3, 2 * 3]
 
+
+
+def _recompute_body(stage: int) -> int:
+    from lightning_zeroq import ZeroQStrategy
+
+    from tests.integration.engine.test_parity import STAGE3
+
+    extra = STAGE3 if stage == 3 else {}
+    strategy = ZeroQStrategy(stage=stage, reduce_bucket_size=400, activation_checkpointing_policy=[torch.nn.Sequential],
+                             **extra)
+    trainer, module, snaps = _fit(strategy, accumulate=3, clip=0.5, epochs=1)
+    assert getattr(module.model.block, "_zeroq_recomputed", False)  # the block RichModel applies twice
+    _, _, ref = _fit("ddp_find_unused_parameters_true", accumulate=3, clip=0.5, epochs=1)
+    _assert_same(snaps, ref, 1e-5)
+    return len(snaps)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_activation_checkpointing_under_the_trainer_matches_ddp(dist_pool, stage):
+    """``ZeroQStrategy(activation_checkpointing_policy=...)`` (Lightning's FSDPStrategy name): the block
+    recomputes its forward in the backward; every step matches DDP without it."""
+    assert dist_pool(2).run(_recompute_body, stage)[0] == 3
