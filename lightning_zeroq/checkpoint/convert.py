@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_zeroq.checkpoint import atomic, sparse_save
+from lightning_zeroq.checkpoint import atomic, deepspeed, sparse_save
 from lightning_zeroq.checkpoint.agree import CheckpointError, advising
 from lightning_zeroq.checkpoint.checkpointer import Opened, open_checkpoint
 from lightning_zeroq.checkpoint.chunks import BytesTarget
@@ -301,6 +301,12 @@ def consolidate(checkpoint: Path, out: Path, *, optimizer: bool = False, lightni
     ``out`` (an existing file there is kept as it was)."""
     checkpoint, out = Path(checkpoint), Path(out)
     kind = _output_format(out, lightning)
+    if deepspeed.is_deepspeed(checkpoint):
+        with atomic.new_file(out) as (fd, tmp):
+            os.close(fd)
+            write_deepspeed(deepspeed.read(checkpoint, optimizer=optimizer), tmp, kind, optimizer=optimizer,
+                            lightning=lightning)
+        return out
     _check_input(checkpoint)
     with advising("Convert an earlier checkpoint."):
         opened = open_checkpoint(checkpoint, None)
@@ -311,6 +317,52 @@ def consolidate(checkpoint: Path, out: Path, *, optimizer: bool = False, lightni
             else:
                 write_torch(opened, tmp, optimizer=optimizer, lightning=lightning)
     return out
+
+
+def deepspeed_lightning_checkpoint(state: deepspeed.DeepSpeedState, optimizer: bool) -> dict:
+    """A DeepSpeed checkpoint as the single-file Lightning checkpoint ``strategy="ddp"`` writes: the fp32
+    weights by name, with ``optimizer`` torch's optimizer state (parameter ids in DeepSpeed's group order,
+    the order the same ``configure_optimizers`` gives them), and the step count."""
+    out: dict[str, Any] = {"state_dict": state.params, "global_step": state.global_steps, "epoch": 0,
+                           "pytorch-lightning_version": _lightning_version()}
+    if optimizer:
+        names = [name for group in state.groups for name in group]
+        ids = {name: i for i, name in enumerate(names)}
+        out["optimizer_states"] = [{
+            "state": {ids[n]: state.state[n] for n in names if n in state.state},
+            "param_groups": [{**hyper, "params": [ids[n] for n in group]}
+                             for hyper, group in zip(state.hyperparameters, state.groups)],
+        }]
+        out["lr_schedulers"] = []
+    return out
+
+
+def _lightning_version() -> str:
+    """The installed Lightning's version (Lightning reads it to migrate a checkpoint's layout)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("lightning")
+    except metadata.PackageNotFoundError:
+        return "2.0.0"
+
+
+def write_deepspeed(state: deepspeed.DeepSpeedState, out: Path, kind: str, *, optimizer: bool, lightning: bool) -> None:
+    """``zeroq-convert`` of a DeepSpeed checkpoint (read whole into memory: DeepSpeed's files are one
+    pickle per rank): a torch file (the weights, or with ``optimizer``/``lightning`` a Lightning
+    checkpoint) or safetensors (the weights, and with ``optimizer`` each state as ``optimizer.state.<name>.<key>``)."""
+    if kind == "safetensors":
+        tensors = dict(state.params)
+        meta = {"format": "pt", "source": "lightning_zeroq (from DeepSpeed)"}
+        if optimizer:
+            tensors.update({f"optimizer.state.{n}.{k}": v.reshape(v.shape) for n, st in state.state.items()
+                            for k, v in st.items()})
+            meta["optimizer_param_groups"] = json.dumps(
+                [{**{k: v for k, v in h.items() if isinstance(v, (int, float, str, bool, list, tuple))}, "params": g}
+                 for h, g in zip(state.hyperparameters, state.groups)])
+        _save_safetensors(_safetensors_save_file(), tensors, out, meta)
+        return
+    torch.save(deepspeed_lightning_checkpoint(state, optimizer) if optimizer or lightning else state.params, out)
 
 
 def lightning_checkpoint(checkpoint: Path, map_location: Any = None) -> dict:
