@@ -337,16 +337,6 @@ def deepspeed_lightning_checkpoint(state: deepspeed.DeepSpeedState, optimizer: b
     return out
 
 
-def _lightning_version() -> str:
-    """The installed Lightning's version (Lightning reads it to migrate a checkpoint's layout)."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("lightning")
-    except metadata.PackageNotFoundError:
-        return "2.0.0"
-
-
 def write_deepspeed(state: deepspeed.DeepSpeedState, out: Path, kind: str, *, optimizer: bool, lightning: bool) -> None:
     """``zeroq-convert`` of a DeepSpeed checkpoint (read whole into memory: DeepSpeed's files are one
     pickle per rank): a torch file (the weights, or with ``optimizer``/``lightning`` a Lightning
