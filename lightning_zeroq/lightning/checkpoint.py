@@ -30,12 +30,13 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_zeroq.checkpoint import atomic, codec
+from lightning_zeroq.checkpoint import atomic, codec, deepspeed
 from lightning_zeroq.checkpoint.agree import CheckpointError, agree, checkpoint_group, describe
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer, locate_error
 from lightning_zeroq.checkpoint.convert import lightning_checkpoint
 from lightning_zeroq.checkpoint.engine_io import (load_engine, save_state)
 from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY, Kind, classify
+from lightning_zeroq.checkpoint.convert import deepspeed_lightning_checkpoint
 from lightning_zeroq.checkpoint.torch_file import load_torch_optimizer_state, torch_load
 from lightning_zeroq.zero import state_dict as zsd
 
@@ -194,7 +195,7 @@ def load(strategy: Any, checkpoint_path: Any, weights_only: Optional[bool],
     fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
     strict = getattr(module, "strict_loading", True)
     engine = strategy.engine
-    if located.kind is Kind.FILE:
+    if located.kind is Kind.FILE or deepspeed.is_deepspeed(path):
         return load_single_file(strategy, path, weights_only, fitting, group)
     if located.kind not in (Kind.ZEROQ, Kind.DCP) or engine is None:
         problem: Optional[str] = (locate_error(located)
@@ -243,7 +244,15 @@ def foreign_trainer_state(path: Path, fitting: bool, rank_zero: bool) -> dict:
 
 def load_single_file(strategy: Any, path: Path, weights_only: Optional[bool], fitting: bool,
                      group: Any) -> tuple[dict, bool]:
-    checkpoint = torch_load(path, weights_only is not False, group)
+    if deepspeed.is_deepspeed(path):  # read as the single file zeroq-convert would write (every rank reads it)
+        errors, checkpoint = [], {}
+        try:
+            checkpoint = deepspeed_lightning_checkpoint(deepspeed.read(path, optimizer=fitting), optimizer=fitting)
+        except deepspeed.DeepSpeedCheckpointError as error:
+            errors.append(str(error))
+        agree(errors, f"Loading checkpoint {path}", group)
+    else:
+        checkpoint = torch_load(path, weights_only is not False, group)
     errors = []
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         errors.append(f"{path} is not a Lightning checkpoint (no 'state_dict'): load it into the module yourself.")

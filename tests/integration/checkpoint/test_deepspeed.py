@@ -149,9 +149,13 @@ def _resume_body(ckpt: str, stage: int) -> tuple[float, float]:
     return step, worst
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_a_converted_deepspeed_checkpoint_resumes_at_another_world_size_and_stage(dist_pool, tmp_path, stage):
-    """Written by DeepSpeed ZeRO-3 on 2 ranks; resumed by the Trainer with zeroq on 3 ranks, stage 1 or 3."""
-    assert main([str(FIXTURES / "stage3_bf16"), str(tmp_path / "full.ckpt"), "--optimizer"]) == 0
-    for step, worst in dist_pool(3).run(_resume_body, str(tmp_path / "full.ckpt"), stage):
+@pytest.mark.parametrize("stage, source", [(1, "converted"), (3, "converted"), (3, "directory")])
+def test_a_deepspeed_checkpoint_resumes_at_another_world_size_and_stage(dist_pool, tmp_path, stage, source):
+    """Written by DeepSpeed ZeRO-3 on 2 ranks; resumed by the Trainer with zeroq on 3 ranks, stage 1 or 3,
+    from the file zeroq-convert wrote or from DeepSpeed's directory itself."""
+    ckpt = FIXTURES / "stage3_bf16"
+    if source == "converted":
+        assert main([str(ckpt), str(tmp_path / "full.ckpt"), "--optimizer"]) == 0
+        ckpt = tmp_path / "full.ckpt"
+    for step, worst in dist_pool(3).run(_resume_body, str(ckpt), stage):
         assert step == 3 and worst == 0.0
