@@ -27,6 +27,8 @@ CONFIGS = [  # (name, stage, dtype, offload)
     ("stage2_fp16", 2, "fp16", False),
     ("stage3_bf16", 3, "bf16", False),
     ("stage3_fp32", 3, "fp32", False),
+    ("stage2_bf16_offload", 2, "bf16", True),
+    ("stage3_bf16_offload", 3, "bf16", True),
 ]
 VOCAB, DIM = 32, 16
 
@@ -58,8 +60,13 @@ def train(name: str, stage: int, dtype: str, offload: bool) -> None:
                     "zero_allow_untested_optimizer": True, "steps_per_print": 1000}
     if dtype != "fp32":
         config[dtype] = {"enabled": True, **({"initial_scale_power": 8} if dtype == "fp16" else {})}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    optimizer = None
+    if offload:  # DeepSpeed's own CPU Adam (its C++ kernel, built on first use)
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "weight_decay": 0.1}}
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
+                                           model_parameters=model.parameters())
     rank = torch.distributed.get_rank()
     for step in range(3):
         tokens = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(step * 10 + rank))
@@ -89,7 +96,10 @@ def main() -> int:
     import deepspeed
     import torch
 
+    only = os.environ.get("FIXTURES", "")  # a comma-separated subset, else all
     for name, _, dtype, _ in CONFIGS:
+        if only and name not in only.split(","):
+            continue
         if dtype == "fp16" and os.environ.get("DS_ACCELERATOR") == "cpu":
             print(f"{name}: skipped (DeepSpeed's CPU accelerator has no fp16; write it on a GPU machine)")
             continue

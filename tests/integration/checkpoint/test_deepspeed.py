@@ -31,7 +31,7 @@ class Net(nn.Module):  # the model make_fixtures.py trains
 
 
 def test_the_fixtures_cover_every_stage_and_both_dtypes():
-    assert {"stage1_fp32", "stage2_bf16", "stage3_bf16", "stage3_fp32"} <= set(NAMES)
+    assert {"stage1_fp32", "stage2_bf16", "stage3_bf16", "stage3_fp32", "stage2_bf16_offload", "stage3_bf16_offload"} <= set(NAMES)
 
 
 @pytest.mark.parametrize("name", NAMES)
