@@ -153,6 +153,7 @@ def read(path: Path, optimizer: bool = True) -> DeepSpeedState:
     state_key = "optimizer_state_dict" if stage == 3 else "base_optimizer_state"
     bases = [(f, _field(o, state_key, f, "optimizer_state_dict.")) for f, o in optims]
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in _field(bases[0][1], "param_groups", first_file)]
+    hyper = [_torch_adam_group(h, model.get("ds_config") or {}, first_file) for h in hyper]
     out = DeepSpeedState(stage, world, {}, groups, hyperparameters=hyper,
                          global_steps=int(model.get("global_steps", 0) or 0))
     if stage == 3:
@@ -178,6 +179,25 @@ def read(path: Path, optimizer: bool = True) -> DeepSpeedState:
             for name in names:
                 if step is not None and name in out.state:
                     out.state[name]["step"] = step.clone() if isinstance(step, Tensor) else torch.tensor(float(step))
+    return out
+
+
+def _torch_adam_group(group: dict[str, Any], ds_config: dict, file: Path) -> dict[str, Any]:
+    """A parameter group of DeepSpeed's own Adam (its CPU or fused kernels: ``bias_correction`` among the
+    settings) as torch's ``AdamW`` (or ``Adam``, where the config turned off decoupled weight decay) keeps
+    one, so that the optimizer ``configure_optimizers`` makes takes it; torch's own groups as they are."""
+    if "bias_correction" not in group:
+        return group
+    if not group["bias_correction"]:
+        raise DeepSpeedCheckpointError(f"{file}: its Adam ran with bias_correction=False, which torch's Adam and "
+                                       "AdamW do not offer: load the weights only (zeroq-convert without --optimizer)")
+    params = (ds_config.get("optimizer") or {}).get("params") or {}
+    decoupled = (ds_config.get("optimizer") or {}).get("type", "AdamW").lower() == "adamw" or params.get("adam_w_mode", True)
+    torch_class = torch.optim.AdamW if decoupled else torch.optim.Adam
+    out = {k: v for k, v in torch_class([torch.zeros(1, requires_grad=True)]).param_groups[0].items() if k != "params"}
+    out.update({k: group[k] for k in ("lr", "eps", "weight_decay", "amsgrad") if k in group})
+    if "betas" in group:
+        out["betas"] = tuple(group["betas"])
     return out
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_zeroq.checkpoint import deepspeed
@@ -105,10 +106,11 @@ def test_the_fixtures_say_which_deepspeed_wrote_them():
     assert versions["deepspeed"].startswith("0.") and versions["torch"]
 
 
-def _resume_body(ckpt: str, stage: int) -> tuple[float, float]:
-    """Fit from the converted DeepSpeed checkpoint; at the start of training (before any step) the
-    engine holds DeepSpeed's weights and moments, and Adam's step count (3). The Trainer's own
-    counters start again (the file has no Lightning loop state)."""
+def _resume_body(ckpt: str, fixture: str, strategy: str, stage: int) -> tuple[float, float, list[float]]:
+    """Fit 20 steps from ``ckpt`` (``strategy``: ``zeroq`` at ``stage``, or ``ddp``). Returns, at the start
+    of training (before any step), Adam's step count and the largest difference of the weights and the
+    second moments from DeepSpeed's own (zeroq only), and every step's loss. The Trainer's own counters
+    start again (the checkpoint has no Lightning loop state)."""
     import lightning as L
 
     from lightning_zeroq import ZeroQStrategy
@@ -127,35 +129,57 @@ def _resume_body(ckpt: str, stage: int) -> tuple[float, float]:
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1.0)  # the checkpoint's settings replace these
 
-    reference = torch.load(FIXTURES / "stage3_bf16" / "reference.pt", weights_only=True)
+    reference = torch.load(FIXTURES / fixture / "reference.pt", weights_only=True)
     seen: list = []
+    losses: list[float] = []
 
     class Check(L.Callback):
         def on_train_start(self, trainer, pl_module) -> None:
+            assert trainer.optimizers[0].param_groups[0]["lr"] == 0.01
+            if strategy != "zeroq":
+                return
             weights = trainer.strategy.full_state_dict()
             moments = trainer.strategy.engine.full_optimizer_state()
             worst = max(max((weights[n] - v).abs().max().item(), (moments[n]["exp_avg_sq"] - reference["exp_avg_sq"][n])
                             .abs().max().item()) for n, v in reference["params"].items())
-            seen.append((float(moments["head.weight"]["step"]), worst, trainer.optimizers[0].param_groups[0]["lr"]))
+            seen.append((float(moments["head.weight"]["step"]), worst))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            losses.append(float(outputs["loss"]))
 
     options = dict(stage3_wrap_classes=["Linear"], stage3_param_persistence_threshold=0) if stage == 3 else {}
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randint(0, 32, (12, 8))), batch_size=2)
-    trainer = L.Trainer(strategy=ZeroQStrategy(stage=stage, **options), accelerator="cpu", devices=3, max_steps=4,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[Check()])
+    torch.manual_seed(0)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randint(0, 32, (24 * 3, 8))), batch_size=2)
+    trainer = L.Trainer(strategy=ZeroQStrategy(stage=stage, **options) if strategy == "zeroq" else "ddp",
+                        accelerator="cpu", devices=dist.get_world_size(), max_steps=20, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[Check()])
     trainer.fit(Lit(), data, ckpt_path=ckpt)
-    (step, worst, lr), = seen
-    assert lr == 0.01
-    return step, worst
+    step, worst = seen[0] if seen else (3.0, 0.0)
+    return step, worst, losses
 
 
-@pytest.mark.parametrize("stage, source", [(1, "converted"), (3, "converted"), (3, "directory")])
-def test_a_deepspeed_checkpoint_resumes_at_another_world_size_and_stage(dist_pool, tmp_path, stage, source):
-    """Written by DeepSpeed ZeRO-3 on 2 ranks; resumed by the Trainer with zeroq on 3 ranks, stage 1 or 3,
-    from the file zeroq-convert wrote or from DeepSpeed's directory itself."""
-    ckpt = FIXTURES / "stage3_bf16"
-    if source == "converted":
-        assert main([str(ckpt), str(tmp_path / "full.ckpt"), "--optimizer"]) == 0
-        ckpt = tmp_path / "full.ckpt"
-    for step, worst in dist_pool(3).run(_resume_body, str(ckpt), stage):
-        assert step == 3 and worst == 0.0
+# Each fixture resumed once, the world sizes and stages in turn (the matrix's diagonals): from the file
+# zeroq-convert writes, or from DeepSpeed's directory itself.
+RESUMES = [("stage1_fp32", 1, 3, "converted"), ("stage2_bf16", 2, 3, "directory"), ("stage3_bf16", 3, 1, "converted"),
+           ("stage3_fp32", 3, 2, "directory"), ("stage2_bf16_offload", 3, 2, "converted"),
+           ("stage3_bf16_offload", 1, 2, "directory")]
+
+
+@pytest.mark.parametrize("fixture, world_size, stage, source", RESUMES)
+def test_a_deepspeed_checkpoint_resumes_at_any_world_size_and_stage(dist_pool, tmp_path, fixture, world_size, stage,
+                                                                    source):
+    """Written by DeepSpeed on 2 ranks; resumed by the Trainer with zeroq at 1, 2 or 3 ranks and stages 1-3:
+    DeepSpeed's weights and moments bitwise at the start, and 20 steps' losses within 1e-6 relative of DDP
+    resumed from the same fp32 state (the file zeroq-convert writes)."""
+    import lightning_zeroq.cli.convert as convert
+
+    assert convert.main([str(FIXTURES / fixture), str(tmp_path / "full.ckpt"), "--optimizer"]) == 0
+    ckpt = str(tmp_path / "full.ckpt") if source == "converted" else str(FIXTURES / fixture)
+    pool = dist_pool(world_size)
+    ours = pool.run(_resume_body, ckpt, fixture, "zeroq", stage)
+    ddp = pool.run(_resume_body, str(tmp_path / "full.ckpt"), fixture, "ddp", 0)
+    for (step, worst, losses), (_, _, ref) in zip(ours, ddp):
+        assert step == 3.0 and worst == 0.0
+        assert len(losses) == len(ref) == 20
+        assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(losses, ref)), (losses, ref)
