@@ -46,6 +46,7 @@ from lightning_zeroq.checkpoint import atomic, deepspeed, sparse_save
 from lightning_zeroq.checkpoint.agree import CheckpointError, advising
 from lightning_zeroq.checkpoint.checkpointer import Opened, open_checkpoint
 from lightning_zeroq.checkpoint.chunks import BytesTarget
+from lightning_zeroq.checkpoint.deepspeed import lightning_version
 from lightning_zeroq.checkpoint.safe import read_entries
 from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY, Kind, classify
 
@@ -120,7 +121,7 @@ def skeleton(opened: Opened, *, optimizer: bool, lightning: bool) -> tuple[dict,
         return model, sources
     out: dict[str, Any] = dict(opened.trainer_state())
     out.pop("zeroq", None)
-    out.setdefault("pytorch-lightning_version", _lightning_version())  # none in a foreign DCP directory
+    out.setdefault("pytorch-lightning_version", lightning_version())  # none in a foreign DCP directory
     out["state_dict"] = model
     if optimizer:
         groups, layout = optimizer_layout(opened)
@@ -133,15 +134,6 @@ def skeleton(opened: Opened, *, optimizer: bool, lightning: bool) -> tuple[dict,
                     sources.append((state[int(index)][state_key], ckpt_key))
         out["optimizer_states"] = [{"state": state, "param_groups": groups}]
     return out, sources
-
-
-def _lightning_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("lightning")
-    except PackageNotFoundError:
-        return "2.0.0"
 
 
 def write_torch(opened: Opened, out: Path, *, optimizer: bool, lightning: bool) -> None:
@@ -319,24 +311,6 @@ def consolidate(checkpoint: Path, out: Path, *, optimizer: bool = False, lightni
     return out
 
 
-def deepspeed_lightning_checkpoint(state: deepspeed.DeepSpeedState, optimizer: bool) -> dict:
-    """A DeepSpeed checkpoint as the single-file Lightning checkpoint ``strategy="ddp"`` writes: the fp32
-    weights by name, with ``optimizer`` torch's optimizer state (parameter ids in DeepSpeed's group order,
-    the order the same ``configure_optimizers`` gives them), and the step count."""
-    out: dict[str, Any] = {"state_dict": state.params, "global_step": state.global_steps, "epoch": 0,
-                           "pytorch-lightning_version": _lightning_version()}
-    if optimizer:
-        names = [name for group in state.groups for name in group]
-        ids = {name: i for i, name in enumerate(names)}
-        out["optimizer_states"] = [{
-            "state": {ids[n]: state.state[n] for n in names if n in state.state},
-            "param_groups": [{**hyper, "params": [ids[n] for n in group]}
-                             for hyper, group in zip(state.hyperparameters, state.groups)],
-        }]
-        out["lr_schedulers"] = []
-    return out
-
-
 def write_deepspeed(state: deepspeed.DeepSpeedState, out: Path, kind: str, *, optimizer: bool, lightning: bool) -> None:
     """``zeroq-convert`` of a DeepSpeed checkpoint (read whole into memory: DeepSpeed's files are one
     pickle per rank): a torch file (the weights, or with ``optimizer``/``lightning`` a Lightning
@@ -352,7 +326,7 @@ def write_deepspeed(state: deepspeed.DeepSpeedState, out: Path, kind: str, *, op
                  for h, g in zip(state.hyperparameters, state.groups)])
         _save_safetensors(_safetensors_save_file(), tensors, out, meta)
         return
-    torch.save(deepspeed_lightning_checkpoint(state, optimizer) if optimizer or lightning else state.params, out)
+    torch.save(deepspeed.as_lightning_checkpoint(state, optimizer) if optimizer or lightning else state.params, out)
 
 
 def lightning_checkpoint(checkpoint: Path, map_location: Any = None) -> dict:

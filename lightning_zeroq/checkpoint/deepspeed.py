@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor
 
-from lightning_zeroq.checkpoint.agree import CheckpointError
+from lightning_zeroq.checkpoint.agree import CheckpointError, agree
 
 
 class DeepSpeedCheckpointError(CheckpointError, ValueError):
@@ -245,3 +245,43 @@ def _unzip_stage3(out: DeepSpeedState, flats: list[list[Tensor]], sizes: dict[st
         whole = torch.cat([flat[offset:offset + part] for flat in per_rank])[:n]
         _put(out, name, whole.clone().float().view(sizes[name]), key)
         offset += part
+
+
+def lightning_version() -> str:
+    """The installed Lightning's version (Lightning reads a checkpoint's to migrate its layout)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lightning")
+    except PackageNotFoundError:
+        return "2.0.0"
+
+
+def as_lightning_checkpoint(state: DeepSpeedState, optimizer: bool) -> dict:
+    """The checkpoint as the single-file Lightning checkpoint ``strategy="ddp"`` writes: the fp32 weights
+    by name, with ``optimizer`` torch's optimizer state (parameter ids in DeepSpeed's group order, the order
+    the same ``configure_optimizers`` gives them), and the step count."""
+    out: dict[str, Any] = {"state_dict": state.params, "global_step": state.global_steps, "epoch": 0,
+                           "pytorch-lightning_version": lightning_version()}
+    if optimizer:
+        names = [name for group in state.groups for name in group]
+        ids = {name: i for i, name in enumerate(names)}
+        out["optimizer_states"] = [{
+            "state": {ids[n]: state.state[n] for n in names if n in state.state},
+            "param_groups": [{**hyper, "params": [ids[n] for n in group]}
+                             for hyper, group in zip(state.hyperparameters, state.groups)],
+        }]
+        out["lr_schedulers"] = []
+    return out
+
+
+def load_agreed(path: Path, optimizer: bool, group: Any) -> dict:
+    """Collective: ``as_lightning_checkpoint`` of the checkpoint at ``path``, read by every rank (into its
+    host memory); one that cannot be read raises the same error on every rank."""
+    errors, checkpoint = [], {}
+    try:
+        checkpoint = as_lightning_checkpoint(read(path, optimizer=optimizer), optimizer=optimizer)
+    except DeepSpeedCheckpointError as error:
+        errors.append(str(error))
+    agree(errors, f"Loading checkpoint {path}", group)
+    return checkpoint

@@ -23,6 +23,7 @@ from typing import Any, Optional
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_zeroq.checkpoint import deepspeed
 from lightning_zeroq.checkpoint.agree import CheckpointError, agree, checkpoint_group
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer, locate_error
 from lightning_zeroq.checkpoint.engine_io import engine_state, load_engine, save_state
@@ -93,7 +94,7 @@ def load(strategy: Any, path: Path, state: Any, strict: bool, weights_only: Opti
     checkpointer.wait()
     group = checkpoint_group()
     located = classify(Path(path))
-    if located.kind is Kind.FILE:
+    if located.kind is Kind.FILE or deepspeed.is_deepspeed(Path(path)):
         requested = [k for k in state if k not in (module_key, optimizer_key)]
         saved = _load_single_file(engine, Path(path), weights_only, None if raw else module_key, optimizer_key,
                                   strict, group, requested)
@@ -157,7 +158,12 @@ def _load_single_file(engine: Any, path: Path, weights_only: Optional[bool], mod
     (``load_raw``) the file is the model's state dict itself."""
     requested = requested or []
     lost: list[str] = []
-    checkpoint = torch_load(path, weights_only is not False, group)
+    if deepspeed.is_deepspeed(path):  # in the Trainer's layout, as zeroq-convert writes it
+        checkpoint = deepspeed.load_agreed(path, optimizer_key is not None, group)
+        if module_key is None:
+            checkpoint = checkpoint["state_dict"]
+    else:
+        checkpoint = torch_load(path, weights_only is not False, group)
     if module_key is not None and isinstance(checkpoint, dict) and module_key not in checkpoint:
         checkpoint, lost = _from_trainer_layout(path, checkpoint, module_key, optimizer_key, requested)
     errors = []

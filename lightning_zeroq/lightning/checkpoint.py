@@ -36,7 +36,6 @@ from lightning_zeroq.checkpoint.checkpointer import Checkpointer, locate_error
 from lightning_zeroq.checkpoint.convert import lightning_checkpoint
 from lightning_zeroq.checkpoint.engine_io import (load_engine, save_state)
 from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY, Kind, classify
-from lightning_zeroq.checkpoint.convert import deepspeed_lightning_checkpoint
 from lightning_zeroq.checkpoint.torch_file import load_torch_optimizer_state, torch_load
 from lightning_zeroq.zero import state_dict as zsd
 
@@ -244,13 +243,8 @@ def foreign_trainer_state(path: Path, fitting: bool, rank_zero: bool) -> dict:
 
 def load_single_file(strategy: Any, path: Path, weights_only: Optional[bool], fitting: bool,
                      group: Any) -> tuple[dict, bool]:
-    if deepspeed.is_deepspeed(path):  # read as the single file zeroq-convert would write (every rank reads it)
-        errors, checkpoint = [], {}
-        try:
-            checkpoint = deepspeed_lightning_checkpoint(deepspeed.read(path, optimizer=fitting), optimizer=fitting)
-        except deepspeed.DeepSpeedCheckpointError as error:
-            errors.append(str(error))
-        agree(errors, f"Loading checkpoint {path}", group)
+    if deepspeed.is_deepspeed(path):  # read as the single file zeroq-convert would write
+        checkpoint = deepspeed.load_agreed(path, fitting, group)
     else:
         checkpoint = torch_load(path, weights_only is not False, group)
     errors = []

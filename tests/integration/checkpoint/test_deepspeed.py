@@ -183,3 +183,29 @@ def test_a_deepspeed_checkpoint_resumes_at_any_world_size_and_stage(dist_pool, t
         assert step == 3.0 and worst == 0.0
         assert len(losses) == len(ref) == 20
         assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(losses, ref)), (losses, ref)
+
+
+def _fabric_body(fixture: str) -> float:
+    """``fabric.load(<DeepSpeed directory>, {"model", "optimizer"})`` with ZeroQ's Fabric strategy (stage 3):
+    the largest difference from DeepSpeed's own weights and second moments, and Adam's step count."""
+    import lightning as L
+
+    from lightning_zeroq import ZeroQFabricStrategy
+
+    fabric = L.Fabric(accelerator="cpu", devices=dist.get_world_size(),
+                      strategy=ZeroQFabricStrategy(stage=3, stage3_wrap_classes=["Linear"],
+                                                   stage3_param_persistence_threshold=0))
+    fabric.launch()
+    net = Net()
+    model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1.0))
+    reference = torch.load(FIXTURES / fixture / "reference.pt", weights_only=True)
+    fabric.load(str(FIXTURES / fixture), {"model": model, "optimizer": optimizer})
+    engine = fabric.strategy.engine
+    weights, moments = engine.full_state_dict(), engine.full_optimizer_state()
+    assert optimizer.param_groups[0]["lr"] == 0.01 and float(moments["head.weight"]["step"]) == 3.0
+    return max(max((weights[n] - v).abs().max().item(), (moments[n]["exp_avg"] - reference["exp_avg"][n]).abs().max()
+                   .item()) for n, v in reference["params"].items())
+
+
+def test_fabric_loads_a_deepspeed_checkpoint_into_its_shards(dist_pool):
+    assert dist_pool(3).run(_fabric_body, "stage2_bf16") == [0.0, 0.0, 0.0]
