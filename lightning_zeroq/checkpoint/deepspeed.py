@@ -110,8 +110,8 @@ def _load(path: Path) -> dict:
 
 def _field(d: dict, key: str, path: Path, where: str = "") -> Any:
     if key not in d:
-        raise DeepSpeedCheckpointError(f"{path}: no field {where}{key!r}: not a DeepSpeed ZeRO checkpoint of a layout "
-                                       "this reader knows (DeepSpeed 0.10-0.19)")
+        raise DeepSpeedCheckpointError(f"{path}: no field {where}{key!r}: not a DeepSpeed ZeRO checkpoint of the "
+                                       "layout this reader knows (DeepSpeed 0.19's; tests/data/deepspeed)")
     return d[key]
 
 
