@@ -124,8 +124,11 @@ def create_owned(tmp: Path) -> Optional[int]:
     until ``release(fd)``, so that no other save's cleanup removes it (``remove_leftovers``); the
     directory keeps the lock when it is renamed into place. None where the file system has no locks."""
     for _ in range(PUBLISH_ATTEMPTS):
-        tmp.mkdir(parents=True)
-        fd = os.open(tmp, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_NOFOLLOW)
+        tmp.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(tmp, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_NOFOLLOW)
+        except FileNotFoundError:  # a cleanup removed it between the mkdir and the open: make it again
+            continue
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)  # waits while a cleanup that took it first removes it
         except OSError as error:

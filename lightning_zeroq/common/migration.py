@@ -11,10 +11,12 @@ _UNITS = ("not needed: with offload the host steps unit by unit (units of reduce
           "stage-3 blocks); each unit's gradients are one flat buffer, reduce-scattered, and its weights all-gathered")
 _AIO = ("not supported (DeepSpeed's asynchronous-I/O tuning): NVMe swap buffers are sized per unit, one unit is "
         "read ahead and one written back, with O_DIRECT where the file system allows it")
-_ACTIVATIONS = ("not supported (DeepSpeed's activation checkpointing): use torch.utils.checkpoint in your module; "
-                "both variants work with every stage")
+_ACTIVATIONS = ("not supported (DeepSpeed's activation checkpointing): name the blocks to recompute with "
+                'activation_checkpointing_policy=["Block"], or use torch.utils.checkpoint in your module; both work '
+                "with every stage")
 _LOGGING = "not needed: messages go to Python's logging (logger lightning_zeroq)"
-_FSDP_CHECKPOINTING = "not supported as options: use torch.utils.checkpoint in your module (both variants work)"
+_FSDP_CHECKPOINTING = ("activation_checkpointing_policy (the same classes, or their names): torch's non-reentrant "
+                       "checkpoint around each instance's forward, every stage; names and checkpoints unchanged")
 _FSDP_KWARGS = ("not accepted. Prefetch: stage3_prefetch, stage3_prefetch_depth; parameters keep their names and "
                 "shapes (as with use_orig_params); every rank starts from rank 0's values (as with sync_module_states)")
 
@@ -50,7 +52,7 @@ _GROUPS: tuple[tuple[tuple[str, ...], str], ...] = (
                        "(offload_optimizer_ratio) or to NVMe")),
     (("mixed_precision",), ("the Trainer's precision= (\"bf16-mixed\", \"16-mixed\", \"bf16-true\", \"32-true\"); "
                            "fp32 masters always, gradients accumulated in fp32")),
-    (("activation_checkpointing", "activation_checkpointing_policy"), _FSDP_CHECKPOINTING),
+    (("activation_checkpointing",), _FSDP_CHECKPOINTING),
     (("state_dict_type",), ('state_dict_type="sharded": what ZeroQ always writes: a DCP directory, which FSDP2 loads '
                            'too; "full": ModelCheckpoint(save_weights_only=True) (one full weights file), or '
                            "zeroq-convert CKPT OUT.ckpt --optimizer offline (a full Lightning checkpoint that "

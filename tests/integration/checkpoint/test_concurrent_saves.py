@@ -73,3 +73,26 @@ def test_two_runs_saving_the_same_path_lose_nothing(tmp_path, exchange):
     state = load_engine(_engine(seed=3), path)
     assert state["writer"] in (0, 1) and state["save"] == SAVES - 1, state  # the last save of one of them
     assert sorted(p.name for p in root.iterdir()) == ["last.ckpt"], "leftovers of the saves remain"
+
+
+def test_a_temporary_directory_removed_before_it_is_opened_is_made_again(tmp_path, monkeypatch):
+    """Another save's cleanup can remove a fresh temporary directory between its ``mkdir`` and the
+    ``open`` that locks it (seen once in 25 saves of two runs): the save makes it again."""
+    import os
+
+    from lightning_zeroq.checkpoint import atomic
+
+    tmp = tmp_path / "ckpts" / ".last.ckpt.zeroq-tmp-0123"
+    real_open, opened = os.open, []
+
+    def racing_open(path, flags, *args, **kwargs):
+        if str(path) == str(tmp) and not opened:
+            opened.append(True)
+            os.rmdir(path)  # the other save's cleanup, just after the mkdir
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", racing_open)
+    fd = atomic.create_owned(tmp)
+    assert opened and tmp.is_dir()
+    atomic.release(fd)
