@@ -46,9 +46,8 @@ from lightning_zeroq.checkpoint import atomic, deepspeed, sparse_save
 from lightning_zeroq.checkpoint.agree import CheckpointError, advising
 from lightning_zeroq.checkpoint.checkpointer import Opened, open_checkpoint
 from lightning_zeroq.checkpoint.chunks import BytesTarget
-from lightning_zeroq.checkpoint.deepspeed import lightning_version
 from lightning_zeroq.checkpoint.safe import read_entries
-from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY, Kind, classify
+from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY, Kind, classify, lightning_version
 
 SAFETENSORS_EXTRA = "pip install safetensors"  # what the extra installs; this package is on no index
 
@@ -319,8 +318,7 @@ def write_deepspeed(state: deepspeed.DeepSpeedState, out: Path, kind: str, *, op
         tensors = dict(state.params)
         meta = {"format": "pt", "source": "lightning_zeroq (from DeepSpeed)"}
         if optimizer:
-            tensors.update({f"optimizer.state.{n}.{k}": v.reshape(v.shape) for n, st in state.state.items()
-                            for k, v in st.items()})
+            tensors.update({f"optimizer.state.{n}.{k}": v for n, st in state.state.items() for k, v in st.items()})
             meta["optimizer_param_groups"] = json.dumps(
                 [{**{k: v for k, v in h.items() if isinstance(v, (int, float, str, bool, list, tuple))}, "params": g}
                  for h, g in zip(state.hyperparameters, state.groups)])

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from lightning_zeroq.checkpoint.agree import CheckpointError, agree
+from lightning_zeroq.checkpoint.store import lightning_version
 
 
 class DeepSpeedCheckpointError(CheckpointError, ValueError):
@@ -157,12 +158,13 @@ def read(path: Path, optimizer: bool = True) -> DeepSpeedState:
     out = DeepSpeedState(stage, world, {}, groups, hyperparameters=hyper,
                          global_steps=int(model.get("global_steps", 0) or 0))
     if stage == 3:
+        order = [n for g in groups for n in g]
         flats = [_field(o, "fp32_flat_groups", f, "optimizer_state_dict.") for f, o in optims]
-        _unzip_stage3(out, flats, sizes, [n for g in groups for n in g], None, first_file)
+        _unzip_stage3(out, flats, sizes, order, None, first_file)
         if optimizer:
             for key in MOMENTS:
                 moments = [[_moment(base, g, key, f) for g in range(len(flats[0]))] for f, base in bases]
-                _unzip_stage3(out, moments, sizes, [n for g in groups for n in g], key, first_file)
+                _unzip_stage3(out, moments, sizes, order, key, first_file)
     else:
         partitions = [_field(o, "single_partition_of_fp32_groups", f, "optimizer_state_dict.") for f, o in optims]
         paddings = first.get("param_alignment_paddings")
@@ -245,16 +247,6 @@ def _unzip_stage3(out: DeepSpeedState, flats: list[list[Tensor]], sizes: dict[st
         whole = torch.cat([flat[offset:offset + part] for flat in per_rank])[:n]
         _put(out, name, whole.clone().float().view(sizes[name]), key)
         offset += part
-
-
-def lightning_version() -> str:
-    """The installed Lightning's version (Lightning reads a checkpoint's to migrate its layout)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("lightning")
-    except PackageNotFoundError:
-        return "2.0.0"
 
 
 def as_lightning_checkpoint(state: DeepSpeedState, optimizer: bool) -> dict:

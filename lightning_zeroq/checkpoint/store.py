@@ -51,6 +51,17 @@ LEGACY_META = "meta.pt"
 LEGACY_SHARD_PREFIX = "zero_shard_rank"
 
 
+def lightning_version() -> str:
+    """The installed Lightning's version, for a file in Lightning's layout (Lightning reads it to migrate
+    the layout)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lightning")
+    except PackageNotFoundError:
+        return "2.0.0"
+
+
 class Kind(enum.Enum):
     ZEROQ = "a ZeroQ checkpoint directory"
     DCP = "a torch.distributed.checkpoint directory"

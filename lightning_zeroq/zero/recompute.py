@@ -19,11 +19,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
-def apply(module: nn.Module, class_names: Sequence[str]) -> int:
+def apply(module: nn.Module, class_names: Sequence[str]) -> None:
     """Checkpoint every submodule of ``module`` whose class is named in ``class_names`` (the outermost
-    where they nest; a module checkpointed already is left as it is). Returns how many there are."""
+    where they nest; a module checkpointed already is left as it is)."""
     if not class_names:
-        return 0
+        return
     wanted = set(class_names)
     found = {type(m).__name__ for m in module.modules()}
     missing = sorted(wanted - found)
@@ -33,21 +33,15 @@ def apply(module: nn.Module, class_names: Sequence[str]) -> int:
             f"(its classes: {', '.join(sorted(found))}); name the classes of its repeated blocks, e.g. "
             f"[{next(iter(sorted(found)))!r}]."
         )
-    count = 0
-
     def visit(m: nn.Module) -> None:
-        nonlocal count
-        if type(m).__name__ in wanted:
-            if not getattr(m, "_zeroq_recomputed", False):
-                m.forward = functools.partial(_checkpointed, m.forward)
-                m._zeroq_recomputed = True  # type: ignore[assignment]
-            count += 1
-            return  # nested ones: recomputed with it
-        for child in m.children():
-            visit(child)
+        if type(m).__name__ not in wanted:
+            for child in m.children():
+                visit(child)
+        elif not getattr(m, "_zeroq_recomputed", False):  # nested ones are recomputed with it
+            m.forward = functools.partial(_checkpointed, m.forward)
+            m._zeroq_recomputed = True  # type: ignore[assignment]
 
     visit(module)
-    return count
 
 
 def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -35,7 +35,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -114,12 +114,16 @@ def engine_need(offload: Offload, layouts: Sequence[UnitLayout], rank: int, para
     return need
 
 
+ADAM_STATE_BYTES = 8
+"""Adam's two fp32 moments per parameter element."""
+
+
 def state_bytes_per_element(optimizers: Sequence[torch.optim.Optimizer]) -> int:
     """The optimizer state per parameter element (fp32): Adam's two moments, SGD's momentum."""
     per_element = 0
     for optimizer in optimizers:
         if adam_kind(optimizer) is not None:
-            per_element = max(per_element, 8)
+            per_element = max(per_element, ADAM_STATE_BYTES)
         elif isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum", 0) for g in optimizer.param_groups):
             per_element = max(per_element, 4)
     return per_element
@@ -255,6 +259,24 @@ def _reclaimable(cgroup: Path) -> int:
     return 0
 
 
+class _Build(NamedTuple):
+    """What the engine's build gives the checks: its unit layouts, this rank, the working dtype, and stage
+    3's transient units with their payload (elements, dtype)."""
+
+    layouts: Sequence[UnitLayout]
+    rank: int
+    param_dtype: torch.dtype
+    payload: dict[int, tuple[int, torch.dtype]]
+
+    @property
+    def persistent(self) -> list[bool]:
+        return [i not in self.payload for i in range(len(self.layouts))]
+
+    @property
+    def payload_bytes(self) -> dict[int, int]:
+        return {i: n * dtype.itemsize for i, (n, dtype) in self.payload.items()}
+
+
 class HostBudget:
     """The engine's host memory: what is available, read when the engine is built (before any rank
     allocates), and the checks of what the build, the attached optimizers and, later, fp32 gradient
@@ -267,13 +289,11 @@ class HostBudget:
         """What this rank put on the host so far (counted)."""
         self.accumulates: Optional[bool] = None
         """Whether windows sum several backward passes (the Lightning strategy knows; None: unknown)."""
-        self._device: Optional[tuple[dict[str, int], Optional[int]]] = None
-        """The build's device kinds (``optimizer_state``: the elements it steps there, one byte each) and
-        the device's memory, checked again with the optimizer's state."""
-        self._build: Optional[tuple[Sequence[UnitLayout], int, torch.dtype, dict[int, tuple[int, torch.dtype]]]] = None
-        """What ``nearest_fit`` needs to count other host configurations, should this one not fit."""
-        self._layouts: Optional[tuple[Sequence[UnitLayout], list[bool], torch.dtype, int, dict[int, int]]] = None
-        """What ``device_need.nearest_fit`` needs to name the least offload that fits, should the state not."""
+        self._build: Optional[_Build] = None
+        """The build's layouts and payloads: the device check counts from them again when the optimizer
+        comes, and both checks count other configurations from them for the nearest that fits."""
+        self._room: Optional[int] = None
+        """The device's memory (None off CUDA: nothing to check)."""
 
     def built(self, layouts: Sequence[UnitLayout], rank: int, param_dtype: torch.dtype, payload_dtype: torch.dtype,
               transient: dict[int, int], placement: Any) -> None:
@@ -281,14 +301,10 @@ class HostBudget:
         the placement's fp32 gradient buffers."""
         payload = {i: (n, payload_dtype) for i, n in transient.items()}
         self.need = engine_need(self.offload, layouts, rank, param_dtype, payload)
-        self._build = (layouts, rank, param_dtype, payload)
-        check(self.need, self.room, self.ranks, "this offload configuration", self._nearest(self.need, self.room, 8),
-              with_adam=True)
-        persistent = [i not in transient for i in range(len(layouts))]
-        payload_bytes = {i: n * payload_dtype.itemsize for i, n in transient.items()}
-        kinds = device_need.device_kinds(layouts, persistent, self.offload, param_dtype, 1, rank, payload_bytes)
-        self._device = (kinds, device_need.capacity(placement.device))
-        self._layouts = (layouts, persistent, param_dtype, rank, payload_bytes)
+        self._build = _Build(layouts, rank, param_dtype, payload)
+        check(self.need, self.room, self.ranks, "this offload configuration",
+              self._nearest(self.need, self.room, ADAM_STATE_BYTES), with_adam=True)
+        self._room = device_need.capacity(placement.device)
         self._check_device(0, "this configuration's state")
         landing = getattr(getattr(placement, "host", placement), "landing", None)
         if landing is not None:
@@ -308,16 +324,15 @@ class HostBudget:
         self._check_device(state_bytes_per_element(optimizers), "this configuration's state with the optimizer's")
 
     def _check_device(self, state_bytes: int, what: str) -> None:
-        if self._device is None:
+        build, room = self._build, self._room
+        if build is None or room is None:
             return
-        kinds, room = self._device
-        kinds = {**kinds, "optimizer_state": state_bytes * kinds["optimizer_state"]}
+        shape = (build.layouts, build.persistent, self.offload, build.param_dtype)
+        kinds = device_need.device_kinds(*shape, state_bytes, build.rank, build.payload_bytes)
         nearest = None
-        if room is not None and sum(kinds.values()) > room and self._layouts is not None:
-            layouts, persistent, param_dtype, rank, payload_bytes = self._layouts
-            # At the build no optimizer is attached yet: the fix allows for Adam's state (8 bytes per element).
-            nearest = device_need.nearest_fit(layouts, persistent, self.offload, param_dtype, state_bytes or 8, rank,
-                                              payload_bytes, room)
+        if sum(kinds.values()) > room:  # at the build no optimizer is attached yet: the fix allows for Adam's state
+            nearest = device_need.nearest_fit(*shape, state_bytes or ADAM_STATE_BYTES, build.rank,
+                                              build.payload_bytes, room)
         device_need.check(kinds, room, what, nearest, with_adam=state_bytes == 0)
 
     def _fp32_buffers(self, nbytes: int) -> None:
@@ -352,10 +367,10 @@ class HostBudget:
         held = self.need.total if with_held else 0
         if (held + need.total) * self.ranks <= room.bytes:
             return None
-        layouts, rank, param_dtype, payload = self._build
+        build = self._build
 
         def total(offload: Offload) -> int:
-            other = engine_need(offload, layouts, rank, param_dtype, payload)
+            other = engine_need(offload, build.layouts, build.rank, build.param_dtype, build.payload)
             state = optimizer_need([], other.host_elements, offload.speculative)
             state.parts["optimizer state"] = state_bytes * other.host_elements
             return (other.total + state.total) * self.ranks
