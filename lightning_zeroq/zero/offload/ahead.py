@@ -6,8 +6,8 @@ moments (about 0.2 s for 953M elements on 16 cores) while the device waits, and 
 for its end. Its first unit's weights are ready long before that.
 
 How. At ``step()``, on the calling thread, each unit of the optimizer is prepared in forward order
-(unit 0 first, the one the forward needs first): a speculative step of it is kept (``speculate.py``),
-or its kernel jobs are built (state made, step counts advanced, the gradient multiplier taken; see
+(unit 0 first, the one the forward needs first): a speculative step of it is kept (``speculate.py``;
+the units speculation has not started yet are taken over here), or its kernel jobs are built (state made, step counts advanced, the gradient multiplier taken; see
 ``HostOptimizer.step_later``). A worker thread then runs the jobs unit by unit, the first unit in
 forward order whose gradient has landed on the host (so the host never waits while there is work; the
 gradients land in reverse order, unit 0's last), and publishes the units (the copy to the device, the
@@ -145,6 +145,8 @@ class StepAhead(InStep):
         mine = [u for u in self.units if u.index in binding.unit_ids]
         hypers = kernel.plan(mine, binding)
         assert hypers is not None  # takes() said so
+        if self.host.spec is not None:
+            self.host.spec.hand_over()  # the units it has not started step here, in forward order
         work = []
         with OneStep(binding.optimizer) as one_step:  # no hooks (takes); the optimizer's own step() runs once
             for unit in mine:
@@ -165,7 +167,9 @@ class StepAhead(InStep):
         if self._stream is not None:
             self._after = torch.cuda.Event()
             self._after.record(torch.cuda.current_stream(self._device))
-        threads = torch.get_num_threads()  # all of them: the calling thread mostly waits for the worker
+        # A core stays with the calling thread: it launches the next forward while the worker steps the
+        # units that forward reaches last; on a full machine the launches would queue behind the kernel.
+        threads = max(1, torch.get_num_threads() - 1)
         self._thread = threading.Thread(target=self._work, args=(work, threads), name="zeroq-async-step",
                                         daemon=True)
         self._thread.start()

@@ -112,7 +112,7 @@ class HostOptimizer(OptimizerPlacement):
         self._optimizers = list(optimizers)
         if self.spec is not None:
             self.spec.close()
-        self.spec = (Speculation(self.kernel, self._kernel_grad, self.wait_device_reads)
+        self.spec = (Speculation(self.kernel, self._kernel_grad, self.wait_device_reads, self.landing.landed, units)
                      if self.speculative and self.kernel is not None else None)
         if self.speculative and self.kernel is None:
             warnings.warn("ZeroConfig: offload_speculative_step=True has no effect: it needs torch's Adam or AdamW "

@@ -203,6 +203,11 @@ class GradientLanding:
         """The host waits for unit ``index``'s copy, if one is pending (and forgets it)."""
         wait_event(self.in_flight, index)
 
+    def landed(self, index: int) -> bool:
+        """Whether unit ``index``'s copy to the host has ended (without waiting for it)."""
+        done = self.in_flight.get(index)
+        return done is None or done.query()
+
     def as_landed(self, unit: Unit) -> Tensor:
         """The unit's host gradient as it landed (bf16 where it crossed so), for the kernel, once there."""
         self.wait(unit.index)

@@ -6,8 +6,8 @@ whether all of them are finite) and the step's gradient multiplier is known (uns
 with optimizer offload the host waits through the backward, and the backward and the host step add up.
 
 What is speculated. In a backward that ends the window (``boundary=True``), each unit whose gradient
-leaves for the host during it is handed to a worker thread, which waits for that copy to land and
-steps the unit with the host kernel (``kernel.KernelSteps``) out of place: the updated master,
+leaves for the host during it is handed to a worker thread, which steps the units newest landed first
+(``_next`` says why), each once its copy has landed, with the host kernel (``kernel.KernelSteps``) out of place: the updated master,
 ``exp_avg`` and ``exp_avg_sq`` go to the unit's spare buffers (``_Spare``), the ones the step read stay
 as they were, and the bf16 copy of the master is written as usual. Only where the step is torch's Adam or AdamW through the kernel (one optimizer, no step
 pre-hooks), every segment's state was made by an earlier step, and no loss scaling (whose unscaling
@@ -114,8 +114,13 @@ class Speculation:
     """One per host placement; the worker thread starts with the first unit offered."""
 
     def __init__(self, steps: KernelSteps, grad_of: Callable[[Unit], Tensor],
-                 wait_reads: Callable[[int], None]) -> None:
-        self.steps, self._grad_of, self._wait_reads = steps, grad_of, wait_reads
+                 wait_reads: Callable[[int], None], landed: Callable[[int], bool] = lambda index: True,
+                 units: Sequence[Unit] = ()) -> None:
+        """``grad_of``: a unit's host gradient once landed (waits for it); ``landed``: whether unit
+        ``index``'s gradient is on the host now (does not wait)."""
+        self.steps, self._grad_of, self._wait_reads, self._landed = steps, grad_of, wait_reads, landed
+        self.units = list(units)
+        """The units it may step (their spare buffers are made at the first window that can use them)."""
         self._cv = threading.Condition()
         self._queue: deque[Unit] = deque()
         self._busy: Optional[Unit] = None
@@ -148,9 +153,21 @@ class Speculation:
                               "optimizer, torch's Adam or AdamW, without step pre-hooks (they may change what the "
                               "step does); the step runs as usual.", stacklevel=2)
             return
+        self._make_spares(optimizer)
         with self._cv:
             self._optimizer, self._accepting = optimizer, True
         self.counts.windows += 1
+
+    def _make_spares(self, optimizer: torch.optim.Optimizer) -> None:
+        """Every unit's spare buffers, made (and written once) here on the calling thread as soon as the
+        state they mirror exists, rather than by the worker the first time it steps each unit: which
+        units the worker reaches varies from window to window, and first writes into fresh pages from
+        all the kernel's threads at once cost several times the step itself."""
+        for unit in self.units:
+            if unit.index not in self.spares:
+                pairs = _AllSegments(optimizer, unit).optimized[unit.index]
+                if pairs and all(optimizer.state.get(view) for view, _ in pairs):
+                    self.spares[unit.index] = self._spare(unit, optimizer, pairs)
 
     def offer(self, unit: Unit) -> None:
         """``unit``'s gradient is on its way to the host: step it once it has landed."""
@@ -183,10 +200,18 @@ class Speculation:
 
     def stop(self) -> None:
         """No more units, and those not started step as usual (a reader comes before the step)."""
+        self._drop_unstarted()
+
+    def _drop_unstarted(self) -> None:
         with self._cv:
             self._accepting = False
             self.counts.unstarted += len(self._queue)
             self._queue.clear()
+
+    def hand_over(self) -> None:
+        """An asynchronous step begins (``ahead.StepAhead.run``): the units not started yet are its own
+        to step, in forward order; the one being stepped finishes here (``keep`` waits for it)."""
+        self._drop_unstarted()
 
     def settle(self) -> None:
         """``stop``, and wait for the unit being stepped."""
@@ -259,7 +284,7 @@ class Speculation:
                     self._cv.wait()
                 if self._closed:
                     return
-                unit = self._busy = self._queue.popleft()
+                unit = self._busy = self._next()
                 self._busy_stale = False
             record, error = None, None
             try:
@@ -275,6 +300,22 @@ class Speculation:
                     self._error = error
                 self._busy = None
                 self._cv.notify_all()
+
+    def _next(self) -> Unit:
+        """The unit to step next (under the lock): the one offered last among those whose gradient is on
+        the host, else the one offered first (its gradient lands first).
+
+        Why newest first: the host steps more slowly than the backward hands it gradients, so some units
+        are left for after the backward whatever the order, and the next forward needs the units in
+        forward order, the reverse of the order they land in. Stepping the newest first leaves the units
+        the forward reaches last for the end, where their steps overlap the forward (``ahead.py`` takes
+        them over, in forward order, at ``step()``: ``hand_over``), instead of leaving unit 0, which the
+        forward needs first, for the end."""
+        for unit in reversed(self._queue):
+            if self._landed(unit.index):
+                self._queue.remove(unit)
+                return unit
+        return self._queue.popleft()
 
     def _speculate(self, unit: Unit) -> Optional[_Done]:
         optimizer = self._optimizer
@@ -300,8 +341,8 @@ class Speculation:
 
     def _spare(self, unit: Unit, optimizer: torch.optim.Optimizer, pairs: list[tuple[Tensor, Segment]]) -> _Spare:
         master = pinned_empty(unit.master.numel(), unit.master.dtype, self.steps.pin).zero_().view(unit.master.shape)
-        moments = {id(view): (torch.empty_like(optimizer.state[view]["exp_avg"]),
-                              torch.empty_like(optimizer.state[view]["exp_avg_sq"])) for view, _ in pairs}
+        moments = {id(view): (torch.zeros_like(optimizer.state[view]["exp_avg"]),
+                              torch.zeros_like(optimizer.state[view]["exp_avg_sq"])) for view, _ in pairs}
         return _Spare(master, moments)
 
     def _swap_in(self, record: _Done) -> None:

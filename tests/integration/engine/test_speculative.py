@@ -157,35 +157,44 @@ def test_speculation_needs_what_it_says(dist_pool):
     engine.close()
 
 
-def _train_behind(speculative: bool):
+def _train_behind(speculative: bool, asynchronous: bool = False):
     """Three plain steps where the worker sees no gradient land before the step begins, as when a GPU
-    runs the backward after the CPU has queued it and moved on to the step."""
+    runs the backward after the CPU has queued it and moved on to the step. With ``asynchronous``, the
+    first unit's gradient lands only once the step has taken over the units not started."""
     import threading
 
     torch.manual_seed(0)
     model = TwoHeads().to(torch.bfloat16)
     engine = ZeroEngine(model, ZeroConfig(stage=2, reduce_bucket_size=700, offload_optimizer=True,
-                                          offload_speculative_step=speculative), param_dtype=torch.bfloat16)
+                                          offload_speculative_step=speculative, offload_async_step=asynchronous),
+                        param_dtype=torch.bfloat16)
     engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
     placement = getattr(engine.placement, "host", engine.placement)
     landed = threading.Event()
     if speculative:
-        grad_of = placement.spec._grad_of
+        spec = placement.spec
+        grad_of, hand_over = spec._grad_of, spec.hand_over
 
         def held(unit):
             landed.wait()
             return grad_of(unit)
 
-        placement.spec._grad_of = held
+        def handed():
+            hand_over()
+            landed.set()
+
+        spec._grad_of, spec.hand_over = held, handed
     offered_first = 0
     for step in range(3):
         landed.clear()
         engine.backward(_loss(model, step, 0, head=0).float(), boundary=True)
-        landed.set()  # the step begins: the gradients land now
+        if not asynchronous:
+            landed.set()  # the step begins: the gradients land now
         engine.step()
         engine.zero_grad()
         if step == 0 and speculative:
             offered_first = placement.spec.counts.offered  # the first step makes the state: not speculated
+    placement.settle()  # an asynchronous step's end
     counts = placement.spec.counts if speculative else None
     masters = [u.master.detach().clone() for u in engine.units]
     engine.close()
@@ -206,3 +215,33 @@ def test_a_device_behind_the_cpu_still_steps_every_unit_offered(dist_pool):
         # used, reduced last since the first step agreed on the order the units complete in (3 kept).
         assert first == 3 and counts.offered == 9, counts
         assert counts.kept == 2 + 3 and counts.undone == 0 and counts.unstarted == 0, counts
+
+
+def test_an_asynchronous_step_takes_over_the_units_speculation_has_not_started(dist_pool):
+    """With ``offload_async_step`` the step steps the units speculation has not begun itself, in forward
+    order, instead of waiting for the speculation worker to reach them in its order; bitwise the same."""
+    ours = dist_pool(2).run(_train_behind, True, True)
+    theirs = dist_pool(2).run(_train_behind, False, True)
+    for (a, counts, first), (b, _, _) in zip(ours, theirs):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+        # Each speculated step (the second and third) offers 3 units; the worker is held on the first it
+        # took until the step has taken the other two: 2 stepped by the worker, 4 by the step.
+        assert first == 3 and counts.offered == 9, counts
+        assert counts.unstarted == 4 and counts.kept + counts.undone == 2, counts
+
+
+def test_the_speculation_worker_steps_the_newest_landed_unit_first():
+    """Among the units offered, the newest whose gradient is on the host; the oldest when none is."""
+    from types import SimpleNamespace
+
+    from lightning_zeroq.zero.offload.speculate import Speculation
+
+    landed = {2, 1}
+    spec = Speculation(None, lambda unit: None, lambda index: None, lambda index: index in landed)  # type: ignore[arg-type]
+    units = {i: SimpleNamespace(index=i) for i in (3, 2, 1, 0)}
+    spec._queue.extend(units[i] for i in (3, 2, 1, 0))  # offered in reverse unit order, as reduced
+    assert spec._next() is units[1]
+    assert spec._next() is units[2]
+    assert spec._next() is units[3]  # none of the rest landed: the oldest lands first
+    landed.add(0)
+    assert spec._next() is units[0]
