@@ -112,11 +112,11 @@ def memory_bound(engine) -> dict:
 ARM_STAGES = {"ddp": 0, "zeroq1": 1, "zeroq2": 2, "zeroq3": 3}
 ARM_OPTIONS = ("int8", "offload_optimizer", "offload_params", "qgrad", "keep", "prefetch2", "ratio25", "ratio50", "ratio75",
                "auto", "spec", "async", "parts", "plain", "clip", "compile", "compile_whole", "group1", "group2", "group4", "crossq",
-               "nvme", "spill25", "spill50", "spill75")
+               "nvme", "spill25", "spill40", "spill50", "spill75", "muon")
 # +nvme (with +offload_optimizer / +offload_params): to NVMe swap files under --nvme-path instead of host memory
 # +spillNN (with +offload_optimizer): the optimizer state of NN% of the parameters (largest units) to NVMe
 # swap files under --nvme-path, the rest in host memory (offload_optimizer_nvme_ratio); parameters stay on the host
-SPILLS = {"spill25": 0.25, "spill50": 0.5, "spill75": 0.75}
+SPILLS = {"spill25": 0.25, "spill40": 0.4, "spill50": 0.5, "spill75": 0.75}
 SHARD_GROUPS = {"group1": 1, "group2": 2, "group4": 4}  # hybrid sharding: shard_group_size
 # +compile (ddp, fsdp2, zeroq): block.compile() on every block (torchtitan's recipe; FSDP2's and stage 3's
 # module hooks run outside the graphs); +compile_whole: torch.compile of the whole model (ddp: of the DDP
@@ -385,15 +385,27 @@ def build_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> Arm:
                             quantized_weights="int8" in options, offload_optimizer=offload,
                             offload_parameters="offload_params" in options, **extra)
         engine = ZeroEngine(model, config, param_dtype=torch.bfloat16, device=dev)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        engine.attach_optimizer(opt)
+        if "muon" in options:  # Muon for the blocks' matrices, AdamW for the rest (the usual recipe)
+            hidden = [p for n, p in model.named_parameters() if n.startswith("blocks") and p.dim() == 2]
+            rest = [p for n, p in model.named_parameters() if not (n.startswith("blocks") and p.dim() == 2)]
+            optimizers = [torch.optim.Muon(hidden, lr=0.02, momentum=0.95, weight_decay=0.1),
+                          torch.optim.AdamW(rest, lr=1e-4, fused=True)]
+        else:
+            optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)]
+        opt = optimizers[-1]
+        for optimizer in optimizers:
+            engine.attach_optimizer(optimizer)
         forward = torch.compile(model) if "compile_whole" in options else model
 
         def finish(loss: torch.Tensor) -> None:
             engine.backward(loss, boundary=True)
-            if "clip" in options:
-                engine.clip_grad_norm_(CLIP)
-            engine.step()
+            for optimizer in optimizers:
+                if "clip" in options:
+                    engine.clip_grad_norm_(CLIP, optimizer=optimizer if len(optimizers) > 1 else None)
+                engine.step(optimizer if len(optimizers) > 1 else None)
+            if len(optimizers) > 1:
+                for optimizer in optimizers:
+                    engine.zero_grad(optimizer)
 
     return Arm(model, forward, finish, engine, opt, num_params)
 
@@ -503,6 +515,8 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
         "world_size": dist.get_world_size(), "torch": torch.__version__,
     }
     result.update(throughput(num_params, args, float(result["step_s_median"])))
+    if "muon" in parse_arm(arm)[1]:
+        result["newton_schulz_s"] = newton_schulz_seconds(args, dev)
     if floor_times:
         result.update(floor_s_median=round(statistics.median(floor_times), 4),
                       over_floor_median=round(statistics.median(t / f for t, f in zip(times, floor_times)), 3),
@@ -527,6 +541,26 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
         if hasattr(torch._C, "_host_emptyCache"):  # pinned host blocks an offload arm left in torch's cache
             torch._C._host_emptyCache()
     return result
+
+
+def newton_schulz_seconds(args: argparse.Namespace, dev: torch.device) -> float:
+    """+muon: the time of one step's orthogonalizations alone (torch's Newton-Schulz iteration over every
+    matrix Muon steps, on this device, as each rank runs them), the median of five."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    with torch.device("meta"):
+        shapes = [p.shape for n, p in GPT(args.vocab, args.dim, args.layers, args.heads, args.ffn).named_parameters()
+                  if n.startswith("blocks") and p.dim() == 2]
+    matrices = [torch.randn(shape, device=dev) for shape in shapes]
+    times = []
+    for _ in range(6):
+        sync()
+        t0 = time.perf_counter()
+        for m in matrices:
+            _zeropower_via_newtonschulz(m, (3.4445, -4.775, 2.0315), 5, 1e-7)
+        sync()
+        times.append(time.perf_counter() - t0)
+    return round(statistics.median(times[1:]), 4)
 
 
 def print_memory_peak(arm: str, snapshot: dict) -> None:
