@@ -8,7 +8,8 @@ A DeepSpeed checkpoint directory holds a ``latest`` file naming its tag, and und
   ``exp_avg_sq`` for Adam, the same length as the partition; ``step``);
 - the model states, ``mp_rank_00_model_states.pt`` (stages 1 and 2) or one per rank (stage 3):
   ``param_shapes`` (per parameter group, the parameters in order by name and shape) and the step
-  counters.
+  counters; where Lightning's ``DeepSpeedStrategy`` wrote it, also the Trainer's own state (its loops,
+  callbacks, counters and schedulers: ``LIGHTNING_KEYS``), which resumes with the rest.
 
 Stages 1 and 2 flatten each group's parameters one after another (DeepSpeed may record a padding after
 each one, ``param_alignment_paddings``), pad the end, and give each rank an equal consecutive part: the
@@ -78,6 +79,13 @@ class DeepSpeedState:
     hyperparameters: list[dict[str, Any]] = field(default_factory=list)
     """Per group: the optimizer's settings (``lr``, ``betas``, ``weight_decay``, ...)."""
     global_steps: int = 0
+    lightning: dict[str, Any] = field(default_factory=dict)
+    """Where Lightning's ``DeepSpeedStrategy`` wrote the checkpoint: the Trainer's own state it kept beside
+    DeepSpeed's (``LIGHTNING_KEYS``: its loops, callbacks, epoch and step counters, schedulers)."""
+
+
+LIGHTNING_KEYS = ("epoch", "global_step", "pytorch-lightning_version", "loops", "callbacks", "lr_schedulers")
+"""What Lightning's ``DeepSpeedStrategy`` saves as DeepSpeed's client state (in the model states file)."""
 
 
 def is_deepspeed(path: Path) -> bool:
@@ -156,7 +164,8 @@ def read(path: Path, optimizer: bool = True) -> DeepSpeedState:
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in _field(bases[0][1], "param_groups", first_file)]
     hyper = [_torch_adam_group(h, model.get("ds_config") or {}, first_file) for h in hyper]
     out = DeepSpeedState(stage, world, {}, groups, hyperparameters=hyper,
-                         global_steps=int(model.get("global_steps", 0) or 0))
+                         global_steps=int(model.get("global_steps", 0) or 0),
+                         lightning={k: model[k] for k in LIGHTNING_KEYS if k in model})
     if stage == 3:
         order = [n for g in groups for n in g]
         flats = [_field(o, "fp32_flat_groups", f, "optimizer_state_dict.") for f, o in optims]
@@ -255,6 +264,8 @@ def as_lightning_checkpoint(state: DeepSpeedState, optimizer: bool) -> dict:
     the same ``configure_optimizers`` gives them), and the step count."""
     out: dict[str, Any] = {"state_dict": state.params, "global_step": state.global_steps, "epoch": 0,
                            "pytorch-lightning_version": lightning_version()}
+    if state.lightning:  # written by Lightning's DeepSpeedStrategy: its Trainer state resumes too
+        out.update({k: v for k, v in state.lightning.items() if optimizer or k != "lr_schedulers"})
     if optimizer:
         names = [name for group in state.groups for name in group]
         ids = {name: i for i, name in enumerate(names)}
@@ -263,7 +274,7 @@ def as_lightning_checkpoint(state: DeepSpeedState, optimizer: bool) -> dict:
             "param_groups": [{**hyper, "params": [ids[n] for n in group]}
                              for hyper, group in zip(state.hyperparameters, state.groups)],
         }]
-        out["lr_schedulers"] = []
+        out.setdefault("lr_schedulers", [])
     return out
 
 

@@ -1,5 +1,5 @@
 """Write the DeepSpeed checkpoints the tests read (``tests/integration/checkpoint/test_deepspeed.py``), with
-the real DeepSpeed: one launch per configuration, 2 ranks, a small model, 3 steps of AdamW (one
+the real DeepSpeed: one launch per configuration, 2 ranks (``RANKS``), a small model, 3 steps of AdamW (one
 parameter group: DeepSpeed 0.19.8's ``safe_get_full_optimizer_state`` finds no state in a second one), then
 ``save_checkpoint``; beside each checkpoint ``reference.pt``: every parameter's fp32 value and Adam
 moments as DeepSpeed's own API gives them whole (``safe_get_full_fp32_param``,
@@ -31,6 +31,8 @@ CONFIGS = [  # (name, stage, dtype, offload)
     ("stage3_bf16_offload", 3, "bf16", True),
 ]
 VOCAB, DIM = 32, 16
+RANKS = os.environ.get("RANKS", "2")
+"""Processes per launch (NCCL takes one GPU per process: ``RANKS=1`` on a machine of one GPU)."""
 
 
 def train(name: str, stage: int, dtype: str, offload: bool) -> None:
@@ -103,10 +105,16 @@ def main() -> int:
         if dtype == "fp16" and os.environ.get("DS_ACCELERATOR") == "cpu":
             print(f"{name}: skipped (DeepSpeed's CPU accelerator has no fp16; write it on a GPU machine)")
             continue
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", __file__, name],
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", RANKS, __file__, name],
                        check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    (HERE / "VERSIONS.json").write_text(json.dumps({"deepspeed": deepspeed.__version__, "torch": torch.__version__,
-                                                    "accelerator": os.environ.get("DS_ACCELERATOR", "cuda")}) + "\n")
+    versions = json.loads((HERE / "VERSIONS.json").read_text()) if (HERE / "VERSIONS.json").exists() else {}
+    written = {name: {"deepspeed": deepspeed.__version__, "torch": torch.__version__, "ranks": int(RANKS),
+                      "accelerator": os.environ.get("DS_ACCELERATOR", "cuda")}
+               for name, _, dtype, _ in CONFIGS if (not only or name in only.split(","))
+               and not (dtype == "fp16" and os.environ.get("DS_ACCELERATOR") == "cpu")}
+    versions.setdefault("fixtures", {}).update(written)
+    versions["deepspeed"] = deepspeed.__version__
+    (HERE / "VERSIONS.json").write_text(json.dumps(versions) + "\n")
     return 0
 
 

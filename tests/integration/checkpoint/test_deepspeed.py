@@ -31,15 +31,17 @@ class Net(nn.Module):  # the model make_fixtures.py trains
         self.head = nn.Linear(16, 32, bias=False)
 
 
-def test_the_fixtures_cover_every_stage_and_both_dtypes():
-    assert {"stage1_fp32", "stage2_bf16", "stage3_bf16", "stage3_fp32", "stage2_bf16_offload", "stage3_bf16_offload"} <= set(NAMES)
+def test_the_fixtures_cover_every_stage_and_every_dtype():
+    assert {"stage1_fp32", "stage2_bf16", "stage2_fp16", "stage3_bf16", "stage3_fp32", "stage2_bf16_offload",
+            "stage3_bf16_offload"} <= set(NAMES)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_every_parameter_and_moment_is_bitwise_deepspeeds_own(name):
     reference = torch.load(FIXTURES / name / "reference.pt", weights_only=True)
     state = deepspeed.read(FIXTURES / name)
-    assert state.stage == int(name[5]) and state.world_size == 2 and state.global_steps == reference["global_steps"] == 3
+    ranks = json.loads((FIXTURES / "VERSIONS.json").read_text())["fixtures"][name]["ranks"]
+    assert state.stage == int(name[5]) and state.world_size == ranks and state.global_steps == reference["global_steps"] == 3
     assert list(state.params) == [n for n, _ in Net().named_parameters()]
     for n, value in reference["params"].items():
         assert state.params[n].dtype == torch.float32 and torch.equal(state.params[n], value), n
@@ -103,14 +105,18 @@ def test_a_missing_rank_or_a_foreign_object_is_one_line_naming_the_file(tmp_path
 
 def test_the_fixtures_say_which_deepspeed_wrote_them():
     versions = json.loads((FIXTURES / "VERSIONS.json").read_text())
-    assert versions["deepspeed"].startswith("0.") and versions["torch"]
+    assert versions["deepspeed"].startswith("0.")
+    assert set(versions["fixtures"]) == set(NAMES)  # each with the torch, accelerator and ranks that wrote it
+    assert all(v["torch"] and v["accelerator"] in ("cpu", "cuda") and v["ranks"] >= 1 for v in versions["fixtures"].values())
 
 
-def _resume_body(ckpt: str, fixture: str, strategy: str, stage: int) -> tuple[float, float, list[float]]:
-    """Fit 20 steps from ``ckpt`` (``strategy``: ``zeroq`` at ``stage``, or ``ddp``). Returns, at the start
-    of training (before any step), Adam's step count and the largest difference of the weights and the
-    second moments from DeepSpeed's own (zeroq only), and every step's loss. The Trainer's own counters
-    start again (the checkpoint has no Lightning loop state)."""
+def _resume_body(ckpt: str, reference_file: str, strategy: str, stage: int, first_step: int = 0
+                 ) -> tuple[float, float, list[float], int]:
+    """Fit 20 steps from ``ckpt`` (the checkpoint's loops at ``first_step``) (``strategy``: ``zeroq`` at ``stage``, or ``ddp``). Returns, at the
+    start of training (before any step), Adam's step count and the largest difference of the weights and
+    both moments from those in ``reference_file`` (zeroq only); every step's loss; and the Trainer's
+    ``global_step`` at the start (0 from a DeepSpeed checkpoint, which has no Lightning loop state; the
+    saved step from a checkpoint Lightning wrote, whose loops resume)."""
     import lightning as L
 
     from lightning_zeroq import ZeroQStrategy
@@ -129,19 +135,22 @@ def _resume_body(ckpt: str, fixture: str, strategy: str, stage: int) -> tuple[fl
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1.0)  # the checkpoint's settings replace these
 
-    reference = torch.load(FIXTURES / fixture / "reference.pt", weights_only=True)
+    reference = torch.load(reference_file, weights_only=True)
     seen: list = []
     losses: list[float] = []
+    started: list[int] = []
 
     class Check(L.Callback):
         def on_train_start(self, trainer, pl_module) -> None:
             assert trainer.optimizers[0].param_groups[0]["lr"] == 0.01
+            started.append(trainer.global_step)
             if strategy != "zeroq":
                 return
             weights = trainer.strategy.full_state_dict()
             moments = trainer.strategy.engine.full_optimizer_state()
-            worst = max(max((weights[n] - v).abs().max().item(), (moments[n]["exp_avg_sq"] - reference["exp_avg_sq"][n])
-                            .abs().max().item()) for n, v in reference["params"].items())
+            worst = max(max((weights[n] - v).abs().max().item(), *((moments[n][k] - reference[k][n]).abs().max().item()
+                                                                    for k in ("exp_avg", "exp_avg_sq")))
+                        for n, v in reference["params"].items())
             seen.append((float(moments["head.weight"]["step"]), worst))
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -151,19 +160,19 @@ def _resume_body(ckpt: str, fixture: str, strategy: str, stage: int) -> tuple[fl
     torch.manual_seed(0)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randint(0, 32, (24 * 3, 8))), batch_size=2)
     trainer = L.Trainer(strategy=ZeroQStrategy(stage=stage, **options) if strategy == "zeroq" else "ddp",
-                        accelerator="cpu", devices=dist.get_world_size(), max_steps=20, logger=False,
+                        accelerator="cpu", devices=dist.get_world_size(), max_steps=first_step + 20, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[Check()])
     trainer.fit(Lit(), data, ckpt_path=ckpt)
     step, worst = seen[0] if seen else (3.0, 0.0)
-    return step, worst, losses
+    return step, worst, losses, started[0]
 
 
 # Each fixture resumed once, the world sizes and stages in turn (the matrix's diagonals): from the file
 # zeroq-convert writes, or from DeepSpeed's directory itself.
 RESUMES = [("stage1_fp32", 1, 3, "converted"), ("stage2_bf16", 2, 3, "directory"), ("stage3_bf16", 3, 1, "converted"),
            ("stage3_fp32", 3, 2, "directory"), ("stage2_bf16_offload", 3, 2, "converted"),
-           ("stage3_bf16_offload", 1, 2, "directory")]
+           ("stage3_bf16_offload", 1, 2, "directory"), ("stage2_fp16", 2, 2, "directory")]
 
 
 @pytest.mark.parametrize("fixture, world_size, stage, source", RESUMES)
@@ -177,10 +186,11 @@ def test_a_deepspeed_checkpoint_resumes_at_any_world_size_and_stage(dist_pool, t
     assert convert.main([str(FIXTURES / fixture), str(tmp_path / "full.ckpt"), "--optimizer"]) == 0
     ckpt = str(tmp_path / "full.ckpt") if source == "converted" else str(FIXTURES / fixture)
     pool = dist_pool(world_size)
-    ours = pool.run(_resume_body, ckpt, fixture, "zeroq", stage)
-    ddp = pool.run(_resume_body, str(tmp_path / "full.ckpt"), fixture, "ddp", 0)
-    for (step, worst, losses), (_, _, ref) in zip(ours, ddp):
-        assert step == 3.0 and worst == 0.0
+    reference = str(FIXTURES / fixture / "reference.pt")
+    ours = pool.run(_resume_body, ckpt, reference, "zeroq", stage)
+    ddp = pool.run(_resume_body, str(tmp_path / "full.ckpt"), reference, "ddp", 0)
+    for (step, worst, losses, started), (_, _, ref, _) in zip(ours, ddp):
+        assert step == 3.0 and worst == 0.0 and started == 0
         assert len(losses) == len(ref) == 20
         # 1e-6 relative: the same fp32 arithmetic but the gradients summed across ranks in another order
         # (reduce-scatter against DDP's all-reduce), a few ulps apart per step
