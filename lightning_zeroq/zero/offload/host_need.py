@@ -15,7 +15,7 @@ Per element of this rank's shard of the units stepped on the host (``offload_opt
   transient units with their parameters on the host: the kernel writes it into their buffer);
 - the optimizer state, counted when the optimizer is attached: torch's Adam and AdamW 8 (two fp32
   moments), SGD with momentum 4; other optimizers are not counted;
-- ``offload_speculative_step``: the spare buffers, 12 (a bound: made for the units it steps early).
+- ``offload_speculative_step``: the spare buffers, 12 (made for every host unit at the first window that can speculate).
 
 With the optimizer on NVMe the host keeps the gradient buffers; masters and state are
 on the disk, whose room the swap space checks when it reserves its files. Stage-3 parameters on the host

@@ -24,8 +24,8 @@ skipped or failed non-finite check, ``zero_grad``) and when something reads the 
 (value clipping) or walks the masters (state dicts, checkpoints, ``gathered_parameters``) before the
 step. So the result is bitwise the result without speculation, whatever happens.
 
-Cost. Host memory: spare buffers of 12 bytes per element of every unit ever speculated (kept for the
-next step). Host time: none beyond the step itself (out of place, a step moves the bytes a step in
+Cost. Host memory: spare buffers of 12 bytes per element of every unit (made at the first window that
+can speculate, ``_make_spares``, and kept). Host time: none beyond the step itself (out of place, a step moves the bytes a step in
 place moves), taken in time the host would otherwise wait; an undone unit's step is taken again.
 After a window whose multiplier undid the speculation (clipping in effect), the next ``PAUSE``
 windows do not speculate.
