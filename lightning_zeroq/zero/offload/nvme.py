@@ -13,7 +13,8 @@ Residency. The optimizer keeps its own tensor objects (its parameters are the ma
 state tensors hang off them); loading a unit points their ``.data`` at fresh host buffers read from
 disk, storing it writes the buffers back and points ``.data`` at empty placeholders. The step walks
 the units in order: unit ``i+1`` is read ahead while unit ``i`` steps, and unit ``i`` is written back
-while ``i+1`` steps, so at most three units are resident. An I/O error, a short read or a swap file
+while the next ones step (at most ``WRITES_IN_FLIGHT`` writes behind, whose buffers then go back to the
+pool), so a few units are resident at a time. An I/O error, a short read or a swap file
 that changed size raises ``RuntimeError`` naming the file before any step runs on the data.
 
 Parameters (stage 3). A transient unit's payload (working shard or INT8 encoding) is written to its
@@ -33,6 +34,11 @@ from lightning_zeroq.swap import NvmeSwapper, SwapHandle, aligned_empty
 from lightning_zeroq.zero.matrix import is_matrix_optimizer
 from lightning_zeroq.zero.offload.host import HostOptimizer
 from lightning_zeroq.zero.unit import Unit
+
+
+WRITES_IN_FLIGHT = 2
+"""Units whose write-back may still be running while the walk goes on. Past it the oldest is waited for
+and its buffers reused, so a step holds a few units' buffers, not every swapped unit's."""
 
 
 class BufferPool:
@@ -192,6 +198,8 @@ class NvmeOptimizer(HostOptimizer):
                         target.copy_(state[key])
         handles = [self.swapper.write_async(swap_key(unit.index, name), t) for name, t in buffers.items()]
         self._writing[unit.index] = (handles, list(buffers.values()))
+        while len(self._writing) > WRITES_IN_FLIGHT:  # the oldest write's buffers go back to the pool
+            self._finish_write(next(iter(self._writing)))
         if all(k in buffers for k in self.keys):
             self._state_on_disk.add(unit.index)
         self._evict(unit)

@@ -490,3 +490,30 @@ def test_nvme_spill_keeps_the_other_units_in_host_memory_bitwise(dist_pool, stag
     until half the parameters are there, the others' stays in host memory; the training is bitwise CPU
     offload's (both step on the host)."""
     dist_pool(2).run(_nvme_spill_body, stage)
+
+
+def _nvme_pool_body() -> tuple[int, int]:
+    from lightning_zeroq.zero.offload.nvme import WRITES_IN_FLIGHT
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)])
+    engine = ZeroEngine(model, ZeroConfig(stage=2, reduce_bucket_size=272, **_offload_options("optimizer_nvme")))
+    engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for step in range(2):
+        engine.backward(model(torch.randn(4, 16, generator=torch.Generator().manual_seed(step))).square().mean())
+        engine.step()
+        engine.zero_grad()
+    placement = engine.placement
+    units = len(engine.units)
+    held = sum(len(free) for free in placement._pool._free.values())
+    engine.close()
+    return units, held // (1 + len(placement.keys)) - WRITES_IN_FLIGHT
+
+
+def test_nvme_step_holds_a_few_units_buffers_not_every_swapped_units(dist_pool):
+    """The step walks the swapped units reading one ahead and writing each back: a unit's buffers go back
+    to the pool once its write is done, at most ``WRITES_IN_FLIGHT`` writes behind, so the host holds a few
+    units' masters and moments, not the whole model's (which it held before the bound)."""
+    for units, beyond in dist_pool(2).run(_nvme_pool_body):
+        assert units == 8
+        assert beyond <= 2, beyond  # the unit being stepped and the one read ahead
