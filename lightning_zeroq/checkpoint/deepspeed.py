@@ -19,7 +19,8 @@ the order of ``param_shapes``, across its groups.
 
 The files are read with ``torch.load(weights_only=True)``; the few DeepSpeed objects pickled in them
 (its loss scaler, a stage enum, fragment addresses) are read as inert stand-ins that keep their fields,
-so nothing of DeepSpeed is imported or run.
+so nothing of DeepSpeed is imported or run. An fp16 run's dynamic loss scale (``_loss_scale``) resumes
+in ZeroQ's scaler under ``16-mixed``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 from torch import Tensor
 
 from lightning_zeroq.checkpoint.agree import CheckpointError, agree
-from lightning_zeroq.checkpoint.store import lightning_version
+from lightning_zeroq.checkpoint.store import ENGINE_KEY, lightning_version
 
 
 class DeepSpeedCheckpointError(CheckpointError, ValueError):
@@ -79,6 +80,9 @@ class DeepSpeedState:
     hyperparameters: list[dict[str, Any]] = field(default_factory=list)
     """Per group: the optimizer's settings (``lr``, ``betas``, ``weight_decay``, ...)."""
     global_steps: int = 0
+    loss_scale: Optional[dict[str, Any]] = None
+    """fp16 training with a dynamic scale: its state as ZeroQ's scaler keeps it (``scale``, ``good_steps``:
+    DeepSpeed's iterations since its last overflow, ``skipped_steps``); None otherwise."""
     lightning: dict[str, Any] = field(default_factory=dict)
     """Where Lightning's ``DeepSpeedStrategy`` wrote the checkpoint: the Trainer's own state it kept beside
     DeepSpeed's (``LIGHTNING_KEYS``: its loops, callbacks, epoch and step counters, schedulers)."""
@@ -165,7 +169,8 @@ def read(path: Path, optimizer: bool = True) -> DeepSpeedState:
     hyper = [_torch_adam_group(h, model.get("ds_config") or {}, first_file) for h in hyper]
     out = DeepSpeedState(stage, world, {}, groups, hyperparameters=hyper,
                          global_steps=int(model.get("global_steps", 0) or 0),
-                         lightning={k: model[k] for k in LIGHTNING_KEYS if k in model})
+                         lightning={k: model[k] for k in LIGHTNING_KEYS if k in model},
+                         loss_scale=_loss_scale(first))
     if stage == 3:
         order = [n for g in groups for n in g]
         flats = [_field(o, "fp32_flat_groups", f, "optimizer_state_dict.") for f, o in optims]
@@ -258,12 +263,25 @@ def _unzip_stage3(out: DeepSpeedState, flats: list[list[Tensor]], sizes: dict[st
         offset += part
 
 
+def _loss_scale(optimizer_state: dict) -> Optional[dict[str, Any]]:
+    """DeepSpeed's dynamic fp16 loss scaler (an inert stand-in of ``DynamicLossScaler``), as ZeroQ's
+    scaler state; None where the checkpoint has none (bf16, fp32) or a fixed scale."""
+    scaler = optimizer_state.get("loss_scaler")
+    fields = getattr(scaler, "state", None)
+    if not isinstance(fields, dict) or not fields.get("dynamic") or "cur_scale" not in fields:
+        return None
+    since = int(fields.get("cur_iter", 0)) - int(fields.get("last_overflow_iter", -1)) - 1
+    return {"scale": float(fields["cur_scale"]), "good_steps": max(0, since), "skipped_steps": 0}
+
+
 def as_lightning_checkpoint(state: DeepSpeedState, optimizer: bool) -> dict:
     """The checkpoint as the single-file Lightning checkpoint ``strategy="ddp"`` writes: the fp32 weights
     by name, with ``optimizer`` torch's optimizer state (parameter ids in DeepSpeed's group order, the order
     the same ``configure_optimizers`` gives them), and the step count."""
     out: dict[str, Any] = {"state_dict": state.params, "global_step": state.global_steps, "epoch": 0,
                            "pytorch-lightning_version": lightning_version()}
+    if state.loss_scale is not None:  # ZeroQ's scaler picks it up where the run uses one (16-mixed)
+        out[ENGINE_KEY] = {"loss_scaler": state.loss_scale}
     if state.lightning:  # written by Lightning's DeepSpeedStrategy: its Trainer state resumes too
         out.update({k: v for k, v in state.lightning.items() if optimizer or k != "lr_schedulers"})
     if optimizer:

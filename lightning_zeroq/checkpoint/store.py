@@ -51,6 +51,10 @@ LEGACY_META = "meta.pt"
 LEGACY_SHARD_PREFIX = "zero_shard_rank"
 
 
+ENGINE_KEY = "zeroq"
+"""A Lightning checkpoint's entry for the engine's own state beside the model's (its loss scaler)."""
+
+
 def lightning_version() -> str:
     """The installed Lightning's version, for a file in Lightning's layout (Lightning reads it to migrate
     the layout)."""

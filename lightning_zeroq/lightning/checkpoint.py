@@ -35,11 +35,9 @@ from lightning_zeroq.checkpoint.agree import CheckpointError, agree, checkpoint_
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer, locate_error
 from lightning_zeroq.checkpoint.convert import lightning_checkpoint
 from lightning_zeroq.checkpoint.engine_io import (load_engine, save_state)
-from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY, Kind, classify
+from lightning_zeroq.checkpoint.store import ENGINE_KEY, MODEL_KEY, OPTIMIZER_KEY, Kind, classify
 from lightning_zeroq.checkpoint.torch_file import load_torch_optimizer_state, torch_load
 from lightning_zeroq.zero import state_dict as zsd
-
-ENGINE_KEY = "zeroq"
 
 
 def _register_types() -> None:

@@ -221,3 +221,18 @@ def _fabric_body(fixture: str) -> float:
 
 def test_fabric_loads_a_deepspeed_checkpoint_into_its_shards(dist_pool):
     assert dist_pool(3).run(_fabric_body, "stage2_bf16") == [0.0, 0.0, 0.0]
+
+
+def test_an_fp16_checkpoint_brings_its_dynamic_loss_scale():
+    """DeepSpeed's dynamic fp16 scaler (scale 2**8 after 3 steps without overflow) becomes ZeroQ's scaler
+    state, which ``16-mixed`` resumes from; bf16 and fp32 checkpoints carry none."""
+    from lightning_zeroq.checkpoint.store import ENGINE_KEY
+    from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
+
+    state = deepspeed.read(FIXTURES / "stage2_fp16")
+    assert state.loss_scale == {"scale": 256.0, "good_steps": 3, "skipped_steps": 0}
+    scaler = DynamicLossScaler()
+    scaler.load_state_dict(deepspeed.as_lightning_checkpoint(state, optimizer=True)[ENGINE_KEY]["loss_scaler"])
+    assert scaler.scale == 256.0 and scaler.good_steps == 3
+    assert deepspeed.read(FIXTURES / "stage2_bf16").loss_scale is None
+    assert ENGINE_KEY not in deepspeed.as_lightning_checkpoint(deepspeed.read(FIXTURES / "stage3_fp32"), optimizer=True)
