@@ -277,7 +277,9 @@ def build_units(
             segments=segments,
             flat=flat,
             master=master,
-            segment_masters=[master[seg.shard_span] for seg in segments],
+            # Not views of ``master`` (``detach``): a view keeps its base alive whatever ``.data`` is set to
+            # later, so a master replaced by ``set_master`` (one evicted to NVMe) would stay in memory.
+            segment_masters=[master[seg.shard_span].detach() for seg in segments],
             grad=_without_storage(torch.empty(layout.shard_numel, dtype=torch.float32, device=device)),
             module=spec.module,
             persistent=spec.persistent,

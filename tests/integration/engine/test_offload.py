@@ -517,3 +517,25 @@ def test_nvme_step_holds_a_few_units_buffers_not_every_swapped_units(dist_pool):
     for units, beyond in dist_pool(2).run(_nvme_pool_body):
         assert units == 8
         assert beyond <= 2, beyond  # the unit being stepped and the one read ahead
+
+
+def _evicted_masters_body() -> list[bool]:
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+    engine = ZeroEngine(model, ZeroConfig(stage=2, reduce_bucket_size=272, **_offload_options("optimizer_nvme")))
+    masters = [weakref.ref(unit.master) for unit in engine.units]
+    engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))  # writes the masters out, evicts them
+    gc.collect()
+    alive = [ref() is not None for ref in masters]
+    engine.close()
+    return alive
+
+
+def test_a_master_written_to_nvme_leaves_host_memory(dist_pool):
+    """Once a unit's master is in its swap file, nothing holds the host copy: the optimizer's segment
+    tensors are not views of it (a view would keep its base, whatever its ``.data`` was set to later)."""
+    for alive in dist_pool(2).run(_evicted_masters_body):
+        assert alive and not any(alive), alive
