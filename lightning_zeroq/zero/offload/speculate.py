@@ -162,11 +162,12 @@ class Speculation:
         """Every unit's spare buffers, made (and written once) here on the calling thread as soon as the
         state they mirror exists, rather than by the worker the first time it steps each unit: which
         units the worker reaches varies from window to window, and first writes into fresh pages from
-        all the kernel's threads at once cost several times the step itself."""
+        all the kernel's threads at once cost several times the step itself. A unit whose master is no
+        longer on the host (``offload_optimizer_ratio="auto"`` brought it back) gets none."""
         for unit in self.units:
             if unit.index not in self.spares:
                 pairs = _AllSegments(optimizer, unit).optimized[unit.index]
-                if pairs and all(optimizer.state.get(view) for view, _ in pairs):
+                if pairs and all(optimizer.state.get(view) and view.device.type == "cpu" for view, _ in pairs):
                     self.spares[unit.index] = self._spare(unit, optimizer, pairs)
 
     def offer(self, unit: Unit) -> None:
