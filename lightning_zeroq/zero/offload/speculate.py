@@ -201,18 +201,16 @@ class Speculation:
 
     def stop(self) -> None:
         """No more units, and those not started step as usual (a reader comes before the step)."""
-        self._drop_unstarted()
+        self.hand_over()
 
-    def _drop_unstarted(self) -> None:
+    def hand_over(self) -> None:
+        """No more units, and those not started are the caller's to step: an asynchronous step's
+        (``ahead.StepAhead.run``, in forward order), or the usual step's (``stop``). The one being
+        stepped finishes here (``keep`` waits for it)."""
         with self._cv:
             self._accepting = False
             self.counts.unstarted += len(self._queue)
             self._queue.clear()
-
-    def hand_over(self) -> None:
-        """An asynchronous step begins (``ahead.StepAhead.run``): the units not started yet are its own
-        to step, in forward order; the one being stepped finishes here (``keep`` waits for it)."""
-        self._drop_unstarted()
 
     def settle(self) -> None:
         """``stop``, and wait for the unit being stepped."""
