@@ -43,7 +43,7 @@ from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.zero.layout import ALIGN, UnitLayout
 from lightning_zeroq.zero.offload import host_units
 from lightning_zeroq.zero.offload.device_need import device_kinds, units_off_device
-from lightning_zeroq.zero.offload.host_need import engine_need
+from lightning_zeroq.zero.offload.host_need import engine_need, optimizer_need
 from lightning_zeroq.zero.plan import UnitSpec, auto_wrap_classes, plan
 from lightning_zeroq.zero.policies import Nvme, OnDevice, Policies, from_config
 from lightning_zeroq.zero.unit import plan_layouts, trainable_parameters
@@ -234,6 +234,7 @@ def candidates(nvme_path: Optional[str] = None) -> list[tuple[str, dict[str, Any
     out.append(("zeroq3+params_optimizer_cpu", {"stage": 3, "offload_optimizer": True, "offload_parameters": True}))
     if nvme_path:
         nvme: dict[str, Any] = {"offload_optimizer": True, "offload_optimizer_device": "nvme", "nvme_path": nvme_path}
+        out.append(("zeroq3+optimizer_nvme_half", {"stage": 3, **nvme, "offload_optimizer_nvme_ratio": 0.5}))
         out.append(("zeroq3+params_cpu_optimizer_nvme_half", {"stage": 3, **nvme, "offload_parameters": True,
                                                                "offload_optimizer_nvme_ratio": 0.5}))
         out.append(("zeroq3+params_cpu_optimizer_nvme", {"stage": 3, **nvme, "offload_parameters": True}))
@@ -253,7 +254,7 @@ def plan_config(model: nn.Module, config: ZeroConfig, activations: Activations, 
     device["loss_gradient"] = activations.largest
     payload = {i: (layouts[i].shard_numel, param_dtype) for i in range(len(specs)) if not specs[i].persistent}
     host = engine_need(policies.offload, layouts, rank, param_dtype, payload)
-    host.parts["optimizer state"] = state_bytes * host.host_elements
+    host.parts.update(optimizer_need([], host.host_elements, False, host.swap_elements, state_bytes).parts)
     nvme = _nvme_bytes(policies, layouts, specs, param_dtype, state_bytes)
     step = _step_seconds(policies, layouts, specs, host.host_elements, nvme, tokens, checkpointing, machine, param_dtype)
     why = []

@@ -18,7 +18,9 @@ Per element of this rank's shard of the units stepped on the host (``offload_opt
 - ``offload_speculative_step``: the spare buffers, 12 (made for every host unit at the first window that can speculate).
 
 With the optimizer on NVMe the host keeps the gradient buffers; masters and state are
-on the disk, whose room the swap space checks when it reserves its files. Stage-3 parameters on the host
+on the disk, whose room the swap space checks when it reserves its files, and in the step's buffers
+while a unit steps: per unit size, at most ``nvme.UNITS_IN_FLIGHT`` units' master and state
+(``nvme.step_buffer_elements``: the one stepping, the one read ahead, the writes behind). Stage-3 parameters on the host
 (``offload_parameters``) rest in a buffer of the payload's dtype per transient unit: 2 bytes per element
 in bf16, about 1.06 with INT8 weights.
 
@@ -41,6 +43,7 @@ import torch
 
 from lightning_zeroq.config import host_budget
 from lightning_zeroq.zero.layout import UnitLayout
+from lightning_zeroq.zero.offload.nvme import step_buffer_elements
 from lightning_zeroq.zero.offload.split import host_units
 from lightning_zeroq.zero.optimizers import adam_kind
 from lightning_zeroq.zero.offload import device_need
@@ -61,6 +64,9 @@ class HostNeed:
     host_elements: int = 0
     """Elements of this rank's segments of the units stepped on the host (the optimizer state's count:
     the shards' padding has none)."""
+    swap_elements: int = 0
+    """With the optimizer on NVMe: the elements of each step buffer kind (master, each state key) held at
+    once while units swap (``nvme.step_buffer_elements``)."""
 
     @property
     def total(self) -> int:
@@ -94,7 +100,7 @@ def engine_need(offload: Offload, layouts: Sequence[UnitLayout], rank: int, para
     if isinstance(policy, OnDevice):
         on_host: frozenset[int] = frozenset()
     elif isinstance(policy, Host):
-        on_host = host_units(layouts, policy.ratio)
+        on_host = host_units(layouts, policy.ratio, policy.last_first)
     else:  # Auto starts with every unit on the host; Nvme keeps every unit's gradient buffers there
         on_host = frozenset(range(len(layouts)))
     elements = sum(layouts[i].shard_numel for i in on_host)
@@ -102,6 +108,9 @@ def engine_need(offload: Offload, layouts: Sequence[UnitLayout], rank: int, para
     params_on_host = isinstance(offload.parameters, Host)
     # With NVMe, only the units not swapped keep master and state in host memory.
     resident = on_host - host_units(layouts, policy.ratio) if isinstance(policy, Nvme) else on_host
+    if isinstance(policy, Nvme):
+        need.swap_elements = step_buffer_elements([layouts[i].shard_numel for i in host_units(layouts, policy.ratio)])
+        need.parts["NVMe step buffers (masters)"] = 4 * need.swap_elements
     if resident:
         need.host_elements = sum(seg.numel for i in resident for seg in layouts[i].segments(rank))
         need.parts["fp32 masters"] = 4 * sum(layouts[i].shard_numel for i in resident)
@@ -129,10 +138,15 @@ def state_bytes_per_element(optimizers: Sequence[torch.optim.Optimizer]) -> int:
     return per_element
 
 
-def optimizer_need(optimizers: Sequence[torch.optim.Optimizer], host_elements: int, speculative: bool) -> HostNeed:
-    """The host memory the attached optimizers' state (and speculative spare buffers) will take."""
-    need = HostNeed(host_elements=host_elements)
-    need.parts["optimizer state"] = state_bytes_per_element(optimizers) * host_elements
+def optimizer_need(optimizers: Sequence[torch.optim.Optimizer], host_elements: int, speculative: bool,
+                   swap_elements: int = 0, state_bytes: Optional[int] = None) -> HostNeed:
+    """The host memory the attached optimizers' state (and speculative spare buffers) will take
+    (``state_bytes``: per element, else ``optimizers``'; ``swap_elements``: ``HostNeed.swap_elements``)."""
+    need = HostNeed(host_elements=host_elements, swap_elements=swap_elements)
+    per_element = state_bytes_per_element(optimizers) if state_bytes is None else state_bytes
+    need.parts["optimizer state"] = per_element * host_elements
+    if swap_elements:
+        need.parts["NVMe step buffers (optimizer state)"] = per_element * swap_elements
     if speculative:
         need.parts["speculative spare buffers"] = 12 * host_elements
     return need
@@ -312,12 +326,12 @@ class HostBudget:
 
     def attached(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Before the optimizers' state is made: it must fit beside what the build allocated."""
-        need = optimizer_need(optimizers, self.need.host_elements, self.offload.speculative)
+        need = optimizer_need(optimizers, self.need.host_elements, self.offload.speculative, self.need.swap_elements)
         kernel_reads_all = all(adam_kind(o) is not None for o in optimizers) and _kernel_loads()
         half = self.need.parts.get("bf16 gradient buffers", 0)  # bf16 weights: fp32 buffers only where read
         if half and (self.accumulates or not kernel_reads_all):
             need.parts["fp32 gradient buffers"] = 2 * half
-        for name in ("optimizer state", "speculative spare buffers"):  # another optimizer's, attached before
+        for name in ("optimizer state", "speculative spare buffers", "NVMe step buffers (optimizer state)"):  # another optimizer's
             self.need.parts.pop(name, None)
         self._check_more(need, "the optimizer's state on the host", state_bytes_per_element(optimizers))
         self.need.parts.update(need.parts)
@@ -371,8 +385,7 @@ class HostBudget:
 
         def total(offload: Offload) -> int:
             other = engine_need(offload, build.layouts, build.rank, build.param_dtype, build.payload)
-            state = optimizer_need([], other.host_elements, offload.speculative)
-            state.parts["optimizer state"] = state_bytes * other.host_elements
+            state = optimizer_need([], other.host_elements, offload.speculative, other.swap_elements, state_bytes)
             return (other.total + state.total) * self.ranks
 
         return nearest_fit(self.offload, total, room.bytes)

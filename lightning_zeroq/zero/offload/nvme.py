@@ -12,9 +12,10 @@ stays in memory.
 Residency. The optimizer keeps its own tensor objects (its parameters are the master segments, its
 state tensors hang off them); loading a unit points their ``.data`` at fresh host buffers read from
 disk, storing it writes the buffers back and points ``.data`` at empty placeholders. The step walks
-the units in order: unit ``i+1`` is read ahead while unit ``i`` steps, and unit ``i`` is written back
-while the next ones step (at most ``WRITES_IN_FLIGHT`` writes behind, whose buffers then go back to the
-pool), so a few units are resident at a time. An I/O error, a short read or a swap file
+the units in order: unit ``i+1`` is read ahead (straight into pool buffers) while unit ``i`` steps, and
+unit ``i`` is written back while the next ones step (at most ``WRITES_IN_FLIGHT`` writes behind, whose
+buffers then go back to the pool), so at most ``UNITS_IN_FLIGHT`` units' buffers of each size are held
+(``step_buffer_elements``, which the host check counts). An I/O error, a short read or a swap file
 that changed size raises ``RuntimeError`` naming the file before any step runs on the data.
 
 Parameters (stage 3). A transient unit's payload (working shard or INT8 encoding) is written to its
@@ -39,6 +40,20 @@ from lightning_zeroq.zero.unit import Unit
 WRITES_IN_FLIGHT = 2
 """Units whose write-back may still be running while the walk goes on. Past it the oldest is waited for
 and its buffers reused, so a step holds a few units' buffers, not every swapped unit's."""
+
+UNITS_IN_FLIGHT = 2 + WRITES_IN_FLIGHT
+"""Units whose step buffers (master and per-element state) a walk holds at once: the one stepping, the
+one read ahead, and the writes behind."""
+
+
+def step_buffer_elements(shard_numels: Sequence[int]) -> int:
+    """The elements of each step buffer kind (master, one per state key) the pool holds at most while the
+    walk steps units of these shard sizes: buffers are reused by size, so per size at most
+    ``UNITS_IN_FLIGHT`` units' worth."""
+    counts: dict[int, int] = {}
+    for numel in shard_numels:
+        counts[numel] = counts.get(numel, 0) + 1
+    return sum(numel * min(count, UNITS_IN_FLIGHT) for numel, count in counts.items())
 
 
 class BufferPool:
@@ -97,6 +112,8 @@ class NvmeOptimizer(HostOptimizer):
         self.swapper: Optional[NvmeSwapper] = None
         self._state_on_disk: set[int] = set()
         self._resident: dict[int, dict[str, Tensor]] = {}
+        self._ahead: dict[int, dict[str, Tensor]] = {}
+        """Pool buffers a read-ahead is filling, per unit."""
         self._writing: dict[int, tuple[list[SwapHandle], list[Tensor]]] = {}
         self._pool = BufferPool(torch.float32, self.pin)
 
@@ -151,12 +168,15 @@ class NvmeOptimizer(HostOptimizer):
         self._flush()
 
     def _prefetch(self, unit: Optional[Unit]) -> None:
-        if unit is None or unit.index in self._resident or not self._swaps(unit):
+        """Start reading ``unit`` into the pool buffers it will step in (no staging copy)."""
+        if unit is None or unit.index in self._resident or unit.index in self._ahead or not self._swaps(unit):
             return
         self._finish_write(unit.index)
         assert self.swapper is not None  # resident() walks units only once attach() made it
+        buffers = self._ahead[unit.index] = {}
         for name in self._names(unit):
-            self.swapper.prefetch(swap_key(unit.index, name))
+            buffers[name] = self._pool.take(unit.layout.shard_numel)
+            self.swapper.prefetch(swap_key(unit.index, name), out=buffers[name])
 
     def _names(self, unit: Unit) -> list[str]:
         return ["master", *(self.keys if unit.index in self._state_on_disk else [])]
@@ -167,10 +187,14 @@ class NvmeOptimizer(HostOptimizer):
             return
         self._finish_write(unit.index)
         assert self.swapper is not None and self.optimizer is not None  # attach() set both
-        buffers: dict[str, Tensor] = {}
-        for name in self._names(unit):
-            buffers[name] = self._pool.take(unit.layout.shard_numel)
+        buffers = self._ahead.pop(unit.index, {})
+        for name in set(buffers) - set(self._names(unit)):  # read ahead before a loaded state replaced it
             self.swapper.read(swap_key(unit.index, name), buffers[name])
+            self._pool.give(buffers.pop(name))
+        for name in self._names(unit):
+            if name not in buffers:
+                buffers[name] = self._pool.take(unit.layout.shard_numel)
+            self.swapper.read(swap_key(unit.index, name), buffers[name])  # completes a read-ahead into it
         unit.set_master(buffers["master"])
         for view, seg in zip(unit.segment_masters, unit.segments):
             state = self.optimizer.state.get(view)

@@ -35,9 +35,12 @@ SMALL_UNITS = dict(reduce_bucket_size=300, stage3_wrap_classes=["Sequential", "L
                    stage3_param_persistence_threshold=20)
 
 
-def _engine(config: dict, dtype: torch.dtype = torch.bfloat16, **options) -> tuple[torch.nn.Module, ZeroEngine]:
+def _engine(config: dict, dtype: torch.dtype = torch.bfloat16, blocks: bool = False,
+            **options) -> tuple[torch.nn.Module, ZeroEngine]:
+    """``blocks``: twelve units of one size (as a model's blocks, which NVMe swaps a few at a time) instead
+    of ``RichModel``'s units of many sizes."""
     torch.manual_seed(0)
-    model = RichModel().to(dtype)
+    model = (torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(12)]) if blocks else RichModel()).to(dtype)
     return model, ZeroEngine(model, ZeroConfig(**SMALL_UNITS, **config, **options), param_dtype=dtype)
 
 
@@ -77,6 +80,13 @@ def _host_bytes(engine: ZeroEngine) -> int:
     return total
 
 
+def _pool_bytes(engine: ZeroEngine) -> int:
+    """The NVMe step's buffers, all back in its pool after a step (their elements: each is page-aligned, up
+    to 4 KiB more, which only these test-sized units notice)."""
+    pool = getattr(_host_of(engine), "_pool", None)
+    return 0 if pool is None else sum(b.numel() * b.element_size() for free in pool._free.values() for b, _ in free)
+
+
 def _spare_bytes(engine: ZeroEngine) -> int:
     spec = _host_of(engine).spec
     return 0 if spec is None else sum(t.untyped_storage().nbytes() for spare in spec.spares.values()
@@ -98,8 +108,12 @@ def test_the_counted_need_is_what_the_engine_allocates(name: str) -> None:
     stateless = sum(v.numel() for u in engine.units if u.index in _host_of(engine).landing.numels
                     for v in u.segment_masters if v not in engine.optimizer.state)
     spares = 12 * budget.need.host_elements if budget.offload.speculative else 0
-    assert counted - spares == allocated + 8 * stateless, (budget.need.parts, counted, allocated, stateless)
+    swapping = (4 + 8) * budget.need.swap_elements  # NVMe: the step buffers of the units in flight at once
+    assert counted - spares - swapping == allocated + 8 * stateless, (budget.need.parts, counted, allocated, stateless)
     assert _spare_bytes(engine) <= spares  # a bound: made for the units stepped early
+    assert _pool_bytes(engine) <= swapping  # a bound: the sizes that were in flight together
+    if swapping:  # the bound is reached where several units of one size swap
+        assert _pool_bytes(engine) >= swapping // 2, (_pool_bytes(engine), swapping)
     engine.close()
 
 
@@ -336,10 +350,14 @@ def test_a_state_that_does_not_fit_names_the_least_offload_that_does(monkeypatch
         smaller.close()
 
 
-def _budget_of(config: dict) -> int:
+def _groups(model: torch.nn.Module) -> list[dict]:
+    return param_groups(model) if isinstance(model, RichModel) else [{"params": list(model.parameters())}]
+
+
+def _budget_of(config: dict, blocks: bool = False) -> int:
     """Host bytes the configuration counts, AdamW attached."""
-    model, probe = _engine(config)
-    probe.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-3))
+    model, probe = _engine(config, blocks=blocks)
+    probe.attach_optimizer(torch.optim.AdamW(_groups(model), lr=1e-3))
     total = probe.host_memory.need.total
     probe.close()
     return total
@@ -349,16 +367,19 @@ def _budget_of(config: dict) -> int:
 def test_a_host_that_cannot_hold_it_names_the_nearest_configuration_that_fits(case, tmp_path) -> None:
     """The host check's fix is the nearest configuration that fits the same budget: without speculative
     spares, else the smallest share of the optimizer state swapped to NVMe (steps of 0.05); that
-    configuration builds and takes AdamW under the budget, and (NVMe) one step less does not."""
+    configuration builds and takes AdamW under the budget, and (NVMe) one step less does not. NVMe spill
+    pays where several units of one size swap (each size's step buffers are held for a few units at once),
+    so its case is a model of twelve like blocks."""
     import re
 
     config = CONFIGS["optimizer_cpu_speculative" if case == "speculative" else "optimizer_cpu"]
-    full = _budget_of(config)
-    budget = (full - 1024) / 2**30 if case == "speculative" else 0.4 * full / 2**30
+    blocks = case == "nvme_spill"
+    full = _budget_of(config, blocks)
+    budget = (full - 1024) / 2**30 if case == "speculative" else 0.66 * full / 2**30
     with pytest.raises(host_need.HostMemoryError) as caught:  # at the build (with Adam's state) or at attach
-        model, engine = _engine(config, host_memory_budget=budget)
+        model, engine = _engine(config, blocks=blocks, host_memory_budget=budget)
         try:
-            engine.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-3))
+            engine.attach_optimizer(torch.optim.AdamW(_groups(model), lr=1e-3))
         finally:
             engine.close()
     message = str(caught.value)
@@ -374,12 +395,38 @@ def test_a_host_that_cannot_hold_it_names_the_nearest_configuration_that_fits(ca
         assert ratio, message
         options = {**config, "offload_optimizer_device": "nvme", "nvme_path": str(tmp_path),
                    "offload_optimizer_nvme_ratio": float(ratio.group(1))}
-    model, fitted = _engine(options, host_memory_budget=budget)
-    fitted.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-3))
+    model, fitted = _engine(options, blocks=blocks, host_memory_budget=budget)
+    fitted.attach_optimizer(torch.optim.AdamW(_groups(model), lr=1e-3))
     fitted.close()
     if case == "nvme_spill":
         less = round(options["offload_optimizer_nvme_ratio"] - host_need.RATIO_STEP, 2)
         assert less > 0
         with pytest.raises(host_need.HostMemoryError):
-            model, smaller = _engine({**options, "offload_optimizer_nvme_ratio": less}, host_memory_budget=budget)
-            smaller.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-3))
+            model, smaller = _engine({**options, "offload_optimizer_nvme_ratio": less}, blocks=blocks,
+                                    host_memory_budget=budget)
+            smaller.attach_optimizer(torch.optim.AdamW(_groups(model), lr=1e-3))
+
+
+def test_the_nvme_step_holds_the_counted_units_of_one_size_at_once(tmp_path) -> None:
+    """Eight swapped units of one size: the step's pool ends with exactly the counted units' buffers (the
+    one stepping, the one read ahead, the writes behind), and the count is what the check adds."""
+    from lightning_zeroq.zero.offload import nvme
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])
+    engine = ZeroEngine(model, ZeroConfig(stage=2, reduce_bucket_size=64 * 65, offload_optimizer=True,
+                                          offload_optimizer_device="nvme", nvme_path=str(tmp_path)))
+    engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    for step in range(2):
+        engine.backward(model(torch.randn(4, 64)).square().mean(), boundary=True)
+        engine.step()
+        engine.zero_grad()
+    sizes = {u.layout.shard_numel for u in engine.units}
+    assert len(engine.units) == 8 and len(sizes) == 1, [u.layout.shard_numel for u in engine.units]
+    expected = nvme.UNITS_IN_FLIGHT * sizes.pop()
+    assert engine.host_memory.need.swap_elements == expected
+    parts = engine.host_memory.need.parts
+    assert parts["NVMe step buffers (masters)"] == 4 * expected
+    assert parts["NVMe step buffers (optimizer state)"] == 8 * expected
+    assert _pool_bytes(engine) == 12 * expected
+    engine.close()
