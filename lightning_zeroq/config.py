@@ -338,9 +338,10 @@ class ZeroConfig:
             out.append("offload_speculative_step=True has no effect with managed_gradient_accumulation=False: "
                        "no backward is known to end the window.")
         if self.offload_async_step and not (self.offload_optimizer and self.offload_optimizer_device == "cpu"
-                                            and self.offload_optimizer_ratio == 1.0):
-            out.append("offload_async_step=True has no effect without CPU optimizer offload of every unit "
-                       "(offload_optimizer=True, offload_optimizer_device='cpu', offload_optimizer_ratio=1.0).")
+                                            and self.offload_optimizer_ratio not in ("auto", 0.0)):
+            out.append("offload_async_step=True has no effect without CPU optimizer offload of a fixed share "
+                       f"(offload_optimizer=True, offload_optimizer_device='cpu', offload_optimizer_ratio above 0 "
+                       f"and not 'auto'; it is {self.offload_optimizer_ratio!r}).")
         if not self.offload_parameters and changed("offload_params_device"):
             out.append(f"offload_params_device={self.offload_params_device!r} has no effect without "
                        "offload_parameters=True.")

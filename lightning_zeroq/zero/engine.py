@@ -4,9 +4,9 @@ Built once per model, in this order:
 
 1. ``recompute.py``: activation checkpointing; ``plan.py``: which parameters form which unit.
 2. ``offload/``: where masters and optimizer state live (device, host, NVMe) and, in stage 3, where
-   a transient unit's shard rests (device, host, NVMe); ``wire.py``: how shards travel (full width
-   or INT8). Each is an object chosen once from the policies (``policies.py``: the ``ZeroConfig``
-   turned into small frozen objects at the front door); nothing below branches on the mode.
+   a transient unit's shard rests; ``wire.py``: how shards travel (full width or INT8). Each is an object
+   chosen once from the policies (``policies.py``: the ``ZeroConfig`` as small frozen objects at the front
+   door); nothing below branches on the mode.
 3. ``unit.py``: the units, built one at a time; ``gather.py`` publishes each (stage 3 frees it at once).
 4. ``stage3.py`` (stage 3): module hooks that gather and free units; ``reducer.py``: gradient hooks.
 
@@ -36,9 +36,8 @@ from lightning_zeroq.zero import access, comm, hybrid, loss_scaler, norms, polic
 from lightning_zeroq.zero.agreement import Agreement, describe_plan
 from lightning_zeroq.zero.gather import Gatherer
 from lightning_zeroq.zero.materialize import sync_replicated_state, target_device
-from lightning_zeroq.zero.offload import optimizer_placement, shard_store
+from lightning_zeroq.zero.offload import host_part, optimizer_placement, shard_store
 from lightning_zeroq.zero.offload.ahead import InStep, StepAhead
-from lightning_zeroq.zero.offload.host import HostOptimizer
 from lightning_zeroq.zero.offload.host_need import HostBudget
 from lightning_zeroq.zero.optimizers import Binding, bind_to_shards, hand_back, route_zero_grad
 from lightning_zeroq.zero.plan import plan
@@ -123,14 +122,13 @@ class ZeroEngine:
         if transient and isinstance(units, ModuleUnits):  # transient units are stage 3's module units
             self.stage3 = Stage3Coordinator(self.gatherer, self.units, prefetch_depth=units.prefetch_depth,
                                             reshard_after_forward=units.reshard_after_forward)
-        self.ahead = InStep()
-        """``StepAhead`` with ``offload_async_step``: the host step runs beside the next forward (``offload/ahead.py``)."""
-        if pol.offload.asynchronous and isinstance(self.placement, HostOptimizer):
+        self.ahead = InStep()  # StepAhead with offload_async_step: the host step beside the next forward (offload/ahead.py)
+        if pol.offload.asynchronous and (host := host_part(self.placement)) is not None:
             own = comm.duplicate(self.group, group)  # the worker's collectives: a group of their own
             publisher = self.gatherer if own is self.group else Gatherer(
                 self._wire(layouts, own), self.placement, store, self.device, sync_persistent_on_build=False)
-            self.ahead = StepAhead(self.placement, module, self.units, publisher.publish, self.device,
-                                   own_group=None if own is self.group else own)
+            self.ahead = StepAhead(host, module, [u for u in self.units if not self.placement.master_on_device(u.index)],
+                                   publisher.publish, self.device, own_group=None if own is self.group else own)
             self.gatherer.ready = self.ahead.ready
         self.reducer = Reducer(
             self.units,
@@ -306,8 +304,10 @@ class ZeroEngine:
         if not skip:
             update.apply_multiplier(binding, self.units, self.placement, self._attached)
             used = self.reducer.finalize().used
-            if self.ahead.takes(binding, len(self._attached.bindings) > 1):
-                self.ahead.run(binding, used.tolist())
+            if self.ahead.takes(binding, len(self._attached.bindings) > 1):  # device units first, in the step
+                on_device = [u for u in self.units if self.placement.master_on_device(u.index)]
+                self.ahead.run(binding, used.tolist(), lambda one: update.step_in(
+                    one, binding, on_device, self.placement, self.gatherer, used.tolist()))
             else:
                 update.run(binding, self.units, self.placement, self.gatherer, used)
         if self.loss_scaler is not None:

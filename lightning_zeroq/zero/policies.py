@@ -70,9 +70,14 @@ class OnDevice:
 
 @dataclass(frozen=True)
 class Host:
-    """Offloaded to host memory; for the optimizer, the largest units up to ``ratio`` of the parameters."""
+    """Offloaded to host memory; for the optimizer, units up to ``ratio`` of the parameters: the largest
+    first, or with ``last_first`` the last units first (``split.host_units``)."""
 
     ratio: float = 1.0
+    last_first: bool = False
+    """Host steps that overlap the backward or the next forward (speculative, asynchronous): the units
+    whose gradients land first and which the next forward needs last go to the host, the first units
+    (the embedding, needed first and landed last) stay on the device."""
 
 
 @dataclass(frozen=True)
@@ -199,7 +204,7 @@ def _offload(c: ZeroConfig, loss_scaling: bool) -> Offload:
     elif c.offload_optimizer and c.offload_optimizer_ratio == "auto":
         optimizer = Auto(c.offload_memory_budget)
     elif c.offload_optimizer and c.offload_optimizer_ratio > 0.0:
-        optimizer = Host(c.offload_optimizer_ratio)
+        optimizer = Host(c.offload_optimizer_ratio, last_first=c.offload_speculative_step or c.offload_async_step)
     parameters: Union[OnDevice, Host, Nvme] = OnDevice()
     if c.offload_parameters and c.offload_params_device == "nvme":
         assert c.nvme_path is not None
@@ -208,5 +213,5 @@ def _offload(c: ZeroConfig, loss_scaling: bool) -> Offload:
         parameters = Host()
     speculative = (c.offload_speculative_step and isinstance(optimizer, (Host, Auto)) and not loss_scaling
                    and c.managed_gradient_accumulation)
-    asynchronous = c.offload_async_step and isinstance(optimizer, Host) and optimizer.ratio == 1.0
+    asynchronous = c.offload_async_step and isinstance(optimizer, Host)
     return Offload(optimizer, parameters, speculative, asynchronous, c.host_memory_budget)

@@ -11,7 +11,7 @@ the others' gradients in place, as ``optimizer.step()`` does with DDP).
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -136,32 +136,39 @@ def run(binding: Binding, units: Sequence[Unit], placement: OptimizerPlacement, 
     publish each batch's new masters. The optimizer's own ``step()`` runs at least once (with no
     gradients, if the placement stepped every batch), so what watches it (an LR scheduler's order
     check, the profiler) sees the step."""
-    used_ids = used.tolist()
-    mine = [u for u in units if u.index in binding.unit_ids]
     with OneStep(binding.optimizer) as one_step:
-        optimizer_ran = False
-        for batch in placement.step_batches(mine):
-            with torch.profiler.record_function("zeroq.optimizer_step"):
-                stepped_here = placement.step_batch(batch, binding, used_ids)
-            if stepped_here:
-                with torch.profiler.record_function("zeroq.publish"):
-                    for unit in batch:
-                        gatherer.publish(unit)
-                continue
-            optimizer_ran = True
-            for unit in batch:
-                grad = placement.step_grad(unit)
-                for view, seg in binding.optimized[unit.index]:
-                    if used_ids[unit.param_id(seg.param)]:
-                        view.grad = grad[seg.shard_span]
-            with torch.profiler.record_function("zeroq.optimizer_step"):
-                if is_matrix_optimizer(binding.optimizer):  # Muon: each matrix whole (``matrix.py``)
-                    step_matrices(binding, batch, used_ids, gatherer.wire.group, gatherer.device)
-                one_step.step()
-            for unit in batch:
-                for view, _ in binding.optimized[unit.index]:
-                    view.grad = None
-                with torch.profiler.record_function("zeroq.publish"):
-                    gatherer.publish(unit)
-        if not optimizer_ran:
+        if not step_in(one_step, binding, units, placement, gatherer, used.tolist()):
             one_step.step()
+
+
+def step_in(one_step: OneStep, binding: Binding, units: Sequence[Unit], placement: OptimizerPlacement,
+            gatherer: Gatherer, used_ids: Sequence[Any]) -> bool:
+    """``run``'s batches of ``units`` within a step the caller holds (an asynchronous step steps its
+    device units here before handing the host units to its worker); whether the optimizer's own
+    ``step()`` ran."""
+    mine = [u for u in units if u.index in binding.unit_ids]
+    optimizer_ran = False
+    for batch in placement.step_batches(mine):
+        with torch.profiler.record_function("zeroq.optimizer_step"):
+            stepped_here = placement.step_batch(batch, binding, used_ids)
+        if stepped_here:
+            with torch.profiler.record_function("zeroq.publish"):
+                for unit in batch:
+                    gatherer.publish(unit)
+            continue
+        optimizer_ran = True
+        for unit in batch:
+            grad = placement.step_grad(unit)
+            for view, seg in binding.optimized[unit.index]:
+                if used_ids[unit.param_id(seg.param)]:
+                    view.grad = grad[seg.shard_span]
+        with torch.profiler.record_function("zeroq.optimizer_step"):
+            if is_matrix_optimizer(binding.optimizer):  # Muon: each matrix whole (``matrix.py``)
+                step_matrices(binding, batch, used_ids, gatherer.wire.group, gatherer.device)
+            one_step.step()
+        for unit in batch:
+            for view, _ in binding.optimized[unit.index]:
+                view.grad = None
+            with torch.profiler.record_function("zeroq.publish"):
+                gatherer.publish(unit)
+    return optimizer_ran

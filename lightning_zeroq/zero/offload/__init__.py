@@ -24,7 +24,8 @@ the host, and the INT8 payload (about 1.06 bytes) whenever weights are quantized
 stay on the device.
 
 ``SplitOptimizer`` (partial offload) holds a ``host.HostOptimizer`` for the units ``split.host_units``
-picks (largest first, until their parameter elements reach the ratio) and a ``device.OptimizerPlacement``
+picks (largest first, or last first with speculative or asynchronous steps, until their parameter
+elements reach the ratio) and a ``device.OptimizerPlacement``
 for the rest, and hands each call for a unit to its owner.
 
 The generic swap space the NVMe placements build on is ``lightning_zeroq.swap``.
@@ -32,7 +33,7 @@ The generic swap space the NVMe placements build on is ``lightning_zeroq.swap``.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -45,7 +46,8 @@ from lightning_zeroq.zero.offload.nvme import NvmeOptimizer, NvmeStore
 from lightning_zeroq.zero.offload.split import SplitOptimizer, SplitStore, host_units
 from lightning_zeroq.zero.policies import Auto, Host, Nvme, OnDevice
 
-__all__ = ["OptimizerPlacement", "ShardStore", "SplitOptimizer", "host_units", "optimizer_placement", "shard_store"]
+__all__ = ["OptimizerPlacement", "ShardStore", "SplitOptimizer", "host_part", "host_units", "optimizer_placement",
+           "shard_store"]
 
 
 def optimizer_placement(
@@ -63,7 +65,18 @@ def optimizer_placement(
         return AutoSplit(device, host, len(layouts), policy.budget, rank)
     if policy.ratio == 1.0:
         return host
-    return SplitOptimizer(device, host, host_units(layouts, policy.ratio))
+    return SplitOptimizer(device, host, host_units(layouts, policy.ratio, policy.last_first))
+
+
+def host_part(placement: OptimizerPlacement) -> Optional[HostOptimizer]:
+    """The part of ``placement`` that steps units on the host, if any: the whole of a ``HostOptimizer``
+    (NVMe's too), the host half of a fixed ``SplitOptimizer``; None for ``"auto"`` (its units move after
+    the first step) and without offload."""
+    if isinstance(placement, HostOptimizer):
+        return placement
+    if isinstance(placement, SplitOptimizer) and not isinstance(placement, AutoSplit):
+        return placement.host
+    return None
 
 
 def shard_store(

@@ -66,7 +66,8 @@ class InStep:
     def takes(self, binding: Binding, several: bool) -> bool:
         return False
 
-    def run(self, binding: Binding, used: Sequence[Any]) -> None:
+    def run(self, binding: Binding, used: Sequence[Any],
+            device_step: Optional[Callable[[OneStep], Any]] = None) -> None:
         raise AssertionError("takes() is False")
 
     def drain(self) -> None:
@@ -77,7 +78,9 @@ class InStep:
 
 
 class StepAhead(InStep):
-    """The asynchronous step of one engine whose every unit steps on the host."""
+    """The asynchronous step of the units of one engine that step on the host (``units``: all of them
+    with full offload; with ``offload_optimizer_ratio`` below 1 the others step on the device, in the
+    step itself, and are published before it returns, as without this)."""
 
     def __init__(self, host: HostOptimizer, module: nn.Module, units: Sequence[Unit],
                  publish: Callable[[Unit], None], device: torch.device,
@@ -85,6 +88,7 @@ class StepAhead(InStep):
         """``publish``: a unit's publication, run on the worker thread (with several ranks, its
         collectives on ``own_group``, a process group no other thread uses, destroyed at ``close``)."""
         self.host, self.units, self._publish, self._own_group = host, units, publish, own_group
+        self._mine = frozenset(unit.index for unit in units)
         self._device = device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         """The worker's stream: its copies and collectives; the calling thread waits per unit."""
@@ -136,8 +140,10 @@ class StepAhead(InStep):
             warnings.warn(f"offload_async_step=True: this step runs synchronously: {why}.", stacklevel=3)
         return why is None
 
-    def run(self, binding: Binding, used: Sequence[Any]) -> None:
-        """Prepare every unit of ``binding`` here, in forward order, and hand their jobs to the worker."""
+    def run(self, binding: Binding, used: Sequence[Any],
+            device_step: Optional[Callable[[OneStep], Any]] = None) -> None:
+        """Prepare every unit of ``binding`` here, in forward order, and hand their jobs to the worker;
+        ``device_step``: the step of the units on the device, run first, within the same optimizer step."""
         self.drain()  # the step before (a step with no backward since is possible)
         kernel = self.host.kernel
         assert kernel is not None  # takes() said so
@@ -149,9 +155,11 @@ class StepAhead(InStep):
             self.host.spec.hand_over()  # the units it has not started step here, in forward order
         work = []
         with OneStep(binding.optimizer) as one_step:  # no hooks (takes); the optimizer's own step() runs once
+            ran = device_step is not None and device_step(one_step)
             for unit in mine:
                 work.append((unit, *self.host.step_later(unit, binding, used, hypers)))
-            one_step.step()
+            if not ran:
+                one_step.step()
         # The jobs point into these tensors: held until the worker is done, whatever the optimizer's
         # state dict is given meanwhile (a load_state_dict between the step and the next forward).
         state = binding.optimizer.state
@@ -283,6 +291,8 @@ class StepAhead(InStep):
     def ready(self, index: int, prefetch: bool) -> bool:
         """Before a stage-3 gather of unit ``index``: publish it first; a prefetch of a unit the worker
         has not published yet is left out instead (False), so the forward is not held up for it."""
+        if index not in self._mine:  # a unit stepped on the device: published by the step itself
+            return True
         if prefetch and self._pending and self._pending[0].index <= index:
             with self._cv:
                 if index not in self._published:

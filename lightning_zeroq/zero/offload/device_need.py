@@ -30,7 +30,7 @@ def units_off_device(policy: Any, layouts: Sequence[UnitLayout]) -> frozenset[in
     if isinstance(policy, OnDevice):
         return frozenset()
     if isinstance(policy, Host):
-        return host_units(layouts, policy.ratio)
+        return host_units(layouts, policy.ratio, policy.last_first)
     return frozenset(range(len(layouts)))  # Nvme, and Auto as it starts
 
 

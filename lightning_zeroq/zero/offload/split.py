@@ -28,18 +28,22 @@ from lightning_zeroq.zero.optimizers import Binding
 from lightning_zeroq.zero.unit import Unit
 
 
-def host_units(layouts: Sequence[UnitLayout], ratio: float) -> frozenset[int]:
+def host_units(layouts: Sequence[UnitLayout], ratio: float, last_first: bool = False) -> frozenset[int]:
     """The units whose master and optimizer state go to the host for ``offload_optimizer_ratio``.
 
     The rule: take units largest first (by parameter elements, ``UnitLayout.numel``; ties: the lower
     index first) until the offloaded elements reach ``ratio`` of all of them, i.e. the smallest such
     prefix of that order. Largest first keeps the host's work in few, long unit steps, and the device's
-    share in many small units that step at once. Ratio 0 gives no unit, ratio 1 every unit. The
-    layouts are the same on every rank, so is the choice; the unpadded sizes make it the same at every
-    world size too.
+    share in many small units that step at once. With ``last_first`` (host steps that overlap the
+    backward or the next forward: ``policies.Host.last_first``) the order is the units' last first
+    instead: their gradients land on the host first and the next forward needs them last, so their
+    host steps hide best, while the first units (needed first, landed last) step on the device. Ratio 0
+    gives no unit, ratio 1 every unit. The layouts are the same on every rank, so is the choice; the
+    unpadded sizes make it the same at every world size too.
     """
     total = sum(layout.numel for layout in layouts)
-    order = sorted(range(len(layouts)), key=lambda i: (-layouts[i].numel, i))
+    order = (list(reversed(range(len(layouts)))) if last_first
+             else sorted(range(len(layouts)), key=lambda i: (-layouts[i].numel, i)))
     chosen: list[int] = []
     offloaded = 0
     for index in order:
@@ -80,7 +84,9 @@ class SplitOptimizer(OptimizerPlacement):
         self.host.state_loaded(optimizer)
 
     def resident(self, units: Sequence[Unit]) -> Iterator[Unit]:
-        """Every unit stays resident in both parts; a host unit once the device read its master."""
+        """Every unit stays resident in both parts; a host unit once the device read its master (and an
+        asynchronous step of the host's units is done)."""
+        self.host.settle()
         self.host.abandon_speculation()
         for unit in units:
             if unit.index in self.host_units:

@@ -29,6 +29,8 @@ CASES = {
     "s2_ratio_bf16": (2, {"offload_optimizer": True, "offload_optimizer_ratio": 0.5}, torch.bfloat16),
     "s3_params_ratio_bf16": (3, {"offload_optimizer": True, "offload_parameters": True,
                                  "offload_optimizer_ratio": 0.5}, torch.bfloat16),
+    "s2_ratio_async_spec_bf16": (2, {"offload_optimizer": True, "offload_optimizer_ratio": 0.5, "offload_async_step": True,
+                                     "offload_speculative_step": True}, torch.bfloat16),
     "s2_nvme_bf16": (2, {"offload_optimizer": True, "offload_optimizer_device": "nvme"}, torch.bfloat16),
     "s2_hybrid_fp32": (2, {"offload_optimizer": True, "shard_group_size": 1}, torch.float32),
     "s3_hybrid_params_bf16": (3, {"offload_optimizer": True, "offload_parameters": True, "shard_group_size": 1},
@@ -85,6 +87,7 @@ def _train(case: str, window: str, kernel_on: bool, optimizer: str, device: str 
                 engine.clip_grad_norm_(clip)
             engine.step()
             engine.zero_grad()
+            engine.wait_for_step()  # offload_async_step: the masters and state below are read directly
             state = [t.detach().clone() for s in engine.optimizer.state.values() for t in s.values()]
             state = [t.cpu() for t in state]
             out.append((loss.detach().float().cpu(), [u.master.detach().cpu().clone() for u in engine.units], state,

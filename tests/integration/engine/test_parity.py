@@ -55,6 +55,9 @@ OFFLOAD = {
     "params_optimizer_cpu_async": {"offload_optimizer": True, "offload_parameters": True, "offload_async_step": True},
     "params_optimizer_cpu_spec_async": {"offload_optimizer": True, "offload_parameters": True,
                                         "offload_speculative_step": True, "offload_async_step": True},
+    # A share on the host, stepped asynchronously and speculatively; the first units step on the device.
+    "optimizer_cpu_0.6_spec_async": {"offload_optimizer": True, "offload_optimizer_ratio": 0.6,
+                                     "offload_speculative_step": True, "offload_async_step": True},
 }
 
 
@@ -94,7 +97,8 @@ def _parity_body(
     engine = ZeroEngine(model, config)
     ratio = config.offload_optimizer_ratio if config.offload_optimizer else 0.0
     auto = ratio == "auto"
-    on_host = host_units([u.layout for u in engine.units], 1.0 if auto else ratio)  # auto: all until a step
+    overlapping = config.offload_speculative_step or config.offload_async_step  # the last units to the host first
+    on_host = host_units([u.layout for u in engine.units], 1.0 if auto else ratio, overlapping)  # auto: all until a step
     if auto:
         engine.placement.measure = AUTO_MEMORY(rank)
     if not auto and 0.0 < ratio < 1.0:
@@ -179,7 +183,7 @@ def test_matches_ddp(dist_pool, world_size: int, stage: int, managed: bool) -> N
      (1, "optimizer_nvme"), (2, "optimizer_nvme"), (3, "optimizer_nvme"), (1, "optimizer_cpu_spec"),
      (2, "optimizer_cpu_spec"), (3, "params_optimizer_cpu_spec"), (2, "optimizer_cpu_0.5_spec"),
      (1, "optimizer_cpu_async"), (2, "optimizer_cpu_async"), (3, "optimizer_cpu_async"),
-     (3, "params_optimizer_cpu_async"), (3, "params_optimizer_cpu_spec_async")],
+     (3, "params_optimizer_cpu_async"), (3, "params_optimizer_cpu_spec_async"), (3, "optimizer_cpu_0.6_spec_async")],
 )
 @pytest.mark.parametrize("managed", [True, False], ids=["managed", "unmanaged"])
 def test_offload_matches_ddp(dist_pool, stage: int, offload: str, managed: bool) -> None:

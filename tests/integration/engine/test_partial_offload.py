@@ -33,6 +33,23 @@ def test_host_units_are_the_largest_first_until_the_ratio_is_reached(world_size:
     }
 
 
+def test_with_overlapping_host_steps_the_last_units_go_to_the_host_first() -> None:
+    """Speculative or asynchronous host steps: the units landed first (the last ones) go to the host, the
+    first units (an embedding: needed first by the next forward, landed last) stay on the device."""
+    layouts = [make_layout(numels, 1) for numels in ([10], [30, 10], [40], [5], [5])]  # 100 elements
+    chosen = {ratio: sorted(host_units(layouts, ratio, last_first=True)) for ratio in (0.0, 0.1, 0.11, 0.5, 0.51, 1.0)}
+    assert chosen == {0.0: [], 0.1: [3, 4], 0.11: [2, 3, 4], 0.5: [2, 3, 4], 0.51: [1, 2, 3, 4], 1.0: [0, 1, 2, 3, 4]}
+    for options in ({"offload_speculative_step": True}, {"offload_async_step": True}, {}):
+        engine = _engine(0.5, **options)
+        layouts = [u.layout for u in engine.units]
+        split = engine.placement
+        assert isinstance(split, SplitOptimizer)
+        assert split.host_units == host_units(layouts, 0.5, last_first=bool(options))
+        if options:
+            assert len(engine.units) - 1 in split.host_units and 0 not in split.host_units
+        engine.close()
+
+
 def _engine(ratio: float, stage: int = 1, seed: int = 0, **options) -> ZeroEngine:
     torch.manual_seed(seed)
     model = RichModel().to(DEVICE)
