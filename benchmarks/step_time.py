@@ -19,7 +19,7 @@ An arm is ``ddp``, a peer (``fsdp2`` with ``+keep``/``+offload_optimizer``; Deep
 ``fsdp2_arm`` and ``deepspeed_arm``), or ``zeroq1/2/3``, optionally with ``+int8`` and ``+offload_optimizer`` (fp32
 masters and AdamW state on the CPU) or ``+offload_params`` (stage 3: also the parameters), ``+qgrad``
 (INT8 gradient reduction), ``+keep`` (stage 3, ``reshard_after_forward=False``) and ``+prefetch2``
-(stage 3, two units prefetched), ``+ratio25/50/75`` (with ``+offload_optimizer``: partial offload,
+(stage 3, two units prefetched), ``+ratio25/50/60/70/75/85/90`` (with ``+offload_optimizer``: partial offload,
 ``offload_optimizer_ratio``), ``+auto`` (with ``+offload_optimizer``: ``offload_optimizer_ratio="auto"`` under
 ``--budget``, ``offload_memory_budget``), ``+spec`` (with offload: ``offload_speculative_step``, host steps during
 the backward), ``+async`` (with offload: ``offload_async_step``, the host step beside the next forward), ``+parts`` (the host
@@ -110,7 +110,7 @@ def memory_bound(engine) -> dict:
 
 
 ARM_STAGES = {"ddp": 0, "zeroq1": 1, "zeroq2": 2, "zeroq3": 3}
-ARM_OPTIONS = ("int8", "offload_optimizer", "offload_params", "qgrad", "keep", "prefetch2", "ratio25", "ratio50", "ratio75",
+ARM_OPTIONS = ("int8", "offload_optimizer", "offload_params", "qgrad", "keep", "prefetch2", "ratio25", "ratio50", "ratio60", "ratio70", "ratio75", "ratio85", "ratio90",
                "auto", "spec", "async", "parts", "plain", "clip", "compile", "compile_whole", "group1", "group2", "group4", "crossq",
                "nvme", "spill25", "spill40", "spill50", "spill75", "muon")
 # +nvme (with +offload_optimizer / +offload_params): to NVMe swap files under --nvme-path instead of host memory
@@ -125,7 +125,7 @@ SHARD_GROUPS = {"group1": 1, "group2": 2, "group4": 4}  # hybrid sharding: shard
 # TORCHINDUCTOR_AUTOGRAD_CACHE=0 keep one arm from reusing another's graphs (Triton's kernel cache stays).
 COMPILE = {"compile", "compile_whole"}
 CLIP = 1.0  # +clip: gradient-norm clipping at this norm before every step (Lightning's gradient_clip_val)
-RATIOS = {"ratio25": 0.25, "ratio50": 0.5, "ratio75": 0.75}  # partial optimizer offload (with +offload_optimizer)
+RATIOS = {"ratio25": 0.25, "ratio50": 0.5, "ratio60": 0.6, "ratio70": 0.7, "ratio75": 0.75, "ratio85": 0.85, "ratio90": 0.9}  # partial optimizer offload (with +offload_optimizer)
 PEERS = {  # the peers, beside zeroq in one launch: base -> the options it takes
     "fsdp2": {"keep", "offload_optimizer", "clip", "bf16reduce", *COMPILE},
     "ds2": {"offload_optimizer", "clip"},
