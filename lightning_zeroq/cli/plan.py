@@ -17,13 +17,21 @@ step time from ``--tflops``, ``--host-elements-per-s``, ``--pcie-gbs`` and ``--n
 whether it fits; the fitting ones first, fastest first. The machine's memory is read from this
 machine where not given (the GPU's where there is one, the host's available memory, the disk's free
 space at ``--nvme-path``). Exit status: 0 if some configuration fits, 1 if none does.
+
+``--measure [N]`` then trains the N fastest fitting configurations (default all) for a few steps on this
+machine, each in a process of its own (``cli/measure.py``), and prints the measured peaks (device
+allocated and reserved, host), step time and tokens/s beside the predicted ones, with the error in per
+cent; a configuration that fails to run is listed with its one-line error. ``--json FILE`` writes
+every planned and measured row.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -122,7 +130,21 @@ def main(argv: Optional[list[str]] = None) -> int:
                        help="the device memory the allocator reserves per byte allocated at the peak")
     shape.add_argument("--recipe", default=None, help="plan a zeroq-train recipe (conf/ and recipes/) instead")
     shape.add_argument("overrides", nargs="*", help="with --recipe: Hydra overrides, as zeroq-train takes them")
+    check = parser.add_argument_group("measuring the plan on this machine")
+    check.add_argument("--measure", nargs="?", type=int, const=0, default=None, metavar="N",
+                       help="train the N fastest fitting configurations (default: all) a few steps each and "
+                            "print measured beside predicted")
+    check.add_argument("--only", default=None, help="with --measure: comma-separated configuration names to run")
+    check.add_argument("--steps", type=int, default=3, help="with --measure: timed steps per configuration")
+    check.add_argument("--warmup", type=int, default=2, help="with --measure: untimed steps first")
+    check.add_argument("--timeout", type=float, default=600.0, help="with --measure: seconds per configuration")
+    check.add_argument("--json", default=None, help="write the planned (and measured) rows to this file")
     args = parser.parse_args(argv)
+    if args.measure is not None and args.measure < 0:
+        parser.error(f"--measure {args.measure}: give how many configurations to run (0 or none: all that fit)")
+    for name in ("steps", "warmup"):
+        if getattr(args, name) < (1 if name == "steps" else 0):
+            parser.error(f"--{name}={getattr(args, name)}: give a whole number, {1 if name == 'steps' else 0} or more")
     if args.overrides and not args.recipe:
         parser.error(f"{args.overrides}: overrides need --recipe NAME (the model's shape is given by flags otherwise)")
     for name in ("dim", "layers", "heads", "ffn", "vocab", "batch", "seq", "world_size", "ranks_per_node"):
@@ -160,7 +182,68 @@ def main(argv: Optional[list[str]] = None) -> int:
     best = next((n for n in needs if n.fits), None)
     print(f"\nfastest that fits: {best.name} ({best.step_s:.3f} s a step)" if best else
           "\nnothing fits: more ranks, a smaller micro-batch, or NVMe offload (--nvme-path)")
+    rows = [planned_row(n, args.batch * args.seq) for n in needs]
+    if args.measure is not None:
+        if args.recipe or args.world_size != 1:
+            parser.error("--measure runs the package's GPT of the given shape at world size 1 (one process per "
+                         "configuration); plan a recipe or several ranks without it")
+        chosen = [n for n in needs if n.fits]
+        if args.only:
+            names = args.only.split(",")
+            unknown = [name for name in names if name not in {n.name for n in needs}]
+            if unknown:
+                parser.error(f"--only {','.join(unknown)}: no such configuration; the table above names them")
+            chosen = [n for n in needs if n.name in names]
+        chosen = chosen[: args.measure or None]
+        rows = measure_all(chosen, rows, cfg, args)
+    if args.json:
+        Path(args.json).write_text("".join(json.dumps(row) + "\n" for row in rows))
     return 0 if best else 1
+
+
+def planned_row(need: Need, tokens: int) -> dict:
+    return {"configuration": need.name, "fits": need.fits, "predicted_allocated_GiB": round(need.device_total / GIB, 2),
+            "predicted_reserved_GiB": round(need.reserved / GIB, 2), "predicted_host_GiB": round(need.host_total / GIB, 2),
+            "predicted_disk_GiB": round(need.nvme / GIB, 2), "predicted_step_s": round(need.step_s, 4),
+            "tokens_per_step": tokens}
+
+
+def measure_all(chosen: list[Need], rows: list[dict], cfg: GPTConfig, args: argparse.Namespace) -> list[dict]:
+    """Run each chosen configuration (``cli/measure.py``) and print predicted beside measured."""
+    import dataclasses
+
+    from lightning_zeroq.cli.measure import measure
+
+    by_name = {row["configuration"]: row for row in rows}
+    print(f"\nmeasured on this machine ({args.warmup} + {args.steps} steps each, one process per configuration):\n")
+    print("| configuration | allocated GiB predicted / measured | reserved GiB | host GiB | step s | tokens/s |")
+    print("|---|---|---|---|---|---|")
+    for i, need in enumerate(chosen):
+        print(f"[{i + 1}/{len(chosen)}] {need.name} ...", file=sys.stderr, flush=True)
+        fields = {f.name: getattr(need.config, f.name) for f in dataclasses.fields(need.config) if f.init}
+        spec = {"gpt": dataclasses.asdict(cfg), "config": fields, "checkpointing": need.checkpointing,
+                "batch": args.batch, "seq": args.seq, "warmup": args.warmup, "steps": args.steps}
+        got = measure(spec, timeout=args.timeout)
+        row = by_name[need.name]
+        if "error" in got:
+            row["error"] = got["error"]
+            print(f"| {need.name} | failed: {got['error']} | | | | |", flush=True)
+            continue
+        row.update(measured_allocated_GiB=round(got.get("allocated_bytes", 0) / GIB, 2),
+                   measured_reserved_GiB=round(got.get("reserved_bytes", 0) / GIB, 2),
+                   measured_host_GiB=round(got["host_bytes"] / GIB, 2), measured_step_s=round(got["step_s"], 4))
+        tokens = args.batch * args.seq
+        rate = "/".join(f"{tokens / s:,.0f}" if s else "-" for s in (need.step_s, got["step_s"]))
+        print(f"| {need.name} | {_pair(row, 'allocated_GiB')} | {_pair(row, 'reserved_GiB')} | "
+              f"{_pair(row, 'host_GiB')} | {_pair(row, 'step_s')} | {rate} |", flush=True)
+    return rows
+
+
+def _pair(row: dict, kind: str) -> str:
+    """``predicted / measured (error of the prediction in per cent of the measured)``."""
+    planned, measured = row[f"predicted_{kind}"], row[f"measured_{kind}"]
+    error = f" ({100 * (planned - measured) / measured:+.0f}%)" if measured else ""
+    return f"{planned:g} / {measured:g}{error}"
 
 
 if __name__ == "__main__":

@@ -158,3 +158,31 @@ def test_zeroq_plan_plans_a_recipe_with_overrides_and_names_a_missing_one(capsys
     with pytest.raises(SystemExit):
         plan_cli.main(["--recipe", "gpt1m_zero2_cpu", "model.n_layer=0"])
     assert "--recipe gpt1m_zero2_cpu: " in capsys.readouterr().err
+
+
+def test_zeroq_plan_measures_what_it_planned_and_reports_a_failed_run(capsys, tmp_path):
+    """``--measure``: each chosen configuration trains in a process of its own; the rows carry the measured
+    step and host memory beside the plan's, and a configuration that cannot run names its error."""
+    import json
+
+    out = tmp_path / "rows.jsonl"
+    shape = ["--dim", "64", "--layers", "2", "--heads", "2", "--ffn", "128", "--vocab", "256", "--batch", "2",
+             "--seq", "16", "--steps", "1", "--warmup", "1", "--json", str(out)]
+    only = "zeroq2,zeroq3+params_optimizer_cpu+checkpointing"
+    assert plan_cli.main([*shape, "--measure", "--only", only]) == 0
+    rows = {row["configuration"]: row for row in map(json.loads, out.read_text().splitlines())}
+    for name in only.split(","):
+        row = rows[name]
+        assert row["measured_step_s"] > 0 and row["measured_host_GiB"] >= 0, row
+        assert row["predicted_host_GiB"] >= 0 and "error" not in row, row
+    assert all("measured_step_s" not in row for name, row in rows.items() if name not in only.split(","))
+    printed = capsys.readouterr().out
+    assert "| zeroq2 | " in printed and "measured on this machine" in printed
+    with pytest.raises(SystemExit):
+        plan_cli.main([*shape, "--measure", "--only", "zeroq9"])
+    assert "--only zeroq9: no such configuration" in capsys.readouterr().err
+    from lightning_zeroq.cli.measure import measure
+
+    failed = measure({"gpt": {"vocab_size": 0}, "config": {}, "checkpointing": False, "batch": 1, "seq": 1,
+                      "warmup": 0, "steps": 1})
+    assert set(failed) == {"error"} and "\n" not in failed["error"] and failed["error"], failed

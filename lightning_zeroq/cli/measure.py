@@ -1,0 +1,111 @@
+"""``zeroq-plan --measure``: each planned configuration trained for a few steps, each in a process of its
+own (so one configuration's memory, pinned host buffers and allocator state never meet the next's), and
+its measured peaks and step time printed beside the plan's.
+
+One run: the package's GPT of the plan's shape built on the meta device and materialized by the engine
+unit by unit (as ``configure_model()`` does), the plan's ``ZeroConfig`` (with checkpointing: every
+``Block`` through ``activation_checkpointing_policy``), AdamW, random tokens of the plan's micro-batch;
+``warmup`` steps, then ``steps`` timed ones (each to the end of its host work: ``wait_for_step`` and a
+device synchronization). Measured: peak device memory allocated and reserved over the whole run
+(``torch.cuda.max_memory_*``), host memory as the process's peak resident size less its size before the
+model was built (``VmHWM`` less ``VmRSS``), and the median step. A run that fails (out of memory, a check
+before launch) is reported with its one-line error, and the others go on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from lightning_zeroq.cli.gpt import GPTConfig, GPTModel
+
+GIB = 2**30
+
+
+def _status_kib(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def run_one(spec: dict[str, Any]) -> dict[str, Any]:
+    """Train the configuration of ``spec`` (``gpt``: ``GPTConfig`` fields; ``config``: ``ZeroConfig``
+    fields; ``checkpointing``, ``batch``, ``seq``, ``warmup``, ``steps``, ``dtype``) in this process."""
+    from lightning_zeroq import ZeroConfig, ZeroEngine
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dtype = torch.bfloat16 if spec.get("dtype", "bf16") == "bf16" else torch.float32
+    rss_before = _status_kib("VmRSS")
+    cfg = GPTConfig(**spec["gpt"])
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GPTModel(cfg).to(dtype)
+    fields = dict(spec["config"])
+    if spec["checkpointing"]:
+        fields["activation_checkpointing_policy"] = ["Block"]
+    engine = ZeroEngine(model, ZeroConfig(**fields), param_dtype=dtype, device=device)
+    engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
+    tokens = torch.randint(cfg.vocab_size, (spec["batch"], spec["seq"] + 1), device=device)
+    times = []
+    try:
+        for _ in range(spec["warmup"] + spec["steps"]):
+            start = time.perf_counter()
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+            del logits
+            engine.backward(loss, boundary=True)
+            engine.step()
+            engine.zero_grad()
+            engine.wait_for_step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+    finally:
+        engine.close()
+    out = {"step_s": statistics.median(times[spec["warmup"]:]),
+           "host_bytes": max(0, _status_kib("VmHWM") - rss_before) * 1024, "loss": float(loss)}
+    if device.type == "cuda":
+        out["allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+        out["reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+    return out
+
+
+def measure(spec: dict[str, Any], timeout: Optional[float] = None) -> dict[str, Any]:
+    """``run_one`` in a fresh Python process; ``{"error": one line}`` where it fails."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    try:
+        done = subprocess.run([sys.executable, "-m", "lightning_zeroq.cli.measure", json.dumps(spec)],
+                              capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"did not finish in {timeout:.0f} s"}
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    why = next((line for line in reversed(lines) if "Error" in line), lines[-1] if lines else f"exit {done.returncode}")
+    return {"error": why.strip()[:300]}
+
+
+def main() -> int:
+    spec = json.loads(sys.argv[1])
+    try:
+        result = run_one(spec)
+    except torch.cuda.OutOfMemoryError as error:
+        print(json.dumps({"error": "out of device memory: " + str(error).splitlines()[0][:200]}))
+        return 0
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
