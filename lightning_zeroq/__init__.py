@@ -17,6 +17,7 @@ from lightning_zeroq.common.precision import ZeroQPrecision
 from lightning_zeroq.lightning.strategy import ZeroQStrategy
 from lightning_zeroq.zero.access import owning_engine
 from lightning_zeroq.zero.engine import ZeroEngine
+from lightning_zeroq.zero.matrix import MatrixRule, register_matrix_optimizer
 from lightning_zeroq.zero.optimizers import register_elementwise_optimizer
 from lightning_zeroq.zero.planner import Machine
 from lightning_zeroq.zero.planner import plan_training as plan
@@ -56,9 +57,11 @@ __all__ = [
     "ZeroQPrecision",
     "ZeroQStrategy",
     "Machine",
+    "MatrixRule",
     "gathered_parameters",
     "plan",
     "register_elementwise_optimizer",
+    "register_matrix_optimizer",
 ]
 
 __version__ = "0.1.0"

@@ -13,6 +13,9 @@ the momentum stays there and the matrix is orthogonalized on the device (it cros
 Communication per step and rank: the fp32 update of every matrix once (4 bytes per element received),
 on top of the weights' gather; AdamW's step adds none. The orthogonalization runs on every rank of
 the group (its cost times the group's size, against once per matrix with an owner per matrix).
+
+Other optimizers of this kind: ``register_matrix_optimizer(cls, rule)`` with a ``MatrixRule`` (its
+elementwise blend, its whole-matrix transform, its elementwise apply); Muon is one such rule.
 """
 
 from __future__ import annotations
@@ -28,19 +31,104 @@ from lightning_zeroq.zero.layout import UnitLayout
 from lightning_zeroq.zero.unit import Unit
 
 
-@functools.cache
+class MatrixRule:
+    """How ZeroQ steps an optimizer whose update needs each matrix whole, in three parts, so that its
+    state stays sharded like Adam's moments (``register_matrix_optimizer``):
+
+    - ``blend(view, grad, state, group)``: elementwise, on this rank's segment of one matrix (``view``:
+      the fp32 master segment, ``grad``: its gradient, ``state``: the optimizer's state of that segment,
+      ``group``: its param group): update the per-element state and return the segment of the matrix
+      to make whole (fp32, ``view``'s shape);
+    - ``whole(matrix, group)``: on the whole matrix (2-D, fp32, on the device), the same on every rank
+      (the same input must give the same bits: the ranks then agree without another collective);
+    - ``apply(view, update, group, shape)``: elementwise, in place, on this rank's segment of the
+      parameter, from its segment of ``whole``'s result (``shape``: the parameter's).
+
+    The optimizer's own ``step()`` is still called (with no gradients: it must skip parameters whose
+    ``grad`` is None, as torch's optimizers do), so what watches it sees the step."""
+
+    def blend(self, view: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+    def whole(self, matrix: torch.Tensor, group: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+    def apply(self, view: torch.Tensor, update: torch.Tensor, group: dict, shape: torch.Size) -> None:
+        raise NotImplementedError
+
+
+class MuonRule(MatrixRule):
+    """``torch.optim.Muon``: the momentum (and Nesterov's blend) elementwise, torch's own Newton-Schulz
+    iteration on the whole matrix, then decoupled weight decay and the learning rate adjusted to the
+    matrix's shape, as torch's ``Muon.step`` does."""
+
+    def blend(self, view: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
+        buf = state.get("momentum_buffer")
+        if buf is None:
+            buf = state["momentum_buffer"] = torch.zeros_like(view)
+        buf.lerp_(grad, 1 - group["momentum"])
+        return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf.clone()
+
+    def whole(self, matrix: torch.Tensor, group: dict) -> torch.Tensor:
+        parts = _muon_parts()  # looked up at each call: the tests replace torch's iteration
+        assert parts is not None  # matrix_optimizers() offers Muon only with them
+        return parts[0](matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
+
+    def apply(self, view: torch.Tensor, update: torch.Tensor, group: dict, shape: torch.Size) -> None:
+        parts = _muon_parts()
+        assert parts is not None
+        lr = float(group["lr"])
+        view.mul_(1 - lr * group["weight_decay"])
+        view.add_(update, alpha=-parts[1](lr, group["adjust_lr_fn"], shape))
+
+
+_RULES: dict[type, MatrixRule] = {}
+"""Optimizer classes registered with ``register_matrix_optimizer``, and their rules."""
+
+
+def register_matrix_optimizer(cls: type, rule: MatrixRule) -> type:
+    """Declare that optimizer class ``cls`` needs each parameter's matrix whole, stepped by ``rule`` (a
+    ``MatrixRule``); ZeroQ then takes it in every stage, with and without CPU optimizer offload, for 2-D
+    parameters. Returns ``cls``."""
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        what = f"the class {cls.__name__}" if isinstance(cls, type) else f"an object of type {type(cls).__name__}"
+        raise TypeError(f"register_matrix_optimizer() takes an optimizer class (a subclass of torch.optim.Optimizer) "
+                        f"and its MatrixRule, e.g. register_matrix_optimizer(MyMuon, MyMuonRule()); got {what}.")
+    if not isinstance(rule, MatrixRule):
+        raise TypeError(f"register_matrix_optimizer({cls.__name__}, ...): the rule must be a "
+                        f"lightning_zeroq.MatrixRule (blend, whole, apply); got {type(rule).__name__}.")
+    _RULES[cls] = rule
+    return cls
+
+
 def matrix_optimizers() -> tuple[type, ...]:
-    """The optimizer classes stepped here (``torch.optim.Muon`` where this torch has it)."""
+    """The optimizer classes stepped here: those registered, and ``torch.optim.Muon`` where this torch has it."""
     muon = getattr(torch.optim, "Muon", None)
-    return (muon,) if muon is not None and _muon_parts() is not None else ()
+    return (*_RULES, *((muon,) if muon is not None and _muon_parts() is not None else ()))
+
+
+def rule_of(optimizer: torch.optim.Optimizer) -> MatrixRule:
+    for cls, rule in _RULES.items():
+        if isinstance(optimizer, cls):
+            return rule
+    return MuonRule()
+
+
+@functools.cache
+def _muon_parts_available() -> bool:
+    try:
+        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _muon_parts() -> Optional[tuple[Any, Any]]:
     """torch's own Newton-Schulz iteration and learning-rate adjustment (None where this torch lacks them)."""
-    try:
-        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
-    except ImportError:
+    if not _muon_parts_available():
         return None
+    from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
     return _zeropower_via_newtonschulz, _adjust_lr
 
 
@@ -50,13 +138,12 @@ def is_matrix_optimizer(optimizer: torch.optim.Optimizer) -> bool:
 
 def step_matrices(binding: Any, units: Sequence[Unit], used: Sequence[Any], group: Optional[dist.ProcessGroup],
                   device: torch.device) -> None:
-    """Muon's step of ``units`` (the same units, in the same order, on every rank of ``group``), from the
-    gradients the caller set on the segment views (``view.grad``) of ``binding`` (``optimizers.Binding``);
-    the views' gradients are cleared."""
-    parts = _muon_parts()
-    assert parts is not None  # matrix_optimizers() offers Muon only with them
-    orthogonalize, adjust_lr = parts
+    """A matrix optimizer's step of ``units`` (the same units, in the same order, on every rank of
+    ``group``; ``rule_of`` the optimizer: Muon's or a registered one), from the gradients the caller set
+    on the segment views (``view.grad``) of ``binding`` (``optimizers.Binding``); the views' gradients
+    are cleared."""
     optimizer = binding.optimizer
+    rule = rule_of(optimizer)
     groups = {id(p): optimizer.param_groups[gi] for gi, given in enumerate(binding.given) for p in given}
     for unit in sorted(units, key=lambda u: u.index):
         mine: dict[int, tuple[Any, Any]] = {seg.param: (view, seg) for view, seg in binding.optimized[unit.index]}
@@ -65,30 +152,20 @@ def step_matrices(binding: Any, units: Sequence[Unit], used: Sequence[Any], grou
             if unit.param_id(i) not in binding.param_ids or not used[unit.param_id(i)]:
                 continue  # another optimizer's, or no rank used it: left as torch.optim leaves it
             if param.dim() != 2:
-                raise ValueError(f"Muon steps 2-D parameters only; {getattr(param, '_zeroq_name', 'a parameter')} "
-                                 f"has shape {tuple(param.shape)}: give it to another optimizer (e.g. AdamW)")
+                raise ValueError(f"{type(optimizer).__name__} steps 2-D parameters only; "
+                                 f"{getattr(param, '_zeroq_name', 'a parameter')} has shape {tuple(param.shape)}: "
+                                 "give it to another optimizer (e.g. AdamW)")
             view, seg = mine.get(i, (None, None))  # None: this rank holds no segment of it
             hyper = groups[id(param)]
-            momentum, nesterov = hyper["momentum"], hyper["nesterov"]
-            if view is not None and view.grad is not None:
-                state = optimizer.state[view]
-                buf = state.get("momentum_buffer")
-                if buf is None:
-                    buf = state["momentum_buffer"] = torch.zeros_like(view)
-                grad = view.grad
-                buf.lerp_(grad, 1 - momentum)
-                update = grad.lerp(buf, momentum) if nesterov else buf.clone()
-            else:
-                update = torch.empty(0, dtype=torch.float32)
+            stepped = view is not None and view.grad is not None
+            update = (rule.blend(view, view.grad, optimizer.state[view], hyper) if stepped
+                      else torch.empty(0, dtype=torch.float32))
             whole = torch.empty(param.numel(), dtype=torch.float32, device=device)
             comm.all_gather_uneven(whole, update.to(device), counts[i], group)
-            ortho = orthogonalize(whole.view(param.shape), hyper["ns_coefficients"], hyper["ns_steps"], hyper["eps"])
-            if view is None or view.grad is None:
+            if not stepped:  # the gather above is a collective; the rest is this rank's own
                 continue
-            lr = float(hyper["lr"])
-            view.mul_(1 - lr * hyper["weight_decay"])
-            view.add_(ortho.reshape(-1)[seg.param_span].to(view.device), alpha=-adjust_lr(lr, hyper["adjust_lr_fn"],
-                                                                                          param.shape))
+            result = rule.whole(whole.view(param.shape), hyper)
+            rule.apply(view, result.reshape(-1)[seg.param_span].to(view.device), hyper, param.shape)
             view.grad = None
 
 

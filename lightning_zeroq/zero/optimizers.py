@@ -66,7 +66,9 @@ def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
             f"ZeroQ cannot shard optimizer {name}: it shards every parameter across ranks, so the update "
             f"must be elementwise, and {name} is not known to be (known: "
             f"{', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}). If {name} is elementwise, declare "
-            f"it with lightning_zeroq.register_elementwise_optimizer({name}); otherwise use DDP or FSDP."
+            f"it with lightning_zeroq.register_elementwise_optimizer({name}); if it needs each matrix whole "
+            f"(as Muon does), with lightning_zeroq.register_matrix_optimizer({name}, rule); otherwise use DDP "
+            "or FSDP."
         )
 
 

@@ -1,0 +1,139 @@
+"""A user's optimizer that needs each matrix whole (``register_matrix_optimizer``): refused with its fix
+before it is registered; once registered with its ``MatrixRule``, stages 1-3, with and without CPU
+optimizer offload, gloo, 2 and 3 ranks (3: uneven cuts), match DDP with the same optimizer within 1e-5
+after every step, and the engine's full optimizer state is DDP's optimizer's state."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import lightning_zeroq
+from lightning_zeroq import MatrixRule, ZeroConfig, ZeroEngine, register_matrix_optimizer
+
+DIM = 24
+
+
+class NormalizedMomentum(torch.optim.Optimizer):
+    """Heavy-ball momentum whose update of each matrix is scaled to unit RMS over the whole matrix (a
+    norm of all its elements: a shard cannot compute it alone)."""
+
+    def __init__(self, params, lr: float = 0.01, momentum: float = 0.9) -> None:
+        super().__init__(params, {"lr": lr, "momentum": momentum})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+                buf.mul_(group["momentum"]).add_(p.grad)
+                p.add_(buf / buf.pow(2).mean().sqrt().clamp(min=1e-8), alpha=-group["lr"])
+
+
+class NormalizedMomentumRule(MatrixRule):
+    def blend(self, view, grad, state, group):
+        buf = state.get("momentum_buffer")
+        if buf is None:
+            buf = state["momentum_buffer"] = torch.zeros_like(view)
+        buf.mul_(group["momentum"]).add_(grad)
+        return buf.clone()
+
+    def whole(self, matrix, group):
+        return matrix / matrix.pow(2).mean().sqrt().clamp(min=1e-8)
+
+    def apply(self, view, update, group, shape):
+        view.add_(update, alpha=-group["lr"])
+
+
+class Matrices(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(DIM, 2 * DIM, bias=False), nn.Tanh(), nn.Linear(2 * DIM, DIM, bias=False),
+                                    nn.Tanh(), nn.Linear(DIM, DIM, bias=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+CONFIGS = {
+    1: {"stage": 1, "reduce_bucket_size": 500},
+    2: {"stage": 2, "reduce_bucket_size": 500},
+    3: {"stage": 3, "stage3_wrap_classes": ["Linear"], "stage3_param_persistence_threshold": 0},
+}
+
+
+def _loss(model: nn.Module, step: int, micro: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + 10 * micro + dist.get_rank())
+    x = torch.randn(4, DIM, generator=g)
+    return F.mse_loss(model(x), x.flip(-1))
+
+
+def _train(stage: int, offload: bool) -> float:
+    register_matrix_optimizer(NormalizedMomentum, NormalizedMomentumRule())
+    torch.manual_seed(0)
+    model = Matrices()
+    ref = copy.deepcopy(model)
+    engine = ZeroEngine(model, ZeroConfig(**CONFIGS[stage], offload_optimizer=offload))
+    engine.attach_optimizer(NormalizedMomentum(model.parameters(), lr=0.02))
+    ddp = DistributedDataParallel(ref)
+    theirs = NormalizedMomentum(ref.parameters(), lr=0.02)
+    worst = 0.0
+    for step in range(10):
+        for micro in range(2):
+            engine.backward(_loss(model, step, micro) / 2, boundary=micro == 1)
+            if micro == 0:
+                with ddp.no_sync():
+                    (_loss(ddp, step, micro) / 2).backward()
+            else:
+                (_loss(ddp, step, micro) / 2).backward()
+        engine.step()
+        theirs.step()
+        engine.zero_grad()
+        theirs.zero_grad()
+        full = engine.full_state_dict()
+        for name, p in ref.named_parameters():
+            diff = (full[name] - p.detach()).abs().max().item()
+            assert diff <= 1e-5, f"step {step}: {name} differs from DDP by {diff}"
+            worst = max(worst, diff)
+    state = engine.full_optimizer_state()  # collective; by parameter name, at full shape
+    expected = {name: theirs.state[p]["momentum_buffer"] for name, p in ref.named_parameters()}
+    assert state.keys() == expected.keys()
+    for name, buf in expected.items():
+        assert state[name]["momentum_buffer"].shape == buf.shape, name
+        assert (state[name]["momentum_buffer"] - buf).abs().max().item() <= 1e-5, name
+    engine.close()
+    return worst
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("stage, offload", [(1, False), (2, True), (3, False), (3, True)])
+def test_a_registered_matrix_optimizer_matches_ddp(dist_pool, world_size, stage, offload):
+    dist_pool(world_size).run(_train, stage, offload)
+
+
+def test_an_unregistered_one_is_refused_with_the_fix_and_bad_registrations_too():
+    class Unknown(torch.optim.Optimizer):
+        def __init__(self, params) -> None:
+            super().__init__(params, {"lr": 0.1})
+
+    model = Matrices()
+    engine = ZeroEngine(model, ZeroConfig(stage=2))
+    with pytest.raises(ValueError) as caught:
+        engine.attach_optimizer(Unknown(model.parameters()))
+    message = str(caught.value)
+    assert "\n" not in message and "register_matrix_optimizer(Unknown, rule)" in message
+    assert "register_elementwise_optimizer(Unknown)" in message
+    engine.close()
+    with pytest.raises(TypeError, match=r"takes an optimizer class .* got an object of type int"):
+        register_matrix_optimizer(3, NormalizedMomentumRule())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"must be a lightning_zeroq.MatrixRule .* got dict"):
+        register_matrix_optimizer(Unknown, {})  # type: ignore[arg-type]
+    assert lightning_zeroq.register_matrix_optimizer is register_matrix_optimizer
