@@ -5,9 +5,9 @@ is the same, so users coming from DeepSpeed can move their settings over unchang
 validated in ``__post_init__``; a bad value raises ``ValueError`` naming the field, the value and the fix.
 
 A setting that is valid but cannot take effect with the other settings (an INT8 bucket size without
-INT8 weights, a stage-3 option in stage 2, loss-scaling options without fp16) is listed by
-``ZeroConfig.ineffective``; the engine warns about each once when it is built, so Trainer, Fabric and
-plain-PyTorch users all see it.
+INT8 weights, a stage-3 option in stage 2, loss-scaling options without fp16) is named where the engine
+decides it (``zero/policies.py``: ``Policies.ineffective``, ``policies.ineffective(config, loss_scaling=...)``);
+the engine warns about each once when it is built, so Trainer, Fabric and plain-PyTorch users all see it.
 """
 
 from __future__ import annotations
@@ -277,77 +277,6 @@ class ZeroConfig:
                 f"ZeroConfig.nvme_path={self.nvme_path!r}: NVMe offload needs a directory to swap to; set "
                 "nvme_path to a writable directory on a fast local disk."
             )
-
-    def ineffective(self, loss_scaling: bool) -> list[str]:
-        """One sentence for every setting changed from its default that cannot take effect here
-        (``loss_scaling``: the precision is fp16 with loss scaling)."""
-        default = ZeroConfig()
-        changed = lambda *names: [n for n in names if getattr(self, n) != getattr(default, n)]  # noqa: E731
-        out = []
-        if not self.quantized_weights:
-            names = ["allgather_bucket_size", "quantized_weights_exact_numel"]
-            if not self.quantized_gradients:
-                names.append("quantized_weights_group_size")  # both INT8 paths use it
-            for name in changed(*names):
-                out.append(f"{name}={getattr(self, name)!r} has no effect without quantized_weights=True "
-                           "(the full-width gather writes into the working buffers in place).")
-        if self.stage != 3:
-            for name in changed("stage3_wrap_classes", "stage3_unit_size", "stage3_param_persistence_threshold",
-                                "stage3_prefetch", "stage3_prefetch_depth", "reshard_after_forward"):
-                out.append(f"{name}={getattr(self, name)!r} has no effect in stage {self.stage} (stage 3 only).")
-        else:
-            if not self.stage3_prefetch and changed("stage3_prefetch_depth"):
-                out.append(f"stage3_prefetch_depth={self.stage3_prefetch_depth} has no effect with stage3_prefetch=False.")
-            if changed("reduce_bucket_size"):
-                out.append(f"reduce_bucket_size={self.reduce_bucket_size} has no effect in stage 3: its units follow "
-                           "modules (stage3_wrap_classes / stage3_unit_size); it sizes stage 1/2 units.")
-        if not loss_scaling:
-            for name in changed("loss_scale", "initial_scale_power", "loss_scale_window", "min_loss_scale"):
-                out.append(f"{name}={getattr(self, name)!r} only applies to precision='16-mixed' (fp16 loss "
-                           "scaling); it is ignored.")
-        if self.quantize_cross_group_only and not self.quantized_gradients:
-            out.append("quantize_cross_group_only=True has no effect without quantized_gradients=True (the "
-                       "gradients' all-reduce across groups is the only traffic between groups).")
-        if self.quantize_cross_group_only and self.quantized_weights:
-            out.append("quantized_weights=True has no effect with quantize_cross_group_only=True: weights are "
-                       "gathered inside a group only (every group steps its own copy), at full width.")
-        if not self.offload_optimizer and changed("offload_optimizer_device"):
-            out.append(f"offload_optimizer_device={self.offload_optimizer_device!r} has no effect without "
-                       "offload_optimizer=True.")
-        if not self.offload_optimizer and changed("offload_optimizer_ratio"):
-            out.append(f"offload_optimizer_ratio={self.offload_optimizer_ratio!r} has no effect without "
-                       "offload_optimizer=True (nothing is offloaded).")
-        if changed("offload_optimizer_nvme_ratio") and not (self.offload_optimizer
-                                                            and self.offload_optimizer_device == "nvme"):
-            out.append(f"offload_optimizer_nvme_ratio={self.offload_optimizer_nvme_ratio!r} has no effect without "
-                       "offload_optimizer=True and offload_optimizer_device='nvme'.")
-        if self.offload_memory_budget is not None and self.offload_optimizer_ratio != "auto":
-            out.append(f"offload_memory_budget={self.offload_memory_budget!r} has no effect without "
-                       "offload_optimizer_ratio='auto'.")
-        if self.host_memory_budget is not None and not (self.offload_optimizer or self.offload_parameters):
-            out.append(f"host_memory_budget={self.host_memory_budget!r} has no effect without offload_optimizer or "
-                       "offload_parameters (nothing goes to the host).")
-        if self.offload_speculative_step and not (self.offload_optimizer and self.offload_optimizer_device == "cpu"
-                                                  and self.offload_optimizer_ratio != 0.0):
-            out.append("offload_speculative_step=True has no effect without CPU optimizer offload "
-                       "(offload_optimizer=True, offload_optimizer_device='cpu').")
-        elif self.offload_speculative_step and loss_scaling:
-            out.append("offload_speculative_step=True has no effect with fp16 loss scaling (precision='16-mixed'): "
-                       "the step's unscaling multiplier is never 1.")
-        elif self.offload_speculative_step and not self.managed_gradient_accumulation:
-            out.append("offload_speculative_step=True has no effect with managed_gradient_accumulation=False: "
-                       "no backward is known to end the window.")
-        if self.offload_async_step and not (self.offload_optimizer and self.offload_optimizer_device == "cpu"
-                                            and self.offload_optimizer_ratio not in ("auto", 0.0)):
-            out.append("offload_async_step=True has no effect without CPU optimizer offload of a fixed share "
-                       f"(offload_optimizer=True, offload_optimizer_device='cpu', offload_optimizer_ratio above 0 "
-                       f"and not 'auto'; it is {self.offload_optimizer_ratio!r}).")
-        if not self.offload_parameters and changed("offload_params_device"):
-            out.append(f"offload_params_device={self.offload_params_device!r} has no effect without "
-                       "offload_parameters=True.")
-        if self.nvme_path and not self.uses_nvme:
-            out.append(f"nvme_path={self.nvme_path!r} has no effect: nothing is offloaded to NVMe.")
-        return out
 
     @property
     def uses_nvme(self) -> bool:

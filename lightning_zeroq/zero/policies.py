@@ -19,13 +19,16 @@ from it by the part that owns it.
   ``initial_scale_power``, ``loss_scale_window``, ``min_loss_scale``, ``nonfinite_gradients``.
 - ``settings``: every field as given, which all ranks must agree on (``agreement.py``), less the
   ones that may differ by rank (``RANK_LOCAL``).
+- ``ineffective``: one sentence per setting the policies leave out, written by the maker of the policy
+  that decides it (``_sharding``, ``_quantization``, ``_offload``, ``_numerics``), so a rule and its
+  warning cannot drift apart.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 from lightning_zeroq.config import ZeroConfig
 
@@ -171,8 +174,42 @@ themselves (the worst rank's decides, ``offload/auto.py``); a node's own host me
 
 
 def from_config(config: ZeroConfig, *, loss_scaling: bool) -> Policies:
-    """The policies ``config`` asks for (``loss_scaling``: the precision is fp16 with loss scaling)."""
+    """The policies ``config`` asks for (``loss_scaling``: the precision is fp16 with loss scaling). Each
+    policy's maker also says which settings it left out and why (``Policies.ineffective``): the sentence
+    is written where the setting is decided, never beside it."""
     c = config
+    notes = Notes(c)
+    sharding = _sharding(c, notes)
+    quantization = _quantization(c, notes)
+    offload = _offload(c, loss_scaling, notes)
+    numerics = _numerics(c, loss_scaling, notes)
+    settings = tuple((f.name, repr(getattr(c, f.name))) for f in dataclasses.fields(c) if f.name not in RANK_LOCAL)
+    return Policies(sharding, offload, quantization, numerics, tuple(notes), settings=settings,
+                    recompute=tuple(c.activation_checkpointing_policy or ()))
+
+
+def ineffective(config: ZeroConfig, *, loss_scaling: bool) -> list[str]:
+    """One sentence for every setting changed from its default that cannot take effect with the others."""
+    return list(from_config(config, loss_scaling=loss_scaling).ineffective)
+
+
+class Notes(list):
+    """The sentences of ``Policies.ineffective``, with the config's defaults at hand."""
+
+    def __init__(self, config: ZeroConfig) -> None:
+        super().__init__()
+        self.config, self._default = config, ZeroConfig()
+
+    def changed(self, *names: str) -> list[str]:
+        return [n for n in names if getattr(self.config, n) != getattr(self._default, n)]
+
+    def unused(self, names: Sequence[str], why: str) -> None:
+        """Each of ``names`` changed from its default: ``<name>=<value> has no effect <why>.``"""
+        for name in self.changed(*names):
+            self.append(f"{name}={getattr(self.config, name)!r} has no effect {why}.")
+
+
+def _sharding(c: ZeroConfig, notes: Notes) -> Sharding:
     units: Union[Buckets, ModuleUnits] = Buckets(c.reduce_bucket_size)
     if c.stage == 3:
         units = ModuleUnits(
@@ -182,36 +219,98 @@ def from_config(config: ZeroConfig, *, loss_scaling: bool) -> Policies:
             prefetch_depth=c.stage3_prefetch_depth if c.stage3_prefetch else 0,
             reshard_after_forward=c.reshard_after_forward,
         )
-    sharding = Sharding(c.stage, units, c.shard_group_size, c.overlap_comm, c.managed_gradient_accumulation)
-    quantization = Quantization(c.quantized_weights, c.quantized_gradients, c.quantize_cross_group_only,
-                                c.quantized_weights_group_size, c.quantized_weights_exact_numel,
-                                c.allgather_bucket_size)
+        if not c.stage3_prefetch:
+            notes.unused(["stage3_prefetch_depth"], "with stage3_prefetch=False")
+        notes.unused(["reduce_bucket_size"], "in stage 3: its units follow modules (stage3_wrap_classes / "
+                                             "stage3_unit_size); it sizes stage 1/2 units")
+    else:
+        notes.unused(["stage3_wrap_classes", "stage3_unit_size", "stage3_param_persistence_threshold",
+                      "stage3_prefetch", "stage3_prefetch_depth", "reshard_after_forward"],
+                     f"in stage {c.stage} (stage 3 only)")
+    return Sharding(c.stage, units, c.shard_group_size, c.overlap_comm, c.managed_gradient_accumulation)
+
+
+def _quantization(c: ZeroConfig, notes: Notes) -> Quantization:
+    weights = c.quantized_weights
+    if weights and c.quantize_cross_group_only:
+        notes.append("quantized_weights=True has no effect with quantize_cross_group_only=True: weights are "
+                     "gathered inside a group only (every group steps its own copy), at full width.")
+    if not c.quantized_weights:
+        unused = ["allgather_bucket_size", "quantized_weights_exact_numel"]
+        if not c.quantized_gradients:
+            unused.append("quantized_weights_group_size")  # both INT8 paths use it
+        notes.unused(unused, "without quantized_weights=True (the full-width gather writes into the working "
+                             "buffers in place)")
+    if c.quantize_cross_group_only and not c.quantized_gradients:
+        notes.append("quantize_cross_group_only=True has no effect without quantized_gradients=True (the "
+                     "gradients' all-reduce across groups is the only traffic between groups).")
+    return Quantization(weights, c.quantized_gradients, c.quantize_cross_group_only, c.quantized_weights_group_size,
+                        c.quantized_weights_exact_numel, c.allgather_bucket_size)
+
+
+def _numerics(c: ZeroConfig, loss_scaling: bool, notes: Notes) -> Numerics:
     scaling = None
     if loss_scaling:
         scaling = LossScaling(float(c.loss_scale) if c.loss_scale > 0 else None, 2.0 ** c.initial_scale_power,
                               c.loss_scale_window, float(c.min_loss_scale))
-    settings = tuple((f.name, repr(getattr(c, f.name))) for f in dataclasses.fields(c) if f.name not in RANK_LOCAL)
-    return Policies(sharding, _offload(c, loss_scaling), quantization, Numerics(scaling, c.nonfinite_gradients),
-                    tuple(c.ineffective(loss_scaling)), settings=settings,
-                    recompute=tuple(c.activation_checkpointing_policy or ()))
+    else:
+        for name in notes.changed("loss_scale", "initial_scale_power", "loss_scale_window", "min_loss_scale"):
+            notes.append(f"{name}={getattr(c, name)!r} only applies to precision='16-mixed' (fp16 loss scaling); it "
+                         "is ignored.")
+    return Numerics(scaling, c.nonfinite_gradients)
 
 
-def _offload(c: ZeroConfig, loss_scaling: bool) -> Offload:
-    optimizer: Union[OnDevice, Host, Nvme, Auto] = OnDevice()  # also with ratio 0, which offloads nothing
+def _offload(c: ZeroConfig, loss_scaling: bool, notes: Notes) -> Offload:
+    on_cpu = c.offload_optimizer and c.offload_optimizer_device == "cpu"
+    kind: type = OnDevice  # also with ratio 0, which offloads nothing
     if c.offload_optimizer and c.offload_optimizer_device == "nvme":
+        kind = Nvme
+    elif on_cpu and c.offload_optimizer_ratio == "auto":
+        kind = Auto
+    elif on_cpu and c.offload_optimizer_ratio > 0.0:
+        kind = Host
+    if not c.offload_optimizer:
+        notes.unused(["offload_optimizer_device"], "without offload_optimizer=True")
+        notes.unused(["offload_optimizer_ratio"], "without offload_optimizer=True (nothing is offloaded)")
+    if kind is not Nvme:
+        notes.unused(["offload_optimizer_nvme_ratio"], "without offload_optimizer=True and "
+                                                       "offload_optimizer_device='nvme'")
+    if kind is not Auto and c.offload_memory_budget is not None:
+        notes.append(f"offload_memory_budget={c.offload_memory_budget!r} has no effect without "
+                     "offload_optimizer_ratio='auto'.")
+    speculative = c.offload_speculative_step and kind in (Host, Auto) and not loss_scaling \
+        and c.managed_gradient_accumulation
+    if c.offload_speculative_step and not speculative:
+        notes.append("offload_speculative_step=True has no effect " + (
+            "without CPU optimizer offload (offload_optimizer=True, offload_optimizer_device='cpu')"
+            if kind not in (Host, Auto) else "with fp16 loss scaling (precision='16-mixed'): the step's unscaling "
+            "multiplier is never 1" if loss_scaling else "with managed_gradient_accumulation=False: no backward is "
+            "known to end the window") + ".")
+    asynchronous = c.offload_async_step and kind is Host
+    if c.offload_async_step and not asynchronous:
+        notes.append("offload_async_step=True has no effect without CPU optimizer offload of a fixed share "
+                     "(offload_optimizer=True, offload_optimizer_device='cpu', offload_optimizer_ratio above 0 and "
+                     f"not 'auto'; it is {c.offload_optimizer_ratio!r}).")
+    optimizer: Union[OnDevice, Host, Nvme, Auto] = OnDevice()
+    if kind is Nvme:
         assert c.nvme_path is not None  # ZeroConfig checks it (and that the ratio is 1)
         optimizer = Nvme(c.nvme_path, c.offload_optimizer_nvme_ratio)
-    elif c.offload_optimizer and c.offload_optimizer_ratio == "auto":
+    elif kind is Auto:
         optimizer = Auto(c.offload_memory_budget)
-    elif c.offload_optimizer and c.offload_optimizer_ratio > 0.0:
-        optimizer = Host(c.offload_optimizer_ratio, last_first=c.offload_speculative_step or c.offload_async_step)
+    elif kind is Host:
+        assert isinstance(c.offload_optimizer_ratio, float)
+        optimizer = Host(c.offload_optimizer_ratio, last_first=speculative or asynchronous)
     parameters: Union[OnDevice, Host, Nvme] = OnDevice()
     if c.offload_parameters and c.offload_params_device == "nvme":
         assert c.nvme_path is not None
         parameters = Nvme(c.nvme_path)
     elif c.offload_parameters:
         parameters = Host()
-    speculative = (c.offload_speculative_step and isinstance(optimizer, (Host, Auto)) and not loss_scaling
-                   and c.managed_gradient_accumulation)
-    asynchronous = c.offload_async_step and isinstance(optimizer, Host)
+    else:
+        notes.unused(["offload_params_device"], "without offload_parameters=True")
+    if isinstance(optimizer, OnDevice) and isinstance(parameters, OnDevice) and c.host_memory_budget is not None:
+        notes.append(f"host_memory_budget={c.host_memory_budget!r} has no effect without offload_optimizer or "
+                     "offload_parameters (nothing goes to the host).")
+    if c.nvme_path and not (isinstance(optimizer, Nvme) or isinstance(parameters, Nvme)):
+        notes.append(f"nvme_path={c.nvme_path!r} has no effect: nothing is offloaded to NVMe.")
     return Offload(optimizer, parameters, speculative, asynchronous, c.host_memory_budget)

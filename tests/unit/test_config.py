@@ -11,6 +11,7 @@ import torch
 
 import lightning_zeroq
 from lightning_zeroq import ZeroConfig, ZeroEngine, ZeroQStrategy, register_elementwise_optimizer
+from lightning_zeroq.zero.policies import ineffective
 
 
 @pytest.mark.parametrize(
@@ -67,7 +68,7 @@ def test_offload_optimizer_ratio_accepts_the_closed_unit_interval():
     for ratio in (0, 0.0, 0.25, 1, 1.0):
         config = ZeroConfig(offload_optimizer=True, offload_optimizer_ratio=ratio)
         assert config.offload_optimizer_ratio == float(ratio) and isinstance(config.offload_optimizer_ratio, float)
-        assert not config.ineffective(False)
+        assert not ineffective(config, loss_scaling=False)
     # NVMe with the whole optimizer offloaded (the default ratio) stays valid.
     ZeroConfig(offload_optimizer=True, offload_optimizer_device="nvme", nvme_path="/tmp", offload_optimizer_ratio=1)
 

@@ -36,6 +36,7 @@ from lightning_zeroq.cli.train import (
     to_run_config,
 )
 from lightning_zeroq.cli.config import build_run_config, config_error_line, preflight
+from lightning_zeroq.zero.policies import ineffective
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 GROUPS = ("zero", "offload", "quantization", "model", "data", "trainer")
@@ -207,7 +208,7 @@ def test_recipe_is_complete_and_documented(name: str) -> None:
     run = to_run_config(compose_config([f"recipe={name}"]))
     preflight(run)  # the pydoc text fills a batch on every rank
     # A recipe sets nothing that cannot take effect (each such setting warns on every run).
-    assert run.zero.ineffective(loss_scaling=run.trainer.precision == "16-mixed") == []
+    assert ineffective(run.zero, loss_scaling=run.trainer.precision == "16-mixed") == []
     # What the launched ranks rebuild from ZEROQ_CHILD_CONFIG is the parent's config.
     assert build_run_config(json.loads(json.dumps(dataclasses.asdict(run)))) == run
 

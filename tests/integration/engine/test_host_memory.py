@@ -17,6 +17,7 @@ from lightning_zeroq.zero.offload import host_need
 from lightning_zeroq.zero.offload.host import HostOptimizer
 from lightning_zeroq.zero.offload.host_store import HostStore
 from lightning_zeroq.zero.policies import Host
+from lightning_zeroq.zero.policies import ineffective
 from tests.models import RichModel, make_batch, param_groups
 
 CONFIGS = {
@@ -190,7 +191,7 @@ def test_bad_budgets_are_refused_with_the_fix(value) -> None:
 
 
 def test_a_budget_without_offload_has_no_effect_and_says_so() -> None:
-    assert any("host_memory_budget=100 has no effect" in m for m in ZeroConfig(host_memory_budget=100).ineffective(False))
+    assert any("host_memory_budget=100 has no effect" in m for m in ineffective(ZeroConfig(host_memory_budget=100), loss_scaling=False))
 
 
 def test_the_trainer_stops_before_any_step(tmp_path) -> None:

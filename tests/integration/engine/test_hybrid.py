@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.zero.engine import ZeroEngine
 from lightning_zeroq.zero.unit import UnitState
+from lightning_zeroq.zero.policies import ineffective
 from tests.models import RichModel, make_batch, param_groups
 from tests.integration.engine.test_parity import OFFLOAD, _ddp_loss
 
@@ -420,9 +421,9 @@ def test_a_nonfinite_gradient_in_one_group_skips_the_step_everywhere(dist_pool) 
 
 
 def test_quantize_cross_group_only_says_when_it_cannot_take_effect() -> None:
-    alone = ZeroConfig(quantize_cross_group_only=True).ineffective(False)
+    alone = ineffective(ZeroConfig(quantize_cross_group_only=True), loss_scaling=False)
     assert any("no effect without quantized_gradients=True" in m for m in alone)
     weights = ZeroConfig(quantize_cross_group_only=True, quantized_gradients=True, quantized_weights=True)
-    assert any(m.startswith("quantized_weights=True has no effect") for m in weights.ineffective(False))
+    assert any(m.startswith("quantized_weights=True has no effect") for m in ineffective(weights, loss_scaling=False))
     with pytest.warns(UserWarning, match="quantize_cross_group_only=True has no effect: one group holds all 1 ranks"):
         ZeroEngine(RichModel(), ZeroConfig(quantize_cross_group_only=True, quantized_gradients=True))

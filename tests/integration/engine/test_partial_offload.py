@@ -12,6 +12,7 @@ from lightning_zeroq.zero.layout import UnitLayout, make_layout
 from lightning_zeroq.zero.offload import OptimizerPlacement, SplitOptimizer, host_units
 from lightning_zeroq.zero.offload.device import MasterAlias
 from lightning_zeroq.zero.offload.host import HostOptimizer
+from lightning_zeroq.zero.policies import ineffective
 from tests.models import RichModel, make_batch, param_groups
 
 DEVICE = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -190,7 +191,7 @@ def test_a_budget_over_the_device_is_an_error_and_forms_convert() -> None:
         memory_budget(200, 80 * 2**30)
     assert memory_budget("50%", 80 * 2**30) == 40 * 2**30 and memory_budget("12.5", 80 * 2**30) == int(12.5 * 2**30)
     assert any("no effect without offload_optimizer_ratio='auto'" in m
-               for m in ZeroConfig(offload_optimizer=True, offload_memory_budget=10).ineffective(False))
+               for m in ineffective(ZeroConfig(offload_optimizer=True, offload_memory_budget=10), loss_scaling=False))
 
 
 def test_auto_on_a_cpu_device_warns_and_offloads_every_unit() -> None:
