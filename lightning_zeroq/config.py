@@ -183,24 +183,19 @@ class ZeroConfig:
     """fp16 dynamic loss scaling never halves the scale below this."""
 
     def __post_init__(self) -> None:
+        """Each option group in turn: the groups of ``zero/policies.py`` (one policy each) and of docs/options.md."""
+        self._check_sharding()
+        self._check_quantization()
+        self._check_offload()
+        self._check_numerics()
+
+    def _check_sharding(self) -> None:
         if self.stage not in (1, 2, 3) or not isinstance(self.stage, int) or isinstance(self.stage, bool):
             raise ValueError(f"ZeroConfig.stage={self.stage!r} is not a ZeRO stage; use 1, 2 or 3.")
-        for name in ("reduce_bucket_size", "allgather_bucket_size"):
-            setattr(self, name, _check_int(name, getattr(self, name), 1))
-        for name in ("overlap_comm", "managed_gradient_accumulation", "offload_optimizer",
-                     "offload_speculative_step", "offload_async_step", "offload_parameters", "quantized_weights", "reshard_after_forward", "stage3_prefetch",
-                     "quantized_gradients", "quantize_cross_group_only"):
+        self.reduce_bucket_size = _check_int("reduce_bucket_size", self.reduce_bucket_size, 1)
+        for name in ("overlap_comm", "managed_gradient_accumulation", "reshard_after_forward", "stage3_prefetch"):
             check_bool("ZeroConfig", name, getattr(self, name))
         self.shard_group_size = check_shard_group_size(self.shard_group_size)
-        check_choice("ZeroConfig", "nonfinite_gradients", self.nonfinite_gradients, NONFINITE_ACTIONS)
-        if not isinstance(self.loss_scale, (int, float)) or self.loss_scale < 0:
-            raise ValueError(
-                f"ZeroConfig.loss_scale={self.loss_scale!r} must be 0 (dynamic) or a positive fixed scale."
-            )
-        self.initial_scale_power = _check_int("initial_scale_power", self.initial_scale_power, 0)
-        self.loss_scale_window = _check_int("loss_scale_window", self.loss_scale_window, 1)
-        if not isinstance(self.min_loss_scale, (int, float)) or self.min_loss_scale <= 0:
-            raise ValueError(f"ZeroConfig.min_loss_scale={self.min_loss_scale!r} must be positive, e.g. 1.")
         self.stage3_param_persistence_threshold = _check_int(
             "stage3_param_persistence_threshold", self.stage3_param_persistence_threshold, 0
         )
@@ -221,6 +216,11 @@ class ZeroConfig:
                 "ZeroConfig: set stage3_wrap_classes or stage3_unit_size, not both "
                 f"(got {self.stage3_wrap_classes!r} and {self.stage3_unit_size})."
             )
+
+    def _check_quantization(self) -> None:
+        for name in ("quantized_weights", "quantized_gradients", "quantize_cross_group_only"):
+            check_bool("ZeroConfig", name, getattr(self, name))
+        self.allgather_bucket_size = _check_int("allgather_bucket_size", self.allgather_bucket_size, 1)
         group = self.quantized_weights_group_size = _check_int(
             "quantized_weights_group_size", self.quantized_weights_group_size, 1
         )
@@ -237,6 +237,10 @@ class ZeroConfig:
                 f"ZeroConfig.allgather_bucket_size={self.allgather_bucket_size} is smaller than one "
                 f"quantization group ({group} elements); raise it to at least {group}."
             )
+
+    def _check_offload(self) -> None:
+        for name in ("offload_optimizer", "offload_speculative_step", "offload_async_step", "offload_parameters"):
+            check_bool("ZeroConfig", name, getattr(self, name))
         for name in ("offload_optimizer_device", "offload_params_device"):
             value = getattr(self, name)
             if value not in OFFLOAD_DEVICES:
@@ -277,6 +281,17 @@ class ZeroConfig:
                 f"ZeroConfig.nvme_path={self.nvme_path!r}: NVMe offload needs a directory to swap to; set "
                 "nvme_path to a writable directory on a fast local disk."
             )
+
+    def _check_numerics(self) -> None:
+        check_choice("ZeroConfig", "nonfinite_gradients", self.nonfinite_gradients, NONFINITE_ACTIONS)
+        if not isinstance(self.loss_scale, (int, float)) or self.loss_scale < 0:
+            raise ValueError(
+                f"ZeroConfig.loss_scale={self.loss_scale!r} must be 0 (dynamic) or a positive fixed scale."
+            )
+        self.initial_scale_power = _check_int("initial_scale_power", self.initial_scale_power, 0)
+        self.loss_scale_window = _check_int("loss_scale_window", self.loss_scale_window, 1)
+        if not isinstance(self.min_loss_scale, (int, float)) or self.min_loss_scale <= 0:
+            raise ValueError(f"ZeroConfig.min_loss_scale={self.min_loss_scale!r} must be positive, e.g. 1.")
 
     @property
     def uses_nvme(self) -> bool:
