@@ -36,8 +36,8 @@ class HostStore:
             return  # the host kernel wrote the step's payload here (``HostOptimizer.store_built``)
         if self.pin and payload.device.type == "cpu" and payload.dtype != buffer.dtype:
             # A host master (optimizer offload): cast on the GPU and copy the payload back, so the CPU,
-            # which steps the next unit meanwhile, only enqueues copies (casting 953M fp32 elements on
-            # the CPU took 72 ms of a 442 ms step on one H200). Both casts round to nearest even.
+            # which steps the next unit meanwhile, only enqueues copies (a cast of every master on the CPU
+            # would sit in the step's critical path). Both casts round to nearest even.
             payload = copy_cast_to_device(torch.empty(payload.shape, dtype=buffer.dtype, device=self.device), payload)
         buffer.copy_(payload, non_blocking=True)
 

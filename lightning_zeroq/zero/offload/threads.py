@@ -14,8 +14,8 @@ _THREADS_SET: list[int] = []
 
 def give_the_host_step_threads(world_size: int) -> None:
     """The host step runs on torch's intra-op threads. torchrun sets ``OMP_NUM_THREADS=1`` for every
-    rank it starts unless the user set it (953M GPT on 2 H200s: 1.20 s a step with 1 thread, 0.32 s
-    with 16): under torchrun with that default, use the cores per local rank and say so once;
+    rank it starts unless the user set it (a step with 1 thread against 16: benchmarks/README.md, the
+    offload host step's row): under torchrun with that default, use the cores per local rank and say so once;
     elsewhere, one thread is the user's choice, and gets a warning."""
     if torch.get_num_threads() != 1:
         return
