@@ -188,7 +188,7 @@ def _config_reads(source: str, members: set[str]) -> list[str]:
 
 def test_the_config_read_finder_finds_reads():
     members = _config_members()
-    assert {"stage", "nvme_path", "ineffective", "uses_nvme"} <= members
+    assert {"stage", "nvme_path", "uses_nvme"} <= members
     source = (
         "def f(c: ZeroConfig, config, policy):\n"
         "    a = c.stage + config.overlap_comm + self.config.nvme_path + getattr(config, 'x')\n"
