@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.zero.engine import ZeroEngine
 from lightning_zeroq.zero.offload import host_units
+from lightning_zeroq.zero import policies
 from tests.models import RichModel, make_batch, param_groups
 
 BACKWARDS_PER_STEP = [2, 5, 3, 1]
@@ -97,8 +98,9 @@ def _parity_body(
     engine = ZeroEngine(model, config)
     ratio = config.offload_optimizer_ratio if config.offload_optimizer else 0.0
     auto = ratio == "auto"
-    overlapping = config.offload_speculative_step or config.offload_async_step  # the last units to the host first
-    on_host = host_units([u.layout for u in engine.units], 1.0 if auto else ratio, overlapping)  # auto: all until a step
+    decided = policies.from_config(config, loss_scaling=False).offload  # overlapping host steps: the last units first
+    on_host = host_units([u.layout for u in engine.units], 1.0 if auto else ratio,
+                         decided.speculative or decided.asynchronous)  # auto: all until a step
     if auto:
         engine.placement.measure = AUTO_MEMORY(rank)
     if not auto and 0.0 < ratio < 1.0:
