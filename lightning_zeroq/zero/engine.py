@@ -305,9 +305,9 @@ class ZeroEngine:
             update.apply_multiplier(binding, self.units, self.placement, self._attached)
             used = self.reducer.finalize().used
             if self.ahead.takes(binding, len(self._attached.bindings) > 1):  # device units first, in the step
-                on_device = [u for u in self.units if self.placement.master_on_device(u.index)]
-                self.ahead.run(binding, used.tolist(), lambda one: update.step_in(
-                    one, binding, on_device, self.placement, self.gatherer, used.tolist()))
+                ids, on_device = used.tolist(), [u for u in self.units if self.placement.master_on_device(u.index)]
+                self.ahead.run(binding, ids, lambda one: update.step_in(one, binding, on_device, self.placement,
+                                                                       self.gatherer, ids))
             else:
                 update.run(binding, self.units, self.placement, self.gatherer, used)
         if self.loss_scaler is not None:

@@ -281,11 +281,13 @@ def _offload(c: ZeroConfig, loss_scaling: bool, notes: Notes) -> Offload:
     speculative = c.offload_speculative_step and kind in (Host, Auto) and not loss_scaling \
         and c.managed_gradient_accumulation
     if c.offload_speculative_step and not speculative:
-        notes.append("offload_speculative_step=True has no effect " + (
-            "without CPU optimizer offload (offload_optimizer=True, offload_optimizer_device='cpu')"
-            if kind not in (Host, Auto) else "with fp16 loss scaling (precision='16-mixed'): the step's unscaling "
-            "multiplier is never 1" if loss_scaling else "with managed_gradient_accumulation=False: no backward is "
-            "known to end the window") + ".")
+        if kind not in (Host, Auto):
+            why = "without CPU optimizer offload (offload_optimizer=True, offload_optimizer_device='cpu')"
+        elif loss_scaling:
+            why = "with fp16 loss scaling (precision='16-mixed'): the step's unscaling multiplier is never 1"
+        else:
+            why = "with managed_gradient_accumulation=False: no backward is known to end the window"
+        notes.append(f"offload_speculative_step=True has no effect {why}.")
     asynchronous = c.offload_async_step and kind is Host
     if c.offload_async_step and not asynchronous:
         notes.append("offload_async_step=True has no effect without CPU optimizer offload of a fixed share "

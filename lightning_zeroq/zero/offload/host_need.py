@@ -106,10 +106,11 @@ def engine_need(offload: Offload, layouts: Sequence[UnitLayout], rank: int, para
     elements = sum(layouts[i].shard_numel for i in on_host)
     half = param_dtype == torch.bfloat16
     params_on_host = isinstance(offload.parameters, Host)
-    # With NVMe, only the units not swapped keep master and state in host memory.
-    resident = on_host - host_units(layouts, policy.ratio) if isinstance(policy, Nvme) else on_host
-    if isinstance(policy, Nvme):
-        need.swap_elements = step_buffer_elements([layouts[i].shard_numel for i in host_units(layouts, policy.ratio)])
+    resident = on_host
+    if isinstance(policy, Nvme):  # only the units not swapped keep master and state in host memory
+        swapped = host_units(layouts, policy.ratio)
+        resident = on_host - swapped
+        need.swap_elements = step_buffer_elements([layouts[i].shard_numel for i in swapped])
         need.parts["NVMe step buffers (masters)"] = 4 * need.swap_elements
     if resident:
         need.host_elements = sum(seg.numel for i in resident for seg in layouts[i].segments(rank))

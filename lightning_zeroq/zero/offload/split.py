@@ -84,14 +84,11 @@ class SplitOptimizer(OptimizerPlacement):
         self.host.state_loaded(optimizer)
 
     def resident(self, units: Sequence[Unit]) -> Iterator[Unit]:
-        """Every unit stays resident in both parts; a host unit once the device read its master (and an
-        asynchronous step of the host's units is done)."""
-        self.host.settle()
-        self.host.abandon_speculation()
+        """Every unit stays resident in both parts; the host's units as the host's own walk hands them out
+        (after an asynchronous step, before any speculative one, once the device read each master)."""
+        hosted = self.host.resident([u for u in units if u.index in self.host_units])
         for unit in units:
-            if unit.index in self.host_units:
-                self.host.wait_device_reads(unit.index)
-            yield unit
+            yield next(hosted) if unit.index in self.host_units else unit
 
     def step_batches(self, units: Sequence[Unit]) -> Iterator[list[Unit]]:
         on_device, on_host = self._split(units)

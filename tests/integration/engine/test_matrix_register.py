@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import lightning_zeroq
 from lightning_zeroq import MatrixRule, ZeroConfig, ZeroEngine, register_matrix_optimizer
+from tests.integration.engine.test_muon import backward_both
 
 DIM = 24
 
@@ -87,13 +88,7 @@ def _train(stage: int, offload: bool) -> float:
     theirs = NormalizedMomentum(ref.parameters(), lr=0.02)
     worst = 0.0
     for step in range(10):
-        for micro in range(2):
-            engine.backward(_loss(model, step, micro) / 2, boundary=micro == 1)
-            if micro == 0:
-                with ddp.no_sync():
-                    (_loss(ddp, step, micro) / 2).backward()
-            else:
-                (_loss(ddp, step, micro) / 2).backward()
+        backward_both(engine, model, ddp, _loss, step)
         engine.step()
         theirs.step()
         engine.zero_grad()

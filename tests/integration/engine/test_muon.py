@@ -11,6 +11,7 @@ gradients are bitwise DDP's (stage 1, 2 ranks) torch's own bf16 iteration gives 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from pathlib import Path
 
@@ -83,6 +84,15 @@ def _newton_schulz_fp32(grad: torch.Tensor, ns_coefficients, ns_steps: int, eps:
     return x.T if tall else x
 
 
+def backward_both(engine: ZeroEngine, model: nn.Module, ddp: DistributedDataParallel, loss, step: int) -> None:
+    """One window of two backward passes, each halved, in the engine and in DDP (its first without sync);
+    ``loss(model, step, micro)``."""
+    for micro in range(2):
+        engine.backward(loss(model, step, micro) / 2, boundary=micro == 1)
+        with ddp.no_sync() if micro == 0 else contextlib.nullcontext():
+            (loss(ddp, step, micro) / 2).backward()
+
+
 def _body(stage: int, offload: bool, exact_bf16: bool = False) -> float:
     import torch.optim._muon as muon_module
 
@@ -107,13 +117,7 @@ def _train(stage: int, offload: bool, tolerance: float) -> float:
     ref_muon, ref_adam = _optimizers(ref)
     worst = 0.0
     for step in range(20):
-        for micro in range(2):
-            engine.backward(_loss(model, step, micro) / 2, boundary=micro == 1)
-            if micro == 0:
-                with ddp.no_sync():
-                    (_loss(ddp, step, micro) / 2).backward()
-            else:
-                (_loss(ddp, step, micro) / 2).backward()
+        backward_both(engine, model, ddp, _loss, step)
         for ours, theirs, bound in ((muon, ref_muon, 0.5), (adam, ref_adam, 1.0)):
             norm = engine.clip_grad_norm_(bound, optimizer=ours)
             ref_norm = torch.nn.utils.clip_grad_norm_([p for g in theirs.param_groups for p in g["params"]], bound)
