@@ -46,6 +46,17 @@ class ZeroConfig:
     the window's last backward. False (unmanaged): any number of backward passes, then a step; all
     boundary work runs inside the step."""
 
+    offload: Optional[str] = None
+    """``"auto"``: decide before the first step, from the plan of this model and its first batch
+    (``zero/choose.py``: ``zeroq-plan``'s count, its activations traced on the meta device), what goes
+    where: optimizer offload and its share, stage 3's parameter offload, NVMe spill when ``nvme_path`` is
+    given; with ``activation_checkpointing_policy="auto"`` also how many blocks recompute. The fastest
+    planned configuration whose peak fits ``offload_memory_budget`` and ``host_memory_budget`` (every rank
+    the same, from the smallest budgets) is taken and logged; with optimizer offload, the share is corrected
+    from the memory measured in the first step (as ``offload_optimizer_ratio="auto"``). Nothing fits: one
+    line before anything is allocated. Leave ``offload_optimizer``, ``offload_optimizer_ratio`` and
+    ``offload_parameters`` at their defaults with it. None: the offload options as given."""
+
     offload_optimizer: bool = False
     """Keep fp32 master shards and optimizer state off the GPU (see ``offload_optimizer_device``)."""
 
@@ -69,7 +80,7 @@ class ZeroConfig:
     swapped, for AdamW). 1: every unit is swapped."""
 
     offload_memory_budget: Any = None
-    """Device memory ``offload_optimizer_ratio="auto"`` may fill (peak allocated bytes): GiB as a number
+    """Device memory ``offload="auto"`` and ``offload_optimizer_ratio="auto"`` may fill (peak allocated bytes): GiB as a number
     (e.g. ``60``), or a share of the device's memory as a string ending in ``%`` (e.g. ``"50%"``).
     None: what the device has free after the first step (the caching allocator's unused reserve
     included), less a margin of 10% of its memory."""
@@ -141,12 +152,14 @@ class ZeroConfig:
     to backward: one gather per unit and step fewer, the memory of the whole model gathered at the
     end of the forward."""
 
-    activation_checkpointing_policy: Optional[list[Any]] = None
+    activation_checkpointing_policy: Any = None
     """The module classes (or their names) whose instances recompute their forward in the backward
     instead of keeping its activations (Lightning's ``FSDPStrategy`` name and meaning; torch's
     non-reentrant ``checkpoint``, which restores the random state: the same results, bitwise). Applied
     to the model when the engine is built; with stage 3, a checkpointed unit is gathered again for its
-    recomputation. None: nothing recomputed. Stored as the class names."""
+    recomputation. None: nothing recomputed. Stored as the class names. ``"auto"``: the repeated blocks
+    (stage 3's units), as many of them as the plan needs to fit the memory budget (none when everything
+    fits), decided before the first step (``offload="auto"`` says how)."""
 
     quantized_gradients: bool = False
     """Reduce gradients as INT8 groups with fp32 scales instead of the working dtype (ZeRO++'s qgZ
@@ -239,6 +252,17 @@ class ZeroConfig:
             )
 
     def _check_offload(self) -> None:
+        if self.offload not in (None, "auto"):
+            raise ValueError(f"ZeroConfig.offload={self.offload!r}: use 'auto' (the plan decides what goes where) or "
+                             "None (the offload options as given).")
+        if self.offload == "auto":
+            given = [f"{name}={getattr(self, name)!r}" for name in ("offload_optimizer", "offload_parameters",
+                                                                     "offload_optimizer_ratio", "offload_optimizer_device",
+                                                                     "offload_params_device")
+                     if getattr(self, name) != type(self).__dataclass_fields__[name].default]
+            if given:
+                raise ValueError(f"ZeroConfig.offload='auto' decides what {', '.join(given)} sets; drop "
+                                 f"{'it' if len(given) == 1 else 'them'}, or offload='auto' to choose by hand.")
         for name in ("offload_optimizer", "offload_speculative_step", "offload_async_step", "offload_parameters"):
             check_bool("ZeroConfig", name, getattr(self, name))
         for name in ("offload_optimizer_device", "offload_params_device"):
@@ -322,16 +346,16 @@ def check_shard_group_size(value: Any, world_size: Optional[int] = None, given: 
     return value
 
 
-def _class_names(value: Any) -> Optional[list[str]]:
-    """``activation_checkpointing_policy``: None, or module classes / class names as a list of names."""
-    if value is None:
-        return None
+def _class_names(value: Any) -> Any:
+    """``activation_checkpointing_policy``: None, ``"auto"``, or module classes / class names as a list of names."""
+    if value is None or value == "auto":
+        return value
     items = list(value) if isinstance(value, (list, tuple, set, frozenset)) else None
     names = [c if isinstance(c, str) else c.__name__ if isinstance(c, type) else None for c in items or ()]
     if not items or any(not n for n in names):
         raise ValueError(
             f"ZeroConfig.activation_checkpointing_policy={value!r} must be a list of module classes or their "
-            "names, e.g. {Block} or ['Block'] (None: nothing recomputed)."
+            "names, e.g. {Block} or ['Block'] (None: nothing recomputed; 'auto': as many blocks as the plan needs)."
         )
     return sorted({n for n in names if n})
 

@@ -42,6 +42,9 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     """Train the configuration of ``spec`` (``gpt``: ``GPTConfig`` fields; ``config``: ``ZeroConfig``
     fields; ``checkpointing``, ``batch``, ``seq``, ``warmup``, ``steps``, ``dtype``) in this process."""
     from lightning_zeroq import ZeroConfig, ZeroEngine
+    from lightning_zeroq.zero import recompute
+    from lightning_zeroq.zero.choose import choose
+    from lightning_zeroq.zero.policies import auto_request
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if spec.get("dtype", "bf16") == "bf16" else torch.float32
@@ -53,9 +56,20 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     fields = dict(spec["config"])
     if spec["checkpointing"]:
         fields["activation_checkpointing_policy"] = ["Block"]
-    engine = ZeroEngine(model, ZeroConfig(**fields), param_dtype=dtype, device=device)
-    engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
+    config, chosen = ZeroConfig(**fields), None
     tokens = torch.randint(cfg.vocab_size, (spec["batch"], spec["seq"] + 1), device=device)
+    if auto_request(config) is not None:  # offload="auto": decided here, as the strategies decide it
+        sample = tokens.to("meta")
+
+        def forward(m: torch.nn.Module) -> torch.Tensor:
+            logits = m(sample[:, :-1])
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), sample[:, 1:].reshape(-1))
+
+        choice = choose(model, config, forward, device=device, param_dtype=dtype)
+        recompute.apply_to(choice.recompute)
+        config, chosen = choice.config, choice
+    engine = ZeroEngine(model, config, param_dtype=dtype, device=device)
+    engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
     times = []
     try:
         for _ in range(spec["warmup"] + spec["steps"]):
@@ -74,6 +88,9 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         engine.close()
     out = {"step_s": statistics.median(times[spec["warmup"]:]),
            "host_bytes": max(0, _status_kib("VmHWM") - rss_before) * 1024, "loss": float(loss)}
+    if chosen is not None and chosen.need is not None:
+        out.update(chosen=chosen.need.name, chosen_line=chosen.line, predicted_allocated_bytes=chosen.need.device_total,
+                   predicted_step_s=chosen.need.step_s)
     if device.type == "cuda":
         out["allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         out["reserved_bytes"] = torch.cuda.max_memory_reserved(device)

@@ -130,6 +130,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                        help="the device memory the allocator reserves per byte allocated at the peak")
     shape.add_argument("--recipe", default=None, help="plan a zeroq-train recipe (conf/ and recipes/) instead")
     shape.add_argument("overrides", nargs="*", help="with --recipe: Hydra overrides, as zeroq-train takes them")
+    where.add_argument("--calibrate", action="store_true",
+                       help="measure the rates on this machine (one block at the micro-batch, the host step, "
+                            "copies, the disk at --nvme-path) instead of the four flags above")
     check = parser.add_argument_group("measuring the plan on this machine")
     check.add_argument("--measure", nargs="?", type=int, const=0, default=None, metavar="N",
                        help="train the N fastest fitting configurations (default: all) a few steps each and "
@@ -169,8 +172,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         logits = m(tokens)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens.reshape(-1))
 
+    device = None
+    if args.calibrate:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     needs = plan_training(model, forward, tokens=args.batch * args.seq, world_size=args.world_size, machine=machine,
-                          configs=configs, nvme_path=args.nvme_path, param_dtype=dtype)
+                          configs=configs, nvme_path=args.nvme_path, param_dtype=dtype, calibrate_on=device)
     params = sum(p.numel() for p in model.parameters())
     known = ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in (("device", machine.device_bytes), ("host", machine.host_bytes),
                                                            ("disk", machine.nvme_bytes)) if v is not None)

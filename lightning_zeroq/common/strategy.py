@@ -34,7 +34,10 @@ from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.common.migration import unknown_options_message
 from lightning_zeroq.common.precision import ZeroQPrecision
 from lightning_zeroq.common.watchdog import JOIN_TIMEOUT, start_watchdog, stop_watchdog
+from lightning_zeroq.zero import recompute
 from lightning_zeroq.zero.access import owning_engine
+from lightning_zeroq.zero.choose import choose
+from lightning_zeroq.zero.policies import auto_request
 from lightning_zeroq.zero.engine import ZeroEngine
 from lightning_zeroq.zero.materialize import parameters_on_meta
 
@@ -111,14 +114,24 @@ def as_zeroq_precision(plugin: Optional[Any], plugin_cls: type[P]) -> Optional[P
 
 
 def build_engine(module: nn.Module, config: ZeroConfig, precision: ZeroQPrecision, device: torch.device,
-                 ranks_per_node: Optional[int] = None) -> ZeroEngine:
+                 ranks_per_node: Optional[int] = None,
+                 plan_forward: Optional[Callable[[nn.Module], torch.Tensor]] = None) -> ZeroEngine:
     """The engine for ``module``. It moves the module to ``device`` unit by unit (stage 3 never holds it
     whole), materializes meta-device parameters with ``reset_parameters()``, and starts every rank from
     rank 0's values, as DDP does. ``ranks_per_node`` (the strategy's ``num_processes``) resolves
-    ``shard_group_size="node"``."""
+    ``shard_group_size="node"``. ``offload="auto"`` (or ``activation_checkpointing_policy="auto"``) is
+    decided first, from the plan of ``plan_forward(module)`` (one micro-batch's loss; ``zero/choose.py``)."""
     previous = owning_engine(module)
     if isinstance(previous, ZeroEngine):  # a fit that failed kept the module (its teardown runs no collective)
         previous.release_module()  # collective: every rank is here, setting up the new fit
+    if auto_request(config) is not None:
+        if plan_forward is None:
+            raise ValueError("offload='auto' / activation_checkpointing_policy='auto' plan from one micro-batch's "
+                             "loss: pass plan_forward=lambda model: <the loss of a sample batch> to the strategy.")
+        choice = choose(module, config, plan_forward, device=device, param_dtype=precision.param_dtype,
+                        ranks_per_node=ranks_per_node or 1)
+        recompute.apply_to(choice.recompute)
+        config = choice.config
     return ZeroEngine(
         module,
         config,

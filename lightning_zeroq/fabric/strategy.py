@@ -153,6 +153,9 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
             Fabric's ``DDPStrategy``.
         timeout: the longest a collective waits, a positive ``timedelta`` or number of seconds.
         checkpoint_io: refused (``fabric.save`` / ``fabric.load`` write ZeroQ's directories themselves).
+        plan_forward: needed with ``offload="auto"`` or ``activation_checkpointing_policy="auto"``: a
+            function of the model returning one micro-batch's loss (e.g. ``lambda m: loss_fn(m(x), y)``
+            with a sample batch), which the plan traces on the meta device before the model is sharded.
     """
 
     def __init__(
@@ -166,9 +169,11 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
         precision: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
+        plan_forward: Optional[Callable[[nn.Module], Tensor]] = None,
         **options: Any,
     ) -> None:
         self.config = config_from_options("ZeroQFabricStrategy", config, options)
+        self.plan_forward = plan_forward
         _refuse_checkpoint_io(checkpoint_io)
         super().__init__(
             accelerator=accelerator,
@@ -251,7 +256,7 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
                 "nn.Module, or use a second Fabric for a second model."
             )
         self.engine = build_engine(module, self.config, self.precision, self.root_device,
-                                   ranks_per_node=self.num_processes)
+                                   ranks_per_node=self.num_processes, plan_forward=self.plan_forward)
         self.precision.attach_engine(self.engine, self.root_device.type)
         self._backward_sync_control.module = module
         return module

@@ -45,6 +45,8 @@ from lightning_zeroq.checkpoint.checkpointer import Checkpointer
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.validation import check_bool
 from lightning_zeroq.lightning.launcher import ZeroQLauncher, record_sigterm_without_collectives
+from lightning_zeroq.lightning.plan_batch import first_batch_forward
+from lightning_zeroq.zero.policies import auto_request
 from lightning_zeroq.common.precision import ZeroQPrecision
 from lightning_zeroq.common.strategy import (
     as_zeroq_precision,
@@ -79,6 +81,9 @@ class ZeroQStrategy(DDPStrategy):
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, start_method: as in Lightning's ``DDPStrategy``.
         timeout: the longest a collective waits, a positive ``timedelta`` or number of seconds.
+        plan_forward: with ``offload="auto"`` or ``activation_checkpointing_policy="auto"``: a function of
+            the model returning one micro-batch's loss, which the plan traces on the meta device (default:
+            the module's ``training_step`` on the first batch of its training dataloader).
         async_checkpoint: save checkpoints with ``torch.distributed.checkpoint.async_save``: training
             waits only while the state is copied to host memory, the files are written in the
             background (the next save, a load or ``wait_for_checkpoint()`` waits for them).
@@ -99,9 +104,11 @@ class ZeroQStrategy(DDPStrategy):
         timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
         start_method: str = "popen",
         async_checkpoint: bool = False,
+        plan_forward: Optional[Callable[[torch.nn.Module], Tensor]] = None,
         **options: Any,
     ) -> None:
         self.config = config_from_options("ZeroQStrategy", config, options)
+        self.plan_forward = plan_forward
         if start_method != "popen" and self.config.stage == 3:
             raise ValueError(
                 f"ZeroQStrategy(stage=3, start_method={start_method!r}): the {start_method} launcher sends rank "
@@ -187,8 +194,11 @@ class ZeroQStrategy(DDPStrategy):
                 self.engine.close()  # the previous fit's engine: its state goes (NVMe files included)
             if fitting and self._layer_sync:
                 self.model = self._layer_sync.apply(self.model)
+            forward = self.plan_forward
+            if forward is None and fitting and auto_request(self.config) is not None:
+                forward = first_batch_forward(trainer, module, plugin)
             self.engine = build_engine(module, self.config, plugin, self.root_device,
-                                       ranks_per_node=self.num_processes)
+                                       ranks_per_node=self.num_processes, plan_forward=forward)
         if self.engine.retired:
             self.precision_plugin.attach_engine(None, self.root_device.type)
             self.setup_precision_plugin()

@@ -31,8 +31,9 @@ weights (their savings are not counted).
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -49,6 +50,7 @@ from lightning_zeroq.zero.policies import Nvme, OnDevice, Policies, from_config
 from lightning_zeroq.zero.unit import plan_layouts, trainable_parameters
 
 GIB = 2**30
+log = logging.getLogger("lightning_zeroq")
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,9 @@ class Machine:
     reserved_per_allocated: float = 1.2
     """The caching allocator's reserve over the peak allocated (what decides whether it fits), as measured
     (``docs/plan.md`` names the runs)."""
+    block_seconds: Optional[tuple[float, float]] = None
+    """One repeated block's forward, and forward plus backward, timed on the device at the planned
+    micro-batch (``calibrate.block_seconds``); None: the blocks' compute from ``matmul_flops``."""
 
 
 @dataclass(frozen=True)
@@ -83,9 +88,20 @@ class Activations:
     largest: int = 0
     """The largest single tensor saved (the loss's input, in a language model: its gradient is made
     as the backward starts, beside every activation)."""
+    block_call: Any = field(default=None, compare=False, repr=False)
+    """``(args, kwargs)`` of the first block's call (meta tensors): what ``calibrate.block_seconds`` times
+    a real block on."""
+    blocks: int = 0
+    """How many repeated blocks."""
+    block_numel: int = 0
+    """Their parameters' elements, together."""
 
-    def with_checkpointing(self) -> int:
-        return self.total - self.in_blocks + self.block_inputs + self.largest_block
+    def with_checkpointing(self, share: float = 1.0) -> int:
+        """Saved when ``share`` of the blocks recompute (they keep only their inputs, plus one block's own
+        while it is recomputed)."""
+        if share <= 0:
+            return self.total
+        return int(self.total - share * (self.in_blocks - self.block_inputs)) + self.largest_block
 
 
 @dataclass(frozen=True)
@@ -94,7 +110,8 @@ class Need:
 
     name: str
     config: ZeroConfig
-    checkpointing: bool
+    checkpointing: float
+    """The share of the repeated blocks that recompute (0: none, 1: all)."""
     device: dict[str, int]
     host: dict[str, int]
     nvme: int
@@ -113,6 +130,14 @@ class Need:
     @property
     def host_total(self) -> int:
         return sum(self.host.values())
+
+
+def describe(machine: Machine) -> str:
+    """The rates in one line."""
+    block = (f"one block {machine.block_seconds[0] * 1e3:.2f} ms forward, {machine.block_seconds[1] * 1e3:.2f} ms "
+             "forward+backward, " if machine.block_seconds else "")
+    return (f"{block}matmul {machine.matmul_flops / 1e12:.0f} TFLOP/s, host step {machine.host_step_elements_per_s / 1e9:.2f}e9 "
+            f"elements/s, PCIe {machine.pcie_bytes_per_s / 1e9:.1f} GB/s, disk {machine.nvme_bytes_per_s / 1e9:.2f} GB/s")
 
 
 def peak_allocated(device: dict[str, int]) -> int:
@@ -187,17 +212,20 @@ def trace_activations(model: nn.Module, forward: Callable[[nn.Module], Tensor], 
         return t
 
     inputs: list[int] = []
+    calls: list[Any] = []
     hooks = []
     for i, block in enumerate(blocks):
-        def enter(module: nn.Module, args: Any, i: int = i) -> None:
+        def enter(module: nn.Module, args: Any, kwargs: Any, i: int = i) -> None:
             current[0] = i
             first = next((a for a in args if isinstance(a, Tensor)), None)
             inputs.append(first.numel() * first.element_size() if first is not None else 0)
+            if not calls:
+                calls.append((args, kwargs))
 
         def leave(module: nn.Module, args: Any, out: Any) -> None:
             current[0] = -1
 
-        hooks += [block.register_forward_pre_hook(enter), block.register_forward_hook(leave)]
+        hooks += [block.register_forward_pre_hook(enter, with_kwargs=True), block.register_forward_hook(leave)]
     try:
         with _cuda_kernels(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             forward(model)
@@ -210,7 +238,8 @@ def trace_activations(model: nn.Module, forward: Callable[[nn.Module], Tensor], 
             per_block[where] += nbytes
     total = sum(nbytes for _, nbytes, _ in saved.values())
     largest = max((nbytes for _, nbytes, _ in saved.values()), default=0)
-    return Activations(total, sum(per_block), sum(inputs), max(per_block, default=0), largest)
+    return Activations(total, sum(per_block), sum(inputs), max(per_block, default=0), largest,
+                       calls[0] if calls else None, len(blocks), sum(p.numel() for b in blocks for p in b.parameters()))
 
 
 def _nvme_bytes(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequence[UnitSpec],
@@ -242,21 +271,23 @@ def candidates(nvme_path: Optional[str] = None) -> list[tuple[str, dict[str, Any
 
 
 def plan_config(model: nn.Module, config: ZeroConfig, activations: Activations, *, name: str,
-                world_size: int = 1, tokens: int = 0, checkpointing: bool = False, machine: Machine = Machine(),
+                world_size: int = 1, tokens: int = 0, checkpointing: float = 0.0, machine: Machine = Machine(),
                 param_dtype: torch.dtype = torch.bfloat16, state_bytes: int = 8, rank: int = 0) -> Need:
-    """The plan of one configuration (``model`` on the meta device; ``tokens`` per step and rank)."""
+    """The plan of one configuration (``model`` on the meta device; ``tokens`` per step and rank;
+    ``checkpointing``: the share of the repeated blocks that recompute)."""
+    checkpointing = float(checkpointing)
     policies = from_config(config, loss_scaling=False)
     specs = plan(model, trainable_parameters(model), policies.sharding.units)
     align = math.lcm(ALIGN, policies.quantization.group_size) if policies.quantization.any else ALIGN
     layouts = plan_layouts(specs, world_size, align)
     device = device_kinds(layouts, [s.persistent for s in specs], policies.offload, param_dtype, state_bytes, rank)
-    device["activations"] = activations.with_checkpointing() if checkpointing else activations.total
+    device["activations"] = activations.with_checkpointing(checkpointing)
     device["loss_gradient"] = activations.largest
     payload = {i: (layouts[i].shard_numel, param_dtype) for i in range(len(specs)) if not specs[i].persistent}
     host = engine_need(policies.offload, layouts, rank, param_dtype, payload)
     host.parts.update(optimizer_need([], host.host_elements, False, host.swap_elements, state_bytes).parts)
     nvme = _nvme_bytes(policies, layouts, specs, param_dtype, state_bytes)
-    step = _step_seconds(policies, layouts, specs, host.host_elements, nvme, tokens, checkpointing, machine, param_dtype)
+    step = _step_seconds(policies, layouts, specs, activations, host.host_elements, nvme, tokens, checkpointing, machine, param_dtype)
     why = []
     peak = peak_allocated(device)
     reserved = int(peak * machine.reserved_per_allocated)
@@ -269,44 +300,58 @@ def plan_config(model: nn.Module, config: ZeroConfig, activations: Activations, 
     return Need(name, config, checkpointing, device, dict(host.parts), nvme, step, not why, "; ".join(why), reserved)
 
 
-def _step_seconds(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequence[UnitSpec], host_elements: int,
-                  nvme_bytes: int, tokens: int, checkpointing: bool, machine: Machine, param_dtype: torch.dtype) -> float:
-    """Compute, plus the host step, plus NVMe traffic (``nvme_bytes`` read and written), plus what
-    crosses PCIe beyond the compute."""
+def _step_seconds(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequence[UnitSpec], activations: Activations,
+                  host_elements: int,
+                  nvme_bytes: int, tokens: int, checkpointing: float, machine: Machine, param_dtype: torch.dtype) -> float:
+    """The larger of the compute and what crosses PCIe beside it (gradients landing, stage 3's
+    parameters coming up), plus the host step, the new weights going up after it, and NVMe traffic
+    (``nvme_bytes`` read and written)."""
     params = sum(layout.numel for layout in layouts)
-    compute = (8 if checkpointing else 6) * params * tokens / machine.matmul_flops
+    compute = (6 + 2 * checkpointing) * params * tokens / machine.matmul_flops
+    if machine.block_seconds is not None and activations.blocks:
+        forward, both = machine.block_seconds
+        outside = max(0, params - activations.block_numel)
+        compute = activations.blocks * (both + checkpointing * forward) + 6 * outside * tokens / machine.matmul_flops
     host = host_elements / machine.host_step_elements_per_s
     offload = policies.offload
-    crossing = 0  # bytes over PCIe per step and rank
+    beside, after = 0, 0  # bytes over PCIe per step and rank: beside the compute, and after the host step
     if not isinstance(offload.optimizer, OnDevice):
         moved = sum(layouts[i].shard_numel for i in units_off_device(offload.optimizer, layouts))
-        crossing += 2 * param_dtype.itemsize * moved  # the gradient down, the new weights up
+        beside += param_dtype.itemsize * moved  # the gradients land during the backward
+        after += param_dtype.itemsize * moved  # the new weights go up after the host step
     if not isinstance(offload.parameters, OnDevice):
         transient = sum(layouts[i].shard_numel for i in range(len(layouts)) if not specs[i].persistent)
-        crossing += 2 * param_dtype.itemsize * transient  # gathered for the forward and again for the backward
+        beside += 2 * param_dtype.itemsize * transient  # gathered for the forward and again for the backward
     nvme = 2 * nvme_bytes / machine.nvme_bytes_per_s
-    pcie = crossing / machine.pcie_bytes_per_s
-    return max(compute, pcie) + host + nvme
+    return max(compute, beside / machine.pcie_bytes_per_s) + host + after / machine.pcie_bytes_per_s + nvme
 
 
 def plan_training(model: nn.Module, forward: Callable[[nn.Module], Tensor], *, tokens: int, world_size: int = 1,
                   machine: Machine = Machine(), configs: Optional[Sequence[tuple[str, dict]]] = None,
                   nvme_path: Optional[str] = None, param_dtype: torch.dtype = torch.bfloat16,
-                  state_bytes: int = 8) -> list[Need]:
+                  state_bytes: int = 8, calibrate_on: Optional[torch.device] = None) -> list[Need]:
     """Every candidate configuration (``configs``: ``(name, ZeroConfig fields)``, default
     ``candidates``), each without and with checkpointing of the repeated blocks, planned for
     ``model`` (on the meta device) and ``forward(model)`` (one micro-batch of ``tokens`` per rank):
-    the fitting ones first, fastest first, then the rest."""
+    the fitting ones first, fastest first, then the rest. ``calibrate_on``: measure the machine's rates
+    on this device first (``calibrate.py``: one block timed at the micro-batch, the host step, copies,
+    the disk under ``nvme_path``) instead of ``machine``'s."""
     if any(p.device.type != "meta" for p in model.parameters()):
         raise ValueError("plan: build the model on the meta device (with torch.device('meta'): ...), so that "
                          "planning allocates nothing; it needs only the shapes.")
     blocks = [m for m in model.modules() if type(m) in auto_wrap_classes(model)]
     activations = trace_activations(model, forward, blocks)
+    if calibrate_on is not None:
+        from lightning_zeroq.zero.calibrate import calibrated
+
+        machine = calibrated(machine, calibrate_on, param_dtype, block=blocks[0] if blocks else None,
+                             call=activations.block_call, nvme_path=nvme_path)
+        log.info("calibrated here: " + describe(machine))
     needs = []
     for name, fields in (configs if configs is not None else candidates(nvme_path)):
         config = ZeroConfig(**fields)
         for checkpointing in ((False, True) if blocks else (False,)):
             needs.append(plan_config(model, config, activations, name=name + ("+checkpointing" if checkpointing else ""),
-                                     world_size=world_size, tokens=tokens, checkpointing=checkpointing,
+                                     world_size=world_size, tokens=tokens, checkpointing=float(checkpointing),
                                      machine=machine, param_dtype=param_dtype, state_bytes=state_bytes))
     return sorted(needs, key=lambda n: (not n.fits, n.step_s, n.device_total))

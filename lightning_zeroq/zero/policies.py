@@ -173,11 +173,84 @@ RANK_LOCAL = ("nvme_path", "offload_memory_budget", "host_memory_budget")
 themselves (the worst rank's decides, ``offload/auto.py``); a node's own host memory."""
 
 
+@dataclass(frozen=True)
+class AutoRequest:
+    """What ``offload="auto"`` and ``activation_checkpointing_policy="auto"`` leave to the plan
+    (``choose.py``), before the engine is built."""
+
+    stage: int
+    offload: bool
+    """Decide optimizer offload (and its share), parameter offload (stage 3), NVMe spill."""
+    recompute: bool
+    """Decide how many of the repeated blocks recompute their forward."""
+    nvme_path: Optional[str]
+    device_budget: Any
+    """``offload_memory_budget``'s form (None: the device's free memory less a margin)."""
+    host_budget: Any
+    fixed_share: bool
+    """The share of the optimizer on the host stays as planned (``offload_async_step`` needs a fixed
+    share); otherwise it is corrected from the first step's measured memory."""
+    recompute_classes: tuple[str, ...] = ()
+    """With ``offload="auto"`` alone: the classes given to checkpoint (the plan counts them)."""
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """The plan's answer to an ``AutoRequest``."""
+
+    optimizer: Union[OnDevice, Host, Nvme]
+    parameters: Union[OnDevice, Host]
+    recompute_share: float
+    """Of the repeated blocks, the share that recomputes (the first ones in forward order)."""
+
+
+def auto_request(config: ZeroConfig) -> Optional[AutoRequest]:
+    """What the plan must decide for ``config``; None when nothing is left to it."""
+    c = config
+    recompute = c.activation_checkpointing_policy == "auto"
+    if c.offload != "auto" and not recompute:
+        return None
+    return AutoRequest(c.stage, c.offload == "auto", recompute, c.nvme_path, c.offload_memory_budget,
+                       c.host_memory_budget, c.offload_async_step,
+                       () if recompute else tuple(c.activation_checkpointing_policy or ()))
+
+
+def resolve(config: ZeroConfig, chosen: Chosen, blocks: Sequence[str], *, correct: bool = True) -> ZeroConfig:
+    """``config`` with the plan's choice written into it (``blocks``: the class name of the repeated
+    blocks, when all of them recompute). With ``correct`` the share of the optimizer on the host becomes
+    ``offload_optimizer_ratio="auto"`` (corrected from the first step's measured memory) unless a fixed
+    share is needed (``offload_async_step``); without it (no device memory to measure), the share planned."""
+    c, fields = config, dict[str, Any]()
+    fixed = c.offload_async_step or not correct
+    if c.offload == "auto":
+        opt, budget = chosen.optimizer, c.offload_memory_budget
+        fields.update(offload=None, offload_parameters=not isinstance(chosen.parameters, OnDevice),
+                      offload_optimizer=not isinstance(opt, OnDevice))
+        if isinstance(opt, Host):
+            fields["offload_optimizer_ratio"] = opt.ratio if fixed else "auto"
+        elif isinstance(opt, Nvme):
+            fields.update(offload_optimizer_device="nvme", offload_optimizer_nvme_ratio=opt.ratio)
+        if not isinstance(opt, Host) or fixed:
+            budget = None  # what the plan fitted under it holds; nothing corrects later
+        nvme = isinstance(opt, Nvme)
+        fields.update(offload_memory_budget=budget, nvme_path=c.nvme_path if nvme else None,
+                      host_memory_budget=c.host_memory_budget if fields["offload_optimizer"] or
+                      fields["offload_parameters"] else None)
+    if c.activation_checkpointing_policy == "auto":
+        fields["activation_checkpointing_policy"] = list(blocks) if chosen.recompute_share == 1.0 and blocks else None
+    return c.replace(**fields)
+
+
 def from_config(config: ZeroConfig, *, loss_scaling: bool) -> Policies:
     """The policies ``config`` asks for (``loss_scaling``: the precision is fp16 with loss scaling). Each
     policy's maker also says which settings it left out and why (``Policies.ineffective``): the sentence
     is written where the setting is decided, never beside it."""
     c = config
+    if auto_request(c) is not None:
+        raise ValueError("offload='auto' and activation_checkpointing_policy='auto' are decided from a plan of the "
+                         "model and a batch before the engine is built: the strategies do it; with the engine "
+                         "directly, call lightning_zeroq.choose(model, config, forward) first and build with the "
+                         "config it returns.")
     notes = Notes(c)
     sharding = _sharding(c, notes)
     quantization = _quantization(c, notes)

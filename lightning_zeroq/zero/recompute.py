@@ -37,11 +37,19 @@ def apply(module: nn.Module, class_names: Sequence[str]) -> None:
         if type(m).__name__ not in wanted:
             for child in m.children():
                 visit(child)
-        elif not getattr(m, "_zeroq_recomputed", False):  # nested ones are recomputed with it
-            m.forward = functools.partial(_checkpointed, m.forward)
-            m._zeroq_recomputed = True  # type: ignore[assignment]
+        else:  # nested ones are recomputed with it
+            apply_to([m])
 
     visit(module)
+
+
+def apply_to(modules: Sequence[nn.Module]) -> None:
+    """Checkpoint each of ``modules`` (``offload="auto"`` picks some of the repeated blocks); one
+    checkpointed already is left as it is."""
+    for m in modules:
+        if not getattr(m, "_zeroq_recomputed", False):
+            m.forward = functools.partial(_checkpointed, m.forward)
+            m._zeroq_recomputed = True  # type: ignore[assignment]
 
 
 def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

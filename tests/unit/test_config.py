@@ -209,7 +209,7 @@ def test_stage3_rejects_the_spawn_launcher():
 # its name there (docs/migrating.md).
 FROZEN_OPTIONS = (
     "stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "managed_gradient_accumulation",
-    "offload_optimizer", "offload_optimizer_device", "offload_optimizer_ratio", "offload_optimizer_nvme_ratio",
+    "offload", "offload_optimizer", "offload_optimizer_device", "offload_optimizer_ratio", "offload_optimizer_nvme_ratio",
     "offload_memory_budget", "host_memory_budget", "offload_speculative_step", "offload_async_step",
     "offload_parameters", "offload_params_device", "nvme_path", "quantized_weights", "quantized_weights_group_size",
     "quantized_weights_exact_numel", "stage3_wrap_classes", "stage3_unit_size", "stage3_param_persistence_threshold",

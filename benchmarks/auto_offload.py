@@ -1,0 +1,105 @@
+"""``offload="auto"`` against the best hand-picked configuration under the same device memory budget.
+
+One model and micro-batch, stage 3 (or ``--stage``). First the grid of hand-picked configurations: the
+share of the optimizer on the host (0, 0.25, 0.5, 0.75, 1) x every block recomputing or none, and at
+stage 3 the parameters on the host too (with all of the optimizer, with and without recomputing): 12
+points, each measured (peak allocated and reserved, host, median step). The budgets are shares
+(``--budgets``, default 90/70/50/35%) of the no-offload configuration's measured peak allocated. Under
+each budget: the best hand-picked point (the fastest whose measured peak fits) and ``offload="auto"``
+with ``activation_checkpointing_policy="auto"`` and ``offload_memory_budget`` set to it (its choice, its
+measured peak and step). Every run is a process of its own (``lightning_zeroq.cli.measure``), the
+``auto`` runs interleaved with the grid's.
+
+    python benchmarks/auto_offload.py --dim 2048 --layers 16 --heads 16 --ffn 5632 --batch 8 --seq 1024 \\
+        --out results.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lightning_zeroq.cli.measure import measure  # noqa: E402
+
+GIB = 2**30
+
+
+def grid(stage: int) -> list[tuple[str, dict, bool]]:
+    points = []
+    for share in (0.0, 0.25, 0.5, 0.75, 1.0):
+        for ckpt in (False, True):
+            fields = {"stage": stage}
+            if share:
+                fields.update(offload_optimizer=True, offload_optimizer_ratio=share)
+            points.append((f"optimizer {share:.0%} host{' +ckpt' if ckpt else ''}", fields, ckpt))
+    if stage == 3:
+        for ckpt in (False, True):
+            points.append((f"params+optimizer host{' +ckpt' if ckpt else ''}",
+                           {"stage": 3, "offload_optimizer": True, "offload_parameters": True}, ckpt))
+    return points
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for name, default in (("dim", 2048), ("layers", 16), ("heads", 16), ("ffn", 5632), ("vocab", 32000),
+                          ("batch", 8), ("seq", 1024), ("stage", 3), ("steps", 3), ("warmup", 2)):
+        parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--budgets", default="90,70,50,35", help="shares of the no-offload peak, in per cent")
+    parser.add_argument("--out", default=None, help="write every row as JSON lines")
+    parser.add_argument("--timeout", type=float, default=300.0)
+    args = parser.parse_args()
+    gpt = dict(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.dim,
+               ffn_hidden=args.ffn, norm="rmsnorm", mlp="swiglu", bias=False, learned_positions=False,
+               tie_embeddings=False, init="torch")
+    base = {"gpt": gpt, "batch": args.batch, "seq": args.seq, "warmup": args.warmup, "steps": args.steps}
+    out = open(args.out, "a") if args.out else None
+
+    def run(name: str, fields: dict, ckpt: bool, **extra) -> dict:
+        print(f"... {name}", file=sys.stderr, flush=True)
+        got = measure({**base, "config": fields, "checkpointing": ckpt}, timeout=args.timeout)
+        row = {"arm": name, **extra, **{k: v for k, v in got.items() if k != "chosen_line"}}
+        for k in ("allocated_bytes", "reserved_bytes", "host_bytes", "predicted_allocated_bytes"):
+            if k in row:
+                row[k.replace("_bytes", "_GiB")] = round(row.pop(k) / GIB, 2)
+        print(json.dumps(row), flush=True)
+        if out:
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+        return row
+
+    points = grid(args.stage)
+    measured = [run(*points[0])]
+    peak = measured[0].get("allocated_GiB")
+    if peak is None:
+        print(f"the no-offload configuration failed: {measured[0].get('error')}", file=sys.stderr)
+        return 1
+    budgets = [int(b) for b in args.budgets.split(",")]
+    autos = []
+    for i, point in enumerate(points[1:]):
+        measured.append(run(*point))
+        if i < len(budgets):  # interleaved with the grid
+            share = budgets[i]
+            fields = {"stage": args.stage, "offload": "auto", "activation_checkpointing_policy": "auto",
+                      "offload_memory_budget": round(share / 100 * peak, 3)}
+            autos.append(run(f"auto {share}%", fields, False, budget_GiB=round(share / 100 * peak, 3)))
+    print("\n| budget | auto: choice | auto peak GiB alloc / reserved | auto step s | best hand-picked | its step s | auto / best |")
+    print("|---|---|---|---|---|---|---|")
+    for auto in autos:
+        budget = auto["budget_GiB"]
+        fitting = [m for m in measured if "step_s" in m and m["allocated_GiB"] <= budget]
+        best = min(fitting, key=lambda m: m["step_s"]) if fitting else None
+        if "step_s" not in auto:
+            print(f"| {budget} | failed: {auto.get('error')} | | | {best and best['arm']} | | |")
+            continue
+        ratio = f"{auto['step_s'] / best['step_s']:.3f}" if best else "-"
+        print(f"| {budget} | {auto.get('chosen')} | {auto['allocated_GiB']} / {auto['reserved_GiB']} | {auto['step_s']:.4f} | "
+              f"{best['arm'] if best else 'none fits'} | {best['step_s'] if best else '-'} | {ratio} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""What ``offload="auto"`` plans from under the Trainer: the module's ``training_step`` on the first
+batch of its training dataloader, moved to the meta device (``zero/choose.py`` traces it with the
+parameters on the meta device too, so nothing is allocated). The batch is read once at setup, as
+Lightning's ``DeepSpeedStrategy`` reads one to learn the micro-batch size; the fit then starts from
+the dataloader's beginning as usual. ``self.log`` does nothing during the trace.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.pytorch.utilities import CombinedLoader
+from torch import Tensor, nn
+
+from lightning_zeroq.common.precision import ZeroQPrecision
+
+FIX = "or pass plan_forward=lambda model: <one micro-batch's loss> to ZeroQStrategy"
+
+
+def first_batch_forward(trainer: Any, module: Any, precision: ZeroQPrecision) -> Callable[[nn.Module], Tensor]:
+    """``forward(model)``: ``model.training_step`` on the first training batch (meta tensors) and its loss."""
+    if not module.automatic_optimization:
+        raise ValueError("offload='auto' plans from training_step, which under manual optimization steps the "
+                         f"optimizers itself; choose the offload by hand (zeroq-plan shows what fits) {FIX}.")
+    loader = trainer.fit_loop._data_source.dataloader()  # as Lightning's DeepSpeedStrategy reads it at setup
+    try:
+        batch, _, _ = next(iter(CombinedLoader(loader, "max_size_cycle")))
+    except StopIteration:
+        raise ValueError(f"offload='auto' plans from the first training batch, and the training dataloader is "
+                         f"empty; give it data {FIX}.") from None
+    batch = apply_to_collection(batch, Tensor, lambda t: t.to("meta"))
+    batch = precision.convert_input(batch)
+
+    def forward(model: nn.Module) -> Tensor:
+        quiet = {name: lambda *args, **kwargs: None for name in ("log", "log_dict")}
+        model.__dict__.update(quiet)  # an instance attribute shadows the method during the trace
+        try:
+            out = model.training_step(batch, 0)  # type: ignore[operator]
+        finally:
+            for name in quiet:
+                model.__dict__.pop(name, None)
+        loss = out["loss"] if isinstance(out, Mapping) else out
+        if not isinstance(loss, Tensor):
+            raise ValueError(f"offload='auto': training_step returned {type(out).__name__}, not a loss; {FIX}.")
+        return loss
+
+    return forward

@@ -1,0 +1,146 @@
+"""The rates a plan's step time is figured from, measured on this machine in about a second
+(``zeroq-plan --calibrate``, ``offload="auto"``): one repeated block's forward and backward on the
+device at the planned micro-batch, the host's AdamW step (the kernel the engine uses), pinned copies
+between host and device, and the disk under ``nvme_path``.
+
+Each measurement is the fastest of a few repetitions after a warm-up: the steady state, not the
+first call's allocations and kernel choices.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import tempfile
+import time
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_map
+
+from lightning_zeroq.ops.host_adam import host_adam
+from lightning_zeroq.zero.planner import Machine
+
+REPEATS = 3
+
+
+def _fastest(run: Callable[[], Any], sync: Callable[[], None], repeats: int = REPEATS) -> float:
+    run()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+def block_seconds(block: nn.Module, call: Any, device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
+    """One copy of ``block`` (its parameters on the meta device or anywhere) on ``device`` in ``dtype``,
+    random weights, called as ``call`` (``(args, kwargs)`` of meta tensors) took: the forward, and the
+    forward and backward, in seconds."""
+    real = copy.deepcopy(block).to_empty(device=device)
+    with torch.no_grad():
+        for p in real.parameters():
+            p.data = p.data.to(dtype).normal_(0, 0.02)
+
+    def make(t: Any) -> Any:
+        if not isinstance(t, Tensor):
+            return t
+        if t.is_floating_point():
+            return torch.randn(t.shape, dtype=t.dtype, device=device, requires_grad=t.requires_grad)
+        return torch.zeros(t.shape, dtype=t.dtype, device=device)
+
+    args, kwargs = tree_map(make, call)
+    first = next((a for a in args if isinstance(a, Tensor) and a.is_floating_point()), None)
+    if first is not None:
+        first.requires_grad_(True)
+
+    def forward() -> Any:
+        with torch.no_grad():
+            real(*args, **kwargs)
+
+    def both() -> None:
+        out = real(*args, **kwargs)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        out.float().sum().backward()
+        real.zero_grad(set_to_none=True)
+
+    sync = _sync(device)
+    return _fastest(forward, sync), _fastest(both, sync)
+
+
+def host_step_rate(elements: int = 1 << 24) -> float:
+    """AdamW elements a second on the host, through the engine's kernel (torch's fused CPU AdamW where
+    the kernel is not available)."""
+    p, g, m, v = (torch.rand(elements) for _ in range(4))
+    kernel = host_adam()
+    def run() -> None:
+        if kernel is not None:
+            kernel.step(p, g, m, v, step=1.0, decoupled=True, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
+                        weight_decay=0.01)
+        else:
+            torch._fused_adamw_([p], [g], [m], [v], [], [torch.tensor(1.0)], amsgrad=False, beta1=0.9, beta2=0.999,
+                                lr=1e-4, weight_decay=0.01, eps=1e-8, maximize=False)
+
+    return elements / _fastest(run, lambda: None)
+
+
+def copy_rate(device: torch.device, nbytes: int = 1 << 28) -> Optional[float]:
+    """Bytes a second from pinned host memory to ``device`` and back (the mean of both directions);
+    None off a GPU."""
+    if device.type != "cuda":
+        return None
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    sync = _sync(device)
+    up = _fastest(lambda: dev.copy_(host, non_blocking=True), sync)
+    down = _fastest(lambda: host.copy_(dev, non_blocking=True), sync)
+    return 2 * nbytes / (up + down)
+
+
+def disk_rate(path: str, nbytes: int = 1 << 28) -> float:
+    """Bytes a second written (synced) and read back under ``path`` (the mean of both)."""
+    data = os.urandom(1 << 20) * (nbytes >> 20)
+    with tempfile.NamedTemporaryFile(dir=path) as f:
+        start = time.perf_counter()
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+        wrote = time.perf_counter() - start
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        f.seek(0)
+        start = time.perf_counter()
+        while f.read(1 << 24):
+            pass
+        read = time.perf_counter() - start
+    return 2 * nbytes / (wrote + read)
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype, n: int = 4096) -> float:
+    """Achieved FLOP/s of an ``n``-square matrix product."""
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    return 2 * n**3 / _fastest(lambda: a @ b, _sync(device))
+
+
+def calibrated(machine: Machine, device: torch.device, dtype: torch.dtype, *, block: Optional[nn.Module] = None,
+               call: Any = None, nvme_path: Optional[str] = None) -> Machine:
+    """``machine`` with its rates measured here: the device's (on a GPU), the host step's, the disk's
+    under ``nvme_path``, and ``block`` timed at ``call`` where given."""
+    rates: dict[str, Any] = {"host_step_elements_per_s": host_step_rate()}
+    if device.type == "cuda":
+        rates["matmul_flops"] = matmul_rate(device, dtype)
+        rates["pcie_bytes_per_s"] = copy_rate(device)
+        if block is not None and call is not None:
+            rates["block_seconds"] = block_seconds(block, call, device, dtype)
+    if nvme_path:
+        rates["nvme_bytes_per_s"] = disk_rate(nvme_path)
+    return dataclasses.replace(machine, **rates)

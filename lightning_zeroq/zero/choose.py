@@ -1,0 +1,234 @@
+"""``offload="auto"`` and ``activation_checkpointing_policy="auto"``: what goes where, decided from the
+plan before the engine is built (``lightning_zeroq.choose``; the strategies call it).
+
+1. The model's activations are traced once with its parameters and buffers swapped for meta tensors of
+   the working dtype (``on_meta``; nothing is allocated) through ``forward`` (the strategies: the
+   module's ``training_step`` on its first batch, moved to the meta device).
+2. The budgets: device memory (``offload_memory_budget``, default the device's free memory less 10% of
+   its size; peak allocated), host memory (``host_memory_budget``, default what is available), and the
+   disk's free space at ``nvme_path``: every rank takes the smallest of all ranks', so every rank
+   decides alike.
+3. The rates the step time is figured from are measured here on a GPU (``calibrate.py``; the slowest
+   rank's), or the ``Machine`` defaults (on a CPU device).
+4. Candidates (``candidates``), for the configured stage: the optimizer on the device, a quarter to all
+   of it on the host, half or all of it on NVMe where ``nvme_path`` is given; stage 3's parameters on
+   the device or the host; with ``activation_checkpointing_policy="auto"`` none, a quarter, half,
+   three quarters or all of the repeated blocks recomputing. The fastest planned one whose peak
+   allocated fits the device budget (and whose reserved fits the device), whose host memory fits the
+   host budget and whose NVMe bytes fit the disk is taken; ties go to the earlier (less offloaded,
+   less recomputed) candidate. None fits: one line naming what the least demanding one needs.
+5. The config written from the choice (``policies.resolve``). A share of the optimizer on the host
+   becomes ``offload_optimizer_ratio="auto"``: the first step runs with all of it on the host and then
+   brings back as many units as the measured peak leaves room for (``offload/auto.py``), so the plan
+   decides what kind of offload and the measurement how much.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import shutil
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_zeroq.config import ZeroConfig, memory_budget
+from lightning_zeroq.zero import comm
+from lightning_zeroq.zero.offload.auto import MARGIN
+from lightning_zeroq.zero.offload.host_need import available, size
+from lightning_zeroq.zero.plan import auto_wrap_classes
+from lightning_zeroq.zero.planner import Machine, Need, plan_config, trace_activations
+from lightning_zeroq.zero.policies import AutoRequest, Chosen, Host, Nvme, OnDevice, auto_request, resolve
+
+log = logging.getLogger("lightning_zeroq")
+
+SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)
+"""The shares of the optimizer (on the host) and of the blocks (recomputing) a choice is made among."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    config: ZeroConfig
+    """The config to build the engine with: the offload written in, no ``"auto"`` left."""
+    recompute: tuple[nn.Module, ...]
+    """Blocks that recompute besides what ``config`` names (a share below all of them)."""
+    need: Optional[Need]
+    """The chosen configuration's plan."""
+    line: str
+    """The decision in one line (logged)."""
+    planned: tuple[tuple[Chosen, Need], ...] = ()
+    """Every candidate with its plan, in order of preference."""
+
+
+@contextlib.contextmanager
+def on_meta(module: nn.Module, dtype: torch.dtype) -> Iterator[nn.Module]:
+    """``module`` with every parameter and buffer swapped for a meta tensor (floating parameters in
+    ``dtype``, the working dtype), put back on exit. Tied parameters stay tied."""
+    swapped: list[tuple[dict, str, Any]] = []
+    metas: dict[int, Any] = {}
+    for m in module.modules():
+        for store in (m._parameters, m._buffers):
+            for name, t in list(store.items()):
+                if t is None:
+                    continue
+                if id(t) not in metas:
+                    kind = dtype if store is m._parameters and t.is_floating_point() else t.dtype
+                    meta = torch.empty(t.shape, dtype=kind, device="meta")
+                    metas[id(t)] = nn.Parameter(meta, t.requires_grad) if store is m._parameters else meta
+                swapped.append((store, name, t))
+                store[name] = metas[id(t)]
+    try:
+        yield module
+    finally:
+        for store, name, t in swapped:
+            store[name] = t
+
+
+def candidates(request: AutoRequest) -> list[tuple[str, Any, Any, float]]:
+    """``(name, optimizer, parameters, share of the blocks recomputing)`` in order of preference (less
+    offloaded, less recomputed first)."""
+    optimizers: list[tuple[str, Any]] = [("optimizer on the device", OnDevice())]
+    parameters: list[tuple[str, Any]] = [("", OnDevice())]
+    if request.offload:
+        optimizers += [(f"{share:.0%} of the optimizer on the host", Host(share)) for share in SHARES[1:]]
+        if request.nvme_path:
+            optimizers += [(f"{share:.0%} of the optimizer on NVMe", Nvme(request.nvme_path, share)) for share in (0.5, 1.0)]
+        if request.stage == 3:
+            parameters.append((", parameters on the host", Host()))
+    shares = SHARES if request.recompute else (1.0 if request.recompute_classes else 0.0,)
+    out = []
+    for pname, params in parameters:
+        for oname, opt in optimizers:
+            for share in shares:
+                recompute = f", {share:.0%} of the blocks recomputing" if request.recompute else ""
+                out.append((oname + pname + recompute, opt, params, share))
+    return out
+
+
+def _fields(config: ZeroConfig, chosen: Chosen) -> ZeroConfig:
+    """The concrete config a candidate is planned as (its share of the optimizer fixed)."""
+    planned = resolve(config, chosen, ())
+    if isinstance(chosen.optimizer, Host) and planned.offload_optimizer_ratio == "auto":
+        planned = planned.replace(offload_optimizer_ratio=chosen.optimizer.ratio, offload_memory_budget=None)
+    return planned
+
+
+def _budgets(request: AutoRequest, device: torch.device, group: Any) -> tuple[Optional[int], Optional[int], int, Optional[int]]:
+    """(device budget, device size, host budget, disk free), the smallest over the ranks."""
+    size = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    budget = memory_budget(request.device_budget, size) if size is not None else memory_budget(request.device_budget, 1 << 60)
+    if budget is None and device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(free - MARGIN * total)
+    found = available(request.host_budget)
+    room = found.bytes if found is not None else None
+    disk = None
+    if request.nvme_path:
+        disk = shutil.disk_usage(request.nvme_path).free
+    unknown = (1 << 62)
+    values = torch.tensor([v if v is not None else unknown for v in (budget, size, room, disk)], dtype=torch.int64)
+    if comm.world(group)[1] > 1:
+        values = values.to(device)
+        comm.all_reduce(values, dist.ReduceOp.MIN, group)
+    out = [int(v) if int(v) != unknown else None for v in values.tolist()]
+    return out[0], out[1], out[2] if out[2] is not None else unknown, out[3]
+
+
+def _agreed(flags: list[bool], steps: list[float], device: torch.device, group: Any) -> tuple[list[bool], list[float]]:
+    """Every rank's ``flags`` and ``steps`` per candidate: true where true on every rank, the longest step."""
+    if comm.world(group)[1] == 1:
+        return flags, steps
+    both = torch.tensor([-float(f) for f in flags] + steps, dtype=torch.float64, device=device)
+    comm.all_reduce(both, dist.ReduceOp.MAX, group)
+    values = both.tolist()
+    return [v == -1.0 for v in values[: len(flags)]], values[len(flags):]
+
+
+def _agreed_machine(machine: Machine, device: torch.device, group: Any) -> Machine:
+    """The slowest rank's rates (every rank plans alike)."""
+    if comm.world(group)[1] == 1:
+        return machine
+    block = machine.block_seconds or (0.0, 0.0)
+    rates = torch.tensor([machine.matmul_flops, machine.host_step_elements_per_s, machine.pcie_bytes_per_s,
+                          machine.nvme_bytes_per_s, -block[0], -block[1]], dtype=torch.float64)
+    rates = rates.to(device)
+    comm.all_reduce(rates, dist.ReduceOp.MIN, group)
+    r = rates.tolist()
+    return dataclasses.replace(machine, matmul_flops=r[0], host_step_elements_per_s=r[1], pcie_bytes_per_s=r[2],
+                               nvme_bytes_per_s=r[3], block_seconds=(-r[4], -r[5]) if machine.block_seconds else None)
+
+
+def choose(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Module], Tensor], *,
+           device: Optional[torch.device] = None, param_dtype: torch.dtype = torch.float32, group: Any = None,
+           world_size: Optional[int] = None, ranks_per_node: int = 1, machine: Optional[Machine] = None,
+           calibrate: bool = True) -> Choice:
+    """What ``config``'s ``"auto"`` settings come to for ``module`` (anywhere, even partly on the meta
+    device) and one micro-batch (``forward(model)`` returns its loss). A ``ValueError`` of one line
+    where nothing fits. ``machine``: rates to plan with instead of measuring them here (``calibrate``)."""
+    request = auto_request(config)
+    if request is None:
+        return Choice(config, (), None, "")
+    device = device if device is not None else next((p.device for p in module.parameters() if p.device.type != "meta"),
+                                                    torch.device("cpu"))
+    world = world_size if world_size is not None else comm.world(group)[1]
+    blocks_cls = auto_wrap_classes(module)
+    blocks = [m for m in module.modules() if type(m) in blocks_cls]
+    if request.recompute and not blocks:
+        raise ValueError("activation_checkpointing_policy='auto' recomputes repeated blocks, and this model has none "
+                         "(no class repeated in an nn.ModuleList or nn.Sequential); name the classes instead.")
+    with on_meta(module, param_dtype) as meta:
+        activations = trace_activations(meta, forward, blocks)
+        budget, size, host_room, disk = _budgets(request, device, group)
+        rates = machine or Machine()
+        if calibrate and machine is None and device.type == "cuda":  # a CPU "device" (tests) plans with the defaults
+            from lightning_zeroq.zero.calibrate import calibrated
+
+            rates = calibrated(rates, device, param_dtype, block=blocks[0] if blocks else None,
+                               call=activations.block_call, nvme_path=request.nvme_path if request.offload else None)
+        rates = _agreed_machine(rates, device, group)
+        planned = []
+        for name, opt, params, share in candidates(request):
+            chosen = Chosen(opt, params, share)
+            need = plan_config(meta, _fields(config, chosen), activations, name=name, world_size=world,
+                               checkpointing=share, machine=rates, param_dtype=param_dtype, rank=comm.world(group)[0])
+            planned.append((chosen, need))
+    if size is None and request.device_budget is None:
+        budget = None  # a CPU device: no device memory to fit (host and disk still count)
+
+    def fits(need: Need) -> bool:
+        return ((budget is None or need.device_total <= budget) and (size is None or need.reserved <= size)
+                and need.host_total * ranks_per_node <= host_room and (disk is None or need.nvme * ranks_per_node <= disk))
+
+    # A rank's shards differ by padding: a candidate fits where it fits every rank, at the slowest rank's step.
+    fit_flags, steps = _agreed([fits(n) for _, n in planned], [n.step_s for _, n in planned], device, group)
+    planned = [(c, dataclasses.replace(n, step_s=s)) for (c, n), s in zip(planned, steps)]
+    fitting = [cn for cn, ok in zip(planned, fit_flags) if ok]
+    if not fitting:
+        least = min(planned, key=lambda cn: (cn[1].device_total, cn[1].host_total))[1]
+        fixes = ["more GPUs", "a smaller micro-batch"]
+        fixes += [] if request.recompute else ["activation_checkpointing_policy='auto'"]
+        fixes += [] if request.nvme_path or not request.offload else ["nvme_path (NVMe offload)"]
+        raise ValueError(
+            f"offload='auto': nothing fits: the least device memory any configuration needs is {_size(least.device_total)} "
+            f"allocated ({least.name}; budget {_size(budget)}), with {_size(least.host_total * ranks_per_node)} of host "
+            f"memory (budget {_size(host_room)}); use {', '.join(fixes)} or a larger budget.")
+    best = min(range(len(fitting)), key=lambda i: (fitting[i][1].step_s, i))
+    chosen, need = fitting[best]
+    names = [type(blocks[0]).__name__] if blocks else []
+    resolved = resolve(config, chosen, names, correct=device.type == "cuda")
+    recompute: tuple[nn.Module, ...] = ()
+    if request.recompute and 0 < chosen.recompute_share < 1:
+        recompute = tuple(blocks[: round(chosen.recompute_share * len(blocks))])
+    line = (f"offload='auto' chose {need.name}: planned peak {_size(need.device_total)} allocated "
+            f"({_size(need.reserved)} reserved) of a {_size(budget)} budget, host {_size(need.host_total)} "
+            f"of {_size(host_room)}, step ~{need.step_s:.3f} s ({len(fitting)} of {len(planned)} planned fit)")
+    log.info(line)
+    return Choice(resolved, recompute, need, line, tuple(planned))
+
+
+def _size(value: Optional[int]) -> str:
+    return "none" if value is None or value >= 1 << 61 else size(value)

@@ -1,0 +1,116 @@
+"""``offload="auto"`` with ``activation_checkpointing_policy="auto"`` under the Trainer and Fabric: the
+choice made before the first step from the plan of the module's ``training_step`` on its first batch
+stays within the budget, is the plan's fastest fitting configuration, is the same on every rank (each
+rank given a different budget: the smallest decides), and trains as DDP does, step by step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import lightning_zeroq  # noqa: F401  (registers the strategy names)
+from lightning_zeroq import ZeroConfig
+from lightning_zeroq.cli.gpt import GPTConfig, GPTModel
+from lightning_zeroq.zero.choose import choose
+from lightning_zeroq.zero.policies import Host, OnDevice
+from tests.integration.lightning.test_parity import _assert_same
+
+CFG = GPTConfig(vocab_size=64, block_size=8, n_layer=4, n_head=2, n_embd=16, ffn_hidden=48, norm="rmsnorm",
+                mlp="swiglu", bias=False, learned_positions=False, tie_embeddings=False, init="torch")
+BASE = dict(stage=3, stage3_param_persistence_threshold=40, offload="auto", activation_checkpointing_policy="auto")
+BATCH = 2
+
+
+def _lit():
+    import lightning as L
+
+    class GPTLit(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gpt = GPTModel(CFG)
+
+        def training_step(self, batch, batch_idx):
+            tokens, targets = batch
+            logits = self.gpt(tokens)
+            loss = F.cross_entropy(logits.reshape(-1, CFG.vocab_size).float(), targets.reshape(-1))
+            self.log("loss", loss)
+            return {"loss": loss}
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+    return GPTLit()
+
+
+def _data(world: int) -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, CFG.vocab_size, (BATCH * 4 * world, CFG.block_size + 1), generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=BATCH)
+
+
+def _planned() -> list:
+    """Every candidate's plan for the module and one batch (no budget to fit)."""
+    torch.manual_seed(0)
+    module = _lit()
+    tokens, targets = next(iter(_data(1)))
+
+    def forward(m):
+        m.log = lambda *args, **kwargs: None
+        try:
+            return m.training_step((tokens.to("meta"), targets.to("meta")), 0)["loss"]
+        finally:
+            del m.log
+
+    return list(choose(module, ZeroConfig(**BASE, offload_memory_budget=100), forward, world_size=2).planned)
+
+
+def _mixed_budget(planned: list) -> int:
+    """A budget only configurations with both some offload and some recomputation fit."""
+    plain = [n.device_total for c, n in planned if isinstance(c.optimizer, OnDevice) or c.recompute_share == 0]
+    return min(plain) - 1
+
+
+def _fit_body(budgets: list[float]) -> tuple:
+    import lightning as L
+
+    from lightning_zeroq import ZeroQStrategy
+    from tests.integration.lightning.test_parity import _Recorder
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    snaps = {}
+    for arm in ("auto", "ddp"):
+        torch.manual_seed(0)
+        module = _lit()
+        recorder = _Recorder()
+        strategy = ZeroQStrategy(**BASE, offload_memory_budget=budgets[rank]) if arm == "auto" else "ddp"
+        trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=1, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=[recorder])
+        trainer.fit(module, _data(world))
+        snaps[arm] = recorder.snapshots
+        if arm == "auto":
+            engine = trainer.strategy.engine
+            chosen = (engine.config.offload_optimizer, engine.config.offload_parameters,
+                      sum(getattr(b, "_zeroq_recomputed", False) for b in module.gpt.blocks))
+    _assert_same(snaps["auto"], snaps["ddp"], 1e-5)
+    return chosen
+
+
+def test_the_choice_fits_the_smallest_budget_and_trains_as_ddp(dist_pool):
+    planned = _planned()
+    budget = _mixed_budget(planned)
+    fitting = [(c, n) for c, n in planned if n.device_total <= budget]
+    assert fitting, "the test's model must leave configurations that fit"
+    best = min(range(len(fitting)), key=lambda i: (fitting[i][1].step_s, i))
+    chosen, need = fitting[best]
+    assert need.device_total <= budget and not isinstance(chosen.optimizer, OnDevice) and chosen.recompute_share > 0
+    gib = 2**30
+    # rank 1 has twice the budget: the smaller one decides, on both ranks alike
+    results = dist_pool(2).run(_fit_body, [budget / gib, 2 * budget / gib])
+    assert results[0] == results[1], results
+    offload, params, recomputing = results[0]
+    assert offload and isinstance(chosen.optimizer, Host)
+    assert params == (not isinstance(chosen.parameters, OnDevice))
+    assert recomputing == round(chosen.recompute_share * CFG.n_layer)
