@@ -51,6 +51,8 @@ def main() -> int:
     parser.add_argument("--budgets", default="90,70,50,35", help="shares of the no-offload peak, in per cent")
     parser.add_argument("--out", default=None, help="write every row as JSON lines")
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--peak-gib", type=float, default=None,
+                        help="the no-offload peak measured before: run only the auto arms (the grid is in an earlier file)")
     args = parser.parse_args()
     gpt = dict(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.dim,
                ffn_hidden=args.ffn, norm="rmsnorm", mlp="swiglu", bias=False, learned_positions=False,
@@ -72,7 +74,9 @@ def main() -> int:
         return row
 
     points = grid(args.stage)
-    measured = [run(*points[0])]
+    if args.peak_gib is not None:
+        points = [points[0]] + [points[0]] * len(args.budgets.split(","))  # placeholders: no grid runs
+    measured = [run(*points[0])] if args.peak_gib is None else [{"allocated_GiB": args.peak_gib}]
     peak = measured[0].get("allocated_GiB")
     if peak is None:
         print(f"the no-offload configuration failed: {measured[0].get('error')}", file=sys.stderr)
@@ -80,7 +84,8 @@ def main() -> int:
     budgets = [int(b) for b in args.budgets.split(",")]
     autos = []
     for i, point in enumerate(points[1:]):
-        measured.append(run(*point))
+        if args.peak_gib is None:
+            measured.append(run(*point))
         if i < len(budgets):  # interleaved with the grid
             share = budgets[i]
             fields = {"stage": args.stage, "offload": "auto", "activation_checkpointing_policy": "auto",

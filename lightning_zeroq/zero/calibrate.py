@@ -1,7 +1,8 @@
 """The rates a plan's step time is figured from, measured on this machine in about a second
 (``zeroq-plan --calibrate``, ``offload="auto"``): one repeated block's forward and backward on the
-device at the planned micro-batch, the host's AdamW step (the kernel the engine uses), pinned copies
-between host and device, and the disk under ``nvme_path``.
+device at the planned micro-batch, the device's memory bandwidth (its optimizer step), the host's AdamW
+step (the kernel the engine uses), pinned copies between host and device, and the disk under
+``nvme_path``.
 
 Each measurement is the fastest of a few repetitions after a warm-up: the steady state, not the
 first call's allocations and kernel choices.
@@ -77,7 +78,7 @@ def block_seconds(block: nn.Module, call: Any, device: torch.device, dtype: torc
     return _fastest(forward, sync), _fastest(both, sync)
 
 
-def host_step_rate(elements: int = 1 << 24) -> float:
+def host_step_rate(elements: int = 1 << 26) -> float:
     """AdamW elements a second on the host, through the engine's kernel (torch's fused CPU AdamW where
     the kernel is not available)."""
     p, g, m, v = (torch.rand(elements) for _ in range(4))
@@ -125,6 +126,13 @@ def disk_rate(path: str, nbytes: int = 1 << 28) -> float:
     return 2 * nbytes / (wrote + read)
 
 
+def device_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Bytes a second a copy within the device reads and writes together."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    return 2 * nbytes / _fastest(lambda: b.copy_(a), _sync(device))
+
+
 def matmul_rate(device: torch.device, dtype: torch.dtype, n: int = 4096) -> float:
     """Achieved FLOP/s of an ``n``-square matrix product."""
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
@@ -139,6 +147,7 @@ def calibrated(machine: Machine, device: torch.device, dtype: torch.dtype, *, bl
     if device.type == "cuda":
         rates["matmul_flops"] = matmul_rate(device, dtype)
         rates["pcie_bytes_per_s"] = copy_rate(device)
+        rates["device_bytes_per_s"] = device_bandwidth(device)
         if block is not None and call is not None:
             rates["block_seconds"] = block_seconds(block, call, device, dtype)
     if nvme_path:

@@ -51,6 +51,9 @@ from lightning_zeroq.zero.unit import plan_layouts, trainable_parameters
 
 GIB = 2**30
 log = logging.getLogger("lightning_zeroq")
+DEVICE_STEP_BYTES = 30
+"""AdamW on the device reads the fp32 master, gradient and two moments and writes three of them back,
+and the working copy (bf16): 16 + 12 + 2 bytes per element."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,9 @@ class Machine:
     reserved_per_allocated: float = 1.2
     """The caching allocator's reserve over the peak allocated (what decides whether it fits), as measured
     (``docs/plan.md`` names the runs)."""
+    device_bytes_per_s: float = 3e12
+    """The device's memory bandwidth (read and write together): its optimizer step moves
+    ``DEVICE_STEP_BYTES`` per element stepped there."""
     block_seconds: Optional[tuple[float, float]] = None
     """One repeated block's forward, and forward plus backward, timed on the device at the planned
     micro-batch (``calibrate.block_seconds``); None: the blocks' compute from ``matmul_flops``."""
@@ -136,7 +142,8 @@ def describe(machine: Machine) -> str:
     """The rates in one line."""
     block = (f"one block {machine.block_seconds[0] * 1e3:.2f} ms forward, {machine.block_seconds[1] * 1e3:.2f} ms "
              "forward+backward, " if machine.block_seconds else "")
-    return (f"{block}matmul {machine.matmul_flops / 1e12:.0f} TFLOP/s, host step {machine.host_step_elements_per_s / 1e9:.2f}e9 "
+    return (f"{block}matmul {machine.matmul_flops / 1e12:.0f} TFLOP/s, device memory "
+            f"{machine.device_bytes_per_s / 1e12:.2f} TB/s, host step {machine.host_step_elements_per_s / 1e9:.2f}e9 "
             f"elements/s, PCIe {machine.pcie_bytes_per_s / 1e9:.1f} GB/s, disk {machine.nvme_bytes_per_s / 1e9:.2f} GB/s")
 
 
@@ -287,7 +294,7 @@ def plan_config(model: nn.Module, config: ZeroConfig, activations: Activations, 
     host = engine_need(policies.offload, layouts, rank, param_dtype, payload)
     host.parts.update(optimizer_need([], host.host_elements, False, host.swap_elements, state_bytes).parts)
     nvme = _nvme_bytes(policies, layouts, specs, param_dtype, state_bytes)
-    step = _step_seconds(policies, layouts, specs, activations, host.host_elements, nvme, tokens, checkpointing, machine, param_dtype)
+    step = _step_seconds(policies, layouts, specs, activations, device["masters"] // 4, host.host_elements, nvme, tokens, checkpointing, machine, param_dtype)
     why = []
     peak = peak_allocated(device)
     reserved = int(peak * machine.reserved_per_allocated)
@@ -301,11 +308,12 @@ def plan_config(model: nn.Module, config: ZeroConfig, activations: Activations, 
 
 
 def _step_seconds(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequence[UnitSpec], activations: Activations,
-                  host_elements: int,
+                  device_elements: int, host_elements: int,
                   nvme_bytes: int, tokens: int, checkpointing: float, machine: Machine, param_dtype: torch.dtype) -> float:
     """The larger of the compute and what crosses PCIe beside it (gradients landing, stage 3's
-    parameters coming up), plus the host step, the new weights going up after it, and NVMe traffic
-    (``nvme_bytes`` read and written)."""
+    parameters coming up), plus the optimizer step on the device (``device_elements``, memory bound)
+    and on the host, the new weights going up after it, and NVMe traffic (``nvme_bytes`` read and
+    written)."""
     params = sum(layout.numel for layout in layouts)
     compute = (6 + 2 * checkpointing) * params * tokens / machine.matmul_flops
     if machine.block_seconds is not None and activations.blocks:
@@ -313,6 +321,7 @@ def _step_seconds(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequ
         outside = max(0, params - activations.block_numel)
         compute = activations.blocks * (both + checkpointing * forward) + 6 * outside * tokens / machine.matmul_flops
     host = host_elements / machine.host_step_elements_per_s
+    host += device_elements * DEVICE_STEP_BYTES / machine.device_bytes_per_s  # the step's device part, then the host's
     offload = policies.offload
     beside, after = 0, 0  # bytes over PCIe per step and rank: beside the compute, and after the host step
     if not isinstance(offload.optimizer, OnDevice):
