@@ -86,7 +86,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
             times.append(time.perf_counter() - start)
     finally:
         engine.close()
-    out = {"step_s": statistics.median(times[spec["warmup"]:]),
+    out: dict[str, Any] = {"step_s": statistics.median(times[spec["warmup"]:]),
            "host_bytes": max(0, _status_kib("VmHWM") - rss_before) * 1024, "loss": float(loss)}
     if chosen is not None and chosen.need is not None:
         out.update(chosen=chosen.need.name, chosen_line=chosen.line, predicted_allocated_bytes=chosen.need.device_total,

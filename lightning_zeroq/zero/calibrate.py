@@ -11,7 +11,6 @@ first call's allocations and kernel choices.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import os
 import tempfile
 import time
@@ -22,7 +21,6 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 from lightning_zeroq.ops.host_adam import host_adam
-from lightning_zeroq.zero.planner import Machine
 
 REPEATS = 3
 
@@ -139,17 +137,17 @@ def matmul_rate(device: torch.device, dtype: torch.dtype, n: int = 4096) -> floa
     return 2 * n**3 / _fastest(lambda: a @ b, _sync(device))
 
 
-def calibrated(machine: Machine, device: torch.device, dtype: torch.dtype, *, block: Optional[nn.Module] = None,
-               call: Any = None, nvme_path: Optional[str] = None) -> Machine:
-    """``machine`` with its rates measured here: the device's (on a GPU), the host step's, the disk's
-    under ``nvme_path``, and ``block`` timed at ``call`` where given."""
-    rates: dict[str, Any] = {"host_step_elements_per_s": host_step_rate()}
+def rates(device: torch.device, dtype: torch.dtype, *, block: Optional[nn.Module] = None, call: Any = None,
+          nvme_path: Optional[str] = None) -> dict[str, Any]:
+    """The rates measured here, as ``planner.Machine`` fields: the device's (on a GPU), the host step's,
+    the disk's under ``nvme_path``, and ``block`` timed at ``call`` where given."""
+    measured: dict[str, Any] = {"host_step_elements_per_s": host_step_rate()}
     if device.type == "cuda":
-        rates["matmul_flops"] = matmul_rate(device, dtype)
-        rates["pcie_bytes_per_s"] = copy_rate(device)
-        rates["device_bytes_per_s"] = device_bandwidth(device)
+        measured["matmul_flops"] = matmul_rate(device, dtype)
+        measured["pcie_bytes_per_s"] = copy_rate(device)
+        measured["device_bytes_per_s"] = device_bandwidth(device)
         if block is not None and call is not None:
-            rates["block_seconds"] = block_seconds(block, call, device, dtype)
+            measured["block_seconds"] = block_seconds(block, call, device, dtype)
     if nvme_path:
-        rates["nvme_bytes_per_s"] = disk_rate(nvme_path)
-    return dataclasses.replace(machine, **rates)
+        measured["nvme_bytes_per_s"] = disk_rate(nvme_path)
+    return measured

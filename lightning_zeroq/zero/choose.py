@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_zeroq.config import ZeroConfig, memory_budget
-from lightning_zeroq.zero import comm
+from lightning_zeroq.zero import calibrate as calibration, comm
 from lightning_zeroq.zero.offload.auto import MARGIN
 from lightning_zeroq.zero.offload.host_need import available, size
 from lightning_zeroq.zero.plan import auto_wrap_classes
@@ -191,10 +191,9 @@ def choose(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Module],
         budget, size, host_room, disk = _budgets(request, device, group)
         rates = machine or Machine()
         if calibrate and machine is None and device.type == "cuda":  # a CPU "device" (tests) plans with the defaults
-            from lightning_zeroq.zero.calibrate import calibrated
-
-            rates = calibrated(rates, device, param_dtype, block=blocks[0] if blocks else None,
-                               call=activations.block_call, nvme_path=request.nvme_path if request.offload else None)
+            rates = dataclasses.replace(rates, **calibration.rates(
+                device, param_dtype, block=blocks[0] if blocks else None, call=activations.block_call,
+                nvme_path=request.nvme_path if request.offload else None))
         rates = _agreed_machine(rates, device, group)
         planned = []
         for name, opt, params, share in candidates(request):

@@ -31,6 +31,7 @@ weights (their savings are not counted).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_zeroq.config import ZeroConfig
+from lightning_zeroq.zero import calibrate
 from lightning_zeroq.zero.layout import ALIGN, UnitLayout
 from lightning_zeroq.zero.offload import host_units
 from lightning_zeroq.zero.offload.device_need import device_kinds, units_off_device
@@ -351,10 +353,9 @@ def plan_training(model: nn.Module, forward: Callable[[nn.Module], Tensor], *, t
     blocks = [m for m in model.modules() if type(m) in auto_wrap_classes(model)]
     activations = trace_activations(model, forward, blocks)
     if calibrate_on is not None:
-        from lightning_zeroq.zero.calibrate import calibrated
-
-        machine = calibrated(machine, calibrate_on, param_dtype, block=blocks[0] if blocks else None,
-                             call=activations.block_call, nvme_path=nvme_path)
+        machine = dataclasses.replace(machine, **calibrate.rates(
+            calibrate_on, param_dtype, block=blocks[0] if blocks else None, call=activations.block_call,
+            nvme_path=nvme_path))
         log.info("calibrated here: " + describe(machine))
     needs = []
     for name, fields in (configs if configs is not None else candidates(nvme_path)):

@@ -228,3 +228,15 @@ def test_the_options_are_the_frozen_list():
     assert names == FROZEN_OPTIONS, (
         f"ZeroConfig's options changed (added {added}, removed {removed}, or reordered): a new or renamed option is a "
         "decision; update FROZEN_OPTIONS, docs/options.md and, for a DeepSpeed or FSDP knob, docs/migrating.md")
+
+
+def test_offload_auto_refuses_what_it_would_decide():
+    with pytest.raises(ValueError, match=r"offload='bogus'.*'auto'"):
+        ZeroConfig(offload="bogus")
+    with pytest.raises(ValueError, match=r"offload='auto' decides what offload_optimizer=True, offload_parameters=True"):
+        ZeroConfig(stage=3, offload="auto", offload_optimizer=True, offload_parameters=True)
+    assert ZeroConfig(offload="auto", activation_checkpointing_policy="auto").activation_checkpointing_policy == "auto"
+    with pytest.raises(ValueError, match="decided from a plan"):  # the engine takes only a decided config
+        from lightning_zeroq.zero.policies import from_config
+
+        from_config(ZeroConfig(offload="auto"), loss_scaling=False)
