@@ -114,3 +114,50 @@ def test_the_choice_fits_the_smallest_budget_and_trains_as_ddp(dist_pool):
     assert offload and isinstance(chosen.optimizer, Host)
     assert params == (not isinstance(chosen.parameters, OnDevice))
     assert recomputing == round(chosen.recompute_share * CFG.n_layer)
+
+
+def _fabric_body() -> tuple:
+    import lightning as L
+
+    from lightning_zeroq import ZeroQFabricStrategy
+
+    tokens, targets = next(iter(_data(1)))
+
+    def loss_of(model, x=tokens, y=targets):
+        device = next(model.parameters()).device
+        logits = model(x.to(device))
+        return F.cross_entropy(logits.reshape(-1, CFG.vocab_size).float(), y.to(device).reshape(-1))
+
+    fields = {k: v for k, v in BASE.items()}
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=ZeroQFabricStrategy(**fields))
+    fabric.launch()
+    with pytest.raises(ValueError, match="pass plan_forward="):  # before anything is sharded
+        fabric.setup(GPTModel(CFG))
+    budget = _mixed_budget(_planned()) / 2**30
+    strategy = ZeroQFabricStrategy(**fields, offload_memory_budget=budget,
+                                   plan_forward=lambda m: loss_of(m, tokens.to("meta"), targets.to("meta")))
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(0)
+    model = GPTModel(CFG)
+    reference = GPTModel(CFG)
+    reference.load_state_dict(model.state_dict())
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for _ in range(3):
+        loss = loss_of(model)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        ref_loss = loss_of(reference)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss)), (float(loss), float(ref_loss))
+    config = strategy.engine.config
+    return config.offload_optimizer, sum(getattr(b, "_zeroq_recomputed", False) for b in model.blocks)
+
+
+def test_fabric_plans_from_plan_forward_and_trains_as_torch(dist_pool):
+    offload, recomputing = dist_pool(1).run(_fabric_body)[0]
+    assert offload and recomputing > 0
