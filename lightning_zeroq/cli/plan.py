@@ -42,6 +42,10 @@ from lightning_zeroq.zero.offload.host_need import available
 from lightning_zeroq.zero.planner import GIB, Machine, Need, plan_training
 
 
+RUNTIME_HOST_GIB = 0.6
+"""A process's CUDA runtime and libraries in host memory (0.61 GiB measured with torch 2.11 on an H200)."""
+
+
 def _gib(value: Optional[float], what: str, parser: argparse.ArgumentParser) -> Optional[int]:
     if value is None:
         return None
@@ -65,8 +69,25 @@ def machine_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> M
     for name in ("tflops", "host_elements_per_s", "pcie_gbs", "nvme_gbs", "reserved_per_allocated"):
         if not getattr(args, name) > 0:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)}: give a rate above 0")
+    if args.runtime_host_gib is None:
+        args.runtime_host_gib = RUNTIME_HOST_GIB if torch.cuda.is_available() or args.device_gib is not None else 0.0
+    if not args.runtime_host_gib >= 0:
+        parser.error(f"--runtime-host-gib={args.runtime_host_gib}: give GiB, 0 or more")
+    block = None
+    if args.block_ms is not None:
+        try:
+            forward, both = (float(v) / 1e3 for v in args.block_ms.split(","))
+        except ValueError:
+            parser.error(f"--block-ms {args.block_ms}: give two numbers, e.g. 1.03,2.91 (forward, forward+backward)")
+        if not 0 < forward <= both:
+            parser.error(f"--block-ms {args.block_ms}: the forward must be above 0 and at most forward+backward")
+        block = (forward, both)
+    if not args.device_tbs > 0:
+        parser.error(f"--device-tbs={args.device_tbs}: give a rate above 0")
     return Machine(device, host, nvme, args.ranks_per_node, args.tflops * 1e12, args.host_elements_per_s,
-                   args.pcie_gbs * 1e9, args.nvme_gbs * 1e9, args.reserved_per_allocated)
+                   args.pcie_gbs * 1e9, args.nvme_gbs * 1e9, args.reserved_per_allocated,
+                   runtime_host_bytes=int(args.runtime_host_gib * GIB), device_bytes_per_s=args.device_tbs * 1e12,
+                   block_seconds=block)
 
 
 def _recipe(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[GPTConfig, list, torch.dtype]:
@@ -130,6 +151,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                        help="the device memory the allocator reserves per byte allocated at the peak")
     shape.add_argument("--recipe", default=None, help="plan a zeroq-train recipe (conf/ and recipes/) instead")
     shape.add_argument("overrides", nargs="*", help="with --recipe: Hydra overrides, as zeroq-train takes them")
+    where.add_argument("--device-tbs", type=float, default=3.0, help="device memory TB/s (its optimizer step)")
+    where.add_argument("--block-ms", default=None, metavar="F,FB",
+                       help="one block's forward and forward+backward in ms at this micro-batch (as --calibrate "
+                            "prints them), for the blocks' compute instead of --tflops")
+    where.add_argument("--runtime-host-gib", type=float, default=None,
+                       help=f"host memory of each process's CUDA runtime (default {RUNTIME_HOST_GIB} where a GPU is "
+                            "given or found, else 0)")
     where.add_argument("--calibrate", action="store_true",
                        help="measure the rates on this machine (one block at the micro-batch, the host step, "
                             "copies, the disk at --nvme-path) instead of the four flags above")

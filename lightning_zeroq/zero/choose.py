@@ -48,7 +48,7 @@ log = logging.getLogger("lightning_zeroq")
 
 PLAN_MARGIN = 0.05
 """The planned peak allocated is fitted under the budget with this share to spare: the plan's accuracy
-on one H200 (``docs/plan.md``; a plan 3% short put a run 0.4% over its budget)."""
+on one H200 (``docs/plan.md`` names the runs)."""
 
 SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)
 """The shares of the optimizer (on the host) and of the blocks (recomputing) a choice is made among."""

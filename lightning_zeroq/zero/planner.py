@@ -53,9 +53,10 @@ from lightning_zeroq.zero.unit import plan_layouts, trainable_parameters
 
 GIB = 2**30
 log = logging.getLogger("lightning_zeroq")
-DEVICE_STEP_BYTES = 30
-"""AdamW on the device reads the fp32 master, gradient and two moments and writes three of them back,
-and the working copy (bf16): 16 + 12 + 2 bytes per element."""
+DEVICE_STEP_BYTES = 88
+"""Bytes of device memory traffic per element of torch's multi-tensor (foreach) AdamW, its default on a
+GPU, in eight passes (decay 8, first moment 12, second moment 8 + 12, its square root 8, divided 8,
+plus eps 8, the update 16) and the publish's working copy (6): the ``device_bytes_per_s`` it runs at."""
 
 
 @dataclass(frozen=True)
@@ -72,8 +73,12 @@ class Machine:
     pcie_bytes_per_s: float = 40e9
     nvme_bytes_per_s: float = 3e9
     reserved_per_allocated: float = 1.2
-    """The caching allocator's reserve over the peak allocated (what decides whether it fits), as measured
-    (``docs/plan.md`` names the runs)."""
+    reserved_overhead_bytes: int = 1 << 29
+    """The caching allocator's reserve (what decides whether it fits) as ``reserved_per_allocated`` times
+    the peak allocated plus this: fitted to 17 runs on one H200, each within 10% (``docs/plan.md``)."""
+    runtime_host_bytes: int = 0
+    """Host memory of a process's CUDA runtime and libraries, beside what the engine puts there
+    (``zeroq-plan`` on a GPU machine: 0.6 GiB, as measured with torch 2.11; planned with the rest)."""
     device_bytes_per_s: float = 3e12
     """The device's memory bandwidth (read and write together): its optimizer step moves
     ``DEVICE_STEP_BYTES`` per element stepped there."""
@@ -149,11 +154,17 @@ def describe(machine: Machine) -> str:
             f"elements/s, PCIe {machine.pcie_bytes_per_s / 1e9:.1f} GB/s, disk {machine.nvme_bytes_per_s / 1e9:.2f} GB/s")
 
 
+TRANSIENT = ("activations", "loss_gradient", "gradient_shards", "step_temporaries")
+"""The kinds held only at one end of the step: the backward's start, or the optimizer's step."""
+
+
 def peak_allocated(device: dict[str, int]) -> int:
     """The peak of ``device``'s kinds: the state, the gathered units, and the larger of the backward's
-    start (every activation, and the gradient of the largest) and the step (the fp32 gradient shards)."""
-    held = sum(v for k, v in device.items() if k not in ("activations", "loss_gradient", "gradient_shards"))
-    return held + max(device["activations"] + device["loss_gradient"], device["gradient_shards"])
+    start (every activation, and the gradient of the largest) and the step (the fp32 gradient shards
+    and the optimizer's temporaries)."""
+    held = sum(v for k, v in device.items() if k not in TRANSIENT)
+    return held + max(device["activations"] + device["loss_gradient"],
+                      device["gradient_shards"] + device.get("step_temporaries", 0))
 
 
 def _flash_like(q: Tensor, k: Tensor, v: Tensor, attn_mask: Any = None, dropout_p: float = 0.0,
@@ -281,9 +292,11 @@ def candidates(nvme_path: Optional[str] = None) -> list[tuple[str, dict[str, Any
 
 def plan_config(model: nn.Module, config: ZeroConfig, activations: Activations, *, name: str,
                 world_size: int = 1, tokens: int = 0, checkpointing: float = 0.0, machine: Machine = Machine(),
-                param_dtype: torch.dtype = torch.bfloat16, state_bytes: int = 8, rank: int = 0) -> Need:
+                param_dtype: torch.dtype = torch.bfloat16, state_bytes: int = 8, rank: int = 0,
+                step_temporary_bytes: int = 4) -> Need:
     """The plan of one configuration (``model`` on the meta device; ``tokens`` per step and rank;
-    ``checkpointing``: the share of the repeated blocks that recompute)."""
+    ``checkpointing``: the share of the repeated blocks that recompute; ``step_temporary_bytes``: what
+    the optimizer allocates per element while it steps, 4 for torch's foreach AdamW, 0 for fused)."""
     checkpointing = float(checkpointing)
     policies = from_config(config, loss_scaling=False)
     specs = plan(model, trainable_parameters(model), policies.sharding.units)
@@ -292,14 +305,19 @@ def plan_config(model: nn.Module, config: ZeroConfig, activations: Activations, 
     device = device_kinds(layouts, [s.persistent for s in specs], policies.offload, param_dtype, state_bytes, rank)
     device["activations"] = activations.with_checkpointing(checkpointing)
     device["loss_gradient"] = activations.largest
+    # torch's multi-tensor (foreach) Adam/AdamW, its default on a GPU, makes the square root of every
+    # second moment it steps at once: 4 bytes per element stepped on the device (fused: none).
+    device["step_temporaries"] = device["masters"] * step_temporary_bytes // 4
     payload = {i: (layouts[i].shard_numel, param_dtype) for i in range(len(specs)) if not specs[i].persistent}
     host = engine_need(policies.offload, layouts, rank, param_dtype, payload)
     host.parts.update(optimizer_need([], host.host_elements, False, host.swap_elements, state_bytes).parts)
+    if machine.runtime_host_bytes:
+        host.parts["CUDA runtime and libraries"] = machine.runtime_host_bytes
     nvme = _nvme_bytes(policies, layouts, specs, param_dtype, state_bytes)
     step = _step_seconds(policies, layouts, specs, activations, device["masters"] // 4, host.host_elements, nvme, tokens, checkpointing, machine, param_dtype)
     why = []
     peak = peak_allocated(device)
-    reserved = int(peak * machine.reserved_per_allocated)
+    reserved = int(peak * machine.reserved_per_allocated) + machine.reserved_overhead_bytes
     if machine.device_bytes is not None and reserved > machine.device_bytes:
         why.append(f"device {reserved / GIB:.1f} reserved > {machine.device_bytes / GIB:.1f} GiB")
     if machine.host_bytes is not None and host.total * machine.ranks_per_node > machine.host_bytes:

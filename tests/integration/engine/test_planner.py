@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from lightning_zeroq import ZeroConfig, ZeroEngine
 from lightning_zeroq.cli import plan as plan_cli
 from lightning_zeroq.cli.gpt import GPTConfig, GPTModel
-from lightning_zeroq.zero.planner import Machine, _cuda_kernels, plan_config, plan_training, trace_activations
+from lightning_zeroq.zero.planner import TRANSIENT, Machine, _cuda_kernels, plan_config, plan_training, trace_activations
 
 CFG = GPTConfig(vocab_size=96, block_size=16, n_layer=3, n_head=2, n_embd=32, ffn_hidden=80, norm="rmsnorm",
                 mlp="swiglu", bias=False, learned_positions=False, tie_embeddings=False, init="torch")
@@ -70,7 +70,7 @@ def _planned_and_held(name: str, world_size: int) -> tuple[dict, dict, dict, dic
     held.pop("gradient_shards")  # made at finalize, dropped after the step
     counted = dict(engine.host_memory.need.parts)
     engine.close()
-    planned = {k: v for k, v in need.device.items() if k not in ("gradient_shards", "activations", "loss_gradient")}
+    planned = {k: v for k, v in need.device.items() if k not in TRANSIENT}
     return planned, held, dict(need.host), counted
 
 
