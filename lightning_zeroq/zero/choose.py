@@ -95,7 +95,9 @@ def on_meta(module: nn.Module, dtype: torch.dtype) -> Iterator[nn.Module]:
 def candidates(request: AutoRequest) -> list[tuple[str, Any, Any, float]]:
     """``(name, optimizer, parameters, share of the blocks recomputing)`` in order of preference (less
     offloaded, less recomputed first)."""
-    optimizers: list[tuple[str, Any]] = [("optimizer on the device", OnDevice())]
+    # Without offload="auto" the offload stays as configured (``resolve`` leaves it): one kind, named so.
+    optimizers: list[tuple[str, Any]] = [("optimizer on the device" if request.offload else "offload as configured",
+                                          OnDevice())]
     parameters: list[tuple[str, Any]] = [("", OnDevice())]
     if request.offload:
         optimizers += [(f"{share:.0%} of the optimizer on the host", Host(share)) for share in SHARES[1:]]
