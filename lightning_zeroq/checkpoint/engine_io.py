@@ -36,7 +36,7 @@ from lightning_zeroq.checkpoint.checkpointer import Checkpointer, Opened, bytes_
 from lightning_zeroq.checkpoint.chunks import BytesTarget, LocalChunks
 from lightning_zeroq.checkpoint.safe import read_entries
 from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY
-from lightning_zeroq.zero.state_dict import KERNEL_CHOICES, Part, ShardedView
+from lightning_zeroq.zero.state_dict import KERNEL_CHOICES, Part, ShardedParts, ShardedView
 
 MODEL_PREFIXES = (MODEL_KEY + ".", "model.", "app.model.", "")
 OPTIMIZER_PREFIXES = (OPTIMIZER_KEY + ".", "optim.", "optimizer.", "app.optim.", "")
@@ -51,7 +51,7 @@ def _chunks(part: Part) -> LocalChunks:
     return LocalChunks(part.shape, part.dtype, part.offset, part.numel, order=part.order, read=part.read)
 
 
-def sharded_model_state(engine: Any) -> dict[str, Any]:
+def sharded_model_state(engine: ShardedParts) -> dict[str, Any]:
     """Every ``state_dict()`` entry: this rank's chunks of the fp32 masters (``LocalChunks``, read
     later), frozen parameters and buffers as they are (replicated: DCP writes them once)."""
     view = ShardedView(engine)
@@ -70,7 +70,7 @@ def sharded_model_state(engine: Any) -> dict[str, Any]:
             if key in chunks or key in unmanaged}
 
 
-def sharded_optimizer_state(engine: Any) -> dict[str, Any]:
+def sharded_optimizer_state(engine: ShardedParts) -> dict[str, Any]:
     """Collective on the engine's group (training's, on the calling thread, so it never meets an
     asynchronous save's collectives): ``{"state": {name: {key: value}}, "param_groups": [...]}`` as
     ``get_optimizer_state_dict`` has it: per-element state as ``LocalChunks`` of the parameter's
@@ -90,7 +90,7 @@ def sharded_optimizer_state(engine: Any) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
-def model_entries(engine: Any) -> dict[str, tuple[torch.Size, torch.dtype]]:
+def model_entries(engine: ShardedParts) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """What a checkpoint must hold for this model: name -> (shape, dtype); fp32 for the engine's."""
     view = ShardedView(engine)
     managed = {n: pv.shape for pv in view.params for n in pv.names}
@@ -127,7 +127,7 @@ def optimizer_kind_errors(optimizer: torch.optim.Optimizer, saved_kind: Optional
     return []
 
 
-def engine_state(engine: Any, optimizer: bool) -> dict:
+def engine_state(engine: ShardedParts, optimizer: bool) -> dict:
     """Collective (the optimizer's param groups are gathered): the nested state a save writes."""
     state: dict[str, Any] = {MODEL_KEY: sharded_model_state(engine)}
     if optimizer and engine.optimizer is not None:
@@ -135,7 +135,7 @@ def engine_state(engine: Any, optimizer: bool) -> dict:
     return state
 
 
-def save_state(engine: Any, path: Path, state: dict, trainer_state: Any, checkpointer: Checkpointer) -> None:
+def save_state(engine: ShardedParts, path: Path, state: dict, trainer_state: Any, checkpointer: Checkpointer) -> None:
     """Collective: write ``state`` (``engine_state`` or the like) and ``trainer_state`` to ``path``."""
     view = ShardedView(engine)
     if view.closed:  # what the engine released; an empty optimizer state is fine (plain SGD)
@@ -160,7 +160,7 @@ def save_state(engine: Any, path: Path, state: dict, trainer_state: Any, checkpo
                       extra=extra, views_stable=view.stable)
 
 
-def save_engine(engine: Any, path: Path, *, trainer_state: Any = None, optimizer: bool = True,
+def save_engine(engine: ShardedParts, path: Path, *, trainer_state: Any = None, optimizer: bool = True,
                 checkpointer: Optional[Checkpointer] = None) -> None:
     """Collective: write ``engine``'s model (and optimizer) state and ``trainer_state`` (JSON) to ``path``."""
     save_state(engine, path, engine_state(engine, optimizer), trainer_state or {}, checkpointer or Checkpointer())
@@ -188,7 +188,7 @@ def _value(target: Any) -> Any:
 
 
 @torch.no_grad()
-def load_sharded(engine: Any, read: Callable[[dict], None], *, model_prefix: str,
+def load_sharded(engine: ShardedParts, read: Callable[[dict], None], *, model_prefix: str,
                  stored: set[str], optimizer_prefix: Optional[str] = None,
                  optimizer_keys: Optional[dict[str, list[str]]] = None,
                  param_groups: Optional[list[dict]] = None,
@@ -266,7 +266,7 @@ def _read_param_groups(opened: Opened, prefix: str) -> list[dict]:
     return [groups[i] for i in sorted(groups)]
 
 
-def _optimizer_plan(engine: Any, opened: Opened, prefix: str, groups: list[dict]) -> tuple[dict, list[str]]:
+def _optimizer_plan(engine: ShardedParts, opened: Opened, prefix: str, groups: list[dict]) -> tuple[dict, list[str]]:
     """name -> state keys in the checkpoint, and what does not match this optimizer."""
     view = ShardedView(engine)
     optimizer = view.optimizer
@@ -309,7 +309,7 @@ def _optimizer_plan(engine: Any, opened: Opened, prefix: str, groups: list[dict]
     return keys, errors
 
 
-def load_engine(engine: Any, path: Path, *, load_optimizer: bool = True, strict: bool = True,
+def load_engine(engine: ShardedParts, path: Path, *, load_optimizer: bool = True, strict: bool = True,
                 opened: Optional[Opened] = None) -> Any:
     """Collective: validate ``path`` against ``engine`` on every rank, then load this rank's part of the
     model (and, if ``load_optimizer`` and the engine has an optimizer, its state). Returns the trainer
@@ -324,7 +324,7 @@ def load_engine(engine: Any, path: Path, *, load_optimizer: bool = True, strict:
         opened.close()
 
 
-def _load_opened(engine: Any, opened: Opened, group: Any, load_optimizer: bool, strict: bool) -> Any:
+def _load_opened(engine: ShardedParts, opened: Opened, group: Any, load_optimizer: bool, strict: bool) -> Any:
     expected = model_entries(engine)
     model_prefix = _prefix(opened, MODEL_PREFIXES, list(expected)[:8])
     errors = check_entries(opened, expected, strict=strict, prefix=model_prefix, what="the model")

@@ -15,6 +15,7 @@ from lightning_zeroq.checkpoint.agree import agree
 from lightning_zeroq.checkpoint.engine_io import (load_sharded, model_entries, optimizer_kind_errors,
                                                   sharded_optimizer_state)
 from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY
+from lightning_zeroq.zero.state_dict import ShardedParts
 
 
 def torch_load(path: Path, weights_only: bool, group: Any) -> Any:
@@ -32,7 +33,7 @@ def torch_load(path: Path, weights_only: bool, group: Any) -> Any:
     return value
 
 
-def model_errors(engine: Any, model: dict, strict: bool) -> list[str]:
+def model_errors(engine: ShardedParts, model: dict, strict: bool) -> list[str]:
     """What is wrong with a full ``state_dict`` for this engine's module, as ``nn.Module.load_state_dict``
     judges it: a shape mismatch always, missing and unexpected keys under ``strict``."""
     expected = model_entries(engine)
@@ -51,12 +52,15 @@ def _param_id(key: Any) -> Any:
     return int(key) if isinstance(key, int) or (isinstance(key, str) and key.isdigit()) else key
 
 
-def load_torch_optimizer_state(engine: Any, model: dict, optimizer_state: dict, group: Any,
+def load_torch_optimizer_state(engine: ShardedParts, model: dict, optimizer_state: dict, group: Any,
                                strict: bool = True) -> None:
     """A torch-format optimizer state (integer ids in param-group order, as ``strategy="ddp"`` saves
     it, or keyed by parameter name, as Lightning's consolidation of a ZeroQ directory gives it) into
     the shards, with the model's weights, unit by unit; ``model`` is checked first (``model_errors``),
     on every rank, before any state changes."""
+    if engine.optimizer is None:
+        raise ValueError("A checkpoint's optimizer state needs an optimizer to load into; attach one first "
+                         "(fabric.setup(model, optimizer)), or load the model's weights only.")
     groups = sharded_optimizer_state(engine)["param_groups"]  # every parameter's name, by group
     saved = optimizer_state.get("param_groups", [])
     errors = model_errors(engine, model, strict)
