@@ -36,7 +36,7 @@ from lightning_zeroq.common.precision import ZeroQPrecision
 from lightning_zeroq.common.watchdog import JOIN_TIMEOUT, start_watchdog, stop_watchdog
 from lightning_zeroq.zero import recompute
 from lightning_zeroq.zero.access import owning_engine
-from lightning_zeroq.zero.choose import choose
+from lightning_zeroq.zero.choose import check_fits, choose
 from lightning_zeroq.zero.policies import auto_request
 from lightning_zeroq.zero.engine import ZeroEngine
 from lightning_zeroq.zero.materialize import parameters_on_meta
@@ -120,7 +120,9 @@ def build_engine(module: nn.Module, config: ZeroConfig, precision: ZeroQPrecisio
     whole), materializes meta-device parameters with ``reset_parameters()``, and starts every rank from
     rank 0's values, as DDP does. ``ranks_per_node`` (the strategy's ``num_processes``) resolves
     ``shard_group_size="node"``. ``offload="auto"`` (or ``activation_checkpointing_policy="auto"``) is
-    decided first, from the plan of ``plan_forward(module)`` (one micro-batch's loss; ``zero/choose.py``)."""
+    decided first, from the plan of ``plan_forward(module)`` (one micro-batch's loss; ``zero/choose.py``);
+    otherwise, on a GPU, a configuration whose planned peak surely exceeds the device stops here, in one
+    line, before anything is allocated (``choose.check_fits``)."""
     previous = owning_engine(module)
     if isinstance(previous, ZeroEngine):  # a fit that failed kept the module (its teardown runs no collective)
         previous.release_module()  # collective: every rank is here, setting up the new fit
@@ -132,6 +134,9 @@ def build_engine(module: nn.Module, config: ZeroConfig, precision: ZeroQPrecisio
                         ranks_per_node=ranks_per_node or 1)
         recompute.apply_to(choice.recompute)
         config = choice.config
+    elif plan_forward is not None:
+        check_fits(module, config, plan_forward, device=device, param_dtype=precision.param_dtype,
+                   ranks_per_node=ranks_per_node or 1)
     return ZeroEngine(
         module,
         config,

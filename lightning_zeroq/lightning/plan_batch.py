@@ -1,5 +1,6 @@
-"""What ``offload="auto"`` plans from under the Trainer: the module's ``training_step`` on the first
-batch of its training dataloader, moved to the meta device (``zero/choose.py`` traces it with the
+"""What ``offload="auto"`` (and, on a GPU, the check before launch of a configuration given by hand) plans
+from under the Trainer: the module's ``training_step`` on the first batch of its training dataloader,
+moved to the meta device (``zero/choose.py`` traces it with the
 parameters on the meta device too, so nothing is allocated). The batch is read once at setup, as
 Lightning's ``DeepSpeedStrategy`` reads one to learn the micro-batch size; the fit then starts from
 the dataloader's beginning as usual. ``self.log`` does nothing during the trace.
@@ -7,8 +8,9 @@ the dataloader's beginning as usual. ``self.log`` does nothing during the trace.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
+import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.utilities import CombinedLoader
 from torch import Tensor, nn
@@ -18,8 +20,21 @@ from lightning_zeroq.common.precision import ZeroQPrecision
 FIX = "or pass plan_forward=lambda model: <one micro-batch's loss> to ZeroQStrategy"
 
 
-def first_batch_forward(trainer: Any, module: Any, precision: ZeroQPrecision) -> Callable[[nn.Module], Tensor]:
-    """``forward(model)``: ``model.training_step`` on the first training batch (meta tensors) and its loss."""
+def first_batch_forward(trainer: Any, module: Any, precision: ZeroQPrecision,
+                        required: bool = True) -> Optional[Callable[[nn.Module], Tensor]]:
+    """``forward(model)``: ``model.training_step`` on the first training batch (meta tensors) and its loss.
+    Not ``required`` (the check before launch of a configuration given by hand): None where reading a
+    batch could cost the run something (manual optimization, a stream: an ``IterableDataset``) or fails."""
+    if not required:
+        try:
+            loader = trainer.fit_loop._data_source.dataloader()
+            loaders = loader.values() if isinstance(loader, Mapping) else loader if isinstance(loader, (list, tuple)) else [loader]
+            if not module.automatic_optimization or any(
+                    isinstance(getattr(dl, "dataset", None), torch.utils.data.IterableDataset) for dl in loaders):
+                return None
+            return first_batch_forward(trainer, module, precision)
+        except Exception:
+            return None
     if not module.automatic_optimization:
         raise ValueError("offload='auto' plans from training_step, which under manual optimization steps the "
                          f"optimizers itself; choose the offload by hand (zeroq-plan shows what fits) {FIX}.")

@@ -197,6 +197,8 @@ class ZeroQStrategy(DDPStrategy):
             forward = self.plan_forward
             if forward is None and fitting and auto_request(self.config) is not None:
                 forward = first_batch_forward(trainer, module, plugin)
+            elif forward is None and fitting and self.root_device.type == "cuda":  # the check before launch
+                forward = first_batch_forward(trainer, module, plugin, required=False)
             self.engine = build_engine(module, self.config, plugin, self.root_device,
                                        ranks_per_node=self.num_processes, plan_forward=forward)
         if self.engine.retired:

@@ -42,7 +42,8 @@ from lightning_zeroq.zero.offload.auto import MARGIN
 from lightning_zeroq.zero.offload.host_need import available, size
 from lightning_zeroq.zero.plan import auto_wrap_classes
 from lightning_zeroq.zero.planner import Machine, Need, plan_config, trace_activations
-from lightning_zeroq.zero.policies import AutoRequest, Chosen, Host, Nvme, OnDevice, auto_request, resolve
+from lightning_zeroq.zero.policies import (AutoRequest, Chosen, Host, Nvme, OnDevice, as_auto, auto_request,
+                                           from_config, resolve)
 
 log = logging.getLogger("lightning_zeroq")
 
@@ -239,3 +240,46 @@ def choose(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Module],
 
 def _size(value: Optional[int]) -> str:
     return "none" if value is None or value >= 1 << 61 else size(value)
+
+
+def check_fits(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Module], Tensor], *,
+               device: torch.device, param_dtype: torch.dtype, group: Any = None, ranks_per_node: int = 1,
+               device_bytes: Optional[int] = None) -> None:
+    """Before the engine is built on a GPU: the plan of ``config`` as given (``forward``: one micro-batch's
+    loss, traced on the meta device). Where its peak surely exceeds what the device has free (the planned
+    peak allocated, less ``PLAN_MARGIN``, above the free memory of the fullest rank), a ``ValueError`` of one
+    line on every rank, naming the need, what is there, and the fastest configuration of the same stage that
+    fits (what ``offload="auto"`` with ``activation_checkpointing_policy="auto"`` would choose).
+    ``device_bytes``: the free memory to check against instead of the GPU's (a CPU device has none: no check)."""
+    if device.type != "cuda" and device_bytes is None:
+        return
+    blocks_cls = auto_wrap_classes(module)
+    blocks = [m for m in module.modules() if type(m) in blocks_cls]
+    given = from_config(config, loss_scaling=False)
+    share = 1.0 if {type(b).__name__ for b in blocks} & set(given.recompute) else 0.0
+    need, failed = None, 0
+    try:
+        with on_meta(module, param_dtype) as meta:
+            activations = trace_activations(meta, forward, blocks)
+            need = plan_config(meta, config, activations, name="the configuration as given",
+                               world_size=comm.world(group)[1], checkpointing=share, param_dtype=param_dtype,
+                               rank=comm.world(group)[0])
+    except Exception as error:  # a forward the meta device cannot run: no check, on every rank alike
+        log.debug(f"the check before launch could not trace one micro-batch on the meta device ({error!r})")
+        failed = 1
+    free_here = device_bytes if device_bytes is not None else torch.cuda.mem_get_info(device)[0]
+    free = torch.tensor([-free_here, need.device_total if need else 0, failed], dtype=torch.int64, device=device)
+    if comm.world(group)[1] > 1:
+        comm.all_reduce(free, dist.ReduceOp.MAX, group)  # the fullest rank's room, the largest rank's need
+    room, peak, failed = -int(free[0]), int(free[1]), int(free[2])
+    if failed or need is None or peak * (1 - PLAN_MARGIN) <= room:
+        return
+    auto = as_auto(config, room / 2**30)
+    try:
+        nearest = "the fastest that fits: " + choose(module, auto, forward, device=device, param_dtype=param_dtype,
+                                                      group=group, ranks_per_node=ranks_per_node).need.name  # type: ignore[union-attr]
+        nearest += " (offload='auto', activation_checkpointing_policy='auto' choose it)"
+    except ValueError:
+        nearest = f"no offload or checkpointing setting of stage {given.sharding.stage} fits: use more GPUs or a smaller micro-batch"
+    raise ValueError(f"ZeroQ: this configuration needs about {_size(peak)} of device memory at its peak "
+                     f"({_size(need.device['activations'])} of it activations), and the GPU has {_size(room)} free; {nearest}.")

@@ -241,6 +241,14 @@ def resolve(config: ZeroConfig, chosen: Chosen, blocks: Sequence[str], *, correc
     return c.replace(**fields)
 
 
+def as_auto(config: ZeroConfig, budget_gib: float) -> ZeroConfig:
+    """``config`` with its offload and checkpointing left to the plan under ``budget_gib`` of device
+    memory (what the check before launch offers as the nearest configuration that fits)."""
+    return config.replace(offload="auto", activation_checkpointing_policy="auto", offload_optimizer=False,
+                          offload_parameters=False, offload_optimizer_ratio=1.0, offload_optimizer_device="cpu",
+                          offload_params_device="cpu", offload_async_step=False, offload_memory_budget=budget_gib)
+
+
 def from_config(config: ZeroConfig, *, loss_scaling: bool) -> Policies:
     """The policies ``config`` asks for (``loss_scaling``: the precision is fp16 with loss scaling). Each
     policy's maker also says which settings it left out and why (``Policies.ineffective``): the sentence

@@ -5,6 +5,8 @@ rank given a different budget: the smallest decides), and trains as DDP does, st
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -50,7 +52,8 @@ def _data(world: int) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=BATCH)
 
 
-def _planned() -> list:
+@functools.lru_cache(maxsize=None)
+def _planned(world: int = 2) -> list:
     """Every candidate's plan for the module and one batch (no budget to fit)."""
     torch.manual_seed(0)
     module = _lit()
@@ -63,7 +66,7 @@ def _planned() -> list:
         finally:
             del m.log
 
-    return list(choose(module, ZeroConfig(**BASE, offload_memory_budget=100), forward, world_size=2).planned)
+    return list(choose(module, ZeroConfig(**BASE, offload_memory_budget=100), forward, world_size=world).planned)
 
 
 def _mixed_budget(planned: list) -> int:
@@ -161,3 +164,32 @@ def _fabric_body() -> tuple:
 def test_fabric_plans_from_plan_forward_and_trains_as_torch(dist_pool):
     offload, recomputing = dist_pool(1).run(_fabric_body)[0]
     assert offload and recomputing > 0
+
+
+def test_a_configuration_that_cannot_fit_stops_before_launch_naming_the_nearest_that_fits():
+    from lightning_zeroq.zero.choose import check_fits
+
+    torch.manual_seed(0)
+    module = _lit()
+    tokens, targets = next(iter(_data(1)))
+
+    def forward(m):
+        m.log = lambda *args, **kwargs: None
+        try:
+            return m.training_step((tokens.to("meta"), targets.to("meta")), 0)["loss"]
+        finally:
+            del m.log
+
+    config = ZeroConfig(stage=3, stage3_param_persistence_threshold=40)
+    planned = _planned(world=1)
+    plain = next(n for c, n in planned if isinstance(c.optimizer, OnDevice) and c.recompute_share == 0
+                 and isinstance(c.parameters, OnDevice))
+    check_fits(module, config, forward, device=torch.device("cpu"), param_dtype=torch.float32,
+               device_bytes=plain.device_total)  # room for the planned peak: nothing raised
+    with pytest.raises(ValueError, match=r"needs about .* of device memory at its peak \(.* of it activations\), "
+                                         r"and the GPU has .* free; the fastest that fits: .*recomputing"):
+        check_fits(module, config, forward, device=torch.device("cpu"), param_dtype=torch.float32,
+                   device_bytes=_mixed_budget(planned))
+    with pytest.raises(ValueError, match="no offload or checkpointing setting of stage 3 fits"):
+        check_fits(module, config, forward, device=torch.device("cpu"), param_dtype=torch.float32, device_bytes=1000)
+    assert all(p.device.type == "cpu" for p in module.parameters())  # the plan put every parameter back
