@@ -55,6 +55,12 @@ def _data(world: int) -> torch.utils.data.DataLoader:
 @functools.lru_cache(maxsize=None)
 def _planned(world: int = 2) -> list:
     """Every candidate's plan for the module and one batch (no budget to fit)."""
+    module, forward = _module_and_forward()
+    return list(choose(module, ZeroConfig(**BASE, offload_memory_budget=100), forward, world_size=world).planned)
+
+
+def _module_and_forward():
+    """The module and its loss on the first batch, on the meta device (``self.log`` quiet)."""
     torch.manual_seed(0)
     module = _lit()
     tokens, targets = next(iter(_data(1)))
@@ -66,7 +72,7 @@ def _planned(world: int = 2) -> list:
         finally:
             del m.log
 
-    return list(choose(module, ZeroConfig(**BASE, offload_memory_budget=100), forward, world_size=world).planned)
+    return module, forward
 
 
 def _mixed_budget(planned: list) -> int:
@@ -169,17 +175,7 @@ def test_fabric_plans_from_plan_forward_and_trains_as_torch(dist_pool):
 def test_a_configuration_that_cannot_fit_stops_before_launch_naming_the_nearest_that_fits():
     from lightning_zeroq.zero.choose import check_fits
 
-    torch.manual_seed(0)
-    module = _lit()
-    tokens, targets = next(iter(_data(1)))
-
-    def forward(m):
-        m.log = lambda *args, **kwargs: None
-        try:
-            return m.training_step((tokens.to("meta"), targets.to("meta")), 0)["loss"]
-        finally:
-            del m.log
-
+    module, forward = _module_and_forward()
     config = ZeroConfig(stage=3, stage3_param_persistence_threshold=40)
     planned = _planned(world=1)
     plain = next(n for c, n in planned if isinstance(c.optimizer, OnDevice) and c.recompute_share == 0
