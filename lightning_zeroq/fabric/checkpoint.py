@@ -30,7 +30,7 @@ from lightning_zeroq.checkpoint.engine_io import engine_state, load_engine, save
 from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY, Kind, classify
 from lightning_zeroq.checkpoint.torch_file import load_torch_optimizer_state, torch_load
 from lightning_zeroq.zero import state_dict as zsd
-from lightning_zeroq.zero.engine import ZeroEngine
+from lightning_zeroq.zero.state_dict import ShardedParts
 
 FABRIC_KEY = "zeroq_fabric"
 """In the trainer state: which entries were the model, the optimizer and stateful objects."""
@@ -40,7 +40,7 @@ def _stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
-def _roles(engine: ZeroEngine, state: dict, what: str) -> tuple[Optional[str], Optional[str]]:
+def _roles(engine: ShardedParts, state: dict, what: str) -> tuple[Optional[str], Optional[str]]:
     """The keys of ``state`` that hold the engine's module and its optimizer (either may be absent)."""
     modules = [k for k, v in state.items() if isinstance(v, nn.Module)]
     optimizers = [k for k, v in state.items() if isinstance(v, Optimizer)]
@@ -151,7 +151,7 @@ def _from_trainer_layout(path: Path, checkpoint: dict, module_key: str, optimize
     return out, lost
 
 
-def _load_single_file(engine: ZeroEngine, path: Path, weights_only: Optional[bool], module_key: Optional[str],
+def _load_single_file(engine: ShardedParts, path: Path, weights_only: Optional[bool], module_key: Optional[str],
                       optimizer_key: Optional[str], strict: bool, group: Any,
                       requested: Optional[list[str]] = None) -> dict:
     """A checkpoint file written by ``fabric.save`` under another strategy (DDP), or a consolidated ZeroQ

@@ -38,7 +38,7 @@ from lightning_zeroq.checkpoint.engine_io import (load_engine, save_state)
 from lightning_zeroq.checkpoint.store import ENGINE_KEY, MODEL_KEY, OPTIMIZER_KEY, Kind, classify
 from lightning_zeroq.checkpoint.torch_file import load_torch_optimizer_state, torch_load
 from lightning_zeroq.zero import state_dict as zsd
-from lightning_zeroq.zero.engine import ZeroEngine
+from lightning_zeroq.zero.state_dict import ShardedParts
 
 
 def _register_types() -> None:
@@ -109,7 +109,7 @@ def _config_from_plain(plain: Any, kind: type) -> Any:
 _register_types()
 
 
-def trainer_state_of(checkpoint: dict, engine: ZeroEngine) -> dict:
+def trainer_state_of(checkpoint: dict, engine: ShardedParts) -> dict:
     state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     scaler = getattr(engine, "loss_scaler", None) if engine is not None else None
     if scaler is not None:
@@ -214,7 +214,7 @@ def load(strategy: Any, checkpoint_path: Any, weights_only: Optional[bool],
     return state, True
 
 
-def count_steps_from(engine: ZeroEngine, state: Any) -> None:
+def count_steps_from(engine: ShardedParts, state: Any) -> None:
     """The engine counts optimizer steps on from the checkpoint's global step, so its messages ("in
     optimizer step N") speak of the run's step, not of this fit's."""
     if engine is not None and isinstance(state, dict):

@@ -55,6 +55,7 @@ class ShardedParts(access.EngineParts, Protocol):
     rank: int
     world_size: int
     num_groups: int  # ``world_size``: the shard group's; hybrid sharding: ``num_groups`` groups of it
+    steps: int  # optimizer steps counted (a resumed run counts on from its checkpoint's global step)
 
     @property
     def optimizer(self) -> Optional[torch.optim.Optimizer]: ...
