@@ -23,8 +23,8 @@ the rank that holds the parameter's first element.
 - ``full_state_dict``: collective; the full fp32 parameters by name (CPU tensors), gathered unit by
   unit from the master shards, on every rank or (``rank0_only``) on rank 0 only, whose host then
   holds one copy of the model and no rank ever holds two; frozen parameters are included as they are.
-- ``load_full_state_dict``: every rank sets its own slice of each master from full parameters by
-  name, then republishes the working weights. No collective but the publish.
+- ``load_full_state_dict``: every rank sets its own slice of each master from full parameters by name,
+  then republishes the working weights (no other collective).
 - ``full_optimizer_state``: collective, every parameter's optimizer state at full shape.
 
 Every walk over the masters goes through the placement's ``resident`` iterator (NVMe: one unit at a time).
