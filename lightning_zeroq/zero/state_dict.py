@@ -26,8 +26,7 @@ the rank that holds the parameter's first element.
 - ``load_full_state_dict``: every rank sets its own slice of each master from full parameters by name,
   then republishes the working weights (no other collective).
 - ``full_optimizer_state``: collective, every parameter's optimizer state at full shape.
-
-Every walk over the masters goes through the placement's ``resident`` iterator (NVMe: one unit at a time).
+- Every walk over the masters goes through the placement's ``resident`` iterator (NVMe: one unit at a time).
 """
 
 from __future__ import annotations
