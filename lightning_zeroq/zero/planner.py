@@ -248,7 +248,7 @@ def trace_activations(model: nn.Module, forward: Callable[[nn.Module], Tensor], 
         hooks += [block.register_forward_pre_hook(enter, with_kwargs=True), block.register_forward_hook(leave)]
     try:
         with _cuda_kernels(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            forward(model)
+            torch.compiler.disable(forward)(model)  # eager: a compiled module would compile for meta tensors
     finally:
         for hook in hooks:
             hook.remove()
