@@ -17,6 +17,7 @@ from lightning_zeroq.common.precision import ZeroQPrecision
 from lightning_zeroq.lightning.strategy import ZeroQStrategy
 from lightning_zeroq.zero.access import owning_engine
 from lightning_zeroq.zero.engine import ZeroEngine
+from lightning_zeroq.zero.choose import choose
 from lightning_zeroq.zero.matrix import MatrixRule, register_matrix_optimizer
 from lightning_zeroq.zero.optimizers import register_elementwise_optimizer
 from lightning_zeroq.zero.planner import Machine
@@ -58,6 +59,7 @@ __all__ = [
     "ZeroQStrategy",
     "Machine",
     "MatrixRule",
+    "choose",
     "gathered_parameters",
     "plan",
     "register_elementwise_optimizer",

@@ -42,7 +42,6 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     """Train the configuration of ``spec`` (``gpt``: ``GPTConfig`` fields; ``config``: ``ZeroConfig``
     fields; ``checkpointing``, ``batch``, ``seq``, ``warmup``, ``steps``, ``dtype``) in this process."""
     from lightning_zeroq import ZeroConfig, ZeroEngine
-    from lightning_zeroq.zero import recompute
     from lightning_zeroq.zero.choose import choose
     from lightning_zeroq.zero.policies import auto_request
 
@@ -66,7 +65,6 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), sample[:, 1:].reshape(-1))
 
         choice = choose(model, config, forward, device=device, param_dtype=dtype)
-        recompute.apply_to(choice.recompute)
         config, chosen = choice.config, choice
     engine = ZeroEngine(model, config, param_dtype=dtype, device=device)
     engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))

@@ -34,7 +34,6 @@ from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.common.migration import unknown_options_message
 from lightning_zeroq.common.precision import ZeroQPrecision
 from lightning_zeroq.common.watchdog import JOIN_TIMEOUT, start_watchdog, stop_watchdog
-from lightning_zeroq.zero import recompute
 from lightning_zeroq.zero.access import owning_engine
 from lightning_zeroq.zero.choose import check_fits, choose
 from lightning_zeroq.zero.policies import auto_request
@@ -132,7 +131,6 @@ def build_engine(module: nn.Module, config: ZeroConfig, precision: ZeroQPrecisio
                              "loss: pass plan_forward=lambda model: <the loss of a sample batch> to the strategy.")
         choice = choose(module, config, plan_forward, device=device, param_dtype=precision.param_dtype,
                         ranks_per_node=ranks_per_node or 1)
-        recompute.apply_to(choice.recompute)
         config = choice.config
     elif plan_forward is not None:
         check_fits(module, config, plan_forward, device=device, param_dtype=precision.param_dtype,

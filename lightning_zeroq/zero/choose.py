@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from lightning_zeroq.config import ZeroConfig, memory_budget
 from lightning_zeroq.zero import calibrate as calibration, comm
+from lightning_zeroq.zero import recompute as recompute_blocks
 from lightning_zeroq.zero.offload.auto import MARGIN
 from lightning_zeroq.zero.offload.host_need import available, size
 from lightning_zeroq.zero.plan import auto_wrap_classes
@@ -60,7 +61,8 @@ class Choice:
     config: ZeroConfig
     """The config to build the engine with: the offload written in, no ``"auto"`` left."""
     recompute: tuple[nn.Module, ...]
-    """Blocks that recompute besides what ``config`` names (a share below all of them)."""
+    """Blocks that recompute besides what ``config`` names (a share below all of them; ``choose(apply=True)``
+    set them to)."""
     need: Optional[Need]
     """The chosen configuration's plan."""
     line: str
@@ -174,10 +176,12 @@ def _agreed_machine(machine: Machine, device: torch.device, group: Any) -> Machi
 def choose(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Module], Tensor], *,
            device: Optional[torch.device] = None, param_dtype: torch.dtype = torch.float32, group: Any = None,
            world_size: Optional[int] = None, ranks_per_node: int = 1, machine: Optional[Machine] = None,
-           calibrate: bool = True) -> Choice:
+           calibrate: bool = True, apply: bool = True) -> Choice:
     """What ``config``'s ``"auto"`` settings come to for ``module`` (anywhere, even partly on the meta
-    device) and one micro-batch (``forward(model)`` returns its loss). A ``ValueError`` of one line
-    where nothing fits. ``machine``: rates to plan with instead of measuring them here (``calibrate``)."""
+    device) and one micro-batch (``forward(model)`` returns its loss): build the engine with the returned
+    ``Choice.config``. With ``apply`` the blocks chosen to recompute (when some, not all, do) are set to
+    recompute here. A ``ValueError`` of one line where nothing fits. ``machine``: rates to plan with
+    instead of measuring them here (``calibrate``)."""
     request = auto_request(config)
     if request is None:
         return Choice(config, (), None, "")
@@ -231,6 +235,8 @@ def choose(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Module],
     recompute: tuple[nn.Module, ...] = ()
     if request.recompute and 0 < chosen.recompute_share < 1:
         recompute = tuple(blocks[: round(chosen.recompute_share * len(blocks))])
+        if apply:
+            recompute_blocks.apply_to(recompute)
     line = (f"offload='auto' chose {need.name}: planned peak {_size(need.device_total)} allocated "
             f"({_size(need.reserved)} reserved) of a {_size(budget)} budget, host {_size(need.host_total)} "
             f"of {_size(host_room)}, step ~{need.step_s:.3f} s ({len(fitting)} of {len(planned)} planned fit)")
@@ -277,7 +283,8 @@ def check_fits(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Modu
     auto = as_auto(config, room / 2**30)
     try:
         nearest = "the fastest that fits: " + choose(module, auto, forward, device=device, param_dtype=param_dtype,
-                                                      group=group, ranks_per_node=ranks_per_node).need.name  # type: ignore[union-attr]
+                                                      group=group, ranks_per_node=ranks_per_node,
+                                                      apply=False).need.name  # type: ignore[union-attr]
         nearest += " (offload='auto', activation_checkpointing_policy='auto' choose it)"
     except ValueError:
         nearest = f"no offload or checkpointing setting of stage {given.sharding.stage} fits: use more GPUs or a smaller micro-batch"

@@ -187,9 +187,6 @@ class AutoRequest:
     device_budget: Any
     """``offload_memory_budget``'s form (None: the device's free memory less a margin)."""
     host_budget: Any
-    fixed_share: bool
-    """The share of the optimizer on the host stays as planned (``offload_async_step`` needs a fixed
-    share); otherwise it is corrected from the first step's measured memory."""
     recompute_classes: tuple[str, ...] = ()
     """With ``offload="auto"`` alone: the classes given to checkpoint (the plan counts them)."""
 
@@ -211,8 +208,7 @@ def auto_request(config: ZeroConfig) -> Optional[AutoRequest]:
     if c.offload != "auto" and not recompute:
         return None
     return AutoRequest(c.stage, c.offload == "auto", recompute, c.nvme_path, c.offload_memory_budget,
-                       c.host_memory_budget, c.offload_async_step,
-                       () if recompute else tuple(c.activation_checkpointing_policy or ()))
+                       c.host_memory_budget, () if recompute else tuple(c.activation_checkpointing_policy or ()))
 
 
 def resolve(config: ZeroConfig, chosen: Chosen, blocks: Sequence[str], *, correct: bool = True) -> ZeroConfig:
@@ -232,6 +228,8 @@ def resolve(config: ZeroConfig, chosen: Chosen, blocks: Sequence[str], *, correc
             fields.update(offload_optimizer_device="nvme", offload_optimizer_nvme_ratio=opt.ratio)
         if not isinstance(opt, Host) or fixed:
             budget = None  # what the plan fitted under it holds; nothing corrects later
+        if not isinstance(opt, Host):  # asked for in case the optimizer went to the host; it did not
+            fields.update(offload_speculative_step=False, offload_async_step=False)
         nvme = isinstance(opt, Nvme)
         fields.update(offload_memory_budget=budget, nvme_path=c.nvme_path if nvme else None,
                       host_memory_budget=c.host_memory_budget if fields["offload_optimizer"] or
