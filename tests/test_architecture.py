@@ -300,3 +300,14 @@ def test_checkpoints_see_the_engine_only_through_its_sharded_view():
             if isinstance(node, ast.Attribute) and node.attr in ENGINE_INTERNALS:
                 offenders.append(f"{name}:{node.lineno} reads .{node.attr}")
     assert not offenders, offenders
+
+
+def test_no_engine_part_depends_on_the_whole_engine():
+    # Each module under zero/ takes the parts it uses (typed by a protocol where several come together,
+    # ``access.EngineParts``, ``state_dict.ShardedParts``), never ``ZeroEngine``: nothing under zero/ but
+    # the engine's facade imports engine.py, so a part can be read, tested and replaced alone.
+    graph = _graph()
+    engine = "lightning_zeroq.zero.engine"
+    offenders = sorted(name for name, targets in graph.items()
+                       if name.startswith("lightning_zeroq.zero") and name != engine and engine in targets)
+    assert engine in graph and not offenders, offenders
