@@ -35,8 +35,8 @@ from lightning_zeroq.common.migration import unknown_options_message
 from lightning_zeroq.common.precision import ZeroQPrecision
 from lightning_zeroq.common.watchdog import JOIN_TIMEOUT, start_watchdog, stop_watchdog
 from lightning_zeroq.zero.access import owning_engine
-from lightning_zeroq.zero.choose import check_fits, choose
-from lightning_zeroq.zero.policies import auto_request
+from lightning_zeroq.zero.choose import Choice, check_fits, choose
+from lightning_zeroq.zero.policies import Chosen, OnDevice, auto_request, resolve
 from lightning_zeroq.zero.engine import ZeroEngine
 from lightning_zeroq.zero.materialize import parameters_on_meta
 
@@ -114,17 +114,21 @@ def as_zeroq_precision(plugin: Optional[Any], plugin_cls: type[P]) -> Optional[P
 
 def build_engine(module: nn.Module, config: ZeroConfig, precision: ZeroQPrecision, device: torch.device,
                  ranks_per_node: Optional[int] = None,
-                 plan_forward: Optional[Callable[[nn.Module], torch.Tensor]] = None) -> ZeroEngine:
+                 plan_forward: Optional[Callable[[nn.Module], torch.Tensor]] = None,
+                 on_choice: Optional[Callable[[Choice], None]] = None, training: bool = True) -> ZeroEngine:
     """The engine for ``module``. It moves the module to ``device`` unit by unit (stage 3 never holds it
     whole), materializes meta-device parameters with ``reset_parameters()``, and starts every rank from
     rank 0's values, as DDP does. ``ranks_per_node`` (the strategy's ``num_processes``) resolves
     ``shard_group_size="node"``. ``offload="auto"`` (or ``activation_checkpointing_policy="auto"``) is
     decided first, from the plan of ``plan_forward(module)`` (one micro-batch's loss; ``zero/choose.py``);
     otherwise, on a GPU, a configuration whose planned peak surely exceeds the device stops here, in one
-    line, before anything is allocated (``choose.check_fits``)."""
+    line, before anything is allocated (``choose.check_fits``). ``on_choice`` receives the automatic choice.
+    Not ``training`` (evaluation: no optimizer state to place), ``"auto"`` keeps everything on the device."""
     previous = owning_engine(module)
     if isinstance(previous, ZeroEngine):  # a fit that failed kept the module (its teardown runs no collective)
         previous.release_module()  # collective: every rank is here, setting up the new fit
+    if auto_request(config) is not None and not training:
+        config = resolve(config, Chosen(OnDevice(), OnDevice(), 0.0), ())
     if auto_request(config) is not None:
         if plan_forward is None:
             raise ValueError("offload='auto' / activation_checkpointing_policy='auto' plan from one micro-batch's "
@@ -132,6 +136,8 @@ def build_engine(module: nn.Module, config: ZeroConfig, precision: ZeroQPrecisio
         choice = choose(module, config, plan_forward, device=device, param_dtype=precision.param_dtype,
                         ranks_per_node=ranks_per_node or 1)
         config = choice.config
+        if on_choice is not None:
+            on_choice(choice)
     elif plan_forward is not None:
         check_fits(module, config, plan_forward, device=device, param_dtype=precision.param_dtype,
                    ranks_per_node=ranks_per_node or 1)

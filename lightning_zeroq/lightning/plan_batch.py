@@ -12,12 +12,26 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import CombinedLoader
 from torch import Tensor, nn
 
 from lightning_zeroq.common.precision import ZeroQPrecision
+from lightning_zeroq.config import ZeroConfig
+from lightning_zeroq.zero.policies import auto_request
 
 FIX = "or pass plan_forward=lambda model: <one micro-batch's loss> to ZeroQStrategy"
+
+
+def planning_forward(trainer: Any, module: Any, precision: ZeroQPrecision, config: ZeroConfig,
+                     device: torch.device) -> Optional[Callable[[nn.Module], Tensor]]:
+    """What a fit plans from: the first batch's ``training_step`` for ``offload="auto"`` (required), and
+    on a GPU for the check before launch of a configuration given by hand (where it can be read)."""
+    if trainer.state.fn != TrainerFn.FITTING:
+        return None
+    if auto_request(config) is not None:
+        return first_batch_forward(trainer, module, precision)
+    return first_batch_forward(trainer, module, precision, required=False) if device.type == "cuda" else None
 
 
 def first_batch_forward(trainer: Any, module: Any, precision: ZeroQPrecision,

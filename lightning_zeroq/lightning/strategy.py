@@ -9,8 +9,8 @@ Lifecycle:
 - backward: ``pre_backward`` tells the engine whether this backward ends a managed accumulation
   window (so stage 1 reduces during it); ``post_backward`` closes it.
 - step: ``ZeroQPrecision.optimizer_step`` drives the engine (finalize, hooks and clipping, step).
-- weight averaging (``EMAWeightAveraging``, ``StochasticWeightAveraging``): where the module does not hold the
-  fp32 masters between steps, their hooks run with the parameters gathered (``averaging.py``).
+- weight averaging (``EMAWeightAveraging``, ``StochasticWeightAveraging``): hooks run with the parameters
+  gathered where the module does not hold the fp32 masters between steps (``averaging.py``).
 - checkpoints: a ``torch.distributed.checkpoint`` directory in which every parameter and optimizer
   state tensor is stored by name at its full shape, each rank writing its own chunks, plus a JSON
   manifest with the trainer state; loadable at any world size, stage or layout, by FSDP2, and
@@ -45,8 +45,8 @@ from lightning_zeroq.checkpoint.checkpointer import Checkpointer
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.validation import check_bool
 from lightning_zeroq.lightning.launcher import ZeroQLauncher, record_sigterm_without_collectives
-from lightning_zeroq.lightning.plan_batch import first_batch_forward
-from lightning_zeroq.zero.policies import auto_request
+from lightning_zeroq.lightning.plan_batch import planning_forward
+from lightning_zeroq.zero.choose import report_first_step
 from lightning_zeroq.common.precision import ZeroQPrecision
 from lightning_zeroq.common.strategy import (
     as_zeroq_precision,
@@ -129,6 +129,7 @@ class ZeroQStrategy(DDPStrategy):
         self._unwrap_averaging: Callable[[], None] = _nothing  # see averaging.py
         self.checkpointer = Checkpointer(async_save=check_bool("ZeroQStrategy", "async_checkpoint", async_checkpoint))
         self._weights_loaded = False
+        self._planned: list = []  # offload="auto"'s choice, until the first step's peak is logged beside it
 
     # ------------------------------------------------------------------ Lightning contract
 
@@ -187,20 +188,16 @@ class ZeroQStrategy(DDPStrategy):
         module = self.lightning_module
         assert module is not None and self.model is not None  # the Trainer connected the module before setup
         self._failed = False
-        # After a fit the module is plain again (teardown handed it back): evaluating it needs no
-        # engine, and the fit's engine keeps its state for save_checkpoint. A new fit builds a new one.
+        # After a fit the module is plain again; the fit's engine keeps its state for save_checkpoint.
         if self.engine is None or (self.engine.retired and fitting):
             if self.engine is not None:
                 self.engine.close()  # the previous fit's engine: its state goes (NVMe files included)
             if fitting and self._layer_sync:
                 self.model = self._layer_sync.apply(self.model)
-            forward = self.plan_forward
-            if forward is None and fitting and auto_request(self.config) is not None:
-                forward = first_batch_forward(trainer, module, plugin)
-            elif forward is None and fitting and self.root_device.type == "cuda":  # the check before launch
-                forward = first_batch_forward(trainer, module, plugin, required=False)
+            forward = self.plan_forward or planning_forward(trainer, module, plugin, self.config, self.root_device)
             self.engine = build_engine(module, self.config, plugin, self.root_device,
-                                       ranks_per_node=self.num_processes, plan_forward=forward)
+                                       ranks_per_node=self.num_processes, plan_forward=forward,
+                                       on_choice=self._planned.append, training=fitting)
         if self.engine.retired:
             self.precision_plugin.attach_engine(None, self.root_device.type)
             self.setup_precision_plugin()
@@ -223,6 +220,12 @@ class ZeroQStrategy(DDPStrategy):
         plugin.attach_engine(self.engine, self.root_device.type)
         plugin.convert_module(module)
         self.setup_precision_plugin()
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self._planned and self.lightning_module is not None and self.lightning_module.trainer.global_step:
+            report_first_step(self._planned.pop(), self.root_device)
 
     @override
     def on_train_start(self) -> None:

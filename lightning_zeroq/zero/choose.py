@@ -244,6 +244,16 @@ def choose(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Module],
     return Choice(resolved, recompute, need, line, tuple(planned))
 
 
+def report_first_step(choice: Choice, device: torch.device) -> None:
+    """Log the device's peak since the engine was built beside what the choice planned (after the first
+    optimizer step; on a GPU)."""
+    if choice.need is None or device.type != "cuda":
+        return
+    log.info(f"offload='auto' ({choice.need.name}): peak after the first step {_size(torch.cuda.max_memory_allocated(device))} "
+             f"allocated, {_size(torch.cuda.max_memory_reserved(device))} reserved; planned "
+             f"{_size(choice.need.device_total)} and {_size(choice.need.reserved)}")
+
+
 def _size(value: Optional[int]) -> str:
     return "none" if value is None or value >= 1 << 61 else size(value)
 

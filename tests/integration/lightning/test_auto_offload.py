@@ -40,6 +40,11 @@ def _lit():
             self.log("loss", loss)
             return {"loss": loss}
 
+        def validation_step(self, batch, batch_idx):
+            tokens, targets = batch
+            logits = self.gpt(tokens)
+            self.log("val_loss", F.cross_entropy(logits.reshape(-1, CFG.vocab_size).float(), targets.reshape(-1)))
+
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
 
@@ -189,3 +194,21 @@ def test_a_configuration_that_cannot_fit_stops_before_launch_naming_the_nearest_
     with pytest.raises(ValueError, match="no offload or checkpointing setting of stage 3 fits"):
         check_fits(module, config, forward, device=torch.device("cpu"), param_dtype=torch.float32, device_bytes=1000)
     assert all(p.device.type == "cpu" for p in module.parameters())  # the plan put every parameter back
+
+
+def _validate_body() -> dict:
+    import lightning as L
+
+    from lightning_zeroq import ZeroQStrategy
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ZeroQStrategy(**BASE), logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    (metrics,) = trainer.validate(_lit(), _data(1))
+    config = trainer.strategy.engine.config
+    return {**metrics, "offload": config.offload_optimizer or config.offload_parameters}
+
+
+def test_evaluation_alone_keeps_everything_on_the_device(dist_pool):
+    # validate() without a fit has no optimizer state to place and reads no batch to plan from
+    got = dist_pool(1).run(_validate_body)[0]
+    assert got["val_loss"] > 0 and not got["offload"], got
