@@ -29,6 +29,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_zeroq.zero.choose import Choice, report_first_step
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
@@ -55,6 +57,8 @@ class ZeroQPrecision(Precision):
         self.param_dtype = PARAM_DTYPES[precision]
         self.engine: Optional["ZeroEngine"] = None
         self.device_type = "cpu"
+        self.planned: list[Choice] = []
+        """``offload="auto"``'s choice, until the first step's measured peak is logged beside it."""
 
     def attach_engine(self, engine: Optional["ZeroEngine"], device_type: str) -> None:
         """The strategy hands over the engine it built (and the device type autocast runs on)."""
@@ -139,7 +143,13 @@ class ZeroQPrecision(Precision):
             return closure_result
         self._after_closure(model, optimizer)
         engine.step(_unwrapped(optimizer))
+        self.report_plan()
         return closure_result
+
+    def report_plan(self) -> None:
+        """After the first step: the measured peak beside ``offload="auto"``'s plan (``choose.py``)."""
+        if self.planned and self.engine is not None:
+            report_first_step(self.planned.pop(), self.engine.device)
 
     @override
     def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:

@@ -107,6 +107,7 @@ class ZeroQFabricPrecision(ZeroQPrecision):
             )
         result = closure() if closure is not None else None
         self._require_engine().step()
+        self.report_plan()
         return result
 
     @override
@@ -256,7 +257,8 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
                 "nn.Module, or use a second Fabric for a second model."
             )
         self.engine = build_engine(module, self.config, self.precision, self.root_device,
-                                   ranks_per_node=self.num_processes, plan_forward=self.plan_forward)
+                                   ranks_per_node=self.num_processes, plan_forward=self.plan_forward,
+                                   on_choice=self.precision.planned.append)
         self.precision.attach_engine(self.engine, self.root_device.type)
         self._backward_sync_control.module = module
         return module

@@ -46,7 +46,6 @@ from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.validation import check_bool
 from lightning_zeroq.lightning.launcher import ZeroQLauncher, record_sigterm_without_collectives
 from lightning_zeroq.lightning.plan_batch import planning_forward
-from lightning_zeroq.zero.choose import report_first_step
 from lightning_zeroq.common.precision import ZeroQPrecision
 from lightning_zeroq.common.strategy import (
     as_zeroq_precision,
@@ -129,7 +128,6 @@ class ZeroQStrategy(DDPStrategy):
         self._unwrap_averaging: Callable[[], None] = _nothing  # see averaging.py
         self.checkpointer = Checkpointer(async_save=check_bool("ZeroQStrategy", "async_checkpoint", async_checkpoint))
         self._weights_loaded = False
-        self._planned: list = []  # offload="auto"'s choice, until the first step's peak is logged beside it
 
     # ------------------------------------------------------------------ Lightning contract
 
@@ -197,7 +195,7 @@ class ZeroQStrategy(DDPStrategy):
             forward = self.plan_forward or planning_forward(trainer, module, plugin, self.config, self.root_device)
             self.engine = build_engine(module, self.config, plugin, self.root_device,
                                        ranks_per_node=self.num_processes, plan_forward=forward,
-                                       on_choice=self._planned.append, training=fitting)
+                                       on_choice=plugin.planned.append, training=fitting)
         if self.engine.retired:
             self.precision_plugin.attach_engine(None, self.root_device.type)
             self.setup_precision_plugin()
@@ -220,12 +218,6 @@ class ZeroQStrategy(DDPStrategy):
         plugin.attach_engine(self.engine, self.root_device.type)
         plugin.convert_module(module)
         self.setup_precision_plugin()
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        if self._planned and self.lightning_module is not None and self.lightning_module.trainer.global_step:
-            report_first_step(self._planned.pop(), self.root_device)
 
     @override
     def on_train_start(self) -> None:
