@@ -251,16 +251,27 @@ def test_cfg_job_prints_the_config_and_runs_nothing(tmp_path: Path) -> None:
     ids=["bad-value", "bad-combination", "too-little-text", "no-gpu", "no-devices", "binary-text", "nvme-missing",
          "nvme-file", "nvme-read-only"],
 )
-def test_bad_config_exits_with_one_clean_line(args: list[str], expected: str, tmp_path: Path) -> None:
+def test_bad_config_is_one_clean_line_before_any_process_starts(args: list[str], expected: str, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # What zeroq-train runs before it launches anything (compose, check, preflight), in this process; the
+    # command's exit status and output for such an error: the test below.
     if "trainer=gpu" in args and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     write_text(tmp_path / "small.txt", 600)
     (tmp_path / "binary.dat").write_bytes(b"a" * 2000 + b"\xff" * 8000)
-    proc = run_cli(args, tmp_path)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises((ValueError, RuntimeError)) as failed:
+        preflight(to_run_config(compose_config(args)))
+    line = config_error_line(failed.value)
+    assert line.startswith(f"zeroq-train: error: {expected}") and "\n" not in line, line
+    assert "[Hydra key: " in line
+
+
+def test_a_bad_config_exits_2_with_one_line_and_starts_nothing(tmp_path: Path) -> None:
+    proc = run_cli(["recipe=gpt1m_zero3_offload_params_nvme_cpu", "zero.nvme_path=/proc"], tmp_path)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert proc.stderr.startswith(f"zeroq-train: error: {expected}"), proc.stderr[-3000:]
+    assert proc.stderr.startswith("zeroq-train: error: ZeroConfig.nvme_path='/proc' is not writable"), proc.stderr
     assert proc.stderr.count("\n") == 1 and proc.stdout == ""  # one line, nothing else, no process started
-    assert "[Hydra key: " in proc.stderr
 
 
 def test_preflight_counts_the_ranks() -> None:
