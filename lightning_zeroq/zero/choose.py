@@ -41,7 +41,7 @@ from lightning_zeroq.zero import calibrate as calibration, comm
 from lightning_zeroq.zero import recompute as recompute_blocks
 from lightning_zeroq.zero.offload.auto import MARGIN
 from lightning_zeroq.zero.offload.host_need import available, size
-from lightning_zeroq.zero.plan import auto_wrap_classes
+from lightning_zeroq.zero.plan import repeated_blocks
 from lightning_zeroq.zero.planner import Machine, Need, plan_config, trace_activations
 from lightning_zeroq.zero.policies import (AutoRequest, Chosen, Host, Nvme, OnDevice, as_auto, auto_request,
                                            from_config, resolve)
@@ -118,18 +118,10 @@ def candidates(request: AutoRequest) -> list[tuple[str, Any, Any, float]]:
     return out
 
 
-def _fields(config: ZeroConfig, chosen: Chosen) -> ZeroConfig:
-    """The concrete config a candidate is planned as (its share of the optimizer fixed)."""
-    planned = resolve(config, chosen, ())
-    if isinstance(chosen.optimizer, Host) and planned.offload_optimizer_ratio == "auto":
-        planned = planned.replace(offload_optimizer_ratio=chosen.optimizer.ratio, offload_memory_budget=None)
-    return planned
-
-
 def _budgets(request: AutoRequest, device: torch.device, group: Any) -> tuple[Optional[int], Optional[int], int, Optional[int]]:
     """(device budget, device size, host budget, disk free), the smallest over the ranks."""
     size = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    budget = memory_budget(request.device_budget, size) if size is not None else memory_budget(request.device_budget, 1 << 60)
+    budget = memory_budget(request.device_budget, size if size is not None else 1 << 60)
     if budget is None and device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = int(free - MARGIN * total)
@@ -138,23 +130,25 @@ def _budgets(request: AutoRequest, device: torch.device, group: Any) -> tuple[Op
     disk = None
     if request.nvme_path:
         disk = shutil.disk_usage(request.nvme_path).free
-    unknown = (1 << 62)
-    values = torch.tensor([v if v is not None else unknown for v in (budget, size, room, disk)], dtype=torch.int64)
-    if comm.world(group)[1] > 1:
-        values = values.to(device)
-        comm.all_reduce(values, dist.ReduceOp.MIN, group)
-    out = [int(v) if int(v) != unknown else None for v in values.tolist()]
-    return out[0], out[1], out[2] if out[2] is not None else unknown, out[3]
+    unknown = float(1 << 62)
+    out = [int(v) if v != unknown else None
+           for v in _smallest([v if v is not None else unknown for v in (budget, size, room, disk)], device, group)]
+    return out[0], out[1], out[2] if out[2] is not None else int(unknown), out[3]
+
+
+def _smallest(values: list[float], device: torch.device, group: Any) -> list[float]:
+    """Each of ``values``' smallest over the ranks (negate for the largest), in one collective."""
+    if comm.world(group)[1] == 1:
+        return values
+    both = torch.tensor(values, dtype=torch.float64, device=device)
+    comm.all_reduce(both, dist.ReduceOp.MIN, group)
+    return both.tolist()
 
 
 def _agreed(flags: list[bool], steps: list[float], device: torch.device, group: Any) -> tuple[list[bool], list[float]]:
     """Every rank's ``flags`` and ``steps`` per candidate: true where true on every rank, the longest step."""
-    if comm.world(group)[1] == 1:
-        return flags, steps
-    both = torch.tensor([-float(f) for f in flags] + steps, dtype=torch.float64, device=device)
-    comm.all_reduce(both, dist.ReduceOp.MAX, group)
-    values = both.tolist()
-    return [v == -1.0 for v in values[: len(flags)]], values[len(flags):]
+    values = _smallest([float(f) for f in flags] + [-s for s in steps], device, group)
+    return [v == 1.0 for v in values[: len(flags)]], [-v for v in values[len(flags):]]
 
 
 def _agreed_machine(machine: Machine, device: torch.device, group: Any) -> Machine:
@@ -162,12 +156,8 @@ def _agreed_machine(machine: Machine, device: torch.device, group: Any) -> Machi
     if comm.world(group)[1] == 1:
         return machine
     block = machine.block_seconds or (0.0, 0.0)
-    rates = torch.tensor([machine.matmul_flops, machine.host_step_elements_per_s, machine.pcie_bytes_per_s,
-                          machine.nvme_bytes_per_s, -block[0], -block[1], machine.device_bytes_per_s],
-                         dtype=torch.float64)
-    rates = rates.to(device)
-    comm.all_reduce(rates, dist.ReduceOp.MIN, group)
-    r = rates.tolist()
+    r = _smallest([machine.matmul_flops, machine.host_step_elements_per_s, machine.pcie_bytes_per_s,
+                   machine.nvme_bytes_per_s, -block[0], -block[1], machine.device_bytes_per_s], device, group)
     return dataclasses.replace(machine, matmul_flops=r[0], host_step_elements_per_s=r[1], pcie_bytes_per_s=r[2],
                                nvme_bytes_per_s=r[3], block_seconds=(-r[4], -r[5]) if machine.block_seconds else None,
                                device_bytes_per_s=r[6])
@@ -188,8 +178,7 @@ def choose(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Module],
     device = device if device is not None else next((p.device for p in module.parameters() if p.device.type != "meta"),
                                                     torch.device("cpu"))
     world = world_size if world_size is not None else comm.world(group)[1]
-    blocks_cls = auto_wrap_classes(module)
-    blocks = [m for m in module.modules() if type(m) in blocks_cls]
+    blocks = repeated_blocks(module)
     if request.recompute and not blocks:
         raise ValueError("activation_checkpointing_policy='auto' recomputes repeated blocks, and this model has none "
                          "(no class repeated in an nn.ModuleList or nn.Sequential); name the classes instead.")
@@ -205,7 +194,7 @@ def choose(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Module],
         planned = []
         for name, opt, params, share in candidates(request):
             chosen = Chosen(opt, params, share)
-            need = plan_config(meta, _fields(config, chosen), activations, name=name, world_size=world,
+            need = plan_config(meta, resolve(config, chosen, (), correct=False), activations, name=name, world_size=world,
                                checkpointing=share, machine=rates, param_dtype=param_dtype, rank=comm.world(group)[0])
             planned.append((chosen, need))
     if size is None and request.device_budget is None:
@@ -269,8 +258,7 @@ def check_fits(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Modu
     ``device_bytes``: the free memory to check against instead of the GPU's (a CPU device has none: no check)."""
     if device.type != "cuda" and device_bytes is None:
         return
-    blocks_cls = auto_wrap_classes(module)
-    blocks = [m for m in module.modules() if type(m) in blocks_cls]
+    blocks = repeated_blocks(module)
     given = from_config(config, loss_scaling=False)
     share = 1.0 if {type(b).__name__ for b in blocks} & set(given.recompute) else 0.0
     need, failed = None, 0
@@ -284,10 +272,9 @@ def check_fits(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Modu
         log.debug(f"the check before launch could not trace one micro-batch on the meta device ({error!r})")
         failed = 1
     free_here = device_bytes if device_bytes is not None else torch.cuda.mem_get_info(device)[0]
-    free = torch.tensor([-free_here, need.device_total if need else 0, failed], dtype=torch.int64, device=device)
-    if comm.world(group)[1] > 1:
-        comm.all_reduce(free, dist.ReduceOp.MAX, group)  # the fullest rank's room, the largest rank's need
-    room, peak, failed = -int(free[0]), int(free[1]), int(free[2])
+    # the fullest rank's room, the largest rank's need, whether any rank could not trace
+    room_f, peak_f, ok = _smallest([free_here, -(need.device_total if need else 0), -failed], device, group)
+    room, peak, failed = int(room_f), -int(peak_f), int(-ok)
     if failed or need is None or peak * (1 - PLAN_MARGIN) <= room:
         return
     auto = as_auto(config, room / 2**30)

@@ -52,6 +52,12 @@ def auto_wrap_classes(module: nn.Module) -> set[type]:
     return {max(repeated, key=lambda c: sizes[c])} if repeated else set()
 
 
+def repeated_blocks(module: nn.Module) -> list[nn.Module]:
+    """The instances of ``auto_wrap_classes(module)``, in module order (stage 3's default units)."""
+    classes = auto_wrap_classes(module)
+    return [m for m in module.modules() if type(m) in classes]
+
+
 def plan_module_units(
     module: nn.Module,
     trainable: Sequence[nn.Parameter],

@@ -47,7 +47,7 @@ from lightning_zeroq.zero.layout import ALIGN, UnitLayout
 from lightning_zeroq.zero.offload import host_units
 from lightning_zeroq.zero.offload.device_need import device_kinds, units_off_device
 from lightning_zeroq.zero.offload.host_need import engine_need, optimizer_need
-from lightning_zeroq.zero.plan import UnitSpec, auto_wrap_classes, plan
+from lightning_zeroq.zero.plan import UnitSpec, plan, repeated_blocks
 from lightning_zeroq.zero.policies import Nvme, OnDevice, Policies, from_config
 from lightning_zeroq.zero.unit import plan_layouts, trainable_parameters
 
@@ -368,7 +368,7 @@ def plan_training(model: nn.Module, forward: Callable[[nn.Module], Tensor], *, t
     if any(p.device.type != "meta" for p in model.parameters()):
         raise ValueError("plan: build the model on the meta device (with torch.device('meta'): ...), so that "
                          "planning allocates nothing; it needs only the shapes.")
-    blocks = [m for m in model.modules() if type(m) in auto_wrap_classes(model)]
+    blocks = repeated_blocks(model)
     activations = trace_activations(model, forward, blocks)
     if calibrate_on is not None:
         machine = dataclasses.replace(machine, **calibrate.rates(
