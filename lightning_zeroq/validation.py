@@ -25,6 +25,13 @@ def check_bool(owner: str, name: str, value: Any) -> bool:
     return value
 
 
+def check_callable(owner: str, name: str, value: Any, fix: str) -> Any:
+    """``value`` if it is None or callable; a ``ValueError`` naming it and ``fix`` otherwise."""
+    if value is not None and not callable(value):
+        raise ValueError(f"{owner}({name}={value!r}) is not a function; {fix}.")
+    return value
+
+
 def check_choice(owner: str, name: str, value: Any, choices: Sequence[Any]) -> Any:
     if value not in choices:
         raise ValueError(f"{owner}.{name}={value!r} is not one of {list(choices)}; use one of them.")

@@ -61,6 +61,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 P = TypeVar("P", bound=ZeroQPrecision)
 
+PLAN_FORWARD_FIX = "pass a function of the model returning one micro-batch's loss, e.g. lambda model: loss_fn(model(x), y)"
+
 
 def register_presets(registry: _StrategyRegistry, strategy_cls: type) -> None:
     """Register every preset name for ``strategy_cls``; a name already registered is left alone, so

@@ -48,7 +48,9 @@ from lightning_zeroq.fabric import checkpoint as fabric_checkpoint
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.common.precision import ZeroQPrecision
+from lightning_zeroq.validation import check_callable
 from lightning_zeroq.common.strategy import (
+    PLAN_FORWARD_FIX,
     as_zeroq_precision,
     build_engine,
     check_timeout,
@@ -174,7 +176,7 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
         **options: Any,
     ) -> None:
         self.config = config_from_options("ZeroQFabricStrategy", config, options)
-        self.plan_forward = plan_forward
+        self.plan_forward = check_callable("ZeroQFabricStrategy", "plan_forward", plan_forward, PLAN_FORWARD_FIX)
         _refuse_checkpoint_io(checkpoint_io)
         super().__init__(
             accelerator=accelerator,

@@ -43,11 +43,12 @@ from lightning_zeroq.lightning import checkpoint as checkpoint_glue
 from lightning_zeroq.lightning.averaging import gather_around_averaging, refuse_meta_copies
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer
 from lightning_zeroq.config import ZeroConfig
-from lightning_zeroq.validation import check_bool
+from lightning_zeroq.validation import check_bool, check_callable
 from lightning_zeroq.lightning.launcher import ZeroQLauncher, record_sigterm_without_collectives
 from lightning_zeroq.lightning.plan_batch import planning_forward
 from lightning_zeroq.common.precision import ZeroQPrecision
 from lightning_zeroq.common.strategy import (
+    PLAN_FORWARD_FIX,
     as_zeroq_precision,
     build_engine,
     check_timeout,
@@ -107,7 +108,7 @@ class ZeroQStrategy(DDPStrategy):
         **options: Any,
     ) -> None:
         self.config = config_from_options("ZeroQStrategy", config, options)
-        self.plan_forward = plan_forward
+        self.plan_forward = check_callable("ZeroQStrategy", "plan_forward", plan_forward, PLAN_FORWARD_FIX)
         if start_method != "popen" and self.config.stage == 3:
             raise ValueError(
                 f"ZeroQStrategy(stage=3, start_method={start_method!r}): the {start_method} launcher sends rank "

@@ -230,6 +230,14 @@ def test_the_options_are_the_frozen_list():
         "decision; update FROZEN_OPTIONS, docs/options.md and, for a DeepSpeed or FSDP knob, docs/migrating.md")
 
 
+def test_plan_forward_must_be_a_function():
+    from lightning_zeroq import ZeroQFabricStrategy
+
+    for cls in (ZeroQStrategy, ZeroQFabricStrategy):
+        with pytest.raises(ValueError, match=r"plan_forward=3\) is not a function; pass a function of the model"):
+            cls(offload="auto", plan_forward=3)
+
+
 def test_offload_auto_refuses_what_it_would_decide():
     with pytest.raises(ValueError, match=r"offload='bogus'.*'auto'"):
         ZeroConfig(offload="bogus")

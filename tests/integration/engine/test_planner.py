@@ -171,6 +171,13 @@ def test_zeroq_plan_says_when_nothing_fits_and_refuses_bad_flags(capsys):
     with pytest.raises(SystemExit):
         plan_cli.main(["--dim", "0"])
     assert "--dim=0: give a whole number" in capsys.readouterr().err
+    for flags, said in ((["--block-ms", "2"], "--block-ms 2: give two numbers"),
+                        (["--block-ms", "3,1"], "at most forward+backward"),
+                        (["--device-tbs", "0"], "--device-tbs=0.0: give a rate above 0"),
+                        (["--runtime-host-gib", "-1"], "--runtime-host-gib=-1.0: give GiB, 0 or more")):
+        with pytest.raises(SystemExit):
+            plan_cli.main(["--layers", "2", "--dim", "64", "--heads", "2", "--ffn", "128", *flags])
+        assert said in capsys.readouterr().err, flags
     with pytest.raises(SystemExit):
         plan_cli.main(["--host-gib", "-1"])
     assert "--host-gib=-1.0: give the memory in GiB" in capsys.readouterr().err
