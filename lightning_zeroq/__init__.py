@@ -15,8 +15,8 @@ from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.fabric.strategy import ZeroQFabricPrecision, ZeroQFabricStrategy
 from lightning_zeroq.common.precision import ZeroQPrecision
 from lightning_zeroq.lightning.strategy import ZeroQStrategy
-from lightning_zeroq.zero.access import owning_engine
-from lightning_zeroq.zero.engine import ZeroEngine
+
+from lightning_zeroq.zero.engine import ZeroEngine, owning_engine
 from lightning_zeroq.zero.choose import choose
 from lightning_zeroq.zero.matrix import MatrixRule, register_matrix_optimizer
 from lightning_zeroq.zero.optimizers import register_elementwise_optimizer
@@ -47,7 +47,7 @@ def gathered_parameters(module, writeback: bool = False):
 
     access.check_module("lightning_zeroq.gathered_parameters", module)
     engine = owning_engine(module)
-    return access.gathered_parameters(engine, module, writeback) if engine is not None else contextlib.nullcontext()
+    return engine.gathered_parameters(module, writeback) if engine is not None else contextlib.nullcontext()
 
 
 __all__ = [

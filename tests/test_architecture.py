@@ -303,9 +303,9 @@ def test_checkpoints_see_the_engine_only_through_its_sharded_view():
 
 
 def test_no_engine_part_depends_on_the_whole_engine():
-    # Each module under zero/ takes the parts it uses (typed by a protocol where several come together,
-    # ``access.EngineParts``, ``state_dict.ShardedParts``), never ``ZeroEngine``: nothing under zero/ but
-    # the engine's facade imports engine.py, so a part can be read, tested and replaced alone.
+    # Each module under zero/ takes the parts it uses (``build.Parts`` where several come together),
+    # never ``ZeroEngine``: nothing under zero/ but the engine's facade imports engine.py, so a part can
+    # be read, tested and replaced alone.
     graph = _graph()
     engine = "lightning_zeroq.zero.engine"
     offenders = sorted(name for name, targets in graph.items()

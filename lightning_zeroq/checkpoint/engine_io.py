@@ -54,7 +54,7 @@ def _chunks(part: Part) -> LocalChunks:
 def sharded_model_state(engine: ShardedParts) -> dict[str, Any]:
     """Every ``state_dict()`` entry: this rank's chunks of the fp32 masters (``LocalChunks``, read
     later), frozen parameters and buffers as they are (replicated: DCP writes them once)."""
-    view = ShardedView(engine)
+    view = ShardedView(engine.parts, engine.optimizer)
     chunks: dict[str, Any] = {}
     for pv in view.params:
         if pv.part is not None:
@@ -76,7 +76,7 @@ def sharded_optimizer_state(engine: ShardedParts) -> dict[str, Any]:
     ``get_optimizer_state_dict`` has it: per-element state as ``LocalChunks`` of the parameter's
     shape, scalar state (Adam's ``step``) from the rank that owns the parameter's first element,
     ``param_groups`` with every parameter's canonical name (gathered from all ranks)."""
-    view = ShardedView(engine)
+    view = ShardedView(engine.parts, engine.optimizer)
     optimizer = view.optimizer
     assert optimizer is not None
     state: dict[str, dict[str, Any]] = {}
@@ -92,7 +92,7 @@ def sharded_optimizer_state(engine: ShardedParts) -> dict[str, Any]:
 
 def model_entries(engine: ShardedParts) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """What a checkpoint must hold for this model: name -> (shape, dtype); fp32 for the engine's."""
-    view = ShardedView(engine)
+    view = ShardedView(engine.parts, engine.optimizer)
     managed = {n: pv.shape for pv in view.params for n in pv.names}
     unmanaged = view.unmanaged()
     return {key: (managed[key], torch.float32) if key in managed else (unmanaged[key].shape, unmanaged[key].dtype)
@@ -137,7 +137,7 @@ def engine_state(engine: ShardedParts, optimizer: bool) -> dict:
 
 def save_state(engine: ShardedParts, path: Path, state: dict, trainer_state: Any, checkpointer: Checkpointer) -> None:
     """Collective: write ``state`` (``engine_state`` or the like) and ``trainer_state`` to ``path``."""
-    view = ShardedView(engine)
+    view = ShardedView(engine.parts, engine.optimizer)
     if view.closed:  # what the engine released; an empty optimizer state is fine (plain SGD)
         # No collective: every rank closes its engine at the same point (a new fit), and an asynchronous
         # save may still be using the checkpoint group.
@@ -203,7 +203,7 @@ def load_sharded(engine: ShardedParts, read: Callable[[dict], None], *, model_pr
     after each read with what failed there (raises the agreed error on every rank, e.g. ``agree``):
     every read is settled before the units it filled are published (the engine's collectives), so a
     rank whose read fails never leaves the others in a gather."""
-    view = ShardedView(engine)
+    view = ShardedView(engine.parts, engine.optimizer)
     rest = {model_prefix + k: v for k, v in view.unmanaged().items() if isinstance(v, Tensor)}
     _read_settled(read, rest, settle)
     optimizer = view.optimizer if optimizer_keys is not None else None
@@ -268,7 +268,7 @@ def _read_param_groups(opened: Opened, prefix: str) -> list[dict]:
 
 def _optimizer_plan(engine: ShardedParts, opened: Opened, prefix: str, groups: list[dict]) -> tuple[dict, list[str]]:
     """name -> state keys in the checkpoint, and what does not match this optimizer."""
-    view = ShardedView(engine)
+    view = ShardedView(engine.parts, engine.optimizer)
     optimizer = view.optimizer
     assert optimizer is not None
     errors: list[str] = []

@@ -34,7 +34,7 @@ from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.common.migration import unknown_options_message
 from lightning_zeroq.common.precision import ZeroQPrecision
 from lightning_zeroq.common.watchdog import JOIN_TIMEOUT, start_watchdog, stop_watchdog
-from lightning_zeroq.zero.access import owning_engine
+from lightning_zeroq.zero.engine import owning_engine
 from lightning_zeroq.zero.choose import Choice, check_fits, choose
 from lightning_zeroq.zero.policies import Chosen, OnDevice, auto_request, resolve
 from lightning_zeroq.zero.engine import ZeroEngine

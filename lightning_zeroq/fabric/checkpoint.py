@@ -46,7 +46,7 @@ def _roles(engine: ShardedParts, state: dict, what: str) -> tuple[Optional[str],
     optimizers = [k for k, v in state.items() if isinstance(v, Optimizer)]
     bound = engine.optimizer
     problems = [f"{k!r} is a module that ZeroQFabricStrategy did not set up" for k in modules
-                if state[k] is not engine.module]
+                if state[k] is not engine.parts.module]
     problems += [f"{k!r} is an optimizer that ZeroQFabricStrategy did not set up" for k in optimizers
                  if state[k] is not bound and state[k] is not getattr(bound, "_zeroq_handed_back", None)]
     if len(modules) > 1 or len(optimizers) > 1:
@@ -179,7 +179,7 @@ def _load_single_file(engine: ShardedParts, path: Path, weights_only: Optional[b
     if optimizer is not None:  # the weights and the optimizer state in one pass, checked first
         load_torch_optimizer_state(engine, model, optimizer, group, strict=strict)
         return {"items": checkpoint, "lost": lost}
-    missing, unexpected = zsd.load_module_state_dict(engine, engine.module, model)
+    missing, unexpected = zsd.load_module_state_dict(engine.parts, engine.parts.module, model)
     if strict and (missing or unexpected):
         raise CheckpointError(f"Loading checkpoint {path}: missing keys {missing}, unexpected keys {unexpected}; "
                               "pass strict=False to ignore them.")

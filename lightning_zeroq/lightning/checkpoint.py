@@ -134,7 +134,7 @@ def save_single_file(strategy: Any, checkpoint: dict, path: Path, checkpointer: 
     checkpointer.wait()
     engine = strategy.engine
     group = checkpoint_group()
-    weights = zsd.full_state_dict(engine, rank0_only=True) if engine is not None else None
+    weights = zsd.full_state_dict(engine.parts, rank0_only=True) if engine is not None else None
     errors = []
     if strategy.is_global_zero:
         try:

@@ -212,7 +212,7 @@ class ZeroQStrategy(DDPStrategy):
             for optimizer in optimizers:  # several (manual optimization) must hold disjoint parameters
                 self.engine.attach_optimizer(optimizer)
             self.optimizers = self.optimizers  # wrap again: the wrappers subclass the optimizers' (new) classes
-            if not access.module_holds_masters(self.engine):  # weight averages read and write the fp32 masters
+            if not access.module_holds_masters(self.engine.parts):  # weight averages read and write the fp32 masters
                 self._unwrap_averaging()
                 self._unwrap_averaging = gather_around_averaging(
                     trainer.callbacks, functools.partial(self.gathered_parameters, writeback=True))
@@ -328,7 +328,7 @@ class ZeroQStrategy(DDPStrategy):
         """Collective: the full fp32 parameters by name (frozen ones included) on every rank, or with
         ``rank0_only`` on rank 0 only (gathered unit by unit; other ranks get ``{}``)."""
         if self.engine is not None:
-            return zero_state.full_state_dict(self.engine, rank0_only=rank0_only)
+            return zero_state.full_state_dict(self.engine.parts, rank0_only=rank0_only)
         if rank0_only and not self.is_global_zero:
             return {}
         assert self.lightning_module is not None
@@ -386,7 +386,7 @@ class ZeroQStrategy(DDPStrategy):
         if self.engine is None:
             self.lightning_module.load_state_dict(state, strict=strict)
             return
-        missing, unexpected = zero_state.load_module_state_dict(self.engine, self.lightning_module, state)
+        missing, unexpected = zero_state.load_module_state_dict(self.engine.parts, self.lightning_module, state)
         if strict and (missing or unexpected):
             raise RuntimeError(
                 f"Error loading the checkpoint's state_dict: missing keys {missing}, unexpected keys "

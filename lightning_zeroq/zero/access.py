@@ -18,7 +18,7 @@ holds what the engine last published do the masters' full values replace it (wit
 an element written there is handed back as written, widened). The engine keeps its master shards and optimizer state (state dicts and checkpoints still
 read them) and frees everything else; it cannot train any more.
 
-``publish_loaded(engine, unit)``: after a load changed ``unit``'s master shards, bring what uses them
+``publish_loaded(parts, unit)``: after a load changed ``unit``'s master shards, bring what uses them
 up to date: the working weights of a training engine, or (collective) the plain parameters of a
 module already handed back, which evaluation after fit (``trainer.test(ckpt_path=...)``) runs.
 """
@@ -26,59 +26,29 @@ module already handed back, which evaluation after fit (``trainer.test(ckpt_path
 from __future__ import annotations
 
 import contextlib
-import weakref
-from typing import Any, Iterator, Optional, Protocol
+from typing import Any, Iterator, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_zeroq.zero import comm
-from lightning_zeroq.zero.gather import Gatherer
-from lightning_zeroq.zero.offload import OptimizerPlacement
-from lightning_zeroq.zero.reducer import Reducer
+from lightning_zeroq.zero.build import Parts
 from lightning_zeroq.zero.unit import Unit, UnitState
 from lightning_zeroq.zero.wire import FullWidth
 
 
-class EngineParts(Protocol):
-    module: nn.Module
-    units: list[Unit]
-    placement: OptimizerPlacement
-    gatherer: Gatherer
-    reducer: Reducer
-    group: Optional[dist.ProcessGroup]
-    device: torch.device
-
-
-_ENGINES: "weakref.WeakSet" = weakref.WeakSet()
-
-
-def register(engine: EngineParts) -> None:
-    _ENGINES.add(engine)
-
-
-def owning_engine(module: nn.Module) -> Optional[EngineParts]:
-    """The live engine that shards ``module``'s parameters, if any."""
-    ids = {id(p) for p in module.parameters()}
-    for engine in list(_ENGINES):
-        if not getattr(engine, "retired", False) and any(id(p) in ids for u in engine.units for p in u.params):
-            return engine
-    return None
-
-
-def _full_masters(engine: EngineParts, unit: Unit) -> Tensor:
-    full = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=engine.device)
-    comm.all_gather(full, engine.placement.device_master(unit), engine.group)
+def _full_masters(parts: Parts, unit: Unit) -> Tensor:
+    full = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=parts.device)
+    comm.all_gather(full, parts.placement.device_master(unit), parts.group)
     return full
 
 
 @torch.no_grad()
-def publish_loaded(engine: EngineParts, unit: Unit) -> None:
-    if not getattr(engine, "retired", False):
-        engine.gatherer.publish(unit)
+def publish_loaded(parts: Parts, unit: Unit) -> None:
+    if not parts.retired:
+        parts.gatherer.publish(unit)
         return
-    full = _full_masters(engine, unit)
+    full = _full_masters(parts, unit)
     for p, slot in zip(unit.params, unit.layout.slots):
         p.data = full[slot.span].view(p.shape).to(device=p.device, dtype=p.dtype, copy=True)
 
@@ -92,14 +62,14 @@ def check_module(call: str, module: Any, optional: bool = False) -> None:
 
 @contextlib.contextmanager
 @torch.no_grad()
-def gathered_parameters(engine: EngineParts, module: Optional[nn.Module] = None,
+def gathered_parameters(parts: Parts, module: Optional[nn.Module] = None,
                         writeback: bool = False) -> Iterator[None]:
-    ids = {id(p) for p in (module or engine.module).parameters()}
-    chosen = [u for u in engine.units if any(id(p) in ids for p in u.params)]
-    engine.reducer.wait()
+    ids = {id(p) for p in (module or parts.module).parameters()}
+    chosen = [u for u in parts.units if any(id(p) in ids for p in u.params)]
+    parts.reducer.wait()
     fulls: dict[int, Tensor] = {}
-    for unit in engine.placement.resident(chosen):
-        fulls[unit.index] = full = _full_masters(engine, unit)
+    for unit in parts.placement.resident(chosen):
+        fulls[unit.index] = full = _full_masters(parts, unit)
         for p, slot, cls in zip(unit.params, unit.layout.slots, unit.param_classes):
             p.__class__ = cls
             p.data = full[slot.span].view(p.shape)
@@ -109,10 +79,10 @@ def gathered_parameters(engine: EngineParts, module: Optional[nn.Module] = None,
         ok = True
     finally:
         if ok and writeback:
-            rank = comm.world(engine.group)[0]
-            for unit in engine.placement.resident(chosen):
+            rank = comm.world(parts.group)[0]
+            for unit in parts.placement.resident(chosen):
                 unit.master.copy_(fulls[unit.index][unit.layout.shard_span(rank)])
-                engine.gatherer.publish(unit)
+                parts.gatherer.publish(unit)
         for unit in chosen:
             if unit.state is UnitState.SHARDED:
                 unit.release_storage()
@@ -121,36 +91,36 @@ def gathered_parameters(engine: EngineParts, module: Optional[nn.Module] = None,
                     p.data = unit.flat[slot.span].view(p.shape)
 
 
-def module_holds_masters(engine: EngineParts) -> bool:
+def module_holds_masters(parts: Parts) -> bool:
     """Whether, between steps, every parameter the engine shards is a plain tensor with its master's full
     fp32 values in the module: fp32 working weights, travelling at full width, in units that are never
     freed (stages 1 and 2; stage 3 where every unit is persistent). Otherwise code that reads or writes
     the weights outside forward and backward needs ``gathered_parameters``."""
-    return isinstance(engine.gatherer.wire, FullWidth) and all(
-        u.persistent and u.flat.dtype == torch.float32 for u in engine.units)
+    return isinstance(parts.gatherer.wire, FullWidth) and all(
+        u.persistent and u.flat.dtype == torch.float32 for u in parts.units)
 
 
 @torch.no_grad()
-def release_module(engine: EngineParts, dtype: Optional[torch.dtype] = None,
+def release_module(parts: Parts, dtype: Optional[torch.dtype] = None,
                    device: Optional[torch.device] = None) -> None:
-    engine.reducer.clear()
-    engine.reducer.close()  # the gradient hooks and (stage 3) the module hooks
-    target = device or engine.device
-    rank = comm.world(engine.group)[0]
-    for unit in engine.placement.resident(engine.units):
-        full = _full_masters(engine, unit)
+    parts.reducer.clear()
+    parts.reducer.close()  # the gradient hooks and (stage 3) the module hooks
+    target = device or parts.device
+    rank = comm.world(parts.group)[0]
+    for unit in parts.placement.resident(parts.units):
+        full = _full_masters(parts, unit)
         if unit.state is UnitState.GATHERED:
-            full = _keep_written(engine, unit, full, rank)
+            full = _keep_written(parts, unit, full, rank)
         for p, slot, cls, own in zip(unit.params, unit.layout.slots, unit.param_classes, unit.param_dtypes):
             p.__class__ = cls
             p.data = full[slot.span].view(p.shape).to(device=target, dtype=dtype or own, copy=True)
-        unit.flat = unit.grad = torch.empty(0, device=engine.device)
+        unit.flat = unit.grad = torch.empty(0, device=parts.device)
         unit.state = UnitState.SHARDED
-    engine.gatherer.close()
-    engine.gatherer.store = None
+    parts.gatherer.close()
+    parts.gatherer.store = None
 
 
-def _keep_written(engine: EngineParts, unit: Unit, full: Tensor, rank: int) -> Tensor:
+def _keep_written(parts: Parts, unit: Unit, full: Tensor, rank: int) -> Tensor:
     """The full parameters to hand back: the masters, except where the module's working buffer no longer
     holds what the engine last published there (a callback or hook wrote it after the last step, e.g. a
     weight average copied in at the end of training): there, what the module holds, which the master
@@ -159,7 +129,7 @@ def _keep_written(engine: EngineParts, unit: Unit, full: Tensor, rank: int) -> T
     held = unit.flat
     unit.flat = published = torch.empty_like(held)
     try:
-        engine.gatherer.wire.sync(unit, engine.placement)
+        parts.gatherer.wire.sync(unit, parts.placement)
     finally:
         unit.flat = held
     written = held != published

@@ -1,6 +1,6 @@
 """The engine's state by parameter name: the one door from checkpoints and exports into the engine.
 
-**Sharded view** (``ShardedView(engine)``; what ``lightning_zeroq/checkpoint`` reads and writes, and
+**Sharded view** (``ShardedView(engine.parts, engine.optimizer)``; what ``lightning_zeroq/checkpoint`` reads and writes, and
 all it uses of the engine). Every parameter the engine manages is a tensor of its full shape, and this
 rank holds one contiguous range of it, flattened: a DTensor sharded on the flattened parameter, as
 FSDP2 hands DCP one sharded on dim 0. A ``Part`` says so: global shape, dtype, this rank's flat
@@ -39,25 +39,26 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_zeroq.zero import access, comm
+from lightning_zeroq.zero.build import Parts
 from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
 from lightning_zeroq.zero.offload import OptimizerPlacement
 from lightning_zeroq.zero.offload.nvme import per_element_state_keys
-from lightning_zeroq.zero.policies import Nvme, Policies
+from lightning_zeroq.zero.policies import Nvme
 from lightning_zeroq.zero.unit import Unit
 
 
-class ShardedParts(access.EngineParts, Protocol):
-    """What these functions need of an engine (``ZeroEngine`` provides it): the parts ``access`` needs to publish loaded masters, and these."""
+class ShardedParts(Protocol):
+    """What the checkpoint door sees of an engine (``ZeroEngine`` provides it): its built ``parts``
+    (read through ``ShardedView`` and the functions below), its optimizer, loss scaler and step count."""
 
-    loss_scaler: Optional[DynamicLossScaler]
-    policies: Policies
-    rank: int
-    world_size: int
-    num_groups: int  # ``world_size``: the shard group's; hybrid sharding: ``num_groups`` groups of it
+    parts: Parts
     steps: int  # optimizer steps counted (a resumed run counts on from its checkpoint's global step)
 
     @property
     def optimizer(self) -> Optional[torch.optim.Optimizer]: ...
+
+    @property
+    def loss_scaler(self) -> Optional[DynamicLossScaler]: ...
 
 
 KERNEL_CHOICES = frozenset({"fused", "foreach", "capturable", "differentiable"})
@@ -136,8 +137,8 @@ class Walk:
     """Walks ``placement.resident`` lazily: ``ensure(i)`` makes unit ``i`` resident (units in
     increasing index only), ``close()`` finishes the walk (NVMe writes the last units back)."""
 
-    def __init__(self, engine: ShardedParts) -> None:
-        self._walk = engine.placement.resident(engine.units)
+    def __init__(self, parts: Parts) -> None:
+        self._walk = parts.placement.resident(parts.units)
         self.current = -1
 
     def ensure(self, index: int) -> None:
@@ -153,23 +154,23 @@ class Walk:
 class ShardedView:
     """See the module docstring."""
 
-    def __init__(self, engine: ShardedParts) -> None:
-        self._engine = engine
-        self.rank, self.world_size, self.job_world_size = engine.rank, engine.world_size, engine.world_size * engine.num_groups
-        self.optimizer = engine.optimizer
-        self.closed: bool = getattr(engine, "closed", False)
+    def __init__(self, parts: Parts, optimizer: Optional[torch.optim.Optimizer]) -> None:
+        self._parts = parts
+        self.rank, self.world_size, self.job_world_size = parts.rank, parts.world_size, parts.world_size * parts.num_groups
+        self.optimizer = optimizer
+        self.closed = parts.closed
         """The engine released its shards (a new fit replaced it): there is nothing to save."""
-        self.stable = not isinstance(engine.policies.offload.optimizer, Nvme)
+        self.stable = not isinstance(parts.policies.offload.optimizer, Nvme)
         """What a read returns keeps its contents while the walk goes on (NVMe reuses its buffers)."""
-        self.pin = engine.device.type == "cuda" and torch.cuda.is_available()
-        self.stage = engine.policies.sharding.stage
-        names = unit_parameter_names(engine)
+        self.pin = parts.device.type == "cuda" and torch.cuda.is_available()
+        self.stage = parts.policies.sharding.stage
+        names = unit_parameter_names(parts)
         groups = {}
         if self.optimizer is not None:
             groups = {id(v): g for g, group in enumerate(self.optimizer.param_groups) for v in group["params"]}
         self.params: list[ParamView] = []
         self._unit_params: list[list[ParamView]] = []
-        for unit in engine.units:
+        for unit in parts.units:
             views = {seg.param: (seg, view) for seg, view in zip(unit.segments, unit.segment_masters)}
             self._unit_params.append([])
             for i, p in enumerate(unit.params):
@@ -194,10 +195,10 @@ class ShardedView:
     def unmanaged(self) -> dict[str, Any]:
         """The module's ``state_dict()`` entries the engine does not shard (buffers, frozen parameters)."""
         return {k: v.detach() if isinstance(v, Tensor) else v
-                for k, v in self._engine.module.state_dict(keep_vars=True).items() if k not in self.managed}
+                for k, v in self._parts.module.state_dict(keep_vars=True).items() if k not in self.managed}
 
     def state_dict_keys(self) -> list[str]:
-        return list(self._engine.module.state_dict(keep_vars=True))
+        return list(self._parts.module.state_dict(keep_vars=True))
 
     def groups(self) -> list[list[ParamView]]:
         """This rank's parameters by param group, in the optimizer's order."""
@@ -212,8 +213,8 @@ class ShardedView:
         everyone: list[Any] = [local]
         if comm.is_distributed() and self.world_size > 1:
             everyone = [None] * self.world_size
-            dist.all_gather_object(everyone, local, group=self._engine.group)
-        order = {n: i for i, (n, _) in enumerate(self._engine.module.named_parameters())}
+            dist.all_gather_object(everyone, local, group=self._parts.group)
+        order = {n: i for i, (n, _) in enumerate(self._parts.module.named_parameters())}
         return [sorted({n for ranks in everyone for n in ranks[g]}, key=lambda n: order.get(n, len(order)))
                 for g in range(len(local))]
 
@@ -221,21 +222,21 @@ class ShardedView:
         return per_element_keys(self.optimizer) if self.optimizer is not None else set()
 
     def walk(self) -> Walk:
-        return Walk(self._engine)
+        return Walk(self._parts)
 
     @torch.no_grad()
     def load(self, optimizer: bool) -> Iterator[list[ParamView]]:
         """Batches of parameters resident now (every unit at once, or with NVMe one unit at a time); the
         caller writes their parts (and, with ``optimizer``, their state: the rest is cleared), then
         asks for the next batch, and the view publishes this one: every rank walks the same batches."""
-        engine = self._engine
+        parts = self._parts
         target = self.optimizer if optimizer else None
         if target is not None:
             target.state.clear()
-            engine.placement.state_loaded(target)  # before the walk: NVMe writes the new state as it goes
-        at_once = type(engine.placement).resident is OptimizerPlacement.resident
+            parts.placement.state_loaded(target)  # before the walk: NVMe writes the new state as it goes
+        at_once = type(parts.placement).resident is OptimizerPlacement.resident
         batch: list[Unit] = []
-        for unit in engine.placement.resident(engine.units):
+        for unit in parts.placement.resident(parts.units):
             batch.append(unit)
             if not at_once:
                 yield from self._publish_after(batch, target)
@@ -252,7 +253,7 @@ class ShardedView:
                 if pv._loaded and optimizer is not None and pv._view is not None:
                     optimizer.state[pv._view] = pv._loaded
                 pv._loaded = {}
-            access.publish_loaded(self._engine, unit)
+            access.publish_loaded(self._parts, unit)
 
     def set_hyperparameters(self, param_groups: list[dict]) -> None:
         """A checkpoint's param-group entries, but for ``params`` and this run's ``KERNEL_CHOICES``."""
@@ -283,11 +284,11 @@ def parameter_names(module: nn.Module) -> dict[int, list[str]]:
     return names
 
 
-def unit_parameter_names(engine: ShardedParts) -> dict[int, list[str]]:
+def unit_parameter_names(parts: Parts) -> dict[int, list[str]]:
     """``parameter_names`` for checkpoints: every parameter of every unit must have a name (units and
     the module share their ``nn.Parameter`` objects; replacing them would lose the link)."""
-    names = parameter_names(engine.module)
-    lost = [(u.index, i) for u in engine.units for i, p in enumerate(u.params) if id(p) not in names]
+    names = parameter_names(parts.module)
+    lost = [(u.index, i) for u in parts.units for i, p in enumerate(u.params) if id(p) not in names]
     if lost:
         raise RuntimeError(f"{len(lost)} parameter(s) of the engine's units (unit, index: {lost[:4]}) are no longer "
                            "parameters of the module (were they replaced?); their checkpoint names are unknown.")
@@ -295,49 +296,49 @@ def unit_parameter_names(engine: ShardedParts) -> dict[int, list[str]]:
 
 
 @torch.no_grad()
-def full_state_dict(engine: ShardedParts, rank0_only: bool = False) -> dict[str, Tensor]:
+def full_state_dict(parts: Parts, rank0_only: bool = False) -> dict[str, Tensor]:
     out: dict[str, Tensor] = {}
-    if rank0_only and getattr(engine, "replica_rank", 0) != 0:
+    if rank0_only and parts.replica_rank != 0:
         return {}  # hybrid groups: the first group gathers; the others hold the same values
-    names = parameter_names(engine.module)
-    root = dist.get_global_rank(engine.group, 0) if engine.group is not None and engine.world_size > 1 else 0
-    for unit in engine.placement.resident(engine.units):
-        shard = engine.placement.device_master(unit)
-        if rank0_only and engine.world_size > 1:
-            chunks = [torch.empty_like(shard) for _ in range(engine.world_size)] if engine.rank == 0 else None
-            dist.gather(shard, chunks, dst=root, group=engine.group)
-            if engine.rank != 0:
+    names = parameter_names(parts.module)
+    root = dist.get_global_rank(parts.group, 0) if parts.group is not None and parts.world_size > 1 else 0
+    for unit in parts.placement.resident(parts.units):
+        shard = parts.placement.device_master(unit)
+        if rank0_only and parts.world_size > 1:
+            chunks = [torch.empty_like(shard) for _ in range(parts.world_size)] if parts.rank == 0 else None
+            dist.gather(shard, chunks, dst=root, group=parts.group)
+            if parts.rank != 0:
                 continue
             assert chunks is not None  # rank 0 made them
             full = torch.cat(chunks).cpu()
             del chunks
         else:
-            full = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=engine.device)
-            comm.all_gather(full, shard, engine.group)
+            full = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=parts.device)
+            comm.all_gather(full, shard, parts.group)
             full = full.cpu()
         for i, p in enumerate(unit.params):
             value = full[unit.layout.slots[i].span].view(p.shape).clone()
             for name in names.get(id(p), []):
                 out[name] = value
         del full
-    if rank0_only and engine.rank != 0:
+    if rank0_only and parts.rank != 0:
         return {}
-    for name, p in engine.module.named_parameters(remove_duplicate=False):
+    for name, p in parts.module.named_parameters(remove_duplicate=False):
         if name not in out:
             out[name] = p.detach().float().cpu().clone()
     return out
 
 
 @torch.no_grad()
-def load_full_state_dict(engine: ShardedParts, state: dict[str, Tensor]) -> set[str]:
+def load_full_state_dict(parts: Parts, state: dict[str, Tensor]) -> set[str]:
     """Returns the names of the engine's parameters (all aliases of tied ones). Every value found for
     one of them must have the parameter's shape (as ``nn.Module.load_state_dict`` requires, strict or
     not): a mismatch raises, naming each parameter and both shapes, before any master changes."""
     managed: set[str] = set()
-    names_of: dict[int, list[list[str]]] = {u.index: [[] for _ in u.params] for u in engine.units}
+    names_of: dict[int, list[list[str]]] = {u.index: [[] for _ in u.params] for u in parts.units}
     mismatched = []
-    every_name = parameter_names(engine.module)
-    for owner, i, shape, names in ((u, i, p.shape, every_name.get(id(p), [])) for u in engine.units
+    every_name = parameter_names(parts.module)
+    for owner, i, shape, names in ((u, i, p.shape, every_name.get(id(p), [])) for u in parts.units
                                    for i, p in enumerate(u.params)):
         names_of[owner.index][i] = names
         managed.update(names)
@@ -346,33 +347,32 @@ def load_full_state_dict(engine: ShardedParts, state: dict[str, Tensor]) -> set[
     if mismatched:
         raise RuntimeError("Error loading the state_dict: size mismatch for " + "; ".join(mismatched)
                            + ". The checkpoint belongs to a model of another shape; build the model it was saved from.")
-    for unit in engine.placement.resident(engine.units):
+    for unit in parts.placement.resident(parts.units):
         for seg in unit.segments:
             name = next((n for n in names_of[unit.index][seg.param] if n in state), None)
             if name is not None:
                 unit.master[seg.shard_span].copy_(state[name].reshape(-1)[seg.param_span])
-        access.publish_loaded(engine, unit)
+        access.publish_loaded(parts, unit)
     return managed
 
 
-def load_module_state_dict(engine: ShardedParts, module: nn.Module, state: dict[str, Tensor]) -> tuple[list, list]:
+def load_module_state_dict(parts: Parts, module: nn.Module, state: dict[str, Tensor]) -> tuple[list, list]:
     """``module.load_state_dict(state, strict=False)`` for a module whose parameters the engine
     manages: the engine's parameters go into the masters (shapes checked, see ``load_full_state_dict``),
     the rest (buffers, frozen parameters) into the module. Returns (missing, unexpected) keys as
     ``nn.Module.load_state_dict`` names them."""
-    managed = load_full_state_dict(engine, state)
+    managed = load_full_state_dict(parts, state)
     missing, unexpected = module.load_state_dict({k: v for k, v in state.items() if k not in managed}, strict=False)
     return [k for k in missing if k not in managed] + sorted(k for k in managed if k not in state), list(unexpected)
 
 
-def full_optimizer_state(engine: ShardedParts) -> dict[str, dict[str, Any]]:
+def full_optimizer_state(parts: Parts, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, dict[str, Any]]:
     """Collective (tests, exports): every parameter's optimizer state at full shape on every rank."""
-    optimizer = engine.optimizer
     assert optimizer is not None
-    names = parameter_names(engine.module)
+    names = parameter_names(parts.module)
     per_element = per_element_keys(optimizer)
     local: dict[str, dict[str, Any]] = {}
-    for unit in engine.placement.resident(engine.units):
+    for unit in parts.placement.resident(parts.units):
         for seg, view in zip(unit.segments, unit.segment_masters):
             name = names[id(unit.params[seg.param])][0]
             for key, value in optimizer.state.get(view, {}).items():
@@ -382,10 +382,10 @@ def full_optimizer_state(engine: ShardedParts) -> dict[str, dict[str, Any]]:
                 else:
                     entry[key] = value.detach().cpu().clone() if isinstance(value, Tensor) else value
     everyone: list[Any] = [local]
-    if comm.is_distributed() and engine.world_size > 1:
-        everyone = [None] * engine.world_size
-        dist.all_gather_object(everyone, local, group=engine.group)
-    shapes = {names[id(p)][0]: p.shape for u in engine.units for p in u.params}
+    if comm.is_distributed() and parts.world_size > 1:
+        everyone = [None] * parts.world_size
+        dist.all_gather_object(everyone, local, group=parts.group)
+    shapes = {names[id(p)][0]: p.shape for u in parts.units for p in u.params}
     out: dict[str, dict[str, Any]] = {}
     for rank_state in everyone:
         for name, entry in rank_state.items():

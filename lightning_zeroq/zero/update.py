@@ -1,5 +1,8 @@
-"""The optimizer side of a step: whether to step (non-finite gradients, fp16 overflow), the pending
-gradient multiplier (unscaling and clipping), and the step loop over resident units.
+"""The optimizer side of a step, in one place: ``Stepper`` holds the optimizers attached, the window's
+decision (skip or step: non-finite gradients, fp16 overflow), the pending gradient multiplier
+(unscaling and clipping, applied once to the gradients the optimizer reads), the step loop over
+resident units and the step counters. ``ZeroEngine``'s ``attach_optimizer``, ``finalize_gradients``,
+``clip_grad_norm_``, ``clip_grad_value_``, ``step`` and ``zero_grad`` each call one of its methods.
 
 Each optimizer is a ``Binding`` (``optimizers.py``). How many are attached is an object, chosen again
 whenever one is attached: ``OneOptimizer`` (none or one: it covers every segment, its multiplier is
@@ -18,12 +21,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_zeroq.zero import comm, norms
+from lightning_zeroq.zero.build import Parts
 from lightning_zeroq.zero.gather import Gatherer
 from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
 from lightning_zeroq.zero.matrix import is_matrix_optimizer, step_matrices
 from lightning_zeroq.zero.offload import OptimizerPlacement
-from lightning_zeroq.zero.optimizers import Binding, OneStep
-from lightning_zeroq.zero.reducer import Agreement, Reducer
+from lightning_zeroq.zero.optimizers import Binding, OneStep, bind_to_shards, hand_back, route_zero_grad
+from lightning_zeroq.zero.reducer import Agreement, Reducer, Window
 from lightning_zeroq.zero.unit import Unit
 
 log = logging.getLogger("lightning_zeroq")
@@ -172,3 +176,130 @@ def step_in(one_step: OneStep, binding: Binding, units: Sequence[Unit], placemen
             with torch.profiler.record_function("zeroq.publish"):
                 gatherer.publish(unit)
     return optimizer_ran
+
+
+class Stepper:
+    """The optimizers attached to one engine's parts and everything a step does with them."""
+
+    def __init__(self, parts: Parts) -> None:
+        self.parts = parts
+        self.everything = Binding(None, {}, frozenset(range(parts.reducer.num_params)),  # type: ignore[arg-type]
+                                  frozenset(u.index for u in parts.units), [])
+        """The binding of every unit: what a call without an optimizer means when several are attached."""
+        self.attached = attached([], self.everything)
+        """The optimizers attached: one (or none) or several, chosen again at each ``attach``."""
+        self.base = 1.0
+        """The window's unscaling multiplier (fp16: 1 / loss scale)."""
+        self.steps = 0
+        """Optimizer steps attempted (skipped ones included)."""
+        self.skipped_steps = 0
+        """Steps skipped for fp16 overflow or (``nonfinite_gradients="skip"``) non-finite gradients."""
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [b.optimizer for b in self.attached.bindings]
+
+    def binding(self, optimizer: Optional[torch.optim.Optimizer]) -> Binding:
+        """The binding of ``optimizer``; without one, the only binding or (none, several) all units."""
+        return self.attached.binding(optimizer)
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """See ``ZeroEngine.attach_optimizer``."""
+        parts = self.parts
+        parts.ahead.drain()  # the pending step's jobs belong to the binding replaced here
+        binding = bind_to_shards(optimizer, parts.module, parts.units)
+        kept = [b for b in self.attached.bindings if not b.param_ids & binding.param_ids]
+        self.attached = attached(kept + [binding], self.everything)
+        route_zero_grad(optimizer, self)
+        with comm.agreed(parts.world_group, "attaching the optimizer (host memory, NVMe swap space)"):
+            parts.host_memory.attached(self.optimizers)
+            parts.placement.attach(parts.units, self.optimizers)
+
+    def finalize(self, optimizer: Optional[torch.optim.Optimizer] = None) -> bool:
+        """See ``ZeroEngine.finalize_gradients``: whether ``optimizer``'s step must be skipped."""
+        parts = self.parts
+        if parts.reducer.window is not Window.FINALIZED:
+            with torch.profiler.record_function("zeroq.finalize"):
+                parts.reducer.finalize()
+            self.base = 1.0 / parts.loss_scaler.scale if parts.loss_scaler is not None else 1.0
+            for one in [*self.attached.bindings, self.everything]:
+                one.multiplier, one.skip = self.base, None
+        binding = self.binding(optimizer)
+        if binding.skip is None:
+            agreement = parts.reducer.finalize()  # finalized above: returns the window's agreement
+            bad = [u for u in agreement.nonfinite_units if u in binding.unit_ids]
+            try:
+                binding.skip = bool(bad) and decide_nonfinite(
+                    agreement, bad, scaler=parts.loss_scaler, action=parts.policies.numerics.nonfinite_gradients,
+                    step=self.steps + 1, names=self.names_of(bad), rank=parts.rank)
+            except RuntimeError:
+                parts.reducer.clear()  # the model is untouched and the engine usable (a caller may go on)
+                raise
+        return binding.skip
+
+    def names_of(self, unit_indices: list[int], most: int = 4) -> str:
+        names = [self.parts.param_names.get(id(p), "?") for i in unit_indices for p in self.parts.units[i].params]
+        more = f" and {len(names) - most} more" if len(names) > most else ""
+        return ", ".join(names[:most]) + more
+
+    def clip_norm(self, max_norm: float, optimizer: Optional[torch.optim.Optimizer] = None) -> Tensor:
+        """See ``ZeroEngine.clip_grad_norm_``: the norm before clipping."""
+        parts, binding = self.parts, self.binding(optimizer)
+        if self.finalize(optimizer):
+            return torch.tensor(float("inf"), device=parts.device)
+        norm = self.attached.norm(binding, parts.units, parts.group, parts.device) * binding.multiplier
+        binding.multiplier *= float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        return norm
+
+    def clip_value(self, clip_value: float, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        parts, binding = self.parts, self.binding(optimizer)
+        if not self.finalize(optimizer):
+            apply_multiplier(binding, parts.units, parts.placement, self.attached)
+            for unit in parts.units:
+                grad = parts.placement.step_grad(unit)
+                for span in self.attached.spans(binding, unit):
+                    grad[span].clamp_(-clip_value, clip_value)
+
+    def grad_norms(self, norm_type: float) -> dict[str, Tensor]:
+        parts = self.parts
+        self.finalize()
+        return norms.grad_norms(parts.units, parts.param_names, norm_type, abs(self.base), parts.group, parts.device)
+
+    def step(self, optimizer: Optional[torch.optim.Optimizer] = None) -> bool:
+        """See ``ZeroEngine.step``: False if the step was skipped."""
+        parts = self.parts
+        if not self.attached.bindings:
+            raise RuntimeError("ZeroEngine.step() needs an optimizer: call attach_optimizer() first.")
+        binding = self.binding(optimizer)
+        if binding is self.everything:
+            raise ValueError("Several optimizers are attached: name the one to step, engine.step(optimizer).")
+        skip = self.finalize(binding.optimizer)
+        if not skip:
+            apply_multiplier(binding, parts.units, parts.placement, self.attached)
+            self._run(binding, parts.reducer.finalize().used)
+        if parts.loss_scaler is not None:
+            parts.loss_scaler.update(skip)
+        self.steps += 1
+        self.skipped_steps += int(skip)
+        self.attached.clear(parts.reducer, binding)
+        parts.placement.step_done(parts.units, self.optimizers, not skip, parts.group)
+        return not skip
+
+    def _run(self, binding: Binding, used: Tensor) -> None:
+        parts, placement = self.parts, self.parts.placement
+        if parts.ahead.takes(binding, len(self.attached.bindings) > 1):  # device units first, in the step
+            ids, on_device = used.tolist(), [u for u in parts.units if placement.master_on_device(u.index)]
+            parts.ahead.run(binding, ids, lambda one: step_in(one, binding, on_device, placement, parts.gatherer, ids))
+        else:
+            run(binding, parts.units, placement, parts.gatherer, used)
+
+    def zero_grad(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """Drop this window's gradients (of ``optimizer``'s parameters, when several are attached)."""
+        self.attached.clear(self.parts.reducer, self.binding(optimizer) if optimizer is not None else None)
+
+    def hand_back(self) -> None:
+        """Each optimizer bound to the module's parameters again, no collective (``optimizers.hand_back``);
+        the placement keeps stepping the twin that holds the state."""
+        for binding in self.attached.bindings:
+            user, twin = binding.optimizer, hand_back(binding)
+            self.parts.placement.optimizer_replaced(user, twin)

@@ -9,7 +9,7 @@ it has:
 - ``adopt_master`` (build): take this rank's fp32 shard, return the master to keep;
   ``master_on_device``: whether a unit's master stays on the device (the stage-3 store reads it there);
 - ``attach`` (``attach_optimizer``): the optimizer is bound to the master segments;
-  ``state_loaded``: its state was just loaded from a checkpoint;
+  ``state_loaded``: its state was just loaded from a checkpoint; ``optimizer_replaced``: a twin holds it;
 - ``begin_backward`` (``last``: the caller said a step follows this backward); ``grad_reduced``
   (backward, on the reduction stream): a unit's gradient just grew (offload: copy it to the host now
   if the backward is the last);
@@ -91,6 +91,9 @@ class OptimizerPlacement:
 
     def state_loaded(self, optimizer: torch.optim.Optimizer) -> None:
         pass
+
+    def optimizer_replaced(self, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
+        """``new`` holds ``old``'s state from now on (``release_module`` handed ``old`` back to the user)."""
 
     def step_done(self, units: Sequence[Unit], optimizers: Sequence[torch.optim.Optimizer], stepped: bool,
                   group: Optional["dist.ProcessGroup"]) -> None:

@@ -155,6 +155,10 @@ class NvmeOptimizer(HostOptimizer):
         self.optimizer = optimizer
         self._state_on_disk.clear()
 
+    def optimizer_replaced(self, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
+        if self.optimizer is old:
+            self.optimizer = new
+
     def resident(self, units: Sequence[Unit]) -> Iterator[Unit]:
         """Load each unit in turn (reading the next ahead) and write it back after the caller used it."""
         if self.swapper is None:  # no optimizer attached yet: the masters are still in memory

@@ -83,6 +83,9 @@ class SplitOptimizer(OptimizerPlacement):
         self.on_device.state_loaded(optimizer)
         self.host.state_loaded(optimizer)
 
+    def optimizer_replaced(self, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
+        self.host.optimizer_replaced(old, new)
+
     def resident(self, units: Sequence[Unit]) -> Iterator[Unit]:
         """Every unit stays resident in both parts; the host's units as the host's own walk hands them out
         (after an asynchronous step, before any speculative one, once the device read each master)."""

@@ -18,7 +18,7 @@ def _tiles_body(name: str, tmp: str) -> dict:
     engine = _engine(name, tmp)
     _train(engine, range(2))
     full, optimizer = engine.full_state_dict(), engine.full_optimizer_state()
-    view = ShardedView(engine)
+    view = ShardedView(engine.parts, engine.optimizer)
     walk = view.walk()
     seen: dict = {}
     for pv in view.params:  # unit by unit: the walk's order

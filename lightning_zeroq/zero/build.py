@@ -1,0 +1,234 @@
+"""The engine's parts, composed once in small named steps (``build``), as torchtitan's ``parallelize_*``
+composes ``apply_*``: each step takes what the earlier ones made and returns its own part; none reads
+the ``ZeroConfig`` (the policies are made from it first, ``policies.from_config``) and none receives
+the engine. ``ZeroEngine`` holds the result, ``Parts``, and the ``Stepper`` made on it (``update.py``).
+
+1. ``_agree_and_plan``: every rank the same settings and unit plan, or one error on all (``agreement.py``);
+   activation checkpointing applied; the host memory read before any rank allocates.
+2. ``hybrid.topology``: the shard and replica groups.
+3. ``_placement``: where masters and optimizer state live (``offload/``), how shards travel
+   (``wire.py``) and, stage 3, where a transient unit's payload rests; checked against host memory.
+4. ``_units``: the module's parameters flattened into units, broadcast from rank 0, sharded, each
+   published (stage 3: stored and freed) as it is built (``unit.py``, ``gather.py``).
+5. ``_hooks``: stage 3's module hooks (``stage3.py``), the asynchronous step (``offload/ahead.py``)
+   and the gradient hooks (``reducer.py``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_zeroq.zero import comm, hybrid, loss_scaler, recompute
+from lightning_zeroq.zero.agreement import Agreement, describe_plan
+from lightning_zeroq.zero.gather import Gatherer
+from lightning_zeroq.zero.hybrid import Topology
+from lightning_zeroq.zero.layout import UnitLayout
+from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
+from lightning_zeroq.zero.materialize import sync_replicated_state, target_device
+from lightning_zeroq.zero.offload import OptimizerPlacement, ShardStore, host_part, optimizer_placement, shard_store
+from lightning_zeroq.zero.offload.ahead import InStep, StepAhead
+from lightning_zeroq.zero.offload.host_need import HostBudget
+from lightning_zeroq.zero.plan import UnitSpec, plan
+from lightning_zeroq.zero.policies import ModuleUnits, Policies
+from lightning_zeroq.zero.reducer import Reducer
+from lightning_zeroq.zero.stage3 import Stage3Coordinator
+from lightning_zeroq.zero.unit import Unit, build_units, plan_layouts, trainable_parameters
+from lightning_zeroq.zero.wire import FullWidth, Int8, Wire
+
+
+@dataclass(eq=False)
+class Parts:
+    """Everything a built engine is made of. The parts are fixed once built; ``retired`` and ``closed``
+    are the engine's lifecycle (``release_module`` handed the module back; ``close`` released the state)."""
+
+    module: nn.Module
+    policies: Policies
+    param_dtype: torch.dtype
+    topology: Topology
+    device: torch.device
+    host_memory: HostBudget
+    placement: OptimizerPlacement
+    gatherer: Gatherer
+    units: list[Unit]
+    reducer: Reducer
+    stage3: Optional[Stage3Coordinator]
+    ahead: InStep
+    """How the host step runs: in the step (``InStep``) or beside the next forward (``StepAhead``)."""
+    loss_scaler: Optional[DynamicLossScaler]
+    param_names: dict[int, str] = field(default_factory=dict)
+    """Every parameter's name by ``id`` (after materialization): errors and logs name parameters."""
+    retired: bool = False
+    closed: bool = False
+
+    @property
+    def world_group(self) -> Optional[dist.ProcessGroup]:
+        return self.topology.world_group
+
+    @property
+    def group(self) -> Optional[dist.ProcessGroup]:
+        return self.topology.group
+
+    @property
+    def replica_group(self) -> Optional[dist.ProcessGroup]:
+        return self.topology.replica_group
+
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def replica_rank(self) -> int:
+        return self.topology.replica_rank
+
+    @property
+    def num_groups(self) -> int:
+        return self.topology.num_groups
+
+
+class _Planned(NamedTuple):
+    specs: list[UnitSpec]
+    shard_size: int
+    host_memory: HostBudget
+
+
+class _Placed(NamedTuple):
+    placement: OptimizerPlacement
+    wire: Wire
+    store: Optional[ShardStore]
+    layouts: list[UnitLayout]
+    transient: dict[int, int]
+
+
+def build(module: nn.Module, pol: Policies, *, param_dtype: torch.dtype, group: Optional[dist.ProcessGroup],
+          device: Optional[torch.device], ranks_per_node: Optional[int], loss_scaling: bool) -> Parts:
+    """The parts of an engine for ``module`` (see the module docstring for the steps)."""
+    planned = _agree_and_plan(module, pol, param_dtype, group, ranks_per_node, loss_scaling)
+    topo = hybrid.topology(planned.shard_size, pol.quantization, group)
+    if comm.world(group)[0] == 0:
+        for message in pol.ineffective:
+            warnings.warn(f"ZeroConfig: {message}", stacklevel=3)
+    scaling = pol.numerics.loss_scaling
+    scaler = loss_scaler.from_policy(scaling) if scaling is not None else None
+    # What can fail on one rank only (an NVMe path, its free space, the kernel build) fails on all ranks.
+    with comm.agreed(group, "building the ZeRO engine"):
+        where = target_device(module, device)
+        placed = _placement(planned, pol, topo, where, param_dtype)
+    sync_replicated_state(module, where, group)
+    gatherer = Gatherer(placed.wire, placed.placement, placed.store, where, sync_persistent_on_build=topo.int8_weights)
+    units = _units(module, planned.specs, placed, gatherer, where, param_dtype, group, topo.rank)
+    stage3, ahead, reducer = _hooks(module, pol, topo, placed, gatherer, units, where, param_dtype)
+    parts = Parts(module=module, policies=pol, param_dtype=param_dtype, topology=topo, device=where,
+                  host_memory=planned.host_memory, placement=placed.placement, gatherer=gatherer, units=units,
+                  reducer=reducer, stage3=stage3, ahead=ahead, loss_scaler=scaler, param_names=_names(module, units))
+    if where.type == "cuda":  # the module's own tensors left blocks the step's allocations rarely fit
+        torch.cuda.empty_cache()
+    return parts
+
+
+def _agree_and_plan(module: nn.Module, pol: Policies, param_dtype: torch.dtype, group: Optional[dist.ProcessGroup],
+                    ranks_per_node: Optional[int], loss_scaling: bool) -> _Planned:
+    """Every rank builds the same engine or raises the same error, before any collective (agreement.py)."""
+    with Agreement(group, dict(pol.settings)) as agreed:
+        agreed.settings.update(shard_group_size=hybrid.given(pol.sharding.group_size, ranks_per_node),
+                               param_dtype=str(param_dtype), loss_scaling=str(loss_scaling))
+        shard_size = hybrid.shard_group_size(pol.sharding.group_size, comm.world(group)[1], ranks_per_node)
+        recompute.apply(module, pol.recompute)
+        specs = plan(module, trainable_parameters(module), pol.sharding.units)
+        agreed.plan = describe_plan(module, specs)
+        host_memory = HostBudget(pol.offload, ranks_per_node)  # read before any rank allocates
+    return _Planned(specs, shard_size, host_memory)
+
+
+def _placement(planned: _Planned, pol: Policies, topo: Topology, device: torch.device,
+               param_dtype: torch.dtype) -> _Placed:
+    layouts = plan_layouts(planned.specs, topo.world_size, topo.align(pol.quantization))
+    placement = optimizer_placement(pol.offload.optimizer, device, param_dtype, topo.rank, topo.world_size, layouts,
+                                    pol.offload.speculative)
+    wire = make_wire(layouts, pol, topo, device, param_dtype, topo.group)
+    transient = {i: wire.payload_numel(i) for i, spec in enumerate(planned.specs) if not spec.persistent}
+    planned.host_memory.built(layouts, topo.rank, param_dtype, wire.payload_dtype, transient, placement)
+    store = None
+    if transient:
+        store = shard_store(pol.offload.parameters, device, payload_dtype=wire.payload_dtype, payload_numels=transient,
+                            param_dtype=param_dtype, rank=topo.rank, quantized=pol.quantization.weights,
+                            master_on_device=placement.master_on_device, masters_may_move=placement.masters_may_move)
+        placement.store_built(store)
+    return _Placed(placement, wire, store, layouts, transient)
+
+
+def make_wire(layouts: list[UnitLayout], pol: Policies, topo: Topology, device: torch.device,
+              param_dtype: torch.dtype, group: Optional[dist.ProcessGroup]) -> Wire:
+    """How shards travel on ``group``: full width, or INT8 (``quantize_weights``)."""
+    if not topo.int8_weights:
+        return FullWidth(layouts, param_dtype, group)
+    q = pol.quantization
+    return Int8(layouts, param_dtype=param_dtype, rank=topo.rank, group=group, device=device,
+                group_size=q.group_size, exact_numel=q.exact_numel, bucket_numel=q.gather_bucket_numel)
+
+
+def _units(module: nn.Module, specs: list[UnitSpec], placed: _Placed, gatherer: Gatherer, device: torch.device,
+           param_dtype: torch.dtype, group: Optional[dist.ProcessGroup], rank: int) -> list[Unit]:
+    return build_units(module, specs, placed.layouts, device=device, param_dtype=param_dtype, group=group,
+                       adopt_master=placed.placement.adopt_master, on_built=gatherer.adopt, shard_rank=rank)
+
+
+def _names(module: nn.Module, units: list[Unit]) -> dict[int, str]:
+    names = {id(p): name for name, p in module.named_parameters()}  # after materialization
+    for unit in units:
+        for p in unit.params:
+            p.__dict__["_zeroq_name"] = names.get(id(p), "?")  # named in FreedParameter's errors
+    return names
+
+
+class _Hooks(NamedTuple):
+    stage3: Optional[Stage3Coordinator]
+    ahead: InStep
+    reducer: Reducer
+
+
+def _hooks(module: nn.Module, pol: Policies, topo: Topology, placed: _Placed, gatherer: Gatherer, units: list[Unit],
+           device: torch.device, param_dtype: torch.dtype) -> _Hooks:
+    """Stage 3's module hooks, the asynchronous host step and the gradient hooks, in that order."""
+    stage3 = None
+    if placed.transient and isinstance(pol.sharding.units, ModuleUnits):  # transient units: stage 3's module units
+        stage3 = Stage3Coordinator(gatherer, units, prefetch_depth=pol.sharding.units.prefetch_depth,
+                                   reshard_after_forward=pol.sharding.units.reshard_after_forward)
+    ahead = _step_ahead(module, pol, topo, placed, gatherer, units, device, param_dtype)
+    reducer = Reducer(
+        units,
+        placement=placed.placement,
+        sharding=pol.sharding,
+        param_dtype=param_dtype,
+        group=topo.world_group,  # the agreement on used parameters and non-finite gradients spans the world
+        device=device,
+        wire=topo.gradient_wire(device, pol.quantization.group_size),
+        listener=stage3,
+    )
+    return _Hooks(stage3, ahead, reducer)
+
+
+def _step_ahead(module: nn.Module, pol: Policies, topo: Topology, placed: _Placed, gatherer: Gatherer,
+                units: list[Unit], device: torch.device, param_dtype: torch.dtype) -> InStep:
+    """How the host step runs: in the step, or (``offload_async_step``) beside the next forward
+    (``offload/ahead.py``), publishing on a process group of its own."""
+    host = host_part(placed.placement)
+    if not pol.offload.asynchronous or host is None:
+        return InStep()
+    own = comm.duplicate(topo.group, topo.world_group)  # the worker's collectives: a group of their own
+    publisher = gatherer if own is topo.group else Gatherer(
+        make_wire(placed.layouts, pol, topo, device, param_dtype, own), placed.placement, placed.store, device,
+        sync_persistent_on_build=False)
+    on_host = [u for u in units if not placed.placement.master_on_device(u.index)]
+    ahead = StepAhead(host, module, on_host, publisher.publish, device, own_group=None if own is topo.group else own)
+    gatherer.ready = ahead.ready
+    return ahead
