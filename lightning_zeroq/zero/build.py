@@ -206,7 +206,7 @@ def _hooks(module: nn.Module, pol: Policies, topo: Topology, placed: _Placed, ga
     ahead = _step_ahead(module, pol, topo, placed, gatherer, units, device, param_dtype)
     reducer = Reducer(
         units,
-        placement=placed.placement,
+        gradients=placed.placement,
         sharding=pol.sharding,
         param_dtype=param_dtype,
         group=topo.world_group,  # the agreement on used parameters and non-finite gradients spans the world
@@ -230,5 +230,5 @@ def _step_ahead(module: nn.Module, pol: Policies, topo: Topology, placed: _Place
         sync_persistent_on_build=False)
     on_host = [u for u in units if not placed.placement.master_on_device(u.index)]
     ahead = StepAhead(host, module, on_host, publisher.publish, device, own_group=None if own is topo.group else own)
-    gatherer.ready = ahead.ready
+    gatherer.wait_with(ahead.ready)
     return ahead

@@ -1,8 +1,8 @@
 """Unshard and reshard: the one place that writes a unit's working buffer.
 
 A ``Gatherer`` combines three objects chosen when the engine is built: the *wire* (how a shard
-travels: full width or INT8, ``wire.py``), the *optimizer placement* (where the master shards are,
-``offload/``) and, for stage 3, the *shard store* (where a transient unit's payload rests between
+travels: full width or INT8, ``wire.py``), the placement's *masters* role (where the master shards are,
+``offload/roles.py``) and, for stage 3, the *shard store* (where a transient unit's payload rests between
 gathers: the device, pinned host memory or NVMe, ``offload/``).
 
 - ``publish(unit)`` after every step and checkpoint load: a persistent unit's working buffer is
@@ -24,7 +24,8 @@ from typing import Callable, Optional
 import torch
 
 from lightning_zeroq.zero import comm
-from lightning_zeroq.zero.offload import OptimizerPlacement, ShardStore
+from lightning_zeroq.zero.offload import ShardStore
+from lightning_zeroq.zero.offload.roles import Masters
 from lightning_zeroq.zero.unit import Unit, UnitState
 from lightning_zeroq.zero.wire import Wire
 
@@ -33,42 +34,45 @@ class Gatherer:
     def __init__(
         self,
         wire: Wire,
-        placement: OptimizerPlacement,
+        masters: Masters,
         store: Optional[ShardStore],
         device: torch.device,
         *,
         sync_persistent_on_build: bool,
     ) -> None:
-        self.wire, self.placement, self.store, self.device = wire, placement, store, device
+        self.wire, self.masters, self.store, self.device = wire, masters, store, device
         self.sync_persistent_on_build = sync_persistent_on_build
         self._stream = comm.side_stream(device) if store is not None else None
-        self.ready: Callable[[int, bool], bool] = _always
-        """Before a gather of unit i (prefetch or not): whether to go on; an asynchronous step
-        (``offload/ahead.py``) publishes the unit first, or declines a prefetch of one not stepped yet."""
+        self._ready: Optional[Callable[[int, bool], bool]] = None
+
+    def wait_with(self, ready: Callable[[int, bool], bool]) -> None:
+        """An asynchronous step (``offload/ahead.py``) asks to be asked before a gather of unit i (prefetch
+        or not): ``ready`` publishes the unit first, or declines a prefetch of one not stepped yet."""
+        self._ready = ready
 
     def adopt(self, unit: Unit) -> None:
         """A unit was just built (its working buffer holds rank 0's values at full width)."""
         if not unit.persistent:
             self.publish(unit)  # the payload goes to the store and the unit is freed at once
         elif self.sync_persistent_on_build:
-            self.wire.sync(unit, self.placement)  # INT8: the working weights are what a gather produces
+            self.wire.sync(unit, self.masters)  # INT8: the working weights are what a gather produces
 
     @torch.no_grad()
     def publish(self, unit: Unit) -> None:
         if unit.persistent:
-            self.wire.sync(unit, self.placement)
+            self.wire.sync(unit, self.masters)
         else:
             assert self.store is not None
-            self.store.put(unit, self.wire.encode(unit, self.placement))
+            self.store.put(unit, self.wire.encode(unit, self.masters))
             self.free(unit)  # gathered outside a step (e.g. a validation forward in progress)
-        self.placement.published(unit)  # the copies reading a host master may still be running
+        self.masters.published(unit)  # the copies reading a host master may still be running
 
     @torch.no_grad()
     def gather(self, unit: Unit, prefetch: bool = False) -> None:
         """Give a transient unit its full working buffer (a no-op if it has it)."""
         if unit.state is UnitState.GATHERED:
             return
-        if unit.state is UnitState.SHARDED and not self.ready(unit.index, prefetch):
+        if unit.state is UnitState.SHARDED and self._ready is not None and not self._ready(unit.index, prefetch):
             return  # a prefetch of a unit an asynchronous step has not stepped yet: gathered when used
         current = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         if unit.state is UnitState.PREFETCHING:
@@ -116,5 +120,3 @@ class Gatherer:
         unit.state = UnitState.SHARDED
 
 
-def _always(index: int, prefetch: bool) -> bool:
-    return True

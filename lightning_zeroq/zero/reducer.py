@@ -38,7 +38,7 @@ Reduction of one unit: copy the parameters' gradients into a flat working-dtype 
 to the gradient wire (``grad_wire.py``: a reduce-scatter, or INT8 groups through an all-to-all), which
 returns this rank's part of the average over ranks; the unit adds it to its gradient (``Unit.add_grad``:
 the window's first part is kept as it is, the fp32 shard is made at a second reduction or at
-finalize, and released at the end of the window). Then the placement hears of it (``grad_reduced``:
+finalize, and released at the end of the window). Then the placement's ``Gradients`` role hears of it (``grad_reduced``:
 offload marks an earlier host copy stale) and the listener (stage 3) may free the unit.
 
 Streams: with ``overlap_comm`` on CUDA, reductions run on a side stream that first waits for the
@@ -59,7 +59,7 @@ from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.accumulate import accumulation
 from lightning_zeroq.zero.grad_wire import GradientWire
 from lightning_zeroq.zero.hooks import WeakHook
-from lightning_zeroq.zero.offload import OptimizerPlacement
+from lightning_zeroq.zero.offload.roles import Gradients
 from lightning_zeroq.zero.policies import Sharding
 from lightning_zeroq.zero.unit import Unit
 
@@ -120,7 +120,7 @@ class Reducer:
         self,
         units: Sequence[Unit],
         *,
-        placement: OptimizerPlacement,
+        gradients: Gradients,
         sharding: Sharding,
         param_dtype: torch.dtype,
         group: Optional[dist.ProcessGroup],
@@ -128,7 +128,7 @@ class Reducer:
         wire: GradientWire,
         listener: Optional[ReduceListener] = None,
     ) -> None:
-        self.units, self.placement, self.wire = units, placement, wire
+        self.units, self.gradients, self.wire = units, gradients, wire
         self.listener: ReduceListener = listener if listener is not None else _NoListener()
         self.param_dtype, self.group, self.device = param_dtype, group, device
         self.accumulation = accumulation(sharding, units, param_dtype, device)
@@ -176,7 +176,7 @@ class Reducer:
             self._order = [self.units[i] for i in expected] + [u for u in reversed(self.units) if u.index not in known]
         self._callback_queued = False
         self._reducing = self.accumulation.begin(boundary is True)
-        self.placement.begin_backward(boundary is True and self._managed)
+        self.gradients.begin_backward(boundary is True and self._managed)
         self._next = 0
         for fired in self._fired:
             fired.clear()
@@ -235,7 +235,7 @@ class Reducer:
             # Where a non-finite value came from is only visible before the sum over ranks spreads it.
             self._origin.logical_or_(~torch.isfinite(flat_grad.sum()))
             unit.add_grad(self.wire.reduce(flat_grad))
-            self.placement.grad_reduced(unit)
+            self.gradients.grad_reduced(unit)
         self._reduced[unit.index] = True
         self.listener.unit_reduced(unit)
 
@@ -288,14 +288,14 @@ class Reducer:
         gradient copied there instead (``offload/landing.py``), never widened here."""
         with self._stream.context():
             for unit in self.units:
-                if all_units or self.placement.master_on_device(unit.index):
+                if all_units or self.gradients.master_on_device(unit.index):
                     unit.materialize_grad()
         self.wait()
 
     def _agree(self, with_dirty: bool) -> tuple[Tensor, set[int], list[bool]]:
         """One MAX all-reduce: [used per parameter | dirty per unit | non-finite per unit | per rank]."""
         self.wait()
-        self.placement.gradients_ready(self.units)  # offload with a mapped read-back: the last copies now
+        self.gradients.gradients_ready(self.units)  # offload with a mapped read-back: the last copies now
         self._materialize()
         n_params, n_units = self.num_params, len(self.units)
         stats = torch.zeros(n_params + 2 * n_units + self.world_size, device=self.device)
@@ -314,7 +314,7 @@ class Reducer:
         # priority (benchmarks/d2h_readback.py); mapped host memory (a kernel's stores) waits for none.
         read = self._flags.positive(stats)
         flags = read[n_params:].tolist()
-        self.placement.gradients_done(self.units)  # after the read-back: ahead of it, the copies would delay it
+        self.gradients.gradients_done(self.units)  # after the read-back: ahead of it, the copies would delay it
         dirty = {i for i in range(n_units) if flags[i]}
         return read[:n_params], dirty, flags[n_units:]
 
@@ -322,7 +322,7 @@ class Reducer:
         """End the window: drop every gradient (after a step, or to discard the window)."""
         self.end_backward()
         self.wait()
-        self.placement.end_window()  # copies still reading the gradient shards finish first
+        self.gradients.end_window()  # copies still reading the gradient shards finish first
         # An empty window's buffers are zero already (every gradient opens a window; the last clear
         # zeroed them): a step's own clear followed by the user's zero_grad() zeroes them once.
         written = self.window is not Window.EMPTY
@@ -344,7 +344,7 @@ class Reducer:
         self.end_backward()
         self._materialize(all_units=True)
         for unit in self.units:
-            host = self.placement.step_grad(unit)
+            host = self.gradients.step_grad(unit)
             for _, seg in optimized.get(unit.index, ()):
                 unit.grad[seg.shard_span].zero_()
                 if host is not unit.grad:

@@ -25,7 +25,7 @@ from lightning_zeroq.zero.build import Parts
 from lightning_zeroq.zero.gather import Gatherer
 from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
 from lightning_zeroq.zero.matrix import is_matrix_optimizer, step_matrices
-from lightning_zeroq.zero.offload import OptimizerPlacement
+from lightning_zeroq.zero.offload.roles import Updater
 from lightning_zeroq.zero.optimizers import Binding, OneStep, bind_to_shards, hand_back, route_zero_grad
 from lightning_zeroq.zero.reducer import Agreement, Reducer, Window
 from lightning_zeroq.zero.unit import Unit
@@ -122,7 +122,7 @@ def attached(bindings: list[Binding], everything: Binding) -> OneOptimizer:
 
 
 @torch.no_grad()
-def apply_multiplier(binding: Binding, units: Sequence[Unit], placement: OptimizerPlacement,
+def apply_multiplier(binding: Binding, units: Sequence[Unit], placement: Updater,
                      optimizers: OneOptimizer) -> None:
     """Scale this optimizer's gradients (where the optimizer reads them) by its pending multiplier."""
     if binding.multiplier == 1.0:
@@ -132,7 +132,7 @@ def apply_multiplier(binding: Binding, units: Sequence[Unit], placement: Optimiz
     binding.multiplier = 1.0
 
 
-def run(binding: Binding, units: Sequence[Unit], placement: OptimizerPlacement, gatherer: Gatherer,
+def run(binding: Binding, units: Sequence[Unit], placement: Updater, gatherer: Gatherer,
         used: Tensor) -> None:
     """Give the optimizer the gradient of every used segment (unused segments get ``None``, so the
     optimizer leaves value and state alone, as ``torch.optim`` does with DDP), step it once per batch
@@ -145,7 +145,7 @@ def run(binding: Binding, units: Sequence[Unit], placement: OptimizerPlacement, 
             one_step.step()
 
 
-def step_in(one_step: OneStep, binding: Binding, units: Sequence[Unit], placement: OptimizerPlacement,
+def step_in(one_step: OneStep, binding: Binding, units: Sequence[Unit], placement: Updater,
             gatherer: Gatherer, used_ids: Sequence[Any]) -> bool:
     """``run``'s batches of ``units`` within a step the caller holds (an asynchronous step steps its
     device units here before handing the host units to its worker); whether the optimizer's own

@@ -11,7 +11,7 @@ once, when the engine is built, and offers three operations:
 - ``gather(unit, payload)``: stage 3, before every use: every rank's payload -> ``unit.flat``.
 
 Full width. The payload is the working-dtype shard; ``encode`` hands over the copy a host step wrote
-in that dtype (``OptimizerPlacement.host_working``), or else the master as it is, which the store casts
+in that dtype (``Masters.host_working``), or else the master as it is, which the store casts
 where the payload rests: on the host into pinned memory (parameter offload), on
 the GPU after the fp32 master crossed PCIe once (a host master, payload on the device), or at each
 gather (a device master: nothing rests).
@@ -51,7 +51,7 @@ from torch import Tensor
 from lightning_zeroq import ops
 from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.layout import UnitLayout
-from lightning_zeroq.zero.offload.device import OptimizerPlacement
+from lightning_zeroq.zero.offload.roles import Masters
 from lightning_zeroq.zero.unit import Unit
 
 
@@ -62,13 +62,13 @@ class Wire(Protocol):
 
     def payload_numel(self, index: int) -> int: ...
 
-    def sync(self, unit: Unit, placement: OptimizerPlacement) -> None: ...
+    def sync(self, unit: Unit, placement: Masters) -> None: ...
 
-    def encode(self, unit: Unit, placement: OptimizerPlacement) -> Tensor: ...
+    def encode(self, unit: Unit, placement: Masters) -> Tensor: ...
 
     def gather(self, unit: Unit, payload: Tensor) -> None:
         """Fill ``unit.flat`` from every rank's ``payload`` (on the device, or pinned on the host: a
-        store's own buffer, ``offload/host_store.py``)."""
+        store's own buffer, ``offload/stores.py``)."""
 
 
 def on_device(payload: Tensor, device: torch.device) -> Tensor:
@@ -86,10 +86,10 @@ class FullWidth:
     def payload_numel(self, index: int) -> int:
         return self.layouts[index].shard_numel
 
-    def sync(self, unit: Unit, placement: OptimizerPlacement) -> None:
+    def sync(self, unit: Unit, placement: Masters) -> None:
         comm.all_gather(unit.flat, placement.device_working(unit, self.payload_dtype), self.group)
 
-    def encode(self, unit: Unit, placement: OptimizerPlacement) -> Tensor:
+    def encode(self, unit: Unit, placement: Masters) -> Tensor:
         # The step's own working-dtype copy of a host master (the host kernel's), else the master,
         # which the store's copy casts where the master lives.
         working = placement.host_working(unit, self.payload_dtype)
@@ -260,7 +260,7 @@ class Int8:
             comm.all_gather_uneven(recv, send[start : start + counts[self.rank]], counts, self.group)
             unit.flat[positions] = recv
 
-    def sync(self, unit: Unit, placement: OptimizerPlacement) -> None:
+    def sync(self, unit: Unit, placement: Masters) -> None:
         """Encode and gather chunk by chunk (temporary memory bounded by one chunk)."""
         plan = self.plans[unit.index]
         master = placement.device_master(unit)
@@ -269,7 +269,7 @@ class Int8:
         self._gather_side(unit, self._encode_side(plan, master))
 
     @torch.no_grad()
-    def encode(self, unit: Unit, placement: OptimizerPlacement) -> Tensor:
+    def encode(self, unit: Unit, placement: Masters) -> Tensor:
         plan = self.plans[unit.index]
         master = placement.device_master(unit)
         payload = torch.empty(self.payload_numel(unit.index), dtype=torch.uint8, device=self.device)

@@ -6,13 +6,13 @@ branches on the offload mode itself.
 
 | config | optimizer placement | stage-3 shard store |
 |---|---|---|
-| no offload | ``device.OptimizerPlacement`` | full width: ``device.MasterAlias`` (fp32) or ``device.CastMaster`` (bf16/fp16); INT8: ``device.DeviceStore`` |
-| ``offload_optimizer`` (cpu) | ``host.HostOptimizer`` | ``device.DeviceStore`` |
-| ``offload_optimizer`` (cpu), ``0 < offload_optimizer_ratio < 1`` | ``split.SplitOptimizer`` | full width: ``split.SplitStore`` (as no offload for the units whose master stays on the device, ``device.DeviceStore`` for the others); INT8: ``device.DeviceStore`` |
-| ``offload_optimizer`` (cpu), ``offload_optimizer_ratio="auto"`` | ``auto.AutoSplit`` (a ``SplitOptimizer`` that starts with every unit on the host and brings back what fits after the first step) | full width: ``split.SplitStore`` with every unit off the device at first; a unit brought back gathers from its master from then on, as with a ratio, its payload dropped; INT8: ``device.DeviceStore`` |
+| no offload | ``device.OptimizerPlacement`` | full width: ``stores.MasterAlias`` (fp32) or ``stores.CastMaster`` (bf16/fp16); INT8: ``stores.DeviceStore`` |
+| ``offload_optimizer`` (cpu) | ``host.HostOptimizer`` | ``stores.DeviceStore`` |
+| ``offload_optimizer`` (cpu), ``0 < offload_optimizer_ratio < 1`` | ``split.SplitOptimizer`` | full width: ``stores.SplitStore`` (as no offload for the units whose master stays on the device, ``stores.DeviceStore`` for the others); INT8: ``stores.DeviceStore`` |
+| ``offload_optimizer`` (cpu), ``offload_optimizer_ratio="auto"`` | ``auto.AutoSplit`` (a ``SplitOptimizer`` that starts with every unit on the host and brings back what fits after the first step) | full width: ``stores.SplitStore`` with every unit off the device at first; a unit brought back gathers from its master from then on, as with a ratio, its payload dropped; INT8: ``stores.DeviceStore`` |
 | ``offload_optimizer`` (cpu), ``offload_optimizer_ratio=0`` | ``device.OptimizerPlacement`` | as no offload |
-| ``offload_optimizer_device="nvme"`` | ``nvme.NvmeOptimizer`` | ``device.DeviceStore`` |
-| ``offload_parameters`` (cpu) | | ``host_store.HostStore`` |
+| ``offload_optimizer_device="nvme"`` | ``nvme.NvmeOptimizer`` | ``stores.DeviceStore`` |
+| ``offload_parameters`` (cpu) | | ``stores.HostStore`` |
 | ``offload_params_device="nvme"`` | | ``nvme.NvmeStore`` |
 
 At full width with every master on the device, nothing rests between gathers: a gather reads the
@@ -39,11 +39,11 @@ import torch
 
 from lightning_zeroq.zero.layout import UnitLayout
 from lightning_zeroq.zero.offload.auto import AutoSplit
-from lightning_zeroq.zero.offload.device import CastMaster, DeviceStore, MasterAlias, OptimizerPlacement, ShardStore
+from lightning_zeroq.zero.offload.device import OptimizerPlacement
+from lightning_zeroq.zero.offload.stores import CastMaster, DeviceStore, HostStore, MasterAlias, ShardStore, SplitStore
 from lightning_zeroq.zero.offload.host import HostOptimizer
-from lightning_zeroq.zero.offload.host_store import HostStore
 from lightning_zeroq.zero.offload.nvme import NvmeOptimizer, NvmeStore
-from lightning_zeroq.zero.offload.split import SplitOptimizer, SplitStore, host_units
+from lightning_zeroq.zero.offload.split import SplitOptimizer, host_units
 from lightning_zeroq.zero.policies import Auto, Host, Nvme, OnDevice
 
 __all__ = ["OptimizerPlacement", "ShardStore", "SplitOptimizer", "host_part", "host_units", "optimizer_placement",

@@ -118,7 +118,7 @@ class StepAhead(InStep):
         # A module's state_dict() (the model's, or one of those modules') reads the weights: the step first.
         for m in {id(m): m for m in [module, *(m for m, _ in hooked)]}.values():
             self._handles.append(m.register_state_dict_pre_hook(EagerHook(self, "_before_read")))
-        host.settle = self.drain
+        host.settle_with(self.drain)
 
     # ------------------------------------------------------------------ the step
 

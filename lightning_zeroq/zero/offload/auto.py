@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from lightning_zeroq.config import memory_budget
 from lightning_zeroq.zero import comm
-from lightning_zeroq.zero.offload.device import ShardStore, freed_by_moving, master_moved
+from lightning_zeroq.zero.offload.stores import ShardStore, freed_by_moving, master_moved
 from lightning_zeroq.zero.offload.host import HostOptimizer
 from lightning_zeroq.zero.offload.split import SplitOptimizer
 from lightning_zeroq.zero.unit import Unit

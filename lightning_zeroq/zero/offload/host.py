@@ -41,12 +41,12 @@ import torch
 from torch import Tensor
 
 from lightning_zeroq.ops.host_adam import host_adam
-from lightning_zeroq.zero.offload.device import OptimizerPlacement, ShardStore, copy_cast_to_device
-from lightning_zeroq.zero.offload.kernel import KernelSteps
-from lightning_zeroq.zero.offload.host_store import HostStore, host_copy
+from lightning_zeroq.zero.offload.device import OptimizerPlacement
+from lightning_zeroq.zero.offload.stores import ShardStore, copy_cast_to_device
+from lightning_zeroq.zero.offload.kernel import KernelSteps, set_host_step_threads
+from lightning_zeroq.zero.offload.stores import HostStore, host_copy
 from lightning_zeroq.zero.offload.landing import GradientLanding, wait_event
 from lightning_zeroq.zero.offload.speculate import Speculation
-from lightning_zeroq.zero.offload.threads import give_the_host_step_threads
 from lightning_zeroq.zero.optimizers import Binding, adam_kind, prefer_fast_host_step
 from lightning_zeroq.zero.unit import Unit
 
@@ -64,7 +64,8 @@ class HostOptimizer(OptimizerPlacement):
         self._stepping = False
         self.pin = device.type == "cuda"
         self.param_dtype, self.world_size = param_dtype, world_size
-        self.landing = GradientLanding(device, self.pin, self._settle)
+        self._settlers: list[Callable[[], None]] = []
+        self.landing = GradientLanding(device, self.pin, self.settle)
         self.multiplier: dict[int, float] = {}
         """Units whose host gradient still owes this multiplier (the kernel applies it as it steps)."""
         self.device_reads: dict[int, "torch.cuda.Event"] = {}
@@ -74,12 +75,16 @@ class HostOptimizer(OptimizerPlacement):
         self.kernel: Optional[KernelSteps] = None
         """The host kernel's steps, when an attached optimizer is torch's Adam or AdamW (and it loaded)."""
         self._shared: dict[int, Tensor] = {}
-        self.settle: Callable[[], None] = _nothing
-        """Waits for an asynchronous step still running (``ahead.StepAhead.drain``, set by the engine):
-        called before anything here reads or writes host gradients, masters or state outside it."""
 
-    def _settle(self) -> None:
-        self.settle()
+    def settle_with(self, drain: Callable[[], None]) -> None:
+        """An asynchronous step (``ahead.StepAhead``) registers the wait for its work: ``settle`` calls it."""
+        self._settlers.append(drain)
+
+    def settle(self) -> None:
+        """Wait for an asynchronous step still running: called before anything here reads or writes host
+        gradients, masters or state outside it."""
+        for drain in self._settlers:
+            drain()
 
     def adopt_master(self, index: int, shard: Tensor) -> Tensor:
         master = host_copy(shard, self.pin)
@@ -102,7 +107,7 @@ class HostOptimizer(OptimizerPlacement):
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 prefer_fast_host_step(optimizer, group, self.also_on)
-        give_the_host_step_threads(self.world_size)
+        set_host_step_threads(self.world_size)
         kernel = host_adam() if any(adam_kind(o) is not None for o in optimizers) else None
         if kernel is None:
             self.kernel = None
@@ -251,10 +256,3 @@ class HostOptimizer(OptimizerPlacement):
         self.multiplier.clear()
         if self.kernel is not None:
             self.kernel.fresh.clear()
-
-
-def _nothing() -> None:
-    return None
-
-
-

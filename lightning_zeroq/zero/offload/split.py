@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 
 from lightning_zeroq.zero.layout import UnitLayout
-from lightning_zeroq.zero.offload.device import DeviceStore, OptimizerPlacement, ShardStore
+from lightning_zeroq.zero.offload.device import OptimizerPlacement
+from lightning_zeroq.zero.offload.stores import ShardStore
 from lightning_zeroq.zero.offload.host import HostOptimizer
 from lightning_zeroq.zero.optimizers import Binding
 from lightning_zeroq.zero.unit import Unit
@@ -149,39 +150,3 @@ class SplitOptimizer(OptimizerPlacement):
     def close(self) -> None:
         self.on_device.close()
         self.host.close()
-
-
-class SplitStore:
-    """Stage 3 with partial offload: the transient units whose master stays on the device gather from
-    it (``on_device``: ``MasterAlias`` or ``CastMaster``, nothing resting), the others from the payload
-    kept on the device (``off_device``: a ``DeviceStore`` of those units only). With
-    ``offload_optimizer_ratio="auto"`` every unit starts off the device, and ``master_moved`` hands a unit
-    whose master came back to ``on_device``, dropping its payload, as if its ratio had put it there."""
-
-    def __init__(self, on_device: ShardStore, off_device: DeviceStore, device_units: frozenset[int]) -> None:
-        self.on_device, self.off_device, self.device_units = on_device, off_device, set(device_units)
-
-    def freed_by_moving(self, index: int) -> int:
-        buffer = self.off_device.buffers.get(index)
-        return 0 if buffer is None else -(-buffer.numel() * buffer.element_size() // 512) * 512
-
-    def master_moved(self, index: int) -> None:
-        if index in self.off_device.buffers:  # a transient unit (persistent ones are not in a store)
-            self.off_device.drop(index)
-            self.device_units.add(index)
-
-    def _of(self, unit: Unit) -> ShardStore:
-        return self.on_device if unit.index in self.device_units else self.off_device
-
-    def put(self, unit: Unit, payload: Tensor) -> None:
-        self._of(unit).put(unit, payload)
-
-    def get(self, unit: Unit) -> Tensor:
-        return self._of(unit).get(unit)
-
-    def device_tensors(self) -> list[Tensor]:
-        return self.on_device.device_tensors() + self.off_device.device_tensors()
-
-    def close(self) -> None:
-        self.on_device.close()
-        self.off_device.close()

@@ -144,7 +144,7 @@ def _compare(pool, case, window, optimizer, device):
 def _working_body():
     """After a kernel step the working weights are the masters' bf16 casts, everywhere they rest: the
     module (stage 2) and stage 3's host store."""
-    from lightning_zeroq.zero.offload.host_store import HostStore
+    from lightning_zeroq.zero.offload.stores import HostStore
 
     out = {}
     for stage, options in ((2, {"offload_optimizer": True}),

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from lightning_zeroq import ZeroConfig, ZeroEngine
 from lightning_zeroq.zero.offload import host_need
 from lightning_zeroq.zero.offload.host import HostOptimizer
-from lightning_zeroq.zero.offload.host_store import HostStore
+from lightning_zeroq.zero.offload.stores import HostStore
 from lightning_zeroq.zero.policies import Host
 from lightning_zeroq.zero.policies import ineffective
 from tests.models import RichModel, make_batch, param_groups

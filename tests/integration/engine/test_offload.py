@@ -413,7 +413,7 @@ def test_a_backward_waits_for_its_oldest_copy_past_the_copies_in_flight(dist_poo
 def test_copy_cast_to_device_chunks_cover_every_element(numel, chunk):
     """The copy back of a host master (fp32, cast where it lands): chunk by chunk, the tail included,
     the same values as one cast (here host to host: the chunking is what is tested)."""
-    from lightning_zeroq.zero.offload.device import copy_cast_to_device
+    from lightning_zeroq.zero.offload.stores import copy_cast_to_device
 
     src = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
     for dtype in (torch.bfloat16, torch.float16):

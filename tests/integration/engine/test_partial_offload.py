@@ -10,7 +10,7 @@ import torch
 from lightning_zeroq import ZeroConfig, ZeroEngine
 from lightning_zeroq.zero.layout import UnitLayout, make_layout
 from lightning_zeroq.zero.offload import OptimizerPlacement, SplitOptimizer, host_units
-from lightning_zeroq.zero.offload.device import MasterAlias
+from lightning_zeroq.zero.offload.stores import MasterAlias
 from lightning_zeroq.zero.offload.host import HostOptimizer
 from lightning_zeroq.zero.policies import ineffective
 from tests.models import RichModel, make_batch, param_groups
@@ -279,8 +279,8 @@ def test_auto_in_stage_3_gathers_brought_back_units_from_their_masters() -> None
     """A transient unit whose master "auto" brings back to the device drops the bf16 payload it rested on
     the device while its master was on the host (the decision counts that saving), and gathers from its
     master from then on, as a ratio's device units do; training goes on alike (DDP parity: test_parity)."""
-    from lightning_zeroq.zero.offload.device import CastMaster
-    from lightning_zeroq.zero.offload.split import SplitStore
+    from lightning_zeroq.zero.offload.stores import CastMaster
+    from lightning_zeroq.zero.offload.stores import SplitStore
 
     torch.manual_seed(0)
     model = RichModel().to(DEVICE).to(torch.bfloat16)

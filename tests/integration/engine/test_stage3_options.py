@@ -14,8 +14,8 @@ from torch import nn
 
 from lightning_zeroq import ZeroConfig, ZeroEngine
 from lightning_zeroq.ops import reference
-from lightning_zeroq.zero.offload.device import CastMaster, DeviceStore
-from lightning_zeroq.zero.offload.split import SplitStore
+from lightning_zeroq.zero.offload.stores import CastMaster, DeviceStore
+from lightning_zeroq.zero.offload.stores import SplitStore
 from lightning_zeroq.zero.unit import UnitState
 from tests.models import DIM, MostGathered, RichModel, make_batch, param_groups
 from tests.integration.engine.test_accumulation import _assert_matches
