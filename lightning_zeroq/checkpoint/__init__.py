@@ -2,6 +2,7 @@
 
 | file | its one job |
 |---|---|
+| ``api.py`` | the door both strategies save and load through: ``save``, ``load -> Loaded`` (single file, directory, errors, loss scaler), ``read_weights`` |
 | ``boxes.py`` | a rank's contiguous flat range of a tensor as rectangular boxes of its full shape |
 | ``chunks.py`` | ``LocalChunks``: what a rank writes or reads of one tensor; ``BytesTarget`` |
 | ``writer.py`` | ``ChunkSavePlanner`` and ``ChunkWriter`` (ordered, headed, fsynced files), the pinned ``StagingRing`` sync saves copy device tensors through, staging for async |
@@ -17,7 +18,8 @@
 | ``convert.py`` | consolidation (what ``zeroq-convert`` runs): one file, tensor by tensor, no GPU, no process group |
 | ``torch_file.py`` | a single-file torch checkpoint (``strategy="ddp"``'s) into the engine: safe load, model check, optimizer state |
 
-What ``ZeroQStrategy``'s and ``ZeroQFabricStrategy``'s checkpoint methods do lives with them
-(``lightning_zeroq/lightning/checkpoint.py``, ``lightning_zeroq/fabric/checkpoint.py``). Nothing is imported
+What is the Trainer's or Fabric's own (Lightning's checkpoint dict, the weights-only file, Fabric's
+entries filled in place) lives with them (``lightning_zeroq/lightning/checkpoint.py``,
+``lightning_zeroq/fabric/checkpoint.py``). Nothing is imported
 here, so importing one file does not import Lightning.
 """

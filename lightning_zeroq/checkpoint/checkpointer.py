@@ -47,7 +47,7 @@ from lightning_zeroq.checkpoint import atomic, codec
 from lightning_zeroq.checkpoint.agree import CheckpointError, agree, checkpoint_group, describe, earlier, rank_and_size
 from lightning_zeroq.checkpoint.safe import METADATA_FILE, SafeReader, read_metadata, unwrap
 from lightning_zeroq.checkpoint.checksum import hasher
-from lightning_zeroq.checkpoint.store import (MANIFEST_FILE, Files, Kind, Located, Manifest, check_files, classify,
+from lightning_zeroq.checkpoint.store import (MANIFEST_FILE, Files, Located, Manifest, check_files, classify,
                                               sha256, validate)
 from lightning_zeroq.checkpoint.writer import (HEADER_SIZE, SYNC_STAGING_BYTES, ChunkSavePlanner, ChunkWriter,
                                                StagingRing, stage_state, token_of)
@@ -304,7 +304,7 @@ class Opened:
     """A checkpoint directory validated on every rank, ready to read."""
 
     path: Path
-    kind: Kind
+    located: Located
     metadata: Metadata
     manifest: Optional[Manifest]
     reader: SafeReader
@@ -323,34 +323,16 @@ class Opened:
             self.reader.files.close()
 
 
-def locate_error(located: Located) -> Optional[str]:
-    """Why ``located`` cannot be loaded as a directory checkpoint, with the fix (None: it can)."""
-    if located.kind is Kind.MISSING:
-        return f"checkpoint path {located.path} does not exist (check the path, or pass ckpt_path='last')."
-    if located.kind is Kind.INSIDE:
-        return (f"{located.path} is a file inside the checkpoint directory {located.directory}; the directory is "
-                f"the checkpoint: pass ckpt_path={str(located.directory)!r}.")
-    if located.kind is Kind.LEGACY:
-        return (f"{located.path} is {Kind.LEGACY.value}, which this version cannot resume from (it was tied to "
-                "the world size and reduce_bucket_size it was saved with, and its shards were pickles). Resume it "
-                "with lightning_zeroq 0.1 at the same world size and save again, or keep only the weights: "
-                f"torch.load('{located.path / 'meta.pt'}', weights_only=True)['state_dict'].")
-    if located.kind is Kind.OTHER:
-        return (f"{located.path} is a directory but no checkpoint (no zeroq.json, no .metadata): pass the "
-                "directory trainer.save_checkpoint() wrote.")
-    return None
-
-
-def open_checkpoint(path: Path, group: Any, *, kinds: tuple[Kind, ...] = (Kind.ZEROQ, Kind.DCP)) -> Opened:
+def open_checkpoint(path: Path, group: Any) -> Opened:
     """Collective: locate and validate ``path`` on every rank, then ``agree``."""
     located = classify(Path(path))
     errors: list[str] = []
-    if located.kind is Kind.MISSING and located.directory is not None:
-        warnings.warn(f"{located.path} is missing but {located.directory} holds the checkpoint an interrupted save "
+    if located.displaced is not None:
+        warnings.warn(f"{located.path} is missing but {located.displaced} holds the checkpoint an interrupted save "
                       "displaced; loading that one.", stacklevel=3)
-        located = classify(located.directory)
-    problem = locate_error(located)
-    if problem is None and located.kind not in kinds:
+        located = classify(located.displaced)
+    problem = located.error()
+    if problem is None and not located.is_directory_checkpoint:
         problem = f"{located.path} is {located.kind.value}, not a directory checkpoint."
     manifest = metadata = files = None
     if problem is not None:
@@ -360,7 +342,7 @@ def open_checkpoint(path: Path, group: Any, *, kinds: tuple[Kind, ...] = (Kind.Z
             files = Files(located.path)
         except OSError as error:
             errors.append(f"{located.path} cannot be opened ({error}).")
-    if files is not None and located.kind is Kind.ZEROQ:
+    if files is not None and not located.is_foreign:
         manifest, metadata, errors = validate(files)
     elif files is not None:
         try:
@@ -404,7 +386,7 @@ def open_checkpoint(path: Path, group: Any, *, kinds: tuple[Kind, ...] = (Kind.Z
                       "to add them.",
                       stacklevel=3)
     reader = SafeReader(located.path, metadata, files, manifest.checksums if manifest is not None else None)
-    opened = Opened(located.path, located.kind, metadata, manifest, reader)
+    opened = Opened(located.path, located, metadata, manifest, reader)
     opened.decoded = decoded
     return opened
 

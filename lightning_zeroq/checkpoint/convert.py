@@ -47,7 +47,7 @@ from lightning_zeroq.checkpoint.agree import CheckpointError, advising
 from lightning_zeroq.checkpoint.checkpointer import Opened, open_checkpoint
 from lightning_zeroq.checkpoint.chunks import BytesTarget
 from lightning_zeroq.checkpoint.safe import read_entries
-from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY, Kind, classify, lightning_version
+from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY, classify, lightning_version
 
 SAFETENSORS_EXTRA = "pip install safetensors"  # what the extra installs; this package is on no index
 
@@ -252,21 +252,18 @@ class ConvertError(CheckpointError, ValueError):
 def _check_input(checkpoint: Path) -> None:
     """Our own words for an input that is no checkpoint directory (the loader's speak of the Trainer)."""
     located = classify(checkpoint)
-    if located.kind is Kind.MISSING:
+    if located.is_missing:
         raise ConvertError(f"{checkpoint} does not exist: pass the checkpoint directory trainer.save_checkpoint() "
                            "or ModelCheckpoint wrote.")
-    if located.kind is Kind.INSIDE:
+    if located.is_inside:
         raise ConvertError(f"{checkpoint} is a file inside the checkpoint directory {located.directory}: pass "
                            "the directory.")
-    if located.kind is Kind.FILE:
+    if located.is_single_file:
         raise ConvertError(
             f"{checkpoint} is a single-file checkpoint (e.g. from strategy='ddp'), which is one file already: read "
             f"its weights with torch.load({str(checkpoint)!r}, weights_only=True)['state_dict'], or resume it with "
             "Trainer(strategy='zeroq').fit(ckpt_path=...), which reads single files too.")
-    if located.kind is Kind.LEGACY:
-        raise ConvertError(f"{checkpoint} is {Kind.LEGACY.value}, which zeroq-convert cannot read: its weights are "
-                           f"torch.load({str(checkpoint / 'meta.pt')!r}, weights_only=True)['state_dict'].")
-    if located.kind is Kind.OTHER:
+    if not located.is_directory_checkpoint:
         raise ConvertError(f"{checkpoint} is a directory but no checkpoint (no zeroq.json, no .metadata): pass "
                            "the directory trainer.save_checkpoint() wrote.")
 

@@ -12,9 +12,10 @@ Keys follow Lightning's ``ModelParallelStrategy`` (FSDP2): ``state_dict.<name>``
 the module's ``state_dict()`` and ``optimizer_0.state.<name>.<key>`` /
 ``optimizer_0.param_groups.<i>.<key>`` for the optimizer, as ``get_optimizer_state_dict`` returns it.
 
-``classify`` says what a user's path is (a ZeroQ checkpoint, another DCP checkpoint, the old
-``meta.pt`` + ``zero_shard_rank*.pt`` format, a single file, a file inside a checkpoint directory,
-nothing); ``validate`` checks a ZeroQ directory completely (manifest, metadata, every file's size
+``classify`` says what a user's path is (a ZeroQ checkpoint, another DCP checkpoint, a single
+file, a file inside a checkpoint directory, nothing), and ``Located`` answers the questions a loader
+asks of it (``Kind`` itself is named only here and in ``api.py``, the door both integrations load
+through); ``validate`` checks a ZeroQ directory completely (manifest, metadata, every file's size
 and header) without reading any tensor, through ``Files``: the directory and each file opened once,
 the handles every later read of the load goes through.
 """
@@ -47,10 +48,10 @@ CHECKSUMS_SINCE = 2
 without checksums (``Checkpointer(checksums=False)``) is written as version ``CHECKSUMS_SINCE - 1``."""
 MODEL_KEY = "state_dict"
 OPTIMIZER_KEY = "optimizer_0"
-LEGACY_META = "meta.pt"
-LEGACY_SHARD_PREFIX = "zero_shard_rank"
 
 
+LIGHTNING_META = "meta.pt"
+"""Lightning's ModelParallelStrategy writes its trainer state here, beside its DCP files."""
 ENGINE_KEY = "zeroq"
 """A Lightning checkpoint's entry for the engine's own state beside the model's (its loss scaler)."""
 
@@ -69,7 +70,6 @@ def lightning_version() -> str:
 class Kind(enum.Enum):
     ZEROQ = "a ZeroQ checkpoint directory"
     DCP = "a torch.distributed.checkpoint directory"
-    LEGACY = "a checkpoint in the old lightning_zeroq format (meta.pt + zero_shard_rank*.pt)"
     FILE = "a single-file checkpoint"
     INSIDE = "a file inside a checkpoint directory"
     MISSING = "nothing"
@@ -83,9 +83,49 @@ class Located:
     directory: Optional[Path] = None
     """INSIDE: the checkpoint directory; MISSING with a recoverable save: the displaced one."""
 
+    @property
+    def is_directory_checkpoint(self) -> bool:
+        """A DCP directory, ZeroQ's (with its manifest) or another's."""
+        return self.kind in (Kind.ZEROQ, Kind.DCP)
+
+    @property
+    def is_foreign(self) -> bool:
+        """A DCP directory without ZeroQ's manifest (FSDP2's ``dcp.save``, Lightning's ModelParallelStrategy)."""
+        return self.kind is Kind.DCP
+
+    @property
+    def is_single_file(self) -> bool:
+        return self.kind is Kind.FILE
+
+    @property
+    def is_missing(self) -> bool:
+        return self.kind is Kind.MISSING
+
+    @property
+    def is_inside(self) -> bool:
+        """A file inside a checkpoint directory (``directory``)."""
+        return self.kind is Kind.INSIDE
+
+    @property
+    def displaced(self) -> Optional[Path]:
+        """Nothing is here, but an interrupted save displaced the checkpoint to this directory."""
+        return self.directory if self.kind is Kind.MISSING else None
+
+    def error(self) -> Optional[str]:
+        """Why this cannot be loaded as a directory checkpoint, with the fix (None: it can)."""
+        if self.kind is Kind.MISSING:
+            return f"checkpoint path {self.path} does not exist (check the path, or pass ckpt_path='last')."
+        if self.kind is Kind.INSIDE:
+            return (f"{self.path} is a file inside the checkpoint directory {self.directory}; the directory is "
+                    f"the checkpoint: pass ckpt_path={str(self.directory)!r}.")
+        if self.kind is Kind.OTHER:
+            return (f"{self.path} is a directory but no checkpoint (no zeroq.json, no .metadata): pass the "
+                    "directory trainer.save_checkpoint() wrote.")
+        return None
+
 
 def _is_checkpoint_dir(path: Path) -> bool:
-    return path.is_dir() and any((path / n).exists() for n in (MANIFEST_FILE, METADATA_FILE, LEGACY_META))
+    return path.is_dir() and any((path / n).exists() for n in (MANIFEST_FILE, METADATA_FILE))
 
 
 def classify(path: Path) -> Located:
@@ -97,11 +137,8 @@ def classify(path: Path) -> Located:
             return Located(Kind.ZEROQ, path)
         if (path / METADATA_FILE).is_file():
             return Located(Kind.DCP, path)
-        if (path / LEGACY_META).is_file() or any(p.name.startswith(LEGACY_SHARD_PREFIX) for p in path.iterdir()):
-            return Located(Kind.LEGACY, path)
         return Located(Kind.OTHER, path)
-    inside = (path.name in (MANIFEST_FILE, METADATA_FILE, LEGACY_META) or path.suffix == ".distcp"
-              or path.name.startswith(LEGACY_SHARD_PREFIX))
+    inside = path.name in (MANIFEST_FILE, METADATA_FILE, LIGHTNING_META) or path.suffix == ".distcp"
     if inside and _is_checkpoint_dir(path.parent):
         return Located(Kind.INSIDE, path, path.parent)
     return Located(Kind.FILE, path)

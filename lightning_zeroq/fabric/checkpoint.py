@@ -23,11 +23,11 @@ from typing import Any, Optional
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_zeroq.checkpoint import deepspeed
-from lightning_zeroq.checkpoint.agree import CheckpointError, agree, checkpoint_group
-from lightning_zeroq.checkpoint.checkpointer import Checkpointer, locate_error
-from lightning_zeroq.checkpoint.engine_io import engine_state, load_engine, save_state
-from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY, Kind, classify
+from lightning_zeroq.checkpoint import api, deepspeed
+from lightning_zeroq.checkpoint.agree import CheckpointError, agree
+from lightning_zeroq.checkpoint.checkpointer import Checkpointer
+from lightning_zeroq.checkpoint.engine_io import engine_state
+from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY
 from lightning_zeroq.checkpoint.torch_file import load_torch_optimizer_state, torch_load
 from lightning_zeroq.zero import state_dict as zsd
 from lightning_zeroq.zero.state_dict import ShardedParts
@@ -72,9 +72,7 @@ def save(strategy: Any, path: Path, state: dict, filter: Optional[dict], checkpo
     stateful = [k for k, v in state.items() if k not in (module_key, optimizer_key) and _stateful(v)]
     items = {k: (v.state_dict() if k in stateful else v) for k, v in state.items() if k not in (module_key, optimizer_key)}
     trainer_state = {"items": items, FABRIC_KEY: {"model": module_key, "optimizer": optimizer_key, "stateful": stateful}}
-    if engine.loss_scaler is not None:
-        trainer_state["zeroq"] = {"loss_scaler": engine.loss_scaler.state_dict()}
-    save_state(engine, path, engine_state(engine, optimizer=optimizer_key is not None), trainer_state, checkpointer)
+    api.save(engine, path, engine_state(engine, optimizer=optimizer_key is not None), trainer_state, checkpointer)
 
 
 def load(strategy: Any, path: Path, state: Any, strict: bool, weights_only: Optional[bool],
@@ -92,25 +90,18 @@ def load(strategy: Any, path: Path, state: Any, strict: bool, weights_only: Opti
                          "'optimizer': optimizer}); a ZeroQ checkpoint is read into the model's shards, never "
                          f"returned whole (got {type(state).__name__}).")
     module_key, optimizer_key = _roles(engine, state, what)
-    checkpointer.wait()
-    group = checkpoint_group()
-    located = classify(Path(path))
-    if located.kind is Kind.FILE or deepspeed.is_deepspeed(Path(path)):
-        requested = [k for k in state if k not in (module_key, optimizer_key)]
-        saved = _load_single_file(engine, Path(path), weights_only, None if raw else module_key, optimizer_key,
-                                  strict, group, requested)
-    else:
-        problem = locate_error(located) if located.kind not in (Kind.ZEROQ, Kind.DCP) else None
-        agree([problem] if problem else [], f"Loading checkpoint {path}", group)
-        saved = load_engine(engine, Path(path), load_optimizer=optimizer_key is not None, strict=strict)
+    requested = [k for k in state if k not in (module_key, optimizer_key)]
+
+    def read_file(file: Path, group: Any) -> tuple[dict, bool]:
+        return _load_single_file(engine, file, weights_only, None if raw else module_key, optimizer_key, strict,
+                                 group, requested), True
+
+    saved = api.load(engine, path, optimizer=optimizer_key is not None, strict=strict, checkpointer=checkpointer,
+                     read_file=read_file).trainer_state
     if raw:
         return {}
     roles = saved.get(FABRIC_KEY, {})
     items = dict(saved.get("items", {}))
-    scaler = (saved.get("zeroq") or {}).get("loss_scaler")
-    if scaler is not None and engine.loss_scaler is not None:
-        engine.loss_scaler.load_state_dict(scaler)
-    requested = [k for k in state if k not in (module_key, optimizer_key)]
     missing = [k for k in requested if k not in items and k not in saved.get("lost", ())]  # lost: warned of
     if strict and missing:
         raise KeyError(f"{what}: the checkpoint has no {missing} (it holds {sorted(items)}); pass strict=False "

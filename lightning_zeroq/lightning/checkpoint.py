@@ -30,12 +30,10 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_zeroq.checkpoint import atomic, codec, deepspeed
-from lightning_zeroq.checkpoint.agree import CheckpointError, agree, checkpoint_group, describe
-from lightning_zeroq.checkpoint.checkpointer import Checkpointer, locate_error
-from lightning_zeroq.checkpoint.convert import lightning_checkpoint
-from lightning_zeroq.checkpoint.engine_io import (load_engine, save_state)
-from lightning_zeroq.checkpoint.store import ENGINE_KEY, MODEL_KEY, OPTIMIZER_KEY, Kind, classify
+from lightning_zeroq.checkpoint import api, atomic, codec, deepspeed
+from lightning_zeroq.checkpoint.agree import agree, checkpoint_group, describe
+from lightning_zeroq.checkpoint.checkpointer import Checkpointer
+from lightning_zeroq.checkpoint.store import ENGINE_KEY, LIGHTNING_META, MODEL_KEY, OPTIMIZER_KEY
 from lightning_zeroq.checkpoint.torch_file import load_torch_optimizer_state, torch_load
 from lightning_zeroq.zero import state_dict as zsd
 from lightning_zeroq.zero.state_dict import ShardedParts
@@ -109,14 +107,6 @@ def _config_from_plain(plain: Any, kind: type) -> Any:
 _register_types()
 
 
-def trainer_state_of(checkpoint: dict, engine: ShardedParts) -> dict:
-    state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-    scaler = getattr(engine, "loss_scaler", None) if engine is not None else None
-    if scaler is not None:
-        state[ENGINE_KEY] = {"loss_scaler": scaler.state_dict()}
-    return state
-
-
 def save(strategy: Any, checkpoint: dict, path: Path, checkpointer: Checkpointer) -> None:
     engine = strategy.engine
     if "optimizer_states" not in checkpoint or engine is None:
@@ -126,7 +116,8 @@ def save(strategy: Any, checkpoint: dict, path: Path, checkpointer: Checkpointer
     state = {MODEL_KEY: checkpoint["state_dict"]}
     if optimizers:
         state[OPTIMIZER_KEY] = optimizers[0]
-    save_state(engine, path, state, trainer_state_of(checkpoint, engine), checkpointer)
+    trainer_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    api.save(engine, path, state, trainer_state, checkpointer)
 
 
 def save_single_file(strategy: Any, checkpoint: dict, path: Path, checkpointer: Checkpointer) -> None:
@@ -182,36 +173,23 @@ def outside_checkpoint_dirs(strategy: Any, path: Path) -> Optional[str]:
 def load(strategy: Any, checkpoint_path: Any, weights_only: Optional[bool],
          checkpointer: Checkpointer) -> tuple[dict, bool]:
     """The trainer state to hand to Lightning, and whether the model's weights are already loaded."""
-    checkpointer.wait()
-    path = Path(checkpoint_path)
-    group = checkpoint_group()
-    located = classify(path)
-    module = strategy.lightning_module
-    trainer = module.trainer if module is not None else None
     from lightning.pytorch.trainer.states import TrainerFn
 
+    module = strategy.lightning_module
+    trainer = module.trainer if module is not None else None
     fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-    strict = getattr(module, "strict_loading", True)
     engine = strategy.engine
-    if located.kind is Kind.FILE or deepspeed.is_deepspeed(path):
-        return load_single_file(strategy, path, weights_only, fitting, group)
-    if located.kind not in (Kind.ZEROQ, Kind.DCP) or engine is None:
-        problem: Optional[str] = (locate_error(located)
-                                  or f"{path} cannot be loaded before the strategy has set up its engine.")
-        if located.kind is Kind.MISSING and located.directory is not None:
-            problem = None
-        if problem is not None:
-            agree([problem], f"Loading checkpoint {path}", group)
-    state = load_engine(engine, path, load_optimizer=fitting, strict=strict)
-    if located.kind is Kind.DCP and (path / "meta.pt").is_file():  # Lightning's ModelParallelStrategy layout
-        state = torch_load(path / "meta.pt", True, group)
-    elif located.kind is Kind.DCP:
+    loaded = api.load(engine, checkpoint_path, optimizer=fitting, strict=getattr(module, "strict_loading", True),
+                      checkpointer=checkpointer,
+                      read_file=lambda path, group: load_single_file(strategy, path, weights_only, fitting, group))
+    state, path = loaded.trainer_state, Path(checkpoint_path)
+    if loaded.foreign and (path / LIGHTNING_META).is_file():  # Lightning's ModelParallelStrategy layout
+        state = torch_load(path / LIGHTNING_META, True, checkpoint_group())
+    elif loaded.foreign:
         state = foreign_trainer_state(path, fitting, strategy.is_global_zero)
-    scaler = (state.pop(ENGINE_KEY, None) or {}).get("loss_scaler")
-    if scaler is not None and engine.loss_scaler is not None:
-        engine.loss_scaler.load_state_dict(scaler)
-    count_steps_from(engine, state)
-    return state, True
+    if fitting:
+        count_steps_from(engine, state)
+    return state, loaded.weights_loaded
 
 
 def count_steps_from(engine: ShardedParts, state: Any) -> None:
@@ -233,7 +211,7 @@ def foreign_trainer_state(path: Path, fitting: bool, rank_zero: bool) -> dict:
 
     if rank_zero:
         what = "weights and optimizer state were" if fitting else "weights were"
-        warnings.warn(f"{path} is {Kind.DCP.value} without ZeroQ's trainer state (no zeroq.json, e.g. saved by "
+        warnings.warn(f"{path} is a torch.distributed.checkpoint directory without ZeroQ's trainer state (no zeroq.json, e.g. saved by "
                       f"FSDP2): its {what} loaded; the loops, learning-rate schedulers and callbacks start afresh "
                       "at step 0.", stacklevel=2)
     return {"pytorch-lightning_version": lightning.__version__, "global_step": 0, "epoch": 0, "lr_schedulers": [],
@@ -251,12 +229,7 @@ def load_single_file(strategy: Any, path: Path, weights_only: Optional[bool], fi
         errors.append(f"{path} is not a Lightning checkpoint (no 'state_dict'): load it into the module yourself.")
     agree(errors, f"Loading checkpoint {path}", group)
     engine = strategy.engine
-    scaler = (checkpoint.pop(ENGINE_KEY, None) or {}).get("loss_scaler")
-    if engine is not None and scaler is not None and engine.loss_scaler is not None:
-        engine.loss_scaler.load_state_dict(scaler)
     optimizers = checkpoint.get("optimizer_states") or []
-    if fitting:
-        count_steps_from(engine, checkpoint)
     if fitting and engine is not None and engine.optimizer is not None and optimizers:
         strict = getattr(strategy.lightning_module, "strict_loading", True)
         load_torch_optimizer_state(engine, checkpoint["state_dict"], optimizers[0], group, strict=strict)
@@ -274,15 +247,12 @@ def install_load_from_checkpoint() -> None:
 
     def pl_load(path_or_url: Any, map_location: Any = None, weights_only: Optional[bool] = None) -> Any:
         if isinstance(path_or_url, (str, Path)) and not str(path_or_url).startswith(("http://", "https://")):
-            located = classify(Path(path_or_url))
-            if located.kind in (Kind.ZEROQ, Kind.DCP):
+            checkpoint = api.read_weights(Path(path_or_url), map_location)
+            if checkpoint is not None:
                 import lightning
 
-                checkpoint = lightning_checkpoint(located.path, map_location)
                 checkpoint.setdefault("pytorch-lightning_version", lightning.__version__)  # a foreign DCP directory
                 return checkpoint
-            if located.kind in (Kind.INSIDE, Kind.LEGACY):
-                raise CheckpointError(locate_error(located))
         return original(path_or_url, map_location=map_location, weights_only=weights_only)
 
     pl_load._zeroq = True  # type: ignore[attr-defined]

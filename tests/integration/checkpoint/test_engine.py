@@ -10,7 +10,6 @@ import torch
 
 from lightning_zeroq import ZeroConfig, ZeroEngine
 from lightning_zeroq.checkpoint.engine_io import load_engine, save_engine
-from lightning_zeroq.zero.state_dict import full_optimizer_state
 from tests.models import RichModel, param_groups
 
 CONFIGS = {
@@ -53,7 +52,7 @@ def _train(engine: ZeroEngine, steps: range) -> None:
 
 
 def _state(engine: ZeroEngine) -> dict:
-    return {"params": engine.full_state_dict(), "optimizer": full_optimizer_state(engine)}
+    return {"params": engine.full_state_dict(), "optimizer": engine.full_optimizer_state()}
 
 
 def _save_body(name: str, tmp: str) -> tuple[dict, dict]:
@@ -167,7 +166,7 @@ def _async_body(tmp: str) -> bool:
     for name in ("sync", "async"):
         fresh = _engine("s2", tmp, seed=5)
         load_engine(fresh, os.path.join(tmp, name))
-        states.append({"params": fresh.full_state_dict(), "optimizer": full_optimizer_state(fresh)})
+        states.append({"params": fresh.full_state_dict(), "optimizer": fresh.full_optimizer_state()})
     _assert_state_equal(*states)
     return True
 

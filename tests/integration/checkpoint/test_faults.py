@@ -171,15 +171,18 @@ def _reseal(ckpt: Path, **changes) -> None:
     (ckpt / "zeroq.json").write_text(json.dumps(data))
 
 
-def test_legacy_checkpoint_is_named_and_never_unpickled(dist_pool, tmp_path):
-    marker = tmp_path / "legacy_payload_ran"
-    legacy = tmp_path / "old.ckpt"
-    legacy.mkdir()
-    torch.save({"state_dict": {}}, legacy / "meta.pt")
-    (legacy / "zero_shard_rank00000.pt").write_bytes(pickle.dumps(Evil(str(marker))))
-    _expect_one_error(dist_pool(2).run(_try_load, str(legacy)), "old lightning_zeroq format", "weights_only=True")
-    _expect_one_error(dist_pool(2).run(_try_load, str(legacy / "zero_shard_rank00000.pt")),
-                      "is a file inside the checkpoint directory")
+def test_a_directory_of_pickles_is_refused_and_never_unpickled(dist_pool, tmp_path):
+    # No manifest, no .metadata: no checkpoint, whatever its files hold; a file in it is a single file,
+    # which the engine's loader refuses (the Trainer reads it with weights_only=True: the test below).
+    marker = tmp_path / "payload_ran"
+    pickles = tmp_path / "old.ckpt"
+    pickles.mkdir()
+    torch.save({"state_dict": {}}, pickles / "meta.pt")
+    (pickles / "zero_shard_rank00000.pt").write_bytes(pickle.dumps(Evil(str(marker))))
+    _expect_one_error(dist_pool(2).run(_try_load, str(pickles)), "is a directory but no checkpoint",
+                      "trainer.save_checkpoint() wrote")
+    _expect_one_error(dist_pool(2).run(_try_load, str(pickles / "zero_shard_rank00000.pt")),
+                      "is a single-file checkpoint, not a directory checkpoint")
     assert not marker.exists()
 
 
@@ -275,20 +278,21 @@ def _fit_weights_only(ckpt: str, weights_only: bool) -> None:
                 weights_only=weights_only)
 
 
-def test_trainer_resume_from_a_damaged_or_legacy_checkpoint_fails_alike_on_every_rank(dist_pool, tmp_path):
+def test_trainer_resume_from_a_damaged_or_unsafe_checkpoint_fails_alike_on_every_rank(dist_pool, tmp_path):
     from tests.integration.checkpoint.test_reshard import S2, _first
 
     ckpt = tmp_path / "epoch1.ckpt"
     dist_pool(2).run(_first, S2, str(ckpt))
     (ckpt / "__1_0.distcp").unlink()
     _expect_one_error(dist_pool(2).run(_fit_catching, str(ckpt), None), "__1_0.distcp is missing")
-    marker = tmp_path / "legacy_payload_ran"
-    legacy = tmp_path / "old.ckpt"
-    legacy.mkdir()
-    (legacy / "meta.pt").write_bytes(pickle.dumps(Evil(str(marker))))
-    (legacy / "zero_shard_rank00000.pt").write_bytes(pickle.dumps(Evil(str(marker))))
-    _expect_one_error(dist_pool(2).run(_fit_catching, str(legacy), True), "old lightning_zeroq format")
-    _expect_one_error(dist_pool(2).run(_fit_catching, str(legacy / "meta.pt"), True), "the directory is the checkpoint")
+    marker = tmp_path / "payload_ran"
+    pickles = tmp_path / "old.ckpt"
+    pickles.mkdir()
+    (pickles / "meta.pt").write_bytes(pickle.dumps(Evil(str(marker))))
+    (pickles / "zero_shard_rank00000.pt").write_bytes(pickle.dumps(Evil(str(marker))))
+    _expect_one_error(dist_pool(2).run(_fit_catching, str(pickles), True), "is a directory but no checkpoint")
+    _expect_one_error(dist_pool(2).run(_fit_catching, str(pickles / "meta.pt"), True), "could not be loaded safely")
+    _expect_one_error(dist_pool(2).run(_fit_catching, str(ckpt / "zeroq.json"), True), "the directory is the checkpoint")
     single = tmp_path / "evil_single.ckpt"
     single.write_bytes(pickle.dumps(Evil(str(marker))))
     _expect_one_error(dist_pool(2).run(_fit_catching, str(single), None), "could not be loaded safely",

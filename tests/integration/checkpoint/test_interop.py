@@ -103,11 +103,10 @@ def _zeroq_engine(stage_options: dict):
 
 
 def _zeroq_snapshot(engine) -> dict:
-    from lightning_zeroq.zero.state_dict import full_optimizer_state
 
     names = {n for n, _ in engine.module.named_parameters()}
     return {"params": {k: v for k, v in engine.full_state_dict().items() if k in names},
-            "optimizer": full_optimizer_state(engine)}
+            "optimizer": engine.full_optimizer_state()}
 
 
 def _zeroq_resume(path: str) -> list[dict]:

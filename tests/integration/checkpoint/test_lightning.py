@@ -29,7 +29,6 @@ def _conventions_body(tmp: str, async_checkpoint: bool) -> dict:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_zeroq import ZeroQStrategy
-    from lightning_zeroq.zero.state_dict import full_optimizer_state
 
     dirpath = os.path.join(tmp, "ckpts")
 
@@ -82,7 +81,7 @@ def _conventions_body(tmp: str, async_checkpoint: bool) -> dict:
     out["second"] = _fit(second_strategy, 2, ckpt_path="last", callbacks=[callback()])
     second_strategy.wait_for_checkpoint()
     engine = second_strategy.engine
-    out["adam_steps"] = sorted({int(s["step"]) for s in full_optimizer_state(engine).values()})
+    out["adam_steps"] = sorted({int(s["step"]) for s in engine.full_optimizer_state().values()})
     return out
 
 

@@ -26,7 +26,6 @@ TOL = 1e-5
 def _recorder():
     import lightning as L
 
-    from lightning_zeroq.zero.state_dict import full_optimizer_state
 
     class Recorder(L.Callback):
         def __init__(self) -> None:
@@ -35,7 +34,7 @@ def _recorder():
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             engine = getattr(trainer.strategy, "engine", None)
             if engine is not None:
-                params, optim = trainer.strategy.full_state_dict(), full_optimizer_state(engine)
+                params, optim = trainer.strategy.full_state_dict(), engine.full_optimizer_state()
             else:
                 names = {id(p): n for n, p in pl_module.named_parameters()}
                 params = {n: p.detach().clone() for n, p in pl_module.named_parameters(remove_duplicate=False)}

@@ -74,7 +74,6 @@ def _resume_foreign_adam(path: str) -> list[int]:
     import lightning as L
 
     from tests.models import TokenDataset
-    from lightning_zeroq.zero.state_dict import full_optimizer_state
 
     strategy = _strategy(S2)
     trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy, max_epochs=1,
@@ -85,7 +84,7 @@ def _resume_foreign_adam(path: str) -> list[int]:
         warnings.simplefilter("always")
         trainer.fit(make_lit_module(), data, ckpt_path=path)
     assert any("without ZeroQ's trainer state" in str(w.message) for w in caught) or dist.get_rank() != 0
-    return sorted({int(s["step"]) for s in full_optimizer_state(strategy.engine).values()})
+    return sorted({int(s["step"]) for s in strategy.engine.full_optimizer_state().values()})
 
 
 def test_a_foreign_dcp_directory_resumes_in_fit_and_loads_in_load_from_checkpoint(dist_pool, tmp_path):

@@ -133,7 +133,6 @@ def _scored_fit(tmp: str) -> dict:
 
     from lightning_zeroq import ZeroQStrategy
     from lightning_zeroq.checkpoint.engine_io import sharded_optimizer_state
-    from lightning_zeroq.zero.state_dict import full_optimizer_state
 
     class Scored(BoringModel):
         def training_step(self, batch, batch_idx):
@@ -157,7 +156,7 @@ def _scored_fit(tmp: str) -> dict:
     names = [n for g in sharded_optimizer_state(strategy.engine)["param_groups"] for n in g["params"]]
     return {"trainer": {k: v for k, v in memory.items() if k not in ("state_dict", "optimizer_states")},
             "params": strategy.full_state_dict(), "names": names,
-            "optimizer": full_optimizer_state(strategy.engine)}
+            "optimizer": strategy.engine.full_optimizer_state()}
 
 
 @pytest.fixture(scope="module")
