@@ -68,7 +68,7 @@ constexpr int kThreads = 256;            // threads per block
 constexpr int kChunk = 8;                // elements per lane and step; divides every group size
 constexpr int64_t kMaxBlocks = 1 << 20;  // cap of a full grid; beyond it, grid-stride loops
 // Groups per team and iteration in the G == 8 * team kernels. Four for 16-bit inputs (as many bytes
-// in flight per lane as fp32's two) measured slower on H200: 0.66-0.69 of a copy against 0.75-0.78.
+// in flight per lane as fp32's two) measured slower (benchmarks/results/quant_kernels_variants_*).
 constexpr int kUnroll = 2;
 constexpr float kQMax = 127.0f;
 // The scale of a group holding NaN or +-inf: torch's float('nan'), so that packed buffers are
@@ -293,8 +293,8 @@ __device__ __forceinline__ uint32_t encode_remainder(float x, float divisor, flo
   return __float_as_uint(__fadd_rn(q, 12582912.0f));
 }
 
-// The codes of a chunk, two words of four. kPerChunk: faster than kPerElement for fp16 (0.92 of a
-// copy against 0.87 on H200) but slower for bf16 (0.69 against 0.81): bfloat16 data has exact ties
+// The codes of a chunk, two words of four. kPerChunk: faster than kPerElement for fp16 but slower for
+// bf16 (benchmarks/results/quant_kernels_chunk_branch_*): bfloat16 data has exact ties
 // often (an 8-bit significand over a scale absmax / 127: 0.3% of the elements of random data, 2.3% of
 // the chunks, one warp step in two), and every tie sends its whole chunk to eight divisions.
 // kRemainder has no ties to branch for; a non-finite group (NaN divisor: the comparison is false) or
@@ -475,9 +475,9 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Same team layout (no reduction needed; it gives each lane its group's scale without an
-// integer division). Unlike quantize, this kernel runs best on H200 as launched here: a full
-// grid (one iteration per team for G <= 256) and two 4-byte code loads per chunk; a persistent
-// grid with two groups per team in flight and 8-byte loads measured 5-13% slower.
+// integer division). Unlike quantize, this kernel runs best as launched here: a full grid (one
+// iteration per team for G <= 256) and two 4-byte code loads per chunk; a persistent grid with two
+// groups per team in flight and 8-byte loads measured slower (benchmarks/results/quant_kernels_variants_*).
 // fp32 output writes four bytes per code byte, so its stores decide the speed: there a lane takes
 // quads (4 elements: one 4-byte code load, one 16-byte store) l, l + kTeam, ..., so that each
 // store instruction of a team covers whole consecutive 32-byte sectors instead of every other

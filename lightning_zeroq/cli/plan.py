@@ -43,7 +43,7 @@ from lightning_zeroq.zero.planner import GIB, Machine, Need, plan_training
 
 
 RUNTIME_HOST_GIB = 0.6
-"""A process's CUDA runtime and libraries in host memory (0.61 GiB measured with torch 2.11 on an H200)."""
+"""A process's CUDA runtime and libraries in host memory, GiB (measured: ``docs/plan.md``, the host column)."""
 
 
 def _gib(value: Optional[float], what: str, parser: argparse.ArgumentParser) -> Optional[int]:

@@ -56,8 +56,8 @@ def _roles(engine: ShardedParts, state: dict, what: str) -> tuple[Optional[str],
     return (modules[0] if modules else None), (optimizers[0] if optimizers else None)
 
 
-def save(strategy: Any, path: Path, state: dict, filter: Optional[dict], checkpointer: Checkpointer) -> None:
-    engine = strategy.engine
+def save(engine: Optional[ShardedParts], path: Path, state: dict, filter: Optional[dict],
+         checkpointer: Checkpointer) -> None:
     if filter is not None:
         raise ValueError(
             f"ZeroQFabricStrategy.save_checkpoint does not take filter (got keys {sorted(filter)}): the model is saved "
@@ -75,9 +75,8 @@ def save(strategy: Any, path: Path, state: dict, filter: Optional[dict], checkpo
     api.save(engine, path, engine_state(engine, optimizer=optimizer_key is not None), trainer_state, checkpointer)
 
 
-def load(strategy: Any, path: Path, state: Any, strict: bool, weights_only: Optional[bool],
+def load(engine: Optional[ShardedParts], path: Path, state: Any, strict: bool, weights_only: Optional[bool],
          checkpointer: Checkpointer) -> dict:
-    engine = strategy.engine
     what = f"fabric.load({str(path)!r}, ...)"
     if engine is None:
         raise RuntimeError(f"{what} with ZeroQFabricStrategy needs a model set up with fabric.setup first: the "

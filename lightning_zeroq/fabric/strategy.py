@@ -347,7 +347,7 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
             raise TypeError(f"ZeroQFabricStrategy.save_checkpoint does not take storage_options (got "
                             f"{storage_options!r}); it writes a torch.distributed.checkpoint directory.")
         path = local_checkpoint_path(self.broadcast(str(path)))
-        fabric_checkpoint.save(self, path, state, filter, self.checkpointer)
+        fabric_checkpoint.save(self.engine, path, state, filter, self.checkpointer)
 
     @override
     def load_checkpoint(
@@ -359,7 +359,8 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
     ) -> dict[str, Any]:
         """Collective: validate on every rank, read this rank's part into the engine, fill ``state``'s
         other entries in place and return the rest of the checkpoint's entries."""
-        return fabric_checkpoint.load(self, local_checkpoint_path(path), state, strict, weights_only, self.checkpointer)
+        return fabric_checkpoint.load(self.engine, local_checkpoint_path(path), state, strict, weights_only,
+                                     self.checkpointer)
 
     @override
     def teardown(self) -> None:

@@ -25,7 +25,7 @@ import argparse
 import os
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -37,6 +37,9 @@ from lightning_zeroq.checkpoint.store import ENGINE_KEY, LIGHTNING_META, MODEL_K
 from lightning_zeroq.checkpoint.torch_file import load_torch_optimizer_state, torch_load
 from lightning_zeroq.zero import state_dict as zsd
 from lightning_zeroq.zero.state_dict import ShardedParts
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 
 def _register_types() -> None:
@@ -107,7 +110,20 @@ def _config_from_plain(plain: Any, kind: type) -> Any:
 _register_types()
 
 
-def save(strategy: Any, checkpoint: dict, path: Path, checkpointer: Checkpointer) -> None:
+class Owner(Protocol):
+    """What these functions read of ``ZeroQStrategy``."""
+
+    @property
+    def engine(self) -> Optional[ShardedParts]: ...
+
+    @property
+    def lightning_module(self) -> Optional["pl.LightningModule"]: ...
+
+    @property
+    def is_global_zero(self) -> bool: ...
+
+
+def save(strategy: Owner, checkpoint: dict, path: Path, checkpointer: Checkpointer) -> None:
     engine = strategy.engine
     if "optimizer_states" not in checkpoint or engine is None:
         save_single_file(strategy, checkpoint, path, checkpointer)
@@ -120,7 +136,7 @@ def save(strategy: Any, checkpoint: dict, path: Path, checkpointer: Checkpointer
     api.save(engine, path, state, trainer_state, checkpointer)
 
 
-def save_single_file(strategy: Any, checkpoint: dict, path: Path, checkpointer: Checkpointer) -> None:
+def save_single_file(strategy: Owner, checkpoint: dict, path: Path, checkpointer: Checkpointer) -> None:
     """Weights only: one Lightning file of full fp32 weights, built on rank 0 alone."""
     checkpointer.wait()
     engine = strategy.engine
@@ -132,7 +148,9 @@ def save_single_file(strategy: Any, checkpoint: dict, path: Path, checkpointer: 
             out = {k: v for k, v in checkpoint.items() if k != "state_dict"}
             model = {}
             given = checkpoint["state_dict"]
-            for key, value in {**strategy.lightning_module.state_dict(keep_vars=True), **given}.items():
+            module = strategy.lightning_module
+            live = module.state_dict(keep_vars=True) if module is not None else {}
+            for key, value in {**live, **given}.items():
                 if weights is not None and key in weights:
                     model[key] = weights[key]
                 elif isinstance(given.get(key, value), Tensor):
@@ -153,7 +171,7 @@ def save_single_file(strategy: Any, checkpoint: dict, path: Path, checkpointer: 
     agree(errors, f"Saving checkpoint {path}", group)
 
 
-def outside_checkpoint_dirs(strategy: Any, path: Path) -> Optional[str]:
+def outside_checkpoint_dirs(strategy: object, path: Path) -> Optional[str]:
     """The ``ModelCheckpoint`` directory ``path`` seems to lie in but does not: it names the directory
     as a parent (what Lightning checks before a cleanup) yet resolves (``..``, a linked subdirectory;
     the last component itself is not followed: a link is removed, never its target) to a place
@@ -170,7 +188,7 @@ def outside_checkpoint_dirs(strategy: Any, path: Path) -> Optional[str]:
     return None
 
 
-def load(strategy: Any, checkpoint_path: Any, weights_only: Optional[bool],
+def load(strategy: Owner, checkpoint_path: Any, weights_only: Optional[bool],
          checkpointer: Checkpointer) -> tuple[dict, bool]:
     """The trainer state to hand to Lightning, and whether the model's weights are already loaded."""
     from lightning.pytorch.trainer.states import TrainerFn
@@ -192,7 +210,7 @@ def load(strategy: Any, checkpoint_path: Any, weights_only: Optional[bool],
     return state, loaded.weights_loaded
 
 
-def count_steps_from(engine: ShardedParts, state: Any) -> None:
+def count_steps_from(engine: Optional[ShardedParts], state: Any) -> None:
     """The engine counts optimizer steps on from the checkpoint's global step, so its messages ("in
     optimizer step N") speak of the run's step, not of this fit's."""
     if engine is not None and isinstance(state, dict):
@@ -218,7 +236,7 @@ def foreign_trainer_state(path: Path, fitting: bool, rank_zero: bool) -> dict:
             "optimizer_states": []}
 
 
-def load_single_file(strategy: Any, path: Path, weights_only: Optional[bool], fitting: bool,
+def load_single_file(strategy: Owner, path: Path, weights_only: Optional[bool], fitting: bool,
                      group: Any) -> tuple[dict, bool]:
     if deepspeed.is_deepspeed(path):  # read as the single file zeroq-convert would write
         checkpoint = deepspeed.load_agreed(path, fitting, group)

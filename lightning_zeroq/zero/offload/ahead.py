@@ -1,9 +1,11 @@
 """Asynchronous host steps (``offload_async_step``): ``step()`` queues the host's work and returns; the
 next forward waits for each unit's new weights, not for the whole step.
 
+[Note: the host step runs beside the next forward]
 Why. With every unit's optimizer on the host, a step is the host kernel's pass over all masters and
-moments (about 0.2 s for 953M elements on 16 cores) while the device waits, and the next forward waits
-for its end. Its first unit's weights are ready long before that.
+moments, bound by the host's memory bandwidth (``benchmarks/results/host_adam_1xh200_2026-12-02.jsonl``),
+while the device waits, and the next forward waits for its end. Its first unit's weights are ready
+long before that.
 
 How. At ``step()``, on the calling thread, each unit of the optimizer is prepared in forward order
 (unit 0 first, the one the forward needs first): a speculative step of it is kept (``speculate.py``;

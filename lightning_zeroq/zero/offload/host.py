@@ -18,10 +18,13 @@ The step walks the units one at a time, in the order their gradients were reduce
 order, the same on every rank, so the collectives of ``publish`` match): the copy back and the
 gather of one unit (asynchronous on the GPU) overlap the host update of the next.
 
-Weights back to the device (``device_working``). The working-dtype copy the kernel wrote, where it is
-fresh (bf16; fp16 and other optimizers: the fp32 master crosses PCIe as it is, in chunks, and is cast
-to the working dtype on the GPU, so the CPU only enqueues the copies: casting on the host as a pass of
-its own cost the CPU about a third of the AdamW step's time on the 953M model).
+[Note: weights cross back in the working dtype, cast on the GPU]
+Weights back to the device (``device_working``): the working-dtype copy the kernel wrote, where it is
+fresh (bf16); otherwise (fp16, other optimizers) the fp32 master crosses PCIe as it is, in chunks, and
+is cast to the working dtype on the GPU, so the CPU only enqueues the copies. A cast on the host is a
+pass of its own over every master, in the host step's critical path (measured:
+``benchmarks/results/offload_profile_gpu_cast_1xh200_2026-12-01.txt``). ``HostStore.put`` and
+``DeviceStore.put`` (``stores.py``) follow this note.
 
 Parameters (stage 3). A transient unit's payload rests in pinned host memory and is copied to the
 device right before each gather (on the gather stream when prefetched). After a step the kernel's
