@@ -37,6 +37,8 @@ TABLE_COLUMNS: dict[str, tuple[str, ...]] = {
                   "floor_s_median", "over_floor_median"),
     "step_time_scale": ("arm", "params_M", "tokens_per_step", "step_s_median", "tokens_per_s", "mfu",
                         "peak_alloc_GiB_per_rank", "peak_reserved_GiB_per_rank", "host_bytes_per_param"),
+    "step_time_compile_floor": ("arm", "step_s_median", "peak_alloc_GiB_per_rank", "peak_reserved_GiB_per_rank",
+                                "compile_s"),
     "checkpoint_time": ("arm", "world_size", "checkpoint_GiB", "save_s", "blocked_s", "load_s"),
     "step_time_offload_floor": ("arm", "step_s_median", "floor_s_median", "over_floor_median", "peak_alloc_GiB_per_rank"),
     "fabric_step_time": ("mode", "stage", "step_s_median", "fabric_over_trainer"),
@@ -125,6 +127,14 @@ def _scale(arms: str, model: str, tokens: str, timeout: int) -> list[Launch]:
                        requires=("deepspeed",), extra=extra)]
 
 
+# Compiled stage 3 against the compiled floor (one GPU: no communication, the engine's own cost per unit),
+# eager and compiled, FSDP2 reducing in bf16 as zeroq does (``+bf16reduce``) and, labelled, in fp32 as
+# torchtitan does; every arm twice, alternating, so no arm is only a launch's first.
+COMPILE_FLOOR = ",".join(2 * ["ddp+compile", "zeroq2+compile", "zeroq3+compile", "fsdp2+compile+bf16reduce", "zeroq3",
+                               "fsdp2+bf16reduce", "zeroq3+compile_whole", "fsdp2+compile_whole+bf16reduce",
+                               "fsdp2+compile"])
+
+
 GPU_TESTS = ("-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rf", "-s", "tests")
 
 
@@ -161,6 +171,13 @@ SUITES: dict[str, Suite] = {
          Launch("largest_model", ("benchmarks/largest_model.py", "--arms", "zeroq3+offload_params+spill50",
                                   "--checkpoint", "--start", "32", "--nvme-path", "{scratch}"), timeout=3600)),
         build=True),
+    "compile-floor": Suite(
+        "Compiled stage 3 at the compiled floor (953M GPT, one GPU, 4 x 1,024 tokens): DDP with compiled blocks "
+        "(the floor: one rank communicates nothing), zeroq2 and zeroq3 with compiled blocks, zeroq3 eager and with "
+        "the whole model compiled, FSDP2 likewise with bf16 gradient reduction (as zeroq) and, compiled blocks, "
+        "fp32 reduction (torchtitan's); every arm twice, alternating; peak allocated and reserved",
+        tuple(step_time(COMPILE_FLOOR, world_sizes=(1,), timeout=600, bench="step_time_compile_floor",
+                        extra=("--steps", "10", "--warmup", "5")))),
     "links": Suite(
         "Step time and peak memory of DDP and ZeroQ stages 2 and 3, with and without INT8 weights, over NVLink, "
         "host memory and loopback sockets (953M GPT, 2 GPUs); offload arms on NVLink",

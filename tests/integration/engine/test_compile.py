@@ -318,3 +318,40 @@ def test_lightning_trainer_compiled_model_every_stage(dist_pool):
     # Before: stage 3 failed inside dynamo ("layer.weight is sharded right now (_is_view)").
     for rank_moved in zip(*dist_pool(2).run(_lightning_compiled_body)):
         assert rank_moved[0] == rank_moved[1] and rank_moved[0] > 0  # every stage trained, alike on both ranks
+
+
+def _compiled_regions_per_forward(forward, x) -> int:
+    from torch.profiler import profile
+
+    with profile() as prof:
+        forward(x)
+    return sum(1 for e in prof.events() if e.name == "CompiledFunction")
+
+
+def test_whole_model_compile_runs_every_stage3_block_compiled():
+    # ``torch.compile(model)`` of a model that calls its blocks in a loop, stage 3: the graph breaks at the
+    # first unit's hook (outside the graph, as FSDP2's), the loop runs eagerly, and every block's forward
+    # runs compiled, one graph for all of them; more blocks than dynamo's recompile limit (8), so a guard
+    # that failed per block would leave the later blocks eager.
+    from lightning_zeroq.cli.gpt import GPTConfig, GPTModel
+
+    layers = 10
+    torch._dynamo.reset()
+    try:
+        torch.manual_seed(0)
+        model = GPTModel(GPTConfig(n_layer=layers, n_embd=32, n_head=2, block_size=16))
+        forward = torch.compile(model)
+        engine = ZeroEngine(model, ZeroConfig(stage=3, stage3_wrap_classes=["Block"],
+                                              stage3_param_persistence_threshold=0))
+        engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+        x = torch.randint(0, 256, (2, 16))
+        for _ in range(2):
+            engine.backward(forward(x).float().pow(2).mean())
+            engine.step()
+        counters = torch._dynamo.utils.counters
+        assert _compiled_regions_per_forward(forward, x) == layers
+        assert counters["stats"]["unique_graphs"] == 1  # the blocks' graph, shared by every block
+        assert sum(counters["graph_break"].values()) == 1, dict(counters["graph_break"])
+        assert all(u.state is UnitState.SHARDED for u in engine.units if not u.persistent)
+    finally:
+        torch._dynamo.reset()
