@@ -19,6 +19,22 @@ from torch.utils.data import DataLoader
 
 import lightning_zeroq  # noqa: F401  (registers the strategy names)
 
+PORTED = "ported"
+"""A case of the original module that has a port here; any other value is the one-line reason it has none."""
+
+
+def assert_ported_or_explained(original: dict[str, str], namespace: dict, count: int | None = None) -> None:
+    """Every case of the original module (``count``: how many it has) is ported (a function of that name in
+    ``namespace``, the test module's globals) or carries a one-line reason."""
+    if count is not None:
+        assert len(original) == count, f"{len(original)} cases listed; the original module has {count}"
+    for name, what in original.items():
+        if what == PORTED:
+            assert callable(namespace.get(name)), f"{name} is listed as ported but is not defined"
+        else:
+            assert what.strip() and "\n" not in what, f"{name}: give a one-line reason"
+
+
 # Stage 3 whose units are really freed between uses: BoringModel's only module is a Linear.
 FREED = {"stage3_wrap_classes": ["Linear"], "stage3_param_persistence_threshold": 0}
 

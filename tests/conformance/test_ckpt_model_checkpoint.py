@@ -25,6 +25,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from tests.conformance.harness_fabric import (
+    PORTED,
+    assert_ported_or_explained,
     STAGES,
     Boring,
     LogInTwoMethods,
@@ -34,7 +36,6 @@ from tests.conformance.harness_fabric import (
     trainer,
 )
 
-PORTED = "ported"
 NO_STRATEGY = "no strategy involved: "
 ORIGINAL = {
     "test_model_checkpoint_state_key": NO_STRATEGY + "the callback's state key string",
@@ -1185,8 +1186,4 @@ def test_save_last_only_when_checkpoint_saved(dist_pool, tmp_path, arm):
 
 
 def test_every_original_case_is_ported_or_has_a_reason():
-    for name, what in ORIGINAL.items():
-        if what == PORTED:
-            assert callable(globals().get(name)), name
-        else:
-            assert what.strip() and "\n" not in what, name
+    assert_ported_or_explained(ORIGINAL, globals())

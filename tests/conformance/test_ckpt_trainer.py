@@ -23,6 +23,8 @@ from lightning.pytorch import callbacks
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from tests.conformance.harness_fabric import (
+    PORTED,
+    assert_ported_or_explained,
     STAGES,
     Boring,
     is_checkpoint,
@@ -31,7 +33,6 @@ from tests.conformance.harness_fabric import (
     trainer,
 )
 
-PORTED = "ported"
 SHARDED_NEEDS_SETUP = ("loads into a Trainer never set up (connector.resume_start before fit): a sharded checkpoint "
                        "loads into the set-up engine (restore_checkpoint_after_setup), as DeepSpeed's")
 ORIGINAL = {
@@ -536,11 +537,7 @@ def test_restore_callbacks_in_non_fit_phases(dist_pool, tmp_path, trainer_fn, ar
 
 
 def test_every_original_case_is_ported_or_has_a_reason():
-    for name, what in ORIGINAL.items():
-        if what == PORTED:
-            assert callable(globals().get(name)), name
-        else:
-            assert what.strip() and "\n" not in what, name
+    assert_ported_or_explained(ORIGINAL, globals())
 
 
 def _remote_body(tmp, arm):

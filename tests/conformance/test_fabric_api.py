@@ -20,9 +20,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
-from tests.conformance.harness_fabric import FREED, fabric, run
+from tests.conformance.harness_fabric import PORTED, assert_ported_or_explained, FREED, fabric, run
 
-PORTED = "ported"
 FABRIC_ONLY = "Fabric's own API on a single device or a mocked strategy: no zeroq behaviour involved"
 ONE_MODEL = "sets up several models on one strategy; a zeroq strategy holds one model and one optimizer (documented)"
 ORIGINAL = {name: FABRIC_ONLY for name in (
@@ -323,9 +322,4 @@ def test_grad_clipping(dist_pool, clip_val, max_norm, arm):
 
 
 def test_every_original_case_is_ported_or_has_a_reason():
-    assert len(ORIGINAL) == 64  # every test function of the original module
-    for name, what in ORIGINAL.items():
-        if what == PORTED:
-            assert callable(globals().get(name)), name
-        else:
-            assert what.strip() and "\n" not in what, name
+    assert_ported_or_explained(ORIGINAL, globals(), 64)

@@ -19,12 +19,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.conformance.harness_fabric import (
+    PORTED,
+    assert_ported_or_explained,
     FREED,
     fabric,
     run,
 )
 
-PORTED = "ported"
 ORIGINAL = {
     "test_deepspeed_multiple_models": PORTED,
     "test_deepspeed_auto_batch_size_config_select": "DeepSpeed's logging batch size in its JSON config; zeroq has no "
@@ -307,8 +308,4 @@ def test_deepspeed_init_module_with_stages_1_2(dist_pool, stage, empty_init):
 
 
 def test_every_original_case_is_ported_or_has_a_reason():
-    for name, what in ORIGINAL.items():
-        if what == PORTED:
-            assert callable(globals().get(name)), name
-        else:
-            assert what.strip() and "\n" not in what, name
+    assert_ported_or_explained(ORIGINAL, globals())

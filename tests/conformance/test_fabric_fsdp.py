@@ -17,10 +17,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from tests.conformance.harness_fabric import FREED, fabric, run
+from tests.conformance.harness_fabric import PORTED, assert_ported_or_explained, FREED, fabric, run
 
 
-PORTED = "ported"
 ORIGINAL = {
     "test_train_save_load": PORTED,
     "test_save_full_state_dict": "FSDP's state_dict_type='full' (one file from fabric.save); zeroq's fabric.save "
@@ -284,8 +283,4 @@ def test_save_sharded_and_consolidate_and_load(dist_pool, tmp_path, stage):
 
 
 def test_every_original_case_is_ported_or_has_a_reason():
-    for name, what in ORIGINAL.items():
-        if what == PORTED:
-            assert callable(globals().get(name)), name
-        else:
-            assert what.strip() and "\n" not in what, name
+    assert_ported_or_explained(ORIGINAL, globals())
