@@ -161,7 +161,8 @@ def _placement(planned: _Planned, pol: Policies, topo: Topology, device: torch.d
     if transient:
         store = shard_store(pol.offload.parameters, device, payload_dtype=wire.payload_dtype, payload_numels=transient,
                             param_dtype=param_dtype, rank=topo.rank, quantized=pol.quantization.weights,
-                            master_on_device=placement.master_on_device, masters_may_move=placement.masters_may_move)
+                            master_on_device=placement.master_on_device, masters_may_move=placement.masters_may_move,
+                            alone=topo.world_size == 1)
         placement.store_built(store)
     return _Placed(placement, wire, store, layouts, transient)
 

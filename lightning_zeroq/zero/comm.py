@@ -33,8 +33,17 @@ def has_flat_collectives(backend: str, torch_version: tuple[int, ...] = _TORCH) 
     return backend != "gloo" or torch_version >= (2, 8)
 
 
+def alone(group: Optional[dist.ProcessGroup]) -> bool:
+    """No other rank in ``group`` (or no process group): a collective on it is a copy at most."""
+    return not is_distributed() or dist.get_world_size(group) == 1
+
+
 def reduce_scatter(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup]) -> None:
-    """``output = sum over ranks of input``, this rank's chunk. ``input`` is ``world_size`` chunks long."""
+    """``output = sum over ranks of input``, this rank's chunk. ``input`` is ``world_size`` chunks long.
+    One rank: a copy on the current stream, not a collective (bitwise the same)."""
+    if alone(group):
+        output.copy_(input)
+        return
     if has_flat_collectives(_backend(group)):
         _reduce_scatter_impl(output, input, op=dist.ReduceOp.SUM, group=group)
         return
@@ -45,8 +54,8 @@ def reduce_scatter(output: Tensor, input: Tensor, group: Optional[dist.ProcessGr
 
 
 def all_gather(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup]) -> None:
-    """``output`` = the ranks' ``input`` tensors concatenated in rank order."""
-    if not is_distributed():
+    """``output`` = the ranks' ``input`` tensors concatenated in rank order (one rank: a copy)."""
+    if alone(group):
         output.copy_(input)
         return
     if has_flat_collectives(_backend(group)):

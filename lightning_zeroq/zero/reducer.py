@@ -232,8 +232,8 @@ class Reducer:
                     flat_grad[slot.span].add_(p.grad.reshape(-1))
                     self._stream.keep_alive(p.grad)
                     p.grad = None
-            # Where a non-finite value came from is only visible before the sum over ranks spreads it.
-            self._origin.logical_or_(~torch.isfinite(flat_grad.sum()))
+            if self.world_size > 1:  # where a non-finite value came from is only visible before the sum spreads it
+                self._origin.logical_or_(~torch.isfinite(flat_grad.sum()))
             unit.add_grad(self.wire.reduce(flat_grad))
             self.gradients.grad_reduced(unit)
         self._reduced[unit.index] = True
@@ -306,7 +306,10 @@ class Reducer:
         if self.units:  # a NaN or inf anywhere in a shard makes its sum non-finite
             bad = (~torch.isfinite(torch.stack([u.grad_sum() for u in self.units]))).float()
             stats[n_params + n_units : n_params + 2 * n_units] = bad
-        stats[n_params + 2 * n_units + self.rank] = self._origin.float()
+            if self.world_size == 1:  # one rank: any non-finite shard came from it
+                stats[n_params + 2 * n_units] = bad.max()
+        if self.world_size > 1:
+            stats[n_params + 2 * n_units + self.rank] = self._origin.float()
         if self.world_size > 1:
             comm.all_reduce(stats, dist.ReduceOp.MAX, self.group)
         # One read-back of everything the step needs to know on the host (``used`` too). Through the copy

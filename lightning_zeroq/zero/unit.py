@@ -26,7 +26,7 @@ stage-3 model larger than one device can be built.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -119,6 +119,10 @@ class Unit:
     """Its fp32 sum and (where ``squares_asked``) sum of squares, measured as it left the device."""
     squares_asked: bool = False
     """A norm of this unit's gradient was asked for (``grad_squares``): measure it as it leaves."""
+    _views: Optional[tuple[Tensor, list[Tensor]]] = field(default=None, repr=False)
+    """``flat`` and its parameters' views, made once: resizing the storage keeps them valid."""
+    _freed: Optional[tuple[Tensor, list[Tensor]]] = field(default=None, repr=False)
+    """``flat`` and the placeholders its freed parameters point at (one element, expanded to each shape)."""
 
     def param_id(self, i: int) -> int:
         return self.first_param_id + i
@@ -208,20 +212,26 @@ class Unit:
 
     def release_storage(self) -> None:
         """Free the working buffer; the parameters become ``FreedParameter``s until ``restore_storage``."""
-        self.flat.untyped_storage().resize_(0)
-        placeholder = torch.zeros(1, dtype=self.flat.dtype, device=self.flat.device)
-        for p, cls in zip(self.params, self.param_classes):
+        flat = self.flat
+        flat.untyped_storage().resize_(0)
+        if self._freed is None or self._freed[0] is not flat:
+            placeholder = torch.zeros(1, dtype=flat.dtype, device=flat.device)
+            self._freed = (flat, [placeholder.expand(p.shape) for p in self.params])
+        for p, freed, cls in zip(self.params, self._freed[1], self.param_classes):
             p.__class__ = cls  # already freed (a publish inside ``gathered_parameters``): set it again
-            p.data = placeholder.expand(p.shape)
+            p.data = freed
             p.__class__ = FreedParameter
 
     def restore_storage(self) -> None:
         """Re-allocate the working buffer (same storage object: the views autograd saved stay valid)
         and point the parameters at it again. The caller fills it."""
-        self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
-        for p, slot, cls in zip(self.params, self.layout.slots, self.param_classes):
+        flat = self.flat
+        flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+        if self._views is None or self._views[0] is not flat:
+            self._views = (flat, [flat[slot.span].view(p.shape) for p, slot in zip(self.params, self.layout.slots)])
+        for p, view, cls in zip(self.params, self._views[1], self.param_classes):
             p.__class__ = cls
-            p.data = self.flat[slot.span].view(p.shape)
+            p.data = view
 
 
 def plan_layouts(specs: Sequence[UnitSpec], world_size: int, align: int) -> list[UnitLayout]:

@@ -477,7 +477,7 @@ def test_stateful_trainer_ckpt_path_support(dist_pool, tmp_path, arm):
 
 
 def _strict_body(tmp, arm, strict_loading, expected):
-    import lightning_zeroq.lightning.checkpoint as glue
+    import lightning_zeroq.checkpoint.api as door
 
     tmp = Path(tmp)
     t = trainer(arm, default_root_dir=tmp, barebones=True, max_steps=1)
@@ -487,7 +487,7 @@ def _strict_body(tmp, arm, strict_loading, expected):
     model.strict_loading = strict_loading
     # The original mocks the module's load_state_dict; zeroq reads the weights into its shards itself
     # (as DeepSpeed's engine does), so the strictness is checked where that read is asked for.
-    with mock.patch.object(glue, "load_engine", wraps=glue.load_engine) as load:
+    with mock.patch.object(door, "load_engine", wraps=door.load_engine) as load:
         trainer(arm, default_root_dir=tmp, barebones=True, max_steps=2).fit(model, ckpt_path=tmp / "checkpoint.ckpt")
     load.assert_called_once_with(ANY, ANY, load_optimizer=True, strict=expected)
 

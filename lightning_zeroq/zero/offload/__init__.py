@@ -90,10 +90,12 @@ def shard_store(
     quantized: bool,
     master_on_device: Callable[[int], bool] = lambda index: True,
     masters_may_move: bool = False,
+    alone: bool = False,
 ) -> ShardStore:
     """The store of stage 3's transient units (``policy``: ``Offload.parameters``; ``payload_numels``: unit
     index -> payload elements; ``quantized``: the payload is INT8; ``master_on_device``: the optimizer
-    placement's answer, per unit; ``masters_may_move``: the placement brings masters to the device later, ``auto.AutoSplit``)."""
+    placement's answer, per unit; ``masters_may_move``: the placement brings masters to the device later, ``auto.AutoSplit``;
+    ``alone``: one rank in the shard group)."""
     if isinstance(policy, Nvme):
         return NvmeStore(device, payload_dtype, payload_numels, nvme_path=policy.path, rank=rank)
     if isinstance(policy, Host):
@@ -102,7 +104,9 @@ def shard_store(
         return DeviceStore(device, payload_dtype, payload_numels)
     # Full width: a master on the device is the working shard (fp32) or is cast at each gather (the
     # bytes a DeviceStore would keep, bitwise); a master off the device leaves its payload on the device.
-    reads_master = MasterAlias() if param_dtype == torch.float32 else CastMaster(param_dtype)
+    # ``alone`` (one rank in the shard group): a gather is a copy into the working buffer, which casts as
+    # it copies, so the master is handed over as it is (no cast into a temporary first; bitwise the same).
+    reads_master = MasterAlias() if param_dtype == torch.float32 or alone else CastMaster(param_dtype)
     on_device = frozenset(i for i in payload_numels if master_on_device(i))
     if len(on_device) == len(payload_numels):
         return reads_master

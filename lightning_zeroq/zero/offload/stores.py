@@ -105,7 +105,8 @@ def master_moved(store: Optional[ShardStore], index: int) -> None:
 
 
 class MasterAlias:
-    """fp32 working weights and masters on the device, full width: gathers read the master itself."""
+    """Masters on the device, full width, and either fp32 working weights or one rank in the shard group
+    (its gather is a copy, which casts): gathers read the master itself."""
 
     def put(self, unit: Unit, payload: Tensor) -> None:
         pass

@@ -108,3 +108,19 @@ def test_fp16_overflow_skips_are_logged_with_the_step_and_the_new_scale(dist_poo
     records = dist_pool(2).run(_overflow_log_body)
     assert any("fp16 overflow in step 1" in m and "loss scale 65536 -> 32768" in m for m in records[0]), records[0]
     assert records[1] == []  # said once, by rank 0
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_one_rank_names_itself_for_nonfinite_gradients(stage):
+    # One rank skips the per-unit origin check (any non-finite shard came from it): the error still names
+    # rank 0 and the parameters, and the model is untouched.
+    torch.manual_seed(0)
+    model = RichModel()
+    engine = ZeroEngine(model, ZeroConfig(stage=stage, **_stage_options(stage)))
+    engine.attach_optimizer(torch.optim.AdamW(param_groups(model)))
+    before = engine.full_state_dict()
+    engine.backward(model.loss(make_batch(0, 0, 0, uniform=True)) * float("nan"))
+    with pytest.raises(RuntimeError, match=r"non-finite gradients .* on rank\(s\) \[0\], in the gradients of"):
+        engine.step()
+    after = engine.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)

@@ -172,7 +172,7 @@ def _cast_master_body(dtype_name: str) -> None:
     forced = copy.deepcopy(model)
     config = ZeroConfig(stage=3, stage3_prefetch_depth=2, **TRANSIENT)
     engine = ZeroEngine(model, config, param_dtype=dtype)
-    with mock.patch("lightning_zeroq.zero.engine.shard_store", _forced_device_store):
+    with mock.patch("lightning_zeroq.zero.build.shard_store", _forced_device_store):
         old = ZeroEngine(forced, config, param_dtype=dtype)
     assert isinstance(engine.gatherer.store, CastMaster) and isinstance(old.gatherer.store, DeviceStore)
     assert sum(not u.persistent for u in engine.units) == 7  # six blocks and the head
@@ -206,7 +206,7 @@ def _split_store_body(dtype_name: str) -> None:
     config = ZeroConfig(stage=3, stage3_prefetch_depth=2, offload_optimizer=True, offload_optimizer_ratio=0.5,
                         **TRANSIENT)
     engine = ZeroEngine(model, config, param_dtype=dtype)
-    with mock.patch("lightning_zeroq.zero.engine.shard_store", _forced_device_store):
+    with mock.patch("lightning_zeroq.zero.build.shard_store", _forced_device_store):
         old = ZeroEngine(forced, config, param_dtype=dtype)
     store = engine.gatherer.store
     assert isinstance(store, SplitStore) and isinstance(old.gatherer.store, DeviceStore)
