@@ -82,12 +82,18 @@ class FullWidth:
     def __init__(self, layouts: Sequence[UnitLayout], param_dtype: torch.dtype,
                  group: Optional[dist.ProcessGroup]) -> None:
         self.layouts, self.payload_dtype, self.group = layouts, param_dtype, group
+        self.alone = comm.alone(group)
+        """One rank in the group: a gather or a sync is a copy, not a collective."""
 
     def payload_numel(self, index: int) -> int:
         return self.layouts[index].shard_numel
 
     def sync(self, unit: Unit, placement: Masters) -> None:
-        comm.all_gather(unit.flat, placement.device_working(unit, self.payload_dtype), self.group)
+        if self.alone:  # one copy, which casts as it copies (bitwise the cast a device_working makes)
+            unit.flat.copy_(unit.master if placement.master_on_device(unit.index)
+                            else placement.device_working(unit, self.payload_dtype))
+        else:
+            comm.all_gather(unit.flat, placement.device_working(unit, self.payload_dtype), self.group)
 
     def encode(self, unit: Unit, placement: Masters) -> Tensor:
         # The step's own working-dtype copy of a host master (the host kernel's), else the master,
@@ -96,7 +102,7 @@ class FullWidth:
         return working if working is not None else unit.master
 
     def gather(self, unit: Unit, payload: Tensor) -> None:
-        if comm.world(self.group)[1] == 1:  # the payload is the unit: one copy, from wherever it rests
+        if self.alone:  # the payload is the unit: one copy, from wherever it rests
             unit.flat.copy_(payload, non_blocking=True)
         else:
             comm.all_gather(unit.flat, on_device(payload, unit.flat.device), self.group)
