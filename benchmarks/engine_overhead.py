@@ -1,5 +1,5 @@
 """The engine's own cost per unit and step, where compute is negligible: a deep, narrow model (``--units``
-residual blocks of one ``--width``-square Linear, each block a unit) on the CPU, one thread, one rank
+residual blocks of ``--linears`` ``--width``-square Linears, each block a unit) on the CPU, one thread, one rank
 (gloo), so a step is the engine's Python and its small per-unit kernels. Arms: ``plain`` (no engine:
 the model with torch's foreach AdamW), ``zeroq2``, ``zeroq3`` (every block a transient unit). The
 overhead per unit is an arm's step time less ``plain``'s, over the units.
@@ -40,10 +40,13 @@ def _worker(args: argparse.Namespace) -> None:
     class Block(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.a = nn.Linear(width, width)
+            self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(args.linears))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + torch.tanh(self.a(x))
+            h = x
+            for layer in self.layers:
+                h = torch.tanh(layer(h))
+            return x + h
 
     def step_fn(arm: str):
         torch.manual_seed(0)
@@ -59,7 +62,7 @@ def _worker(args: argparse.Namespace) -> None:
             return plain
         stage = int(arm[-1])
         options = ({"stage3_wrap_classes": ["Block"], "stage3_param_persistence_threshold": 0} if stage == 3
-                   else {"reduce_bucket_size": width * width + width})
+                   else {"reduce_bucket_size": args.linears * (width * width + width)})
         engine = ZeroEngine(model, ZeroConfig(stage=stage, **options))
         engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True))
 
@@ -88,6 +91,7 @@ def main() -> None:
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--units", type=int, default=32)
     parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--linears", type=int, default=1, help="Linears per block (two parameters each)")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
@@ -95,7 +99,7 @@ def main() -> None:
     parser.add_argument("--repo", default=".", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=29571, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    for name in ("units", "width", "steps", "rounds"):
+    for name in ("units", "width", "linears", "steps", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name}={getattr(args, name)} must be at least 1")
     unknown = [a for a in args.arms.split(",") if a not in ARMS]
@@ -113,7 +117,8 @@ def main() -> None:
         order = repos if round_ % 2 == 0 else list(reversed(repos))
         for repo in order:
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--repo", repo, "--arms", args.arms,
-                   "--units", str(args.units), "--width", str(args.width), "--steps", str(args.steps),
+                   "--units", str(args.units), "--width", str(args.width), "--linears", str(args.linears),
+                   "--steps", str(args.steps),
                    "--warmup", str(args.warmup), "--port", str(args.port + round_)]
             env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
             line = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout.strip().splitlines()[-1]
@@ -123,7 +128,7 @@ def main() -> None:
     medians = {r: {a: statistics.median(v) for a, v in arms.items()} for r, arms in runs.items()}
     for repo in repos:
         m = medians[repo]
-        row = {"repo": repo, "units": args.units, **{f"{a}_ms": round(v * 1e3, 3) for a, v in m.items()}}
+        row = {"repo": repo, "units": args.units, "linears": args.linears, **{f"{a}_ms": round(v * 1e3, 3) for a, v in m.items()}}
         if "plain" in m:
             row.update({f"{a}_per_unit_us": round((v - m["plain"]) / args.units * 1e6, 1)
                         for a, v in m.items() if a != "plain"})
