@@ -328,21 +328,27 @@ def _compiled_regions_per_forward(forward, x) -> int:
     return sum(1 for e in prof.events() if e.name == "CompiledFunction")
 
 
-def test_whole_model_compile_runs_every_stage3_block_compiled():
+@pytest.mark.parametrize("options", [{}, {"quantized_weights": True},
+                                     {"offload_optimizer": True, "offload_parameters": True},
+                                     {"quantized_weights": True, "offload_optimizer": True, "offload_parameters": True}],
+                         ids=["full_width", "int8", "offload", "int8_offload"])
+def test_whole_model_compile_runs_every_stage3_block_compiled(options):
     # ``torch.compile(model)`` of a model that calls its blocks in a loop, stage 3: the graph breaks at the
     # first unit's hook (outside the graph, as FSDP2's), the loop runs eagerly, and every block's forward
-    # runs compiled, one graph for all of them; more blocks than dynamo's recompile limit (8), so a guard
-    # that failed per block would leave the later blocks eager.
+    # runs compiled, one graph for all of them, with INT8 weights and parameter offload too (nothing of
+    # theirs inside a block); more blocks than dynamo's recompile limit (8), so a guard that failed per
+    # block would leave the later blocks eager.
     from lightning_zeroq.cli.gpt import GPTConfig, GPTModel
 
     layers = 10
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     try:
         torch.manual_seed(0)
         model = GPTModel(GPTConfig(n_layer=layers, n_embd=32, n_head=2, block_size=16))
         forward = torch.compile(model)
         engine = ZeroEngine(model, ZeroConfig(stage=3, stage3_wrap_classes=["Block"],
-                                              stage3_param_persistence_threshold=0))
+                                              stage3_param_persistence_threshold=0, **options))
         engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
         x = torch.randint(0, 256, (2, 16))
         for _ in range(2):
@@ -353,5 +359,6 @@ def test_whole_model_compile_runs_every_stage3_block_compiled():
         assert counters["stats"]["unique_graphs"] == 1  # the blocks' graph, shared by every block
         assert sum(counters["graph_break"].values()) == 1, dict(counters["graph_break"])
         assert all(u.state is UnitState.SHARDED for u in engine.units if not u.persistent)
+        engine.close()
     finally:
         torch._dynamo.reset()
