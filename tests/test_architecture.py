@@ -229,8 +229,8 @@ def test_the_roles_and_the_stores_have_one_job_each():
 
 
 def test_only_the_checkpoint_door_and_the_store_name_the_checkpoint_kinds():
-    # What a path is (``store.Kind``) is decided in the store and acted on at the door (``checkpoint/api.py``);
-    # everyone else asks ``Located`` or goes through the door.
+    # What a path is (``store.Kind``) is decided in the store; the door (``checkpoint/api.py``) and everyone
+    # else ask ``Located`` or go through the door.
     allowed = {"checkpoint/store.py", "checkpoint/api.py"}
     offenders = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
                        if str(p.relative_to(PACKAGE)) not in allowed

@@ -11,7 +11,7 @@ to load any checkpoint lightning_zeroq reads. The protocol is written once, here
   Then the loss scaler takes its state back. What the integration does with the trainer state (loops
   and callbacks, Fabric's entries filled in place) stays in its glue.
 
-``Kind`` (``store.py``) is named only here and in the store. ``read_weights`` serves
+What a path is, the store says (``store.classify``, ``Located``). ``read_weights`` serves
 ``LightningModule.load_from_checkpoint(directory)``, which reads without any engine.
 """
 
@@ -26,7 +26,7 @@ from lightning_zeroq.checkpoint.agree import CheckpointError, agree, checkpoint_
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer
 from lightning_zeroq.checkpoint.convert import lightning_checkpoint
 from lightning_zeroq.checkpoint.engine_io import load_engine, save_state
-from lightning_zeroq.checkpoint.store import ENGINE_KEY, Kind, classify
+from lightning_zeroq.checkpoint.store import ENGINE_KEY, classify
 from lightning_zeroq.zero.state_dict import ShardedParts
 
 ReadFile = Callable[[Path, Any], tuple[Any, bool]]
@@ -48,11 +48,17 @@ class Loaded:
     its weights (and optimizer state) are loaded, its trainer state is the caller's to make."""
 
 
+def with_engine_state(engine: Optional[ShardedParts], trainer_state: dict) -> dict:
+    """``trainer_state`` and the engine's own state beside it (its loss scaler, under ``ENGINE_KEY``), as
+    ``load`` restores it: a directory's trainer state, or a single file's top level."""
+    if engine is None or engine.loss_scaler is None:
+        return trainer_state
+    return {**trainer_state, ENGINE_KEY: {"loss_scaler": engine.loss_scaler.state_dict()}}
+
+
 def save(engine: ShardedParts, path: Path, state: dict, trainer_state: dict, checkpointer: Checkpointer) -> None:
     """Collective: ``state`` (the engine's sharded entries) and ``trainer_state`` (JSON) to ``path``."""
-    if engine.loss_scaler is not None:
-        trainer_state = {**trainer_state, ENGINE_KEY: {"loss_scaler": engine.loss_scaler.state_dict()}}
-    save_state(engine, path, state, trainer_state, checkpointer)
+    save_state(engine, path, state, with_engine_state(engine, trainer_state), checkpointer)
 
 
 def load(engine: Optional[ShardedParts], path: Any, *, optimizer: bool, strict: bool, checkpointer: Checkpointer,
@@ -63,13 +69,13 @@ def load(engine: Optional[ShardedParts], path: Any, *, optimizer: bool, strict: 
     path = Path(path)
     group = checkpoint_group()
     located = classify(path)
-    if located.kind is Kind.FILE or deepspeed.is_deepspeed(path):
+    if located.is_single_file or deepspeed.is_deepspeed(path):
         trainer_state, weights_loaded = read_file(path, group)
         _restore_loss_scaler(engine, trainer_state)
         return Loaded(trainer_state, weights_loaded)
     if engine is None:
         problem: Optional[str] = f"{path} cannot be loaded before the strategy has set up its engine."
-    elif located.kind is Kind.MISSING and located.directory is not None:
+    elif located.displaced is not None:
         problem = None  # an interrupted save displaced it: open_checkpoint loads the displaced one, and says so
     else:
         problem = located.error()
@@ -77,7 +83,7 @@ def load(engine: Optional[ShardedParts], path: Any, *, optimizer: bool, strict: 
     assert engine is not None  # agreed above
     trainer_state = load_engine(engine, path, load_optimizer=optimizer, strict=strict)
     _restore_loss_scaler(engine, trainer_state)
-    return Loaded(trainer_state, True, foreign=located.kind is Kind.DCP)
+    return Loaded(trainer_state, True, foreign=located.is_foreign)
 
 
 def _restore_loss_scaler(engine: Optional[ShardedParts], trainer_state: Any) -> None:
@@ -92,8 +98,8 @@ def read_weights(path: Path, map_location: Any = None) -> Optional[dict]:
     process group: ``load_from_checkpoint``); None for what is not a directory checkpoint (a single file
     is the caller's to read); a file inside a checkpoint directory is an error naming the directory."""
     located = classify(Path(path))
-    if located.kind in (Kind.ZEROQ, Kind.DCP):
+    if located.is_directory_checkpoint:
         return lightning_checkpoint(located.path, map_location)
-    if located.kind is Kind.INSIDE:
+    if located.is_inside:
         raise CheckpointError(located.error())
     return None

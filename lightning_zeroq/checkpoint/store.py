@@ -14,8 +14,8 @@ the module's ``state_dict()`` and ``optimizer_0.state.<name>.<key>`` /
 
 ``classify`` says what a user's path is (a ZeroQ checkpoint, another DCP checkpoint, a single
 file, a file inside a checkpoint directory, nothing), and ``Located`` answers the questions a loader
-asks of it (``Kind`` itself is named only here and in ``api.py``, the door both integrations load
-through); ``validate`` checks a ZeroQ directory completely (manifest, metadata, every file's size
+asks of it (``Kind`` itself is named only here; ``api.py``, the door both integrations load through,
+asks ``Located``); ``validate`` checks a ZeroQ directory completely (manifest, metadata, every file's size
 and header) without reading any tensor, through ``Files``: the directory and each file opened once,
 the handles every later read of the load goes through.
 """

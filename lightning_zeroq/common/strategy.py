@@ -34,10 +34,9 @@ from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.common.migration import unknown_options_message
 from lightning_zeroq.common.precision import ZeroQPrecision
 from lightning_zeroq.common.watchdog import JOIN_TIMEOUT, start_watchdog, stop_watchdog
-from lightning_zeroq.zero.engine import owning_engine
 from lightning_zeroq.zero.choose import Choice, check_fits, choose
+from lightning_zeroq.zero.engine import ZeroEngine, owning_engine
 from lightning_zeroq.zero.policies import Chosen, OnDevice, auto_request, resolve
-from lightning_zeroq.zero.engine import ZeroEngine
 from lightning_zeroq.zero.materialize import parameters_on_meta
 
 def local_checkpoint_path(path: Any) -> Path:

@@ -33,7 +33,7 @@ from torch import Tensor
 from lightning_zeroq.checkpoint import api, atomic, codec, deepspeed
 from lightning_zeroq.checkpoint.agree import agree, checkpoint_group, describe
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer
-from lightning_zeroq.checkpoint.store import ENGINE_KEY, LIGHTNING_META, MODEL_KEY, OPTIMIZER_KEY
+from lightning_zeroq.checkpoint.store import LIGHTNING_META, MODEL_KEY, OPTIMIZER_KEY
 from lightning_zeroq.checkpoint.torch_file import load_torch_optimizer_state, torch_load
 from lightning_zeroq.zero import state_dict as zsd
 from lightning_zeroq.zero.state_dict import ShardedParts
@@ -155,9 +155,7 @@ def save_single_file(strategy: Owner, checkpoint: dict, path: Path, checkpointer
                     model[key] = weights[key]
                 elif isinstance(given.get(key, value), Tensor):
                     model[key] = given.get(key, value).detach().cpu()
-            out["state_dict"] = model
-            if engine is not None and engine.loss_scaler is not None:
-                out[ENGINE_KEY] = {"loss_scaler": engine.loss_scaler.state_dict()}
+            out = api.with_engine_state(engine, {**out, "state_dict": model})
             path.parent.mkdir(parents=True, exist_ok=True)
             with atomic.new_file(path) as (fd, _):
                 with os.fdopen(fd, "wb") as f:  # written through the descriptor mkstemp opened

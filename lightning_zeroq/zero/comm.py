@@ -107,7 +107,7 @@ def duplicate(group: Optional[dist.ProcessGroup], world_group: Optional[dist.Pro
     the calling thread's, as each group keeps its own. Every rank of the default group calls it: the
     groups are made in the same order everywhere, each under a name of its own. Without a process group,
     or with one rank, there is nothing to communicate: ``group`` itself."""
-    if not is_distributed() or dist.get_world_size(group) == 1:
+    if alone(group):
         return group
     everyone = list(range(dist.get_world_size()))
     world = dist.get_process_group_ranks(world_group) if world_group is not None else everyone

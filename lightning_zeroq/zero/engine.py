@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Optional
+from typing import Any, Generic, Optional, TypeVar, overload
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
 from lightning_zeroq.zero.offload import OptimizerPlacement
 from lightning_zeroq.zero.offload.ahead import InStep
 from lightning_zeroq.zero.offload.host_need import HostBudget
+from lightning_zeroq.zero.optimizers import Binding
 from lightning_zeroq.zero.policies import Policies
 from lightning_zeroq.zero.reducer import Reducer, Window
 from lightning_zeroq.zero.stage3 import Stage3Coordinator
@@ -41,6 +42,26 @@ from lightning_zeroq.zero.unit import Unit
 from lightning_zeroq.zero.update import Stepper
 
 _ENGINES: "weakref.WeakSet[ZeroEngine]" = weakref.WeakSet()
+T = TypeVar("T")
+
+
+class _OfParts(Generic[T]):
+    """A read-only attribute of the engine: its parts' attribute of the same name (``build.Parts``)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, engine: None, owner: type) -> "_OfParts[T]": ...
+
+    @overload
+    def __get__(self, engine: "ZeroEngine", owner: type) -> T: ...
+
+    def __get__(self, engine: Optional["ZeroEngine"], owner: type) -> Any:
+        return self if engine is None else getattr(engine.parts, self.name)
+
+    def __set__(self, engine: "ZeroEngine", value: Any) -> None:
+        raise AttributeError(f"ZeroEngine.{self.name} is read-only (it is the engine's parts.{self.name})")
 
 
 def owning_engine(module: nn.Module) -> Optional["ZeroEngine"]:
@@ -88,97 +109,28 @@ class ZeroEngine:
 
     # ------------------------------------------------------------------ the parts, read-only
 
-    @property
-    def module(self) -> nn.Module:
-        return self.parts.module
-
-    @property
-    def policies(self) -> Policies:
-        return self.parts.policies
-
-    @property
-    def param_dtype(self) -> torch.dtype:
-        return self.parts.param_dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.parts.device
-
-    @property
-    def units(self) -> list[Unit]:
-        return self.parts.units
-
-    @property
-    def placement(self) -> OptimizerPlacement:
-        return self.parts.placement
-
-    @property
-    def gatherer(self) -> Gatherer:
-        return self.parts.gatherer
-
-    @property
-    def reducer(self) -> Reducer:
-        return self.parts.reducer
-
-    @property
-    def stage3(self) -> Optional[Stage3Coordinator]:
-        return self.parts.stage3
-
-    @property
-    def ahead(self) -> InStep:
-        return self.parts.ahead
-
-    @property
-    def host_memory(self) -> HostBudget:
-        return self.parts.host_memory
-
-    @property
-    def loss_scaler(self) -> Optional[DynamicLossScaler]:
-        return self.parts.loss_scaler
-
-    @property
-    def topology(self) -> Topology:
-        return self.parts.topology
-
-    @property
-    def world_group(self) -> Optional[dist.ProcessGroup]:
-        """All data-parallel ranks: the first broadcast and the step's agreement."""
-        return self.parts.world_group
-
-    @property
-    def group(self) -> Optional[dist.ProcessGroup]:
-        """The shard group (the world without hybrid sharding, ``hybrid.py``)."""
-        return self.parts.group
-
-    @property
-    def replica_group(self) -> Optional[dist.ProcessGroup]:
-        return self.parts.replica_group
-
-    @property
-    def rank(self) -> int:
-        return self.parts.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.parts.world_size
-
-    @property
-    def replica_rank(self) -> int:
-        return self.parts.replica_rank
-
-    @property
-    def num_groups(self) -> int:
-        return self.parts.num_groups
-
-    @property
-    def retired(self) -> bool:
-        """``release_module`` handed the module back; the state stays readable, training is over."""
-        return self.parts.retired
-
-    @property
-    def closed(self) -> bool:
-        """``close`` ran: the state is released (NVMe's masters were in the swap files); a save refuses it."""
-        return self.parts.closed
+    module: _OfParts[nn.Module] = _OfParts()
+    policies: _OfParts[Policies] = _OfParts()
+    param_dtype: _OfParts[torch.dtype] = _OfParts()
+    device: _OfParts[torch.device] = _OfParts()
+    units: _OfParts[list[Unit]] = _OfParts()
+    placement: _OfParts[OptimizerPlacement] = _OfParts()
+    gatherer: _OfParts[Gatherer] = _OfParts()
+    reducer: _OfParts[Reducer] = _OfParts()
+    stage3: _OfParts[Optional[Stage3Coordinator]] = _OfParts()
+    ahead: _OfParts[InStep] = _OfParts()
+    host_memory: _OfParts[HostBudget] = _OfParts()
+    loss_scaler: _OfParts[Optional[DynamicLossScaler]] = _OfParts()
+    topology: _OfParts[Topology] = _OfParts()
+    world_group: _OfParts[Optional[dist.ProcessGroup]] = _OfParts()  # every rank: the first broadcast, the agreement
+    group: _OfParts[Optional[dist.ProcessGroup]] = _OfParts()  # the shard group (the world without hybrid sharding)
+    replica_group: _OfParts[Optional[dist.ProcessGroup]] = _OfParts()
+    rank: _OfParts[int] = _OfParts()
+    world_size: _OfParts[int] = _OfParts()
+    replica_rank: _OfParts[int] = _OfParts()
+    num_groups: _OfParts[int] = _OfParts()
+    retired: _OfParts[bool] = _OfParts()  # release_module handed the module back: readable, no more training
+    closed: _OfParts[bool] = _OfParts()  # close() released the state (NVMe's masters were in the swap files)
 
     @property
     def steps(self) -> int:
@@ -218,7 +170,8 @@ class ZeroEngine:
         """
         self.stepper.attach(optimizer)
 
-    def _binding(self, optimizer: Optional[torch.optim.Optimizer]):  # noqa: ANN202  (tests read the binding)
+    def _binding(self, optimizer: Optional[torch.optim.Optimizer]) -> Binding:
+        """``optimizer``'s binding to the master segments (``Stepper.binding``)."""
         return self.stepper.binding(optimizer)
 
     # ------------------------------------------------------------------ backward

@@ -89,9 +89,8 @@ class FullWidth:
         return self.layouts[index].shard_numel
 
     def sync(self, unit: Unit, placement: Masters) -> None:
-        if self.alone:  # one copy, which casts as it copies (bitwise the cast a device_working makes)
-            unit.flat.copy_(unit.master if placement.master_on_device(unit.index)
-                            else placement.device_working(unit, self.payload_dtype))
+        if self.alone and placement.master_on_device(unit.index):  # one copy that casts: no temporary
+            unit.flat.copy_(unit.master)
         else:
             comm.all_gather(unit.flat, placement.device_working(unit, self.payload_dtype), self.group)
 

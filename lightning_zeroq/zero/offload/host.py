@@ -67,7 +67,7 @@ class HostOptimizer(OptimizerPlacement):
         self._stepping = False
         self.pin = device.type == "cuda"
         self.param_dtype, self.world_size = param_dtype, world_size
-        self._settlers: list[Callable[[], None]] = []
+        self._drain: Optional[Callable[[], None]] = None
         self.landing = GradientLanding(device, self.pin, self.settle)
         self.multiplier: dict[int, float] = {}
         """Units whose host gradient still owes this multiplier (the kernel applies it as it steps)."""
@@ -81,13 +81,13 @@ class HostOptimizer(OptimizerPlacement):
 
     def settle_with(self, drain: Callable[[], None]) -> None:
         """An asynchronous step (``ahead.StepAhead``) registers the wait for its work: ``settle`` calls it."""
-        self._settlers.append(drain)
+        self._drain = drain
 
     def settle(self) -> None:
         """Wait for an asynchronous step still running: called before anything here reads or writes host
         gradients, masters or state outside it."""
-        for drain in self._settlers:
-            drain()
+        if self._drain is not None:
+            self._drain()
 
     def adopt_master(self, index: int, shard: Tensor) -> Tensor:
         master = host_copy(shard, self.pin)
