@@ -8,13 +8,14 @@ candidate ``ZeroConfig``:
   the engine's own kinds (``ZeroEngine.memory_report``), computed from the unit
   layouts the engine would make for that configuration (``plan.plan``, ``unit.plan_layouts``): fp32
   masters and optimizer state of the units stepped on the device, the working weights of the
-  persistent units, the stored shards of stage 3's transient units, two of the largest transient unit
-  (the one in use and the one gathered ahead); then the larger of the backward's start (the
-  activations autograd saves, traced in one forward on the meta device, with attention and RMSNorm
-  counted as their CUDA kernels save them, and the gradient of the largest of them, the loss's input)
-  and the step (the fp32 gradient shards). With activation
-  checkpointing of the repeated blocks, their saved tensors become each block's input, plus one
-  block's own while it is recomputed.
+  persistent units, the stored shards of stage 3's transient units; then the largest of three moments
+  of the step (``phases``): the loss's backward (every activation autograd saves, traced in one forward
+  on the meta device with attention and RMSNorm counted as their CUDA kernels save them, and the two
+  gradients of the largest of them, the loss's input, coming in and going out; no transient unit is
+  gathered then), a block's backward (two of the largest transient unit gathered, its gradients, the
+  activations less the loss's input, the block being recomputed) and the step (the fp32 gradient
+  shards and the optimizer's temporaries). With activation checkpointing of the repeated blocks, their
+  saved tensors become each block's input, plus one block's own while it is recomputed.
 - *Host bytes* are what the engine's host check counts (``offload/host_need.py``), the same
   functions, so the plan and the check before launch agree.
 - *Disk bytes*: the swap files of NVMe offload (master and state of the swapped units; stage-3
@@ -82,6 +83,10 @@ class Machine:
     device_bytes_per_s: float = 3e12
     """The device's memory bandwidth (read and write together): its optimizer step moves
     ``DEVICE_STEP_BYTES`` per element stepped there."""
+    device_workspace_bytes: int = 64 << 20
+    """Device memory allocated throughout beside the engine's and the model's: the CUDA libraries'
+    workspaces (cuBLAS) and the step's small tensors (measured: 0.06-0.07 GiB in each of the 17 runs of
+    ``docs/plan.md``)."""
     block_seconds: Optional[tuple[float, float]] = None
     """One repeated block's forward, and forward plus backward, timed on the device at the planned
     micro-batch (``calibrate.block_seconds``); None: the blocks' compute from ``matmul_flops``."""
@@ -110,11 +115,11 @@ class Activations:
     """Their parameters' elements, together."""
 
     def with_checkpointing(self, share: float = 1.0) -> int:
-        """Saved when ``share`` of the blocks recompute (they keep only their inputs, plus one block's own
-        while it is recomputed)."""
+        """Saved when ``share`` of the blocks recompute: they keep only their inputs (a block's own are
+        held again while it is recomputed: ``largest_block``, at a block's backward)."""
         if share <= 0:
             return self.total
-        return int(self.total - share * (self.in_blocks - self.block_inputs)) + self.largest_block
+        return int(self.total - share * (self.in_blocks - self.block_inputs))
 
 
 @dataclass(frozen=True)
@@ -154,17 +159,35 @@ def describe(machine: Machine) -> str:
             f"elements/s, PCIe {machine.pcie_bytes_per_s / 1e9:.1f} GB/s, disk {machine.nvme_bytes_per_s / 1e9:.2f} GB/s")
 
 
-TRANSIENT = ("activations", "loss_gradient", "gradient_shards", "step_temporaries")
-"""The kinds held only at one end of the step: the backward's start, or the optimizer's step."""
+TRANSIENT = ("activations", "loss_gradients", "loss_input", "gathered_units", "unit_gradients", "recomputed_block",
+             "gradient_shards", "step_temporaries")
+"""The kinds held only at some moments of the step (``phases``); the others are held throughout."""
+
+
+def phases(device: dict[str, int]) -> dict[str, int]:
+    """The device bytes allocated at the three moments of a step that can peak:
+
+    - the loss's backward: every activation, and the loss input's gradients coming in and going out
+      (a cross-entropy's log-softmax backward holds its saved output, its incoming gradient and the one
+      it makes, each the size of the logits in fp32); the forward has freed its last transient unit and
+      the backward gathers its first after this;
+    - a block's backward: two of the largest transient unit gathered (the one in use, the one ahead), its
+      gradients in the working dtype, the activations less the loss's input (freed by then), and with
+      checkpointing the block being recomputed;
+    - the step: the fp32 gradient shards and the optimizer's temporaries.
+    """
+    held = sum(v for k, v in device.items() if k not in TRANSIENT)
+    return {
+        "loss backward": held + device["activations"] + device["loss_gradients"],
+        "block backward": held + device["gathered_units"] + device["unit_gradients"] + device["activations"]
+        - device["loss_input"] + device["recomputed_block"],
+        "step": held + device["gradient_shards"] + device.get("step_temporaries", 0),
+    }
 
 
 def peak_allocated(device: dict[str, int]) -> int:
-    """The peak of ``device``'s kinds: the state, the gathered units, and the larger of the backward's
-    start (every activation, and the gradient of the largest) and the step (the fp32 gradient shards
-    and the optimizer's temporaries)."""
-    held = sum(v for k, v in device.items() if k not in TRANSIENT)
-    return held + max(device["activations"] + device["loss_gradient"],
-                      device["gradient_shards"] + device.get("step_temporaries", 0))
+    """The peak of ``device``'s kinds: the largest of ``phases``."""
+    return max(phases(device).values())
 
 
 def _flash_like(q: Tensor, k: Tensor, v: Tensor, attn_mask: Any = None, dropout_p: float = 0.0,
@@ -188,23 +211,25 @@ class _Saves(torch.autograd.Function):
 
 
 def _fused_rms_norm(x: Tensor, normalized_shape: Any, weight: Optional[Tensor] = None, eps: Any = None) -> Tensor:
-    """RMSNorm's memory as CUDA's fused kernel has it: saves the input and one fp32 statistic per row
-    (decomposed, as on the meta device and the CPU, it would save fp32 intermediates too)."""
+    """RMSNorm's memory as CUDA's fused kernel (``aten::_fused_rms_norm``) has it: one kernel scales by the
+    weight too, and its backward keeps the input, one fp32 statistic per row and the weight (decomposed, as
+    on the meta device and the CPU, it would also save the normalized input before the weight's product,
+    and fp32 intermediates)."""
     rows = x.shape[: x.dim() - len(tuple(normalized_shape))]
     stat = torch.empty(*rows, 1, dtype=torch.float32, device=x.device)
-    out = _Norm.apply(x, stat)
-    return out * weight if weight is not None else out
+    return _Norm.apply(x, stat, weight)
 
 
 class _Norm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, stat: Tensor) -> Tensor:
-        ctx.save_for_backward(x, stat)
+    def forward(ctx: Any, x: Tensor, stat: Tensor, weight: Optional[Tensor]) -> Tensor:
+        ctx.save_for_backward(x, stat, weight)
         return torch.empty_like(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return torch.empty_like(grad), None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, Optional[Tensor]]:
+        weight = ctx.saved_tensors[2]
+        return torch.empty_like(grad), None, None if weight is None else torch.empty_like(weight)
 
 
 @contextlib.contextmanager
@@ -303,8 +328,12 @@ def plan_config(model: nn.Module, config: ZeroConfig, activations: Activations, 
     align = math.lcm(ALIGN, policies.quantization.group_size) if policies.quantization.any else ALIGN
     layouts = plan_layouts(specs, world_size, align)
     device = device_kinds(layouts, [s.persistent for s in specs], policies.offload, param_dtype, state_bytes, rank)
+    device["workspaces"] = machine.device_workspace_bytes
     device["activations"] = activations.with_checkpointing(checkpointing)
-    device["loss_gradient"] = activations.largest
+    device["loss_input"] = activations.largest
+    device["loss_gradients"] = 2 * activations.largest
+    device["recomputed_block"] = activations.largest_block if checkpointing > 0 else 0
+    device["unit_gradients"] = device["gathered_units"] // 2
     # torch's multi-tensor (foreach) Adam/AdamW, its default on a GPU, makes the square root of every
     # second moment it steps at once: 4 bytes per element stepped on the device (fused: none).
     device["step_temporaries"] = device["masters"] * step_temporary_bytes // 4
@@ -327,13 +356,32 @@ def plan_config(model: nn.Module, config: ZeroConfig, activations: Activations, 
     return Need(name, config, checkpointing, device, dict(host.parts), nvme, step, not why, "; ".join(why), reserved)
 
 
+def _engine_passes(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequence[UnitSpec],
+                   param_dtype: torch.dtype) -> int:
+    """Device memory traffic of the engine's own passes in a step, beside the model's: each gradient read
+    in the working dtype and reduced into its fp32 shard (the units stepped on the device), and in stage
+    3 each transient unit gathered twice (the forward's, the backward's): written in the working dtype,
+    from its fp32 master where that is on the device, else from its stored shard (parameters on the
+    device) or from the host (read over PCIe, not here)."""
+    offload, itemsize = policies.offload, param_dtype.itemsize
+    off = units_off_device(offload.optimizer, layouts)
+    total = sum(itemsize * layouts[i].padded_numel + 4 * layouts[i].shard_numel
+                for i in range(len(layouts)) if i not in off)
+    params_here = isinstance(offload.parameters, OnDevice)
+    for i in range(len(layouts)):
+        if not specs[i].persistent:
+            read = 4 if i not in off else itemsize if params_here else 0
+            total += 2 * (read * layouts[i].shard_numel + itemsize * layouts[i].padded_numel)
+    return total
+
+
 def _step_seconds(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequence[UnitSpec], activations: Activations,
                   device_elements: int, host_elements: int,
                   nvme_bytes: int, tokens: int, checkpointing: float, machine: Machine, param_dtype: torch.dtype) -> float:
-    """The larger of the compute and what crosses PCIe beside it (gradients landing, stage 3's
-    parameters coming up), plus the optimizer step on the device (``device_elements``, memory bound)
-    and on the host, the new weights going up after it, and NVMe traffic (``nvme_bytes`` read and
-    written)."""
+    """The larger of the compute (the model's, and the engine's own passes over device memory) and what
+    crosses PCIe beside it (gradients landing, stage 3's parameters coming up), plus the optimizer step
+    on the device (``device_elements``, memory bound) and on the host, the new weights going up as it
+    goes (one unit's copy after it), and NVMe traffic (``nvme_bytes`` read and written)."""
     params = sum(layout.numel for layout in layouts)
     compute = (6 + 2 * checkpointing) * params * tokens / machine.matmul_flops
     if machine.block_seconds is not None and activations.blocks:
@@ -343,14 +391,22 @@ def _step_seconds(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequ
     host = host_elements / machine.host_step_elements_per_s
     host += device_elements * DEVICE_STEP_BYTES / machine.device_bytes_per_s  # the step's device part, then the host's
     offload = policies.offload
-    beside, after = 0, 0  # bytes over PCIe per step and rank: beside the compute, and after the host step
+    compute += _engine_passes(policies, layouts, specs, param_dtype) / machine.device_bytes_per_s
+    beside, after = 0, 0.0  # bytes over PCIe per step and rank: beside the compute, and after the host step
     if not isinstance(offload.optimizer, OnDevice):
         moved = sum(layouts[i].shard_numel for i in units_off_device(offload.optimizer, layouts))
         beside += param_dtype.itemsize * moved  # the gradients land during the backward
-        after += param_dtype.itemsize * moved  # the new weights go up after the host step
+        # the new weights go up unit by unit as the host steps the next (``offload/host.py``): one unit's
+        # copy waits for the host step's end, the rest ride beside it
+        largest = max((layouts[i].shard_numel for i in units_off_device(offload.optimizer, layouts)), default=0)
+        host_s = host_elements / machine.host_step_elements_per_s
+        after += param_dtype.itemsize * largest + max(0.0, param_dtype.itemsize * (moved - largest)
+                                                      - host_s * machine.pcie_bytes_per_s)
     if not isinstance(offload.parameters, OnDevice):
-        transient = sum(layouts[i].shard_numel for i in range(len(layouts)) if not specs[i].persistent)
-        beside += 2 * param_dtype.itemsize * transient  # gathered for the forward and again for the backward
+        transient = [i for i in range(len(layouts)) if not specs[i].persistent]
+        beside += 2 * param_dtype.itemsize * sum(layouts[i].shard_numel for i in transient)  # forward and backward
+        stepped_here = set(transient) - units_off_device(offload.optimizer, layouts)
+        after += param_dtype.itemsize * sum(layouts[i].shard_numel for i in stepped_here)  # new weights to the host
     nvme = 2 * nvme_bytes / machine.nvme_bytes_per_s
     return max(compute, beside / machine.pcie_bytes_per_s) + host + after / machine.pcie_bytes_per_s + nvme
 
