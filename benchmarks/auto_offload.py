@@ -12,6 +12,10 @@ measured peak and step). Every run is a process of its own (``lightning_zeroq.cl
 
     python benchmarks/auto_offload.py --dim 2048 --layers 16 --heads 16 --ffn 5632 --batch 8 --seq 1024 \\
         --out results.jsonl
+
+``--replay FILE`` runs nothing: it plans the grid points of an earlier ``--out FILE`` with this version
+and prints the planned peaks beside the measured ones, and what ``offload="auto"`` would choose under
+that file's budgets with the rates given (``--block-ms`` and the like, as ``zeroq-plan`` takes them).
 """
 
 from __future__ import annotations
@@ -53,10 +57,17 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--peak-gib", type=float, default=None,
                         help="the no-offload peak measured before: run only the auto arms (the grid is in an earlier file)")
+    parser.add_argument("--replay", default=None, metavar="FILE",
+                        help="plan the grid and the auto arms of FILE with this version beside its measurements")
+    parser.add_argument("--block-ms", default=None, help="with --replay: one block's forward,forward+backward ms")
+    for name, default in (("tflops", 400.0), ("device-tbs", 3.0), ("host-elements-per-s", 5.0e9), ("pcie-gbs", 40.0)):
+        parser.add_argument(f"--{name}", type=float, default=default, help="with --replay: the rate to plan with")
     args = parser.parse_args()
     gpt = dict(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.dim,
                ffn_hidden=args.ffn, norm="rmsnorm", mlp="swiglu", bias=False, learned_positions=False,
                tie_embeddings=False, init="torch")
+    if args.replay:
+        return replay(args, gpt)
     base = {"gpt": gpt, "batch": args.batch, "seq": args.seq, "warmup": args.warmup, "steps": args.steps}
     out = open(args.out, "a") if args.out else None
 
@@ -104,6 +115,57 @@ def main() -> int:
         print(f"| {budget} | {auto.get('chosen')} | {auto['allocated_GiB']} / {auto['reserved_GiB']} | {auto['step_s']:.4f} | "
               f"{best['arm'] if best else 'none fits'} | {best['step_s'] if best else '-'} | {ratio} |")
     return 0
+
+
+def replay(args: argparse.Namespace, gpt: dict) -> int:
+    """The grid's points planned by this version beside their measured peaks, and ``offload="auto"``'s choice
+    under each budget of the file beside the choice measured then."""
+    import torch
+    import torch.nn.functional as F
+
+    from lightning_zeroq import ZeroConfig, choose
+    from lightning_zeroq.cli.gpt import GPTConfig, GPTModel
+    from lightning_zeroq.zero.plan import repeated_blocks
+    from lightning_zeroq.zero.planner import Machine, plan_config, trace_activations
+
+    rows = [json.loads(line) for line in Path(args.replay).read_text().splitlines() if line.strip()]
+    with torch.device("meta"):
+        model = GPTModel(GPTConfig(**gpt)).to(torch.bfloat16)
+    tokens = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
+
+    def forward(m: torch.nn.Module) -> torch.Tensor:
+        logits = m(tokens)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens.reshape(-1))
+
+    block = tuple(float(v) / 1e3 for v in args.block_ms.split(",")) if args.block_ms else None
+    machine = Machine(matmul_flops=args.tflops * 1e12, host_step_elements_per_s=args.host_elements_per_s,
+                      pcie_bytes_per_s=args.pcie_gbs * 1e9, device_bytes_per_s=args.device_tbs * 1e12,
+                      block_seconds=block)
+    activations = trace_activations(model, forward, repeated_blocks(model))
+    points = {name: (fields, ckpt) for name, fields, ckpt in grid(args.stage)}
+    print("| point | allocated GiB planned / measured | reserved GiB planned / measured |\n|---|---|---|")
+    for row in rows:
+        if row["arm"] in points and "allocated_GiB" in row:
+            fields, ckpt = points[row["arm"]]
+            need = plan_config(model, ZeroConfig(**fields), activations, name=row["arm"], tokens=args.batch * args.seq,
+                               checkpointing=float(ckpt), machine=machine)
+            print(f"| {row['arm']} | {_versus(need.device_total / GIB, row['allocated_GiB'])} | "
+                  f"{_versus(need.reserved / GIB, row['reserved_GiB'])} |")
+    print("\n| budget GiB | auto chose then (measured peak GiB) | this version chooses (planned peak GiB) |\n|---|---|---|")
+    for row in rows:
+        if row["arm"].startswith("auto") and "budget_GiB" in row:
+            config = ZeroConfig(stage=args.stage, offload="auto", activation_checkpointing_policy="auto",
+                                offload_memory_budget=row["budget_GiB"])
+            picked = choose(model, config, forward, machine=machine, device=torch.device("cpu"),
+                            param_dtype=torch.bfloat16, apply=False)
+            need = picked.need
+            now = f"{need.name} ({need.device_total / GIB:.2f})" if need is not None else picked.line
+            print(f"| {row['budget_GiB']} | {row.get('chosen')} ({row.get('allocated_GiB')}) | {now} |")
+    return 0
+
+
+def _versus(planned: float, measured: float) -> str:
+    return f"{planned:.2f} / {measured} ({100 * (planned - measured) / measured:+.0f}%)"
 
 
 if __name__ == "__main__":

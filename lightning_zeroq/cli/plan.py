@@ -22,7 +22,8 @@ space at ``--nvme-path``). Exit status: 0 if some configuration fits, 1 if none 
 machine, each in a process of its own (``cli/measure.py``), and prints the measured peaks (device
 allocated and reserved, host), step time and tokens/s beside the predicted ones, with the error in per
 cent; a configuration that fails to run is listed with its one-line error. ``--json FILE`` writes
-every planned and measured row.
+every planned and measured row; ``--against FILE`` prints this plan beside the measured rows of such a
+file, running nothing (a new plan model checked against measurements made before it).
 """
 
 from __future__ import annotations
@@ -170,12 +171,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     check.add_argument("--warmup", type=int, default=2, help="with --measure: untimed steps first")
     check.add_argument("--timeout", type=float, default=600.0, help="with --measure: seconds per configuration")
     check.add_argument("--json", default=None, help="write the planned (and measured) rows to this file")
+    check.add_argument("--against", default=None, metavar="FILE",
+                       help="print this plan beside the measured rows of an earlier --measure --json FILE (same "
+                            "shape and rates given as flags), without running anything")
     args = parser.parse_args(argv)
     if args.measure is not None and args.measure < 0:
         parser.error(f"--measure {args.measure}: give how many configurations to run (0 or none: all that fit)")
     for name in ("steps", "warmup"):
         if getattr(args, name) < (1 if name == "steps" else 0):
             parser.error(f"--{name}={getattr(args, name)}: give a whole number, {1 if name == 'steps' else 0} or more")
+    if args.against is not None and args.measure is not None:
+        parser.error("--against FILE compares with rows measured before; --measure measures now: give one of them")
     if args.overrides and not args.recipe:
         parser.error(f"{args.overrides}: overrides need --recipe NAME (the model's shape is given by flags otherwise)")
     for name in ("dim", "layers", "heads", "ffn", "vocab", "batch", "seq", "world_size", "ranks_per_node"):
@@ -230,6 +236,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             chosen = [n for n in needs if n.name in names]
         chosen = chosen[: args.measure or None]
         rows = measure_all(chosen, rows, cfg, args)
+    if args.against is not None:
+        rows = against(rows, args.against, parser)
     if args.json:
         Path(args.json).write_text("".join(json.dumps(row) + "\n" for row in rows))
     return 0 if best else 1
@@ -270,6 +278,40 @@ def measure_all(chosen: list[Need], rows: list[dict], cfg: GPTConfig, args: argp
         rate = "/".join(f"{tokens / s:,.0f}" if s else "-" for s in (need.step_s, got["step_s"]))
         print(f"| {need.name} | {_pair(row, 'allocated_GiB')} | {_pair(row, 'reserved_GiB')} | "
               f"{_pair(row, 'host_GiB')} | {_pair(row, 'step_s')} | {rate} |", flush=True)
+    return rows
+
+
+KINDS = (("allocated_GiB", 0.05), ("reserved_GiB", 0.10), ("host_GiB", 0.10), ("step_s", 0.15))
+"""What ``--measure`` and ``--against`` compare, each with the error the plan aims within (``docs/plan.md``)."""
+
+
+def against(rows: list[dict], path: str, parser: argparse.ArgumentParser) -> list[dict]:
+    """This plan's rows beside the measured ones of ``path`` (an earlier ``--measure --json``): printed as
+    ``--measure`` prints them, then how many of each kind fall within their aim."""
+    try:
+        stored = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    except (OSError, ValueError) as error:
+        parser.error(f"--against {path}: cannot read it as the JSON lines of --json ({error})")
+    measured = {row["configuration"]: row for row in stored if "measured_step_s" in row}
+    if not measured:
+        parser.error(f"--against {path}: no measured row in it (write one with --measure --json FILE)")
+    by_name = {row["configuration"]: row for row in rows}
+    unknown = sorted(set(measured) - set(by_name))
+    if unknown:
+        parser.error(f"--against {path}: {', '.join(unknown)} not planned here; plan the same shape and candidates")
+    print(f"\nthis plan beside the measurements of {Path(path).name}:\n")
+    print("| configuration | allocated GiB predicted / measured | reserved GiB | host GiB | step s |")
+    print("|---|---|---|---|---|")
+    within = {kind: 0 for kind, _ in KINDS}
+    for name, got in measured.items():
+        row = by_name[name]
+        row.update({f"measured_{kind}": got[f"measured_{kind}"] for kind, _ in KINDS})
+        print(f"| {name} | {' | '.join(_pair(row, kind) for kind, _ in KINDS)} |")
+        for kind, aim in KINDS:
+            planned, value = row[f"predicted_{kind}"], row[f"measured_{kind}"]
+            within[kind] += bool(value) and abs(planned - value) <= aim * value
+    print("\nwithin the aim, of " + str(len(measured)) + ": " + ", ".join(
+        f"{kind.split('_')[0]} (+-{aim:.0%}) {within[kind]}" for kind, aim in KINDS))
     return rows
 
 
