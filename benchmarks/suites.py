@@ -23,6 +23,7 @@ MODELS: dict[str, tuple[str, ...]] = {
     "953m": (),  # the scripts' default: d=2048, 16 layers, SwiGLU 5632, vocab 32000, untied head
     "1b": ("--layers", "17"),  # 1.005B parameters
     "3800m": ("--dim", "3072", "--layers", "32", "--heads", "24", "--ffn", "8192"),  # 3.82B parameters
+    "3370m": ("--dim", "3072", "--layers", "28", "--heads", "24", "--ffn", "8192"),  # 3.37B parameters
     "tiny": ("--dim", "64", "--layers", "2", "--heads", "2", "--ffn", "128", "--vocab", "256", "--seq", "32",
              "--batch", "2"),  # CPU smoke runs
 }
@@ -120,6 +121,13 @@ SCALE_TOKENS = {"4k": ("--batch", "4", "--seq", "1024"), "16k": ("--batch", "16"
                 "32k": ("--batch", "32", "--seq", "1024"), "32k_seq4096": ("--batch", "8", "--seq", "4096")}
 
 
+PLAN_953M = ("zeroq3,zeroq1,zeroq2,zeroq2+checkpointing,zeroq3+optimizer_half_cpu,zeroq2+optimizer_half_cpu,"
+             "zeroq1+optimizer_cpu,zeroq2+optimizer_cpu,zeroq3+optimizer_cpu,zeroq3+optimizer_cpu+checkpointing,"
+             "zeroq3+params_optimizer_cpu+checkpointing,zeroq3+params_optimizer_cpu")
+PLAN_3370M = ("zeroq3,zeroq2+optimizer_half_cpu,zeroq3+optimizer_half_cpu,zeroq2+optimizer_cpu,"
+              "zeroq3+params_optimizer_cpu")
+
+
 def _scale(arms: str, model: str, tokens: str, timeout: int) -> list[Launch]:
     extra = ("--steps", "4", "--warmup", "2", *SCALE_TOKENS[tokens])
     return [*step_time(arms, models=(model,), world_sizes=(1,), timeout=timeout, bench="step_time_scale", extra=extra),
@@ -171,6 +179,18 @@ SUITES: dict[str, Suite] = {
          Launch("largest_model", ("benchmarks/largest_model.py", "--arms", "zeroq3+offload_params+spill50",
                                   "--checkpoint", "--start", "32", "--nvme-path", "{scratch}"), timeout=3600)),
         build=True),
+    "plan": Suite(
+        "zeroq-plan's prediction beside the measured peaks (allocated, reserved, host) and step, one process per "
+        "configuration, the rates calibrated in the same command: the 953M GPT in 12 configurations and the 3.37B "
+        "(dim 3072, 28 layers) in 5, 4 x 1,024 tokens (docs/plan.md's table); --json rows for --against",
+        (Launch("plan_calibrated_953m", ("-m", "lightning_zeroq.cli.plan", "--batch", "4", "--seq", "1024",
+                                         "--host-gib", "120", "--calibrate", "--measure", "--only", PLAN_953M,
+                                         "--steps", "2", "--warmup", "2", "--json", "{out}/plan_953m.json"),
+                timeout=600, output="text"),
+         Launch("plan_calibrated_3370m", ("-m", "lightning_zeroq.cli.plan", *MODELS["3370m"], "--batch", "4",
+                                          "--seq", "1024", "--host-gib", "120", "--calibrate", "--measure",
+                                          "--only", PLAN_3370M, "--steps", "2", "--warmup", "1",
+                                          "--json", "{out}/plan_3370m.json"), timeout=600, output="text"))),
     "compile-floor": Suite(
         "Compiled stage 3 at the compiled floor (953M GPT, one GPU, 4 x 1,024 tokens): DDP with compiled blocks "
         "(the floor: one rank communicates nothing), zeroq2 and zeroq3 with compiled blocks, zeroq3 eager and with "

@@ -49,7 +49,7 @@ def test_dry_run_prints_each_launch_and_its_results_file(name, tmp_path):
             assert cmd[0] == "python"
         else:
             assert cmd[:3] == ["torchrun", "--nproc-per-node", str(launch.world_size)], line
-        script = next(a for a in cmd if a.endswith(".py") or a.startswith(("benchmarks.", "pytest")))
+        script = next(a for a in cmd if a.endswith(".py") or a.startswith(("benchmarks.", "lightning_zeroq.", "pytest")))
         path = REPO / (script if script.endswith(".py") else script.replace(".", "/") + ".py")
         assert script == "pytest" or path.is_file(), f"{name}: {script} does not exist"
         assert "{" not in " ".join(cmd), f"placeholder left in {line}"
