@@ -124,6 +124,8 @@ SCALE_TOKENS = {"4k": ("--batch", "4", "--seq", "1024"), "16k": ("--batch", "16"
 PLAN_953M = ("zeroq3,zeroq1,zeroq2,zeroq2+checkpointing,zeroq3+optimizer_half_cpu,zeroq2+optimizer_half_cpu,"
              "zeroq1+optimizer_cpu,zeroq2+optimizer_cpu,zeroq3+optimizer_cpu,zeroq3+optimizer_cpu+checkpointing,"
              "zeroq3+params_optimizer_cpu+checkpointing,zeroq3+params_optimizer_cpu")
+PLAN_2GPU = ("zeroq1,zeroq2,zeroq3,zeroq2+optimizer_half_cpu,zeroq3+optimizer_half_cpu,zeroq2+optimizer_cpu,"
+             "zeroq3+optimizer_cpu,zeroq3+params_optimizer_cpu,zeroq3+params_optimizer_cpu+checkpointing")
 PLAN_3370M = ("zeroq3,zeroq2+optimizer_half_cpu,zeroq3+optimizer_half_cpu,zeroq2+optimizer_cpu,"
               "zeroq3+params_optimizer_cpu")
 
@@ -191,6 +193,14 @@ SUITES: dict[str, Suite] = {
                                           "--seq", "1024", "--host-gib", "120", "--calibrate", "--measure",
                                           "--only", PLAN_3370M, "--steps", "2", "--warmup", "1",
                                           "--json", "{out}/plan_3370m.json"), timeout=600, output="text"))),
+    "plan-2gpu": Suite(
+        "zeroq-plan at world size 2 beside measured (2 GPUs of one node, the largest peaks of either rank): the "
+        "953M GPT, stages 1-3 without offload, with half and all of the optimizer on the host, parameters too",
+        (Launch("plan_calibrated_953m_ws2", ("-m", "lightning_zeroq.cli.plan", "--batch", "4", "--seq", "1024",
+                                             "--world-size", "2", "--ranks-per-node", "2", "--host-gib", "240",
+                                             "--calibrate", "--measure", "--only", PLAN_2GPU, "--steps", "2",
+                                             "--warmup", "2", "--json", "{out}/plan_953m_ws2.json"),
+                timeout=900, output="text"),)),
     "compile-floor": Suite(
         "Compiled stage 3 at the compiled floor (953M GPT, one GPU, 4 x 1,024 tokens): DDP with compiled blocks "
         "(the floor: one rank communicates nothing), zeroq2 and zeroq3 with compiled blocks, zeroq3 eager and with "

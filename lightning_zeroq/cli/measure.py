@@ -10,6 +10,10 @@ device synchronization). Measured: peak device memory allocated and reserved ove
 (``torch.cuda.max_memory_*``), host memory as the process's peak resident size less its size before the
 model was built (``VmHWM`` less ``VmRSS``), and the median step. A run that fails (out of memory, a check
 before launch) is reported with its one-line error, and the others go on.
+
+At a world size above one (``zeroq-plan --world-size N --measure``) a configuration runs as N processes of
+one node (``torch.distributed.run``; NCCL on GPUs, gloo on the CPU), each rank on its own micro-batch;
+the peaks reported are the largest of any rank (what the plan gives per rank), the step rank 0's.
 """
 
 from __future__ import annotations
@@ -45,13 +49,21 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     from lightning_zeroq.zero.choose import choose
     from lightning_zeroq.zero.policies import auto_request
 
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if world > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
     dtype = torch.bfloat16 if spec.get("dtype", "bf16") == "bf16" else torch.float32
     rss_before = _status_kib("VmRSS")
     cfg = GPTConfig(**spec["gpt"])
     torch.manual_seed(0)
     with torch.device("meta"):
         model = GPTModel(cfg).to(dtype)
+    torch.manual_seed(dist.get_rank() if world > 1 else 0)  # each rank its own micro-batch
     fields = dict(spec["config"])
     if spec["checkpointing"]:
         fields["activation_checkpointing_policy"] = ["Block"]
@@ -92,15 +104,27 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     if device.type == "cuda":
         out["allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         out["reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+    if world > 1:  # the largest peaks of any rank (the plan's are per rank), rank 0's step
+        peaks = [k for k in ("allocated_bytes", "reserved_bytes", "host_bytes") if k in out]
+        mine = torch.tensor([float(out[k]) for k in peaks], dtype=torch.float64, device=device)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        out.update({k: int(v) for k, v in zip(peaks, mine.tolist())})
+        out["world_size"] = world
+        dist.destroy_process_group()
     return out
 
 
-def measure(spec: dict[str, Any], timeout: Optional[float] = None) -> dict[str, Any]:
-    """``run_one`` in a fresh Python process; ``{"error": one line}`` where it fails."""
+def measure(spec: dict[str, Any], timeout: Optional[float] = None, world_size: int = 1) -> dict[str, Any]:
+    """``run_one`` in a fresh Python process (``world_size`` of them, one node); ``{"error": one line}``
+    where it fails."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "-m", "lightning_zeroq.cli.measure", json.dumps(spec)]
+    if world_size > 1:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
+                   *command[1:]]
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
     try:
-        done = subprocess.run([sys.executable, "-m", "lightning_zeroq.cli.measure", json.dumps(spec)],
-                              capture_output=True, text=True, env=env, timeout=timeout)
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"did not finish in {timeout:.0f} s"}
     for line in reversed(done.stdout.splitlines()):
@@ -113,12 +137,15 @@ def measure(spec: dict[str, Any], timeout: Optional[float] = None) -> dict[str, 
 
 def main() -> int:
     spec = json.loads(sys.argv[1])
+    first = os.environ.get("RANK", "0") == "0"  # at several ranks, rank 0 prints the one line
     try:
         result = run_one(spec)
     except torch.cuda.OutOfMemoryError as error:
-        print(json.dumps({"error": "out of device memory: " + str(error).splitlines()[0][:200]}))
+        if first:
+            print(json.dumps({"error": "out of device memory: " + str(error).splitlines()[0][:200]}))
         return 0
-    print(json.dumps(result))
+    if first:
+        print(json.dumps(result))
     return 0
 
 

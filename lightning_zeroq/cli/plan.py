@@ -224,9 +224,12 @@ def main(argv: Optional[list[str]] = None) -> int:
           "\nnothing fits: more ranks, a smaller micro-batch, or NVMe offload (--nvme-path)")
     rows = [planned_row(n, args.batch * args.seq) for n in needs]
     if args.measure is not None:
-        if args.recipe or args.world_size != 1:
-            parser.error("--measure runs the package's GPT of the given shape at world size 1 (one process per "
-                         "configuration); plan a recipe or several ranks without it")
+        if args.recipe:
+            parser.error("--measure runs the package's GPT of the given shape (one process per configuration and "
+                         "rank); plan a recipe without it")
+        if args.world_size != args.ranks_per_node:
+            parser.error(f"--measure runs the ranks on this machine: give --ranks-per-node {args.world_size} with "
+                         f"--world-size {args.world_size} (a plan across nodes is measured by launching it there)")
         chosen = [n for n in needs if n.fits]
         if args.only:
             names = args.only.split(",")
@@ -257,7 +260,8 @@ def measure_all(chosen: list[Need], rows: list[dict], cfg: GPTConfig, args: argp
     from lightning_zeroq.cli.measure import measure
 
     by_name = {row["configuration"]: row for row in rows}
-    print(f"\nmeasured on this machine ({args.warmup} + {args.steps} steps each, one process per configuration):\n")
+    per = "configuration" if args.world_size == 1 else f"rank, {args.world_size} ranks; the largest peaks of any rank"
+    print(f"\nmeasured on this machine ({args.warmup} + {args.steps} steps each, one process per {per}):\n")
     print("| configuration | allocated GiB predicted / measured | reserved GiB | host GiB | step s | tokens/s |")
     print("|---|---|---|---|---|---|")
     for i, need in enumerate(chosen):
@@ -265,7 +269,7 @@ def measure_all(chosen: list[Need], rows: list[dict], cfg: GPTConfig, args: argp
         fields = {f.name: getattr(need.config, f.name) for f in dataclasses.fields(need.config) if f.init}
         spec = {"gpt": dataclasses.asdict(cfg), "config": fields, "checkpointing": need.checkpointing,
                 "batch": args.batch, "seq": args.seq, "warmup": args.warmup, "steps": args.steps}
-        got = measure(spec, timeout=args.timeout)
+        got = measure(spec, timeout=args.timeout, world_size=args.world_size)
         row = by_name[need.name]
         if "error" in got:
             row["error"] = got["error"]

@@ -269,6 +269,22 @@ def test_zeroq_plan_measures_what_it_planned_and_reports_a_failed_run(capsys, tm
     assert set(failed) == {"error"} and "\n" not in failed["error"] and failed["error"], failed
 
 
+@pytest.mark.launch
+def test_zeroq_plan_measures_at_two_ranks_with_the_largest_peak_of_any_rank(capsys, tmp_path):
+    """``--world-size 2 --measure``: each configuration runs as two processes of this machine (gloo here),
+    each rank on its own micro-batch; the row is rank 0's step and the largest peaks of any rank."""
+    out = tmp_path / "rows.jsonl"
+    shape = ["--dim", "64", "--layers", "2", "--heads", "2", "--ffn", "128", "--vocab", "256", "--batch", "2",
+             "--seq", "16", "--steps", "1", "--warmup", "1", "--world-size", "2", "--json", str(out)]
+    with pytest.raises(SystemExit):
+        plan_cli.main([*shape, "--measure"])
+    assert "give --ranks-per-node 2 with --world-size 2" in capsys.readouterr().err
+    assert plan_cli.main([*shape, "--ranks-per-node", "2", "--measure", "--only", "zeroq3+optimizer_cpu"]) == 0
+    row = next(r for r in map(json.loads, out.read_text().splitlines()) if r["configuration"] == "zeroq3+optimizer_cpu")
+    assert row["measured_step_s"] > 0 and row["measured_host_GiB"] >= 0 and "error" not in row, row
+    assert "one process per rank, 2 ranks" in capsys.readouterr().out
+
+
 def test_zeroq_plan_against_stored_measurements_prints_them_beside_the_plan(capsys, tmp_path):
     small = ["--layers", "2", "--dim", "64", "--heads", "2", "--ffn", "128", "--device-gib", "8", "--host-gib", "4"]
     planned_file = tmp_path / "planned.jsonl"
