@@ -145,6 +145,12 @@ COMPILE_FLOOR = ",".join(2 * ["ddp+compile", "zeroq2+compile", "zeroq3+compile",
                                "fsdp2+compile"])
 
 
+# At 2 ranks: compiled stage 3 against compiled FSDP2 (bf16 reduction both), eager beside; twice, alternating.
+COMPILE_2GPU = ",".join(2 * ["zeroq3+compile", "fsdp2+compile+bf16reduce", "zeroq3", "fsdp2+bf16reduce",
+                             "zeroq2+compile"])
+MUON = "zeroq2,zeroq2+muon,zeroq3,zeroq3+muon,zeroq2+muon,zeroq2"  # AdamW beside Muon, alternating
+
+
 GPU_TESTS = ("-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rf", "-s", "tests")
 
 
@@ -208,6 +214,20 @@ SUITES: dict[str, Suite] = {
         "fp32 reduction (torchtitan's); every arm twice, alternating; peak allocated and reserved",
         tuple(step_time(COMPILE_FLOOR, world_sizes=(1,), timeout=600, bench="step_time_compile_floor",
                         extra=("--steps", "10", "--warmup", "5")))),
+    "compile-2gpu": Suite(
+        "Compiled stage 3 against compiled FSDP2 at 2 GPUs (953M GPT, 4 x 1,024 tokens per rank, bf16 gradient "
+        "reduction both), eager beside, every arm twice, alternating; over NVLink and loopback sockets",
+        tuple(step_time(COMPILE_2GPU, links=("nvlink", "socket"), timeout=450, bench="step_time_compile",
+                        extra=("--steps", "8", "--warmup", "4")))),
+    "muon-2gpu": Suite(
+        "Muon (torch.optim.Muon for the blocks' matrices, AdamW for the rest) against AdamW under ZeroQ stages 2 "
+        "and 3 at 2 GPUs (953M GPT), alternating; DeepSpeed's Muon is not an arm of step_time.py",
+        tuple(step_time(MUON, timeout=400, bench="step_time_muon", extra=("--steps", "6", "--warmup", "3")))),
+    "scale-3800m-2gpu": Suite(
+        "The 3.82B GPT with parameters and optimizer on the host at 2 GPUs (each rank's host step over half the "
+        "elements with half the threads), beside FSDP2's CPUOffloadPolicy, 4K tokens per rank",
+        tuple(step_time(SCALE_BIG, models=("3800m",), timeout=600, bench="step_time_scale",
+                        extra=("--steps", "4", "--warmup", "2", *SCALE_TOKENS["4k"]))), build=True),
     "links": Suite(
         "Step time and peak memory of DDP and ZeroQ stages 2 and 3, with and without INT8 weights, over NVLink, "
         "host memory and loopback sockets (953M GPT, 2 GPUs); offload arms on NVLink",
