@@ -128,8 +128,8 @@ CLIP = 1.0  # +clip: gradient-norm clipping at this norm before every step (Ligh
 RATIOS = {"ratio25": 0.25, "ratio50": 0.5, "ratio60": 0.6, "ratio70": 0.7, "ratio75": 0.75, "ratio85": 0.85, "ratio90": 0.9}  # partial optimizer offload (with +offload_optimizer)
 PEERS = {  # the peers, beside zeroq in one launch: base -> the options it takes
     "fsdp2": {"keep", "offload_optimizer", "clip", "bf16reduce", *COMPILE},
-    "ds2": {"offload_optimizer", "clip"},
-    "ds3": {"int8", "offload_optimizer", "offload_params", "clip", "nvme"},
+    "ds2": {"offload_optimizer", "clip", "muon"},
+    "ds3": {"int8", "offload_optimizer", "offload_params", "clip", "nvme", "muon"},
 }
 
 
@@ -182,7 +182,8 @@ def torch_finish(model: nn.Module, opt: torch.optim.Optimizer, options: set[str]
 def deepspeed_arm(model: nn.Module, stage: int, options: set[str], args: argparse.Namespace):
     """DeepSpeed ZeRO-2/3 with its defaults, bf16, AdamW (``DeepSpeedCPUAdam`` under optimizer offload);
     ``+int8``: ``zero_quantized_weights`` (stage 3); ``+offload_optimizer`` / ``+offload_params``: to
-    the CPU, pinned."""
+    the CPU, pinned; ``+muon``: its own Muon (the hidden 2-D matrices; Adam for the rest), which needs
+    ``reduce_scatter`` off."""
     import deepspeed
 
     zero: dict = {"stage": stage}
@@ -195,10 +196,14 @@ def deepspeed_arm(model: nn.Module, stage: int, options: set[str], args: argpars
         zero["offload_optimizer"] = {**where, "pin_memory": True}
     if "offload_params" in options:
         zero["offload_param"] = {**where, "pin_memory": True}
+    optimizer = {"type": "AdamW", "params": {"lr": 1e-4}}
+    if "muon" in options:  # as the zeroq arms: lr 0.02, momentum 0.95, weight decay 0.1 on the matrices
+        optimizer = {"type": "muon", "params": {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1}}
+        zero["reduce_scatter"] = False
     config = {
         "train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
         "bf16": {"enabled": True}, "zero_optimization": zero,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "optimizer": optimizer,
         "gradient_clipping": CLIP if "clip" in options else 0.0,
         "steps_per_print": 10**9, "wall_clock_breakdown": False,
     }

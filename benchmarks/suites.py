@@ -149,6 +149,7 @@ COMPILE_FLOOR = ",".join(2 * ["ddp+compile", "zeroq2+compile", "zeroq3+compile",
 COMPILE_2GPU = ",".join(2 * ["zeroq3+compile", "fsdp2+compile+bf16reduce", "zeroq3", "fsdp2+bf16reduce",
                              "zeroq2+compile"])
 MUON = "zeroq2,zeroq2+muon,zeroq3,zeroq3+muon,zeroq2+muon,zeroq2"  # AdamW beside Muon, alternating
+DS_MUON = "ds2,ds2+muon,ds3+muon,ds2+muon"  # DeepSpeed's own Muon (reduce_scatter off, as it requires)
 
 
 GPU_TESTS = ("-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rf", "-s", "tests")
@@ -221,8 +222,10 @@ SUITES: dict[str, Suite] = {
                         extra=("--steps", "8", "--warmup", "4")))),
     "muon-2gpu": Suite(
         "Muon (torch.optim.Muon for the blocks' matrices, AdamW for the rest) against AdamW under ZeroQ stages 2 "
-        "and 3 at 2 GPUs (953M GPT), alternating; DeepSpeed's Muon is not an arm of step_time.py",
-        tuple(step_time(MUON, timeout=400, bench="step_time_muon", extra=("--steps", "6", "--warmup", "3")))),
+        "and 3 at 2 GPUs (953M GPT), alternating; DeepSpeed's own Muon beside its AdamW where DeepSpeed is installed",
+        (*step_time(MUON, timeout=400, bench="step_time_muon", extra=("--steps", "6", "--warmup", "3")),
+         *step_time(DS_MUON, timeout=400, bench="step_time_muon", requires=("deepspeed",),
+                    extra=("--steps", "6", "--warmup", "3")))), build=False),
     "scale-3800m-2gpu": Suite(
         "The 3.82B GPT with parameters and optimizer on the host at 2 GPUs (each rank's host step over half the "
         "elements with half the threads), beside FSDP2's CPUOffloadPolicy, 4K tokens per rank",
