@@ -225,7 +225,7 @@ SUITES: dict[str, Suite] = {
         "and 3 at 2 GPUs (953M GPT), alternating; DeepSpeed's own Muon beside its AdamW where DeepSpeed is installed",
         (*step_time(MUON, timeout=400, bench="step_time_muon", extra=("--steps", "6", "--warmup", "3")),
          *step_time(DS_MUON, timeout=400, bench="step_time_muon", requires=("deepspeed",),
-                    extra=("--steps", "6", "--warmup", "3")))), build=False),
+                    extra=("--steps", "6", "--warmup", "3")))),
     "scale-3800m-2gpu": Suite(
         "The 3.82B GPT with parameters and optimizer on the host at 2 GPUs (each rank's host step over half the "
         "elements with half the threads), beside FSDP2's CPUOffloadPolicy, 4K tokens per rank",
