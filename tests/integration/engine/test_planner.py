@@ -122,7 +122,10 @@ def test_the_planned_rms_norm_saves_what_cudas_fused_kernel_saves():
     assert traced.total == rows * width * 2 + rows * 4, traced.total
 
 
-def test_the_loss_backward_peak_is_every_activation_and_two_loss_gradients():
+@pytest.mark.parametrize("block", [dict(norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False),
+                                   dict(norm="layernorm", mlp="gelu", bias=True, tie_embeddings=True)],
+                         ids=["llama_like", "gpt2_like"])
+def test_the_loss_backward_peak_is_every_activation_and_two_loss_gradients(block):
     """The allocator's peak over a real forward and backward (the CPU's, through the profiler's memory
     timeline; attention and RMSNorm as their CUDA kernels save) is the plan's moment of the loss's
     backward: every activation, and the log-softmax's incoming and outgoing gradients beside its saved
@@ -130,8 +133,8 @@ def test_the_loss_backward_peak_is_every_activation_and_two_loss_gradients():
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import Action
 
-    cfg = GPTConfig(vocab_size=2048, block_size=64, n_layer=2, n_head=2, n_embd=16, ffn_hidden=32, norm="rmsnorm",
-                    mlp="swiglu", bias=False, learned_positions=False, tie_embeddings=False, init="torch")
+    cfg = GPTConfig(vocab_size=2048, block_size=64, n_layer=2, n_head=2, n_embd=16, ffn_hidden=32,
+                    learned_positions=False, init="torch", **block)
     tokens = torch.randint(0, cfg.vocab_size, (8, cfg.block_size), generator=torch.Generator().manual_seed(0))
     with torch.device("meta"):
         meta = GPTModel(cfg).to(torch.bfloat16)
