@@ -632,6 +632,30 @@ def profile_steps(arm, args, dev, forward, finish, g) -> None:
     print(f"[profile {arm}] step {(t1 - t0) / 1e3:.1f} ms; totals (ms): "
           + ", ".join(f"{k} {v:.1f}" for k, v in sorted(totals.items())), file=sys.stderr)
     print("\n".join(lines[:400]), file=sys.stderr, flush=True)
+    print(device_time(arm, events, t0, t1), file=sys.stderr, flush=True)
+
+
+def device_time(arm: str, events, t0: float, t1: float, top: int = 20) -> str:
+    """Where the device's time in ``[t0, t1]`` went: how long it was busy (the union of its kernels and
+    copies), and the kernels taking the most of it, by name, with their counts (what an arm adds over
+    another shows as rows the other lacks, or longer ones)."""
+    spans, by_name = [], {}
+    for e in events:
+        s, t = e.time_range.start, e.time_range.end
+        if e.device_type.name != "CUDA" or s < t0 or s > t1:
+            continue
+        spans.append((s, t))
+        name = e.name[:90]
+        total, count = by_name.get(name, (0.0, 0))
+        by_name[name] = (total + (t - s) / 1e3, count + 1)
+    busy, end = 0.0, float("-inf")
+    for s, t in sorted(spans):
+        if t > end:
+            busy += (t - max(s, end)) / 1e3
+            end = t
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return (f"[device {arm}] busy {busy:.1f} of {(t1 - t0) / 1e3:.1f} ms ({len(spans)} kernels and copies); the largest:\n"
+            + "\n".join(f"  {total:8.2f} ms  x{count:<5d} {name}" for name, (total, count) in rows))
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, steps: int, warmup: int) -> None:

@@ -215,6 +215,14 @@ SUITES: dict[str, Suite] = {
         "fp32 reduction (torchtitan's); every arm twice, alternating; peak allocated and reserved",
         tuple(step_time(COMPILE_FLOOR, world_sizes=(1,), timeout=600, bench="step_time_compile_floor",
                         extra=("--steps", "10", "--warmup", "5")))),
+    "compile-floor-profile": Suite(
+        "Where the compiled arms' step goes on one GPU: two profiled steps each of the floor (DDP with compiled "
+        "blocks), zeroq2, zeroq3 and FSDP2 with compiled blocks, the whole model compiled with TORCH_LOGS for "
+        "recompiles and graph breaks; the device's busy time and its largest kernels per arm in the .log",
+        tuple(step_time("ddp+compile,zeroq3+compile,zeroq2+compile,fsdp2+compile+bf16reduce,zeroq3+compile_whole",
+                        world_sizes=(1,), timeout=500, bench="step_time_compile_floor_profile",
+                        env={**SHARE_CORES, "TORCH_LOGS": "recompiles,graph_breaks"},
+                        extra=("--steps", "4", "--warmup", "3", "--profile", "{out}/compile_floor_traces")))),
     "compile-2gpu": Suite(
         "Compiled stage 3 against compiled FSDP2 at 2 GPUs (953M GPT, 4 x 1,024 tokens per rank, bf16 gradient "
         "reduction both), eager beside, every arm twice, alternating; over NVLink and loopback sockets",
