@@ -10,14 +10,26 @@ An ``EagerHook`` is a ``WeakHook`` that ``torch.compile`` never traces: dynamo b
 it and runs it as plain Python (as FSDP2 does with its module hooks), so what it does to parameters
 (re-allocating a unit's storage, changing a parameter's class, collectives) happens outside any
 graph, and the graph on either side sees the parameters as they are then.
+
+[Note: code compiled before stage 3 sees its parameters change]
+Stage 3 changes its parameters in place (a freed parameter is a placeholder of another class and
+shape's strides; a gathered one a view of the unit's buffer), and compiled code guards on them. From
+torch 2.9 to 2.11 dynamo skips the guards below an ``nn.Module`` whose dictionaries kept their version
+tags (``use_recursive_dict_tags_for_guards``, on by default there, off in 2.13; it takes tensors for
+immutable): code compiled before the engine existed (a compiled model run once before ``fit``, an
+earlier fit at another stage) then runs its old graph on freed placeholders, which the inductor's
+stride check stops with an assertion. ``check_guards_in_full`` turns the fast path off, as newer torch
+does, and gives each module of a transient unit a new parameter dictionary, so that code compiled
+before checks its guards again and recompiles.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Iterable
 
 import torch
+from torch import nn
 
 
 class WeakHook:
@@ -46,3 +58,12 @@ class EagerHook(WeakHook):
 
 def _inert(*args: Any) -> None:
     return None
+
+
+def check_guards_in_full(modules: Iterable[nn.Module]) -> None:
+    """[Note: code compiled before stage 3 sees its parameters change]."""
+    dynamo = torch._dynamo.config
+    if getattr(dynamo, "use_recursive_dict_tags_for_guards", False):
+        dynamo.use_recursive_dict_tags_for_guards = False
+    for module in modules:
+        module._parameters = dict(module._parameters)

@@ -39,7 +39,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from lightning_zeroq.zero.gather import Gatherer
-from lightning_zeroq.zero.hooks import EagerHook
+from lightning_zeroq.zero.hooks import EagerHook, check_guards_in_full
 from lightning_zeroq.zero.unit import Unit, UnitState
 
 
@@ -65,6 +65,7 @@ class Stage3Coordinator:
         """The transient units the forwards since the last backward used, in the order of their first use."""
         self._warned = False
         self._handles = []
+        check_guards_in_full(m for unit in units if unit.module is not None for m in unit.module.modules())
         for unit in units:
             if unit.persistent:
                 continue

@@ -362,3 +362,32 @@ def test_whole_model_compile_runs_every_stage3_block_compiled(options):
         engine.close()
     finally:
         torch._dynamo.reset()
+
+
+def test_code_compiled_before_stage3_took_the_parameters_recompiles_for_them():
+    # [Note: code compiled before stage 3 sees its parameters change]: a function compiled while the
+    # parameters were plain runs after stage 3 took them over (a compiled model run before fit, an earlier
+    # fit at another stage). On torch 2.9-2.11 dynamo skipped the guards under the unchanged modules and
+    # ran the old graph on the freed placeholders (the inductor's stride assertion); the engine turns that
+    # fast path off, as torch 2.13 does by default, and renews the modules' parameter dictionaries.
+    torch._dynamo.reset()
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 2))
+        step = torch.compile(lambda m, x: m(x).pow(2).sum())
+        x = torch.randn(4, 32)
+        step(model, x).backward()  # compiled with plain parameters and no hooks
+        expected = float(model(x).pow(2).sum())
+        dicts = [m._parameters for m in model]
+        engine = ZeroEngine(model, ZeroConfig(stage=3, stage3_wrap_classes=["Linear"],
+                                              stage3_param_persistence_threshold=0))
+        engine.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.0))
+        loss = step(model, x)
+        assert float(loss) == pytest.approx(expected, rel=1e-6)
+        engine.backward(loss)
+        engine.step()
+        assert not getattr(torch._dynamo.config, "use_recursive_dict_tags_for_guards", False)
+        assert all(m._parameters is not d for m, d in zip(model, dicts) if d)
+        engine.close()
+    finally:
+        torch._dynamo.reset()
