@@ -113,6 +113,35 @@ def _recipe(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[
     return run.model, [(f"recipe {args.recipe}", own), *candidates(args.nvme_path)], dtype
 
 
+def _with_common_fields(args: argparse.Namespace, parser: argparse.ArgumentParser,
+                        configs: Optional[list]) -> Optional[list]:
+    """Every candidate with ``--shard-group-size`` and ``--quantized-weights`` (checked as ``ZeroConfig`` and
+    the hybrid groups check them)."""
+    from lightning_zeroq.config import ZeroConfig
+    from lightning_zeroq.zero import hybrid
+    from lightning_zeroq.zero.planner import candidates
+
+    common: dict = {}
+    if args.shard_group_size is not None:
+        size = args.shard_group_size if args.shard_group_size == "node" else None
+        if size is None:
+            try:
+                size = int(args.shard_group_size)
+            except ValueError:
+                parser.error(f"--shard-group-size {args.shard_group_size}: give a number of ranks or 'node'")
+        try:
+            hybrid.shard_group_size(ZeroConfig(shard_group_size=size).shard_group_size, args.world_size,
+                                    args.ranks_per_node)
+        except ValueError as error:
+            parser.error(f"--shard-group-size {args.shard_group_size}: {error}")
+        common["shard_group_size"] = size
+    if args.quantized_weights:
+        common["quantized_weights"] = True
+    if not common:
+        return configs
+    return [(name, {**fields, **common}) for name, fields in (configs or candidates(args.nvme_path))]
+
+
 def table(needs: list[Need], tokens: int) -> str:
     header = ("| configuration | device GiB allocated | reserved | of it activations | host GiB | disk GiB | step s "
               "| tokens/s | fits |")
@@ -137,6 +166,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     shape.add_argument("--batch", type=int, default=4, help="sequences per micro-batch and rank")
     shape.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
     shape.add_argument("--world-size", type=int, default=1)
+    shape.add_argument("--shard-group-size", default=None,
+                       help="hybrid sharding for every candidate: shard within groups of this many ranks (or 'node')")
+    shape.add_argument("--quantized-weights", action="store_true",
+                       help="INT8 weights for every candidate (stage 3's stored payloads are INT8 groups)")
     where = parser.add_argument_group("the machine (read from this one where not given)")
     where.add_argument("--device-gib", type=float, default=None)
     where.add_argument("--host-gib", type=float, default=None, help="host memory of one node")
@@ -198,6 +231,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                             learned_positions=False, tie_embeddings=False, init="torch")
         except ValueError as error:
             parser.error(str(error))
+    configs = _with_common_fields(args, parser, configs)
     with torch.device("meta"):
         model = GPTModel(cfg).to(dtype)
     tokens = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")

@@ -25,8 +25,9 @@ candidate ``ZeroConfig``:
   what crosses PCIe beyond the compute. A first-order model from given figures (``Machine``); the
   measured side lives in the benchmarks.
 
-Hybrid sharding and INT8 payloads are planned as plain sharding over ``world_size`` and full-width
-weights (their savings are not counted).
+Hybrid sharding (``shard_group_size``: shards within groups of that many ranks) and INT8 weights (a
+transient unit's stored payload is its INT8 groups and their scales) are laid out as the engine lays
+them out (``_shards``); what they change in the collectives' time is not planned.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_zeroq.config import ZeroConfig
-from lightning_zeroq.zero import calibrate
+from lightning_zeroq.zero import calibrate, hybrid
 from lightning_zeroq.zero.layout import ALIGN, UnitLayout
 from lightning_zeroq.zero.offload import host_units
 from lightning_zeroq.zero.offload.device_need import device_kinds, units_off_device
@@ -51,6 +52,7 @@ from lightning_zeroq.zero.offload.host_need import engine_need, optimizer_need
 from lightning_zeroq.zero.plan import UnitSpec, plan, repeated_blocks
 from lightning_zeroq.zero.policies import Nvme, OnDevice, Policies, from_config
 from lightning_zeroq.zero.unit import plan_layouts, trainable_parameters
+from lightning_zeroq.zero.wire import Int8
 
 GIB = 2**30
 log = logging.getLogger("lightning_zeroq")
@@ -288,14 +290,36 @@ def trace_activations(model: nn.Module, forward: Callable[[nn.Module], Tensor], 
 
 
 def _nvme_bytes(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequence[UnitSpec],
-                param_dtype: torch.dtype, state_bytes: int) -> int:
+                param_dtype: torch.dtype, state_bytes: int, payload: dict[int, tuple[int, torch.dtype]]) -> int:
     offload, total = policies.offload, 0
     if isinstance(offload.optimizer, Nvme):
         swapped = host_units(layouts, offload.optimizer.ratio)
         total += (4 + state_bytes) * sum(layouts[i].shard_numel for i in swapped)
     if isinstance(offload.parameters, Nvme):
-        total += sum(layouts[i].shard_numel * param_dtype.itemsize for i in range(len(layouts)) if not specs[i].persistent)
+        total += sum(n * dtype.itemsize for n, dtype in payload.values())
     return total
+
+
+def _shards(policies: Policies, specs: Sequence[UnitSpec], world_size: int, ranks_per_node: int, rank: int,
+            param_dtype: torch.dtype) -> tuple[list[UnitLayout], int, dict[int, tuple[int, torch.dtype]]]:
+    """The unit layouts the engine makes (sharded within a shard group: ``shard_group_size``, hybrid
+    sharding), ``rank``'s position in its shard group, and each transient unit's stored payload (elements,
+    dtype): its shard in ``param_dtype``, or INT8 groups and their scales where the weights travel as INT8
+    (``wire.Int8``'s own count), as ``hybrid.topology`` and ``build.make_wire`` decide."""
+    q = policies.quantization
+    shard = hybrid.shard_group_size(policies.sharding.group_size, world_size, ranks_per_node)
+    groups = world_size // shard
+    align = math.lcm(ALIGN, q.group_size) if q.any else ALIGN
+    if q.gradients and groups > 1:
+        align *= groups  # whole INT8 groups per shard group, for the INT8 sum across groups
+    layouts = plan_layouts(specs, shard, align)
+    rank %= shard
+    transient = [i for i in range(len(specs)) if not specs[i].persistent]
+    if q.weights and not (groups > 1 and q.cross_group_only) and transient:
+        wire = Int8(layouts, param_dtype=param_dtype, rank=rank, group=None, device=torch.device("cpu"),
+                    group_size=q.group_size, exact_numel=q.exact_numel, bucket_numel=q.gather_bucket_numel)
+        return layouts, rank, {i: (wire.payload_numel(i), wire.payload_dtype) for i in transient}
+    return layouts, rank, {i: (layouts[i].shard_numel, param_dtype) for i in transient}
 
 
 def candidates(nvme_path: Optional[str] = None) -> list[tuple[str, dict[str, Any]]]:
@@ -325,9 +349,10 @@ def plan_config(model: nn.Module, config: ZeroConfig, activations: Activations, 
     checkpointing = float(checkpointing)
     policies = from_config(config, loss_scaling=False)
     specs = plan(model, trainable_parameters(model), policies.sharding.units)
-    align = math.lcm(ALIGN, policies.quantization.group_size) if policies.quantization.any else ALIGN
-    layouts = plan_layouts(specs, world_size, align)
-    device = device_kinds(layouts, [s.persistent for s in specs], policies.offload, param_dtype, state_bytes, rank)
+    layouts, rank, payload = _shards(policies, specs, world_size, machine.ranks_per_node, rank, param_dtype)
+    device = device_kinds(layouts, [s.persistent for s in specs], policies.offload, param_dtype, state_bytes, rank,
+                          {i: n * dtype.itemsize for i, (n, dtype) in payload.items()},
+                          encoded=any(dtype != param_dtype for _, dtype in payload.values()))
     device["workspaces"] = machine.device_workspace_bytes
     device["activations"] = activations.with_checkpointing(checkpointing)
     device["loss_input"] = activations.largest
@@ -337,12 +362,11 @@ def plan_config(model: nn.Module, config: ZeroConfig, activations: Activations, 
     # torch's multi-tensor (foreach) Adam/AdamW, its default on a GPU, makes the square root of every
     # second moment it steps at once: 4 bytes per element stepped on the device (fused: none).
     device["step_temporaries"] = device["masters"] * step_temporary_bytes // 4
-    payload = {i: (layouts[i].shard_numel, param_dtype) for i in range(len(specs)) if not specs[i].persistent}
     host = engine_need(policies.offload, layouts, rank, param_dtype, payload)
     host.parts.update(optimizer_need([], host.host_elements, False, host.swap_elements, state_bytes).parts)
     if machine.runtime_host_bytes:
         host.parts["CUDA runtime and libraries"] = machine.runtime_host_bytes
-    nvme = _nvme_bytes(policies, layouts, specs, param_dtype, state_bytes)
+    nvme = _nvme_bytes(policies, layouts, specs, param_dtype, state_bytes, payload)
     step = _step_seconds(policies, layouts, specs, activations, device["masters"] // 4, host.host_elements, nvme, tokens, checkpointing, machine, param_dtype)
     why = []
     peak = peak_allocated(device)

@@ -295,6 +295,31 @@ def test_a_state_the_device_cannot_hold_stops_with_one_line_before_it_is_allocat
     engine.close()
 
 
+def test_the_device_check_counts_stage3s_int8_payload(monkeypatch) -> None:
+    """With INT8 weights a transient unit's payload (INT8 groups and their scales) rests on the device beside
+    its master: the check before allocating counts it, as the engine then holds it (before: only beside
+    masters off the device)."""
+    from lightning_zeroq.zero.offload import device_need
+
+    model, probe = _engine({"stage": 3, "quantized_weights": True}, blocks=True)
+    probe.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    held, build = probe.memory_report(), probe.host_memory._build
+    kinds = device_need.device_kinds(build.layouts, build.persistent, probe.policies.offload, build.param_dtype, 8,
+                                     build.rank, build.payload_bytes, build.encoded)
+    probe.close()
+    assert kinds["stored_shards"] == held["stored_shards"] > 0, (kinds, held)
+    total = sum(kinds.values())
+    monkeypatch.setattr(device_need, "capacity", lambda device: total)  # exactly the counted state: fits
+    model, engine = _engine({"stage": 3, "quantized_weights": True}, blocks=True)
+    engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    engine.close()
+    monkeypatch.setattr(device_need, "capacity", lambda device: total - held["stored_shards"] // 2)
+    model, engine = _engine({"stage": 3, "quantized_weights": True}, blocks=True)
+    with pytest.raises(device_need.DeviceMemoryError, match="stored shards"):
+        engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    engine.close()
+
+
 @pytest.mark.parametrize("stage, capacity_per_element", [(2, 14), (2, 8), (3, None)])
 def test_a_state_that_does_not_fit_names_the_least_offload_that_does(monkeypatch, stage, capacity_per_element) -> None:
     """The device check's fix is the nearest configuration that fits (the smallest share of the optimizer

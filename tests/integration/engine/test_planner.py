@@ -31,8 +31,19 @@ CONFIGS = {
     "s3_params": dict(stage=3, stage3_param_persistence_threshold=40, offload_optimizer=True, offload_parameters=True),
     "s3_nvme_spill": dict(stage=3, stage3_param_persistence_threshold=40, offload_optimizer=True,
                           offload_optimizer_device="nvme", offload_optimizer_nvme_ratio=0.5),
+    # INT8 weights (the stored payload: INT8 groups and their scales) and hybrid sharding (shards within
+    # groups of shard_group_size ranks; with INT8 gradients, shards aligned to whole groups per group)
+    "s3_int8": dict(stage=3, stage3_param_persistence_threshold=40, quantized_weights=True),
+    "s2_hybrid": dict(stage=2, reduce_bucket_size=3000, shard_group_size=1),
+    "s3_hybrid_int8": dict(stage=3, stage3_param_persistence_threshold=40, shard_group_size=1, quantized_weights=True,
+                           quantized_gradients=True),
+    "s3_params_int8": dict(stage=3, stage3_param_persistence_threshold=40, offload_optimizer=True,
+                           offload_parameters=True, quantized_weights=True),
+    "s3_hybrid_half": dict(stage=3, stage3_param_persistence_threshold=40, shard_group_size=1, offload_optimizer=True,
+                           offload_optimizer_ratio=0.5),
 }
-ON_DEVICE = ("s1", "s2", "s3")  # on CPU the "device" is the host: device kinds compare without offload
+ON_DEVICE = ("s1", "s2", "s3", "s3_int8", "s2_hybrid", "s3_hybrid_int8")  # on CPU the "device" is the host:
+# device kinds compare without offload
 TOKENS = torch.randint(0, CFG.vocab_size, (2, CFG.block_size), generator=torch.Generator().manual_seed(0))
 
 
@@ -226,6 +237,29 @@ def test_zeroq_plan_says_when_nothing_fits_and_refuses_bad_flags(capsys):
     with pytest.raises(SystemExit):
         plan_cli.main(["--host-gib", "-1"])
     assert "--host-gib=-1.0: give the memory in GiB" in capsys.readouterr().err
+    for flags, said in ((["--world-size", "4", "--shard-group-size", "3"], "does not divide the world size 4"),
+                        (["--shard-group-size", "x"], "--shard-group-size x: give a number of ranks or 'node'")):
+        with pytest.raises(SystemExit):
+            plan_cli.main(["--layers", "2", "--dim", "64", "--heads", "2", "--ffn", "128", *flags])
+        assert said in capsys.readouterr().err, flags
+
+
+def test_zeroq_plan_lays_out_hybrid_groups_and_int8_weights_as_the_engine(tmp_path):
+    """``--shard-group-size`` and ``--quantized-weights`` apply to every candidate: at 4 ranks in groups of
+    2 each rank holds twice the shard of 4-way sharding; INT8 weights rest about half of stage 3's bf16
+    payload on the host (the kinds themselves are checked against the engine above)."""
+    shape = ["--dim", "1024", "--layers", "4", "--heads", "8", "--ffn", "2048", "--world-size", "4", "--device-gib", "80",
+             "--host-gib", "80", "--runtime-host-gib", "0"]
+
+    def rows(*flags: str) -> dict:
+        out = tmp_path / "rows.jsonl"
+        assert plan_cli.main([*shape, *flags, "--json", str(out)]) == 0
+        return {r["configuration"]: r for r in map(json.loads, out.read_text().splitlines())}
+
+    plain, grouped, int8 = rows(), rows("--shard-group-size", "2"), rows("--quantized-weights")
+    name = "zeroq3+params_optimizer_cpu"
+    assert grouped[name]["predicted_host_GiB"] == pytest.approx(2 * plain[name]["predicted_host_GiB"], rel=0.05)
+    assert 0 < int8[name]["predicted_host_GiB"] < plain[name]["predicted_host_GiB"]
 
 
 def test_zeroq_plan_plans_a_recipe_with_overrides_and_names_a_missing_one(capsys):
