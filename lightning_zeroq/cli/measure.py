@@ -52,6 +52,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))  # the ranks of this node (shard_group_size='node')
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -76,9 +77,9 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
             logits = m(sample[:, :-1])
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), sample[:, 1:].reshape(-1))
 
-        choice = choose(model, config, forward, device=device, param_dtype=dtype)
+        choice = choose(model, config, forward, device=device, param_dtype=dtype, ranks_per_node=local)
         config, chosen = choice.config, choice
-    engine = ZeroEngine(model, config, param_dtype=dtype, device=device)
+    engine = ZeroEngine(model, config, param_dtype=dtype, device=device, ranks_per_node=local)
     engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
     times = []
     try:
