@@ -107,7 +107,10 @@ def _recipe(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[
     except Exception as error:  # Hydra's and the configs' own errors, as zeroq-train words them
         parser.error(f"--recipe {args.recipe}: {config_error_line(error)}")
     args.batch, args.seq = run.data.batch_size, run.data.seq_len
-    args.world_size = (world_size_of(run.trainer) or 1) * run.trainer.num_nodes
+    args.world_size = world_size_of(run.trainer) or run.trainer.num_nodes  # every node's ranks
+    per_node = max(1, args.world_size // run.trainer.num_nodes)
+    if args.ranks_per_node == 1:  # not given: the recipe's ranks per node (what shard_group_size="node" means)
+        args.ranks_per_node = per_node
     dtype = torch.bfloat16 if run.trainer.precision.startswith("bf16") else torch.float32
     own = {f.name: getattr(run.zero, f.name) for f in dataclasses.fields(run.zero)}
     return run.model, [(f"recipe {args.recipe}", own), *candidates(args.nvme_path)], dtype
@@ -220,7 +223,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name in ("dim", "layers", "heads", "ffn", "vocab", "batch", "seq", "world_size", "ranks_per_node"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)}: give a whole number, 1 or more")
-    machine = machine_from(args, parser)
     configs, dtype = None, torch.bfloat16
     if args.recipe:
         cfg, configs, dtype = _recipe(args, parser)
@@ -232,6 +234,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         except ValueError as error:
             parser.error(str(error))
     configs = _with_common_fields(args, parser, configs)
+    machine = machine_from(args, parser)
     with torch.device("meta"):
         model = GPTModel(cfg).to(dtype)
     tokens = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")

@@ -344,3 +344,21 @@ def test_zeroq_plan_against_stored_measurements_prints_them_beside_the_plan(caps
     with pytest.raises(SystemExit):
         plan_cli.main([*small, "--against", str(stored), "--measure"])
     assert "give one of them" in capsys.readouterr().err
+
+
+def test_zeroq_plan_plans_a_recipe_on_several_nodes_with_node_groups(capsys, tmp_path):
+    """A recipe's world is its ranks per node times its nodes, and its ``shard_group_size='node'`` means its
+    ranks per node: on 2 nodes of 2 ranks each rank holds the shard of 2, twice that of 4-way sharding."""
+    overrides = ["trainer.num_nodes=2", "model.n_embd=1024", "model.n_layer=8", "model.n_head=8"]
+
+    def recipe_row(*extra: str) -> dict:
+        out = tmp_path / "rows.jsonl"
+        assert plan_cli.main(["--recipe", "gpt1m_zero3_offload_cpu", *overrides, *extra, "--host-gib", "64",
+                              "--runtime-host-gib", "0", "--json", str(out)]) == 0
+        return next(r for r in map(json.loads, out.read_text().splitlines())
+                    if r["configuration"] == "recipe gpt1m_zero3_offload_cpu")
+
+    whole, grouped = recipe_row(), recipe_row("zero.shard_group_size=node")
+    assert "world size 4;" in capsys.readouterr().out
+    assert whole["predicted_host_GiB"] > 0
+    assert grouped["predicted_host_GiB"] == pytest.approx(2 * whole["predicted_host_GiB"], rel=0.05)
