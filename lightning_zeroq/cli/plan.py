@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -145,6 +146,57 @@ def _with_common_fields(args: argparse.Namespace, parser: argparse.ArgumentParse
     return [(name, {**fields, **common}) for name, fields in (configs or candidates(args.nvme_path))]
 
 
+def _load(spec: str, flag: str, parser: argparse.ArgumentParser) -> Any:
+    """``MODULE:NAME`` imported (the working directory on the path, as ``python -m`` has it)."""
+    import importlib
+
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name:
+        parser.error(f"{flag} {spec}: give MODULE:NAME, e.g. mypackage.models:make_model")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as error:
+        parser.error(f"{flag} {spec}: {error}")
+
+
+def _own_model(args: argparse.Namespace, parser: argparse.ArgumentParser,
+               dtype: torch.dtype) -> tuple[torch.nn.Module, Any, int]:
+    """``--model`` built on the meta device (a LightningModule's ``configure_model`` too), the function that
+    gives one micro-batch's loss, and the tokens it holds."""
+    import lightning as L
+    from lightning.fabric.utilities.apply_func import apply_to_collection
+
+    from lightning_zeroq.lightning.plan_batch import training_step_loss
+
+    make = _load(args.model, "--model", parser)
+    with torch.device("meta"):
+        model = make()
+        if isinstance(model, L.LightningModule):
+            model.configure_model()
+    if not isinstance(model, torch.nn.Module):
+        parser.error(f"--model {args.model}: returned {type(model).__name__}, not an nn.Module")
+    model = model.to(dtype)
+    count = args.tokens if args.tokens is not None else args.batch * args.seq
+    if args.forward is not None:
+        return model, _load(args.forward, "--forward", parser), count
+    if not isinstance(model, L.LightningModule):
+        parser.error(f"--sample {args.sample}: a plain nn.Module has no training_step; give --forward (a function "
+                     "of the model returning the loss)")
+    batch = apply_to_collection(_load(args.sample, "--sample", parser)(), torch.Tensor, lambda t: t.to("meta"))
+    if args.tokens is None:
+        ids = [t for t in _tensors(batch) if not t.is_floating_point()]  # token ids
+        count = ids[0].numel() if ids else count
+    return model, training_step_loss(batch, f"--sample {args.sample}: {{}}"), count
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_flatten
+
+    return [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+
+
 def table(needs: list[Need], tokens: int) -> str:
     header = ("| configuration | device GiB allocated | reserved | of it activations | host GiB | disk GiB | step s "
               "| tokens/s | fits |")
@@ -187,6 +239,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     where.add_argument("--reserved-per-allocated", type=float, default=1.2,
                        help="the device memory the allocator reserves per byte allocated at the peak")
     shape.add_argument("--recipe", default=None, help="plan a zeroq-train recipe (conf/ and recipes/) instead")
+    shape.add_argument("--model", default=None, metavar="MODULE:NAME",
+                       help="plan your own model instead: a class or factory of no arguments returning an nn.Module "
+                            "or LightningModule (built on the meta device)")
+    shape.add_argument("--sample", default=None, metavar="MODULE:NAME",
+                       help="with a LightningModule --model: a function returning one micro-batch for training_step")
+    shape.add_argument("--forward", default=None, metavar="MODULE:NAME",
+                       help="with --model: a function of the model returning one micro-batch's loss (any module)")
+    shape.add_argument("--tokens", type=int, default=None,
+                       help="with --model: tokens per micro-batch and rank (default: the sample's first integer "
+                            "tensor's elements, else --batch x --seq)")
     shape.add_argument("overrides", nargs="*", help="with --recipe: Hydra overrides, as zeroq-train takes them")
     where.add_argument("--device-tbs", type=float, default=3.0, help="device memory TB/s (its optimizer step)")
     where.add_argument("--block-ms", default=None, metavar="F,FB",
@@ -218,6 +280,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             parser.error(f"--{name}={getattr(args, name)}: give a whole number, {1 if name == 'steps' else 0} or more")
     if args.against is not None and args.measure is not None:
         parser.error("--against FILE compares with rows measured before; --measure measures now: give one of them")
+    if args.model is not None and args.recipe:
+        parser.error("--model and --recipe: give one of them")
+    if args.model is not None and (args.sample is None) == (args.forward is None):
+        parser.error(f"--model {args.model}: give --sample (a LightningModule's micro-batch) or --forward (a function "
+                     "of the model returning the loss), one of them")
+    if args.model is None and (args.sample or args.forward or args.tokens):
+        parser.error("--sample, --forward and --tokens go with --model (your own model)")
     if args.overrides and not args.recipe:
         parser.error(f"{args.overrides}: overrides need --recipe NAME (the model's shape is given by flags otherwise)")
     for name in ("dim", "layers", "heads", "ffn", "vocab", "batch", "seq", "world_size", "ranks_per_node"):
@@ -235,35 +304,40 @@ def main(argv: Optional[list[str]] = None) -> int:
             parser.error(str(error))
     configs = _with_common_fields(args, parser, configs)
     machine = machine_from(args, parser)
-    with torch.device("meta"):
-        model = GPTModel(cfg).to(dtype)
-    tokens = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
+    if args.model is not None:
+        model, forward, count = _own_model(args, parser, dtype)
+    else:
+        with torch.device("meta"):
+            model = GPTModel(cfg).to(dtype)
+        tokens = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
+        count = args.batch * args.seq
 
-    def forward(m: torch.nn.Module) -> torch.Tensor:
-        logits = m(tokens)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens.reshape(-1))
+        def forward(m: torch.nn.Module) -> torch.Tensor:
+            logits = m(tokens)
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens.reshape(-1))
 
     device = None
     if args.calibrate:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    needs = plan_training(model, forward, tokens=args.batch * args.seq, world_size=args.world_size, machine=machine,
+    needs = plan_training(model, forward, tokens=count, world_size=args.world_size, machine=machine,
                           configs=configs, nvme_path=args.nvme_path, param_dtype=dtype, calibrate_on=device)
     params = sum(p.numel() for p in model.parameters())
     known = ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in (("device", machine.device_bytes), ("host", machine.host_bytes),
                                                            ("disk", machine.nvme_bytes)) if v is not None)
     size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.2f}M"
-    print(f"{size} parameters, {args.batch} x {args.seq} tokens per micro-batch and rank, world size "
+    shown = f"{count:,}" if args.model is not None else f"{args.batch} x {args.seq}"
+    print(f"{size} parameters, {shown} tokens per micro-batch and rank, world size "
           f"{args.world_size}; machine: {known or 'memory unknown (nothing checked)'}; per rank, "
           f"{'bf16' if dtype == torch.bfloat16 else 'fp32'} weights, AdamW:\n")
-    print(table(needs, args.batch * args.seq))
+    print(table(needs, count))
     best = next((n for n in needs if n.fits), None)
     print(f"\nfastest that fits: {best.name} ({best.step_s:.3f} s a step)" if best else
           "\nnothing fits: more ranks, a smaller micro-batch, or NVMe offload (--nvme-path)")
-    rows = [planned_row(n, args.batch * args.seq) for n in needs]
+    rows = [planned_row(n, count) for n in needs]
     if args.measure is not None:
-        if args.recipe:
+        if args.recipe or args.model:
             parser.error("--measure runs the package's GPT of the given shape (one process per configuration and "
-                         "rank); plan a recipe without it")
+                         "rank); plan a recipe or your own model without it")
         if args.world_size != args.ranks_per_node:
             parser.error(f"--measure runs the ranks on this machine: give --ranks-per-node {args.world_size} with "
                          f"--world-size {args.world_size} (a plan across nodes is measured by launching it there)")

@@ -59,7 +59,12 @@ def first_batch_forward(trainer: Any, module: Any, precision: ZeroQPrecision,
         raise ValueError(f"offload='auto' plans from the first training batch, and the training dataloader is "
                          f"empty; give it data {FIX}.") from None
     batch = apply_to_collection(batch, Tensor, lambda t: t.to("meta"))
-    batch = precision.convert_input(batch)
+    return training_step_loss(precision.convert_input(batch), f"offload='auto': {{}}; {FIX}.")
+
+
+def training_step_loss(batch: Any, error: str = "{}") -> Callable[[nn.Module], Tensor]:
+    """``forward(model)``: ``model.training_step(batch, 0)``'s loss, ``self.log`` doing nothing meanwhile
+    (``error``: the message, with ``{}`` for what was wrong, where it returns no loss)."""
 
     def forward(model: nn.Module) -> Tensor:
         quiet = {name: lambda *args, **kwargs: None for name in ("log", "log_dict")}
@@ -71,7 +76,7 @@ def first_batch_forward(trainer: Any, module: Any, precision: ZeroQPrecision,
                 model.__dict__.pop(name, None)
         loss = out["loss"] if isinstance(out, Mapping) else out
         if not isinstance(loss, Tensor):
-            raise ValueError(f"offload='auto': training_step returned {type(out).__name__}, not a loss; {FIX}.")
+            raise ValueError(error.format(f"training_step returned {type(out).__name__}, not a loss"))
         return loss
 
     return forward

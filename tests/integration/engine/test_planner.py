@@ -362,3 +362,66 @@ def test_zeroq_plan_plans_a_recipe_on_several_nodes_with_node_groups(capsys, tmp
     assert "world size 4;" in capsys.readouterr().out
     assert whole["predicted_host_GiB"] > 0
     assert grouped["predicted_host_GiB"] == pytest.approx(2 * whole["predicted_host_GiB"], rel=0.05)
+
+
+OWN_MODELS = '''
+import torch, torch.nn.functional as F
+import lightning as L
+from lightning_zeroq.cli.gpt import GPTConfig, GPTModel
+
+CFG = GPTConfig(vocab_size=512, block_size=128, n_layer=4, n_head=4, n_embd=256, norm="rmsnorm", mlp="swiglu",
+                bias=False, learned_positions=False, tie_embeddings=False, init="torch")
+
+
+class Lit(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = GPTModel(CFG)
+
+    def training_step(self, batch, batch_idx):
+        logits = self.net(batch)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch.reshape(-1))
+        self.log("loss", loss)
+        return loss
+
+
+def sample():
+    return torch.randint(0, 512, (4, 128))
+
+
+def plain():
+    return GPTModel(CFG)
+
+
+def loss_of(model):
+    tokens = torch.zeros(4, 128, dtype=torch.long, device="meta")
+    logits = model(tokens)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens.reshape(-1))
+'''
+
+
+def test_zeroq_plan_plans_your_own_model_as_it_plans_the_same_gpt(tmp_path, monkeypatch, capsys):
+    """``--model MODULE:NAME`` with ``--sample`` (a LightningModule's training_step, ``self.log`` quiet) or
+    ``--forward`` (any module's loss): the same network and loss plan as the package's GPT of that shape."""
+    (tmp_path / "own_models.py").write_text(OWN_MODELS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    machine = ["--device-gib", "8", "--host-gib", "8"]
+
+    def rows(*flags: str) -> dict:
+        out = tmp_path / "rows.jsonl"
+        assert plan_cli.main([*flags, *machine, "--json", str(out)]) == 0
+        return {r["configuration"]: r["predicted_allocated_GiB"] for r in map(json.loads, out.read_text().splitlines())}
+
+    gpt = rows("--dim", "256", "--layers", "4", "--heads", "4", "--ffn", "1024", "--vocab", "512", "--batch", "4",
+               "--seq", "128")
+    assert rows("--model", "own_models:Lit", "--sample", "own_models:sample") == gpt
+    assert "512 tokens per micro-batch" in capsys.readouterr().out  # the sample's token ids
+    assert rows("--model", "own_models:plain", "--forward", "own_models:loss_of", "--tokens", "512") == gpt
+    for flags, said in ((["--model", "own_models:plain", "--sample", "own_models:sample"], "no training_step"),
+                        (["--model", "own_models:plain"], "give --sample"),
+                        (["--model", "own_models:nothing", "--forward", "own_models:loss_of"], "--model own_models:nothing"),
+                        (["--sample", "own_models:sample"], "go with --model")):
+        with pytest.raises(SystemExit):
+            plan_cli.main([*flags, *machine])
+        assert said in capsys.readouterr().err, flags
