@@ -188,18 +188,20 @@ SUITES: dict[str, Suite] = {
          Launch("largest_model", ("benchmarks/largest_model.py", "--arms", "zeroq3+offload_params+spill50",
                                   "--checkpoint", "--start", "32", "--nvme-path", "{scratch}"), timeout=3600)),
         build=True),
-    "plan": Suite(
+    "plan-953m": Suite(
         "zeroq-plan's prediction beside the measured peaks (allocated, reserved, host) and step, one process per "
-        "configuration, the rates calibrated in the same command: the 953M GPT in 12 configurations and the 3.37B "
-        "(dim 3072, 28 layers) in 5, 4 x 1,024 tokens (docs/plan.md's table); --json rows for --against",
+        "configuration, the rates calibrated in the same command: the 953M GPT in 12 configurations, 4 x 1,024 "
+        "tokens (docs/plan.md's table); --json rows for --against",
         (Launch("plan_calibrated_953m", ("-m", "lightning_zeroq.cli.plan", "--batch", "4", "--seq", "1024",
                                          "--host-gib", "120", "--calibrate", "--measure", "--only", PLAN_953M,
                                          "--steps", "2", "--warmup", "2", "--json", "{out}/plan_953m.json"),
-                timeout=600, output="text"),
-         Launch("plan_calibrated_3370m", ("-m", "lightning_zeroq.cli.plan", *MODELS["3370m"], "--batch", "4",
+                timeout=540, output="text"),)),
+    "plan-3370m": Suite(
+        "The same for the 3.37B GPT (dim 3072, 28 layers) in 5 configurations",
+        (Launch("plan_calibrated_3370m", ("-m", "lightning_zeroq.cli.plan", *MODELS["3370m"], "--batch", "4",
                                           "--seq", "1024", "--host-gib", "120", "--calibrate", "--measure",
                                           "--only", PLAN_3370M, "--steps", "2", "--warmup", "1",
-                                          "--json", "{out}/plan_3370m.json"), timeout=600, output="text"))),
+                                          "--json", "{out}/plan_3370m.json"), timeout=540, output="text"),)),
     "plan-2gpu": Suite(
         "zeroq-plan at world size 2 beside measured (2 GPUs of one node, the largest peaks of either rank): the "
         "953M GPT, stages 1-3 without offload, with half and all of the optimizer on the host, parameters too",
