@@ -19,8 +19,9 @@ tags (``use_recursive_dict_tags_for_guards``, on by default there, off in 2.13; 
 immutable): code compiled before the engine existed (a compiled model run once before ``fit``, an
 earlier fit at another stage) then runs its old graph on freed placeholders, which the inductor's
 stride check stops with an assertion. ``check_guards_in_full`` turns the fast path off, as newer torch
-does, and gives each module of a transient unit a new parameter dictionary, so that code compiled
-before checks its guards again and recompiles.
+does (a setting of the process: code compiled later guards in full too, as on torch 2.13), and gives
+each module of a transient unit a new parameter dictionary, so that code compiled before checks its
+guards again and recompiles.
 """
 
 from __future__ import annotations
