@@ -3,6 +3,7 @@ the command and the hardware inside.
 
     python benchmarks/suite.py --list                      # the suites, what each measures, their time limits
     python benchmarks/suite.py links --dry-run             # the commands, without running them
+    python benchmarks/suite.py links --launch 2            # only its second launch (one machine call each)
     python benchmarks/suite.py links offload --out results # run; results in results/ (default: $OUT)
 
 Every launch calls a script of this folder through its command line (``torchrun --nproc-per-node N
@@ -42,7 +43,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from suites import BASE_ENV, LINKS, SUITES, TABLE_COLUMNS, Launch
+from suites import BASE_ENV, LINKS, SUITES, TABLE_COLUMNS, Launch, Suite
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD = ("-c", "from lightning_zeroq.ops._load import main; raise SystemExit(main())")
@@ -277,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("suites", nargs="*", help="suite names (--list shows them)")
     parser.add_argument("--list", action="store_true", help="list the suites and exit")
     parser.add_argument("--dry-run", action="store_true", help="print the commands and the results files, run nothing")
+    parser.add_argument("--launch", type=int, default=None, metavar="K",
+                        help="run only the K-th launch of the one suite named (1-based; --dry-run lists them), "
+                             "e.g. to fit a machine's time limit per call")
     parser.add_argument("--out", default=os.environ.get("OUT") or os.path.join(tempfile.gettempdir(), "zeroq_bench"),
                         help="results folder (default: $OUT, else a temp folder)")
     parser.add_argument("--scratch", default=os.path.join(tempfile.gettempdir(), "zeroq_bench_scratch"),
@@ -305,6 +309,15 @@ def main(argv: list[str] | None = None) -> int:
                      f"name a suite: {', '.join(SUITES)}")
     if args.world_size is not None and args.world_size < 1:
         parser.error(f"--world-size {args.world_size}: use 1 or more")
+    if args.launch is not None:
+        if len(args.suites) != 1:
+            parser.error(f"--launch {args.launch}: name one suite (it picks one of that suite's launches)")
+        count = len(SUITES[args.suites[0]].launches)
+        if not 1 <= args.launch <= count:
+            parser.error(f"--launch {args.launch}: {args.suites[0]} has launches 1 to {count}")
+
+    def launches(suite: Suite) -> tuple[Launch, ...]:
+        return suite.launches if args.launch is None else (suite.launches[args.launch - 1],)
     if args.date is not None and not re.fullmatch(r"\d{4}-\d{2}-\d{2}", args.date):
         parser.error(f"--date {args.date!r}: use YYYY-MM-DD")
     if args.hardware is not None and not re.fullmatch(r"cpu|\d+x[a-z0-9]+", args.hardware):
@@ -328,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# {name}: {suite.about}")
             if suite.build and names:
                 print(f"python {shlex.join(BUILD)}")
-            for launch in suite.launches:
+            for launch in launches(suite):
                 values = placeholders(scratch, out, cores, world(launch, args.world_size))
                 env = environment(launch, values)
                 shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()) if k not in BASE_ENV)
@@ -366,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
             build = subprocess.run([sys.executable, *BUILD], cwd=repo, env={**os.environ, "PYTHONPATH": pythonpath},
                                    capture_output=True, text=True, timeout=300, check=False)
             print("CUDA extension: " + ((build.stdout + build.stderr).strip().splitlines() or ["?"])[-1], flush=True)
-        for launch in suite.launches:
+        for launch in launches(suite):
             values = placeholders(scratch, out, cores, world(launch, args.world_size))
             failed += run_launch(launch, results, values, args.world_size, pythonpath, repo) != 0
         for bench, path in results.files.items():

@@ -59,6 +59,17 @@ def test_dry_run_prints_each_launch_and_its_results_file(name, tmp_path):
         assert driver.NAME.match(Path(target).name)
 
 
+def test_dry_run_of_one_launch_and_its_bad_values(capsys):
+    out = _dry_run("compile-2gpu", "--launch", "2")
+    commands = [line for line in out.splitlines() if line.startswith("timeout ")]
+    assert len(commands) == 1 and "BENCH_LINK=socket" in commands[0], out
+    for bad, said in ((["compile-2gpu", "--launch", "3"], "compile-2gpu has launches 1 to 2"),
+                      (["compile-2gpu", "links", "--launch", "1"], "name one suite")):
+        with pytest.raises(SystemExit) as error:
+            driver.main(["--dry-run", *bad])
+        assert error.value.code == 2 and said in capsys.readouterr().err
+
+
 def test_dry_run_world_size_override_and_bad_values():
     out = _dry_run("checkpoint", "--world-size", "8")
     assert "torchrun --nproc-per-node 8 " in out
