@@ -209,13 +209,13 @@ SUITES: dict[str, Suite] = {
                                              "--world-size", "2", "--ranks-per-node", "2", "--host-gib", "240",
                                              "--calibrate", "--measure", "--only", PLAN_2GPU, "--steps", "2",
                                              "--warmup", "2", "--json", "{out}/plan_953m_ws2.json"),
-                timeout=900, output="text"),)),
+                timeout=560, output="text"),)),
     "compile-floor": Suite(
         "Compiled stage 3 at the compiled floor (953M GPT, one GPU, 4 x 1,024 tokens): DDP with compiled blocks "
         "(the floor: one rank communicates nothing), zeroq2 and zeroq3 with compiled blocks, zeroq3 eager and with "
         "the whole model compiled, FSDP2 likewise with bf16 gradient reduction (as zeroq) and, compiled blocks, "
         "fp32 reduction (torchtitan's); every arm twice, alternating; peak allocated and reserved",
-        tuple(step_time(COMPILE_FLOOR, world_sizes=(1,), timeout=600, bench="step_time_compile_floor",
+        tuple(step_time(COMPILE_FLOOR, world_sizes=(1,), timeout=560, bench="step_time_compile_floor",
                         extra=("--steps", "10", "--warmup", "5")))),
     "compile-floor-profile": Suite(
         "Where the compiled arms' step goes on one GPU: two profiled steps each of the floor (DDP with compiled "
@@ -239,7 +239,7 @@ SUITES: dict[str, Suite] = {
     "scale-3800m-2gpu": Suite(
         "The 3.82B GPT with parameters and optimizer on the host at 2 GPUs (each rank's host step over half the "
         "elements with half the threads), beside FSDP2's CPUOffloadPolicy, 4K tokens per rank",
-        tuple(step_time(SCALE_BIG, models=("3800m",), timeout=600, bench="step_time_scale",
+        tuple(step_time(SCALE_BIG, models=("3800m",), timeout=560, bench="step_time_scale",
                         extra=("--steps", "4", "--warmup", "2", *SCALE_TOKENS["4k"]))), build=True),
     "links": Suite(
         "Step time and peak memory of DDP and ZeroQ stages 2 and 3, with and without INT8 weights, over NVLink, "
