@@ -121,21 +121,15 @@ def replay(args: argparse.Namespace, gpt: dict) -> int:
     """The grid's points planned by this version beside their measured peaks, and ``offload="auto"``'s choice
     under each budget of the file beside the choice measured then."""
     import torch
-    import torch.nn.functional as F
 
     from lightning_zeroq import ZeroConfig, choose
-    from lightning_zeroq.cli.gpt import GPTConfig, GPTModel
+    from lightning_zeroq.cli.gpt import GPTConfig
+    from lightning_zeroq.cli.plan import gpt_on_meta
     from lightning_zeroq.zero.plan import repeated_blocks
     from lightning_zeroq.zero.planner import Machine, plan_config, trace_activations
 
     rows = [json.loads(line) for line in Path(args.replay).read_text().splitlines() if line.strip()]
-    with torch.device("meta"):
-        model = GPTModel(GPTConfig(**gpt)).to(torch.bfloat16)
-    tokens = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
-
-    def forward(m: torch.nn.Module) -> torch.Tensor:
-        logits = m(tokens)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens.reshape(-1))
+    model, forward = gpt_on_meta(GPTConfig(**gpt), args.batch, args.seq, torch.bfloat16)
 
     block = tuple(float(v) / 1e3 for v in args.block_ms.split(",")) if args.block_ms else None
     machine = Machine(matmul_flops=args.tflops * 1e12, host_step_elements_per_s=args.host_elements_per_s,

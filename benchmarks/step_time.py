@@ -64,6 +64,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from lightning_zeroq.cli.gpt import GPTConfig, GPTModel
+from lightning_zeroq.zero.hooks import check_guards_in_full
 
 
 class GPT(GPTModel):
@@ -690,10 +691,8 @@ def main() -> None:
     parser.add_argument("--profile", default="", help="a folder: profile two more steps of each arm (profile_steps)")
     args = parser.parse_args()
     # Every arm guards its compiled code alike: stage 3 turns dynamo's guard fast path over unchanged module
-    # dictionaries off (torch 2.9-2.11; torch 2.13 has it off), which would otherwise differ between the
-    # arms before the first stage-3 arm of a launch and those after it.
-    if getattr(torch._dynamo.config, "use_recursive_dict_tags_for_guards", False):
-        torch._dynamo.config.use_recursive_dict_tags_for_guards = False
+    # dictionaries off (torch 2.9-2.11), which would otherwise differ before and after a launch's first stage-3 arm.
+    check_guards_in_full(())
     if args.floor_block < 1:
         parser.error(f"--floor-block {args.floor_block}: give the steps timed together before each floor step, 1 or more")
     arms = args.arms.split(",")

@@ -146,6 +146,20 @@ def _with_common_fields(args: argparse.Namespace, parser: argparse.ArgumentParse
     return [(name, {**fields, **common}) for name, fields in (configs or candidates(args.nvme_path))]
 
 
+def gpt_on_meta(cfg: GPTConfig, batch: int, seq: int, dtype: torch.dtype) -> tuple[GPTModel, Any]:
+    """The package's GPT on the meta device and ``forward(model)``: one micro-batch's cross-entropy loss
+    (``batch`` x ``seq`` tokens, the logits in fp32), what the plan traces."""
+    with torch.device("meta"):
+        model = GPTModel(cfg).to(dtype)
+    tokens = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+
+    def forward(m: torch.nn.Module) -> torch.Tensor:
+        logits = m(tokens)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens.reshape(-1))
+
+    return model, forward
+
+
 def _load(spec: str, flag: str, parser: argparse.ArgumentParser) -> Any:
     """``MODULE:NAME`` imported (the working directory on the path, as ``python -m`` has it)."""
     import importlib
@@ -307,14 +321,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.model is not None:
         model, forward, count = _own_model(args, parser, dtype)
     else:
-        with torch.device("meta"):
-            model = GPTModel(cfg).to(dtype)
-        tokens = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
+        model, forward = gpt_on_meta(cfg, args.batch, args.seq, dtype)
         count = args.batch * args.seq
-
-        def forward(m: torch.nn.Module) -> torch.Tensor:
-            logits = m(tokens)
-            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens.reshape(-1))
 
     device = None
     if args.calibrate:

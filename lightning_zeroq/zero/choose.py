@@ -185,7 +185,8 @@ def choose(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Module],
     with on_meta(module, param_dtype) as meta:
         activations = trace_activations(meta, forward, blocks)
         budget, size, host_room, disk = _budgets(request, device, group)
-        rates = dataclasses.replace(machine or _default_machine(device), ranks_per_node=ranks_per_node)
+        rates = (dataclasses.replace(machine, ranks_per_node=ranks_per_node) if machine is not None
+                 else _default_machine(device, ranks_per_node))
         if calibrate and machine is None and device.type == "cuda":  # a CPU "device" (tests) plans with the defaults
             rates = dataclasses.replace(rates, **calibration.rates(
                 device, param_dtype, block=blocks[0] if blocks else None, call=activations.block_call,
@@ -247,9 +248,10 @@ def _size(value: Optional[int]) -> str:
     return "none" if value is None or value >= 1 << 61 else size(value)
 
 
-def _default_machine(device: torch.device) -> Machine:
+def _default_machine(device: torch.device, ranks_per_node: int) -> Machine:
     """The default rates, with the CUDA libraries' workspaces where the device is a GPU (none on the CPU)."""
-    return Machine() if device.type == "cuda" else Machine(device_workspace_bytes=0)
+    workspaces = Machine.device_workspace_bytes if device.type == "cuda" else 0
+    return Machine(ranks_per_node=ranks_per_node, device_workspace_bytes=workspaces)
 
 
 def check_fits(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Module], Tensor], *,
@@ -272,8 +274,7 @@ def check_fits(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Modu
             activations = trace_activations(meta, forward, blocks)
             need = plan_config(meta, config, activations, name="the configuration as given",
                                world_size=comm.world(group)[1], checkpointing=share, param_dtype=param_dtype,
-                               rank=comm.world(group)[0],
-                               machine=dataclasses.replace(_default_machine(device), ranks_per_node=ranks_per_node))
+                               rank=comm.world(group)[0], machine=_default_machine(device, ranks_per_node))
     except Exception as error:  # a forward the meta device cannot run: no check, on every rank alike
         log.debug(f"the check before launch could not trace one micro-batch on the meta device ({error!r})")
         failed = 1

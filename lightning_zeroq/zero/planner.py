@@ -351,8 +351,7 @@ def plan_config(model: nn.Module, config: ZeroConfig, activations: Activations, 
     specs = plan(model, trainable_parameters(model), policies.sharding.units)
     layouts, rank, payload = _shards(policies, specs, world_size, machine.ranks_per_node, rank, param_dtype)
     device = device_kinds(layouts, [s.persistent for s in specs], policies.offload, param_dtype, state_bytes, rank,
-                          {i: n * dtype.itemsize for i, (n, dtype) in payload.items()},
-                          encoded=any(dtype != param_dtype for _, dtype in payload.values()))
+                          payload)
     device["workspaces"] = machine.device_workspace_bytes
     device["activations"] = activations.with_checkpointing(checkpointing)
     device["loss_input"] = activations.largest
@@ -381,14 +380,13 @@ def plan_config(model: nn.Module, config: ZeroConfig, activations: Activations, 
 
 
 def _engine_passes(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequence[UnitSpec],
-                   param_dtype: torch.dtype) -> int:
+                   param_dtype: torch.dtype, off: frozenset[int]) -> int:
     """Device memory traffic of the engine's own passes in a step, beside the model's: each gradient read
     in the working dtype and reduced into its fp32 shard (the units stepped on the device), and in stage
     3 each transient unit gathered twice (the forward's, the backward's): written in the working dtype,
     from its fp32 master where that is on the device, else from its stored shard (parameters on the
-    device) or from the host (read over PCIe, not here)."""
+    device) or from the host (read over PCIe, not here). ``off``: the units stepped off the device."""
     offload, itemsize = policies.offload, param_dtype.itemsize
-    off = units_off_device(offload.optimizer, layouts)
     total = sum(itemsize * layouts[i].padded_numel + 4 * layouts[i].shard_numel
                 for i in range(len(layouts)) if i not in off)
     params_here = isinstance(offload.parameters, OnDevice)
@@ -412,25 +410,24 @@ def _step_seconds(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequ
         forward, both = machine.block_seconds
         outside = max(0, params - activations.block_numel)
         compute = activations.blocks * (both + checkpointing * forward) + 6 * outside * tokens / machine.matmul_flops
-    host = host_elements / machine.host_step_elements_per_s
-    host += device_elements * DEVICE_STEP_BYTES / machine.device_bytes_per_s  # the step's device part, then the host's
+    host_step = host_elements / machine.host_step_elements_per_s
+    host = host_step + device_elements * DEVICE_STEP_BYTES / machine.device_bytes_per_s  # the device's part too
     offload = policies.offload
-    compute += _engine_passes(policies, layouts, specs, param_dtype) / machine.device_bytes_per_s
+    off = units_off_device(offload.optimizer, layouts)
+    compute += _engine_passes(policies, layouts, specs, param_dtype, off) / machine.device_bytes_per_s
     beside, after = 0, 0.0  # bytes over PCIe per step and rank: beside the compute, and after the host step
-    if not isinstance(offload.optimizer, OnDevice):
-        moved = sum(layouts[i].shard_numel for i in units_off_device(offload.optimizer, layouts))
+    if off:
+        moved = sum(layouts[i].shard_numel for i in off)
         beside += param_dtype.itemsize * moved  # the gradients land during the backward
         # the new weights go up unit by unit as the host steps the next (``offload/host.py``): one unit's
         # copy waits for the host step's end, the rest ride beside it
-        largest = max((layouts[i].shard_numel for i in units_off_device(offload.optimizer, layouts)), default=0)
-        host_s = host_elements / machine.host_step_elements_per_s
+        largest = max(layouts[i].shard_numel for i in off)
         after += param_dtype.itemsize * largest + max(0.0, param_dtype.itemsize * (moved - largest)
-                                                      - host_s * machine.pcie_bytes_per_s)
+                                                      - host_step * machine.pcie_bytes_per_s)
     if not isinstance(offload.parameters, OnDevice):
         transient = [i for i in range(len(layouts)) if not specs[i].persistent]
         beside += 2 * param_dtype.itemsize * sum(layouts[i].shard_numel for i in transient)  # forward and backward
-        stepped_here = set(transient) - units_off_device(offload.optimizer, layouts)
-        after += param_dtype.itemsize * sum(layouts[i].shard_numel for i in stepped_here)  # new weights to the host
+        after += param_dtype.itemsize * sum(layouts[i].shard_numel for i in transient if i not in off)  # to the host
     nvme = 2 * nvme_bytes / machine.nvme_bytes_per_s
     return max(compute, beside / machine.pcie_bytes_per_s) + host + after / machine.pcie_bytes_per_s + nvme
 

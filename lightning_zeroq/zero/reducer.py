@@ -310,7 +310,6 @@ class Reducer:
                 stats[n_params + 2 * n_units] = bad.max()
         if self.world_size > 1:
             stats[n_params + 2 * n_units + self.rank] = self._origin.float()
-        if self.world_size > 1:
             comm.all_reduce(stats, dist.ReduceOp.MAX, self.group)
         # One read-back of everything the step needs to know on the host (``used`` too). Through the copy
         # engine it would wait behind every copy to the host already queued, whatever its stream or

@@ -36,11 +36,11 @@ def units_off_device(policy: Any, layouts: Sequence[UnitLayout]) -> frozenset[in
 
 def device_kinds(layouts: Sequence[UnitLayout], persistent: Sequence[bool], offload: Offload,
                  param_dtype: torch.dtype, state_bytes: int, rank: int = 0,
-                 payload_bytes: Optional[dict[int, int]] = None, encoded: bool = False) -> dict[str, int]:
+                 payload: Optional[dict[int, tuple[int, torch.dtype]]] = None) -> dict[str, int]:
     """Device bytes by ``memory_report``'s kinds for ``rank`` (``largest_transient_unit`` counted twice
     as ``gathered_units``; ``state_bytes``: optimizer state per parameter element, none for padding;
-    ``payload_bytes``: a transient unit's stored payload, default its shard in ``param_dtype``;
-    ``encoded``: the payload is INT8, stored beside every master, on the device or not)."""
+    ``payload``: a transient unit's stored payload (elements, dtype), default its shard in ``param_dtype``;
+    one of another dtype is INT8, stored beside every master, on the device or not)."""
     n = len(layouts)
     off = units_off_device(offload.optimizer, layouts)
     itemsize = param_dtype.itemsize
@@ -49,8 +49,9 @@ def device_kinds(layouts: Sequence[UnitLayout], persistent: Sequence[bool], offl
     stored = 0
     if transient and isinstance(offload.parameters, OnDevice):
         # a master on the device is cast at each gather (bf16) or is the working shard (fp32); else stored
-        stored = sum((payload_bytes or {}).get(i, layouts[i].shard_numel * itemsize) for i in transient
-                     if i in off or encoded)
+        rested = {i: n * dtype.itemsize for i, (n, dtype) in (payload or {}).items()}
+        encoded = any(dtype != param_dtype for _, dtype in (payload or {}).values())
+        stored = sum(rested.get(i, layouts[i].shard_numel * itemsize) for i in transient if i in off or encoded)
     return {
         "masters": 4 * sum(layouts[i].shard_numel for i in device_units),
         "gradient_shards": 4 * sum(layouts[i].shard_numel for i in device_units),
@@ -73,14 +74,13 @@ RATIO_STEP = 0.05
 
 
 def nearest_fit(layouts: Sequence[UnitLayout], persistent: Sequence[bool], offload: Offload,
-                param_dtype: torch.dtype, state_bytes: int, rank: int, payload_bytes: Optional[dict[int, int]],
-                room: int, encoded: bool = False) -> Optional[tuple[str, int]]:
+                param_dtype: torch.dtype, state_bytes: int, rank: int,
+                payload: Optional[dict[int, tuple[int, torch.dtype]]], room: int) -> Optional[tuple[str, int]]:
     """The least offload beyond ``offload`` whose state fits ``room`` (the options to set, and its bytes):
     a larger share of the optimizer on the host (``offload_optimizer_ratio`` in steps of ``RATIO_STEP``),
     then, with stage 3's transient units, the parameters too; None if none does."""
     def state(option: Offload) -> int:
-        return sum(device_kinds(layouts, persistent, option, param_dtype, state_bytes, rank, payload_bytes,
-                                encoded).values())
+        return sum(device_kinds(layouts, persistent, option, param_dtype, state_bytes, rank, payload).values())
 
     start = offload.optimizer.ratio if isinstance(offload.optimizer, Host) else 0.0
     if isinstance(offload.optimizer, (OnDevice, Host)):

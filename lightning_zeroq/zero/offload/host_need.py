@@ -287,15 +287,6 @@ class _Build(NamedTuple):
     def persistent(self) -> list[bool]:
         return [i not in self.payload for i in range(len(self.layouts))]
 
-    @property
-    def payload_bytes(self) -> dict[int, int]:
-        return {i: n * dtype.itemsize for i, (n, dtype) in self.payload.items()}
-
-    @property
-    def encoded(self) -> bool:
-        """The payload is INT8 (stored beside every master)."""
-        return any(dtype != self.param_dtype for _, dtype in self.payload.values())
-
 
 class HostBudget:
     """The engine's host memory: what is available, read when the engine is built (before any rank
@@ -348,11 +339,11 @@ class HostBudget:
         if build is None or room is None:
             return
         shape = (build.layouts, build.persistent, self.offload, build.param_dtype)
-        kinds = device_need.device_kinds(*shape, state_bytes, build.rank, build.payload_bytes, build.encoded)
+        kinds = device_need.device_kinds(*shape, state_bytes, build.rank, build.payload)
         nearest = None
         if sum(kinds.values()) > room:  # at the build no optimizer is attached yet: the fix allows for Adam's state
             nearest = device_need.nearest_fit(*shape, state_bytes or ADAM_STATE_BYTES, build.rank,
-                                              build.payload_bytes, room, build.encoded)
+                                              build.payload, room)
         device_need.check(kinds, room, what, nearest, with_adam=state_bytes == 0)
 
     def _fp32_buffers(self, nbytes: int) -> None:

@@ -305,7 +305,7 @@ def test_the_device_check_counts_stage3s_int8_payload(monkeypatch) -> None:
     probe.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
     held, build = probe.memory_report(), probe.host_memory._build
     kinds = device_need.device_kinds(build.layouts, build.persistent, probe.policies.offload, build.param_dtype, 8,
-                                     build.rank, build.payload_bytes, build.encoded)
+                                     build.rank, build.payload)
     probe.close()
     assert kinds["stored_shards"] == held["stored_shards"] > 0, (kinds, held)
     total = sum(kinds.values())
