@@ -299,6 +299,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.model is not None and (args.sample is None) == (args.forward is None):
         parser.error(f"--model {args.model}: give --sample (a LightningModule's micro-batch) or --forward (a function "
                      "of the model returning the loss), one of them")
+    if args.tokens is not None and args.tokens < 1:
+        parser.error(f"--tokens={args.tokens}: give the tokens per micro-batch and rank, 1 or more")
     if args.model is None and (args.sample or args.forward or args.tokens):
         parser.error("--sample, --forward and --tokens go with --model (your own model)")
     if args.overrides and not args.recipe:

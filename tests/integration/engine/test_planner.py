@@ -421,7 +421,9 @@ def test_zeroq_plan_plans_your_own_model_as_it_plans_the_same_gpt(tmp_path, monk
     for flags, said in ((["--model", "own_models:plain", "--sample", "own_models:sample"], "no training_step"),
                         (["--model", "own_models:plain"], "give --sample"),
                         (["--model", "own_models:nothing", "--forward", "own_models:loss_of"], "--model own_models:nothing"),
-                        (["--sample", "own_models:sample"], "go with --model")):
+                        (["--sample", "own_models:sample"], "go with --model"),
+                        (["--model", "own_models:plain", "--forward", "own_models:loss_of", "--tokens", "0"],
+                         "--tokens=0: give the tokens per micro-batch")):
         with pytest.raises(SystemExit):
             plan_cli.main([*flags, *machine])
         assert said in capsys.readouterr().err, flags
