@@ -451,6 +451,7 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
     # so an arm would otherwise reuse an earlier arm's graphs and recompilations (and, past dynamo's
     # recompile limit, run eagerly without a word).
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # this arm's graphs, breaks and recompiles alone
     rss_before, pinned_before = host_rss_gib(), pinned_gib()
     built = build_arm(arm, args, dev)
     model, forward, finish, engine, num_params = built.model, built.forward, built.finish, built.engine, built.num_params
@@ -521,6 +522,12 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
         "world_size": dist.get_world_size(), "torch": torch.__version__,
     }
     result.update(throughput(num_params, args, float(result["step_s_median"])))
+    if "compile" in parse_arm(arm)[1] or "compile_whole" in parse_arm(arm)[1]:
+        counters = torch._dynamo.utils.counters  # what dynamo made of this arm (rank 0's), warm-up included
+        result.update(dynamo_graphs=counters["stats"]["unique_graphs"],
+                      dynamo_graph_breaks=sum(counters["graph_break"].values()),
+                      dynamo_break_reasons=sorted({reason.splitlines()[0][:120] for reason in counters["graph_break"]}),
+                      dynamo_recompiles=counters["recompiles"].get("total", sum(counters["recompiles"].values())))
     if "muon" in parse_arm(arm)[1]:
         result["newton_schulz_s"] = newton_schulz_seconds(args, dev)
     if floor_times:

@@ -194,21 +194,21 @@ SUITES: dict[str, Suite] = {
         "tokens (docs/plan.md's table); --json rows for --against",
         (Launch("plan_calibrated_953m", ("-m", "lightning_zeroq.cli.plan", "--batch", "4", "--seq", "1024",
                                          "--host-gib", "120", "--calibrate", "--measure", "--only", PLAN_953M,
-                                         "--steps", "2", "--warmup", "2", "--json", "{out}/plan_953m.json"),
+                                         "--steps", "6", "--warmup", "3", "--json", "{out}/plan_953m.json"),
                 timeout=540, output="text"),)),
     "plan-3370m": Suite(
         "The same for the 3.37B GPT (dim 3072, 28 layers) in 5 configurations",
         (Launch("plan_calibrated_3370m", ("-m", "lightning_zeroq.cli.plan", *MODELS["3370m"], "--batch", "4",
                                           "--seq", "1024", "--host-gib", "120", "--calibrate", "--measure",
-                                          "--only", PLAN_3370M, "--steps", "2", "--warmup", "1",
+                                          "--only", PLAN_3370M, "--steps", "5", "--warmup", "2",
                                           "--json", "{out}/plan_3370m.json"), timeout=540, output="text"),)),
     "plan-2gpu": Suite(
         "zeroq-plan at world size 2 beside measured (2 GPUs of one node, the largest peaks of either rank): the "
         "953M GPT, stages 1-3 without offload, with half and all of the optimizer on the host, parameters too",
         (Launch("plan_calibrated_953m_ws2", ("-m", "lightning_zeroq.cli.plan", "--batch", "4", "--seq", "1024",
                                              "--world-size", "2", "--ranks-per-node", "2", "--host-gib", "240",
-                                             "--calibrate", "--measure", "--only", PLAN_2GPU, "--steps", "2",
-                                             "--warmup", "2", "--json", "{out}/plan_953m_ws2.json"),
+                                             "--calibrate", "--measure", "--only", PLAN_2GPU, "--steps", "6",
+                                             "--warmup", "3", "--json", "{out}/plan_953m_ws2.json"),
                 timeout=560, output="text"),)),
     "compile-floor": Suite(
         "Compiled stage 3 at the compiled floor (953M GPT, one GPU, 4 x 1,024 tokens): DDP with compiled blocks "

@@ -29,6 +29,7 @@ file, running nothing (a new plan model checked against measurements made before
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -71,6 +72,7 @@ def machine_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> M
     for name in ("tflops", "host_elements_per_s", "pcie_gbs", "nvme_gbs", "reserved_per_allocated"):
         if not getattr(args, name) > 0:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)}: give a rate above 0")
+    args.runtime_host_given = args.runtime_host_gib
     if args.runtime_host_gib is None:
         args.runtime_host_gib = RUNTIME_HOST_GIB if torch.cuda.is_available() or args.device_gib is not None else 0.0
     if not args.runtime_host_gib >= 0:
@@ -95,8 +97,6 @@ def machine_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> M
 def _recipe(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[GPTConfig, list, torch.dtype]:
     """The recipe's model, micro-batch, world size and precision (into ``args``), and the configurations to
     plan: the recipe's own first, then the other candidates."""
-    import dataclasses
-
     from lightning_zeroq.cli.config import world_size_of, config_error_line
     from lightning_zeroq.cli.train import compose_config, recipe_names, to_run_config
     from lightning_zeroq.zero.planner import candidates
@@ -250,7 +250,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                        help="optimizer elements the host steps per second (AdamW)")
     where.add_argument("--pcie-gbs", type=float, default=40.0, help="host-device copy GB/s each way")
     where.add_argument("--nvme-gbs", type=float, default=3.0, help="disk read/write GB/s")
-    where.add_argument("--reserved-per-allocated", type=float, default=1.2,
+    where.add_argument("--reserved-per-allocated", type=float, default=Machine.reserved_per_allocated,
                        help="the device memory the allocator reserves per byte allocated at the peak")
     shape.add_argument("--recipe", default=None, help="plan a zeroq-train recipe (conf/ and recipes/) instead")
     shape.add_argument("--model", default=None, metavar="MODULE:NAME",
@@ -269,11 +269,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                        help="one block's forward and forward+backward in ms at this micro-batch (as --calibrate "
                             "prints them), for the blocks' compute instead of --tflops")
     where.add_argument("--runtime-host-gib", type=float, default=None,
-                       help=f"host memory of each process's CUDA runtime (default {RUNTIME_HOST_GIB} where a GPU is "
-                            "given or found, else 0)")
+                       help=f"host memory of each process's CUDA runtime (default: measured with --calibrate on a GPU, "
+                            f"else {RUNTIME_HOST_GIB} where a GPU is given or found, else 0)")
     where.add_argument("--calibrate", action="store_true",
                        help="measure the rates on this machine (one block at the micro-batch, the host step, "
-                            "copies, the disk at --nvme-path) instead of the four flags above")
+                            "copies, the disk at --nvme-path; on a GPU the CUDA runtime's host memory too) instead "
+                            "of the flags above")
     check = parser.add_argument_group("measuring the plan on this machine")
     check.add_argument("--measure", nargs="?", type=int, const=0, default=None, metavar="N",
                        help="train the N fastest fitting configurations (default: all) a few steps each and "
@@ -329,6 +330,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     device = None
     if args.calibrate:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        if device.type == "cuda" and args.runtime_host_given is None:
+            runtime = runtime_host_bytes(args.timeout)
+            if runtime is not None:
+                machine = dataclasses.replace(machine, runtime_host_bytes=runtime)
+                print(f"calibrated here: a process's CUDA runtime and libraries hold {runtime / GIB:.2f} GiB of host "
+                      "memory", flush=True)
     needs = plan_training(model, forward, tokens=count, world_size=args.world_size, machine=machine,
                           configs=configs, nvme_path=args.nvme_path, param_dtype=dtype, calibrate_on=device)
     params = sum(p.numel() for p in model.parameters())
@@ -367,6 +374,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0 if best else 1
 
 
+def runtime_host_bytes(timeout: Optional[float] = None) -> Optional[int]:
+    """Host memory a training process's CUDA runtime and libraries take on this machine, measured as
+    ``--measure`` counts a configuration's (``cli/measure.py``): a two-block GPT of width 64 trained for two
+    steps in a fresh process, stage 2, nothing offloaded, so that all it holds on the host is the runtime's.
+    None where that run fails."""
+    from lightning_zeroq.cli.measure import measure
+
+    tiny = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64, norm="rmsnorm", mlp="swiglu",
+                     bias=False, learned_positions=False, tie_embeddings=False, init="torch")
+    got = measure({"gpt": dataclasses.asdict(tiny), "config": {"stage": 2}, "checkpointing": 0.0, "batch": 2,
+                   "seq": 32, "warmup": 1, "steps": 1}, timeout=timeout)
+    return got.get("host_bytes")
+
+
 def planned_row(need: Need, tokens: int) -> dict:
     return {"configuration": need.name, "fits": need.fits, "predicted_allocated_GiB": round(need.device_total / GIB, 2),
             "predicted_reserved_GiB": round(need.reserved / GIB, 2), "predicted_host_GiB": round(need.host_total / GIB, 2),
@@ -376,8 +397,6 @@ def planned_row(need: Need, tokens: int) -> dict:
 
 def measure_all(chosen: list[Need], rows: list[dict], cfg: GPTConfig, args: argparse.Namespace) -> list[dict]:
     """Run each chosen configuration (``cli/measure.py``) and print predicted beside measured."""
-    import dataclasses
-
     from lightning_zeroq.cli.measure import measure
 
     by_name = {row["configuration"]: row for row in rows}

@@ -75,10 +75,11 @@ class Machine:
     host_step_elements_per_s: float = 5.0e9
     pcie_bytes_per_s: float = 40e9
     nvme_bytes_per_s: float = 3e9
-    reserved_per_allocated: float = 1.2
-    reserved_overhead_bytes: int = 1 << 29
+    reserved_per_allocated: float = 1.205
+    reserved_overhead_bytes: int = int(0.68 * GIB)
     """The caching allocator's reserve (what decides whether it fits) as ``reserved_per_allocated`` times
-    the peak allocated plus this: fitted to 17 runs on one H200, each within 10% (``docs/plan.md``)."""
+    the peak allocated plus this: fitted to the 34 runs of two days on one H200 (the 17 configurations
+    of ``docs/plan.md`` measured twice), each within 10%."""
     runtime_host_bytes: int = 0
     """Host memory of a process's CUDA runtime and libraries, beside what the engine puts there
     (``zeroq-plan`` on a GPU machine: 0.6 GiB, as measured with torch 2.11; planned with the rest)."""
