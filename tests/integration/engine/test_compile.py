@@ -364,6 +364,71 @@ def test_whole_model_compile_runs_every_stage3_block_compiled(options):
         torch._dynamo.reset()
 
 
+def _whole_lightning_module_body() -> tuple:
+    import lightning as L
+    from torch.profiler import profile
+
+    from lightning_zeroq import ZeroQStrategy
+    from lightning_zeroq.cli.gpt import GPTConfig, GPTModel
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = GPTModel(GPTConfig(n_layer=10, n_embd=32, n_head=2, block_size=16))
+
+        def training_step(self, batch, i):
+            logits = self.model(batch[0])
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[0].reshape(-1))
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+        def train_dataloader(self):
+            tokens = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0))
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=2)
+
+    class Regions(L.Callback):  # the compiled regions of the third training step, forward and backward
+        def on_train_batch_start(self, trainer, pl_module, batch, i):
+            if i == 2:
+                self.profile = profile()
+                self.profile.__enter__()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, i):
+            if i == 2:
+                self.profile.__exit__(None, None, None)
+                names = [e.name for e in self.profile.events()]
+                self.counts = (names.count("CompiledFunction"), names.count("CompiledFunctionBackward"))
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    try:
+        torch.manual_seed(0)
+        regions = Regions()
+        trainer = L.Trainer(strategy=ZeroQStrategy(stage=3, stage3_wrap_classes=["Block"],
+                                                   stage3_param_persistence_threshold=0),
+                            accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
+                            enable_model_summary=False, enable_progress_bar=False, callbacks=[regions])
+        trainer.fit(torch.compile(Module()))
+        counters = torch._dynamo.utils.counters
+        return (regions.counts, counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()),
+                sorted({"WeakHook.__call__" in reason for reason in counters["graph_break"]}),
+                sum(counters["recompiles"].values()))
+    finally:
+        torch._dynamo.reset()
+
+
+def test_whole_lightning_module_compile_runs_every_stage3_block_compiled(dist_pool):
+    # trainer.fit(torch.compile(module)) with stage 3, ten blocks: each block's forward and backward is a
+    # compiled region (one graph for all ten), the loss after the model another (the second graph); the
+    # two graph breaks are stage 3's hooks (outside the graphs, as FSDP2's), in the training step's frame
+    # and in the model's; nothing recompiles (a guard failing per block would leave blocks past dynamo's
+    # recompile limit of 8 eager).
+    (regions, graphs, breaks, at_hooks, recompiles), = dist_pool(1).run(_whole_lightning_module_body)
+    assert regions == (11, 11)
+    assert (graphs, breaks, recompiles) == (2, 2, 0)
+    assert at_hooks == [True]  # every break is at a stage-3 hook (``hooks.WeakHook``, compiler-disabled)
+
+
 def test_code_compiled_before_stage3_took_the_parameters_recompiles_for_them():
     # [Note: code compiled before stage 3 sees its parameters change]: a function compiled while the
     # parameters were plain runs after stage 3 took them over (a compiled model run before fit, an earlier
