@@ -1,4 +1,4 @@
-"""The rates a plan's step time is figured from, measured on this machine in about a second
+"""The rates a plan's step time is figured from, measured on this machine in a few seconds
 (``zeroq-plan --calibrate``, ``offload="auto"``): one repeated block's forward and backward on the
 device at the planned micro-batch, the device's memory bandwidth (its optimizer step), the host's AdamW
 step (the kernel the engine uses), pinned copies between host and device, and the disk under

@@ -304,6 +304,10 @@ def test_zeroq_plan_measures_what_it_planned_and_reports_a_failed_run(capsys, tm
     failed = measure({"gpt": {"vocab_size": 0}, "config": {}, "checkpointing": False, "batch": 1, "seq": 1,
                       "warmup": 0, "steps": 1})
     assert set(failed) == {"error"} and "\n" not in failed["error"] and failed["error"], failed
+    # --calibrate on a GPU measures the runtime's own host memory the same way: a tiny GPT trained in a
+    # fresh process, nothing offloaded (here, on the CPU, what such a process holds beyond its start)
+    runtime = plan_cli.runtime_host_bytes(timeout=300)
+    assert isinstance(runtime, int) and 0 < runtime < 2**30, runtime
 
 
 @pytest.mark.launch
