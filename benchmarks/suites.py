@@ -155,10 +155,10 @@ DS_MUON = "ds2,ds2+muon,ds3+muon,ds2+muon"  # DeepSpeed's own Muon (reduce_scatt
 GPU_TESTS = ("-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rf", "-s", "tests")
 
 
-def _memory_account(arm: str, timeout: int, requires=()) -> Launch:
-    return Launch("memory_account", ("benchmarks/memory_account.py", "--arms", arm, "--out", "{scratch}/memory_account",
-                                     "--snapshot-mib", "10"), world_size=2, timeout=timeout, output="text",
-                  requires=tuple(requires))
+def _memory_account(arm: str, timeout: int, requires=(), world_size: int = 2, bench: str = "memory_account",
+                    extra: tuple[str, ...] = ("--snapshot-mib", "10")) -> Launch:
+    return Launch(bench, ("benchmarks/memory_account.py", "--arms", arm, "--out", "{scratch}/memory_account", *extra),
+                  world_size=world_size, timeout=timeout, output="text", requires=tuple(requires))
 
 
 SUITES: dict[str, Suite] = {
@@ -225,6 +225,12 @@ SUITES: dict[str, Suite] = {
                         world_sizes=(1,), timeout=500, bench="step_time_compile_floor_profile",
                         env={**SHARE_CORES, "TORCH_LOGS": "recompiles,graph_breaks"},
                         extra=("--steps", "4", "--warmup", "3", "--profile", "{out}/compile_floor_traces")))),
+    "memory-compile": Suite(
+        "Where compiled stage 3's reserved memory goes beside compiled FSDP2's (953M GPT, one GPU, bf16 gradient "
+        "reduction both): the reserved peak per CUDA stream's pool and the allocations that made its segments",
+        tuple(_memory_account(arm, 90, world_size=1, bench="memory_account_compile_953m",
+                              extra=("--snapshot-ranks", "", "--warmup", "3", "--steps", "1"))
+              for arm in ("zeroq3+compile", "fsdp2+compile+bf16reduce"))),
     "compile-2gpu": Suite(
         "Compiled stage 3 against compiled FSDP2 at 2 GPUs (953M GPT, 4 x 1,024 tokens per rank, bf16 gradient "
         "reduction both), eager beside, every arm twice, alternating; over NVLink and loopback sockets",
