@@ -522,7 +522,7 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
         "world_size": dist.get_world_size(), "torch": torch.__version__,
     }
     result.update(throughput(num_params, args, float(result["step_s_median"])))
-    if "compile" in parse_arm(arm)[1] or "compile_whole" in parse_arm(arm)[1]:
+    if parse_arm(arm)[1] & {"compile", "compile_whole"}:
         counters = torch._dynamo.utils.counters  # what dynamo made of this arm (rank 0's), warm-up included
         result.update(dynamo_graphs=counters["stats"]["unique_graphs"],
                       dynamo_graph_breaks=sum(counters["graph_break"].values()),

@@ -72,11 +72,11 @@ def machine_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> M
     for name in ("tflops", "host_elements_per_s", "pcie_gbs", "nvme_gbs", "reserved_per_allocated"):
         if not getattr(args, name) > 0:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)}: give a rate above 0")
-    args.runtime_host_given = args.runtime_host_gib
-    if args.runtime_host_gib is None:
-        args.runtime_host_gib = RUNTIME_HOST_GIB if torch.cuda.is_available() or args.device_gib is not None else 0.0
-    if not args.runtime_host_gib >= 0:
-        parser.error(f"--runtime-host-gib={args.runtime_host_gib}: give GiB, 0 or more")
+    runtime = args.runtime_host_gib
+    if runtime is None:
+        runtime = RUNTIME_HOST_GIB if torch.cuda.is_available() or args.device_gib is not None else 0.0
+    if not runtime >= 0:
+        parser.error(f"--runtime-host-gib={runtime}: give GiB, 0 or more")
     block = None
     if args.block_ms is not None:
         try:
@@ -90,7 +90,7 @@ def machine_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> M
         parser.error(f"--device-tbs={args.device_tbs}: give a rate above 0")
     return Machine(device, host, nvme, args.ranks_per_node, args.tflops * 1e12, args.host_elements_per_s,
                    args.pcie_gbs * 1e9, args.nvme_gbs * 1e9, args.reserved_per_allocated,
-                   runtime_host_bytes=int(args.runtime_host_gib * GIB), device_bytes_per_s=args.device_tbs * 1e12,
+                   runtime_host_bytes=int(runtime * GIB), device_bytes_per_s=args.device_tbs * 1e12,
                    block_seconds=block)
 
 
@@ -330,7 +330,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     device = None
     if args.calibrate:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        if device.type == "cuda" and args.runtime_host_given is None:
+        if device.type == "cuda" and args.runtime_host_gib is None:  # not given: measured
             runtime = runtime_host_bytes(args.timeout)
             if runtime is not None:
                 machine = dataclasses.replace(machine, runtime_host_bytes=runtime)

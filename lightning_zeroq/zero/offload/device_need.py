@@ -49,7 +49,7 @@ def device_kinds(layouts: Sequence[UnitLayout], persistent: Sequence[bool], offl
     stored = 0
     if transient and isinstance(offload.parameters, OnDevice):
         # a master on the device is cast at each gather (bf16) or is the working shard (fp32); else stored
-        rested = {i: n * dtype.itemsize for i, (n, dtype) in (payload or {}).items()}
+        rested = {i: numel * dtype.itemsize for i, (numel, dtype) in (payload or {}).items()}
         encoded = any(dtype != param_dtype for _, dtype in (payload or {}).values())
         stored = sum(rested.get(i, layouts[i].shard_numel * itemsize) for i in transient if i in off or encoded)
     return {
