@@ -118,3 +118,50 @@ def test_one_optimizer_step_per_step_nccl(gpu_pool, offload):
 
     assert all(c == (3, 3) for c in gpu_pool(WORLD).run(test_accumulation._one_step_body, offload, "cuda"))
 
+
+
+def _reduction_pool_body(stage: int) -> tuple[int, int, int]:
+    """Bytes of the segments the reduction stream's pool holds after three steps, beside the working-dtype
+    and the fp32 bytes of the units' gradients."""
+    import torch
+    import torch.nn.functional as F
+
+    from lightning_zeroq import ZeroConfig, ZeroEngine
+    from lightning_zeroq.cli.gpt import GPTConfig, GPTModel
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.empty_cache()  # torch hands out pooled streams: none keeps an earlier test's cached blocks
+    torch.manual_seed(0)
+    # units of 12.6M elements (25 MB in bf16): above the allocator's 10 MiB, each its own segment
+    model = GPTModel(GPTConfig(n_layer=6, n_embd=1024, n_head=16, block_size=128, vocab_size=1024)).to(device)
+    units = ({"stage3_wrap_classes": ["Block"], "stage3_param_persistence_threshold": 0} if stage == 3
+             else {"reduce_bucket_size": 16_000_000})
+    engine = ZeroEngine(model, ZeroConfig(stage=stage, **units),
+                        param_dtype=torch.bfloat16, device=device)
+    engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
+    tokens = torch.randint(0, 1024, (4, 128), device=device)
+    for _ in range(3):
+        logits = model(tokens)
+        engine.backward(F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens.reshape(-1)))
+        engine.step()
+        engine.zero_grad()
+    torch.cuda.synchronize()
+    side = engine.parts.reducer._stream.stream
+    assert side is not None, "overlap_comm puts the reductions on a side stream on CUDA"
+    pool = sum(s["total_size"] for s in torch.cuda.memory_snapshot() if s["stream"] == side.cuda_stream)
+    stepped = [u for u in engine.units if engine.parts.reducer.gradients.master_on_device(u.index)]
+    working = sum(2 * u.layout.padded_numel for u in stepped)
+    fp32 = sum(4 * u.layout.shard_numel for u in stepped)
+    engine.close()
+    return pool, working, fp32
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fp32_gradient_shards_are_not_made_in_the_reduction_streams_pool(gpu_pool, stage):
+    # The reduced parts wait in the working dtype until the window ends; the fp32 shards made then come
+    # from the compute stream's pool, which the backward has just freed. Made on the reduction stream
+    # beside the parts, neither set of blocks could serve the other and that pool kept both (stage 3,
+    # 953M GPT, one H200: 5.72 GiB cached there, 1.2 GiB more reserved than FSDP2).
+    pool, working, fp32 = gpu_pool(1).run(_reduction_pool_body, stage)[0]
+    # the parts' blocks (rounded up by the allocator), not the shards' too (working + fp32 before)
+    assert pool < working + fp32 // 2, (pool, working, fp32)
