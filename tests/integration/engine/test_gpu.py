@@ -119,7 +119,6 @@ def test_one_optimizer_step_per_step_nccl(gpu_pool, offload):
     assert all(c == (3, 3) for c in gpu_pool(WORLD).run(test_accumulation._one_step_body, offload, "cuda"))
 
 
-
 def _reduction_pool_body(stage: int) -> tuple[int, int, int]:
     """Bytes of the segments the reduction stream's pool holds after three steps, beside the working-dtype
     and the fp32 bytes of the units' gradients."""
