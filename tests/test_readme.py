@@ -113,3 +113,27 @@ def test_every_link_between_the_docs_resolves():
             if not resolved.exists() or (anchor and resolved in anchors and anchor not in anchors[resolved]):
                 broken.append(f"{page.relative_to(ROOT)}: {target}")
     assert not broken, broken
+
+
+def test_the_readme_opens_with_the_quick_start_and_installs_a_cpu_torch_for_the_tests():
+    """A newcomer reads how to install and run before any measurement, and the tests' install line takes
+    torch's CPU build (a bare ``pip install torch`` on Linux brings the CUDA build and its libraries)."""
+    text = (ROOT / "README.md").read_text()
+    assert text.index("\n## Quick start\n") < text.index("\n|"), "Quick start must come before the first table"
+    tests = text[text.index("\n## Tests\n"):]
+    install = next(line for line in tests.splitlines() if line.startswith("pip install torch"))
+    assert "--index-url https://download.pytorch.org/whl/cpu" in install, install
+
+
+def test_the_readmes_plan_example_names_the_stage_the_plan_ranks_first(capsys):
+    """The sentence under the README's ``zeroq-plan`` example names the configuration the tool prints first."""
+    from lightning_zeroq.cli import plan
+
+    section = _section("Before launch: what fits")
+    command = re.search(r"```bash\n(zeroq-plan [^\n]*)\n```", section)
+    assert command is not None
+    assert plan.main(command.group(1).split()[1:]) == 0
+    best = re.search(r"fastest that fits: zeroq(\d)", capsys.readouterr().out)
+    assert best is not None
+    said = re.search(r"Fastest that fits, as planned[^:]*:\s*stage (\d)", section)
+    assert said is not None and said.group(1) == best.group(1), (said and said.group(0), best.group(0))
