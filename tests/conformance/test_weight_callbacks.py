@@ -354,8 +354,17 @@ def resume_with_ema(options: Optional[dict], root: str, saved_with_ema: bool = T
         return observer
 
     saved = fit(SAVED_EPOCHS, None).seen[-1]
-    resumed = fit(RESUMED_EPOCHS, os.path.join(root, "ckpt", f"epoch={SAVED_EPOCHS - 1}.ckpt")).seen
-    return {"saved": saved, "resumed": resumed}
+    path = os.path.join(root, "ckpt", f"epoch={SAVED_EPOCHS - 1}.ckpt")
+    converted = None
+    if options is not None and saved_with_ema:  # zeroq-convert's Lightning file holds what DDP's does
+        from lightning_zeroq.checkpoint.convert import consolidate
+
+        out = consolidate(path, os.path.join(root, f"converted-{dist.get_rank()}.ckpt"), optimizer=True)
+        converted = torch.load(out, map_location="cpu", weights_only=True)
+        converted = {"module": converted["current_model_state"], "average": converted["state_dict"],
+                     "n_averaged": int(converted["averaging_state"]["n_averaged"])}
+    resumed = fit(RESUMED_EPOCHS, path).seen
+    return {"saved": saved, "resumed": resumed, "converted": converted}
 
 
 @pytest.mark.parametrize("case", sorted(RESUME_CASES))
@@ -365,7 +374,12 @@ def test_ema_full_checkpoint_resumes_as_under_ddp(dist_pool, tmp_path_factory, c
     DDP's step by step."""
     ddp = _observed_with(dist_pool, tmp_path_factory, "ema-resume-ddp", resume_with_ema, None)
     ours = _observed_with(dist_pool, tmp_path_factory, f"ema-resume-{case}", resume_with_ema, RESUME_CASES[case])
-    assert all(mine["saved"]["n_averaged"] > 0 for mine in ours)
+    for rank, mine in enumerate(ours):
+        assert mine["saved"]["n_averaged"] > 0
+        converted = mine["converted"]  # zeroq-convert CKPT OUT.ckpt --optimizer
+        assert converted["n_averaged"] == mine["saved"]["n_averaged"]
+        _assert_close(mine["saved"]["module"], converted["module"], f"rank {rank} converted current_model_state", 0.0)
+        _assert_close(mine["saved"]["average"], converted["average"], f"rank {rank} converted state_dict", 0.0)
     _assert_resumed_as_under_ddp(ours, ddp)
 
 
