@@ -62,9 +62,11 @@ def save(engine: ShardedParts, path: Path, state: dict, trainer_state: dict, che
 
 
 def load(engine: Optional[ShardedParts], path: Any, *, optimizer: bool, strict: bool, checkpointer: Checkpointer,
-         read_file: ReadFile) -> Loaded:
+         read_file: ReadFile, moved: bool = False) -> Loaded:
     """Collective: read ``path`` into ``engine`` (its optimizer state too with ``optimizer``; ``strict``:
-    every entry the engine expects must be there). See the module docstring."""
+    every entry the engine expects must be there; ``moved``: a directory's entries a callback moved the
+    module's state to come back in the trainer state, whole, with ``state_dict``: ``engine_io.load_engine``).
+    See the module docstring."""
     checkpointer.wait()
     path = Path(path)
     group = checkpoint_group()
@@ -81,7 +83,7 @@ def load(engine: Optional[ShardedParts], path: Any, *, optimizer: bool, strict: 
         problem = located.error()
     agree([problem] if problem else [], f"Loading checkpoint {path}", group)
     assert engine is not None  # agreed above
-    trainer_state = load_engine(engine, path, load_optimizer=optimizer, strict=strict)
+    trainer_state = load_engine(engine, path, load_optimizer=optimizer, strict=strict, moved=moved)
     _restore_loss_scaler(engine, trainer_state)
     return Loaded(trainer_state, True, foreign=located.is_foreign)
 

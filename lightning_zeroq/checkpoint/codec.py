@@ -84,6 +84,15 @@ def encode(value: Any, path: str = "checkpoint") -> Any:
         return int(value)
     if isinstance(value, numbers.Real):
         return float(value)
+    if type(value).__module__.split(".")[0] == "lightning_zeroq":
+        raise UnsupportedValue(
+            f"{path} is a {type(value).__module__}.{type(value).__qualname__}, part of the module's sharded state, "
+            "which ZeroQ stores with the tensors only as a whole dict of the checkpoint's top level (under "
+            "'state_dict', or any other key a callback moves it to, as Lightning's weight averaging moves it to "
+            "'current_model_state'), not inside the trainer state: keep the module's state dict whole at a "
+            "top-level key, or save what the callback needs of it as tensors (e.g. from "
+            "ZeroQStrategy.full_state_dict())."
+        )
     raise UnsupportedValue(
         f"{path} is a {type(value).__module__}.{type(value).__qualname__}, which a ZeroQ checkpoint cannot store: "
         "its trainer state is JSON so that loading never runs code. Keep such values out of the checkpoint "

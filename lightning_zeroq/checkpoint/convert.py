@@ -3,8 +3,9 @@ process group (what ``zeroq-convert CKPT OUT`` runs; its command line is ``cli/c
 
 - ``OUT.pt`` / ``OUT.ckpt`` (torch): the full fp32 parameters (and buffers) by ``state_dict`` name, so
   ``nn.Module.load_state_dict(torch.load(OUT), strict=True)`` works; with ``--lightning`` a Lightning
-  checkpoint instead (``state_dict`` plus the trainer state: loops, callbacks, schedulers, hparams),
-  which ``LightningModule.load_from_checkpoint`` reads; ``--optimizer`` adds ``optimizer_states`` in
+  checkpoint instead (``state_dict`` plus the trainer state: loops, callbacks, schedulers, hparams,
+  and where a callback moved the module's state, that entry: ``current_model_state``), which
+  ``LightningModule.load_from_checkpoint`` reads; ``--optimizer`` adds ``optimizer_states`` in
   torch's own format (integer parameter ids in param-group order), so ``Trainer(strategy="ddp")``
   resumes from it.
 - ``OUT.safetensors``: the same tensors (``--optimizer``: also ``optimizer.state.<name>.<key>``, the
@@ -47,7 +48,7 @@ from lightning_zeroq.checkpoint.agree import CheckpointError, advising
 from lightning_zeroq.checkpoint.checkpointer import Opened, open_checkpoint
 from lightning_zeroq.checkpoint.chunks import BytesTarget
 from lightning_zeroq.checkpoint.safe import read_entries
-from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY, classify, lightning_version
+from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY, classify, lightning_version, moved_entries
 
 SAFETENSORS_EXTRA = "pip install safetensors"  # what the extra installs; this package is on no index
 
@@ -122,6 +123,11 @@ def skeleton(opened: Opened, *, optimizer: bool, lightning: bool) -> tuple[dict,
     out.pop("zeroq", None)
     out.setdefault("pytorch-lightning_version", lightning_version())  # none in a foreign DCP directory
     out["state_dict"] = model
+    for entry in moved_entries(opened.keys()) if opened.manifest is not None else ():
+        out[entry] = {}  # where a callback moved the module's state (Lightning's weight averaging)
+        for key in _tensor_keys(opened, entry + "."):
+            tensor = out[entry][key[len(entry) + 1:]] = _empty(opened, key)
+            sources.append((tensor, key))
     if optimizer:
         groups, layout = optimizer_layout(opened)
         state: dict[int, dict[str, Any]] = {}

@@ -35,7 +35,7 @@ from lightning_zeroq.checkpoint.agree import CheckpointError, agree, checkpoint_
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer, Opened, bytes_keys, check_entries, open_checkpoint
 from lightning_zeroq.checkpoint.chunks import BytesTarget, LocalChunks
 from lightning_zeroq.checkpoint.safe import read_entries
-from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY
+from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY, moved_entries
 from lightning_zeroq.zero.state_dict import KERNEL_CHOICES, Part, ShardedParts, ShardedView
 
 MODEL_PREFIXES = (MODEL_KEY + ".", "model.", "app.model.", "")
@@ -68,6 +68,12 @@ def sharded_model_state(engine: ShardedParts) -> dict[str, Any]:
     unmanaged = view.unmanaged()
     return {key: chunks[key] if key in chunks else unmanaged[key] for key in view.state_dict_keys()
             if key in chunks or key in unmanaged}
+
+
+def holds_sharded_state(value: Any) -> bool:
+    """Whether ``value`` is a module state dict as ``sharded_model_state`` makes it (found by its chunks, also
+    where a callback moved it in Lightning's checkpoint dict)."""
+    return isinstance(value, dict) and any(isinstance(v, LocalChunks) for v in value.values())
 
 
 def sharded_optimizer_state(engine: ShardedParts) -> dict[str, Any]:
@@ -310,21 +316,38 @@ def _optimizer_plan(engine: ShardedParts, opened: Opened, prefix: str, groups: l
 
 
 def load_engine(engine: ShardedParts, path: Path, *, load_optimizer: bool = True, strict: bool = True,
-                opened: Optional[Opened] = None) -> Any:
+                opened: Optional[Opened] = None, moved: bool = False) -> Any:
     """Collective: validate ``path`` against ``engine`` on every rank, then load this rank's part of the
     model (and, if ``load_optimizer`` and the engine has an optimizer, its state). Returns the trainer
-    state the checkpoint holds (``{}`` for a foreign DCP checkpoint)."""
+    state the checkpoint holds (``{}`` for a foreign DCP checkpoint). ``moved``: where a callback had moved
+    the module's state to another entry (``store.moved_entries``), that entry and ``state_dict`` are added
+    to the trainer state in full (every rank reads them whole, as from a single file), for the callback's
+    load hook; the engine takes ``state_dict``, as from any checkpoint."""
     group = checkpoint_group()
     if opened is not None:
-        return _load_opened(engine, opened, group, load_optimizer, strict)
+        return _load_opened(engine, opened, group, load_optimizer, strict, moved)
     opened = open_checkpoint(Path(path), group)
     try:
-        return _load_opened(engine, opened, group, load_optimizer, strict)
+        return _load_opened(engine, opened, group, load_optimizer, strict, moved)
     finally:
         opened.close()
 
 
-def _load_opened(engine: ShardedParts, opened: Opened, group: Any, load_optimizer: bool, strict: bool) -> Any:
+def _read_whole(opened: Opened, entries: list[str], group: Any) -> dict[str, dict[str, Tensor]]:
+    """Every tensor under each of the top-level ``entries``, whole, by name (collective: the ranks agree)."""
+    out: dict[str, dict[str, Tensor]] = {entry: {} for entry in entries}
+    targets: dict[str, Any] = {}
+    for key, md in opened.keys().items():
+        entry, _, name = key.partition(".")
+        if entry in out and isinstance(md, TensorStorageMetadata):
+            out[entry][name] = targets[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    _read_settled(lambda t: read_entries(opened.reader, t), targets,
+                  lambda errs: agree(errs, f"Loading checkpoint {opened.path}", group))
+    return out
+
+
+def _load_opened(engine: ShardedParts, opened: Opened, group: Any, load_optimizer: bool, strict: bool,
+                 moved: bool = False) -> Any:
     expected = model_entries(engine)
     model_prefix = _prefix(opened, MODEL_PREFIXES, list(expected)[:8])
     errors = check_entries(opened, expected, strict=strict, prefix=model_prefix, what="the model")
@@ -365,4 +388,8 @@ def _load_opened(engine: ShardedParts, opened: Opened, group: Any, load_optimize
     except Exception as error:
         errors.append(f"{describe(error)} (the state of this rank may be partly loaded: do not train on)")
     agree(errors, f"Loading checkpoint {opened.path}", group)
-    return opened.trainer_state()
+    state = opened.trainer_state()
+    entries = moved_entries(opened.keys()) if moved and opened.manifest is not None else []
+    if entries and isinstance(state, dict):
+        state = {**state, **_read_whole(opened, [MODEL_KEY, *entries], group)}
+    return state

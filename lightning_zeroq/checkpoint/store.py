@@ -11,6 +11,10 @@ A ZeroQ checkpoint is a ``torch.distributed.checkpoint`` directory plus one JSON
 Keys follow Lightning's ``ModelParallelStrategy`` (FSDP2): ``state_dict.<name>`` for every entry of
 the module's ``state_dict()`` and ``optimizer_0.state.<name>.<key>`` /
 ``optimizer_0.param_groups.<i>.<key>`` for the optimizer, as ``get_optimizer_state_dict`` returns it.
+Where a callback moved the module's state to another key of Lightning's checkpoint dict and put a
+state dict of its own under ``state_dict`` (Lightning's weight averaging: the module's own weights
+under ``current_model_state``, the average under ``state_dict``), both are stored this way, each under
+its key (``moved_entries``).
 
 ``classify`` says what a user's path is (a ZeroQ checkpoint, another DCP checkpoint, a single
 file, a file inside a checkpoint directory, nothing), and ``Located`` answers the questions a loader
@@ -28,7 +32,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -54,6 +58,12 @@ LIGHTNING_META = "meta.pt"
 """Lightning's ModelParallelStrategy writes its trainer state here, beside its DCP files."""
 ENGINE_KEY = "zeroq"
 """A Lightning checkpoint's entry for the engine's own state beside the model's (its loss scaler)."""
+
+
+def moved_entries(keys: Iterable[str]) -> list[str]:
+    """The top-level entries of a ZeroQ checkpoint's tensors beside ``state_dict`` and the optimizer's:
+    where a callback moved the module's state (``current_model_state``)."""
+    return sorted({key.split(".", 1)[0] for key in keys if "." in key} - {MODEL_KEY, OPTIMIZER_KEY})
 
 
 def lightning_version() -> str:

@@ -10,6 +10,16 @@ and what it writes becomes the masters (and the working weights), as under DDP. 
 module as it is, and what they write after the last step is kept when the module is handed back
 (``access.release_module``).
 
+Their checkpoints: ``WeightAveraging.on_save_checkpoint`` moves the module's state (the engine's shards)
+from ``state_dict`` to ``current_model_state`` and puts its average there; the checkpoint stores both with
+the tensors (``lightning/checkpoint.py``) and a load hands both back whole, the engine taking
+``state_dict`` as from any checkpoint. Its ``on_load_checkpoint`` then loads the average into its copy and
+``current_model_state`` into the module: in every stage the strategy runs it inside
+``gathered_parameters(module, writeback=True)``, so what it loads becomes the masters and the working
+weights. A checkpoint directory's trainer state has no ``state_dict`` of its own (its weights went straight
+into the engine): for a checkpoint saved without the callback, which it reads to start its average, it
+reads the module's weights as loaded, as under DDP.
+
 Their ``setup`` copies the model before the strategy builds the engine, so the copy is of the plain
 module. A stage-3 model made in ``Trainer.init_module()`` has its parameters on the meta device until
 the engine materializes them: there is nothing to copy yet, so such a fit is refused before it starts
@@ -26,22 +36,25 @@ from torch import nn
 from lightning.pytorch.callbacks.weight_averaging import WeightAveraging
 
 AVERAGING = (WeightAveraging, StochasticWeightAveraging)
+LOAD_HOOK = "on_load_checkpoint"
 HOOKS = ("on_train_batch_end", "on_train_epoch_start", "on_train_epoch_end", "on_train_end",
          "on_validation_epoch_start", "on_validation_epoch_end")
 
 
-def gather_around_averaging(callbacks: Iterable[Callback],
-                            gathered: Callable[[Any], ContextManager]) -> Callable[[], None]:
-    """Run every loop hook the averaging callbacks among ``callbacks`` implement inside
-    ``gathered(pl_module)``; returns what undoes it (the strategy's teardown calls it)."""
+def gather_around_averaging(callbacks: Iterable[Callback], gathered: Callable[[Any], ContextManager],
+                            loop_hooks: bool = True) -> Callable[[], None]:
+    """Run the hooks the averaging callbacks among ``callbacks`` implement inside ``gathered(pl_module)``:
+    the loop hooks (``HOOKS``) where ``loop_hooks`` (the module does not hold the masters between steps),
+    ``on_load_checkpoint`` always; returns what undoes it (the strategy's teardown calls it)."""
     wrapped: list[tuple[Callback, str]] = []
     for callback in callbacks:
         if not isinstance(callback, AVERAGING):
             continue
-        for name in HOOKS:
+        for name in (*(HOOKS if loop_hooks else ()), LOAD_HOOK):
             if getattr(type(callback), name) is getattr(Callback, name) or name in vars(callback):
                 continue  # not implemented (nothing to gather for), or already wrapped
-            setattr(callback, name, functools.partial(_gathered_hook, getattr(callback, name), gathered))
+            hook = _loading_hook if name == LOAD_HOOK else _gathered_hook
+            setattr(callback, name, functools.partial(hook, getattr(callback, name), gathered))
             wrapped.append((callback, name))
 
     def undo() -> None:
@@ -55,6 +68,19 @@ def _gathered_hook(hook: Callable, gathered: Callable[[Any], ContextManager], tr
                    *args: Any, **kwargs: Any) -> Any:
     with gathered(pl_module):
         return hook(trainer, pl_module, *args, **kwargs)
+
+
+def _loading_hook(hook: Callable, gathered: Callable[[Any], ContextManager], trainer: Any, pl_module: Any,
+                  checkpoint: dict, *args: Any, **kwargs: Any) -> Any:
+    with gathered(pl_module):
+        if "state_dict" in checkpoint:
+            return hook(trainer, pl_module, checkpoint, *args, **kwargs)
+        # A directory's weights went into the engine: the module holds them now (gathered), as they were saved.
+        checkpoint["state_dict"] = pl_module.state_dict()
+        try:
+            return hook(trainer, pl_module, checkpoint, *args, **kwargs)
+        finally:
+            checkpoint.pop("state_dict", None)
 
 
 def refuse_meta_copies(callbacks: Iterable[Callback], module: nn.Module) -> None:

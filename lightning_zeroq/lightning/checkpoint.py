@@ -2,14 +2,16 @@
 
 Save (``save``): Lightning's checkpoint dict is split without touching the caller's dict: its
 ``state_dict`` and ``optimizer_states[0]`` (sharded, from ``lightning_module_state_dict`` and
-``optimizer_state``) go to DCP; everything else (loops, callbacks, schedulers, precision,
-hyperparameters, and the engine's loss scaler under ``"zeroq"``) becomes the manifest's JSON trainer
-state. A weights-only checkpoint (``ModelCheckpoint(save_weights_only=True)``) is one consolidated
+``optimizer_state``) go to DCP; so does the module's sharded state where a callback moved it to another
+key (Lightning's weight averaging: ``current_model_state``, with the average's full tensors under
+``state_dict``); everything else (loops, callbacks, schedulers, precision, hyperparameters, and the
+engine's loss scaler under ``"zeroq"``) becomes the manifest's JSON trainer state. A weights-only checkpoint (``ModelCheckpoint(save_weights_only=True)``) is one consolidated
 Lightning file instead, gathered unit by unit to rank 0's host memory only and written by rank 0
 (atomically); any strategy and ``load_from_checkpoint`` read it.
 
 Load (``load``): a ZeroQ or other DCP directory is validated on every rank and read into the engine
-(``engine_io``; the optimizer state only when fitting); a single file (a Lightning checkpoint written
+(``engine_io``; the optimizer state only when fitting; a moved module state comes back whole in the
+trainer state beside ``state_dict``, for the callback that moved it); a single file (a Lightning checkpoint written
 by ``strategy="ddp"``, or our weights-only file) is read with ``torch.load(weights_only=True)``
 (memory-mapped) unless the caller passes ``weights_only=False`` for a file they trust, and its
 ``optimizer_states`` are loaded into the shards. Anything else ends every rank with one error that
@@ -30,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 import torch
 from torch import Tensor
 
-from lightning_zeroq.checkpoint import api, atomic, codec, deepspeed
+from lightning_zeroq.checkpoint import api, atomic, codec, deepspeed, engine_io
 from lightning_zeroq.checkpoint.agree import agree, checkpoint_group, describe
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer
 from lightning_zeroq.checkpoint.store import LIGHTNING_META, MODEL_KEY, OPTIMIZER_KEY
@@ -129,10 +131,14 @@ def save(strategy: Owner, checkpoint: dict, path: Path, checkpointer: Checkpoint
         save_single_file(strategy, checkpoint, path, checkpointer)
         return
     optimizers = checkpoint["optimizer_states"]
-    state = {MODEL_KEY: checkpoint["state_dict"]}
+    # A callback may have moved the module's sharded state to another key and put a state dict of its own
+    # (full tensors) under "state_dict" (Lightning's weight averaging); both are stored with the tensors.
+    moved = [k for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states", OPTIMIZER_KEY)
+             and engine_io.holds_sharded_state(v)]
+    state = {MODEL_KEY: checkpoint["state_dict"], **{k: checkpoint[k] for k in moved}}
     if optimizers:
         state[OPTIMIZER_KEY] = optimizers[0]
-    trainer_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    trainer_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states", *moved)}
     api.save(engine, path, state, trainer_state, checkpointer)
 
 
@@ -196,7 +202,7 @@ def load(strategy: Owner, checkpoint_path: Any, weights_only: Optional[bool],
     fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
     engine = strategy.engine
     loaded = api.load(engine, checkpoint_path, optimizer=fitting, strict=getattr(module, "strict_loading", True),
-                      checkpointer=checkpointer,
+                      checkpointer=checkpointer, moved=True,
                       read_file=lambda path, group: load_single_file(strategy, path, weights_only, fitting, group))
     state, path = loaded.trainer_state, Path(checkpoint_path)
     if loaded.foreign and (path / LIGHTNING_META).is_file():  # Lightning's ModelParallelStrategy layout

@@ -10,7 +10,8 @@ Lifecycle:
   window (so stage 1 reduces during it); ``post_backward`` closes it.
 - step: ``ZeroQPrecision.optimizer_step`` drives the engine (finalize, hooks and clipping, step).
 - weight averaging (``EMAWeightAveraging``, ``StochasticWeightAveraging``): hooks run with the parameters
-  gathered where the module does not hold the fp32 masters between steps (``averaging.py``).
+  gathered where the module does not hold the fp32 masters between steps, their checkpoint loads in every
+  stage (``averaging.py``).
 - checkpoints: a ``torch.distributed.checkpoint`` directory in which every parameter and optimizer
   state tensor is stored by name at its full shape, each rank writing its own chunks, plus a JSON
   manifest with the trainer state; loadable at any world size, stage or layout, by FSDP2, and
@@ -212,10 +213,12 @@ class ZeroQStrategy(DDPStrategy):
             for optimizer in optimizers:  # several (manual optimization) must hold disjoint parameters
                 self.engine.attach_optimizer(optimizer)
             self.optimizers = self.optimizers  # wrap again: the wrappers subclass the optimizers' (new) classes
-            if not access.module_holds_masters(self.engine.parts):  # weight averages read and write the fp32 masters
-                self._unwrap_averaging()
-                self._unwrap_averaging = gather_around_averaging(
-                    trainer.callbacks, functools.partial(self.gathered_parameters, writeback=True))
+            # Weight averages read and write the fp32 masters (their loop hooks gathered where the module does
+            # not hold them); what their checkpoint load writes into the module the masters take, in every stage.
+            self._unwrap_averaging()
+            self._unwrap_averaging = gather_around_averaging(
+                trainer.callbacks, functools.partial(self.gathered_parameters, writeback=True),
+                loop_hooks=not access.module_holds_masters(self.engine.parts))
         plugin.attach_engine(self.engine, self.root_device.type)
         plugin.convert_module(module)
         self.setup_precision_plugin()

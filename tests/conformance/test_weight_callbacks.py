@@ -25,6 +25,13 @@ compared in a case each.
 
 A stage-3 model made in ``Trainer.init_module()`` has nothing the averaging callbacks could copy before fit
 (its parameters are on the meta device until the engine materializes them): refused before fit, in one line.
+
+Full checkpoints with ``EMAWeightAveraging`` (``resume_with_ema``): a fit saves one each epoch (the callback
+moves the module's own weights to ``current_model_state`` and puts its average under ``state_dict``), a new
+Trainer resumes from the first and trains on; right after the resume the module and the average hold what
+they held at the save, and every step after that matches DDP doing the same within 1e-6 (stages 1-3, stage 3
+with freed units and with offload). Also resumed with the callback from a checkpoint saved without it (its
+average starts from the checkpoint's weights).
 """
 
 from __future__ import annotations
@@ -177,10 +184,15 @@ _RESULTS: dict[Any, Any] = {}
 
 
 def _observed(dist_pool: Any, tmp_path_factory: Any, key: Any, options: Optional[dict]) -> list:
+    return _observed_with(dist_pool, tmp_path_factory, key, fit_and_observe, options)
+
+
+def _observed_with(dist_pool: Any, tmp_path_factory: Any, key: Any, body: Any, options: Optional[dict],
+                   *args: Any) -> list:
     if key not in _RESULTS:
         root = str(tmp_path_factory.mktemp("weights"))
         try:
-            _RESULTS[key] = on_ranks(dist_pool, fit_and_observe, options, root)
+            _RESULTS[key] = on_ranks(dist_pool, body, options, root, *args)
         except RuntimeError as error:
             _RESULTS[key] = error
     if isinstance(_RESULTS[key], RuntimeError):
@@ -188,16 +200,16 @@ def _observed(dist_pool: Any, tmp_path_factory: Any, key: Any, options: Optional
     return _RESULTS[key]
 
 
-def _assert_close(ours: Any, ddp: Any, where: str) -> None:
+def _assert_close(ours: Any, ddp: Any, where: str, tol: float = TOL) -> None:
     if isinstance(ddp, dict):
         assert ours.keys() == ddp.keys(), f"{where}: keys {sorted(ours)} != {sorted(ddp)}"
         for k in ddp:
-            _assert_close(ours[k], ddp[k], f"{where}.{k}")
+            _assert_close(ours[k], ddp[k], f"{where}.{k}", tol)
         return
     a, b = torch.as_tensor(ours, dtype=torch.float64), torch.as_tensor(ddp, dtype=torch.float64)
     assert a.shape == b.shape, f"{where}: shape {tuple(a.shape)} != DDP's {tuple(b.shape)}"
     diff = float((a - b).abs().max()) if a.numel() else 0.0
-    assert diff <= TOL, f"{where}: max difference from DDP {diff:.3g} > {TOL}"
+    assert diff <= tol, f"{where}: max difference {diff:.3g} > {tol}"
 
 
 def _cases() -> list:
@@ -258,3 +270,140 @@ def refused_in_init_module(callback: str) -> str:
 def test_averaging_a_stage3_model_made_in_init_module_is_refused_before_fit(dist_pool, callback: str) -> None:
     for message in on_ranks(dist_pool, refused_in_init_module, callback):
         assert message.startswith(callback) and "model.0.weight" in message and "init_module" in message, message
+
+
+# --------------------------------------------------------------------------- full checkpoints with EMA
+
+RESUME_CASES = {  # name -> ZeroConfig options; stage 3's units are really freed (each Linear)
+    "stage1": zeroq_options(1, "several", "sync"),
+    "stage2": zeroq_options(2, "several", "sync"),
+    "stage3": zeroq_options(3, "several", "sync"),
+    "stage3_offload": zeroq_options(3, "several", "offload"),
+}
+ADDED_CASES = ("stage1", "stage3")  # resumed with the callback from a checkpoint saved without it
+RESUME_TOL = 1e-6
+SAVED_EPOCHS, RESUMED_EPOCHS = 1, 3
+
+
+def resume_with_ema(options: Optional[dict], root: str, saved_with_ema: bool = True) -> dict[str, Any]:
+    """``EMAWeightAveraging`` with the Trainer's full checkpoints: a fit that saves one at the end of each epoch
+    (the ``ModelCheckpoint`` every Trainer has), then a new model, callback and Trainer resuming from the first
+    epoch's with ``fit(ckpt_path=...)`` and training on. Returns the module's and the average's weights at the
+    save, right after the resume and after every step of the resumed fit. ``saved_with_ema=False``: the first
+    fit runs without the callback (the resumed one starts its average from the checkpoint's weights)."""
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+    from lightning.pytorch.callbacks import Callback, EMAWeightAveraging, ModelCheckpoint
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import lightning_zeroq
+
+    gather = bool(options) and options["stage"] == 3
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 2))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.mse_loss(self.model(x), y)
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            x, y = batch
+            self.log("val_loss", nn.functional.mse_loss(self.model(x), y), sync_dist=True)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.parameters(), lr=0.02)
+
+    class Observer(Callback):  # after the EMA callback in the list: sees each step's update
+        def __init__(self, ema: Optional[EMAWeightAveraging]) -> None:
+            self.ema, self.seen = ema, []
+
+        def _observe(self, pl_module: pl.LightningModule) -> None:
+            with lightning_zeroq.gathered_parameters(pl_module) if gather else _nothing():
+                module = _named(pl_module)
+            average = self.ema._average_model if self.ema is not None else None
+            self.seen.append({"module": module, "average": _named(average.module) if average is not None else None,
+                              "n_averaged": int(average.n_averaged) if average is not None else 0})
+
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            self._observe(pl_module)
+
+        def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+            self._observe(pl_module)
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(32, 8, generator=g)
+    data = TensorDataset(x, torch.stack([x[:, :4].sum(1), x[:, 4:].prod(1)], 1))
+
+    def fit(epochs: int, ckpt_path: Optional[str]) -> Observer:
+        torch.manual_seed(11 if ckpt_path is None else 12)  # the resumed fit starts from other weights
+        ema = EMAWeightAveraging(decay=0.8) if saved_with_ema or ckpt_path is not None else None
+        observer = Observer(ema)
+        ckpt = ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), save_top_k=-1, filename="{epoch}")
+        strategy: Any = "ddp" if options is None else lightning_zeroq.ZeroQStrategy(**options)
+        trainer = pl.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy, max_epochs=epochs,
+                             limit_val_batches=1, num_sanity_val_steps=0,
+                             callbacks=[c for c in (ema, observer, ckpt) if c is not None],
+                             logger=False, enable_progress_bar=False, enable_model_summary=False,
+                             default_root_dir=root)
+        trainer.fit(Model(), DataLoader(data, batch_size=4), DataLoader(data, batch_size=8), ckpt_path=ckpt_path)
+        dist.barrier()
+        return observer
+
+    saved = fit(SAVED_EPOCHS, None).seen[-1]
+    path = os.path.join(root, "ckpt", f"epoch={SAVED_EPOCHS - 1}.ckpt")
+    converted = None
+    if options is not None and saved_with_ema:  # zeroq-convert's Lightning file holds what DDP's does
+        from lightning_zeroq.checkpoint.convert import consolidate
+
+        out = consolidate(path, os.path.join(root, f"converted-{dist.get_rank()}.ckpt"), optimizer=True)
+        converted = torch.load(out, map_location="cpu", weights_only=True)
+        converted = {"module": converted["current_model_state"], "average": converted["state_dict"],
+                     "n_averaged": int(converted["averaging_state"]["n_averaged"])}
+    resumed = fit(RESUMED_EPOCHS, path).seen
+    return {"saved": saved, "resumed": resumed, "converted": converted}
+
+
+@pytest.mark.parametrize("case", sorted(RESUME_CASES))
+def test_ema_full_checkpoint_resumes_as_under_ddp(dist_pool, tmp_path_factory, case: str) -> None:
+    """The full checkpoint holds the average (``state_dict``) and the module's own weights (where the callback
+    moves them, ``current_model_state``); the resume puts each back where it was, and the resumed fit follows
+    DDP's step by step."""
+    ddp = _observed_with(dist_pool, tmp_path_factory, "ema-resume-ddp", resume_with_ema, None)
+    ours = _observed_with(dist_pool, tmp_path_factory, f"ema-resume-{case}", resume_with_ema, RESUME_CASES[case])
+    for rank, mine in enumerate(ours):
+        assert mine["saved"]["n_averaged"] > 0
+        converted = mine["converted"]  # zeroq-convert CKPT OUT.ckpt --optimizer
+        assert converted["n_averaged"] == mine["saved"]["n_averaged"]
+        _assert_close(mine["saved"]["module"], converted["module"], f"rank {rank} converted current_model_state", 0.0)
+        _assert_close(mine["saved"]["average"], converted["average"], f"rank {rank} converted state_dict", 0.0)
+    _assert_resumed_as_under_ddp(ours, ddp)
+
+
+@pytest.mark.parametrize("case", ADDED_CASES)
+def test_ema_added_at_resume_starts_from_the_checkpoint_as_under_ddp(dist_pool, tmp_path_factory, case: str) -> None:
+    """A full checkpoint saved without the callback, resumed with it: its average starts from the checkpoint's
+    weights (Lightning warns that the checkpoint was not created with it), which the engine loaded."""
+    ddp = _observed_with(dist_pool, tmp_path_factory, "ema-added-ddp", resume_with_ema, None, False)
+    ours = _observed_with(dist_pool, tmp_path_factory, f"ema-added-{case}", resume_with_ema, RESUME_CASES[case],
+                          False)
+    for mine in ours:
+        assert mine["saved"]["average"] is None and mine["resumed"][0]["n_averaged"] == 0
+        mine["saved"]["average"] = mine["saved"]["module"]  # the average starts as the checkpoint's weights
+    _assert_resumed_as_under_ddp(ours, ddp)
+
+
+def _assert_resumed_as_under_ddp(ours: list, ddp: list) -> None:
+    for rank, (mine, theirs) in enumerate(zip(ours, ddp)):
+        assert len(theirs["resumed"]) == 1 + (RESUMED_EPOCHS - SAVED_EPOCHS) * 4  # the start, then 4 steps an epoch
+        first = mine["resumed"][0]
+        assert first["n_averaged"] == mine["saved"]["n_averaged"]
+        _assert_close(first["module"], mine["saved"]["module"], f"rank {rank} module at the resume", RESUME_TOL)
+        _assert_close(first["average"], mine["saved"]["average"], f"rank {rank} average at the resume", RESUME_TOL)
+        assert [s["n_averaged"] for s in mine["resumed"]] == [s["n_averaged"] for s in theirs["resumed"]]
+        for step, (a, b) in enumerate(zip(mine["resumed"], theirs["resumed"])):
+            _assert_close(a["module"], b["module"], f"rank {rank} module after resumed step {step}", RESUME_TOL)
+            _assert_close(a["average"], b["average"], f"rank {rank} average after resumed step {step}", RESUME_TOL)

@@ -82,3 +82,19 @@ def test_an_omegaconf_value_that_cannot_be_resolved_fails_the_save_naming_it():
     config = OmegaConf.create({"model": {"dim": "${nowhere.dim}"}})
     with pytest.raises(codec.UnsupportedValue, match=r"checkpoint\['hyper_parameters'\] .*DictConfig.*nowhere"):
         codec.dumps({"hyper_parameters": config})
+
+
+def test_a_piece_of_the_sharded_model_state_in_the_trainer_state_is_named_as_ours():
+    """The engine's own objects (a parameter's chunks) found inside the trainer state: the message says what
+    ZeroQ stores where, instead of asking to keep the user's values out."""
+    import torch
+
+    from lightning_zeroq.checkpoint.chunks import LocalChunks
+
+    chunks = LocalChunks(torch.Size([4, 2]), torch.float32, 0, 4)
+    with pytest.raises(codec.UnsupportedValue) as info:
+        codec.encode({"ema": {"current": {"w": chunks}}}, "the checkpoint")
+    message = str(info.value)
+    assert message.startswith("the checkpoint['ema']['current']['w'] is a lightning_zeroq.checkpoint.chunks.LocalChunks")
+    assert "part of the module's sharded state" in message and "'current_model_state'" in message
+    assert "Keep such values out" not in message
