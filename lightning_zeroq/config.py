@@ -81,14 +81,16 @@ class ZeroConfig:
 
     offload_memory_budget: Any = None
     """Device memory ``offload="auto"`` and ``offload_optimizer_ratio="auto"`` may fill (peak allocated bytes): GiB as a number
-    (e.g. ``60``), or a share of the device's memory as a string ending in ``%`` (e.g. ``"50%"``).
+    (e.g. ``60`` or ``"60"``), a size with its unit (``"60GiB"``), or a share of the device's memory as a
+    string ending in ``%`` (e.g. ``"50%"``), read as ``host_memory_budget`` is (``budget_form``).
     None: what the device has free after the first step (the caching allocator's unused reserve
     included), less a margin of 10% of its memory."""
 
     host_memory_budget: Any = None
     """Host memory this node's ranks may fill with offloaded state, checked before anything is allocated
-    (``offload/host_need.py`` counts the bytes per element): GiB as a number (e.g. ``120``), or a share of
-    the host's memory as a string ending in ``%`` (e.g. ``"80%"``). None: what the host reports available
+    (``offload/host_need.py`` counts the bytes per element): GiB as a number (e.g. ``120`` or ``"120"``), a
+    size with its unit (``"120GiB"``), or a share of the host's memory as a string ending in ``%`` (e.g.
+    ``"80%"``), read as ``offload_memory_budget`` is (``budget_form``). None: what the host reports available
     when the engine is built (``MemAvailable``, or a cgroup's limit). Set it where the host's memory grows
     as it is used (a virtual machine's balloon), which the available figure undercounts."""
 

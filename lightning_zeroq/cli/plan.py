@@ -18,6 +18,13 @@ whether it fits; the fitting ones first, fastest first. The machine's memory is 
 machine where not given (the GPU's where there is one, the host's available memory, the disk's free
 space at ``--nvme-path``). Exit status: 0 if some configuration fits, 1 if none does.
 
+``--model MODULE:NAME`` plans your own model, with ``--forward`` (run with the model on the meta device;
+inputs built elsewhere are moved there) or ``--sample``; the tokens are counted from the token ids the
+forward feeds, or given with ``--tokens``. ``--precision`` takes Lightning's names. Under the table the
+fastest row that fits is printed as the ``Trainer`` and ``ZeroQStrategy`` arguments it means
+(``--show-args``: every row's). Without a GPU or ``--device-gib`` the device is not checked, and the rows
+say so. A bad value is one line naming it and the fix (exit status 2).
+
 ``--measure [N]`` then trains the N fastest fitting configurations (default all) for a few steps on this
 machine, each in a process of its own (``cli/measure.py``), and prints the measured peaks (device
 allocated and reserved, host), step time and tokens/s beside the predicted ones, with the error in per
