@@ -81,14 +81,16 @@ class ZeroConfig:
 
     offload_memory_budget: Any = None
     """Device memory ``offload="auto"`` and ``offload_optimizer_ratio="auto"`` may fill (peak allocated bytes): GiB as a number
-    (e.g. ``60``), or a share of the device's memory as a string ending in ``%`` (e.g. ``"50%"``).
+    (e.g. ``60`` or ``"60"``), a size with its unit (``"60GiB"``), or a share of the device's memory as a
+    string ending in ``%`` (e.g. ``"50%"``), read as ``host_memory_budget`` is (``budget_form``).
     None: what the device has free after the first step (the caching allocator's unused reserve
     included), less a margin of 10% of its memory."""
 
     host_memory_budget: Any = None
     """Host memory this node's ranks may fill with offloaded state, checked before anything is allocated
-    (``offload/host_need.py`` counts the bytes per element): GiB as a number (e.g. ``120``), or a share of
-    the host's memory as a string ending in ``%`` (e.g. ``"80%"``). None: what the host reports available
+    (``offload/host_need.py`` counts the bytes per element): GiB as a number (e.g. ``120`` or ``"120"``), a
+    size with its unit (``"120GiB"``), or a share of the host's memory as a string ending in ``%`` (e.g.
+    ``"80%"``), read as ``offload_memory_budget`` is (``budget_form``). None: what the host reports available
     when the engine is built (``MemAvailable``, or a cgroup's limit). Set it where the host's memory grows
     as it is used (a virtual machine's balloon), which the available figure undercounts."""
 
@@ -379,7 +381,7 @@ def check_swap_directory(path: Optional[str]) -> None:
 def memory_budget(value: Any, device_bytes: Optional[int]) -> Optional[int]:
     """``offload_memory_budget`` in bytes (None: the default). ``device_bytes``: the device's memory, or
     None to check the form alone. Raises ``ValueError`` naming the value and the fix."""
-    fix = "use GiB as a number (e.g. 60) or a share of the device's memory such as '50%'"
+    fix = f"use {BUDGET_FORMS} of the device's memory such as '50%'"
     form = budget_form("offload_memory_budget", value, fix)
     if form is None or device_bytes is None:
         return None
@@ -394,24 +396,41 @@ def memory_budget(value: Any, device_bytes: Optional[int]) -> Optional[int]:
 
 
 def host_budget(value: Any) -> Optional[tuple[float, bool]]:
-    """``host_memory_budget``'s form: None, GiB above 0, or a share ``"N%"`` with 0 < N <= 100 (a string
-    without ``%`` is refused); returns ``(number, is a share)``."""
-    fix = "use GiB as a number (e.g. 120), a share of the host's memory such as '80%', or None for what is available"
-    return budget_form("host_memory_budget", value, fix, bare_strings=False)
+    """``host_memory_budget``'s form, as ``budget_form`` reads it: ``(GiB or per cent, is a share)``."""
+    fix = f"use {BUDGET_FORMS} of the host's memory such as '80%', or None for what is available"
+    return budget_form("host_memory_budget", value, fix)
 
 
-def budget_form(name: str, value: Any, fix: str, *, bare_strings: bool = True) -> Optional[tuple[float, bool]]:
-    """A memory budget given as GiB or as a share ``"N%"``: ``(number, is a share)``, None for None; a
-    ``ValueError`` naming field ``name``, the value and ``fix`` otherwise (``bare_strings``: ``"12"`` is GiB)."""
+BUDGET_FORMS = "GiB as a number (e.g. 60 or '60'), a size with its unit (e.g. '60GiB', '500MB'), or a share"
+"""The forms of a memory budget (``offload_memory_budget``, ``host_memory_budget``), as their errors name them."""
+
+SIZE_UNITS = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+              "tb": 10**12}
+"""The units a budget's size may be given in (any case), in bytes."""
+
+
+def budget_form(name: str, value: Any, fix: str) -> Optional[tuple[float, bool]]:
+    """A memory budget, one reading for both budgets: GiB as a number (or a string of one), a size with a
+    unit of ``SIZE_UNITS`` (``"500MiB"``, ``"1.5 TB"``), or a share ``"N%"`` with 0 < N <= 100. Returns
+    ``(GiB, False)`` or ``(N, True)``, None for None; a ``ValueError`` naming field ``name``, the value and
+    ``fix`` otherwise: "is not a number" where it reads as none of these, "must be above 0" where it does
+    but is not a positive, finite size."""
     if value is None:
         return None
-    share = isinstance(value, str) and value.strip().endswith("%")
+    share, scale = False, 1.0
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"ZeroConfig.{name}={value!r} is not a number; {fix}.")
+    text = value.strip() if isinstance(value, str) else None
+    if text is not None and text.endswith("%"):
+        share, text = True, text[:-1].strip()
+    elif text is not None:
+        unit = next((u for u in sorted(SIZE_UNITS, key=len, reverse=True) if text.lower().endswith(u)), None)
+        if unit is not None:
+            text, scale = text[: -len(unit)].strip(), SIZE_UNITS[unit] / 2**30
     try:
-        if isinstance(value, bool) or (isinstance(value, str) and not share and not bare_strings):
-            raise ValueError
-        number = float(value.strip().rstrip("%")) if isinstance(value, str) else float(value)
-    except (TypeError, ValueError):
+        number = float(text) * scale if text is not None else float(value)
+    except ValueError:
         raise ValueError(f"ZeroConfig.{name}={value!r} is not a number; {fix}.") from None
-    if not number > 0 or number == float("inf") or (share and number > 100):
-        raise ValueError(f"ZeroConfig.{name}={value!r} must be above 0 (and a share at most 100%); {fix}.")
+    if not 0 < number < float("inf") or (share and number > 100):
+        raise ValueError(f"ZeroConfig.{name}={value!r} must be above 0 and finite (a share at most 100%); {fix}.")
     return number, share

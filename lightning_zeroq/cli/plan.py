@@ -18,6 +18,13 @@ whether it fits; the fitting ones first, fastest first. The machine's memory is 
 machine where not given (the GPU's where there is one, the host's available memory, the disk's free
 space at ``--nvme-path``). Exit status: 0 if some configuration fits, 1 if none does.
 
+``--model MODULE:NAME`` plans your own model, with ``--forward`` (run with the model on the meta device;
+inputs built elsewhere are moved there) or ``--sample``; the tokens are counted from the token ids the
+forward feeds, or given with ``--tokens``. ``--precision`` takes Lightning's names. Under the table the
+fastest row that fits is printed as the ``Trainer`` and ``ZeroQStrategy`` arguments it means
+(``--show-args``: every row's). Without a GPU or ``--device-gib`` the device is not checked, and the rows
+say so. A bad value is one line naming it and the fix (exit status 2).
+
 ``--measure [N]`` then trains the N fastest fitting configurations (default all) for a few steps on this
 machine, each in a process of its own (``cli/measure.py``), and prints the measured peaks (device
 allocated and reserved, host), step time and tokens/s beside the predicted ones, with the error in per
@@ -29,19 +36,22 @@ file, running nothing (a new plan model checked against measurements made before
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 
 from lightning_zeroq.cli.gpt import GPTConfig, GPTModel
 from lightning_zeroq.zero.offload.host_need import available
+from lightning_zeroq.zero.plan import repeated_blocks
 from lightning_zeroq.zero.planner import GIB, Machine, Need, plan_training
 
 
@@ -52,8 +62,8 @@ RUNTIME_HOST_GIB = 0.6
 def _gib(value: Optional[float], what: str, parser: argparse.ArgumentParser) -> Optional[int]:
     if value is None:
         return None
-    if not value > 0:
-        parser.error(f"{what}={value}: give the memory in GiB, above 0")
+    if not 0 < value < float("inf"):
+        parser.error(f"{what}={value}: give the memory in GiB, above 0 and finite")
     return int(value * GIB)
 
 
@@ -67,15 +77,18 @@ def machine_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> M
         room = available(None)
         host = room.bytes if room is not None else None
     nvme = _gib(args.nvme_gib, "--nvme-gib", parser)
+    if args.nvme_path and not os.path.isdir(args.nvme_path):
+        parser.error(f"--nvme-path {args.nvme_path}: no such directory; give an existing directory on the disk to "
+                     "plan NVMe offload to (or leave --nvme-path out)")
     if nvme is None and args.nvme_path:
         nvme = shutil.disk_usage(args.nvme_path).free
-    for name in ("tflops", "host_elements_per_s", "pcie_gbs", "nvme_gbs", "reserved_per_allocated"):
-        if not getattr(args, name) > 0:
+    for name in ("tflops", "host_elements_per_s", "pcie_gbs", "nvme_gbs", "reserved_per_allocated", "device_tbs"):
+        if not 0 < getattr(args, name) < float("inf"):
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)}: give a rate above 0")
     runtime = args.runtime_host_gib
     if runtime is None:
         runtime = RUNTIME_HOST_GIB if torch.cuda.is_available() or args.device_gib is not None else 0.0
-    if not runtime >= 0:
+    if not 0 <= runtime < float("inf"):
         parser.error(f"--runtime-host-gib={runtime}: give GiB, 0 or more")
     block = None
     if args.block_ms is not None:
@@ -83,11 +96,9 @@ def machine_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> M
             forward, both = (float(v) / 1e3 for v in args.block_ms.split(","))
         except ValueError:
             parser.error(f"--block-ms {args.block_ms}: give two numbers, e.g. 1.03,2.91 (forward, forward+backward)")
-        if not 0 < forward <= both:
+        if not 0 < forward <= both < float("inf"):
             parser.error(f"--block-ms {args.block_ms}: the forward must be above 0 and at most forward+backward")
         block = (forward, both)
-    if not args.device_tbs > 0:
-        parser.error(f"--device-tbs={args.device_tbs}: give a rate above 0")
     return Machine(device, host, nvme, args.ranks_per_node, args.tflops * 1e12, args.host_elements_per_s,
                    args.pcie_gbs * 1e9, args.nvme_gbs * 1e9, args.reserved_per_allocated,
                    runtime_host_bytes=int(runtime * GIB), device_bytes_per_s=args.device_tbs * 1e12,
@@ -167,12 +178,29 @@ def _load(spec: str, flag: str, parser: argparse.ArgumentParser) -> Any:
     module_name, _, name = spec.partition(":")
     if not module_name or not name:
         parser.error(f"{flag} {spec}: give MODULE:NAME, e.g. mypackage.models:make_model")
+    if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", module_name) or not name.isidentifier():
+        parser.error(f"{flag} {spec}: give MODULE:NAME, a module importable from here by its dotted name (not a "
+                     "path) and a name in it, e.g. mypackage.models:make_model")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    with _as_error(parser, f"{flag} {spec}: importing {module_name}"):
+        module = importlib.import_module(module_name)
+    if not hasattr(module, name):
+        parser.error(f"{flag} {spec}: module {module_name!r} has no attribute {name!r}")
+    return getattr(module, name)
+
+
+@contextlib.contextmanager
+def _as_error(parser: argparse.ArgumentParser, what: str, fix: str = "") -> Iterator[None]:
+    """Whatever the user's code raises, or a ``sys.exit`` it calls, as one line naming ``what`` ran and
+    ``fix`` (rc 2)."""
     try:
-        return getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as error:
-        parser.error(f"{flag} {spec}: {error}")
+        yield
+    except SystemExit as stop:
+        parser.error(f"{what} called sys.exit({stop.code!r}); the plan needs it to return")
+    except Exception as error:  # noqa: BLE001 - the user's code: any error is theirs to fix, in one line
+        text = str(error).strip().splitlines()
+        parser.error(f"{what} failed: {type(error).__name__}: {text[0] if text else ''}{fix}")
 
 
 def _own_model(args: argparse.Namespace, parser: argparse.ArgumentParser,
@@ -185,30 +213,26 @@ def _own_model(args: argparse.Namespace, parser: argparse.ArgumentParser,
     from lightning_zeroq.lightning.plan_batch import training_step_loss
 
     make = _load(args.model, "--model", parser)
-    with torch.device("meta"):
+    with torch.device("meta"), _as_error(parser, f"--model {args.model}: building the model"):
         model = make()
         if isinstance(model, L.LightningModule):
             model.configure_model()
     if not isinstance(model, torch.nn.Module):
         parser.error(f"--model {args.model}: returned {type(model).__name__}, not an nn.Module")
+    if next(model.parameters(), None) is None:
+        parser.error(f"--model {args.model}: the model has no parameters, so there is nothing to plan; return the "
+                     "module that holds them (a LightningModule's configure_model builds them too)")
     model = model.to(dtype)
-    count = args.tokens if args.tokens is not None else args.batch * args.seq
+    count = args.tokens
     if args.forward is not None:
         return model, _load(args.forward, "--forward", parser), count
     if not isinstance(model, L.LightningModule):
         parser.error(f"--sample {args.sample}: a plain nn.Module has no training_step; give --forward (a function "
                      "of the model returning the loss)")
-    batch = apply_to_collection(_load(args.sample, "--sample", parser)(), torch.Tensor, lambda t: t.to("meta"))
-    if args.tokens is None:
-        ids = [t for t in _tensors(batch) if not t.is_floating_point()]  # token ids
-        count = ids[0].numel() if ids else count
+    sample = _load(args.sample, "--sample", parser)
+    with _as_error(parser, f"--sample {args.sample}"):
+        batch = apply_to_collection(sample(), torch.Tensor, lambda t: t.to("meta"))
     return model, training_step_loss(batch, f"--sample {args.sample}: {{}}"), count
-
-
-def _tensors(batch: Any) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_flatten
-
-    return [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
 
 
 def table(needs: list[Need], tokens: int) -> str:
@@ -216,10 +240,44 @@ def table(needs: list[Need], tokens: int) -> str:
               "| tokens/s | fits |")
     rows = [header, "|---|---|---|---|---|---|---|---|---|"]
     for n in needs:
+        rate = f"{tokens / n.step_s:,.0f}" if n.step_s > 0 else "-"
         rows.append(f"| {n.name} | {n.device_total / GIB:.2f} | {n.reserved / GIB:.2f} | {n.device['activations'] / GIB:.2f} | "
-                    f"{n.host_total / GIB:.2f} | {n.nvme / GIB:.2f} | {n.step_s:.3f} | {tokens / n.step_s:,.0f} | "
-                    f"{'yes' if n.fits else 'no: ' + n.why} |")
+                    f"{n.host_total / GIB:.2f} | {n.nvme / GIB:.2f} | {seconds(n.step_s)} | {rate} | {fits(n)} |")
     return "\n".join(rows)
+
+
+def fits(need: Need) -> str:
+    """The fits column: yes, no and why, or unchecked where the device's memory is not known."""
+    if not need.fits:
+        return "no: " + need.why
+    return "yes" if need.device_checked else "unchecked (device)"
+
+
+def seconds(value: float) -> str:
+    """A step time: three decimals, or three significant digits where that would show 0.000."""
+    return f"{value:.3f}" if value >= 0.001 or value == 0 else f"{value:.3g}"
+
+
+PRECISIONS = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16,
+              "32-true": torch.float32}
+"""``--precision``: Lightning's names, as the strategies take them, and the working weights' dtype each plans."""
+SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def strategy_args(need: Need, block: Optional[str], precision: str) -> str:
+    """The ``Trainer`` arguments a row means: ``ZeroQStrategy`` with the row's ``ZeroConfig`` fields that
+    differ from the defaults (the stage always), ``activation_checkpointing_policy`` naming the repeated
+    block's class on a ``+checkpointing`` row, and the precision planned."""
+    from lightning_zeroq.config import ZeroConfig
+
+    default = ZeroConfig()
+    given: dict[str, Any] = {"stage": need.config.stage}
+    given.update({f.name: getattr(need.config, f.name) for f in dataclasses.fields(ZeroConfig)
+                  if f.init and f.name != "stage" and getattr(need.config, f.name) != getattr(default, f.name)})
+    if need.checkpointing >= 1 and block:
+        given["activation_checkpointing_policy"] = [block]
+    return (f"Trainer(strategy=ZeroQStrategy({', '.join(f'{k}={v!r}' for k, v in given.items())}), "
+            f"precision={precision!r})")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -235,6 +293,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     shape.add_argument("--batch", type=int, default=4, help="sequences per micro-batch and rank")
     shape.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
     shape.add_argument("--world-size", type=int, default=1)
+    shape.add_argument("--precision", choices=tuple(PRECISIONS), default=None,
+                       help="Lightning's precision to plan (default bf16-mixed: bf16 working weights, fp32 masters; "
+                            "32-true: fp32 weights; 16-mixed: fp16); a recipe's is its own")
     shape.add_argument("--shard-group-size", default=None,
                        help="hybrid sharding for every candidate: shard within groups of this many ranks (or 'node')")
     shape.add_argument("--quantized-weights", action="store_true",
@@ -259,10 +320,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     shape.add_argument("--sample", default=None, metavar="MODULE:NAME",
                        help="with a LightningModule --model: a function returning one micro-batch for training_step")
     shape.add_argument("--forward", default=None, metavar="MODULE:NAME",
-                       help="with --model: a function of the model returning one micro-batch's loss (any module)")
+                       help="with --model: a function of the model returning one micro-batch's loss (any module); "
+                            "it runs with the model on the meta device, and inputs it builds elsewhere are moved "
+                            "there (build them with device='meta' to allocate nothing)")
     shape.add_argument("--tokens", type=int, default=None,
-                       help="with --model: tokens per micro-batch and rank (default: the sample's first integer "
-                            "tensor's elements, else --batch x --seq)")
+                       help="with --model: tokens per micro-batch and rank (default: the elements of the first "
+                            "integer tensor, the token ids, that the forward or training_step calls a module with; "
+                            "required where it calls none)")
     shape.add_argument("overrides", nargs="*", help="with --recipe: Hydra overrides, as zeroq-train takes them")
     where.add_argument("--device-tbs", type=float, default=3.0, help="device memory TB/s (its optimizer step)")
     where.add_argument("--block-ms", default=None, metavar="F,FB",
@@ -283,6 +347,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     check.add_argument("--steps", type=int, default=3, help="with --measure: timed steps per configuration")
     check.add_argument("--warmup", type=int, default=2, help="with --measure: untimed steps first")
     check.add_argument("--timeout", type=float, default=600.0, help="with --measure: seconds per configuration")
+    check.add_argument("--show-args", action="store_true",
+                       help="print every row's Trainer and ZeroQStrategy arguments (the fastest that fits: always)")
     check.add_argument("--json", default=None, help="write the planned (and measured) rows to this file")
     check.add_argument("--against", default=None, metavar="FILE",
                        help="print this plan beside the measured rows of an earlier --measure --json FILE (same "
@@ -309,9 +375,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name in ("dim", "layers", "heads", "ffn", "vocab", "batch", "seq", "world_size", "ranks_per_node"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)}: give a whole number, 1 or more")
-    configs, dtype = None, torch.bfloat16
+    if args.recipe and args.precision:
+        parser.error(f"--precision {args.precision}: a recipe plans its own precision; override it as "
+                     f"trainer.precision={args.precision}")
+    precision = args.precision or "bf16-mixed"
+    configs, dtype = None, PRECISIONS[precision]
     if args.recipe:
         cfg, configs, dtype = _recipe(args, parser)
+        precision = {torch.bfloat16: "bf16-mixed", torch.float32: "32-true"}.get(dtype, precision)
     else:
         try:
             cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
@@ -319,13 +390,21 @@ def main(argv: Optional[list[str]] = None) -> int:
                             learned_positions=False, tie_embeddings=False, init="torch")
         except ValueError as error:
             parser.error(str(error))
+    if args.ranks_per_node > args.world_size:
+        parser.error(f"--ranks-per-node {args.ranks_per_node} is more than --world-size {args.world_size}: give "
+                     f"the ranks of one node, at most {args.world_size} (host memory is counted for that many)")
     configs = _with_common_fields(args, parser, configs)
     machine = machine_from(args, parser)
+    count: Optional[int]
     if args.model is not None:
         model, forward, count = _own_model(args, parser, dtype)
+        what = f"--forward {args.forward}" if args.forward else f"--sample {args.sample}"
     else:
-        model, forward = gpt_on_meta(cfg, args.batch, args.seq, dtype)
-        count = args.batch * args.seq
+        flags = (f"--dim {args.dim} --layers {args.layers} --heads {args.heads} --ffn {args.ffn} --vocab {args.vocab} "
+                 f"--batch {args.batch} --seq {args.seq}")
+        with _as_error(parser, f"{flags}: building the model on the meta device", "; give smaller sizes"):
+            model, forward = gpt_on_meta(cfg, args.batch, args.seq, dtype)
+        count, what = args.batch * args.seq, flags
 
     device = None
     if args.calibrate:
@@ -336,8 +415,25 @@ def main(argv: Optional[list[str]] = None) -> int:
                 machine = dataclasses.replace(machine, runtime_host_bytes=runtime)
                 print(f"calibrated here: a process's CUDA runtime and libraries hold {runtime / GIB:.2f} GiB of host "
                       "memory", flush=True)
-    needs = plan_training(model, forward, tokens=count, world_size=args.world_size, machine=machine,
-                          configs=configs, nvme_path=args.nvme_path, param_dtype=dtype, calibrate_on=device)
+    try:
+        needs = plan_training(model, forward, tokens=count, world_size=args.world_size, machine=machine,
+                              configs=configs, nvme_path=args.nvme_path, param_dtype=dtype, calibrate_on=device)
+    except SystemExit as stop:
+        parser.error(f"{what}: the forward called sys.exit({stop.code!r}); the plan needs it to return the loss")
+    except Exception as error:  # noqa: BLE001 - the user's forward, traced on the meta device: one line
+        text = str(error).strip().splitlines()
+        line = f"{type(error).__name__}: {text[0] if text else ''}"
+        if "no integer tensor" in line:
+            parser.error(f"{what}: the forward calls no module with an integer tensor (token ids) to count the "
+                         "tokens from; give --tokens (tokens per micro-batch and rank)")
+        parser.error(f"{what}: planning failed on the meta device ({line}); the forward runs with the model on "
+                     "the meta device, so it can read no tensor's value (an integer count, a condition)")
+    traced = needs[0].traced
+    if count is None:
+        count = needs[0].tokens
+    elif args.model is not None and traced is not None and traced.tokens and traced.tokens != count:
+        print(f"note: --tokens {count:,} counts the step time, and the forward feeds {traced.tokens:,} token ids, "
+              "which the memory is traced from", flush=True)
     params = sum(p.numel() for p in model.parameters())
     known = ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in (("device", machine.device_bytes), ("host", machine.host_bytes),
                                                            ("disk", machine.nvme_bytes)) if v is not None)
@@ -345,11 +441,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     shown = f"{count:,}" if args.model is not None else f"{args.batch} x {args.seq}"
     print(f"{size} parameters, {shown} tokens per micro-batch and rank, world size "
           f"{args.world_size}; machine: {known or 'memory unknown (nothing checked)'}; per rank, "
-          f"{'bf16' if dtype == torch.bfloat16 else 'fp32'} weights, AdamW:\n")
+          f"{precision} ({SHORT[dtype]} weights), AdamW:\n")
     print(table(needs, count))
+    blocks = repeated_blocks(model)
+    block = type(blocks[0]).__name__ if blocks else None
+    if traced is not None and traced.self_checkpointed:
+        print(f"\nthe model recomputes its {block} blocks itself (each saves only its input): no +checkpointing "
+              "rows, and what a block holds while it recomputes is not counted")
+    if machine.device_bytes is None:
+        print("\nthe device's memory was not checked (no GPU here and no --device-gib): \"unchecked\" rows fit "
+              "the host and the disk; pass --device-gib to check the device too")
     best = next((n for n in needs if n.fits), None)
-    print(f"\nfastest that fits: {best.name} ({best.step_s:.3f} s a step)" if best else
-          "\nnothing fits: more ranks, a smaller micro-batch, or NVMe offload (--nvme-path)")
+    fitting = "fastest that fits" if machine.device_bytes is not None else "fastest, the device unchecked"
+    print(f"\n{fitting}: {best.name} ({seconds(best.step_s)} s a step)\n  as {strategy_args(best, block, precision)}"
+          if best else "\nnothing fits: more ranks, a smaller micro-batch, or NVMe offload (--nvme-path)")
+    if args.show_args:
+        print("\nthe arguments of each row:")
+        for need in needs:
+            print(f"  {need.name}: {strategy_args(need, block, precision)}")
     rows = [planned_row(n, count) for n in needs]
     if args.measure is not None:
         if args.recipe or args.model:
@@ -389,7 +498,8 @@ def runtime_host_bytes(timeout: Optional[float] = None) -> Optional[int]:
 
 
 def planned_row(need: Need, tokens: int) -> dict:
-    return {"configuration": need.name, "fits": need.fits, "predicted_allocated_GiB": round(need.device_total / GIB, 2),
+    return {"configuration": need.name, "fits": need.fits, "device_checked": need.device_checked,
+            "predicted_allocated_GiB": round(need.device_total / GIB, 2),
             "predicted_reserved_GiB": round(need.reserved / GIB, 2), "predicted_host_GiB": round(need.host_total / GIB, 2),
             "predicted_disk_GiB": round(need.nvme / GIB, 2), "predicted_step_s": round(need.step_s, 4),
             "tokens_per_step": tokens}

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from lightning_zeroq.common.precision import ZeroQPrecision
 from lightning_zeroq.config import ZeroConfig
+from lightning_zeroq.zero.planner import ForwardError
 from lightning_zeroq.zero.policies import auto_request
 
 FIX = "or pass plan_forward=lambda model: <one micro-batch's loss> to ZeroQStrategy"
@@ -76,7 +77,7 @@ def training_step_loss(batch: Any, error: str = "{}") -> Callable[[nn.Module], T
                 model.__dict__.pop(name, None)
         loss = out["loss"] if isinstance(out, Mapping) else out
         if not isinstance(loss, Tensor):
-            raise ValueError(error.format(f"training_step returned {type(out).__name__}, not a loss"))
+            raise ForwardError(error.format(f"training_step returned {type(out).__name__}, not a loss"))
         return loss
 
     return forward

@@ -42,7 +42,7 @@ from lightning_zeroq.zero import recompute as recompute_blocks
 from lightning_zeroq.zero.offload.auto import MARGIN
 from lightning_zeroq.zero.offload.host_need import available, size
 from lightning_zeroq.zero.plan import repeated_blocks
-from lightning_zeroq.zero.planner import Machine, Need, plan_config, trace_activations
+from lightning_zeroq.zero.planner import Activations, ForwardError, Machine, Need, plan_config, trace_activations
 from lightning_zeroq.zero.policies import (AutoRequest, Chosen, Host, Nvme, OnDevice, as_auto, auto_request,
                                            from_config, resolve)
 
@@ -183,14 +183,16 @@ def choose(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Module],
         raise ValueError("activation_checkpointing_policy='auto' recomputes repeated blocks, and this model has none "
                          "(no class repeated in an nn.ModuleList or nn.Sequential); name the classes instead.")
     with on_meta(module, param_dtype) as meta:
-        activations = trace_activations(meta, forward, blocks)
+        activations = _traced(meta, forward, blocks, device, group)
         budget, size, host_room, disk = _budgets(request, device, group)
         rates = (dataclasses.replace(machine, ranks_per_node=ranks_per_node) if machine is not None
                  else _default_machine(device, ranks_per_node))
+        timed = machine is not None
         if calibrate and machine is None and device.type == "cuda":  # a CPU "device" (tests) plans with the defaults
             rates = dataclasses.replace(rates, **calibration.rates(
                 device, param_dtype, block=blocks[0] if blocks else None, call=activations.block_call,
                 nvme_path=request.nvme_path if request.offload else None))
+            timed = True
         rates = _agreed_machine(rates, device, group)
         planned = []
         for name, opt, params, share in candidates(request):
@@ -200,6 +202,12 @@ def choose(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Module],
             planned.append((chosen, need))
     if size is None and request.device_budget is None:
         budget = None  # a CPU device: no device memory to fit (host and disk still count)
+    if request.device_budget is not None:
+        of = f"offload_memory_budget={request.device_budget!r} ({_size(budget)})"
+    elif budget is not None:
+        of = f"the device's free memory less {MARGIN:.0%} of its size ({_size(budget)})"
+    else:
+        of = "no device budget (a CPU device: device memory not checked)"
 
     def fits(need: Need) -> bool:
         return ((budget is None or need.device_total * (1 + PLAN_MARGIN) <= budget) and (size is None or need.reserved <= size)
@@ -216,7 +224,7 @@ def choose(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Module],
         fixes += [] if request.nvme_path or not request.offload else ["nvme_path (NVMe offload)"]
         raise ValueError(
             f"offload='auto': nothing fits: the least device memory any configuration needs is {_size(least.device_total)} "
-            f"allocated ({least.name}; budget {_size(budget)}), with {_size(least.host_total * ranks_per_node)} of host "
+            f"allocated ({least.name}; budget: {of}), with {_size(least.host_total * ranks_per_node)} of host "
             f"memory (budget {_size(host_room)}); use {', '.join(fixes)} or a larger budget.")
     best = min(range(len(fitting)), key=lambda i: (fitting[i][1].step_s, i))
     chosen, need = fitting[best]
@@ -227,11 +235,33 @@ def choose(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Module],
         recompute = tuple(blocks[: round(chosen.recompute_share * len(blocks))])
         if apply:
             recompute_blocks.apply_to(recompute)
+    step = f"step ~{need.step_s:.3g} s" if timed else "step time not planned (no GPU to measure the rates on)"
     line = (f"offload='auto' chose {need.name}: planned peak {_size(need.device_total)} allocated "
-            f"({_size(need.reserved)} reserved) of a {_size(budget)} budget, host {_size(need.host_total)} "
-            f"of {_size(host_room)}, step ~{need.step_s:.3f} s ({len(fitting)} of {len(planned)} planned fit)")
+            f"({_size(need.reserved)} reserved) of {of}, host {_size(need.host_total)} "
+            f"of {_size(host_room)}, {step} ({len(fitting)} of {len(planned)} planned fit)")
     log.info(line)
     return Choice(resolved, recompute, need, line, tuple(planned))
+
+
+def _traced(meta: nn.Module, forward: Callable[[nn.Module], Tensor], blocks: Any, device: torch.device,
+            group: Any) -> Activations:
+    """``trace_activations``, or one error on every rank where some rank's forward cannot run on the meta
+    device (a value it reads, such as an integer count, that the meta device does not hold)."""
+    failed: Optional[BaseException] = None
+    activations = None
+    try:
+        activations = trace_activations(meta, forward, blocks)
+    except ForwardError:
+        raise  # the forward's own complaint, worded for the user (every rank alike: it is the same batch)
+    except Exception as error:  # noqa: BLE001 - whatever the user's forward raises on meta tensors
+        failed = error
+    if _smallest([-float(failed is not None)], device, group)[0] < 0 or activations is None:
+        what = (f"{type(failed).__name__}: {str(failed).strip().splitlines()[0] if str(failed).strip() else ''}"
+                if failed is not None else "it failed on another rank")
+        raise ValueError(f"offload='auto' plans from one micro-batch traced on the meta device, and this one cannot "
+                         f"run there ({what}); pass plan_forward=lambda model: <one micro-batch's loss, reading no "
+                         "tensor's value> to the strategy, or choose the offload by hand (zeroq-plan shows what fits).")
+    return activations
 
 
 def report_first_step(choice: Choice, device: torch.device) -> None:

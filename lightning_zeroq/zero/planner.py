@@ -42,6 +42,9 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.zero import calibrate, hybrid
@@ -95,6 +98,10 @@ class Machine:
     micro-batch (``calibrate.block_seconds``); None: the blocks' compute from ``matmul_flops``."""
 
 
+class ForwardError(ValueError):
+    """A forward given to the plan returned no loss, or the like: its message is worded for the user."""
+
+
 @dataclass(frozen=True)
 class Activations:
     """Bytes autograd saves in one forward (deduplicated storages, parameters excluded)."""
@@ -116,6 +123,12 @@ class Activations:
     """How many repeated blocks."""
     block_numel: int = 0
     """Their parameters' elements, together."""
+    tokens: int = 0
+    """The token ids the forward feeds: the elements of the first integer tensor a module with parameters
+    is called with (0: none)."""
+    self_checkpointed: bool = False
+    """Every repeated block saves no more than its input: the model recomputes them itself (checkpointing
+    them again saves nothing, and what a block holds while recomputed is not traced)."""
 
     def with_checkpointing(self, share: float = 1.0) -> int:
         """Saved when ``share`` of the blocks recompute: they keep only their inputs (a block's own are
@@ -143,6 +156,13 @@ class Need:
 
     reserved: int = 0
     """The device bytes the allocator is predicted to reserve (``Machine.reserved_per_allocated``)."""
+    device_checked: bool = True
+    """Whether the device's memory was known (``Machine.device_bytes``): where not, ``fits`` says only that
+    the host and the disk fit."""
+    tokens: int = 0
+    """The tokens per micro-batch and rank the step time counts."""
+    traced: Optional[Activations] = field(default=None, compare=False, repr=False)
+    """What the forward saved, as traced (shared by every configuration of one plan)."""
 
     @property
     def device_total(self) -> int:
@@ -246,9 +266,43 @@ def _cuda_kernels() -> Iterator[None]:
         F.scaled_dot_product_attention, F.rms_norm = real
 
 
+class _MetaTrace(TorchFunctionMode):
+    """What a trace runs under: a tensor of another device that meets a meta tensor in an op is moved to
+    the meta device (a forward may build its inputs anywhere), and reading the value of a floating-point
+    meta tensor (``.item()``, ``float()``: a ``training_step`` logging its loss) gives NaN, the meta device
+    holding none. Any other read of a value (an integer count, a condition) fails as it would without it."""
+
+    READS = (Tensor.item, Tensor.__float__)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moved: dict[int, tuple[Tensor, Tensor]] = {}  # id -> (the tensor, its meta copy)
+        self.values_read = 0
+
+    def _meta(self, t: Tensor) -> Tensor:
+        if id(t) not in self.moved:
+            self.moved[id(t)] = (t, t.to("meta"))
+        return self.moved[id(t)][1]
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in self.READS and args and isinstance(args[0], Tensor) and args[0].is_meta \
+                and args[0].is_floating_point():
+            self.values_read += 1
+            return float("nan")
+        flat, spec = tree_flatten((args, kwargs))
+        tensors = [t for t in flat if isinstance(t, Tensor)]
+        if any(t.is_meta for t in tensors) and not all(t.is_meta for t in tensors):
+            args, kwargs = tree_unflatten([self._meta(t) if isinstance(t, Tensor) and not t.is_meta else t
+                                           for t in flat], spec)
+        return func(*args, **kwargs)
+
+
 def trace_activations(model: nn.Module, forward: Callable[[nn.Module], Tensor], blocks: Sequence[nn.Module]) -> Activations:
     """Run ``forward(model)`` (the model on the meta device; the loss or the output) once and count what
-    autograd saves, in total and per block of ``blocks`` (the repeated blocks)."""
+    autograd saves, in total and per block of ``blocks`` (the repeated blocks), and the token ids it feeds:
+    the elements of the first integer tensor a module with parameters is called with (``_MetaTrace``: inputs
+    built on another device are moved to the meta device; a floating-point value read is NaN)."""
     parameters = {id(p.untyped_storage()) for p in model.parameters()}
     saved: dict[int, tuple[Any, int, int]] = {}  # storage id -> (storage, bytes, block index or -1)
     current = [-1]
@@ -259,14 +313,15 @@ def trace_activations(model: nn.Module, forward: Callable[[nn.Module], Tensor], 
             saved[id(storage)] = (storage, storage.nbytes(), current[0])
         return t
 
-    inputs: list[int] = []
+    inputs: dict[int, int] = {}  # block index -> the bytes of its input
     calls: list[Any] = []
+    tokens: list[int] = []
     hooks = []
     for i, block in enumerate(blocks):
         def enter(module: nn.Module, args: Any, kwargs: Any, i: int = i) -> None:
             current[0] = i
             first = next((a for a in args if isinstance(a, Tensor)), None)
-            inputs.append(first.numel() * first.element_size() if first is not None else 0)
+            inputs[i] = max(inputs.get(i, 0), first.numel() * first.element_size() if first is not None else 0)
             if not calls:
                 calls.append((args, kwargs))
 
@@ -274,8 +329,18 @@ def trace_activations(model: nn.Module, forward: Callable[[nn.Module], Tensor], 
             current[0] = -1
 
         hooks += [block.register_forward_pre_hook(enter, with_kwargs=True), block.register_forward_hook(leave)]
+
+    def token_ids(module: nn.Module, args: Any) -> None:
+        if tokens or next(module.parameters(), None) is None:
+            return
+        ids = next((a for a in args if isinstance(a, Tensor) and not a.is_floating_point() and not a.is_complex()
+                    and a.dtype != torch.bool), None)
+        if ids is not None:
+            tokens.append(ids.numel())
+
+    hooks.append(register_module_forward_pre_hook(token_ids))
     try:
-        with _cuda_kernels(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with _cuda_kernels(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _MetaTrace():
             torch.compiler.disable(forward)(model)  # eager: a compiled module would compile for meta tensors
     finally:
         for hook in hooks:
@@ -286,8 +351,11 @@ def trace_activations(model: nn.Module, forward: Callable[[nn.Module], Tensor], 
             per_block[where] += nbytes
     total = sum(nbytes for _, nbytes, _ in saved.values())
     largest = max((nbytes for _, nbytes, _ in saved.values()), default=0)
-    return Activations(total, sum(per_block), sum(inputs), max(per_block, default=0), largest,
-                       calls[0] if calls else None, len(blocks), sum(p.numel() for b in blocks for p in b.parameters()))
+    # A block that saves no more than its input recomputes its forward already (the model checkpoints it)
+    self_checkpointed = bool(inputs) and all(0 < nbytes and per_block[i] <= nbytes for i, nbytes in inputs.items())
+    return Activations(total, sum(per_block), sum(inputs.values()), max(per_block, default=0), largest,
+                       calls[0] if calls else None, len(blocks), sum(p.numel() for b in blocks for p in b.parameters()),
+                       tokens[0] if tokens else 0, self_checkpointed)
 
 
 def _nvme_bytes(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequence[UnitSpec],
@@ -377,7 +445,8 @@ def plan_config(model: nn.Module, config: ZeroConfig, activations: Activations, 
         why.append(f"host {host.total * machine.ranks_per_node / GIB:.1f} > {machine.host_bytes / GIB:.1f} GiB")
     if machine.nvme_bytes is not None and nvme * machine.ranks_per_node > machine.nvme_bytes:
         why.append(f"disk {nvme * machine.ranks_per_node / GIB:.1f} > {machine.nvme_bytes / GIB:.1f} GiB")
-    return Need(name, config, checkpointing, device, dict(host.parts), nvme, step, not why, "; ".join(why), reserved)
+    return Need(name, config, checkpointing, device, dict(host.parts), nvme, step, not why, "; ".join(why), reserved,
+                machine.device_bytes is not None, tokens, activations)
 
 
 def _engine_passes(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequence[UnitSpec],
@@ -433,30 +502,47 @@ def _step_seconds(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequ
     return max(compute, beside / machine.pcie_bytes_per_s) + host + after / machine.pcie_bytes_per_s + nvme
 
 
-def plan_training(model: nn.Module, forward: Callable[[nn.Module], Tensor], *, tokens: int, world_size: int = 1,
-                  machine: Machine = Machine(), configs: Optional[Sequence[tuple[str, dict]]] = None,
-                  nvme_path: Optional[str] = None, param_dtype: torch.dtype = torch.bfloat16,
-                  state_bytes: int = 8, calibrate_on: Optional[torch.device] = None) -> list[Need]:
+def plan_training(model: nn.Module, forward: Callable[[nn.Module], Tensor], *, tokens: Optional[int] = None,
+                  world_size: int = 1, machine: Machine = Machine(),
+                  configs: Optional[Sequence[tuple[str, dict]]] = None, nvme_path: Optional[str] = None,
+                  param_dtype: torch.dtype = torch.bfloat16, state_bytes: int = 8,
+                  calibrate_on: Optional[torch.device] = None) -> list[Need]:
     """Every candidate configuration (``configs``: ``(name, ZeroConfig fields)``, default
-    ``candidates``), each without and with checkpointing of the repeated blocks, planned for
-    ``model`` (on the meta device) and ``forward(model)`` (one micro-batch of ``tokens`` per rank):
-    the fitting ones first, fastest first, then the rest. ``calibrate_on``: measure the machine's rates
-    on this device first (``calibrate.py``: one block timed at the micro-batch, the host step, copies,
-    the disk under ``nvme_path``) instead of ``machine``'s."""
+    ``candidates``), each without and with checkpointing of the repeated blocks (without only, where the
+    model recomputes its blocks itself), planned for ``model`` (on the meta device) and ``forward(model)``
+    (one micro-batch of ``tokens`` per rank; None: the token ids the forward feeds, as traced): the fitting
+    ones first, fastest first, then the rest. ``calibrate_on``: measure the machine's rates on this device
+    first (``calibrate.py``: one block timed at the micro-batch, the host step, copies, the disk under
+    ``nvme_path``; on a CPU the host step and the disk only) instead of ``machine``'s."""
     if any(p.device.type != "meta" for p in model.parameters()):
         raise ValueError("plan: build the model on the meta device (with torch.device('meta'): ...), so that "
                          "planning allocates nothing; it needs only the shapes.")
+    if next(model.parameters(), None) is None:
+        raise ValueError("plan: the model has no parameters: there is nothing to shard or offload.")
     blocks = repeated_blocks(model)
     activations = trace_activations(model, forward, blocks)
+    if tokens is None:
+        tokens = activations.tokens
+        if not tokens:
+            raise ValueError("plan: the forward feeds the model no integer tensor (token ids) to count the tokens "
+                             "from; give tokens=<tokens per micro-batch and rank>.")
     if calibrate_on is not None:
-        machine = dataclasses.replace(machine, **calibrate.rates(
-            calibrate_on, param_dtype, block=blocks[0] if blocks else None, call=activations.block_call,
-            nvme_path=nvme_path))
-        log.info("calibrated here: " + describe(machine))
+        measured = calibrate.rates(calibrate_on, param_dtype, block=blocks[0] if blocks else None,
+                                   call=activations.block_call, nvme_path=nvme_path)
+        machine = dataclasses.replace(machine, **measured)
+        if calibrate_on.type == "cuda":
+            log.info("calibrated here: " + describe(machine))
+        else:  # no GPU: the host (and the disk) measured, the device's rates as given
+            disk = (f", disk {machine.nvme_bytes_per_s / 1e9:.2f} GB/s" if "nvme_bytes_per_s" in measured else "")
+            log.info(f"calibrated here (no GPU, so the host only): host step "
+                     f"{machine.host_step_elements_per_s / 1e9:.2f}e9 elements/s{disk}; the device's rates are the "
+                     f"given ones, not measured (matmul {machine.matmul_flops / 1e12:.0f} TFLOP/s, device memory "
+                     f"{machine.device_bytes_per_s / 1e12:.2f} TB/s, PCIe {machine.pcie_bytes_per_s / 1e9:.1f} GB/s)")
     needs = []
+    checkpoint = (False, True) if blocks and not activations.self_checkpointed else (False,)
     for name, fields in (configs if configs is not None else candidates(nvme_path)):
         config = ZeroConfig(**fields)
-        for checkpointing in ((False, True) if blocks else (False,)):
+        for checkpointing in checkpoint:
             needs.append(plan_config(model, config, activations, name=name + ("+checkpointing" if checkpointing else ""),
                                      world_size=world_size, tokens=tokens, checkpointing=float(checkpointing),
                                      machine=machine, param_dtype=param_dtype, state_bytes=state_bytes))

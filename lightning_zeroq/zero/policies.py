@@ -369,9 +369,14 @@ def _offload(c: ZeroConfig, loss_scaling: bool, notes: Notes) -> Offload:
         notes.append(f"offload_speculative_step=True has no effect {why}.")
     asynchronous = c.offload_async_step and kind is Host
     if c.offload_async_step and not asynchronous:
-        notes.append("offload_async_step=True has no effect without CPU optimizer offload of a fixed share "
-                     "(offload_optimizer=True, offload_optimizer_device='cpu', offload_optimizer_ratio above 0 and "
-                     f"not 'auto'; it is {c.offload_optimizer_ratio!r}).")
+        if not c.offload_optimizer:
+            fix = "set offload_optimizer=True"
+        elif c.offload_optimizer_device != "cpu":
+            fix = f"set offload_optimizer_device='cpu' (it is {c.offload_optimizer_device!r})"
+        else:
+            fix = f"set offload_optimizer_ratio above 0 and not 'auto' (it is {c.offload_optimizer_ratio!r})"
+        notes.append("offload_async_step=True has no effect without CPU optimizer offload of a fixed share: "
+                     f"{fix}.")
     optimizer: Union[OnDevice, Host, Nvme, Auto] = OnDevice()
     if kind is Nvme:
         assert c.nvme_path is not None  # ZeroConfig checks it (and that the ratio is 1)

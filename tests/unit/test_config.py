@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -222,3 +224,36 @@ def test_offload_auto_refuses_what_it_would_decide():
         from lightning_zeroq.zero.policies import from_config
 
         from_config(ZeroConfig(offload="auto"), loss_scaling=False)
+
+
+@pytest.mark.parametrize("name", ["offload_memory_budget", "host_memory_budget"])
+def test_both_memory_budgets_read_the_same_forms_with_the_same_messages(name):
+    """GiB as a number (or a string of one), a size with its unit, or a share: one reading for both budgets."""
+    from lightning_zeroq.config import budget_form, host_budget, memory_budget
+
+    read = host_budget if name == "host_memory_budget" else lambda value: budget_form(name, value, "")
+    for value, gib in ((60, 60.0), ("60", 60.0), ("1e30", 1e30), (" 60 GiB", 60.0), ("500MiB", 500 / 1024),
+                       ("2TB", 2e12 / 2**30), ("1.5gib", 1.5)):
+        ZeroConfig(**{name: value})
+        assert read(value) == (pytest.approx(gib), False), value
+    assert read("80%") == (80.0, True)
+    for value, says in (("-1", "must be above 0"), (-1, "must be above 0"), ("0GiB", "must be above 0"),
+                        ("inf", "must be above 0 and finite"), ("nan", "must be above 0"), ("150%", r"must be above 0 and finite \(a share at most 100%\)"),
+                        ("80%%", "is not a number"), ("lots", "is not a number"), ("60 parsecs", "is not a number"),
+                        (True, "is not a number"), ([60], "is not a number")):
+        with pytest.raises(ValueError, match=rf"ZeroConfig\.{name}={re.escape(repr(value))} {says}.*a size with its "
+                                             r"unit \(e\.g\. '60GiB'"):
+            ZeroConfig(**{name: value})
+    assert memory_budget("40GiB", 80 * 2**30) == 40 * 2**30 and memory_budget("50%", 80 * 2**30) == 40 * 2**30
+
+
+@pytest.mark.parametrize("options, fix", [
+    ({"offload_async_step": True}, "set offload_optimizer=True."),
+    ({"offload_async_step": True, "offload_optimizer": True, "offload_optimizer_ratio": 0.0},
+     "set offload_optimizer_ratio above 0 and not 'auto' (it is 0.0)."),
+    ({"offload_async_step": True, "offload_optimizer": True, "offload_optimizer_device": "nvme", "nvme_path": "/tmp"},
+     "set offload_optimizer_device='cpu' (it is 'nvme')."),
+])
+def test_async_step_without_its_offload_names_the_setting_to_change(options, fix):
+    said = [m for m in ineffective(ZeroConfig(**options), loss_scaling=False) if "offload_async_step" in m]
+    assert said == [f"offload_async_step=True has no effect without CPU optimizer offload of a fixed share: {fix}"]

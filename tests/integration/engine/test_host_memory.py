@@ -184,7 +184,7 @@ def test_without_a_budget_the_host_s_available_memory_decides(monkeypatch) -> No
     assert room is not None and room.bytes == 2**29  # a share of MemTotal
 
 
-@pytest.mark.parametrize("value", [0, -1, True, "abc", "120%", "0%", float("inf"), "12"])
+@pytest.mark.parametrize("value", [0, -1, True, "abc", "120%", "0%", float("inf"), "12%%", "12 parsecs"])
 def test_bad_budgets_are_refused_with_the_fix(value) -> None:
     with pytest.raises(ValueError, match=r"ZeroConfig\.host_memory_budget=.* use GiB as a number"):
         ZeroConfig(offload_optimizer=True, host_memory_budget=value)

@@ -401,6 +401,35 @@ def loss_of(model):
     tokens = torch.zeros(4, 128, dtype=torch.long, device="meta")
     logits = model(tokens)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens.reshape(-1))
+
+
+def loss_of_16(model):  # 16 x 128 tokens, built on the CPU: the plan moves them to the meta device
+    tokens = torch.zeros(16, 128, dtype=torch.long)
+    logits = model(tokens)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens.reshape(-1))
+
+
+def one_block(model):  # feeds no token ids
+    return model.blocks[0](torch.zeros(4, 128, 256, device="meta")).float().sum()
+
+
+def checkpointing():  # checkpoints its own blocks
+    from torch.utils.checkpoint import checkpoint
+
+    model = GPTModel(CFG)
+    for block in model.blocks:
+        block.forward = (lambda f: lambda *a: checkpoint(f, *a, use_reentrant=False))(block.forward)
+    return model
+
+
+def no_parameters():
+    return torch.nn.ReLU()
+
+
+def exits(model):
+    import sys
+
+    sys.exit(0)
 '''
 
 
@@ -431,3 +460,154 @@ def test_zeroq_plan_plans_your_own_model_as_it_plans_the_same_gpt(tmp_path, monk
         with pytest.raises(SystemExit):
             plan_cli.main([*flags, *machine])
         assert said in capsys.readouterr().err, flags
+
+
+def _own(tmp_path, monkeypatch) -> None:
+    (tmp_path / "own_models.py").write_text(OWN_MODELS)
+    (tmp_path / "exits_on_import.py").write_text("import sys\nsys.exit(0)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def _rows(tmp_path, *flags: str) -> dict:
+    out = tmp_path / "rows.jsonl"
+    assert plan_cli.main([*flags, "--json", str(out)]) == 0
+    return {r["configuration"]: r for r in map(json.loads, out.read_text().splitlines())}
+
+
+def test_zeroq_plan_counts_the_tokens_the_forward_feeds(tmp_path, monkeypatch, capsys):
+    """Without ``--tokens`` the step counts the token ids the forward feeds (16 x 128 here, built on the CPU),
+    as the package's GPT at that micro-batch; a ``--tokens`` that differs is said; none fed: --tokens asked."""
+    _own(tmp_path, monkeypatch)
+    machine = ["--device-gib", "8", "--host-gib", "8"]
+    gpt = _rows(tmp_path, "--dim", "256", "--layers", "4", "--heads", "4", "--ffn", "1024", "--vocab", "512",
+                "--batch", "16", "--seq", "128", *machine)
+    capsys.readouterr()
+    own = _rows(tmp_path, "--model", "own_models:plain", "--forward", "own_models:loss_of_16", *machine)
+    out = capsys.readouterr().out
+    assert "2,048 tokens per micro-batch" in out and "note:" not in out, out
+    assert {k: (r["predicted_step_s"], r["predicted_allocated_GiB"]) for k, r in own.items()} == \
+        {k: (r["predicted_step_s"], r["predicted_allocated_GiB"]) for k, r in gpt.items()}
+    _rows(tmp_path, "--model", "own_models:plain", "--forward", "own_models:loss_of_16", "--tokens", "512", *machine)
+    assert "note: --tokens 512 counts the step time, and the forward feeds 2,048 token ids" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:
+        plan_cli.main(["--model", "own_models:plain", "--forward", "own_models:one_block", *machine])
+    assert stop.value.code == 2
+    assert ("--forward own_models:one_block: the forward calls no module with an integer tensor (token ids) to count "
+            "the tokens from; give --tokens") in capsys.readouterr().err
+    assert _rows(tmp_path, "--model", "own_models:plain", "--forward", "own_models:one_block", "--tokens", "512",
+                 *machine)
+
+
+def test_zeroq_plan_adds_no_checkpointing_rows_to_a_model_that_checkpoints_its_blocks(tmp_path, monkeypatch, capsys):
+    _own(tmp_path, monkeypatch)
+    machine = ["--device-gib", "8", "--host-gib", "8"]
+    plain = _rows(tmp_path, "--model", "own_models:plain", "--forward", "own_models:loss_of", *machine)
+    capsys.readouterr()
+    own = _rows(tmp_path, "--model", "own_models:checkpointing", "--forward", "own_models:loss_of", *machine)
+    assert "the model recomputes its Block blocks itself" in capsys.readouterr().out
+    assert set(own) == {name for name in plain if not name.endswith("+checkpointing")}
+    # what it saves is what the planner's checkpointing of every block plans, not more
+    for name, row in own.items():
+        assert row["predicted_allocated_GiB"] <= plain[name + "+checkpointing"]["predicted_allocated_GiB"], name
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--dim", "2000000000"], ("--dim 2000000000 --layers 2 --heads 2 --ffn 128 --vocab 32000 --batch 4 --seq 1024: "
+                               "building the model on the meta device failed: RuntimeError: Storage size calculation "
+                               "overflowed")),
+    (["--device-gib", "inf"], "--device-gib=inf: give the memory in GiB, above 0 and finite"),
+    (["--host-gib", "nan"], "--host-gib=nan: give the memory in GiB, above 0 and finite"),
+    (["--tflops", "inf"], "--tflops=inf: give a rate above 0"),
+    (["--nvme-path", "no/such/directory"], "--nvme-path no/such/directory: no such directory"),
+    (["--world-size", "2", "--ranks-per-node", "8"], "--ranks-per-node 8 is more than --world-size 2"),
+    (["--model", "own_models:no_parameters", "--forward", "own_models:loss_of"],
+     "--model own_models:no_parameters: the model has no parameters"),
+    (["--model", "../../etc/passwd:x", "--forward", "own_models:loss_of"],
+     "--model ../../etc/passwd:x: give MODULE:NAME, a module importable from here by its dotted name (not a path)"),
+    (["--model", "exits_on_import:x", "--forward", "own_models:loss_of"],
+     "--model exits_on_import:x: importing exits_on_import called sys.exit(0)"),
+    (["--model", "own_models:plain", "--forward", "own_models:exits"],
+     "--forward own_models:exits: the forward called sys.exit(0)"),
+    (["--model", "own_models:plain", "--forward", "own_models:missing"],
+     "--forward own_models:missing: module 'own_models' has no attribute 'missing'"),
+    (["--precision", "8-mixed"], "argument --precision: invalid choice: '8-mixed'"),
+    (["--recipe", "gpt1m_zero2_cpu", "--precision", "32-true"], "--precision 32-true: a recipe plans its own"),
+])
+def test_zeroq_plan_refuses_a_bad_value_in_one_line_naming_it(tmp_path, monkeypatch, capsys, flags, said):
+    _own(tmp_path, monkeypatch)
+    with pytest.raises(SystemExit) as stop:
+        plan_cli.main(["--layers", "2", "--dim", "64", "--heads", "2", "--ffn", "128", "--host-gib", "8", *flags])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and said in err and "Traceback" not in err, err
+    assert len([line for line in err.splitlines() if line.startswith("zeroq-plan: error:")]) == 1, err
+
+
+def test_zeroq_plan_plans_inputs_built_off_the_meta_device_as_on_it(tmp_path, monkeypatch):
+    _own(tmp_path, monkeypatch)
+    machine = ["--device-gib", "8", "--host-gib", "8", "--tokens", "512"]
+    on_meta = _rows(tmp_path, "--model", "own_models:plain", "--forward", "own_models:loss_of", *machine)
+    (tmp_path / "own_models.py").write_text(OWN_MODELS.replace('device="meta"', 'device="cpu"'))
+    import importlib
+    import sys
+
+    importlib.reload(sys.modules["own_models"])
+    assert _rows(tmp_path, "--model", "own_models:plain", "--forward", "own_models:loss_of", *machine) == on_meta
+
+
+def test_zeroq_plan_says_the_device_was_not_checked_without_a_gpu_or_device_gib(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    shape = ["--layers", "2", "--dim", "64", "--heads", "2", "--ffn", "128", "--batch", "1000000000", "--host-gib",
+             "100000000000"]
+    rows = _rows(tmp_path, *shape)
+    out = capsys.readouterr().out
+    assert "| yes |" not in out and "| unchecked (device) |" in out, out
+    assert "the device's memory was not checked (no GPU here and no --device-gib)" in out
+    assert "pass --device-gib to check the device too" in out and "fastest, the device unchecked: " in out
+    assert not any(r["device_checked"] for r in rows.values())
+    assert plan_cli.main([*shape, "--device-gib", "80"]) == 1  # checked: a billion sequences fit no device
+    out = capsys.readouterr().out
+    assert "nothing fits" in out and "unchecked" not in out, out
+
+
+def test_zeroq_plan_calibrates_only_the_host_without_a_gpu(tmp_path, monkeypatch, capsys, caplog):
+    import logging
+
+    from lightning_zeroq.zero import calibrate
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(calibrate, "host_step_rate", lambda: 1.5e9)  # the host step, measured here (quickly)
+    monkeypatch.setattr(logging.getLogger("lightning_zeroq"), "propagate", True)
+    with caplog.at_level(logging.INFO, logger="lightning_zeroq"):
+        rows = _rows(tmp_path, "--layers", "2", "--dim", "64", "--heads", "2", "--ffn", "128", "--host-gib", "8",
+                     "--calibrate")
+    said = [r.getMessage() for r in caplog.records if "calibrated here" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("calibrated here (no GPU, so the host only): host step 1.50e9 "
+                                                 "elements/s; the device's rates are the given ones, not measured"), said
+    assert all(r["predicted_step_s"] > 0 for r in rows.values())
+    assert "0.000 |" not in capsys.readouterr().out
+
+
+def test_zeroq_plan_plans_the_precision_given(tmp_path, capsys):
+    shape = ["--layers", "2", "--dim", "64", "--heads", "2", "--ffn", "128", "--device-gib", "8", "--host-gib", "8"]
+    bf16, fp32 = _rows(tmp_path, *shape), _rows(tmp_path, *shape, "--precision", "32-true")
+    out = capsys.readouterr().out
+    assert "per rank, bf16-mixed (bf16 weights)" in out and "per rank, 32-true (fp32 weights)" in out, out
+    assert _rows(tmp_path, *shape, "--precision", "bf16-mixed") == bf16
+    # fp32 working weights: stage 1's full copy of them is twice bf16's
+    assert fp32["zeroq1"]["predicted_allocated_GiB"] > bf16["zeroq1"]["predicted_allocated_GiB"]
+
+
+def test_zeroq_plan_prints_the_strategy_arguments_of_its_rows(tmp_path, capsys):
+    shape = ["--layers", "2", "--dim", "64", "--heads", "2", "--ffn", "128", "--device-gib", "8", "--host-gib", "8"]
+    rows = _rows(tmp_path, *shape, "--precision", "16-mixed", "--show-args")
+    out = capsys.readouterr().out
+    best = out.split("fastest that fits: ")[1].split(" ")[0]
+    assert best in rows
+    assert "  as Trainer(strategy=ZeroQStrategy(stage=" in out and "precision='16-mixed')" in out, out
+    assert ("  zeroq3+params_optimizer_cpu+checkpointing: Trainer(strategy=ZeroQStrategy(stage=3, "
+            "offload_optimizer=True, offload_parameters=True, activation_checkpointing_policy=['Block']), "
+            "precision='16-mixed')") in out, out
+    assert ("  zeroq2+optimizer_half_cpu: Trainer(strategy=ZeroQStrategy(stage=2, offload_optimizer=True, "
+            "offload_optimizer_ratio=0.5), precision='16-mixed')") in out, out
+    assert sum(line.startswith("  zeroq") for line in out.splitlines()) == len(rows)

@@ -212,3 +212,75 @@ def test_evaluation_alone_keeps_everything_on_the_device(dist_pool):
     # validate() without a fit has no optimizer state to place and reads no batch to plan from
     got = dist_pool(1).run(_validate_body)[0]
     assert got["val_loss"] > 0 and not got["offload"], got
+
+
+def _reading_lit(count_targets: bool):
+    """``_lit``'s module whose ``training_step`` reads its loss's value for the log (``.item()``), and with
+    ``count_targets`` also an integer count it slices by (a value the meta device cannot give)."""
+    module = _lit()
+
+    def training_step(batch, batch_idx):
+        tokens, targets = batch
+        if count_targets:
+            kept = int((targets >= 0).sum().item())
+            tokens, targets = tokens.reshape(-1)[:kept].reshape(tokens.shape), targets.reshape(-1)[:kept].reshape(targets.shape)
+        logits = module.gpt(tokens)
+        loss = F.cross_entropy(logits.reshape(-1, CFG.vocab_size).float(), targets.reshape(-1))
+        module.log("loss_value", loss.item())
+        return loss
+
+    module.training_step = training_step
+    return module
+
+
+def _reading_fit_body(count_targets: bool) -> object:
+    import lightning as L
+
+    from lightning_zeroq import ZeroQStrategy
+    from tests.integration.lightning.test_parity import _Recorder
+
+    world = dist.get_world_size()
+    snaps = {}
+    for arm in ("auto", "ddp"):
+        torch.manual_seed(0)
+        module = _reading_lit(count_targets)
+        recorder = _Recorder()
+        strategy = ZeroQStrategy(**BASE, offload_memory_budget=100) if arm == "auto" else "ddp"
+        trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=1, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=[recorder])
+        try:
+            trainer.fit(module, _data(world))
+        except ValueError as error:
+            return str(error)
+        snaps[arm] = recorder.snapshots
+    _assert_same(snaps["auto"], snaps["ddp"], 1e-5)
+    return "trained as DDP"
+
+
+def test_auto_plans_a_training_step_that_logs_its_loss_value_and_trains_as_ddp(dist_pool):
+    # loss.item() for the log: the meta device has no value, the plan needs none (NaN for the trace)
+    assert dist_pool(2).run(_reading_fit_body, False) == ["trained as DDP"] * 2
+
+
+def test_auto_stops_before_launch_on_every_rank_where_training_step_needs_a_value(dist_pool):
+    # an integer count the step slices by cannot be planned on the meta device: one line, every rank alike
+    said = dist_pool(2).run(_reading_fit_body, True)
+    assert said[0] == said[1] and "\n" not in said[0], said
+    assert said[0].startswith("offload='auto' plans from one micro-batch traced on the meta device, and this one "
+                              "cannot run there (RuntimeError: "), said
+    assert "pass plan_forward=lambda model: <one micro-batch's loss" in said[0], said
+
+
+def test_auto_says_what_its_budget_was_and_gives_no_step_time_it_could_not_plan():
+    module, forward = _module_and_forward()
+    line = choose(module, ZeroConfig(**BASE), forward, apply=False).line  # a CPU device: nothing calibrated
+    assert "of no device budget (a CPU device: device memory not checked)" in line, line
+    assert "step time not planned (no GPU to measure the rates on)" in line and "0.000" not in line, line
+    line = choose(module, ZeroConfig(**BASE, offload_memory_budget="1GiB"), forward, apply=False).line
+    assert "of offload_memory_budget='1GiB' (1.0 GiB)" in line and "none" not in line, line
+    from lightning_zeroq.zero.planner import Machine
+
+    line = choose(module, ZeroConfig(**BASE), forward, apply=False, machine=Machine()).line  # rates given
+    step = float(line.split("step ~")[1].split(" s")[0])
+    assert step > 0, line
