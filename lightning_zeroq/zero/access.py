@@ -18,6 +18,12 @@ holds what the engine last published do the masters' full values replace it (wit
 an element written there is handed back as written, widened). The engine keeps its master shards and optimizer state (state dicts and checkpoints still
 read them) and frees everything else; it cannot train any more.
 
+``take_writes(parts)``: before anything reads the masters (each backward's start, the step, a save,
+``gathered_parameters``), what a callback or hook wrote in place into the working parameters since the
+engine last published them (their version counters moved past ``Unit.marks``) becomes the masters where
+they can hold it exactly (fp32 working weights at full width); elsewhere the step refuses it on every rank
+(``refused_writes``), since the working weights are rounded copies of the masters.
+
 ``publish_loaded(parts, unit)``: after a load changed ``unit``'s master shards, bring what uses them
 up to date: the working weights of a training engine, or (collective) the plain parameters of a
 module already handed back, which evaluation after fit (``trainer.test(ckpt_path=...)``) runs.
