@@ -18,6 +18,12 @@ holds what the engine last published do the masters' full values replace it (wit
 an element written there is handed back as written, widened). The engine keeps its master shards and optimizer state (state dicts and checkpoints still
 read them) and frees everything else; it cannot train any more.
 
+``take_writes(parts)``: before anything reads the masters (each backward's start, the step, a save,
+``gathered_parameters``), what a callback or hook wrote in place into the working parameters since the
+engine last published them (their version counters moved past ``Unit.marks``) becomes the masters where
+they can hold it exactly (fp32 working weights at full width); elsewhere the step refuses it on every rank
+(``refused_writes``), since the working weights are rounded copies of the masters.
+
 ``publish_loaded(parts, unit)``: after a load changed ``unit``'s master shards, bring what uses them
 up to date: the working weights of a training engine, or (collective) the plain parameters of a
 module already handed back, which evaluation after fit (``trainer.test(ckpt_path=...)``) runs.
@@ -26,7 +32,7 @@ module already handed back, which evaluation after fit (``trainer.test(ckpt_path
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -67,6 +73,10 @@ def gathered_parameters(parts: Parts, module: Optional[nn.Module] = None,
     ids = {id(p) for p in (module or parts.module).parameters()}
     chosen = [u for u in parts.units if any(id(p) in ids for p in u.params)]
     parts.reducer.wait()
+    take_writes(parts, chosen)  # a write made before the block reaches the masters it gathers (fp32)
+    # What the block writes goes into the gathered masters, not the working weights: marked on the way out.
+    # A write from before it that the masters could not take stays owed (the next step refuses it).
+    owed = {u.index: [now - then for now, then in zip(u.versions(), u.marks)] for u in chosen if u.persistent}
     fulls: dict[int, Tensor] = {}
     for unit in parts.placement.resident(chosen):
         fulls[unit.index] = full = _full_masters(parts, unit)
@@ -89,6 +99,54 @@ def gathered_parameters(parts: Parts, module: Optional[nn.Module] = None,
             else:
                 for p, slot in zip(unit.params, unit.layout.slots):
                     p.data = unit.flat[slot.span].view(p.shape)
+            if unit.index in owed:
+                unit.marks = tuple(now - back for now, back in zip(unit.versions(), owed[unit.index]))
+
+
+def takes_writes(parts: Parts) -> bool:
+    """Whether a write into the working parameters between steps can become the masters exactly: fp32
+    working weights at full width, where each rank's slice of its working buffer is its master shard, bit
+    for bit. (bf16/fp16 working weights, or INT8 on the wire, hold less than the masters.)"""
+    return isinstance(parts.gatherer.wire, FullWidth) and parts.param_dtype == torch.float32
+
+
+@torch.no_grad()
+def take_writes(parts: Parts, units: Optional[Sequence[Unit]] = None) -> list[int]:
+    """What was written in place into the working parameters of ``units`` (default: all) since the engine
+    last published them (``Unit.written``: a callback's or hook's ``p.mul_`` between steps, a clamp, a
+    mask), before anything reads the masters. Where the engine ``takes_writes``, each rank's slice of its
+    working buffer becomes its master shard (every rank holds the whole written unit; a write made on some
+    ranks only lands in the shards those ranks own, as with ``gathered_parameters(writeback=True)``), so
+    the next step starts from the write as DDP's would. Otherwise nothing changes here, and the ids of the
+    written parameters come back: the step refuses them, on every rank (``Reducer.finalize`` agrees on
+    them). Costs a look at each parameter's version counter; a walk over the written units' masters only."""
+    if parts.retired:
+        return []
+    written = [(unit, found) for unit in (parts.units if units is None else units)
+               if unit.persistent and (found := unit.written())]
+    if not written:
+        return []
+    if not takes_writes(parts):
+        return [unit.param_id(i) for unit, found in written for i in found]
+    rank = comm.world(parts.group)[0]
+    for unit in parts.placement.resident([unit for unit, _ in written]):
+        unit.master.copy_(unit.flat[unit.layout.shard_span(rank)])
+        unit.mark()
+    return []
+
+
+def refused_writes(parts: Parts, param_ids: Sequence[int], ranks: Sequence[int]) -> str:
+    """The one-line error for writes ``take_writes`` could not take (``ranks``: where they were made)."""
+    ids = set(param_ids)
+    names = [parts.param_names.get(id(p), "?") for u in parts.units for i, p in enumerate(u.params)
+             if u.param_id(i) in ids]
+    listed = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    held = "INT8-gathered" if not isinstance(parts.gatherer.wire, FullWidth) else str(parts.param_dtype).split(".")[-1]
+    return (f"ZeroQ: {listed} {'was' if len(names) == 1 else 'were'} written in place between optimizer steps "
+            f"(on rank(s) {list(ranks)}: a callback or hook?), but the working weights are {held} copies of the "
+            "fp32 masters the step reads: the step would undo the write, and taking it would drop the masters' low "
+            "bits. Write them inside `with lightning_zeroq.gathered_parameters(module, writeback=True):` (every "
+            "rank enters it), which writes the fp32 masters.")
 
 
 def module_holds_masters(parts: Parts) -> bool:

@@ -180,6 +180,9 @@ class ZeroEngine:
         """Open a backward pass. ``boundary=True``: the caller knows a step follows this backward (a
         managed accumulation window ends), so stage 1 reduces during it to overlap communication."""
         self._check_active()
+        # A write into the weights since the last step (a callback's, after it) becomes the masters here,
+        # before a speculative host step reads them (fp32; else the step refuses it, ``Stepper.finalize``).
+        access.take_writes(self.parts)
         self.parts.reducer.begin_backward(boundary)
 
     def _check_active(self) -> None:

@@ -6,7 +6,8 @@ travels: full width or INT8, ``wire.py``), the placement's *masters* role (where
 gathers: the device, pinned host memory or NVMe, ``offload/``).
 
 - ``publish(unit)`` after every step and checkpoint load: a persistent unit's working buffer is
-  synced from the master shards (``wire.sync``); a transient unit's payload is re-encoded into the
+  synced from the master shards (``wire.sync``) and its parameters' version counters are marked
+  (``Unit.mark``: a write into them after this is one the masters have not seen, ``access.take_writes``); a transient unit's payload is re-encoded into the
   store (``wire.encode``), and the unit is freed if something had it gathered.
 - ``gather(unit, prefetch)``, stage 3 before every use: re-allocate the storage of ``flat`` and fill
   it from every rank's payload. With ``prefetch`` on CUDA the copy from the store and the collective
@@ -54,13 +55,16 @@ class Gatherer:
         """A unit was just built (its working buffer holds rank 0's values at full width)."""
         if not unit.persistent:
             self.publish(unit)  # the payload goes to the store and the unit is freed at once
-        elif self.sync_persistent_on_build:
+            return
+        if self.sync_persistent_on_build:
             self.wire.sync(unit, self.masters)  # INT8: the working weights are what a gather produces
+        unit.mark()
 
     @torch.no_grad()
     def publish(self, unit: Unit) -> None:
         if unit.persistent:
             self.wire.sync(unit, self.masters)
+            unit.mark()  # a write into the parameters from here on is one the masters have not seen
         else:
             assert self.store is not None
             self.store.put(unit, self.wire.encode(unit, self.masters))

@@ -24,7 +24,8 @@ States of the window (``Window``):
   (``accumulate.py``: the object chosen once that keeps them).
 - FINALIZED: ``finalize`` reduced what was local, waited for the reduction stream, and agreed with
   every rank in one MAX all-reduce on which parameters any rank used, which units got gradients
-  after their reduction (below), and which ranks and units hold non-finite gradients. Only
+  after their reduction (below), which ranks and units hold non-finite gradients, and which
+  parameters a rank wrote into between steps where the masters cannot take it (``written``). Only
   clipping, the step or ``clear`` may follow; another backward is an error.
 
 Late gradients. A parameter's hook can fire again after its unit was reduced in the same backward
@@ -80,6 +81,11 @@ class Agreement(NamedTuple):
     """Ranks that contributed inf or NaN to a reduction (where the values came from)."""
     nonfinite_units: list[int]
     """Units whose reduced gradient shard holds inf or NaN on some rank (empty: all finite)."""
+    written: list[int] = []
+    """Parameter ids some rank wrote into in place since the last step where the masters cannot take it
+    (``access.take_writes``): the step refuses them."""
+    writing_ranks: list[int] = []
+    """The ranks that made those writes."""
 
     @property
     def finite(self) -> bool:
@@ -149,6 +155,9 @@ class Reducer:
         self._used: set[int] = set()
         self._dirty: set[int] = set()
         """Units that got gradients after their reduction in the same backward (see the docstring)."""
+        self.written: set[int] = set()
+        """Parameter ids this rank wrote into between steps that the masters cannot take: agreed on with the
+        rest in ``finalize`` (so a write on one rank is refused on every rank)."""
         self._flags = comm.HostFlags(device)
         self._origin = torch.zeros((), dtype=torch.bool, device=device)
         """This rank contributed a non-finite gradient to some reduction of this window."""
@@ -255,16 +264,17 @@ class Reducer:
             for unit in self._order:
                 self._reduce(unit)
             self.accumulation.reduced()
-        used, dirty, nonfinite = self._agree(with_dirty=True)
+        used, dirty, nonfinite, written = self._agree(with_dirty=True)
         if dirty:  # rare: reduce the late gradients everywhere, then look at finiteness again
             for unit in self._order:
                 if unit.index in dirty:
                     self._reduce(unit)
-            _, _, nonfinite = self._agree(with_dirty=False)
+            _, _, nonfinite, _ = self._agree(with_dirty=False)
         self._dirty.clear()
         ranks = [r for r in range(self.world_size) if nonfinite[len(self.units) + r]]
         units = [i for i in range(len(self.units)) if nonfinite[i]]
-        self.agreement = Agreement(used, ranks, units)
+        writers = [r for r in range(self.world_size) if written[self.num_params + r]]
+        self.agreement = Agreement(used, ranks, units, [i for i in range(self.num_params) if written[i]], writers)
         self.window = Window.FINALIZED
         if not self._order_agreed:
             self._agree_order()
@@ -301,17 +311,21 @@ class Reducer:
                     unit.pending.record_stream(current)  # made on the reduction stream, read here
                 unit.materialize_grad()
 
-    def _agree(self, with_dirty: bool) -> tuple[Tensor, set[int], list[bool]]:
-        """One MAX all-reduce: [used per parameter | dirty per unit | non-finite per unit | per rank]."""
+    def _agree(self, with_dirty: bool) -> tuple[Tensor, set[int], list[bool], list[bool]]:
+        """One MAX all-reduce: [used per parameter | dirty per unit | non-finite per unit | per rank |
+        written per parameter | per rank] (``written``: see ``self.written``)."""
         self.wait()
         self.gradients.gradients_ready(self.units)  # offload with a mapped read-back: the last copies now
         self._materialize()
-        n_params, n_units = self.num_params, len(self.units)
-        stats = torch.zeros(n_params + 2 * n_units + self.world_size, device=self.device)
+        n_params, n_units, world = self.num_params, len(self.units), self.world_size
+        stats = torch.zeros(2 * n_params + 2 * n_units + 2 * world, device=self.device)
         if self._used:
             stats[list(self._used)] = 1.0
         if with_dirty and self._dirty:
             stats[[n_params + i for i in self._dirty]] = 1.0
+        if with_dirty and self.written:
+            base = n_params + 2 * n_units + world
+            stats[[base + i for i in self.written] + [base + n_params + self.rank]] = 1.0
         if self.units:  # a NaN or inf anywhere in a shard makes its sum non-finite
             bad = (~torch.isfinite(torch.stack([u.grad_sum() for u in self.units]))).float()
             stats[n_params + n_units : n_params + 2 * n_units] = bad
@@ -327,7 +341,7 @@ class Reducer:
         flags = read[n_params:].tolist()
         self.gradients.gradients_done(self.units)  # after the read-back: ahead of it, the copies would delay it
         dirty = {i for i in range(n_units) if flags[i]}
-        return read[:n_params], dirty, flags[n_units:]
+        return read[:n_params], dirty, flags[n_units : 2 * n_units + world], flags[2 * n_units + world :]
 
     def clear(self) -> None:
         """End the window: drop every gradient (after a step, or to discard the window)."""
@@ -345,6 +359,7 @@ class Reducer:
         self.accumulation.clear(written)
         self._used.clear()
         self._dirty.clear()
+        self.written.clear()
         self._origin.zero_()
         self.agreement = None
         self.window = Window.EMPTY

@@ -27,6 +27,9 @@ the rank that holds the parameter's first element.
   then republishes the working weights (no other collective).
 - ``full_optimizer_state``: collective, every parameter's optimizer state at full shape.
 - Every walk over the masters goes through the placement's ``resident`` iterator (NVMe: one unit at a time).
+- A read of the masters (a save, ``full_state_dict``) first takes what was written into the working
+  weights since the last step, where the masters can (``access.take_writes``: fp32), so it reads what
+  the module holds, as DDP's would.
 """
 
 from __future__ import annotations
@@ -138,6 +141,7 @@ class Walk:
     increasing index only), ``close()`` finishes the walk (NVMe writes the last units back)."""
 
     def __init__(self, parts: Parts) -> None:
+        access.take_writes(parts)  # a write into the weights since the last step is in what is saved (fp32)
         self._walk = parts.placement.resident(parts.units)
         self.current = -1
 
@@ -302,6 +306,7 @@ def full_state_dict(parts: Parts, rank0_only: bool = False) -> dict[str, Tensor]
         return {}  # hybrid groups: the first group gathers; the others hold the same values
     names = parameter_names(parts.module)
     root = dist.get_global_rank(parts.group, 0) if parts.group is not None and parts.world_size > 1 else 0
+    access.take_writes(parts)  # a write into the weights since the last step is in what is read (fp32)
     for unit in parts.placement.resident(parts.units):
         shard = parts.placement.device_master(unit)
         if rank0_only and parts.world_size > 1:

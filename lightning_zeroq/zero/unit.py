@@ -119,6 +119,11 @@ class Unit:
     """Its fp32 sum and (where ``squares_asked``) sum of squares, measured as it left the device."""
     squares_asked: bool = False
     """A norm of this unit's gradient was asked for (``grad_squares``): measure it as it leaves."""
+    marks: tuple[int, ...] = ()
+    """Persistent units: each parameter's version counter when the engine last wrote the working buffer
+    (``Gatherer.publish``) or took what it held (``access.take_writes``). An in-place write of a parameter
+    (``p.mul_``, ``p.copy_``, an initializer; a view of it included) bumps its counter, so a counter ahead
+    of its mark is a write the masters have not seen. (A write through ``p.data`` bumps no counter.)"""
     _views: Optional[tuple[Tensor, list[Tensor]]] = field(default=None, repr=False)
     """``flat`` and its parameters' views, made once: resizing the storage keeps them valid."""
     _freed: Optional[tuple[Tensor, list[Tensor]]] = field(default=None, repr=False)
@@ -126,6 +131,20 @@ class Unit:
 
     def param_id(self, i: int) -> int:
         return self.first_param_id + i
+
+    def versions(self) -> tuple[int, ...]:
+        """Each parameter's version counter now (reading it waits for nothing: a pending parameter's too)."""
+        return tuple(p._version for p in self.params)
+
+    def mark(self) -> None:
+        """The working buffer holds what the masters make (or the masters took what it holds): now."""
+        self.marks = self.versions()
+
+    def written(self) -> list[int]:
+        """The parameters (indices in the unit) written in place since ``mark``."""
+        if self.versions() == self.marks:
+            return []
+        return [i for i, (now, then) in enumerate(zip(self.versions(), self.marks)) if now != then]
 
     def view_segments(self, shard: Tensor) -> list[Tensor]:
         """``shard``'s views of this rank's segments (``shard`` has the layout of ``master``)."""
