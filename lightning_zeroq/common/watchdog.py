@@ -21,6 +21,23 @@ writes the abort record for the others and waits a moment for them to read it. S
 
 Only collectives' failures abort the job; other exceptions take their usual way (Lightning's
 launcher ends the other ranks when one exits with an error).
+
+Two more ways a job ends from here, because a main thread blocked in a collective (a C call) runs
+neither Python code nor Python's signal handlers until it returns, which may be the ``timeout`` away:
+
+- Ranks that ran different stage-3 units (a module only some ranks run, ``zero/gather.py``). Each beat
+  also carries this process's stage-3 gathers (how many, the last few units, the one in progress) and
+  how long the main thread has stood still in a collective. Rank 0's watchdog, once its own main
+  thread has stood still in a collective for ``STILL_S``, reads the beats; if every rank has, and their
+  gathers differ (a gather number with different units, or a rank in a gather the others are not in),
+  it writes the abort record naming the gather, the units and the ranks, and every process ends as
+  above, whatever the ``timeout``. A collective's timeout names them the same way (``diagnose``).
+- A signal the main thread cannot act on. The watchdog receives SIGINT, SIGTERM and SIGHUP through
+  Python's wakeup file descriptor (written at the signal, whatever the main thread does; only for a
+  signal with a Python handler: a default action ends the process anyway). If the main thread has
+  then not moved for ``STILL_S`` (stuck in one C call, a hung collective), the watchdog writes the
+  abort record, runs the cleanup hooks and ends the process with status 128 + the signal's number;
+  the other ranks follow within an interval (or their own signal ends them).
 """
 
 from __future__ import annotations
@@ -28,6 +45,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
+import signal
 import socket
 import sys
 import threading
@@ -44,6 +63,11 @@ ABORT_KEY = PREFIX + "abort"
 _WAITING_FILES = (os.sep + os.path.join("torch", "distributed") + os.sep,  # a collective, or ZeroQ waiting on one
                   os.sep + os.path.join("lightning_zeroq", "zero") + os.sep,
                   os.sep + os.path.join("lightning_zeroq", "checkpoint") + os.sep)
+_COLLECTIVE_FILES = (os.sep + os.path.join("torch", "distributed") + os.sep,)  # inside a collective's C call
+STILL_S = 3.0
+"""How long a main thread must stand still in a collective (all ranks', for a stage-3 mismatch) or after a
+signal before the watchdog acts; longer than any wait between two ranks' entries into one collective."""
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _OWN_FILES = (os.sep + "torch" + os.sep, os.sep + "lightning_zeroq" + os.sep, os.sep + "lightning" + os.sep,
               os.sep + "threading.py", os.sep + "contextlib.py")
 
@@ -116,11 +140,18 @@ class Watchdog:
         self._thread: Optional[threading.Thread] = None
         self.aborted: Optional[str] = None
         self._saw_closing = False
+        self._still_key: Any = None
+        self._still_since = time.monotonic()
+        self._inside = False  # the main thread in a collective's call, at the last beat
+        self._signalled: Optional[int] = None
+        self._wakeup: Optional[tuple[int, int]] = None  # (read, write) ends of the signal wakeup pipe
+        self._seen: dict[int, Any] = {}  # rank 0: each rank's last beat's stillness, to see it hold
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> "Watchdog":
         global _active
+        self._watch_signals()
         self._beat()
         self._thread = threading.Thread(target=self._run, name="zeroq-watchdog", daemon=True)
         self._thread.start()
@@ -130,10 +161,66 @@ class Watchdog:
     def stop(self) -> None:
         global _active
         self._stop.set()
+        if self._wakeup is not None:
+            try:
+                os.write(self._wakeup[1], b"\0")  # wakes the thread (0: no signal)
+            except OSError:
+                pass
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5 * self.interval_s + 1)
+        self._unwatch_signals()
         if _active is self:
             _active = None
+
+    def _watch_signals(self) -> None:
+        """Python's wakeup descriptor: a pipe this thread reads (main thread only; one already set is kept)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        read, write = os.pipe()
+        os.set_blocking(read, False)
+        os.set_blocking(write, False)
+        try:
+            previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        except (ValueError, OSError):
+            previous = None
+        if previous != -1:  # someone else's (an event loop's), or none could be set: leave it
+            if previous is not None:
+                signal.set_wakeup_fd(previous)
+            os.close(read)
+            os.close(write)
+            return
+        self._wakeup = (read, write)
+
+    def _unwatch_signals(self) -> None:
+        if self._wakeup is None or threading.current_thread() is not threading.main_thread():
+            return
+        read, write = self._wakeup
+        self._wakeup = None
+        try:
+            current = signal.set_wakeup_fd(-1)
+            if current not in (-1, write):
+                signal.set_wakeup_fd(current)  # not ours: put back
+        except (ValueError, OSError):
+            pass
+        for fd in (read, write):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _wait(self) -> bool:
+        """Wait one interval, noting a signal that arrives; True once stopped."""
+        if self._wakeup is None:
+            return self._stop.wait(self.interval_s)
+        try:
+            ready, _, _ = select.select([self._wakeup[0]], [], [], self.interval_s)
+            if ready:
+                for number in os.read(self._wakeup[0], 64):
+                    if number in _SIGNALS and self._signalled is None:
+                        self._signalled = number
+        except (OSError, ValueError):
+            return self._stop.wait(self.interval_s)
+        return self._stop.is_set()
 
     def close(self) -> None:
         """The normal end (see ``stop_watchdog``)."""
@@ -152,9 +239,18 @@ class Watchdog:
         self.stop()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while not self._wait():
             try:
                 self._beat()
+                if self._signalled is not None and self._still() >= STILL_S and self.aborted is None:
+                    self._end_on_signal(self._signalled)
+                    return
+                if (self._inside and self._still() >= STILL_S and self.rank == 0 and self.world_size > 1
+                        and self.aborted is None):
+                    found = self._different_gathers()
+                    if found is not None:
+                        self._abort(f"ZeroQ: the job ends: {found}.")
+                        return
                 record = self._abort_record()
             except Exception as error:  # the store is gone: rank 0's process (which hosts it) has ended
                 if self._stop.is_set() or self._closing() or self.aborted is not None:
@@ -172,9 +268,65 @@ class Watchdog:
         return self._saw_closing
 
     def _beat(self) -> None:
-        waiting, at = where(sys._current_frames().get(self._main) if self._main is not None else None)
-        beat = {"t": time.time(), "pid": os.getpid(), "host": socket.gethostname(), "waiting": waiting, "at": at}
+        from lightning_zeroq.zero.gather import GATHERS
+
+        frame = sys._current_frames().get(self._main) if self._main is not None else None
+        waiting, at = where(frame)
+        inside = frame is not None and any(s in frame.f_code.co_filename for s in _COLLECTIVE_FILES)
+        gathers = GATHERS.snapshot()
+        key = (id(frame), getattr(frame, "f_lasti", None), gathers["n"])
+        if key != self._still_key:  # the main thread moved
+            self._still_key, self._still_since = key, time.monotonic()
+        self._inside = inside
+        beat = {"t": time.time(), "pid": os.getpid(), "host": socket.gethostname(), "waiting": waiting, "at": at,
+                "inside": inside, "still": self._still() if inside else 0.0, "gathers": gathers}
         self.store.set(f"{PREFIX}beat/{self.rank}", json.dumps(beat))
+
+    def _still(self) -> float:
+        """How long the main thread has not moved (one C call: a collective, a sleep), as of the last beat."""
+        return time.monotonic() - self._still_since
+
+    def _different_gathers(self) -> Optional[str]:
+        """Rank 0, its main thread still in a collective: the ranks' different stage-3 gathers, if every rank
+        has stood still in a collective as long (twice in a row: what it read last time holds)."""
+        beats, _ = self._beats()
+        stills = {r: (b["gathers"], b["at"]) if b is not None and b.get("inside") and b.get("still", 0) >= STILL_S
+                  and time.time() - b["t"] < 4 * self.interval_s + 1 else None for r, b in beats.items()}
+        held = all(v is not None and self._seen.get(r) == v for r, v in stills.items())
+        self._seen = stills
+        return different_gathers(beats) if held else None
+
+    def _abort(self, message: str) -> None:
+        """Rank 0 found why the ranks wait: the abort record for every rank, a moment to read it, then end."""
+        try:
+            self.store.set(ABORT_KEY, message)
+            self._wait_for_acks()
+        except Exception:
+            pass
+        self._end(message)
+
+    def _wait_for_acks(self) -> None:
+        deadline = time.monotonic() + 3 * self.interval_s + 1
+        while time.monotonic() < deadline:  # the others read it within an interval, then exit
+            if all(self.store.check([f"{PREFIX}ack/{r}"]) for r in range(self.world_size) if r != self.rank):
+                break
+            time.sleep(self.interval_s / 4)
+
+    def _end_on_signal(self, number: int) -> None:
+        """A signal the main thread has not acted on for ``STILL_S``: end this rank and the job."""
+        frame = sys._current_frames().get(self._main) if self._main is not None else None
+        _, at = where(frame)
+        inside = frame is not None and any(s in frame.f_code.co_filename for s in _COLLECTIVE_FILES)
+        name = signal.Signals(number).name
+        message = (f"ZeroQ: the job ends: rank {self.rank} received {name} while its main thread was blocked "
+                   + ("in a collective" if inside else "in a call that does not return") + f", at {at}")
+        try:
+            if not self.store.check([ABORT_KEY]):
+                self.store.set(ABORT_KEY, message)
+                self._wait_for_acks()
+        except Exception:
+            pass
+        self._end(message, status=128 + number)
 
     def _abort_record(self) -> Optional[str]:
         if not self._saw_closing and self.rank != 0:
@@ -204,6 +356,7 @@ class Watchdog:
         if not reached:
             return ("rank 0 ended (the job's store, which its process hosts with Lightning's launcher and "
                     "zeroq-train, cannot be reached)")
+        gathers = different_gathers(beats)
         beats.pop(self.rank, None)
         silent = {r: b for r, b in beats.items() if b is None or now - b["t"] > 4 * self.interval_s + 1
                   or (b["host"] == socket.gethostname() and not _alive(b["pid"]))}
@@ -218,6 +371,8 @@ class Watchdog:
                          + (f", last at {b['at']})" if b else ")"))
         for r, b in sorted(outside.items()):
             parts.append(f"rank {r} stalled outside any collective, at {b['at']}")
+        if gathers is not None:
+            parts.append(gathers)
         if not parts:
             parts.append("no rank is outside a collective: the ranks wait in different collectives (code that "
                          "runs a collective on some ranks only)")
@@ -243,23 +398,24 @@ class Watchdog:
             error.args = (f"ZeroQ: {diagnosis}. {error.args[0]}", *error.args[1:])
         try:
             self.store.set(ABORT_KEY, message)
-            deadline = time.monotonic() + 3 * self.interval_s + 1
-            while time.monotonic() < deadline:  # the others read it within an interval, then exit
-                if all(self.store.check([f"{PREFIX}ack/{r}"]) for r in range(self.world_size) if r != self.rank):
-                    break
-                time.sleep(self.interval_s / 4)
+            self._wait_for_acks()
         except Exception:
             pass
         self._stop.set()  # this rank ends by its exception; its store (rank 0's) may go any moment
         return message
 
-    def _end(self, message: str) -> None:
+    def _end(self, message: str, status: int = 1) -> None:
         self.aborted = message
         try:
             self.store.set(f"{PREFIX}ack/{self.rank}", "1")
         except Exception:
             pass
-        print(f"[rank {self.rank}] {message}", file=sys.stderr, flush=True)
+        line = f"[rank {self.rank}] {message}\n"
+        try:  # one write: the line stays whole beside the other ranks' on a shared pipe
+            sys.stderr.flush()
+            os.write(sys.stderr.fileno(), line.encode("utf-8", "replace"))
+        except (OSError, ValueError, AttributeError):
+            print(line, end="", file=sys.stderr, flush=True)
         from lightning_zeroq.swap.cleanup import remove_live_files
 
         for fn in [remove_live_files, *_cleanups]:
@@ -267,7 +423,36 @@ class Watchdog:
                 fn()
             except Exception:
                 pass
-        self._exit_fn(1)
+        self._exit_fn(status)
+
+
+def different_gathers(beats: dict[int, Optional[dict]]) -> Optional[str]:
+    """From every rank's beat: the first stage-3 gather (by number) whose unit differs across the ranks, or a
+    gather some ranks are in while the others wait elsewhere, named with the units and ranks; else None."""
+    from lightning_zeroq.zero.gather import different_units
+
+    known = {r: b["gathers"] for r, b in beats.items() if b is not None and isinstance(b.get("gathers"), dict)}
+    if len(known) < 2:
+        return None
+
+    def unit(g: dict, number: int) -> Optional[str]:
+        first = g["n"] - len(g["last"]) + 1
+        return g["last"][number - first] if first <= number <= g["n"] else None
+
+    low = max(g["n"] - len(g["last"]) + 1 for g in known.values())
+    high = min(g["n"] for g in known.values())
+    for number in range(max(low, 1), high + 1):
+        names = {r: unit(g, number) for r, g in known.items()}
+        if len(set(names.values())) > 1:
+            return different_units(number, names).removeprefix("ZeroQ ")
+    # a rank in its gather #n while another, done with gather n - 1, waits elsewhere
+    for number in sorted({g["n"] for g in known.values() if g["now"] is not None}):
+        behind = {o: g for o, g in known.items() if g["n"] == number - 1 and g["now"] is None}
+        if behind:
+            units_at: dict[int, Optional[str]] = dict.fromkeys(behind)
+            units_at.update({o: g["now"] for o, g in known.items() if g["n"] == number and g["now"] is not None})
+            return different_units(number, units_at).removeprefix("ZeroQ ")
+    return None
 
 
 def active() -> Optional[Watchdog]:

@@ -203,7 +203,8 @@ def _hooks(module: nn.Module, pol: Policies, topo: Topology, placed: _Placed, ga
     stage3 = None
     if placed.transient and isinstance(pol.sharding.units, ModuleUnits):  # transient units: stage 3's module units
         stage3 = Stage3Coordinator(gatherer, units, prefetch_depth=pol.sharding.units.prefetch_depth,
-                                   reshard_after_forward=pol.sharding.units.reshard_after_forward)
+                                   reshard_after_forward=pol.sharding.units.reshard_after_forward,
+                                   names=_unit_names(module, units))
     ahead = _step_ahead(module, pol, topo, placed, gatherer, units, device, param_dtype)
     reducer = Reducer(
         units,
@@ -216,6 +217,14 @@ def _hooks(module: nn.Module, pol: Policies, topo: Topology, placed: _Placed, ga
         listener=stage3,
     )
     return _Hooks(stage3, ahead, reducer)
+
+
+def _unit_names(module: nn.Module, units: list[Unit]) -> dict[int, str]:
+    """Each transient unit's name for messages: its module's qualified name (a module reached twice: the first)."""
+    names: dict[int, str] = {}
+    for name, m in module.named_modules():
+        names.setdefault(id(m), name or type(m).__name__)
+    return {u.index: names.get(id(u.module), type(u.module).__name__) for u in units if u.module is not None}
 
 
 def _step_ahead(module: nn.Module, pol: Policies, topo: Topology, placed: _Placed, gatherer: Gatherer,

@@ -15,20 +15,86 @@ gathers: the device, pinned host memory or NVMe, ``offload/``).
   the recorded event. On CPU a "prefetch" is a synchronous gather done early.
 - ``free(unit)``: drop the storage of ``flat`` again (after waiting for a prefetch in flight).
 
+Every rank must gather the same units in the same order (each gather is a collective). A module only
+some ranks run (a branch on the rank or the data) breaks that, and the ranks then pair gathers of
+different units (wrong weights, silently, where the sizes match) until they wait in different
+collectives. Two things name it instead:
+
+- Until stage 3 has learned the order (``checking``: until the first backward ends, at most
+  ``4 x`` the transient units' gathers), each gather is preceded by a small all-gather of (gather
+  number, unit): where the ranks differ, every rank raises the same ``RuntimeError`` naming the
+  gather, the units and the ranks (``different_units``), before any wrong value travels.
+- Afterwards (a branch on the data may first differ at any step) no collective is added:
+  ``GATHERS`` records this process's gathers (how many, the last few units by name, the one in
+  progress), which the watchdog (``common/watchdog.py``) publishes with each beat. When every rank has
+  waited in a collective for a few seconds, it compares the ranks' records and ends the job on every
+  rank with the first gather whose unit differs; a collective timeout names it the same way.
+
 Lifetimes: see ``unit.py``; when a unit is gathered and freed is decided by ``stage3.py``.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.offload import ShardStore
 from lightning_zeroq.zero.offload.roles import Masters
 from lightning_zeroq.zero.unit import Unit, UnitState
 from lightning_zeroq.zero.wire import Wire
+
+
+class GatherTrace:
+    """This process's stage-3 gathers (collectives; see the module docstring): how many so far, the last
+    ``KEEP`` units' names (the last one the latest), and the unit of the gather in progress (left set when
+    a gather raises). One immutable tuple, replaced at each change, so another thread reads it whole."""
+
+    KEEP = 8
+
+    def __init__(self) -> None:
+        self.state: tuple[int, tuple[str, ...], Optional[str]] = (0, (), None)
+
+    @property
+    def count(self) -> int:
+        return self.state[0]
+
+    def begin(self, name: str) -> None:
+        n, last, _ = self.state
+        self.state = (n + 1, (*last[len(last) - self.KEEP + 1:], name), name)
+
+    def end(self) -> None:
+        n, last, _ = self.state
+        self.state = (n, last, None)
+
+    def snapshot(self) -> dict[str, Any]:
+        """For the watchdog's beat: ``n`` gathers so far, the ``last`` units' names, the one gathered ``now``."""
+        n, last, now = self.state
+        return {"n": n, "last": list(last), "now": now}
+
+
+GATHERS = GatherTrace()
+"""The process's gathers, whatever engine issues them (every rank builds the same engines in the same order)."""
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def different_units(number: int, by_rank: Mapping[int, Optional[str]]) -> str:
+    """The message for ranks whose gather ``number`` (counted from the first) gathered different units;
+    ``by_rank``: each rank's unit name (None: that rank was not in a gather)."""
+    groups: dict[Optional[str], list[int]] = {}
+    for rank in sorted(by_rank):
+        groups.setdefault(by_rank[rank], []).append(rank)
+    what = "; ".join(f"{_ranks(ranks)} {'gathered ' + repr(name) if name is not None else 'did not gather any unit'}"
+                     for name, ranks in groups.items())
+    return (f"ZeroQ stage 3: the ranks ran different modules: at their stage-3 gather #{number}, {what}. Every rank must "
+            "run the same stage-3 units in each forward (each gather is a collective): a module that only some ranks "
+            "run (a branch on the rank or on the data) must not be a unit; leave its class out of stage3_wrap_classes "
+            "(its parameters then stay gathered in the root unit), or run it on every rank")
 
 
 class Gatherer:
@@ -45,6 +111,12 @@ class Gatherer:
         self.sync_persistent_on_build = sync_persistent_on_build
         self._stream = comm.side_stream(device) if store is not None else None
         self._ready: Optional[Callable[[int, bool], bool]] = None
+        self.names: dict[int, str] = {}
+        """Stage 3: each transient unit's name (its module's), for messages."""
+        self.checking = 0
+        """How many more gathers are checked against the other ranks' (see the module docstring)."""
+        self._count = 0
+        """The gathers (collectives) this gatherer issued."""
 
     def wait_with(self, ready: Callable[[int, bool], bool]) -> None:
         """An asynchronous step (``offload/ahead.py``) asks to be asked before a gather of unit i (prefetch
@@ -86,6 +158,12 @@ class Gatherer:
                 unit.ready, unit.state = None, UnitState.GATHERED
             return
         assert self.store is not None
+        name = self.names.get(unit.index, f"unit {unit.index}")
+        self._count += 1
+        if self.checking > 0:
+            self.checking -= 1
+            self._check(unit)
+        GATHERS.begin(name)  # ended below; left in progress if the gather raises (the watchdog names it)
         if self._stream is not None:
             # Allocated in the gather stream's pool: a freed working buffer then waits there for the next
             # gather, whole, instead of being cut up by the forward's activations on the compute stream
@@ -107,6 +185,26 @@ class Gatherer:
         else:
             self.wire.gather(unit, self.store.get(unit))
             unit.state = UnitState.GATHERED
+        GATHERS.end()
+
+    def _check(self, unit: Unit) -> None:
+        """Every rank is about to gather this unit as the same gather, or every rank raises naming them."""
+        group = self.wire.group
+        if comm.alone(group):
+            return
+        _, world = comm.world(group)
+        mine = torch.tensor([self._count, unit.index], dtype=torch.int64, device=self.device)
+        rows = torch.empty(2 * world, dtype=torch.int64, device=self.device)
+        comm.all_gather(rows, mine, group)
+        seen = rows.view(world, 2).tolist()
+        if all(index == unit.index for _, index in seen):
+            return
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+        names = {ranks[r]: self.names.get(index, f"unit {index}") for r, (_, index) in enumerate(seen)}
+        numbers = {n for n, _ in seen}
+        if len(numbers) > 1:  # the ranks issued different numbers of gathers before this one
+            names = {rank: f"{name} (as its gather #{n})" for (rank, name), (n, _) in zip(names.items(), seen)}
+        raise RuntimeError(f"{different_units(min(numbers), names)} (rank {dist.get_rank()} stops here)")
 
     def close(self) -> None:
         if self.store is not None:

@@ -20,6 +20,11 @@ on demand, the order is re-recorded, and a warning is given once: control flow m
 Each backward's end forgets the forward's last unit: the next step's first unit is gathered when it
 is used, not prefetched and held through the loss and the backward.
 
+Every rank must run the same units (gathers are collectives; as with FSDP and DeepSpeed). Until the
+first backward ends, each gather is checked against the other ranks' (``Gatherer.checking``), so a
+module only some ranks run stops every rank at once with the gather, the units and the ranks named;
+later, the watchdog names it from the ranks' published gathers (``gather.py``).
+
 Activation checkpointing recomputes a forward inside the backward: there the pre-hook only gathers
 the unit (orders and prefetch untouched) and the post-hook keeps it gathered for its gradients.
 
@@ -51,8 +56,12 @@ class Stage3Coordinator:
     """
 
     def __init__(self, gatherer: Gatherer, units: Sequence[Unit], *, prefetch_depth: int,
-                 reshard_after_forward: bool) -> None:
+                 reshard_after_forward: bool, names: Optional[dict[int, str]] = None) -> None:
         self.gatherer = gatherer
+        gatherer.names = dict(names or {})
+        # The first step's gathers (forward and backward, a block used twice) are checked across ranks; the
+        # bound keeps a run that never reaches a backward (evaluation) from checking every gather.
+        gatherer.checking = 4 * sum(1 for unit in units if not unit.persistent)
         self.units = units
         self.prefetch = prefetch_depth > 0
         self.depth = prefetch_depth
@@ -129,6 +138,7 @@ class Stage3Coordinator:
 
     def backward_ended(self) -> None:
         """The backward pass is over: every transient unit is freed."""
+        self.gatherer.checking = 0  # the first step's gathers agreed on every rank
         for unit in self.units:
             self.gatherer.free(unit)
         # The next forward starts a new order: its first unit is not learned as the successor of this

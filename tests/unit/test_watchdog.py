@@ -58,3 +58,35 @@ def test_the_report_names_rank_0_when_the_store_is_gone() -> None:
     watchdog = Watchdog(GoneStore(), rank=1, world_size=2, timeout_s=3, interval_s=0.01)
     message = watchdog.report(RuntimeError("Connection closed by peer"))
     assert "rank 1 stopped" not in message and "rank 0" in message, message
+
+
+def _gathers_beat(n: int, last: list, now=None) -> bytes:
+    beat = json.loads(_beat(age_s=0))
+    beat.update(inside=True, still=10.0, gathers={"n": n, "last": last, "now": now})
+    return json.dumps(beat).encode()
+
+
+def test_a_timeout_names_the_stage3_unit_the_ranks_gathered_differently() -> None:
+    # Rank 0 ran a module rank 1 skipped: its gather #3 was net.extra where rank 1's was net.head; both then wait.
+    store = DictStore({f"{PREFIX}beat/0": _gathers_beat(5, ["net.embed", "net.body", "net.extra", "net.head",
+                                                             "net.head"], now="net.head"),
+                       f"{PREFIX}beat/1": _gathers_beat(4, ["net.embed", "net.body", "net.head", "net.head"])})
+    diagnosis = Watchdog(store, rank=1, world_size=2, timeout_s=30).diagnose()
+    assert "at their stage-3 gather #3, rank 0 gathered 'net.extra'; rank 1 gathered 'net.head'" in diagnosis, diagnosis
+    message = Watchdog(store, rank=1, world_size=2, timeout_s=30, interval_s=0.01).report(
+        RuntimeError("Timed out waiting 30000ms for recv operation to complete"))
+    assert "rank 0 gathered 'net.extra'; rank 1 gathered 'net.head'" in message and "(30 s)" in message, message
+
+
+def test_a_rank_in_a_gather_the_others_are_not_in_is_named() -> None:
+    # Rank 1 is in its gather #4 (net.extra), rank 0 did 3 gathers as rank 1 did and waits in another collective.
+    store = DictStore({f"{PREFIX}beat/0": _gathers_beat(3, ["a", "b", "c"]),
+                       f"{PREFIX}beat/1": _gathers_beat(4, ["a", "b", "c", "net.extra"], now="net.extra")})
+    diagnosis = Watchdog(store, rank=0, world_size=2, timeout_s=30).diagnose()
+    assert "gather #4, rank 0 did not gather any unit; rank 1 gathered 'net.extra'" in diagnosis, diagnosis
+
+
+def test_ranks_in_the_same_gathers_are_not_named_for_it() -> None:
+    store = DictStore({f"{PREFIX}beat/{r}": _gathers_beat(3, ["a", "b", "c"], now="c") for r in range(2)})
+    diagnosis = Watchdog(store, rank=0, world_size=2, timeout_s=30).diagnose()
+    assert "stage-3" not in diagnosis, diagnosis

@@ -210,11 +210,12 @@ def test_the_plan_ranks_what_fits_first_and_names_what_does_not():
 
 
 def test_zeroq_plan_plans_a_70b_model_on_this_machine_in_time(capsys):
-    start = time.perf_counter()
+    # CPU seconds of this process, not wall-clock ones: the time other processes take the cores is not the plan's.
+    start = time.process_time()
     code = plan_cli.main(["--dim", "8192", "--layers", "80", "--heads", "64", "--ffn", "28672", "--batch", "1",
                           "--seq", "4096", "--world-size", "8", "--ranks-per-node", "8", "--device-gib", "139",
                           "--host-gib", "1000"])
-    took = time.perf_counter() - start
+    took = time.process_time() - start
     out = capsys.readouterr().out
     assert code == 0 and "78.37B parameters" in out and "fastest that fits: " in out, out
     assert took < 60, took

@@ -197,8 +197,9 @@ def _train_behind(speculative: bool, asynchronous: bool = False):
     placement.settle()  # an asynchronous step's end
     counts = placement.spec.counts if speculative else None
     masters = [u.master.detach().clone() for u in engine.units]
+    state = [{k: t.detach().clone() for k, t in s.items()} for s in engine.optimizer.state.values()]
     engine.close()
-    return masters, counts, offered_first
+    return masters, counts, offered_first, state
 
 
 def test_a_device_behind_the_cpu_still_steps_every_unit_offered(dist_pool):
@@ -206,7 +207,7 @@ def test_a_device_behind_the_cpu_still_steps_every_unit_offered(dist_pool):
     the backward (kept) instead of dropping those the worker had not begun."""
     ours = dist_pool(2).run(_train_behind, True)
     theirs = dist_pool(2).run(_train_behind, False)
-    for (a, counts, first), (b, _, _) in zip(ours, theirs):
+    for (a, counts, first, _), (b, _, _, _) in zip(ours, theirs):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
         # After the first step (which makes the state), each step offers 3 units: the worker is held on the
         # first until the step begins, and those behind it are kept, not dropped. Without mapped read-back
@@ -222,12 +223,20 @@ def test_an_asynchronous_step_takes_over_the_units_speculation_has_not_started(d
     order, instead of waiting for the speculation worker to reach them in its order; bitwise the same."""
     ours = dist_pool(2).run(_train_behind, True, True)
     theirs = dist_pool(2).run(_train_behind, False, True)
-    for (a, counts, first), (b, _, _) in zip(ours, theirs):
+    for (a, counts, first, state), (b, _, _, state_b) in zip(ours, theirs):
+        # Bitwise the step without speculation: masters and optimizer state (moments and step counts).
         assert all(torch.equal(x, y) for x, y in zip(a, b))
-        # Each speculated step (the second and third) offers 3 units; the worker is held on the first it
-        # took until the step has taken the other two: 2 stepped by the worker, 4 by the step.
+        assert len(state) == len(state_b) and all(
+            s.keys() == t.keys() and all(torch.equal(s[k], t[k]) for k in s) for s, t in zip(state, state_b))
+        # Every unit stepped exactly once per step, whoever stepped it (the worker or the step); the other head,
+        # which no rank uses, never.
+        steps = [float(s["step"]) for s in state if "step" in s]
+        assert steps and all(step == 3 for step in steps), steps
+        # Each step offers 3 units (the backward's doing, not the worker's). How many the worker began before
+        # the step took over the rest depends on thread timing; that the worker is held on the first it takes
+        # until then does not: at most one per speculated step (the second and third) is the worker's.
         assert first == 3 and counts.offered == 9, counts
-        assert counts.unstarted == 4 and counts.kept + counts.undone == 2, counts
+        assert counts.kept + counts.undone <= 2 and counts.unstarted >= 4, counts
 
 
 def test_the_speculation_worker_steps_the_newest_landed_unit_first():
