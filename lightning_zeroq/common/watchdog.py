@@ -37,7 +37,8 @@ neither Python code nor Python's signal handlers until it returns, which may be 
   signal with a Python handler: a default action ends the process anyway). If the main thread has
   then not moved for ``STILL_S`` (stuck in one C call, a hung collective), the watchdog writes the
   abort record, runs the cleanup hooks and ends the process with status 128 + the signal's number;
-  the other ranks follow within an interval (or their own signal ends them).
+  the other ranks follow within an interval (or their own signal ends them). Where the main thread moves
+  after the signal, its handler ran and decided (to stop, or to go on): the signal is forgotten.
 """
 
 from __future__ import annotations
@@ -144,6 +145,8 @@ class Watchdog:
         self._still_since = time.monotonic()
         self._inside = False  # the main thread in a collective's call, at the last beat
         self._signalled: Optional[int] = None
+        self._signal_key: Any = None  # where the main thread stood when the signal came
+        self._signal_at = 0.0
         self._wakeup: Optional[tuple[int, int]] = None  # (read, write) ends of the signal wakeup pipe
         self._seen: dict[int, Any] = {}  # rank 0: each rank's last beat's stillness, to see it hold
 
@@ -217,7 +220,7 @@ class Watchdog:
             if ready:
                 for number in os.read(self._wakeup[0], 64):
                     if number in _SIGNALS and self._signalled is None:
-                        self._signalled = number
+                        self._signalled, self._signal_key, self._signal_at = number, self._main_key(), time.monotonic()
         except (OSError, ValueError):
             return self._stop.wait(self.interval_s)
         return self._stop.is_set()
@@ -242,7 +245,8 @@ class Watchdog:
         while not self._wait():
             try:
                 self._beat()
-                if self._signalled is not None and self._still() >= STILL_S and self.aborted is None:
+                if self._signal_unheeded() and self.aborted is None:
+                    assert self._signalled is not None
                     self._end_on_signal(self._signalled)
                     return
                 if (self._inside and self._still() >= STILL_S and self.rank == 0 and self.world_size > 1
@@ -267,6 +271,20 @@ class Watchdog:
     def _closing(self) -> bool:
         return self._saw_closing
 
+    def _signal_unheeded(self) -> bool:
+        """A signal came ``STILL_S`` ago and the main thread has not moved since. Where it moved, its handler
+        ran and decided (Lightning's, or the user's that lets training go on): the signal is forgotten."""
+        if self._signalled is not None and self._main_key() != self._signal_key:
+            self._signalled = None
+        return self._signalled is not None and time.monotonic() - self._signal_at >= STILL_S
+
+    def _main_key(self) -> Any:
+        """Where the main thread stands: its innermost frame and instruction, and its count of stage-3 gathers."""
+        from lightning_zeroq.zero.gather import GATHERS
+
+        frame = sys._current_frames().get(self._main) if self._main is not None else None
+        return (id(frame), getattr(frame, "f_lasti", None), GATHERS.snapshot()["n"])
+
     def _beat(self) -> None:
         from lightning_zeroq.zero.gather import GATHERS
 
@@ -274,7 +292,7 @@ class Watchdog:
         waiting, at = where(frame)
         inside = frame is not None and any(s in frame.f_code.co_filename for s in _COLLECTIVE_FILES)
         gathers = GATHERS.snapshot()
-        key = (id(frame), getattr(frame, "f_lasti", None), gathers["n"])
+        key = self._main_key()
         if key != self._still_key:  # the main thread moved
             self._still_key, self._still_since = key, time.monotonic()
         self._inside = inside

@@ -90,3 +90,22 @@ def test_ranks_in_the_same_gathers_are_not_named_for_it() -> None:
     store = DictStore({f"{PREFIX}beat/{r}": _gathers_beat(3, ["a", "b", "c"], now="c") for r in range(2)})
     diagnosis = Watchdog(store, rank=0, world_size=2, timeout_s=30).diagnose()
     assert "stage-3" not in diagnosis, diagnosis
+
+
+def test_a_signal_the_main_thread_acted_on_is_forgotten_and_one_it_cannot_act_on_ends_the_rank() -> None:
+    # Where the main thread stands is what the watchdog samples (``_main_key``); here it is given: standing
+    # still (blocked in one C call, as in a hung collective, where no handler can run) or moving on after the
+    # signal (a handler that let training continue, as a user's SIGTERM handler may). The real sampling is
+    # exercised by the launches of ``tests/integration/lightning/test_signals.py``.
+    import itertools
+    import signal
+
+    for moving, ends in ((False, True), (True, False)):
+        watchdog = Watchdog(DictStore({}), rank=0, world_size=1, timeout_s=30)
+        steps = itertools.count()
+        watchdog._main_key = steps.__next__ if moving else (lambda: "blocked")  # type: ignore[method-assign]
+        watchdog._signalled, watchdog._signal_key = signal.SIGTERM, watchdog._main_key()
+        watchdog._signal_at = time.monotonic() - 60  # long past STILL_S
+        assert watchdog._signal_unheeded() is ends
+        assert (watchdog._signalled is None) is moving
+        assert watchdog._signal_unheeded() is ends  # forgotten for good, or still standing
