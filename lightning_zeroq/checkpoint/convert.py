@@ -1,13 +1,14 @@
 """Offline consolidation: a sharded checkpoint directory to one file, tensor by tensor, no GPU, no
 process group (what ``zeroq-convert CKPT OUT`` runs; its command line is ``cli/convert.py``).
 
-- ``OUT.pt`` / ``OUT.ckpt`` (torch): the full fp32 parameters (and buffers) by ``state_dict`` name, so
+- ``OUT.pt`` / ``OUT.pth`` / ``OUT.ckpt`` (torch): the full fp32 parameters (and buffers) by ``state_dict`` name, so
   ``nn.Module.load_state_dict(torch.load(OUT), strict=True)`` works; with ``--lightning`` a Lightning
   checkpoint instead (``state_dict`` plus the trainer state: loops, callbacks, schedulers, hparams,
   and where a callback moved the module's state, that entry: ``current_model_state``), which
   ``LightningModule.load_from_checkpoint`` reads; ``--optimizer`` adds ``optimizer_states`` in
   torch's own format (integer parameter ids in param-group order), so ``Trainer(strategy="ddp")``
-  resumes from it.
+  resumes from it (a Lightning checkpoint too: ``--optimizer --lightning`` writes the same file). A
+  checkpoint without optimizer state is refused with ``--optimizer``.
 - ``OUT.safetensors``: the same tensors (``--optimizer``: also ``optimizer.state.<name>.<key>``, the
   param groups as JSON in the metadata), written by the ``safetensors`` package
   (``pip install safetensors``), whose format rules stay its own to keep right.
@@ -36,8 +37,9 @@ import os
 import pickle
 import re
 import tempfile
+import zipfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -247,7 +249,10 @@ def _save_safetensors(save_file: Any, tensors: dict, out: Path, meta: dict) -> N
         raise sparse_save.no_room(OSError(code, os.strerror(code)), out, data, at_least=True) from error
 
 
-TORCH_SUFFIXES = (".pt", ".ckpt", ".pth", ".bin")
+TORCH_SUFFIXES = (".pt", ".pth", ".ckpt")
+"""The output suffixes written as a torch file; ``.safetensors`` is the other format. Any other suffix is
+refused (``.bin``, say, could be either, or neither)."""
+OUTPUTS = "OUT.pt, OUT.pth or OUT.ckpt (a torch file) or OUT.safetensors"
 
 
 class ConvertError(CheckpointError, ValueError):
@@ -265,6 +270,14 @@ def _check_input(checkpoint: Path) -> None:
         raise ConvertError(f"{checkpoint} is a file inside the checkpoint directory {located.directory}: pass "
                            "the directory.")
     if located.is_single_file:
+        kind = _file_kind(checkpoint)
+        if kind == "safetensors":
+            raise ConvertError(f"{checkpoint} is a safetensors file, which is one file already: read it with "
+                               f"safetensors.torch.load_file({str(checkpoint)!r}).")
+        if kind is None:
+            raise ConvertError(f"{checkpoint} is neither a checkpoint directory (ZeroQ's, DeepSpeed's, FSDP's or another "
+                               "torch.distributed.checkpoint's) nor a torch or safetensors file: pass the directory "
+                               "trainer.save_checkpoint() wrote.")
         raise ConvertError(
             f"{checkpoint} is a single-file checkpoint (e.g. from strategy='ddp'), which is one file already: read "
             f"its weights with torch.load({str(checkpoint)!r}, weights_only=True)['state_dict'], or resume it with "
@@ -274,25 +287,56 @@ def _check_input(checkpoint: Path) -> None:
                            "the directory trainer.save_checkpoint() wrote.")
 
 
+TORCH_LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
+"""How a file ``torch.save`` wrote in its legacy (non-zip) format starts: pickle protocol 2 and torch's magic number."""
+
+
+def _file_kind(path: Path) -> Optional[str]:
+    """``"torch"`` (a zip archive, as ``torch.save`` writes, or its legacy format), ``"safetensors"`` (an
+    8-byte header length, then that many bytes of JSON) or None, from the file's first bytes."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(TORCH_LEGACY_MAGIC))
+            size = os.fstat(f.fileno()).st_size
+            if zipfile.is_zipfile(f) or head == TORCH_LEGACY_MAGIC:
+                return "torch"
+            f.seek(8)
+            if len(head) >= 8 and 2 <= int.from_bytes(head[:8], "little") <= size - 8 and f.read(1) == b"{":
+                return "safetensors"
+    except OSError:
+        pass
+    return None
+
+
 def _output_format(out: Path, lightning: bool) -> str:
     if not out.parent.is_dir():
         raise ConvertError(f"{out}: the directory {out.parent} does not exist; create it first.")
     if out.is_dir() and not out.is_symlink():
-        raise ConvertError(f"{out} is a directory: name the file to write (OUT.pt, OUT.ckpt or OUT.safetensors).")
+        raise ConvertError(f"{out} is a directory: name the file to write ({OUTPUTS}).")
     if out.suffix == ".safetensors":
         if lightning:
-            raise ConvertError("--lightning needs a .pt or .ckpt output (a Lightning checkpoint is a torch file).")
+            raise ConvertError("--lightning needs a torch output, .pt, .pth or .ckpt (a Lightning checkpoint is a "
+                               "torch file), not .safetensors.")
         _safetensors_save_file()  # missing: said before any work
         return "safetensors"
     if out.suffix in TORCH_SUFFIXES:
         return "torch"
-    raise ConvertError(f"{out}: the output's suffix decides its format: .pt/.ckpt (torch) or .safetensors.")
+    what = f"the suffix {out.suffix} names no format zeroq-convert writes" if out.suffix else "it has no suffix"
+    raise ConvertError(f"{out}: {what}; the output's suffix decides its format: {OUTPUTS}.")
+
+
+def _check_optimizer(opened: Opened) -> None:
+    """``--optimizer`` of a checkpoint without optimizer state would write an empty one: refused."""
+    if not any(key.startswith(f"{OPTIMIZER_KEY}.") for key in opened.keys()):
+        raise ConvertError(f"{opened.path} holds no optimizer state zeroq-convert reads (no {OPTIMIZER_KEY}.* entries: "
+                           "it was saved without the optimizer, or in another layout), so --optimizer cannot keep "
+                           "it: drop --optimizer to convert the weights.")
 
 
 def consolidate(checkpoint: Path, out: Path, *, optimizer: bool = False, lightning: bool = False) -> Path:
-    """Write checkpoint directory ``checkpoint`` as one file ``out`` (``.pt``, ``.ckpt`` or
-    ``.safetensors``); see the module docstring. Returns ``out``. On any error nothing is left at
-    ``out`` (an existing file there is kept as it was)."""
+    """Write checkpoint directory ``checkpoint`` as one file ``out`` (``.pt``, ``.pth``, ``.ckpt`` or
+    ``.safetensors``: another suffix is refused); see the module docstring. Returns ``out``. On any error
+    nothing is left at ``out`` (an existing file there is kept as it was)."""
     checkpoint, out = Path(checkpoint), Path(out)
     kind = _output_format(out, lightning)
     if deepspeed.is_deepspeed(checkpoint):
@@ -304,6 +348,8 @@ def consolidate(checkpoint: Path, out: Path, *, optimizer: bool = False, lightni
     _check_input(checkpoint)
     with advising("Convert an earlier checkpoint."):
         opened = open_checkpoint(checkpoint, None)
+        if optimizer:
+            _check_optimizer(opened)
         with atomic.new_file(out) as (fd, tmp):
             os.close(fd)  # the writers open it by name
             if kind == "safetensors":

@@ -10,7 +10,8 @@ load. Here:
   file and the global, before anything is constructed from it.
 - ``SafeLoadPlanner`` reads tensor items as DCP does (``torch.load(weights_only=True)``, in the
   stock ``FileSystemReader.read_data``) and non-tensor items with ``weights_only=True`` too, so they
-  can only be plain Python values.
+  can only be plain Python values; each tensor item must hold the shape its chunk has in the metadata
+  (``chunks.chunk_mismatch``: a chunk list edited to other sizes is refused, never narrowed into place).
 - ``read_entries`` loads a dict of targets (``LocalChunks``, full tensors, ``BytesTarget``) with
   ``dcp.load(..., no_dist=True)``: every rank reads only what it asked for, with no collective, so
   a rank that fails cannot leave the others waiting.
@@ -37,7 +38,7 @@ from torch.futures import Future
 
 from lightning_zeroq.checkpoint.agree import CheckpointError, earlier
 from lightning_zeroq.checkpoint.checksum import read_hashed
-from lightning_zeroq.checkpoint.chunks import BytesTarget, LocalChunks
+from lightning_zeroq.checkpoint.chunks import BytesTarget, LocalChunks, chunk_mismatch
 from lightning_zeroq.checkpoint.files import Files
 
 METADATA_FILE = ".metadata"
@@ -114,6 +115,7 @@ class SafeReader(FileSystemReader):
         self.files = files
         self.checksums = checksums
         self._buffer: Optional[bytearray] = None
+        self._chunks: Optional[dict[tuple[str, tuple[int, ...]], tuple[int, ...]]] = None
         self.error: Optional[BaseException] = None
         """The first error of the last ``read_data`` (DCP wraps it; ``read_entries`` raises it as it was)."""
 
@@ -121,6 +123,14 @@ class SafeReader(FileSystemReader):
         if self._metadata is None:
             self._metadata = read_metadata(Path(self.path))
         return self._metadata
+
+    def _chunk_sizes(self, fqn: str, offsets: Any) -> Optional[tuple[int, ...]]:
+        """The sizes the metadata gives the chunk of ``fqn`` at ``offsets`` (None: no such chunk)."""
+        if self._chunks is None:
+            self._chunks = {(name, tuple(c.offsets)): tuple(c.sizes)
+                            for name, md in self.read_metadata().state_dict_metadata.items()
+                            if isinstance(md, TensorStorageMetadata) for c in md.chunks}
+        return self._chunks.get((fqn, tuple(offsets or ())))
 
     def _files(self) -> Any:
         if self.files is None:
@@ -195,6 +205,13 @@ class SafeReader(FileSystemReader):
                     raise ItemError(f"{where} could not be decoded ({type(error).__name__}: {first}): the file is "
                                     f"damaged. {earlier()}") from None
                 cached = (cached[0], data)
+            fqn = req.storage_index.fqn
+            sizes = self._chunk_sizes(fqn, req.storage_index.offset)
+            md = self.read_metadata().state_dict_metadata[fqn]
+            mismatch = chunk_mismatch(str(Path(self.path) / METADATA_FILE), fqn, tuple(getattr(md, "size", ())),
+                                      sizes if sizes is not None else (), tuple(data.size()))
+            if mismatch is not None:
+                raise ItemError(mismatch)
             tensor = _narrow(data, req.storage_offsets, req.lengths)
             target = planner.resolve_tensor(req).detach()
             if target.size() != tensor.size():

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_zeroq.checkpoint import atomic
 from lightning_zeroq.checkpoint.agree import earlier
+from lightning_zeroq.checkpoint.chunks import check_chunks
 from lightning_zeroq.checkpoint.files import Files, check_name
 from lightning_zeroq.checkpoint.safe import METADATA_FILE, UnsafeCheckpointError, read_metadata
 from lightning_zeroq.checkpoint.writer import HEADER_SIZE, token_of
@@ -269,10 +270,11 @@ def validate(files: Files) -> tuple[Optional[Manifest], Optional[Metadata], list
 
 
 def check_files(files: Files, metadata: Metadata, manifest: Optional[Manifest]) -> list[str]:
-    """Every data file the metadata refers to is inside the directory, exists, is long enough, and
-    (ZeroQ) is this save's; every item has its checksum (ZeroQ with checksums)."""
+    """Every tensor's chunks are consistent (``chunks.check_chunks``, what every reader checks); every data
+    file the metadata refers to is inside the directory, exists, is long enough, and (ZeroQ) is this
+    save's; every item has its checksum (ZeroQ with checksums)."""
     directory = files.directory
-    errors = []
+    errors = check_chunks(metadata, str(directory / METADATA_FILE))
     needed: dict[str, int] = {}
     try:
         for info in metadata.storage_data.values():

@@ -31,12 +31,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         prog="zeroq-convert",
         description="Consolidate a lightning_zeroq (or any torch.distributed.checkpoint) checkpoint directory "
                     "into one file of full fp32 tensors by state_dict name, tensor by tensor, without a GPU.")
-    parser.add_argument("checkpoint", type=Path, help="the checkpoint directory (what trainer.save_checkpoint wrote)")
-    parser.add_argument("out", type=Path, help="OUT.pt, OUT.ckpt or OUT.safetensors")
-    parser.add_argument("--optimizer", action="store_true", help="keep the optimizer state (with .pt/.ckpt: a "
-                        "Lightning checkpoint that strategy='ddp' resumes)")
+    parser.add_argument("checkpoint", type=Path, help="the checkpoint directory (what trainer.save_checkpoint "
+                        "wrote; DeepSpeed's and FSDP's too)")
+    parser.add_argument("out", type=Path, help="OUT.pt, OUT.pth or OUT.ckpt (a torch file) or OUT.safetensors: the "
+                        "suffix decides the format, any other is refused")
+    parser.add_argument("--optimizer", action="store_true", help="keep the optimizer state (with a torch file: a "
+                        "Lightning checkpoint, trainer state included, that strategy='ddp' resumes; refused for a "
+                        "checkpoint saved without it)")
     parser.add_argument("--lightning", action="store_true", help="write a Lightning checkpoint (state_dict and "
-                        "trainer state) instead of a bare state_dict")
+                        "trainer state) instead of a bare state_dict; a torch file only (with --optimizer: the same "
+                        "file as --optimizer alone)")
     args = parser.parse_args(argv)
 
     def interrupted(signum: int, frame: Any) -> None:  # SIGTERM/SIGHUP end it as Ctrl-C does: nothing left

@@ -40,7 +40,8 @@ class MatrixRule:
       ``group``: its param group): update the per-element state and return the segment of the matrix
       to make whole (fp32, ``view``'s shape);
     - ``whole(matrix, group)``: on the whole matrix (2-D, fp32, on the device), the same on every rank
-      (the same input must give the same bits: the ranks then agree without another collective);
+      (the same input must give the same bits: the ranks then agree without another collective); it
+      returns a tensor of ``matrix``'s shape (checked on every rank: see ``step_matrices``);
     - ``apply(view, update, group, shape)``: elementwise, in place, on this rank's segment of the
       parameter, from its segment of ``whole``'s result (``shape``: the parameter's).
 
@@ -107,11 +108,34 @@ def matrix_optimizers() -> tuple[type, ...]:
     return (*_RULES, *((muon,) if muon is not None and _muon_parts() is not None else ()))
 
 
+_MUON = MuonRule()
+
+_SHAPES_CHECKED: dict[int, tuple[MatrixRule, set[tuple[int, ...]]]] = {}
+"""Per rule (by id, the rule kept beside: a rule need not be hashable), the matrix shapes for which every
+rank has called its ``whole()`` and checked the result's shape."""
+
+
 def rule_of(optimizer: torch.optim.Optimizer) -> MatrixRule:
     for cls, rule in _RULES.items():
         if isinstance(optimizer, cls):
             return rule
-    return MuonRule()
+    return _MUON
+
+
+def check_whole(rule: MatrixRule, result: Any, param: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+    """Raise unless ``result`` (``rule.whole()`` of ``param``'s matrix) is a tensor of ``param``'s shape,
+    naming the rule, the parameter and both shapes."""
+    expected = tuple(param.shape)
+    if isinstance(result, torch.Tensor) and tuple(result.shape) == expected:
+        return
+    name = getattr(param, "_zeroq_name", "a parameter")
+    rule_name = type(rule).__name__
+    fix = (f"whole() must return the matrix it is given, transformed, at its shape (the MatrixRule "
+           f"{type(optimizer).__name__} was registered with; lightning_zeroq.register_matrix_optimizer)")
+    if not isinstance(result, torch.Tensor):
+        raise TypeError(f"{rule_name}.whole() returned a {type(result).__name__} for {name} of shape {expected}, "
+                        f"not a tensor: {fix}")
+    raise ValueError(f"{rule_name}.whole() returned shape {tuple(result.shape)} for {name} of shape {expected}: {fix}")
 
 
 @functools.cache
@@ -144,6 +168,7 @@ def step_matrices(binding: Any, units: Sequence[Unit], used: Sequence[Any], grou
     are cleared."""
     optimizer = binding.optimizer
     rule = rule_of(optimizer)
+    checked = _SHAPES_CHECKED.setdefault(id(rule), (rule, set()))[1]
     groups = {id(p): optimizer.param_groups[gi] for gi, given in enumerate(binding.given) for p in given}
     for unit in sorted(units, key=lambda u: u.index):
         mine: dict[int, tuple[Any, Any]] = {seg.param: (view, seg) for view, seg in binding.optimized[unit.index]}
@@ -162,9 +187,17 @@ def step_matrices(binding: Any, units: Sequence[Unit], used: Sequence[Any], grou
                       else torch.empty(0, dtype=torch.float32))
             whole = torch.empty(param.numel(), dtype=torch.float32, device=device)
             comm.all_gather_uneven(whole, update.to(device), counts[i], group)
-            if not stepped:  # the gather above is a collective; the rest is this rank's own
+            shape = tuple(param.shape)
+            if not stepped and shape in checked:  # the gather above is a collective; the rest is this rank's own
                 continue
+            # The first time a shape comes, every rank transforms the matrix (the same input everywhere, so
+            # the same result) and checks the result's shape: a wrong one is the same error on every rank,
+            # with no collective to agree on it. After that only the ranks that apply the result transform it.
             result = rule.whole(whole.view(param.shape), hyper)
+            check_whole(rule, result, param, optimizer)
+            checked.add(shape)
+            if not stepped:
+                continue
             rule.apply(view, result.reshape(-1)[seg.param_span].to(view.device), hyper, param.shape)
             view.grad = None
 

@@ -111,6 +111,63 @@ def test_inputs_that_are_no_checkpoint_directory(saved, tmp_path, capsys):
     assert _entries(tmp_path) == ["ddp.ckpt"]
 
 
+def test_a_file_that_is_no_checkpoint_is_named_for_what_it_is_not(tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello\n")
+    assert main([str(notes), str(tmp_path / "o.pt")]) == 1
+    err = _error(capsys)
+    assert f"{notes} is neither a checkpoint directory" in err and "nor a torch or safetensors file" in err, err
+    assert "single-file checkpoint" not in err and "torch.load(" not in err, err
+    safetensors = pytest.importorskip("safetensors.torch")
+    flat = tmp_path / "flat.safetensors"
+    safetensors.save_file({"w": torch.ones(2)}, str(flat))
+    assert main([str(flat), str(tmp_path / "o.pt")]) == 1
+    err = _error(capsys)
+    assert f"{flat} is a safetensors file" in err and "load_file(" in err and "torch.load(" not in err, err
+    assert _entries(tmp_path) == ["flat.safetensors", "notes.txt"]
+
+
+@pytest.mark.parametrize("name, named", [("out.bin", "the suffix .bin"), ("out", "it has no suffix")])
+def test_an_output_suffix_that_names_no_format_is_refused(saved, tmp_path, capsys, name, named):
+    assert main([str(saved), str(tmp_path / name)]) == 1
+    err = _error(capsys)
+    assert named in err and all(s in err for s in (".pt", ".pth", ".ckpt", ".safetensors")), err
+    assert _entries(tmp_path) == []
+    assert main([str(saved), str(tmp_path / "out.pth")]) == 0  # a torch file, as .pt and .ckpt
+    assert "embed.weight" in torch.load(tmp_path / "out.pth", weights_only=True)
+
+
+def _save_weights_only(path: str) -> None:
+    from lightning_zeroq.checkpoint.checkpointer import Checkpointer
+    from lightning_zeroq.checkpoint.engine_io import engine_state, save_state
+    from tests.integration.checkpoint.test_faults import _engine
+
+    engine = _engine()
+    save_state(engine, Path(path), engine_state(engine, optimizer=False), {"step": 0}, Checkpointer())
+
+
+def test_optimizer_and_lightning_where_they_cannot_take_effect_are_refused(dist_pool, saved, tmp_path, capsys):
+    weights = tmp_path / "weights"
+    dist_pool(2).run(_save_weights_only, str(weights))
+    for flags in (["--optimizer"], ["--optimizer", "--lightning"]):
+        assert main([str(weights), str(tmp_path / "o.ckpt"), *flags]) == 1  # no optimizer state to keep
+        err = _error(capsys)
+        assert f"{weights} holds no optimizer state" in err and "drop --optimizer" in err, err
+    assert main([str(saved), str(tmp_path / "o.safetensors"), "--optimizer", "--lightning"]) == 1
+    assert "--lightning needs a torch output" in _error(capsys)
+    assert _entries(tmp_path) == ["weights"]
+    # Together, on a torch output, both take effect: a Lightning checkpoint (its trainer state) with the
+    # optimizer state, the file --optimizer alone writes.
+    assert main([str(saved), str(tmp_path / "both.ckpt"), "--optimizer", "--lightning"]) == 0
+    assert main([str(saved), str(tmp_path / "optimizer.ckpt"), "--optimizer"]) == 0
+    both = torch.load(tmp_path / "both.ckpt", weights_only=True)
+    alone = torch.load(tmp_path / "optimizer.ckpt", weights_only=True)
+    assert both["step"] == 2 and "embed.weight" in both["state_dict"], sorted(both)
+    assert len(both["optimizer_states"][0]["state"]) > 0 and len(both["optimizer_states"][0]["param_groups"]) == 2
+    assert both.keys() == alone.keys() and torch.equal(both["state_dict"]["embed.weight"],
+                                                       alone["state_dict"]["embed.weight"])
+
+
 def test_the_output_replaces_an_existing_file_with_normal_permissions(saved, tmp_path):
     out = tmp_path / "model.pt"
     out.write_bytes(b"previous")

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zeroq import ZeroConfig, ZeroEngine
+from lightning_zeroq.checkpoint.agree import CheckpointError
 from lightning_zeroq.checkpoint.engine_io import engine_state, load_engine, save_state
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer
 from tests.dist_pool import REPO_ROOT
@@ -298,3 +299,52 @@ def test_trainer_resume_from_a_damaged_or_unsafe_checkpoint_fails_alike_on_every
     _expect_one_error(dist_pool(2).run(_fit_catching, str(single), None), "could not be loaded safely",
                       "weights_only=False")
     assert not marker.exists()
+
+
+def _swap_row_chunks(ckpt: Path) -> str:
+    """Doctor ``ckpt`` as one who edits it on purpose would: a 2-D parameter stored as two row chunks gets
+    their sizes swapped in ``.metadata`` (12/4 rows become 4/12, each item keeping its bytes), and the
+    manifest's sha256 of ``.metadata`` and its own checksum are recomputed, so every checksum passes.
+    Returns the parameter's key."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    from lightning_zeroq.checkpoint.safe import read_metadata
+
+    metadata = read_metadata(ckpt)
+    key, md = next((k, v) for k, v in metadata.state_dict_metadata.items()
+                   if k.startswith("state_dict.") and getattr(v, "chunks", None) and len(v.size) == 2
+                   and len(v.chunks) == 2 and v.chunks[0].sizes[0] != v.chunks[1].sizes[0])
+    first, second = sorted(md.chunks, key=lambda c: c.offsets[0])
+    rows = (second.sizes[0], first.sizes[0])
+    md.chunks = [ChunkStorageMetadata(first.offsets, torch.Size((rows[0], *first.sizes[1:]))),
+                 ChunkStorageMetadata(torch.Size((rows[0], *second.offsets[1:])), torch.Size((rows[1], *second.sizes[1:])))]
+    metadata.storage_data = {
+        (MetadataIndex(key, md.chunks[1].offsets, 1) if i.fqn == key and tuple(i.offset) == tuple(second.offsets) else i):
+        info for i, info in metadata.storage_data.items()}
+    raw = pickle.dumps(metadata)
+    (ckpt / ".metadata").write_bytes(raw)
+    _reseal(ckpt, metadata_sha256=hashlib.sha256(raw).hexdigest())
+    return key
+
+
+def test_chunk_metadata_that_disagrees_with_the_stored_items_is_refused_alike_by_every_reader(dist_pool, tmp_path,
+                                                                                               capsys):
+    from lightning_zeroq.checkpoint.convert import lightning_checkpoint
+    from lightning_zeroq.cli.convert import main
+    from tests.integration.checkpoint.test_reshard import S2, _first
+
+    ckpt = tmp_path / "epoch1.ckpt"
+    dist_pool(2).run(_first, S2, str(ckpt))
+    key = _swap_row_chunks(ckpt)
+    message = _expect_one_error(dist_pool(2).run(_fit_catching, str(ckpt), None), repr(key),
+                                "do not match the items stored for them")
+    lines = message.splitlines()[1:]
+    problems = {line.split(": ", 1)[1].split(" Resume from")[0] for line in lines}
+    assert len(lines) == 2 and len(problems) == 1, message  # every rank, the same problem in one line
+    problem = problems.pop()
+    assert main([str(ckpt), str(tmp_path / "out.pt")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and problem in err, err  # zeroq-convert says the same
+    with pytest.raises(CheckpointError) as caught:  # what LightningModule.load_from_checkpoint(dir) reads through
+        lightning_checkpoint(ckpt)
+    assert problem in str(caught.value), caught.value

@@ -131,3 +131,58 @@ def test_an_unregistered_one_is_refused_with_the_fix_and_bad_registrations_too()
     with pytest.raises(TypeError, match=r"must be a lightning_zeroq.MatrixRule .* got dict"):
         register_matrix_optimizer(Unknown, {})  # type: ignore[arg-type]
     assert lightning_zeroq.register_matrix_optimizer is register_matrix_optimizer
+
+
+class Misshapen(torch.optim.Optimizer):
+    """Stepped by ``MisshapenRule`` alone (its own ``step()`` sees no gradients in the engine)."""
+
+    def __init__(self, params, lr: float = 0.01) -> None:
+        super().__init__(params, {"lr": lr, "momentum": 0.9})
+
+    def step(self, closure=None):
+        return None
+
+
+class MisshapenRule(NormalizedMomentumRule):
+    """A rule whose ``whole()`` returns the wrong shape: the matrix transposed (the same number of
+    elements: wrong weights, silently, if unchecked), a row short (one rank's apply fails while the other
+    waits in the next gather) or no tensor at all."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    def whole(self, matrix, group):
+        out = super().whole(matrix, group)
+        return {"transposed": out.t(), "a_row_short": out[:-1], "a_list": out.tolist()}[self.how]
+
+
+def _misshapen(how: str) -> tuple[str, str]:
+    register_matrix_optimizer(Misshapen, MisshapenRule(how))
+    torch.manual_seed(0)
+    model = Matrices()
+    # One unit of the three matrices, cut in two shards: layers.0.weight (48 x 24) lies in rank 0's shard
+    # alone, so rank 1 holds none of it and applies nothing of it.
+    engine = ZeroEngine(model, ZeroConfig(stage=2, reduce_bucket_size=10_000))
+    engine.attach_optimizer(Misshapen(model.parameters()))
+    try:
+        for step in range(2):
+            engine.backward(_loss(model, step, 0))
+            engine.step()
+            engine.zero_grad()
+    except Exception as error:
+        return type(error).__name__, str(error)
+    finally:
+        engine.close()
+    return "ok", ""
+
+
+@pytest.mark.parametrize("how, kind, returned", [("transposed", "ValueError", "returned shape (24, 48)"),
+                                                 ("a_row_short", "ValueError", "returned shape (47, 24)"),
+                                                 ("a_list", "TypeError", "returned a list")])
+def test_a_rule_whose_whole_returns_another_shape_is_one_error_on_every_rank(dist_pool, how, kind, returned):
+    results = dist_pool(2).run(_misshapen, how)
+    assert len(set(results)) == 1, f"ranks disagree: {results}"
+    got_kind, message = results[0]
+    assert got_kind == kind, results
+    for needle in ("MisshapenRule.whole()", returned, "layers.0.weight", "of shape (48, 24)", "Misshapen"):
+        assert needle in message, f"{needle!r} not in: {message}"
