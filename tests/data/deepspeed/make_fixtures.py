@@ -1,7 +1,8 @@
 """Write the DeepSpeed checkpoints the tests read (``tests/integration/checkpoint/test_deepspeed.py``), with
 the real DeepSpeed: one launch per configuration, 2 ranks (``RANKS``) unless the configuration names
-its own, a small model, 3 steps of AdamW (one parameter group: DeepSpeed 0.19.8's
-``safe_get_full_optimizer_state`` finds no state in a second one at stages 1 and 2), then
+its own, a small model, 3 steps of AdamW (one parameter group, DeepSpeed 0.19.8's
+``safe_get_full_optimizer_state`` having found no state in a second one; two in the stage-3 configuration
+below, where it finds both), then
 ``save_checkpoint``; beside each checkpoint ``reference.pt``: every trained parameter's fp32 value and
 Adam moments as DeepSpeed's own API gives them whole (``safe_get_full_fp32_param``,
 ``safe_get_full_optimizer_state``), and the step count.
@@ -9,14 +10,14 @@ Adam moments as DeepSpeed's own API gives them whole (``safe_get_full_fp32_param
 The configurations with ``FEATURES`` also freeze some parameters (``reference.pt``'s ``frozen``: their
 values, gathered whole), tie the head to the embedding (``tied``: the name DeepSpeed does not store and
 the one it does), and at stage 3 split the parameters into two groups (``groups``: each one's names,
-``lr`` and ``weight_decay``) and each group into sub-groups of at most ``sub_group_size`` elements per
-rank; beside them ``zero_to_fp32.pt``: what DeepSpeed's own ``get_fp32_state_dict_from_zero_checkpoint``
+``lr`` and ``weight_decay``) and each group into sub-groups (DeepSpeed closes one once it holds
+``sub_group_size`` elements per rank); beside them ``zero_to_fp32.pt``: what DeepSpeed's own ``get_fp32_state_dict_from_zero_checkpoint``
 makes of the checkpoint. Run from the repository root, where DeepSpeed is installed (on a machine
 without a GPU: ``DS_ACCELERATOR=cpu``, gloo)::
 
     DS_ACCELERATOR=cpu python tests/data/deepspeed/make_fixtures.py
 
-The files are kept in the repository (a few hundred KiB); the versions that wrote them are in
+The files are kept in the repository (under 1 MiB in all); the versions that wrote them are in
 ``VERSIONS.json`` beside them.
 """
 
