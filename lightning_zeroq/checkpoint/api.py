@@ -5,7 +5,7 @@ to load any checkpoint lightning_zeroq reads. The protocol is written once, here
   or the Lightning dict's parts) and the JSON trainer state, the loss scaler's state added to it, to a
   DCP directory (``checkpointer.Checkpointer``: atomic, checksummed, asynchronous if asked).
 - ``load(engine, path, ...) -> Loaded``: wait for a save in flight; on the checkpoint group, say what
-  the path is (``store.classify``); a single file (Lightning's, Fabric's, DeepSpeed's) goes to the
+  the path is (``store.classify``); a single file (Lightning's, Fabric's) or a DeepSpeed directory goes to the
   caller's ``read_file``, which knows its layout; a directory is validated on every rank and read into
   the engine (``engine_io.load_engine``); anything else is one agreed error naming the path and the fix.
   Then the loss scaler takes its state back. What the integration does with the trainer state (loops
@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from lightning_zeroq.checkpoint import deepspeed
 from lightning_zeroq.checkpoint.agree import CheckpointError, agree, checkpoint_group
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer
 from lightning_zeroq.checkpoint.convert import lightning_checkpoint
@@ -71,7 +70,7 @@ def load(engine: Optional[ShardedParts], path: Any, *, optimizer: bool, strict: 
     path = Path(path)
     group = checkpoint_group()
     located = classify(path)
-    if located.is_single_file or deepspeed.is_deepspeed(path):
+    if located.is_single_file or located.is_deepspeed:
         trainer_state, weights_loaded = read_file(path, group)
         _restore_loss_scaler(engine, trainer_state)
         return Loaded(trainer_state, weights_loaded)

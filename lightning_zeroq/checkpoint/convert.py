@@ -362,9 +362,11 @@ def consolidate(checkpoint: Path, out: Path, *, optimizer: bool = False, lightni
 def write_deepspeed(state: deepspeed.DeepSpeedState, out: Path, kind: str, *, optimizer: bool, lightning: bool) -> None:
     """``zeroq-convert`` of a DeepSpeed checkpoint (read whole into memory: DeepSpeed's files are one
     pickle per rank): a torch file (the weights, or with ``optimizer``/``lightning`` a Lightning
-    checkpoint) or safetensors (the weights, and with ``optimizer`` each state as ``optimizer.state.<name>.<key>``)."""
+    checkpoint) or safetensors (the weights, and with ``optimizer`` each state as ``optimizer.state.<name>.<key>``).
+    A tied parameter is written under each of its names: in a torch file as one tensor, in safetensors (which
+    refuses tensors that share memory) as a copy."""
     if kind == "safetensors":
-        tensors = dict(state.params)
+        tensors = {n: t.clone() if n in state.tied else t for n, t in state.params.items()}
         meta = {"format": "pt", "source": "lightning_zeroq (from DeepSpeed)"}
         if optimizer:
             tensors.update({f"optimizer.state.{n}.{k}": v for n, st in state.state.items() for k, v in st.items()})

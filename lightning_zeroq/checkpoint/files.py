@@ -24,10 +24,33 @@ class Files:
     these handles, so a save that replaces the directory meanwhile cannot mix two checkpoints into one
     load: the reader keeps reading the files it validated, or fails to open one and says why."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, dir_fd: Optional[int] = None) -> None:
+        """``dir_fd``: the directory already opened (``subdirectory``), owned from here on."""
         self.directory = Path(directory)
-        self._dir = os.open(self.directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC)
+        self._dir = dir_fd if dir_fd is not None else os.open(
+            self.directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC)
         self._fds: dict[str, int] = {}
+
+    def names(self) -> list[str]:
+        """The names in the directory (as ``os.listdir`` gives them)."""
+        return os.listdir(self._dir)
+
+    def is_link(self, name: str) -> bool:
+        """Whether ``name`` in the directory is a symbolic link (False where nothing is there)."""
+        try:
+            return stat.S_ISLNK(os.stat(name, dir_fd=self._dir, follow_symlinks=False).st_mode)
+        except FileNotFoundError:
+            return False
+
+    def subdirectory(self, name: str) -> "Files":
+        """The directory ``name`` (one plain name) inside this one, opened relative to it and never through
+        a symbolic link: a link is a ``ValueError``; nothing there, ``FileNotFoundError``; a file,
+        ``NotADirectoryError``."""
+        if self.is_link(name):
+            raise ValueError(f"{self.directory / name} is a symbolic link; a checkpoint's directories are read only "
+                             "from inside it, never through a link.")
+        flags = os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+        return Files(self.directory / name, os.open(name, flags, dir_fd=self._dir))
 
     def fd(self, name: str) -> int:
         check_name(name, self.directory)

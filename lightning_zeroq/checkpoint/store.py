@@ -16,8 +16,10 @@ state dict of its own under ``state_dict`` (Lightning's weight averaging: the mo
 under ``current_model_state``, the average under ``state_dict``), both are stored this way, each under
 its key (``moved_entries``).
 
-``classify`` says what a user's path is (a ZeroQ checkpoint, another DCP checkpoint, a single
-file, a file inside a checkpoint directory, nothing), and ``Located`` answers the questions a loader
+``classify`` says what a user's path is (a ZeroQ checkpoint, another DCP checkpoint, a DeepSpeed
+checkpoint directory, a single file, a file inside a checkpoint directory, nothing): a directory with
+``zeroq.json`` is ZeroQ's whatever else is in it (a ``latest`` file beside it names no DeepSpeed
+checkpoint), and ``Located`` answers the questions a loader
 asks of it (``Kind`` itself is named only here; ``api.py``, the door both integrations load through,
 asks ``Located``); ``validate`` checks a ZeroQ directory completely (manifest, metadata, every file's size
 and header) without reading any tensor, through ``Files``: the directory and each file opened once,
@@ -30,6 +32,7 @@ import enum
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -81,6 +84,7 @@ def lightning_version() -> str:
 class Kind(enum.Enum):
     ZEROQ = "a ZeroQ checkpoint directory"
     DCP = "a torch.distributed.checkpoint directory"
+    DEEPSPEED = "a DeepSpeed checkpoint directory"
     FILE = "a single-file checkpoint"
     INSIDE = "a file inside a checkpoint directory"
     MISSING = "nothing"
@@ -103,6 +107,12 @@ class Located:
     def is_foreign(self) -> bool:
         """A DCP directory without ZeroQ's manifest (FSDP2's ``dcp.save``, Lightning's ModelParallelStrategy)."""
         return self.kind is Kind.DCP
+
+    @property
+    def is_deepspeed(self) -> bool:
+        """A DeepSpeed ZeRO checkpoint directory (its ``latest`` file, or a tag directory of rank files),
+        without ZeroQ's manifest or DCP's metadata: ``checkpoint/deepspeed.py`` reads it."""
+        return self.kind is Kind.DEEPSPEED
 
     @property
     def is_single_file(self) -> bool:
@@ -139,6 +149,21 @@ def _is_checkpoint_dir(path: Path) -> bool:
     return path.is_dir() and any((path / n).exists() for n in (MANIFEST_FILE, METADATA_FILE))
 
 
+DEEPSPEED_LATEST = "latest"
+DEEPSPEED_OPTIMIZER_FILE = r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt"
+"""A DeepSpeed rank's optimizer state file, its rank the group."""
+
+
+def _is_deepspeed_dir(path: Path) -> bool:
+    """DeepSpeed's layout: a ``latest`` entry (a link or a directory too: the reader refuses those, in
+    DeepSpeed's words), or a tag directory's rank files."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return DEEPSPEED_LATEST in names or any(re.fullmatch(DEEPSPEED_OPTIMIZER_FILE, n) for n in names)
+
+
 def classify(path: Path) -> Located:
     path = Path(path)
     if not os.path.exists(path):
@@ -148,6 +173,8 @@ def classify(path: Path) -> Located:
             return Located(Kind.ZEROQ, path)
         if (path / METADATA_FILE).is_file():
             return Located(Kind.DCP, path)
+        if _is_deepspeed_dir(path):
+            return Located(Kind.DEEPSPEED, path)
         return Located(Kind.OTHER, path)
     inside = path.name in (MANIFEST_FILE, METADATA_FILE, LIGHTNING_META) or path.suffix == ".distcp"
     if inside and _is_checkpoint_dir(path.parent):
