@@ -266,18 +266,24 @@ def _cuda_kernels() -> Iterator[None]:
         F.scaled_dot_product_attention, F.rms_norm = real
 
 
+class _LossRead(BaseException):
+    """The traced step read its loss's value: the trace ends there (a ``BaseException``, so that a step's own
+    ``except Exception`` does not go on past it)."""
+
+
 class _MetaTrace(TorchFunctionMode):
     """What a trace runs under: a tensor of another device that meets a meta tensor in an op is moved to
-    the meta device (a forward may build its inputs anywhere), and reading the value of a floating-point
-    meta tensor (``.item()``, ``float()``: a ``training_step`` logging its loss) gives NaN, the meta device
-    holding none. Any other read of a value (an integer count, a condition) fails as it would without it."""
+    the meta device (a forward may build its inputs anywhere), and reading the value of the loss (``.item()``,
+    ``float()`` of a scalar that autograd tracks: a ``training_step`` logging its loss) ends the trace there
+    (``_LossRead``): the forward has run, and nothing after the read (a list the step appends to, a counter)
+    runs with a value the meta device does not hold. Any other read of a value (an integer count, a
+    condition) fails as it would without it."""
 
     READS = (Tensor.item, Tensor.__float__)
 
     def __init__(self) -> None:
         super().__init__()
         self.moved: dict[int, tuple[Tensor, Tensor]] = {}  # id -> (the tensor, its meta copy)
-        self.values_read = 0
 
     def _meta(self, t: Tensor) -> Tensor:
         if id(t) not in self.moved:
@@ -287,9 +293,8 @@ class _MetaTrace(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func in self.READS and args and isinstance(args[0], Tensor) and args[0].is_meta \
-                and args[0].is_floating_point():
-            self.values_read += 1
-            return float("nan")
+                and args[0].is_floating_point() and args[0].dim() == 0 and args[0].grad_fn is not None:
+            raise _LossRead
         flat, spec = tree_flatten((args, kwargs))
         tensors = [t for t in flat if isinstance(t, Tensor)]
         if any(t.is_meta for t in tensors) and not all(t.is_meta for t in tensors):
@@ -302,7 +307,7 @@ def trace_activations(model: nn.Module, forward: Callable[[nn.Module], Tensor], 
     """Run ``forward(model)`` (the model on the meta device; the loss or the output) once and count what
     autograd saves, in total and per block of ``blocks`` (the repeated blocks), and the token ids it feeds:
     the elements of the first integer tensor a module with parameters is called with (``_MetaTrace``: inputs
-    built on another device are moved to the meta device; a floating-point value read is NaN)."""
+    built on another device are moved to the meta device; a read of the loss's value ends the trace)."""
     parameters = {id(p.untyped_storage()) for p in model.parameters()}
     saved: dict[int, tuple[Any, int, int]] = {}  # storage id -> (storage, bytes, block index or -1)
     current = [-1]
@@ -341,7 +346,10 @@ def trace_activations(model: nn.Module, forward: Callable[[nn.Module], Tensor], 
     hooks.append(register_module_forward_pre_hook(token_ids))
     try:
         with _cuda_kernels(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _MetaTrace():
-            torch.compiler.disable(forward)(model)  # eager: a compiled module would compile for meta tensors
+            try:
+                torch.compiler.disable(forward)(model)  # eager: a compiled module would compile for meta tensors
+            except _LossRead:
+                pass  # the forward ran; what autograd saved is counted
     finally:
         for hook in hooks:
             hook.remove()

@@ -218,6 +218,7 @@ def _reading_lit(count_targets: bool):
     """``_lit``'s module whose ``training_step`` reads its loss's value for the log (``.item()``), and with
     ``count_targets`` also an integer count it slices by (a value the meta device cannot give)."""
     module = _lit()
+    module.values = []  # what the step saw, as a user's step keeps a list or a counter
 
     def training_step(batch, batch_idx):
         tokens, targets = batch
@@ -227,6 +228,7 @@ def _reading_lit(count_targets: bool):
         logits = module.gpt(tokens)
         loss = F.cross_entropy(logits.reshape(-1, CFG.vocab_size).float(), targets.reshape(-1))
         module.log("loss_value", loss.item())
+        module.values.append(float(loss))
         return loss
 
     module.training_step = training_step
@@ -240,7 +242,7 @@ def _reading_fit_body(count_targets: bool) -> object:
     from tests.integration.lightning.test_parity import _Recorder
 
     world = dist.get_world_size()
-    snaps = {}
+    snaps, values = {}, {}
     for arm in ("auto", "ddp"):
         torch.manual_seed(0)
         module = _reading_lit(count_targets)
@@ -254,12 +256,15 @@ def _reading_fit_body(count_targets: bool) -> object:
         except ValueError as error:
             return str(error)
         snaps[arm] = recorder.snapshots
+        values[arm] = module.values
     _assert_same(snaps["auto"], snaps["ddp"], 1e-5)
+    # the plan's trace ends at the loss's read: the step's own list holds the real steps only, as under DDP
+    assert len(values["auto"]) == len(values["ddp"]) and values["auto"] == pytest.approx(values["ddp"], abs=1e-5), values
     return "trained as DDP"
 
 
 def test_auto_plans_a_training_step_that_logs_its_loss_value_and_trains_as_ddp(dist_pool):
-    # loss.item() for the log: the meta device has no value, the plan needs none (NaN for the trace)
+    # loss.item() for the log: the meta device has no value, and the plan needs none (the trace ends there)
     assert dist_pool(2).run(_reading_fit_body, False) == ["trained as DDP"] * 2
 
 
