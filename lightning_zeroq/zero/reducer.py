@@ -50,7 +50,7 @@ compute stream waits for the side stream in ``finalize`` and ``clear``.
 from __future__ import annotations
 
 import enum
-from typing import NamedTuple, Optional, Protocol, Sequence
+from typing import Any, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -273,8 +273,8 @@ class Reducer:
         self._dirty.clear()
         ranks = [r for r in range(self.world_size) if nonfinite[len(self.units) + r]]
         units = [i for i in range(len(self.units)) if nonfinite[i]]
-        writers = [r for r in range(self.world_size) if written[self.num_params + r]]
-        self.agreement = Agreement(used, ranks, units, [i for i in range(self.num_params) if written[i]], writers)
+        writers = [r for r in range(self.world_size) if written[r]]
+        self.agreement = Agreement(used, ranks, units, self._written_everywhere() if writers else [], writers)
         self.window = Window.FINALIZED
         if not self._order_agreed:
             self._agree_order()
@@ -311,21 +311,28 @@ class Reducer:
                     unit.pending.record_stream(current)  # made on the reduction stream, read here
                 unit.materialize_grad()
 
+    def _written_everywhere(self) -> list[int]:
+        """The parameters any rank wrote (the step refuses them; every rank is here alike, the writers agreed)."""
+        if self.world_size == 1:
+            return sorted(self.written)
+        found: list[Any] = [None] * self.world_size
+        dist.all_gather_object(found, sorted(self.written), group=self.group)
+        return sorted({i for ids in found for i in ids})
+
     def _agree(self, with_dirty: bool) -> tuple[Tensor, set[int], list[bool], list[bool]]:
-        """One MAX all-reduce: [used per parameter | dirty per unit | non-finite per unit | per rank |
-        written per parameter | per rank] (``written``: see ``self.written``)."""
+        """One MAX all-reduce: [used per parameter | dirty per unit | non-finite per unit | per rank], a rank's
+        own slot also saying (2) that it wrote where the masters cannot take it (``self.written``); returned
+        as used, dirty, non-finite per unit and rank, wrote per rank."""
         self.wait()
         self.gradients.gradients_ready(self.units)  # offload with a mapped read-back: the last copies now
         self._materialize()
         n_params, n_units, world = self.num_params, len(self.units), self.world_size
-        stats = torch.zeros(2 * n_params + 2 * n_units + 2 * world, device=self.device)
+        stats = torch.zeros(n_params + 2 * n_units + world, device=self.device)
         if self._used:
             stats[list(self._used)] = 1.0
         if with_dirty and self._dirty:
             stats[[n_params + i for i in self._dirty]] = 1.0
-        if with_dirty and self.written:
-            base = n_params + 2 * n_units + world
-            stats[[base + i for i in self.written] + [base + n_params + self.rank]] = 1.0
+        wrote = 2.0 if with_dirty and self.written else 0.0  # a rank's own slot: 1 non-finite + 2 wrote
         if self.units:  # a NaN or inf anywhere in a shard makes its sum non-finite
             bad = (~torch.isfinite(torch.stack([u.grad_sum() for u in self.units]))).float()
             stats[n_params + n_units : n_params + 2 * n_units] = bad
@@ -333,7 +340,11 @@ class Reducer:
                 stats[n_params + 2 * n_units] = bad.max()
         if self.world_size > 1:
             stats[n_params + 2 * n_units + self.rank] = self._origin.float()
+        stats[n_params + 2 * n_units + self.rank] += wrote
+        if self.world_size > 1:
             comm.all_reduce(stats, dist.ReduceOp.MAX, self.group)
+        ranks = stats[n_params + 2 * n_units :]
+        stats = torch.cat([stats[: n_params + 2 * n_units], torch.remainder(ranks, 2.0), (ranks >= 2.0).float()])
         # One read-back of everything the step needs to know on the host (``used`` too). Through the copy
         # engine it would wait behind every copy to the host already queued, whatever its stream or
         # priority (benchmarks/d2h_readback.py); mapped host memory (a kernel's stores) waits for none.

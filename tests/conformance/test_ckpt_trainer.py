@@ -486,10 +486,11 @@ def _strict_body(tmp, arm, strict_loading, expected):
     model = Boring()
     model.strict_loading = strict_loading
     # The original mocks the module's load_state_dict; zeroq reads the weights into its shards itself
-    # (as DeepSpeed's engine does), so the strictness is checked where that read is asked for.
+    # (as DeepSpeed's engine does), so the strictness is checked where that read is asked for (``moved``:
+    # whether a weight-averaging callback's moved module state is looked for, not what this test is about).
     with mock.patch.object(door, "load_engine", wraps=door.load_engine) as load:
         trainer(arm, default_root_dir=tmp, barebones=True, max_steps=2).fit(model, ckpt_path=tmp / "checkpoint.ckpt")
-    load.assert_called_once_with(ANY, ANY, load_optimizer=True, strict=expected)
+    load.assert_called_once_with(ANY, ANY, load_optimizer=True, strict=expected, moved=ANY)
 
 
 @pytest.mark.parametrize("strict_loading, expected, arm",
