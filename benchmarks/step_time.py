@@ -43,6 +43,19 @@ floor steps' median and ``over_floor_median`` the median of each block's time pe
 floor step right after it. The host's speed drifts from minute to minute (the same fused step took
 0.16 and 0.25 s in one process); a ratio taken block by block, seconds apart, does not carry that
 drift, where a floor measured in another launch does.
+
+``--loops fabric,trainer,fabric,trainer`` (arms ``zeroq1/2/3`` without options): the step time of ZeroQ
+through Fabric against the Trainer instead, each loop in turn in one launch (alternating, so that drift
+shows as a difference between repeats of the same loop)::
+
+    torchrun --nproc-per-node 2 benchmarks/step_time.py --arms zeroq2 --loops fabric,trainer,fabric,trainer --steps 20 --warmup 5
+
+Every loop builds ``GPT`` from the same seed, with ``precision="bf16-mixed"``,
+``ZeroQ{Fabric,}Strategy(stage=...)``, torch AdamW (fused), the same random samples, one micro-batch per
+step. A step is forward, backward, optimizer step and ``zero_grad``, timed with a device synchronization
+on both sides: in the Fabric loop around those calls, in the Trainer from ``on_train_batch_start`` to
+``on_train_batch_end`` (the batch is on the device before either); the slowest rank's median is the
+loop's figure (``run_loops``).
 """
 
 from __future__ import annotations
@@ -666,9 +679,164 @@ def device_time(arm: str, events, t0: float, t1: float, top: int = 20) -> str:
             + "\n".join(f"  {total:8.2f} ms  x{count:<5d} {name}" for name, (total, count) in rows))
 
 
+LOOPS = ("fabric", "trainer")  # --loops: the front door a zeroq arm is stepped through
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    """``--loops``: sample ``i`` is the same random token sequence in every loop and on every run."""
+
+    def __init__(self, n: int, vocab: int, seq: int) -> None:
+        self.n, self.vocab, self.seq = n, vocab, seq
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.randint(0, self.vocab, (self.seq,), generator=torch.Generator().manual_seed(i))
+
+
+def loop_model(args: argparse.Namespace) -> GPT:
+    """On the host, from one seed, in every loop; the engine moves it to the GPU unit by unit."""
+    torch.manual_seed(0)
+    return GPT(args.vocab, args.dim, args.layers, args.heads, args.ffn)
+
+
+def loop_data(args: argparse.Namespace) -> torch.utils.data.DataLoader:
+    """The same samples on the same rank in every loop (the Trainer would shuffle with its own sampler)."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    n = (args.warmup + args.steps) * args.batch * dist.get_world_size()
+    data = RandomTokens(n, args.vocab, args.seq)
+    sampler = DistributedSampler(data, num_replicas=dist.get_world_size(), rank=dist.get_rank(), shuffle=False)
+    return DataLoader(data, batch_size=args.batch, sampler=sampler)
+
+
+def run_fabric(stage: int, args: argparse.Namespace) -> tuple[list[float], list[float]]:
+    """Forward, backward, optimizer step and ``zero_grad`` in a Fabric loop, timed around those calls."""
+    import lightning as L
+
+    from lightning_zeroq import ZeroQFabricStrategy
+
+    fabric = L.Fabric(accelerator="cuda" if ON_GPU else "cpu", devices=dist.get_world_size(), precision="bf16-mixed",
+                      strategy=ZeroQFabricStrategy(stage=stage, reduce_bucket_size=int(args.bucket)))
+    fabric.launch()
+    model = fabric.setup(loop_model(args))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
+    times, losses = [], []
+    for tokens in fabric.setup_dataloaders(loop_data(args), use_distributed_sampler=False):
+        sync()
+        t0 = time.perf_counter()
+        loss = model(tokens)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        sync()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    fabric.strategy.teardown()
+    return times, losses
+
+
+def run_trainer(stage: int, args: argparse.Namespace) -> tuple[list[float], list[float]]:
+    """The same through ``Trainer.fit``, timed from ``on_train_batch_start`` to ``on_train_batch_end``."""
+    import lightning as L
+
+    from lightning_zeroq import ZeroQStrategy
+
+    class Timer(L.Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.losses: list[float] = []
+            self.t0 = 0.0
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            sync()
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            sync()
+            self.times.append(time.perf_counter() - self.t0)
+            self.losses.append(float(outputs["loss"]))
+
+    class LitGPT(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = loop_model(args)
+
+        def training_step(self, tokens: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.model(tokens)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-4, fused=True)
+
+    timer = Timer()
+    trainer = L.Trainer(accelerator="cuda" if ON_GPU else "cpu", devices=dist.get_world_size(),
+                        precision="bf16-mixed", strategy=ZeroQStrategy(stage=stage, reduce_bucket_size=int(args.bucket)),
+                        max_steps=args.warmup + args.steps, callbacks=[timer], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, use_distributed_sampler=False)
+    trainer.fit(LitGPT(), loop_data(args))
+    return timer.times, timer.losses
+
+
+def run_loop(loop: str, stage: int, args: argparse.Namespace) -> dict:
+    """One ``--loops`` entry: the slowest rank's median step, each rank's peak, the first and last loss."""
+    leftover = allocated_gib()
+    if ON_GPU:
+        torch.cuda.reset_peak_memory_stats()
+    times, losses = (run_fabric if loop == "fabric" else run_trainer)(stage, args)
+    gc.collect()
+    peak = allocated_gib(peak=True)
+    if ON_GPU:
+        torch.cuda.empty_cache()
+    dev = torch.device("cuda", torch.cuda.current_device()) if ON_GPU else torch.device("cpu")
+    stats = torch.tensor([statistics.median(times[args.warmup:]), peak, leftover], device=dev)
+    gathered = [torch.empty_like(stats) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, stats)
+    return {
+        "mode": loop, "stage": stage, "link": args.link,
+        "step_s_median": round(max(float(s[0]) for s in gathered), 4),
+        "peak_alloc_GiB_per_rank": [round(float(s[1]), 2) for s in gathered],
+        "leftover_GiB": round(max(float(s[2]) for s in gathered), 3),
+        "first_loss": round(losses[0], 4), "final_loss": round(losses[-1], 4),
+        "steps": args.steps, "warmup": args.warmup, "world_size": dist.get_world_size(), "torch": torch.__version__,
+    }
+
+
+def run_loops(arms: list[str], args: argparse.Namespace) -> None:
+    """``--loops``: each arm (``zeroq1/2/3``) through Fabric and through the Trainer, in the order given, in
+    one launch; one JSON line per loop, then a ``summary`` line per arm: the mean of each loop's medians
+    and ``fabric_over_trainer`` (1.00 = the same; the target is within 3%)."""
+    loops = args.loops.split(",")
+    if any(loop not in LOOPS for loop in loops):
+        raise SystemExit(f"unknown loop in {args.loops!r}: use {', '.join(LOOPS)}")
+    stages = []
+    for arm in arms:
+        base, options = parse_arm(arm)
+        if base not in ("zeroq1", "zeroq2", "zeroq3") or options:
+            raise SystemExit(f"--loops takes the arms zeroq1, zeroq2 and zeroq3 without options, not {arm!r}")
+        stages.append(ARM_STAGES[base])
+    if ON_GPU:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if ON_GPU else "gloo")  # Fabric and the Trainer join it
+    for stage in stages:
+        results = []
+        for loop in loops:
+            results.append(run_loop(loop, stage, args))
+            if dist.get_rank() == 0:
+                print(json.dumps(results[-1]), flush=True)
+        medians = {m: [r["step_s_median"] for r in results if r["mode"] == m] for m in LOOPS}
+        if dist.get_rank() == 0 and all(medians.values()):
+            fabric, trainer = (statistics.mean(medians[m]) for m in LOOPS)
+            print(json.dumps({"summary": True, "stage": stage, "fabric_step_s": round(fabric, 4),
+                              "trainer_step_s": round(trainer, 4), "fabric_over_trainer": round(fabric / trainer, 4),
+                              "within_3pct": abs(fabric / trainer - 1) <= 0.03, "repeats": medians}), flush=True)
+    dist.destroy_process_group()
+
+
 def add_model_arguments(parser: argparse.ArgumentParser, steps: int, warmup: int) -> None:
-    """The link, the model (defaults: the 953M GPT), the data shape and the timing, shared with
-    ``fabric_step_time.py``."""
+    """The link, the model (defaults: the 953M GPT), the data shape and the timing, shared with the
+    other GPT scripts here."""
     parser.add_argument("--link", default=os.environ.get("BENCH_LINK", "nvlink"))
     parser.add_argument("--dim", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=16)
@@ -696,7 +864,12 @@ def main() -> None:
                         help="offload arms: a step of torch's fused AdamW over the model's elements after each block of timed steps (Floor)")
     parser.add_argument("--floor-block", type=int, default=3, help="with --floor: steps timed together before each floor step")
     parser.add_argument("--profile", default="", help="a folder: profile two more steps of each arm (profile_steps)")
+    parser.add_argument("--loops", default="",
+                        help="e.g. fabric,trainer,fabric,trainer: step each zeroq arm through these front doors instead (run_loops)")
     args = parser.parse_args()
+    if args.loops:
+        run_loops(args.arms.split(","), args)
+        return
     # Every arm guards its compiled code alike: stage 3 turns dynamo's guard fast path over unchanged module
     # dictionaries off (torch 2.9-2.11), which would otherwise differ before and after a launch's first stage-3 arm.
     check_guards_in_full(())

@@ -18,7 +18,7 @@ LINKS: dict[str, dict[str, str]] = {
     "socket": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"},
 }
 
-# The model flags of step_time.py, checkpoint_time.py and fabric_step_time.py (their GPT).
+# The model flags of step_time.py and checkpoint_time.py (their GPT).
 MODELS: dict[str, tuple[str, ...]] = {
     "953m": (),  # the scripts' default: d=2048, 16 layers, SwiGLU 5632, vocab 32000, untied head
     "1b": ("--layers", "17"),  # 1.005B parameters
@@ -42,7 +42,7 @@ TABLE_COLUMNS: dict[str, tuple[str, ...]] = {
                                 "compile_s"),
     "checkpoint_time": ("arm", "world_size", "checkpoint_GiB", "save_s", "blocked_s", "load_s"),
     "step_time_offload_floor": ("arm", "step_s_median", "floor_s_median", "over_floor_median", "peak_alloc_GiB_per_rank"),
-    "fabric_step_time": ("mode", "stage", "step_s_median", "fabric_over_trainer"),
+    "step_time_fabric": ("mode", "stage", "step_s_median", "fabric_over_trainer"),
     "host_adam": ("arm", "numel", "threads", "median_s", "GB_per_s"),
     "largest_model": ("arm", "deepest_layers", "params_B", "tokens_per_s", "mfu", "peak_reserved_GiB", "host_rss_GiB",
                       "next_fails_because"),
@@ -210,6 +210,12 @@ SUITES: dict[str, Suite] = {
                                              "--calibrate", "--measure", "--only", PLAN_2GPU, "--steps", "6",
                                              "--warmup", "3", "--json", "{out}/plan_953m_ws2.json"),
                 timeout=560, output="text"),)),
+    "auto-offload": Suite(
+        "offload=\"auto\" under 90/70/50/35% of the no-offload peak against the best of 12 hand-picked points (the "
+        "share of the optimizer on the host x recomputing none or every block, parameters on the host), stage 3, "
+        "the 953M GPT at 16 x 1,024 tokens, one process per run (docs/plan.md's table)",
+        (Launch("auto_offload_953m", ("benchmarks/auto_offload.py", "--batch", "16", "--seq", "1024", "--stage", "3",
+                                      "--steps", "3", "--warmup", "2"), timeout=3600),)),
     "compile-floor": Suite(
         "Compiled stage 3 at the compiled floor (953M GPT, one GPU, 4 x 1,024 tokens): DDP with compiled blocks "
         "(the floor: one rank communicates nothing), zeroq2 and zeroq3 with compiled blocks, zeroq3 eager and with "
@@ -309,8 +315,9 @@ SUITES: dict[str, Suite] = {
                 world_size=2, timeout=540, env=dict(SHARE_CORES)),)),
     "fabric": Suite(
         "Step time of ZeroQ through Fabric against the Trainer, stages 2 and 3, alternating in one launch",
-        tuple(Launch("fabric_step_time", ("benchmarks/fabric_step_time.py", "--stage", str(stage), "--modes",
-                                          "fabric,trainer,fabric,trainer"), world_size=2, timeout=280)
+        tuple(Launch("step_time_fabric", ("benchmarks/step_time.py", "--arms", f"zeroq{stage}", "--loops",
+                                          "fabric,trainer,fabric,trainer", "--steps", "20", "--warmup", "5"),
+                     world_size=2, timeout=280)
               for stage in (2, 3))),
     "hybrid": Suite(
         "Hybrid sharding (shard_group_size) at 2 GPUs, each GPU its own group (what 2 nodes of one GPU would do): "
@@ -345,8 +352,8 @@ SUITES: dict[str, Suite] = {
                     env={"OMP_NUM_THREADS": "1"}),
          Launch("checkpoint_time", ("benchmarks/checkpoint_time.py", *MODELS["tiny"], "--repeats", "1", "--arms",
                                     "zeroq,fsdp2", "--dir", "{scratch}/checkpoint"), world_size=2, timeout=120),
-         Launch("fabric_step_time", ("benchmarks/fabric_step_time.py", *MODELS["tiny"], "--steps", "2", "--warmup",
-                                     "1", "--modes", "fabric,trainer"), world_size=2, timeout=120),
+         Launch("step_time_fabric", ("benchmarks/step_time.py", *MODELS["tiny"], "--steps", "2", "--warmup", "1",
+                                     "--arms", "zeroq2", "--loops", "fabric,trainer"), world_size=2, timeout=120),
          Launch("eps_noise", ("benchmarks/eps_noise.py", "--world-size", "2", "--stage", "3", "--steps", "2"),
                 timeout=120),
          Launch("host_adam", ("benchmarks/host_adam.py", "--numel", "100000", "--threads", "1", "--steps", "1",

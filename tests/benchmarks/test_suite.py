@@ -179,3 +179,20 @@ def test_stored_results_follow_the_naming():
     assert driver.hardware_tag([]) == "cpu"
     with pytest.raises(ValueError, match="<benchmark>_<hardware>_<date>"):
         driver.results_name("step-time", "2xh200", DATE)
+
+
+def test_the_script_tables_name_every_script_and_its_suites():
+    """``benchmarks/README.md`` and ``docs/benchmarks.md`` say in one table which script measures what and
+    which suites run it: every script in ``benchmarks/`` has a row there, with the suites that launch it."""
+    runs: dict[str, set[str]] = {}
+    for name, s in suites.SUITES.items():
+        for launch in s.launches:
+            script = launch.argv[1].split(".")[-1] + ".py" if launch.argv[0] == "-m" else Path(launch.argv[0]).name
+            runs.setdefault(script, set()).add(name)
+    scripts = {p.name for p in (REPO / "benchmarks").glob("*.py")} - {"suite.py", "suites.py"}
+    for doc in (REPO / "benchmarks" / "README.md", REPO / "docs" / "benchmarks.md"):
+        rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+\.py)` \|.*\| ([^|]*) \|[^|]*\|$",
+                                                             doc.read_text(), re.M)}
+        assert set(rows) == scripts, f"{doc.name}: {sorted(set(rows) ^ scripts)}"
+        for script, cell in rows.items():
+            assert set(re.findall(r"`([\w-]+)`", cell)) == runs.get(script, set()), f"{doc.name}: {script}: {cell}"

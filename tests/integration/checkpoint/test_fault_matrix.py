@@ -5,7 +5,7 @@ reader that never needed the damaged bytes gets exactly the undamaged weights). 
 saved once per world size; each cell damages a copy.
 
 Set ``ZEROQ_FAULT_MATRIX_OUT=FILE`` to get every cell's outcome, time and message as JSON lines
-(``benchmarks/fault_matrix.py`` prints them as a table).
+(one line per cell).
 """
 
 from __future__ import annotations

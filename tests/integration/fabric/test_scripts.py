@@ -44,9 +44,9 @@ def test_example_pretrains_with_fabrics_launcher(tmp_path):
 
 def test_benchmark_runs_fabric_and_trainer_alike_under_torchrun(tmp_path):
     tiny = ["--dim", "64", "--layers", "2", "--heads", "2", "--ffn", "128", "--vocab", "256", "--seq", "32",
-            "--batch", "2", "--steps", "2", "--warmup", "1", "--modes", "fabric,trainer"]
+            "--batch", "2", "--steps", "2", "--warmup", "1", "--arms", "zeroq2", "--loops", "fabric,trainer"]
     out = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                str(REPO / "benchmarks" / "fabric_step_time.py"), *tiny], tmp_path)
+                str(REPO / "benchmarks" / "step_time.py"), *tiny], tmp_path)
     lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     fabric, trainer, summary = lines
     assert (fabric["mode"], trainer["mode"], summary["summary"]) == ("fabric", "trainer", True)
