@@ -12,19 +12,12 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA GPUs (skipped without them)")
 
 
-LAUNCHING_MODULES = {
-    "test_scripts.py", "test_cli.py", "test_wheel.py", "test_recipes.py", "test_multinode.py", "test_signals.py",
-    "test_stall.py", "test_launch.py", "test_concurrent_saves.py", "test_fault_matrix.py", "test_faults.py",
-}
-"""Integration modules whose tests start processes of their own (a launcher, a command, a script)."""
-
-
 def pytest_collection_modifyitems(config, items):
-    # ``launch``: a test that runs in the worker pool or starts processes; ``-m "not launch and not slow"``
+    # ``launch``: a test that runs in the worker pool (set here, from its fixtures) or starts processes of
+    # its own (its module says so: ``pytestmark = pytest.mark.launch``); ``-m "not launch and not slow"``
     # is the developers' fast loop (unit, ops, architecture and docs checks), the full suite is CI's.
     for item in items:
-        pooled = {"dist_pool", "gpu_pool"} & set(getattr(item, "fixturenames", ()))
-        if pooled or (item.path.name in LAUNCHING_MODULES and "integration" in item.path.parts):
+        if {"dist_pool", "gpu_pool"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.launch)
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:

@@ -1,7 +1,7 @@
 """DeepSpeed's and FSDP's option names that ZeroQ does not take, each with what to do instead.
 
 The migration guide's tables (``docs/migrating.md``) say the same for every name here;
-``tests/unit/test_migration.py`` compares the two, so the error a strategy raises for such an option
+``tests/unit/common/test_migration.py`` compares the two, so the error a strategy raises for such an option
 (``common/strategy.py``) and the guide cannot drift apart.
 """
 

@@ -30,7 +30,7 @@ DESELECTED = {
     "test_invalid_on_cpu": "FSDP requires a GPU; zeroq runs on the CPU (this whole suite)",
     "test_custom_mixed_precision": FSDP_CONFIG + " (MixedPrecision)",
     "test_activation_checkpointing": FSDP_CONFIG + " (activation_checkpointing_policy); zeroq leaves it to torch.utils.checkpoint",
-    "test_strategy_cpu_offload": FSDP_CONFIG + " (CPUOffload); zeroq's offload options are tested in tests/integration/engine/test_offload.py",
+    "test_strategy_cpu_offload": FSDP_CONFIG + " (CPUOffload); zeroq's offload options are tested in tests/integration/engine/offload/test_offload.py",
     "test_sharding_strategy": FSDP_CONFIG + " (ShardingStrategy)",
     "test_hybrid_shard_configuration": FSDP_CONFIG + " (HYBRID_SHARD with a device mesh)",
     "test_use_orig_params": FSDP_CONFIG + " (use_orig_params)",

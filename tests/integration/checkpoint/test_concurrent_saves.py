@@ -15,6 +15,8 @@ import pytest
 
 from tests.dist_pool import REPO_ROOT
 
+pytestmark = pytest.mark.launch  # starts processes of its own: outside the fast tier
+
 SAVES = 25
 
 CHILD = textwrap.dedent("""

@@ -26,6 +26,8 @@ import torch.distributed as dist
 import lightning_zeroq  # noqa: F401  (registers the strategy names)
 from tests.models import TokenDataset, make_lit_module
 
+pytestmark = pytest.mark.launch  # starts processes of its own: outside the fast tier
+
 CELL_TIMEOUT_S = 40.0
 """Each pool run's limit: well under the pool's 60 s collective timeout, so a hang fails the cell."""
 WORLD_SIZES = (2, 3)

@@ -26,6 +26,8 @@ from lightning_zeroq.checkpoint.checkpointer import Checkpointer
 from tests.dist_pool import REPO_ROOT
 from tests.models import DIM, RichModel, make_batch, param_groups
 
+pytestmark = pytest.mark.launch  # starts processes of its own: outside the fast tier
+
 BOUND_S = 20.0
 
 

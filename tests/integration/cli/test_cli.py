@@ -38,6 +38,8 @@ from lightning_zeroq.cli.train import (
 from lightning_zeroq.cli.config import build_run_config, config_error_line, preflight
 from lightning_zeroq.zero.policies import ineffective
 
+pytestmark = pytest.mark.launch  # starts processes of its own: outside the fast tier
+
 REPO_ROOT = Path(__file__).resolve().parents[3]
 GROUPS = ("zero", "offload", "quantization", "model", "data", "trainer")
 

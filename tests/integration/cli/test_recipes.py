@@ -49,6 +49,8 @@ if __package__ in (None, ""):  # run as a script: make `tests` and `lightning_ze
 
 from lightning_zeroq.cli.train import compose_config, figures_path, recipe_names, to_run_config, train  # noqa: E402
 
+pytestmark = pytest.mark.launch  # starts processes of its own: outside the fast tier
+
 STEPS = 15
 WORLD_SIZE = 2
 # Relative tolerance per recipe, about 4-5x the largest deviation measured across instruction sets

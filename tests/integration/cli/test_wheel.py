@@ -25,6 +25,8 @@ import pytest
 from lightning_zeroq.cli.train import CHILD_ENV, SUMMARY_PREFIX
 from tests.integration.cli.test_cli import run_command
 
+pytestmark = pytest.mark.launch  # starts processes of its own: outside the fast tier
+
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SKIP_DIRS = {".git", ".venv", ".ci-venv", "build", "dist", "outputs", "multirun", "lightning_logs",
              "__pycache__", ".pytest_cache", ".whl"}

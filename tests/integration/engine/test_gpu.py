@@ -91,7 +91,7 @@ def test_quantized_identical_working_weights_nccl(gpu_pool, stage):
 
 @pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "on-demand"])
 def test_stage3_changing_control_flow_nccl(gpu_pool, prefetch):
-    from tests.integration.engine import test_stage3
+    from tests.integration.engine.stage3 import test_stage3
 
     gpu_pool(WORLD).run(test_stage3._path_body, prefetch, "cuda")
 

@@ -67,8 +67,8 @@ def _write(model: nn.Module, step: int) -> None:
 
 def _drain_speculation() -> None:
     """Make ``Speculation.stop`` wait until every unit offered so far has been stepped, so the window
-    speculates for certain (``tests/integration/engine/test_speculative.py``)."""
-    from tests.integration.engine.test_speculative import _drain
+    speculates for certain (``tests/integration/engine/offload/test_speculative.py``)."""
+    from tests.integration.engine.offload.test_speculative import _drain
 
     _drain()
 

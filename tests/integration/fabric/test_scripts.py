@@ -8,10 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from lightning_zeroq.checkpoint.convert import lightning_checkpoint
 from tests.launch_env import launch_env
+
+pytestmark = pytest.mark.launch  # starts processes of its own: outside the fast tier
 
 REPO = Path(__file__).resolve().parents[3]
 

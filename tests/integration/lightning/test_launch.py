@@ -9,7 +9,11 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.launch_env import launch_env
+
+pytestmark = pytest.mark.launch  # starts processes of its own: outside the fast tier
 
 
 SCRIPT = textwrap.dedent("""

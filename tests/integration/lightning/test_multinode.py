@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.launch  # starts processes of its own: outside the fast tier
+
 REPO = Path(__file__).resolve().parents[3]
 STEPS, ACCUMULATE, BATCH, CLIP, LR = 3, 2, 2, 0.5, 0.01
 

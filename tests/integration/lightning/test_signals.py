@@ -19,6 +19,8 @@ import pytest
 
 from tests.launch_env import alive, launch_env
 
+pytestmark = pytest.mark.launch  # starts processes of its own: outside the fast tier
+
 
 SCRIPT = textwrap.dedent("""
     import os, signal, sys, time

@@ -16,6 +16,8 @@ import pytest
 
 from tests.launch_env import alive, launch_env
 
+pytestmark = pytest.mark.launch  # starts processes of its own: outside the fast tier
+
 TIMEOUT_S = 3
 
 TRAINER = textwrap.dedent("""

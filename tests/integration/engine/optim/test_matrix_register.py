@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import lightning_zeroq
 from lightning_zeroq import MatrixRule, ZeroConfig, ZeroEngine, register_matrix_optimizer
-from tests.integration.engine.test_muon import backward_both
+from tests.integration.engine.optim.test_muon import backward_both
 
 DIM = 24
 

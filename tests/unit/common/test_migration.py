@@ -11,7 +11,7 @@ import pytest
 from lightning_zeroq import ZeroConfig, ZeroQFabricStrategy, ZeroQStrategy
 from lightning_zeroq.common.migration import ADVICE
 
-README = Path(__file__).resolve().parents[2] / "docs" / "migrating.md"
+README = Path(__file__).resolve().parents[3] / "docs" / "migrating.md"
 
 
 @pytest.mark.parametrize("strategy_cls", [ZeroQStrategy, ZeroQFabricStrategy])

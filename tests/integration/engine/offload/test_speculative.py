@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zeroq import ZeroConfig, ZeroEngine
-from tests.integration.engine.test_offload import TwoHeads, _loss
+from tests.integration.engine.offload.test_offload import TwoHeads, _loss
 
 
 pytestmark = pytest.mark.usefixtures("host_kernel")  # tests/conftest.py: skips where it cannot match torch

@@ -10,8 +10,8 @@ plain write alike, its freed units are written inside ``lightning_zeroq.gathered
 bf16 copies of the masters: the step refuses the write on every rank, in one line naming the parameter and
 the fix. Fabric: the same write between ``optimizer.step()`` calls against Fabric's DDP.
 
-``tests/conformance/test_weight_callbacks.py`` covers the weight-averaging callbacks, checkpoints and hooks
-that read the weights.
+``test_weight_callbacks.py``, beside this file, covers the weight-averaging callbacks, checkpoints and hooks that
+read the weights.
 """
 
 from __future__ import annotations

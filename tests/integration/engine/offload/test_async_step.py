@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from lightning_zeroq import ZeroConfig, ZeroEngine
 from lightning_zeroq.zero.offload.ahead import StepAhead
-from tests.integration.engine.test_offload import TwoHeads, _loss
-from tests.integration.engine.test_speculative import _same
+from tests.integration.engine.offload.test_offload import TwoHeads, _loss
+from tests.integration.engine.offload.test_speculative import _same
 
 pytestmark = pytest.mark.usefixtures("host_kernel")  # tests/conftest.py: skips where it cannot match torch
 
