@@ -5,9 +5,11 @@ the guide is redone when Lightning renames one)."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
 import re
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -137,3 +139,62 @@ def test_the_readmes_plan_example_names_the_stage_the_plan_ranks_first(capsys):
     assert best is not None
     said = re.search(r"Fastest that fits, as planned[^:]*:\s*stage (\d)", section)
     assert said is not None and said.group(1) == best.group(1), (said and said.group(0), best.group(0))
+
+
+def _documented_default(text: str) -> object:
+    """A default as the options table writes it: a Python literal (``2``, ``2e8``, ``True``, ``None``) or a
+    backticked string (```cpu```)."""
+    text = text.strip()
+    if text.startswith("`") and text.endswith("`"):
+        return text.strip("`")
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text  # a word that is no literal (a default the code does not have) fails the comparison
+
+
+def _same_default(documented: object, actual: object) -> bool:
+    if isinstance(documented, bool) or isinstance(actual, bool):
+        return type(documented) is type(actual) and documented == actual
+    return documented == actual
+
+
+def test_every_option_in_the_table_exists_with_its_documented_default():
+    """Each row of the options table (``docs/options.md``) names ``ZeroConfig`` fields or strategy arguments, and
+    its default column gives each one's default in the same order: the dataclass's field default (or the
+    signature's)."""
+    rows = _table_after(_section("Options"), "| option (`ZeroConfig` field) | default | meaning |")
+    fields = {f.name: f.default for f in dataclasses.fields(ZeroConfig)}
+    arguments = {p.name: p.default for cls in (ZeroQStrategy, ZeroQFabricStrategy)
+                 for p in inspect.signature(cls.__init__).parameters.values()}
+    assert len(rows) >= 25
+    wrong = []
+    for row in rows:
+        names = re.findall(r"`([a-z_][a-z0-9_]*)`", row[0])
+        defaults = [_documented_default(d) for d in row[1].split(", ")]
+        if len(names) != len(defaults):
+            wrong.append(f"{names}: {len(defaults)} defaults for {len(names)} options ({row[1]!r})")
+            continue
+        for name, documented in zip(names, defaults):
+            if name not in fields and name not in arguments:
+                wrong.append(f"{name}: neither a ZeroConfig field nor a strategy argument")
+                continue
+            actual = fields[name] if name in fields else arguments[name]
+            if not _same_default(documented, actual):
+                wrong.append(f"{name}: documented default {documented!r}, the code's {actual!r}")
+    assert not wrong, wrong
+
+
+def test_the_strategy_arguments_defaults_in_the_options_prose():
+    """The defaults the options section states in prose (``timeout``, ``start_method``, ``async_checkpoint``) are
+    the signatures' defaults."""
+    options = _section("Options")
+    signature = inspect.signature(ZeroQStrategy.__init__).parameters
+    fabric = inspect.signature(ZeroQFabricStrategy.__init__).parameters
+    minutes = re.search(r"`timeout` \([^)]*default (\d+) minutes", options)
+    assert minutes is not None
+    assert signature["timeout"].default == fabric["timeout"].default == timedelta(minutes=int(minutes.group(1)))
+    start = re.search(r'`start_method` \(`"(\w+)"`, the default', options)
+    assert start is not None and signature["start_method"].default == start.group(1)
+    asynchronous = re.search(r"`async_checkpoint` \(default (\w+)", options)
+    assert asynchronous is not None and signature["async_checkpoint"].default is ast.literal_eval(asynchronous.group(1))
