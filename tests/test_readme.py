@@ -198,3 +198,47 @@ def test_the_strategy_arguments_defaults_in_the_options_prose():
     assert start is not None and signature["start_method"].default == start.group(1)
     asynchronous = re.search(r"`async_checkpoint` \(default (\w+)", options)
     assert asynchronous is not None and signature["async_checkpoint"].default is ast.literal_eval(asynchronous.group(1))
+
+
+def _test_commands(page: Path) -> list[str]:
+    """The commands of the first ``bash`` block under a page's tests heading that run a check (``python -m
+    pytest``, ``ruff``, ``mypy``), each without its comment and the install before an ``&&``."""
+    text = page.read_text()
+    heading = re.search(r"^#{1,2} Tests?\n", text, re.M)
+    assert heading is not None, page
+    block = re.search(r"```bash\n(.*?)```", text[heading.end():], re.S)
+    assert block is not None, page
+    commands = []
+    for line in block.group(1).splitlines():
+        for part in line.split("#")[0].split("&&"):
+            part = part.strip()
+            if part.startswith(("python -m pytest", "ruff ", "mypy ")):
+                commands.append(part)
+    return commands
+
+
+def test_the_test_commands_the_readmes_give_are_cis():
+    """The README's and tests/README.md's test commands are the commands of CI's tiers (``.ci/run``), and CI runs
+    no pytest command they leave out."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    ci_pytest = set(re.findall(r"python -m pytest[^\n]*?(?= *(?:\n|$))", ci))
+    for page in (ROOT / "README.md", ROOT / "tests" / "README.md"):
+        commands = _test_commands(page)
+        assert any("not launch and not slow" in c for c in commands) and "mypy lightning_zeroq" in commands, page
+        missing = [c for c in commands if c not in ci]
+        assert not missing, f"{page.relative_to(ROOT)} gives commands .ci/run does not run: {missing}"
+        unlisted = sorted(ci_pytest - set(commands))
+        assert not unlisted, f".ci/run runs pytest commands {page.relative_to(ROOT)} does not give: {unlisted}"
+
+
+def test_the_pre_commit_hooks_pin_the_test_extras_versions():
+    """``.pre-commit-config.yaml`` installs the ruff that ``pyproject.toml``'s test extra pins, and runs the
+    environment's mypy (the test extra's)."""
+    extra = re.search(r"^test = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M)
+    assert extra is not None
+    pins = dict(re.findall(r'"([a-z-]+)==([0-9.]+)"', extra.group(1)))
+    config = (ROOT / ".pre-commit-config.yaml").read_text()
+    ruff = set(re.findall(r'"ruff==([0-9.]+)"', config))
+    assert ruff == {pins["ruff"]}, (ruff, pins["ruff"])
+    mypy = re.search(r"- id: mypy\n(?:\s+\w+:.*\n)*?\s+language: (\w+)", config)
+    assert mypy is not None and mypy.group(1) == "system" and "mypy" in pins
