@@ -66,4 +66,4 @@ __all__ = [
     "register_matrix_optimizer",
 ]
 
-__version__ = "0.1.0"
+from lightning_zeroq._version import __version__ as __version__  # noqa: E402  (its one source; pyproject reads it)

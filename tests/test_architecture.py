@@ -307,7 +307,7 @@ def test_only_the_policy_builder_reads_the_config():
     )
 # Each layer of the package: its top-level names under lightning_zeroq, and the layers it may import.
 LAYERS = {
-    "library": ({"zero", "swap", "ops", "checkpoint", "config", "validation"}, {"library"}),
+    "library": ({"zero", "swap", "ops", "checkpoint", "config", "validation", "_version"}, {"library"}),
     "common": ({"common"}, {"library", "common"}),
     "lightning": ({"lightning"}, {"library", "common", "lightning"}),
     "fabric": ({"fabric"}, {"library", "common", "fabric"}),

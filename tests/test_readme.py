@@ -5,9 +5,11 @@ the guide is redone when Lightning renames one)."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
 import re
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -137,3 +139,106 @@ def test_the_readmes_plan_example_names_the_stage_the_plan_ranks_first(capsys):
     assert best is not None
     said = re.search(r"Fastest that fits, as planned[^:]*:\s*stage (\d)", section)
     assert said is not None and said.group(1) == best.group(1), (said and said.group(0), best.group(0))
+
+
+def _documented_default(text: str) -> object:
+    """A default as the options table writes it: a Python literal (``2``, ``2e8``, ``True``, ``None``) or a
+    backticked string (```cpu```)."""
+    text = text.strip()
+    if text.startswith("`") and text.endswith("`"):
+        return text.strip("`")
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text  # a word that is no literal (a default the code does not have) fails the comparison
+
+
+def _same_default(documented: object, actual: object) -> bool:
+    if isinstance(documented, bool) or isinstance(actual, bool):
+        return type(documented) is type(actual) and documented == actual
+    return documented == actual
+
+
+def test_every_option_in_the_table_exists_with_its_documented_default():
+    """Each row of the options table (``docs/options.md``) names ``ZeroConfig`` fields or strategy arguments, and
+    its default column gives each one's default in the same order: the dataclass's field default (or the
+    signature's)."""
+    rows = _table_after(_section("Options"), "| option (`ZeroConfig` field) | default | meaning |")
+    fields = {f.name: f.default for f in dataclasses.fields(ZeroConfig)}
+    arguments = {p.name: p.default for cls in (ZeroQStrategy, ZeroQFabricStrategy)
+                 for p in inspect.signature(cls.__init__).parameters.values()}
+    assert len(rows) >= 25
+    wrong = []
+    for row in rows:
+        names = re.findall(r"`([a-z_][a-z0-9_]*)`", row[0])
+        defaults = [_documented_default(d) for d in row[1].split(", ")]
+        if len(names) != len(defaults):
+            wrong.append(f"{names}: {len(defaults)} defaults for {len(names)} options ({row[1]!r})")
+            continue
+        for name, documented in zip(names, defaults):
+            if name not in fields and name not in arguments:
+                wrong.append(f"{name}: neither a ZeroConfig field nor a strategy argument")
+                continue
+            actual = fields[name] if name in fields else arguments[name]
+            if not _same_default(documented, actual):
+                wrong.append(f"{name}: documented default {documented!r}, the code's {actual!r}")
+    assert not wrong, wrong
+
+
+def test_the_strategy_arguments_defaults_in_the_options_prose():
+    """The defaults the options section states in prose (``timeout``, ``start_method``, ``async_checkpoint``) are
+    the signatures' defaults."""
+    options = _section("Options")
+    signature = inspect.signature(ZeroQStrategy.__init__).parameters
+    fabric = inspect.signature(ZeroQFabricStrategy.__init__).parameters
+    minutes = re.search(r"`timeout` \([^)]*default (\d+) minutes", options)
+    assert minutes is not None
+    assert signature["timeout"].default == fabric["timeout"].default == timedelta(minutes=int(minutes.group(1)))
+    start = re.search(r'`start_method` \(`"(\w+)"`, the default', options)
+    assert start is not None and signature["start_method"].default == start.group(1)
+    asynchronous = re.search(r"`async_checkpoint` \(default (\w+)", options)
+    assert asynchronous is not None and signature["async_checkpoint"].default is ast.literal_eval(asynchronous.group(1))
+
+
+def _test_commands(page: Path) -> list[str]:
+    """The commands of the first ``bash`` block under a page's tests heading that run a check (``python -m
+    pytest``, ``ruff``, ``mypy``), each without its comment and the install before an ``&&``."""
+    text = page.read_text()
+    heading = re.search(r"^#{1,2} Tests?\n", text, re.M)
+    assert heading is not None, page
+    block = re.search(r"```bash\n(.*?)```", text[heading.end():], re.S)
+    assert block is not None, page
+    commands = []
+    for line in block.group(1).splitlines():
+        for part in line.split("#")[0].split("&&"):
+            part = part.strip()
+            if part.startswith(("python -m pytest", "ruff ", "mypy ")):
+                commands.append(part)
+    return commands
+
+
+def test_the_test_commands_the_readmes_give_are_cis():
+    """The README's and tests/README.md's test commands are the commands of CI's tiers (``.ci/run``), and CI runs
+    no pytest command they leave out."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    ci_pytest = set(re.findall(r"python -m pytest[^\n]*?(?= *(?:\n|$))", ci))
+    for page in (ROOT / "README.md", ROOT / "tests" / "README.md"):
+        commands = _test_commands(page)
+        assert any("not launch and not slow" in c for c in commands) and "mypy lightning_zeroq" in commands, page
+        missing = [c for c in commands if c not in ci]
+        assert not missing, f"{page.relative_to(ROOT)} gives commands .ci/run does not run: {missing}"
+        unlisted = sorted(ci_pytest - set(commands))
+        assert not unlisted, f".ci/run runs pytest commands {page.relative_to(ROOT)} does not give: {unlisted}"
+
+
+def test_the_pre_commit_hooks_pin_the_test_extras_versions():
+    """``.pre-commit-config.yaml`` installs the ruff that ``pyproject.toml``'s test extra pins, and runs the
+    environment's mypy (the test extra's)."""
+    extra = re.search(r"^test = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M)
+    assert extra is not None
+    pins = dict(re.findall(r'"([a-z-]+)==([0-9.]+)"', extra.group(1)))
+    config = (ROOT / ".pre-commit-config.yaml").read_text()
+    ruff = set(re.findall(r'"ruff==([0-9.]+)"', config))
+    assert ruff == {pins["ruff"]}, (ruff, pins["ruff"])
+    mypy = re.search(r"- id: mypy\n(?:\s+\w+:.*\n)*?\s+language: (\w+)", config)
+    assert mypy is not None and mypy.group(1) == "system" and "mypy" in pins
