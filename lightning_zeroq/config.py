@@ -48,7 +48,7 @@ class ZeroConfig:
 
     offload: Optional[str] = None
     """``"auto"``: decide before the first step, from the plan of this model and its first batch
-    (``zero/choose.py``: ``zeroq-plan``'s count, its activations traced on the meta device), what goes
+    (``planning/choose.py``: ``zeroq-plan``'s count, its activations traced on the meta device), what goes
     where: optimizer offload and its share, stage 3's parameter offload, NVMe spill when ``nvme_path`` is
     given; with ``activation_checkpointing_policy="auto"`` also how many blocks recompute. The fastest
     planned configuration whose peak fits ``offload_memory_budget`` and ``host_memory_budget`` (every rank

@@ -1,6 +1,6 @@
 """``zeroq-plan``: what each configuration needs and whether it fits, before launch, for a GPT of the
 given shape (the package's GPT: ``--norm rmsnorm --mlp swiglu`` is Llama's block), built on the meta
-device, so a 70B model plans on a laptop in seconds (``zero/planner.py``). No GPU, nothing allocated.
+device, so a 70B model plans on a laptop in seconds (``planning/estimate.py``). No GPU, nothing allocated.
 
     zeroq-plan --dim 4096 --layers 32 --heads 32 --ffn 11008 --batch 8 --seq 4096 \\
         --device-gib 139 --host-gib 120 --nvme-path /local/swap
@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from lightning_zeroq.cli.gpt import GPTConfig, GPTModel
 from lightning_zeroq.zero.offload.host_need import available
 from lightning_zeroq.zero.plan import repeated_blocks
-from lightning_zeroq.zero.planner import GIB, Machine, Need, plan_training
+from lightning_zeroq.planning.estimate import GIB, Machine, Need, plan_training
 
 
 RUNTIME_HOST_GIB = 0.6
@@ -110,7 +110,7 @@ def _recipe(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[
     plan: the recipe's own first, then the other candidates."""
     from lightning_zeroq.cli.config import world_size_of, config_error_line
     from lightning_zeroq.cli.train import compose_config, recipe_names, to_run_config
-    from lightning_zeroq.zero.planner import candidates
+    from lightning_zeroq.planning.estimate import candidates
 
     if args.recipe not in recipe_names():
         parser.error(f"--recipe {args.recipe}: no such recipe; the recipes are {', '.join(recipe_names())}")
@@ -134,7 +134,7 @@ def _with_common_fields(args: argparse.Namespace, parser: argparse.ArgumentParse
     the hybrid groups check them)."""
     from lightning_zeroq.config import ZeroConfig
     from lightning_zeroq.zero import hybrid
-    from lightning_zeroq.zero.planner import candidates
+    from lightning_zeroq.planning.estimate import candidates
 
     common: dict = {}
     if args.shard_group_size is not None:

@@ -29,7 +29,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_zeroq.zero.choose import Choice, report_first_step
+from lightning_zeroq.planning.choose import Choice, report_first_step
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -1,4 +1,4 @@
-"""The plan before launch (``zero/planner.py``, ``zeroq-plan``) against the engine it predicts: the
+"""The plan before launch (``planning/estimate.py``, ``zeroq-plan``) against the engine it predicts: the
 device bytes by kind are what the engine's ``memory_report`` holds after a step, at world sizes 1 and
 2, in stages 1-3; the host bytes are what the engine's host check counts, in every offload mode; the
 activations traced on the meta device are what a real forward saves with the same kernels. The
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from lightning_zeroq import ZeroConfig, ZeroEngine
 from lightning_zeroq.cli import plan as plan_cli
 from lightning_zeroq.cli.gpt import GPTConfig, GPTModel
-from lightning_zeroq.zero.planner import Machine, _cuda_kernels, plan_config, plan_training, trace_activations
+from lightning_zeroq.planning.estimate import Machine, _cuda_kernels, plan_config, plan_training, trace_activations
 
 CFG = GPTConfig(vocab_size=96, block_size=16, n_layer=3, n_head=2, n_embd=32, ffn_hidden=80, norm="rmsnorm",
                 mlp="swiglu", bias=False, learned_positions=False, tie_embeddings=False, init="torch")
@@ -574,7 +574,7 @@ def test_zeroq_plan_says_the_device_was_not_checked_without_a_gpu_or_device_gib(
 def test_zeroq_plan_calibrates_only_the_host_without_a_gpu(tmp_path, monkeypatch, capsys, caplog):
     import logging
 
-    from lightning_zeroq.zero import calibrate
+    from lightning_zeroq.planning import calibrate
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(calibrate, "host_step_rate", lambda: 1.5e9)  # the host step, measured here (quickly)

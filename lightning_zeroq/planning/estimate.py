@@ -47,7 +47,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_zeroq.config import ZeroConfig
-from lightning_zeroq.zero import calibrate, hybrid
+from lightning_zeroq.planning import calibrate
+from lightning_zeroq.zero import hybrid
 from lightning_zeroq.zero.layout import ALIGN, UnitLayout
 from lightning_zeroq.zero.offload import host_units
 from lightning_zeroq.zero.offload.device_need import device_kinds, units_off_device
