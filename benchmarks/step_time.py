@@ -303,7 +303,7 @@ def throughput(num_params: int, args: argparse.Namespace, step_s: float) -> dict
 
 
 def gathered_counts(engine, dev: torch.device) -> list[float]:
-    """Every rank's host bytes as the engine counts them before allocating (``offload/host_need.py``)."""
+    """Every rank's host bytes as the engine counts them before allocating (``zero/memory/host.py``)."""
     mine = torch.tensor([float(engine.host_memory.need.total)], device=dev, dtype=torch.float64)
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(out, mine)

@@ -18,8 +18,8 @@ from lightning_zeroq.lightning.strategy import ZeroQStrategy
 
 from lightning_zeroq.zero.engine import ZeroEngine, owning_engine
 from lightning_zeroq.planning.choose import choose
-from lightning_zeroq.zero.matrix import MatrixRule, register_matrix_optimizer
-from lightning_zeroq.zero.optimizers import register_elementwise_optimizer
+from lightning_zeroq.zero.optim.matrix import MatrixRule, register_matrix_optimizer
+from lightning_zeroq.zero.optim.binding import register_elementwise_optimizer
 from lightning_zeroq.planning.estimate import Machine
 from lightning_zeroq.planning.estimate import plan_training as plan
 

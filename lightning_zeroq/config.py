@@ -88,7 +88,7 @@ class ZeroConfig:
 
     host_memory_budget: Any = None
     """Host memory this node's ranks may fill with offloaded state, checked before anything is allocated
-    (``offload/host_need.py`` counts the bytes per element): GiB as a number (e.g. ``120`` or ``"120"``), a
+    (``zero/memory/host.py`` counts the bytes per element): GiB as a number (e.g. ``120`` or ``"120"``), a
     size with its unit (``"120GiB"``), or a share of the host's memory as a string ending in ``%`` (e.g.
     ``"80%"``), read as ``offload_memory_budget`` is (``budget_form``). None: what the host reports available
     when the engine is built (``MemAvailable``, or a cgroup's limit). Set it where the host's memory grows

@@ -41,7 +41,7 @@ from lightning_zeroq.planning import calibrate as calibration
 from lightning_zeroq.zero import comm
 from lightning_zeroq.zero import recompute as recompute_blocks
 from lightning_zeroq.zero.offload.auto import MARGIN
-from lightning_zeroq.zero.offload.host_need import available, size
+from lightning_zeroq.zero.memory.host import available, size
 from lightning_zeroq.zero.plan import repeated_blocks
 from lightning_zeroq.planning.estimate import Activations, ForwardError, Machine, Need, plan_config, trace_activations
 from lightning_zeroq.zero.policies import (AutoRequest, Chosen, Host, Nvme, OnDevice, as_auto, auto_request,

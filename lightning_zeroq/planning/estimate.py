@@ -16,7 +16,7 @@ candidate ``ZeroConfig``:
   activations less the loss's input, the block being recomputed) and the step (the fp32 gradient
   shards and the optimizer's temporaries). With activation checkpointing of the repeated blocks, their
   saved tensors become each block's input, plus one block's own while it is recomputed.
-- *Host bytes* are what the engine's host check counts (``offload/host_need.py``), the same
+- *Host bytes* are what the engine's host check counts (``zero/memory/host.py``), the same
   functions, so the plan and the check before launch agree.
 - *Disk bytes*: the swap files of NVMe offload (master and state of the swapped units; stage-3
   payloads).
@@ -51,8 +51,8 @@ from lightning_zeroq.planning import calibrate
 from lightning_zeroq.zero import hybrid
 from lightning_zeroq.zero.layout import ALIGN, UnitLayout
 from lightning_zeroq.zero.offload import host_units
-from lightning_zeroq.zero.offload.device_need import device_kinds, units_off_device
-from lightning_zeroq.zero.offload.host_need import engine_need, optimizer_need
+from lightning_zeroq.zero.memory.device import device_kinds, units_off_device
+from lightning_zeroq.zero.memory.host import engine_need, optimizer_need
 from lightning_zeroq.zero.plan import UnitSpec, plan, repeated_blocks
 from lightning_zeroq.zero.policies import Nvme, OnDevice, Policies, from_config
 from lightning_zeroq.zero.unit import plan_layouts, trainable_parameters

@@ -33,7 +33,7 @@ from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
 from lightning_zeroq.zero.materialize import sync_replicated_state, target_device
 from lightning_zeroq.zero.offload import OptimizerPlacement, ShardStore, host_part, optimizer_placement, shard_store
 from lightning_zeroq.zero.offload.ahead import InStep, StepAhead
-from lightning_zeroq.zero.offload.host_need import HostBudget
+from lightning_zeroq.zero.memory.host import HostBudget
 from lightning_zeroq.zero.plan import UnitSpec, plan
 from lightning_zeroq.zero.policies import ModuleUnits, Policies
 from lightning_zeroq.zero.reducer import Reducer

@@ -33,8 +33,8 @@ from lightning_zeroq.zero.hybrid import Topology
 from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
 from lightning_zeroq.zero.offload import OptimizerPlacement
 from lightning_zeroq.zero.offload.ahead import InStep
-from lightning_zeroq.zero.offload.host_need import HostBudget
-from lightning_zeroq.zero.optimizers import Binding
+from lightning_zeroq.zero.memory.host import HostBudget
+from lightning_zeroq.zero.optim.binding import Binding
 from lightning_zeroq.zero.policies import Policies
 from lightning_zeroq.zero.reducer import Reducer, Window
 from lightning_zeroq.zero.stage3 import Stage3Coordinator

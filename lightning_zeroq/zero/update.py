@@ -4,7 +4,7 @@ decision (skip or step: non-finite gradients, fp16 overflow), the pending gradie
 resident units and the step counters. ``ZeroEngine``'s ``attach_optimizer``, ``finalize_gradients``,
 ``clip_grad_norm_``, ``clip_grad_value_``, ``step`` and ``zero_grad`` each call one of its methods.
 
-Each optimizer is a ``Binding`` (``optimizers.py``). How many are attached is an object, chosen again
+Each optimizer is a ``Binding`` (``optim/binding.py``). How many are attached is an object, chosen again
 whenever one is attached: ``OneOptimizer`` (none or one: it covers every segment, its multiplier is
 applied to whole gradient shards, its norm is the global norm) or ``SeveralOptimizers`` (disjoint
 parameters: each applies its own multiplier to its own segments, and stepping or zeroing one leaves
@@ -24,9 +24,9 @@ from lightning_zeroq.zero import access, comm, norms
 from lightning_zeroq.zero.build import Parts
 from lightning_zeroq.zero.gather import Gatherer
 from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
-from lightning_zeroq.zero.matrix import is_matrix_optimizer, step_matrices
+from lightning_zeroq.zero.optim.matrix import is_matrix_optimizer, step_matrices
 from lightning_zeroq.zero.offload.roles import Updater
-from lightning_zeroq.zero.optimizers import Binding, OneStep, bind_to_shards, hand_back, route_zero_grad
+from lightning_zeroq.zero.optim.binding import Binding, OneStep, bind_to_shards, hand_back, route_zero_grad
 from lightning_zeroq.zero.reducer import Agreement, Reducer, Window
 from lightning_zeroq.zero.unit import Unit
 
@@ -167,7 +167,7 @@ def step_in(one_step: OneStep, binding: Binding, units: Sequence[Unit], placemen
                 if used_ids[unit.param_id(seg.param)]:
                     view.grad = grad[seg.shard_span]
         with torch.profiler.record_function("zeroq.optimizer_step"):
-            if is_matrix_optimizer(binding.optimizer):  # Muon: each matrix whole (``matrix.py``)
+            if is_matrix_optimizer(binding.optimizer):  # Muon: each matrix whole (``optim/matrix.py``)
                 step_matrices(binding, batch, used_ids, gatherer.wire.group, gatherer.device)
             one_step.step()
         for unit in batch:

@@ -18,7 +18,7 @@ from lightning_zeroq.zero.offload.auto import AutoSplit
 from lightning_zeroq.zero.offload.device import OptimizerPlacement
 from lightning_zeroq.zero.offload.host import HostOptimizer
 from lightning_zeroq.zero.offload.split import SplitOptimizer
-from lightning_zeroq.zero.optimizers import Binding
+from lightning_zeroq.zero.optim.binding import Binding
 from lightning_zeroq.zero.policies import Auto, Buckets, Host, ModuleUnits, Nvme, OnDevice
 
 CPU = torch.device("cpu")

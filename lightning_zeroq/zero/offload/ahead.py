@@ -56,7 +56,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 
 from lightning_zeroq.zero.hooks import EagerHook, WeakHook
 from lightning_zeroq.zero.offload.host import HostOptimizer
-from lightning_zeroq.zero.optimizers import Binding, OneStep
+from lightning_zeroq.zero.optim.binding import Binding, OneStep
 from lightning_zeroq.zero.unit import METADATA, Unit
 
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
     from lightning_zeroq.zero.offload.stores import ShardStore
-    from lightning_zeroq.zero.optimizers import Binding
+    from lightning_zeroq.zero.optim.binding import Binding
 
 
 class OptimizerPlacement:

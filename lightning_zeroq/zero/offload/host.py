@@ -50,7 +50,7 @@ from lightning_zeroq.zero.offload.kernel import KernelSteps, set_host_step_threa
 from lightning_zeroq.zero.offload.stores import HostStore, host_copy
 from lightning_zeroq.zero.offload.landing import GradientLanding, wait_event
 from lightning_zeroq.zero.offload.speculate import Speculation
-from lightning_zeroq.zero.optimizers import Binding, adam_kind, prefer_fast_host_step
+from lightning_zeroq.zero.optim.binding import Binding, adam_kind, prefer_fast_host_step
 from lightning_zeroq.zero.unit import Unit
 
 

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from lightning_zeroq.ops.host_adam import HostAdam
 from lightning_zeroq.zero.offload.stores import host_copy
-from lightning_zeroq.zero.optimizers import Binding, adam_kind, kernel_group
+from lightning_zeroq.zero.optim.binding import Binding, adam_kind, kernel_group
 from lightning_zeroq.zero.unit import Unit
 
 

@@ -28,7 +28,7 @@ from torch import Tensor
 from lightning_zeroq.zero.unit import Unit
 
 if TYPE_CHECKING:
-    from lightning_zeroq.zero.optimizers import Binding
+    from lightning_zeroq.zero.optim.binding import Binding
 
 
 class Masters(Protocol):

@@ -47,7 +47,7 @@ from torch.optim.optimizer import _global_optimizer_pre_hooks
 from lightning_zeroq.swap.buffers import pinned_empty
 from lightning_zeroq.zero.layout import Segment
 from lightning_zeroq.zero.offload.kernel import KernelSteps
-from lightning_zeroq.zero.optimizers import adam_kind
+from lightning_zeroq.zero.optim.binding import adam_kind
 from lightning_zeroq.zero.unit import Unit
 
 PAUSE = 8

@@ -25,7 +25,7 @@ from lightning_zeroq.zero.layout import UnitLayout
 from lightning_zeroq.zero.offload.device import OptimizerPlacement
 from lightning_zeroq.zero.offload.stores import ShardStore
 from lightning_zeroq.zero.offload.host import HostOptimizer
-from lightning_zeroq.zero.optimizers import Binding
+from lightning_zeroq.zero.optim.binding import Binding
 from lightning_zeroq.zero.unit import Unit
 
 

@@ -50,7 +50,7 @@ def register_elementwise_optimizer(cls: type) -> type:
 
 
 def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
-    from lightning_zeroq.zero.matrix import matrix_optimizers  # Muon: elementwise but for whole matrices
+    from lightning_zeroq.zero.optim.matrix import matrix_optimizers  # Muon: elementwise but for whole matrices
 
     adafactor = getattr(torch.optim, "Adafactor", None)
     if adafactor is not None and isinstance(optimizer, adafactor):
