@@ -125,7 +125,7 @@ def replay(args: argparse.Namespace, gpt: dict) -> int:
     from lightning_zeroq import ZeroConfig, choose
     from lightning_zeroq.cli.gpt import GPTConfig
     from lightning_zeroq.cli.plan import gpt_on_meta
-    from lightning_zeroq.zero.plan import repeated_blocks
+    from lightning_zeroq.zero.unit_plan import repeated_blocks
     from lightning_zeroq.planning.estimate import Machine, plan_config, trace_activations
 
     rows = [json.loads(line) for line in Path(args.replay).read_text().splitlines() if line.strip()]

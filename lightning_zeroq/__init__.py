@@ -43,9 +43,9 @@ def gathered_parameters(module, writeback: bool = False):
     block changed. A module no engine shards is left as it is."""
     import contextlib
 
-    from lightning_zeroq.zero import access
+    from lightning_zeroq.zero import full_params
 
-    access.check_module("lightning_zeroq.gathered_parameters", module)
+    full_params.check_module("lightning_zeroq.gathered_parameters", module)
     engine = owning_engine(module)
     return engine.gathered_parameters(module, writeback) if engine is not None else contextlib.nullcontext()
 

@@ -151,7 +151,7 @@ ENGINE_MAX_ATTRIBUTES = 12
 
 
 def test_the_engine_is_a_facade_of_few_attributes():
-    # ZeroEngine keeps its public API over what ``build.py`` made (``parts``) and the ``update.Stepper``:
+    # ZeroEngine keeps its public API over what ``build.py`` made (``parts``) and the ``step.Stepper``:
     # a new feature lands in a part, not as one more attribute of the hub.
     attributes = _instance_attributes(_class(_tree("zero/engine.py"), "ZeroEngine"))
     assert len(attributes) <= ENGINE_MAX_ATTRIBUTES, sorted(attributes)
@@ -180,11 +180,11 @@ ROLE_TAKERS = {  # (file, function, parameter): the offload role it is typed wit
     ("zero/gather.py", "__init__", "masters"): "Masters",
     ("zero/wire.py", "sync", "placement"): "Masters",
     ("zero/wire.py", "encode", "placement"): "Masters",
-    ("zero/update.py", "run", "placement"): "Updater",
-    ("zero/update.py", "step_in", "placement"): "Updater",
-    ("zero/update.py", "apply_multiplier", "placement"): "Updater",
+    ("zero/step.py", "run", "placement"): "Updater",
+    ("zero/step.py", "step_in", "placement"): "Updater",
+    ("zero/step.py", "apply_multiplier", "placement"): "Updater",
 }
-WHOLE_PLACEMENT = frozenset({"zero/build.py", "zero/engine.py", "zero/update.py", "zero/state_dict.py"})
+WHOLE_PLACEMENT = frozenset({"zero/build.py", "zero/engine.py", "zero/step.py", "zero/state_dict.py"})
 """Who may hold the placement whole: the build, the facade, the stepper (its lifecycle: ``attach``,
 ``step_done``) and the state dict (``state_loaded``); and the offload package itself."""
 

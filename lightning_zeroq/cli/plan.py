@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 from lightning_zeroq.cli.gpt import GPTConfig, GPTModel
 from lightning_zeroq.zero.memory.host import available
-from lightning_zeroq.zero.plan import repeated_blocks
+from lightning_zeroq.zero.unit_plan import repeated_blocks
 from lightning_zeroq.planning.estimate import GIB, Machine, Need, plan_training
 
 

@@ -60,9 +60,9 @@ from lightning_zeroq.common.strategy import (
     stage3_meta_init,
 )
 from lightning_zeroq.checkpoint import engine_io
-from lightning_zeroq.zero import access, state_dict as zero_state
+from lightning_zeroq.zero import full_params, state_dict as zero_state
 from lightning_zeroq.common.watchdog import report_collective_failure
-from lightning_zeroq.zero.access import check_module
+from lightning_zeroq.zero.full_params import check_module
 from lightning_zeroq.zero.engine import ZeroEngine
 
 checkpoint_glue.install_load_from_checkpoint()
@@ -218,7 +218,7 @@ class ZeroQStrategy(DDPStrategy):
             self._unwrap_averaging()
             self._unwrap_averaging = gather_around_averaging(
                 trainer.callbacks, functools.partial(self.gathered_parameters, writeback=True),
-                loop_hooks=not access.module_holds_masters(self.engine.parts))
+                loop_hooks=not full_params.module_holds_masters(self.engine.parts))
         plugin.attach_engine(self.engine, self.root_device.type)
         plugin.convert_module(module)
         self.setup_precision_plugin()

@@ -39,10 +39,10 @@ from torch import Tensor, nn
 from lightning_zeroq.config import ZeroConfig, memory_budget
 from lightning_zeroq.planning import calibrate as calibration
 from lightning_zeroq.zero import comm
-from lightning_zeroq.zero import recompute as recompute_blocks
+from lightning_zeroq.zero import activation_checkpoint as recompute_blocks
 from lightning_zeroq.zero.offload.auto import MARGIN
 from lightning_zeroq.zero.memory.host import available, size
-from lightning_zeroq.zero.plan import repeated_blocks
+from lightning_zeroq.zero.unit_plan import repeated_blocks
 from lightning_zeroq.planning.estimate import Activations, ForwardError, Machine, Need, plan_config, trace_activations
 from lightning_zeroq.zero.policies import (AutoRequest, Chosen, Host, Nvme, OnDevice, as_auto, auto_request,
                                            from_config, resolve)

@@ -6,7 +6,7 @@ candidate ``ZeroConfig``:
 
 - *Device bytes* (peak allocated; reserved, which decides whether it fits, as a factor over it) are
   the engine's own kinds (``ZeroEngine.memory_report``), computed from the unit
-  layouts the engine would make for that configuration (``plan.plan``, ``unit.plan_layouts``): fp32
+  layouts the engine would make for that configuration (``unit_plan.plan``, ``unit.plan_layouts``): fp32
   masters and optimizer state of the units stepped on the device, the working weights of the
   persistent units, the stored shards of stage 3's transient units; then the largest of three moments
   of the step (``phases``): the loss's backward (every activation autograd saves, traced in one forward
@@ -53,7 +53,7 @@ from lightning_zeroq.zero.layout import ALIGN, UnitLayout
 from lightning_zeroq.zero.offload import host_units
 from lightning_zeroq.zero.memory.device import device_kinds, units_off_device
 from lightning_zeroq.zero.memory.host import engine_need, optimizer_need
-from lightning_zeroq.zero.plan import UnitSpec, plan, repeated_blocks
+from lightning_zeroq.zero.unit_plan import UnitSpec, plan, repeated_blocks
 from lightning_zeroq.zero.policies import Nvme, OnDevice, Policies, from_config
 from lightning_zeroq.zero.unit import plan_layouts, trainable_parameters
 from lightning_zeroq.zero.wire import Int8

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zeroq.zero import comm
-from lightning_zeroq.zero.plan import UnitSpec
+from lightning_zeroq.zero.unit_plan import UnitSpec
 
 
 def describe_plan(module: nn.Module, specs: Sequence[UnitSpec]) -> list[str]:

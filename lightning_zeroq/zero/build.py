@@ -1,7 +1,7 @@
 """The engine's parts, composed once in small named steps (``build``), as torchtitan's ``parallelize_*``
 composes ``apply_*``: each step takes what the earlier ones made and returns its own part; none reads
 the ``ZeroConfig`` (the policies are made from it first, ``policies.from_config``) and none receives
-the engine. ``ZeroEngine`` holds the result, ``Parts``, and the ``Stepper`` made on it (``update.py``).
+the engine. ``ZeroEngine`` holds the result, ``Parts``, and the ``Stepper`` made on it (``step.py``).
 
 1. ``_agree_and_plan``: every rank the same settings and unit plan, or one error on all (``agreement.py``);
    activation checkpointing applied; the host memory read before any rank allocates.
@@ -10,7 +10,7 @@ the engine. ``ZeroEngine`` holds the result, ``Parts``, and the ``Stepper`` made
    (``wire.py``) and, stage 3, where a transient unit's payload rests; checked against host memory.
 4. ``_units``: the module's parameters flattened into units, broadcast from rank 0, sharded, each
    published (stage 3: stored and freed) as it is built (``unit.py``, ``gather.py``).
-5. ``_hooks``: stage 3's module hooks (``stage3.py``), the asynchronous step (``offload/ahead.py``)
+5. ``_hooks``: stage 3's module hooks (``stage3.py``), the asynchronous step (``offload/async_step.py``)
    and the gradient hooks (``reducer.py``).
 """
 
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_zeroq.zero import comm, hybrid, loss_scaler, recompute
+from lightning_zeroq.zero import activation_checkpoint, comm, hybrid, loss_scaler
 from lightning_zeroq.zero.agreement import Agreement, describe_plan
 from lightning_zeroq.zero.gather import Gatherer
 from lightning_zeroq.zero.hybrid import Topology
@@ -32,9 +32,9 @@ from lightning_zeroq.zero.layout import UnitLayout
 from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
 from lightning_zeroq.zero.materialize import sync_replicated_state, target_device
 from lightning_zeroq.zero.offload import OptimizerPlacement, ShardStore, host_part, optimizer_placement, shard_store
-from lightning_zeroq.zero.offload.ahead import InStep, StepAhead
+from lightning_zeroq.zero.offload.async_step import InStep, StepAhead
 from lightning_zeroq.zero.memory.host import HostBudget
-from lightning_zeroq.zero.plan import UnitSpec, plan
+from lightning_zeroq.zero.unit_plan import UnitSpec, plan
 from lightning_zeroq.zero.policies import ModuleUnits, Policies
 from lightning_zeroq.zero.reducer import Reducer
 from lightning_zeroq.zero.stage3 import Stage3Coordinator
@@ -142,7 +142,7 @@ def _agree_and_plan(module: nn.Module, pol: Policies, param_dtype: torch.dtype, 
         agreed.settings.update(shard_group_size=hybrid.given(pol.sharding.group_size, ranks_per_node),
                                param_dtype=str(param_dtype), loss_scaling=str(loss_scaling))
         shard_size = hybrid.shard_group_size(pol.sharding.group_size, comm.world(group)[1], ranks_per_node)
-        recompute.apply(module, pol.recompute)
+        activation_checkpoint.apply(module, pol.recompute)
         specs = plan(module, trainable_parameters(module), pol.sharding.units)
         agreed.plan = describe_plan(module, specs)
         host_memory = HostBudget(pol.offload, ranks_per_node)  # read before any rank allocates
@@ -230,7 +230,7 @@ def _unit_names(module: nn.Module, units: list[Unit]) -> dict[int, str]:
 def _step_ahead(module: nn.Module, pol: Policies, topo: Topology, placed: _Placed, gatherer: Gatherer,
                 units: list[Unit], device: torch.device, param_dtype: torch.dtype) -> InStep:
     """How the host step runs: in the step, or (``offload_async_step``) beside the next forward
-    (``offload/ahead.py``), publishing on a process group of its own."""
+    (``offload/async_step.py``), publishing on a process group of its own."""
     host = host_part(placed.placement)
     if not pol.offload.asynchronous or host is None:
         return InStep()

@@ -2,7 +2,7 @@
 
 Built once per model by ``build.py`` (the ``ZeroConfig`` turned into frozen policies first,
 ``policies.py``; then the agreement and the unit plan, the groups, the placement, wire and store, the
-units, the hooks), into ``Parts``; ``update.Stepper`` owns the optimizer side of a step on them.
+units, the hooks), into ``Parts``; ``step.Stepper`` owns the optimizer side of a step on them.
 
 One optimizer step:
 
@@ -26,20 +26,20 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_zeroq.config import ZeroConfig
-from lightning_zeroq.zero import access, policies, state_dict
+from lightning_zeroq.zero import full_params, policies, state_dict
 from lightning_zeroq.zero.build import Parts, build
 from lightning_zeroq.zero.gather import Gatherer
 from lightning_zeroq.zero.hybrid import Topology
 from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
 from lightning_zeroq.zero.offload import OptimizerPlacement
-from lightning_zeroq.zero.offload.ahead import InStep
+from lightning_zeroq.zero.offload.async_step import InStep
 from lightning_zeroq.zero.memory.host import HostBudget
 from lightning_zeroq.zero.optim.binding import Binding
 from lightning_zeroq.zero.policies import Policies
 from lightning_zeroq.zero.reducer import Reducer, Window
 from lightning_zeroq.zero.stage3 import Stage3Coordinator
 from lightning_zeroq.zero.unit import Unit
-from lightning_zeroq.zero.update import Stepper
+from lightning_zeroq.zero.step import Stepper
 
 _ENGINES: "weakref.WeakSet[ZeroEngine]" = weakref.WeakSet()
 T = TypeVar("T")
@@ -85,7 +85,7 @@ class ZeroEngine:
             (default: where the module is). ranks_per_node: what ``shard_group_size="node"`` means here.
 
     The engine holds three things: the ``config`` it was given, the ``parts`` built from it
-    (``build.py``) and the ``stepper`` that owns the optimizer side of a step (``update.py``); every
+    (``build.py``) and the ``stepper`` that owns the optimizer side of a step (``step.py``); every
     other attribute below reads one of them.
     """
 
@@ -182,7 +182,7 @@ class ZeroEngine:
         self._check_active()
         # A write into the weights since the last step (a callback's, after it) becomes the masters here,
         # before a speculative host step reads them (fp32; else the step refuses it, ``Stepper.finalize``).
-        access.take_writes(self.parts)
+        full_params.take_writes(self.parts)
         self.parts.reducer.begin_backward(boundary)
 
     def _check_active(self) -> None:
@@ -206,7 +206,7 @@ class ZeroEngine:
     def loss_scale(self) -> float:
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
 
-    # ------------------------------------------------------------------ step (``update.Stepper``)
+    # ------------------------------------------------------------------ step (``step.Stepper``)
 
     def finalize_gradients(self, optimizer: Optional[torch.optim.Optimizer] = None) -> bool:
         """Complete this window's gradient shards. Returns True if ``optimizer``'s step must be skipped:
@@ -296,16 +296,16 @@ class ZeroEngine:
     def gathered_parameters(self, module: Optional[nn.Module] = None,
                             writeback: bool = False) -> contextlib.AbstractContextManager:
         """Collective context manager: the full fp32 parameters of ``module`` (default: all) as plain
-        tensors inside; ``writeback=True`` keeps what was changed. See ``access.py``."""
-        access.check_module("ZeroEngine.gathered_parameters", module, optional=True)
-        return access.gathered_parameters(self.parts, module, writeback)
+        tensors inside; ``writeback=True`` keeps what was changed. See ``full_params.py``."""
+        full_params.check_module("ZeroEngine.gathered_parameters", module, optional=True)
+        return full_params.gathered_parameters(self.parts, module, writeback)
 
     def release_module(self, dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None) -> None:
         """Collective: hand the module back as a plain module with the trained parameters (see
-        ``access.py``) and each optimizer bound to its parameters again (``hand_back``); the engine keeps
+        ``full_params.py``) and each optimizer bound to its parameters again (``hand_back``); the engine keeps
         its master shards and optimizer state (in a twin of the optimizer) for state dicts."""
         if not self.parts.retired:
-            access.release_module(self.parts, dtype, device)
+            full_params.release_module(self.parts, dtype, device)
             self.hand_back_optimizers()
             self.parts.retired = True
 

@@ -163,7 +163,7 @@ class Policies:
     ineffective: tuple[str, ...]
     """One sentence per setting that cannot take effect (the engine warns about each once)."""
     recompute: tuple[str, ...] = ()
-    """Class names of the modules that recompute their forward in the backward (``recompute.py``)."""
+    """Class names of the modules that recompute their forward in the backward (``activation_checkpoint.py``)."""
     settings: tuple[tuple[str, str], ...] = ()
     """``(field, repr of its value)`` of every field that must be the same on every rank."""
 

@@ -83,7 +83,7 @@ class Agreement(NamedTuple):
     """Units whose reduced gradient shard holds inf or NaN on some rank (empty: all finite)."""
     written: list[int] = []
     """Parameter ids some rank wrote into in place since the last step where the masters cannot take it
-    (``access.take_writes``): the step refuses them."""
+    (``full_params.take_writes``): the step refuses them."""
     writing_ranks: list[int] = []
     """The ranks that made those writes."""
 
@@ -294,7 +294,7 @@ class Reducer:
     def _materialize(self, all_units: bool = False) -> None:
         """The fp32 gradient shard of every unit the optimizer steps on the device (``all_units``: of
         every unit) exists and holds the window's gradient. A unit stepped on the host has its gradient
-        copied there instead (``offload/landing.py``), never widened here.
+        copied there instead (``offload/host_grads.py``), never widened here.
 
         Made on the compute stream, once the reductions are done: its blocks then come from the compute
         stream's pool, where the backward has just freed the activations, and the reduced parts waiting in

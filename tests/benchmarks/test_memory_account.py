@@ -35,7 +35,7 @@ GATHER = [frame(f"{REPO}/lightning_zeroq/zero/unit.py", "restore_storage", 133),
 LINEAR = [frame(SITE + "torch/nn/modules/linear.py", "forward", 134),
           frame(SITE + "torch/nn/modules/module.py", "_call_impl", 1790), STEP, LOOP]
 OPTIM = [frame(SITE + "torch/optim/adamw.py", "_init_group", 120),
-         frame(f"{REPO}/lightning_zeroq/zero/update.py", "run", 80), LOOP]
+         frame(f"{REPO}/lightning_zeroq/zero/step.py", "run", 80), LOOP]
 TOKENS = [LOOP]
 MARK = [frame(f"{REPO}/benchmarks/memory_account.py", "_mark_steps", 250), LOOP]
 

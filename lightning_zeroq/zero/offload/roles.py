@@ -4,7 +4,7 @@ A placement (``device.OptimizerPlacement`` and the placements built on it: host,
 decides where the fp32 master shards and the optimizer state live and where the update runs. The
 engine's parts never see the whole placement: each takes the one role it calls, as FSDP2 keeps its
 parameter, its group's collectives and its hooks apart. Only the build (``build.py``) and the
-optimizer side of the step (``update.Stepper``) hold the placement whole, for its lifecycle
+optimizer side of the step (``step.Stepper``) hold the placement whole, for its lifecycle
 (``adopt_master``, ``store_built``, ``attach``, ``state_loaded``, ``optimizer_replaced``,
 ``step_done``, ``close``).
 
@@ -12,7 +12,7 @@ optimizer side of the step (``update.Stepper``) hold the placement whole, for it
 |---|---|---|
 | ``Masters`` | ``gather.Gatherer``, ``wire.Wire``, ``access``, ``state_dict`` | where a master is read and written |
 | ``Gradients`` | ``reducer.Reducer`` | where a reduced gradient shard lands, when it may be released |
-| ``Updater`` | ``update.run`` / ``update.step_in`` | in which batches units step, who steps them, what gradient they read |
+| ``Updater`` | ``step.run`` / ``step.step_in`` | in which batches units step, who steps them, what gradient they read |
 
 ``tests/test_architecture.py`` checks that each taker is typed with its role, and mypy that it calls
 nothing else.

@@ -270,7 +270,7 @@ class OneStep:
 
 def route_zero_grad(optimizer: torch.optim.Optimizer, engine: object) -> None:
     """Make ``optimizer.zero_grad()`` drop the engine's gradients too (``engine``: what owns them and has
-    ``zero_grad(optimizer)``, the engine's ``update.Stepper``) (they live in its shards, and a
+    ``zero_grad(optimizer)``, the engine's ``step.Stepper``) (they live in its shards, and a
     user's ``zero_grad()`` between backward passes must drop them as it drops ``p.grad`` with DDP),
     however it is called: on the optimizer, or on a Lightning or Fabric wrapper, which subclasses the
     optimizer's class and so finds this ``zero_grad`` first. The optimizer's class becomes a subclass of

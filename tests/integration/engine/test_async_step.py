@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zeroq import ZeroConfig, ZeroEngine
-from lightning_zeroq.zero.offload.ahead import StepAhead
+from lightning_zeroq.zero.offload.async_step import StepAhead
 from tests.integration.engine.test_offload import TwoHeads, _loss
 from tests.integration.engine.test_speculative import _same
 

@@ -316,12 +316,12 @@ def _copy_stream_body(boundary, idle: bool, in_flight: int = 100) -> tuple[list,
     (``idle``: each finished before the next unit's reduction), the others at finalize; on the
     copy stream, one event per unit; the step reads a unit's host gradient only after its event; a
     window dropped after its copies were issued makes the compute stream wait for them before the
-    device shards are zeroed. ``in_flight``: ``landing.IN_FLIGHT`` (the copies a backward keeps
+    device shards are zeroed. ``in_flight``: ``host_grads.IN_FLIGHT`` (the copies a backward keeps
     running before the host waits for the oldest)."""
     from contextlib import nullcontext
 
     from lightning_zeroq.zero import comm
-    from lightning_zeroq.zero.offload import landing
+    from lightning_zeroq.zero.offload import host_grads
 
     log: list = []
 
@@ -349,7 +349,7 @@ def _copy_stream_body(boundary, idle: bool, in_flight: int = 100) -> tuple[list,
             return idle
 
     real = (torch.cuda.Event, torch.cuda.current_stream, torch.cuda.stream, comm.side_stream)
-    real_in_flight, landing.IN_FLIGHT = landing.IN_FLIGHT, in_flight
+    real_in_flight, host_grads.IN_FLIGHT = host_grads.IN_FLIGHT, in_flight
     torch.cuda.Event, torch.cuda.current_stream = Event, (lambda device=None: Stream())
     torch.cuda.stream, comm.side_stream = (lambda stream: nullcontext()), (lambda device: Stream())
     try:
@@ -375,7 +375,7 @@ def _copy_stream_body(boundary, idle: bool, in_flight: int = 100) -> tuple[list,
         return during_backward, issued, stepped, log[n:], n
     finally:
         torch.cuda.Event, torch.cuda.current_stream, torch.cuda.stream, comm.side_stream = real
-        landing.IN_FLIGHT = real_in_flight
+        host_grads.IN_FLIGHT = real_in_flight
 
 
 @pytest.mark.parametrize("boundary, idle", [(True, True), (True, False), (None, True)],

@@ -34,7 +34,7 @@ SCRIPT = ["plain", "plain", "clip_idle", "accumulate", "state_read", "zero_grad_
 
 def _drain() -> None:
     """Make ``Speculation.stop`` wait until every unit offered so far has been stepped."""
-    from lightning_zeroq.zero.offload.speculate import Speculation
+    from lightning_zeroq.zero.offload.speculative_step import Speculation
 
     def stop(self) -> None:
         with self._cv:
@@ -243,7 +243,7 @@ def test_the_speculation_worker_steps_the_newest_landed_unit_first():
     """Among the units offered, the newest whose gradient is on the host; the oldest when none is."""
     from types import SimpleNamespace
 
-    from lightning_zeroq.zero.offload.speculate import Speculation
+    from lightning_zeroq.zero.offload.speculative_step import Speculation
 
     landed = {2, 1}
     spec = Speculation(None, lambda unit: None, lambda index: None, lambda index: index in landed)  # type: ignore[arg-type]

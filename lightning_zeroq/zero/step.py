@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_zeroq.zero import access, comm, norms
+from lightning_zeroq.zero import full_params, comm, norms
 from lightning_zeroq.zero.build import Parts
 from lightning_zeroq.zero.gather import Gatherer
 from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
@@ -222,12 +222,12 @@ class Stepper:
         if parts.reducer.window is not Window.FINALIZED:
             # Before anything reads the masters: a write into the weights since the last step becomes them
             # (fp32), or is agreed on in the finalize below and refused on every rank.
-            parts.reducer.written.update(access.take_writes(parts))
+            parts.reducer.written.update(full_params.take_writes(parts))
             with torch.profiler.record_function("zeroq.finalize"):
                 agreement = parts.reducer.finalize()
             if agreement.written:
                 parts.reducer.clear()  # the masters are untouched and the engine usable (a caller may go on)
-                raise RuntimeError(access.refused_writes(parts, agreement.written, agreement.writing_ranks))
+                raise RuntimeError(full_params.refused_writes(parts, agreement.written, agreement.writing_ranks))
             self.base = 1.0 / parts.loss_scaler.scale if parts.loss_scaler is not None else 1.0
             for one in [*self.attached.bindings, self.everything]:
                 one.multiplier, one.skip = self.base, None

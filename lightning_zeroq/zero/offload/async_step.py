@@ -8,7 +8,7 @@ while the device waits, and the next forward waits for its end. Its first unit's
 long before that.
 
 How. At ``step()``, on the calling thread, each unit of the optimizer is prepared in forward order
-(unit 0 first, the one the forward needs first): a speculative step of it is kept (``speculate.py``;
+(unit 0 first, the one the forward needs first): a speculative step of it is kept (``speculative_step.py``;
 the units speculation has not started yet are taken over here), or its kernel jobs are built (state made, step counts advanced, the gradient multiplier taken; see
 ``HostOptimizer.step_later``). A worker thread then runs the jobs unit by unit, the first unit in
 forward order whose gradient has landed on the host (so the host never waits while there is work; the
