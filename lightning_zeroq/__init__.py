@@ -21,7 +21,7 @@ from lightning_zeroq.planning.choose import choose
 from lightning_zeroq.zero.optim.matrix import MatrixRule, register_matrix_optimizer
 from lightning_zeroq.zero.optim.binding import register_elementwise_optimizer
 from lightning_zeroq.planning.estimate import Machine
-from lightning_zeroq.planning.estimate import plan_training as plan
+from lightning_zeroq.planning.estimate import estimate_training as plan
 
 ZeroQStrategy.register_strategies(StrategyRegistry)
 ZeroQFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)

@@ -212,7 +212,7 @@ def test_each_part_takes_only_the_offload_role_it_calls():
         if where in WHOLE_PLACEMENT or where.startswith("zero/offload/"):
             continue
         whole += [f"{where}: {fn}({arg}: {ann})" for fn, arg, ann in _annotations(ast.parse(path.read_text()))
-                  if "OptimizerPlacement" in ann]
+                  if "OptimizerHome" in ann]
     assert not whole, whole
 
 

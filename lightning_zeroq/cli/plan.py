@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from lightning_zeroq.cli.gpt import GPTConfig, GPTModel
 from lightning_zeroq.zero.memory.host import available
 from lightning_zeroq.zero.unit_plan import repeated_blocks
-from lightning_zeroq.planning.estimate import GIB, Machine, Need, plan_training
+from lightning_zeroq.planning.estimate import GIB, Machine, Need, estimate_training
 
 
 RUNTIME_HOST_GIB = 0.6
@@ -416,7 +416,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(f"calibrated here: a process's CUDA runtime and libraries hold {runtime / GIB:.2f} GiB of host "
                       "memory", flush=True)
     try:
-        needs = plan_training(model, forward, tokens=count, world_size=args.world_size, machine=machine,
+        needs = estimate_training(model, forward, tokens=count, world_size=args.world_size, machine=machine,
                               configs=configs, nvme_path=args.nvme_path, param_dtype=dtype, calibrate_on=device)
     except SystemExit as stop:
         parser.error(f"{what}: the forward called sys.exit({stop.code!r}); the plan needs it to return the loss")

@@ -31,8 +31,8 @@ from lightning_zeroq.zero.build import Parts, build
 from lightning_zeroq.zero.gather import Gatherer
 from lightning_zeroq.zero.hybrid import Topology
 from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
-from lightning_zeroq.zero.offload import OptimizerPlacement
-from lightning_zeroq.zero.offload.async_step import InStep
+from lightning_zeroq.zero.offload import OptimizerHome
+from lightning_zeroq.zero.offload.async_step import SyncHostStep
 from lightning_zeroq.zero.memory.host import HostBudget
 from lightning_zeroq.zero.optim.binding import Binding
 from lightning_zeroq.zero.policies import Policies
@@ -114,11 +114,11 @@ class ZeroEngine:
     param_dtype: _OfParts[torch.dtype] = _OfParts()
     device: _OfParts[torch.device] = _OfParts()
     units: _OfParts[list[Unit]] = _OfParts()
-    placement: _OfParts[OptimizerPlacement] = _OfParts()
+    placement: _OfParts[OptimizerHome] = _OfParts()
     gatherer: _OfParts[Gatherer] = _OfParts()
     reducer: _OfParts[Reducer] = _OfParts()
     stage3: _OfParts[Optional[Stage3Coordinator]] = _OfParts()
-    ahead: _OfParts[InStep] = _OfParts()
+    host_step: _OfParts[SyncHostStep] = _OfParts()
     host_memory: _OfParts[HostBudget] = _OfParts()
     loss_scaler: _OfParts[Optional[DynamicLossScaler]] = _OfParts()
     topology: _OfParts[Topology] = _OfParts()
@@ -248,7 +248,7 @@ class ZeroEngine:
         gradients waits by itself (the host placement's ``settle``: state dicts, checkpoints, the next
         backward, the next step), and a module's forward waits for its own parameters; code that reads
         a parameter's tensor otherwise between a step and the next forward calls this first."""
-        self.parts.ahead.drain()
+        self.parts.host_step.drain()
 
     def zero_grad(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         """Drop this window's gradients (of ``optimizer``'s parameters, when several are attached)."""
@@ -317,7 +317,7 @@ class ZeroEngine:
         says the state is released (NVMe's masters were in the swap files): a save refuses it."""
         parts = self.parts
         parts.closed = True
-        parts.ahead.close()
+        parts.host_step.close()
         parts.reducer.close()
         parts.placement.close()
         parts.gatherer.close()

@@ -72,7 +72,7 @@ class Window(enum.Enum):
     FINALIZED = "finalized"
 
 
-class Agreement(NamedTuple):
+class WindowVerdict(NamedTuple):
     """What every rank agreed on in ``finalize``."""
 
     used: Tensor
@@ -143,7 +143,7 @@ class Reducer:
         self.rank, self.world_size = comm.world(group)
         self.num_params = sum(len(u.params) for u in units)
         self.window = Window.EMPTY
-        self.agreement: Optional[Agreement] = None
+        self.agreement: Optional[WindowVerdict] = None
         self._where = {id(p): (u, i) for u in units for i, p in enumerate(u.params)}
         self._order = list(reversed(units))
         self._completed: list[int] = []
@@ -254,7 +254,7 @@ class Reducer:
         """The compute stream waits for the reductions issued so far."""
         self._stream.join()
 
-    def finalize(self) -> Agreement:
+    def finalize(self) -> WindowVerdict:
         """Complete this window's gradient shards and agree on them with every rank (idempotent)."""
         if self.window is Window.FINALIZED:
             assert self.agreement is not None
@@ -274,7 +274,7 @@ class Reducer:
         ranks = [r for r in range(self.world_size) if nonfinite[len(self.units) + r]]
         units = [i for i in range(len(self.units)) if nonfinite[i]]
         writers = [r for r in range(self.world_size) if written[self.num_params + r]]
-        self.agreement = Agreement(used, ranks, units, [i for i in range(self.num_params) if written[i]], writers)
+        self.agreement = WindowVerdict(used, ranks, units, [i for i in range(self.num_params) if written[i]], writers)
         self.window = Window.FINALIZED
         if not self._order_agreed:
             self._agree_order()

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from lightning_zeroq.zero import full_params, comm
 from lightning_zeroq.zero.build import Parts
 from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
-from lightning_zeroq.zero.offload import OptimizerPlacement
+from lightning_zeroq.zero.offload import OptimizerHome
 from lightning_zeroq.zero.offload.nvme import per_element_state_keys
 from lightning_zeroq.zero.policies import Nvme
 from lightning_zeroq.zero.unit import Unit
@@ -238,7 +238,7 @@ class ShardedView:
         if target is not None:
             target.state.clear()
             parts.placement.state_loaded(target)  # before the walk: NVMe writes the new state as it goes
-        at_once = type(parts.placement).resident is OptimizerPlacement.resident
+        at_once = type(parts.placement).resident is OptimizerHome.resident
         batch: list[Unit] = []
         for unit in parts.placement.resident(parts.units):
             batch.append(unit)

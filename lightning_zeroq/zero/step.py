@@ -27,13 +27,13 @@ from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
 from lightning_zeroq.zero.optim.matrix import is_matrix_optimizer, step_matrices
 from lightning_zeroq.zero.offload.roles import Updater
 from lightning_zeroq.zero.optim.binding import Binding, OneStep, bind_to_shards, hand_back, route_zero_grad
-from lightning_zeroq.zero.reducer import Agreement, Reducer, Window
+from lightning_zeroq.zero.reducer import Reducer, Window, WindowVerdict
 from lightning_zeroq.zero.unit import Unit
 
 log = logging.getLogger("lightning_zeroq")
 
 
-def decide_nonfinite(agreement: Agreement, bad_units: list[int], *, scaler: Optional[DynamicLossScaler],
+def decide_nonfinite(agreement: WindowVerdict, bad_units: list[int], *, scaler: Optional[DynamicLossScaler],
                      action: str, step: int, names: str, rank: int) -> bool:
     """True: skip this step (fp16 overflow, or ``action == "skip"``); raises for ``"error"``."""
     where = f"on rank(s) {agreement.nonfinite_ranks}, in the gradients of {names}"
@@ -207,7 +207,7 @@ class Stepper:
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """See ``ZeroEngine.attach_optimizer``."""
         parts = self.parts
-        parts.ahead.drain()  # the pending step's jobs belong to the binding replaced here
+        parts.host_step.drain()  # the pending step's jobs belong to the binding replaced here
         binding = bind_to_shards(optimizer, parts.module, parts.units)
         kept = [b for b in self.attached.bindings if not b.param_ids & binding.param_ids]
         self.attached = attached(kept + [binding], self.everything)
@@ -294,9 +294,9 @@ class Stepper:
 
     def _run(self, binding: Binding, used: Tensor) -> None:
         parts, placement = self.parts, self.parts.placement
-        if parts.ahead.takes(binding, len(self.attached.bindings) > 1):  # device units first, in the step
+        if parts.host_step.takes(binding, len(self.attached.bindings) > 1):  # device units first, in the step
             ids, on_device = used.tolist(), [u for u in parts.units if placement.master_on_device(u.index)]
-            parts.ahead.run(binding, ids, lambda one: step_in(one, binding, on_device, placement, parts.gatherer, ids))
+            parts.host_step.run(binding, ids, lambda one: step_in(one, binding, on_device, placement, parts.gatherer, ids))
         else:
             run(binding, parts.units, placement, parts.gatherer, used)
 

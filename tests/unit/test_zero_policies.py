@@ -13,9 +13,9 @@ import torch
 
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.zero import accumulate, policies, step
-from lightning_zeroq.zero.offload import optimizer_placement
+from lightning_zeroq.zero.offload import optimizer_home
 from lightning_zeroq.zero.offload.auto import AutoSplit
-from lightning_zeroq.zero.offload.device import OptimizerPlacement
+from lightning_zeroq.zero.offload.device import OptimizerHome
 from lightning_zeroq.zero.offload.host import HostOptimizer
 from lightning_zeroq.zero.offload.split import SplitOptimizer
 from lightning_zeroq.zero.optim.binding import Binding
@@ -70,14 +70,14 @@ def test_loss_scaling_and_quantization_policies():
 
 
 @pytest.mark.parametrize("offload, placement", [
-    (OnDevice(), OptimizerPlacement), (Host(1.0), HostOptimizer), (Host(0.5), SplitOptimizer), (Auto(None), AutoSplit),
+    (OnDevice(), OptimizerHome), (Host(1.0), HostOptimizer), (Host(0.5), SplitOptimizer), (Auto(None), AutoSplit),
 ])
 def test_offload_policy_chooses_the_placement(offload, placement):
     from lightning_zeroq.zero.unit import plan_layouts
     from lightning_zeroq.zero.unit_plan import UnitSpec
 
     specs = [UnitSpec([torch.nn.Parameter(torch.zeros(n))], None, True) for n in (64, 32)]
-    chosen = optimizer_placement(offload, CPU, torch.bfloat16, 0, 1, plan_layouts(specs, 1, 8))
+    chosen = optimizer_home(offload, CPU, torch.bfloat16, 0, 1, plan_layouts(specs, 1, 8))
     assert type(chosen) is placement
 
 

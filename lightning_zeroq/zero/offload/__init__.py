@@ -6,11 +6,11 @@ branches on the offload mode itself.
 
 | config | optimizer placement | stage-3 shard store |
 |---|---|---|
-| no offload | ``device.OptimizerPlacement`` | full width: ``stores.MasterAlias`` (fp32) or ``stores.CastMaster`` (bf16/fp16); INT8: ``stores.DeviceStore`` |
+| no offload | ``device.OptimizerHome`` | full width: ``stores.MasterAlias`` (fp32) or ``stores.CastMaster`` (bf16/fp16); INT8: ``stores.DeviceStore`` |
 | ``offload_optimizer`` (cpu) | ``host.HostOptimizer`` | ``stores.DeviceStore`` |
 | ``offload_optimizer`` (cpu), ``0 < offload_optimizer_ratio < 1`` | ``split.SplitOptimizer`` | full width: ``stores.SplitStore`` (as no offload for the units whose master stays on the device, ``stores.DeviceStore`` for the others); INT8: ``stores.DeviceStore`` |
 | ``offload_optimizer`` (cpu), ``offload_optimizer_ratio="auto"`` | ``auto.AutoSplit`` (a ``SplitOptimizer`` that starts with every unit on the host and brings back what fits after the first step) | full width: ``stores.SplitStore`` with every unit off the device at first; a unit brought back gathers from its master from then on, as with a ratio, its payload dropped; INT8: ``stores.DeviceStore`` |
-| ``offload_optimizer`` (cpu), ``offload_optimizer_ratio=0`` | ``device.OptimizerPlacement`` | as no offload |
+| ``offload_optimizer`` (cpu), ``offload_optimizer_ratio=0`` | ``device.OptimizerHome`` | as no offload |
 | ``offload_optimizer_device="nvme"`` | ``nvme.NvmeOptimizer`` | ``stores.DeviceStore`` |
 | ``offload_parameters`` (cpu) | | ``stores.HostStore`` |
 | ``offload_params_device="nvme"`` | | ``nvme.NvmeStore`` |
@@ -25,7 +25,7 @@ stay on the device.
 
 ``SplitOptimizer`` (partial offload) holds a ``host.HostOptimizer`` for the units ``split.host_units``
 picks (largest first, or last first with speculative or asynchronous steps, until their parameter
-elements reach the ratio) and a ``device.OptimizerPlacement``
+elements reach the ratio) and a ``device.OptimizerHome``
 for the rest, and hands each call for a unit to its owner.
 
 The generic swap space the NVMe placements build on is ``lightning_zeroq.swap``.
@@ -39,24 +39,24 @@ import torch
 
 from lightning_zeroq.zero.layout import UnitLayout
 from lightning_zeroq.zero.offload.auto import AutoSplit
-from lightning_zeroq.zero.offload.device import OptimizerPlacement
+from lightning_zeroq.zero.offload.device import OptimizerHome
 from lightning_zeroq.zero.offload.stores import CastMaster, DeviceStore, HostStore, MasterAlias, ShardStore, SplitStore
 from lightning_zeroq.zero.offload.host import HostOptimizer
 from lightning_zeroq.zero.offload.nvme import NvmeOptimizer, NvmeStore
 from lightning_zeroq.zero.offload.split import SplitOptimizer, host_units
 from lightning_zeroq.zero.policies import Auto, Host, Nvme, OnDevice
 
-__all__ = ["OptimizerPlacement", "ShardStore", "SplitOptimizer", "host_part", "host_units", "optimizer_placement",
+__all__ = ["OptimizerHome", "ShardStore", "SplitOptimizer", "host_part", "host_units", "optimizer_home",
            "shard_store"]
 
 
-def optimizer_placement(
+def optimizer_home(
     policy: Union[OnDevice, Host, Nvme, Auto], device: torch.device, param_dtype: torch.dtype, rank: int,
     world_size: int, layouts: Sequence[UnitLayout], speculative: bool = False,
-) -> OptimizerPlacement:
+) -> OptimizerHome:
     """Where masters and optimizer state live (``Offload.optimizer``; ``speculative``: ``Offload.speculative``)."""
     if isinstance(policy, OnDevice):
-        return OptimizerPlacement(device)
+        return OptimizerHome(device)
     if isinstance(policy, Nvme):
         on_disk = None if policy.ratio == 1.0 else host_units(layouts, policy.ratio)
         return NvmeOptimizer(device, param_dtype, world_size, nvme_path=policy.path, rank=rank, on_disk=on_disk)
@@ -68,7 +68,7 @@ def optimizer_placement(
     return SplitOptimizer(device, host, host_units(layouts, policy.ratio, policy.last_first))
 
 
-def host_part(placement: OptimizerPlacement) -> Optional[HostOptimizer]:
+def host_part(placement: OptimizerHome) -> Optional[HostOptimizer]:
     """The part of ``placement`` that steps units on the host, if any: the whole of a ``HostOptimizer``
     (NVMe's too), the host half of a fixed ``SplitOptimizer``; None for ``"auto"`` (its units move after
     the first step) and without offload."""

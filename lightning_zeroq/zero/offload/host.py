@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from lightning_zeroq.ops.host_adam import host_adam
-from lightning_zeroq.zero.offload.device import OptimizerPlacement
+from lightning_zeroq.zero.offload.device import OptimizerHome
 from lightning_zeroq.zero.offload.stores import ShardStore, copy_cast_to_device
 from lightning_zeroq.zero.offload.host_kernel import KernelSteps, set_host_step_threads
 from lightning_zeroq.zero.offload.stores import HostStore, host_copy
@@ -54,7 +54,7 @@ from lightning_zeroq.zero.optim.binding import Binding, adam_kind, prefer_fast_h
 from lightning_zeroq.zero.unit import Unit
 
 
-class HostOptimizer(OptimizerPlacement):
+class HostOptimizer(OptimizerHome):
     """Masters and optimizer state in host memory; the step runs on the CPU, unit by unit."""
 
     def __init__(self, device: torch.device, param_dtype: torch.dtype, world_size: int,
@@ -80,7 +80,7 @@ class HostOptimizer(OptimizerPlacement):
         self._shared: dict[int, Tensor] = {}
 
     def settle_with(self, drain: Callable[[], None]) -> None:
-        """An asynchronous step (``async_step.StepAhead``) registers the wait for its work: ``settle`` calls it."""
+        """An asynchronous step (``async_step.AsyncHostStep``) registers the wait for its work: ``settle`` calls it."""
         self._drain = drain
 
     def settle(self) -> None:
@@ -217,7 +217,7 @@ class HostOptimizer(OptimizerPlacement):
         ``unit`` (its state made, its step counts advanced, the multiplier it owes taken, as
         ``step_batch`` would) and the event of its gradient's copy to the host, which the worker waits
         for before running them; no jobs where a speculative step of it stands (kept here)."""
-        assert self.kernel is not None  # StepAhead.takes checked it
+        assert self.kernel is not None  # AsyncHostStep.takes checked it
         index = unit.index
         self.wait_device_reads(index)
         self.kernel.fresh.discard(index)  # until the worker has run the jobs (``KernelSteps.stepped``)

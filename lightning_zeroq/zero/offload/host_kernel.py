@@ -78,7 +78,7 @@ class KernelSteps:
         if self.param_dtype == torch.bfloat16:
             self.working.update({i: b for i, b in buffers.items() if b.dtype == torch.bfloat16})
 
-    def plan(self, batch: Sequence[Unit], binding: Any) -> Optional[dict[int, dict[str, Any]]]:
+    def kernel_args(self, batch: Sequence[Unit], binding: Any) -> Optional[dict[int, dict[str, Any]]]:
         """Each segment view's kernel arguments (by the view's id) if the kernel steps ``batch``, else
         None. ``binding``: a ``Binding``, or anything with its ``optimizer`` and ``optimized``."""
         optimizer = binding.optimizer
@@ -108,7 +108,7 @@ class KernelSteps:
         """Step ``batch`` (True), or leave it (False: ``plan`` says the kernel does not take it). ``used``:
         per parameter id, whether any rank gave it a gradient; ``grad_of``: a unit's host gradient (fp32
         or bf16) once it has landed; ``multiplier_of``: the multiplier it still owes."""
-        hypers = self.plan(batch, binding)
+        hypers = self.kernel_args(batch, binding)
         if hypers is None:
             return False
         jobs = []

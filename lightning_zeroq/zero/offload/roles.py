@@ -1,6 +1,6 @@
 """The roles an optimizer placement plays, one per phase of a step, and who takes which.
 
-A placement (``device.OptimizerPlacement`` and the placements built on it: host, NVMe, split, auto)
+A placement (``device.OptimizerHome`` and the placements built on it: host, NVMe, split, auto)
 decides where the fp32 master shards and the optimizer state live and where the update runs. The
 engine's parts never see the whole placement: each takes the one role it calls, as FSDP2 keeps its
 parameter, its group's collectives and its hooks apart. Only the build (``build.py``) and the

@@ -205,7 +205,7 @@ class Speculation:
 
     def hand_over(self) -> None:
         """No more units, and those not started are the caller's to step: an asynchronous step's
-        (``async_step.StepAhead.run``, in forward order), or the usual step's (``stop``). The one being
+        (``async_step.AsyncHostStep.run``, in forward order), or the usual step's (``stop``). The one being
         stepped finishes here (``keep`` waits for it)."""
         with self._cv:
             self._accepting = False
@@ -242,7 +242,7 @@ class Speculation:
         same = (not record.stale and not owed and binding.optimizer is self._optimizer
                 and [id(v) for v, _ in binding.optimized[unit.index]] == [id(v) for v, _ in record.pairs]
                 and all(used[unit.param_id(seg.param)] for _, seg in record.pairs)
-                and self.steps.plan([unit], binding) == record.hypers)
+                and self.steps.kernel_args([unit], binding) == record.hypers)
         if same:
             self._swap_in(record)
             self.steps.stepped(unit.index)
@@ -321,7 +321,7 @@ class Speculation:
         assert optimizer is not None  # set by open() before any offer is taken
         binding = _AllSegments(optimizer, unit)
         pairs = binding.optimized[unit.index]
-        hypers = self.steps.plan([unit], binding)
+        hypers = self.steps.kernel_args([unit], binding)
         if hypers is None or not all(optimizer.state.get(view) for view, _ in pairs):
             return None  # the first step makes the state: never speculated
         began = time.perf_counter()

@@ -9,7 +9,7 @@ import torch
 
 from lightning_zeroq import ZeroConfig, ZeroEngine
 from lightning_zeroq.zero.layout import UnitLayout, make_layout
-from lightning_zeroq.zero.offload import OptimizerPlacement, SplitOptimizer, host_units
+from lightning_zeroq.zero.offload import OptimizerHome, SplitOptimizer, host_units
 from lightning_zeroq.zero.offload.stores import MasterAlias
 from lightning_zeroq.zero.offload.host import HostOptimizer
 from lightning_zeroq.zero.policies import ineffective
@@ -91,7 +91,7 @@ def test_engine_offloads_the_documented_units(ratio: float, expected: set[int]) 
 
 
 def test_ratio_0_and_1_are_no_offload_and_full_offload() -> None:
-    assert type(_engine(0.0).placement) is OptimizerPlacement
+    assert type(_engine(0.0).placement) is OptimizerHome
     assert type(_engine(1.0).placement) is HostOptimizer
     assert isinstance(_engine(0.0, stage=3).gatherer.store, MasterAlias)  # as without offload
     assert not isinstance(_engine(0.5, stage=3).gatherer.store, MasterAlias)
