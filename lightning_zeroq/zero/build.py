@@ -31,7 +31,9 @@ from lightning_zeroq.zero.hybrid import Topology
 from lightning_zeroq.zero.layout import UnitLayout
 from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
 from lightning_zeroq.zero.materialize import sync_replicated_state, target_device
-from lightning_zeroq.zero.offload import OptimizerHome, ShardStore, host_part, optimizer_home, shard_store
+from lightning_zeroq.zero.offload.device import OptimizerHome
+from lightning_zeroq.zero.offload.select import host_part, optimizer_home, shard_store
+from lightning_zeroq.zero.offload.stores import ShardStore
 from lightning_zeroq.zero.offload.async_step import SyncHostStep, AsyncHostStep
 from lightning_zeroq.zero.memory.host import HostBudget
 from lightning_zeroq.zero.unit_plan import UnitSpec, unit_plan

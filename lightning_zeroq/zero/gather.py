@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zeroq.zero import comm
-from lightning_zeroq.zero.offload import ShardStore
+from lightning_zeroq.zero.offload.stores import ShardStore
 from lightning_zeroq.zero.offload.roles import Masters
 from lightning_zeroq.zero.unit import Unit, UnitState
 from lightning_zeroq.zero.wire import Wire

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from lightning_zeroq.zero import full_params, comm
 from lightning_zeroq.zero.build import Parts
 from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
-from lightning_zeroq.zero.offload import OptimizerHome
+from lightning_zeroq.zero.offload.device import OptimizerHome
 from lightning_zeroq.zero.offload.nvme import per_element_state_keys
 from lightning_zeroq.zero.policies import Nvme
 from lightning_zeroq.zero.unit import Unit
