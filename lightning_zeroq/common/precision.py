@@ -149,7 +149,7 @@ class ZeroQPrecision(Precision):
     def report_plan(self) -> None:
         """After the first step: the measured peak beside ``offload="auto"``'s plan (``choose.py``)."""
         if self.planned and self.engine is not None:
-            report_first_step(self.planned.pop(), self.engine.device)
+            report_first_step(self.planned.pop(), self.engine.parts.device)
 
     @override
     def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:

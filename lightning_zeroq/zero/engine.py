@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Generic, Optional, TypeVar, overload
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,47 +28,19 @@ from torch import Tensor, nn
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.zero import full_params, policies, state_dict
 from lightning_zeroq.zero.build import Parts, build
-from lightning_zeroq.zero.gather import Gatherer
-from lightning_zeroq.zero.hybrid import Topology
 from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
-from lightning_zeroq.zero.offload import OptimizerHome
-from lightning_zeroq.zero.offload.async_step import SyncHostStep
-from lightning_zeroq.zero.memory.host import HostBudget
 from lightning_zeroq.zero.optim.binding import Binding
-from lightning_zeroq.zero.policies import Policies
-from lightning_zeroq.zero.reducer import Reducer, Window
-from lightning_zeroq.zero.stage3 import Stage3Coordinator
-from lightning_zeroq.zero.unit import Unit
+from lightning_zeroq.zero.reducer import Window
 from lightning_zeroq.zero.step import Stepper
 
 _ENGINES: "weakref.WeakSet[ZeroEngine]" = weakref.WeakSet()
-T = TypeVar("T")
-
-
-class _OfParts(Generic[T]):
-    """A read-only attribute of the engine: its parts' attribute of the same name (``build.Parts``)."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    @overload
-    def __get__(self, engine: None, owner: type) -> "_OfParts[T]": ...
-
-    @overload
-    def __get__(self, engine: "ZeroEngine", owner: type) -> T: ...
-
-    def __get__(self, engine: Optional["ZeroEngine"], owner: type) -> Any:
-        return self if engine is None else getattr(engine.parts, self.name)
-
-    def __set__(self, engine: "ZeroEngine", value: Any) -> None:
-        raise AttributeError(f"ZeroEngine.{self.name} is read-only (it is the engine's parts.{self.name})")
 
 
 def owning_engine(module: nn.Module) -> Optional["ZeroEngine"]:
     """The live engine that shards ``module``'s parameters, if any."""
     ids = {id(p) for p in module.parameters()}
     for engine in list(_ENGINES):
-        if not engine.retired and any(id(p) in ids for u in engine.units for p in u.params):
+        if not engine.parts.retired and any(id(p) in ids for u in engine.parts.units for p in u.params):
             return engine
     return None
 
@@ -106,31 +78,6 @@ class ZeroEngine:
                                   loss_scaling=loss_scaling)
         self.stepper = Stepper(self.parts)
         _ENGINES.add(self)
-
-    # ------------------------------------------------------------------ the parts, read-only
-
-    module: _OfParts[nn.Module] = _OfParts()
-    policies: _OfParts[Policies] = _OfParts()
-    param_dtype: _OfParts[torch.dtype] = _OfParts()
-    device: _OfParts[torch.device] = _OfParts()
-    units: _OfParts[list[Unit]] = _OfParts()
-    placement: _OfParts[OptimizerHome] = _OfParts()
-    gatherer: _OfParts[Gatherer] = _OfParts()
-    reducer: _OfParts[Reducer] = _OfParts()
-    stage3: _OfParts[Optional[Stage3Coordinator]] = _OfParts()
-    host_step: _OfParts[SyncHostStep] = _OfParts()
-    host_memory: _OfParts[HostBudget] = _OfParts()
-    loss_scaler: _OfParts[Optional[DynamicLossScaler]] = _OfParts()
-    topology: _OfParts[Topology] = _OfParts()
-    world_group: _OfParts[Optional[dist.ProcessGroup]] = _OfParts()  # every rank: the first broadcast, the agreement
-    group: _OfParts[Optional[dist.ProcessGroup]] = _OfParts()  # the shard group (the world without hybrid sharding)
-    replica_group: _OfParts[Optional[dist.ProcessGroup]] = _OfParts()
-    rank: _OfParts[int] = _OfParts()
-    world_size: _OfParts[int] = _OfParts()
-    replica_rank: _OfParts[int] = _OfParts()
-    num_groups: _OfParts[int] = _OfParts()
-    retired: _OfParts[bool] = _OfParts()  # release_module handed the module back: readable, no more training
-    closed: _OfParts[bool] = _OfParts()  # close() released the state (NVMe's masters were in the swap files)
 
     @property
     def steps(self) -> int:
@@ -201,6 +148,11 @@ class ZeroEngine:
         self.pre_backward(boundary)
         (loss * self.loss_scale if self.loss_scaler is not None else loss).backward()
         self.post_backward()
+
+    @property
+    def loss_scaler(self) -> Optional[DynamicLossScaler]:
+        """The dynamic loss scaler (fp16), or None."""
+        return self.parts.loss_scaler
 
     @property
     def loss_scale(self) -> float:

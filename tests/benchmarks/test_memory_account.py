@@ -168,7 +168,7 @@ def _owners_after_a_step(name: str) -> tuple[list, bool]:
     arm = build_arm(name, args, torch.device("cpu"))
     arm.finish(arm.forward(torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))))
     owners = ma.arm_owners(arm, "cpu")
-    units = arm.engine.units if arm.engine is not None else []
+    units = arm.engine.parts.units if arm.engine is not None else []
     exact = all(owners[u.master.untyped_storage().data_ptr()] == "masters"
                 and not u.has_grad_storage  # the gradient shard is released with the window (held during a step)
                 and (not u.persistent or owners[u.flat.untyped_storage().data_ptr()] == "persistent_units") for u in units)

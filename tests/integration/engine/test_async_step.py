@@ -79,7 +79,7 @@ def _train(case: str, asynchronous: bool, nan_step: int = -1, action: str = "ski
     engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
     assert isinstance(engine.parts.host_step, AsyncHostStep) == asynchronous
     if stage == 3:
-        assert sum(not u.persistent for u in engine.units) >= 3, "stage 3 must have units that are freed"
+        assert sum(not u.persistent for u in engine.parts.units) >= 3, "stage 3 must have units that are freed"
     out, errors = [], []
     for step, what in enumerate(SCRIPT):
         head = 1 if what == "other_head" else 0  # the other head: parameters no rank used this window
@@ -120,7 +120,7 @@ def _train(case: str, asynchronous: bool, nan_step: int = -1, action: str = "ski
     engine.wait_for_step()
     opt = engine.optimizer  # state in the groups' order (an asynchronous step makes it in another order)
     state = [t.detach().clone() for g in opt.param_groups for v in g["params"] for t in opt.state[v].values()]
-    out.append(([u.master.detach().clone() for u in engine.units], state, engine.full_state_dict(),
+    out.append(([u.master.detach().clone() for u in engine.parts.units], state, engine.full_state_dict(),
                 [p.detach().clone() for p in model.parameters()] if stage < 3 else []))  # working weights
     early = getattr(engine.parts.host_step, "published_early", 0)
     engine.close()
@@ -177,10 +177,10 @@ def _sgd_runs_synchronously() -> bool:
     engine = ZeroEngine(model, ZeroConfig(stage=2, offload_optimizer=True, offload_async_step=True))
     engine.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     engine.backward(_loss(model, 0, 0, head=0))
-    before = [u.master.clone() for u in engine.units]
+    before = [u.master.clone() for u in engine.parts.units]
     with pytest.warns(UserWarning, match="runs synchronously: the host kernel does not take this optimizer"):
         engine.step()
-    stepped = not engine.parts.host_step._pending and all(not torch.equal(a, u.master) for a, u in zip(before, engine.units))
+    stepped = not engine.parts.host_step._pending and all(not torch.equal(a, u.master) for a, u in zip(before, engine.parts.units))
     engine.close()
     return stepped
 

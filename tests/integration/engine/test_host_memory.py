@@ -46,7 +46,7 @@ def _engine(config: dict, dtype: torch.dtype = torch.bfloat16, blocks: bool = Fa
 
 
 def _host_of(engine: ZeroEngine) -> HostOptimizer:
-    placement = engine.placement
+    placement = engine.parts.placement
     host = placement if isinstance(placement, HostOptimizer) else getattr(placement, "host", None)
     assert isinstance(host, HostOptimizer)
     return host
@@ -67,10 +67,10 @@ def _host_bytes(engine: ZeroEngine) -> int:
                 total += t.untyped_storage().nbytes()
         return total
 
-    units = [u for u in engine.units if u.index in host.landing.numels]
+    units = [u for u in engine.parts.units if u.index in host.landing.numels]
     total = nbytes(u.master for u in units)
     total += nbytes(host.landing.host_grads.values()) + nbytes(host.landing.half_grads.values())
-    store = engine.gatherer.store
+    store = engine.parts.gatherer.store
     if isinstance(store, HostStore):
         total += nbytes(store.buffers.values())
     if host.kernel is not None:
@@ -102,11 +102,11 @@ def test_the_counted_need_is_what_the_engine_allocates(name: str) -> None:
         engine.backward(model.loss(make_batch(step, 0, 0)).float(), boundary=True)
         engine.step()
         engine.zero_grad()
-    budget = engine.host_memory
+    budget = engine.parts.host_memory
     counted = budget.need.total  # the build's and the optimizer's
     allocated = _host_bytes(engine)
     # RichModel has parameters that never get a gradient: no state is made for them (yet); counted anyway
-    stateless = sum(v.numel() for u in engine.units if u.index in _host_of(engine).landing.numels
+    stateless = sum(v.numel() for u in engine.parts.units if u.index in _host_of(engine).landing.numels
                     for v in u.segment_masters if v not in engine.optimizer.state)
     spares = 12 * budget.need.host_elements if budget.offload.speculative else 0
     swapping = (4 + 8) * budget.need.swap_elements  # NVMe: the step buffers of the units in flight at once
@@ -130,11 +130,11 @@ def test_a_budget_below_the_build_stops_it_with_one_line() -> None:
 
 def test_a_budget_below_the_optimizer_state_stops_at_attach() -> None:
     model, probe = _engine(CONFIGS["optimizer_cpu"])
-    built = probe.host_memory.need.total
+    built = probe.parts.host_memory.need.total
     probe.close()
     # room for the build and 6 bytes per element: SGD without momentum fits (its fp32 gradient buffers take 4,
     # for it reads fp32 gradients), AdamW not (8 of state; the host kernel reads the bf16 gradients)
-    budget = (built + 6 * sum(u.layout.shard_numel for u in probe.units)) / 2**30
+    budget = (built + 6 * sum(u.layout.shard_numel for u in probe.parts.units)) / 2**30
     model, engine = _engine(CONFIGS["optimizer_cpu"], host_memory_budget=budget)
     engine.attach_optimizer(torch.optim.SGD(param_groups(model), lr=1e-3))
     with pytest.raises(host_memory.HostMemoryError, match=r"^ZeroConfig: the optimizer's state on the host needs "
@@ -221,8 +221,8 @@ def test_fp32_gradient_buffers_are_made_and_checked_only_when_a_window_sums_seve
     probe.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-3))
     probe.backward(model.loss(make_batch(0, 0, 0)).float(), boundary=True)
     probe.step()
-    assert probe.placement.landing.host_grads == {}  # one bf16 reduction per window: 2 bytes per element
-    held = probe.host_memory.need.total  # the build's and AdamW's state
+    assert probe.parts.placement.landing.host_grads == {}  # one bf16 reduction per window: 2 bytes per element
+    held = probe.parts.host_memory.need.total  # the build's and AdamW's state
     probe.close()
     model, engine = _engine(CONFIGS["optimizer_cpu"], host_memory_budget=(held + 64) / 2**30)
     engine.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-3))
@@ -230,7 +230,7 @@ def test_fp32_gradient_buffers_are_made_and_checked_only_when_a_window_sums_seve
     with pytest.raises(host_memory.HostMemoryError, match=r"^ZeroConfig: summing several backward passes on the host "
                                                          r"\(fp32 gradient buffers\) needs [^\n]*$"):
         engine.backward(model.loss(make_batch(0, 1, 0)).float() / 2, boundary=True)  # its fp32 sum lands
-    assert engine.placement.landing.host_grads == {}
+    assert engine.parts.placement.landing.host_grads == {}
     engine.close()
 
 
@@ -256,8 +256,8 @@ def test_the_trainer_counts_the_fp32_buffers_of_accumulation_before_any_step(tmp
         return strategy
 
     engine = fit(1, 1.0).engine
-    assert engine is not None and engine.placement.landing.host_grads == {}
-    held = engine.host_memory.need.total  # the build's and AdamW's state
+    assert engine is not None and engine.parts.placement.landing.host_grads == {}
+    held = engine.parts.host_memory.need.total  # the build's and AdamW's state
     steps.clear()
     fit(1, (held + 64) / 2**30)  # room for the build and AdamW's state
     assert steps == [0]
@@ -276,7 +276,7 @@ def test_a_state_the_device_cannot_hold_stops_with_one_line_before_it_is_allocat
 
     model, probe = _engine({"stage": 2})
     probe.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-3))
-    numel = sum(u.layout.shard_numel for u in probe.units)
+    numel = sum(u.layout.shard_numel for u in probe.parts.units)
     probe.close()
     # bf16 weights, no offload, one rank: the build holds 10 bytes per element (fp32 master and gradient
     # shard, bf16 working weights), the optimizer 8 more
@@ -303,8 +303,8 @@ def test_the_device_check_counts_stage3s_int8_payload(monkeypatch) -> None:
 
     model, probe = _engine({"stage": 3, "quantized_weights": True}, blocks=True)
     probe.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
-    held, build = probe.memory_report(), probe.host_memory._build
-    kinds = device_memory.device_kinds(build.layouts, build.persistent, probe.policies.offload, build.param_dtype, 8,
+    held, build = probe.memory_report(), probe.parts.host_memory._build
+    kinds = device_memory.device_kinds(build.layouts, build.persistent, probe.parts.policies.offload, build.param_dtype, 8,
                                      build.rank, build.payload)
     probe.close()
     assert kinds["stored_shards"] == held["stored_shards"] > 0, (kinds, held)
@@ -331,12 +331,12 @@ def test_a_state_that_does_not_fit_names_the_least_offload_that_does(monkeypatch
     from lightning_zeroq.zero.memory import device as device_memory
 
     model, probe = _engine({"stage": stage})
-    numel = sum(u.layout.shard_numel for u in probe.units)
+    numel = sum(u.layout.shard_numel for u in probe.parts.units)
     room = capacity_per_element * numel if capacity_per_element else None
     if room is None:
-        layouts = [u.layout for u in probe.units]
-        persistent = [u.persistent for u in probe.units]
-        offload = probe.policies.offload
+        layouts = [u.layout for u in probe.parts.units]
+        persistent = [u.persistent for u in probe.parts.units]
+        offload = probe.parts.policies.offload
 
         def need(**where) -> int:
             return sum(device_memory.device_kinds(layouts, persistent, dataclasses.replace(offload, **where),
@@ -384,7 +384,7 @@ def _budget_of(config: dict, blocks: bool = False) -> int:
     """Host bytes the configuration counts, AdamW attached."""
     model, probe = _engine(config, blocks=blocks)
     probe.attach_optimizer(torch.optim.AdamW(_groups(model), lr=1e-3))
-    total = probe.host_memory.need.total
+    total = probe.parts.host_memory.need.total
     probe.close()
     return total
 
@@ -447,11 +447,11 @@ def test_the_nvme_step_holds_the_counted_units_of_one_size_at_once(tmp_path) -> 
         engine.backward(model(torch.randn(4, 64)).square().mean(), boundary=True)
         engine.step()
         engine.zero_grad()
-    sizes = {u.layout.shard_numel for u in engine.units}
-    assert len(engine.units) == 8 and len(sizes) == 1, [u.layout.shard_numel for u in engine.units]
+    sizes = {u.layout.shard_numel for u in engine.parts.units}
+    assert len(engine.parts.units) == 8 and len(sizes) == 1, [u.layout.shard_numel for u in engine.parts.units]
     expected = nvme.UNITS_IN_FLIGHT * sizes.pop()
-    assert engine.host_memory.need.swap_elements == expected
-    parts = engine.host_memory.need.parts
+    assert engine.parts.host_memory.need.swap_elements == expected
+    parts = engine.parts.host_memory.need.parts
     assert parts["NVMe step buffers (masters)"] == 4 * expected
     assert parts["NVMe step buffers (optimizer state)"] == 8 * expected
     assert _pool_bytes(engine) == 12 * expected

@@ -80,7 +80,7 @@ def _planned_and_held(name: str, world_size: int) -> tuple[dict, dict, dict, dic
     held["optimizer_state"] -= sum(t.numel() * t.element_size() for t in steps)  # CPU scalars on a GPU
     held["gathered_units"] = 2 * held.pop("largest_transient_unit")
     held.pop("gradient_shards")  # made at finalize, dropped after the step
-    counted = dict(engine.host_memory.need.parts)
+    counted = dict(engine.parts.host_memory.need.parts)
     engine.close()
     assert set(held) <= set(need.device), (held, need.device)
     planned = {k: need.device[k] for k in held}  # the engine's kinds (the plan adds activations and the like)
