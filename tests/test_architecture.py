@@ -14,7 +14,11 @@
 - Layers (``LAYERS``): the library (``zero``, ``swap``, ``ops``, ``checkpoint``, ``config``, ``validation``)
   imports neither the integrations nor the CLI, nor Lightning or Hydra; the integrations (``lightning``,
   ``fabric`` and their ``common`` part) never import the CLI, and neither of the two imports the other.
-  Every module of the package belongs to a layer.
+  Every module of the package belongs to a layer; ``planning`` sits between the library and the integrations.
+- Rooms (``ROOMS``): ``zero/optim/``, ``zero/offload/``, ``zero/memory/``, ``planning/`` from the floor up; no
+  module imports a room above its own, and nothing under ``zero/`` imports ``planning/``.
+- ``zero/offload/`` holds placements only (``OFFLOAD_KINDS``): placements, the shard stores, the roles, the
+  factories and the host placement's parts; byte counts live in ``zero/memory/``.
 """
 
 from __future__ import annotations
@@ -410,3 +414,125 @@ def test_no_engine_part_depends_on_the_whole_engine():
                        if name.startswith("lightning_zeroq.zero") and name not in (engine, "lightning_zeroq.zero")
                        and engine in targets)
     assert engine in graph and not offenders, offenders
+
+
+# ------------------------------------------------------------------ rooms: runtime, memory counts, planning
+
+ROOMS = ("lightning_zeroq.zero.optim", "lightning_zeroq.zero.offload", "lightning_zeroq.zero.memory",
+         "lightning_zeroq.planning")
+"""Rooms from the floor up: ``torch.optim`` bound to shards, the placements (which step the optimizers), the
+memory counts (which read the placements' arithmetic), planning (which reads them all). A module may import its
+own room or one below it, never one above; the engine's other files (``zero/*.py``) sit between and around
+them, kept acyclic by the cycle rule."""
+
+
+def _room(module: str) -> int | None:
+    return next((i for i, room in enumerate(ROOMS) if module == room or module.startswith(room + ".")), None)
+
+
+def _upward_arrows(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for module, targets in sorted(graph.items()):
+        here = _room(module)
+        for target in sorted(targets):
+            there = _room(target)
+            if here is not None and there is not None and there > here:
+                found.append(f"{module} ({ROOMS[here]}) imports {target} ({ROOMS[there]}), a room above it")
+    return found
+
+
+def test_the_room_check_finds_an_upward_arrow():
+    graph = {"lightning_zeroq.zero.optim.binding": {"lightning_zeroq.zero.offload.host", "lightning_zeroq.zero.unit"},
+             "lightning_zeroq.zero.memory.host": {"lightning_zeroq.zero.offload.split"},
+             "lightning_zeroq.zero.offload.split": {"lightning_zeroq.planning.choose"}}
+    assert _upward_arrows(graph) == [
+        "lightning_zeroq.zero.offload.split (lightning_zeroq.zero.offload) imports lightning_zeroq.planning.choose "
+        "(lightning_zeroq.planning), a room above it",
+        "lightning_zeroq.zero.optim.binding (lightning_zeroq.zero.optim) imports lightning_zeroq.zero.offload.host "
+        "(lightning_zeroq.zero.offload), a room above it",
+    ]
+
+
+def test_no_room_imports_a_room_above_it():
+    arrows = _upward_arrows(_graph())
+    assert not arrows, arrows
+
+
+def test_the_engine_never_imports_planning():
+    # zero/ is what a step runs; planning/ (zeroq-plan, offload="auto") runs once before launch and reads the
+    # engine's arithmetic. The arrow goes one way, whatever the import's form (lazy, TYPE_CHECKING).
+    offenders = sorted(f"{name} imports {target}" for name, targets in _graph().items()
+                       if name.startswith("lightning_zeroq.zero") for target in targets
+                       if target.startswith("lightning_zeroq.planning"))
+    assert not offenders, offenders
+
+
+PLACEMENT_BASE = "OptimizerHome"
+"""The placement of masters and optimizer state (``offload/device.py``); every other one derives from it."""
+OFFLOAD_KINDS = {
+    "device.py": "placement", "host.py": "placement", "split.py": "placement", "auto.py": "placement",
+    "nvme.py": "placement", "stores.py": "store", "roles.py": "roles", "select.py": "factory",
+    "host_grads.py": "host part", "host_kernel.py": "host part", "speculative_step.py": "host part",
+    "async_step.py": "host part",
+}
+"""Every module of ``zero/offload/`` and what it is: a placement (defines one), the stage-3 shard stores, the
+roles a placement plays, the factories that pick them, or a part of the host placement (each imported by
+``host.py`` or built on its ``HostOptimizer``). A new module there is one of these or belongs elsewhere."""
+
+
+def _offload_violations(files: dict[str, ast.Module]) -> list[str]:
+    """What breaks "``zero/offload/`` holds placements only" in ``files`` (file name -> parsed module)."""
+    classes = {n.name: n for tree in files.values() for n in tree.body if isinstance(n, ast.ClassDef)}
+
+    def is_placement(cls: ast.ClassDef) -> bool:
+        bases = [ast.unparse(b).split(".")[-1] for b in cls.bases]
+        return cls.name == PLACEMENT_BASE or any(b in classes and is_placement(classes[b]) for b in bases)
+
+    def is_store(cls: ast.ClassDef) -> bool:
+        return {"put", "get", "device_tensors", "close"} <= {f.name for f in cls.body if isinstance(f, ast.FunctionDef)}
+
+    host = files.get("host.py", ast.parse(""))
+    imported_by_host = {part for n in ast.walk(host) if isinstance(n, ast.ImportFrom) and n.module
+                        for part in (n.module.rsplit(".", 1)[-1], *(a.name for a in n.names))}
+    found = []
+    for name, tree in sorted(files.items()):
+        if name == "__init__.py":
+            continue
+        kind = OFFLOAD_KINDS.get(name)
+        own = [n for n in tree.body if isinstance(n, ast.ClassDef)]
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        if kind is None:
+            found.append(f"offload/{name} is not a placement, a store, the roles, the factories or a host part")
+        elif kind == "placement" and not any(is_placement(c) for c in own):
+            found.append(f"offload/{name} defines no placement (a {PLACEMENT_BASE})")
+        elif kind == "store" and not (own and all(is_store(c) or c.name == "ShardStore" for c in own)):
+            found.append(f"offload/{name} holds something other than shard stores")
+        elif kind == "factory" and any(isinstance(n, ast.ClassDef) for n in tree.body):
+            found.append(f"offload/{name} defines classes; the factories only pick them")
+        elif kind == "host part" and name[:-3] not in imported_by_host and "HostOptimizer" not in names:
+            found.append(f"offload/{name} is neither imported by host.py nor built on HostOptimizer")
+    return found
+
+
+def test_the_offload_check_finds_what_is_no_placement():
+    files = {
+        "device.py": ast.parse("class OptimizerHome: pass"),
+        "host.py": ast.parse("from x.host_kernel import KernelSteps\nclass HostOptimizer(OptimizerHome): pass"),
+        "split.py": ast.parse("class Split: pass"),
+        "host_kernel.py": ast.parse("class KernelSteps: pass"),
+        "async_step.py": ast.parse("class AsyncHostStep: pass"),
+        "host_need.py": ast.parse("def need(): return 1"),
+    }
+    assert _offload_violations(files) == [
+        "offload/async_step.py is neither imported by host.py nor built on HostOptimizer",
+        "offload/host_need.py is not a placement, a store, the roles, the factories or a host part",
+        "offload/split.py defines no placement (a OptimizerHome)",
+    ]
+
+
+def test_offload_holds_placements_only():
+    # zero/offload/ is where masters, optimizer state and resting shards live (placements and stores) and
+    # the host placement's own parts; what counts bytes lives in zero/memory/, what plans in planning/.
+    files = {p.name: ast.parse(p.read_text(encoding="utf-8")) for p in sorted((PACKAGE / "zero" / "offload").glob("*.py"))}
+    assert not _offload_violations(files), _offload_violations(files)
+    assert set(files) - {"__init__.py"} == set(OFFLOAD_KINDS), "OFFLOAD_KINDS names a module that is gone"
