@@ -536,3 +536,66 @@ def test_offload_holds_placements_only():
     files = {p.name: ast.parse(p.read_text(encoding="utf-8")) for p in sorted((PACKAGE / "zero" / "offload").glob("*.py"))}
     assert not _offload_violations(files), _offload_violations(files)
     assert set(files) - {"__init__.py"} == set(OFFLOAD_KINDS), "OFFLOAD_KINDS names a module that is gone"
+
+
+# ------------------------------------------------------------------ the maps: docs/layout.md, zero/README.md
+
+REPO = PACKAGE.parent
+ZERO_README_MAX_ROWS = 12
+
+
+def _table_rows(markdown: str) -> list[list[str]]:
+    """The cells of every table row of ``markdown`` (header and rule rows left out)."""
+    rows = []
+    for line in markdown.splitlines():
+        if not line.startswith("|") or set(line) <= set("|- "):
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        rows.append(cells)
+    return [r for r in rows if r[0] not in ("where", "room", "room or files")]
+
+
+def _named(cell: str) -> list[str]:
+    return [n for n in cell.split("`")[1::2]]
+
+
+def _entries(folder: Path) -> set[str]:
+    """A folder's modules, files of note and subfolders (``name/``), as a map names them."""
+    return {p.name + "/" if p.is_dir() else p.name for p in folder.iterdir()
+            if not p.name.startswith((".", "__pycache__")) and (p.is_dir() or p.suffix in (".py", ".md"))}
+
+
+def _map_mismatches(named: set[str], present: set[str], where: str) -> list[str]:
+    return ([f"{where} does not name {n}" for n in sorted(present - named)]
+            + [f"{where} names {n}, which is not there" for n in sorted(named - present)])
+
+
+def test_the_map_check_finds_a_missing_and_a_stale_name():
+    rows = _table_rows("| room or files | what |\n|---|---|\n| `a.py`, `b/` | x |\n| `gone.py` | y |\n")
+    named = {n for row in rows for n in _named(row[0])}
+    assert _map_mismatches(named, {"a.py", "b/", "new.py"}, "README") == [
+        "README does not name new.py", "README names gone.py, which is not there"]
+
+
+def test_docs_layout_names_every_package_folder_and_room():
+    rows = _table_rows((REPO / "docs" / "layout.md").read_text(encoding="utf-8"))
+    named = {n.removeprefix("lightning_zeroq/") for row in rows for n in _named(row[0])}
+    top = {n for n in named if n == "zero/" or not n.startswith("zero/")}
+    rooms = {n.removeprefix("zero/") for n in named - top if n != "zero/*.py"}
+    present = {e for e in _entries(PACKAGE) if e != "__init__.py"}
+    zero_rooms = {e for e in _entries(PACKAGE / "zero") if e.endswith("/")}
+    problems = _map_mismatches(top, present, "docs/layout.md") + _map_mismatches(rooms, zero_rooms,
+                                                                                  "docs/layout.md's rooms")
+    assert not problems, problems
+
+
+def test_zero_readme_is_a_short_table_of_every_room_and_file():
+    rows = _table_rows((PACKAGE / "zero" / "README.md").read_text(encoding="utf-8"))
+    assert len(rows) <= ZERO_README_MAX_ROWS, f"zero/README.md has {len(rows)} rows; group files into rooms"
+    named = {n for row in rows for n in _named(row[0])}
+    problems = _map_mismatches(named, _entries(PACKAGE / "zero"), "zero/README.md")
+    for row in rows:  # a room's row names each of its modules
+        for room in (n for n in _named(row[0]) if n.endswith("/")):
+            modules = {e for e in _entries(PACKAGE / "zero" / room) if e.endswith(".py") and e != "__init__.py"}
+            problems += [f"zero/README.md's {room} row does not name {m}" for m in sorted(modules - set(_named(row[1])))]
+    assert not problems, problems
