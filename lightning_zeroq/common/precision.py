@@ -147,7 +147,7 @@ class ZeroQPrecision(Precision):
         return closure_result
 
     def report_plan(self) -> None:
-        """After the first step: the measured peak beside ``offload="auto"``'s plan (``choose.py``)."""
+        """After the first step: the measured peak beside ``offload="auto"``'s plan (``planning/choose.py``)."""
         if self.planned and self.engine is not None:
             report_first_step(self.planned.pop(), self.engine.parts.device)
 

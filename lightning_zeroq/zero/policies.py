@@ -176,7 +176,7 @@ themselves (the worst rank's decides, ``offload/auto.py``); a node's own host me
 @dataclass(frozen=True)
 class AutoRequest:
     """What ``offload="auto"`` and ``activation_checkpointing_policy="auto"`` leave to the plan
-    (``choose.py``), before the engine is built."""
+    (``planning/choose.py``), before the engine is built."""
 
     stage: int
     offload: bool

@@ -305,7 +305,7 @@ class Stepper:
         self.attached.clear(self.parts.reducer, self.binding(optimizer) if optimizer is not None else None)
 
     def hand_back(self) -> None:
-        """Each optimizer bound to the module's parameters again, no collective (``optimizers.hand_back``);
+        """Each optimizer bound to the module's parameters again, no collective (``binding.hand_back``);
         the placement keeps stepping the twin that holds the state."""
         for binding in self.attached.bindings:
             user, twin = binding.optimizer, hand_back(binding)

@@ -142,7 +142,7 @@ def state_bytes_per_element(optimizers: Sequence[torch.optim.Optimizer]) -> int:
 def optimizer_need(optimizers: Sequence[torch.optim.Optimizer], host_elements: int, speculative: bool,
                    swap_elements: int = 0, state_bytes: Optional[int] = None) -> HostNeed:
     """The host memory the attached optimizers' state (and speculative spare buffers) will take
-    (``state_bytes``: per element, else ``optimizers``'; ``swap_elements``: ``HostNeed.swap_elements``)."""
+    (``state_bytes``: per element, else ``optim/binding.py``'s; ``swap_elements``: ``HostNeed.swap_elements``)."""
     need = HostNeed(host_elements=host_elements, swap_elements=swap_elements)
     per_element = state_bytes_per_element(optimizers) if state_bytes is None else state_bytes
     need.parts["optimizer state"] = per_element * host_elements

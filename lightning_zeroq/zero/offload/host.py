@@ -1,7 +1,7 @@
 """CPU offload: master shards, optimizer state and gradient copies in (pinned) host memory.
 
 Optimizer. The fp32 master shard of every unit and the optimizer state live on the host; the
-optimizer steps there with torch's fused CPU kernel (``optimizers.prefer_fast_host_step``).
+optimizer steps there with torch's fused CPU kernel (``binding.prefer_fast_host_step``).
 
 Gradients to the host: ``host_grads.GradientLanding`` copies each unit's reduced gradient shard into a
 host buffer and releases it on the device (its note says when).

@@ -2,7 +2,7 @@
 
 ``KernelSteps`` steps a batch of host units when the optimizer is torch's own Adam or AdamW over every
 segment of them, each param group asks for nothing the kernel lacks (AMSGrad, capturable or
-differentiable steps, tensor hyperparameters: ``optimizers.kernel_group``) and the state is Adam's;
+differentiable steps, tensor hyperparameters: ``binding.kernel_group``) and the state is Adam's;
 otherwise the placement leaves the batch to ``optimizer.step()``. It does what that step would do to
 the state, bit for bit: a state made for a parameter's first step as torch's Adam makes it for a
 fused step (a float32 step count on the parameter's device, two zeroed moments), the step count
@@ -105,7 +105,7 @@ class KernelSteps:
 
     def step(self, batch: Sequence[Unit], binding: Binding, used: Sequence[Any], grad_of: Callable[[Unit], Tensor],
              multiplier_of: Callable[[Unit], float]) -> bool:
-        """Step ``batch`` (True), or leave it (False: ``plan`` says the kernel does not take it). ``used``:
+        """Step ``batch`` (True), or leave it (False: ``kernel_args`` says the kernel does not take it). ``used``:
         per parameter id, whether any rank gave it a gradient; ``grad_of``: a unit's host gradient (fp32
         or bf16) once it has landed; ``multiplier_of``: the multiplier it still owes."""
         hypers = self.kernel_args(batch, binding)

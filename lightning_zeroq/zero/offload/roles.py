@@ -10,7 +10,7 @@ optimizer side of the step (``step.Stepper``) hold the placement whole, for its 
 
 | role | taken by | what it answers |
 |---|---|---|
-| ``Masters`` | ``gather.Gatherer``, ``wire.Wire``, ``access``, ``state_dict`` | where a master is read and written |
+| ``Masters`` | ``gather.Gatherer``, ``wire.Wire``, ``full_params``, ``state_dict`` | where a master is read and written |
 | ``Gradients`` | ``reducer.Reducer`` | where a reduced gradient shard lands, when it may be released |
 | ``Updater`` | ``step.run`` / ``step.step_in`` | in which batches units step, who steps them, what gradient they read |
 

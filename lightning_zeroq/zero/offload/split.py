@@ -7,7 +7,7 @@ engine sees one placement, as with any other offload mode.
 
 One step: the device units in one batch (one optimizer call; on a GPU its kernels are queued and
 run while the CPU goes on), then the host units one at a time, as with full offload. The step
-hooks and per-group counters still see one step (``optimizers.OneStep``), however many batches.
+hooks and per-group counters still see one step (``binding.OneStep``), however many batches.
 
 The user's param groups hold segments of both kinds, so the kernel chosen for the host step (torch's
 fused CPU kernel where there is one) also steps the device units when torch has it there too
