@@ -125,8 +125,8 @@ def replay(args: argparse.Namespace, gpt: dict) -> int:
     from lightning_zeroq import ZeroConfig, choose
     from lightning_zeroq.cli.gpt import GPTConfig
     from lightning_zeroq.cli.plan import gpt_on_meta
-    from lightning_zeroq.zero.plan import repeated_blocks
-    from lightning_zeroq.zero.planner import Machine, plan_config, trace_activations
+    from lightning_zeroq.zero.unit_plan import repeated_blocks
+    from lightning_zeroq.planning.estimate import Machine, estimate_config, trace_activations
 
     rows = [json.loads(line) for line in Path(args.replay).read_text().splitlines() if line.strip()]
     model, forward = gpt_on_meta(GPTConfig(**gpt), args.batch, args.seq, torch.bfloat16)
@@ -141,7 +141,7 @@ def replay(args: argparse.Namespace, gpt: dict) -> int:
     for row in rows:
         if row["arm"] in points and "allocated_GiB" in row:
             fields, ckpt = points[row["arm"]]
-            need = plan_config(model, ZeroConfig(**fields), activations, name=row["arm"], tokens=args.batch * args.seq,
+            need = estimate_config(model, ZeroConfig(**fields), activations, name=row["arm"], tokens=args.batch * args.seq,
                                checkpointing=float(ckpt), machine=machine)
             print(f"| {row['arm']} | {_versus(need.device_total / GIB, row['allocated_GiB'])} | "
                   f"{_versus(need.reserved / GIB, row['reserved_GiB'])} |")

@@ -275,11 +275,11 @@ def arm_owners(arm, device_type: str = "cuda") -> dict[int, str]:
     """Who holds which block at the end: ZeroQ by ``memory_report``'s kinds, a peer by what it keeps."""
     engine, opt, params = arm.engine, arm.optimizer, list(arm.model.parameters())
     if engine is not None:
-        store = engine.gatherer.store
-        return owner_map([("masters", [u.master for u in engine.units]),
-                          ("gradient_shards", [u.grad for u in engine.units if u.has_grad_storage]),  # only in a window
+        store = engine.parts.gatherer.store
+        return owner_map([("masters", [u.master for u in engine.parts.units]),
+                          ("gradient_shards", [u.grad for u in engine.parts.units if u.has_grad_storage]),  # only in a window
                           ("optimizer_state", list(engine.optimizer.state.values()) if engine.optimizer else []),
-                          ("persistent_units", [u.flat for u in engine.units if u.persistent]),
+                          ("persistent_units", [u.flat for u in engine.parts.units if u.persistent]),
                           ("stored_shards", store.device_tensors() if store is not None else [])], device_type)
     inner = getattr(opt, "optimizer", opt)  # DeepSpeed's ZeRO optimizer wraps the one that holds the state
 
@@ -331,7 +331,7 @@ def run_one(name: str, args: argparse.Namespace, dev: torch.device) -> dict:
     saved, g = SavedBytes(arm.model), torch.Generator(device=dev).manual_seed(rank)
     inner = getattr(arm.optimizer, "optimizer", arm.optimizer)  # DeepSpeed's wraps a torch optimizer
     grads, fired, measured = {}, [], False
-    units = list(arm.engine.units) if arm.engine is not None else None
+    units = list(arm.engine.parts.units) if arm.engine is not None else None
 
     def pre_step(opt, *_):  # the measured step's gradients the optimizer steps with
         if measured and not fired:

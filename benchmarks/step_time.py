@@ -316,8 +316,8 @@ def throughput(num_params: int, args: argparse.Namespace, step_s: float) -> dict
 
 
 def gathered_counts(engine, dev: torch.device) -> list[float]:
-    """Every rank's host bytes as the engine counts them before allocating (``offload/host_need.py``)."""
-    mine = torch.tensor([float(engine.host_memory.need.total)], device=dev, dtype=torch.float64)
+    """Every rank's host bytes as the engine counts them before allocating (``zero/memory/host.py``)."""
+    mine = torch.tensor([float(engine.parts.host_memory.need.total)], device=dev, dtype=torch.float64)
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(out, mine)
     return [float(t) for t in out]
@@ -552,7 +552,7 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
             sum(float(s) for s in gathered_counts(engine, dev)) / num_params, 2)
         result.update(memory_bound(engine))
         result["bound_plus_activations_GiB"] = round(result["bound_GiB"] + result["activations_GiB"], 2)
-        spec = getattr(getattr(engine.placement, "host", engine.placement), "spec", None)
+        spec = getattr(getattr(engine.parts.placement, "host", engine.parts.placement), "spec", None)
         if spec is not None:  # offload_speculative_step: units whose early step stayed, and those undone
             c = spec.counts
             result.update(speculated_kept=c.kept, speculated_undone=c.undone, speculated_offered=c.offered,

@@ -17,11 +17,11 @@ from lightning_zeroq.common.precision import ZeroQPrecision
 from lightning_zeroq.lightning.strategy import ZeroQStrategy
 
 from lightning_zeroq.zero.engine import ZeroEngine, owning_engine
-from lightning_zeroq.zero.choose import choose
-from lightning_zeroq.zero.matrix import MatrixRule, register_matrix_optimizer
-from lightning_zeroq.zero.optimizers import register_elementwise_optimizer
-from lightning_zeroq.zero.planner import Machine
-from lightning_zeroq.zero.planner import plan_training as plan
+from lightning_zeroq.planning.choose import choose
+from lightning_zeroq.zero.optim.matrix import MatrixRule, register_matrix_optimizer
+from lightning_zeroq.zero.optim.binding import register_elementwise_optimizer
+from lightning_zeroq.planning.estimate import Machine
+from lightning_zeroq.planning.estimate import estimate_training as plan
 
 ZeroQStrategy.register_strategies(StrategyRegistry)
 ZeroQFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
@@ -43,9 +43,9 @@ def gathered_parameters(module, writeback: bool = False):
     block changed. A module no engine shards is left as it is."""
     import contextlib
 
-    from lightning_zeroq.zero import access
+    from lightning_zeroq.zero import full_params
 
-    access.check_module("lightning_zeroq.gathered_parameters", module)
+    full_params.check_module("lightning_zeroq.gathered_parameters", module)
     engine = owning_engine(module)
     return engine.gathered_parameters(module, writeback) if engine is not None else contextlib.nullcontext()
 

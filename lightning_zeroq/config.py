@@ -48,7 +48,7 @@ class ZeroConfig:
 
     offload: Optional[str] = None
     """``"auto"``: decide before the first step, from the plan of this model and its first batch
-    (``zero/choose.py``: ``zeroq-plan``'s count, its activations traced on the meta device), what goes
+    (``planning/choose.py``: ``zeroq-plan``'s count, its activations traced on the meta device), what goes
     where: optimizer offload and its share, stage 3's parameter offload, NVMe spill when ``nvme_path`` is
     given; with ``activation_checkpointing_policy="auto"`` also how many blocks recompute. The fastest
     planned configuration whose peak fits ``offload_memory_budget`` and ``host_memory_budget`` (every rank
@@ -88,7 +88,7 @@ class ZeroConfig:
 
     host_memory_budget: Any = None
     """Host memory this node's ranks may fill with offloaded state, checked before anything is allocated
-    (``offload/host_need.py`` counts the bytes per element): GiB as a number (e.g. ``120`` or ``"120"``), a
+    (``zero/memory/host.py`` counts the bytes per element): GiB as a number (e.g. ``120`` or ``"120"``), a
     size with its unit (``"120GiB"``), or a share of the host's memory as a string ending in ``%`` (e.g.
     ``"80%"``), read as ``offload_memory_budget`` is (``budget_form``). None: what the host reports available
     when the engine is built (``MemAvailable``, or a cgroup's limit). Set it where the host's memory grows

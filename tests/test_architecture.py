@@ -14,7 +14,11 @@
 - Layers (``LAYERS``): the library (``zero``, ``swap``, ``ops``, ``checkpoint``, ``config``, ``validation``)
   imports neither the integrations nor the CLI, nor Lightning or Hydra; the integrations (``lightning``,
   ``fabric`` and their ``common`` part) never import the CLI, and neither of the two imports the other.
-  Every module of the package belongs to a layer.
+  Every module of the package belongs to a layer; ``planning`` sits between the library and the integrations.
+- Rooms (``ROOMS``): ``zero/optim/``, ``zero/offload/``, ``zero/memory/``, ``planning/`` from the floor up; no
+  module imports a room above its own, and nothing under ``zero/`` imports ``planning/``.
+- ``zero/offload/`` holds placements only (``OFFLOAD_KINDS``): placements, the shard stores, the roles, the
+  factories and the host placement's parts; byte counts live in ``zero/memory/``.
 """
 
 from __future__ import annotations
@@ -151,7 +155,7 @@ ENGINE_MAX_ATTRIBUTES = 12
 
 
 def test_the_engine_is_a_facade_of_few_attributes():
-    # ZeroEngine keeps its public API over what ``build.py`` made (``parts``) and the ``update.Stepper``:
+    # ZeroEngine keeps its public API over what ``build.py`` made (``parts``) and the ``step.Stepper``:
     # a new feature lands in a part, not as one more attribute of the hub.
     attributes = _instance_attributes(_class(_tree("zero/engine.py"), "ZeroEngine"))
     assert len(attributes) <= ENGINE_MAX_ATTRIBUTES, sorted(attributes)
@@ -180,11 +184,11 @@ ROLE_TAKERS = {  # (file, function, parameter): the offload role it is typed wit
     ("zero/gather.py", "__init__", "masters"): "Masters",
     ("zero/wire.py", "sync", "placement"): "Masters",
     ("zero/wire.py", "encode", "placement"): "Masters",
-    ("zero/update.py", "run", "placement"): "Updater",
-    ("zero/update.py", "step_in", "placement"): "Updater",
-    ("zero/update.py", "apply_multiplier", "placement"): "Updater",
+    ("zero/step.py", "run", "placement"): "Updater",
+    ("zero/step.py", "step_in", "placement"): "Updater",
+    ("zero/step.py", "apply_multiplier", "placement"): "Updater",
 }
-WHOLE_PLACEMENT = frozenset({"zero/build.py", "zero/engine.py", "zero/update.py", "zero/state_dict.py"})
+WHOLE_PLACEMENT = frozenset({"zero/build.py", "zero/engine.py", "zero/step.py", "zero/state_dict.py"})
 """Who may hold the placement whole: the build, the facade, the stepper (its lifecycle: ``attach``,
 ``step_done``) and the state dict (``state_loaded``); and the offload package itself."""
 
@@ -212,7 +216,7 @@ def test_each_part_takes_only_the_offload_role_it_calls():
         if where in WHOLE_PLACEMENT or where.startswith("zero/offload/"):
             continue
         whole += [f"{where}: {fn}({arg}: {ann})" for fn, arg, ann in _annotations(ast.parse(path.read_text()))
-                  if "OptimizerPlacement" in ann]
+                  if "OptimizerHome" in ann]
     assert not whole, whole
 
 
@@ -308,10 +312,11 @@ def test_only_the_policy_builder_reads_the_config():
 # Each layer of the package: its top-level names under lightning_zeroq, and the layers it may import.
 LAYERS = {
     "library": ({"zero", "swap", "ops", "checkpoint", "config", "validation", "_version"}, {"library"}),
-    "common": ({"common"}, {"library", "common"}),
-    "lightning": ({"lightning"}, {"library", "common", "lightning"}),
-    "fabric": ({"fabric"}, {"library", "common", "fabric"}),
-    "cli": ({"cli"}, {"library", "common", "lightning", "fabric", "cli"}),
+    "planning": ({"planning"}, {"library", "planning"}),
+    "common": ({"common"}, {"library", "planning", "common"}),
+    "lightning": ({"lightning"}, {"library", "planning", "common", "lightning"}),
+    "fabric": ({"fabric"}, {"library", "planning", "common", "fabric"}),
+    "cli": ({"cli"}, {"library", "planning", "common", "lightning", "fabric", "cli"}),
 }
 # Imports across layers that are allowed, each with its reason.
 ALLOWED: set[tuple[str, str]] = set()
@@ -400,10 +405,197 @@ def test_checkpoints_see_the_engine_only_through_its_sharded_view():
 
 def test_no_engine_part_depends_on_the_whole_engine():
     # Each module under zero/ takes the parts it uses (``build.Parts`` where several come together),
-    # never ``ZeroEngine``: nothing under zero/ but the engine's facade imports engine.py, so a part can
-    # be read, tested and replaced alone.
+    # never ``ZeroEngine``: nothing under zero/ but the engine's facade (and the package's face,
+    # ``zero/__init__.py``, which re-exports it) imports engine.py, so a part can be read, tested and
+    # replaced alone.
     graph = _graph()
     engine = "lightning_zeroq.zero.engine"
     offenders = sorted(name for name, targets in graph.items()
-                       if name.startswith("lightning_zeroq.zero") and name != engine and engine in targets)
+                       if name.startswith("lightning_zeroq.zero") and name not in (engine, "lightning_zeroq.zero")
+                       and engine in targets)
     assert engine in graph and not offenders, offenders
+
+
+# ------------------------------------------------------------------ rooms: runtime, memory counts, planning
+
+ROOMS = ("lightning_zeroq.zero.optim", "lightning_zeroq.zero.offload", "lightning_zeroq.zero.memory",
+         "lightning_zeroq.planning")
+"""Rooms from the floor up: ``torch.optim`` bound to shards, the placements (which step the optimizers), the
+memory counts (which read the placements' arithmetic), planning (which reads them all). A module may import its
+own room or one below it, never one above; the engine's other files (``zero/*.py``) sit between and around
+them, kept acyclic by the cycle rule."""
+
+
+def _room(module: str) -> int | None:
+    return next((i for i, room in enumerate(ROOMS) if module == room or module.startswith(room + ".")), None)
+
+
+def _upward_arrows(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for module, targets in sorted(graph.items()):
+        here = _room(module)
+        for target in sorted(targets):
+            there = _room(target)
+            if here is not None and there is not None and there > here:
+                found.append(f"{module} ({ROOMS[here]}) imports {target} ({ROOMS[there]}), a room above it")
+    return found
+
+
+def test_the_room_check_finds_an_upward_arrow():
+    graph = {"lightning_zeroq.zero.optim.binding": {"lightning_zeroq.zero.offload.host", "lightning_zeroq.zero.unit"},
+             "lightning_zeroq.zero.memory.host": {"lightning_zeroq.zero.offload.split"},
+             "lightning_zeroq.zero.offload.split": {"lightning_zeroq.planning.choose"}}
+    assert _upward_arrows(graph) == [
+        "lightning_zeroq.zero.offload.split (lightning_zeroq.zero.offload) imports lightning_zeroq.planning.choose "
+        "(lightning_zeroq.planning), a room above it",
+        "lightning_zeroq.zero.optim.binding (lightning_zeroq.zero.optim) imports lightning_zeroq.zero.offload.host "
+        "(lightning_zeroq.zero.offload), a room above it",
+    ]
+
+
+def test_no_room_imports_a_room_above_it():
+    arrows = _upward_arrows(_graph())
+    assert not arrows, arrows
+
+
+def test_the_engine_never_imports_planning():
+    # zero/ is what a step runs; planning/ (zeroq-plan, offload="auto") runs once before launch and reads the
+    # engine's arithmetic. The arrow goes one way, whatever the import's form (lazy, TYPE_CHECKING).
+    offenders = sorted(f"{name} imports {target}" for name, targets in _graph().items()
+                       if name.startswith("lightning_zeroq.zero") for target in targets
+                       if target.startswith("lightning_zeroq.planning"))
+    assert not offenders, offenders
+
+
+PLACEMENT_BASE = "OptimizerHome"
+"""The placement of masters and optimizer state (``offload/device.py``); every other one derives from it."""
+OFFLOAD_KINDS = {
+    "device.py": "placement", "host.py": "placement", "split.py": "placement", "auto.py": "placement",
+    "nvme.py": "placement", "stores.py": "store", "roles.py": "roles", "select.py": "factory",
+    "host_grads.py": "host part", "host_kernel.py": "host part", "speculative_step.py": "host part",
+    "async_step.py": "host part",
+}
+"""Every module of ``zero/offload/`` and what it is: a placement (defines one), the stage-3 shard stores, the
+roles a placement plays, the factories that pick them, or a part of the host placement (each imported by
+``host.py`` or built on its ``HostOptimizer``). A new module there is one of these or belongs elsewhere."""
+
+
+def _offload_violations(files: dict[str, ast.Module]) -> list[str]:
+    """What breaks "``zero/offload/`` holds placements only" in ``files`` (file name -> parsed module)."""
+    classes = {n.name: n for tree in files.values() for n in tree.body if isinstance(n, ast.ClassDef)}
+
+    def is_placement(cls: ast.ClassDef) -> bool:
+        bases = [ast.unparse(b).split(".")[-1] for b in cls.bases]
+        return cls.name == PLACEMENT_BASE or any(b in classes and is_placement(classes[b]) for b in bases)
+
+    def is_store(cls: ast.ClassDef) -> bool:
+        return {"put", "get", "device_tensors", "close"} <= {f.name for f in cls.body if isinstance(f, ast.FunctionDef)}
+
+    host = files.get("host.py", ast.parse(""))
+    imported_by_host = {part for n in ast.walk(host) if isinstance(n, ast.ImportFrom) and n.module
+                        for part in (n.module.rsplit(".", 1)[-1], *(a.name for a in n.names))}
+    found = []
+    for name, tree in sorted(files.items()):
+        if name == "__init__.py":
+            continue
+        kind = OFFLOAD_KINDS.get(name)
+        own = [n for n in tree.body if isinstance(n, ast.ClassDef)]
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        if kind is None:
+            found.append(f"offload/{name} is not a placement, a store, the roles, the factories or a host part")
+        elif kind == "placement" and not any(is_placement(c) for c in own):
+            found.append(f"offload/{name} defines no placement (a {PLACEMENT_BASE})")
+        elif kind == "store" and not (own and all(is_store(c) or c.name == "ShardStore" for c in own)):
+            found.append(f"offload/{name} holds something other than shard stores")
+        elif kind == "factory" and any(isinstance(n, ast.ClassDef) for n in tree.body):
+            found.append(f"offload/{name} defines classes; the factories only pick them")
+        elif kind == "host part" and name[:-3] not in imported_by_host and "HostOptimizer" not in names:
+            found.append(f"offload/{name} is neither imported by host.py nor built on HostOptimizer")
+    return found
+
+
+def test_the_offload_check_finds_what_is_no_placement():
+    files = {
+        "device.py": ast.parse("class OptimizerHome: pass"),
+        "host.py": ast.parse("from x.host_kernel import KernelSteps\nclass HostOptimizer(OptimizerHome): pass"),
+        "split.py": ast.parse("class Split: pass"),
+        "host_kernel.py": ast.parse("class KernelSteps: pass"),
+        "async_step.py": ast.parse("class AsyncHostStep: pass"),
+        "host_need.py": ast.parse("def need(): return 1"),
+    }
+    assert _offload_violations(files) == [
+        "offload/async_step.py is neither imported by host.py nor built on HostOptimizer",
+        "offload/host_need.py is not a placement, a store, the roles, the factories or a host part",
+        "offload/split.py defines no placement (a OptimizerHome)",
+    ]
+
+
+def test_offload_holds_placements_only():
+    # zero/offload/ is where masters, optimizer state and resting shards live (placements and stores) and
+    # the host placement's own parts; what counts bytes lives in zero/memory/, what plans in planning/.
+    files = {p.name: ast.parse(p.read_text(encoding="utf-8")) for p in sorted((PACKAGE / "zero" / "offload").glob("*.py"))}
+    assert not _offload_violations(files), _offload_violations(files)
+    assert set(files) - {"__init__.py"} == set(OFFLOAD_KINDS), "OFFLOAD_KINDS names a module that is gone"
+
+
+# ------------------------------------------------------------------ the maps: docs/layout.md, zero/README.md
+
+REPO = PACKAGE.parent
+ZERO_README_MAX_ROWS = 12
+
+
+def _table_rows(markdown: str) -> list[list[str]]:
+    """The cells of every table row of ``markdown`` (header and rule rows left out)."""
+    rows = []
+    for line in markdown.splitlines():
+        if not line.startswith("|") or set(line) <= set("|- "):
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        rows.append(cells)
+    return [r for r in rows if r[0] not in ("where", "room", "room or files")]
+
+
+def _named(cell: str) -> list[str]:
+    return [n for n in cell.split("`")[1::2]]
+
+
+def _entries(folder: Path) -> set[str]:
+    """A folder's modules, files of note and subfolders (``name/``), as a map names them."""
+    return {p.name + "/" if p.is_dir() else p.name for p in folder.iterdir()
+            if not p.name.startswith((".", "__pycache__")) and (p.is_dir() or p.suffix in (".py", ".md"))}
+
+
+def _map_mismatches(named: set[str], present: set[str], where: str) -> list[str]:
+    return ([f"{where} does not name {n}" for n in sorted(present - named)]
+            + [f"{where} names {n}, which is not there" for n in sorted(named - present)])
+
+
+def test_the_map_check_finds_a_missing_and_a_stale_name():
+    rows = _table_rows("| room or files | what |\n|---|---|\n| `a.py`, `b/` | x |\n| `gone.py` | y |\n")
+    named = {n for row in rows for n in _named(row[0])}
+    assert _map_mismatches(named, {"a.py", "b/", "new.py"}, "README") == [
+        "README does not name new.py", "README names gone.py, which is not there"]
+
+
+def test_docs_layout_names_every_package_folder_and_room():
+    rows = _table_rows((REPO / "docs" / "layout.md").read_text(encoding="utf-8"))
+    named = {n.removeprefix("lightning_zeroq/") for row in rows for n in _named(row[0])}
+    top = {n for n in named if n == "zero/" or not n.startswith("zero/")}
+    rooms = {n.removeprefix("zero/") for n in named - top if n != "zero/*.py"}
+    present = {e for e in _entries(PACKAGE) if e != "__init__.py"}
+    zero_rooms = {e for e in _entries(PACKAGE / "zero") if e.endswith("/")}
+    problems = _map_mismatches(top, present, "docs/layout.md") + _map_mismatches(rooms, zero_rooms,
+                                                                                  "docs/layout.md's rooms")
+    assert not problems, problems
+
+
+def test_zero_readme_is_a_short_table_of_every_room_and_file():
+    rows = _table_rows((PACKAGE / "zero" / "README.md").read_text(encoding="utf-8"))
+    assert len(rows) <= ZERO_README_MAX_ROWS, f"zero/README.md has {len(rows)} rows; group files into rooms"
+    named = {n for row in rows for n in _named(row[0])}
+    problems = _map_mismatches(named, _entries(PACKAGE / "zero"), "zero/README.md")
+    for row in rows:  # a room's row names each of its modules
+        for room in (n for n in _named(row[0]) if n.endswith("/")):
+            modules = {e for e in _entries(PACKAGE / "zero" / room) if e.endswith(".py") and e != "__init__.py"}
+            problems += [f"zero/README.md's {room} row does not name {m}" for m in sorted(modules - set(_named(row[1])))]
+    assert not problems, problems

@@ -46,7 +46,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     """Train the configuration of ``spec`` (``gpt``: ``GPTConfig`` fields; ``config``: ``ZeroConfig``
     fields; ``checkpointing``, ``batch``, ``seq``, ``warmup``, ``steps``, ``dtype``) in this process."""
     from lightning_zeroq import ZeroConfig, ZeroEngine
-    from lightning_zeroq.zero.choose import choose
+    from lightning_zeroq.planning.choose import choose
     from lightning_zeroq.zero.policies import auto_request
 
     import torch.distributed as dist

@@ -1,6 +1,6 @@
 """``zeroq-plan``: what each configuration needs and whether it fits, before launch, for a GPT of the
 given shape (the package's GPT: ``--norm rmsnorm --mlp swiglu`` is Llama's block), built on the meta
-device, so a 70B model plans on a laptop in seconds (``zero/planner.py``). No GPU, nothing allocated.
+device, so a 70B model plans on a laptop in seconds (``planning/estimate.py``). No GPU, nothing allocated.
 
     zeroq-plan --dim 4096 --layers 32 --heads 32 --ffn 11008 --batch 8 --seq 4096 \\
         --device-gib 139 --host-gib 120 --nvme-path /local/swap
@@ -50,9 +50,9 @@ import torch
 import torch.nn.functional as F
 
 from lightning_zeroq.cli.gpt import GPTConfig, GPTModel
-from lightning_zeroq.zero.offload.host_need import available
-from lightning_zeroq.zero.plan import repeated_blocks
-from lightning_zeroq.zero.planner import GIB, Machine, Need, plan_training
+from lightning_zeroq.zero.memory.host import available
+from lightning_zeroq.zero.unit_plan import repeated_blocks
+from lightning_zeroq.planning.estimate import GIB, Machine, Need, estimate_training
 
 
 RUNTIME_HOST_GIB = 0.6
@@ -110,7 +110,7 @@ def _recipe(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[
     plan: the recipe's own first, then the other candidates."""
     from lightning_zeroq.cli.config import world_size_of, config_error_line
     from lightning_zeroq.cli.train import compose_config, recipe_names, to_run_config
-    from lightning_zeroq.zero.planner import candidates
+    from lightning_zeroq.planning.estimate import candidates
 
     if args.recipe not in recipe_names():
         parser.error(f"--recipe {args.recipe}: no such recipe; the recipes are {', '.join(recipe_names())}")
@@ -134,7 +134,7 @@ def _with_common_fields(args: argparse.Namespace, parser: argparse.ArgumentParse
     the hybrid groups check them)."""
     from lightning_zeroq.config import ZeroConfig
     from lightning_zeroq.zero import hybrid
-    from lightning_zeroq.zero.planner import candidates
+    from lightning_zeroq.planning.estimate import candidates
 
     common: dict = {}
     if args.shard_group_size is not None:
@@ -416,7 +416,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(f"calibrated here: a process's CUDA runtime and libraries hold {runtime / GIB:.2f} GiB of host "
                       "memory", flush=True)
     try:
-        needs = plan_training(model, forward, tokens=count, world_size=args.world_size, machine=machine,
+        needs = estimate_training(model, forward, tokens=count, world_size=args.world_size, machine=machine,
                               configs=configs, nvme_path=args.nvme_path, param_dtype=dtype, calibrate_on=device)
     except SystemExit as stop:
         parser.error(f"{what}: the forward called sys.exit({stop.code!r}); the plan needs it to return the loss")

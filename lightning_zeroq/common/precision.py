@@ -29,7 +29,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_zeroq.zero.choose import Choice, report_first_step
+from lightning_zeroq.planning.choose import Choice, report_first_step
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -147,9 +147,9 @@ class ZeroQPrecision(Precision):
         return closure_result
 
     def report_plan(self) -> None:
-        """After the first step: the measured peak beside ``offload="auto"``'s plan (``choose.py``)."""
+        """After the first step: the measured peak beside ``offload="auto"``'s plan (``planning/choose.py``)."""
         if self.planned and self.engine is not None:
-            report_first_step(self.planned.pop(), self.engine.device)
+            report_first_step(self.planned.pop(), self.engine.parts.device)
 
     @override
     def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:

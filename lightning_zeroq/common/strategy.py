@@ -34,7 +34,7 @@ from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.common.migration import unknown_options_message
 from lightning_zeroq.common.precision import ZeroQPrecision
 from lightning_zeroq.common.watchdog import JOIN_TIMEOUT, start_watchdog, stop_watchdog
-from lightning_zeroq.zero.choose import Choice, check_fits, choose
+from lightning_zeroq.planning.choose import Choice, check_fits, choose
 from lightning_zeroq.zero.engine import ZeroEngine, owning_engine
 from lightning_zeroq.zero.policies import Chosen, OnDevice, auto_request, resolve
 from lightning_zeroq.zero.materialize import parameters_on_meta
@@ -121,7 +121,7 @@ def build_engine(module: nn.Module, config: ZeroConfig, precision: ZeroQPrecisio
     whole), materializes meta-device parameters with ``reset_parameters()``, and starts every rank from
     rank 0's values, as DDP does. ``ranks_per_node`` (the strategy's ``num_processes``) resolves
     ``shard_group_size="node"``. ``offload="auto"`` (or ``activation_checkpointing_policy="auto"``) is
-    decided first, from the plan of ``plan_forward(module)`` (one micro-batch's loss; ``zero/choose.py``);
+    decided first, from the plan of ``plan_forward(module)`` (one micro-batch's loss; ``planning/choose.py``);
     otherwise, on a GPU, a configuration whose planned peak surely exceeds the device stops here, in one
     line, before anything is allocated (``choose.check_fits``). ``on_choice`` receives the automatic choice.
     Not ``training`` (evaluation: no optimizer state to place), ``"auto"`` keeps everything on the device."""

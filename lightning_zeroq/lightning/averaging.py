@@ -4,11 +4,11 @@
 read every parameter of the module after steps or epochs into a copy of the model they hold, and write
 their average into the module (for validation, at the end of training). Under DDP they see the fp32
 parameters. Where the engine's module holds something else between steps (stage 3: freed parameters;
-bf16/fp16 or INT8 working weights; ``access.module_holds_masters``), the strategy runs each of their loop
+bf16/fp16 or INT8 working weights; ``full_params.module_holds_masters``), the strategy runs each of their loop
 hooks inside ``gathered_parameters(module, writeback=True)``: the callback reads the full fp32 masters
 and what it writes becomes the masters (and the working weights), as under DDP. Elsewhere they read the
 module as it is, and what they write after the last step is kept when the module is handed back
-(``access.release_module``).
+(``full_params.release_module``).
 
 Their checkpoints: ``WeightAveraging.on_save_checkpoint`` moves the module's state (the engine's shards)
 from ``state_dict`` to ``current_model_state`` and puts its average there; the checkpoint stores both with

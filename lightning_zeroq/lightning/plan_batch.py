@@ -1,6 +1,6 @@
 """What ``offload="auto"`` (and, on a GPU, the check before launch of a configuration given by hand) plans
 from under the Trainer: the module's ``training_step`` on the first batch of its training dataloader,
-moved to the meta device (``zero/choose.py`` traces it with the
+moved to the meta device (``planning/choose.py`` traces it with the
 parameters on the meta device too, so nothing is allocated). The batch is read once at setup, as
 Lightning's ``DeepSpeedStrategy`` reads one to learn the micro-batch size; the fit then starts from
 the dataloader's beginning as usual. ``self.log`` does nothing during the trace.
@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from lightning_zeroq.common.precision import ZeroQPrecision
 from lightning_zeroq.config import ZeroConfig
-from lightning_zeroq.zero.planner import ForwardError
+from lightning_zeroq.planning.estimate import ForwardError
 from lightning_zeroq.zero.policies import auto_request
 
 FIX = "or pass plan_forward=lambda model: <one micro-batch's loss> to ZeroQStrategy"

@@ -60,9 +60,9 @@ from lightning_zeroq.common.strategy import (
     stage3_meta_init,
 )
 from lightning_zeroq.checkpoint import engine_io
-from lightning_zeroq.zero import access, state_dict as zero_state
+from lightning_zeroq.zero import full_params, state_dict as zero_state
 from lightning_zeroq.common.watchdog import report_collective_failure
-from lightning_zeroq.zero.access import check_module
+from lightning_zeroq.zero.full_params import check_module
 from lightning_zeroq.zero.engine import ZeroEngine
 
 checkpoint_glue.install_load_from_checkpoint()
@@ -189,7 +189,7 @@ class ZeroQStrategy(DDPStrategy):
         assert module is not None and self.model is not None  # the Trainer connected the module before setup
         self._failed = False
         # After a fit the module is plain again; the fit's engine keeps its state for save_checkpoint.
-        if self.engine is None or (self.engine.retired and fitting):
+        if self.engine is None or (self.engine.parts.retired and fitting):
             if self.engine is not None:
                 self.engine.close()  # the previous fit's engine: its state goes (NVMe files included)
             if fitting and self._layer_sync:
@@ -198,7 +198,7 @@ class ZeroQStrategy(DDPStrategy):
             self.engine = build_engine(module, self.config, plugin, self.root_device,
                                        ranks_per_node=self.num_processes, plan_forward=forward,
                                        on_choice=plugin.planned.append, training=fitting)
-        if self.engine.retired:
+        if self.engine.parts.retired:
             self.precision_plugin.attach_engine(None, self.root_device.type)
             self.setup_precision_plugin()
             return
@@ -209,7 +209,7 @@ class ZeroQStrategy(DDPStrategy):
             # configure_optimizers returned None: Lightning's stand-in steps nothing (it warns), as with DDP
             optimizers = [o for o in self.optimizers if not isinstance(o, _MockOptimizer)]
             _check_disjoint(optimizers)
-            self.engine.host_memory.accumulates = trainer.accumulate_grad_batches > 1 or not module.automatic_optimization
+            self.engine.parts.host_memory.accumulates = trainer.accumulate_grad_batches > 1 or not module.automatic_optimization
             for optimizer in optimizers:  # several (manual optimization) must hold disjoint parameters
                 self.engine.attach_optimizer(optimizer)
             self.optimizers = self.optimizers  # wrap again: the wrappers subclass the optimizers' (new) classes
@@ -218,7 +218,7 @@ class ZeroQStrategy(DDPStrategy):
             self._unwrap_averaging()
             self._unwrap_averaging = gather_around_averaging(
                 trainer.callbacks, functools.partial(self.gathered_parameters, writeback=True),
-                loop_hooks=not access.module_holds_masters(self.engine.parts))
+                loop_hooks=not full_params.module_holds_masters(self.engine.parts))
         plugin.attach_engine(self.engine, self.root_device.type)
         plugin.convert_module(module)
         self.setup_precision_plugin()
@@ -278,7 +278,7 @@ class ZeroQStrategy(DDPStrategy):
         ``writeback=True`` keeps what the block changed. Like FSDP's ``summon_full_params`` and
         DeepSpeed's ``GatheredParameters``."""
         check_module("ZeroQStrategy.gathered_parameters", module, optional=True)
-        if self.engine is None or self.engine.retired:
+        if self.engine is None or self.engine.parts.retired:
             return contextlib.nullcontext()  # the module holds plain, full parameters
         return self.engine.gathered_parameters(module, writeback)
 
@@ -291,7 +291,7 @@ class ZeroQStrategy(DDPStrategy):
         """Collective: every trainable parameter's gradient norm and their total, keyed as Lightning's
         ``grad_norm`` utility keys them, for ``on_before_optimizer_step`` (where ``.grad`` is empty:
         gradients live in shards). Before clipping, after fp16 unscaling, as DDP's ``.grad`` there."""
-        if self.engine is None or self.engine.retired:
+        if self.engine is None or self.engine.parts.retired:
             raise RuntimeError("grad_norms() is for the training step (on_before_optimizer_step): no engine is training.")
         return self.engine.grad_norms(norm_type)
 
@@ -308,7 +308,7 @@ class ZeroQStrategy(DDPStrategy):
         if self.engine is not None and not getattr(self, "_failed", False):
             plugin = self.precision_plugin
             self.engine.release_module(dtype=plugin.param_dtype if plugin.precision.endswith("-true") else None)
-        elif self.engine is not None and not self.engine.retired:
+        elif self.engine is not None and not self.engine.parts.retired:
             self.engine.hand_back_optimizers()  # no collective: a failed fit's optimizer can be used again
         self._unwrap_averaging()
         self._unwrap_averaging = _nothing

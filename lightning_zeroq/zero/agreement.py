@@ -4,7 +4,7 @@ A configuration that differs on some ranks (a per-node config file, an override 
 or a model that differs would otherwise make the ranks issue different collectives (other group
 sizes, other unit sizes, other process groups) and wait until the process group's timeout. So,
 before any other collective of the engine (the process groups of ``shard_group_size`` included),
-``Agreement`` exchanges one 64-bit digest per rank of
+``BuildAgreement`` exchanges one 64-bit digest per rank of
 
 - the settings (``Policies.settings``: every ``ZeroConfig`` field but the rank-local ones, with
   ``shard_group_size="node"`` shown with what it resolved to on this node), the working dtype and
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zeroq.zero import comm
-from lightning_zeroq.zero.plan import UnitSpec
+from lightning_zeroq.zero.unit_plan import UnitSpec
 
 
 def describe_plan(module: nn.Module, specs: Sequence[UnitSpec]) -> list[str]:
@@ -86,8 +86,8 @@ def _digest(settings: dict[str, str], plan: list[str], error: Optional[str]) -> 
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
 
 
-class Agreement:
-    """``with Agreement(group, settings) as agreement:`` build what the ranks must agree on, record it
+class BuildAgreement:
+    """``with BuildAgreement(group, settings) as agreement:`` build what the ranks must agree on, record it
     (``settings[...]``, ``plan``); leaving the block, the ranks compare (see the module docstring). An
     error inside the block is the error of every rank that met it; the others raise one naming it."""
 
@@ -95,7 +95,7 @@ class Agreement:
         self.group, self.settings = group, dict(settings)
         self.plan: list[str] = []
 
-    def __enter__(self) -> "Agreement":
+    def __enter__(self) -> "BuildAgreement":
         return self
 
     def __exit__(self, kind: Optional[type], error: Optional[BaseException], tb: Optional[TracebackType]) -> Literal[False]:

@@ -1,7 +1,7 @@
 """The engine's parts, composed once in small named steps (``build``), as torchtitan's ``parallelize_*``
 composes ``apply_*``: each step takes what the earlier ones made and returns its own part; none reads
 the ``ZeroConfig`` (the policies are made from it first, ``policies.from_config``) and none receives
-the engine. ``ZeroEngine`` holds the result, ``Parts``, and the ``Stepper`` made on it (``update.py``).
+the engine. ``ZeroEngine`` holds the result, ``Parts``, and the ``Stepper`` made on it (``step.py``).
 
 1. ``_agree_and_plan``: every rank the same settings and unit plan, or one error on all (``agreement.py``);
    activation checkpointing applied; the host memory read before any rank allocates.
@@ -10,7 +10,7 @@ the engine. ``ZeroEngine`` holds the result, ``Parts``, and the ``Stepper`` made
    (``wire.py``) and, stage 3, where a transient unit's payload rests; checked against host memory.
 4. ``_units``: the module's parameters flattened into units, broadcast from rank 0, sharded, each
    published (stage 3: stored and freed) as it is built (``unit.py``, ``gather.py``).
-5. ``_hooks``: stage 3's module hooks (``stage3.py``), the asynchronous step (``offload/ahead.py``)
+5. ``_hooks``: stage 3's module hooks (``stage3.py``), the asynchronous step (``offload/async_step.py``)
    and the gradient hooks (``reducer.py``).
 """
 
@@ -24,17 +24,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_zeroq.zero import comm, hybrid, loss_scaler, recompute
-from lightning_zeroq.zero.agreement import Agreement, describe_plan
+from lightning_zeroq.zero import activation_checkpoint, comm, hybrid, loss_scaler
+from lightning_zeroq.zero.agreement import BuildAgreement, describe_plan
 from lightning_zeroq.zero.gather import Gatherer
 from lightning_zeroq.zero.hybrid import Topology
 from lightning_zeroq.zero.layout import UnitLayout
 from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
 from lightning_zeroq.zero.materialize import sync_replicated_state, target_device
-from lightning_zeroq.zero.offload import OptimizerPlacement, ShardStore, host_part, optimizer_placement, shard_store
-from lightning_zeroq.zero.offload.ahead import InStep, StepAhead
-from lightning_zeroq.zero.offload.host_need import HostBudget
-from lightning_zeroq.zero.plan import UnitSpec, plan
+from lightning_zeroq.zero.offload.device import OptimizerHome
+from lightning_zeroq.zero.offload.select import host_part, optimizer_home, shard_store
+from lightning_zeroq.zero.offload.stores import ShardStore
+from lightning_zeroq.zero.offload.async_step import SyncHostStep, AsyncHostStep
+from lightning_zeroq.zero.memory.host import HostBudget
+from lightning_zeroq.zero.unit_plan import UnitSpec, unit_plan
 from lightning_zeroq.zero.policies import ModuleUnits, Policies
 from lightning_zeroq.zero.reducer import Reducer
 from lightning_zeroq.zero.stage3 import Stage3Coordinator
@@ -53,13 +55,13 @@ class Parts:
     topology: Topology
     device: torch.device
     host_memory: HostBudget
-    placement: OptimizerPlacement
+    placement: OptimizerHome
     gatherer: Gatherer
     units: list[Unit]
     reducer: Reducer
     stage3: Optional[Stage3Coordinator]
-    ahead: InStep
-    """How the host step runs: in the step (``InStep``) or beside the next forward (``StepAhead``)."""
+    host_step: SyncHostStep
+    """How the host step runs: in the step (``SyncHostStep``) or beside the next forward (``AsyncHostStep``)."""
     loss_scaler: Optional[DynamicLossScaler]
     param_names: dict[int, str] = field(default_factory=dict)
     """Every parameter's name by ``id`` (after materialization): errors and logs name parameters."""
@@ -102,7 +104,7 @@ class _Planned(NamedTuple):
 
 
 class _Placed(NamedTuple):
-    placement: OptimizerPlacement
+    placement: OptimizerHome
     wire: Wire
     store: Optional[ShardStore]
     layouts: list[UnitLayout]
@@ -126,10 +128,10 @@ def build(module: nn.Module, pol: Policies, *, param_dtype: torch.dtype, group: 
     sync_replicated_state(module, where, group)
     gatherer = Gatherer(placed.wire, placed.placement, placed.store, where, sync_persistent_on_build=topo.int8_weights)
     units = _units(module, planned.specs, placed, gatherer, where, param_dtype, group, topo.rank)
-    stage3, ahead, reducer = _hooks(module, pol, topo, placed, gatherer, units, where, param_dtype)
+    stage3, host_step, reducer = _hooks(module, pol, topo, placed, gatherer, units, where, param_dtype)
     parts = Parts(module=module, policies=pol, param_dtype=param_dtype, topology=topo, device=where,
                   host_memory=planned.host_memory, placement=placed.placement, gatherer=gatherer, units=units,
-                  reducer=reducer, stage3=stage3, ahead=ahead, loss_scaler=scaler, param_names=_names(module, units))
+                  reducer=reducer, stage3=stage3, host_step=host_step, loss_scaler=scaler, param_names=_names(module, units))
     if where.type == "cuda":  # the module's own tensors left blocks the step's allocations rarely fit
         torch.cuda.empty_cache()
     return parts
@@ -138,12 +140,12 @@ def build(module: nn.Module, pol: Policies, *, param_dtype: torch.dtype, group: 
 def _agree_and_plan(module: nn.Module, pol: Policies, param_dtype: torch.dtype, group: Optional[dist.ProcessGroup],
                     ranks_per_node: Optional[int], loss_scaling: bool) -> _Planned:
     """Every rank builds the same engine or raises the same error, before any collective (agreement.py)."""
-    with Agreement(group, dict(pol.settings)) as agreed:
+    with BuildAgreement(group, dict(pol.settings)) as agreed:
         agreed.settings.update(shard_group_size=hybrid.given(pol.sharding.group_size, ranks_per_node),
                                param_dtype=str(param_dtype), loss_scaling=str(loss_scaling))
         shard_size = hybrid.shard_group_size(pol.sharding.group_size, comm.world(group)[1], ranks_per_node)
-        recompute.apply(module, pol.recompute)
-        specs = plan(module, trainable_parameters(module), pol.sharding.units)
+        activation_checkpoint.apply(module, pol.recompute)
+        specs = unit_plan(module, trainable_parameters(module), pol.sharding.units)
         agreed.plan = describe_plan(module, specs)
         host_memory = HostBudget(pol.offload, ranks_per_node)  # read before any rank allocates
     return _Planned(specs, shard_size, host_memory)
@@ -152,7 +154,7 @@ def _agree_and_plan(module: nn.Module, pol: Policies, param_dtype: torch.dtype, 
 def _placement(planned: _Planned, pol: Policies, topo: Topology, device: torch.device,
                param_dtype: torch.dtype) -> _Placed:
     layouts = plan_layouts(planned.specs, topo.world_size, topo.align(pol.quantization))
-    placement = optimizer_placement(pol.offload.optimizer, device, param_dtype, topo.rank, topo.world_size, layouts,
+    placement = optimizer_home(pol.offload.optimizer, device, param_dtype, topo.rank, topo.world_size, layouts,
                                     pol.offload.speculative)
     wire = make_wire(layouts, pol, topo, device, param_dtype, topo.group)
     transient = {i: wire.payload_numel(i) for i, spec in enumerate(planned.specs) if not spec.persistent}
@@ -193,7 +195,7 @@ def _names(module: nn.Module, units: list[Unit]) -> dict[int, str]:
 
 class _Hooks(NamedTuple):
     stage3: Optional[Stage3Coordinator]
-    ahead: InStep
+    host_step: SyncHostStep
     reducer: Reducer
 
 
@@ -205,7 +207,7 @@ def _hooks(module: nn.Module, pol: Policies, topo: Topology, placed: _Placed, ga
         stage3 = Stage3Coordinator(gatherer, units, prefetch_depth=pol.sharding.units.prefetch_depth,
                                    reshard_after_forward=pol.sharding.units.reshard_after_forward,
                                    names=_unit_names(module, units))
-    ahead = _step_ahead(module, pol, topo, placed, gatherer, units, device, param_dtype)
+    host_step = _host_step(module, pol, topo, placed, gatherer, units, device, param_dtype)
     reducer = Reducer(
         units,
         gradients=placed.placement,
@@ -216,7 +218,7 @@ def _hooks(module: nn.Module, pol: Policies, topo: Topology, placed: _Placed, ga
         wire=topo.gradient_wire(device, pol.quantization.group_size),
         listener=stage3,
     )
-    return _Hooks(stage3, ahead, reducer)
+    return _Hooks(stage3, host_step, reducer)
 
 
 def _unit_names(module: nn.Module, units: list[Unit]) -> dict[int, str]:
@@ -227,18 +229,18 @@ def _unit_names(module: nn.Module, units: list[Unit]) -> dict[int, str]:
     return {u.index: names.get(id(u.module), type(u.module).__name__) for u in units if u.module is not None}
 
 
-def _step_ahead(module: nn.Module, pol: Policies, topo: Topology, placed: _Placed, gatherer: Gatherer,
-                units: list[Unit], device: torch.device, param_dtype: torch.dtype) -> InStep:
+def _host_step(module: nn.Module, pol: Policies, topo: Topology, placed: _Placed, gatherer: Gatherer,
+               units: list[Unit], device: torch.device, param_dtype: torch.dtype) -> SyncHostStep:
     """How the host step runs: in the step, or (``offload_async_step``) beside the next forward
-    (``offload/ahead.py``), publishing on a process group of its own."""
+    (``offload/async_step.py``), publishing on a process group of its own."""
     host = host_part(placed.placement)
     if not pol.offload.asynchronous or host is None:
-        return InStep()
+        return SyncHostStep()
     own = comm.duplicate(topo.group, topo.world_group)  # the worker's collectives: a group of their own
     publisher = gatherer if own is topo.group else Gatherer(
         make_wire(placed.layouts, pol, topo, device, param_dtype, own), placed.placement, placed.store, device,
         sync_persistent_on_build=False)
     on_host = [u for u in units if not placed.placement.master_on_device(u.index)]
-    ahead = StepAhead(host, module, on_host, publisher.publish, device, own_group=None if own is topo.group else own)
-    gatherer.wait_with(ahead.ready)
-    return ahead
+    host_step = AsyncHostStep(host, module, on_host, publisher.publish, device, own_group=None if own is topo.group else own)
+    gatherer.wait_with(host_step.ready)
+    return host_step

@@ -2,7 +2,7 @@
 
 Built once per model by ``build.py`` (the ``ZeroConfig`` turned into frozen policies first,
 ``policies.py``; then the agreement and the unit plan, the groups, the placement, wire and store, the
-units, the hooks), into ``Parts``; ``update.Stepper`` owns the optimizer side of a step on them.
+units, the hooks), into ``Parts``; ``step.Stepper`` owns the optimizer side of a step on them.
 
 One optimizer step:
 
@@ -19,56 +19,28 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Generic, Optional, TypeVar, overload
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_zeroq.config import ZeroConfig
-from lightning_zeroq.zero import access, policies, state_dict
+from lightning_zeroq.zero import full_params, policies, state_dict
 from lightning_zeroq.zero.build import Parts, build
-from lightning_zeroq.zero.gather import Gatherer
-from lightning_zeroq.zero.hybrid import Topology
 from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
-from lightning_zeroq.zero.offload import OptimizerPlacement
-from lightning_zeroq.zero.offload.ahead import InStep
-from lightning_zeroq.zero.offload.host_need import HostBudget
-from lightning_zeroq.zero.optimizers import Binding
-from lightning_zeroq.zero.policies import Policies
-from lightning_zeroq.zero.reducer import Reducer, Window
-from lightning_zeroq.zero.stage3 import Stage3Coordinator
-from lightning_zeroq.zero.unit import Unit
-from lightning_zeroq.zero.update import Stepper
+from lightning_zeroq.zero.optim.binding import Binding
+from lightning_zeroq.zero.reducer import Window
+from lightning_zeroq.zero.step import Stepper
 
 _ENGINES: "weakref.WeakSet[ZeroEngine]" = weakref.WeakSet()
-T = TypeVar("T")
-
-
-class _OfParts(Generic[T]):
-    """A read-only attribute of the engine: its parts' attribute of the same name (``build.Parts``)."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    @overload
-    def __get__(self, engine: None, owner: type) -> "_OfParts[T]": ...
-
-    @overload
-    def __get__(self, engine: "ZeroEngine", owner: type) -> T: ...
-
-    def __get__(self, engine: Optional["ZeroEngine"], owner: type) -> Any:
-        return self if engine is None else getattr(engine.parts, self.name)
-
-    def __set__(self, engine: "ZeroEngine", value: Any) -> None:
-        raise AttributeError(f"ZeroEngine.{self.name} is read-only (it is the engine's parts.{self.name})")
 
 
 def owning_engine(module: nn.Module) -> Optional["ZeroEngine"]:
     """The live engine that shards ``module``'s parameters, if any."""
     ids = {id(p) for p in module.parameters()}
     for engine in list(_ENGINES):
-        if not engine.retired and any(id(p) in ids for u in engine.units for p in u.params):
+        if not engine.parts.retired and any(id(p) in ids for u in engine.parts.units for p in u.params):
             return engine
     return None
 
@@ -85,7 +57,7 @@ class ZeroEngine:
             (default: where the module is). ranks_per_node: what ``shard_group_size="node"`` means here.
 
     The engine holds three things: the ``config`` it was given, the ``parts`` built from it
-    (``build.py``) and the ``stepper`` that owns the optimizer side of a step (``update.py``); every
+    (``build.py``) and the ``stepper`` that owns the optimizer side of a step (``step.py``); every
     other attribute below reads one of them.
     """
 
@@ -106,31 +78,6 @@ class ZeroEngine:
                                   loss_scaling=loss_scaling)
         self.stepper = Stepper(self.parts)
         _ENGINES.add(self)
-
-    # ------------------------------------------------------------------ the parts, read-only
-
-    module: _OfParts[nn.Module] = _OfParts()
-    policies: _OfParts[Policies] = _OfParts()
-    param_dtype: _OfParts[torch.dtype] = _OfParts()
-    device: _OfParts[torch.device] = _OfParts()
-    units: _OfParts[list[Unit]] = _OfParts()
-    placement: _OfParts[OptimizerPlacement] = _OfParts()
-    gatherer: _OfParts[Gatherer] = _OfParts()
-    reducer: _OfParts[Reducer] = _OfParts()
-    stage3: _OfParts[Optional[Stage3Coordinator]] = _OfParts()
-    ahead: _OfParts[InStep] = _OfParts()
-    host_memory: _OfParts[HostBudget] = _OfParts()
-    loss_scaler: _OfParts[Optional[DynamicLossScaler]] = _OfParts()
-    topology: _OfParts[Topology] = _OfParts()
-    world_group: _OfParts[Optional[dist.ProcessGroup]] = _OfParts()  # every rank: the first broadcast, the agreement
-    group: _OfParts[Optional[dist.ProcessGroup]] = _OfParts()  # the shard group (the world without hybrid sharding)
-    replica_group: _OfParts[Optional[dist.ProcessGroup]] = _OfParts()
-    rank: _OfParts[int] = _OfParts()
-    world_size: _OfParts[int] = _OfParts()
-    replica_rank: _OfParts[int] = _OfParts()
-    num_groups: _OfParts[int] = _OfParts()
-    retired: _OfParts[bool] = _OfParts()  # release_module handed the module back: readable, no more training
-    closed: _OfParts[bool] = _OfParts()  # close() released the state (NVMe's masters were in the swap files)
 
     @property
     def steps(self) -> int:
@@ -182,7 +129,7 @@ class ZeroEngine:
         self._check_active()
         # A write into the weights since the last step (a callback's, after it) becomes the masters here,
         # before a speculative host step reads them (fp32; else the step refuses it, ``Stepper.finalize``).
-        access.take_writes(self.parts)
+        full_params.take_writes(self.parts)
         self.parts.reducer.begin_backward(boundary)
 
     def _check_active(self) -> None:
@@ -203,10 +150,15 @@ class ZeroEngine:
         self.post_backward()
 
     @property
+    def loss_scaler(self) -> Optional[DynamicLossScaler]:
+        """The dynamic loss scaler (fp16), or None."""
+        return self.parts.loss_scaler
+
+    @property
     def loss_scale(self) -> float:
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
 
-    # ------------------------------------------------------------------ step (``update.Stepper``)
+    # ------------------------------------------------------------------ step (``step.Stepper``)
 
     def finalize_gradients(self, optimizer: Optional[torch.optim.Optimizer] = None) -> bool:
         """Complete this window's gradient shards. Returns True if ``optimizer``'s step must be skipped:
@@ -248,7 +200,7 @@ class ZeroEngine:
         gradients waits by itself (the host placement's ``settle``: state dicts, checkpoints, the next
         backward, the next step), and a module's forward waits for its own parameters; code that reads
         a parameter's tensor otherwise between a step and the next forward calls this first."""
-        self.parts.ahead.drain()
+        self.parts.host_step.drain()
 
     def zero_grad(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         """Drop this window's gradients (of ``optimizer``'s parameters, when several are attached)."""
@@ -296,16 +248,16 @@ class ZeroEngine:
     def gathered_parameters(self, module: Optional[nn.Module] = None,
                             writeback: bool = False) -> contextlib.AbstractContextManager:
         """Collective context manager: the full fp32 parameters of ``module`` (default: all) as plain
-        tensors inside; ``writeback=True`` keeps what was changed. See ``access.py``."""
-        access.check_module("ZeroEngine.gathered_parameters", module, optional=True)
-        return access.gathered_parameters(self.parts, module, writeback)
+        tensors inside; ``writeback=True`` keeps what was changed. See ``full_params.py``."""
+        full_params.check_module("ZeroEngine.gathered_parameters", module, optional=True)
+        return full_params.gathered_parameters(self.parts, module, writeback)
 
     def release_module(self, dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None) -> None:
         """Collective: hand the module back as a plain module with the trained parameters (see
-        ``access.py``) and each optimizer bound to its parameters again (``hand_back``); the engine keeps
+        ``full_params.py``) and each optimizer bound to its parameters again (``hand_back``); the engine keeps
         its master shards and optimizer state (in a twin of the optimizer) for state dicts."""
         if not self.parts.retired:
-            access.release_module(self.parts, dtype, device)
+            full_params.release_module(self.parts, dtype, device)
             self.hand_back_optimizers()
             self.parts.retired = True
 
@@ -317,7 +269,7 @@ class ZeroEngine:
         says the state is released (NVMe's masters were in the swap files): a save refuses it."""
         parts = self.parts
         parts.closed = True
-        parts.ahead.close()
+        parts.host_step.close()
         parts.reducer.close()
         parts.placement.close()
         parts.gatherer.close()

@@ -7,7 +7,7 @@ gathers: the device, pinned host memory or NVMe, ``offload/``).
 
 - ``publish(unit)`` after every step and checkpoint load: a persistent unit's working buffer is
   synced from the master shards (``wire.sync``) and its parameters' version counters are marked
-  (``Unit.mark``: a write into them after this is one the masters have not seen, ``access.take_writes``); a transient unit's payload is re-encoded into the
+  (``Unit.mark``: a write into them after this is one the masters have not seen, ``full_params.take_writes``); a transient unit's payload is re-encoded into the
   store (``wire.encode``), and the unit is freed if something had it gathered.
 - ``gather(unit, prefetch)``, stage 3 before every use: re-allocate the storage of ``flat`` and fill
   it from every rank's payload. With ``prefetch`` on CUDA the copy from the store and the collective
@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zeroq.zero import comm
-from lightning_zeroq.zero.offload import ShardStore
+from lightning_zeroq.zero.offload.stores import ShardStore
 from lightning_zeroq.zero.offload.roles import Masters
 from lightning_zeroq.zero.unit import Unit, UnitState
 from lightning_zeroq.zero.wire import Wire
@@ -119,7 +119,7 @@ class Gatherer:
         """The gathers (collectives) this gatherer issued."""
 
     def wait_with(self, ready: Callable[[int, bool], bool]) -> None:
-        """An asynchronous step (``offload/ahead.py``) asks to be asked before a gather of unit i (prefetch
+        """An asynchronous step (``offload/async_step.py``) asks to be asked before a gather of unit i (prefetch
         or not): ``ready`` publishes the unit first, or declines a prefetch of one not stepped yet."""
         self._ready = ready
 

@@ -163,7 +163,7 @@ class Policies:
     ineffective: tuple[str, ...]
     """One sentence per setting that cannot take effect (the engine warns about each once)."""
     recompute: tuple[str, ...] = ()
-    """Class names of the modules that recompute their forward in the backward (``recompute.py``)."""
+    """Class names of the modules that recompute their forward in the backward (``activation_checkpoint.py``)."""
     settings: tuple[tuple[str, str], ...] = ()
     """``(field, repr of its value)`` of every field that must be the same on every rank."""
 
@@ -176,7 +176,7 @@ themselves (the worst rank's decides, ``offload/auto.py``); a node's own host me
 @dataclass(frozen=True)
 class AutoRequest:
     """What ``offload="auto"`` and ``activation_checkpointing_policy="auto"`` leave to the plan
-    (``choose.py``), before the engine is built."""
+    (``planning/choose.py``), before the engine is built."""
 
     stage: int
     offload: bool

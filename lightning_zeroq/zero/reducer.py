@@ -72,7 +72,7 @@ class Window(enum.Enum):
     FINALIZED = "finalized"
 
 
-class Agreement(NamedTuple):
+class WindowVerdict(NamedTuple):
     """What every rank agreed on in ``finalize``."""
 
     used: Tensor
@@ -83,7 +83,7 @@ class Agreement(NamedTuple):
     """Units whose reduced gradient shard holds inf or NaN on some rank (empty: all finite)."""
     written: list[int] = []
     """Parameter ids some rank wrote into in place since the last step where the masters cannot take it
-    (``access.take_writes``): the step refuses them."""
+    (``full_params.take_writes``): the step refuses them."""
     writing_ranks: list[int] = []
     """The ranks that made those writes."""
 
@@ -143,7 +143,7 @@ class Reducer:
         self.rank, self.world_size = comm.world(group)
         self.num_params = sum(len(u.params) for u in units)
         self.window = Window.EMPTY
-        self.agreement: Optional[Agreement] = None
+        self.agreement: Optional[WindowVerdict] = None
         self._where = {id(p): (u, i) for u in units for i, p in enumerate(u.params)}
         self._order = list(reversed(units))
         self._completed: list[int] = []
@@ -254,7 +254,7 @@ class Reducer:
         """The compute stream waits for the reductions issued so far."""
         self._stream.join()
 
-    def finalize(self) -> Agreement:
+    def finalize(self) -> WindowVerdict:
         """Complete this window's gradient shards and agree on them with every rank (idempotent)."""
         if self.window is Window.FINALIZED:
             assert self.agreement is not None
@@ -274,7 +274,7 @@ class Reducer:
         ranks = [r for r in range(self.world_size) if nonfinite[len(self.units) + r]]
         units = [i for i in range(len(self.units)) if nonfinite[i]]
         writers = [r for r in range(self.world_size) if written[r]]
-        self.agreement = Agreement(used, ranks, units, self._written_everywhere() if writers else [], writers)
+        self.agreement = WindowVerdict(used, ranks, units, self._written_everywhere() if writers else [], writers)
         self.window = Window.FINALIZED
         if not self._order_agreed:
             self._agree_order()
@@ -294,7 +294,7 @@ class Reducer:
     def _materialize(self, all_units: bool = False) -> None:
         """The fp32 gradient shard of every unit the optimizer steps on the device (``all_units``: of
         every unit) exists and holds the window's gradient. A unit stepped on the host has its gradient
-        copied there instead (``offload/landing.py``), never widened here.
+        copied there instead (``offload/host_grads.py``), never widened here.
 
         Made on the compute stream, once the reductions are done: its blocks then come from the compute
         stream's pool, where the backward has just freed the activations, and the reduced parts waiting in

@@ -1,6 +1,6 @@
 """ZeRO stage 3: when a transient unit's parameters are gathered and freed.
 
-Which modules become units is decided in ``plan.py``; how a unit is gathered and freed in
+Which modules become units is decided in ``unit_plan.py``; how a unit is gathered and freed in
 ``gather.py``. This file installs the module hooks and decides *when*:
 
 - forward: a pre-hook on the unit's module gathers it (waiting for a prefetch if one was issued)

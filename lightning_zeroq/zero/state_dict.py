@@ -28,7 +28,7 @@ the rank that holds the parameter's first element.
 - ``full_optimizer_state``: collective, every parameter's optimizer state at full shape.
 - Every walk over the masters goes through the placement's ``resident`` iterator (NVMe: one unit at a time).
 - A read of the masters (a save, ``full_state_dict``) first takes what was written into the working
-  weights since the last step, where the masters can (``access.take_writes``: fp32), so it reads what
+  weights since the last step, where the masters can (``full_params.take_writes``: fp32), so it reads what
   the module holds, as DDP's would.
 """
 
@@ -41,10 +41,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_zeroq.zero import access, comm
+from lightning_zeroq.zero import full_params, comm
 from lightning_zeroq.zero.build import Parts
 from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
-from lightning_zeroq.zero.offload import OptimizerPlacement
+from lightning_zeroq.zero.offload.device import OptimizerHome
 from lightning_zeroq.zero.offload.nvme import per_element_state_keys
 from lightning_zeroq.zero.policies import Nvme
 from lightning_zeroq.zero.unit import Unit
@@ -141,7 +141,7 @@ class Walk:
     increasing index only), ``close()`` finishes the walk (NVMe writes the last units back)."""
 
     def __init__(self, parts: Parts) -> None:
-        access.take_writes(parts)  # a write into the weights since the last step is in what is saved (fp32)
+        full_params.take_writes(parts)  # a write into the weights since the last step is in what is saved (fp32)
         self._walk = parts.placement.resident(parts.units)
         self.current = -1
 
@@ -238,7 +238,7 @@ class ShardedView:
         if target is not None:
             target.state.clear()
             parts.placement.state_loaded(target)  # before the walk: NVMe writes the new state as it goes
-        at_once = type(parts.placement).resident is OptimizerPlacement.resident
+        at_once = type(parts.placement).resident is OptimizerHome.resident
         batch: list[Unit] = []
         for unit in parts.placement.resident(parts.units):
             batch.append(unit)
@@ -257,7 +257,7 @@ class ShardedView:
                 if pv._loaded and optimizer is not None and pv._view is not None:
                     optimizer.state[pv._view] = pv._loaded
                 pv._loaded = {}
-            access.publish_loaded(self._parts, unit)
+            full_params.publish_loaded(self._parts, unit)
 
     def set_hyperparameters(self, param_groups: list[dict]) -> None:
         """A checkpoint's param-group entries, but for ``params`` and this run's ``KERNEL_CHOICES``."""
@@ -306,7 +306,7 @@ def full_state_dict(parts: Parts, rank0_only: bool = False) -> dict[str, Tensor]
         return {}  # hybrid groups: the first group gathers; the others hold the same values
     names = parameter_names(parts.module)
     root = dist.get_global_rank(parts.group, 0) if parts.group is not None and parts.world_size > 1 else 0
-    access.take_writes(parts)  # a write into the weights since the last step is in what is read (fp32)
+    full_params.take_writes(parts)  # a write into the weights since the last step is in what is read (fp32)
     for unit in parts.placement.resident(parts.units):
         shard = parts.placement.device_master(unit)
         if rank0_only and parts.world_size > 1:
@@ -357,7 +357,7 @@ def load_full_state_dict(parts: Parts, state: dict[str, Tensor]) -> set[str]:
             name = next((n for n in names_of[unit.index][seg.param] if n in state), None)
             if name is not None:
                 unit.master[seg.shard_span].copy_(state[name].reshape(-1)[seg.param_span])
-        access.publish_loaded(parts, unit)
+        full_params.publish_loaded(parts, unit)
     return managed
 
 

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.layout import Segment, UnitLayout, make_layout
 from lightning_zeroq.zero.materialize import materialize_meta_params
-from lightning_zeroq.zero.plan import UnitSpec
+from lightning_zeroq.zero.unit_plan import UnitSpec
 
 
 FREED_HINT = (
@@ -121,7 +121,7 @@ class Unit:
     """A norm of this unit's gradient was asked for (``grad_squares``): measure it as it leaves."""
     marks: tuple[int, ...] = ()
     """Persistent units: each parameter's version counter when the engine last wrote the working buffer
-    (``Gatherer.publish``) or took what it held (``access.take_writes``). An in-place write of a parameter
+    (``Gatherer.publish``) or took what it held (``full_params.take_writes``). An in-place write of a parameter
     (``p.mul_``, ``p.copy_``, an initializer; a view of it included) bumps its counter, so a counter ahead
     of its mark is a write the masters have not seen. (A write through ``p.data`` bumps no counter.)"""
     _views: Optional[tuple[Tensor, list[Tensor]]] = field(default=None, repr=False)

@@ -35,7 +35,7 @@ GATHER = [frame(f"{REPO}/lightning_zeroq/zero/unit.py", "restore_storage", 133),
 LINEAR = [frame(SITE + "torch/nn/modules/linear.py", "forward", 134),
           frame(SITE + "torch/nn/modules/module.py", "_call_impl", 1790), STEP, LOOP]
 OPTIM = [frame(SITE + "torch/optim/adamw.py", "_init_group", 120),
-         frame(f"{REPO}/lightning_zeroq/zero/update.py", "run", 80), LOOP]
+         frame(f"{REPO}/lightning_zeroq/zero/step.py", "run", 80), LOOP]
 TOKENS = [LOOP]
 MARK = [frame(f"{REPO}/benchmarks/memory_account.py", "_mark_steps", 250), LOOP]
 
@@ -168,7 +168,7 @@ def _owners_after_a_step(name: str) -> tuple[list, bool]:
     arm = build_arm(name, args, torch.device("cpu"))
     arm.finish(arm.forward(torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))))
     owners = ma.arm_owners(arm, "cpu")
-    units = arm.engine.units if arm.engine is not None else []
+    units = arm.engine.parts.units if arm.engine is not None else []
     exact = all(owners[u.master.untyped_storage().data_ptr()] == "masters"
                 and not u.has_grad_storage  # the gradient shard is released with the window (held during a step)
                 and (not u.persistent or owners[u.flat.untyped_storage().data_ptr()] == "persistent_units") for u in units)

@@ -216,7 +216,7 @@ def _bf16_body(stage):
         model = Model()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     model, optimizer = f.setup(model, optimizer)
-    assert f.strategy.engine.param_dtype == torch.bfloat16  # DeepSpeed: config["bf16"]["enabled"]
+    assert f.strategy.engine.parts.param_dtype == torch.bfloat16  # DeepSpeed: config["bf16"]["enabled"]
     assert model.layer.weight.dtype == torch.bfloat16
     batch = torch.rand(2, 32, device=f.device)
     assert batch.dtype == torch.float32

@@ -104,7 +104,7 @@ class _Trainer(BasicTrainer):
         # FSDP: every wrapped layer's mixed_precision dtypes; zeroq: the engine's working dtype
         precision = self.fabric.strategy.precision.precision
         expected = torch.float16 if precision in ("16-true", "16-mixed") else torch.bfloat16
-        assert self.fabric.strategy.engine.param_dtype == expected
+        assert self.fabric.strategy.engine.parts.param_dtype == expected
 
 
 def _train_save_load_body(tmp, stage, precision):
@@ -232,7 +232,7 @@ def _clip_body(stage, precision):
 
 def _full_grad(engine, numel: int) -> torch.Tensor:
     """The fp32 gradient shards of every unit after the step's multiplier, gathered (the weight's)."""
-    shards = [engine.placement.step_grad(u).detach().cpu().clone() for u in engine.units]
+    shards = [engine.parts.placement.step_grad(u).detach().cpu().clone() for u in engine.parts.units]
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, shards)
     return torch.cat([t for unit in zip(*gathered) for t in unit])[:numel]

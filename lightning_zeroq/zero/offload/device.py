@@ -1,6 +1,6 @@
 """No offload: master shards and optimizer state on the compute device, and the base of every placement.
 
-``OptimizerPlacement`` plays the three roles of ``roles.py`` (``Masters``, ``Gradients``, ``Updater``)
+``OptimizerHome`` plays the three roles of ``roles.py`` (``Masters``, ``Gradients``, ``Updater``)
 for the device, where most of them are nothing to do, and adds the lifecycle the build and the stepper
 call: ``adopt_master`` (build: take this rank's fp32 shard, return the master to keep),
 ``store_built`` (stage 3's store, ``stores.py``), ``attach`` (an optimizer bound to the master
@@ -23,10 +23,10 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
     from lightning_zeroq.zero.offload.stores import ShardStore
-    from lightning_zeroq.zero.optimizers import Binding
+    from lightning_zeroq.zero.optim.binding import Binding
 
 
-class OptimizerPlacement:
+class OptimizerHome:
     """Masters and optimizer state on the compute device; the optimizer steps all units at once."""
 
     masters_may_move = False

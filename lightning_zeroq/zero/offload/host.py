@@ -1,9 +1,9 @@
 """CPU offload: master shards, optimizer state and gradient copies in (pinned) host memory.
 
 Optimizer. The fp32 master shard of every unit and the optimizer state live on the host; the
-optimizer steps there with torch's fused CPU kernel (``optimizers.prefer_fast_host_step``).
+optimizer steps there with torch's fused CPU kernel (``binding.prefer_fast_host_step``).
 
-Gradients to the host: ``landing.GradientLanding`` copies each unit's reduced gradient shard into a
+Gradients to the host: ``host_grads.GradientLanding`` copies each unit's reduced gradient shard into a
 host buffer and releases it on the device (its note says when).
 
 The host step. For torch's Adam and AdamW the host kernel (``ops.host_adam``, torch's fused
@@ -44,17 +44,17 @@ import torch
 from torch import Tensor
 
 from lightning_zeroq.ops.host_adam import host_adam
-from lightning_zeroq.zero.offload.device import OptimizerPlacement
+from lightning_zeroq.zero.offload.device import OptimizerHome
 from lightning_zeroq.zero.offload.stores import ShardStore, copy_cast_to_device
-from lightning_zeroq.zero.offload.kernel import KernelSteps, set_host_step_threads
+from lightning_zeroq.zero.offload.host_kernel import KernelSteps, set_host_step_threads
 from lightning_zeroq.zero.offload.stores import HostStore, host_copy
-from lightning_zeroq.zero.offload.landing import GradientLanding, wait_event
-from lightning_zeroq.zero.offload.speculate import Speculation
-from lightning_zeroq.zero.optimizers import Binding, adam_kind, prefer_fast_host_step
+from lightning_zeroq.zero.offload.host_grads import GradientLanding, wait_event
+from lightning_zeroq.zero.offload.speculative_step import Speculation
+from lightning_zeroq.zero.optim.binding import Binding, adam_kind, prefer_fast_host_step
 from lightning_zeroq.zero.unit import Unit
 
 
-class HostOptimizer(OptimizerPlacement):
+class HostOptimizer(OptimizerHome):
     """Masters and optimizer state in host memory; the step runs on the CPU, unit by unit."""
 
     def __init__(self, device: torch.device, param_dtype: torch.dtype, world_size: int,
@@ -62,7 +62,7 @@ class HostOptimizer(OptimizerPlacement):
         super().__init__(device)
         self.speculative = speculative
         self.spec: Optional[Speculation] = None
-        """Host steps taken during the backward (``speculate.py``), with ``speculative`` and the kernel."""
+        """Host steps taken during the backward (``speculative_step.py``), with ``speculative`` and the kernel."""
         self._optimizers: list[torch.optim.Optimizer] = []
         self._stepping = False
         self.pin = device.type == "cuda"
@@ -80,7 +80,7 @@ class HostOptimizer(OptimizerPlacement):
         self._shared: dict[int, Tensor] = {}
 
     def settle_with(self, drain: Callable[[], None]) -> None:
-        """An asynchronous step (``ahead.StepAhead``) registers the wait for its work: ``settle`` calls it."""
+        """An asynchronous step (``async_step.AsyncHostStep``) registers the wait for its work: ``settle`` calls it."""
         self._drain = drain
 
     def settle(self) -> None:
@@ -201,7 +201,7 @@ class HostOptimizer(OptimizerPlacement):
         super().scale_grads(unit, spans, multiplier)
 
     def step_batch(self, batch: Sequence[Unit], binding: Binding, used: Sequence[Any]) -> bool:
-        """Step ``batch`` with the host kernel where it takes it (``kernel.KernelSteps``); else False, and
+        """Step ``batch`` with the host kernel where it takes it (``host_kernel.KernelSteps``); else False, and
         ``optimizer.step()`` steps it."""
         spec = self.spec  # step_batches yields one unit at a time
         rest = [u for u in batch if spec is None or not spec.keep(u, binding, used, u.index in self.multiplier)]
@@ -213,11 +213,11 @@ class HostOptimizer(OptimizerPlacement):
 
     def step_later(self, unit: Unit, binding: Binding, used: Sequence[Any],
                    hypers: dict[int, dict[str, Any]]) -> tuple[Optional["torch.cuda.Event"], list]:
-        """For an asynchronous step (``ahead.py``), on the calling thread: the host kernel's jobs for
+        """For an asynchronous step (``async_step.py``), on the calling thread: the host kernel's jobs for
         ``unit`` (its state made, its step counts advanced, the multiplier it owes taken, as
         ``step_batch`` would) and the event of its gradient's copy to the host, which the worker waits
         for before running them; no jobs where a speculative step of it stands (kept here)."""
-        assert self.kernel is not None  # StepAhead.takes checked it
+        assert self.kernel is not None  # AsyncHostStep.takes checked it
         index = unit.index
         self.wait_device_reads(index)
         self.kernel.fresh.discard(index)  # until the worker has run the jobs (``KernelSteps.stepped``)

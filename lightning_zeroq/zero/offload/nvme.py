@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from lightning_zeroq.swap import NvmeSwapper, SwapHandle, aligned_empty
-from lightning_zeroq.zero.matrix import is_matrix_optimizer
+from lightning_zeroq.zero.optim.matrix import is_matrix_optimizer
 from lightning_zeroq.zero.offload.host import HostOptimizer
 from lightning_zeroq.zero.unit import Unit
 

@@ -1,18 +1,18 @@
 """The roles an optimizer placement plays, one per phase of a step, and who takes which.
 
-A placement (``device.OptimizerPlacement`` and the placements built on it: host, NVMe, split, auto)
+A placement (``device.OptimizerHome`` and the placements built on it: host, NVMe, split, auto)
 decides where the fp32 master shards and the optimizer state live and where the update runs. The
 engine's parts never see the whole placement: each takes the one role it calls, as FSDP2 keeps its
 parameter, its group's collectives and its hooks apart. Only the build (``build.py``) and the
-optimizer side of the step (``update.Stepper``) hold the placement whole, for its lifecycle
+optimizer side of the step (``step.Stepper``) hold the placement whole, for its lifecycle
 (``adopt_master``, ``store_built``, ``attach``, ``state_loaded``, ``optimizer_replaced``,
 ``step_done``, ``close``).
 
 | role | taken by | what it answers |
 |---|---|---|
-| ``Masters`` | ``gather.Gatherer``, ``wire.Wire``, ``access``, ``state_dict`` | where a master is read and written |
+| ``Masters`` | ``gather.Gatherer``, ``wire.Wire``, ``full_params``, ``state_dict`` | where a master is read and written |
 | ``Gradients`` | ``reducer.Reducer`` | where a reduced gradient shard lands, when it may be released |
-| ``Updater`` | ``update.run`` / ``update.step_in`` | in which batches units step, who steps them, what gradient they read |
+| ``Updater`` | ``step.run`` / ``step.step_in`` | in which batches units step, who steps them, what gradient they read |
 
 ``tests/test_architecture.py`` checks that each taker is typed with its role, and mypy that it calls
 nothing else.
@@ -28,7 +28,7 @@ from torch import Tensor
 from lightning_zeroq.zero.unit import Unit
 
 if TYPE_CHECKING:
-    from lightning_zeroq.zero.optimizers import Binding
+    from lightning_zeroq.zero.optim.binding import Binding
 
 
 class Masters(Protocol):

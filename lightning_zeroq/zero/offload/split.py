@@ -1,13 +1,13 @@
 """Partial CPU optimizer offload (``offload_optimizer_ratio`` between 0 and 1, DeepSpeed's ``ratio``).
 
 Some units keep their fp32 master and optimizer state on the host (``host.HostOptimizer``), the
-others on the device (``device.OptimizerPlacement``), decided once from the unit layouts by
+others on the device (``device.OptimizerHome``), decided once from the unit layouts by
 ``host_units``. ``SplitOptimizer`` hands every call for one unit to the placement that owns it; the
 engine sees one placement, as with any other offload mode.
 
 One step: the device units in one batch (one optimizer call; on a GPU its kernels are queued and
 run while the CPU goes on), then the host units one at a time, as with full offload. The step
-hooks and per-group counters still see one step (``optimizers.OneStep``), however many batches.
+hooks and per-group counters still see one step (``binding.OneStep``), however many batches.
 
 The user's param groups hold segments of both kinds, so the kernel chosen for the host step (torch's
 fused CPU kernel where there is one) also steps the device units when torch has it there too
@@ -22,10 +22,10 @@ import torch
 from torch import Tensor
 
 from lightning_zeroq.zero.layout import UnitLayout
-from lightning_zeroq.zero.offload.device import OptimizerPlacement
+from lightning_zeroq.zero.offload.device import OptimizerHome
 from lightning_zeroq.zero.offload.stores import ShardStore
 from lightning_zeroq.zero.offload.host import HostOptimizer
-from lightning_zeroq.zero.optimizers import Binding
+from lightning_zeroq.zero.optim.binding import Binding
 from lightning_zeroq.zero.unit import Unit
 
 
@@ -55,15 +55,15 @@ def host_units(layouts: Sequence[UnitLayout], ratio: float, last_first: bool = F
     return frozenset(chosen)
 
 
-class SplitOptimizer(OptimizerPlacement):
+class SplitOptimizer(OptimizerHome):
     """Masters and optimizer state of ``host`` units on the host, of the others on the device."""
 
     def __init__(self, device: torch.device, host: HostOptimizer, on_host: frozenset[int]) -> None:
         super().__init__(device)
-        self.host, self.on_device, self.host_units = host, OptimizerPlacement(device), on_host
+        self.host, self.on_device, self.host_units = host, OptimizerHome(device), on_host
         host.also_on = device  # the groups hold device segments too
 
-    def _of(self, unit: Unit) -> OptimizerPlacement:
+    def _of(self, unit: Unit) -> OptimizerHome:
         return self.host if unit.index in self.host_units else self.on_device
 
     def _split(self, units: Sequence[Unit]) -> tuple[list[Unit], list[Unit]]:

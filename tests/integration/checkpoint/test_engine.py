@@ -46,7 +46,7 @@ def _train(engine: ZeroEngine, steps: range) -> None:
     from tests.integration.checkpoint.test_interop import _loss  # one global batch per step, split over the ranks
 
     for step in steps:
-        engine.backward(_loss(engine.module, step))
+        engine.backward(_loss(engine.parts.module, step))
         engine.clip_grad_norm_(1.0)
         engine.step()
 

@@ -244,7 +244,7 @@ from tests.integration.checkpoint.test_faults import _engine
 engine = _engine()
 checkpointer = Checkpointer(async_save={asynchronous})
 for steps in (1, 2):
-    engine.backward(engine.module.loss(make_batch(steps, 0, rank, uniform=True)))
+    engine.backward(engine.parts.module.loss(make_batch(steps, 0, rank, uniform=True)))
     engine.step()
     if steps == 2 and rank == {victim}:
         os.environ[atomic.FAULT_ENV] = {fault!r}

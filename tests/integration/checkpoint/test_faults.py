@@ -58,7 +58,7 @@ def _engine(model_cls=RichModel, stage: int = 2, seed: int = 0) -> ZeroEngine:
 def _train_and_save(path: str, steps: int = 2, evil_marker: str = "") -> None:
     engine = _engine()
     for step in range(steps):
-        engine.backward(engine.module.loss(make_batch(step, 0, dist.get_rank(), uniform=True)))
+        engine.backward(engine.parts.module.loss(make_batch(step, 0, dist.get_rank(), uniform=True)))
         engine.step()
     state = engine_state(engine, optimizer=True)
     if evil_marker:  # a non-tensor item that would run code if unpickled with weights_only=False
@@ -208,7 +208,7 @@ CHILD = textwrap.dedent("""
     atomic.exchange_supported = None if {exchange} else False
     engine = _engine()
     for step in range({steps}):
-        engine.backward(engine.module.loss(make_batch(step, 0, 0, uniform=True)))
+        engine.backward(engine.parts.module.loss(make_batch(step, 0, 0, uniform=True)))
         engine.step()
     save_engine(engine, {path!r}, trainer_state={{"steps": {steps}}})
 """)

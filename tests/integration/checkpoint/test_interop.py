@@ -104,7 +104,7 @@ def _zeroq_engine(stage_options: dict):
 
 def _zeroq_snapshot(engine) -> dict:
 
-    names = {n for n, _ in engine.module.named_parameters()}
+    names = {n for n, _ in engine.parts.module.named_parameters()}
     return {"params": {k: v for k, v in engine.full_state_dict().items() if k in names},
             "optimizer": engine.full_optimizer_state()}
 
@@ -116,7 +116,7 @@ def _zeroq_resume(path: str) -> list[dict]:
     assert load_engine(engine, path) == {}  # a plain DCP checkpoint: no trainer state
     snaps = []
     for step in range(SPLIT, STEPS):
-        engine.backward(_loss(engine.module, step))
+        engine.backward(_loss(engine.parts.module, step))
         engine.step()
         snaps.append(_zeroq_snapshot(engine))
     return snaps
@@ -128,7 +128,7 @@ def _zeroq_save(path: str) -> list[dict]:
     engine = _zeroq_engine({"stage": 2, "reduce_bucket_size": 300})
     snaps = []
     for step in range(SPLIT):
-        engine.backward(_loss(engine.module, step))
+        engine.backward(_loss(engine.parts.module, step))
         engine.step()
         snaps.append(_zeroq_snapshot(engine))
     save_engine(engine, path)

@@ -27,13 +27,13 @@ from tests.integration.checkpoint.test_faults import _engine
 def _trained(seed: int, steps: int = 1):
     engine = _engine(seed=seed)
     for step in range(steps):
-        engine.backward(engine.module.loss(make_batch(step, 0, 0, uniform=True)))
+        engine.backward(engine.parts.module.loss(make_batch(step, 0, 0, uniform=True)))
         engine.step()
     return engine
 
 
 def _model_weights(engine) -> dict:
-    full = {**engine.module.state_dict(), **engine.full_state_dict()}  # buffers and the fp32 parameters
+    full = {**engine.parts.module.state_dict(), **engine.full_state_dict()}  # buffers and the fp32 parameters
     return {k: v.detach().clone() for k, v in full.items()}
 
 

@@ -54,7 +54,7 @@ def _tiles_body(name: str, tmp: str) -> dict:
     steps = {float(e["step"]) for e in state.values()}
     # The working weights were republished from the masters (stages 1 and 2 keep them whole).
     published = engine.config.stage == 3 or all(torch.equal(p.detach().float(), after[n])
-                                                for n, p in engine.module.named_parameters() if n in seen)
+                                                for n, p in engine.parts.module.named_parameters() if n in seen)
     return {"seen": seen, "moved": moved, "zeroed": zeroed, "steps": steps, "published": published,
             "numel": {n: v.numel() for n, v in full.items()},
             "managed": sorted(pv.name for pv in view.params if pv.shape.numel() > 0)}

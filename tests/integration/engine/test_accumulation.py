@@ -150,7 +150,7 @@ def _stage1_precision_body(micro_batches: int) -> float:
     engine = ZeroEngine(model, ZeroConfig(stage=1, managed_gradient_accumulation=False, reduce_bucket_size=10**6),
                         param_dtype=torch.bfloat16)
     engine.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.0))
-    unit = engine.units[0]
+    unit = engine.parts.units[0]
     exact = [torch.zeros(p.numel(), dtype=torch.float64) for p in unit.params]
     rank = dist.get_rank()
     for micro in range(micro_batches):

@@ -37,7 +37,7 @@ def _build(options_by_rank: dict, model_by_rank: dict | None = None, ranks_per_n
             engine = build_engine(model, config, ZeroQPrecision(), torch.device("cpu"), ranks_per_node[rank])
     except Exception as error:  # noqa: BLE001
         return type(error).__name__, str(error)
-    return "built", (engine.world_size, engine.num_groups)
+    return "built", (engine.parts.world_size, engine.parts.num_groups)
 
 
 def _nothing() -> None:

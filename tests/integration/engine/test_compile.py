@@ -134,9 +134,9 @@ def _parity_body(mode: str, ac: bool) -> list[int]:
         graphs.append(_graphs() - before)
         _assert_close(got, want, atol=1e-5)
         if stage == 3:  # the units were really freed between uses
-            transient = [u for u in engine.units if not u.persistent]
+            transient = [u for u in engine.parts.units if not u.persistent]
             assert len(transient) >= 2 and all(u.state is UnitState.SHARDED for u in transient)
-            assert isinstance(engine.module.blocks[0].a.weight, FreedParameter)
+            assert isinstance(engine.parts.module.blocks[0].a.weight, FreedParameter)
     return graphs
 
 
@@ -177,7 +177,7 @@ def _async_body(mode: str) -> list[int]:
         before = _graphs()
         *got, engine = _zeroq_run(stage, mode, False, offload_async_step=True, **config)
         graphs.append(_graphs() - before)
-        assert engine.ahead.steps > 0
+        assert engine.parts.host_step.steps > 0
         _assert_close(got, want, atol=1e-5)
     return graphs
 
@@ -191,14 +191,14 @@ def test_compiled_models_with_async_host_steps_match_eager(dist_pool, mode):
 
 def _guard_body() -> None:
     *_, engine = _zeroq_run(3, "block", False)
-    weight = engine.module.blocks[0].a.weight
+    weight = engine.parts.module.blocks[0].a.weight
     assert isinstance(weight, FreedParameter)  # compiled steps left the unit freed
     with pytest.raises(RuntimeError, match="blocks.0.a.weight is sharded right now"):
         weight.sum()  # eager access outside forward and backward: the guard stays
     read = torch.compile(lambda: weight.sum() * 1, backend="eager")  # dynamo alone: the guard is in its tracing
     with pytest.raises(RuntimeError, match="blocks.0.a.weight is sharded right now"):
         read()  # a compiled read outside forward: the same one-line error, from inside dynamo
-    with engine.gathered_parameters(engine.module.blocks[0]):
+    with engine.gathered_parameters(engine.parts.module.blocks[0]):
         full = weight.detach().clone()
         assert torch.equal(read(), full.sum())  # gathered: dynamo traces it as a plain parameter
     assert isinstance(weight, FreedParameter)
@@ -214,7 +214,7 @@ def _held_after_forward_body() -> list[int]:
     _compiled(model, "block")
     engine = ZeroEngine(model, ZeroConfig(stage=3, **FREED))
     engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    transient = [u for u in engine.units if not u.persistent]
+    transient = [u for u in engine.parts.units if not u.persistent]
     held = []
     for s in range(3):
         x, y = _batch(s, 0)
@@ -243,13 +243,13 @@ def _recompute_gathers_body() -> list[int]:
                                               stage3_param_persistence_threshold=0))
         engine.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
         gathers = [0]
-        original = engine.gatherer.gather
+        original = engine.parts.gatherer.gather
 
         def counting(unit, prefetch=False):
             gathers[0] += unit.state is UnitState.SHARDED
             original(unit, prefetch)
 
-        engine.gatherer.gather = counting
+        engine.parts.gatherer.gather = counting
         for s in range(3):
             x, y = _batch(s, 0)
             engine.backward(F.mse_loss(model(x), y))
@@ -358,7 +358,7 @@ def test_whole_model_compile_runs_every_stage3_block_compiled(options):
         assert _compiled_regions_per_forward(forward, x) == layers
         assert counters["stats"]["unique_graphs"] == 1  # the blocks' graph, shared by every block
         assert sum(counters["graph_break"].values()) == 1, dict(counters["graph_break"])
-        assert all(u.state is UnitState.SHARDED for u in engine.units if not u.persistent)
+        assert all(u.state is UnitState.SHARDED for u in engine.parts.units if not u.persistent)
         engine.close()
     finally:
         torch._dynamo.reset()

@@ -148,7 +148,7 @@ def _reduction_pool_body(stage: int) -> tuple[int, int, int]:
     side = engine.parts.reducer._stream.stream
     assert side is not None, "overlap_comm puts the reductions on a side stream on CUDA"
     pool = sum(s["total_size"] for s in torch.cuda.memory_snapshot() if s["stream"] == side.cuda_stream)
-    stepped = [u for u in engine.units if engine.parts.reducer.gradients.master_on_device(u.index)]
+    stepped = [u for u in engine.parts.units if engine.parts.reducer.gradients.master_on_device(u.index)]
     working = sum(2 * u.layout.padded_numel for u in stepped)
     fp32 = sum(4 * u.layout.shard_numel for u in stepped)
     engine.close()

@@ -31,7 +31,7 @@ def _same_across_groups(tensor: torch.Tensor, engine: ZeroEngine, within: bool =
     """Is ``tensor`` bitwise the same on this rank and at its position in every other group (``within``:
     on every rank of this rank's group)?"""
     mine = tensor.detach().float().cpu().reshape(-1).clone()
-    group = engine.group if within else engine.replica_group
+    group = engine.parts.group if within else engine.parts.replica_group
     copies = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(copies, mine, group=group)
     return all(torch.equal(c, mine) for c in copies)
@@ -48,10 +48,10 @@ def _parity_body(stage: int, managed: bool, offload: str = "none", size: int = 2
                         shard_group_size=size, **(TRANSIENT if stage == 3 else {}), **OFFLOAD[offload], **options)
     engine = ZeroEngine(model, config)
     groups = dist.get_world_size() // size
-    assert (engine.world_size, engine.num_groups, engine.rank, engine.replica_rank) == (size, groups, rank % size,
+    assert (engine.parts.world_size, engine.parts.num_groups, engine.parts.rank, engine.parts.replica_rank) == (size, groups, rank % size,
                                                                                         rank // size)
-    assert all(u.layout.world_size == size for u in engine.units)
-    transient = [u for u in engine.units if not u.persistent]
+    assert all(u.layout.world_size == size for u in engine.parts.units)
+    transient = [u for u in engine.parts.units if not u.persistent]
     assert (len(transient) > 0) == (stage == 3)
     engine.attach_optimizer(torch.optim.AdamW(param_groups(model), eps=1e-3))
 
@@ -71,12 +71,12 @@ def _parity_body(stage: int, managed: bool, offload: str = "none", size: int = 2
         ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5)
         assert abs(float(norm) - float(ref_norm)) < 1e-5 * max(1.0, float(ref_norm))
         if groups > 1:
-            assert _same_across_groups(torch.cat([u.fp32_grad() for u in engine.units]), engine)
+            assert _same_across_groups(torch.cat([u.fp32_grad() for u in engine.parts.units]), engine)
         engine.step()
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
         if groups > 1:
-            assert _same_across_groups(torch.cat([engine.placement.device_master(u) for u in engine.units]), engine)
+            assert _same_across_groups(torch.cat([engine.parts.placement.device_master(u) for u in engine.parts.units]), engine)
         full = engine.full_state_dict()
         for name, p in ref_model.named_parameters(remove_duplicate=False):
             diff = (full[name] - p.detach()).abs().max().item()
@@ -129,8 +129,8 @@ def _int8_body(stage: int, steps: int, arm: str = "weights") -> tuple[list[float
             engine.clip_grad_norm_(1.0)
             engine.step()
             losses.append(float(loss.detach()))
-        for unit in engine.units:  # every rank of both groups holds the same (dequantized) weights
-            assert _same_across_groups(engine.placement.device_master(unit), engine)
+        for unit in engine.parts.units:  # every rank of both groups holds the same (dequantized) weights
+            assert _same_across_groups(engine.parts.placement.device_master(unit), engine)
             if unit.persistent:
                 assert _same_across_groups(unit.flat, engine, within=True)
                 assert _same_across_groups(unit.flat, engine)
@@ -208,7 +208,7 @@ def _hop_bytes_body(options: dict) -> dict:
     hops: dict[str, dict[str, float]] = {}
 
     def hop(group) -> str:
-        return {id(engine.group): "in_group", id(engine.replica_group): "across_groups"}.get(id(group), "world")
+        return {id(engine.parts.group): "in_group", id(engine.parts.replica_group): "across_groups"}.get(id(group), "world")
 
     def record(group, nbytes: float, dtype: torch.dtype) -> None:
         entry = hops.setdefault(hop(group), {"bytes": 0.0, "calls": 0, "int8_calls": 0})
@@ -246,7 +246,7 @@ def _hop_bytes_body(options: dict) -> dict:
     finally:
         for name, fn in original.items():
             setattr(comm, name, fn)
-    return {"hops": hops, "padded": sum(u.layout.padded_numel for u in engine.units),
+    return {"hops": hops, "padded": sum(u.layout.padded_numel for u in engine.parts.units),
             "params": sum(p.numel() for p in model.parameters()), "num_params": engine.num_params}
 
 
@@ -322,7 +322,7 @@ def _fit(options, epochs: int, ckpt_path=None, save_to=None) -> list[dict]:
     if save_to is not None:
         trainer.save_checkpoint(save_to)
     if isinstance(options, dict):
-        assert trainer.strategy.engine.num_groups == world // (options.get("shard_group_size") or world)
+        assert trainer.strategy.engine.parts.num_groups == world // (options.get("shard_group_size") or world)
     return recorder.snapshots
 
 
@@ -389,7 +389,7 @@ def _fabric_two_nodes_body() -> float:
     model, opt = zq.setup(model, torch.optim.AdamW(param_groups(model), eps=1e-3))
     ref_model, ref_opt = ddp.setup(ref, torch.optim.AdamW(param_groups(ref), eps=1e-3))
     engine = zq.strategy.engine
-    assert (zq.node_rank, zq.global_rank, engine.world_size, engine.num_groups) == (rank // 2, rank, 2, 2)
+    assert (zq.node_rank, zq.global_rank, engine.parts.world_size, engine.parts.num_groups) == (rank // 2, rank, 2, 2)
     return _train_in_lockstep(zq, model, opt, ddp, ref_model, ref_opt, stage=2, managed=True)
 
 
@@ -409,7 +409,7 @@ def _nonfinite_in_one_group_body() -> tuple[bool, list[int]]:
     loss = model.loss(make_batch(0, 0, rank))
     engine.backward(loss * float("nan") if rank == 3 else loss)  # only the second group's last rank
     engine.finalize_gradients()
-    ranks = list(engine.reducer.agreement.nonfinite_ranks)
+    ranks = list(engine.parts.reducer.agreement.nonfinite_ranks)
     stepped = engine.step()
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     return stepped, ranks

@@ -30,14 +30,14 @@ def _nonfinite_body(action: str, stage: int, device: str = "cpu", offload: str =
     engine = ZeroEngine(model, ZeroConfig(stage=stage, nonfinite_gradients=action, **_stage_options(stage),
                                           **OFFLOADS[offload]))
     if offload == "auto":  # a stand-in device that holds about half the units (see test_engine_parity)
-        engine.placement.measure = lambda: (0, 0, 16000)
+        engine.parts.placement.measure = lambda: (0, 0, 16000)
     engine.attach_optimizer(torch.optim.AdamW(param_groups(model)))
     rank = dist.get_rank()
     batch = lambda step: tuple(t.to(dev) if torch.is_tensor(t) else t for t in make_batch(step, 0, rank, uniform=True))  # noqa: E731
     engine.backward(model.loss(batch(0)), boundary=boundary)
     assert engine.step()
     if offload == "auto":
-        assert 0 < len(engine.placement.host_units) < len(engine.units)
+        assert 0 < len(engine.parts.placement.host_units) < len(engine.parts.units)
     before = engine.full_state_dict()
     state_before = [{k: v.clone() for k, v in s.items()} for s in engine.optimizer.state.values()]
     loss = model.loss(batch(1))

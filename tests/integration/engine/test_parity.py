@@ -99,17 +99,17 @@ def _parity_body(
     ratio = config.offload_optimizer_ratio if config.offload_optimizer else 0.0
     auto = ratio == "auto"
     decided = policies.from_config(config, loss_scaling=False).offload  # overlapping host steps: the last units first
-    on_host = host_units([u.layout for u in engine.units], 1.0 if auto else ratio,
+    on_host = host_units([u.layout for u in engine.parts.units], 1.0 if auto else ratio,
                          decided.speculative or decided.asynchronous)  # auto: all until a step
     if auto:
-        engine.placement.measure = AUTO_MEMORY(rank)
+        engine.parts.placement.measure = AUTO_MEMORY(rank)
     if not auto and 0.0 < ratio < 1.0:
-        assert 0 < len(on_host) < len(engine.units), "a partial-offload test that places every unit alike"
-    for unit in engine.units:
+        assert 0 < len(on_host) < len(engine.parts.units), "a partial-offload test that places every unit alike"
+    for unit in engine.parts.units:
         assert unit.master.device.type == ("cpu" if unit.index in on_host else dev.type)
-        assert (engine.placement.step_grad(unit) is not unit.grad) == (unit.index in on_host)  # host copies
+        assert (engine.parts.placement.step_grad(unit) is not unit.grad) == (unit.index in on_host)  # host copies
     if stage == 3:
-        assert sum(not u.persistent for u in engine.units) == 3  # block (used twice), sometimes, never
+        assert sum(not u.persistent for u in engine.parts.units) == 3  # block (used twice), sometimes, never
     engine.attach_optimizer(opt_cls(param_groups(model), **extra))
 
     worst = 0.0
@@ -130,16 +130,16 @@ def _parity_body(
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
         if auto and step == 0:
-            decision = engine.placement.decision
-            assert 0 < len(decision["device_units"]) < len(engine.units), decision
+            decision = engine.parts.placement.decision
+            assert 0 < len(decision["device_units"]) < len(engine.parts.units), decision
             assert decision["device_bytes"] <= 8000 - 100 * (dist.get_world_size() - 1), decision  # the worst rank's
             decisions = [None] * dist.get_world_size()
             dist.all_gather_object(decisions, decision["device_units"])
             assert all(d == decisions[0] for d in decisions), decisions
-            for unit in engine.units:  # a unit brought back holds its master and gradient on the device
+            for unit in engine.parts.units:  # a unit brought back holds its master and gradient on the device
                 on_device = unit.index in decision["device_units"]
                 assert unit.master.device.type == (dev.type if on_device else "cpu"), unit.index
-                assert on_device == (engine.placement.step_grad(unit) is unit.grad), unit.index
+                assert on_device == (engine.parts.placement.step_grad(unit) is unit.grad), unit.index
         full = engine.full_state_dict()
         for name, p in ref_model.named_parameters(remove_duplicate=False):
             diff = (full[name] - p.detach().cpu()).abs().max().item()
@@ -153,12 +153,12 @@ def _parity_body(
     assert not any(ref_opt.state.get(p) for p in ref_model.never.parameters())  # DDP's reference agrees
     never = {id(p) for p in model.never.parameters()}
     segments = stateful = 0
-    for unit in engine.units:
+    for unit in engine.parts.units:
         for view, seg in engine._binding(engine.optimizer).optimized[unit.index]:
             if id(unit.params[seg.param]) in never:
                 segments += 1
                 stateful += bool(engine.optimizer.state.get(view))
-    counts = torch.tensor([segments, stateful], device=engine.device)  # NCCL reduces device tensors only
+    counts = torch.tensor([segments, stateful], device=engine.parts.device)  # NCCL reduces device tensors only
     dist.all_reduce(counts)
     assert counts[0] > 0, "no rank holds a segment of the never-used layer: the check above saw nothing"
     assert counts[1] == 0, f"{int(counts[1])} segments of the never-used layer got optimizer state"
@@ -288,7 +288,7 @@ def _dropped_engine_body(stage: int, quantized: bool) -> bool:
     engine.attach_optimizer(torch.optim.AdamW(param_groups(model)))
     engine.backward(model.loss(make_batch(0, 0, dist.get_rank(), uniform=True)))
     engine.step()
-    refs = [weakref.ref(engine), weakref.ref(model)] + [weakref.ref(u.master) for u in engine.units]
+    refs = [weakref.ref(engine), weakref.ref(model)] + [weakref.ref(u.master) for u in engine.parts.units]
     del engine, model
     gc.collect()
     return all(r() is None for r in refs)
@@ -312,16 +312,16 @@ def _gradient_lifetime_body(stage: int) -> None:
     engine.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-2))
 
     def held() -> tuple[int, int]:
-        return (sum(u.has_grad_storage for u in engine.units), sum(u.pending is not None for u in engine.units))
+        return (sum(u.has_grad_storage for u in engine.parts.units), sum(u.pending is not None for u in engine.parts.units))
 
-    n = len(engine.units)
+    n = len(engine.parts.units)
     for step in range(2):
         assert held() == (0, 0), (step, held())
         with torch.autocast("cpu", dtype=torch.bfloat16):
             engine.backward(model.loss(make_batch(step, 0, dist.get_rank(), uniform=True)), boundary=False)
         if stage >= 2:  # reduced in every backward: parts of the working dtype, no fp32 shard yet
             assert held()[0] == 0 and held()[1] > 0, held()
-            assert all(u.pending.dtype == torch.bfloat16 for u in engine.units if u.pending is not None)
+            assert all(u.pending.dtype == torch.bfloat16 for u in engine.parts.units if u.pending is not None)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             engine.backward(model.loss(make_batch(step, 1, dist.get_rank(), uniform=True)), boundary=True)
         engine.clip_grad_norm_(1.0)  # finalize: every shard is fp32 now

@@ -46,10 +46,10 @@ def _expected_working(full_padded: torch.Tensor, layout, exact_numel: int, dtype
 def _check_units(engine: ZeroEngine, exact_numel: int) -> None:
     """Every rank's working buffers equal the reference reconstruction and each other, bitwise."""
     world = dist.get_world_size()
-    for unit in engine.units:
+    for unit in engine.parts.units:
         if not unit.persistent:  # stage 3: look at what a gather produces
             assert unit.state is UnitState.SHARDED
-            engine.gatherer.gather(unit)
+            engine.parts.gatherer.gather(unit)
         full = torch.empty(unit.layout.padded_numel, device=unit.master.device)
         dist.all_gather_into_tensor(full, unit.master)
         expected = _expected_working(full.cpu(), unit.layout, exact_numel, unit.flat.dtype)
@@ -59,7 +59,7 @@ def _check_units(engine: ZeroEngine, exact_numel: int) -> None:
         flats = torch.empty(world * unit.flat.numel(), dtype=unit.flat.dtype, device=unit.flat.device)
         dist.all_gather_into_tensor(flats, unit.flat)
         assert all(torch.equal(f, unit.flat) for f in flats.chunk(world))
-        engine.gatherer.free(unit)
+        engine.parts.gatherer.free(unit)
 
 
 class _Awkward(nn.Module):
@@ -84,7 +84,7 @@ def _reconstruction_body(dtype_name: str, device: str = "cpu") -> None:
         ZeroConfig(quantized_weights=True, quantized_weights_exact_numel=exact, allgather_bucket_size=3 * 128),
         param_dtype=dtype,
     )
-    assert len(engine.gatherer.wire.plans[0].chunks) > 1  # chunk boundaries are exercised
+    assert len(engine.parts.gatherer.wire.plans[0].chunks) > 1  # chunk boundaries are exercised
     _check_units(engine, exact)
     # the exact side channel really is exact
     full = engine.full_state_dict()
@@ -184,7 +184,7 @@ def _encode_once_body() -> tuple[int, int]:
         return original(*args, **kwargs)
 
     gathers = 0
-    wire = engine.gatherer.wire
+    wire = engine.parts.gatherer.wire
     original_gather = wire.gather
 
     def counting_gather(*args, **kwargs):
@@ -201,7 +201,7 @@ def _encode_once_body() -> tuple[int, int]:
         engine.step()  # re-encodes every transient unit once
     finally:
         ops.quantize_pack_int8 = original
-    transient = [u for u in engine.units if not u.persistent]
+    transient = [u for u in engine.parts.units if not u.persistent]
     chunks = sum(len(wire.plans[u.index].chunks) for u in transient)
     assert quantized_in_backward == 0, "gathers within a step must reuse the step's encoded shard"
     assert gathers >= 2 * len(transient) - 1  # forward and backward gathers (one unit may stay unused)

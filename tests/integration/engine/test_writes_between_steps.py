@@ -88,7 +88,7 @@ def _matches_ddp_body(case: str, backwards: int) -> dict:
     engine = ZeroEngine(model, ZeroConfig(**options))
     engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=0.05, eps=1e-3, weight_decay=0.1))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05, eps=1e-3, weight_decay=0.1)
-    assert all(u.persistent for u in engine.units) and (len(engine.units) > 1 or options["stage"] == 3)
+    assert all(u.persistent for u in engine.parts.units) and (len(engine.parts.units) > 1 or options["stage"] == 3)
     worst = 0.0
     for step in range(STEPS):
         for micro in range(backwards):
@@ -114,7 +114,7 @@ def _matches_ddp_body(case: str, backwards: int) -> dict:
     full = engine.full_state_dict()  # the masters took the writes too
     for name, q in ref.named_parameters():
         assert (full[name] - q.detach()).abs().max().item() <= TOL, name
-    spec = getattr(getattr(engine.placement, "host", engine.placement), "spec", None)
+    spec = getattr(getattr(engine.parts.placement, "host", engine.parts.placement), "spec", None)
     engine.close()
     return {"worst": worst, "kept": spec.counts.kept if spec is not None else None}
 

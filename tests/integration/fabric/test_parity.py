@@ -102,12 +102,12 @@ def _parity_body(stage: int, managed: bool, arm: str = "plain", separate_setup: 
     ref_model, ref_opt = ddp.setup(ref, torch.optim.AdamW(param_groups(ref), eps=1e-3))
     engine = zq.strategy.engine
     if stage == 3:  # gather/free really happens: block (used twice), sometimes, never
-        assert sum(not u.persistent for u in engine.units) == 3
+        assert sum(not u.persistent for u in engine.parts.units) == 3
     if arm == "offload":
-        assert all(u.master.device.type == "cpu" and engine.placement.step_grad(u) is not u.grad for u in engine.units)
+        assert all(u.master.device.type == "cpu" and engine.parts.placement.step_grad(u) is not u.grad for u in engine.parts.units)
     worst = _train_in_lockstep(zq, model, opt, ddp, ref_model, ref_opt, stage=stage, managed=managed)
     if arm == "async":  # every step was asynchronous (param groups of their own hyperparameters included)
-        assert engine.ahead.steps == len(BACKWARDS_PER_STEP)
+        assert engine.parts.host_step.steps == len(BACKWARDS_PER_STEP)
     return worst
 
 
@@ -215,7 +215,7 @@ def _precision_body(precision: str) -> tuple[list[float], list[float]]:
         net = RichModel()
         model, opt = fabric.setup(net, torch.optim.AdamW(param_groups(net)))
         dtype = fabric.strategy.precision.param_dtype
-        assert net.embed.weight.dtype == dtype and fabric.strategy.engine.param_dtype == dtype
+        assert net.embed.weight.dtype == dtype and fabric.strategy.engine.parts.param_dtype == dtype
         losses = []
         for step in range(12):
             batch = make_batch(step, 0, dist.get_rank())

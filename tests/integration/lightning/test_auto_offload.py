@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import lightning_zeroq  # noqa: F401  (registers the strategy names)
 from lightning_zeroq import ZeroConfig
 from lightning_zeroq.cli.gpt import GPTConfig, GPTModel
-from lightning_zeroq.zero.choose import PLAN_MARGIN, choose
+from lightning_zeroq.planning.choose import PLAN_MARGIN, choose
 from lightning_zeroq.zero.policies import Host, OnDevice
 from tests.integration.lightning.test_parity import _assert_same
 
@@ -178,7 +178,7 @@ def test_fabric_plans_from_plan_forward_and_trains_as_torch(dist_pool):
 
 
 def test_a_configuration_that_cannot_fit_stops_before_launch_naming_the_nearest_that_fits():
-    from lightning_zeroq.zero.choose import check_fits
+    from lightning_zeroq.planning.choose import check_fits
 
     module, forward = _module_and_forward()
     config = ZeroConfig(stage=3, stage3_param_persistence_threshold=40)
@@ -284,7 +284,7 @@ def test_auto_says_what_its_budget_was_and_gives_no_step_time_it_could_not_plan(
     assert "step time not planned (no GPU to measure the rates on)" in line and "0.000" not in line, line
     line = choose(module, ZeroConfig(**BASE, offload_memory_budget="1GiB"), forward, apply=False).line
     assert "of offload_memory_budget='1GiB' (1.0 GiB)" in line and "none" not in line, line
-    from lightning_zeroq.zero.planner import Machine
+    from lightning_zeroq.planning.estimate import Machine
 
     line = choose(module, ZeroConfig(**BASE), forward, apply=False, machine=Machine()).line  # rates given
     step = float(line.split("step ~")[1].split(" s")[0])

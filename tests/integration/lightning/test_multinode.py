@@ -63,7 +63,7 @@ SCRIPT = textwrap.dedent(f"""
         "world_size": trainer.world_size, "global_rank": rank, "node_rank": trainer.node_rank,
         "local_rank": trainer.local_rank, "num_nodes": strategy.num_nodes, "num_processes": strategy.num_processes,
         "sampler": strategy.distributed_sampler_kwargs,
-        "shard_group": [engine.world_size, engine.rank], "groups": [engine.num_groups, engine.replica_rank],
+        "shard_group": [engine.parts.world_size, engine.parts.rank], "groups": [engine.parts.num_groups, engine.parts.replica_rank],
     }}))
 """)
 

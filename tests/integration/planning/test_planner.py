@@ -1,4 +1,4 @@
-"""The plan before launch (``zero/planner.py``, ``zeroq-plan``) against the engine it predicts: the
+"""The plan before launch (``planning/estimate.py``, ``zeroq-plan``) against the engine it predicts: the
 device bytes by kind are what the engine's ``memory_report`` holds after a step, at world sizes 1 and
 2, in stages 1-3; the host bytes are what the engine's host check counts, in every offload mode; the
 activations traced on the meta device are what a real forward saves with the same kernels. The
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from lightning_zeroq import ZeroConfig, ZeroEngine
 from lightning_zeroq.cli import plan as plan_cli
 from lightning_zeroq.cli.gpt import GPTConfig, GPTModel
-from lightning_zeroq.zero.planner import Machine, _cuda_kernels, plan_config, plan_training, trace_activations
+from lightning_zeroq.planning.estimate import Machine, _cuda_kernels, estimate_config, estimate_training, trace_activations
 
 CFG = GPTConfig(vocab_size=96, block_size=16, n_layer=3, n_head=2, n_embd=32, ffn_hidden=80, norm="rmsnorm",
                 mlp="swiglu", bias=False, learned_positions=False, tie_embeddings=False, init="torch")
@@ -68,7 +68,7 @@ def _planned_and_held(name: str, world_size: int) -> tuple[dict, dict, dict, dic
     meta = _meta_model()
     activations = trace_activations(meta, _forward, list(meta.blocks))
     rank = dist.get_rank() if dist.is_initialized() else 0
-    need = plan_config(meta, config, activations, name=name, world_size=world_size, rank=rank)
+    need = estimate_config(meta, config, activations, name=name, world_size=world_size, rank=rank)
     torch.manual_seed(0)
     model = GPTModel(CFG).to(torch.bfloat16)
     engine = ZeroEngine(model, config, param_dtype=torch.bfloat16)
@@ -80,7 +80,7 @@ def _planned_and_held(name: str, world_size: int) -> tuple[dict, dict, dict, dic
     held["optimizer_state"] -= sum(t.numel() * t.element_size() for t in steps)  # CPU scalars on a GPU
     held["gathered_units"] = 2 * held.pop("largest_transient_unit")
     held.pop("gradient_shards")  # made at finalize, dropped after the step
-    counted = dict(engine.host_memory.need.parts)
+    counted = dict(engine.parts.host_memory.need.parts)
     engine.close()
     assert set(held) <= set(need.device), (held, need.device)
     planned = {k: need.device[k] for k in held}  # the engine's kinds (the plan adds activations and the like)
@@ -149,7 +149,7 @@ def test_the_loss_backward_peak_is_every_activation_and_two_loss_gradients(block
     tokens = torch.randint(0, cfg.vocab_size, (8, cfg.block_size), generator=torch.Generator().manual_seed(0))
     with torch.device("meta"):
         meta = GPTModel(cfg).to(torch.bfloat16)
-    need = plan_config(meta, ZeroConfig(stage=1), trace_activations(meta, lambda m: _forward(m, tokens), list(meta.blocks)),
+    need = estimate_config(meta, ZeroConfig(stage=1), trace_activations(meta, lambda m: _forward(m, tokens), list(meta.blocks)),
                        name="s1")
     planned = need.device["activations"] + need.device["loss_gradients"]
     real = GPTModel(cfg).to(torch.bfloat16)
@@ -181,7 +181,7 @@ def test_the_planned_step_temporaries_are_what_foreach_adamw_makes():
 
     config = ZeroConfig(**CONFIGS["s2"])
     meta = _meta_model()
-    need = plan_config(meta, config, trace_activations(meta, _forward, list(meta.blocks)), name="s2")
+    need = estimate_config(meta, config, trace_activations(meta, _forward, list(meta.blocks)), name="s2")
     torch.manual_seed(0)
     model = GPTModel(CFG).to(torch.bfloat16)
     engine = ZeroEngine(model, config, param_dtype=torch.bfloat16)
@@ -199,14 +199,14 @@ def test_the_plan_ranks_what_fits_first_and_names_what_does_not():
     meta = _meta_model()
     machine = Machine(device_bytes=200_000, host_bytes=10**9, nvme_bytes=10**9, reserved_overhead_bytes=0,
                       device_workspace_bytes=0)
-    needs = plan_training(meta, _forward, tokens=TOKENS.numel(), machine=machine, nvme_path="/unused")
+    needs = estimate_training(meta, _forward, tokens=TOKENS.numel(), machine=machine, nvme_path="/unused")
     fits = [n for n in needs if n.fits]
     assert fits and fits != needs and needs[: len(fits)] == fits
     assert [n.step_s for n in fits] == sorted(n.step_s for n in fits)
     assert all(n.device_total * 1.2 <= n.reserved + 1 <= machine.device_bytes + 1 for n in fits)
     assert all("device" in n.why and n.reserved > machine.device_bytes for n in needs if not n.fits)
     with pytest.raises(ValueError, match="meta device"):
-        plan_training(GPTModel(CFG), _forward, tokens=1)
+        estimate_training(GPTModel(CFG), _forward, tokens=1)
 
 
 def test_zeroq_plan_plans_a_70b_model_on_this_machine_in_time(capsys):
@@ -574,7 +574,7 @@ def test_zeroq_plan_says_the_device_was_not_checked_without_a_gpu_or_device_gib(
 def test_zeroq_plan_calibrates_only_the_host_without_a_gpu(tmp_path, monkeypatch, capsys, caplog):
     import logging
 
-    from lightning_zeroq.zero import calibrate
+    from lightning_zeroq.planning import calibrate
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(calibrate, "host_step_rate", lambda: 1.5e9)  # the host step, measured here (quickly)

@@ -57,10 +57,10 @@ def test_nvme_path_must_be_a_local_directory(path):
 @pytest.mark.parametrize("value, got", [(int, "the class int"), ("Adam", "an object of type str"),
                                         (torch.optim.Adam([torch.zeros(1, requires_grad=True)]), "an object of type Adam")])
 def test_register_elementwise_optimizer_takes_an_optimizer_class(value, got):
-    before = list(lightning_zeroq.zero.optimizers.ELEMENTWISE_OPTIMIZERS)
+    before = list(lightning_zeroq.zero.optim.binding.ELEMENTWISE_OPTIMIZERS)
     with pytest.raises(TypeError, match=rf"register_elementwise_optimizer\(\) takes an optimizer class .*got {got}\.$"):
         register_elementwise_optimizer(value)
-    assert lightning_zeroq.zero.optimizers.ELEMENTWISE_OPTIMIZERS == before
+    assert lightning_zeroq.zero.optim.binding.ELEMENTWISE_OPTIMIZERS == before
 
 
 def test_gathered_parameters_takes_a_module():

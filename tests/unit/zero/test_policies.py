@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from lightning_zeroq.config import ZeroConfig
-from lightning_zeroq.zero import accumulate, policies, update
-from lightning_zeroq.zero.offload import optimizer_placement
+from lightning_zeroq.zero import accumulate, policies, step
+from lightning_zeroq.zero.offload import optimizer_home
 from lightning_zeroq.zero.offload.auto import AutoSplit
-from lightning_zeroq.zero.offload.device import OptimizerPlacement
+from lightning_zeroq.zero.offload.device import OptimizerHome
 from lightning_zeroq.zero.offload.host import HostOptimizer
 from lightning_zeroq.zero.offload.split import SplitOptimizer
-from lightning_zeroq.zero.optimizers import Binding
+from lightning_zeroq.zero.optim.binding import Binding
 from lightning_zeroq.zero.policies import Auto, Buckets, Host, ModuleUnits, Nvme, OnDevice
 
 CPU = torch.device("cpu")
@@ -70,14 +70,14 @@ def test_loss_scaling_and_quantization_policies():
 
 
 @pytest.mark.parametrize("offload, placement", [
-    (OnDevice(), OptimizerPlacement), (Host(1.0), HostOptimizer), (Host(0.5), SplitOptimizer), (Auto(None), AutoSplit),
+    (OnDevice(), OptimizerHome), (Host(1.0), HostOptimizer), (Host(0.5), SplitOptimizer), (Auto(None), AutoSplit),
 ])
 def test_offload_policy_chooses_the_placement(offload, placement):
     from lightning_zeroq.zero.unit import plan_layouts
-    from lightning_zeroq.zero.plan import UnitSpec
+    from lightning_zeroq.zero.unit_plan import UnitSpec
 
     specs = [UnitSpec([torch.nn.Parameter(torch.zeros(n))], None, True) for n in (64, 32)]
-    chosen = optimizer_placement(offload, CPU, torch.bfloat16, 0, 1, plan_layouts(specs, 1, 8))
+    chosen = optimizer_home(offload, CPU, torch.bfloat16, 0, 1, plan_layouts(specs, 1, 8))
     assert type(chosen) is placement
 
 
@@ -100,11 +100,11 @@ def test_one_or_several_optimizers():
     everything = Binding(None, {}, frozenset(), frozenset(), [])  # type: ignore[arg-type]
     a, b = (Binding(torch.optim.SGD([torch.zeros(1, requires_grad=True)]), {}, frozenset({i}), frozenset(), [])
             for i in range(2))
-    assert update.attached([], everything).binding(None) is everything
-    one = update.attached([a], everything)
-    assert type(one) is update.OneOptimizer and one.binding(None) is a and one.binding(a.optimizer) is a
-    several = update.attached([a, b], everything)
-    assert type(several) is update.SeveralOptimizers and several.binding(None) is everything
+    assert step.attached([], everything).binding(None) is everything
+    one = step.attached([a], everything)
+    assert type(one) is step.OneOptimizer and one.binding(None) is a and one.binding(a.optimizer) is a
+    several = step.attached([a, b], everything)
+    assert type(several) is step.SeveralOptimizers and several.binding(None) is everything
     assert several.binding(b.optimizer) is b
     with pytest.raises(ValueError, match="SGD is not attached to this engine"):
         one.binding(b.optimizer)

@@ -1,4 +1,4 @@
-"""Host memory before launch (``offload/host_need.py``): the bytes each offload configuration puts on
+"""Host memory before launch (``zero/memory/host.py``): the bytes each offload configuration puts on
 the host are the bytes it allocates; a configuration the host (or ``host_memory_budget``) cannot hold
 stops with one line, on every rank, when the engine is built or the optimizer attached, before any step;
 bad budgets are refused."""
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zeroq import ZeroConfig, ZeroEngine
-from lightning_zeroq.zero.offload import host_need
+from lightning_zeroq.zero.memory import host as host_memory
 from lightning_zeroq.zero.offload.host import HostOptimizer
 from lightning_zeroq.zero.offload.stores import HostStore
 from lightning_zeroq.zero.policies import Host
@@ -46,7 +46,7 @@ def _engine(config: dict, dtype: torch.dtype = torch.bfloat16, blocks: bool = Fa
 
 
 def _host_of(engine: ZeroEngine) -> HostOptimizer:
-    placement = engine.placement
+    placement = engine.parts.placement
     host = placement if isinstance(placement, HostOptimizer) else getattr(placement, "host", None)
     assert isinstance(host, HostOptimizer)
     return host
@@ -67,10 +67,10 @@ def _host_bytes(engine: ZeroEngine) -> int:
                 total += t.untyped_storage().nbytes()
         return total
 
-    units = [u for u in engine.units if u.index in host.landing.numels]
+    units = [u for u in engine.parts.units if u.index in host.landing.numels]
     total = nbytes(u.master for u in units)
     total += nbytes(host.landing.host_grads.values()) + nbytes(host.landing.half_grads.values())
-    store = engine.gatherer.store
+    store = engine.parts.gatherer.store
     if isinstance(store, HostStore):
         total += nbytes(store.buffers.values())
     if host.kernel is not None:
@@ -102,11 +102,11 @@ def test_the_counted_need_is_what_the_engine_allocates(name: str) -> None:
         engine.backward(model.loss(make_batch(step, 0, 0)).float(), boundary=True)
         engine.step()
         engine.zero_grad()
-    budget = engine.host_memory
+    budget = engine.parts.host_memory
     counted = budget.need.total  # the build's and the optimizer's
     allocated = _host_bytes(engine)
     # RichModel has parameters that never get a gradient: no state is made for them (yet); counted anyway
-    stateless = sum(v.numel() for u in engine.units if u.index in _host_of(engine).landing.numels
+    stateless = sum(v.numel() for u in engine.parts.units if u.index in _host_of(engine).landing.numels
                     for v in u.segment_masters if v not in engine.optimizer.state)
     spares = 12 * budget.need.host_elements if budget.offload.speculative else 0
     swapping = (4 + 8) * budget.need.swap_elements  # NVMe: the step buffers of the units in flight at once
@@ -119,7 +119,7 @@ def test_the_counted_need_is_what_the_engine_allocates(name: str) -> None:
 
 
 def test_a_budget_below_the_build_stops_it_with_one_line() -> None:
-    with pytest.raises(host_need.HostMemoryError) as caught:
+    with pytest.raises(host_memory.HostMemoryError) as caught:
         _engine(CONFIGS["stage3_params_optimizer_cpu"], host_memory_budget=1e-6)
     message = str(caught.value)
     assert "\n" not in message
@@ -130,14 +130,14 @@ def test_a_budget_below_the_build_stops_it_with_one_line() -> None:
 
 def test_a_budget_below_the_optimizer_state_stops_at_attach() -> None:
     model, probe = _engine(CONFIGS["optimizer_cpu"])
-    built = probe.host_memory.need.total
+    built = probe.parts.host_memory.need.total
     probe.close()
     # room for the build and 6 bytes per element: SGD without momentum fits (its fp32 gradient buffers take 4,
     # for it reads fp32 gradients), AdamW not (8 of state; the host kernel reads the bf16 gradients)
-    budget = (built + 6 * sum(u.layout.shard_numel for u in probe.units)) / 2**30
+    budget = (built + 6 * sum(u.layout.shard_numel for u in probe.parts.units)) / 2**30
     model, engine = _engine(CONFIGS["optimizer_cpu"], host_memory_budget=budget)
     engine.attach_optimizer(torch.optim.SGD(param_groups(model), lr=1e-3))
-    with pytest.raises(host_need.HostMemoryError, match=r"^ZeroConfig: the optimizer's state on the host needs "
+    with pytest.raises(host_memory.HostMemoryError, match=r"^ZeroConfig: the optimizer's state on the host needs "
                                                          r"[0-9.]+ KiB .*optimizer state [0-9.]+ KiB\) and"):
         engine.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-3))
     assert not engine.optimizer.state  # nothing was made
@@ -162,25 +162,25 @@ def test_every_rank_stops_when_one_rank_s_host_cannot_hold_it(dist_pool) -> None
 
 
 def test_several_ranks_on_one_node_each_need_their_share(monkeypatch) -> None:
-    need = host_need.HostNeed({"fp32 masters": 3 * 2**30})
-    room = host_need.Available(10 * 2**30, "MemAvailable")
-    host_need.check(need, room, 3, "x")  # 9 of 10 GiB
-    with pytest.raises(host_need.HostMemoryError, match=r"needs 12\.0 GiB .* \(4 ranks x 3\.0 GiB: fp32 masters 3\.0 "
+    need = host_memory.HostNeed({"fp32 masters": 3 * 2**30})
+    room = host_memory.Available(10 * 2**30, "MemAvailable")
+    host_memory.check(need, room, 3, "x")  # 9 of 10 GiB
+    with pytest.raises(host_memory.HostMemoryError, match=r"needs 12\.0 GiB .* \(4 ranks x 3\.0 GiB: fp32 masters 3\.0 "
                                                          r"GiB\) and 10\.0 GiB is available \(MemAvailable\)"):
-        host_need.check(need, room, 4, "x")
+        host_memory.check(need, room, 4, "x")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert host_need.ranks_on_node(None) == 4 and host_need.ranks_on_node(2) == 2
+    assert host_memory.ranks_on_node(None) == 4 and host_memory.ranks_on_node(2) == 2
 
 
 def test_without_a_budget_the_host_s_available_memory_decides(monkeypatch) -> None:
-    monkeypatch.setattr(host_need, "_meminfo", lambda key: {"MemAvailable": 2**12, "MemTotal": 2**30}[key])
-    monkeypatch.setattr(host_need, "_cgroup_room", lambda: None)
-    with pytest.raises(host_need.HostMemoryError, match=r"is available \(MemAvailable\)"):
+    monkeypatch.setattr(host_memory, "_meminfo", lambda key: {"MemAvailable": 2**12, "MemTotal": 2**30}[key])
+    monkeypatch.setattr(host_memory, "_cgroup_room", lambda: None)
+    with pytest.raises(host_memory.HostMemoryError, match=r"is available \(MemAvailable\)"):
         _engine(CONFIGS["optimizer_cpu"])
-    monkeypatch.setattr(host_need, "_cgroup_room", lambda: 2**10)
-    with pytest.raises(host_need.HostMemoryError, match=r"is available \(the cgroup's memory limit less its use\)"):
+    monkeypatch.setattr(host_memory, "_cgroup_room", lambda: 2**10)
+    with pytest.raises(host_memory.HostMemoryError, match=r"is available \(the cgroup's memory limit less its use\)"):
         _engine(CONFIGS["optimizer_cpu"])
-    room = host_need.available("50%")
+    room = host_memory.available("50%")
     assert room is not None and room.bytes == 2**29  # a share of MemTotal
 
 
@@ -211,7 +211,7 @@ def test_the_trainer_stops_before_any_step(tmp_path) -> None:
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         default_root_dir=tmp_path, callbacks=[Counted()])
-    with pytest.raises(host_need.HostMemoryError, match=r"^ZeroConfig: this offload configuration needs [^\n]*$"):
+    with pytest.raises(host_memory.HostMemoryError, match=r"^ZeroConfig: this offload configuration needs [^\n]*$"):
         trainer.fit(make_lit_module(), torch.utils.data.DataLoader(TokenDataset(8), batch_size=2))
     assert steps == []
 
@@ -221,16 +221,16 @@ def test_fp32_gradient_buffers_are_made_and_checked_only_when_a_window_sums_seve
     probe.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-3))
     probe.backward(model.loss(make_batch(0, 0, 0)).float(), boundary=True)
     probe.step()
-    assert probe.placement.landing.host_grads == {}  # one bf16 reduction per window: 2 bytes per element
-    held = probe.host_memory.need.total  # the build's and AdamW's state
+    assert probe.parts.placement.landing.host_grads == {}  # one bf16 reduction per window: 2 bytes per element
+    held = probe.parts.host_memory.need.total  # the build's and AdamW's state
     probe.close()
     model, engine = _engine(CONFIGS["optimizer_cpu"], host_memory_budget=(held + 64) / 2**30)
     engine.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-3))
     engine.backward(model.loss(make_batch(0, 0, 0)).float() / 2, boundary=False)
-    with pytest.raises(host_need.HostMemoryError, match=r"^ZeroConfig: summing several backward passes on the host "
+    with pytest.raises(host_memory.HostMemoryError, match=r"^ZeroConfig: summing several backward passes on the host "
                                                          r"\(fp32 gradient buffers\) needs [^\n]*$"):
         engine.backward(model.loss(make_batch(0, 1, 0)).float() / 2, boundary=True)  # its fp32 sum lands
-    assert engine.placement.landing.host_grads == {}
+    assert engine.parts.placement.landing.host_grads == {}
     engine.close()
 
 
@@ -256,13 +256,13 @@ def test_the_trainer_counts_the_fp32_buffers_of_accumulation_before_any_step(tmp
         return strategy
 
     engine = fit(1, 1.0).engine
-    assert engine is not None and engine.placement.landing.host_grads == {}
-    held = engine.host_memory.need.total  # the build's and AdamW's state
+    assert engine is not None and engine.parts.placement.landing.host_grads == {}
+    held = engine.parts.host_memory.need.total  # the build's and AdamW's state
     steps.clear()
     fit(1, (held + 64) / 2**30)  # room for the build and AdamW's state
     assert steps == [0]
     steps.clear()
-    with pytest.raises(host_need.HostMemoryError, match=r"^ZeroConfig: the optimizer's state on the host needs "
+    with pytest.raises(host_memory.HostMemoryError, match=r"^ZeroConfig: the optimizer's state on the host needs "
                                                          r"[^\n]*fp32 gradient buffers"):
         fit(2, (held + 64) / 2**30)  # accumulation sums in fp32 on the host: 4 more bytes per element
     assert steps == []
@@ -272,24 +272,24 @@ def test_a_state_the_device_cannot_hold_stops_with_one_line_before_it_is_allocat
     """The device's share of the model's state, from the layouts, against the device's memory: when the
     engine is built (masters, gradient shards, working weights) and when the optimizer is attached (its
     state), before either is allocated. On CPU the check is given a device of a few bytes."""
-    from lightning_zeroq.zero.offload import device_need
+    from lightning_zeroq.zero.memory import device as device_memory
 
     model, probe = _engine({"stage": 2})
     probe.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-3))
-    numel = sum(u.layout.shard_numel for u in probe.units)
+    numel = sum(u.layout.shard_numel for u in probe.parts.units)
     probe.close()
     # bf16 weights, no offload, one rank: the build holds 10 bytes per element (fp32 master and gradient
     # shard, bf16 working weights), the optimizer 8 more
-    monkeypatch.setattr(device_need, "capacity", lambda device: 8 * numel)
-    with pytest.raises(device_need.DeviceMemoryError, match=r"^ZeroConfig: this configuration's state needs "
+    monkeypatch.setattr(device_memory, "capacity", lambda device: 8 * numel)
+    with pytest.raises(device_memory.DeviceMemoryError, match=r"^ZeroConfig: this configuration's state needs "
                        r"[0-9.]+ GiB of device memory per rank before any activation \(masters .*offload_optimizer=True"):
         _engine({"stage": 2})
-    monkeypatch.setattr(device_need, "capacity", lambda device: 12 * numel)  # the build fits, Adam's 8 more do not
+    monkeypatch.setattr(device_memory, "capacity", lambda device: 12 * numel)  # the build fits, Adam's 8 more do not
     model, engine = _engine({"stage": 2})
-    with pytest.raises(device_need.DeviceMemoryError, match="with the optimizer's needs .*optimizer state"):
+    with pytest.raises(device_memory.DeviceMemoryError, match="with the optimizer's needs .*optimizer state"):
         engine.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-3))
     engine.close()
-    monkeypatch.setattr(device_need, "capacity", lambda device: 8 * numel)  # offloaded: only the weights there
+    monkeypatch.setattr(device_memory, "capacity", lambda device: 8 * numel)  # offloaded: only the weights there
     model, engine = _engine({"stage": 2, "offload_optimizer": True})
     engine.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-3))
     engine.close()
@@ -299,23 +299,23 @@ def test_the_device_check_counts_stage3s_int8_payload(monkeypatch) -> None:
     """With INT8 weights a transient unit's payload (INT8 groups and their scales) rests on the device beside
     its master: the check before allocating counts it, as the engine then holds it (before: only beside
     masters off the device)."""
-    from lightning_zeroq.zero.offload import device_need
+    from lightning_zeroq.zero.memory import device as device_memory
 
     model, probe = _engine({"stage": 3, "quantized_weights": True}, blocks=True)
     probe.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
-    held, build = probe.memory_report(), probe.host_memory._build
-    kinds = device_need.device_kinds(build.layouts, build.persistent, probe.policies.offload, build.param_dtype, 8,
+    held, build = probe.memory_report(), probe.parts.host_memory._build
+    kinds = device_memory.device_kinds(build.layouts, build.persistent, probe.parts.policies.offload, build.param_dtype, 8,
                                      build.rank, build.payload)
     probe.close()
     assert kinds["stored_shards"] == held["stored_shards"] > 0, (kinds, held)
     total = sum(kinds.values())
-    monkeypatch.setattr(device_need, "capacity", lambda device: total)  # exactly the counted state: fits
+    monkeypatch.setattr(device_memory, "capacity", lambda device: total)  # exactly the counted state: fits
     model, engine = _engine({"stage": 3, "quantized_weights": True}, blocks=True)
     engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
     engine.close()
-    monkeypatch.setattr(device_need, "capacity", lambda device: total - held["stored_shards"] // 2)
+    monkeypatch.setattr(device_memory, "capacity", lambda device: total - held["stored_shards"] // 2)
     model, engine = _engine({"stage": 3, "quantized_weights": True}, blocks=True)
-    with pytest.raises(device_need.DeviceMemoryError, match="stored shards"):
+    with pytest.raises(device_memory.DeviceMemoryError, match="stored shards"):
         engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
     engine.close()
 
@@ -328,26 +328,26 @@ def test_a_state_that_does_not_fit_names_the_least_offload_that_does(monkeypatch
     there and what the optimizer's offload alone does."""
     import re
 
-    from lightning_zeroq.zero.offload import device_need
+    from lightning_zeroq.zero.memory import device as device_memory
 
     model, probe = _engine({"stage": stage})
-    numel = sum(u.layout.shard_numel for u in probe.units)
+    numel = sum(u.layout.shard_numel for u in probe.parts.units)
     room = capacity_per_element * numel if capacity_per_element else None
     if room is None:
-        layouts = [u.layout for u in probe.units]
-        persistent = [u.persistent for u in probe.units]
-        offload = probe.policies.offload
+        layouts = [u.layout for u in probe.parts.units]
+        persistent = [u.persistent for u in probe.parts.units]
+        offload = probe.parts.policies.offload
 
         def need(**where) -> int:
-            return sum(device_need.device_kinds(layouts, persistent, dataclasses.replace(offload, **where),
+            return sum(device_memory.device_kinds(layouts, persistent, dataclasses.replace(offload, **where),
                                                 torch.bfloat16, 8).values())
         both, optimizer_only = need(optimizer=Host(), parameters=Host()), need(optimizer=Host())
         assert both < optimizer_only
         room = (both + optimizer_only) // 2
     probe.close()
-    monkeypatch.setattr(device_need, "capacity", lambda device: room)
+    monkeypatch.setattr(device_memory, "capacity", lambda device: room)
     model, engine = _engine({"stage": stage}) if (capacity_per_element or 0) > 10 else (None, None)
-    with pytest.raises(device_need.DeviceMemoryError) as caught:
+    with pytest.raises(device_memory.DeviceMemoryError) as caught:
         if engine is None:
             _engine({"stage": stage})
         else:
@@ -368,10 +368,10 @@ def test_a_state_that_does_not_fit_names_the_least_offload_that_does(monkeypatch
     fitted.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-3))  # fits, the optimizer's state too
     fitted.close()
     if "offload_optimizer_ratio" in options:  # and it is the least: one step less does not fit
-        less = round(options["offload_optimizer_ratio"] - device_need.RATIO_STEP, 2)
+        less = round(options["offload_optimizer_ratio"] - device_memory.RATIO_STEP, 2)
         model, smaller = _engine({"stage": stage, "offload_optimizer": True, "offload_optimizer_ratio": less}) \
             if less > 0 else _engine({"stage": stage})
-        with pytest.raises(device_need.DeviceMemoryError):
+        with pytest.raises(device_memory.DeviceMemoryError):
             smaller.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-3))
         smaller.close()
 
@@ -384,7 +384,7 @@ def _budget_of(config: dict, blocks: bool = False) -> int:
     """Host bytes the configuration counts, AdamW attached."""
     model, probe = _engine(config, blocks=blocks)
     probe.attach_optimizer(torch.optim.AdamW(_groups(model), lr=1e-3))
-    total = probe.host_memory.need.total
+    total = probe.parts.host_memory.need.total
     probe.close()
     return total
 
@@ -402,7 +402,7 @@ def test_a_host_that_cannot_hold_it_names_the_nearest_configuration_that_fits(ca
     blocks = case == "nvme_spill"
     full = _budget_of(config, blocks)
     budget = (full - 1024) / 2**30 if case == "speculative" else 0.66 * full / 2**30
-    with pytest.raises(host_need.HostMemoryError) as caught:  # at the build (with Adam's state) or at attach
+    with pytest.raises(host_memory.HostMemoryError) as caught:  # at the build (with Adam's state) or at attach
         model, engine = _engine(config, blocks=blocks, host_memory_budget=budget)
         try:
             engine.attach_optimizer(torch.optim.AdamW(_groups(model), lr=1e-3))
@@ -425,9 +425,9 @@ def test_a_host_that_cannot_hold_it_names_the_nearest_configuration_that_fits(ca
     fitted.attach_optimizer(torch.optim.AdamW(_groups(model), lr=1e-3))
     fitted.close()
     if case == "nvme_spill":
-        less = round(options["offload_optimizer_nvme_ratio"] - host_need.RATIO_STEP, 2)
+        less = round(options["offload_optimizer_nvme_ratio"] - host_memory.RATIO_STEP, 2)
         assert less > 0
-        with pytest.raises(host_need.HostMemoryError):
+        with pytest.raises(host_memory.HostMemoryError):
             model, smaller = _engine({**options, "offload_optimizer_nvme_ratio": less}, blocks=blocks,
                                     host_memory_budget=budget)
             smaller.attach_optimizer(torch.optim.AdamW(_groups(model), lr=1e-3))
@@ -447,11 +447,11 @@ def test_the_nvme_step_holds_the_counted_units_of_one_size_at_once(tmp_path) -> 
         engine.backward(model(torch.randn(4, 64)).square().mean(), boundary=True)
         engine.step()
         engine.zero_grad()
-    sizes = {u.layout.shard_numel for u in engine.units}
-    assert len(engine.units) == 8 and len(sizes) == 1, [u.layout.shard_numel for u in engine.units]
+    sizes = {u.layout.shard_numel for u in engine.parts.units}
+    assert len(engine.parts.units) == 8 and len(sizes) == 1, [u.layout.shard_numel for u in engine.parts.units]
     expected = nvme.UNITS_IN_FLIGHT * sizes.pop()
-    assert engine.host_memory.need.swap_elements == expected
-    parts = engine.host_memory.need.parts
+    assert engine.parts.host_memory.need.swap_elements == expected
+    parts = engine.parts.host_memory.need.parts
     assert parts["NVMe step buffers (masters)"] == 4 * expected
     assert parts["NVMe step buffers (optimizer state)"] == 8 * expected
     assert _pool_bytes(engine) == 12 * expected

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zeroq import ZeroConfig, ZeroEngine
-from lightning_zeroq.zero.offload.ahead import StepAhead
+from lightning_zeroq.zero.offload.async_step import AsyncHostStep
 from tests.integration.engine.offload.test_offload import TwoHeads, _loss
 from tests.integration.engine.offload.test_speculative import _same
 
@@ -44,9 +44,9 @@ SCRIPT = ["plain", "plain", "clip_idle", "accumulate", "read_before_step", "eval
 
 def _gate() -> None:
     """Hold the worker before each unit until the main thread needs that unit (or a later one)."""
-    if getattr(StepAhead, "_gated", False):
+    if getattr(AsyncHostStep, "_gated", False):
         return
-    run, need = StepAhead.run, StepAhead.need
+    run, need = AsyncHostStep.run, AsyncHostStep.need
 
     def gated_run(self, *args) -> None:
         self._asked = -1  # nothing is pending: the worker starts inside run
@@ -63,8 +63,8 @@ def _gate() -> None:
             while self._asked < unit.index:
                 self._cv.wait()
 
-    StepAhead.run, StepAhead.need, StepAhead._may_start = gated_run, gated_need, may_start  # type: ignore[method-assign]
-    StepAhead._gated = True
+    AsyncHostStep.run, AsyncHostStep.need, AsyncHostStep._may_start = gated_run, gated_need, may_start  # type: ignore[method-assign]
+    AsyncHostStep._gated = True
 
 
 def _train(case: str, asynchronous: bool, nan_step: int = -1, action: str = "skip"):
@@ -77,9 +77,9 @@ def _train(case: str, asynchronous: bool, nan_step: int = -1, action: str = "ski
                                           offload_optimizer=True, offload_async_step=asynchronous, **options),
                         param_dtype=dtype)
     engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
-    assert isinstance(engine.ahead, StepAhead) == asynchronous
+    assert isinstance(engine.parts.host_step, AsyncHostStep) == asynchronous
     if stage == 3:
-        assert sum(not u.persistent for u in engine.units) >= 3, "stage 3 must have units that are freed"
+        assert sum(not u.persistent for u in engine.parts.units) >= 3, "stage 3 must have units that are freed"
     out, errors = [], []
     for step, what in enumerate(SCRIPT):
         head = 1 if what == "other_head" else 0  # the other head: parameters no rank used this window
@@ -120,9 +120,9 @@ def _train(case: str, asynchronous: bool, nan_step: int = -1, action: str = "ski
     engine.wait_for_step()
     opt = engine.optimizer  # state in the groups' order (an asynchronous step makes it in another order)
     state = [t.detach().clone() for g in opt.param_groups for v in g["params"] for t in opt.state[v].values()]
-    out.append(([u.master.detach().clone() for u in engine.units], state, engine.full_state_dict(),
+    out.append(([u.master.detach().clone() for u in engine.parts.units], state, engine.full_state_dict(),
                 [p.detach().clone() for p in model.parameters()] if stage < 3 else []))  # working weights
-    early = getattr(engine.ahead, "published_early", 0)
+    early = getattr(engine.parts.host_step, "published_early", 0)
     engine.close()
     return out, errors, early
 
@@ -164,7 +164,7 @@ def test_async_step_needs_what_it_says(dist_pool):
             warnings.simplefilter("always")
             engine = ZeroEngine(TwoHeads(), ZeroConfig(stage=2, offload_async_step=True, **options))
         assert any("offload_async_step=True has no effect" in str(w.message) for w in caught), options
-        assert not isinstance(engine.ahead, StepAhead)
+        assert not isinstance(engine.parts.host_step, AsyncHostStep)
         engine.close()
     with pytest.raises(ValueError, match="offload_async_step"):
         ZeroConfig(offload_async_step="yes")
@@ -177,10 +177,10 @@ def _sgd_runs_synchronously() -> bool:
     engine = ZeroEngine(model, ZeroConfig(stage=2, offload_optimizer=True, offload_async_step=True))
     engine.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     engine.backward(_loss(model, 0, 0, head=0))
-    before = [u.master.clone() for u in engine.units]
+    before = [u.master.clone() for u in engine.parts.units]
     with pytest.warns(UserWarning, match="runs synchronously: the host kernel does not take this optimizer"):
         engine.step()
-    stepped = not engine.ahead._pending and all(not torch.equal(a, u.master) for a, u in zip(before, engine.units))
+    stepped = not engine.parts.host_step._pending and all(not torch.equal(a, u.master) for a, u in zip(before, engine.parts.units))
     engine.close()
     return stepped
 

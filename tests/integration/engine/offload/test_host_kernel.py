@@ -76,7 +76,7 @@ def _train(case: str, window: str, kernel_on: bool, optimizer: str, device: str 
         make = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
                 "adam_l2": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.01, betas=(0.8, 0.95))}[optimizer]
         engine.attach_optimizer(make(model.parameters()))
-        placement = getattr(engine.placement, "host", engine.placement)
+        placement = getattr(engine.parts.placement, "host", engine.parts.placement)
         out = []
         for step in range(4):
             for micro in range(backwards):
@@ -90,7 +90,7 @@ def _train(case: str, window: str, kernel_on: bool, optimizer: str, device: str 
             engine.wait_for_step()  # offload_async_step: the masters and state below are read directly
             state = [t.detach().clone() for s in engine.optimizer.state.values() for t in s.values()]
             state = [t.cpu() for t in state]
-            out.append((loss.detach().float().cpu(), [u.master.detach().cpu().clone() for u in engine.units], state,
+            out.append((loss.detach().float().cpu(), [u.master.detach().cpu().clone() for u in engine.parts.units], state,
                         engine.full_state_dict()))
         engine.close()
         return out, runs[0], halves, placement.landing.copy_all
@@ -157,9 +157,9 @@ def _working_body():
         engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
         engine.backward(_loss(model, 0, 0, 0).float(), boundary=True)
         engine.step()
-        store = engine.gatherer.store
+        store = engine.parts.gatherer.store
         checked = 0
-        for unit in engine.units:
+        for unit in engine.parts.units:
             cast = unit.master.to(torch.bfloat16)
             if unit.persistent:
                 shard = unit.flat[unit.layout.shard_span(dist.get_rank())]

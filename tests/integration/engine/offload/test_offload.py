@@ -73,7 +73,7 @@ def _head_state(engine: ZeroEngine, model: TwoHeads, head: int) -> tuple[list[to
     ids = {id(p) for p in model.heads[head].parameters()}
     out, with_state = [], 0
     binding = engine._binding(engine.optimizer)
-    pairs = [(unit, m, seg) for unit in engine.units for m, seg in binding.optimized[unit.index]]
+    pairs = [(unit, m, seg) for unit in engine.parts.units for m, seg in binding.optimized[unit.index]]
     for unit, seg_master, seg in pairs:
         if id(unit.params[seg.param]) in ids:
             out.append(seg_master.detach().clone())
@@ -142,13 +142,13 @@ def _truncated_body(path: str) -> str:
     engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
     engine.backward(_loss(model, 0, 0, 0))
     engine.step()
-    swap = engine.placement.swapper.path_of("u0.exp_avg")
+    swap = engine.parts.placement.swapper.path_of("u0.exp_avg")
     os.truncate(swap, 100)  # damaged between steps
     engine.backward(_loss(model, 1, 0, 0))
     with pytest.raises(RuntimeError, match=str(swap.name)) as caught:
         engine.step()
     # the damaged unit was never stepped: its segments' step counts (kept in memory) are still 1
-    unit0 = engine.units[0]
+    unit0 = engine.parts.units[0]
     steps = [float(engine.optimizer.state[s]["step"]) for s in unit0.segment_masters if s in engine.optimizer.state]
     assert steps and all(s == 1.0 for s in steps), steps
     return str(caught.value)
@@ -171,11 +171,11 @@ def test_nvme_path_errors_are_clear(tmp_path, monkeypatch):
     a_file.write_text("x")
     engine = ZeroEngine(TwoHeads(), ZeroConfig(offload_optimizer=True, offload_optimizer_device="nvme", nvme_path=str(a_file)))
     with pytest.raises(RuntimeError, match="file"):
-        engine.attach_optimizer(torch.optim.AdamW(engine.module.parameters()))
+        engine.attach_optimizer(torch.optim.AdamW(engine.parts.module.parameters()))
     monkeypatch.setattr(swapper, "free_bytes", lambda path: 1000)
     engine = ZeroEngine(TwoHeads(), ZeroConfig(offload_optimizer=True, offload_optimizer_device="nvme", nvme_path=str(tmp_path)))
     with pytest.raises(RuntimeError, match=r"free") as caught:
-        engine.attach_optimizer(torch.optim.AdamW(engine.module.parameters()))
+        engine.attach_optimizer(torch.optim.AdamW(engine.parts.module.parameters()))
     assert str(tmp_path) in str(caught.value)
     assert not list(tmp_path.glob("zeroq_rank*/*.swp"))  # nothing written when the space is short
 
@@ -270,7 +270,7 @@ def _device_reads_body(offload: str) -> int:
     waits = []
     try:
         model, engine = _engine(2, offload, True)
-        placement = engine.placement
+        placement = engine.parts.placement
         placement.pin = True
         published = {}
         original = placement.published
@@ -287,7 +287,7 @@ def _device_reads_body(offload: str) -> int:
 
         def check(event):
             index = next(i for i, (_, e) in published.items() if e is event)
-            master = engine.units[index].master
+            master = engine.parts.units[index].master
             waits.append(master.numel() == 0 or torch.equal(master, published[index][0]))
             synced.add(id(event))
 
@@ -297,7 +297,7 @@ def _device_reads_body(offload: str) -> int:
             engine.step()
         full = engine.full_state_dict()
         engine.load_full_state_dict({k: v + 1.0 for k, v in full.items()})
-        assert all(waits) and len(waits) >= 2 * len(engine.units), (len(waits), waits)
+        assert all(waits) and len(waits) >= 2 * len(engine.parts.units), (len(waits), waits)
         assert not placement.device_reads or offload == "optimizer_cpu"
         return len(waits)
     finally:
@@ -316,12 +316,12 @@ def _copy_stream_body(boundary, idle: bool, in_flight: int = 100) -> tuple[list,
     (``idle``: each finished before the next unit's reduction), the others at finalize; on the
     copy stream, one event per unit; the step reads a unit's host gradient only after its event; a
     window dropped after its copies were issued makes the compute stream wait for them before the
-    device shards are zeroed. ``in_flight``: ``landing.IN_FLIGHT`` (the copies a backward keeps
+    device shards are zeroed. ``in_flight``: ``host_grads.IN_FLIGHT`` (the copies a backward keeps
     running before the host waits for the oldest)."""
     from contextlib import nullcontext
 
     from lightning_zeroq.zero import comm
-    from lightning_zeroq.zero.offload import landing
+    from lightning_zeroq.zero.offload import host_grads
 
     log: list = []
 
@@ -349,7 +349,7 @@ def _copy_stream_body(boundary, idle: bool, in_flight: int = 100) -> tuple[list,
             return idle
 
     real = (torch.cuda.Event, torch.cuda.current_stream, torch.cuda.stream, comm.side_stream)
-    real_in_flight, landing.IN_FLIGHT = landing.IN_FLIGHT, in_flight
+    real_in_flight, host_grads.IN_FLIGHT = host_grads.IN_FLIGHT, in_flight
     torch.cuda.Event, torch.cuda.current_stream = Event, (lambda device=None: Stream())
     torch.cuda.stream, comm.side_stream = (lambda stream: nullcontext()), (lambda device: Stream())
     try:
@@ -358,7 +358,7 @@ def _copy_stream_body(boundary, idle: bool, in_flight: int = 100) -> tuple[list,
         engine = ZeroEngine(model, ZeroConfig(stage=2, reduce_bucket_size=700, overlap_comm=False,
                                               offload_optimizer=True))
         engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
-        n = len(engine.units)
+        n = len(engine.parts.units)
         engine.backward(_loss(model, 0, 0, 0), boundary=boundary)
         during_backward = list(log)
         engine.clip_grad_norm_(1.0)  # the first clip brings the landed gradients back for their norm ...
@@ -375,7 +375,7 @@ def _copy_stream_body(boundary, idle: bool, in_flight: int = 100) -> tuple[list,
         return during_backward, issued, stepped, log[n:], n
     finally:
         torch.cuda.Event, torch.cuda.current_stream, torch.cuda.stream, comm.side_stream = real
-        landing.IN_FLIGHT = real_in_flight
+        host_grads.IN_FLIGHT = real_in_flight
 
 
 @pytest.mark.parametrize("boundary, idle", [(True, True), (True, False), (None, True)],
@@ -435,7 +435,7 @@ def _landing_body(stage: int, offload: str, dtype: torch.dtype) -> list:
     for step in range(3):
         engine.backward(_loss(model, step, 0, head=0).float(), boundary=True)
         engine.finalize_gradients()
-        on_device = [u.index for u in engine.units if u.pending is not None or u.has_grad_storage]
+        on_device = [u.index for u in engine.parts.units if u.pending is not None or u.has_grad_storage]
         norm = engine.clip_grad_norm_(1e9)  # no clipping, only the norm
         per_param = {k: v.clone() for k, v in engine.grad_norms().items()}
         out.append((on_device, norm.clone(), per_param))
@@ -471,13 +471,13 @@ def _nvme_spill_body(stage: int) -> None:
     model, engine = _engine(stage, "optimizer_nvme_half", True)
     engine.backward(_loss(model, 0, 0, 0))
     engine.step()
-    placement = engine.placement
-    swapped = {u.index for u in engine.units if placement._swaps(u)}
-    assert 0 < len(swapped) < len(engine.units), "some units swap, the others stay in host memory"
-    numel = sum(u.layout.numel for u in engine.units)
-    assert sum(u.layout.numel for u in engine.units if u.index in swapped) >= numel / 2, "largest first, to half"
+    placement = engine.parts.placement
+    swapped = {u.index for u in engine.parts.units if placement._swaps(u)}
+    assert 0 < len(swapped) < len(engine.parts.units), "some units swap, the others stay in host memory"
+    numel = sum(u.layout.numel for u in engine.parts.units)
+    assert sum(u.layout.numel for u in engine.parts.units if u.index in swapped) >= numel / 2, "largest first, to half"
     regions = set(placement.swapper._regions)
-    for unit in engine.units:
+    for unit in engine.parts.units:
         on_disk = unit.index in swapped
         assert (f"u{unit.index}.master" in regions) == on_disk, "only the swapped units have swap files"
         assert (unit.master.numel() == 0) == on_disk, "between steps only the swapped units' masters are evicted"
@@ -503,8 +503,8 @@ def _nvme_pool_body() -> tuple[int, int]:
         engine.backward(model(torch.randn(4, 16, generator=torch.Generator().manual_seed(step))).square().mean())
         engine.step()
         engine.zero_grad()
-    placement = engine.placement
-    units = len(engine.units)
+    placement = engine.parts.placement
+    units = len(engine.parts.units)
     held = sum(len(free) for free in placement._pool._free.values())
     engine.close()
     return units, held // (1 + len(placement.keys)) - WRITES_IN_FLIGHT
@@ -526,7 +526,7 @@ def _evicted_masters_body() -> list[bool]:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
     engine = ZeroEngine(model, ZeroConfig(stage=2, reduce_bucket_size=272, **_offload_options("optimizer_nvme")))
-    masters = [weakref.ref(unit.master) for unit in engine.units]
+    masters = [weakref.ref(unit.master) for unit in engine.parts.units]
     engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))  # writes the masters out, evicts them
     gc.collect()
     alive = [ref() is not None for ref in masters]

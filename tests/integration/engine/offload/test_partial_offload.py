@@ -9,7 +9,7 @@ import torch
 
 from lightning_zeroq import ZeroConfig, ZeroEngine
 from lightning_zeroq.zero.layout import UnitLayout, make_layout
-from lightning_zeroq.zero.offload import OptimizerPlacement, SplitOptimizer, host_units
+from lightning_zeroq.zero.offload import OptimizerHome, SplitOptimizer, host_units
 from lightning_zeroq.zero.offload.stores import MasterAlias
 from lightning_zeroq.zero.offload.host import HostOptimizer
 from lightning_zeroq.zero.policies import ineffective
@@ -42,12 +42,12 @@ def test_with_overlapping_host_steps_the_last_units_go_to_the_host_first() -> No
     assert chosen == {0.0: [], 0.1: [3, 4], 0.11: [2, 3, 4], 0.5: [2, 3, 4], 0.51: [1, 2, 3, 4], 1.0: [0, 1, 2, 3, 4]}
     for options in ({"offload_speculative_step": True}, {"offload_async_step": True}, {}):
         engine = _engine(0.5, **options)
-        layouts = [u.layout for u in engine.units]
-        split = engine.placement
+        layouts = [u.layout for u in engine.parts.units]
+        split = engine.parts.placement
         assert isinstance(split, SplitOptimizer)
         assert split.host_units == host_units(layouts, 0.5, last_first=bool(options))
         if options:
-            assert len(engine.units) - 1 in split.host_units and 0 not in split.host_units
+            assert len(engine.parts.units) - 1 in split.host_units and 0 not in split.host_units
         engine.close()
 
 
@@ -66,24 +66,24 @@ def _engine(ratio: float, stage: int = 1, seed: int = 0, **options) -> ZeroEngin
 @pytest.mark.parametrize("ratio, expected", [(0.25, {0}), (0.45, {0, 1}), (0.5, {0, 1}), (0.75, {0, 1, 2})])
 def test_engine_offloads_the_documented_units(ratio: float, expected: set[int]) -> None:
     engine = _engine(ratio)
-    assert [u.layout.numel for u in engine.units] == [512, 272, 272, 83]
-    placement = engine.placement
+    assert [u.layout.numel for u in engine.parts.units] == [512, 272, 272, 83]
+    placement = engine.parts.placement
     assert isinstance(placement, SplitOptimizer) and placement.host_units == expected
     assert set(placement.host.landing.numels) == expected  # only host units have host gradient buffers
-    for unit in engine.units:
+    for unit in engine.parts.units:
         on_host = unit.index in expected
-        assert unit.master.device == (torch.device("cpu") if on_host else engine.device), unit.index
+        assert unit.master.device == (torch.device("cpu") if on_host else engine.parts.device), unit.index
         assert (placement.step_grad(unit) is not unit.grad) == on_host
-        assert placement.device_master(unit).device == engine.device
+        assert placement.device_master(unit).device == engine.parts.device
         if not on_host:
             assert placement.device_master(unit) is unit.master
-    batches = [[u.index for u in batch] for batch in placement.step_batches(engine.units)]
+    batches = [[u.index for u in batch] for batch in placement.step_batches(engine.parts.units)]
     # the device units at once, then the host units in the order their gradients leave the device
     assert batches == [sorted(set(range(4)) - expected)] + [[i] for i in sorted(expected, reverse=True)]
     # Steps, and only the optimizer's state of device units lives on the device.
-    engine.backward(engine.module.loss(_batch(0)))
+    engine.backward(engine.parts.module.loss(_batch(0)))
     assert engine.step()
-    for unit in engine.units:
+    for unit in engine.parts.units:
         for view, _ in engine._binding(engine.optimizer).optimized[unit.index]:
             for value in engine.optimizer.state[view].values():
                 if value.numel() > 1:
@@ -91,10 +91,10 @@ def test_engine_offloads_the_documented_units(ratio: float, expected: set[int]) 
 
 
 def test_ratio_0_and_1_are_no_offload_and_full_offload() -> None:
-    assert type(_engine(0.0).placement) is OptimizerPlacement
-    assert type(_engine(1.0).placement) is HostOptimizer
-    assert isinstance(_engine(0.0, stage=3).gatherer.store, MasterAlias)  # as without offload
-    assert not isinstance(_engine(0.5, stage=3).gatherer.store, MasterAlias)
+    assert type(_engine(0.0).parts.placement) is OptimizerHome
+    assert type(_engine(1.0).parts.placement) is HostOptimizer
+    assert isinstance(_engine(0.0, stage=3).parts.gatherer.store, MasterAlias)  # as without offload
+    assert not isinstance(_engine(0.5, stage=3).parts.gatherer.store, MasterAlias)
 
 
 def _batch(step: int):
@@ -104,14 +104,14 @@ def _batch(step: int):
 
 def _train(engine: ZeroEngine, steps: range) -> None:
     for step in steps:
-        engine.backward(engine.module.loss(_batch(step)))
+        engine.backward(engine.parts.module.loss(_batch(step)))
         engine.clip_grad_norm_(1.0)
         engine.step()
 
 
 def _optimizer_state(engine: ZeroEngine) -> list[dict[str, torch.Tensor]]:
     return [{k: v.detach().cpu() for k, v in engine.optimizer.state[view].items()}
-            for unit in engine.units for view, _ in engine._binding(engine.optimizer).optimized[unit.index]]
+            for unit in engine.parts.units for view, _ in engine._binding(engine.optimizer).optimized[unit.index]]
 
 
 @pytest.mark.parametrize("saved, loaded", [(0.5, 0.25), (0.25, 1.0), (0.75, 0.0), (0.5, 0.5)])
@@ -123,7 +123,7 @@ def test_sharded_state_loads_into_another_ratio(saved: float, loaded: float, tmp
     save_engine(source, tmp_path / "ckpt")
     target = _engine(loaded, seed=1)
     load_engine(target, tmp_path / "ckpt")
-    target.module.frozen.load_state_dict(source.module.frozen.state_dict())  # not the engine's: not in the state
+    target.parts.module.frozen.load_state_dict(source.parts.module.frozen.state_dict())  # not the engine's: not in the state
     assert all(torch.equal(a, b) for a, b in zip(source.full_state_dict().values(), target.full_state_dict().values()))
     for a, b in zip(_optimizer_state(source), _optimizer_state(target)):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -198,11 +198,11 @@ def test_auto_on_a_cpu_device_warns_and_offloads_every_unit() -> None:
     if DEVICE.type != "cpu":
         pytest.skip("the CPU's answer")
     engine = _engine("auto")
-    engine.backward(engine.module.loss(_batch(0)))
+    engine.backward(engine.parts.module.loss(_batch(0)))
     with pytest.warns(UserWarning, match="no device memory to fill"):
         engine.step()
-    assert engine.placement.host_units == frozenset(range(len(engine.units)))
-    engine.backward(engine.module.loss(_batch(1)))
+    assert engine.parts.placement.host_units == frozenset(range(len(engine.parts.units)))
+    engine.backward(engine.parts.module.loss(_batch(1)))
     assert engine.step()  # decided once: no second warning, still stepping
 
 
@@ -210,12 +210,12 @@ def test_auto_keeps_the_largest_units_that_fit_and_never_exceeds_the_budget(capl
     import logging
 
     engine = _engine("auto")
-    engine.placement.measure = lambda: (1000, 0, 20_000)  # a stand-in device: peak 1000 of 20000 bytes
-    engine.placement.budget = "65%"  # 13000 bytes: 12000 to fill
-    engine.backward(engine.module.loss(_batch(0)))
+    engine.parts.placement.measure = lambda: (1000, 0, 20_000)  # a stand-in device: peak 1000 of 20000 bytes
+    engine.parts.placement.budget = "65%"  # 13000 bytes: 12000 to fill
+    engine.backward(engine.parts.module.loss(_batch(0)))
     with caplog.at_level(logging.INFO, logger="lightning_zeroq"):
         engine.step()
-    decision = engine.placement.decision
+    decision = engine.parts.placement.decision
     # Units of 512, 272, 272 and 83 elements in 1, 2, 2 and 4 segments: the fp32 master and, per segment,
     # AdamW's two moments and its step count, each in whole 512-byte blocks: 6656, 5632, 5632, 3584 bytes.
     # Largest first: 6656 fits, neither 5632 does after it, 3584 does.
@@ -223,8 +223,8 @@ def test_auto_keeps_the_largest_units_that_fit_and_never_exceeds_the_budget(capl
     assert decision["device_bytes"] == 6656 + 3584 and 1000 + decision["device_bytes"] <= 13000
     assert decision["budget_bytes"] == 13000
     assert any("2 of 4 units keep master and optimizer state on the device" in r.getMessage() for r in caplog.records)
-    for unit in engine.units:  # the host no longer holds gradient buffers for the units that came back
-        assert (unit.index in engine.placement.host.landing.numels) == (unit.index in decision["host_units"])
+    for unit in engine.parts.units:  # the host no longer holds gradient buffers for the units that came back
+        assert (unit.index in engine.parts.placement.host.landing.numels) == (unit.index in decision["host_units"])
 
 
 def test_auto_keeps_at_least_the_elements_the_best_fitting_ratio_keeps() -> None:
@@ -261,12 +261,12 @@ def test_sharded_state_loads_into_an_auto_engine_after_its_decision(tmp_path) ->
     _train(source, range(3))
     save_engine(source, tmp_path / "ckpt")
     target = _engine("auto", seed=1)
-    target.placement.measure = lambda: (0, 0, 20_000)
-    target.placement.budget = "65%"
+    target.parts.placement.measure = lambda: (0, 0, 20_000)
+    target.parts.placement.budget = "65%"
     _train(target, range(1))  # decides: some units on the device, the others on the host
-    assert 0 < len(target.placement.decision["device_units"]) < len(target.units)
+    assert 0 < len(target.parts.placement.decision["device_units"]) < len(target.parts.units)
     load_engine(target, tmp_path / "ckpt")
-    target.module.frozen.load_state_dict(source.module.frozen.state_dict())
+    target.parts.module.frozen.load_state_dict(source.parts.module.frozen.state_dict())
     for a, b in zip(_optimizer_state(source), _optimizer_state(target)):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     _train(source, range(3, 5))
@@ -288,30 +288,30 @@ def test_auto_in_stage_3_gathers_brought_back_units_from_their_masters() -> None
                                           stage3_param_persistence_threshold=20),
                         param_dtype=torch.bfloat16)
     engine.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-2))
-    store = engine.gatherer.store
+    store = engine.parts.gatherer.store
     # One rank: a gather is a copy into the bf16 working buffer, which casts the master as it copies.
     assert isinstance(store, SplitStore) and not store.device_units and isinstance(store.on_device, MasterAlias)
-    transient = [u.index for u in engine.units if not u.persistent]
+    transient = [u.index for u in engine.parts.units if not u.persistent]
     payload = {i: store.freed_by_moving(i) for i in transient}
     assert all(b > 0 for b in payload.values())
     before = engine.memory_report()["stored_shards"]
-    engine.placement.measure = lambda: (1000, 10**9, 10**9 + 1000)  # room for every unit
-    engine.backward(engine.module.loss(_batch(0)).float())
+    engine.parts.placement.measure = lambda: (1000, 10**9, 10**9 + 1000)  # room for every unit
+    engine.backward(engine.parts.module.loss(_batch(0)).float())
     engine.step()
-    decision = engine.placement.decision
+    decision = engine.parts.placement.decision
     assert decision["host_units"] == [] and set(store.device_units) == set(transient)
     assert not store.off_device.buffers and engine.memory_report()["stored_shards"] == 0 < before
-    full = sum(_device_cost_of(engine, u) for u in engine.units)
+    full = sum(_device_cost_of(engine, u) for u in engine.parts.units)
     assert decision["device_bytes"] == full - sum(payload.values())
-    engine.backward(engine.module.loss(_batch(1)).float())
+    engine.backward(engine.parts.module.loss(_batch(1)).float())
     assert engine.step()
-    for unit in engine.units:  # gathers read the master, on the device now: the working weights are its cast
+    for unit in engine.parts.units:  # gathers read the master, on the device now: the working weights are its cast
         assert unit.master.device == DEVICE
         if not unit.persistent:
             assert store.get(unit) is unit.master
-            engine.gatherer.gather(unit)
+            engine.parts.gatherer.gather(unit)
             assert torch.equal(unit.flat, unit.master.to(torch.bfloat16))
-            engine.gatherer.free(unit)
+            engine.parts.gatherer.free(unit)
 
 
 def _device_cost_of(engine: ZeroEngine, unit) -> int:

@@ -34,7 +34,7 @@ SCRIPT = ["plain", "plain", "clip_idle", "accumulate", "state_read", "zero_grad_
 
 def _drain() -> None:
     """Make ``Speculation.stop`` wait until every unit offered so far has been stepped."""
-    from lightning_zeroq.zero.offload.speculate import Speculation
+    from lightning_zeroq.zero.offload.speculative_step import Speculation
 
     def stop(self) -> None:
         with self._cv:
@@ -54,7 +54,7 @@ def _train(case: str, speculative: bool, nan_step: int = -1, action: str = "skip
                                           stage3_param_persistence_threshold=40, nonfinite_gradients=action,
                                           offload_speculative_step=speculative, **options), param_dtype=dtype)
     engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
-    placement = getattr(engine.placement, "host", engine.placement)
+    placement = getattr(engine.parts.placement, "host", engine.parts.placement)
     assert (placement.spec is not None) == speculative
     out, errors = [], []
     for step, what in enumerate(SCRIPT):
@@ -81,7 +81,7 @@ def _train(case: str, speculative: bool, nan_step: int = -1, action: str = "skip
             engine.zero_grad()
         engine.zero_grad()
         state = [t.detach().clone() for s in engine.optimizer.state.values() for t in s.values()]
-        out.append((step, [u.master.detach().clone() for u in engine.units], state, engine.full_state_dict(),
+        out.append((step, [u.master.detach().clone() for u in engine.parts.units], state, engine.full_state_dict(),
                     [p.detach().clone() for p in model.parameters()] if stage < 3 else []))  # working weights
     counts = placement.spec.counts if placement.spec is not None else None
     engine.close()
@@ -145,7 +145,7 @@ def test_speculation_needs_what_it_says(dist_pool):
             engine = ZeroEngine(TwoHeads(), ZeroConfig(stage=2, offload_speculative_step=True, **options),
                                 loss_scaling=loss_scaling)
         assert any(text in str(w.message) for w in caught), [str(w.message) for w in caught]
-        assert getattr(getattr(engine.placement, "host", engine.placement), "spec", None) is None
+        assert getattr(getattr(engine.parts.placement, "host", engine.parts.placement), "spec", None) is None
         engine.close()
     with pytest.raises(ValueError, match="offload_speculative_step"):
         ZeroConfig(offload_speculative_step="yes")
@@ -153,7 +153,7 @@ def test_speculation_needs_what_it_says(dist_pool):
     engine = ZeroEngine(model, ZeroConfig(stage=2, offload_optimizer=True, offload_speculative_step=True))
     with pytest.warns(UserWarning, match="offload_speculative_step=True has no effect: .* the optimizer is neither"):
         engine.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    assert engine.placement.spec is None
+    assert engine.parts.placement.spec is None
     engine.close()
 
 
@@ -169,7 +169,7 @@ def _train_behind(speculative: bool, asynchronous: bool = False):
                                           offload_speculative_step=speculative, offload_async_step=asynchronous),
                         param_dtype=torch.bfloat16)
     engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
-    placement = getattr(engine.placement, "host", engine.placement)
+    placement = getattr(engine.parts.placement, "host", engine.parts.placement)
     landed = threading.Event()
     if speculative:
         spec = placement.spec
@@ -196,7 +196,7 @@ def _train_behind(speculative: bool, asynchronous: bool = False):
             offered_first = placement.spec.counts.offered  # the first step makes the state: not speculated
     placement.settle()  # an asynchronous step's end
     counts = placement.spec.counts if speculative else None
-    masters = [u.master.detach().clone() for u in engine.units]
+    masters = [u.master.detach().clone() for u in engine.parts.units]
     state = [{k: t.detach().clone() for k, t in s.items()} for s in engine.optimizer.state.values()]
     engine.close()
     return masters, counts, offered_first, state
@@ -243,7 +243,7 @@ def test_the_speculation_worker_steps_the_newest_landed_unit_first():
     """Among the units offered, the newest whose gradient is on the host; the oldest when none is."""
     from types import SimpleNamespace
 
-    from lightning_zeroq.zero.offload.speculate import Speculation
+    from lightning_zeroq.zero.offload.speculative_step import Speculation
 
     landed = {2, 1}
     spec = Speculation(None, lambda unit: None, lambda index: None, lambda index: index in landed)  # type: ignore[arg-type]

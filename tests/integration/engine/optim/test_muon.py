@@ -1,7 +1,7 @@
 """Muon (``torch.optim.Muon``) for the hidden matrices and AdamW for the rest, the standard recipe, in
 stages 1-3, with and without CPU optimizer offload, against DDP with the same two optimizers: gloo, 2 and
 3 ranks (3: uneven cuts), 20 steps of two backward passes each, each optimizer's gradients clipped,
-every weight within 1e-5 of DDP's after every step (``matrix.py``).
+every weight within 1e-5 of DDP's after every step (``optim/matrix.py``).
 
 torch's Newton-Schulz iterations run in bf16, so a last-bit difference in a gradient (any other order
 of summing it: ZeRO-2's sum of reduced micro-batches, a division before or after the sum) becomes

@@ -54,7 +54,7 @@ def _path_body(prefetch: bool, device: str = "cpu") -> int:
                                   find_unused_parameters=True)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     engine = ZeroEngine(model, ZeroConfig(stage=3, stage3_param_persistence_threshold=100, stage3_prefetch=prefetch))
-    transient = [u for u in engine.units if not u.persistent]
+    transient = [u for u in engine.parts.units if not u.persistent]
     assert [u.module for u in transient] == list(model.blocks)  # found automatically
     engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
     gathered = MostGathered(model.blocks, transient)
@@ -168,7 +168,7 @@ def test_a_forward_does_not_prefetch_the_next_steps_first_unit() -> None:
     model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)])
     engine = ZeroEngine(model, ZeroConfig(stage=3, stage3_wrap_classes=["Linear"], stage3_param_persistence_threshold=0))
     engine.attach_optimizer(torch.optim.AdamW(model.parameters()))
-    transient = [u for u in engine.units if not u.persistent]
+    transient = [u for u in engine.parts.units if not u.persistent]
     assert len(transient) == 3
     for step in range(3):
         loss = model(torch.randn(4, 8)).square().sum()
@@ -215,7 +215,7 @@ def _reduction_order_body(stage: int, offload: bool) -> list:
     engine = ZeroEngine(model, ZeroConfig(stage=stage, offload_optimizer=offload, offload_parameters=offload and stage == 3,
                                           **options))
     engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    reducer, events, fired = engine.reducer, [], [0]
+    reducer, events, fired = engine.parts.reducer, [], [0]
     reduce, ready = reducer._reduce, reducer._on_grad_ready
 
     def spy_ready(param):
@@ -223,7 +223,7 @@ def _reduction_order_body(stage: int, offload: bool) -> list:
         ready(param)
 
     def spy_reduce(unit):
-        gathered = sum(u.state is UnitState.GATHERED for u in engine.units if not u.persistent)
+        gathered = sum(u.state is UnitState.GATHERED for u in engine.parts.units if not u.persistent)
         events[-1].append((unit.index, fired[0], gathered))
         reduce(unit)
 
@@ -238,7 +238,7 @@ def _reduction_order_body(stage: int, offload: bool) -> list:
         engine.zero_grad()
         out.append((events[-1], [u.index for u in reducer._order]))
     names = {id(p): n for n, p in model.named_parameters()}
-    units = [[names[id(p)] for p in u.params] for u in engine.units]
+    units = [[names[id(p)] for p in u.params] for u in engine.parts.units]
     engine.close()
     return out, units, reducer.num_params
 

@@ -52,7 +52,7 @@ def _options_body(options: dict) -> int:
     engine = ZeroEngine(model, ZeroConfig(stage=3, **TRANSIENT, **options))
     engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-3)
-    transient = [u for u in engine.units if not u.persistent]
+    transient = [u for u in engine.parts.units if not u.persistent]
     gathered = MostGathered(model.blocks, transient)
     for step in range(4):
         batch = make_batch(step, 0, dist.get_rank(), uniform=True)
@@ -128,12 +128,12 @@ def _working_weights(engine: ZeroEngine) -> list[torch.Tensor]:
     """Every unit's working buffer as a gather produces it. Units the coordinator holds (prefetched by
     an evaluation forward) are read as they are: freeing them behind its back would confuse it."""
     out = []
-    for unit in engine.units:
+    for unit in engine.parts.units:
         sharded = unit.state is UnitState.SHARDED
-        engine.gatherer.gather(unit)
+        engine.parts.gatherer.gather(unit)
         out.append(unit.flat.clone())
         if sharded:
-            engine.gatherer.free(unit)
+            engine.parts.gatherer.free(unit)
     return out
 
 
@@ -143,21 +143,21 @@ def _train_side_by_side(engine: ZeroEngine, old: ZeroEngine, *, steps: int, dtyp
     it replaced) on the same batches, clipped; losses, masters and gathered working weights equal
     bitwise after every step. ``evaluate``: a no-grad forward after each step gathers from the store too."""
     for e in (engine, old):
-        e.attach_optimizer(torch.optim.AdamW(e.module.parameters(), lr=1e-2, eps=1e-3))
+        e.attach_optimizer(torch.optim.AdamW(e.parts.module.parameters(), lr=1e-2, eps=1e-3))
     for step in range(steps):
         batch = make_batch(step, 0, dist.get_rank(), uniform=True)
         losses = []
         for e in (engine, old):
-            loss = e.module.loss(batch)
+            loss = e.parts.module.loss(batch)
             e.backward(loss)
             e.clip_grad_norm_(1.0)
             e.step()
             losses.append(loss.detach())
             if evaluate:
                 with torch.no_grad():
-                    e.module.loss(batch)
+                    e.parts.module.loss(batch)
         assert torch.equal(losses[0], losses[1]), (step, losses)
-        for a, b in zip(engine.units, old.units):
+        for a, b in zip(engine.parts.units, old.parts.units):
             assert torch.equal(a.master, b.master), (step, a.index)
         for i, (a, b) in enumerate(zip(_working_weights(engine), _working_weights(old))):
             assert a.dtype == dtype and torch.equal(a, b), (step, i)
@@ -174,25 +174,25 @@ def _cast_master_body(dtype_name: str) -> None:
     engine = ZeroEngine(model, config, param_dtype=dtype)
     with mock.patch("lightning_zeroq.zero.build.shard_store", _forced_device_store):
         old = ZeroEngine(forced, config, param_dtype=dtype)
-    assert isinstance(engine.gatherer.store, CastMaster) and isinstance(old.gatherer.store, DeviceStore)
-    assert sum(not u.persistent for u in engine.units) == 7  # six blocks and the head
+    assert isinstance(engine.parts.gatherer.store, CastMaster) and isinstance(old.parts.gatherer.store, DeviceStore)
+    assert sum(not u.persistent for u in engine.parts.units) == 7  # six blocks and the head
     assert engine.memory_report()["stored_shards"] == 0
     assert old.memory_report()["stored_shards"] == sum(
-        u.layout.shard_numel * dtype.itemsize for u in old.units if not u.persistent)
-    first = [u.master.clone() for u in engine.units]
+        u.layout.shard_numel * dtype.itemsize for u in old.parts.units if not u.persistent)
+    first = [u.master.clone() for u in engine.parts.units]
     _train_side_by_side(engine, old, steps=4, dtype=dtype, evaluate=True)
-    assert all(not torch.equal(a, u.master) for a, u in zip(first, engine.units))  # it trained
-    unit = next(u for u in engine.units if not u.persistent)
-    engine.gatherer.gather(unit)
+    assert all(not torch.equal(a, u.master) for a, u in zip(first, engine.parts.units))  # it trained
+    unit = next(u for u in engine.parts.units if not u.persistent)
+    engine.parts.gatherer.gather(unit)
     engine.publish()  # stores nothing, but still frees a unit left gathered
     assert unit.state is UnitState.SHARDED and unit.flat.untyped_storage().nbytes() == 0
     torch.manual_seed(0)
     e = ZeroEngine(Tower(), ZeroConfig(stage=3, **TRANSIENT, offload_optimizer=True), param_dtype=dtype)
-    assert isinstance(e.gatherer.store, DeviceStore)  # no master is on the device
+    assert isinstance(e.parts.gatherer.store, DeviceStore)  # no master is on the device
     assert e.memory_report()["stored_shards"] > 0
     e = ZeroEngine(Tower(), ZeroConfig(stage=3, **TRANSIENT, offload_optimizer=True, offload_optimizer_ratio=0.0),
                    param_dtype=dtype)
-    assert isinstance(e.gatherer.store, CastMaster)  # ratio 0 offloads nothing
+    assert isinstance(e.parts.gatherer.store, CastMaster)  # ratio 0 offloads nothing
 
 
 def _split_store_body(dtype_name: str) -> None:
@@ -208,13 +208,13 @@ def _split_store_body(dtype_name: str) -> None:
     engine = ZeroEngine(model, config, param_dtype=dtype)
     with mock.patch("lightning_zeroq.zero.build.shard_store", _forced_device_store):
         old = ZeroEngine(forced, config, param_dtype=dtype)
-    store = engine.gatherer.store
-    assert isinstance(store, SplitStore) and isinstance(old.gatherer.store, DeviceStore)
-    host = engine.placement.host_units
-    transient = {u.index for u in engine.units if not u.persistent}
+    store = engine.parts.gatherer.store
+    assert isinstance(store, SplitStore) and isinstance(old.parts.gatherer.store, DeviceStore)
+    host = engine.parts.placement.host_units
+    transient = {u.index for u in engine.parts.units if not u.persistent}
     assert store.device_units == transient - host and transient & host and transient - host
     assert engine.memory_report()["stored_shards"] == sum(
-        u.layout.shard_numel * dtype.itemsize for u in engine.units if u.index in transient & host)
+        u.layout.shard_numel * dtype.itemsize for u in engine.parts.units if u.index in transient & host)
     _train_side_by_side(engine, old, steps=3, dtype=dtype, evaluate=False)
 
 
@@ -244,12 +244,12 @@ def _quantized_grad_body(stage: int) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     batch = make_batch(0, 0, rank, uniform=stage == 3)
     loss = model.loss(batch)
-    params = [p for u in engine.units for p in u.params]
+    params = [p for u in engine.parts.units for p in u.params]
     grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
     local = {id(p): g for p, g in zip(params, grads)}
     engine.backward(loss)
     engine.finalize_gradients()
-    for unit in engine.units:
+    for unit in engine.parts.units:
         flat = torch.zeros(unit.layout.padded_numel)
         for p, slot in zip(unit.params, unit.layout.slots):
             if local[id(p)] is not None:
@@ -284,7 +284,7 @@ def _quantized_training_body() -> tuple[list[float], list[float]]:
             engine.backward(loss)
             engine.step()
             losses.append(float(loss))
-        flats = [u.flat.clone() for u in engine.units]
+        flats = [u.flat.clone() for u in engine.parts.units]
         for flat in flats:  # every rank holds the same working weights
             everyone = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
             dist.all_gather(everyone, flat)

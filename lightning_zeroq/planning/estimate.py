@@ -6,7 +6,7 @@ candidate ``ZeroConfig``:
 
 - *Device bytes* (peak allocated; reserved, which decides whether it fits, as a factor over it) are
   the engine's own kinds (``ZeroEngine.memory_report``), computed from the unit
-  layouts the engine would make for that configuration (``plan.plan``, ``unit.plan_layouts``): fp32
+  layouts the engine would make for that configuration (``unit_plan.unit_plan``, ``unit.plan_layouts``): fp32
   masters and optimizer state of the units stepped on the device, the working weights of the
   persistent units, the stored shards of stage 3's transient units; then the largest of three moments
   of the step (``phases``): the loss's backward (every activation autograd saves, traced in one forward
@@ -16,7 +16,7 @@ candidate ``ZeroConfig``:
   activations less the loss's input, the block being recomputed) and the step (the fp32 gradient
   shards and the optimizer's temporaries). With activation checkpointing of the repeated blocks, their
   saved tensors become each block's input, plus one block's own while it is recomputed.
-- *Host bytes* are what the engine's host check counts (``offload/host_need.py``), the same
+- *Host bytes* are what the engine's host check counts (``zero/memory/host.py``), the same
   functions, so the plan and the check before launch agree.
 - *Disk bytes*: the swap files of NVMe offload (master and state of the swapped units; stage-3
   payloads).
@@ -47,12 +47,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_zeroq.config import ZeroConfig
-from lightning_zeroq.zero import calibrate, hybrid
+from lightning_zeroq.planning import calibrate
+from lightning_zeroq.zero import hybrid
 from lightning_zeroq.zero.layout import ALIGN, UnitLayout
 from lightning_zeroq.zero.offload import host_units
-from lightning_zeroq.zero.offload.device_need import device_kinds, units_off_device
-from lightning_zeroq.zero.offload.host_need import engine_need, optimizer_need
-from lightning_zeroq.zero.plan import UnitSpec, plan, repeated_blocks
+from lightning_zeroq.zero.memory.device import device_kinds, units_off_device
+from lightning_zeroq.zero.memory.host import engine_need, optimizer_need
+from lightning_zeroq.zero.unit_plan import UnitSpec, repeated_blocks, unit_plan
 from lightning_zeroq.zero.policies import Nvme, OnDevice, Policies, from_config
 from lightning_zeroq.zero.unit import plan_layouts, trainable_parameters
 from lightning_zeroq.zero.wire import Int8
@@ -416,7 +417,7 @@ def candidates(nvme_path: Optional[str] = None) -> list[tuple[str, dict[str, Any
     return out
 
 
-def plan_config(model: nn.Module, config: ZeroConfig, activations: Activations, *, name: str,
+def estimate_config(model: nn.Module, config: ZeroConfig, activations: Activations, *, name: str,
                 world_size: int = 1, tokens: int = 0, checkpointing: float = 0.0, machine: Machine = Machine(),
                 param_dtype: torch.dtype = torch.bfloat16, state_bytes: int = 8, rank: int = 0,
                 step_temporary_bytes: int = 4) -> Need:
@@ -425,7 +426,7 @@ def plan_config(model: nn.Module, config: ZeroConfig, activations: Activations, 
     the optimizer allocates per element while it steps, 4 for torch's foreach AdamW, 0 for fused)."""
     checkpointing = float(checkpointing)
     policies = from_config(config, loss_scaling=False)
-    specs = plan(model, trainable_parameters(model), policies.sharding.units)
+    specs = unit_plan(model, trainable_parameters(model), policies.sharding.units)
     layouts, rank, payload = _shards(policies, specs, world_size, machine.ranks_per_node, rank, param_dtype)
     device = device_kinds(layouts, [s.persistent for s in specs], policies.offload, param_dtype, state_bytes, rank,
                           payload)
@@ -510,7 +511,7 @@ def _step_seconds(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequ
     return max(compute, beside / machine.pcie_bytes_per_s) + host + after / machine.pcie_bytes_per_s + nvme
 
 
-def plan_training(model: nn.Module, forward: Callable[[nn.Module], Tensor], *, tokens: Optional[int] = None,
+def estimate_training(model: nn.Module, forward: Callable[[nn.Module], Tensor], *, tokens: Optional[int] = None,
                   world_size: int = 1, machine: Machine = Machine(),
                   configs: Optional[Sequence[tuple[str, dict]]] = None, nvme_path: Optional[str] = None,
                   param_dtype: torch.dtype = torch.bfloat16, state_bytes: int = 8,
@@ -551,7 +552,7 @@ def plan_training(model: nn.Module, forward: Callable[[nn.Module], Tensor], *, t
     for name, fields in (configs if configs is not None else candidates(nvme_path)):
         config = ZeroConfig(**fields)
         for checkpointing in checkpoint:
-            needs.append(plan_config(model, config, activations, name=name + ("+checkpointing" if checkpointing else ""),
+            needs.append(estimate_config(model, config, activations, name=name + ("+checkpointing" if checkpointing else ""),
                                      world_size=world_size, tokens=tokens, checkpointing=float(checkpointing),
                                      machine=machine, param_dtype=param_dtype, state_bytes=state_bytes))
     return sorted(needs, key=lambda n: (not n.fits, n.step_s, n.device_total))

@@ -50,7 +50,7 @@ def register_elementwise_optimizer(cls: type) -> type:
 
 
 def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
-    from lightning_zeroq.zero.matrix import matrix_optimizers  # Muon: elementwise but for whole matrices
+    from lightning_zeroq.zero.optim.matrix import matrix_optimizers  # Muon: elementwise but for whole matrices
 
     adafactor = getattr(torch.optim, "Adafactor", None)
     if adafactor is not None and isinstance(optimizer, adafactor):
@@ -270,7 +270,7 @@ class OneStep:
 
 def route_zero_grad(optimizer: torch.optim.Optimizer, engine: object) -> None:
     """Make ``optimizer.zero_grad()`` drop the engine's gradients too (``engine``: what owns them and has
-    ``zero_grad(optimizer)``, the engine's ``update.Stepper``) (they live in its shards, and a
+    ``zero_grad(optimizer)``, the engine's ``step.Stepper``) (they live in its shards, and a
     user's ``zero_grad()`` between backward passes must drop them as it drops ``p.grad`` with DDP),
     however it is called: on the optimizer, or on a Lightning or Fabric wrapper, which subclasses the
     optimizer's class and so finds this ``zero_grad`` first. The optimizer's class becomes a subclass of

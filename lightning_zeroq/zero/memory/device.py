@@ -2,8 +2,8 @@
 decide, by the kinds of ``ZeroEngine.memory_report`` (fp32 masters and optimizer state of the units
 stepped on the device, their fp32 gradient shards at the step, the working weights of the persistent
 units, the stored shards of stage 3's transient units, two of the largest transient unit). The plan
-(``zero/planner.py``) adds the activations; the engine checks the state alone against the GPU's memory
-when it is built and when the optimizer is attached (``host_need.HostBudget``), before allocating it,
+(``planning/estimate.py``) adds the activations; the engine checks the state alone against the GPU's memory
+when it is built and when the optimizer is attached (``memory.host.HostBudget``), before allocating it,
 so a model whose state cannot fit stops with one line instead of running out of memory in its first
 step."""
 

@@ -37,12 +37,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_zeroq.config import ZeroConfig, memory_budget
-from lightning_zeroq.zero import calibrate as calibration, comm
-from lightning_zeroq.zero import recompute as recompute_blocks
+from lightning_zeroq.planning import calibrate as calibration
+from lightning_zeroq.zero import comm
+from lightning_zeroq.zero import activation_checkpoint as recompute_blocks
 from lightning_zeroq.zero.offload.auto import MARGIN
-from lightning_zeroq.zero.offload.host_need import available, size
-from lightning_zeroq.zero.plan import repeated_blocks
-from lightning_zeroq.zero.planner import Activations, ForwardError, Machine, Need, plan_config, trace_activations
+from lightning_zeroq.zero.memory.host import available, size
+from lightning_zeroq.zero.unit_plan import repeated_blocks
+from lightning_zeroq.planning.estimate import Activations, ForwardError, Machine, Need, estimate_config, trace_activations
 from lightning_zeroq.zero.policies import (AutoRequest, Chosen, Host, Nvme, OnDevice, as_auto, auto_request,
                                            from_config, resolve)
 
@@ -197,7 +198,7 @@ def choose(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Module],
         planned = []
         for name, opt, params, share in candidates(request):
             chosen = Chosen(opt, params, share)
-            need = plan_config(meta, resolve(config, chosen, (), correct=False), activations, name=name, world_size=world,
+            need = estimate_config(meta, resolve(config, chosen, (), correct=False), activations, name=name, world_size=world,
                                checkpointing=share, machine=rates, param_dtype=param_dtype, rank=comm.world(group)[0])
             planned.append((chosen, need))
     if size is None and request.device_budget is None:
@@ -302,7 +303,7 @@ def check_fits(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Modu
     try:
         with on_meta(module, param_dtype) as meta:
             activations = trace_activations(meta, forward, blocks)
-            need = plan_config(meta, config, activations, name="the configuration as given",
+            need = estimate_config(meta, config, activations, name="the configuration as given",
                                world_size=comm.world(group)[1], checkpointing=share, param_dtype=param_dtype,
                                rank=comm.world(group)[0], machine=_default_machine(device, ranks_per_node))
     except Exception as error:  # a forward the meta device cannot run: no check, on every rank alike

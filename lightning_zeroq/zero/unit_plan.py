@@ -132,7 +132,7 @@ def _post_order(module: nn.Module) -> list[nn.Module]:
     return out
 
 
-def plan(module: nn.Module, trainable: Sequence[nn.Parameter], units: Union[Buckets, ModuleUnits]) -> list[UnitSpec]:
+def unit_plan(module: nn.Module, trainable: Sequence[nn.Parameter], units: Union[Buckets, ModuleUnits]) -> list[UnitSpec]:
     """The units of ``module``: stage 3's module units, or stage 1/2's buckets."""
     if isinstance(units, ModuleUnits):
         return plan_module_units(

@@ -73,7 +73,7 @@ class GradientLanding:
         self.half_grads: dict[int, Tensor] = {}
         """bf16 host gradient buffers (made at a unit's first bf16 copy)."""
         self.before_fp32: Callable[[int], None] = _nothing
-        """Called with the bytes the fp32 buffers take, before they are made (``host_need.HostBudget``)."""
+        """Called with the bytes the fp32 buffers take, before they are made (``memory.host.HostBudget``)."""
         self.copies = comm.side_stream(device)
         """CUDA only: the stream the gradient shards leave the device on."""
         self.in_flight: dict[int, "torch.cuda.Event"] = {}

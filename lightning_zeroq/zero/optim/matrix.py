@@ -164,7 +164,7 @@ def step_matrices(binding: Any, units: Sequence[Unit], used: Sequence[Any], grou
                   device: torch.device) -> None:
     """A matrix optimizer's step of ``units`` (the same units, in the same order, on every rank of
     ``group``; ``rule_of`` the optimizer: Muon's or a registered one), from the gradients the caller set
-    on the segment views (``view.grad``) of ``binding`` (``optimizers.Binding``); the views' gradients
+    on the segment views (``view.grad``) of ``binding`` (``binding.Binding``); the views' gradients
     are cleared."""
     optimizer = binding.optimizer
     rule = rule_of(optimizer)

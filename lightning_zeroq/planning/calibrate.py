@@ -143,7 +143,7 @@ def matmul_rate(device: torch.device, dtype: torch.dtype, n: int = 4096) -> floa
 
 def rates(device: torch.device, dtype: torch.dtype, *, block: Optional[nn.Module] = None, call: Any = None,
           nvme_path: Optional[str] = None) -> dict[str, Any]:
-    """The rates measured here, as ``planner.Machine`` fields: the device's (on a GPU), the host step's,
+    """The rates measured here, as ``estimate.Machine`` fields: the device's (on a GPU), the host step's,
     the disk's under ``nvme_path``, and ``block`` timed at ``call`` where given."""
     measured: dict[str, Any] = {"host_step_elements_per_s": host_step_rate()}
     if device.type == "cuda":

@@ -2,7 +2,7 @@
 
 ``KernelSteps`` steps a batch of host units when the optimizer is torch's own Adam or AdamW over every
 segment of them, each param group asks for nothing the kernel lacks (AMSGrad, capturable or
-differentiable steps, tensor hyperparameters: ``optimizers.kernel_group``) and the state is Adam's;
+differentiable steps, tensor hyperparameters: ``binding.kernel_group``) and the state is Adam's;
 otherwise the placement leaves the batch to ``optimizer.step()``. It does what that step would do to
 the state, bit for bit: a state made for a parameter's first step as torch's Adam makes it for a
 fused step (a float32 step count on the parameter's device, two zeroed moments), the step count
@@ -30,7 +30,7 @@ from torch import Tensor
 
 from lightning_zeroq.ops.host_adam import HostAdam
 from lightning_zeroq.zero.offload.stores import host_copy
-from lightning_zeroq.zero.optimizers import Binding, adam_kind, kernel_group
+from lightning_zeroq.zero.optim.binding import Binding, adam_kind, kernel_group
 from lightning_zeroq.zero.unit import Unit
 
 
@@ -78,7 +78,7 @@ class KernelSteps:
         if self.param_dtype == torch.bfloat16:
             self.working.update({i: b for i, b in buffers.items() if b.dtype == torch.bfloat16})
 
-    def plan(self, batch: Sequence[Unit], binding: Any) -> Optional[dict[int, dict[str, Any]]]:
+    def kernel_args(self, batch: Sequence[Unit], binding: Any) -> Optional[dict[int, dict[str, Any]]]:
         """Each segment view's kernel arguments (by the view's id) if the kernel steps ``batch``, else
         None. ``binding``: a ``Binding``, or anything with its ``optimizer`` and ``optimized``."""
         optimizer = binding.optimizer
@@ -105,10 +105,10 @@ class KernelSteps:
 
     def step(self, batch: Sequence[Unit], binding: Binding, used: Sequence[Any], grad_of: Callable[[Unit], Tensor],
              multiplier_of: Callable[[Unit], float]) -> bool:
-        """Step ``batch`` (True), or leave it (False: ``plan`` says the kernel does not take it). ``used``:
+        """Step ``batch`` (True), or leave it (False: ``kernel_args`` says the kernel does not take it). ``used``:
         per parameter id, whether any rank gave it a gradient; ``grad_of``: a unit's host gradient (fp32
         or bf16) once it has landed; ``multiplier_of``: the multiplier it still owes."""
-        hypers = self.plan(batch, binding)
+        hypers = self.kernel_args(batch, binding)
         if hypers is None:
             return False
         jobs = []

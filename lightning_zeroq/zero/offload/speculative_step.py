@@ -7,7 +7,7 @@ with optimizer offload the host waits through the backward, and the backward and
 
 What is speculated. In a backward that ends the window (``boundary=True``), each unit whose gradient
 leaves for the host during it is handed to a worker thread, which steps the units newest landed first
-(``_next`` says why), each once its copy has landed, with the host kernel (``kernel.KernelSteps``) out of place: the updated master,
+(``_next`` says why), each once its copy has landed, with the host kernel (``host_kernel.KernelSteps``) out of place: the updated master,
 ``exp_avg`` and ``exp_avg_sq`` go to the unit's spare buffers (``_Spare``), the ones the step read stay
 as they were, and the bf16 copy of the master is written as usual. Only where the step is torch's Adam or AdamW through the kernel (one optimizer, no step
 pre-hooks), every segment's state was made by an earlier step, and no loss scaling (whose unscaling
@@ -46,8 +46,8 @@ from torch.optim.optimizer import _global_optimizer_pre_hooks
 
 from lightning_zeroq.swap.buffers import pinned_empty
 from lightning_zeroq.zero.layout import Segment
-from lightning_zeroq.zero.offload.kernel import KernelSteps
-from lightning_zeroq.zero.optimizers import adam_kind
+from lightning_zeroq.zero.offload.host_kernel import KernelSteps
+from lightning_zeroq.zero.optim.binding import adam_kind
 from lightning_zeroq.zero.unit import Unit
 
 PAUSE = 8
@@ -205,7 +205,7 @@ class Speculation:
 
     def hand_over(self) -> None:
         """No more units, and those not started are the caller's to step: an asynchronous step's
-        (``ahead.StepAhead.run``, in forward order), or the usual step's (``stop``). The one being
+        (``async_step.AsyncHostStep.run``, in forward order), or the usual step's (``stop``). The one being
         stepped finishes here (``keep`` waits for it)."""
         with self._cv:
             self._accepting = False
@@ -242,7 +242,7 @@ class Speculation:
         same = (not record.stale and not owed and binding.optimizer is self._optimizer
                 and [id(v) for v, _ in binding.optimized[unit.index]] == [id(v) for v, _ in record.pairs]
                 and all(used[unit.param_id(seg.param)] for _, seg in record.pairs)
-                and self.steps.plan([unit], binding) == record.hypers)
+                and self.steps.kernel_args([unit], binding) == record.hypers)
         if same:
             self._swap_in(record)
             self.steps.stepped(unit.index)
@@ -307,7 +307,7 @@ class Speculation:
         Why newest first: the host steps more slowly than the backward hands it gradients, so some units
         are left for after the backward whatever the order, and the next forward needs the units in
         forward order, the reverse of the order they land in. Stepping the newest first leaves the units
-        the forward reaches last for the end, where their steps overlap the forward (``ahead.py`` takes
+        the forward reaches last for the end, where their steps overlap the forward (``async_step.py`` takes
         them over, in forward order, at ``step()``: ``hand_over``), instead of leaving unit 0, which the
         forward needs first, for the end."""
         for unit in reversed(self._queue):
@@ -321,7 +321,7 @@ class Speculation:
         assert optimizer is not None  # set by open() before any offer is taken
         binding = _AllSegments(optimizer, unit)
         pairs = binding.optimized[unit.index]
-        hypers = self.steps.plan([unit], binding)
+        hypers = self.steps.kernel_args([unit], binding)
         if hypers is None or not all(optimizer.state.get(view) for view, _ in pairs):
             return None  # the first step makes the state: never speculated
         began = time.perf_counter()

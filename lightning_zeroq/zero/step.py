@@ -4,7 +4,7 @@ decision (skip or step: non-finite gradients, fp16 overflow), the pending gradie
 resident units and the step counters. ``ZeroEngine``'s ``attach_optimizer``, ``finalize_gradients``,
 ``clip_grad_norm_``, ``clip_grad_value_``, ``step`` and ``zero_grad`` each call one of its methods.
 
-Each optimizer is a ``Binding`` (``optimizers.py``). How many are attached is an object, chosen again
+Each optimizer is a ``Binding`` (``optim/binding.py``). How many are attached is an object, chosen again
 whenever one is attached: ``OneOptimizer`` (none or one: it covers every segment, its multiplier is
 applied to whole gradient shards, its norm is the global norm) or ``SeveralOptimizers`` (disjoint
 parameters: each applies its own multiplier to its own segments, and stepping or zeroing one leaves
@@ -20,20 +20,20 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_zeroq.zero import access, comm, norms
+from lightning_zeroq.zero import full_params, comm, norms
 from lightning_zeroq.zero.build import Parts
 from lightning_zeroq.zero.gather import Gatherer
 from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
-from lightning_zeroq.zero.matrix import is_matrix_optimizer, step_matrices
+from lightning_zeroq.zero.optim.matrix import is_matrix_optimizer, step_matrices
 from lightning_zeroq.zero.offload.roles import Updater
-from lightning_zeroq.zero.optimizers import Binding, OneStep, bind_to_shards, hand_back, route_zero_grad
-from lightning_zeroq.zero.reducer import Agreement, Reducer, Window
+from lightning_zeroq.zero.optim.binding import Binding, OneStep, bind_to_shards, hand_back, route_zero_grad
+from lightning_zeroq.zero.reducer import Reducer, Window, WindowVerdict
 from lightning_zeroq.zero.unit import Unit
 
 log = logging.getLogger("lightning_zeroq")
 
 
-def decide_nonfinite(agreement: Agreement, bad_units: list[int], *, scaler: Optional[DynamicLossScaler],
+def decide_nonfinite(agreement: WindowVerdict, bad_units: list[int], *, scaler: Optional[DynamicLossScaler],
                      action: str, step: int, names: str, rank: int) -> bool:
     """True: skip this step (fp16 overflow, or ``action == "skip"``); raises for ``"error"``."""
     where = f"on rank(s) {agreement.nonfinite_ranks}, in the gradients of {names}"
@@ -167,7 +167,7 @@ def step_in(one_step: OneStep, binding: Binding, units: Sequence[Unit], placemen
                 if used_ids[unit.param_id(seg.param)]:
                     view.grad = grad[seg.shard_span]
         with torch.profiler.record_function("zeroq.optimizer_step"):
-            if is_matrix_optimizer(binding.optimizer):  # Muon: each matrix whole (``matrix.py``)
+            if is_matrix_optimizer(binding.optimizer):  # Muon: each matrix whole (``optim/matrix.py``)
                 step_matrices(binding, batch, used_ids, gatherer.wire.group, gatherer.device)
             one_step.step()
         for unit in batch:
@@ -207,7 +207,7 @@ class Stepper:
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """See ``ZeroEngine.attach_optimizer``."""
         parts = self.parts
-        parts.ahead.drain()  # the pending step's jobs belong to the binding replaced here
+        parts.host_step.drain()  # the pending step's jobs belong to the binding replaced here
         binding = bind_to_shards(optimizer, parts.module, parts.units)
         kept = [b for b in self.attached.bindings if not b.param_ids & binding.param_ids]
         self.attached = attached(kept + [binding], self.everything)
@@ -222,12 +222,12 @@ class Stepper:
         if parts.reducer.window is not Window.FINALIZED:
             # Before anything reads the masters: a write into the weights since the last step becomes them
             # (fp32), or is agreed on in the finalize below and refused on every rank.
-            parts.reducer.written.update(access.take_writes(parts))
+            parts.reducer.written.update(full_params.take_writes(parts))
             with torch.profiler.record_function("zeroq.finalize"):
                 agreement = parts.reducer.finalize()
             if agreement.written:
                 parts.reducer.clear()  # the masters are untouched and the engine usable (a caller may go on)
-                raise RuntimeError(access.refused_writes(parts, agreement.written, agreement.writing_ranks))
+                raise RuntimeError(full_params.refused_writes(parts, agreement.written, agreement.writing_ranks))
             self.base = 1.0 / parts.loss_scaler.scale if parts.loss_scaler is not None else 1.0
             for one in [*self.attached.bindings, self.everything]:
                 one.multiplier, one.skip = self.base, None
@@ -294,9 +294,9 @@ class Stepper:
 
     def _run(self, binding: Binding, used: Tensor) -> None:
         parts, placement = self.parts, self.parts.placement
-        if parts.ahead.takes(binding, len(self.attached.bindings) > 1):  # device units first, in the step
+        if parts.host_step.takes(binding, len(self.attached.bindings) > 1):  # device units first, in the step
             ids, on_device = used.tolist(), [u for u in parts.units if placement.master_on_device(u.index)]
-            parts.ahead.run(binding, ids, lambda one: step_in(one, binding, on_device, placement, parts.gatherer, ids))
+            parts.host_step.run(binding, ids, lambda one: step_in(one, binding, on_device, placement, parts.gatherer, ids))
         else:
             run(binding, parts.units, placement, parts.gatherer, used)
 
@@ -305,7 +305,7 @@ class Stepper:
         self.attached.clear(self.parts.reducer, self.binding(optimizer) if optimizer is not None else None)
 
     def hand_back(self) -> None:
-        """Each optimizer bound to the module's parameters again, no collective (``optimizers.hand_back``);
+        """Each optimizer bound to the module's parameters again, no collective (``binding.hand_back``);
         the placement keeps stepping the twin that holds the state."""
         for binding in self.attached.bindings:
             user, twin = binding.optimizer, hand_back(binding)

@@ -8,7 +8,7 @@ while the device waits, and the next forward waits for its end. Its first unit's
 long before that.
 
 How. At ``step()``, on the calling thread, each unit of the optimizer is prepared in forward order
-(unit 0 first, the one the forward needs first): a speculative step of it is kept (``speculate.py``;
+(unit 0 first, the one the forward needs first): a speculative step of it is kept (``speculative_step.py``;
 the units speculation has not started yet are taken over here), or its kernel jobs are built (state made, step counts advanced, the gradient multiplier taken; see
 ``HostOptimizer.step_later``). A worker thread then runs the jobs unit by unit, the first unit in
 forward order whose gradient has landed on the host (so the host never waits while there is work; the
@@ -56,11 +56,11 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 
 from lightning_zeroq.zero.hooks import EagerHook, WeakHook
 from lightning_zeroq.zero.offload.host import HostOptimizer
-from lightning_zeroq.zero.optimizers import Binding, OneStep
+from lightning_zeroq.zero.optim.binding import Binding, OneStep
 from lightning_zeroq.zero.unit import METADATA, Unit
 
 
-class InStep:
+class SyncHostStep:
     """Without ``offload_async_step``: every step is done when ``step()`` returns."""
 
     steps = 0
@@ -79,7 +79,7 @@ class InStep:
         pass
 
 
-class StepAhead(InStep):
+class AsyncHostStep(SyncHostStep):
     """The asynchronous step of the units of one engine that step on the host (``units``: all of them
     with full offload; with ``offload_optimizer_ratio`` below 1 the others step on the device, in the
     step itself, and are published before it returns, as without this)."""
@@ -132,7 +132,7 @@ class StepAhead(InStep):
         why = None
         if several:
             why = "several optimizers are attached"
-        elif kernel is None or kernel.plan([u for u in self.units if u.index in binding.unit_ids], binding) is None:
+        elif kernel is None or kernel.kernel_args([u for u in self.units if u.index in binding.unit_ids], binding) is None:
             why = "the host kernel does not take this optimizer (it needs torch's Adam or AdamW, see the log)"
         elif (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
               or _global_optimizer_pre_hooks or _global_optimizer_post_hooks):
@@ -151,7 +151,7 @@ class StepAhead(InStep):
         assert kernel is not None  # takes() said so
         self._watch(binding.optimizer)
         mine = [u for u in self.units if u.index in binding.unit_ids]
-        hypers = kernel.plan(mine, binding)
+        hypers = kernel.kernel_args(mine, binding)
         assert hypers is not None  # takes() said so
         if self.host.spec is not None:
             self.host.spec.hand_over()  # the units it has not started step here, in forward order
@@ -318,7 +318,7 @@ class StepAhead(InStep):
 class PendingParameter(nn.Parameter):
     """A persistent unit's parameter between an asynchronous step and its unit's publication. Its
     metadata (shape, dtype, device, ``grad``) reads as usual; any other torch function of it (its values
-    read or written, ``.data``) first waits for its unit (``StepAhead.need``, which turns it back into
+    read or written, ``.data``) first waits for its unit (``AsyncHostStep.need``, which turns it back into
     what it was), so no path reads the weights from before the step."""
 
     @classmethod

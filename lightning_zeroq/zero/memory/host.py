@@ -45,8 +45,8 @@ from lightning_zeroq.config import host_budget
 from lightning_zeroq.zero.layout import UnitLayout
 from lightning_zeroq.zero.offload.nvme import step_buffer_elements
 from lightning_zeroq.zero.offload.split import host_units
-from lightning_zeroq.zero.optimizers import adam_kind
-from lightning_zeroq.zero.offload import device_need
+from lightning_zeroq.zero.optim.binding import adam_kind
+from lightning_zeroq.zero.memory import device as device_memory
 from lightning_zeroq.zero.policies import Auto, Host, Nvme, Offload, OnDevice
 
 GiB = 2**30
@@ -142,7 +142,7 @@ def state_bytes_per_element(optimizers: Sequence[torch.optim.Optimizer]) -> int:
 def optimizer_need(optimizers: Sequence[torch.optim.Optimizer], host_elements: int, speculative: bool,
                    swap_elements: int = 0, state_bytes: Optional[int] = None) -> HostNeed:
     """The host memory the attached optimizers' state (and speculative spare buffers) will take
-    (``state_bytes``: per element, else ``optimizers``'; ``swap_elements``: ``HostNeed.swap_elements``)."""
+    (``state_bytes``: per element, else ``optim/binding.py``'s; ``swap_elements``: ``HostNeed.swap_elements``)."""
     need = HostNeed(host_elements=host_elements, swap_elements=swap_elements)
     per_element = state_bytes_per_element(optimizers) if state_bytes is None else state_bytes
     need.parts["optimizer state"] = per_element * host_elements
@@ -291,7 +291,7 @@ class _Build(NamedTuple):
 class HostBudget:
     """The engine's host memory: what is available, read when the engine is built (before any rank
     allocates), and the checks of what the build, the attached optimizers and, later, fp32 gradient
-    buffers put there; with them, the device's share of the model's state (``device_need.py``)."""
+    buffers put there; with them, the device's share of the model's state (``memory/device.py``)."""
 
     def __init__(self, offload: Offload, ranks_per_node: Optional[int]) -> None:
         self.offload, self.ranks = offload, ranks_on_node(ranks_per_node)
@@ -315,7 +315,7 @@ class HostBudget:
         self._build = _Build(layouts, rank, param_dtype, payload)
         check(self.need, self.room, self.ranks, "this offload configuration",
               self._nearest(self.need, self.room, ADAM_STATE_BYTES), with_adam=True)
-        self._room = device_need.capacity(placement.device)
+        self._room = device_memory.capacity(placement.device)
         self._check_device(0, "this configuration's state")
         landing = getattr(getattr(placement, "host", placement), "landing", None)
         if landing is not None:
@@ -339,12 +339,12 @@ class HostBudget:
         if build is None or room is None:
             return
         shape = (build.layouts, build.persistent, self.offload, build.param_dtype)
-        kinds = device_need.device_kinds(*shape, state_bytes, build.rank, build.payload)
+        kinds = device_memory.device_kinds(*shape, state_bytes, build.rank, build.payload)
         nearest = None
         if sum(kinds.values()) > room:  # at the build no optimizer is attached yet: the fix allows for Adam's state
-            nearest = device_need.nearest_fit(*shape, state_bytes or ADAM_STATE_BYTES, build.rank,
+            nearest = device_memory.nearest_fit(*shape, state_bytes or ADAM_STATE_BYTES, build.rank,
                                               build.payload, room)
-        device_need.check(kinds, room, what, nearest, with_adam=state_bytes == 0)
+        device_memory.check(kinds, room, what, nearest, with_adam=state_bytes == 0)
 
     def _fp32_buffers(self, nbytes: int) -> None:
         """The landing makes its fp32 buffers (a window of several backward passes, an fp32 reader)."""
