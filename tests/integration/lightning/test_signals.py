@@ -83,7 +83,7 @@ def test_a_signal_to_the_process_group_leaves_no_swap_directory(tmp_path, sig, m
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # its own process group, which the script signals
     try:
-        output = proc.communicate(timeout=240)[0]
+        output = proc.communicate(timeout=600)[0]  # a hang's limit: a loaded 2-core machine took over 240 s
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         raise
@@ -144,7 +144,7 @@ def test_sigterm_ends_every_rank_blocked_in_a_collective(tmp_path, to):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     markers = [tmp_path / f"blocked{r}" for r in range(2)]
     try:
-        deadline = time.time() + 180
+        deadline = time.time() + 600  # a hang's limit, not a verdict on speed
         while not all(m.exists() and m.read_text() for m in markers) and proc.poll() is None and time.time() < deadline:
             time.sleep(0.2)
         assert proc.poll() is None and all(m.exists() for m in markers), proc.communicate(timeout=30)[0][-3000:]
@@ -153,7 +153,7 @@ def test_sigterm_ends_every_rank_blocked_in_a_collective(tmp_path, to):
             os.killpg(proc.pid, signal.SIGTERM)
         else:
             os.kill(proc.pid, signal.SIGTERM)  # rank 0's process, which launched rank 1
-        output = proc.communicate(timeout=90)[0]  # before, nothing until the 30-minute collective timeout
+        output = proc.communicate(timeout=300)[0]  # before, nothing until the 30-minute collective timeout
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
         raise
@@ -168,7 +168,10 @@ def test_sigterm_ends_every_rank_blocked_in_a_collective(tmp_path, to):
     assert proc.returncode != 0
     lines = output.splitlines()
     said = "received SIGTERM while its main thread was blocked in a collective, at "
+    # Rank 0 says it received the signal: its watchdog's line, or, where its collective failed first (rank 1
+    # ended on the watchdog's word) and the main thread ran the handler, the strategy's own line; which of the
+    # two comes first depends on the machine's load, not on the design.
     assert any(line.startswith("[rank 0] ZeroQ: the job ends: rank 0 " + said) and "in training_step" in line
-               for line in lines), output[-4000:]
+               or line.startswith("rank 0: received SIGTERM") for line in lines), output[-4000:]
     # rank 1 ends by its own SIGTERM or by rank 0's word, and says so
     assert any(line.startswith("[rank 1] ZeroQ: the job ends: rank ") and said in line for line in lines), output[-4000:]
