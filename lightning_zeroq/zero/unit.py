@@ -142,9 +142,8 @@ class Unit:
 
     def written(self) -> list[int]:
         """The parameters (indices in the unit) written in place since ``mark``."""
-        if self.versions() == self.marks:
-            return []
-        return [i for i, (now, then) in enumerate(zip(self.versions(), self.marks)) if now != then]
+        now = self.versions()
+        return [] if now == self.marks else [i for i, (v, m) in enumerate(zip(now, self.marks)) if v != m]
 
     def view_segments(self, shard: Tensor) -> list[Tensor]:
         """``shard``'s views of this rank's segments (``shard`` has the layout of ``master``)."""
