@@ -20,6 +20,7 @@ from lightning_zeroq.validation import check_bool, check_choice, check_int, chec
 
 OFFLOAD_DEVICES = ("cpu", "nvme")
 NONFINITE_ACTIONS = ("error", "skip")
+FROZEN_DTYPES = (None, "bf16", "fp16", "int8")
 
 
 @dataclass(kw_only=True)
@@ -142,6 +143,14 @@ class ZeroConfig:
     stage3_param_persistence_threshold: int = 100_000
     """Stage 3: parameters of at most this many elements stay gathered (DeepSpeed's name and default)."""
 
+    frozen_dtype: Optional[str] = None
+    """Stage 3: how frozen parameters (``requires_grad=False``: a LoRA base) rest, sharded with their block's
+    unit: None in their own dtype (exact: the values DDP uses); ``"bf16"`` or ``"fp16"`` rounded once when the
+    engine is built; ``"int8"`` as INT8 groups of ``quantized_weights_group_size`` elements with one fp32
+    scale each (about 1.06 bytes per element; parameters of at most ``quantized_weights_exact_numel`` elements
+    kept exact), dequantized into their own dtype at each gather. Stages 1/2 keep frozen parameters whole, as
+    DDP does."""
+
     stage3_prefetch: bool = True
     """Stage 3: gather the next units of the recorded order while the current one computes."""
 
@@ -247,6 +256,7 @@ class ZeroConfig:
         self.quantized_weights_exact_numel = _check_int(
             "quantized_weights_exact_numel", self.quantized_weights_exact_numel, 0
         )
+        check_choice("ZeroConfig", "frozen_dtype", self.frozen_dtype, FROZEN_DTYPES)
         if self.quantized_weights and self.allgather_bucket_size < group:
             raise ValueError(
                 f"ZeroConfig.allgather_bucket_size={self.allgather_bucket_size} is smaller than one "

@@ -143,3 +143,73 @@ def make_lit_module(optim: str = "adamw", scheduler: bool = False, manual_backwa
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     return RichLit()
+
+
+class LoraLinear(nn.Module):
+    """A frozen ``nn.Linear`` base plus trainable low-rank factors (LoRA): ``base(x) + (x A^T) B^T``."""
+
+    def __init__(self, dim_in: int, dim_out: int, rank: int = 4) -> None:
+        super().__init__()
+        self.base = nn.Linear(dim_in, dim_out)
+        self.base.requires_grad_(False)
+        self.lora_a = nn.Parameter(torch.randn(rank, dim_in) * 0.2)
+        self.lora_b = nn.Parameter(torch.randn(dim_out, rank) * 0.2)  # not zero: every factor learns from step 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.base(x) + (x @ self.lora_a.t()) @ self.lora_b.t()
+
+
+class LoraBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.norm.requires_grad_(False)
+        self.attn = LoraLinear(dim, dim)
+        self.ff = LoraLinear(dim, 2 * dim)
+        self.out = nn.Linear(2 * dim, dim)
+        self.out.requires_grad_(False)
+
+    def forward(self, h: Tensor) -> Tensor:
+        h = h + torch.tanh(self.attn(self.norm(h)))
+        return h + self.out(F.gelu(self.ff(h)))
+
+
+class LoraModel(nn.Module):
+    """A fine-tuning model: a frozen embedding and head, blocks whose frozen base carries LoRA factors."""
+
+    def __init__(self, dim: int = 32, blocks: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.embed.requires_grad_(False)
+        self.blocks = nn.ModuleList(LoraBlock(dim) for _ in range(blocks))
+        self.head = nn.Linear(dim, VOCAB)
+        self.head.requires_grad_(False)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+    def loss(self, batch: tuple[Tensor, Tensor, bool]) -> Tensor:
+        tokens, targets, _ = batch
+        return F.cross_entropy(self(tokens).reshape(-1, VOCAB).float(), targets.reshape(-1))
+
+
+def frozen_bytes_at_rest(model: nn.Module, engine) -> tuple[int, int]:
+    """(bytes of the frozen parameters' storages this rank holds now, bytes of every frozen parameter whole):
+    the storages themselves, each counted once (a stage-3 frozen part's stored shards and whatever storage
+    a frozen parameter still points at)."""
+    seen: dict[int, int] = {}
+    with torch._C.DisableTorchFunctionSubclass():  # a freed stage-3 parameter refuses reads of its storage
+        for p in model.parameters():
+            if not p.requires_grad:
+                storage = p.untyped_storage()
+                if storage.nbytes() > p.element_size():  # not a freed parameter's one-element placeholder
+                    seen[storage.data_ptr()] = storage.nbytes()
+    frozen = engine.parts.frozen
+    for part in frozen.units if frozen is not None else []:
+        storage = part.master.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    whole = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    return sum(n for ptr, n in seen.items() if ptr != 0), whole

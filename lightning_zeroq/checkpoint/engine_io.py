@@ -52,8 +52,9 @@ def _chunks(part: Part) -> LocalChunks:
 
 
 def sharded_model_state(engine: ShardedParts) -> dict[str, Any]:
-    """Every ``state_dict()`` entry: this rank's chunks of the fp32 masters (``LocalChunks``, read
-    later), frozen parameters and buffers as they are (replicated: DCP writes them once)."""
+    """Every ``state_dict()`` entry: this rank's chunks of the fp32 masters and of stage 3's frozen parts
+    (``LocalChunks``, read later; the frozen ones in their own dtype), the other frozen parameters and buffers
+    as they are (replicated: DCP writes them once)."""
     view = ShardedView(engine.parts, engine.optimizer)
     chunks: dict[str, Any] = {}
     for pv in view.params:
@@ -221,7 +222,7 @@ def load_sharded(engine: ShardedParts, read: Callable[[dict], None], *, model_pr
             assert pv.part is not None  # a batch holds the parameters with a part here
             name = next((n for n in pv.names if n in stored), pv.name)
             buffer = pv.part.buffer()
-            targets[model_prefix + name] = LocalChunks(pv.shape, torch.float32, pv.part.offset, pv.part.numel,
+            targets[model_prefix + name] = LocalChunks(pv.shape, pv.part.dtype, pv.part.offset, pv.part.numel,
                                                        target=buffer)
             writes.append((pv.part.write, buffer))
             keys = optimizer_keys.get(pv.name) if optimizer_keys is not None and pv.group is not None else None

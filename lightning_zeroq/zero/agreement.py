@@ -37,7 +37,9 @@ def describe_plan(module: nn.Module, specs: Sequence[UnitSpec]) -> list[str]:
     names = {id(p): name for name, p in module.named_parameters()}
     return [f"unit {i} ({'persistent' if spec.persistent else 'transient'}) holds {names.get(id(p), '?')} "
             f"{tuple(p.shape)} {str(p.dtype).removeprefix('torch.')}"
-            for i, spec in enumerate(specs) for p in spec.params]
+            for i, spec in enumerate(specs) for p in spec.params] + [
+        f"unit {i} (frozen part) holds {names.get(id(p), '?')} {tuple(p.shape)} {str(p.dtype).removeprefix('torch.')}"
+        for i, spec in enumerate(specs) for p in spec.frozen]
 
 
 def ranks_text(ranks: Sequence[int]) -> str:

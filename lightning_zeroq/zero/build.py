@@ -9,13 +9,15 @@ the engine. ``ZeroEngine`` holds the result, ``Parts``, and the ``Stepper`` made
 3. ``_placement``: where masters and optimizer state live (``offload/``), how shards travel
    (``wire.py``) and, stage 3, where a transient unit's payload rests; checked against host memory.
 4. ``_units``: the module's parameters flattened into units, broadcast from rank 0, sharded, each
-   published (stage 3: stored and freed) as it is built (``unit.py``, ``gather.py``).
+   published (stage 3: stored and freed) as it is built (``unit.py``, ``gather.py``); stage 3's frozen
+   parameters with them, as each unit's frozen part (``frozen.py``).
 5. ``_hooks``: stage 3's module hooks (``stage3.py``), the asynchronous step (``offload/async_step.py``)
    and the gradient hooks (``reducer.py``).
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
@@ -25,19 +27,21 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zeroq.zero import activation_checkpoint, comm, hybrid, loss_scaler
+from lightning_zeroq.zero import frozen as frozen_parts
 from lightning_zeroq.zero.agreement import BuildAgreement, describe_plan
+from lightning_zeroq.zero.frozen import FrozenCodec, FrozenParts
 from lightning_zeroq.zero.gather import Gatherer
 from lightning_zeroq.zero.hybrid import Topology
-from lightning_zeroq.zero.layout import UnitLayout
+from lightning_zeroq.zero.layout import UnitLayout, make_layout
 from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
 from lightning_zeroq.zero.materialize import sync_replicated_state, target_device
 from lightning_zeroq.zero.offload.device import OptimizerHome
 from lightning_zeroq.zero.offload.select import host_part, optimizer_home, shard_store
-from lightning_zeroq.zero.offload.stores import ShardStore
+from lightning_zeroq.zero.offload.stores import MasterAlias, ShardStore
 from lightning_zeroq.zero.offload.async_step import SyncHostStep, AsyncHostStep
 from lightning_zeroq.zero.memory.host import HostBudget
 from lightning_zeroq.zero.unit_plan import UnitSpec, unit_plan
-from lightning_zeroq.zero.policies import ModuleUnits, Policies
+from lightning_zeroq.zero.policies import ModuleUnits, Nvme, OnDevice, Policies
 from lightning_zeroq.zero.reducer import Reducer
 from lightning_zeroq.zero.stage3 import Stage3Coordinator
 from lightning_zeroq.zero.unit import Unit, build_units, plan_layouts, trainable_parameters
@@ -65,6 +69,8 @@ class Parts:
     loss_scaler: Optional[DynamicLossScaler]
     param_names: dict[int, str] = field(default_factory=dict)
     """Every parameter's name by ``id`` (after materialization): errors and logs name parameters."""
+    frozen: Optional[FrozenParts] = None
+    """Stage 3: the units' frozen parts (``frozen.py``); None where no frozen parameter is sharded."""
     retired: bool = False
     closed: bool = False
 
@@ -125,13 +131,17 @@ def build(module: nn.Module, pol: Policies, *, param_dtype: torch.dtype, group: 
     with comm.agreed(group, "building the ZeRO engine"):
         where = target_device(module, device)
         placed = _placement(planned, pol, topo, where, param_dtype)
-    sync_replicated_state(module, where, group)
+    sharded = frozenset(id(p) for spec in planned.specs for p in spec.frozen)
+    sync_replicated_state(module, where, group, sharded)
     gatherer = Gatherer(placed.wire, placed.placement, placed.store, where, sync_persistent_on_build=topo.int8_weights)
-    units = _units(module, planned.specs, placed, gatherer, where, param_dtype, group, topo.rank)
+    frozen = _frozen_parts(module, planned.specs, pol, topo, where) if sharded else None
+    gatherer.frozen = frozen.gatherer if frozen is not None else None
+    units = _units(module, planned.specs, placed, gatherer, where, param_dtype, group, topo.rank, frozen)
     stage3, host_step, reducer = _hooks(module, pol, topo, placed, gatherer, units, where, param_dtype)
     parts = Parts(module=module, policies=pol, param_dtype=param_dtype, topology=topo, device=where,
                   host_memory=planned.host_memory, placement=placed.placement, gatherer=gatherer, units=units,
-                  reducer=reducer, stage3=stage3, host_step=host_step, loss_scaler=scaler, param_names=_names(module, units))
+                  reducer=reducer, stage3=stage3, host_step=host_step, loss_scaler=scaler, param_names=_names(module, units),
+                  frozen=frozen)
     if where.type == "cuda":  # the module's own tensors left blocks the step's allocations rarely fit
         torch.cuda.empty_cache()
     return parts
@@ -145,7 +155,9 @@ def _agree_and_plan(module: nn.Module, pol: Policies, param_dtype: torch.dtype, 
                                param_dtype=str(param_dtype), loss_scaling=str(loss_scaling))
         shard_size = hybrid.shard_group_size(pol.sharding.group_size, comm.world(group)[1], ranks_per_node)
         activation_checkpoint.apply(module, pol.recompute)
-        specs = unit_plan(module, trainable_parameters(module), pol.sharding.units)
+        stage3 = isinstance(pol.sharding.units, ModuleUnits)
+        specs = unit_plan(module, trainable_parameters(module), pol.sharding.units,
+                          frozen_parts.shardable(module) if stage3 else ())
         agreed.plan = describe_plan(module, specs)
         host_memory = HostBudget(pol.offload, ranks_per_node)  # read before any rank allocates
     return _Planned(specs, shard_size, host_memory)
@@ -180,15 +192,52 @@ def make_wire(layouts: list[UnitLayout], pol: Policies, topo: Topology, device: 
 
 
 def _units(module: nn.Module, specs: list[UnitSpec], placed: _Placed, gatherer: Gatherer, device: torch.device,
-           param_dtype: torch.dtype, group: Optional[dist.ProcessGroup], rank: int) -> list[Unit]:
-    return build_units(module, specs, placed.layouts, device=device, param_dtype=param_dtype, group=group,
-                       adopt_master=placed.placement.adopt_master, on_built=gatherer.adopt, shard_rank=rank)
+           param_dtype: torch.dtype, group: Optional[dist.ProcessGroup], rank: int,
+           frozen: Optional[FrozenParts]) -> list[Unit]:
+    part = None
+    if frozen is not None:
+        index = {id(spec): k for k, spec in enumerate(s for s in specs if s.frozen)}
+        codec = frozen.codec
+
+        def part(spec: UnitSpec, held: list[nn.Parameter]) -> Unit:
+            k = index[id(spec)]
+            built = frozen_parts.build_part(k, held, codec.layouts[k], codec, module=spec.module, group=group,
+                                            rank=rank)
+            frozen.units.append(built)
+            return built
+    units = build_units(module, specs, placed.layouts, device=device, param_dtype=param_dtype, group=group,
+                        adopt_master=placed.placement.adopt_master, on_built=gatherer.adopt, shard_rank=rank,
+                        frozen_part=part)
+    if frozen is not None:
+        frozen.owner = {u.frozen.index: u for u in units if u.frozen is not None}
+    return units
+
+
+def _frozen_parts(module: nn.Module, specs: list[UnitSpec], pol: Policies, topo: Topology,
+                  device: torch.device) -> FrozenParts:
+    """The codec and gatherer of stage 3's frozen parts (built with their units, ``_units``)."""
+    q = pol.quantization
+    held = [p for spec in specs for p in spec.frozen]
+    compute = held[0].dtype
+    storage = pol.sharding.units.frozen_dtype if isinstance(pol.sharding.units, ModuleUnits) else None
+    align = math.lcm(topo.align(q), q.group_size) if storage == "int8" else topo.align(q)
+    layouts = [make_layout([p.numel() for p in spec.frozen], topo.world_size, align) for spec in specs if spec.frozen]
+    codec = FrozenCodec(storage, compute, layouts, rank=topo.rank, group=topo.group, device=device,
+                        on_host=not isinstance(pol.offload.parameters, OnDevice), group_size=q.group_size,
+                        exact_numel=q.exact_numel, bucket_numel=q.gather_bucket_numel)
+    if isinstance(pol.offload.parameters, Nvme) and topo.rank == 0 and comm.world(topo.world_group)[0] == 0:
+        warnings.warn("ZeroQ stage 3: frozen parameters rest in host memory with offload_params_device='nvme' (the "
+                      "trainable shards go to NVMe); count their bytes against the host's memory.", stacklevel=4)
+    gatherer = Gatherer(codec, None, MasterAlias(), device, sync_persistent_on_build=False)  # type: ignore[arg-type]
+    sharded = {id(p) for p in held}
+    whole = sum(p.numel() for p in module.parameters() if not p.requires_grad and id(p) not in sharded)
+    return FrozenParts([], codec, gatherer, whole_numel=whole)
 
 
 def _names(module: nn.Module, units: list[Unit]) -> dict[int, str]:
     names = {id(p): name for name, p in module.named_parameters()}  # after materialization
     for unit in units:
-        for p in unit.params:
+        for p in [*unit.params, *(unit.frozen.params if unit.frozen is not None else ())]:
             p.__dict__["_zeroq_name"] = names.get(id(p), "?")  # named in FreedParameter's errors
     return names
 

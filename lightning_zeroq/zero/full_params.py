@@ -3,14 +3,15 @@
 
 ``gathered_parameters(module, writeback=False)``: a collective context manager (every rank enters
 it). Inside, every parameter of ``module`` (the whole model by default) is a plain tensor holding its
-full fp32 master values, gathered unit by unit; with ``writeback=True`` what the caller changed is
+full fp32 master values (stage 3's frozen parameters: their own values, in their own dtype), gathered unit by unit; with ``writeback=True`` what the caller changed is
 written into the master shards on exit (each rank its own shard, as FSDP's ``summon_full_params``
 does) and the working weights are republished. Outside, stage-3 parameters are ``FreedParameter``s
 again, and stage 1/2 parameters views of their working buffers. Costs 4 bytes per gathered
 parameter on every rank while inside: pass a submodule to gather less.
 
 ``release_module(dtype, device)``: hands the module back as a plain module: hooks removed, every
-trainable parameter an ordinary tensor with the trained values (in the dtype it had when the engine
+parameter an ordinary tensor (stage 3's frozen ones whole again, in their own dtype), every
+trainable one with the trained values (in the dtype it had when the engine
 took it, unless ``dtype`` says otherwise), so a second ``fit``, another strategy or plain PyTorch can
 use it. What a callback or hook wrote into the parameters after the last step (a weight average copied
 in at the end of training) is kept, and the master shards take it too: only where the module still
@@ -71,7 +72,7 @@ def check_module(call: str, module: Any, optional: bool = False) -> None:
 def gathered_parameters(parts: Parts, module: Optional[nn.Module] = None,
                         writeback: bool = False) -> Iterator[None]:
     ids = {id(p) for p in (module or parts.module).parameters()}
-    chosen = [u for u in parts.units if any(id(p) in ids for p in u.params)]
+    chosen = [u for u in parts.units if any(id(p) in ids for p in [*u.params, *_frozen_params(u)])]
     parts.reducer.wait()
     take_writes(parts, chosen)  # a write made before the block reaches the masters it gathers (fp32)
     # What the block writes goes into the gathered masters, not the working weights: marked on the way out.
@@ -83,6 +84,9 @@ def gathered_parameters(parts: Parts, module: Optional[nn.Module] = None,
         for p, slot, cls in zip(unit.params, unit.layout.slots, unit.param_classes):
             p.__class__ = cls
             p.data = full[slot.span].view(p.shape)
+    held = [u for u in chosen if u.frozen is not None]
+    for unit in held:
+        frozen_gather(parts, unit)  # the frozen part's own values: gathered as a forward gathers them
     ok = False
     try:
         yield
@@ -90,9 +94,13 @@ def gathered_parameters(parts: Parts, module: Optional[nn.Module] = None,
     finally:
         if ok and writeback:
             rank = comm.world(parts.group)[0]
+            for unit in held:
+                frozen_store(parts, unit)
             for unit in parts.placement.resident(chosen):
                 unit.master.copy_(fulls[unit.index][unit.layout.shard_span(rank)])
                 parts.gatherer.publish(unit)
+        for unit in held:
+            frozen_release(parts, unit)
         for unit in chosen:
             if unit.state is UnitState.SHARDED:
                 unit.release_storage()
@@ -101,6 +109,34 @@ def gathered_parameters(parts: Parts, module: Optional[nn.Module] = None,
                     p.data = unit.flat[slot.span].view(p.shape)
             if unit.index in owed:
                 unit.marks = tuple(now - back for now, back in zip(unit.versions(), owed[unit.index]))
+
+
+def _frozen_params(unit: Unit) -> list[nn.Parameter]:
+    return unit.frozen.params if unit.frozen is not None else []
+
+
+def frozen_gather(parts: Parts, unit: Unit) -> None:
+    """Collective: ``unit``'s frozen part gathered (its parameters hold their values) until ``frozen_release``."""
+    assert parts.frozen is not None and unit.frozen is not None
+    parts.frozen.gatherer.gather(unit.frozen)  # type: ignore[attr-defined]
+
+
+def frozen_store(parts: Parts, unit: Unit) -> None:
+    """What the gathered frozen part holds now becomes its stored shard (each rank its own)."""
+    assert parts.frozen is not None and unit.frozen is not None
+    part = unit.frozen
+    parts.frozen.codec.store(part, part.flat[part.layout.shard_span(comm.world(parts.group)[0])])
+    if not parts.frozen.codec.exact:
+        parts.frozen.gatherer.free(part)  # type: ignore[attr-defined]  # what a gather makes of what rests
+
+
+def frozen_release(parts: Parts, unit: Unit) -> None:
+    """Free ``unit``'s frozen part again, unless the unit itself is gathered (in use)."""
+    assert parts.frozen is not None and unit.frozen is not None
+    if unit.state is UnitState.SHARDED:
+        parts.frozen.gatherer.free(unit.frozen)  # type: ignore[attr-defined]
+    elif unit.frozen.state is UnitState.SHARDED:
+        parts.frozen.gatherer.gather(unit.frozen)  # type: ignore[attr-defined]
 
 
 def takes_writes(parts: Parts) -> bool:
@@ -174,6 +210,14 @@ def release_module(parts: Parts, dtype: Optional[torch.dtype] = None,
             p.data = full[slot.span].view(p.shape).to(device=target, dtype=dtype or own, copy=True)
         unit.flat = unit.grad = torch.empty(0, device=parts.device)
         unit.state = UnitState.SHARDED
+        if unit.frozen is not None:  # the frozen part: whole again, in its own dtype
+            part = unit.frozen
+            frozen_gather(parts, unit)
+            for p, slot, cls in zip(part.params, part.layout.slots, part.param_classes):
+                p.__class__ = cls
+                p.data = part.flat[slot.span].view(p.shape).to(device=target, copy=True)
+            part.flat = torch.empty(0, device=parts.device)
+            part.state = UnitState.SHARDED
     parts.gatherer.close()
     parts.gatherer.store = None
 

@@ -14,6 +14,8 @@ gathers: the device, pinned host memory or NVMe, ``offload/``).
   run on the gather stream, which first waits for the compute stream; the first real use waits for
   the recorded event. On CPU a "prefetch" is a synchronous gather done early.
 - ``free(unit)``: drop the storage of ``flat`` again (after waiting for a prefetch in flight).
+- Stage 3's frozen parts (``frozen.py``) have a ``Gatherer`` of their own (``frozen``): a unit's ``gather`` and
+  ``free`` call it for the unit's frozen part first, so whatever gathers a unit gathers its frozen part.
 
 Every rank must gather the same units in the same order (each gather is a collective). A module only
 some ranks run (a branch on the rank or the data) breaks that, and the ranks then pair gathers of
@@ -117,6 +119,9 @@ class Gatherer:
         """How many more gathers are checked against the other ranks' (see the module docstring)."""
         self._count = 0
         """The gathers (collectives) this gatherer issued."""
+        self.frozen: Optional["Gatherer"] = None
+        """Stage 3: the gatherer of the units' frozen parts (``frozen.py``), called for a unit's frozen part
+        whenever this one gathers or frees the unit."""
 
     def wait_with(self, ready: Callable[[int, bool], bool]) -> None:
         """An asynchronous step (``offload/async_step.py``) asks to be asked before a gather of unit i (prefetch
@@ -146,10 +151,12 @@ class Gatherer:
     @torch.no_grad()
     def gather(self, unit: Unit, prefetch: bool = False) -> None:
         """Give a transient unit its full working buffer (a no-op if it has it)."""
-        if unit.state is UnitState.GATHERED:
-            return
         if unit.state is UnitState.SHARDED and self._ready is not None and not self._ready(unit.index, prefetch):
             return  # a prefetch of a unit an asynchronous step has not stepped yet: gathered when used
+        if unit.frozen is not None and self.frozen is not None:
+            self.frozen.gather(unit.frozen, prefetch)  # (freed on its own in a backward: ``Stage3Coordinator``)
+        if unit.state is UnitState.GATHERED:
+            return
         current = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         if unit.state is UnitState.PREFETCHING:
             if not prefetch:
@@ -210,8 +217,11 @@ class Gatherer:
         if self.store is not None:
             self.store.close()
 
-    def free(self, unit: Unit) -> None:
-        """Release a transient unit's full buffer (its parameters keep their shapes)."""
+    def free(self, unit: Unit, frozen: bool = True) -> None:
+        """Release a transient unit's full buffer (its parameters keep their shapes), and its frozen part's
+        unless ``frozen=False``."""
+        if frozen and unit.frozen is not None and self.frozen is not None:
+            self.frozen.free(unit.frozen)
         if unit.persistent or unit.state is UnitState.SHARDED:
             return
         if unit.state is UnitState.PREFETCHING:  # prefetched and never used: let the gather finish

@@ -53,6 +53,8 @@ class ModuleUnits:
     prefetch_depth: int
     """Units gathered ahead of the recorded order (0: no prefetch)."""
     reshard_after_forward: bool
+    frozen_dtype: Optional[str] = None
+    """How frozen parameters rest (``ZeroConfig.frozen_dtype``; ``frozen.py``)."""
 
 
 @dataclass(frozen=True)
@@ -297,6 +299,7 @@ def _sharding(c: ZeroConfig, notes: Notes) -> Sharding:
             persistence_threshold=c.stage3_param_persistence_threshold,
             prefetch_depth=c.stage3_prefetch_depth if c.stage3_prefetch else 0,
             reshard_after_forward=c.reshard_after_forward,
+            frozen_dtype=c.frozen_dtype,
         )
         if not c.stage3_prefetch:
             notes.unused(["stage3_prefetch_depth"], "with stage3_prefetch=False")
@@ -306,6 +309,8 @@ def _sharding(c: ZeroConfig, notes: Notes) -> Sharding:
         notes.unused(["stage3_wrap_classes", "stage3_unit_size", "stage3_param_persistence_threshold",
                       "stage3_prefetch", "stage3_prefetch_depth", "reshard_after_forward"],
                      f"in stage {c.stage} (stage 3 only)")
+        notes.unused(["frozen_dtype"], f"in stage {c.stage}: frozen parameters stay whole on every rank there, as "
+                                       "in DDP (stage 3 shards them)")
     return Sharding(c.stage, units, c.shard_group_size, c.overlap_comm, c.managed_gradient_accumulation)
 
 
@@ -315,9 +320,10 @@ def _quantization(c: ZeroConfig, notes: Notes) -> Quantization:
         notes.append("quantized_weights=True has no effect with quantize_cross_group_only=True: weights are "
                      "gathered inside a group only (every group steps its own copy), at full width.")
     if not c.quantized_weights:
-        unused = ["allgather_bucket_size", "quantized_weights_exact_numel"]
-        if not c.quantized_gradients:
-            unused.append("quantized_weights_group_size")  # both INT8 paths use it
+        int8_frozen = c.frozen_dtype == "int8" and c.stage == 3
+        unused = [] if int8_frozen else ["allgather_bucket_size", "quantized_weights_exact_numel"]
+        if not c.quantized_gradients and not int8_frozen:
+            unused.append("quantized_weights_group_size")  # every INT8 path uses it
         notes.unused(unused, "without quantized_weights=True (the full-width gather writes into the working "
                              "buffers in place)")
     if c.quantize_cross_group_only and not c.quantized_gradients:

@@ -25,6 +25,15 @@ first backward ends, each gather is checked against the other ranks' (``Gatherer
 module only some ranks run stops every rank at once with the gather, the units and the ranks named;
 later, the watchdog names it from the ranks' published gathers (``gather.py``).
 
+Frozen parts (``frozen.py``). A unit's frozen weights may be needed in the backward after its trainable
+parameters all have their gradients: the gradient with respect to the module's input flows through the frozen
+base (a LoRA block: ``x W^T`` is an autograd node apart from the factors'), and can run after the factors'
+gradients are complete. So the reducer's ``unit_reduced`` frees the unit's frozen part only once every input of
+the module's forward that requires a gradient has received it (a hook on each, counted per unit); where that
+comes later, the last input's hook frees it. Inputs that need no gradient (the first block after a frozen
+embedding) leave nothing to wait for: every node that reads the frozen weights then leads to a trainable
+parameter of the unit, whose gradient completes after it.
+
 Activation checkpointing recomputes a forward inside the backward: there the pre-hook only gathers
 the unit (orders and prefetch untouched) and the post-hook keeps it gathered for its gradients.
 
@@ -73,6 +82,8 @@ class Stage3Coordinator:
         self._forward: dict[int, None] = {}
         """The transient units the forwards since the last backward used, in the order of their first use."""
         self._warned = False
+        self._inputs: dict[int, int] = {}
+        """Units with a frozen part: the gradients for their modules' inputs still to come in this backward."""
         self._handles = []
         check_guards_in_full(m for unit in units if unit.module is not None for m in unit.module.modules())
         for unit in units:
@@ -134,7 +145,14 @@ class Stage3Coordinator:
         return list(reversed(self._forward))
 
     def unit_reduced(self, unit: Unit) -> None:
-        self.gatherer.free(unit)
+        self.gatherer.free(unit, frozen=self._inputs.get(unit.index, 0) <= 0)
+
+    def _input_grad(self, unit: Unit, grad: torch.Tensor) -> None:
+        """A gradient for an input of ``unit``'s module arrived: once the last has, and the unit is reduced, no
+        node of the backward reads its frozen part any more."""
+        left = self._inputs[unit.index] = self._inputs.get(unit.index, 0) - 1
+        if left <= 0 and unit.state is UnitState.SHARDED:
+            self.gatherer.free(unit)
 
     def backward_ended(self) -> None:
         """The backward pass is over: every transient unit is freed."""
@@ -146,6 +164,7 @@ class Stage3Coordinator:
         self._last[False] = self._last[True] = None
         self._prefetched = []
         self._forward = {}
+        self._inputs = {}
 
     # Hooks (installed as ``EagerHook``s).
 
@@ -156,6 +175,11 @@ class Stage3Coordinator:
             self.gatherer.gather(unit)
             return
         self._use(unit, backward=False)
+        if unit.frozen is not None and torch.is_grad_enabled():
+            for t in tree_flatten(args)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    self._inputs[unit.index] = self._inputs.get(unit.index, 0) + 1
+                    t.register_hook(EagerHook(self, "_input_grad", unit))
 
     def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
         if _in_backward():

@@ -193,8 +193,46 @@ class ShardedView:
                         pv._step_device = view.device if fused else torch.device("cpu")
                     self._unit_params[-1].append(pv)
                 self.params.append(pv)
+        self.frozen: list[ParamView] = []
+        """Stage 3's frozen parameters (``frozen.py``): this rank's range of each, in its own dtype; no group."""
+        self._decoded: dict[int, Tensor] = {}
+        for part in parts.frozen.units if parts.frozen is not None else []:
+            for seg in part.segments:
+                p = part.params[seg.param]
+                pv = ParamView(names[id(p)], p.shape, None, None)
+                pv.part = Part(p.shape, part.flat.dtype, seg.param_start, seg.numel, -1,
+                               read=lambda u=part, s=seg: self._frozen_shard(u)[s.shard_span],
+                               buffer=lambda u=part, s=seg: self._frozen_shard(u)[s.shard_span],
+                               write=lambda value, u=part, s=seg: _copy_into(self._frozen_shard(u)[s.shard_span], value))
+                self.frozen.append(pv)
+            for i, p in enumerate(part.params):  # a parameter with no element here is named all the same
+                if not any(seg.param == i for seg in part.segments):
+                    self.frozen.append(ParamView(names[id(p)], p.shape, None, None))
+        self.params += self.frozen
         self._by_view = {id(pv._view): pv for pv in self.params if pv._view is not None}
         self.managed = {n for pv in self.params for n in pv.names}
+
+    def _frozen_shard(self, part: Unit) -> Tensor:
+        """This rank's shard of a frozen part as the parameters hold it: the stored shard itself where it holds
+        their values exactly (on the device or the host), else one decoded copy (kept until ``load`` stores it)."""
+        assert self._parts.frozen is not None
+        codec = self._parts.frozen.codec
+        if codec.exact:
+            return part.master
+        if part.index not in self._decoded:
+            self._decoded[part.index] = codec.decode(part)
+        return self._decoded[part.index]
+
+    def frozen_written(self) -> None:
+        """The frozen parts' ranges were written (a load): stored (a decoded copy encoded again), and every
+        frozen part freed, so its next gather reads them."""
+        frozen = self._parts.frozen
+        if frozen is None:
+            return
+        for part in frozen.units:
+            if part.index in self._decoded:
+                frozen.codec.store(part, self._decoded.pop(part.index))
+            frozen.gatherer.free(part)  # type: ignore[attr-defined]
 
     def unmanaged(self) -> dict[str, Any]:
         """The module's ``state_dict()`` entries the engine does not shard (buffers, frozen parameters)."""
@@ -238,6 +276,9 @@ class ShardedView:
         if target is not None:
             target.state.clear()
             parts.placement.state_loaded(target)  # before the walk: NVMe writes the new state as it goes
+        if self.frozen:  # the frozen parts first (their ``Part.order`` is -1): they rest where they are
+            yield [pv for pv in self.frozen if pv.part is not None]
+            self.frozen_written()
         at_once = type(parts.placement).resident is OptimizerHome.resident
         batch: list[Unit] = []
         for unit in parts.placement.resident(parts.units):
@@ -326,6 +367,16 @@ def full_state_dict(parts: Parts, rank0_only: bool = False) -> dict[str, Tensor]
             for name in names.get(id(p), []):
                 out[name] = value
         del full
+    for unit in parts.units:  # stage 3's frozen parts: gathered as a forward gathers them (collective)
+        if unit.frozen is None:
+            continue
+        full_params.frozen_gather(parts, unit)
+        if not rank0_only or parts.rank == 0:
+            for p, slot in zip(unit.frozen.params, unit.frozen.layout.slots):
+                value = unit.frozen.flat[slot.span].view(p.shape).float().cpu().clone()
+                for name in names.get(id(p), []):
+                    out[name] = value
+        full_params.frozen_release(parts, unit)
     if rank0_only and parts.rank != 0:
         return {}
     for name, p in parts.module.named_parameters(remove_duplicate=False):
@@ -346,6 +397,10 @@ def load_full_state_dict(parts: Parts, state: dict[str, Tensor]) -> set[str]:
     for owner, i, shape, names in ((u, i, p.shape, every_name.get(id(p), [])) for u in parts.units
                                    for i, p in enumerate(u.params)):
         names_of[owner.index][i] = names
+    frozen = [(u.frozen, p, every_name.get(id(p), [])) for u in parts.units if u.frozen is not None
+              for p in u.frozen.params]
+    for shape, names in [*((p.shape, every_name.get(id(p), [])) for u in parts.units for p in u.params),
+                         *((p.shape, names) for _, p, names in frozen)]:
         managed.update(names)
         mismatched += [f"{n}: checkpoint {tuple(state[n].shape)}, parameter {tuple(shape)}"
                        for n in names if n in state and tuple(state[n].shape) != tuple(shape)]
@@ -358,6 +413,14 @@ def load_full_state_dict(parts: Parts, state: dict[str, Tensor]) -> set[str]:
             if name is not None:
                 unit.master[seg.shard_span].copy_(state[name].reshape(-1)[seg.param_span])
         full_params.publish_loaded(parts, unit)
+    if parts.frozen is not None and any(n in state for _, _, names in frozen for n in names):
+        view = ShardedView(parts, None)
+        by_name = {pv.name: pv for pv in view.frozen}
+        for pv in view.frozen:
+            name = next((n for n in pv.names if n in state), None)
+            if name is not None and pv.part is not None and name in by_name:
+                pv.part.write(state[name].reshape(-1)[pv.part.offset: pv.part.offset + pv.part.numel])
+        view.frozen_written()
     return managed
 
 

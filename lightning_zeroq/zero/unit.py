@@ -124,6 +124,9 @@ class Unit:
     (``Gatherer.publish``) or took what it held (``full_params.take_writes``). An in-place write of a parameter
     (``p.mul_``, ``p.copy_``, an initializer; a view of it included) bumps its counter, so a counter ahead
     of its mark is a write the masters have not seen. (A write through ``p.data`` bumps no counter.)"""
+    frozen: Optional["Unit"] = None
+    """Stage 3: the frozen parameters of the unit's module, sharded as a unit of their own dtype that has no
+    gradient and no optimizer state; gathered and freed with this unit (``frozen.py``)."""
     _views: Optional[tuple[Tensor, list[Tensor]]] = field(default=None, repr=False)
     """``flat`` and its parameters' views, made once: resizing the storage keeps them valid."""
     _freed: Optional[tuple[Tensor, list[Tensor]]] = field(default=None, repr=False)
@@ -268,6 +271,7 @@ def build_units(
     adopt_master: Callable[[int, Tensor], Tensor],
     on_built: Callable[[Unit], None],
     shard_rank: Optional[int] = None,
+    frozen_part: Optional[Callable[[UnitSpec, list[nn.Parameter]], Unit]] = None,
 ) -> list[Unit]:
     """Flatten, broadcast from rank 0 and shard each unit, one at a time (bounded memory).
 
@@ -275,7 +279,8 @@ def build_units(
     tensor the placement keeps; ``on_built`` sees each unit as soon as it exists (stage 3 frees a
     transient unit there, before the next one is materialized). ``shard_rank``: which shard this rank
     keeps (default: its rank in ``group``; with hybrid groups its rank in its shard group, while the
-    broadcast spans all of ``group``).
+    broadcast spans all of ``group``). ``frozen_part`` builds a unit's frozen part (``frozen.py``) from the
+    spec's frozen parameters, materialized with the unit's.
     """
     rank, world_size = comm.world(group)
     rank = rank if shard_rank is None else shard_rank
@@ -283,8 +288,10 @@ def build_units(
     next_id = 0
     renamed: dict[int, nn.Parameter] = {}
     for index, (spec, layout) in enumerate(zip(specs, layouts)):
-        params = list(spec.params)
-        materialize_meta_params(module, params, device, renamed)
+        params, held = list(spec.params), list(spec.frozen)
+        both = params + held
+        materialize_meta_params(module, both, device, renamed)
+        params, held = both[:len(params)], both[len(params):]
         classes, dtypes = [type(p) for p in params], [p.dtype for p in params]
         full = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
         with torch.no_grad():
@@ -315,6 +322,8 @@ def build_units(
             param_classes=classes,
             param_dtypes=dtypes,
         )
+        if held and frozen_part is not None:
+            unit.frozen = frozen_part(spec, held)
         units.append(unit)
         on_built(unit)
         next_id += len(params)

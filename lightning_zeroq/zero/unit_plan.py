@@ -11,6 +11,11 @@ units are *transient* (gathered before use, freed after). The remaining paramete
 unit, and parameters of at most ``stage3_param_persistence_threshold`` elements form a *persistent*
 unit; both stay gathered, like stage 1/2 units (the root holds embeddings and the head, used at both
 ends of every step).
+
+Frozen parameters (``frozen``: those ``frozen.shardable`` picked) join the unit of the module that holds them,
+as its frozen part (``frozen.py``), when that unit holds trainable parameters too. Such a unit keeps its small
+trainable parameters (a LoRA block's factors sit below the persistence threshold): the block, base and
+adapters, is one unit, gathered and freed together. The others stay whole (no unit to ride with).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ class UnitSpec(NamedTuple):
     module: Optional[nn.Module]
     """The module whose forward uses the unit (``None``: root or persistent, always gathered)."""
     persistent: bool
+    frozen: Sequence[nn.Parameter] = ()
+    """Stage 3: the module's frozen parameters, sharded as the unit's frozen part (``frozen.py``)."""
 
 
 def _containers_children(module: nn.Module) -> list[nn.Module]:
@@ -65,9 +72,11 @@ def plan_module_units(
     wrap_classes: Optional[Sequence[str]],
     unit_size: Optional[int],
     persistence_threshold: int,
+    frozen: Sequence[nn.Parameter] = (),
 ) -> list[UnitSpec]:
     """Units for stage 3, in module registration order (transient units first, then root, persistent)."""
     is_trainable = {id(p) for p in trainable}
+    is_frozen = {id(p) for p in frozen}
     if wrap_classes:
         by_name = {type(m).__name__: type(m) for m in module.modules()}
         unknown = [name for name in wrap_classes if name not in by_name]
@@ -81,42 +90,42 @@ def plan_module_units(
         classes = set() if unit_size else auto_wrap_classes(module)
 
     taken: set[int] = set()
-    small = [p for p in trainable if p.numel() <= persistence_threshold]
-    taken.update(id(p) for p in small)
+    is_small = {id(p) for p in trainable if p.numel() <= persistence_threshold}
     specs: list[UnitSpec] = []
     owners: dict[int, list[nn.Module]] = {}
     for m in module.modules():
         for p in m.parameters(recurse=False):
             owners.setdefault(id(p), []).append(m)
 
-    def take(m: nn.Module) -> list[nn.Parameter]:
+    def take(m: nn.Module) -> Optional[UnitSpec]:
         # A parameter shared with a module outside ``m`` (tied weights) must be gathered whenever
         # either runs: it stays with the root unit instead.
         inside = {id(x) for x in m.modules()}
-        params = [
-            p
-            for p in m.parameters()
-            if id(p) in is_trainable and id(p) not in taken and all(id(o) in inside for o in owners[id(p)])
-        ]
-        taken.update(id(p) for p in params)
-        return params
+        own = [p for p in m.parameters() if id(p) not in taken and all(id(o) in inside for o in owners[id(p)])]
+        held = [p for p in own if id(p) in is_frozen]
+        params = [p for p in own if id(p) in is_trainable and (held or id(p) not in is_small)]
+        if not params:
+            return None  # nothing to train here: a frozen part needs a unit to ride with
+        taken.update(id(p) for p in [*params, *held])
+        return UnitSpec(params, m, False, held)
 
     if classes:
         for m in module.modules():
             if type(m) in classes and m is not module:
-                params = take(m)
-                if params:
-                    specs.append(UnitSpec(params, m, False))
+                spec = take(m)
+                if spec is not None:
+                    specs.append(spec)
     else:
         for m in _post_order(module):
             if m is module:
                 continue
-            pending = [p for p in m.parameters() if id(p) in is_trainable and id(p) not in taken]
+            pending = [p for p in m.parameters() if id(p) in is_trainable and id(p) not in taken and id(p) not in is_small]
             if unit_size and pending and sum(p.numel() for p in pending) >= unit_size:
-                params = take(m)
-                if params:
-                    specs.append(UnitSpec(params, m, False))
-    root = [p for p in trainable if id(p) not in taken]
+                spec = take(m)
+                if spec is not None:
+                    specs.append(spec)
+    small = [p for p in trainable if id(p) in is_small and id(p) not in taken]
+    root = [p for p in trainable if id(p) not in taken and id(p) not in is_small]
     if root:
         specs.append(UnitSpec(root, None, True))
     if small:
@@ -132,8 +141,10 @@ def _post_order(module: nn.Module) -> list[nn.Module]:
     return out
 
 
-def unit_plan(module: nn.Module, trainable: Sequence[nn.Parameter], units: Union[Buckets, ModuleUnits]) -> list[UnitSpec]:
-    """The units of ``module``: stage 3's module units, or stage 1/2's buckets."""
+def unit_plan(module: nn.Module, trainable: Sequence[nn.Parameter], units: Union[Buckets, ModuleUnits],
+              frozen: Sequence[nn.Parameter] = ()) -> list[UnitSpec]:
+    """The units of ``module``: stage 3's module units (with ``frozen`` parameters in their frozen parts), or
+    stage 1/2's buckets (frozen parameters stay whole there)."""
     if isinstance(units, ModuleUnits):
         return plan_module_units(
             module,
@@ -141,6 +152,7 @@ def unit_plan(module: nn.Module, trainable: Sequence[nn.Parameter], units: Union
             wrap_classes=units.wrap_classes,
             unit_size=units.unit_size,
             persistence_threshold=units.persistence_threshold,
+            frozen=frozen,
         )
     buckets = plan_units([p.numel() for p in trainable], units.numel)
     return [UnitSpec([trainable[i] for i in members], None, True) for members in buckets]

@@ -1,0 +1,147 @@
+"""Stage 3's frozen parameters (``zero/frozen.py``): sharded with their block's unit, 1/N of the bytes at rest
+on each rank, step by step the training DDP does, the base bitwise untouched, in every storage dtype."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_zeroq import gathered_parameters
+from lightning_zeroq.config import ZeroConfig
+from lightning_zeroq.zero.engine import ZeroEngine
+from tests.models import VOCAB, LoraModel, frozen_bytes_at_rest, make_batch
+
+pytestmark = pytest.mark.launch
+
+OFFLOAD = {
+    "none": {},
+    "params_optimizer_cpu": {"offload_optimizer": True, "offload_parameters": True},
+    "optimizer_cpu_async": {"offload_optimizer": True, "offload_parameters": True, "offload_async_step": True},
+}
+STEPS = [2, 1, 3]
+
+
+def _block_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for b in model.blocks for p in b.parameters() if not p.requires_grad)
+
+
+def _ddp_loss(ddp: DistributedDataParallel, batch) -> torch.Tensor:
+    tokens, targets, _ = batch
+    return torch.nn.functional.cross_entropy(ddp(tokens).reshape(-1, VOCAB).float(), targets.reshape(-1))
+
+
+def _parity(offload: str, managed: bool, clip: float) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(7 + rank)  # different per rank: the engine starts from rank 0's, as DDP does
+    model = LoraModel()
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(ref)
+    base_before = {n: p.detach().clone() for n, p in ref.named_parameters() if not p.requires_grad}
+    # DDP broadcasts rank 0's module at construction: the base every rank starts from.
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, eps=1e-3)
+    engine = ZeroEngine(model, ZeroConfig(stage=3, managed_gradient_accumulation=managed, **OFFLOAD[offload]))
+    engine.attach_optimizer(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, eps=1e-3))
+    frozen = engine.parts.frozen
+    assert frozen is not None and len(frozen.units) == len(model.blocks)
+    held, whole = frozen_bytes_at_rest(model, engine)
+    root = whole - _block_bytes(model)  # the embedding and head: no unit to ride with, whole on every rank
+    worst = 0.0
+    for step, n in enumerate(STEPS):
+        for micro in range(n):
+            batch = make_batch(step, micro, rank)
+            last = micro == n - 1
+            engine.backward(model.loss(batch) / n, boundary=last if managed else None)
+            if last:
+                (_ddp_loss(ddp, batch) / n).backward()  # DDP's hooks reduce in this backward
+            else:
+                with ddp.no_sync():
+                    (_ddp_loss(ddp, batch) / n).backward()
+        if clip:
+            engine.clip_grad_norm_(clip)
+            torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], clip)
+        engine.step()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        full = engine.full_state_dict()
+        for name, p in ref.named_parameters():
+            diff = (full[name] - p.detach()).abs().max().item()
+            worst = max(worst, diff)
+            assert diff < 1e-6, f"step {step}: {name} differs from DDP by {diff}"
+    for name, before in base_before.items():
+        assert torch.equal(full[name], before), f"the frozen {name} changed"
+    return {"worst": worst, "held": held, "whole": whole, "root": root, "world": world}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("offload", list(OFFLOAD))
+@pytest.mark.parametrize("managed", [True, False], ids=["managed", "unmanaged"])
+def test_lora_matches_ddp_and_holds_its_share_of_the_base(dist_pool, world_size, offload, managed) -> None:
+    for r in dist_pool(world_size).run(_parity, offload, managed, 0.5):
+        blocks = r["whole"] - r["root"]
+        share = r["held"] - r["root"]
+        # Each rank's shard of each block's frozen part: 1/N of it, padded to whole ALIGN groups.
+        assert blocks / world_size <= share <= blocks / world_size + 3 * 64 * 4 * world_size, r
+        assert r["worst"] < 1e-6, r
+
+
+EXACT = 128
+"""``quantized_weights_exact_numel`` in the INT8 storage test: biases and norms stay exact (fp32), weights not."""
+
+
+def _memory(world_size_expected: int, storage) -> dict:
+    torch.manual_seed(0)
+    model = LoraModel(dim=64, blocks=4)
+    engine = ZeroEngine(model, ZeroConfig(stage=3, frozen_dtype=storage, quantized_weights_exact_numel=EXACT))
+    held, whole = frozen_bytes_at_rest(model, engine)
+    root = whole - _block_bytes(model)
+    exact = sum(p.numel() for b in model.blocks for p in b.parameters() if not p.requires_grad and p.numel() <= EXACT)
+    return {"share": held - root, "blocks": whole - root, "stored": engine.parts.frozen.stored_bytes, "exact": exact}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_frozen_bytes_at_rest_are_one_nth(dist_pool, world_size) -> None:
+    for r in dist_pool(world_size).run(_memory, world_size, None):
+        assert r["share"] == r["stored"], r  # nothing but the stored shards holds a block's base
+        assert r["blocks"] / world_size <= r["share"] <= r["blocks"] / world_size * 1.02, r
+
+
+@pytest.mark.parametrize("storage, per_element", [("bf16", 2), ("int8", 1 + 4 / 64)])
+def test_smaller_storage_holds_fewer_bytes(dist_pool, storage, per_element) -> None:
+    for r in dist_pool(2).run(_memory, 2, storage):
+        numel = r["blocks"] / 4  # fp32 base
+        exact = r["exact"] * 4 if storage == "int8" else 0  # INT8: small tensors also travel exactly, in fp32
+        assert r["share"] == r["stored"], r
+        assert numel / 2 * per_element <= r["stored"] <= (numel * per_element + exact) / 2 * 1.02, r
+
+
+def _storage_numerics(storage: str) -> float:
+    """The module a frozen part gathers under ``storage``: within the dtype's rounding of the fp32 base."""
+    torch.manual_seed(3)
+    model = LoraModel()
+    exact = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    engine = ZeroEngine(model, ZeroConfig(stage=3, frozen_dtype=storage, quantized_weights_exact_numel=EXACT))
+    worst = 0.0
+    with gathered_parameters(model):
+        for name, p in model.named_parameters():
+            if name in exact and name.startswith("blocks"):
+                ref = exact[name]
+                if storage == "bf16" or ref.numel() <= EXACT:  # rounded once to bf16; INT8's small ones exact
+                    assert torch.equal(p, ref.to(torch.bfloat16).float() if storage == "bf16" else ref), name
+                worst = max(worst, ((p - ref).abs().max() / ref.abs().max()).item())
+                assert p.dtype == torch.float32
+    return worst
+
+
+@pytest.mark.parametrize("storage, bound", [("bf16", 2 ** -8), ("int8", 1 / 127)])
+def test_frozen_storage_rounds_as_documented(dist_pool, storage, bound) -> None:
+    for worst in dist_pool(2).run(_storage_numerics, storage):
+        assert 0 < worst <= bound, worst
+
+
+def test_frozen_dtype_rejects_bad_values() -> None:
+    with pytest.raises(ValueError, match=r"frozen_dtype='int4'.*one of"):
+        ZeroConfig(stage=3, frozen_dtype="int4")
