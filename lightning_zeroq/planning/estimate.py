@@ -54,7 +54,8 @@ from lightning_zeroq.zero.offload import host_units
 from lightning_zeroq.zero.memory.device import device_kinds, units_off_device
 from lightning_zeroq.zero.memory.host import engine_need, optimizer_need
 from lightning_zeroq.zero.unit_plan import UnitSpec, repeated_blocks, unit_plan
-from lightning_zeroq.zero.policies import Nvme, OnDevice, Policies, from_config
+from lightning_zeroq.zero.frozen import FrozenNeed, frozen_need, shardable
+from lightning_zeroq.zero.policies import ModuleUnits, Nvme, OnDevice, Policies, from_config
 from lightning_zeroq.zero.unit import plan_layouts, trainable_parameters
 from lightning_zeroq.zero.wire import Int8
 
@@ -379,7 +380,7 @@ def _nvme_bytes(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequen
 
 
 def _shards(policies: Policies, specs: Sequence[UnitSpec], world_size: int, ranks_per_node: int, rank: int,
-            param_dtype: torch.dtype) -> tuple[list[UnitLayout], int, dict[int, tuple[int, torch.dtype]]]:
+            param_dtype: torch.dtype) -> tuple[list[UnitLayout], int, dict[int, tuple[int, torch.dtype]], FrozenNeed]:
     """The unit layouts the engine makes (sharded within a shard group: ``shard_group_size``, hybrid
     sharding), ``rank``'s position in its shard group, and each transient unit's stored payload (elements,
     dtype): its shard in ``param_dtype``, or INT8 groups and their scales where the weights travel as INT8
@@ -393,11 +394,14 @@ def _shards(policies: Policies, specs: Sequence[UnitSpec], world_size: int, rank
     layouts = plan_layouts(specs, shard, align)
     rank %= shard
     transient = [i for i in range(len(specs)) if not specs[i].persistent]
+    units = policies.sharding.units
+    frozen = frozen_need(specs, units.frozen_dtype if isinstance(units, ModuleUnits) else None, shard, rank, align,
+                         group_size=q.group_size, exact_numel=q.exact_numel, bucket_numel=q.gather_bucket_numel)
     if q.weights and not (groups > 1 and q.cross_group_only) and transient:
         wire = Int8(layouts, param_dtype=param_dtype, rank=rank, group=None, device=torch.device("cpu"),
                     group_size=q.group_size, exact_numel=q.exact_numel, bucket_numel=q.gather_bucket_numel)
-        return layouts, rank, {i: (wire.payload_numel(i), wire.payload_dtype) for i in transient}
-    return layouts, rank, {i: (layouts[i].shard_numel, param_dtype) for i in transient}
+        return layouts, rank, {i: (wire.payload_numel(i), wire.payload_dtype) for i in transient}, frozen
+    return layouts, rank, {i: (layouts[i].shard_numel, param_dtype) for i in transient}, frozen
 
 
 def candidates(nvme_path: Optional[str] = None) -> list[tuple[str, dict[str, Any]]]:
@@ -426,10 +430,14 @@ def estimate_config(model: nn.Module, config: ZeroConfig, activations: Activatio
     the optimizer allocates per element while it steps, 4 for torch's foreach AdamW, 0 for fused)."""
     checkpointing = float(checkpointing)
     policies = from_config(config, loss_scaling=False)
-    specs = unit_plan(model, trainable_parameters(model), policies.sharding.units)
-    layouts, rank, payload = _shards(policies, specs, world_size, machine.ranks_per_node, rank, param_dtype)
+    stage3 = isinstance(policies.sharding.units, ModuleUnits)
+    specs = unit_plan(model, trainable_parameters(model), policies.sharding.units, shardable(model) if stage3 else ())
+    layouts, rank, payload, frozen = _shards(policies, specs, world_size, machine.ranks_per_node, rank, param_dtype)
     device = device_kinds(layouts, [s.persistent for s in specs], policies.offload, param_dtype, state_bytes, rank,
-                          payload)
+                          payload, frozen)
+    sharded = {id(p) for spec in specs for p in spec.frozen}
+    device["frozen_whole"] = sum(p.numel() * p.element_size() for p in model.parameters()
+                                 if not p.requires_grad and id(p) not in sharded)
     device["workspaces"] = machine.device_workspace_bytes
     device["activations"] = activations.with_checkpointing(checkpointing)
     device["loss_input"] = activations.largest
@@ -439,7 +447,7 @@ def estimate_config(model: nn.Module, config: ZeroConfig, activations: Activatio
     # torch's multi-tensor (foreach) Adam/AdamW, its default on a GPU, makes the square root of every
     # second moment it steps at once: 4 bytes per element stepped on the device (fused: none).
     device["step_temporaries"] = device["masters"] * step_temporary_bytes // 4
-    host = engine_need(policies.offload, layouts, rank, param_dtype, payload)
+    host = engine_need(policies.offload, layouts, rank, param_dtype, payload, frozen.stored_bytes)
     host.parts.update(optimizer_need([], host.host_elements, False, host.swap_elements, state_bytes).parts)
     if machine.runtime_host_bytes:
         host.parts["CUDA runtime and libraries"] = machine.runtime_host_bytes

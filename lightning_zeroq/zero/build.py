@@ -17,7 +17,6 @@ the engine. ``ZeroEngine`` holds the result, ``Parts``, and the ``Stepper`` made
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
@@ -29,10 +28,11 @@ from torch import nn
 from lightning_zeroq.zero import activation_checkpoint, comm, hybrid, loss_scaler
 from lightning_zeroq.zero import frozen as frozen_parts
 from lightning_zeroq.zero.agreement import BuildAgreement, describe_plan
-from lightning_zeroq.zero.frozen import FrozenCodec, FrozenParts
+from lightning_zeroq.zero.frozen import FrozenCodec, FrozenNeed, FrozenParts
+from lightning_zeroq.zero.memory.device import NO_FROZEN
 from lightning_zeroq.zero.gather import Gatherer
 from lightning_zeroq.zero.hybrid import Topology
-from lightning_zeroq.zero.layout import UnitLayout, make_layout
+from lightning_zeroq.zero.layout import UnitLayout
 from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
 from lightning_zeroq.zero.materialize import sync_replicated_state, target_device
 from lightning_zeroq.zero.offload.device import OptimizerHome
@@ -128,13 +128,13 @@ def build(module: nn.Module, pol: Policies, *, param_dtype: torch.dtype, group: 
     scaling = pol.numerics.loss_scaling
     scaler = loss_scaler.from_policy(scaling) if scaling is not None else None
     # What can fail on one rank only (an NVMe path, its free space, the kernel build) fails on all ranks.
+    sharded = frozenset(id(p) for spec in planned.specs for p in spec.frozen)
     with comm.agreed(group, "building the ZeRO engine"):
         where = target_device(module, device)
-        placed = _placement(planned, pol, topo, where, param_dtype)
-    sharded = frozenset(id(p) for spec in planned.specs for p in spec.frozen)
+        frozen = _frozen_parts(module, planned.specs, pol, topo, where) if sharded else None
+        placed = _placement(planned, pol, topo, where, param_dtype, frozen.need if frozen else NO_FROZEN)
     sync_replicated_state(module, where, group, sharded)
     gatherer = Gatherer(placed.wire, placed.placement, placed.store, where, sync_persistent_on_build=topo.int8_weights)
-    frozen = _frozen_parts(module, planned.specs, pol, topo, where) if sharded else None
     gatherer.frozen = frozen.gatherer if frozen is not None else None
     units = _units(module, planned.specs, placed, gatherer, where, param_dtype, group, topo.rank, frozen)
     stage3, host_step, reducer = _hooks(module, pol, topo, placed, gatherer, units, where, param_dtype)
@@ -164,13 +164,13 @@ def _agree_and_plan(module: nn.Module, pol: Policies, param_dtype: torch.dtype, 
 
 
 def _placement(planned: _Planned, pol: Policies, topo: Topology, device: torch.device,
-               param_dtype: torch.dtype) -> _Placed:
+               param_dtype: torch.dtype, frozen: FrozenNeed) -> _Placed:
     layouts = plan_layouts(planned.specs, topo.world_size, topo.align(pol.quantization))
     placement = optimizer_home(pol.offload.optimizer, device, param_dtype, topo.rank, topo.world_size, layouts,
                                     pol.offload.speculative)
     wire = make_wire(layouts, pol, topo, device, param_dtype, topo.group)
     transient = {i: wire.payload_numel(i) for i, spec in enumerate(planned.specs) if not spec.persistent}
-    planned.host_memory.built(layouts, topo.rank, param_dtype, wire.payload_dtype, transient, placement)
+    planned.host_memory.built(layouts, topo.rank, param_dtype, wire.payload_dtype, transient, placement, frozen)
     store = None
     if transient:
         store = shard_store(pol.offload.parameters, device, payload_dtype=wire.payload_dtype, payload_numels=transient,
@@ -220,8 +220,7 @@ def _frozen_parts(module: nn.Module, specs: list[UnitSpec], pol: Policies, topo:
     held = [p for spec in specs for p in spec.frozen]
     compute = held[0].dtype
     storage = pol.sharding.units.frozen_dtype if isinstance(pol.sharding.units, ModuleUnits) else None
-    align = math.lcm(topo.align(q), q.group_size) if storage == "int8" else topo.align(q)
-    layouts = [make_layout([p.numel() for p in spec.frozen], topo.world_size, align) for spec in specs if spec.frozen]
+    layouts = frozen_parts.frozen_layouts(specs, topo.world_size, topo.align(q), storage, q.group_size)
     codec = FrozenCodec(storage, compute, layouts, rank=topo.rank, group=topo.group, device=device,
                         on_host=not isinstance(pol.offload.parameters, OnDevice), group_size=q.group_size,
                         exact_numel=q.exact_numel, bucket_numel=q.gather_bucket_numel)
@@ -231,7 +230,10 @@ def _frozen_parts(module: nn.Module, specs: list[UnitSpec], pol: Policies, topo:
     gatherer = Gatherer(codec, None, MasterAlias(), device, sync_persistent_on_build=False)  # type: ignore[arg-type]
     sharded = {id(p) for p in held}
     whole = sum(p.numel() for p in module.parameters() if not p.requires_grad and id(p) not in sharded)
-    return FrozenParts([], codec, gatherer, whole_numel=whole)
+    owners = [i for i, spec in enumerate(specs) if spec.frozen]
+    need = FrozenNeed(codec.stored_bytes(), {i: layout.padded_numel * compute.itemsize
+                                             for i, layout in zip(owners, layouts)})
+    return FrozenParts([], codec, gatherer, need, whole_numel=whole)
 
 
 def _names(module: nn.Module, units: list[Unit]) -> dict[int, str]:

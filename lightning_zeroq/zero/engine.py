@@ -234,8 +234,12 @@ class ZeroEngine:
             return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, Tensor) and t.device == parts.device)
 
         state = [v for s in (self.optimizer.state.values() if self.optimizer else ()) for v in s.values()]
-        transient = [u.flat.numel() * u.flat.element_size() for u in parts.units if not u.persistent]
+        transient = [u.flat.numel() * u.flat.element_size()
+                     + (u.frozen.flat.numel() * u.frozen.flat.element_size() if u.frozen is not None else 0)
+                     for u in parts.units if not u.persistent]
         store = parts.gatherer.store
+        frozen = parts.frozen.units if parts.frozen is not None else []
+        sharded = {id(p) for u in frozen for p in u.params}
         return {
             "masters": on_device(u.master for u in parts.units),
             "gradient_shards": on_device(u.grad for u in parts.units if parts.placement.master_on_device(u.index)),
@@ -243,6 +247,8 @@ class ZeroEngine:
             "persistent_units": on_device(u.flat for u in parts.units if u.persistent),
             "stored_shards": on_device(store.device_tensors()) if store is not None else 0,
             "largest_transient_unit": max(transient, default=0),
+            "frozen_shards": on_device(u.master for u in frozen),
+            "frozen_whole": on_device(p for p in parts.module.parameters() if not p.requires_grad and id(p) not in sharded),
         }
 
     def gathered_parameters(self, module: Optional[nn.Module] = None,

@@ -30,8 +30,9 @@ recomputation, prefetch, ``gathered_parameters``) brings its frozen part along.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,9 +41,13 @@ from torch import Tensor, nn
 from lightning_zeroq import ops
 from lightning_zeroq.swap.buffers import pinned_empty
 from lightning_zeroq.zero import comm
-from lightning_zeroq.zero.layout import UnitLayout
+from lightning_zeroq.zero.gather import Gatherer
+from lightning_zeroq.zero.layout import UnitLayout, make_layout
 from lightning_zeroq.zero.unit import Unit, UnitState
 from lightning_zeroq.zero.wire import FullWidth, Int8, on_device
+
+if TYPE_CHECKING:
+    from lightning_zeroq.zero.unit_plan import UnitSpec
 
 FROZEN_DTYPES: dict[Optional[str], Optional[torch.dtype]] = {None: None, "bf16": torch.bfloat16,
                                                              "fp16": torch.float16, "int8": None}
@@ -112,6 +117,12 @@ class FrozenCodec:
         self.exact = self.stored == compute
         """The stored shard holds the parameters' values bit for bit."""
 
+    def stored_bytes(self) -> int:
+        """The bytes of this rank's stored shards, known before any is built (the memory checks count them)."""
+        if isinstance(self.wire, Int8):
+            return sum(self.wire.payload_numel(i) for i in range(len(self.layouts)))
+        return sum(layout.shard_numel for layout in self.layouts) * self.stored.itemsize
+
     @torch.no_grad()
     def encode(self, unit: Unit, shard: Tensor) -> Tensor:
         """What rests of ``shard`` (this rank's values, in ``compute``, on the device): on the device, or on the
@@ -156,6 +167,28 @@ class FrozenCodec:
         self.wire.gather(unit, payload)  # type: ignore[attr-defined]
 
 
+def frozen_layouts(specs: Sequence["UnitSpec"], world_size: int, align: int, storage: Optional[str],
+                   group_size: int) -> list[UnitLayout]:
+    """The frozen parts' layouts, in the order of their units (INT8: whole groups per shard)."""
+    align = math.lcm(align, group_size) if storage == "int8" else align
+    return [make_layout([p.numel() for p in spec.frozen], world_size, align) for spec in specs if spec.frozen]
+
+
+def frozen_need(specs: Sequence["UnitSpec"], storage: Optional[str], world_size: int, rank: int, align: int, *,
+                group_size: int, exact_numel: int, bucket_numel: int) -> FrozenNeed:
+    """``FrozenNeed`` of the frozen parts the engine builds from ``specs`` (no tensor is made: meta models too)."""
+    held = [p for spec in specs for p in spec.frozen]
+    if not held:
+        return FrozenNeed(0, {})
+    compute = held[0].dtype
+    layouts = frozen_layouts(specs, world_size, align, storage, group_size)
+    codec = FrozenCodec(storage, compute, layouts, rank=rank, group=None, device=torch.device("cpu"), on_host=False,
+                        group_size=group_size, exact_numel=exact_numel, bucket_numel=bucket_numel)
+    owners = [i for i, spec in enumerate(specs) if spec.frozen]
+    return FrozenNeed(codec.stored_bytes(), {i: layout.padded_numel * compute.itemsize
+                                             for i, layout in zip(owners, layouts)})
+
+
 @torch.no_grad()
 def build_part(index: int, params: list[nn.Parameter], layout: UnitLayout, codec: FrozenCodec, *,
                module: Optional[nn.Module], group: Optional[dist.ProcessGroup], rank: int) -> Unit:
@@ -177,6 +210,15 @@ def build_part(index: int, params: list[nn.Parameter], layout: UnitLayout, codec
     return unit
 
 
+class FrozenNeed(NamedTuple):
+    """What stage 3's frozen parts hold on this rank (the memory checks and the plan count it)."""
+
+    stored_bytes: int
+    """The stored shards (on the device, or on the host with parameter offload)."""
+    gathered_bytes: dict[int, int]
+    """Per unit (the index of the unit whose frozen part it is): its frozen part's working buffer, gathered."""
+
+
 @dataclass(eq=False)
 class FrozenParts:
     """A built engine's frozen parts: one per stage-3 unit that holds frozen parameters (``units[i]`` is
@@ -184,8 +226,10 @@ class FrozenParts:
 
     units: list[Unit]
     codec: FrozenCodec
-    gatherer: object
+    gatherer: Gatherer
     """The frozen parts' ``Gatherer`` (``gather.py``), called by the trainable gatherer."""
+    need: FrozenNeed
+    """What they hold, as the memory checks count it."""
     whole_numel: int = 0
     """Frozen elements that stay whole on every rank (see the module docstring)."""
     owner: dict[int, Unit] = field(default_factory=dict)

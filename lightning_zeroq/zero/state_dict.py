@@ -232,7 +232,7 @@ class ShardedView:
         for part in frozen.units:
             if part.index in self._decoded:
                 frozen.codec.store(part, self._decoded.pop(part.index))
-            frozen.gatherer.free(part)  # type: ignore[attr-defined]
+            frozen.gatherer.free(part)
 
     def unmanaged(self) -> dict[str, Any]:
         """The module's ``state_dict()`` entries the engine does not shard (buffers, frozen parameters)."""
@@ -394,9 +394,9 @@ def load_full_state_dict(parts: Parts, state: dict[str, Tensor]) -> set[str]:
     names_of: dict[int, list[list[str]]] = {u.index: [[] for _ in u.params] for u in parts.units}
     mismatched = []
     every_name = parameter_names(parts.module)
-    for owner, i, shape, names in ((u, i, p.shape, every_name.get(id(p), [])) for u in parts.units
-                                   for i, p in enumerate(u.params)):
-        names_of[owner.index][i] = names
+    for unit in parts.units:
+        for i, p in enumerate(unit.params):
+            names_of[unit.index][i] = every_name.get(id(p), [])
     frozen = [(u.frozen, p, every_name.get(id(p), [])) for u in parts.units if u.frozen is not None
               for p in u.frozen.params]
     for shape, names in [*((p.shape, every_name.get(id(p), [])) for u in parts.units for p in u.params),

@@ -14,11 +14,13 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from lightning_zeroq.zero.frozen import FrozenNeed
 from lightning_zeroq.zero.layout import UnitLayout
 from lightning_zeroq.zero.offload.split import host_units
 from lightning_zeroq.zero.policies import Host, Offload, OnDevice
 
 GIB = 2**30
+NO_FROZEN = FrozenNeed(0, {})
 
 
 class DeviceMemoryError(RuntimeError):
@@ -36,11 +38,12 @@ def units_off_device(policy: Any, layouts: Sequence[UnitLayout]) -> frozenset[in
 
 def device_kinds(layouts: Sequence[UnitLayout], persistent: Sequence[bool], offload: Offload,
                  param_dtype: torch.dtype, state_bytes: int, rank: int = 0,
-                 payload: Optional[dict[int, tuple[int, torch.dtype]]] = None) -> dict[str, int]:
+                 payload: Optional[dict[int, tuple[int, torch.dtype]]] = None, frozen: FrozenNeed = NO_FROZEN) -> dict[str, int]:
     """Device bytes by ``memory_report``'s kinds for ``rank`` (``largest_transient_unit`` counted twice
     as ``gathered_units``; ``state_bytes``: optimizer state per parameter element, none for padding;
     ``payload``: a transient unit's stored payload (elements, dtype), default its shard in ``param_dtype``;
-    one of another dtype is INT8, stored beside every master, on the device or not)."""
+    one of another dtype is INT8, stored beside every master, on the device or not; ``frozen``: stage 3's frozen
+    parts, ``zero/frozen.py``: stored on the device unless parameters are offloaded, gathered with their unit)."""
     n = len(layouts)
     off = units_off_device(offload.optimizer, layouts)
     itemsize = param_dtype.itemsize
@@ -58,7 +61,9 @@ def device_kinds(layouts: Sequence[UnitLayout], persistent: Sequence[bool], offl
         "optimizer_state": state_bytes * sum(seg.numel for i in device_units for seg in layouts[i].segments(rank)),
         "persistent_units": sum(layouts[i].padded_numel * itemsize for i in range(n) if persistent[i]),
         "stored_shards": stored,
-        "gathered_units": 2 * max((layouts[i].padded_numel * itemsize for i in transient), default=0),
+        "gathered_units": 2 * max((layouts[i].padded_numel * itemsize + frozen.gathered_bytes.get(i, 0)
+                                   for i in transient), default=0),
+        "frozen_shards": frozen.stored_bytes if isinstance(offload.parameters, OnDevice) else 0,
     }
 
 
@@ -75,12 +80,14 @@ RATIO_STEP = 0.05
 
 def nearest_fit(layouts: Sequence[UnitLayout], persistent: Sequence[bool], offload: Offload,
                 param_dtype: torch.dtype, state_bytes: int, rank: int,
-                payload: Optional[dict[int, tuple[int, torch.dtype]]], room: int) -> Optional[tuple[str, int]]:
+                payload: Optional[dict[int, tuple[int, torch.dtype]]], room: int,
+                frozen: FrozenNeed = NO_FROZEN) -> Optional[tuple[str, int]]:
     """The least offload beyond ``offload`` whose state fits ``room`` (the options to set, and its bytes):
     a larger share of the optimizer on the host (``offload_optimizer_ratio`` in steps of ``RATIO_STEP``),
     then, with stage 3's transient units, the parameters too; None if none does."""
     def state(option: Offload) -> int:
-        return sum(device_kinds(layouts, persistent, option, param_dtype, state_bytes, rank, payload).values())
+        return sum(device_kinds(layouts, persistent, option, param_dtype, state_bytes, rank, payload,
+                                frozen).values())
 
     start = offload.optimizer.ratio if isinstance(offload.optimizer, Host) else 0.0
     if isinstance(offload.optimizer, (OnDevice, Host)):
@@ -92,7 +99,7 @@ def nearest_fit(layouts: Sequence[UnitLayout], persistent: Sequence[bool], offlo
             need = state(dataclasses.replace(offload, optimizer=Host(ratio)))
             if need <= room:
                 return ("offload_optimizer=True" + (f", offload_optimizer_ratio={ratio}" if ratio < 1 else ""), need)
-    if not all(persistent) and isinstance(offload.parameters, OnDevice):
+    if (not all(persistent) or frozen.stored_bytes) and isinstance(offload.parameters, OnDevice):
         need = state(dataclasses.replace(offload, optimizer=Host(1.0), parameters=Host()))
         if need <= room:
             return "offload_optimizer=True, offload_parameters=True", need

@@ -42,6 +42,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 
 from lightning_zeroq.config import host_budget
+from lightning_zeroq.zero.frozen import FrozenNeed
 from lightning_zeroq.zero.layout import UnitLayout
 from lightning_zeroq.zero.offload.nvme import step_buffer_elements
 from lightning_zeroq.zero.offload.split import host_units
@@ -92,9 +93,10 @@ class Available:
 
 
 def engine_need(offload: Offload, layouts: Sequence[UnitLayout], rank: int, param_dtype: torch.dtype,
-                payload: dict[int, tuple[int, torch.dtype]]) -> HostNeed:
+                payload: dict[int, tuple[int, torch.dtype]], frozen_bytes: int = 0) -> HostNeed:
     """The host memory the engine allocates for shard ``rank`` (``payload``: stage 3's transient units,
-    index -> (payload elements, dtype), rested on the host with ``offload.parameters`` Host)."""
+    index -> (payload elements, dtype), rested on the host with ``offload.parameters`` Host; ``frozen_bytes``:
+    this rank's stored frozen shards, ``zero/frozen.py``, on the host with any parameter offload)."""
     need = HostNeed()
     policy = offload.optimizer
     if isinstance(policy, OnDevice):
@@ -121,6 +123,8 @@ def engine_need(offload: Offload, layouts: Sequence[UnitLayout], rank: int, para
         need.parts["bf16 copies of the masters"] = 2 * sum(layouts[i].shard_numel for i in copied)
     if params_on_host:
         need.parts["stage-3 parameters"] = sum(n * dtype.itemsize for n, dtype in payload.values())
+    if frozen_bytes and not isinstance(offload.parameters, OnDevice):
+        need.parts["frozen shards"] = frozen_bytes
     return need
 
 
@@ -282,6 +286,7 @@ class _Build(NamedTuple):
     rank: int
     param_dtype: torch.dtype
     payload: dict[int, tuple[int, torch.dtype]]
+    frozen: FrozenNeed = device_memory.NO_FROZEN
 
     @property
     def persistent(self) -> list[bool]:
@@ -307,12 +312,12 @@ class HostBudget:
         """The device's memory (None off CUDA: nothing to check)."""
 
     def built(self, layouts: Sequence[UnitLayout], rank: int, param_dtype: torch.dtype, payload_dtype: torch.dtype,
-              transient: dict[int, int], placement: Any) -> None:
-        """Check the build's need (``transient``: stage 3's units with their payload's elements) and watch
-        the placement's fp32 gradient buffers."""
+              transient: dict[int, int], placement: Any, frozen: FrozenNeed = device_memory.NO_FROZEN) -> None:
+        """Check the build's need (``transient``: stage 3's units with their payload's elements; ``frozen``:
+        stage 3's frozen parts) and watch the placement's fp32 gradient buffers."""
         payload = {i: (n, payload_dtype) for i, n in transient.items()}
-        self.need = engine_need(self.offload, layouts, rank, param_dtype, payload)
-        self._build = _Build(layouts, rank, param_dtype, payload)
+        self.need = engine_need(self.offload, layouts, rank, param_dtype, payload, frozen.stored_bytes)
+        self._build = _Build(layouts, rank, param_dtype, payload, frozen)
         check(self.need, self.room, self.ranks, "this offload configuration",
               self._nearest(self.need, self.room, ADAM_STATE_BYTES), with_adam=True)
         self._room = device_memory.capacity(placement.device)
@@ -339,11 +344,11 @@ class HostBudget:
         if build is None or room is None:
             return
         shape = (build.layouts, build.persistent, self.offload, build.param_dtype)
-        kinds = device_memory.device_kinds(*shape, state_bytes, build.rank, build.payload)
+        kinds = device_memory.device_kinds(*shape, state_bytes, build.rank, build.payload, build.frozen)
         nearest = None
         if sum(kinds.values()) > room:  # at the build no optimizer is attached yet: the fix allows for Adam's state
             nearest = device_memory.nearest_fit(*shape, state_bytes or ADAM_STATE_BYTES, build.rank,
-                                              build.payload, room)
+                                              build.payload, room, build.frozen)
         device_memory.check(kinds, room, what, nearest, with_adam=state_bytes == 0)
 
     def _fp32_buffers(self, nbytes: int) -> None:

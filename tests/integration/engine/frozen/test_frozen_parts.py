@@ -145,3 +145,39 @@ def test_frozen_storage_rounds_as_documented(dist_pool, storage, bound) -> None:
 def test_frozen_dtype_rejects_bad_values() -> None:
     with pytest.raises(ValueError, match=r"frozen_dtype='int4'.*one of"):
         ZeroConfig(stage=3, frozen_dtype="int4")
+
+
+PLANNED = {"none": {}, "int8": {"frozen_dtype": "int8", "quantized_weights_exact_numel": EXACT},
+           "offload": {"offload_parameters": True, "offload_optimizer": True}}
+
+
+def _planned_and_held(name: str) -> tuple[dict, dict, dict, dict]:
+    """The plan of a LoRA model (built on meta) beside what the engine holds and counts for it."""
+    from lightning_zeroq.planning.estimate import estimate_config, trace_activations
+
+    config = ZeroConfig(stage=3, **PLANNED[name])
+    with torch.device("meta"):
+        meta = LoraModel(dim=64, blocks=4)
+    tokens = torch.zeros(2, 6, dtype=torch.long, device="meta")
+    activations = trace_activations(meta, lambda m: m(tokens).float().sum(), list(meta.blocks))
+    need = estimate_config(meta, config, activations, name=name, world_size=dist.get_world_size(), rank=dist.get_rank(),
+                           param_dtype=torch.float32)
+    torch.manual_seed(0)
+    model = LoraModel(dim=64, blocks=4)
+    engine = ZeroEngine(model, config)
+    held = engine.memory_report()
+    held["gathered_units"] = 2 * held.pop("largest_transient_unit")
+    kinds = ("frozen_shards", "frozen_whole", "gathered_units")
+    return ({k: need.device[k] for k in kinds}, {k: held[k] for k in kinds}, dict(need.host),
+            dict(engine.parts.host_memory.need.parts))
+
+
+@pytest.mark.parametrize("name", list(PLANNED))
+def test_the_plan_counts_the_frozen_parts_as_the_engine_holds_them(dist_pool, name) -> None:
+    for planned, held, planned_host, counted in dist_pool(2).run(_planned_and_held, name):
+        if name == "offload":  # on the CPU the "host" is the device: compare what the engine counts for the host
+            assert planned_host["frozen shards"] == counted["frozen shards"] > 0, (planned_host, counted)
+            assert planned["frozen_shards"] == 0
+        else:
+            assert planned == held, (planned, held)
+            assert held["frozen_shards"] > 0 and held["frozen_whole"] > 0
