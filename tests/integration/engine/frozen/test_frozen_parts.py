@@ -34,12 +34,22 @@ def _ddp_loss(ddp: DistributedDataParallel, batch) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(ddp(tokens).reshape(-1, VOCAB).float(), targets.reshape(-1))
 
 
-def _parity(offload: str, managed: bool, clip: float) -> dict:
+def _device(device: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+
+
+def _to(batch, dev: torch.device):
+    tokens, targets, flag = batch
+    return tokens.to(dev), targets.to(dev), flag
+
+
+def _parity(offload: str, managed: bool, clip: float, device: str = "cpu") -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
+    dev = _device(device)
     torch.manual_seed(7 + rank)  # different per rank: the engine starts from rank 0's, as DDP does
-    model = LoraModel()
+    model = LoraModel().to(dev)
     ref = copy.deepcopy(model)
-    ddp = DistributedDataParallel(ref)
+    ddp = DistributedDataParallel(ref, device_ids=[dev.index] if dev.type == "cuda" else None)
     base_before = {n: p.detach().clone() for n, p in ref.named_parameters() if not p.requires_grad}
     # DDP broadcasts rank 0's module at construction: the base every rank starts from.
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, eps=1e-3)
@@ -49,10 +59,13 @@ def _parity(offload: str, managed: bool, clip: float) -> dict:
     assert frozen is not None and len(frozen.units) == len(model.blocks)
     held, whole = frozen_bytes_at_rest(model, engine)
     root = whole - _block_bytes(model)  # the embedding and head: no unit to ride with, whole on every rank
+    on_device = engine.memory_report()["frozen_shards"]
+    if "offload_parameters" in OFFLOAD[offload] and dev.type == "cuda":  # every stored shard pinned on the host
+        assert on_device == 0 and all(u.master.is_pinned() for u in frozen.units), on_device
     worst = 0.0
     for step, n in enumerate(STEPS):
         for micro in range(n):
-            batch = make_batch(step, micro, rank)
+            batch = _to(make_batch(step, micro, rank), dev)
             last = micro == n - 1
             engine.backward(model.loss(batch) / n, boundary=last if managed else None)
             if last:
@@ -68,12 +81,15 @@ def _parity(offload: str, managed: bool, clip: float) -> dict:
         ref_opt.zero_grad(set_to_none=True)
         full = engine.full_state_dict()
         for name, p in ref.named_parameters():
-            diff = (full[name] - p.detach()).abs().max().item()
+            diff = (full[name] - p.detach().cpu()).abs().max().item()
             worst = max(worst, diff)
             assert diff < 1e-6, f"step {step}: {name} differs from DDP by {diff}"
     for name, before in base_before.items():
-        assert torch.equal(full[name], before), f"the frozen {name} changed"
-    return {"worst": worst, "held": held, "whole": whole, "root": root, "world": world}
+        assert torch.equal(full[name], before.cpu()), f"the frozen {name} changed"
+    if "offload_parameters" in OFFLOAD[offload] and dev.type == "cuda":  # and none came back to rest there
+        assert engine.memory_report()["frozen_shards"] == 0
+        assert all(u.flat.untyped_storage().nbytes() == 0 for u in frozen.units)
+    return {"worst": worst, "held": held, "whole": whole, "root": root, "world": world, "on_device": on_device}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -118,10 +134,10 @@ def test_smaller_storage_holds_fewer_bytes(dist_pool, storage, per_element) -> N
         assert numel / 2 * per_element <= r["stored"] <= (numel * per_element + exact) / 2 * 1.02, r
 
 
-def _storage_numerics(storage: str) -> float:
+def _storage_numerics(storage: str, device: str = "cpu") -> float:
     """The module a frozen part gathers under ``storage``: within the dtype's rounding of the fp32 base."""
     torch.manual_seed(3)
-    model = LoraModel()
+    model = LoraModel().to(_device(device))
     exact = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     engine = ZeroEngine(model, ZeroConfig(stage=3, frozen_dtype=storage, quantized_weights_exact_numel=EXACT))
     worst = 0.0
@@ -129,6 +145,7 @@ def _storage_numerics(storage: str) -> float:
         for name, p in model.named_parameters():
             if name in exact and name.startswith("blocks"):
                 ref = exact[name]
+                p = p.detach()
                 if storage == "bf16" or ref.numel() <= EXACT:  # rounded once to bf16; INT8's small ones exact
                     assert torch.equal(p, ref.to(torch.bfloat16).float() if storage == "bf16" else ref), name
                 worst = max(worst, ((p - ref).abs().max() / ref.abs().max()).item())
