@@ -8,8 +8,9 @@ factors). The embedding and head are frozen. Every block recomputes its forward 
 (``torch.utils.checkpoint``, non-reentrant, called inside the block: the same for every arm). A step is one
 micro-batch of ``--tokens`` tokens (one sequence), forward, backward, AdamW step.
 
-Arms (one process, world size 1; run in turn, then again in the reverse order, and the first arm run is
-a warm-up whose figures are dropped):
+Arms (world size 1; each arm run in a process of its own, so that its peaks and its host memory are its own
+and nothing an earlier arm left behind counts; the arms run in turn, then again in the reverse order, and
+the first run is a warm-up of the first arm whose figures are dropped):
 
 - ``zeroq3``: stage 3, the frozen base sharded in its own dtype (at one rank: whole) on the device.
 - ``zeroq3+offload``: ``offload_parameters=True``: the base rests in pinned host memory and crosses to the
@@ -19,10 +20,12 @@ a warm-up whose figures are dropped):
 
 Per arm: median step time over ``--steps`` after ``--warmup``, tokens/s, MFU (FLOPs per token: 4 x frozen +
 6 x trainable parameters, plus causal attention 6 x layers x tokens x dim; the recomputation not counted),
-peak allocated and reserved device memory, host RSS and pinned host memory. One JSON line per arm run::
+peak allocated and reserved device memory (from the first timed step on), host RSS at the end and pinned
+host memory as torch's host allocator counts it (ZeroQ pins its buffers itself: its pinned bytes are in the
+RSS). One JSON line per arm run::
 
-    torchrun --nproc-per-node 1 benchmarks/lora_step.py --shape 8b --tokens 4096 --arms zeroq3,zeroq3+offload,fsdp2,fsdp2+offload,ds3,ds3+offload
-    torchrun --nproc-per-node 1 benchmarks/lora_step.py --shape 70b --tokens 4096 --arms zeroq3+offload+int8 --steps 3
+    python benchmarks/lora_step.py --shape 8b --tokens 4096 --arms zeroq3,zeroq3+offload,fsdp2,fsdp2+offload,ds3,ds3+offload
+    python benchmarks/lora_step.py --shape 70b --tokens 4096 --arms zeroq3+offload+int8 --steps 3 --no-repeat
 
 ``--layers N`` overrides the shape's depth (a quick check of the script on a small model).
 """
@@ -34,6 +37,8 @@ import gc
 import json
 import math
 import os
+import subprocess
+import sys
 import time
 from typing import Callable
 
@@ -220,10 +225,23 @@ def ds3_arm(args, options: set[str], dev):
 ARMS: dict[str, Callable] = {"zeroq3": zeroq_arm, "fsdp2": fsdp2_arm, "ds3": ds3_arm}
 
 
-def host_rss_gib() -> float:
+ONE_RANK = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+            "NCCL_NVLS_ENABLE": "0"}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def host_rss_gib(key: str = "VmRSS") -> float:
+    """The process's resident host memory now (``VmHWM``: its peak)."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) / 2**20
     return float("nan")
 
@@ -268,6 +286,7 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device, warm_up: bool
            "steps_s": [round(t, 4) for t in timed], "tokens_per_s": round(args.tokens / median, 1),
            "mfu": round(flops / median / peak, 4), "peak_allocated_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2),
            "peak_reserved_GiB": round(torch.cuda.max_memory_reserved() / 2**30, 2), "host_rss_GiB": round(host_rss_gib(), 2),
+           "host_peak_rss_GiB": round(host_rss_gib("VmHWM"), 2),
            "pinned_GiB": round(pinned_gib(), 2), "build_s": round(built_s, 1), "device": name,
            "warm_up": warm_up}
     close()
@@ -292,16 +311,30 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--no-repeat", action="store_true", help="each arm once (no reverse pass)")
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # one arm run, in this process
     args = parser.parse_args()
     arms = args.arms.split(",")
     for arm in arms:
         if arm.split("+")[0] not in ARMS:
             raise SystemExit(f"unknown arm {arm!r}: use {sorted(ARMS)} with +offload (+int8 for zeroq3)")
-    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    if args.one is None:
+        order = [arms[0] + ":warm"] + arms + ([] if args.no_repeat else arms[::-1])
+        for entry in order:
+            command = [sys.executable, __file__, *sys.argv[1:], "--one", entry]
+            done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **ONE_RANK,
+                                                                                  "MASTER_PORT": str(free_port())})
+            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+            if lines:
+                print(lines[-1], flush=True)
+            else:
+                tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
+                print(json.dumps({"arm": entry, "shape": args.shape, "tokens": args.tokens,
+                                  "error": f"exit {done.returncode}: " + " | ".join(tail)[-400:]}), flush=True)
+        return
+    dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     dist.init_process_group("nccl", device_id=dev)
-    order = [arms[0] + ":warm"] + arms + ([] if args.no_repeat else arms[::-1])
-    for entry in order:
+    for entry in [args.one]:
         arm, _, tag = entry.partition(":")
         try:
             result = run_arm(arm, args, dev, warm_up=tag == "warm")

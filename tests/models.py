@@ -213,3 +213,13 @@ def frozen_bytes_at_rest(model: nn.Module, engine) -> tuple[int, int]:
         seen[storage.data_ptr()] = storage.nbytes()
     whole = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
     return sum(n for ptr, n in seen.items() if ptr != 0), whole
+
+
+class FrozenTowerModel(LoraModel):
+    """``LoraModel`` with a first block that has nothing to train (a frozen tower) and, built with a low
+    ``stage3_param_persistence_threshold``, an embedding and a head large enough to be sharded on their own;
+    the head sits after trainable blocks, so the backward runs through it."""
+
+    def __init__(self, dim: int = 32, blocks: int = 3) -> None:
+        super().__init__(dim, blocks)
+        self.blocks[0].requires_grad_(False)

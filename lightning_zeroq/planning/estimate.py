@@ -53,7 +53,7 @@ from lightning_zeroq.zero.layout import ALIGN, UnitLayout
 from lightning_zeroq.zero.offload import host_units
 from lightning_zeroq.zero.memory.device import device_kinds, units_off_device
 from lightning_zeroq.zero.memory.host import engine_need, optimizer_need
-from lightning_zeroq.zero.unit_plan import UnitSpec, repeated_blocks, unit_plan
+from lightning_zeroq.zero.unit_plan import UnitSpec, frozen_only_specs, repeated_blocks, unit_plan
 from lightning_zeroq.zero.frozen import FrozenNeed, frozen_need, shardable
 from lightning_zeroq.zero.policies import ModuleUnits, Nvme, OnDevice, Policies, from_config
 from lightning_zeroq.zero.unit import plan_layouts, trainable_parameters
@@ -379,8 +379,8 @@ def _nvme_bytes(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequen
     return total
 
 
-def _shards(policies: Policies, specs: Sequence[UnitSpec], world_size: int, ranks_per_node: int, rank: int,
-            param_dtype: torch.dtype) -> tuple[list[UnitLayout], int, dict[int, tuple[int, torch.dtype]], FrozenNeed]:
+def _shards(model: nn.Module, policies: Policies, specs: Sequence[UnitSpec], world_size: int, ranks_per_node: int,
+            rank: int, param_dtype: torch.dtype) -> tuple[list[UnitLayout], int, dict[int, tuple[int, torch.dtype]], FrozenNeed]:
     """The unit layouts the engine makes (sharded within a shard group: ``shard_group_size``, hybrid
     sharding), ``rank``'s position in its shard group, and each transient unit's stored payload (elements,
     dtype): its shard in ``param_dtype``, or INT8 groups and their scales where the weights travel as INT8
@@ -395,8 +395,9 @@ def _shards(policies: Policies, specs: Sequence[UnitSpec], world_size: int, rank
     rank %= shard
     transient = [i for i in range(len(specs)) if not specs[i].persistent]
     units = policies.sharding.units
-    frozen = frozen_need(specs, units.frozen_dtype if isinstance(units, ModuleUnits) else None, shard, rank, align,
-                         group_size=q.group_size, exact_numel=q.exact_numel, bucket_numel=q.gather_bucket_numel)
+    own = frozen_only_specs(model, specs, shardable(model), units) if isinstance(units, ModuleUnits) else []
+    frozen = frozen_need(specs, own, units.frozen_dtype if isinstance(units, ModuleUnits) else None, shard, rank,
+                         align, group_size=q.group_size, exact_numel=q.exact_numel, bucket_numel=q.gather_bucket_numel)
     if q.weights and not (groups > 1 and q.cross_group_only) and transient:
         wire = Int8(layouts, param_dtype=param_dtype, rank=rank, group=None, device=torch.device("cpu"),
                     group_size=q.group_size, exact_numel=q.exact_numel, bucket_numel=q.gather_bucket_numel)
@@ -432,10 +433,13 @@ def estimate_config(model: nn.Module, config: ZeroConfig, activations: Activatio
     policies = from_config(config, loss_scaling=False)
     stage3 = isinstance(policies.sharding.units, ModuleUnits)
     specs = unit_plan(model, trainable_parameters(model), policies.sharding.units, shardable(model) if stage3 else ())
-    layouts, rank, payload, frozen = _shards(policies, specs, world_size, machine.ranks_per_node, rank, param_dtype)
+    layouts, rank, payload, frozen = _shards(model, policies, specs, world_size, machine.ranks_per_node, rank,
+                                             param_dtype)
     device = device_kinds(layouts, [s.persistent for s in specs], policies.offload, param_dtype, state_bytes, rank,
                           payload, frozen)
-    sharded = {id(p) for spec in specs for p in spec.frozen}
+    units = policies.sharding.units
+    own = frozen_only_specs(model, specs, shardable(model), units) if isinstance(units, ModuleUnits) else []
+    sharded = {id(p) for spec in [*specs, *own] for p in spec.frozen}
     device["frozen_whole"] = sum(p.numel() * p.element_size() for p in model.parameters()
                                  if not p.requires_grad and id(p) not in sharded)
     device["workspaces"] = machine.device_workspace_bytes

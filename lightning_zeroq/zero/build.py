@@ -40,7 +40,7 @@ from lightning_zeroq.zero.offload.select import host_part, optimizer_home, shard
 from lightning_zeroq.zero.offload.stores import MasterAlias, ShardStore
 from lightning_zeroq.zero.offload.async_step import SyncHostStep, AsyncHostStep
 from lightning_zeroq.zero.memory.host import HostBudget
-from lightning_zeroq.zero.unit_plan import UnitSpec, unit_plan
+from lightning_zeroq.zero.unit_plan import UnitSpec, frozen_only_specs, unit_plan
 from lightning_zeroq.zero.policies import ModuleUnits, Nvme, OnDevice, Policies
 from lightning_zeroq.zero.reducer import Reducer
 from lightning_zeroq.zero.stage3 import Stage3Coordinator
@@ -107,6 +107,8 @@ class _Planned(NamedTuple):
     specs: list[UnitSpec]
     shard_size: int
     host_memory: HostBudget
+    frozen_only: list[UnitSpec]
+    """Stage 3: frozen parameters in parts of their own (``unit_plan.frozen_only_specs``)."""
 
 
 class _Placed(NamedTuple):
@@ -128,19 +130,19 @@ def build(module: nn.Module, pol: Policies, *, param_dtype: torch.dtype, group: 
     scaling = pol.numerics.loss_scaling
     scaler = loss_scaler.from_policy(scaling) if scaling is not None else None
     # What can fail on one rank only (an NVMe path, its free space, the kernel build) fails on all ranks.
-    sharded = frozenset(id(p) for spec in planned.specs for p in spec.frozen)
+    sharded = frozenset(id(p) for spec in [*planned.specs, *planned.frozen_only] for p in spec.frozen)
     with comm.agreed(group, "building the ZeRO engine"):
         where = target_device(module, device)
-        frozen = _frozen_parts(module, planned.specs, pol, topo, where) if sharded else None
+        frozen = _frozen_parts(module, planned, pol, topo, where) if sharded else None
         placed = _placement(planned, pol, topo, where, param_dtype, frozen.need if frozen else NO_FROZEN)
     sync_replicated_state(module, where, group, sharded)
     gatherer = Gatherer(placed.wire, placed.placement, placed.store, where, sync_persistent_on_build=topo.int8_weights)
     gatherer.frozen = frozen.gatherer if frozen is not None else None
-    units = _units(module, planned.specs, placed, gatherer, where, param_dtype, group, topo.rank, frozen)
-    stage3, host_step, reducer = _hooks(module, pol, topo, placed, gatherer, units, where, param_dtype)
+    units = _units(module, planned, placed, gatherer, where, param_dtype, group, topo.rank, frozen)
+    stage3, host_step, reducer = _hooks(module, pol, topo, placed, gatherer, units, where, param_dtype, frozen)
     parts = Parts(module=module, policies=pol, param_dtype=param_dtype, topology=topo, device=where,
                   host_memory=planned.host_memory, placement=placed.placement, gatherer=gatherer, units=units,
-                  reducer=reducer, stage3=stage3, host_step=host_step, loss_scaler=scaler, param_names=_names(module, units),
+                  reducer=reducer, stage3=stage3, host_step=host_step, loss_scaler=scaler, param_names=_names(module, units, frozen),
                   frozen=frozen)
     if where.type == "cuda":  # the module's own tensors left blocks the step's allocations rarely fit
         torch.cuda.empty_cache()
@@ -156,11 +158,13 @@ def _agree_and_plan(module: nn.Module, pol: Policies, param_dtype: torch.dtype, 
         shard_size = hybrid.shard_group_size(pol.sharding.group_size, comm.world(group)[1], ranks_per_node)
         activation_checkpoint.apply(module, pol.recompute)
         stage3 = isinstance(pol.sharding.units, ModuleUnits)
-        specs = unit_plan(module, trainable_parameters(module), pol.sharding.units,
-                          frozen_parts.shardable(module) if stage3 else ())
-        agreed.plan = describe_plan(module, specs)
+        frozen = frozen_parts.shardable(module) if stage3 else []
+        specs = unit_plan(module, trainable_parameters(module), pol.sharding.units, frozen)
+        own = frozen_only_specs(module, specs, frozen, pol.sharding.units) if isinstance(pol.sharding.units,
+                                                                                         ModuleUnits) else []
+        agreed.plan = describe_plan(module, [*specs, *own])
         host_memory = HostBudget(pol.offload, ranks_per_node)  # read before any rank allocates
-    return _Planned(specs, shard_size, host_memory)
+    return _Planned(specs, shard_size, host_memory, own)
 
 
 def _placement(planned: _Planned, pol: Policies, topo: Topology, device: torch.device,
@@ -191,12 +195,12 @@ def make_wire(layouts: list[UnitLayout], pol: Policies, topo: Topology, device: 
                 group_size=q.group_size, exact_numel=q.exact_numel, bucket_numel=q.gather_bucket_numel)
 
 
-def _units(module: nn.Module, specs: list[UnitSpec], placed: _Placed, gatherer: Gatherer, device: torch.device,
+def _units(module: nn.Module, planned: _Planned, placed: _Placed, gatherer: Gatherer, device: torch.device,
            param_dtype: torch.dtype, group: Optional[dist.ProcessGroup], rank: int,
            frozen: Optional[FrozenParts]) -> list[Unit]:
     part = None
     if frozen is not None:
-        index = {id(spec): k for k, spec in enumerate(s for s in specs if s.frozen)}
+        index = {id(spec): k for k, spec in enumerate(s for s in [*planned.specs, *planned.frozen_only] if s.frozen)}
         codec = frozen.codec
 
         def part(spec: UnitSpec, held: list[nn.Parameter]) -> Unit:
@@ -204,19 +208,22 @@ def _units(module: nn.Module, specs: list[UnitSpec], placed: _Placed, gatherer: 
             built = frozen_parts.build_part(k, held, codec.layouts[k], codec, module=spec.module, group=group,
                                             rank=rank)
             frozen.units.append(built)
+            if not spec.params:  # a part of its own: stored and freed now (its unit's is freed with the unit)
+                frozen.gatherer.free(built)
             return built
-    units = build_units(module, specs, placed.layouts, device=device, param_dtype=param_dtype, group=group,
+    units = build_units(module, planned.specs, placed.layouts, device=device, param_dtype=param_dtype, group=group,
                         adopt_master=placed.placement.adopt_master, on_built=gatherer.adopt, shard_rank=rank,
-                        frozen_part=part)
+                        frozen_part=part, frozen_only=planned.frozen_only)
     if frozen is not None:
         frozen.owner = {u.frozen.index: u for u in units if u.frozen is not None}
     return units
 
 
-def _frozen_parts(module: nn.Module, specs: list[UnitSpec], pol: Policies, topo: Topology,
+def _frozen_parts(module: nn.Module, planned: _Planned, pol: Policies, topo: Topology,
                   device: torch.device) -> FrozenParts:
     """The codec and gatherer of stage 3's frozen parts (built with their units, ``_units``)."""
     q = pol.quantization
+    specs = [*planned.specs, *planned.frozen_only]
     held = [p for spec in specs for p in spec.frozen]
     compute = held[0].dtype
     storage = pol.sharding.units.frozen_dtype if isinstance(pol.sharding.units, ModuleUnits) else None
@@ -230,17 +237,21 @@ def _frozen_parts(module: nn.Module, specs: list[UnitSpec], pol: Policies, topo:
     gatherer = Gatherer(codec, None, MasterAlias(), device, sync_persistent_on_build=False)  # type: ignore[arg-type]
     sharded = {id(p) for p in held}
     whole = sum(p.numel() for p in module.parameters() if not p.requires_grad and id(p) not in sharded)
-    owners = [i for i, spec in enumerate(specs) if spec.frozen]
-    need = FrozenNeed(codec.stored_bytes(), {i: layout.padded_numel * compute.itemsize
-                                             for i, layout in zip(owners, layouts)})
+    need = frozen_parts.need_of(planned.specs, codec, compute)
     return FrozenParts([], codec, gatherer, need, whole_numel=whole)
 
 
-def _names(module: nn.Module, units: list[Unit]) -> dict[int, str]:
+def _names(module: nn.Module, units: list[Unit], frozen: Optional[FrozenParts]) -> dict[int, str]:
     names = {id(p): name for name, p in module.named_parameters()}  # after materialization
     for unit in units:
         for p in [*unit.params, *(unit.frozen.params if unit.frozen is not None else ())]:
             p.__dict__["_zeroq_name"] = names.get(id(p), "?")  # named in FreedParameter's errors
+    own = [part for part in frozen.units if part.index not in frozen.owner] if frozen is not None else []
+    for part in own:  # a part of its own: gathered only around its module's forward
+        for p in part.params:
+            p.__dict__["_zeroq_name"] = (
+                f"{names.get(id(p), '?')} (frozen, sharded on its own; a model that reads it outside its module's "
+                f"forward keeps it whole with stage3_param_persistence_threshold={p.numel()})")
     return names
 
 
@@ -251,13 +262,14 @@ class _Hooks(NamedTuple):
 
 
 def _hooks(module: nn.Module, pol: Policies, topo: Topology, placed: _Placed, gatherer: Gatherer, units: list[Unit],
-           device: torch.device, param_dtype: torch.dtype) -> _Hooks:
+           device: torch.device, param_dtype: torch.dtype, frozen: Optional[FrozenParts]) -> _Hooks:
     """Stage 3's module hooks, the asynchronous host step and the gradient hooks, in that order."""
     stage3 = None
-    if placed.transient and isinstance(pol.sharding.units, ModuleUnits):  # transient units: stage 3's module units
+    own = [p for p in frozen.units if p.index not in frozen.owner] if frozen is not None else []
+    if (placed.transient or own) and isinstance(pol.sharding.units, ModuleUnits):  # stage 3's module units
         stage3 = Stage3Coordinator(gatherer, units, prefetch_depth=pol.sharding.units.prefetch_depth,
                                    reshard_after_forward=pol.sharding.units.reshard_after_forward,
-                                   names=_unit_names(module, units))
+                                   names=_unit_names(module, units), frozen_only=own)
     host_step = _host_step(module, pol, topo, placed, gatherer, units, device, param_dtype)
     reducer = Reducer(
         units,

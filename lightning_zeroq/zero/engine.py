@@ -234,11 +234,12 @@ class ZeroEngine:
             return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, Tensor) and t.device == parts.device)
 
         state = [v for s in (self.optimizer.state.values() if self.optimizer else ()) for v in s.values()]
+        frozen = parts.frozen.units if parts.frozen is not None else []
         transient = [u.flat.numel() * u.flat.element_size()
                      + (u.frozen.flat.numel() * u.frozen.flat.element_size() if u.frozen is not None else 0)
                      for u in parts.units if not u.persistent]
+        transient += [u.flat.numel() * u.flat.element_size() for u in frozen if u.index not in parts.frozen.owner]  # type: ignore[union-attr]
         store = parts.gatherer.store
-        frozen = parts.frozen.units if parts.frozen is not None else []
         sharded = {id(p) for u in frozen for p in u.params}
         return {
             "masters": on_device(u.master for u in parts.units),

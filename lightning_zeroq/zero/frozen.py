@@ -174,19 +174,26 @@ def frozen_layouts(specs: Sequence["UnitSpec"], world_size: int, align: int, sto
     return [make_layout([p.numel() for p in spec.frozen], world_size, align) for spec in specs if spec.frozen]
 
 
-def frozen_need(specs: Sequence["UnitSpec"], storage: Optional[str], world_size: int, rank: int, align: int, *,
-                group_size: int, exact_numel: int, bucket_numel: int) -> FrozenNeed:
-    """``FrozenNeed`` of the frozen parts the engine builds from ``specs`` (no tensor is made: meta models too)."""
-    held = [p for spec in specs for p in spec.frozen]
+def frozen_need(specs: Sequence["UnitSpec"], own: Sequence["UnitSpec"], storage: Optional[str], world_size: int,
+                rank: int, align: int, *, group_size: int, exact_numel: int, bucket_numel: int) -> FrozenNeed:
+    """``FrozenNeed`` of the frozen parts the engine builds from the units' ``specs`` and the parts of their own
+    (``own``), without making a tensor (meta models too)."""
+    held = [p for spec in [*specs, *own] for p in spec.frozen]
     if not held:
         return FrozenNeed(0, {})
     compute = held[0].dtype
-    layouts = frozen_layouts(specs, world_size, align, storage, group_size)
+    layouts = frozen_layouts([*specs, *own], world_size, align, storage, group_size)
     codec = FrozenCodec(storage, compute, layouts, rank=rank, group=None, device=torch.device("cpu"), on_host=False,
                         group_size=group_size, exact_numel=exact_numel, bucket_numel=bucket_numel)
+    return need_of(specs, codec, compute)
+
+
+def need_of(specs: Sequence["UnitSpec"], codec: FrozenCodec, compute: torch.dtype) -> FrozenNeed:
+    """``FrozenNeed`` of ``codec``'s parts: the first belong to the units of ``specs`` that hold frozen
+    parameters, in order; the rest are parts of their own."""
     owners = [i for i, spec in enumerate(specs) if spec.frozen]
-    return FrozenNeed(codec.stored_bytes(), {i: layout.padded_numel * compute.itemsize
-                                             for i, layout in zip(owners, layouts)})
+    sizes = [layout.padded_numel * compute.itemsize for layout in codec.layouts]
+    return FrozenNeed(codec.stored_bytes(), dict(zip(owners, sizes)), max(sizes[len(owners):], default=0))
 
 
 @torch.no_grad()
@@ -217,6 +224,8 @@ class FrozenNeed(NamedTuple):
     """The stored shards (on the device, or on the host with parameter offload)."""
     gathered_bytes: dict[int, int]
     """Per unit (the index of the unit whose frozen part it is): its frozen part's working buffer, gathered."""
+    own_gathered: int = 0
+    """The largest part of its own (no unit), gathered."""
 
 
 @dataclass(eq=False)

@@ -72,7 +72,8 @@ def check_module(call: str, module: Any, optional: bool = False) -> None:
 def gathered_parameters(parts: Parts, module: Optional[nn.Module] = None,
                         writeback: bool = False) -> Iterator[None]:
     ids = {id(p) for p in (module or parts.module).parameters()}
-    chosen = [u for u in parts.units if any(id(p) in ids for p in [*u.params, *_frozen_params(u)])]
+    chosen = [u for u in parts.units if any(id(p) in ids for p in u.params)]
+    held = [part for part in frozen_parts(parts) if any(id(p) in ids for p in part.params)]
     parts.reducer.wait()
     take_writes(parts, chosen)  # a write made before the block reaches the masters it gathers (fp32)
     # What the block writes goes into the gathered masters, not the working weights: marked on the way out.
@@ -84,9 +85,7 @@ def gathered_parameters(parts: Parts, module: Optional[nn.Module] = None,
         for p, slot, cls in zip(unit.params, unit.layout.slots, unit.param_classes):
             p.__class__ = cls
             p.data = full[slot.span].view(p.shape)
-    held = [u for u in chosen if u.frozen is not None]
-    for unit in held:
-        frozen_gather(parts, unit)  # the frozen part's own values: gathered as a forward gathers them
+    was = [frozen_gather(parts, part) for part in held]  # their own values, gathered as a forward gathers them
     ok = False
     try:
         yield
@@ -94,13 +93,13 @@ def gathered_parameters(parts: Parts, module: Optional[nn.Module] = None,
     finally:
         if ok and writeback:
             rank = comm.world(parts.group)[0]
-            for unit in held:
-                frozen_store(parts, unit)
+            for part in held:
+                frozen_store(parts, part)
             for unit in parts.placement.resident(chosen):
                 unit.master.copy_(fulls[unit.index][unit.layout.shard_span(rank)])
                 parts.gatherer.publish(unit)
-        for unit in held:
-            frozen_release(parts, unit)
+        for part, sharded in zip(held, was):
+            frozen_release(parts, part, sharded)
         for unit in chosen:
             if unit.state is UnitState.SHARDED:
                 unit.release_storage()
@@ -111,32 +110,38 @@ def gathered_parameters(parts: Parts, module: Optional[nn.Module] = None,
                 unit.marks = tuple(now - back for now, back in zip(unit.versions(), owed[unit.index]))
 
 
-def _frozen_params(unit: Unit) -> list[nn.Parameter]:
-    return unit.frozen.params if unit.frozen is not None else []
+def frozen_parts(parts: Parts) -> list[Unit]:
+    """Stage 3's frozen parts (``frozen.py``): those of units and those of modules with nothing to train."""
+    return parts.frozen.units if parts.frozen is not None else []
 
 
-def frozen_gather(parts: Parts, unit: Unit) -> None:
-    """Collective: ``unit``'s frozen part gathered (its parameters hold their values) until ``frozen_release``."""
-    assert parts.frozen is not None and unit.frozen is not None
-    parts.frozen.gatherer.gather(unit.frozen)
+def frozen_gather(parts: Parts, part: Unit) -> bool:
+    """Collective: a frozen part gathered (its parameters hold their values) until ``frozen_release``; returns
+    whether it was sharded before."""
+    assert parts.frozen is not None
+    was = part.state is UnitState.SHARDED
+    parts.frozen.gatherer.gather(part)
+    return was
 
 
-def frozen_store(parts: Parts, unit: Unit) -> None:
+def frozen_store(parts: Parts, part: Unit) -> None:
     """What the gathered frozen part holds now becomes its stored shard (each rank its own)."""
-    assert parts.frozen is not None and unit.frozen is not None
-    part = unit.frozen
+    assert parts.frozen is not None
     parts.frozen.codec.store(part, part.flat[part.layout.shard_span(comm.world(parts.group)[0])])
     if not parts.frozen.codec.exact:
         parts.frozen.gatherer.free(part)  # what a gather makes of what rests
 
 
-def frozen_release(parts: Parts, unit: Unit) -> None:
-    """Free ``unit``'s frozen part again, unless the unit itself is gathered (in use)."""
-    assert parts.frozen is not None and unit.frozen is not None
-    if unit.state is UnitState.SHARDED:
-        parts.frozen.gatherer.free(unit.frozen)
-    elif unit.frozen.state is UnitState.SHARDED:
-        parts.frozen.gatherer.gather(unit.frozen)
+def frozen_release(parts: Parts, part: Unit, was_sharded: bool) -> None:
+    """Free a frozen part again, unless what uses it holds it gathered: its unit (in use), or, for a part of
+    its own, whoever had gathered it before ``frozen_gather``."""
+    assert parts.frozen is not None
+    owner = parts.frozen.owner.get(part.index)
+    keep = owner.state is not UnitState.SHARDED if owner is not None else not was_sharded
+    if not keep:
+        parts.frozen.gatherer.free(part)
+    elif part.state is UnitState.SHARDED:
+        parts.frozen.gatherer.gather(part)
 
 
 def takes_writes(parts: Parts) -> bool:
@@ -210,14 +215,13 @@ def release_module(parts: Parts, dtype: Optional[torch.dtype] = None,
             p.data = full[slot.span].view(p.shape).to(device=target, dtype=dtype or own, copy=True)
         unit.flat = unit.grad = torch.empty(0, device=parts.device)
         unit.state = UnitState.SHARDED
-        if unit.frozen is not None:  # the frozen part: whole again, in its own dtype
-            part = unit.frozen
-            frozen_gather(parts, unit)
-            for p, slot, cls in zip(part.params, part.layout.slots, part.param_classes):
-                p.__class__ = cls
-                p.data = part.flat[slot.span].view(p.shape).to(device=target, copy=True)
-            part.flat = torch.empty(0, device=parts.device)
-            part.state = UnitState.SHARDED
+    for part in frozen_parts(parts):  # whole again, in their own dtype
+        frozen_gather(parts, part)
+        for p, slot, cls in zip(part.params, part.layout.slots, part.param_classes):
+            p.__class__ = cls
+            p.data = part.flat[slot.span].view(p.shape).to(device=target, copy=True)
+        part.flat = torch.empty(0, device=parts.device)
+        part.state = UnitState.SHARDED
     parts.gatherer.close()
     parts.gatherer.store = None
 

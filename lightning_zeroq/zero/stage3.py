@@ -34,6 +34,11 @@ comes later, the last input's hook frees it. Inputs that need no gradient (the f
 embedding) leave nothing to wait for: every node that reads the frozen weights then leads to a trainable
 parameter of the unit, whose gradient completes after it.
 
+A frozen part of its own (a block with nothing to train, a frozen embedding or head: ``unit_plan.frozen_only_specs``)
+has no unit and no reducer: its module's pre-hook gathers it, its post-hook frees it (unless an output needs a
+gradient and ``reshard_after_forward=False``) and hooks the outputs that need one, which gather it again for the
+backward; the last of its inputs' gradients frees it, or the end of the backward does.
+
 Activation checkpointing recomputes a forward inside the backward: there the pre-hook only gathers
 the unit (orders and prefetch untouched) and the post-hook keeps it gathered for its gradients.
 
@@ -65,7 +70,8 @@ class Stage3Coordinator:
     """
 
     def __init__(self, gatherer: Gatherer, units: Sequence[Unit], *, prefetch_depth: int,
-                 reshard_after_forward: bool, names: Optional[dict[int, str]] = None) -> None:
+                 reshard_after_forward: bool, names: Optional[dict[int, str]] = None,
+                 frozen_only: Sequence[Unit] = ()) -> None:
         self.gatherer = gatherer
         gatherer.names = dict(names or {})
         # The first step's gathers (forward and backward, a block used twice) are checked across ranks; the
@@ -85,13 +91,21 @@ class Stage3Coordinator:
         self._inputs: dict[int, int] = {}
         """Units with a frozen part: the gradients for their modules' inputs still to come in this backward."""
         self._handles = []
-        check_guards_in_full(m for unit in units if unit.module is not None for m in unit.module.modules())
+        self.frozen_only = list(frozen_only)
+        self._frozen_inputs: dict[int, int] = {}
+        """Frozen parts of their own: the gradients for their modules' inputs still to come in this backward."""
+        check_guards_in_full(m for unit in [*units, *frozen_only] if unit.module is not None
+                             for m in unit.module.modules())
         for unit in units:
             if unit.persistent:
                 continue
             assert unit.module is not None
             self._handles.append(unit.module.register_forward_pre_hook(EagerHook(self, "_pre_forward", unit)))
             self._handles.append(unit.module.register_forward_hook(EagerHook(self, "_post_forward", unit)))
+        for part in self.frozen_only:
+            assert part.module is not None
+            self._handles.append(part.module.register_forward_pre_hook(EagerHook(self, "_frozen_pre_forward", part)))
+            self._handles.append(part.module.register_forward_hook(EagerHook(self, "_frozen_post_forward", part)))
 
     def _use(self, unit: Unit, backward: bool) -> None:
         """Gather ``unit`` for use now; learn the order; prefetch the unit expected next."""
@@ -165,6 +179,9 @@ class Stage3Coordinator:
         self._prefetched = []
         self._forward = {}
         self._inputs = {}
+        self._frozen_inputs = {}
+        for part in self.frozen_only:
+            self._frozen().free(part)
 
     # Hooks (installed as ``EagerHook``s).
 
@@ -193,6 +210,39 @@ class Stage3Coordinator:
 
     def _pre_backward(self, unit: Unit, grad: torch.Tensor) -> None:
         self._use(unit, backward=True)
+
+    # Frozen parts of their own (a frozen block, embedding or head): gathered around their module's forward,
+    # again for its backward when an output needs a gradient, and freed once its inputs have theirs (or when
+    # the backward ends); not in the learned order, so not prefetched.
+
+    def _frozen(self) -> Gatherer:
+        assert self.gatherer.frozen is not None
+        return self.gatherer.frozen
+
+    def _frozen_pre_forward(self, part: Unit, module: nn.Module, args: Any) -> None:
+        self._frozen().gather(part)
+        if torch.is_grad_enabled() and not _in_backward():
+            for t in tree_flatten(args)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    self._frozen_inputs[part.index] = self._frozen_inputs.get(part.index, 0) + 1
+                    t.register_hook(EagerHook(self, "_frozen_input_grad", part))
+
+    def _frozen_post_forward(self, part: Unit, module: nn.Module, args: Any, output: Any) -> None:
+        if _in_backward():
+            return  # a recomputation: kept until its inputs have their gradients
+        needs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if self.reshard_after_forward or not needs or not torch.is_grad_enabled():
+            self._frozen().free(part)
+        for t in needs if torch.is_grad_enabled() else ():
+            t.register_hook(EagerHook(self, "_frozen_pre_backward", part))
+
+    def _frozen_pre_backward(self, part: Unit, grad: torch.Tensor) -> None:
+        self._frozen().gather(part)
+
+    def _frozen_input_grad(self, part: Unit, grad: torch.Tensor) -> None:
+        left = self._frozen_inputs[part.index] = self._frozen_inputs.get(part.index, 0) - 1
+        if left <= 0:
+            self._frozen().free(part)
 
     def close(self) -> None:
         for h in self._handles:

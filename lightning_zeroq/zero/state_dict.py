@@ -367,16 +367,14 @@ def full_state_dict(parts: Parts, rank0_only: bool = False) -> dict[str, Tensor]
             for name in names.get(id(p), []):
                 out[name] = value
         del full
-    for unit in parts.units:  # stage 3's frozen parts: gathered as a forward gathers them (collective)
-        if unit.frozen is None:
-            continue
-        full_params.frozen_gather(parts, unit)
+    for part in full_params.frozen_parts(parts):  # gathered as a forward gathers them (collective)
+        was = full_params.frozen_gather(parts, part)
         if not rank0_only or parts.rank == 0:
-            for p, slot in zip(unit.frozen.params, unit.frozen.layout.slots):
-                value = unit.frozen.flat[slot.span].view(p.shape).float().cpu().clone()
+            for p, slot in zip(part.params, part.layout.slots):
+                value = part.flat[slot.span].view(p.shape).float().cpu().clone()
                 for name in names.get(id(p), []):
                     out[name] = value
-        full_params.frozen_release(parts, unit)
+        full_params.frozen_release(parts, part, was)
     if rank0_only and parts.rank != 0:
         return {}
     for name, p in parts.module.named_parameters(remove_duplicate=False):
@@ -397,8 +395,7 @@ def load_full_state_dict(parts: Parts, state: dict[str, Tensor]) -> set[str]:
     for unit in parts.units:
         for i, p in enumerate(unit.params):
             names_of[unit.index][i] = every_name.get(id(p), [])
-    frozen = [(u.frozen, p, every_name.get(id(p), [])) for u in parts.units if u.frozen is not None
-              for p in u.frozen.params]
+    frozen = [(part, p, every_name.get(id(p), [])) for part in full_params.frozen_parts(parts) for p in part.params]
     for shape, names in [*((p.shape, every_name.get(id(p), [])) for u in parts.units for p in u.params),
                          *((p.shape, names) for _, p, names in frozen)]:
         managed.update(names)

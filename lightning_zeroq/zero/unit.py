@@ -272,6 +272,7 @@ def build_units(
     on_built: Callable[[Unit], None],
     shard_rank: Optional[int] = None,
     frozen_part: Optional[Callable[[UnitSpec, list[nn.Parameter]], Unit]] = None,
+    frozen_only: Sequence[UnitSpec] = (),
 ) -> list[Unit]:
     """Flatten, broadcast from rank 0 and shard each unit, one at a time (bounded memory).
 
@@ -280,7 +281,7 @@ def build_units(
     transient unit there, before the next one is materialized). ``shard_rank``: which shard this rank
     keeps (default: its rank in ``group``; with hybrid groups its rank in its shard group, while the
     broadcast spans all of ``group``). ``frozen_part`` builds a unit's frozen part (``frozen.py``) from the
-    spec's frozen parameters, materialized with the unit's.
+    spec's frozen parameters, materialized with the unit's, and the parts of their own (``frozen_only``) last.
     """
     rank, world_size = comm.world(group)
     rank = rank if shard_rank is None else shard_rank
@@ -327,6 +328,11 @@ def build_units(
         units.append(unit)
         on_built(unit)
         next_id += len(params)
+    for spec in frozen_only:  # frozen parts of their own, after the units
+        assert frozen_part is not None, "frozen parts of their own need frozen_part"
+        held = list(spec.frozen)
+        materialize_meta_params(module, held, device, renamed)
+        frozen_part(spec, held)
     return units
 
 

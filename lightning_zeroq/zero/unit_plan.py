@@ -15,7 +15,9 @@ ends of every step).
 Frozen parameters (``frozen``: those ``frozen.shardable`` picked) join the unit of the module that holds them,
 as its frozen part (``frozen.py``), when that unit holds trainable parameters too. Such a unit keeps its small
 trainable parameters (a LoRA block's factors sit below the persistence threshold): the block, base and
-adapters, is one unit, gathered and freed together. The others stay whole (no unit to ride with).
+adapters, is one unit, gathered and freed together. Frozen parameters left over form parts of their own
+(``frozen_only_specs``): a repeated block with nothing to train, a large frozen module such as an embedding
+or a head; they are gathered around their module's forward (and backward) by ``stage3.py``, without prefetch.
 """
 
 from __future__ import annotations
@@ -131,6 +133,49 @@ def plan_module_units(
     if small:
         specs.append(UnitSpec(small, None, True))
     return specs
+
+
+def frozen_only_specs(module: nn.Module, specs: Sequence[UnitSpec], frozen: Sequence[nn.Parameter],
+                      units: ModuleUnits) -> list[UnitSpec]:
+    """Stage 3: the frozen parameters no unit took, in parts of their own (``frozen.py``): each repeated block
+    (or instance of ``stage3_wrap_classes``) with nothing to train, whole; then each other module whose own
+    frozen parameters hold more than ``stage3_param_persistence_threshold`` elements (a frozen embedding or
+    head). A parameter shared with a module outside stays whole, as do the small ones."""
+    taken = {id(p) for spec in specs for p in [*spec.params, *spec.frozen]}
+    left = [p for p in frozen if id(p) not in taken]
+    if not left:
+        return []
+    is_left = {id(p) for p in left}
+    owners: dict[int, list[nn.Module]] = {}
+    for m in module.modules():
+        for p in m.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(m)
+    classes = set() if units.unit_size and not units.wrap_classes else (
+        {type(m) for m in module.modules() if type(m).__name__ in units.wrap_classes} if units.wrap_classes
+        else auto_wrap_classes(module))
+    out: list[UnitSpec] = []
+
+    def own(m: nn.Module, recurse: bool) -> list[nn.Parameter]:
+        inside = {id(x) for x in m.modules()} if recurse else {id(m)}
+        held = [p for p in m.parameters(recurse=recurse)
+                if id(p) in is_left and id(p) not in taken and all(id(o) in inside for o in owners[id(p)])]
+        taken.update(id(p) for p in held)
+        return held
+
+    for m in module.modules():
+        if type(m) in classes and m is not module and not any(p.requires_grad for p in m.parameters()):
+            held = own(m, recurse=True)
+            if held:
+                out.append(UnitSpec([], m, False, held))
+    for m in module.modules():
+        if m is module:
+            continue
+        mine = [p for p in m.parameters(recurse=False) if id(p) in is_left and id(p) not in taken]
+        if sum(p.numel() for p in mine) > units.persistence_threshold:
+            held = own(m, recurse=False)
+            if held:
+                out.append(UnitSpec([], m, False, held))
+    return out
 
 
 def _post_order(module: nn.Module) -> list[nn.Module]:

@@ -61,8 +61,8 @@ def device_kinds(layouts: Sequence[UnitLayout], persistent: Sequence[bool], offl
         "optimizer_state": state_bytes * sum(seg.numel for i in device_units for seg in layouts[i].segments(rank)),
         "persistent_units": sum(layouts[i].padded_numel * itemsize for i in range(n) if persistent[i]),
         "stored_shards": stored,
-        "gathered_units": 2 * max((layouts[i].padded_numel * itemsize + frozen.gathered_bytes.get(i, 0)
-                                   for i in transient), default=0),
+        "gathered_units": 2 * max([frozen.own_gathered, *(layouts[i].padded_numel * itemsize
+                                                          + frozen.gathered_bytes.get(i, 0) for i in transient)]),
         "frozen_shards": frozen.stored_bytes if isinstance(offload.parameters, OnDevice) else 0,
     }
 

@@ -13,12 +13,16 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_zeroq import gathered_parameters
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.zero.engine import ZeroEngine
-from tests.models import VOCAB, LoraModel, frozen_bytes_at_rest, make_batch
+from tests.models import VOCAB, FrozenTowerModel, LoraModel, frozen_bytes_at_rest, make_batch
 
 pytestmark = pytest.mark.launch
 
 OFFLOAD = {
     "none": {},
+    # A frozen block with nothing to train, the embedding and the head in parts of their own (threshold 500).
+    "own_parts": {"stage3_param_persistence_threshold": 500},
+    "own_parts_offload": {"stage3_param_persistence_threshold": 500, "offload_optimizer": True,
+                          "offload_parameters": True, "reshard_after_forward": False},
     "params_optimizer_cpu": {"offload_optimizer": True, "offload_parameters": True},
     "optimizer_cpu_async": {"offload_optimizer": True, "offload_parameters": True, "offload_async_step": True},
 }
@@ -47,7 +51,7 @@ def _parity(offload: str, managed: bool, clip: float, device: str = "cpu") -> di
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = _device(device)
     torch.manual_seed(7 + rank)  # different per rank: the engine starts from rank 0's, as DDP does
-    model = LoraModel().to(dev)
+    model = (FrozenTowerModel() if offload.startswith("own_parts") else LoraModel()).to(dev)
     ref = copy.deepcopy(model)
     ddp = DistributedDataParallel(ref, device_ids=[dev.index] if dev.type == "cuda" else None)
     base_before = {n: p.detach().clone() for n, p in ref.named_parameters() if not p.requires_grad}
@@ -56,9 +60,14 @@ def _parity(offload: str, managed: bool, clip: float, device: str = "cpu") -> di
     engine = ZeroEngine(model, ZeroConfig(stage=3, managed_gradient_accumulation=managed, **OFFLOAD[offload]))
     engine.attach_optimizer(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, eps=1e-3))
     frozen = engine.parts.frozen
-    assert frozen is not None and len(frozen.units) == len(model.blocks)
+    own = offload.startswith("own_parts")  # the tower block, the embedding and the head: parts of their own
+    assert frozen is not None and len(frozen.units) == len(model.blocks) + (2 if own else 0)
+    assert sum(u.index not in frozen.owner for u in frozen.units) == (3 if own else 0)
     held, whole = frozen_bytes_at_rest(model, engine)
     root = whole - _block_bytes(model)  # the embedding and head: no unit to ride with, whole on every rank
+    if own:  # all but the final norm and the biases below the threshold: sharded
+        root = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                   if not p.requires_grad and p.numel() <= 500 and not n.startswith("blocks"))
     on_device = engine.memory_report()["frozen_shards"]
     if "offload_parameters" in OFFLOAD[offload] and dev.type == "cuda":  # every stored shard pinned on the host
         assert on_device == 0 and all(u.master.is_pinned() for u in frozen.units), on_device
