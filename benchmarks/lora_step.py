@@ -311,6 +311,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--no-repeat", action="store_true", help="each arm once (no reverse pass)")
+    parser.add_argument("--no-warm", action="store_true", help="no warm-up run of the first arm")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # one arm run, in this process
     args = parser.parse_args()
     arms = args.arms.split(",")
@@ -318,7 +319,7 @@ def main() -> None:
         if arm.split("+")[0] not in ARMS:
             raise SystemExit(f"unknown arm {arm!r}: use {sorted(ARMS)} with +offload (+int8 for zeroq3)")
     if args.one is None:
-        order = [arms[0] + ":warm"] + arms + ([] if args.no_repeat else arms[::-1])
+        order = ([] if args.no_warm else [arms[0] + ":warm"]) + arms + ([] if args.no_repeat else arms[::-1])
         for entry in order:
             command = [sys.executable, __file__, *sys.argv[1:], "--one", entry]
             done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **ONE_RANK,
