@@ -226,6 +226,37 @@ def add_layers(module: Any, cfg: GPTConfig) -> None:
                 nn.init.normal_(param, mean=0.0, std=std)
 
 
+class LoRALinear(nn.Module):
+    """A frozen ``nn.Linear`` (``base``) plus trainable low-rank factors: ``base(x) + (alpha / rank) B A x``,
+    with ``A`` drawn as Kaiming's uniform and ``B`` zero, so the model starts as the base (LoRA, Hu et al.)."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float) -> None:
+        super().__init__()
+        self.base = base
+        base.requires_grad_(False)
+        self.scaling = alpha / rank
+        self.lora_a = nn.Parameter(torch.empty(rank, base.in_features, device=base.weight.device))
+        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank, device=base.weight.device))
+        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.base(x) + self.scaling * F.linear(F.linear(x, self.lora_a), self.lora_b)
+
+
+def add_lora(model: nn.Module, rank: int, alpha: float) -> nn.Module:
+    """Freeze ``model`` and wrap every ``nn.Linear`` inside its blocks in a ``LoRALinear`` (the parameter names
+    become ``blocks.0.attn.qkv.base.weight``, ``...qkv.lora_a``): only the factors train."""
+    check_int("add_lora", "rank", rank, 1)
+    model.requires_grad_(False)
+    blocks: Any = model.blocks
+    for block in blocks:
+        for parent in list(block.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(parent, name, LoRALinear(child, rank, alpha))
+    return model
+
+
 def logits(module: Any, cfg: GPTConfig, idx: Tensor) -> Tensor:
     """The forward pass of the layers ``add_layers`` put on ``module``: logits for token ids ``idx``."""
     x = module.tok_emb(idx)

@@ -154,7 +154,7 @@ def _with_common_fields(args: argparse.Namespace, parser: argparse.ArgumentParse
         common["quantized_weights"] = True
     if not common:
         return configs
-    return [(name, {**fields, **common}) for name, fields in (configs or candidates(args.nvme_path))]
+    return [(name, {**fields, **common}) for name, fields in (configs or candidates(args.nvme_path, args.model is not None))]
 
 
 def gpt_on_meta(cfg: GPTConfig, batch: int, seq: int, dtype: torch.dtype) -> tuple[GPTModel, Any]:
@@ -439,6 +439,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                            ("disk", machine.nvme_bytes)) if v is not None)
     size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.2f}M"
     shown = f"{count:,}" if args.model is not None else f"{args.batch} x {args.seq}"
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    if frozen:
+        size += f" ({frozen / params:.1%} frozen: stage 3 shards them, in their own dtype or frozen_int8's INT8)"
     print(f"{size} parameters, {shown} tokens per micro-batch and rank, world size "
           f"{args.world_size}; machine: {known or 'memory unknown (nothing checked)'}; per rank, "
           f"{precision} ({SHORT[dtype]} weights), AdamW:\n")

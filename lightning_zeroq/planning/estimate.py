@@ -405,9 +405,11 @@ def _shards(model: nn.Module, policies: Policies, specs: Sequence[UnitSpec], wor
     return layouts, rank, {i: (layouts[i].shard_numel, param_dtype) for i in transient}, frozen
 
 
-def candidates(nvme_path: Optional[str] = None) -> list[tuple[str, dict[str, Any]]]:
+def candidates(nvme_path: Optional[str] = None, frozen: bool = False) -> list[tuple[str, dict[str, Any]]]:
     """The configurations a plan compares: stages 1-3 without offload, with half and all of the
-    optimizer on the host, stage 3 with parameters too, and NVMe where a path is given."""
+    optimizer on the host, stage 3 with parameters too, and NVMe where a path is given; for a model with
+    frozen parameters (``frozen``: a LoRA fine-tune) also stage 3 with the frozen base stored as INT8
+    (``frozen_dtype="int8"``), on the device and on the host."""
     out: list[tuple[str, dict[str, Any]]] = [(f"zeroq{s}", {"stage": s}) for s in (1, 2, 3)]
     for s in (1, 2, 3):
         out.append((f"zeroq{s}+optimizer_half_cpu", {"stage": s, "offload_optimizer": True, "offload_optimizer_ratio": 0.5}))
@@ -419,6 +421,10 @@ def candidates(nvme_path: Optional[str] = None) -> list[tuple[str, dict[str, Any
         out.append(("zeroq3+params_cpu_optimizer_nvme_half", {"stage": 3, **nvme, "offload_parameters": True,
                                                                "offload_optimizer_nvme_ratio": 0.5}))
         out.append(("zeroq3+params_cpu_optimizer_nvme", {"stage": 3, **nvme, "offload_parameters": True}))
+    if frozen:
+        out.append(("zeroq3+frozen_int8", {"stage": 3, "frozen_dtype": "int8"}))
+        out.append(("zeroq3+params_optimizer_cpu+frozen_int8", {"stage": 3, "offload_optimizer": True,
+                                                                 "offload_parameters": True, "frozen_dtype": "int8"}))
     return out
 
 
@@ -456,7 +462,9 @@ def estimate_config(model: nn.Module, config: ZeroConfig, activations: Activatio
     if machine.runtime_host_bytes:
         host.parts["CUDA runtime and libraries"] = machine.runtime_host_bytes
     nvme = _nvme_bytes(policies, layouts, specs, param_dtype, state_bytes, payload)
-    step = _step_seconds(policies, layouts, specs, activations, device["masters"] // 4, host.host_elements, nvme, tokens, checkpointing, machine, param_dtype)
+    step = _step_seconds(policies, layouts, specs, activations, device["masters"] // 4, host.host_elements, nvme, tokens,
+                         checkpointing, machine, param_dtype, sum(p.numel() for p in model.parameters() if not p.requires_grad),
+                         frozen.stored_bytes)
     why = []
     peak = peak_allocated(device)
     reserved = int(peak * machine.reserved_per_allocated) + machine.reserved_overhead_bytes
@@ -490,16 +498,19 @@ def _engine_passes(policies: Policies, layouts: Sequence[UnitLayout], specs: Seq
 
 def _step_seconds(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequence[UnitSpec], activations: Activations,
                   device_elements: int, host_elements: int,
-                  nvme_bytes: int, tokens: int, checkpointing: float, machine: Machine, param_dtype: torch.dtype) -> float:
+                  nvme_bytes: int, tokens: int, checkpointing: float, machine: Machine, param_dtype: torch.dtype,
+                  frozen_numel: int = 0, frozen_stored: int = 0) -> float:
     """The larger of the compute (the model's, and the engine's own passes over device memory) and what
     crosses PCIe beside it (gradients landing, stage 3's parameters coming up), plus the optimizer step
     on the device (``device_elements``, memory bound) and on the host, the new weights going up as it
-    goes (one unit's copy after it), and NVMe traffic (``nvme_bytes`` read and written)."""
+    goes (one unit's copy after it), and NVMe traffic (``nvme_bytes`` read and written). Frozen parameters
+    (``frozen_numel``) cost 4 FLOPs per element and token (forward, and the gradient of their input), and with
+    parameter offload their stored shards (``frozen_stored`` bytes) cross PCIe twice a step."""
     params = sum(layout.numel for layout in layouts)
-    compute = (6 + 2 * checkpointing) * params * tokens / machine.matmul_flops
+    compute = ((6 + 2 * checkpointing) * params + (4 + 2 * checkpointing) * frozen_numel) * tokens / machine.matmul_flops
     if machine.block_seconds is not None and activations.blocks:
         forward, both = machine.block_seconds
-        outside = max(0, params - activations.block_numel)
+        outside = max(0, params + frozen_numel - activations.block_numel)
         compute = activations.blocks * (both + checkpointing * forward) + 6 * outside * tokens / machine.matmul_flops
     host_step = host_elements / machine.host_step_elements_per_s
     host = host_step + device_elements * DEVICE_STEP_BYTES / machine.device_bytes_per_s  # the device's part too
@@ -519,6 +530,7 @@ def _step_seconds(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequ
         transient = [i for i in range(len(layouts)) if not specs[i].persistent]
         beside += 2 * param_dtype.itemsize * sum(layouts[i].shard_numel for i in transient)  # forward and backward
         after += param_dtype.itemsize * sum(layouts[i].shard_numel for i in transient if i not in off)  # to the host
+        beside += 2 * frozen_stored  # the frozen shards, forward and backward
     nvme = 2 * nvme_bytes / machine.nvme_bytes_per_s
     return max(compute, beside / machine.pcie_bytes_per_s) + host + after / machine.pcie_bytes_per_s + nvme
 
@@ -561,7 +573,8 @@ def estimate_training(model: nn.Module, forward: Callable[[nn.Module], Tensor], 
                      f"{machine.device_bytes_per_s / 1e12:.2f} TB/s, PCIe {machine.pcie_bytes_per_s / 1e9:.1f} GB/s)")
     needs = []
     checkpoint = (False, True) if blocks and not activations.self_checkpointed else (False,)
-    for name, fields in (configs if configs is not None else candidates(nvme_path)):
+    has_frozen = any(not p.requires_grad for p in model.parameters())
+    for name, fields in (configs if configs is not None else candidates(nvme_path, has_frozen)):
         config = ZeroConfig(**fields)
         for checkpointing in checkpoint:
             needs.append(estimate_config(model, config, activations, name=name + ("+checkpointing" if checkpointing else ""),

@@ -111,8 +111,9 @@ def gathered_parameters(parts: Parts, module: Optional[nn.Module] = None,
 
 
 def frozen_parts(parts: Parts) -> list[Unit]:
-    """Stage 3's frozen parts (``frozen.py``): those of units and those of modules with nothing to train."""
-    return parts.frozen.units if parts.frozen is not None else []
+    """Stage 3's frozen parts (``frozen.py``): those of units and those of modules with nothing to train; none
+    once the module is handed back (``release_module`` made their parameters whole again)."""
+    return parts.frozen.units if parts.frozen is not None and not parts.retired else []
 
 
 def frozen_gather(parts: Parts, part: Unit) -> bool:

@@ -196,7 +196,7 @@ class ShardedView:
         self.frozen: list[ParamView] = []
         """Stage 3's frozen parameters (``frozen.py``): this rank's range of each, in its own dtype; no group."""
         self._decoded: dict[int, Tensor] = {}
-        for part in parts.frozen.units if parts.frozen is not None else []:
+        for part in full_params.frozen_parts(parts):  # (once handed back, the module holds them whole)
             for seg in part.segments:
                 p = part.params[seg.param]
                 pv = ParamView(names[id(p)], p.shape, None, None)
@@ -208,7 +208,7 @@ class ShardedView:
             for i, p in enumerate(part.params):  # a parameter with no element here is named all the same
                 if not any(seg.param == i for seg in part.segments):
                     self.frozen.append(ParamView(names[id(p)], p.shape, None, None))
-        self.params += self.frozen
+        self.params[:0] = self.frozen  # first: a walk's order (their ``Part.order`` is -1)
         self._by_view = {id(pv._view): pv for pv in self.params if pv._view is not None}
         self.managed = {n for pv in self.params for n in pv.names}
 
@@ -229,7 +229,7 @@ class ShardedView:
         frozen = self._parts.frozen
         if frozen is None:
             return
-        for part in frozen.units:
+        for part in full_params.frozen_parts(self._parts):
             if part.index in self._decoded:
                 frozen.codec.store(part, self._decoded.pop(part.index))
             frozen.gatherer.free(part)
