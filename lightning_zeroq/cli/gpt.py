@@ -236,8 +236,14 @@ class LoRALinear(nn.Module):
         base.requires_grad_(False)
         self.scaling = alpha / rank
         self.lora_a = nn.Parameter(torch.empty(rank, base.in_features, device=base.weight.device))
-        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank, device=base.weight.device))
+        self.lora_b = nn.Parameter(torch.empty(base.out_features, rank, device=base.weight.device))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The factors' initial values (the base keeps its own ``reset_parameters``): also what stage 3 runs
+        when it materializes a model built on the meta device."""
         nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_b)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.base(x) + self.scaling * F.linear(F.linear(x, self.lora_a), self.lora_b)
