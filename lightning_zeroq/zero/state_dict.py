@@ -368,7 +368,7 @@ def full_state_dict(parts: Parts, rank0_only: bool = False) -> dict[str, Tensor]
                 out[name] = value
         del full
     for unit in parts.units:  # stage 3's frozen parts: gathered as a forward gathers them (collective)
-        if unit.frozen is None:
+        if unit.frozen is None or parts.retired:  # a released module holds its frozen parameters whole (below)
             continue
         full_params.frozen_gather(parts, unit)
         if not rank0_only or parts.rank == 0:
