@@ -160,12 +160,12 @@ class LoraLinear(nn.Module):
 
 
 class LoraBlock(nn.Module):
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, rank: int = 4) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(dim)
         self.norm.requires_grad_(False)
-        self.attn = LoraLinear(dim, dim)
-        self.ff = LoraLinear(dim, 2 * dim)
+        self.attn = LoraLinear(dim, dim, rank)
+        self.ff = LoraLinear(dim, 2 * dim, rank)
         self.out = nn.Linear(2 * dim, dim)
         self.out.requires_grad_(False)
 
@@ -177,11 +177,11 @@ class LoraBlock(nn.Module):
 class LoraModel(nn.Module):
     """A fine-tuning model: a frozen embedding and head, blocks whose frozen base carries LoRA factors."""
 
-    def __init__(self, dim: int = 32, blocks: int = 3) -> None:
+    def __init__(self, dim: int = 32, blocks: int = 3, rank: int = 4) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, dim)
         self.embed.requires_grad_(False)
-        self.blocks = nn.ModuleList(LoraBlock(dim) for _ in range(blocks))
+        self.blocks = nn.ModuleList(LoraBlock(dim, rank) for _ in range(blocks))
         self.head = nn.Linear(dim, VOCAB)
         self.head.requires_grad_(False)
 

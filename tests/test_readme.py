@@ -186,8 +186,8 @@ def test_every_option_in_the_table_exists_with_its_documented_default():
 
 
 def test_the_strategy_arguments_defaults_in_the_options_prose():
-    """The defaults the options section states in prose (``timeout``, ``start_method``, ``async_checkpoint``) are
-    the signatures' defaults."""
+    """The defaults the options section states in prose (``timeout``, ``start_method``, ``async_checkpoint``,
+    ``exclude_frozen_parameters``) are the signatures' defaults."""
     options = _section("Options")
     signature = inspect.signature(ZeroQStrategy.__init__).parameters
     fabric = inspect.signature(ZeroQFabricStrategy.__init__).parameters
@@ -198,6 +198,10 @@ def test_the_strategy_arguments_defaults_in_the_options_prose():
     assert start is not None and signature["start_method"].default == start.group(1)
     asynchronous = re.search(r"`async_checkpoint` \(default (\w+)", options)
     assert asynchronous is not None and signature["async_checkpoint"].default is ast.literal_eval(asynchronous.group(1))
+    exclude = re.search(r"`exclude_frozen_parameters` \(default (\w+)", options)
+    assert exclude is not None
+    assert signature["exclude_frozen_parameters"].default is fabric["exclude_frozen_parameters"].default is \
+        ast.literal_eval(exclude.group(1))
 
 
 def _test_commands(page: Path) -> list[str]:

@@ -55,9 +55,11 @@ def with_engine_state(engine: Optional[ShardedParts], trainer_state: dict) -> di
     return {**trainer_state, ENGINE_KEY: {"loss_scaler": engine.loss_scaler.state_dict()}}
 
 
-def save(engine: ShardedParts, path: Path, state: dict, trainer_state: dict, checkpointer: Checkpointer) -> None:
-    """Collective: ``state`` (the engine's sharded entries) and ``trainer_state`` (JSON) to ``path``."""
-    save_state(engine, path, state, with_engine_state(engine, trainer_state), checkpointer)
+def save(engine: ShardedParts, path: Path, state: dict, trainer_state: dict, checkpointer: Checkpointer,
+         exclude_frozen: bool = False) -> None:
+    """Collective: ``state`` (the engine's sharded entries) and ``trainer_state`` (JSON) to ``path``;
+    ``exclude_frozen``: ``state`` holds no frozen parameter, and the manifest says which it lacks."""
+    save_state(engine, path, state, with_engine_state(engine, trainer_state), checkpointer, exclude_frozen)
 
 
 def load(engine: Optional[ShardedParts], path: Any, *, optimizer: bool, strict: bool, checkpointer: Checkpointer,

@@ -12,6 +12,9 @@ process group (what ``zeroq-convert CKPT OUT`` runs; its command line is ``cli/c
 - ``OUT.safetensors``: the same tensors (``--optimizer``: also ``optimizer.state.<name>.<key>``, the
   param groups as JSON in the metadata), written by the ``safetensors`` package
   (``pip install safetensors``), whose format rules stay its own to keep right.
+- ``--adapters-only``: the trainable parameters alone (the names the optimizer's param groups hold), as a bare
+  state dict in either format. A checkpoint saved with ``exclude_frozen_parameters`` converts to what it holds,
+  and ``consolidate`` says so (``note``). ``hf_export.py`` writes a Hugging Face directory instead.
 
 Memory stays at about one tensor: the torch file's skeleton (the pickle and the zip headers, from
 ``torch.save`` under ``torch.serialization.skip_data``) is built in memory, the whole file is
@@ -39,7 +42,7 @@ import re
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -49,6 +52,7 @@ from lightning_zeroq.checkpoint import atomic, deepspeed, sparse_save
 from lightning_zeroq.checkpoint.agree import CheckpointError, advising
 from lightning_zeroq.checkpoint.checkpointer import Opened, open_checkpoint
 from lightning_zeroq.checkpoint.chunks import BytesTarget
+from lightning_zeroq.checkpoint.engine_io import FROZEN_EXCLUDED
 from lightning_zeroq.checkpoint.safe import read_entries
 from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY, classify, lightning_version, moved_entries
 
@@ -69,13 +73,21 @@ def _read(opened: Opened, targets: dict) -> None:
         raise ConvertError(f"reading {items} from {opened.path} failed ({why}).") from error
 
 
-def _tensor_keys(opened: Opened, prefix: str) -> list[str]:
+def tensor_keys(opened: Opened, prefix: str) -> list[str]:
+    """The checkpoint's tensor keys under ``prefix``, in its order."""
     return [k for k, v in opened.keys().items() if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)]
 
 
 def _empty(opened: Opened, key: str) -> Tensor:
     md = opened.keys()[key]
     return torch.empty(tuple(md.size), dtype=md.properties.dtype)
+
+
+def read_tensor(opened: Opened, key: str) -> Tensor:
+    """The whole tensor stored under ``key`` (through the safe reader, its checksums checked)."""
+    tensor = _empty(opened, key)
+    _read(opened, {key: tensor})
+    return tensor
 
 
 def _param_groups(opened: Opened) -> list[dict]:
@@ -115,7 +127,7 @@ def skeleton(opened: Opened, *, optimizer: bool, lightning: bool) -> tuple[dict,
     sources: list[tuple[Tensor, str]] = []
     model = {}
     nested = lightning or optimizer
-    for key in _tensor_keys(opened, MODEL_KEY + "."):
+    for key in tensor_keys(opened, MODEL_KEY + "."):
         name = key[len(MODEL_KEY) + 1:]
         model[name] = _empty(opened, key)
         sources.append((model[name], key))
@@ -127,7 +139,7 @@ def skeleton(opened: Opened, *, optimizer: bool, lightning: bool) -> tuple[dict,
     out["state_dict"] = model
     for entry in moved_entries(opened.keys()) if opened.manifest is not None else ():
         out[entry] = {}  # where a callback moved the module's state (Lightning's weight averaging)
-        for key in _tensor_keys(opened, entry + "."):
+        for key in tensor_keys(opened, entry + "."):
             tensor = out[entry][key[len(entry) + 1:]] = _empty(opened, key)
             sources.append((tensor, key))
     if optimizer:
@@ -143,8 +155,13 @@ def skeleton(opened: Opened, *, optimizer: bool, lightning: bool) -> tuple[dict,
     return out, sources
 
 
-def write_torch(opened: Opened, out: Path, *, optimizer: bool, lightning: bool) -> None:
+def write_torch(opened: Opened, out: Path, *, optimizer: bool, lightning: bool,
+                only: Optional[set[str]] = None) -> None:
+    """``only``: the names of the parameters to write (a bare state dict of them; ``trainable_names``)."""
     structure, sources = skeleton(opened, optimizer=optimizer, lightning=lightning)
+    if only is not None:
+        structure = {name: value for name, value in structure.items() if name in only}
+        sources = [(tensor, key) for tensor, key in sources if key[len(MODEL_KEY) + 1:] in only]
     _write_filled(opened, out, structure, sources)
 
 
@@ -187,18 +204,18 @@ def _map(path: Path) -> Any:
 
 
 def iter_named_tensors(opened: Opened, *, optimizer: bool) -> Iterator[tuple[str, Tensor]]:
-    for key in _tensor_keys(opened, MODEL_KEY + "."):
+    for key in tensor_keys(opened, MODEL_KEY + "."):
         tensor = _empty(opened, key)
         _read(opened, {key: tensor})
         yield key[len(MODEL_KEY) + 1:], tensor
     if optimizer:
-        for key in _tensor_keys(opened, f"{OPTIMIZER_KEY}.state."):
+        for key in tensor_keys(opened, f"{OPTIMIZER_KEY}.state."):
             tensor = _empty(opened, key)
             _read(opened, {key: tensor})
             yield "optimizer." + key[len(OPTIMIZER_KEY) + 1:], tensor
 
 
-def _safetensors_save_file() -> Any:
+def safetensors_save_file() -> Any:
     """``safetensors.torch.save_file``, or a one-line error saying how to install it."""
     try:
         from safetensors.torch import save_file
@@ -208,11 +225,13 @@ def _safetensors_save_file() -> Any:
     return save_file
 
 
-def write_safetensors(opened: Opened, out: Path, *, optimizer: bool) -> None:
-    save_file = _safetensors_save_file()
-    keys = [(k[len(MODEL_KEY) + 1:], k) for k in _tensor_keys(opened, MODEL_KEY + ".")]
+def write_safetensors(opened: Opened, out: Path, *, optimizer: bool, only: Optional[set[str]] = None) -> None:
+    """``only``: the names of the parameters to write (``trainable_names``)."""
+    save_file = safetensors_save_file()
+    keys = [(k[len(MODEL_KEY) + 1:], k) for k in tensor_keys(opened, MODEL_KEY + ".")
+            if only is None or k[len(MODEL_KEY) + 1:] in only]
     if optimizer:
-        keys += [("optimizer." + k[len(OPTIMIZER_KEY) + 1:], k) for k in _tensor_keys(opened, f"{OPTIMIZER_KEY}.state.")]
+        keys += [("optimizer." + k[len(OPTIMIZER_KEY) + 1:], k) for k in tensor_keys(opened, f"{OPTIMIZER_KEY}.state.")]
     meta = {"format": "pt", "source": "lightning_zeroq"}
     if optimizer:
         meta["optimizer_param_groups"] = json.dumps(_param_groups(opened))
@@ -260,7 +279,13 @@ class ConvertError(CheckpointError, ValueError):
     ``CheckpointError`` too: ``load_from_checkpoint(dir)`` reads through the same code and raises it."""
 
 
-def _check_input(checkpoint: Path) -> None:
+DEEPSPEED_EXPORT = ("{checkpoint} is a DeepSpeed checkpoint: --adapters-only and --hf read checkpoint directories "
+                    "ZeroQ (or torch.distributed.checkpoint) wrote; resume it with strategy='zeroq' "
+                    "(fit(ckpt_path=...)) and save again, or convert all its weights to one file (zeroq-convert "
+                    "{checkpoint} OUT.pt).")
+
+
+def check_input(checkpoint: Path) -> None:
     """Our own words for an input that is no checkpoint directory (the loader's speak of the Trainer)."""
     located = classify(checkpoint)
     if located.is_missing:
@@ -282,6 +307,8 @@ def _check_input(checkpoint: Path) -> None:
             f"{checkpoint} is a single-file checkpoint (e.g. from strategy='ddp'), which is one file already: read "
             f"its weights with torch.load({str(checkpoint)!r}, weights_only=True)['state_dict'], or resume it with "
             "Trainer(strategy='zeroq').fit(ckpt_path=...), which reads single files too.")
+    if located.is_deepspeed:
+        raise ConvertError(DEEPSPEED_EXPORT.format(checkpoint=checkpoint))
     if not located.is_directory_checkpoint:
         raise ConvertError(f"{checkpoint} is a directory but no checkpoint (no zeroq.json, no .metadata): pass "
                            "the directory trainer.save_checkpoint() wrote.")
@@ -317,12 +344,34 @@ def _output_format(out: Path, lightning: bool) -> str:
         if lightning:
             raise ConvertError("--lightning needs a torch output, .pt, .pth or .ckpt (a Lightning checkpoint is a "
                                "torch file), not .safetensors.")
-        _safetensors_save_file()  # missing: said before any work
+        safetensors_save_file()  # missing: said before any work
         return "safetensors"
     if out.suffix in TORCH_SUFFIXES:
         return "torch"
     what = f"the suffix {out.suffix} names no format zeroq-convert writes" if out.suffix else "it has no suffix"
     raise ConvertError(f"{out}: {what}; the output's suffix decides its format: {OUTPUTS}.")
+
+
+def left_out_frozen(opened: Opened) -> list[str]:
+    """The frozen parameters a checkpoint saved with ``exclude_frozen_parameters`` left out (its manifest's record)."""
+    record = opened.manifest.extra.get(FROZEN_EXCLUDED) if opened.manifest is not None else None
+    return [name for name in record or [] if isinstance(name, str)]
+
+
+def trainable_names(opened: Opened) -> set[str]:
+    """The trainable parameters' names: those the optimizer's param groups hold (a frozen parameter is in none).
+    A checkpoint without optimizer state cannot tell them: refused, with what to do."""
+    if not any(key.startswith(f"{OPTIMIZER_KEY}.param_groups.") for key in opened.keys()):
+        raise ConvertError(f"{opened.path} holds no optimizer state, whose param groups name the trainable parameters "
+                           "(it was saved without the optimizer): --adapters-only cannot tell them from the frozen "
+                           "ones; drop it to convert every weight.")
+    names = {name for group in _param_groups(opened) for name in group.get("params", [])}
+    stored = {key[len(MODEL_KEY) + 1:] for key in tensor_keys(opened, MODEL_KEY + ".")}
+    missing = sorted(names - stored)
+    if missing:
+        raise ConvertError(f"{opened.path}: the optimizer's param groups name {missing[:4]}, which its model state "
+                           "lacks: the checkpoint was edited or saved by another tool.")
+    return names
 
 
 def _check_optimizer(opened: Opened) -> None:
@@ -333,29 +382,42 @@ def _check_optimizer(opened: Opened) -> None:
                            "it: drop --optimizer to convert the weights.")
 
 
-def consolidate(checkpoint: Path, out: Path, *, optimizer: bool = False, lightning: bool = False) -> Path:
+def consolidate(checkpoint: Path, out: Path, *, optimizer: bool = False, lightning: bool = False,
+                adapters_only: bool = False, note: Callable[[str], None] = lambda line: None) -> Path:
     """Write checkpoint directory ``checkpoint`` as one file ``out`` (``.pt``, ``.pth``, ``.ckpt`` or
     ``.safetensors``: another suffix is refused); see the module docstring. Returns ``out``. On any error
-    nothing is left at ``out`` (an existing file there is kept as it was)."""
+    nothing is left at ``out`` (an existing file there is kept as it was). ``adapters_only``: the trainable
+    parameters alone (``trainable_names``), fp32, as a bare state dict. ``note`` hears what the output lacks (a
+    checkpoint saved without its frozen parameters)."""
     checkpoint, out = Path(checkpoint), Path(out)
+    if adapters_only and (optimizer or lightning):
+        raise ConvertError("--adapters-only writes the trainable parameters alone, as a bare state dict: drop "
+                           f"{' and '.join(f for f, on in (('--optimizer', optimizer), ('--lightning', lightning)) if on)}.")
     kind = _output_format(out, lightning)
+    if deepspeed.is_deepspeed(checkpoint) and adapters_only:
+        raise ConvertError(DEEPSPEED_EXPORT.format(checkpoint=checkpoint))
     if deepspeed.is_deepspeed(checkpoint):
         with atomic.new_file(out) as (fd, tmp):
             os.close(fd)
             write_deepspeed(deepspeed.read(checkpoint, optimizer=optimizer), tmp, kind, optimizer=optimizer,
                             lightning=lightning)
         return out
-    _check_input(checkpoint)
+    check_input(checkpoint)
     with advising("Convert an earlier checkpoint."):
         opened = open_checkpoint(checkpoint, None)
         if optimizer:
             _check_optimizer(opened)
+        only = trainable_names(opened) if adapters_only else None
+        left_out = left_out_frozen(opened)
+        if left_out and not adapters_only:
+            note(f"{checkpoint} was saved with exclude_frozen_parameters=True: {out.name} lacks its {len(left_out)} "
+                 f"frozen parameters (e.g. {left_out[:2]}); load it with strict=False into a model that holds them.")
         with atomic.new_file(out) as (fd, tmp):
             os.close(fd)  # the writers open it by name
             if kind == "safetensors":
-                write_safetensors(opened, tmp, optimizer=optimizer)
+                write_safetensors(opened, tmp, optimizer=optimizer, only=only)
             else:
-                write_torch(opened, tmp, optimizer=optimizer, lightning=lightning)
+                write_torch(opened, tmp, optimizer=optimizer, lightning=lightning, only=only)
     return out
 
 
@@ -373,7 +435,7 @@ def write_deepspeed(state: deepspeed.DeepSpeedState, out: Path, kind: str, *, op
             meta["optimizer_param_groups"] = json.dumps(
                 [{**{k: v for k, v in h.items() if isinstance(v, (int, float, str, bool, list, tuple))}, "params": g}
                  for h, g in zip(state.hyperparameters, state.groups)])
-        _save_safetensors(_safetensors_save_file(), tensors, out, meta)
+        _save_safetensors(safetensors_save_file(), tensors, out, meta)
         return
     torch.save(deepspeed.as_lightning_checkpoint(state, optimizer) if optimizer or lightning else state.params, out)
 

@@ -19,6 +19,11 @@ parameter, the global shape and this rank's flat range, read and written by func
   the top level. It validates everything on every rank first (files, names, shapes, dtypes,
   optimizer kind and param groups) and ``agree``s, then reads only this rank's chunks, batch by
   batch of resident units (``load_sharded``), and republishes.
+- Frozen parameters left out (``exclude_frozen_parameters``): a save with ``exclude_frozen=True`` writes no
+  frozen parameter (``requires_grad=False``; stage 3's sharded frozen parts and those kept whole alike) and
+  names them in the manifest's ``extra`` (``FROZEN_EXCLUDED``). A load expects exactly those names absent
+  where this model holds them frozen too, and leaves their values as the model holds them (the base it was
+  built with); any other missing entry, a trainable parameter's above all, is refused as before.
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ OPTIMIZER_CLASS = "optimizer_class"
 """In the manifest's ``extra``: the class (``module.qualname``) of the optimizer whose state a save holds."""
 ANY_GROUP_KEYS = frozenset({"params", "param_names", "initial_lr"}) | KERNEL_CHOICES
 """Param-group entries that say nothing of an optimizer's kind (LR schedulers add ``initial_lr``)."""
+FROZEN_EXCLUDED = "frozen_excluded"
+"""In the manifest's ``extra``: the names of the frozen parameters a save left out (``exclude_frozen``), which a
+load expects absent."""
 
 
 def _chunks(part: Part) -> LocalChunks:
@@ -51,11 +59,12 @@ def _chunks(part: Part) -> LocalChunks:
     return LocalChunks(part.shape, part.dtype, part.offset, part.numel, order=part.order, read=part.read)
 
 
-def sharded_model_state(engine: ShardedParts) -> dict[str, Any]:
+def sharded_model_state(engine: ShardedParts, exclude_frozen: bool = False) -> dict[str, Any]:
     """Every ``state_dict()`` entry: this rank's chunks of the fp32 masters and of stage 3's frozen parts
     (``LocalChunks``, read later; the frozen ones in their own dtype), the other frozen parameters and buffers
-    as they are (replicated: DCP writes them once)."""
+    as they are (replicated: DCP writes them once). ``exclude_frozen``: no frozen parameter (buffers stay)."""
     view = ShardedView(engine.parts, engine.optimizer)
+    left_out = set(view.frozen_names()) if exclude_frozen else set()
     chunks: dict[str, Any] = {}
     for pv in view.params:
         if pv.part is not None:
@@ -68,7 +77,7 @@ def sharded_model_state(engine: ShardedParts) -> dict[str, Any]:
             chunks[name] = value
     unmanaged = view.unmanaged()
     return {key: chunks[key] if key in chunks else unmanaged[key] for key in view.state_dict_keys()
-            if key in chunks or key in unmanaged}
+            if (key in chunks or key in unmanaged) and key not in left_out}
 
 
 def holds_sharded_state(value: Any) -> bool:
@@ -134,16 +143,19 @@ def optimizer_kind_errors(optimizer: torch.optim.Optimizer, saved_kind: Optional
     return []
 
 
-def engine_state(engine: ShardedParts, optimizer: bool) -> dict:
-    """Collective (the optimizer's param groups are gathered): the nested state a save writes."""
-    state: dict[str, Any] = {MODEL_KEY: sharded_model_state(engine)}
+def engine_state(engine: ShardedParts, optimizer: bool, exclude_frozen: bool = False) -> dict:
+    """Collective (the optimizer's param groups are gathered): the nested state a save writes
+    (``exclude_frozen``: without the frozen parameters)."""
+    state: dict[str, Any] = {MODEL_KEY: sharded_model_state(engine, exclude_frozen)}
     if optimizer and engine.optimizer is not None:
         state[OPTIMIZER_KEY] = sharded_optimizer_state(engine)
     return state
 
 
-def save_state(engine: ShardedParts, path: Path, state: dict, trainer_state: Any, checkpointer: Checkpointer) -> None:
-    """Collective: write ``state`` (``engine_state`` or the like) and ``trainer_state`` to ``path``."""
+def save_state(engine: ShardedParts, path: Path, state: dict, trainer_state: Any, checkpointer: Checkpointer,
+               exclude_frozen: bool = False) -> None:
+    """Collective: write ``state`` (``engine_state`` or the like) and ``trainer_state`` to ``path``.
+    ``exclude_frozen``: ``state`` was made without the frozen parameters; the manifest names those it lacks."""
     view = ShardedView(engine.parts, engine.optimizer)
     if view.closed:  # what the engine released; an empty optimizer state is fine (plain SGD)
         # No collective: every rank closes its engine at the same point (a new fit), and an asynchronous
@@ -161,6 +173,11 @@ def save_state(engine: ShardedParts, path: Path, state: dict, trainer_state: Any
                              "stage": view.stage}
     if OPTIMIZER_KEY in state and view.optimizer is not None:
         extra[OPTIMIZER_CLASS] = optimizer_kind(view.optimizer)
+    if exclude_frozen:
+        model = state.get(MODEL_KEY) or {}
+        left_out = [name for name in view.frozen_names() if name not in model]
+        if left_out:
+            extra[FROZEN_EXCLUDED] = left_out
     walk = view.walk()
     checkpointer.save(Path(path), state, trainer_state, optimizer=OPTIMIZER_KEY in state,
                       before_read=walk.ensure, after_read=walk.close, pin=view.pin, allow_async=view.stable,
@@ -168,9 +185,11 @@ def save_state(engine: ShardedParts, path: Path, state: dict, trainer_state: Any
 
 
 def save_engine(engine: ShardedParts, path: Path, *, trainer_state: Any = None, optimizer: bool = True,
-                checkpointer: Optional[Checkpointer] = None) -> None:
-    """Collective: write ``engine``'s model (and optimizer) state and ``trainer_state`` (JSON) to ``path``."""
-    save_state(engine, path, engine_state(engine, optimizer), trainer_state or {}, checkpointer or Checkpointer())
+                checkpointer: Optional[Checkpointer] = None, exclude_frozen: bool = False) -> None:
+    """Collective: write ``engine``'s model (and optimizer) state and ``trainer_state`` (JSON) to ``path``;
+    ``exclude_frozen``: without the frozen parameters (``requires_grad=False``), which a load then expects absent."""
+    save_state(engine, path, engine_state(engine, optimizer, exclude_frozen), trainer_state or {},
+               checkpointer or Checkpointer(), exclude_frozen)
 
 
 # ---------------------------------------------------------------------- load
@@ -200,7 +219,8 @@ def load_sharded(engine: ShardedParts, read: Callable[[dict], None], *, model_pr
                  optimizer_keys: Optional[dict[str, list[str]]] = None,
                  param_groups: Optional[list[dict]] = None,
                  scalar_target: Callable[[str], Any] = lambda key: BytesTarget(),
-                 settle: Optional[Callable[[list[str]], object]] = None) -> None:
+                 settle: Optional[Callable[[list[str]], object]] = None,
+                 left_out: frozenset[str] = frozenset()) -> None:
     """Read this rank's part of every entry, batch by batch of resident units (``read(targets)`` fills
     a dict of checkpoint key -> ``LocalChunks``/tensor/``BytesTarget``). ``stored``: the checkpoint's
     keys without the model prefix (a tied parameter is read under whichever of its names is there).
@@ -209,9 +229,10 @@ def load_sharded(engine: ShardedParts, read: Callable[[dict], None], *, model_pr
     ``BytesTarget``, as the checkpoint stores it). ``settle(errors)``: collective, called by every rank
     after each read with what failed there (raises the agreed error on every rank, e.g. ``agree``):
     every read is settled before the units it filled are published (the engine's collectives), so a
-    rank whose read fails never leaves the others in a gather."""
+    rank whose read fails never leaves the others in a gather. ``left_out``: frozen parameters' names the
+    checkpoint lacks on purpose (``frozen_left_out``): not read, they keep the values they have."""
     view = ShardedView(engine.parts, engine.optimizer)
-    rest = {model_prefix + k: v for k, v in view.unmanaged().items() if isinstance(v, Tensor)}
+    rest = {model_prefix + k: v for k, v in view.unmanaged().items() if isinstance(v, Tensor) and k not in left_out}
     _read_settled(read, rest, settle)
     optimizer = view.optimizer if optimizer_keys is not None else None
     per_element = view.per_element_keys()
@@ -220,6 +241,8 @@ def load_sharded(engine: ShardedParts, read: Callable[[dict], None], *, model_pr
         writes: list[tuple[Callable[..., None], Any]] = []
         for pv in batch:
             assert pv.part is not None  # a batch holds the parameters with a part here
+            if left_out and all(n in left_out for n in pv.names):
+                continue
             name = next((n for n in pv.names if n in stored), pv.name)
             buffer = pv.part.buffer()
             targets[model_prefix + name] = LocalChunks(pv.shape, pv.part.dtype, pv.part.offset, pv.part.numel,
@@ -347,11 +370,36 @@ def _read_whole(opened: Opened, entries: list[str], group: Any) -> dict[str, dic
     return out
 
 
+def frozen_left_out(engine: ShardedParts, opened: Opened, expected: dict[str, Any]) -> tuple[frozenset[str], list[str]]:
+    """The entries of ``expected`` (``model_entries``) that a checkpoint saved with ``exclude_frozen`` lacks: named in
+    its manifest (``FROZEN_EXCLUDED``) and absent from it. Returns those frozen in this model too (absent on purpose:
+    they keep the values the model holds) and, sorted, those trainable here (their values would be missing)."""
+    record = opened.manifest.extra.get(FROZEN_EXCLUDED) if opened.manifest is not None else None
+    if not isinstance(record, list):
+        return frozenset(), []
+    stored = opened.keys()  # a checkpoint with a manifest is ZeroQ's: its model is under MODEL_KEY
+    absent = {name for name in record if isinstance(name, str) and name in expected and f"{MODEL_KEY}.{name}" not in stored}
+    frozen = set(ShardedView(engine.parts, engine.optimizer).frozen_names())
+    return frozenset(absent & frozen), sorted(absent - frozen)
+
+
+def _trainable_left_out(path: Path, names: list[str]) -> list[str]:
+    if not names:
+        return []
+    return [(f"the model: {path} was saved with exclude_frozen_parameters=True, so it lacks {len(names)} parameter(s) "
+             f"that were frozen then and are trainable in this model: {names[:6]}{' ...' if len(names) > 6 else ''}. "
+             "Freeze them again (requires_grad=False) before the load, or resume from a checkpoint saved with "
+             "exclude_frozen_parameters=False.")]
+
+
 def _load_opened(engine: ShardedParts, opened: Opened, group: Any, load_optimizer: bool, strict: bool,
                  moved: bool = False) -> Any:
     expected = model_entries(engine)
+    left_out, trainable = frozen_left_out(engine, opened, expected)
+    errors = _trainable_left_out(opened.path, trainable)
+    expected = {k: v for k, v in expected.items() if k not in left_out and k not in trainable}  # said above
     model_prefix = _prefix(opened, MODEL_PREFIXES, list(expected)[:8])
-    errors = check_entries(opened, expected, strict=strict, prefix=model_prefix, what="the model")
+    errors += check_entries(opened, expected, strict=strict, prefix=model_prefix, what="the model")
     optimizer_prefix = optimizer_keys = groups = None
     if load_optimizer and engine.optimizer is not None:
         optimizer_prefix = _optimizer_prefix(opened)
@@ -383,7 +431,7 @@ def _load_opened(engine: ShardedParts, opened: Opened, group: Any, load_optimize
         load_sharded(engine, lambda targets: read_entries(opened.reader, targets), model_prefix=model_prefix,
                      stored=stored, optimizer_prefix=optimizer_prefix, optimizer_keys=optimizer_keys,
                      param_groups=groups, scalar_target=scalar_target,
-                     settle=lambda errs: agree(errs, f"Loading checkpoint {opened.path}", group))
+                     settle=lambda errs: agree(errs, f"Loading checkpoint {opened.path}", group), left_out=left_out)
     except CheckpointError:  # agreed: every rank raises it
         raise
     except Exception as error:

@@ -36,7 +36,6 @@ _GROUPS: tuple[tuple[tuple[str, ...], str], ...] = (
       "queue_depth", "single_submit", "overlap_events", "thread_count"), _AIO),
     (("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
       "synchronize_checkpoint_boundary"), _ACTIVATIONS),
-    (("exclude_frozen_parameters",), "not supported: frozen parameters are saved (once, not by every rank)"),
     (("logging_level", "logging_batch_size_per_gpu"), _LOGGING),
     # FSDPStrategy
     (("sharding_strategy",),

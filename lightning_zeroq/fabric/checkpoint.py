@@ -10,7 +10,9 @@ the entry names of the model and the optimizer are recorded so ``fabric.load`` f
 ``fabric.load(path, {"model": model, "optimizer": optimizer, "step": 0})`` validates the checkpoint
 on every rank, reads this rank's part into the engine, fills the other entries in place (as Fabric's
 own strategies do) and returns what the checkpoint holds beyond them. ``strict`` asks that every
-requested entry be there and that the model's names match. A single file (``fabric.save`` under
+requested entry be there and that the model's names match. A checkpoint saved with
+``exclude_frozen_parameters=True`` lacks the frozen parameters on purpose (its manifest names them): they keep
+the values the set-up model holds. A single file (``fabric.save`` under
 ``strategy="ddp"``) loads too: its model and optimizer state go into the shards.
 """
 
@@ -57,12 +59,14 @@ def _roles(engine: ShardedParts, state: dict, what: str) -> tuple[Optional[str],
 
 
 def save(engine: Optional[ShardedParts], path: Path, state: dict, filter: Optional[dict],
-         checkpointer: Checkpointer) -> None:
+         checkpointer: Checkpointer, exclude_frozen: bool = False) -> None:
+    """``exclude_frozen``: the model's frozen parameters are left out (the manifest names them)."""
     if filter is not None:
         raise ValueError(
             f"ZeroQFabricStrategy.save_checkpoint does not take filter (got keys {sorted(filter)}): the model is saved "
-            "sharded, whole. To save a subset of the weights, take fabric.strategy.full_state_dict() (a collective) and "
-            "torch.save the part you want on rank 0.")
+            "sharded, whole (without its frozen parameters with ZeroQFabricStrategy(exclude_frozen_parameters=True)). To "
+            "save another subset of the weights, take fabric.strategy.full_state_dict() (a collective) and torch.save the "
+            "part you want on rank 0.")
     if engine is None:
         raise RuntimeError("fabric.save with ZeroQFabricStrategy needs a model set up with fabric.setup first.")
     module_key, optimizer_key = _roles(engine, state, f"fabric.save({str(path)!r}, ...)")
@@ -72,7 +76,8 @@ def save(engine: Optional[ShardedParts], path: Path, state: dict, filter: Option
     stateful = [k for k, v in state.items() if k not in (module_key, optimizer_key) and _stateful(v)]
     items = {k: (v.state_dict() if k in stateful else v) for k, v in state.items() if k not in (module_key, optimizer_key)}
     trainer_state = {"items": items, FABRIC_KEY: {"model": module_key, "optimizer": optimizer_key, "stateful": stateful}}
-    api.save(engine, path, engine_state(engine, optimizer=optimizer_key is not None), trainer_state, checkpointer)
+    api.save(engine, path, engine_state(engine, optimizer=optimizer_key is not None, exclude_frozen=exclude_frozen),
+             trainer_state, checkpointer, exclude_frozen=exclude_frozen)
 
 
 def load(engine: Optional[ShardedParts], path: Path, state: Any, strict: bool, weights_only: Optional[bool],

@@ -48,7 +48,7 @@ from lightning_zeroq.fabric import checkpoint as fabric_checkpoint
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.common.precision import ZeroQPrecision
-from lightning_zeroq.validation import check_callable
+from lightning_zeroq.validation import check_bool, check_callable
 from lightning_zeroq.common.strategy import (
     PLAN_FORWARD_FIX,
     as_zeroq_precision,
@@ -159,6 +159,9 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
         plan_forward: needed with ``offload="auto"`` or ``activation_checkpointing_policy="auto"``: a
             function of the model returning one micro-batch's loss (e.g. ``lambda m: loss_fn(m(x), y)``
             with a sample batch), which the plan traces on the meta device before the model is sharded.
+        exclude_frozen_parameters: ``fabric.save`` leaves out the frozen parameters (``requires_grad=False``),
+            as Fabric's ``DeepSpeedStrategy`` does; ``fabric.load`` reads such a checkpoint into a model that
+            holds the same frozen weights.
     """
 
     def __init__(
@@ -173,10 +176,13 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
         process_group_backend: Optional[str] = None,
         timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
         plan_forward: Optional[Callable[[nn.Module], Tensor]] = None,
+        exclude_frozen_parameters: bool = False,
         **options: Any,
     ) -> None:
         self.config = config_from_options("ZeroQFabricStrategy", config, options)
         self.plan_forward = check_callable("ZeroQFabricStrategy", "plan_forward", plan_forward, PLAN_FORWARD_FIX)
+        self.exclude_frozen_parameters = check_bool("ZeroQFabricStrategy", "exclude_frozen_parameters",
+                                                    exclude_frozen_parameters)
         _refuse_checkpoint_io(checkpoint_io)
         super().__init__(
             accelerator=accelerator,
@@ -342,12 +348,14 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
     ) -> None:
         """Collective: a checkpoint directory (the Trainer's format, loadable at another world size or
         stage). ``state`` holds the model and optimizer from ``fabric.setup`` and any plain values or
-        objects with ``state_dict()``; ``filter`` is not supported (the model is saved whole)."""
+        objects with ``state_dict()``; ``filter`` is not supported (the model is saved whole, but for its frozen
+        parameters with ``exclude_frozen_parameters``)."""
         if storage_options is not None:
             raise TypeError(f"ZeroQFabricStrategy.save_checkpoint does not take storage_options (got "
                             f"{storage_options!r}); it writes a torch.distributed.checkpoint directory.")
         path = local_checkpoint_path(self.broadcast(str(path)))
-        fabric_checkpoint.save(self.engine, path, state, filter, self.checkpointer)
+        fabric_checkpoint.save(self.engine, path, state, filter, self.checkpointer,
+                               exclude_frozen=self.exclude_frozen_parameters)
 
     @override
     def load_checkpoint(

@@ -124,6 +124,9 @@ class Owner(Protocol):
     @property
     def is_global_zero(self) -> bool: ...
 
+    @property
+    def exclude_frozen_parameters(self) -> bool: ...
+
 
 def save(strategy: Owner, checkpoint: dict, path: Path, checkpointer: Checkpointer) -> None:
     engine = strategy.engine
@@ -139,7 +142,7 @@ def save(strategy: Owner, checkpoint: dict, path: Path, checkpointer: Checkpoint
     if optimizers:
         state[OPTIMIZER_KEY] = optimizers[0]
     trainer_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states", *moved)}
-    api.save(engine, path, state, trainer_state, checkpointer)
+    api.save(engine, path, state, trainer_state, checkpointer, exclude_frozen=strategy.exclude_frozen_parameters)
 
 
 def save_single_file(strategy: Owner, checkpoint: dict, path: Path, checkpointer: Checkpointer) -> None:

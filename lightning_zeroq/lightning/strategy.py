@@ -88,6 +88,10 @@ class ZeroQStrategy(DDPStrategy):
         async_checkpoint: save checkpoints with ``torch.distributed.checkpoint.async_save``: training
             waits only while the state is copied to host memory, the files are written in the
             background (the next save, a load or ``wait_for_checkpoint()`` waits for them).
+        exclude_frozen_parameters: checkpoint directories leave out the frozen parameters
+            (``requires_grad=False``: a LoRA base), as with Lightning's ``DeepSpeedStrategy``; they hold the
+            trainable parameters, their optimizer state and the trainer state. ``fit(ckpt_path=...)`` resumes
+            them onto a model that holds the same frozen weights (the manifest names the ones left out).
     """
 
     strategy_name = "zeroq"
@@ -105,6 +109,7 @@ class ZeroQStrategy(DDPStrategy):
         timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
         start_method: str = "popen",
         async_checkpoint: bool = False,
+        exclude_frozen_parameters: bool = False,
         plan_forward: Optional[Callable[[torch.nn.Module], Tensor]] = None,
         **options: Any,
     ) -> None:
@@ -129,6 +134,8 @@ class ZeroQStrategy(DDPStrategy):
         self.engine: Optional[ZeroEngine] = None
         self._unwrap_averaging: Callable[[], None] = _nothing  # see averaging.py
         self.checkpointer = Checkpointer(async_save=check_bool("ZeroQStrategy", "async_checkpoint", async_checkpoint))
+        self.exclude_frozen_parameters = check_bool("ZeroQStrategy", "exclude_frozen_parameters",
+                                                    exclude_frozen_parameters)
         self._weights_loaded = False
 
     # ------------------------------------------------------------------ Lightning contract
@@ -340,10 +347,11 @@ class ZeroQStrategy(DDPStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This rank's part: every parameter as chunks of the fp32 masters at full shape (read when the
-        checkpoint is written, nothing is gathered), frozen parameters and buffers as they are."""
+        checkpoint is written, nothing is gathered), frozen parameters (none with ``exclude_frozen_parameters``)
+        and buffers as they are."""
         if self.engine is None:
             return super().lightning_module_state_dict()
-        return engine_io.sharded_model_state(self.engine)
+        return engine_io.sharded_model_state(self.engine, exclude_frozen=self.exclude_frozen_parameters)
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

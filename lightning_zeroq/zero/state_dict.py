@@ -11,7 +11,8 @@ state (Adam's moments) is sharded as the parameter is; scalar state (Adam's ``st
 the rank that holds the parameter's first element.
 
 - ``params``: every managed parameter, unit by unit; ``groups()``: them by param group;
-  ``unmanaged()``: the module's other ``state_dict()`` entries (buffers, frozen parameters).
+  ``unmanaged()``: the module's other ``state_dict()`` entries (buffers, frozen parameters);
+  ``frozen_names()``: every name of a frozen parameter, sharded or whole.
 - ``walk()``: reads of a ``Part`` in increasing ``order`` come after ``walk().ensure(order)`` (with
   NVMe offload one unit is resident at a time), and ``close()`` ends the walk.
 - ``load(optimizer)``: yields batches of parameters that are resident now; the caller writes their
@@ -241,6 +242,11 @@ class ShardedView:
 
     def state_dict_keys(self) -> list[str]:
         return list(self._parts.module.state_dict(keep_vars=True))
+
+    def frozen_names(self) -> list[str]:
+        """Every name of every frozen parameter (``requires_grad=False``) of the module, in its order: stage 3's
+        frozen parts and the frozen parameters kept whole alike (what ``exclude_frozen_parameters`` leaves out)."""
+        return [n for n, p in self._parts.module.named_parameters(remove_duplicate=False) if not p.requires_grad]
 
     def groups(self) -> list[list[ParamView]]:
         """This rank's parameters by param group, in the optimizer's order."""

@@ -42,6 +42,16 @@ def test_async_checkpoint_must_be_a_bool(value):
         ZeroQStrategy(async_checkpoint=value)
 
 
+@pytest.mark.parametrize("strategy_cls", STRATEGIES)
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_exclude_frozen_parameters_must_be_a_bool(strategy_cls, value):
+    name = strategy_cls.__name__
+    with pytest.raises(ValueError, match=rf"{name}.exclude_frozen_parameters={value!r} must be true or false"):
+        strategy_cls(exclude_frozen_parameters=value)
+    assert strategy_cls(exclude_frozen_parameters=True).exclude_frozen_parameters is True
+    assert strategy_cls().exclude_frozen_parameters is False
+
+
 @pytest.mark.parametrize("stage", [2.0, "2", True])
 def test_stage_must_be_an_int(stage):
     with pytest.raises(ValueError, match=r"ZeroConfig.stage=.* is not a ZeRO stage; use 1, 2 or 3"):
