@@ -14,7 +14,9 @@ its frozen ones the unit's *frozen part* (``Unit.frozen``), a second ``Unit`` of
   writes a frozen shard during training, so the error does not grow;
 - no gradient, no fp32 master, no optimizer state, no reduction;
 - with ``offload_parameters`` the stored shard rests in host memory (pinned where the device is a GPU) and
-  crosses to the device at each gather, prefetched on the gather stream like the trainable shards.
+  crosses to the device at each gather, prefetched on the gather stream like the trainable shards;
+- alone in the shard group (one GPU), stored exactly on the device, the stored shard is the whole part: it stays
+  gathered (``FrozenCodec.resident``), with no copy at each use.
 
 Every rank holds ``1/N`` of the frozen bytes at rest. Which frozen parameters join a unit is decided with the
 units (``unit_plan.py``): those inside a stage-3 module unit that holds trainable parameters too, owned by no
@@ -116,6 +118,9 @@ class FrozenCodec:
             self.wire = FullWidth(layouts, compute, group)
         self.exact = self.stored == compute
         """The stored shard holds the parameters' values bit for bit."""
+        self.resident = self.exact and not on_host and comm.alone(group)
+        """One rank in the shard group, exact storage on the device: the stored shard is the whole part, so the
+        parts stay gathered (persistent: no copy at each use, no more memory than the shard)."""
 
     def stored_bytes(self) -> int:
         """The bytes of this rank's stored shards, known before any is built (the memory checks count them)."""
@@ -192,7 +197,7 @@ def need_of(specs: Sequence["UnitSpec"], codec: FrozenCodec, compute: torch.dtyp
     """``FrozenNeed`` of ``codec``'s parts: the first belong to the units of ``specs`` that hold frozen
     parameters, in order; the rest are parts of their own."""
     owners = [i for i, spec in enumerate(specs) if spec.frozen]
-    sizes = [layout.padded_numel * compute.itemsize for layout in codec.layouts]
+    sizes = [0 if codec.resident else layout.padded_numel * compute.itemsize for layout in codec.layouts]
     return FrozenNeed(codec.stored_bytes(), dict(zip(owners, sizes)), max(sizes[len(owners):], default=0))
 
 
@@ -211,7 +216,8 @@ def build_part(index: int, params: list[nn.Parameter], layout: UnitLayout, codec
                 flat=full, master=torch.empty(0, device=device), segment_masters=[],
                 grad=torch.empty(0, device=device), module=module, persistent=False, state=UnitState.GATHERED,
                 param_classes=[type(p) for p in params], param_dtypes=[p.dtype for p in params])
-    unit.master = codec.encode(unit, full[layout.shard_span(rank)])
+    unit.master = full[layout.shard_span(rank)] if codec.resident else codec.encode(unit, full[layout.shard_span(rank)])
+    unit.persistent = codec.resident
     for p, slot in zip(params, layout.slots):
         p.data = full[slot.span].view(p.shape)
     return unit

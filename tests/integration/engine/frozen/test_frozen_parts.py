@@ -101,10 +101,12 @@ def _parity(offload: str, managed: bool, clip: float, device: str = "cpu") -> di
     return {"worst": worst, "held": held, "whole": whole, "root": root, "world": world, "on_device": on_device}
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, 3])  # 1: the parts stay gathered (``FrozenCodec.resident``)
 @pytest.mark.parametrize("offload", list(OFFLOAD))
 @pytest.mark.parametrize("managed", [True, False], ids=["managed", "unmanaged"])
 def test_lora_matches_ddp_and_holds_its_share_of_the_base(dist_pool, world_size, offload, managed) -> None:
+    if world_size == 1 and not managed:
+        pytest.skip("one rank: the managed runs cover it")
     for r in dist_pool(world_size).run(_parity, offload, managed, 0.5):
         blocks = r["whole"] - r["root"]
         share = r["held"] - r["root"]
