@@ -54,7 +54,8 @@ def _host_of(engine: ZeroEngine) -> HostOptimizer:
 
 def _host_bytes(engine: ZeroEngine) -> int:
     """Every byte the engine's host side holds after a step: masters, landing buffers, the kernel's bf16
-    copies (not those shared with stage 3's store), the store's buffers, optimizer state, spares."""
+    copies (not those shared with stage 3's store), the store's buffers, stage 3's frozen shards, optimizer
+    state, spares."""
     host = _host_of(engine)
     seen: set[int] = set()
 
@@ -75,6 +76,9 @@ def _host_bytes(engine: ZeroEngine) -> int:
         total += nbytes(store.buffers.values())
     if host.kernel is not None:
         total += nbytes(host.kernel.working.values())
+    frozen = engine.parts.frozen  # stage 3's frozen parts: their stored shards, on the host with parameter offload
+    if frozen is not None and frozen.codec.on_host:
+        total += nbytes(u.master for u in frozen.units)
     views = {id(v) for u in units for v in u.segment_masters}
     total += nbytes(t for view, state in engine.optimizer.state.items() if id(view) in views
                     for key, t in state.items() if isinstance(t, torch.Tensor) and key != "step")
