@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 WORLD = int(os.environ.get("ZEROQ_GPU_WORLD", "2"))
 
 
-@pytest.mark.parametrize("offload", list(frozen_tests.OFFLOAD))
+@pytest.mark.parametrize("offload", [o for o in frozen_tests.OFFLOAD if o != "hybrid"])
 def test_lora_matches_ddp_nccl(gpu_pool, offload) -> None:
     for r in gpu_pool(WORLD).run(frozen_tests._parity, offload, True, 0.5, "cuda"):
         assert r["worst"] < 1e-6, r
