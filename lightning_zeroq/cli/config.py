@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -71,6 +72,28 @@ class TrainerConfig:
 
 
 @dataclass(kw_only=True)
+class FinetuneConfig:
+    """Fine-tuning: the checkpoint the run starts from, and LoRA factors on a frozen copy of it."""
+
+    base: Optional[str] = None
+    """A checkpoint of this GPT to start from (a ``zeroq-train`` checkpoint directory, ``trainer.enable_checkpointing=
+    true``; or any file ``lightning_zeroq.load_pretrained`` reads), each rank reading only its own shards; None: a
+    fresh initialization."""
+
+    lora_rank: int = 0
+    """LoRA factors of this rank on every linear of the blocks, everything else frozen (stage 3 shards the frozen
+    base with its block); 0: every parameter trains."""
+
+    lora_alpha: float = 16.0
+    """LoRA's scale is ``lora_alpha / lora_rank``."""
+
+    def __post_init__(self) -> None:
+        self.lora_rank = check_int("FinetuneConfig", "lora_rank", self.lora_rank, 0)
+        if not isinstance(self.lora_alpha, (int, float)) or isinstance(self.lora_alpha, bool) or self.lora_alpha <= 0:
+            raise ValueError(f"FinetuneConfig.lora_alpha={self.lora_alpha!r} must be a positive number, e.g. 16.")
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     """One complete run: what ``zeroq-train`` composes from ``conf/`` and a recipe."""
 
@@ -82,6 +105,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
     def __post_init__(self) -> None:
         if self.data.seq_len > self.model.block_size:
@@ -97,6 +121,7 @@ class RunConfig:
 
 SECTIONS: dict[str, type] = {
     "zero": ZeroConfig, "model": GPTConfig, "optim": OptimConfig, "data": DataConfig, "trainer": TrainerConfig,
+    "finetune": FinetuneConfig,
 }
 # ValueError messages name "<Class>.<field>=<value>"; in the Hydra config that field is "<section>.<field>".
 CONFIG_KEYS = {cls.__name__: section for section, cls in SECTIONS.items()} | {"RunConfig": ""}
@@ -168,8 +193,8 @@ def preflight(run: RunConfig) -> None:
     """The checks that depend on this machine or on the text, made before any process starts.
 
     ``RuntimeError`` if the run needs a CUDA GPU and torch sees none; ``ValueError`` if the text does
-    not fill one batch on every rank (training would end after 0 steps), or ``zero.shard_group_size``
-    does not divide the number of ranks.
+    not fill one batch on every rank (training would end after 0 steps), ``zero.shard_group_size``
+    does not divide the number of ranks, or a fine-tune has no base to start from.
     """
     cfg = run.trainer
     if cfg.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
@@ -185,6 +210,15 @@ def preflight(run: RunConfig) -> None:
             check_shard_group_size(run.zero.shard_group_size, ranks)
     if run.zero.uses_nvme:
         check_swap_directory(run.zero.nvme_path)
+    tune = run.finetune
+    if tune.lora_rank and tune.base is None:
+        raise ValueError(
+            f"FinetuneConfig.lora_rank={tune.lora_rank} needs finetune.base, the checkpoint to fine-tune: pretrain "
+            "with `zeroq-train trainer.enable_checkpointing=true` and pass its checkpoint "
+            "(finetune.base=<run dir>/checkpoints/<name>.ckpt).")
+    if tune.base is not None and not Path(tune.base).exists():
+        raise ValueError(f"FinetuneConfig.base={tune.base!r} does not exist; pass the checkpoint to start from "
+                         "(a zeroq-train run's <run dir>/checkpoints/<name>.ckpt).")
 
 
 def world_size_of(cfg: TrainerConfig) -> Optional[int]:

@@ -66,7 +66,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_zeroq.cli.config import SECTIONS, RunConfig, build_run_config, config_error_line, preflight
 from lightning_zeroq.cli.data import TextDataModule
-from lightning_zeroq.cli.gpt import GPT
+from lightning_zeroq.cli.gpt import GPT, add_lora
 from lightning_zeroq.lightning.strategy import ZeroQStrategy
 
 HYDRA_VERSION_BASE = "1.3"
@@ -138,7 +138,7 @@ def register_configs() -> None:
     store = ConfigStore.instance()
     store.store(name="base_config", node=RunConfig)
     for group, schema in SECTIONS.items():
-        if group != "optim":  # optim has no group: its values live in config.yaml
+        if group not in ("optim", "finetune"):  # no group: their values live in config.yaml and the recipes
             store.store(group=group, name="base", node=schema)
     for path in sorted(resource_dir("recipes").glob("*.yaml")):
         text = path.read_text(encoding="utf-8")
@@ -233,12 +233,21 @@ def train(run: RunConfig, run_dir: Path, label: str) -> TrainResult:
     """
     L.seed_everything(run.seed, verbose=False)
     model = GPT(run.model, run.optim)
+    tune = run.finetune
+    if tune.lora_rank:
+        add_lora(model, tune.lora_rank, tune.lora_alpha)
+    pretrained: dict[str, Any] = {}
+    if tune.base is not None:
+        # The base's names, less the LoRA wrapper's ``.base`` (``blocks.0.attn.qkv.base.weight`` was
+        # ``blocks.0.attn.qkv.weight``); the factors are not in it.
+        pretrained = {"pretrained": tune.base, "pretrained_name_map": _base_name,
+                      "pretrained_allow_missing": ["*.lora_a", "*.lora_b"] if tune.lora_rank else None}
     data = TextDataModule(run.data)
     recorder = RunRecorder()
     owns_process_group = not dist.is_initialized()
     cfg = run.trainer
     trainer = L.Trainer(
-        strategy=ZeroQStrategy(run.zero),
+        strategy=ZeroQStrategy(run.zero, **pretrained),
         accelerator=cfg.accelerator,
         devices=cfg.devices,
         num_nodes=cfg.num_nodes,
@@ -267,6 +276,11 @@ def train(run: RunConfig, run_dir: Path, label: str) -> TrainResult:
     if trainer.is_global_zero:
         log.info("%s", result.summary())
     return result
+
+
+def _base_name(name: str) -> str:
+    """A LoRA-wrapped GPT's parameter name as the base checkpoint holds it."""
+    return name.replace(".base.", ".")
 
 
 def _join_children(trainer: L.Trainer, timeout_s: float = 120.0) -> None:

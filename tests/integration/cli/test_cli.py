@@ -201,13 +201,17 @@ def test_config_groups_are_complete() -> None:
 
 
 @pytest.mark.parametrize("name", recipe_names())
-def test_recipe_is_complete_and_documented(name: str) -> None:
+def test_recipe_is_complete_and_documented(name: str, tmp_path: Path) -> None:
     lines = (resource_dir("recipes") / f"{name}.yaml").read_text().splitlines()
     assert lines[0] == RECIPE_HEADER
     assert lines[1].startswith("# ") and len(lines[1]) > 20, "line 2 must say what the recipe is for"
     selected = {line.split("/")[1].split(":")[0] for line in lines if line.strip().startswith("- override /")}
     assert selected == set(GROUPS), f"a recipe selects every group explicitly; missing {set(GROUPS) - selected}"
     run = to_run_config(compose_config([f"recipe={name}"]))
+    if run.finetune.lora_rank:  # a fine-tuning recipe needs its base: none here, then a stand-in
+        with pytest.raises(ValueError, match=r"lora_rank=\d+ needs finetune.base"):
+            preflight(run)
+        run = to_run_config(compose_config([f"recipe={name}", f"finetune.base={tmp_path}"]))
     preflight(run)  # the pydoc text fills a batch on every rank
     # A recipe sets nothing that cannot take effect (each such setting warns on every run).
     assert ineffective(run.zero, loss_scaling=run.trainer.precision == "16-mixed") == []

@@ -87,10 +87,27 @@ SPREAD_SETTINGS: dict[str, dict[str, str]] = {
 REGENERATE = "python tests/integration/cli/test_recipes.py --regenerate"
 
 
+BASE_RECIPE, BASE_STEPS = "gpt1m_zero2_cpu", 30
+"""A fine-tuning recipe starts from this recipe's checkpoint after ``BASE_STEPS`` steps (made in the run's directory)."""
+
+
+def base_checkpoint(run_dir: str) -> str:
+    """In each pool worker: pretrain ``BASE_RECIPE`` for ``BASE_STEPS`` steps with its checkpoint on; its path."""
+    base_dir = Path(run_dir) / "base"
+    overrides = [f"recipe={BASE_RECIPE}", f"trainer.max_steps={BASE_STEPS}", "trainer.enable_progress_bar=false",
+                 "trainer.enable_checkpointing=true", "trainer.logger=false"]
+    train(to_run_config(compose_config(overrides)), base_dir, "base")
+    found = sorted((base_dir / "checkpoints").glob("*.ckpt"))
+    assert len(found) == 1, found
+    return str(found[0])
+
+
 def run_recipe(name: str, steps: int, run_dir: str) -> list[float]:
     """In each pool worker: compose the recipe, train ``steps`` steps, return the rank-averaged losses."""
     os.environ["OMP_NUM_THREADS"] = "1"  # keeps Lightning from raising the thread count on big machines
     overrides = [f"recipe={name}", f"trainer.max_steps={steps}", "trainer.enable_progress_bar=false"]
+    if compose_config(overrides).finetune.lora_rank:
+        overrides.append(f"finetune.base={base_checkpoint(run_dir)}")
     zero = compose_config(overrides).zero
     if "nvme" in (zero.offload_optimizer_device, zero.offload_params_device):
         # The recipes swap to <$TMPDIR or /tmp>/zeroq_rank<r>/: two runs on one machine at once (two
