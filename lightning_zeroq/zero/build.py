@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -135,7 +135,7 @@ def build(module: nn.Module, pol: Policies, *, param_dtype: torch.dtype, group: 
     sync_replicated_state(module, where, group, sharded)
     gatherer = Gatherer(placed.wire, placed.placement, placed.store, where, sync_persistent_on_build=topo.int8_weights)
     frozen = _frozen_parts(module, planned.specs, pol, topo, where) if sharded else None
-    gatherer.frozen = frozen.gatherer if frozen is not None else None
+    gatherer.frozen = cast(Gatherer, frozen.gatherer) if frozen is not None else None
     units = _units(module, planned.specs, placed, gatherer, where, param_dtype, group, topo.rank, frozen)
     stage3, host_step, reducer = _hooks(module, pol, topo, placed, gatherer, units, where, param_dtype)
     parts = Parts(module=module, policies=pol, param_dtype=param_dtype, topology=topo, device=where,

@@ -394,7 +394,7 @@ def load_full_state_dict(parts: Parts, state: dict[str, Tensor]) -> set[str]:
     names_of: dict[int, list[list[str]]] = {u.index: [[] for _ in u.params] for u in parts.units}
     mismatched = []
     every_name = parameter_names(parts.module)
-    for owner, i, shape, names in ((u, i, p.shape, every_name.get(id(p), [])) for u in parts.units
+    for owner, i, _shape, names in ((u, i, p.shape, every_name.get(id(p), [])) for u in parts.units
                                    for i, p in enumerate(u.params)):
         names_of[owner.index][i] = names
     frozen = [(u.frozen, p, every_name.get(id(p), [])) for u in parts.units if u.frozen is not None
