@@ -16,6 +16,7 @@
 | ``checkpointer.py`` | the save protocol (sync and async) and ``open_checkpoint`` |
 | ``engine_io.py`` | a ``ZeroEngine``'s save and load (``save_engine``, ``load_engine``), through the engine's sharded view (``zero/state_dict.py``), the only part of ``zero/`` this package uses |
 | ``convert.py`` | consolidation (what ``zeroq-convert`` runs): one file, tensor by tensor, no GPU, no process group |
+| ``pretrained.py`` | pretrained weights (Hugging Face safetensors, a ``torch.save`` state dict, DCP) into a built engine, each rank reading only its own ranges; names, validation, progress |
 | ``torch_file.py`` | a single-file torch checkpoint (``strategy="ddp"``'s) into the engine: safe load, model check, optimizer state |
 
 What is the Trainer's or Fabric's own (Lightning's checkpoint dict, the weights-only file, Fabric's

@@ -101,3 +101,22 @@ def agree(errors: Sequence[str], what: str, group: Optional[dist.ProcessGroup], 
                 lines.append(f"  rank {rank}: ... and {len(errs) - 5} more")
         raise CheckpointError("\n".join(lines))
     return [p for _, p in replies]
+
+
+def agree_once(errors: Sequence[str], what: str, group: Optional[dist.ProcessGroup], payload: Any = None) -> list[Any]:
+    """As ``agree``, for problems every rank finds alike (what a checkpoint holds against what the model
+    needs): each distinct problem is one line, said once where every rank has it and after the ranks that
+    have it otherwise, so one problem is a one-line ``CheckpointError`` on every rank."""
+    replies = exchange(([" ".join(str(e).split()) for e in errors], payload), group)
+    ranks: dict[str, list[int]] = {}
+    for rank, (errs, _) in enumerate(replies):
+        for error in dict.fromkeys(errs):
+            ranks.setdefault(error, []).append(rank)
+    if ranks:
+        lines = [error if len(where) == len(replies) else
+                 f"rank{'s' if len(where) > 1 else ''} {', '.join(map(str, where))}: {error}"
+                 for error, where in ranks.items()]
+        if len(lines) > 10:
+            lines = lines[:9] + [f"... and {len(lines) - 9} more"]
+        raise CheckpointError(f"{what}: {lines[0]}" if len(lines) == 1 else "\n".join([f"{what}:", *lines]))
+    return [p for _, p in replies]

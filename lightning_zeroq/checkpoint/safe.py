@@ -119,6 +119,11 @@ class SafeReader(FileSystemReader):
         self.error: Optional[BaseException] = None
         """The first error of the last ``read_data`` (DCP wraps it; ``read_entries`` raises it as it was)."""
 
+    def release(self) -> None:
+        """Free the buffer items are read into (reused item after item, as large as the largest read so far);
+        the next read allocates it again."""
+        self._buffer = None
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
             self._metadata = read_metadata(Path(self.path))

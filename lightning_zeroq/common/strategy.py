@@ -14,6 +14,8 @@ front door lives here, once, so the two cannot drift apart:
 - ``check_one_optimizer``: Fabric's strategy steps one optimizer (the Trainer's takes several).
 - ``stage3_meta_init``: the meta-device context in which stage 3 builds a model.
 - ``local_checkpoint_path``: a checkpoint path, refusing a remote file system's URL.
+- ``pretrained_option`` / ``load_pretrained_option``: the ``pretrained*`` options, validated when the strategy
+  is made, and the load right after the engine is built (``checkpoint/pretrained.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import contextlib
 import re
 from datetime import timedelta
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar
 
 import torch
@@ -30,6 +33,7 @@ import torch.distributed as dist
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from torch import nn
 
+from lightning_zeroq.checkpoint import pretrained
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.common.migration import unknown_options_message
 from lightning_zeroq.common.precision import ZeroQPrecision
@@ -47,6 +51,42 @@ def local_checkpoint_path(path: Any) -> Path:
         raise ValueError(f"ZeroQ checkpoints are local directories written by every rank; {text!r} names a remote "
                          "file system. Save to a local or mounted path and copy the directory afterwards.")
     return Path(text.removeprefix("file://")).absolute()
+
+
+@dataclass(frozen=True)
+class PretrainedOption:
+    """A strategy's ``pretrained*`` options: what ``load_pretrained_option`` loads once the engine is built."""
+
+    owner: str
+    path: Path
+    name_map: pretrained.NameMap
+    allow_missing: pretrained.Allowance
+    allow_unexpected: pretrained.Allowance
+
+
+def pretrained_option(owner: str, path: Any, name_map: pretrained.NameMap, allow_missing: pretrained.Allowance,
+                      allow_unexpected: pretrained.Allowance) -> Optional[PretrainedOption]:
+    """The ``pretrained`` options validated (a path that does not exist, a value of the wrong kind: one line
+    naming it); None without ``pretrained``, where the others have nothing to apply to."""
+    if path is None:
+        for name, value in (("pretrained_name_map", name_map), ("pretrained_allow_missing", allow_missing),
+                            ("pretrained_allow_unexpected", allow_unexpected)):
+            if value is not None:
+                raise ValueError(f"{owner}({name}=...) has nothing to {'map' if name.endswith('map') else 'allow'} "
+                                 "without pretrained; pass pretrained=<path of the checkpoint> too, or leave it out.")
+        return None
+    local = pretrained.check_path(path, f"{owner}(pretrained=...)")
+    pretrained.name_mapper(name_map, f"{owner}(pretrained_name_map=...)")
+    pretrained.check_allowance(allow_missing, f"{owner}(pretrained_allow_missing=...)", adapters=True)
+    pretrained.check_allowance(allow_unexpected, f"{owner}(pretrained_allow_unexpected=...)", adapters=False)
+    return PretrainedOption(owner, local, name_map, allow_missing, allow_unexpected)
+
+
+def load_pretrained_option(option: PretrainedOption, engine: ZeroEngine, module: nn.Module) -> None:
+    """Collective: the option's weights into ``module`` through the engine just built (each rank its part)."""
+    pretrained.load_pretrained(engine, module, option.path, name_map=option.name_map,
+                               allow_missing=option.allow_missing, allow_unexpected=option.allow_unexpected,
+                               where=f"{option.owner}(pretrained=...)")
 
 
 PRESETS: dict[str, dict[str, Any]] = {

@@ -57,10 +57,13 @@ from lightning_zeroq.common.strategy import (
     check_one_optimizer,
     config_from_options,
     create_process_group,
+    load_pretrained_option,
     local_checkpoint_path,
+    pretrained_option,
     register_presets,
     stage3_meta_init,
 )
+from lightning_zeroq.checkpoint.pretrained import Allowance, NameMap
 from lightning_zeroq.common.watchdog import report_uncaught_collective_failures
 from lightning_zeroq.zero.engine import ZeroEngine
 
@@ -162,6 +165,10 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
         exclude_frozen_parameters: ``fabric.save`` leaves out the frozen parameters (``requires_grad=False``),
             as Fabric's ``DeepSpeedStrategy`` does; ``fabric.load`` reads such a checkpoint into a model that
             holds the same frozen weights.
+        pretrained: a checkpoint whose weights the model takes in ``fabric.setup`` right after the engine is
+            built, each rank reading only its own part (as the Trainer's strategy; see ``load_pretrained``).
+        pretrained_name_map, pretrained_allow_missing, pretrained_allow_unexpected: ``load_pretrained``'s
+            ``name_map``, ``allow_missing`` and ``allow_unexpected`` for it (names of the set-up module).
     """
 
     def __init__(
@@ -177,12 +184,18 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
         timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
         plan_forward: Optional[Callable[[nn.Module], Tensor]] = None,
         exclude_frozen_parameters: bool = False,
+        pretrained: Optional[_PATH] = None,
+        pretrained_name_map: NameMap = None,
+        pretrained_allow_missing: Allowance = None,
+        pretrained_allow_unexpected: Allowance = None,
         **options: Any,
     ) -> None:
         self.config = config_from_options("ZeroQFabricStrategy", config, options)
         self.plan_forward = check_callable("ZeroQFabricStrategy", "plan_forward", plan_forward, PLAN_FORWARD_FIX)
         self.exclude_frozen_parameters = check_bool("ZeroQFabricStrategy", "exclude_frozen_parameters",
                                                     exclude_frozen_parameters)
+        self._pretrained = pretrained_option("ZeroQFabricStrategy", pretrained, pretrained_name_map,
+                                             pretrained_allow_missing, pretrained_allow_unexpected)
         _refuse_checkpoint_io(checkpoint_io)
         super().__init__(
             accelerator=accelerator,
@@ -267,6 +280,8 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
         self.engine = build_engine(module, self.config, self.precision, self.root_device,
                                    ranks_per_node=self.num_processes, plan_forward=self.plan_forward,
                                    on_choice=self.precision.planned.append)
+        if self._pretrained is not None:
+            load_pretrained_option(self._pretrained, self.engine, module)
         self.precision.attach_engine(self.engine, self.root_device.type)
         self._backward_sync_control.module = module
         return module

@@ -55,11 +55,14 @@ from lightning_zeroq.common.strategy import (
     check_timeout,
     config_from_options,
     create_process_group,
+    load_pretrained_option,
     local_checkpoint_path,
+    pretrained_option,
     register_presets,
     stage3_meta_init,
 )
 from lightning_zeroq.checkpoint import engine_io
+from lightning_zeroq.checkpoint.pretrained import Allowance, NameMap
 from lightning_zeroq.zero import full_params, state_dict as zero_state
 from lightning_zeroq.common.watchdog import report_collective_failure
 from lightning_zeroq.zero.full_params import check_module
@@ -92,6 +95,14 @@ class ZeroQStrategy(DDPStrategy):
             (``requires_grad=False``: a LoRA base), as with Lightning's ``DeepSpeedStrategy``; they hold the
             trainable parameters, their optimizer state and the trainer state. ``fit(ckpt_path=...)`` resumes
             them onto a model that holds the same frozen weights (the manifest names the ones left out).
+        pretrained: a checkpoint whose weights the module takes right after the engine is built, in
+            ``setup`` (before ``on_fit_start`` and the first step), each rank reading only its own part: a
+            Hugging Face safetensors checkpoint, a ``torch.save`` state dict (LitGPT's ``lit_model.pth``) or a
+            ``torch.distributed.checkpoint`` directory. Loaded once per strategy: a later ``fit`` keeps the
+            trained weights, and ``fit(ckpt_path=...)`` then replaces them with the checkpoint's.
+        pretrained_name_map, pretrained_allow_missing, pretrained_allow_unexpected: ``load_pretrained``'s
+            ``name_map``, ``allow_missing`` and ``allow_unexpected`` for it; names are the LightningModule's
+            (``{"model.": ""}`` where it holds the model as ``self.model``).
     """
 
     strategy_name = "zeroq"
@@ -111,10 +122,16 @@ class ZeroQStrategy(DDPStrategy):
         async_checkpoint: bool = False,
         exclude_frozen_parameters: bool = False,
         plan_forward: Optional[Callable[[torch.nn.Module], Tensor]] = None,
+        pretrained: Optional[_PATH] = None,
+        pretrained_name_map: NameMap = None,
+        pretrained_allow_missing: Allowance = None,
+        pretrained_allow_unexpected: Allowance = None,
         **options: Any,
     ) -> None:
         self.config = config_from_options("ZeroQStrategy", config, options)
         self.plan_forward = check_callable("ZeroQStrategy", "plan_forward", plan_forward, PLAN_FORWARD_FIX)
+        self._pretrained = pretrained_option("ZeroQStrategy", pretrained, pretrained_name_map,
+                                             pretrained_allow_missing, pretrained_allow_unexpected)
         if start_method != "popen" and self.config.stage == 3:
             raise ValueError(
                 f"ZeroQStrategy(stage=3, start_method={start_method!r}): the {start_method} launcher sends rank "
@@ -205,6 +222,9 @@ class ZeroQStrategy(DDPStrategy):
             self.engine = build_engine(module, self.config, plugin, self.root_device,
                                        ranks_per_node=self.num_processes, plan_forward=forward,
                                        on_choice=plugin.planned.append, training=fitting)
+            if self._pretrained is not None:  # once: a later engine is built from the weights the module took
+                load_pretrained_option(self._pretrained, self.engine, module)
+                self._pretrained = None
         if self.engine.parts.retired:
             self.precision_plugin.attach_engine(None, self.root_device.type)
             self.setup_precision_plugin()

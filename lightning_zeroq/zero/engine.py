@@ -40,7 +40,9 @@ def owning_engine(module: nn.Module) -> Optional["ZeroEngine"]:
     """The live engine that shards ``module``'s parameters, if any."""
     ids = {id(p) for p in module.parameters()}
     for engine in list(_ENGINES):
-        if not engine.parts.retired and any(id(p) in ids for u in engine.parts.units for p in u.params):
+        units = engine.parts.units
+        if not engine.parts.retired and any(id(p) in ids for u in units  # stage 3's frozen parts are sharded too
+                                            for p in (*u.params, *(u.frozen.params if u.frozen is not None else ()))):
             return engine
     return None
 

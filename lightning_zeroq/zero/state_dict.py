@@ -12,7 +12,8 @@ the rank that holds the parameter's first element.
 
 - ``params``: every managed parameter, unit by unit; ``groups()``: them by param group;
   ``unmanaged()``: the module's other ``state_dict()`` entries (buffers, frozen parameters);
-  ``frozen_names()``: every name of a frozen parameter, sharded or whole.
+  ``frozen_names()``: every name of a frozen parameter, sharded or whole; ``module``: the module the names are
+  relative to.
 - ``walk()``: reads of a ``Part`` in increasing ``order`` come after ``walk().ensure(order)`` (with
   NVMe offload one unit is resident at a time), and ``close()`` ends the walk.
 - ``load(optimizer)``: yields batches of parameters that are resident now; the caller writes their
@@ -161,6 +162,8 @@ class ShardedView:
 
     def __init__(self, parts: Parts, optimizer: Optional[torch.optim.Optimizer]) -> None:
         self._parts = parts
+        self.module = parts.module
+        """The module whose state this is: every name here is relative to it."""
         self.rank, self.world_size, self.job_world_size = parts.rank, parts.world_size, parts.world_size * parts.num_groups
         self.optimizer = optimizer
         self.closed = parts.closed

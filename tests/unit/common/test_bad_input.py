@@ -87,3 +87,34 @@ def test_fabric_refuses_a_checkpoint_io_it_would_ignore():
     strategy = ZeroQFabricStrategy()
     with pytest.raises(ValueError, match=r"does not use a CheckpointIO plugin"):
         strategy.checkpoint_io = TorchCheckpointIO()  # what Fabric(plugins=[...]) does
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_the_pretrained_options_are_validated_at_construction(strategy, tmp_path):
+    name = strategy.__name__
+    with pytest.raises(ValueError, match=rf"^{name}\(pretrained=\.\.\.\): .*nowhere does not exist; pass the path"):
+        strategy(pretrained=str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match=rf"^{name}\(pretrained=\.\.\.\): 's3://b/m' names a remote file system"):
+        strategy(pretrained="s3://b/m")
+    with pytest.raises(ValueError, match=rf"^{name}\(pretrained_name_map=\.\.\.\): 'loras' is no name map"):
+        strategy(pretrained=str(tmp_path), pretrained_name_map="loras")
+    with pytest.raises(ValueError, match=rf"^{name}\(pretrained_allow_missing=\.\.\.\): 3 is neither glob"):
+        strategy(pretrained=str(tmp_path), pretrained_allow_missing=3)
+    with pytest.raises(ValueError, match=rf"^{name}\(pretrained_allow_unexpected=\.\.\.\): 'adapters' names"):
+        strategy(pretrained=str(tmp_path), pretrained_allow_unexpected="adapters")
+    with pytest.raises(ValueError, match=rf"^{name}\(pretrained_name_map=\.\.\.\) has nothing to map without pretrained"):
+        strategy(pretrained_name_map={"model.": ""})
+    strategy(pretrained=str(tmp_path), pretrained_name_map="peft", pretrained_allow_missing="adapters",
+             pretrained_allow_unexpected=["*.inv_freq"])
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_the_pretrained_option_errors_are_one_line_and_the_same_for_both(strategy, tmp_path):
+    other = ZeroQStrategy if strategy is ZeroQFabricStrategy else ZeroQFabricStrategy
+    for kwargs in ({"pretrained": str(tmp_path / "nowhere")}, {"pretrained_allow_missing": "x"}):
+        with pytest.raises(ValueError) as mine:
+            strategy(**kwargs)
+        with pytest.raises(ValueError) as theirs:
+            other(**kwargs)
+        assert len(str(mine.value).splitlines()) == 1
+        assert str(mine.value).replace(strategy.__name__, "S") == str(theirs.value).replace(other.__name__, "S")
