@@ -40,9 +40,9 @@ def owning_engine(module: nn.Module) -> Optional["ZeroEngine"]:
     """The live engine that shards ``module``'s parameters, if any."""
     ids = {id(p) for p in module.parameters()}
     for engine in list(_ENGINES):
-        units = engine.parts.units
-        if not engine.parts.retired and any(id(p) in ids for u in units  # stage 3's frozen parts are sharded too
-                                            for p in (*u.params, *(u.frozen.params if u.frozen is not None else ()))):
+        parts = engine.parts
+        frozen = parts.frozen.units if parts.frozen is not None else []  # stage 3's frozen parts are sharded too
+        if not parts.retired and any(id(p) in ids for u in [*parts.units, *frozen] for p in u.params):
             return engine
     return None
 
