@@ -107,7 +107,7 @@ def run_recipe(name: str, steps: int, run_dir: str) -> list[float]:
     os.environ["OMP_NUM_THREADS"] = "1"  # keeps Lightning from raising the thread count on big machines
     overrides = [f"recipe={name}", f"trainer.max_steps={steps}", "trainer.enable_progress_bar=false"]
     if compose_config(overrides).finetune.lora_rank:
-        overrides.append(f"finetune.base={base_checkpoint(run_dir)}")
+        overrides.append(f"finetune.base='{base_checkpoint(run_dir)}'")  # quoted: a checkpoint's name holds '='
     zero = compose_config(overrides).zero
     if "nvme" in (zero.offload_optimizer_device, zero.offload_params_device):
         # The recipes swap to <$TMPDIR or /tmp>/zeroq_rank<r>/: two runs on one machine at once (two
