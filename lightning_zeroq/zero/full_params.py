@@ -121,6 +121,18 @@ def frozen_gather(parts: Parts, unit: Unit) -> None:
     parts.frozen.gatherer.gather(unit.frozen)  # type: ignore[attr-defined]
 
 
+@torch.no_grad()
+def frozen_full(parts: Parts, unit: Unit) -> Tensor:
+    """Collective: ``unit``'s frozen part whole (its padded buffer, in the parameters' dtype, on the device) made
+    from the stored shards, with the values a gather gives, without gathering the part: its parameters stay as
+    they are (freed or gathered in training, the plain tensors of a module handed back)."""
+    assert parts.frozen is not None and unit.frozen is not None
+    codec = parts.frozen.codec
+    full = torch.empty(unit.frozen.layout.padded_numel, dtype=codec.compute, device=parts.device)
+    comm.all_gather(full, codec.decode(unit.frozen), codec.group)
+    return full
+
+
 def frozen_store(parts: Parts, unit: Unit) -> None:
     """What the gathered frozen part holds now becomes its stored shard (each rank its own)."""
     assert parts.frozen is not None and unit.frozen is not None

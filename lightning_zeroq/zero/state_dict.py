@@ -367,16 +367,16 @@ def full_state_dict(parts: Parts, rank0_only: bool = False) -> dict[str, Tensor]
             for name in names.get(id(p), []):
                 out[name] = value
         del full
-    for unit in parts.units:  # stage 3's frozen parts: gathered as a forward gathers them (collective)
+    for unit in parts.units:  # stage 3's frozen parts, from their stored shards (collective)
         if unit.frozen is None:
             continue
-        full_params.frozen_gather(parts, unit)
+        frozen = full_params.frozen_full(parts, unit)
         if not rank0_only or parts.rank == 0:
             for p, slot in zip(unit.frozen.params, unit.frozen.layout.slots):
-                value = unit.frozen.flat[slot.span].view(p.shape).float().cpu().clone()
+                value = frozen[slot.span].view(p.shape).float().cpu().clone()
                 for name in names.get(id(p), []):
                     out[name] = value
-        full_params.frozen_release(parts, unit)
+        del frozen
     if rank0_only and parts.rank != 0:
         return {}
     for name, p in parts.module.named_parameters(remove_duplicate=False):

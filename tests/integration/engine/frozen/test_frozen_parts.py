@@ -145,3 +145,34 @@ def test_frozen_storage_rounds_as_documented(dist_pool, storage, bound) -> None:
 def test_frozen_dtype_rejects_bad_values() -> None:
     with pytest.raises(ValueError, match=r"frozen_dtype='int4'.*one of"):
         ZeroConfig(stage=3, frozen_dtype="int4")
+
+
+def _after_release(storage) -> None:
+    """A module handed back (``release_module``, the Trainer's teardown) keeps its frozen base as plain tensors, and
+    the fit's engine still reads it (``full_state_dict``) without touching the module."""
+    torch.manual_seed(5)
+    model = LoraModel()
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    engine = ZeroEngine(model, ZeroConfig(stage=3, frozen_dtype=storage, quantized_weights_exact_numel=EXACT))
+    engine.attach_optimizer(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2))
+    engine.backward(model.loss(make_batch(0, 0, dist.get_rank())))
+    engine.step()
+    during = engine.full_state_dict()
+    engine.release_module()
+    held = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+    for name, p in held.items():
+        assert type(p) is torch.nn.Parameter, (name, type(p))
+        assert torch.equal(p, during[name]), f"the module handed back holds another {name}"
+        if storage is None:
+            assert torch.equal(p, base[name]), name
+    after = engine.full_state_dict()
+    assert after.keys() == during.keys()
+    for name, value in during.items():
+        assert torch.equal(after[name], value), f"full_state_dict after release_module: {name} differs"
+    for name, p in held.items():  # reading the engine left the module's frozen parameters alone
+        assert type(p) is torch.nn.Parameter and torch.equal(p, during[name]), name
+
+
+@pytest.mark.parametrize("storage", [None, "bf16", "int8"])
+def test_frozen_parts_after_release_module(dist_pool, storage) -> None:
+    dist_pool(2).run(_after_release, storage)
