@@ -27,7 +27,8 @@ they can hold it exactly (fp32 working weights at full width); elsewhere the ste
 
 ``publish_loaded(parts, unit)``: after a load changed ``unit``'s master shards, bring what uses them
 up to date: the working weights of a training engine, or (collective) the plain parameters of a
-module already handed back, which evaluation after fit (``trainer.test(ckpt_path=...)``) runs.
+module already handed back, which evaluation after fit (``trainer.test(ckpt_path=...)``) runs;
+``publish_frozen_loaded`` does the same for a stage-3 frozen part's stored shards.
 """
 
 from __future__ import annotations
@@ -113,6 +114,18 @@ def gathered_parameters(parts: Parts, module: Optional[nn.Module] = None,
 
 def _frozen_params(unit: Unit) -> list[nn.Parameter]:
     return unit.frozen.params if unit.frozen is not None else []
+
+
+@torch.no_grad()
+def publish_frozen_loaded(parts: Parts, unit: Unit) -> None:
+    """After a load changed the stored shards of ``unit``'s frozen part: a module already handed back takes them
+    (collective), as ``publish_loaded`` gives it the trainable ones; in training the part's next gather reads them."""
+    if not parts.retired:
+        return
+    assert unit.frozen is not None
+    full = frozen_full(parts, unit)
+    for p, slot in zip(unit.frozen.params, unit.frozen.layout.slots):
+        p.data = full[slot.span].view(p.shape).to(device=p.device, dtype=p.dtype, copy=True)
 
 
 def frozen_gather(parts: Parts, unit: Unit) -> None:

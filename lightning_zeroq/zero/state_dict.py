@@ -225,7 +225,7 @@ class ShardedView:
 
     def frozen_written(self) -> None:
         """The frozen parts' ranges were written (a load): stored (a decoded copy encoded again), and every
-        frozen part freed, so its next gather reads them."""
+        frozen part freed, so its next gather reads them; a module already handed back takes them (collective)."""
         frozen = self._parts.frozen
         if frozen is None:
             return
@@ -233,6 +233,7 @@ class ShardedView:
             if part.index in self._decoded:
                 frozen.codec.store(part, self._decoded.pop(part.index))
             frozen.gatherer.free(part)  # type: ignore[attr-defined]
+            full_params.publish_frozen_loaded(self._parts, frozen.owner[part.index])
 
     def unmanaged(self) -> dict[str, Any]:
         """The module's ``state_dict()`` entries the engine does not shard (buffers, frozen parameters)."""

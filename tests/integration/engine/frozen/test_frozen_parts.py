@@ -149,7 +149,7 @@ def test_frozen_dtype_rejects_bad_values() -> None:
 
 def _after_release(storage) -> None:
     """A module handed back (``release_module``, the Trainer's teardown) keeps its frozen base as plain tensors, and
-    the fit's engine still reads it (``full_state_dict``) without touching the module."""
+    the fit's engine still reads it (``full_state_dict``) and loads into it, as it does the trainable parameters."""
     torch.manual_seed(5)
     model = LoraModel()
     base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
@@ -171,6 +171,17 @@ def _after_release(storage) -> None:
         assert torch.equal(after[name], value), f"full_state_dict after release_module: {name} differs"
     for name, p in held.items():  # reading the engine left the module's frozen parameters alone
         assert type(p) is torch.nn.Parameter and torch.equal(p, during[name]), name
+    # A checkpoint loaded after fit (``trainer.test(ckpt_path=...)``) goes into the engine and the module alike.
+    parts = {id(p) for part in engine.parts.frozen.units for p in part.params}
+    sharded = {n: p for n, p in held.items() if id(p) in parts}  # the blocks' (the engine's to load)
+    assert sharded and all(n.startswith("blocks.") for n in sharded), sorted(sharded)
+    other = {n: v + 1 / 64 if n in sharded else v for n, v in during.items()}  # exact in bf16; INT8 rounds it
+    engine.load_full_state_dict(other)
+    loaded = engine.full_state_dict()
+    for name, p in sharded.items():
+        assert type(p) is torch.nn.Parameter and torch.equal(p, loaded[name]), f"the module did not take {name}"
+        if storage is None:
+            assert torch.equal(p, other[name]), name
 
 
 @pytest.mark.parametrize("storage", [None, "bf16", "int8"])
