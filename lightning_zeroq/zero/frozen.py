@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from lightning_zeroq import ops
 from lightning_zeroq.swap.buffers import pinned_empty
 from lightning_zeroq.zero import comm
+from lightning_zeroq.zero.gather import Gatherer
 from lightning_zeroq.zero.layout import UnitLayout
 from lightning_zeroq.zero.unit import Unit, UnitState
 from lightning_zeroq.zero.wire import FullWidth, Int8, on_device
@@ -184,7 +185,7 @@ class FrozenParts:
 
     units: list[Unit]
     codec: FrozenCodec
-    gatherer: object
+    gatherer: Gatherer
     """The frozen parts' ``Gatherer`` (``gather.py``), called by the trainable gatherer."""
     whole_numel: int = 0
     """Frozen elements that stay whole on every rank (see the module docstring)."""

@@ -131,7 +131,7 @@ def publish_frozen_loaded(parts: Parts, unit: Unit) -> None:
 def frozen_gather(parts: Parts, unit: Unit) -> None:
     """Collective: ``unit``'s frozen part gathered (its parameters hold their values) until ``frozen_release``."""
     assert parts.frozen is not None and unit.frozen is not None
-    parts.frozen.gatherer.gather(unit.frozen)  # type: ignore[attr-defined]
+    parts.frozen.gatherer.gather(unit.frozen)
 
 
 @torch.no_grad()
@@ -152,16 +152,16 @@ def frozen_store(parts: Parts, unit: Unit) -> None:
     part = unit.frozen
     parts.frozen.codec.store(part, part.flat[part.layout.shard_span(comm.world(parts.group)[0])])
     if not parts.frozen.codec.exact:
-        parts.frozen.gatherer.free(part)  # type: ignore[attr-defined]  # what a gather makes of what rests
+        parts.frozen.gatherer.free(part)  # what a gather makes of what rests
 
 
 def frozen_release(parts: Parts, unit: Unit) -> None:
     """Free ``unit``'s frozen part again, unless the unit itself is gathered (in use)."""
     assert parts.frozen is not None and unit.frozen is not None
     if unit.state is UnitState.SHARDED:
-        parts.frozen.gatherer.free(unit.frozen)  # type: ignore[attr-defined]
+        parts.frozen.gatherer.free(unit.frozen)
     elif unit.frozen.state is UnitState.SHARDED:
-        parts.frozen.gatherer.gather(unit.frozen)  # type: ignore[attr-defined]
+        parts.frozen.gatherer.gather(unit.frozen)
 
 
 def takes_writes(parts: Parts) -> bool:

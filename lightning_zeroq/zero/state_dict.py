@@ -232,7 +232,7 @@ class ShardedView:
         for part in frozen.units:
             if part.index in self._decoded:
                 frozen.codec.store(part, self._decoded.pop(part.index))
-            frozen.gatherer.free(part)  # type: ignore[attr-defined]
+            frozen.gatherer.free(part)
             full_params.publish_frozen_loaded(self._parts, frozen.owner[part.index])
 
     def unmanaged(self) -> dict[str, Any]:
@@ -395,8 +395,7 @@ def load_full_state_dict(parts: Parts, state: dict[str, Tensor]) -> set[str]:
     names_of: dict[int, list[list[str]]] = {u.index: [[] for _ in u.params] for u in parts.units}
     mismatched = []
     every_name = parameter_names(parts.module)
-    for owner, i, shape, names in ((u, i, p.shape, every_name.get(id(p), [])) for u in parts.units
-                                   for i, p in enumerate(u.params)):
+    for owner, i, names in ((u, i, every_name.get(id(p), [])) for u in parts.units for i, p in enumerate(u.params)):
         names_of[owner.index][i] = names
     frozen = [(u.frozen, p, every_name.get(id(p), [])) for u in parts.units if u.frozen is not None
               for p in u.frozen.params]
