@@ -29,10 +29,11 @@ Frozen parts (``frozen.py``). A unit's frozen weights may be needed in the backw
 parameters all have their gradients: the gradient with respect to the module's input flows through the frozen
 base (a LoRA block: ``x W^T`` is an autograd node apart from the factors'), and can run after the factors'
 gradients are complete. So the reducer's ``unit_reduced`` frees the unit's frozen part only once every input of
-the module's forward that requires a gradient has received it (a hook on each, counted per unit); where that
-comes later, the last input's hook frees it. Inputs that need no gradient (the first block after a frozen
-embedding) leave nothing to wait for: every node that reads the frozen weights then leads to a trainable
-parameter of the unit, whose gradient completes after it.
+the module's forward that requires a gradient, positional or keyword (Hugging Face's layers may take
+``hidden_states=...``), has received it (a hook on each, counted per unit); where that comes later, the last
+input's hook frees it. Inputs that need no gradient (the first block after a frozen embedding) leave nothing to
+wait for: every node that reads the frozen weights then leads to a trainable parameter of the unit, whose
+gradient completes after it.
 
 Activation checkpointing recomputes a forward inside the backward: there the pre-hook only gathers
 the unit (orders and prefetch untouched) and the post-hook keeps it gathered for its gradients.
@@ -90,7 +91,8 @@ class Stage3Coordinator:
             if unit.persistent:
                 continue
             assert unit.module is not None
-            self._handles.append(unit.module.register_forward_pre_hook(EagerHook(self, "_pre_forward", unit)))
+            self._handles.append(unit.module.register_forward_pre_hook(EagerHook(self, "_pre_forward", unit),
+                                                                       with_kwargs=True))
             self._handles.append(unit.module.register_forward_hook(EagerHook(self, "_post_forward", unit)))
 
     def _use(self, unit: Unit, backward: bool) -> None:
@@ -168,7 +170,7 @@ class Stage3Coordinator:
 
     # Hooks (installed as ``EagerHook``s).
 
-    def _pre_forward(self, unit: Unit, module: nn.Module, args: Any) -> None:
+    def _pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: Any) -> None:
         if _in_backward():
             # Activation checkpointing recomputes the forward inside the backward: the unit is gathered
             # (its gradients come right after) but the recorded orders and the prefetch are left as they are.
@@ -176,7 +178,7 @@ class Stage3Coordinator:
             return
         self._use(unit, backward=False)
         if unit.frozen is not None and torch.is_grad_enabled():
-            for t in tree_flatten(args)[0]:
+            for t in tree_flatten((args, kwargs))[0]:  # by keyword too: Hugging Face's hidden_states=...
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     self._inputs[unit.index] = self._inputs.get(unit.index, 0) + 1
                     t.register_hook(EagerHook(self, "_input_grad", unit))
