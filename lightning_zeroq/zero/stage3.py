@@ -36,7 +36,12 @@ wait for: every node that reads the frozen weights then leads to a trainable par
 gradient completes after it.
 
 Activation checkpointing recomputes a forward inside the backward: there the pre-hook only gathers
-the unit (orders and prefetch untouched) and the post-hook keeps it gathered for its gradients.
+the unit (orders and prefetch untouched) and the post-hook keeps it gathered for its gradients. A reentrant
+checkpoint (Hugging Face's layers with ``use_reentrant=True``) ran the forward without gradients, so no input of
+it was counted, and backpropagates through the recomputation in a nested backward, a graph task of its own: a
+unit reduced in another graph task than the one that recomputed it keeps its frozen part until that nested
+backward ends (a callback queued on it). A non-reentrant recomputation needs nothing more: the forward's input
+hooks count its inputs.
 
 ``torch.compile``: the hooks are ``EagerHook``s, which dynamo never traces (FSDP2 does the same with
 its hooks): it breaks the graph where a unit's forward begins and where it ends and compiles the
@@ -85,6 +90,8 @@ class Stage3Coordinator:
         self._warned = False
         self._inputs: dict[int, int] = {}
         """Units with a frozen part: the gradients for their modules' inputs still to come in this backward."""
+        self._recomputed: dict[int, int] = {}
+        """Units with a frozen part recomputed in this backward: the graph task that recomputed them."""
         self._handles = []
         check_guards_in_full(m for unit in units if unit.module is not None for m in unit.module.modules())
         for unit in units:
@@ -147,7 +154,17 @@ class Stage3Coordinator:
         return list(reversed(self._forward))
 
     def unit_reduced(self, unit: Unit) -> None:
-        self.gatherer.free(unit, frozen=self._inputs.get(unit.index, 0) <= 0)
+        keep = self._inputs.get(unit.index, 0) > 0
+        if not keep and self._recomputed.get(unit.index, _current_task()) != _current_task():
+            # A reentrant checkpoint's nested backward (the recomputation ran in the backward that started it): its
+            # nodes may still read the frozen part, and its inputs were not seen; they have all run when it ends.
+            torch.autograd.Variable._execution_engine.queue_callback(EagerHook(self, "_nested_ended", unit))
+            keep = True
+        self.gatherer.free(unit, frozen=not keep)
+
+    def _nested_ended(self, unit: Unit) -> None:
+        if unit.state is UnitState.SHARDED:
+            self.gatherer.free(unit)  # its frozen part (the unit was freed when reduced)
 
     def _input_grad(self, unit: Unit, grad: torch.Tensor) -> None:
         """A gradient for an input of ``unit``'s module arrived: once the last has, and the unit is reduced, no
@@ -167,6 +184,7 @@ class Stage3Coordinator:
         self._prefetched = []
         self._forward = {}
         self._inputs = {}
+        self._recomputed = {}
 
     # Hooks (installed as ``EagerHook``s).
 
@@ -175,6 +193,8 @@ class Stage3Coordinator:
             # Activation checkpointing recomputes the forward inside the backward: the unit is gathered
             # (its gradients come right after) but the recorded orders and the prefetch are left as they are.
             self.gatherer.gather(unit)
+            if unit.frozen is not None:
+                self._recomputed[unit.index] = _current_task()
             return
         self._use(unit, backward=False)
         if unit.frozen is not None and torch.is_grad_enabled():
@@ -202,6 +222,11 @@ class Stage3Coordinator:
         self._handles = []
 
 
+def _current_task() -> int:
+    """The autograd graph task running on this thread (-1: none); a nested backward has its own."""
+    return torch._C._current_graph_task_id()
+
+
 def _in_backward() -> bool:
     """Is the autograd engine running a backward pass on this thread (a checkpoint's recomputation)?"""
-    return torch._C._current_graph_task_id() != -1
+    return _current_task() != -1

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 
 from lightning_zeroq import gathered_parameters
 from lightning_zeroq.config import ZeroConfig
@@ -34,21 +35,32 @@ def _ddp_loss(ddp: DistributedDataParallel, batch) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(ddp(tokens).reshape(-1, VOCAB).float(), targets.reshape(-1))
 
 
-class KeywordLoraModel(LoraModel):
-    """Its blocks called with a keyword argument (``block(h=h)``), as Hugging Face's layers may be
-    (``hidden_states=...``): their input's gradient is still awaited before the frozen part is freed."""
+class CalledLoraModel(LoraModel):
+    """Its blocks called otherwise than ``block(h)``: by keyword (``block(h=h)``, as Hugging Face's layers may be
+    given ``hidden_states=...``), or under activation checkpointing, reentrant (Hugging Face's layers with
+    ``use_reentrant=True``: the recomputation's backward is a nested one) or not, with the
+    embedding's output made to require a gradient as ``enable_input_require_grads`` does. The frozen part must
+    stay gathered until no node of the backward reads it."""
+
+    def __init__(self, call: str) -> None:
+        super().__init__()
+        self.call = call
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens)
         for block in self.blocks:
-            h = block(h=h)
+            if self.call == "keyword":
+                h = block(h=h)
+            else:
+                h = checkpoint(block, h.requires_grad_() if block is self.blocks[0] else h,
+                               use_reentrant=self.call == "reentrant")
         return self.head(h)
 
 
-def _parity(offload: str, managed: bool, clip: float, keyword: bool = False) -> dict:
+def _parity(offload: str, managed: bool, clip: float, call: str = "positional") -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(7 + rank)  # different per rank: the engine starts from rank 0's, as DDP does
-    model = KeywordLoraModel() if keyword else LoraModel()
+    model = LoraModel() if call == "positional" else CalledLoraModel(call)
     ref = copy.deepcopy(model)
     ddp = DistributedDataParallel(ref)
     base_before = {n: p.detach().clone() for n, p in ref.named_parameters() if not p.requires_grad}
@@ -99,9 +111,11 @@ def test_lora_matches_ddp_and_holds_its_share_of_the_base(dist_pool, world_size,
         assert r["worst"] < 1e-6, r
 
 
-@pytest.mark.parametrize("world_size, offload", [(2, "none"), (3, "optimizer_cpu_async")])
-def test_blocks_called_by_keyword_match_ddp(dist_pool, world_size, offload) -> None:
-    for r in dist_pool(world_size).run(_parity, offload, True, 0.5, keyword=True):
+@pytest.mark.parametrize("call, world_size, offload", [
+    ("keyword", 2, "none"), ("keyword", 3, "optimizer_cpu_async"), ("reentrant", 2, "none"),
+    ("reentrant", 3, "params_optimizer_cpu"), ("nonreentrant", 3, "none")])
+def test_blocks_called_otherwise_match_ddp(dist_pool, call, world_size, offload) -> None:
+    for r in dist_pool(world_size).run(_parity, offload, True, 0.5, call=call):
         assert r["worst"] < 1e-6, r
 
 
