@@ -56,6 +56,26 @@ def blocks(client: str, model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__ == BLOCK[client]]
 
 
+LAYERS_RUN = ("eager", "compiled", "reentrant", "checkpointed")
+"""How the decoder layers run: as written; each compiled (``block.compile()``, torchtitan's recipe); under
+Hugging Face's gradient checkpointing (PEFT only), reentrant (``use_reentrant=True``, with
+``enable_input_require_grads`` as PEFT's k-bit recipe sets it) or not (the default)."""
+
+
+def prepare(client: str, model: nn.Module, layers: str) -> nn.Module:
+    """``model`` with its decoder layers run as ``layers`` says (``LAYERS_RUN``), before any strategy takes it."""
+    if layers == "compiled":
+        for block in blocks(client, model):
+            block.compile()
+    elif layers in ("reentrant", "checkpointed"):
+        assert client == "peft", "gradient checkpointing here is Hugging Face's"
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": layers == "reentrant"})
+        model.config.use_cache = False  # (what transformers does, with a warning, at the first forward)
+        if layers == "reentrant":
+            model.enable_input_require_grads()  # a reentrant checkpoint backpropagates only to inputs needing it
+    return model
+
+
 def logits(client: str, model: nn.Module, tokens: Tensor) -> Tensor:
     if client == "peft":
         return model(input_ids=tokens).logits

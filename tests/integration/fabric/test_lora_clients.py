@@ -2,9 +2,10 @@
 (fp32, gloo), in lockstep in the same processes: Hugging Face PEFT over ``LlamaForCausalLM`` and LitGPT's LoRA
 ``GPT`` (``tests/lora_clients.py``), stages 1-3, every step 2 micro-batches (the first inside
 ``no_backward_sync``) and clipped by the global norm, the optimizer (stage 3: and the parameters) on the host,
-the asynchronous host step, compiled decoder layers. Every micro-batch's loss, the gradient norm and the adapters
-after every step are within 1e-6 of DDP's; the frozen base is bitwise the initial one; in stage 3 it is sharded,
-one frozen part per decoder layer, freed between steps. Under the Trainer: ``tests/integration/lightning/``."""
+the asynchronous host step, compiled decoder layers, Hugging Face's gradient checkpointing. Every micro-batch's
+loss, the gradient norm and the adapters after every step are within 1e-6 of DDP's; the frozen base is bitwise
+the initial one; in stage 3 it is sharded, one frozen part per decoder layer, freed between steps. Under the
+Trainer: ``tests/integration/lightning/``."""
 
 from __future__ import annotations
 
@@ -26,25 +27,18 @@ def _launched(strategy):
     return fabric
 
 
-def _model(client: str, compiled: bool):
-    model = clients.build(client)  # seed 0: the same model in both arms, on every rank
-    if compiled:
-        for block in clients.blocks(client, model):
-            block.compile()
-    return model
-
-
-def _body(client: str, stage: int, arm: str, compiled: bool) -> float:
+def _body(client: str, stage: int, arm: str, layers: str) -> float:
     from lightning_zeroq import ZeroQFabricStrategy
     from lightning_zeroq.zero.unit import UnitState
 
     rank = dist.get_rank()
     zq = _launched(ZeroQFabricStrategy(**clients.zeroq_options(stage, arm)))
     ddp = _launched("ddp")
-    if compiled:
+    if layers == "compiled":
         torch._dynamo.reset()
     graphs = clients.graphs()
-    model, ref = _model(client, compiled), _model(client, compiled)
+    # Seed 0: the same model in both arms, on every rank.
+    model, ref = (clients.prepare(client, clients.build(client), layers) for _ in range(2))
     base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     model, opt = zq.setup(model, clients.optimizer(model))
     ref_model, ref_opt = ddp.setup(ref, clients.optimizer(ref))
@@ -82,31 +76,32 @@ def _body(client: str, stage: int, arm: str, compiled: bool) -> float:
         assert torch.equal(full[name], before), f"the frozen {name} changed"
     if arm == "async":  # every step was asynchronous
         assert engine.parts.host_step.steps == STEPS, engine.parts.host_step.steps
-    if compiled:
+    if layers == "compiled":
         assert clients.graphs() > graphs  # the decoder layers really ran compiled
     return worst
 
 
-# (client, stage, arm, world size, compiled): with the Trainer's (tests/integration/lightning/test_lora_clients.py),
+# (client, stage, arm, world size, layers): with the Trainer's (tests/integration/lightning/test_lora_clients.py),
 # for both clients every stage on the device, with offload and with the asynchronous step, at 2 and 3 ranks.
 MATRIX = [
-    (client, stage, arm, world, False)
+    (client, stage, arm, world, "eager")
     for client in clients.CLIENTS
     for stage, arm, world in ((1, "async", 2), (2, "offload", 3), (3, "plain", 3), (3, "offload", 2), (3, "async", 3))
-] + [("litgpt", 3, "offload", 3, True)]
+] + [("litgpt", 3, "offload", 3, "compiled"), ("peft", 2, "plain", 2, "reentrant"),
+     ("peft", 3, "async", 2, "checkpointed")]
 
 
-def _param(client, stage, arm, world, compiled):
+def _param(client, stage, arm, world, layers):
     marks = [pytest.mark.hf] if client == "peft" else []  # in the pass with transformers installed (pyproject, hf)
-    name = f"{client}-stage{stage}-{arm}-{world}ranks" + ("-compiled" if compiled else "")
-    return pytest.param(client, stage, arm, world, compiled, id=name, marks=marks)
+    name = f"{client}-stage{stage}-{arm}-{world}ranks" + ("" if layers == "eager" else f"-{layers}")
+    return pytest.param(client, stage, arm, world, layers, id=name, marks=marks)
 
 
-@pytest.mark.parametrize(("client", "stage", "arm", "world", "compiled"), [_param(*case) for case in MATRIX])
-def test_lora_clients_under_fabric_match_ddp(dist_pool, request, client, stage, arm, world, compiled):
+@pytest.mark.parametrize(("client", "stage", "arm", "world", "layers"), [_param(*case) for case in MATRIX])
+def test_lora_clients_under_fabric_match_ddp(dist_pool, request, client, stage, arm, world, layers):
     for module in clients.IMPORTS[client]:
         pytest.importorskip(module)
     if arm == "async":
         request.getfixturevalue("host_kernel")  # tests/conftest.py: skips where the kernel cannot match torch
-    worst = dist_pool(world).run(_body, client, stage, arm, compiled)
+    worst = dist_pool(world).run(_body, client, stage, arm, layers)
     assert max(worst) <= 1e-6, worst

@@ -1,10 +1,10 @@
 """LoRA fine-tuning clients under ``Trainer(strategy=ZeroQStrategy(...))`` against ``Trainer(strategy="ddp")``
 (fp32, gloo): Hugging Face PEFT over ``LlamaForCausalLM`` and LitGPT's LoRA ``GPT`` (``tests/lora_clients.py``),
 stages 1-3, with gradient accumulation and clipping in every case, the optimizer (stage 3: and the parameters)
-on the host, the asynchronous host step and compiled decoder layers. Every micro-batch's loss and the adapters
-after every optimizer step are within 1e-6 of DDP's; the frozen base is bitwise the initial one after ``fit``
-(in the module handed back and in ``full_state_dict()``); in stage 3 it is sharded, one frozen part per
-decoder layer, freed between steps."""
+on the host, the asynchronous host step, compiled decoder layers and Hugging Face's gradient checkpointing.
+Every micro-batch's loss and the adapters after every optimizer step are within 1e-6 of DDP's; the frozen base
+is bitwise the initial one after ``fit`` (in the module handed back and in ``full_state_dict()``); in stage 3 it
+is sharded, one frozen part per decoder layer, freed between steps."""
 
 from __future__ import annotations
 
@@ -18,16 +18,13 @@ from tests import lora_clients as clients
 STEPS, ACCUMULATE = 3, 2
 
 
-def _module(client: str, compiled: bool):
+def _module(client: str, layers: str):
     import lightning as L
 
     class Lit(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.model = clients.build(client)
-            if compiled:
-                for block in clients.blocks(client, self.model):
-                    block.compile()
+            self.model = clients.prepare(client, clients.build(client), layers)
             self.losses: list[float] = []
 
         def training_step(self, batch, batch_idx):
@@ -68,17 +65,17 @@ def _recorder(client: str, stage: int, zeroq: bool):
     return Recorder()
 
 
-def _fit(client: str, stage: int, arm: str, compiled: bool) -> dict:
+def _fit(client: str, stage: int, arm: str, layers: str) -> dict:
     import lightning as L
 
     from lightning_zeroq import ZeroQStrategy
 
     zeroq = stage > 0
     strategy = ZeroQStrategy(**clients.zeroq_options(stage, arm)) if zeroq else "ddp"
-    if compiled:
+    if layers == "compiled":
         torch._dynamo.reset()
     graphs = clients.graphs()
-    module, recorder = _module(client, compiled), _recorder(client, stage, zeroq)
+    module, recorder = _module(client, layers), _recorder(client, stage, zeroq)
     base = clients.split({n: p.detach().clone() for n, p in module.named_parameters()}, module)[1]
     data = torch.utils.data.DataLoader(clients.batches(STEPS * ACCUMULATE, dist.get_rank()), batch_size=None)
     trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy, max_epochs=1,
@@ -96,8 +93,8 @@ def _fit(client: str, stage: int, arm: str, compiled: bool) -> dict:
     return out
 
 
-def _body(client: str, stage: int, arm: str, compiled: bool) -> float:
-    ours, ddp = _fit(client, stage, arm, compiled), _fit(client, 0, "plain", compiled)
+def _body(client: str, stage: int, arm: str, layers: str) -> float:
+    ours, ddp = _fit(client, stage, arm, layers), _fit(client, 0, "plain", layers)
     assert len(ours["losses"]) == len(ddp["losses"]) == STEPS * ACCUMULATE
     for i, (a, b) in enumerate(zip(ours["losses"], ddp["losses"])):
         assert abs(a - b) <= 1e-6, f"micro-batch {i}: loss {a} vs DDP {b}"
@@ -113,33 +110,34 @@ def _body(client: str, stage: int, arm: str, compiled: bool) -> float:
         assert torch.equal(ours["full"][name], before), f"the frozen {name} changed (full_state_dict after fit)"
     if arm == "async":
         assert ours["async_steps"] == STEPS, ours["async_steps"]
-    if compiled:  # the decoder layers really ran compiled, under zeroq and under DDP
+    if layers == "compiled":  # the decoder layers really ran compiled, under zeroq and under DDP
         assert ours["graphs"] > 0 and ddp["graphs"] > 0, (ours["graphs"], ddp["graphs"])
     return worst
 
 
-# (client, stage, arm, world size, compiled). With Fabric's (tests/integration/fabric/test_lora_clients.py), for
+# (client, stage, arm, world size, layers). With Fabric's (tests/integration/fabric/test_lora_clients.py), for
 # both clients: every stage on the device, with offload and with the asynchronous step, at 2 and 3 ranks; here
-# PEFT compiled in stage 3, there LitGPT compiled in stage 3 with offload.
+# PEFT compiled in stage 3 and under reentrant gradient checkpointing in stage 3 with offload, there LitGPT
+# compiled in stage 3 with offload and PEFT checkpointed (reentrant in stage 2, not in stage 3).
 MATRIX = [
-    (client, stage, arm, world, False)
+    (client, stage, arm, world, "eager")
     for client in clients.CLIENTS
     for stage, arm, world in ((1, "plain", 3), (1, "offload", 2), (2, "plain", 2), (2, "async", 3), (3, "plain", 2),
                               (3, "offload", 3), (3, "async", 2))
-] + [("peft", 3, "plain", 2, True)]
+] + [("peft", 3, "plain", 2, "compiled"), ("peft", 3, "offload", 3, "reentrant")]
 
 
-def _param(client, stage, arm, world, compiled):
+def _param(client, stage, arm, world, layers):
     marks = [pytest.mark.hf] if client == "peft" else []  # in the pass with transformers installed (pyproject, hf)
-    name = f"{client}-stage{stage}-{arm}-{world}ranks" + ("-compiled" if compiled else "")
-    return pytest.param(client, stage, arm, world, compiled, id=name, marks=marks)
+    name = f"{client}-stage{stage}-{arm}-{world}ranks" + ("" if layers == "eager" else f"-{layers}")
+    return pytest.param(client, stage, arm, world, layers, id=name, marks=marks)
 
 
-@pytest.mark.parametrize(("client", "stage", "arm", "world", "compiled"), [_param(*case) for case in MATRIX])
-def test_lora_clients_under_the_trainer_match_ddp(dist_pool, request, client, stage, arm, world, compiled):
+@pytest.mark.parametrize(("client", "stage", "arm", "world", "layers"), [_param(*case) for case in MATRIX])
+def test_lora_clients_under_the_trainer_match_ddp(dist_pool, request, client, stage, arm, world, layers):
     for module in clients.IMPORTS[client]:
         pytest.importorskip(module)
     if arm == "async":
         request.getfixturevalue("host_kernel")  # tests/conftest.py: skips where the kernel cannot match torch
-    worst = dist_pool(world).run(_body, client, stage, arm, compiled)
+    worst = dist_pool(world).run(_body, client, stage, arm, layers)
     assert max(worst) <= 1e-6, worst
