@@ -27,7 +27,8 @@ they can hold it exactly (fp32 working weights at full width); elsewhere the ste
 
 ``publish_loaded(parts, unit)``: after a load changed ``unit``'s master shards, bring what uses them
 up to date: the working weights of a training engine, or (collective) the plain parameters of a
-module already handed back, which evaluation after fit (``trainer.test(ckpt_path=...)``) runs.
+module already handed back, which evaluation after fit (``trainer.test(ckpt_path=...)``) runs;
+``publish_frozen_loaded`` does the same for a stage-3 frozen part's stored shards.
 """
 
 from __future__ import annotations

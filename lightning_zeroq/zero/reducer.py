@@ -166,7 +166,6 @@ class Reducer:
         self._fired: list[set[int]] = [set() for _ in units]
         self._reduced: list[bool] = [False] * len(units)
         self._next = 0
-        self._callback_queued = False
 
     # ------------------------------------------------------------------ backward
 
@@ -183,7 +182,6 @@ class Reducer:
             expected = self.listener.expected_order()
             known = set(expected)
             self._order = [self.units[i] for i in expected] + [u for u in reversed(self.units) if u.index not in known]
-        self._callback_queued = False
         self._reducing = self.accumulation.begin(boundary is True)
         self.gradients.begin_backward(boundary is True and self._managed)
         self._next = 0
@@ -193,10 +191,12 @@ class Reducer:
 
     def _on_grad_ready(self, param: Tensor) -> None:
         if self.window is not Window.BACKWARD:
+            # A backward no ``begin_backward`` opened (a plain ``loss.backward()``): the end of the graph task this
+            # gradient arrives in closes it. One the caller opened is closed by the caller (``end_backward``), never
+            # here: under reentrant activation checkpointing the first gradient may arrive in a checkpoint's nested
+            # backward, whose end is not the backward's (every unit would be flushed at each checkpoint's end).
             self.begin_backward(None)
-        if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
-            self._callback_queued = True
         unit, i = self._where[id(param)]
         self._used.add(unit.param_id(i))
         if not self._reducing:

@@ -29,10 +29,11 @@ Frozen parts (``frozen.py``). A unit's frozen weights may be needed in the backw
 parameters all have their gradients: the gradient with respect to the module's input flows through the frozen
 base (a LoRA block: ``x W^T`` is an autograd node apart from the factors'), and can run after the factors'
 gradients are complete. So the reducer's ``unit_reduced`` frees the unit's frozen part only once every input of
-the module's forward that requires a gradient has received it (a hook on each, counted per unit); where that
-comes later, the last input's hook frees it. Inputs that need no gradient (the first block after a frozen
-embedding) leave nothing to wait for: every node that reads the frozen weights then leads to a trainable
-parameter of the unit, whose gradient completes after it.
+the module's forward that requires a gradient, positional or keyword (Hugging Face's layers may take
+``hidden_states=...``), has received it (a hook on each, counted per unit); where that comes later, the last
+input's hook frees it. Inputs that need no gradient (the first block after a frozen embedding) leave nothing to
+wait for: every node that reads the frozen weights then leads to a trainable parameter of the unit, whose
+gradient completes after it.
 
 A frozen part of its own (a block with nothing to train, a frozen embedding or head: ``unit_plan.frozen_only_specs``)
 has no unit and no reducer: its module's pre-hook gathers it, its post-hook frees it (unless an output needs a
@@ -40,7 +41,12 @@ gradient and ``reshard_after_forward=False``) and hooks the outputs that need on
 backward; the last of its inputs' gradients frees it, or the end of the backward does.
 
 Activation checkpointing recomputes a forward inside the backward: there the pre-hook only gathers
-the unit (orders and prefetch untouched) and the post-hook keeps it gathered for its gradients.
+the unit (orders and prefetch untouched) and the post-hook keeps it gathered for its gradients. A reentrant
+checkpoint (Hugging Face's layers with ``use_reentrant=True``) ran the forward without gradients, so no input of
+it was counted, and backpropagates through the recomputation in a nested backward, a graph task of its own: a
+unit reduced in another graph task than the one that recomputed it keeps its frozen part until that nested
+backward ends (a callback queued on it). A non-reentrant recomputation needs nothing more: the forward's input
+hooks count its inputs.
 
 ``torch.compile``: the hooks are ``EagerHook``s, which dynamo never traces (FSDP2 does the same with
 its hooks): it breaks the graph where a unit's forward begins and where it ends and compiles the
@@ -90,6 +96,8 @@ class Stage3Coordinator:
         self._warned = False
         self._inputs: dict[int, int] = {}
         """Units with a frozen part: the gradients for their modules' inputs still to come in this backward."""
+        self._recomputed: dict[int, int] = {}
+        """Units with a frozen part recomputed in this backward: the graph task that recomputed them."""
         self._handles = []
         self.frozen_only = list(frozen_only)
         self._frozen_inputs: dict[int, int] = {}
@@ -100,11 +108,13 @@ class Stage3Coordinator:
             if unit.persistent:
                 continue
             assert unit.module is not None
-            self._handles.append(unit.module.register_forward_pre_hook(EagerHook(self, "_pre_forward", unit)))
+            self._handles.append(unit.module.register_forward_pre_hook(EagerHook(self, "_pre_forward", unit),
+                                                                       with_kwargs=True))
             self._handles.append(unit.module.register_forward_hook(EagerHook(self, "_post_forward", unit)))
         for part in self.frozen_only:
             assert part.module is not None
-            self._handles.append(part.module.register_forward_pre_hook(EagerHook(self, "_frozen_pre_forward", part)))
+            self._handles.append(part.module.register_forward_pre_hook(EagerHook(self, "_frozen_pre_forward", part),
+                                                                       with_kwargs=True))
             self._handles.append(part.module.register_forward_hook(EagerHook(self, "_frozen_post_forward", part)))
 
     def _use(self, unit: Unit, backward: bool) -> None:
@@ -159,7 +169,17 @@ class Stage3Coordinator:
         return list(reversed(self._forward))
 
     def unit_reduced(self, unit: Unit) -> None:
-        self.gatherer.free(unit, frozen=self._inputs.get(unit.index, 0) <= 0)
+        keep = self._inputs.get(unit.index, 0) > 0
+        if not keep and self._recomputed.get(unit.index, _current_task()) != _current_task():
+            # A reentrant checkpoint's nested backward (the recomputation ran in the backward that started it): its
+            # nodes may still read the frozen part, and its inputs were not seen; they have all run when it ends.
+            torch.autograd.Variable._execution_engine.queue_callback(EagerHook(self, "_nested_ended", unit))
+            keep = True
+        self.gatherer.free(unit, frozen=not keep)
+
+    def _nested_ended(self, unit: Unit) -> None:
+        if unit.state is UnitState.SHARDED:
+            self.gatherer.free(unit)  # its frozen part (the unit was freed when reduced)
 
     def _input_grad(self, unit: Unit, grad: torch.Tensor) -> None:
         """A gradient for an input of ``unit``'s module arrived: once the last has, and the unit is reduced, no
@@ -182,18 +202,21 @@ class Stage3Coordinator:
         self._frozen_inputs = {}
         for part in self.frozen_only:
             self._frozen().free(part)
+        self._recomputed = {}
 
     # Hooks (installed as ``EagerHook``s).
 
-    def _pre_forward(self, unit: Unit, module: nn.Module, args: Any) -> None:
+    def _pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: Any) -> None:
         if _in_backward():
             # Activation checkpointing recomputes the forward inside the backward: the unit is gathered
             # (its gradients come right after) but the recorded orders and the prefetch are left as they are.
             self.gatherer.gather(unit)
+            if unit.frozen is not None:
+                self._recomputed[unit.index] = _current_task()
             return
         self._use(unit, backward=False)
         if unit.frozen is not None and torch.is_grad_enabled():
-            for t in tree_flatten(args)[0]:
+            for t in tree_flatten((args, kwargs))[0]:  # by keyword too: Hugging Face's hidden_states=...
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     self._inputs[unit.index] = self._inputs.get(unit.index, 0) + 1
                     t.register_hook(EagerHook(self, "_input_grad", unit))
@@ -219,10 +242,10 @@ class Stage3Coordinator:
         assert self.gatherer.frozen is not None
         return self.gatherer.frozen
 
-    def _frozen_pre_forward(self, part: Unit, module: nn.Module, args: Any) -> None:
+    def _frozen_pre_forward(self, part: Unit, module: nn.Module, args: Any, kwargs: Any) -> None:
         self._frozen().gather(part)
         if torch.is_grad_enabled() and not _in_backward():
-            for t in tree_flatten(args)[0]:
+            for t in tree_flatten((args, kwargs))[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     self._frozen_inputs[part.index] = self._frozen_inputs.get(part.index, 0) + 1
                     t.register_hook(EagerHook(self, "_frozen_input_grad", part))
@@ -250,6 +273,11 @@ class Stage3Coordinator:
         self._handles = []
 
 
+def _current_task() -> int:
+    """The autograd graph task running on this thread (-1: none); a nested backward has its own."""
+    return torch._C._current_graph_task_id()
+
+
 def _in_backward() -> bool:
     """Is the autograd engine running a backward pass on this thread (a checkpoint's recomputation)?"""
-    return torch._C._current_graph_task_id() != -1
+    return _current_task() != -1

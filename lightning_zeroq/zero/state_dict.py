@@ -229,7 +229,7 @@ class ShardedView:
 
     def frozen_written(self) -> None:
         """The frozen parts' ranges were written (a load): stored (a decoded copy encoded again), and every
-        frozen part freed, so its next gather reads them."""
+        frozen part freed, so its next gather reads them; a module already handed back takes them (collective)."""
         frozen = self._parts.frozen
         if frozen is None:
             return
@@ -419,7 +419,13 @@ def load_full_state_dict(parts: Parts, state: dict[str, Tensor]) -> set[str]:
             if name is not None:
                 unit.master[seg.shard_span].copy_(state[name].reshape(-1)[seg.param_span])
         full_params.publish_loaded(parts, unit)
-    if parts.frozen is not None and any(n in state for _, _, names in frozen for n in names):
+    if parts.frozen is not None and parts.retired:  # handed back: the module holds its frozen parameters whole
+        for p in (q for part in parts.frozen.units for q in part.params):
+            name = next((n for n in every_name.get(id(p), []) if n in state), None)
+            managed.update(every_name.get(id(p), []))
+            if name is not None:
+                p.data.copy_(state[name].reshape(p.shape))
+    elif parts.frozen is not None and any(n in state for _, _, names in frozen for n in names):
         view = ShardedView(parts, None)
         by_name = {pv.name: pv for pv in view.frozen}
         for pv in view.frozen:

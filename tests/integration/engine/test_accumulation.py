@@ -115,6 +115,58 @@ def test_late_gradients_in_unmanaged_mode(dist_pool):
     dist_pool(2).run(_reentrant_body, 2, False)
 
 
+class CheckpointedBlocks(nn.Module):
+    """Every block under a reentrant checkpoint, the embedding and head frozen (Hugging Face's layers with
+    ``use_reentrant=True`` around a LoRA base): the first gradient of a backward arrives inside a checkpoint's
+    nested backward, which ends long before the backward does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM).requires_grad_(False)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(DIM, VOCAB).requires_grad_(False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens).requires_grad_()  # as enable_input_require_grads: a reentrant checkpoint needs it
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=True)
+        return self.head(h)
+
+
+def _nested_body(stage: int) -> float:
+    torch.manual_seed(0)
+    model = CheckpointedBlocks()
+    ref = copy.deepcopy(model)
+    options = TRANSIENT if stage == 3 else {"reduce_bucket_size": DIM * DIM + DIM}  # a unit per block
+    engine = ZeroEngine(model, ZeroConfig(stage=stage, **options))
+    engine.attach_optimizer(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, eps=1e-3))
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, eps=1e-3)
+    reducer, reduced = engine.parts.reducer, []
+    wire_reduce = reducer.wire.reduce
+    reducer.wire.reduce = lambda flat: (reduced.append(1), wire_reduce(flat))[1]
+    units = sum(1 for u in engine.parts.units if u.params)
+    assert units == 3, units
+    worst = 0.0
+    for step in range(3):
+        reduced.clear()
+        tokens = _tokens(step, 0)
+        engine.backward(_lm_loss(model, tokens), boundary=True)
+        assert len(reduced) == units, f"step {step}: {len(reduced)} reductions for {units} units in one backward"
+        engine.step()
+        _lm_loss(ref, tokens).backward()
+        _averaged_step(ref, ref_opt)
+        worst = max(worst, _assert_matches(engine, ref, f"stage {stage} step {step}"))
+    return worst
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_backward_ends_once_under_reentrant_checkpoints(dist_pool, stage):
+    # Before: the first gradient's nested backward queued the backward's end on itself, so every checkpoint's
+    # nested backward "ended" the backward and flushed every unit: 9 reductions for 3 units (stage 3), each
+    # later block's gradients reduced again with the zeros of those not there yet.
+    dist_pool(2).run(_nested_body, stage)
+
+
 def _zero_grad_body(stage: int) -> None:
     torch.manual_seed(0)
     model = RichModel()

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 
 from lightning_zeroq import gathered_parameters
 from lightning_zeroq.config import ZeroConfig
@@ -40,6 +41,28 @@ def _ddp_loss(ddp: DistributedDataParallel, batch) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(ddp(tokens).reshape(-1, VOCAB).float(), targets.reshape(-1))
 
 
+class CalledLoraModel(LoraModel):
+    """Its blocks called otherwise than ``block(h)``: by keyword (``block(h=h)``, as Hugging Face's layers may be
+    given ``hidden_states=...``), or under activation checkpointing, reentrant (Hugging Face's layers with
+    ``use_reentrant=True``: the recomputation's backward is a nested one) or not, with the
+    embedding's output made to require a gradient as ``enable_input_require_grads`` does. The frozen part must
+    stay gathered until no node of the backward reads it."""
+
+    def __init__(self, call: str) -> None:
+        super().__init__()
+        self.call = call
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            if self.call == "keyword":
+                h = block(h=h)
+            else:
+                h = checkpoint(block, h.requires_grad_() if block is self.blocks[0] else h,
+                               use_reentrant=self.call == "reentrant")
+        return self.head(h)
+
+
 def _device(device: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
 
@@ -49,11 +72,12 @@ def _to(batch, dev: torch.device):
     return tokens.to(dev), targets.to(dev), flag
 
 
-def _parity(offload: str, managed: bool, clip: float, device: str = "cpu") -> dict:
+def _parity(offload: str, managed: bool, clip: float, device: str = "cpu", call: str = "positional") -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = _device(device)
     torch.manual_seed(7 + rank)  # different per rank: the engine starts from rank 0's, as DDP does
-    model = (FrozenTowerModel() if offload.startswith("own_parts") else LoraModel()).to(dev)
+    model = (FrozenTowerModel() if offload.startswith("own_parts") else
+             LoraModel() if call == "positional" else CalledLoraModel(call)).to(dev)
     ref = copy.deepcopy(model)
     ddp = DistributedDataParallel(ref, device_ids=[dev.index] if dev.type == "cuda" else None)
     base_before = {n: p.detach().clone() for n, p in ref.named_parameters() if not p.requires_grad}
@@ -119,6 +143,14 @@ def test_lora_matches_ddp_and_holds_its_share_of_the_base(dist_pool, world_size,
 
 EXACT = 128
 """``quantized_weights_exact_numel`` in the INT8 storage test: biases and norms stay exact (fp32), weights not."""
+
+
+@pytest.mark.parametrize("call, world_size, offload", [
+    ("keyword", 2, "none"), ("keyword", 3, "optimizer_cpu_async"), ("reentrant", 2, "none"),
+    ("reentrant", 3, "params_optimizer_cpu"), ("nonreentrant", 3, "none")])
+def test_blocks_called_otherwise_match_ddp(dist_pool, call, world_size, offload) -> None:
+    for r in dist_pool(world_size).run(_parity, offload, True, 0.5, call=call):
+        assert r["worst"] < 1e-6, r
 
 
 def test_hybrid_groups_shard_the_base_inside_each_group(dist_pool) -> None:
@@ -218,3 +250,45 @@ def test_the_plan_counts_the_frozen_parts_as_the_engine_holds_them(dist_pool, na
         else:
             assert planned == held, (planned, held)
             assert held["frozen_shards"] > 0 and held["frozen_whole"] > 0
+
+
+def _after_release(storage) -> None:
+    """A module handed back (``release_module``, the Trainer's teardown) keeps its frozen base as plain tensors, and
+    the fit's engine still reads it (``full_state_dict``) and loads into it, as it does the trainable parameters."""
+    torch.manual_seed(5)
+    model = LoraModel()
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    engine = ZeroEngine(model, ZeroConfig(stage=3, frozen_dtype=storage, quantized_weights_exact_numel=EXACT))
+    engine.attach_optimizer(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2))
+    engine.backward(model.loss(make_batch(0, 0, dist.get_rank())))
+    engine.step()
+    during = engine.full_state_dict()
+    engine.release_module()
+    held = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+    for name, p in held.items():
+        assert type(p) is torch.nn.Parameter, (name, type(p))
+        assert torch.equal(p, during[name]), f"the module handed back holds another {name}"
+        if storage is None:
+            assert torch.equal(p, base[name]), name
+    after = engine.full_state_dict()
+    assert after.keys() == during.keys()
+    for name, value in during.items():
+        assert torch.equal(after[name], value), f"full_state_dict after release_module: {name} differs"
+    for name, p in held.items():  # reading the engine left the module's frozen parameters alone
+        assert type(p) is torch.nn.Parameter and torch.equal(p, during[name]), name
+    # A checkpoint loaded after fit (``trainer.test(ckpt_path=...)``) goes into the engine and the module alike.
+    parts = {id(p) for part in engine.parts.frozen.units for p in part.params}
+    sharded = {n: p for n, p in held.items() if id(p) in parts}  # the blocks' (the engine's to load)
+    assert sharded and all(n.startswith("blocks.") for n in sharded), sorted(sharded)
+    other = {n: v + 1 / 64 if n in sharded else v for n, v in during.items()}  # exact in bf16; INT8 rounds it
+    engine.load_full_state_dict(other)
+    loaded = engine.full_state_dict()
+    for name, p in sharded.items():
+        assert type(p) is torch.nn.Parameter and torch.equal(p, loaded[name]), f"the module did not take {name}"
+        if storage is None:
+            assert torch.equal(p, other[name]), name
+
+
+@pytest.mark.parametrize("storage", [None, "bf16", "int8"])
+def test_frozen_parts_after_release_module(dist_pool, storage) -> None:
+    dist_pool(2).run(_after_release, storage)
