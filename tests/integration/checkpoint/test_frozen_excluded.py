@@ -119,8 +119,8 @@ def test_resume_without_the_frozen_base_continues_bitwise(dist_pool, tmp_path, s
         assert whole["weights"].keys() == second["weights"].keys()
         for name, value in whole["weights"].items():
             assert torch.equal(second["weights"][name], value), (rank, name)
-        if stage == 3:  # both kinds of frozen parameter: the blocks' sharded, the embedding's and head's whole
-            assert whole["sharded_frozen"] == 3, whole["sharded_frozen"]
+        if stage == 3:  # the blocks' frozen parts and the embedding's and head's, sharded on their own
+            assert whole["sharded_frozen"] == 5, whole["sharded_frozen"]
     keys, extra = _stored(results[0]["ckpt"])
     frozen, trainable = results[0]["whole"]["frozen"], results[0]["whole"]["trainable"]
     assert any(n.startswith("model.blocks.") for n in frozen) and "model.head.weight" in frozen
