@@ -201,17 +201,17 @@ class ShardedView:
         """Stage 3's frozen parameters (``frozen.py``): this rank's range of each, in its own dtype; no group."""
         self._decoded: dict[int, Tensor] = {}
         for part in full_params.frozen_parts(parts):  # (once handed back, the module holds them whole)
-            for seg in part.segments:
-                p = part.params[seg.param]
+            mine = {seg.param: seg for seg in part.segments}
+            for i, p in enumerate(part.params):  # every parameter, in the same order on every rank
                 pv = ParamView(names[id(p)], p.shape, None, None)
-                pv.part = Part(p.shape, part.flat.dtype, seg.param_start, seg.numel, -1,
-                               read=lambda u=part, s=seg: self._frozen_shard(u)[s.shard_span],
-                               buffer=lambda u=part, s=seg: self._frozen_shard(u)[s.shard_span],
-                               write=lambda value, u=part, s=seg: _copy_into(self._frozen_shard(u)[s.shard_span], value))
+                here = mine.get(i)
+                if here is not None:
+                    pv.part = Part(p.shape, part.flat.dtype, here.param_start, here.numel, -1,
+                                   read=lambda u=part, s=here: self._frozen_shard(u)[s.shard_span],
+                                   buffer=lambda u=part, s=here: self._frozen_shard(u)[s.shard_span],
+                                   write=lambda value, u=part, s=here: _copy_into(self._frozen_shard(u)[s.shard_span],
+                                                                                 value))
                 self.frozen.append(pv)
-            for i, p in enumerate(part.params):  # a parameter with no element here is named all the same
-                if not any(seg.param == i for seg in part.segments):
-                    self.frozen.append(ParamView(names[id(p)], p.shape, None, None))
         self.params[:0] = self.frozen  # first: a walk's order (their ``Part.order`` is -1)
         self._by_view = {id(pv._view): pv for pv in self.params if pv._view is not None}
         self.managed = {n for pv in self.params for n in pv.names}
