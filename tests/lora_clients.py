@@ -143,3 +143,13 @@ def compare(got: dict[str, Tensor], want: dict[str, Tensor], what: str, atol: fl
         assert diff <= atol, f"{what}: {name} differs from DDP by {diff}"
         worst = max(worst, diff)
     return worst
+
+
+def param(client: str, stage: int, arm: str, world: int, layers: str):
+    """One case of a client test matrix as a ``pytest.param``: PEFT's in the pass with transformers installed
+    (``hf``: pyproject's extra, ``.ci/run``'s tier)."""
+    import pytest
+
+    marks = [pytest.mark.hf] if client == "peft" else []
+    name = f"{client}-stage{stage}-{arm}-{world}ranks" + ("" if layers == "eager" else f"-{layers}")
+    return pytest.param(client, stage, arm, world, layers, id=name, marks=marks)

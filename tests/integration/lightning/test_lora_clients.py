@@ -127,13 +127,7 @@ MATRIX = [
 ] + [("peft", 3, "plain", 2, "compiled"), ("peft", 3, "offload", 3, "reentrant")]
 
 
-def _param(client, stage, arm, world, layers):
-    marks = [pytest.mark.hf] if client == "peft" else []  # in the pass with transformers installed (pyproject, hf)
-    name = f"{client}-stage{stage}-{arm}-{world}ranks" + ("" if layers == "eager" else f"-{layers}")
-    return pytest.param(client, stage, arm, world, layers, id=name, marks=marks)
-
-
-@pytest.mark.parametrize(("client", "stage", "arm", "world", "layers"), [_param(*case) for case in MATRIX])
+@pytest.mark.parametrize(("client", "stage", "arm", "world", "layers"), [clients.param(*case) for case in MATRIX])
 def test_lora_clients_under_the_trainer_match_ddp(dist_pool, request, client, stage, arm, world, layers):
     for module in clients.IMPORTS[client]:
         pytest.importorskip(module)
