@@ -49,7 +49,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.nn.functional as F
 
-from lightning_zeroq.cli.gpt import GPTConfig, GPTModel
+from lightning_zeroq.cli.gpt import GPTConfig, GPTModel, add_lora
 from lightning_zeroq.zero.memory.host import available
 from lightning_zeroq.zero.unit_plan import repeated_blocks
 from lightning_zeroq.planning.estimate import GIB, Machine, Need, estimate_training
@@ -119,13 +119,14 @@ def _recipe(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[
     except Exception as error:  # Hydra's and the configs' own errors, as zeroq-train words them
         parser.error(f"--recipe {args.recipe}: {config_error_line(error)}")
     args.batch, args.seq = run.data.batch_size, run.data.seq_len
+    args.lora = (run.finetune.lora_rank, run.finetune.lora_alpha) if run.finetune.lora_rank else None
     args.world_size = world_size_of(run.trainer) or run.trainer.num_nodes  # every node's ranks
     per_node = max(1, args.world_size // run.trainer.num_nodes)
     if args.ranks_per_node == 1:  # not given: the recipe's ranks per node (what shard_group_size="node" means)
         args.ranks_per_node = per_node
     dtype = torch.bfloat16 if run.trainer.precision.startswith("bf16") else torch.float32
     own = {f.name: getattr(run.zero, f.name) for f in dataclasses.fields(run.zero)}
-    return run.model, [(f"recipe {args.recipe}", own), *candidates(args.nvme_path)], dtype
+    return run.model, [(f"recipe {args.recipe}", own), *candidates(args.nvme_path, bool(args.lora))], dtype
 
 
 def _with_common_fields(args: argparse.Namespace, parser: argparse.ArgumentParser,
@@ -404,6 +405,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                  f"--batch {args.batch} --seq {args.seq}")
         with _as_error(parser, f"{flags}: building the model on the meta device", "; give smaller sizes"):
             model, forward = gpt_on_meta(cfg, args.batch, args.seq, dtype)
+        if getattr(args, "lora", None):  # a fine-tuning recipe: its LoRA factors train, the rest is frozen
+            add_lora(model, *args.lora)
         count, what = args.batch * args.seq, flags
 
     device = None
