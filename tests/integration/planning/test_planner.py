@@ -279,6 +279,18 @@ def test_zeroq_plan_plans_a_recipe_with_overrides_and_names_a_missing_one(capsys
     assert "--recipe gpt1m_zero2_cpu: " in capsys.readouterr().err
 
 
+def test_zeroq_plan_plans_a_fine_tuning_recipe_as_the_lora_model_it_trains(capsys):
+    assert plan_cli.main(["--recipe", "gpt1m_lora_zero3_offload_cpu", "model.n_embd=1024", "model.n_layer=8",
+                          "--host-gib", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "% frozen: stage 3 shards them" in out, out  # the LoRA model: everything but the factors frozen
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    assert "zeroq3+params_optimizer_cpu+frozen_int8" in rows and "zeroq3+frozen_int8" in rows, sorted(rows)
+    host = {name: float(line.split("|")[5]) for name, line in rows.items() if name.startswith("zeroq3+params")}
+    # INT8 storage of the frozen base (100M fp32 elements, half per rank) holds about a quarter of its host bytes
+    assert 0 < host["zeroq3+params_optimizer_cpu+frozen_int8"] < 0.4 * host["zeroq3+params_optimizer_cpu"], host
+
+
 def test_zeroq_plan_measures_what_it_planned_and_reports_a_failed_run(capsys, tmp_path):
     """``--measure``: each chosen configuration trains in a process of its own; the rows carry the measured
     step and host memory beside the plan's, and a configuration that cannot run names its error."""
