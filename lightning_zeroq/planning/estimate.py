@@ -397,7 +397,8 @@ def _shards(model: nn.Module, policies: Policies, specs: Sequence[UnitSpec], wor
     units = policies.sharding.units
     own = frozen_only_specs(model, specs, shardable(model), units) if isinstance(units, ModuleUnits) else []
     frozen = frozen_need(specs, own, units.frozen_dtype if isinstance(units, ModuleUnits) else None, shard, rank,
-                         align, group_size=q.group_size, exact_numel=q.exact_numel, bucket_numel=q.gather_bucket_numel)
+                         align, group_size=q.group_size, exact_numel=q.exact_numel, bucket_numel=q.gather_bucket_numel,
+                         on_host=not isinstance(policies.offload.parameters, OnDevice))
     if q.weights and not (groups > 1 and q.cross_group_only) and transient:
         wire = Int8(layouts, param_dtype=param_dtype, rank=rank, group=None, device=torch.device("cpu"),
                     group_size=q.group_size, exact_numel=q.exact_numel, bucket_numel=q.gather_bucket_numel)
@@ -453,7 +454,8 @@ def estimate_config(model: nn.Module, config: ZeroConfig, activations: Activatio
     device["loss_input"] = activations.largest
     device["loss_gradients"] = 2 * activations.largest
     device["recomputed_block"] = activations.largest_block if checkpointing > 0 else 0
-    device["unit_gradients"] = device["gathered_units"] // 2
+    device["unit_gradients"] = max((layouts[i].padded_numel * param_dtype.itemsize for i, s in enumerate(specs)
+                                    if not s.persistent), default=0)  # a unit's gradients (none of its frozen part)
     # torch's multi-tensor (foreach) Adam/AdamW, its default on a GPU, makes the square root of every
     # second moment it steps at once: 4 bytes per element stepped on the device (fused: none).
     device["step_temporaries"] = device["masters"] * step_temporary_bytes // 4

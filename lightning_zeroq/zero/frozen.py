@@ -118,7 +118,7 @@ class FrozenCodec:
             self.wire = FullWidth(layouts, compute, group)
         self.exact = self.stored == compute
         """The stored shard holds the parameters' values bit for bit."""
-        self.resident = self.exact and not on_host and comm.alone(group)
+        self.resident = self.exact and not on_host and all(layout.world_size == 1 for layout in self.layouts)
         """One rank in the shard group, exact storage on the device: the stored shard is the whole part, so the
         parts stay gathered (persistent: no copy at each use, no more memory than the shard)."""
 
@@ -180,7 +180,8 @@ def frozen_layouts(specs: Sequence["UnitSpec"], world_size: int, align: int, sto
 
 
 def frozen_need(specs: Sequence["UnitSpec"], own: Sequence["UnitSpec"], storage: Optional[str], world_size: int,
-                rank: int, align: int, *, group_size: int, exact_numel: int, bucket_numel: int) -> FrozenNeed:
+                rank: int, align: int, *, group_size: int, exact_numel: int, bucket_numel: int,
+                on_host: bool) -> FrozenNeed:
     """``FrozenNeed`` of the frozen parts the engine builds from the units' ``specs`` and the parts of their own
     (``own``), without making a tensor (meta models too)."""
     held = [p for spec in [*specs, *own] for p in spec.frozen]
@@ -188,7 +189,7 @@ def frozen_need(specs: Sequence["UnitSpec"], own: Sequence["UnitSpec"], storage:
         return FrozenNeed(0, {})
     compute = held[0].dtype
     layouts = frozen_layouts([*specs, *own], world_size, align, storage, group_size)
-    codec = FrozenCodec(storage, compute, layouts, rank=rank, group=None, device=torch.device("cpu"), on_host=False,
+    codec = FrozenCodec(storage, compute, layouts, rank=rank, group=None, device=torch.device("cpu"), on_host=on_host,
                         group_size=group_size, exact_numel=exact_numel, bucket_numel=bucket_numel)
     return need_of(specs, codec, compute)
 
