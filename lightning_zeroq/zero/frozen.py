@@ -18,11 +18,13 @@ its frozen ones the unit's *frozen part* (``Unit.frozen``), a second ``Unit`` of
 - alone in the shard group (one GPU), stored exactly on the device, the stored shard is the whole part: it stays
   gathered (``FrozenCodec.resident``), with no copy at each use.
 
-Every rank holds ``1/N`` of the frozen bytes at rest. Which frozen parameters join a unit is decided with the
-units (``unit_plan.py``): those inside a stage-3 module unit that holds trainable parameters too, owned by no
-module outside it, floating point, of the dtype that holds most of the frozen bytes (``compute_dtype``).
-The rest (a block with no trainable parameter, the root's, another dtype's) stay whole on every rank, as
-in stages 1 and 2 and DDP; ``FrozenParts.whole_numel`` counts them.
+Every rank holds ``1/N`` of the frozen bytes at rest. Which frozen parameters are sharded is decided with the
+units (``unit_plan.py``): floating point, of the dtype that holds most of the frozen bytes (``compute_dtype``),
+owned by no module outside their part; those inside a stage-3 module unit that holds trainable parameters too
+join it, and a repeated block with nothing to train or a module whose own frozen parameters pass
+``stage3_param_persistence_threshold`` (a frozen embedding or head) forms a part of its own, gathered around its
+module's forward and backward by ``stage3.py``. The rest (small ones outside the blocks, tied ones, another
+dtype's) stay whole on every rank, as in stages 1 and 2 and DDP; ``FrozenParts.whole_numel`` counts them.
 
 ``FrozenCodec`` turns a frozen shard into what rests and back; the frozen parts' ``Gatherer``
 (``FrozenParts.gatherer``) gathers them, and the trainable ``Gatherer`` calls it for a unit's frozen part
