@@ -68,9 +68,9 @@ RTOL = {
     "gpt1m_zero3_offload_cpu": _FP32_RTOL,  # 1.0e-7
     "gpt1m_zero3_offload_nvme_cpu": _FP32_RTOL,  # 1.0e-7
     "gpt1m_zero3_offload_params_nvme_cpu": _FP32_RTOL,  # 1.0e-7
-    # fp32 fine-tunes from a base this test pretrains (BASE_RECIPE): spread not yet measured with --spread
-    "gpt1m_lora_zero3_cpu": _FP32_RTOL,
-    "gpt1m_lora_zero3_offload_cpu": _FP32_RTOL,
+    # fp32 fine-tunes from a base this test pretrains (BASE_RECIPE), the base's spread included
+    "gpt1m_lora_zero3_cpu": 8e-7,  # 1.7e-7 (ATen default, all at baseline)
+    "gpt1m_lora_zero3_offload_cpu": 8e-7,  # 1.7e-7 (all at baseline)
     "gpt1m_zero2_int8_cpu": 2.5e-4,  # 6.4e-5 (ATen default), 3.5e-5 on an AMD EPYC
     "gpt1m_zero3_int8_cpu": 3e-4,  # 7.6e-5 (all at baseline), 3.5e-5 on an AMD EPYC
 }
