@@ -76,9 +76,11 @@ class ZeroQPrecision(Precision):
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Cast what the engine does not own: frozen parameters and buffers (``*-true`` only)."""
         if self._true_half:
+            frozen = self.engine.parts.frozen if self.engine is not None else None
+            sharded = {id(p) for part in frozen.units for p in part.params} if frozen is not None else set()
             with torch.no_grad():
-                for p in module.parameters():
-                    if not p.requires_grad and p.is_floating_point():
+                for p in module.parameters():  # (stage 3's sharded ones were cast before the engine took them)
+                    if not p.requires_grad and p.is_floating_point() and id(p) not in sharded:
                         p.data = p.data.to(self.param_dtype)
                 for b in module.buffers():
                     if b.is_floating_point():

@@ -218,6 +218,7 @@ class ZeroQStrategy(DDPStrategy):
                 self.engine.close()  # the previous fit's engine: its state goes (NVMe files included)
             if fitting and self._layer_sync:
                 self.model = self._layer_sync.apply(self.model)
+            plugin.convert_module(module)  # frozen parameters in the run's dtype before stage 3 shards them
             forward = self.plan_forward or planning_forward(trainer, module, plugin, self.config, self.root_device)
             self.engine = build_engine(module, self.config, plugin, self.root_device,
                                        ranks_per_node=self.num_processes, plan_forward=forward,

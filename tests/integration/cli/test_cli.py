@@ -298,7 +298,7 @@ def test_help_says_what_the_tool_does(tmp_path: Path) -> None:
     proc = run_cli(["--help"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("zeroq-train: train a small byte-level GPT with lightning_zeroq's ZeroQStrategy")
-    assert "== Configuration groups ==" in proc.stdout and "recipe: gpt1m_zero1_cpu" in proc.stdout
+    assert "== Configuration groups ==" in proc.stdout and "recipe: gpt1m_lora_zero3_cpu, gpt1m_lora_zero3_offload_cpu, gpt1m_zero1_cpu" in proc.stdout
 
 
 # ---------------------------------------------------------------------------- the launched ranks
