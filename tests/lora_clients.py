@@ -153,3 +153,14 @@ def param(client: str, stage: int, arm: str, world: int, layers: str):
     marks = [pytest.mark.hf] if client == "peft" else []
     name = f"{client}-stage{stage}-{arm}-{world}ranks" + ("" if layers == "eager" else f"-{layers}")
     return pytest.param(client, stage, arm, world, layers, id=name, marks=marks)
+
+
+def require(client: str, arm: str, request) -> None:
+    """Skip unless ``client``'s packages are installed and, for the asynchronous arm, the host kernel matches torch
+    here (the ``host_kernel`` fixture of ``tests/conftest.py``)."""
+    import pytest
+
+    for module in IMPORTS[client]:
+        pytest.importorskip(module)
+    if arm == "async":
+        request.getfixturevalue("host_kernel")

@@ -379,12 +379,13 @@ def _nvme_bytes(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequen
     return total
 
 
-def _shards(model: nn.Module, policies: Policies, specs: Sequence[UnitSpec], world_size: int, ranks_per_node: int,
-            rank: int, param_dtype: torch.dtype) -> tuple[list[UnitLayout], int, dict[int, tuple[int, torch.dtype]], FrozenNeed]:
+def _shards(policies: Policies, specs: Sequence[UnitSpec], own: Sequence[UnitSpec], world_size: int,
+            ranks_per_node: int, rank: int, param_dtype: torch.dtype) -> tuple[list[UnitLayout], int, dict[int, tuple[int, torch.dtype]], FrozenNeed]:
     """The unit layouts the engine makes (sharded within a shard group: ``shard_group_size``, hybrid
     sharding), ``rank``'s position in its shard group, and each transient unit's stored payload (elements,
     dtype): its shard in ``param_dtype``, or INT8 groups and their scales where the weights travel as INT8
-    (``wire.Int8``'s own count), as ``hybrid.topology`` and ``build.make_wire`` decide."""
+    (``wire.Int8``'s own count), as ``hybrid.topology`` and ``build.make_wire`` decide; and what the frozen parts
+    of ``specs`` and those of their own (``own``) hold."""
     q = policies.quantization
     shard = hybrid.shard_group_size(policies.sharding.group_size, world_size, ranks_per_node)
     groups = world_size // shard
@@ -395,7 +396,6 @@ def _shards(model: nn.Module, policies: Policies, specs: Sequence[UnitSpec], wor
     rank %= shard
     transient = [i for i in range(len(specs)) if not specs[i].persistent]
     units = policies.sharding.units
-    own = frozen_only_specs(model, specs, shardable(model), units) if isinstance(units, ModuleUnits) else []
     frozen = frozen_need(specs, own, units.frozen_dtype if isinstance(units, ModuleUnits) else None, shard, rank,
                          align, group_size=q.group_size, exact_numel=q.exact_numel, bucket_numel=q.gather_bucket_numel,
                          on_host=not isinstance(policies.offload.parameters, OnDevice))
@@ -438,14 +438,14 @@ def estimate_config(model: nn.Module, config: ZeroConfig, activations: Activatio
     the optimizer allocates per element while it steps, 4 for torch's foreach AdamW, 0 for fused)."""
     checkpointing = float(checkpointing)
     policies = from_config(config, loss_scaling=False)
-    stage3 = isinstance(policies.sharding.units, ModuleUnits)
-    specs = unit_plan(model, trainable_parameters(model), policies.sharding.units, shardable(model) if stage3 else ())
-    layouts, rank, payload, frozen = _shards(model, policies, specs, world_size, machine.ranks_per_node, rank,
+    units = policies.sharding.units
+    held = shardable(model) if isinstance(units, ModuleUnits) else []  # stage 3 shards frozen parameters
+    specs = unit_plan(model, trainable_parameters(model), units, held)
+    own = frozen_only_specs(model, specs, held, units) if isinstance(units, ModuleUnits) else []
+    layouts, rank, payload, frozen = _shards(policies, specs, own, world_size, machine.ranks_per_node, rank,
                                              param_dtype)
     device = device_kinds(layouts, [s.persistent for s in specs], policies.offload, param_dtype, state_bytes, rank,
                           payload, frozen)
-    units = policies.sharding.units
-    own = frozen_only_specs(model, specs, shardable(model), units) if isinstance(units, ModuleUnits) else []
     sharded = {id(p) for spec in [*specs, *own] for p in spec.frozen}
     device["frozen_whole"] = sum(p.numel() * p.element_size() for p in model.parameters()
                                  if not p.requires_grad and id(p) not in sharded)

@@ -235,10 +235,8 @@ def _frozen_parts(module: nn.Module, planned: _Planned, pol: Policies, topo: Top
         warnings.warn("ZeroQ stage 3: frozen parameters rest in host memory with offload_params_device='nvme' (the "
                       "trainable shards go to NVMe); count their bytes against the host's memory.", stacklevel=4)
     gatherer = Gatherer(codec, None, MasterAlias(), device, sync_persistent_on_build=False)  # type: ignore[arg-type]
-    sharded = {id(p) for p in held}
-    whole = sum(p.numel() for p in module.parameters() if not p.requires_grad and id(p) not in sharded)
     need = frozen_parts.need_of(planned.specs, codec, compute)
-    return FrozenParts([], codec, gatherer, need, whole_numel=whole)
+    return FrozenParts([], codec, gatherer, need)
 
 
 def _names(module: nn.Module, units: list[Unit], frozen: Optional[FrozenParts]) -> dict[int, str]:

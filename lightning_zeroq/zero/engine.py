@@ -237,12 +237,13 @@ class ZeroEngine:
 
         state = [v for s in (self.optimizer.state.values() if self.optimizer else ()) for v in s.values()]
         frozen = parts.frozen.units if parts.frozen is not None else []
+        owned = parts.frozen.owner if parts.frozen is not None else {}
         transient = [u.flat.numel() * u.flat.element_size()
                      + (u.frozen.flat.numel() * u.frozen.flat.element_size()
                         if u.frozen is not None and not u.frozen.persistent else 0)
                      for u in parts.units if not u.persistent]
         transient += [u.flat.numel() * u.flat.element_size() for u in frozen
-                      if u.index not in parts.frozen.owner and not u.persistent]  # type: ignore[union-attr]
+                      if u.index not in owned and not u.persistent]
         store = parts.gatherer.store
         sharded = {id(p) for u in frozen for p in u.params}
         return {

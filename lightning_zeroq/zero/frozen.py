@@ -24,7 +24,7 @@ owned by no module outside their part; those inside a stage-3 module unit that h
 join it, and a repeated block with nothing to train or a module whose own frozen parameters pass
 ``stage3_param_persistence_threshold`` (a frozen embedding or head) forms a part of its own, gathered around its
 module's forward and backward by ``stage3.py``. The rest (small ones outside the blocks, tied ones, another
-dtype's) stay whole on every rank, as in stages 1 and 2 and DDP; ``FrozenParts.whole_numel`` counts them.
+dtype's) stay whole on every rank, as in stages 1 and 2 and DDP.
 
 ``FrozenCodec`` turns a frozen shard into what rests and back; the frozen parts' ``Gatherer``
 (``FrozenParts.gatherer``) gathers them, and the trainable ``Gatherer`` calls it for a unit's frozen part
@@ -107,7 +107,7 @@ class FrozenCodec:
     def __init__(self, storage: Optional[str], compute: torch.dtype, layouts: Sequence[UnitLayout], *, rank: int,
                  group: Optional[dist.ProcessGroup], device: torch.device, on_host: bool, group_size: int,
                  exact_numel: int, bucket_numel: int) -> None:
-        self.storage, self.compute, self.device, self.on_host, self.group = storage, compute, device, on_host, group
+        self.compute, self.device, self.on_host, self.group = compute, device, on_host, group
         self.layouts = list(layouts)
         self.stored: torch.dtype = FROZEN_DTYPES.get(storage) or compute
         if storage == "int8":
@@ -217,10 +217,10 @@ def build_part(index: int, params: list[nn.Parameter], layout: UnitLayout, codec
         comm.broadcast(full, 0, group)
     unit = Unit(index=index, params=params, first_param_id=-1, layout=layout, segments=layout.segments(rank),
                 flat=full, master=torch.empty(0, device=device), segment_masters=[],
-                grad=torch.empty(0, device=device), module=module, persistent=False, state=UnitState.GATHERED,
-                param_classes=[type(p) for p in params], param_dtypes=[p.dtype for p in params])
-    unit.master = full[layout.shard_span(rank)] if codec.resident else codec.encode(unit, full[layout.shard_span(rank)])
-    unit.persistent = codec.resident
+                grad=torch.empty(0, device=device), module=module, persistent=codec.resident,
+                state=UnitState.GATHERED, param_classes=[type(p) for p in params], param_dtypes=[p.dtype for p in params])
+    shard = full[layout.shard_span(rank)]
+    unit.master = shard if codec.resident else codec.encode(unit, shard)
     for p, slot in zip(params, layout.slots):
         p.data = full[slot.span].view(p.shape)
     return unit
@@ -239,8 +239,8 @@ class FrozenNeed(NamedTuple):
 
 @dataclass(eq=False)
 class FrozenParts:
-    """A built engine's frozen parts: one per stage-3 unit that holds frozen parameters (``units[i]`` is
-    ``Unit.frozen`` of some trainable unit), the codec they share, and the gatherer that gathers them."""
+    """A built engine's frozen parts: one per stage-3 unit that holds frozen parameters (``Unit.frozen`` of that
+    unit), then the parts of their own; the codec they share, and the gatherer that gathers them."""
 
     units: list[Unit]
     codec: FrozenCodec
@@ -248,10 +248,8 @@ class FrozenParts:
     """The frozen parts' ``Gatherer`` (``gather.py``), called by the trainable gatherer."""
     need: FrozenNeed
     """What they hold, as the memory checks count it."""
-    whole_numel: int = 0
-    """Frozen elements that stay whole on every rank (see the module docstring)."""
     owner: dict[int, Unit] = field(default_factory=dict)
-    """Each frozen part's trainable unit, by the frozen part's index."""
+    """Each frozen part's trainable unit, by the frozen part's index (a part of its own has none)."""
 
     @property
     def stored_bytes(self) -> int:

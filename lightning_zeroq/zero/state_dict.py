@@ -397,40 +397,38 @@ def load_full_state_dict(parts: Parts, state: dict[str, Tensor]) -> set[str]:
     """Returns the names of the engine's parameters (all aliases of tied ones). Every value found for
     one of them must have the parameter's shape (as ``nn.Module.load_state_dict`` requires, strict or
     not): a mismatch raises, naming each parameter and both shapes, before any master changes."""
-    managed: set[str] = set()
-    names_of: dict[int, list[list[str]]] = {u.index: [[] for _ in u.params] for u in parts.units}
-    mismatched = []
     every_name = parameter_names(parts.module)
-    for unit in parts.units:
-        for i, p in enumerate(unit.params):
-            names_of[unit.index][i] = every_name.get(id(p), [])
-    frozen = [(part, p, every_name.get(id(p), [])) for part in full_params.frozen_parts(parts) for p in part.params]
-    for shape, names in [*((p.shape, every_name.get(id(p), [])) for u in parts.units for p in u.params),
-                         *((p.shape, names) for _, p, names in frozen)]:
+    frozen = [p for part in (parts.frozen.units if parts.frozen is not None else []) for p in part.params]
+    managed: set[str] = set()
+    mismatched = []
+    for p in [*(p for u in parts.units for p in u.params), *frozen]:
+        names = every_name.get(id(p), [])
         managed.update(names)
-        mismatched += [f"{n}: checkpoint {tuple(state[n].shape)}, parameter {tuple(shape)}"
-                       for n in names if n in state and tuple(state[n].shape) != tuple(shape)]
+        mismatched += [f"{n}: checkpoint {tuple(state[n].shape)}, parameter {tuple(p.shape)}"
+                       for n in names if n in state and tuple(state[n].shape) != tuple(p.shape)]
     if mismatched:
         raise RuntimeError("Error loading the state_dict: size mismatch for " + "; ".join(mismatched)
                            + ". The checkpoint belongs to a model of another shape; build the model it was saved from.")
+
+    def found(p: Tensor) -> Optional[str]:
+        return next((n for n in every_name.get(id(p), []) if n in state), None)
+
     for unit in parts.placement.resident(parts.units):
         for seg in unit.segments:
-            name = next((n for n in names_of[unit.index][seg.param] if n in state), None)
+            name = found(unit.params[seg.param])
             if name is not None:
                 unit.master[seg.shard_span].copy_(state[name].reshape(-1)[seg.param_span])
         full_params.publish_loaded(parts, unit)
-    if parts.frozen is not None and parts.retired:  # handed back: the module holds its frozen parameters whole
-        for p in (q for part in parts.frozen.units for q in part.params):
-            name = next((n for n in every_name.get(id(p), []) if n in state), None)
-            managed.update(every_name.get(id(p), []))
+    if parts.retired:  # handed back: the module holds its frozen parameters whole
+        for p in frozen:
+            name = found(p)
             if name is not None:
                 p.data.copy_(state[name].reshape(p.shape))
-    elif parts.frozen is not None and any(n in state for _, _, names in frozen for n in names):
+    elif any(found(p) is not None for p in frozen):
         view = ShardedView(parts, None)
-        by_name = {pv.name: pv for pv in view.frozen}
         for pv in view.frozen:
             name = next((n for n in pv.names if n in state), None)
-            if name is not None and pv.part is not None and name in by_name:
+            if name is not None and pv.part is not None:
                 pv.part.write(state[name].reshape(-1)[pv.part.offset: pv.part.offset + pv.part.numel])
         view.frozen_written()
     return managed

@@ -23,7 +23,7 @@ or a head; they are gathered around their module's forward (and backward) by ``s
 from __future__ import annotations
 
 from collections import Counter
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 from torch import nn
 
@@ -79,31 +79,16 @@ def plan_module_units(
     """Units for stage 3, in module registration order (transient units first, then root, persistent)."""
     is_trainable = {id(p) for p in trainable}
     is_frozen = {id(p) for p in frozen}
-    if wrap_classes:
-        by_name = {type(m).__name__: type(m) for m in module.modules()}
-        unknown = [name for name in wrap_classes if name not in by_name]
-        if unknown:
-            raise ValueError(
-                f"stage3_wrap_classes={list(wrap_classes)}: no module of class {unknown} in the model; "
-                f"classes present: {sorted(by_name)[:20]}."
-            )
-        classes = {by_name[name] for name in wrap_classes}
-    else:
-        classes = set() if unit_size else auto_wrap_classes(module)
-
+    classes = _wrap_classes(module, wrap_classes, unit_size)
     taken: set[int] = set()
     is_small = {id(p) for p in trainable if p.numel() <= persistence_threshold}
     specs: list[UnitSpec] = []
-    owners: dict[int, list[nn.Module]] = {}
-    for m in module.modules():
-        for p in m.parameters(recurse=False):
-            owners.setdefault(id(p), []).append(m)
+    inside = _held_inside(module)
 
     def take(m: nn.Module) -> Optional[UnitSpec]:
         # A parameter shared with a module outside ``m`` (tied weights) must be gathered whenever
         # either runs: it stays with the root unit instead.
-        inside = {id(x) for x in m.modules()}
-        own = [p for p in m.parameters() if id(p) not in taken and all(id(o) in inside for o in owners[id(p)])]
+        own = [p for p in inside(m, True) if id(p) not in taken]
         held = [p for p in own if id(p) in is_frozen]
         params = [p for p in own if id(p) in is_trainable and (held or id(p) not in is_small)]
         if not params:
@@ -146,19 +131,12 @@ def frozen_only_specs(module: nn.Module, specs: Sequence[UnitSpec], frozen: Sequ
     if not left:
         return []
     is_left = {id(p) for p in left}
-    owners: dict[int, list[nn.Module]] = {}
-    for m in module.modules():
-        for p in m.parameters(recurse=False):
-            owners.setdefault(id(p), []).append(m)
-    classes = set() if units.unit_size and not units.wrap_classes else (
-        {type(m) for m in module.modules() if type(m).__name__ in units.wrap_classes} if units.wrap_classes
-        else auto_wrap_classes(module))
+    classes = _wrap_classes(module, units.wrap_classes, units.unit_size)
+    inside = _held_inside(module)
     out: list[UnitSpec] = []
 
     def own(m: nn.Module, recurse: bool) -> list[nn.Parameter]:
-        inside = {id(x) for x in m.modules()} if recurse else {id(m)}
-        held = [p for p in m.parameters(recurse=recurse)
-                if id(p) in is_left and id(p) not in taken and all(id(o) in inside for o in owners[id(p)])]
+        held = [p for p in inside(m, recurse) if id(p) in is_left and id(p) not in taken]
         taken.update(id(p) for p in held)
         return held
 
@@ -176,6 +154,36 @@ def frozen_only_specs(module: nn.Module, specs: Sequence[UnitSpec], frozen: Sequ
             if held:
                 out.append(UnitSpec([], m, False, held))
     return out
+
+
+def _wrap_classes(module: nn.Module, wrap_classes: Optional[Sequence[str]], unit_size: Optional[int]) -> set[type]:
+    """The classes whose instances become units: ``stage3_wrap_classes`` (each must be in the model), none with
+    ``stage3_unit_size``, else the repeated blocks."""
+    if not wrap_classes:
+        return set() if unit_size else auto_wrap_classes(module)
+    by_name = {type(m).__name__: type(m) for m in module.modules()}
+    unknown = [name for name in wrap_classes if name not in by_name]
+    if unknown:
+        raise ValueError(
+            f"stage3_wrap_classes={list(wrap_classes)}: no module of class {unknown} in the model; "
+            f"classes present: {sorted(by_name)[:20]}."
+        )
+    return {by_name[name] for name in wrap_classes}
+
+
+def _held_inside(module: nn.Module) -> Callable[[nn.Module, bool], list[nn.Parameter]]:
+    """``inside(m, recurse)``: the parameters of ``m`` (with ``recurse``, of its submodules too) that no module
+    outside it also holds: a tied parameter must be gathered whenever either holder runs."""
+    owners: dict[int, list[nn.Module]] = {}
+    for m in module.modules():
+        for p in m.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(m)
+
+    def inside(m: nn.Module, recurse: bool) -> list[nn.Parameter]:
+        within = {id(x) for x in m.modules()} if recurse else {id(m)}
+        return [p for p in m.parameters(recurse=recurse) if all(id(o) in within for o in owners[id(p)])]
+
+    return inside
 
 
 def _post_order(module: nn.Module) -> list[nn.Module]:

@@ -129,9 +129,6 @@ MATRIX = [
 
 @pytest.mark.parametrize(("client", "stage", "arm", "world", "layers"), [clients.param(*case) for case in MATRIX])
 def test_lora_clients_under_the_trainer_match_ddp(dist_pool, request, client, stage, arm, world, layers):
-    for module in clients.IMPORTS[client]:
-        pytest.importorskip(module)
-    if arm == "async":
-        request.getfixturevalue("host_kernel")  # tests/conftest.py: skips where the kernel cannot match torch
+    clients.require(client, arm, request)
     worst = dist_pool(world).run(_body, client, stage, arm, layers)
     assert max(worst) <= 1e-6, worst
