@@ -14,7 +14,8 @@ over from earlier arms are reported (``leftover_GiB``, expected 0)::
     torchrun --nproc-per-node 2 benchmarks/step_time.py --arms zeroq3,zeroq3+offload_params
     torchrun --nproc-per-node 2 benchmarks/step_time.py --arms ddp,zeroq2,zeroq2+group1,zeroq2+group1+crossq,zeroq3,zeroq3+group1
 
-An arm is ``ddp``, a peer (``fsdp2`` with ``+keep``/``+offload_optimizer``; DeepSpeed ``ds2`` with
+An arm is ``ddp``, ``single`` (the floor: the same model and optimizer with no data parallelism at all,
+world size 1 only; ``+compile``/``+compile_whole`` as for ``ddp``), a peer (``fsdp2`` with ``+keep``/``+offload_optimizer``; DeepSpeed ``ds2`` with
 ``+offload_optimizer``, ``ds3`` with ``+int8``/``+offload_optimizer``/``+offload_params``; see
 ``fsdp2_arm`` and ``deepspeed_arm``), or ``zeroq1/2/3``, optionally with ``+int8`` and ``+offload_optimizer`` (fp32
 masters and AdamW state on the CPU) or ``+offload_params`` (stage 3: also the parameters), ``+qgrad``
@@ -123,7 +124,7 @@ def memory_bound(engine) -> dict:
             **{f"{k}_GiB": round(v / gib, 2) for k, v in report.items()}}
 
 
-ARM_STAGES = {"ddp": 0, "zeroq1": 1, "zeroq2": 2, "zeroq3": 3}
+ARM_STAGES = {"single": -1, "ddp": 0, "zeroq1": 1, "zeroq2": 2, "zeroq3": 3}
 ARM_OPTIONS = ("int8", "offload_optimizer", "offload_params", "qgrad", "keep", "prefetch2", "ratio25", "ratio50", "ratio60", "ratio70", "ratio75", "ratio85", "ratio90",
                "auto", "spec", "async", "parts", "plain", "clip", "compile", "compile_whole", "group1", "group2", "group4", "crossq",
                "nvme", "spill25", "spill40", "spill50", "spill75", "muon")
@@ -150,9 +151,9 @@ PEERS = {  # the peers, beside zeroq in one launch: base -> the options it takes
 def parse_arm(arm: str) -> tuple[str, set[str]]:
     """``"zeroq3+int8"`` -> ``("zeroq3", {"int8"})``; raises ``SystemExit`` naming a bad arm."""
     base, *options = arm.split("+")
-    allowed = PEERS.get(base, {"clip", *COMPILE} if base == "ddp" else set(ARM_OPTIONS) if base in ARM_STAGES else set())
+    allowed = PEERS.get(base, {"clip", *COMPILE} if base in ("ddp", "single") else set(ARM_OPTIONS) if base in ARM_STAGES else set())
     if (base not in ARM_STAGES and base not in PEERS) or any(o not in allowed for o in options) or COMPILE <= set(options):
-        raise SystemExit(f"unknown arm {arm!r}: use ddp (+clip, +compile or +compile_whole), zeroq1/2/3 with optional +{'/+'.join(ARM_OPTIONS)}, or a peer: "
+        raise SystemExit(f"unknown arm {arm!r}: use ddp or single (+clip, +compile or +compile_whole), zeroq1/2/3 with optional +{'/+'.join(ARM_OPTIONS)}, or a peer: "
                          + ", ".join(f"{b} (+{'/+'.join(sorted(o))})" for b, o in PEERS.items()))
     return base, set(options)
 
@@ -358,6 +359,13 @@ def build_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> Arm:
     elif base in ("ds2", "ds3"):
         forward, finish = deepspeed_arm(model, int(base[2]), options, args)
         opt = forward.optimizer
+    elif base == "single":  # the floor: no data parallelism, nothing communicated
+        if dist.get_world_size() != 1:
+            raise SystemExit(f"arm {arm!r} is the no-data-parallel floor: run it at world size 1")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        forward, finish = model, torch_finish(model, opt, options)
+        if "compile_whole" in options:
+            forward = torch.compile(model)
     elif stage == 0:
         ddp = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if ON_GPU else None)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
