@@ -16,7 +16,7 @@ boundary backward, or ``finalize``) starts from them:
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -40,9 +40,10 @@ class EveryBackward:
     def add(self, unit: Unit, i: int, param: Tensor) -> None:
         """``param`` (the ``i``-th of ``unit``) got its gradient in a backward that does not reduce."""
 
-    def start(self, unit: Unit) -> Tensor:
-        """The flat buffer a reduction of ``unit`` starts from (the gradients in ``p.grad`` are added to it)."""
-        return torch.zeros(unit.layout.padded_numel, dtype=self.param_dtype, device=self.device)
+    def start(self, unit: Unit) -> Optional[Tensor]:
+        """The flat buffer a reduction of ``unit`` starts from (the gradients in ``p.grad`` are added to it),
+        or None where nothing is local: the reduction then starts from the gradients themselves."""
+        return None
 
     def reduced(self) -> None:
         """Every unit was reduced: nothing is local any more."""
@@ -93,7 +94,7 @@ class Fp32Sum(InGrad):
         self.sums[unit.index][unit.layout.slots[i].span].add_(param.grad.reshape(-1))
         param.grad = None
 
-    def start(self, unit: Unit) -> Tensor:
+    def start(self, unit: Unit) -> Optional[Tensor]:
         # An fp32 local sum is reduced in fp32 (once per window, so twice the bytes of one bf16
         # reduction buys the exact sum).
         local = self.sums.get(unit.index)

@@ -235,10 +235,12 @@ class Reducer:
         """Reduce-scatter the unit's local gradients into its fp32 gradient shard."""
         layout = unit.layout
         with self._stream.context():
-            flat_grad = self.accumulation.start(unit)  # the working dtype, or stage 1's fp32 local sum
+            local = self.accumulation.start(unit)  # stage 1's fp32 local sum, or None: nothing local
+            flat_grad = _flat_grads(unit, self.param_dtype, self.device) if local is None else local
             for p, slot in zip(unit.params, layout.slots):
                 if p.grad is not None:
-                    flat_grad[slot.span].add_(p.grad.reshape(-1))
+                    if local is not None:
+                        flat_grad[slot.span].add_(p.grad.reshape(-1))
                     self._stream.keep_alive(p.grad)
                     p.grad = None
             if self.world_size > 1:  # where a non-finite value came from is only visible before the sum spreads it
@@ -399,3 +401,24 @@ class Reducer:
             handle.remove()
         self._hooks = []
         self.listener.close()
+
+
+def _flat_grads(unit: Unit, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The unit's gradients (``p.grad``) copied into one flat buffer of ``dtype``, zero where a parameter
+    has none, between slots and in the padding: one write of each element, where zeros and then a sum
+    into them write the buffer twice and read it once. A gradient's -0 stays -0 here, where 0 + (-0) made +0; the fp32 gradient shard
+    is made by adding 0 (``Unit.materialize_grad``), and torch.equal and every optimizer step treat the two
+    alike."""
+    flat = torch.empty(unit.layout.padded_numel, dtype=dtype, device=device)
+    end = 0
+    for p, slot in sorted(zip(unit.params, unit.layout.slots), key=lambda pair: pair[1].offset):
+        if slot.offset > end:
+            flat[end : slot.offset].zero_()
+        if p.grad is None:
+            flat[slot.span].zero_()
+        else:
+            flat[slot.span].copy_(p.grad.reshape(-1))
+        end = max(end, slot.offset + slot.numel)
+    if end < flat.numel():
+        flat[end:].zero_()
+    return flat
