@@ -459,3 +459,66 @@ int zq_adam_steps(const zq_adam *jobs, int count, int threads) {
     pthread_mutex_unlock(&call_lock);
     return 0;
 }
+
+/* ---- the host's memory bandwidth ------------------------------------------------------------- */
+
+/* STREAM's triad, a[i] = b[i] + s * c[i], over [0, n) with ``threads`` threads (the caller's included),
+   each taking one contiguous part (cache-line aligned), bound as the pool's threads are (``zq_bind``);
+   ``streaming``: a's stores bypass the caches (no line of a is read first), else plain stores. The
+   benchmarks measure the host step's bytes per second against this (``ops.host_adam.HostAdam.triad``).
+   Returns 0, or -1 when a thread could not be started. */
+typedef struct {
+    float *a;
+    const float *b, *c;
+    float s;
+    int64_t lo, hi;
+    int streaming, part;
+} zq_triad_part;
+
+static void *triad_part(void *arg) {
+    const zq_triad_part *t = (const zq_triad_part *)arg;
+    if (t->part > 0) bind_self(t->part);
+    float *restrict a = t->a;
+    const float *restrict b = t->b, *restrict c = t->c;
+    const float s = t->s;
+    int64_t i = t->lo;
+#if defined(__AVX512F__)
+    if (t->streaming) {
+        const __m512 vs = _mm512_set1_ps(s);
+        for (; i < t->hi && ((uintptr_t)(a + i) & 63); i++) a[i] = b[i] + s * c[i];
+        for (; i + 16 <= t->hi; i += 16)
+            _mm512_stream_ps(a + i, _mm512_add_ps(_mm512_loadu_ps(b + i), _mm512_mul_ps(vs, _mm512_loadu_ps(c + i))));
+    }
+#elif defined(__AVX__)
+    if (t->streaming) {
+        const __m256 vs = _mm256_set1_ps(s);
+        for (; i < t->hi && ((uintptr_t)(a + i) & 31); i++) a[i] = b[i] + s * c[i];
+        for (; i + 8 <= t->hi; i += 8)
+            _mm256_stream_ps(a + i, _mm256_add_ps(_mm256_loadu_ps(b + i), _mm256_mul_ps(vs, _mm256_loadu_ps(c + i))));
+    }
+#endif
+    for (; i < t->hi; i++) a[i] = b[i] + s * c[i];
+    return NULL;
+}
+
+int zq_triad(float *a, const float *b, const float *c, float s, int64_t n, int threads, int streaming) {
+    if (threads < 1) threads = 1;
+    if (threads > ZQ_MAX_THREADS) threads = ZQ_MAX_THREADS;
+    zq_triad_part parts[ZQ_MAX_THREADS];
+    pthread_t started[ZQ_MAX_THREADS];
+    const int64_t lines = (n + 15) / 16, per = (lines + threads - 1) / threads;
+    int ok = 0;
+    for (int t = 0; t < threads; t++) {
+        int64_t lo = (int64_t)t * per * 16, hi = lo + per * 16;
+        parts[t] = (zq_triad_part){a, b, c, s, lo < n ? lo : n, hi < n ? hi : n, streaming, t};
+    }
+    for (int t = 1; t < threads; t++, ok++)
+        if (pthread_create(&started[t], NULL, triad_part, &parts[t]) != 0) break;
+    triad_part(&parts[0]);
+    for (int t = 1; t <= ok; t++) pthread_join(started[t], NULL);
+    if (ok != threads - 1) return -1;
+#if defined(__AVX512F__) || defined(__AVX__)
+    _mm_sfence();
+#endif
+    return 0;
+}
