@@ -76,6 +76,17 @@ def all_gather_uneven(output: Tensor, input: Tensor, counts: list[int], group: O
                            input_split_sizes=[input.numel()] * world, group=group)
 
 
+def all_to_all_uneven(output: Tensor, input: Tensor, output_splits: list[int], input_splits: list[int],
+                      group: Optional[dist.ProcessGroup]) -> None:
+    """Split sizes of one's own: ``input_splits[r]`` elements of ``input`` go to rank ``r``, and
+    ``output_splits[r]`` of ``output`` come from it (one rank: a copy)."""
+    if len(input_splits) == 1 or not is_distributed():
+        output.copy_(input)
+        return
+    dist.all_to_all_single(output, input, output_split_sizes=list(output_splits),
+                           input_split_sizes=list(input_splits), group=group)
+
+
 def all_to_all(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup]) -> None:
     """Equal split sizes: rank ``r``'s ``i``-th chunk of ``input`` lands in rank ``i``'s ``r``-th chunk of ``output``."""
     dist.all_to_all_single(output, input, group=group)

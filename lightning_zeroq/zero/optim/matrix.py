@@ -3,16 +3,17 @@
 A shard holds each parameter cut at arbitrary element boundaries, which is all an elementwise update
 needs. Muon's update is elementwise but for one step: the momentum-blended gradient of each 2-D
 parameter is orthogonalized by Newton-Schulz iterations over the whole matrix. So each rank steps its
-segments' elementwise parts itself (the momentum buffer is sharded like Adam's moments), and for each
-matrix the blended update is gathered whole across the shard group (an uneven all-gather: each rank
-sends the elements of its segment, a rank without one sends none), orthogonalized on every rank with
-torch's own function (the same input gives the same bits everywhere: the result is bitwise the
-unsharded optimizer's), and each rank applies its own segment of it. With the optimizer on the host
-the momentum stays there and the matrix is orthogonalized on the device (it crosses PCIe once each way).
+segments' elementwise parts itself (the momentum buffer is sharded like Adam's moments), and each
+matrix has an owner (``owners``: the ranks share the matrices by their Newton-Schulz cost): every rank
+sends its segments of the blended updates to their owners (one all-to-all), each owner makes its
+matrices whole and orthogonalizes each once with torch's own function, and sends every rank its
+segments of the results (a second all-to-all), which each rank applies. The same input gives the same
+bits wherever it is orthogonalized, so the result is bitwise the unsharded optimizer's. With the
+optimizer on the host the momentum stays there and the matrix is orthogonalized on the device.
 
-Communication per step and rank: the fp32 update of every matrix once (4 bytes per element received),
-on top of the weights' gather; AdamW's step adds none. The orthogonalization runs on every rank of
-the group (its cost times the group's size, against once per matrix with an owner per matrix).
+Communication per step and rank: its shard of the matrices' updates sent once and its owned matrices
+received (fp32, 4 bytes per element), then the results the other way, on top of the weights' gather;
+AdamW's step adds none. The orthogonalization of each matrix runs once in the group.
 
 Other optimizers of this kind: ``register_matrix_optimizer(cls, rule)`` with a ``MatrixRule`` (its
 elementwise blend, its whole-matrix transform, its elementwise apply); Muon is one such rule.
@@ -21,7 +22,7 @@ elementwise blend, its whole-matrix transform, its elementwise apply); Muon is o
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -160,16 +161,35 @@ def is_matrix_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, matrix_optimizers())
 
 
+class _Matrix(NamedTuple):
+    """One matrix of a step: its parameter, this rank's segment of it (``view``, ``seg``; None where
+    this rank holds none or has no gradient for it), its param group, each rank's element count, and
+    this rank's blended update of its segment (None: none)."""
+
+    param: torch.Tensor
+    view: Optional[torch.Tensor]
+    seg: Any
+    hyper: dict
+    counts: list[int]
+    update: Optional[torch.Tensor]
+
+
 def step_matrices(binding: Any, units: Sequence[Unit], used: Sequence[Any], group: Optional[dist.ProcessGroup],
                   device: torch.device) -> None:
     """A matrix optimizer's step of ``units`` (the same units, in the same order, on every rank of
     ``group``; ``rule_of`` the optimizer: Muon's or a registered one), from the gradients the caller set
     on the segment views (``view.grad``) of ``binding`` (``binding.Binding``); the views' gradients
-    are cleared."""
+    are cleared.
+
+    Each matrix is made whole and transformed once, by its owner (``owners``): every rank sends its
+    segments of the blended update to their matrices' owners in one all-to-all, each owner transforms
+    its matrices, and sends each rank its segments of the results in a second. A matrix's whole is
+    the same input wherever it is transformed, so the result is the one every rank would compute."""
     optimizer = binding.optimizer
     rule = rule_of(optimizer)
     checked = _SHAPES_CHECKED.setdefault(id(rule), (rule, set()))[1]
     groups = {id(p): optimizer.param_groups[gi] for gi, given in enumerate(binding.given) for p in given}
+    matrices: list[_Matrix] = []
     for unit in sorted(units, key=lambda u: u.index):
         mine: dict[int, tuple[Any, Any]] = {seg.param: (view, seg) for view, seg in binding.optimized[unit.index]}
         counts = _segment_numels(unit.layout)
@@ -180,26 +200,129 @@ def step_matrices(binding: Any, units: Sequence[Unit], used: Sequence[Any], grou
                 raise ValueError(f"{type(optimizer).__name__} steps 2-D parameters only; "
                                  f"{getattr(param, '_zeroq_name', 'a parameter')} has shape {tuple(param.shape)}: "
                                  "give it to another optimizer (e.g. AdamW)")
-            view, seg = mine.get(i, (None, None))  # None: this rank holds no segment of it
+            view, seg = mine.get(i, (None, None))
             hyper = groups[id(param)]
-            stepped = view is not None and view.grad is not None
-            update = (rule.blend(view, view.grad, optimizer.state[view], hyper) if stepped
-                      else torch.empty(0, dtype=torch.float32))
-            whole = torch.empty(param.numel(), dtype=torch.float32, device=device)
-            comm.all_gather_uneven(whole, update.to(device), counts[i], group)
-            shape = tuple(param.shape)
-            if not stepped and shape in checked:  # the gather above is a collective; the rest is this rank's own
-                continue
-            # The first time a shape comes, every rank transforms the matrix (the same input everywhere, so
-            # the same result) and checks the result's shape: a wrong one is the same error on every rank,
-            # with no collective to agree on it. After that only the ranks that apply the result transform it.
-            result = rule.whole(whole.view(param.shape), hyper)
-            check_whole(rule, result, param, optimizer)
-            checked.add(shape)
-            if not stepped:
-                continue
-            rule.apply(view, result.reshape(-1)[seg.param_span].to(view.device), hyper, param.shape)
-            view.grad = None
+            if view is None or view.grad is None:
+                view = seg = None
+            update = rule.blend(view, view.grad, optimizer.state[view], hyper) if view is not None else None
+            matrices.append(_Matrix(param, view, seg, hyper, counts[i], update))
+    if not matrices:
+        return
+    rank, world = comm.world(group)
+    owner = owners([tuple(m.param.shape) for m in matrices], world, first=min(u.index for u in units))
+    wholes = _to_owners(matrices, owner, rank, world, group, device)
+    results: dict[int, torch.Tensor] = {}
+    failed: Optional[Exception] = None
+    for k, whole in wholes.items():
+        result = rule.whole(whole.view(matrices[k].param.shape), matrices[k].hyper)
+        try:
+            check_whole(rule, result, matrices[k].param, optimizer)
+        except (TypeError, ValueError) as error:
+            failed = failed or error
+            continue
+        results[k] = result.reshape(-1).to(torch.float32)  # exact from bf16 (Muon's) or fp32
+    shapes = {tuple(m.param.shape) for m in matrices}
+    if not shapes <= checked:  # a shape not seen before: every rank learns whether an owner's result was wrong
+        _agree_on_shapes(failed, group, world)
+        checked.update(shapes)
+    elif failed is not None:
+        raise failed
+    updates = _from_owners(matrices, results, owner, rank, world, group, device)
+    for m, update in zip(matrices, updates):
+        if m.view is not None:
+            assert update is not None and m.seg is not None
+            rule.apply(m.view, update.to(m.view.device), m.hyper, m.param.shape)
+            m.view.grad = None
+
+
+def owners(shapes: Sequence[tuple[int, ...]], world: int, first: int = 0) -> list[int]:
+    """Which rank transforms each matrix: the largest first (by the Newton-Schulz cost, rows x cols x
+    the smaller of the two), each to the rank with the least cost so far, ties to the first such rank
+    counting from rank ``first % world`` (the batch's first unit: a step of one unit at a time, as with
+    offload, spreads its units over the ranks); the same on every rank, from the shapes alone."""
+    load = [0] * world
+    owner = [0] * len(shapes)
+    order = sorted(range(len(shapes)), key=lambda k: (-_cost(shapes[k]), k))
+    for k in order:
+        r = min(range(world), key=lambda r: (load[r], (r - first) % world))
+        owner[k] = r
+        load[r] += _cost(shapes[k])
+    return owner
+
+
+def _cost(shape: tuple[int, ...]) -> int:
+    rows, cols = shape[0], shape[1]
+    return rows * cols * min(rows, cols)
+
+
+def _to_owners(matrices: list[_Matrix], owner: list[int], rank: int, world: int,
+               group: Optional[dist.ProcessGroup], device: torch.device) -> dict[int, torch.Tensor]:
+    """Every rank's segments of the blended updates, sent to their owners: this rank's own matrices
+    whole (fp32, flat, on ``device``), by position in ``matrices``."""
+    by_dest = [[k for k, m in enumerate(matrices) if owner[k] == d and m.update is not None] for d in range(world)]
+    pieces = [update.reshape(-1).to(device, torch.float32) for d in range(world) for k in by_dest[d]
+              if (update := matrices[k].update) is not None]
+    flat_send = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.float32, device=device)
+    in_splits = [sum(matrices[k].counts[rank] for k in by_dest[d]) for d in range(world)]
+    mine = [k for k in range(len(matrices)) if owner[k] == rank]
+    out_splits = [sum(matrices[k].counts[s] for k in mine) for s in range(world)]
+    received = torch.empty(sum(out_splits), dtype=torch.float32, device=device)
+    comm.all_to_all_uneven(received, flat_send, out_splits, in_splits, group)
+    wholes = {k: torch.empty(matrices[k].param.numel(), dtype=torch.float32, device=device) for k in mine}
+    at = 0
+    for s in range(world):  # from rank s: its segment of each of my matrices, in order
+        for k in mine:
+            n = matrices[k].counts[s]
+            if n:
+                start = sum(matrices[k].counts[:s])  # the segments lie in rank order within the matrix
+                wholes[k][start : start + n].copy_(received[at : at + n])
+                at += n
+    return wholes
+
+
+def _from_owners(matrices: list[_Matrix], results: dict[int, torch.Tensor], owner: list[int], rank: int,
+                 world: int, group: Optional[dist.ProcessGroup], device: torch.device) -> list[Optional[torch.Tensor]]:
+    """Each owner's results, sent back: this rank's segment of each matrix it holds one of (None where
+    it holds none), by position in ``matrices``."""
+    pieces = []
+    in_splits = []
+    for d in range(world):  # to rank d: its segment of each of my matrices
+        n_to_d = 0
+        for k in sorted(results):
+            n = matrices[k].counts[d]
+            if n:
+                start = sum(matrices[k].counts[:d])
+                pieces.append(results[k][start : start + n])
+                n_to_d += n
+        in_splits.append(n_to_d)
+    flat_send = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.float32, device=device)
+    holding = [k for k, m in enumerate(matrices) if m.counts[rank]]
+    out_splits = [sum(matrices[k].counts[rank] for k in holding if owner[k] == s) for s in range(world)]
+    received = torch.empty(sum(out_splits), dtype=torch.float32, device=device)
+    comm.all_to_all_uneven(received, flat_send, out_splits, in_splits, group)
+    updates: list[Optional[torch.Tensor]] = [None] * len(matrices)
+    at = 0
+    for s in range(world):
+        for k in holding:
+            if owner[k] == s:
+                n = matrices[k].counts[rank]
+                updates[k] = received[at : at + n]
+                at += n
+    return updates
+
+
+def _agree_on_shapes(failed: Optional[Exception], group: Optional[dist.ProcessGroup], world: int) -> None:
+    """Every rank raises the first error an owner's check found (the same type and message), or none does."""
+    errors: list[Any] = [None] * world
+    mine = None if failed is None else (type(failed).__name__, str(failed))
+    if world > 1:
+        dist.all_gather_object(errors, mine, group=group)
+    else:
+        errors = [mine]
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        kind = {"TypeError": TypeError, "ValueError": ValueError}[first[0]]
+        raise kind(first[1])
 
 
 @functools.lru_cache(maxsize=None)

@@ -186,3 +186,64 @@ def test_a_rule_whose_whole_returns_another_shape_is_one_error_on_every_rank(dis
     assert got_kind == kind, results
     for needle in ("MisshapenRule.whole()", returned, "layers.0.weight", "of shape (48, 24)", "Misshapen"):
         assert needle in message, f"{needle!r} not in: {message}"
+
+
+class Counted(torch.optim.Optimizer):
+    """NormalizedMomentum under a class of its own (not a subclass: ``rule_of`` would find that one's rule)."""
+
+    def __init__(self, params, lr: float = 0.01, momentum: float = 0.9) -> None:
+        super().__init__(params, {"lr": lr, "momentum": momentum})
+
+    step = NormalizedMomentum.step
+
+
+class CountingRule(NormalizedMomentumRule):
+    """Counts the matrices this rank transforms, by shape."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, ...]] = []
+
+    def whole(self, matrix, group):
+        self.seen.append(tuple(matrix.shape))
+        return super().whole(matrix, group)
+
+
+def _count_transforms(stage: int, offload: bool) -> list[tuple[int, ...]]:
+    rule = CountingRule()
+    register_matrix_optimizer(Counted, rule)
+    torch.manual_seed(0)
+    model = Matrices()
+    engine = ZeroEngine(model, ZeroConfig(**CONFIGS[stage], offload_optimizer=offload))
+    engine.attach_optimizer(Counted(model.parameters()))
+    try:
+        for step in range(2):
+            engine.backward(_loss(model, step, 0))
+            engine.step()
+            engine.zero_grad()
+    finally:
+        engine.close()
+    return rule.seen
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("stage, offload", [(2, False), (3, False), (3, True)])
+def test_each_matrix_is_transformed_once_by_its_owner(dist_pool, world_size, stage, offload):
+    """Over all ranks, every matrix's whole() runs once per step (not once per rank), each on the rank
+    ``owners`` gives it, and the work is spread: no rank transforms every matrix."""
+    seen = dist_pool(world_size).run(_count_transforms, stage, offload)
+    shapes = [(2 * DIM, DIM), (DIM, 2 * DIM), (DIM, DIM)]
+    assert sorted(s for per_rank in seen for s in per_rank) == sorted(shapes * 2)
+    assert max(len(per_rank) for per_rank in seen) < len(shapes) * 2
+
+
+def test_owners_balance_the_newton_schulz_cost_alike_on_every_rank():
+    from lightning_zeroq.zero.optim.matrix import owners
+
+    shapes = [(4096, 4096), (4096, 1024), (1024, 4096), (14336, 4096), (4096, 14336), (4096, 1024)]
+    assert owners(shapes, 1) == [0] * 6
+    got = owners(shapes, 2)
+    assert got == owners(list(shapes), 2)  # from the shapes alone
+    assert got[3] != got[4]  # the two largest on different ranks
+    assert sorted(set(got)) == [0, 1]
+    assert owners([(8, 8)] * 3, 4) == [0, 1, 2]
+    assert owners([(8, 8)] * 3, 4, first=5) == [1, 2, 3]  # a batch of unit 5 starts at rank 1
