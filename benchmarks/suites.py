@@ -264,8 +264,9 @@ SUITES: dict[str, Suite] = {
         "lightning_zeroq's), full, partial and automatic (budget 13 GiB) optimizer offload in stages 2 and 3, "
         "parameter offload, speculative host steps, FSDP2's CPU offload, DeepSpeed's ZeRO-2 and ZeRO-3 offload "
         "(where DeepSpeed is installed), stage 2 at 50M-element units, with what is live at each arm's peak",
-        (Launch("host_adam", ("benchmarks/host_adam.py", "--numel", "953223168", "--threads", "{cores}", "--steps",
-                              "3", "--rounds", "2", "--arms", "torch_fused,zeroq_kernel,zeroq_kernel_out"), timeout=120),
+        (Launch("host_adam", ("benchmarks/kernels.py", "host-adam", "--numel", "953223168", "--threads", "{cores}",
+                              "--steps", "3", "--rounds", "2", "--arms", "torch_fused,zeroq_kernel,zeroq_kernel_out"),
+                timeout=120),
          *step_time(OFFLOAD_TABLE, world_sizes=(1,), timeout=480,
                     extra=("--steps", "4", "--warmup", "2", "--budget", "13", "--memory-peak", "--floor")),
          *step_time("zeroq2+offload_optimizer", world_sizes=(1,), timeout=90,
@@ -284,7 +285,7 @@ SUITES: dict[str, Suite] = {
         "weights); the host step with one thread per rank; the host AdamW step over one rank's share",
         (*step_time(OFFLOAD, timeout=400),
          *step_time("zeroq2+offload_optimizer", timeout=150, env={"OMP_NUM_THREADS": "1"}),
-         Launch("host_adam", ("benchmarks/host_adam.py", "--threads", "{cores}", "--numel", "476000000"),
+         Launch("host_adam", ("benchmarks/kernels.py", "host-adam", "--threads", "{cores}", "--numel", "476000000"),
                 timeout=280)), build=True),
     "memory": Suite(
         "Peak memory: stage 3 on a 1.005B GPT, and every GiB of the peaks by tensor class (memory_account.py) for "
@@ -326,7 +327,7 @@ SUITES: dict[str, Suite] = {
         (*step_time(HYBRID, timeout=300), *step_time(HYBRID, links=("socket",), timeout=300)), build=True),
     "kernels": Suite(
         "Effective bandwidth of the INT8 quantize/dequantize kernels against a device-to-device copy",
-        (Launch("quant_kernels", ("-m", "benchmarks.quant_kernels", "--numel", "268435456"), timeout=120,
+        (Launch("quant_kernels", ("benchmarks/kernels.py", "int8", "--numel", "268435456"), timeout=120,
                 output="text"),), build=True),
     "accuracy": Suite(
         "Accuracy of INT8 weights: final loss of the same 300-step training with and without, stages 2 and 3 "
@@ -343,7 +344,7 @@ SUITES: dict[str, Suite] = {
     "host": Suite(
         "The host side on this machine's CPUs: torch's CPU optimizers' update throughput, the NVMe swap space "
         "against dd with O_DIRECT (in the --scratch folder)",
-        (Launch("cpu_optimizer", ("-m", "benchmarks.cpu_optimizer"), timeout=300, output="text"),
+        (Launch("cpu_optimizer", ("benchmarks/kernels.py", "cpu-optimizers"), timeout=300, output="text"),
          Launch("nvme_swap", ("-m", "benchmarks.nvme_swap", "--dir", "{scratch}"), timeout=300, output="text")),
         gpu=False),
     "smoke": Suite(
@@ -356,9 +357,9 @@ SUITES: dict[str, Suite] = {
                                      "--arms", "zeroq2", "--loops", "fabric,trainer"), world_size=2, timeout=120),
          Launch("eps_noise", ("benchmarks/eps_noise.py", "--world-size", "2", "--stage", "3", "--steps", "2"),
                 timeout=120),
-         Launch("host_adam", ("benchmarks/host_adam.py", "--numel", "100000", "--threads", "1", "--steps", "1",
-                              "--rounds", "1"), timeout=60),
-         Launch("cpu_optimizer", ("-m", "benchmarks.cpu_optimizer", "--params", "1e5", "--steps", "1", "--warmup",
-                                  "1"), timeout=60, output="text")),
+         Launch("host_adam", ("benchmarks/kernels.py", "host-adam", "--numel", "100000", "--threads", "1", "--steps",
+                              "1", "--rounds", "1"), timeout=60),
+         Launch("cpu_optimizer", ("benchmarks/kernels.py", "cpu-optimizers", "--params", "1e5", "--steps", "1",
+                                  "--warmup", "1"), timeout=60, output="text")),
         gpu=False),
 }
