@@ -18,7 +18,7 @@ LINKS: dict[str, dict[str, str]] = {
     "socket": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"},
 }
 
-# The model flags of step_time.py and checkpoint_time.py (their GPT).
+# The model flags of step_time.py and checkpoints.py save-load (their GPT).
 MODELS: dict[str, tuple[str, ...]] = {
     "953m": (),  # the scripts' default: d=2048, 16 layers, SwiGLU 5632, vocab 32000, untied head
     "1b": ("--layers", "17"),  # 1.005B parameters
@@ -311,8 +311,8 @@ SUITES: dict[str, Suite] = {
     "checkpoint": Suite(
         "Checkpoint save and load time, time the training loop is blocked by an async save, and peak host memory "
         "per rank: ZeroQ (pinned staging, pageable, async) against FSDP2 + DCP (sync, async), 953M GPT, 2 GPUs",
-        (Launch("checkpoint_time", ("benchmarks/checkpoint_time.py", "--dir", "{scratch}/checkpoint", "--repeats", "3",
-                                    "--verify", "--arms", "zeroq,zeroq_pageable,fsdp2,zeroq_async,fsdp2_async"),
+        (Launch("checkpoint_time", ("benchmarks/checkpoints.py", "save-load", "--dir", "{scratch}/checkpoint", "--repeats",
+                                    "3", "--verify", "--arms", "zeroq,zeroq_pageable,fsdp2,zeroq_async,fsdp2_async"),
                 world_size=2, timeout=540, env=dict(SHARE_CORES)),)),
     "fabric": Suite(
         "Step time of ZeroQ through Fabric against the Trainer, stages 2 and 3, alternating in one launch",
@@ -351,7 +351,7 @@ SUITES: dict[str, Suite] = {
         "Every CPU-capable benchmark once with a tiny model on gloo, to check the scripts run (figures mean nothing)",
         (*step_time("ddp,zeroq2,zeroq3+int8", models=("tiny",), timeout=120, extra=("--steps", "2", "--warmup", "1"),
                     env={"OMP_NUM_THREADS": "1"}),
-         Launch("checkpoint_time", ("benchmarks/checkpoint_time.py", *MODELS["tiny"], "--repeats", "1", "--arms",
+         Launch("checkpoint_time", ("benchmarks/checkpoints.py", "save-load", *MODELS["tiny"], "--repeats", "1", "--arms",
                                     "zeroq,fsdp2", "--dir", "{scratch}/checkpoint"), world_size=2, timeout=120),
          Launch("step_time_fabric", ("benchmarks/step_time.py", *MODELS["tiny"], "--steps", "2", "--warmup", "1",
                                      "--arms", "zeroq2", "--loops", "fabric,trainer"), world_size=2, timeout=120),
