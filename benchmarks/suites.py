@@ -311,8 +311,9 @@ SUITES: dict[str, Suite] = {
     "checkpoint": Suite(
         "Checkpoint save and load time, time the training loop is blocked by an async save, and peak host memory "
         "per rank: ZeroQ (pinned staging, pageable, async) against FSDP2 + DCP (sync, async), 953M GPT, 2 GPUs",
-        (Launch("checkpoint_time", ("benchmarks/checkpoints.py", "save-load", "--dir", "{scratch}/checkpoint", "--repeats",
-                                    "3", "--verify", "--arms", "zeroq,zeroq_pageable,fsdp2,zeroq_async,fsdp2_async"),
+        (Launch("checkpoint_time", ("benchmarks/checkpoints.py", "save-load", "--dir", "{scratch}/checkpoint",
+                                    "--repeats", "3", "--verify",
+                                    "--arms", "zeroq,zeroq_pageable,fsdp2,zeroq_async,fsdp2_async"),
                 world_size=2, timeout=540, env=dict(SHARE_CORES)),)),
     "fabric": Suite(
         "Step time of ZeroQ through Fabric against the Trainer, stages 2 and 3, alternating in one launch",
@@ -332,15 +333,15 @@ SUITES: dict[str, Suite] = {
     "accuracy": Suite(
         "Accuracy of INT8 weights: final loss of the same 300-step training with and without, stages 2 and 3 "
         "(135M byte-level GPT, 2 GPUs)",
-        tuple(Launch("quant_accuracy", ("benchmarks/quant_accuracy.py", "--steps", "300", "--stage", str(stage)),
-                     world_size=2, timeout=150) for stage in (2, 3)), build=True),
+        tuple(Launch("quant_accuracy", ("benchmarks/accuracy.py", "int8-weights", "--steps", "300", "--stage",
+                                        str(stage)), world_size=2, timeout=150) for stage in (2, 3)), build=True),
     "gpu-tests": Suite(
         "The GPU tests (pytest -m gpu): engine parity with DDP on CUDA, offload, the CUDA kernels",
         (Launch("gpu_tests", GPU_TESTS, timeout=420, output="text"),), build=True),
     "eps-noise": Suite(
         "ZeRO vs DDP at AdamW's default eps against DDP vs itself with the ranks summed in reverse order (CUDA)",
-        tuple(Launch("eps_noise", ("benchmarks/eps_noise.py", "--world-size", "2", "--stage", str(stage), "--device",
-                                   "cuda"), timeout=120) for stage in (2, 3)), build=True),
+        tuple(Launch("eps_noise", ("benchmarks/accuracy.py", "eps-noise", "--world-size", "2", "--stage", str(stage),
+                                   "--device", "cuda"), timeout=120) for stage in (2, 3)), build=True),
     "host": Suite(
         "The host side on this machine's CPUs: torch's CPU optimizers' update throughput, the NVMe swap space "
         "against dd with O_DIRECT (in the --scratch folder)",
@@ -351,12 +352,13 @@ SUITES: dict[str, Suite] = {
         "Every CPU-capable benchmark once with a tiny model on gloo, to check the scripts run (figures mean nothing)",
         (*step_time("ddp,zeroq2,zeroq3+int8", models=("tiny",), timeout=120, extra=("--steps", "2", "--warmup", "1"),
                     env={"OMP_NUM_THREADS": "1"}),
-         Launch("checkpoint_time", ("benchmarks/checkpoints.py", "save-load", *MODELS["tiny"], "--repeats", "1", "--arms",
-                                    "zeroq,fsdp2", "--dir", "{scratch}/checkpoint"), world_size=2, timeout=120),
+         Launch("checkpoint_time", ("benchmarks/checkpoints.py", "save-load", *MODELS["tiny"], "--repeats", "1",
+                                    "--arms", "zeroq,fsdp2", "--dir", "{scratch}/checkpoint"),
+                world_size=2, timeout=120),
          Launch("step_time_fabric", ("benchmarks/step_time.py", *MODELS["tiny"], "--steps", "2", "--warmup", "1",
                                      "--arms", "zeroq2", "--loops", "fabric,trainer"), world_size=2, timeout=120),
-         Launch("eps_noise", ("benchmarks/eps_noise.py", "--world-size", "2", "--stage", "3", "--steps", "2"),
-                timeout=120),
+         Launch("eps_noise", ("benchmarks/accuracy.py", "eps-noise", "--world-size", "2", "--stage", "3", "--steps",
+                              "2"), timeout=120),
          Launch("host_adam", ("benchmarks/kernels.py", "host-adam", "--numel", "100000", "--threads", "1", "--steps",
                               "1", "--rounds", "1"), timeout=60),
          Launch("cpu_optimizer", ("benchmarks/kernels.py", "cpu-optimizers", "--params", "1e5", "--steps", "1",
