@@ -174,18 +174,19 @@ SUITES: dict[str, Suite] = {
         "asynchronous, beside FSDP2's CPUOffloadPolicy and DeepSpeed's ZeRO-3 offload) at 4K and 32K tokens",
         tuple(launch for tokens in ("4k", "32k") for launch in _scale(SCALE_BIG, "3800m", tokens, 600)), build=True),
     "largest": Suite(
-        "The largest GPT each engine trains on one GPU and this host (benchmarks/largest_model.py: a search over "
+        "The largest GPT each engine trains on one GPU and this host (benchmarks/fits.py largest: a search over "
         "depth at a Llama-7B-like width, 4,096 tokens per step, activation checkpointing): zeroq3 with parameters "
         "and optimizer on the host, FSDP2's CPUOffloadPolicy, DeepSpeed ZeRO-3 offload (where installed); then "
         "with NVMe (zeroq3, DeepSpeed) in the --scratch folder, all of the optimizer state there or half of it",
-        (Launch("largest_model", ("benchmarks/largest_model.py", "--arms", "zeroq3+offload_params,fsdp2+offload_optimizer",
-                                  "--checkpoint", "--start", "24"), timeout=3600),
-         Launch("largest_model", ("benchmarks/largest_model.py", "--arms", "ds3+offload_optimizer+offload_params",
+        (Launch("largest_model", ("benchmarks/fits.py", "largest", "--arms",
+                                  "zeroq3+offload_params,fsdp2+offload_optimizer", "--checkpoint", "--start", "24"),
+                timeout=3600),
+         Launch("largest_model", ("benchmarks/fits.py", "largest", "--arms", "ds3+offload_optimizer+offload_params",
                                   "--checkpoint", "--start", "24"), timeout=3600, requires=("deepspeed",)),
-         Launch("largest_model", ("benchmarks/largest_model.py", "--arms", "zeroq3+offload_params+nvme",
+         Launch("largest_model", ("benchmarks/fits.py", "largest", "--arms", "zeroq3+offload_params+nvme",
                                   "--checkpoint", "--start", "24", "--nvme-path", "{scratch}"), timeout=3600),
          # the optimizer state of half the parameters on NVMe, the rest (and the parameters) in host memory
-         Launch("largest_model", ("benchmarks/largest_model.py", "--arms", "zeroq3+offload_params+spill50",
+         Launch("largest_model", ("benchmarks/fits.py", "largest", "--arms", "zeroq3+offload_params+spill50",
                                   "--checkpoint", "--start", "32", "--nvme-path", "{scratch}"), timeout=3600)),
         build=True),
     "plan-953m": Suite(
@@ -214,8 +215,8 @@ SUITES: dict[str, Suite] = {
         "offload=\"auto\" under 90/70/50/35% of the no-offload peak against the best of 12 hand-picked points (the "
         "share of the optimizer on the host x recomputing none or every block, parameters on the host), stage 3, "
         "the 953M GPT at 16 x 1,024 tokens, one process per run (docs/plan.md's table)",
-        (Launch("auto_offload_953m", ("benchmarks/auto_offload.py", "--batch", "16", "--seq", "1024", "--stage", "3",
-                                      "--steps", "3", "--warmup", "2"), timeout=3600),)),
+        (Launch("auto_offload_953m", ("benchmarks/fits.py", "auto-offload", "--batch", "16", "--seq", "1024",
+                                      "--stage", "3", "--steps", "3", "--warmup", "2"), timeout=3600),)),
     "compile-floor": Suite(
         "Compiled stage 3 at the compiled floor (953M GPT, one GPU, 4 x 1,024 tokens): DDP with compiled blocks "
         "(the floor: one rank communicates nothing), zeroq2 and zeroq3 with compiled blocks, zeroq3 eager and with "
