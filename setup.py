@@ -1,58 +1,45 @@
-"""Optional ahead-of-time build of the CUDA kernels (``lightning_zeroq/_C*.so``) from ``csrc/``.
+"""The build's code: the folders the wheel carries inside the package, and the CUDA kernels ahead of time.
 
-All metadata lives in pyproject.toml; setuptools runs this file only for ``ext_modules``. The
-extension is built when all of these hold, otherwise the install is pure Python (and the ops
-JIT-compile on first use or fall back to the PyTorch reference, see lightning_zeroq/ops/_load.py):
-
-- ``ZEROQ_BUILD_EXT`` is not ``0``;
-- torch is importable in the build environment and is a CUDA build (``torch.version.cuda``);
-  with pip that means ``pip install --no-build-isolation .``, since an isolated build has no torch;
-- a CUDA toolkit (``nvcc``) is found (``CUDA_HOME``).
-
-Target architectures come from ``TORCH_CUDA_ARCH_LIST`` (default ``9.0``: H100/H200).
+All metadata lives in pyproject.toml; setuptools runs this file for ``packages``, ``package_dir``, ``package_data``
+and ``ext_modules``. What is built, from which sources, with which flags, and what is missing to build it, come
+from ``lightning_zeroq/ops/_build.py``, which the first use of a kernel follows too; it is loaded by its path, since
+the build environment may have no torch to import the package with. The CUDA extension (``lightning_zeroq/_C*.so``)
+is built when ``ZEROQ_BUILD_EXT`` is not ``0``, torch is importable and a CUDA build (with pip: ``pip install
+--no-build-isolation .``) and nvcc is found (``CUDA_HOME``); otherwise the install is pure Python.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_namespace_packages, find_packages, setup
 
-_ROOT = Path(__file__).resolve().parent
-_SOURCES = ["csrc/ops.cpp", "csrc/quant_int8.cu"]
-_PY_LIMITED_API = "cp310"  # the library has no Python code; one file serves every Python >= 3.10
+_spec = importlib.util.spec_from_file_location("_zeroq_build", Path(__file__).resolve().parent / "lightning_zeroq"
+                                               / "ops" / "_build.py")
+assert _spec is not None and _spec.loader is not None
+_build = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)  # dataclasses look their module up
+_spec.loader.exec_module(_build)
 
+# conf/, recipes/ and csrc/ stay at the top of the checkout; the wheel carries them inside the package.
+_packages = find_packages(include=["lightning_zeroq*"])
+_package_data = {"lightning_zeroq": ["py.typed"]}  # PEP 561: the package's annotations are its users' too
+for _package, (_folder, _patterns) in _build.DATA.items():
+    _inner = [_package] + [f"{_package}.{sub}" for sub in find_namespace_packages(where=_folder)]
+    _packages += _inner
+    _package_data.update({name: list(_patterns) for name in _inner})
+_arguments = {"packages": _packages, "package_data": _package_data,
+              "package_dir": {package: folder for package, (folder, _) in _build.DATA.items()}}
 
-def _skip(reason: str) -> tuple[list, dict, dict]:
-    print(f"lightning_zeroq: not building the CUDA extension ({reason}); pure-Python install")
-    return [], {}, {}
+_reason = "ZEROQ_BUILD_EXT=0" if os.environ.get("ZEROQ_BUILD_EXT", "1") == "0" else _build.missing(
+    _build.CUDA_KERNELS, jit=False)
+if _reason is None:
+    from torch.utils.cpp_extension import BuildExtension
 
-
-def _extension() -> tuple[list, dict, dict]:
-    if os.environ.get("ZEROQ_BUILD_EXT", "1") == "0":
-        return _skip("ZEROQ_BUILD_EXT=0")
-    try:
-        import torch
-        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
-    except ImportError:
-        return _skip("torch is not importable here; use pip install --no-build-isolation")
-    if torch.version.cuda is None:
-        return _skip(f"torch {torch.__version__} is not a CUDA build")
-    if CUDA_HOME is None or not (Path(CUDA_HOME) / "bin" / "nvcc").exists():
-        return _skip("nvcc not found; set CUDA_HOME")
-    if not all((_ROOT / source).is_file() for source in _SOURCES):
-        return _skip("csrc/ sources not found")
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
-    extension = CUDAExtension(
-        name="lightning_zeroq._C",
-        sources=_SOURCES,
-        include_dirs=[str(_ROOT / "csrc")],
-        extra_compile_args={"cxx": ["-O3", "-DPy_LIMITED_API=0x030A0000"], "nvcc": ["-O3"]},
-        py_limited_api=True,
-    )
-    return [extension], {"build_ext": BuildExtension}, {"bdist_wheel": {"py_limited_api": _PY_LIMITED_API}}
-
-
-_ext_modules, _cmdclass, _options = _extension()
-setup(ext_modules=_ext_modules, cmdclass=_cmdclass, options=_options)
+    _arguments.update(ext_modules=[_build.cuda_extension()], cmdclass={"build_ext": BuildExtension},
+                      options={"bdist_wheel": {"py_limited_api": _build.PY_LIMITED_API}})
+else:
+    print(f"lightning_zeroq: not building the CUDA extension ({_reason}); pure-Python install")
+setup(**_arguments)

@@ -38,7 +38,7 @@ arm's own steps. The timed steps run in blocks of ``--floor-block`` (3), each ti
 to the end of its last step's host work (``ZeroEngine.wait_for_step``: an asynchronous step's work
 counts in full, so a block gives up the overlap of its last step); after each block the same process
 takes one step of torch's fused AdamW (``fused=True``, fp32 gradients, the threads the host step has)
-over as many fp32 elements as the arm's model has, split into 8 tensors, as ``host_adam.py`` does.
+over as many fp32 elements as the arm's model has, split into 8 tensors, as ``kernels.py host-adam`` does.
 ``step_s_median`` is then the median over blocks of a block's time per step, ``floor_s_median`` the
 floor steps' median and ``over_floor_median`` the median of each block's time per step over the
 floor step right after it. The host's speed drifts from minute to minute (the same fused step took

@@ -18,7 +18,7 @@ LINKS: dict[str, dict[str, str]] = {
     "socket": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"},
 }
 
-# The model flags of step_time.py and checkpoint_time.py (their GPT).
+# The model flags of step_time.py and checkpoints.py save-load (their GPT).
 MODELS: dict[str, tuple[str, ...]] = {
     "953m": (),  # the scripts' default: d=2048, 16 layers, SwiGLU 5632, vocab 32000, untied head
     "1b": ("--layers", "17"),  # 1.005B parameters
@@ -174,18 +174,19 @@ SUITES: dict[str, Suite] = {
         "asynchronous, beside FSDP2's CPUOffloadPolicy and DeepSpeed's ZeRO-3 offload) at 4K and 32K tokens",
         tuple(launch for tokens in ("4k", "32k") for launch in _scale(SCALE_BIG, "3800m", tokens, 600)), build=True),
     "largest": Suite(
-        "The largest GPT each engine trains on one GPU and this host (benchmarks/largest_model.py: a search over "
+        "The largest GPT each engine trains on one GPU and this host (benchmarks/fits.py largest: a search over "
         "depth at a Llama-7B-like width, 4,096 tokens per step, activation checkpointing): zeroq3 with parameters "
         "and optimizer on the host, FSDP2's CPUOffloadPolicy, DeepSpeed ZeRO-3 offload (where installed); then "
         "with NVMe (zeroq3, DeepSpeed) in the --scratch folder, all of the optimizer state there or half of it",
-        (Launch("largest_model", ("benchmarks/largest_model.py", "--arms", "zeroq3+offload_params,fsdp2+offload_optimizer",
-                                  "--checkpoint", "--start", "24"), timeout=3600),
-         Launch("largest_model", ("benchmarks/largest_model.py", "--arms", "ds3+offload_optimizer+offload_params",
+        (Launch("largest_model", ("benchmarks/fits.py", "largest", "--arms",
+                                  "zeroq3+offload_params,fsdp2+offload_optimizer", "--checkpoint", "--start", "24"),
+                timeout=3600),
+         Launch("largest_model", ("benchmarks/fits.py", "largest", "--arms", "ds3+offload_optimizer+offload_params",
                                   "--checkpoint", "--start", "24"), timeout=3600, requires=("deepspeed",)),
-         Launch("largest_model", ("benchmarks/largest_model.py", "--arms", "zeroq3+offload_params+nvme",
+         Launch("largest_model", ("benchmarks/fits.py", "largest", "--arms", "zeroq3+offload_params+nvme",
                                   "--checkpoint", "--start", "24", "--nvme-path", "{scratch}"), timeout=3600),
          # the optimizer state of half the parameters on NVMe, the rest (and the parameters) in host memory
-         Launch("largest_model", ("benchmarks/largest_model.py", "--arms", "zeroq3+offload_params+spill50",
+         Launch("largest_model", ("benchmarks/fits.py", "largest", "--arms", "zeroq3+offload_params+spill50",
                                   "--checkpoint", "--start", "32", "--nvme-path", "{scratch}"), timeout=3600)),
         build=True),
     "plan-953m": Suite(
@@ -214,8 +215,8 @@ SUITES: dict[str, Suite] = {
         "offload=\"auto\" under 90/70/50/35% of the no-offload peak against the best of 12 hand-picked points (the "
         "share of the optimizer on the host x recomputing none or every block, parameters on the host), stage 3, "
         "the 953M GPT at 16 x 1,024 tokens, one process per run (docs/plan.md's table)",
-        (Launch("auto_offload_953m", ("benchmarks/auto_offload.py", "--batch", "16", "--seq", "1024", "--stage", "3",
-                                      "--steps", "3", "--warmup", "2"), timeout=3600),)),
+        (Launch("auto_offload_953m", ("benchmarks/fits.py", "auto-offload", "--batch", "16", "--seq", "1024",
+                                      "--stage", "3", "--steps", "3", "--warmup", "2"), timeout=3600),)),
     "compile-floor": Suite(
         "Compiled stage 3 at the compiled floor (953M GPT, one GPU, 4 x 1,024 tokens): DDP with compiled blocks "
         "(the floor: one rank communicates nothing), zeroq2 and zeroq3 with compiled blocks, zeroq3 eager and with "
@@ -264,8 +265,9 @@ SUITES: dict[str, Suite] = {
         "lightning_zeroq's), full, partial and automatic (budget 13 GiB) optimizer offload in stages 2 and 3, "
         "parameter offload, speculative host steps, FSDP2's CPU offload, DeepSpeed's ZeRO-2 and ZeRO-3 offload "
         "(where DeepSpeed is installed), stage 2 at 50M-element units, with what is live at each arm's peak",
-        (Launch("host_adam", ("benchmarks/host_adam.py", "--numel", "953223168", "--threads", "{cores}", "--steps",
-                              "3", "--rounds", "2", "--arms", "torch_fused,zeroq_kernel,zeroq_kernel_out"), timeout=120),
+        (Launch("host_adam", ("benchmarks/kernels.py", "host-adam", "--numel", "953223168", "--threads", "{cores}",
+                              "--steps", "3", "--rounds", "2", "--arms", "torch_fused,zeroq_kernel,zeroq_kernel_out"),
+                timeout=120),
          *step_time(OFFLOAD_TABLE, world_sizes=(1,), timeout=480,
                     extra=("--steps", "4", "--warmup", "2", "--budget", "13", "--memory-peak", "--floor")),
          *step_time("zeroq2+offload_optimizer", world_sizes=(1,), timeout=90,
@@ -284,7 +286,7 @@ SUITES: dict[str, Suite] = {
         "weights); the host step with one thread per rank; the host AdamW step over one rank's share",
         (*step_time(OFFLOAD, timeout=400),
          *step_time("zeroq2+offload_optimizer", timeout=150, env={"OMP_NUM_THREADS": "1"}),
-         Launch("host_adam", ("benchmarks/host_adam.py", "--threads", "{cores}", "--numel", "476000000"),
+         Launch("host_adam", ("benchmarks/kernels.py", "host-adam", "--threads", "{cores}", "--numel", "476000000"),
                 timeout=280)), build=True),
     "memory": Suite(
         "Peak memory: stage 3 on a 1.005B GPT, and every GiB of the peaks by tensor class (memory_account.py) for "
@@ -310,8 +312,9 @@ SUITES: dict[str, Suite] = {
     "checkpoint": Suite(
         "Checkpoint save and load time, time the training loop is blocked by an async save, and peak host memory "
         "per rank: ZeroQ (pinned staging, pageable, async) against FSDP2 + DCP (sync, async), 953M GPT, 2 GPUs",
-        (Launch("checkpoint_time", ("benchmarks/checkpoint_time.py", "--dir", "{scratch}/checkpoint", "--repeats", "3",
-                                    "--verify", "--arms", "zeroq,zeroq_pageable,fsdp2,zeroq_async,fsdp2_async"),
+        (Launch("checkpoint_time", ("benchmarks/checkpoints.py", "save-load", "--dir", "{scratch}/checkpoint",
+                                    "--repeats", "3", "--verify",
+                                    "--arms", "zeroq,zeroq_pageable,fsdp2,zeroq_async,fsdp2_async"),
                 world_size=2, timeout=540, env=dict(SHARE_CORES)),)),
     "fabric": Suite(
         "Step time of ZeroQ through Fabric against the Trainer, stages 2 and 3, alternating in one launch",
@@ -326,39 +329,40 @@ SUITES: dict[str, Suite] = {
         (*step_time(HYBRID, timeout=300), *step_time(HYBRID, links=("socket",), timeout=300)), build=True),
     "kernels": Suite(
         "Effective bandwidth of the INT8 quantize/dequantize kernels against a device-to-device copy",
-        (Launch("quant_kernels", ("-m", "benchmarks.quant_kernels", "--numel", "268435456"), timeout=120,
+        (Launch("quant_kernels", ("benchmarks/kernels.py", "int8", "--numel", "268435456"), timeout=120,
                 output="text"),), build=True),
     "accuracy": Suite(
         "Accuracy of INT8 weights: final loss of the same 300-step training with and without, stages 2 and 3 "
         "(135M byte-level GPT, 2 GPUs)",
-        tuple(Launch("quant_accuracy", ("benchmarks/quant_accuracy.py", "--steps", "300", "--stage", str(stage)),
-                     world_size=2, timeout=150) for stage in (2, 3)), build=True),
+        tuple(Launch("quant_accuracy", ("benchmarks/accuracy.py", "int8-weights", "--steps", "300", "--stage",
+                                        str(stage)), world_size=2, timeout=150) for stage in (2, 3)), build=True),
     "gpu-tests": Suite(
         "The GPU tests (pytest -m gpu): engine parity with DDP on CUDA, offload, the CUDA kernels",
         (Launch("gpu_tests", GPU_TESTS, timeout=420, output="text"),), build=True),
     "eps-noise": Suite(
         "ZeRO vs DDP at AdamW's default eps against DDP vs itself with the ranks summed in reverse order (CUDA)",
-        tuple(Launch("eps_noise", ("benchmarks/eps_noise.py", "--world-size", "2", "--stage", str(stage), "--device",
-                                   "cuda"), timeout=120) for stage in (2, 3)), build=True),
+        tuple(Launch("eps_noise", ("benchmarks/accuracy.py", "eps-noise", "--world-size", "2", "--stage", str(stage),
+                                   "--device", "cuda"), timeout=120) for stage in (2, 3)), build=True),
     "host": Suite(
         "The host side on this machine's CPUs: torch's CPU optimizers' update throughput, the NVMe swap space "
         "against dd with O_DIRECT (in the --scratch folder)",
-        (Launch("cpu_optimizer", ("-m", "benchmarks.cpu_optimizer"), timeout=300, output="text"),
+        (Launch("cpu_optimizer", ("benchmarks/kernels.py", "cpu-optimizers"), timeout=300, output="text"),
          Launch("nvme_swap", ("-m", "benchmarks.nvme_swap", "--dir", "{scratch}"), timeout=300, output="text")),
         gpu=False),
     "smoke": Suite(
         "Every CPU-capable benchmark once with a tiny model on gloo, to check the scripts run (figures mean nothing)",
         (*step_time("ddp,zeroq2,zeroq3+int8", models=("tiny",), timeout=120, extra=("--steps", "2", "--warmup", "1"),
                     env={"OMP_NUM_THREADS": "1"}),
-         Launch("checkpoint_time", ("benchmarks/checkpoint_time.py", *MODELS["tiny"], "--repeats", "1", "--arms",
-                                    "zeroq,fsdp2", "--dir", "{scratch}/checkpoint"), world_size=2, timeout=120),
+         Launch("checkpoint_time", ("benchmarks/checkpoints.py", "save-load", *MODELS["tiny"], "--repeats", "1",
+                                    "--arms", "zeroq,fsdp2", "--dir", "{scratch}/checkpoint"),
+                world_size=2, timeout=120),
          Launch("step_time_fabric", ("benchmarks/step_time.py", *MODELS["tiny"], "--steps", "2", "--warmup", "1",
                                      "--arms", "zeroq2", "--loops", "fabric,trainer"), world_size=2, timeout=120),
-         Launch("eps_noise", ("benchmarks/eps_noise.py", "--world-size", "2", "--stage", "3", "--steps", "2"),
-                timeout=120),
-         Launch("host_adam", ("benchmarks/host_adam.py", "--numel", "100000", "--threads", "1", "--steps", "1",
-                              "--rounds", "1"), timeout=60),
-         Launch("cpu_optimizer", ("-m", "benchmarks.cpu_optimizer", "--params", "1e5", "--steps", "1", "--warmup",
-                                  "1"), timeout=60, output="text")),
+         Launch("eps_noise", ("benchmarks/accuracy.py", "eps-noise", "--world-size", "2", "--stage", "3", "--steps",
+                              "2"), timeout=120),
+         Launch("host_adam", ("benchmarks/kernels.py", "host-adam", "--numel", "100000", "--threads", "1", "--steps",
+                              "1", "--rounds", "1"), timeout=60),
+         Launch("cpu_optimizer", ("benchmarks/kernels.py", "cpu-optimizers", "--params", "1e5", "--steps", "1",
+                                  "--warmup", "1"), timeout=60, output="text")),
         gpu=False),
 }

@@ -187,7 +187,7 @@ __device__ __forceinline__ float scale_of(float absmax) {
 // instructions instead of __fdiv_rn's five with a range check (FCHK) and a branch: q0 = RN(absmax * c),
 // c = RN(1/127), corrected by one remainder step as in encode_remainder. That is RN(absmax / 127) for
 // every finite bfloat16 and float16 value, subnormals included (all 64382 checked:
-// benchmarks/quotient_exhaustive.py); inf and NaN get the NaN scale as in scale_of.
+// tests/ops/quotient_exhaustive.py); inf and NaN get the NaN scale as in scale_of.
 template <typename T>
 __device__ __forceinline__ float scale_of_input(float absmax) {
   if constexpr (sizeof(T) == 2) {
@@ -283,7 +283,7 @@ constexpr float kMinRemainderDivisor = 0x1p-100f;
 // This is Markstein's correction step; his theorem's hypothesis (q0 a faithful quotient) does not
 // hold for every pair, so the claim rests on an exhaustive check instead: every x of bfloat16 and of
 // float16 against every absmax >= |x| of the same format, whose scale RN(absmax / 127) is the only
-// divisor x can meet (benchmarks/quotient_exhaustive.py; 5.3e8 and 5.0e8 pairs, negative x mirror).
+// divisor x can meet (tests/ops/quotient_exhaustive.py; 5.3e8 and 5.0e8 pairs, negative x mirror).
 // No clamp: |x| <= absmax bounds |q| by 127.00001. Adding 1.5 * 2^23 rounds half to even as in
 // encode_fast. Not for float32 input (not checked; it is memory-bound and keeps kPerElement).
 __device__ __forceinline__ uint32_t encode_remainder(float x, float divisor, float reciprocal) {

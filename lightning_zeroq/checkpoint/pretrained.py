@@ -271,8 +271,8 @@ class SafetensorsSource(Source):
     from the file into one buffer reused for a batch (as large as its largest box) and copied into its target.
     No file is memory-mapped while its tensors are read: a mapped page counts in the process's resident set until
     the file is closed, so reading through ``get_slice`` (a mapping held for the load) adds the rank's whole share
-    again, in file pages, to the masters it fills (``benchmarks/pretrained_rss.py``: 270 MiB for a share of
-    258.5 MiB)."""
+    again, in file pages, to the masters it fills (``benchmarks/checkpoints.py pretrained-rss``: 270 MiB for a
+    share of 258.5 MiB)."""
 
     kind = "safetensors"
 

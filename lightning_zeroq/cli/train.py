@@ -14,9 +14,8 @@ Configuration:
   on the text (a GPU for ``trainer=gpu``, one batch of text per rank). A ``ValueError`` there (or the
   ``RuntimeError`` of a missing GPU) ends the program with one line that names the value, the fix and
   the config key, exit status 2, before any process is started.
-- ``conf/`` and ``recipes/`` are found inside the package (``lightning_zeroq/cli/conf``: real directories
-  in a wheel, links to the top-level directories in a source checkout), else at the top of the
-  checkout.
+- ``conf/`` and ``recipes/`` are found inside the package (``lightning_zeroq/cli/conf``, where the wheel
+  puts them), else at the top of the source checkout (``ops/_build.py``'s ``data_dir``).
 
 Processes: the command itself is rank 0. Lightning's subprocess launcher starts ranks 1..N-1 by
 re-running the command line; with Hydra it would append ``hydra.run.dir=...``, but re-running Hydra in
@@ -68,6 +67,7 @@ from lightning_zeroq.cli.config import SECTIONS, RunConfig, build_run_config, co
 from lightning_zeroq.cli.data import TextDataModule
 from lightning_zeroq.cli.gpt import GPT, add_lora
 from lightning_zeroq.lightning.strategy import ZeroQStrategy
+from lightning_zeroq.ops import _build
 
 HYDRA_VERSION_BASE = "1.3"
 CHILD_ENV = "ZEROQ_CHILD_CONFIG"
@@ -113,14 +113,7 @@ class TrainResult:
 
 def resource_dir(name: str) -> Path:
     """``conf`` or ``recipes``: inside the installed package, else at the top of the source checkout."""
-    here = Path(__file__).parent
-    for candidate in (here / name, here.parents[1] / name):
-        if candidate.is_dir():
-            return candidate.resolve()
-    raise RuntimeError(
-        f"lightning_zeroq cannot find its '{name}' directory (looked in {here} and {here.parents[1]}); "
-        "reinstall the package from a complete source checkout (pip install .) or run from one."
-    )
+    return _build.data_dir(f"lightning_zeroq.cli.{name}")
 
 
 def recipe_names() -> list[str]:

@@ -8,13 +8,13 @@ Importing this module does nothing: no CUDA initialization, no compiler, no file
 2. Kernels already registered for ``zeroq::`` on CUDA (the library was loaded by other means).
 3. Prebuilt: ``lightning_zeroq/_C*.so``, built by ``setup.py`` at install time, loaded with
    ``torch.ops.load_library``.
-4. Just in time: if torch is a CUDA build and ``nvcc``, ``ninja`` and the ``csrc/`` sources (a
-   source checkout or editable install) are present, ``torch.utils.cpp_extension.load`` compiles
-   them once into a cache directory (``$ZEROQ_EXT_CACHE``, default
-   ``~/.cache/lightning_zeroq/<torch version>-cuda<CUDA version>/``), one subdirectory per hash of
-   sources, torch version and target architectures. An ``fcntl`` lock in that subdirectory lets one
-   process (one rank) compile while the others wait, each saying so on stderr, and then load the
-   cached library; later processes load it without compiling.
+4. Just in time: if torch is a CUDA build and ``nvcc``, ``ninja`` and the ``csrc/`` sources (carried by the
+   wheel, or a source checkout's) are present, ``torch.utils.cpp_extension.load`` compiles them once into the
+   cache directory (``$ZEROQ_EXT_CACHE``, default ``~/.cache/lightning_zeroq/<torch version>-cuda<CUDA
+   version>/``), one subdirectory per hash of sources, torch version and target architectures, with the
+   sources, flags, lock and messages of ``ops/_build.py`` (``setup.py``'s too): one process (one rank)
+   compiles while the others wait, each saying so on stderr, and then load the cached library; later
+   processes load it without compiling.
 5. Otherwise the reference, with one WARNING that says why.
 
 Which path is active is logged once at INFO. Compiling takes about a minute; to keep it out of a
@@ -25,19 +25,17 @@ training step (other ranks would wait in a collective), build ahead of time (``p
 
 from __future__ import annotations
 
-import contextlib
 import enum
-import hashlib
 import logging
 import os
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from lightning_zeroq.ops import _library
+from lightning_zeroq.ops import _build, _library
+from lightning_zeroq.ops._build import CUDA_KERNELS, cache_dir
 
 __all__ = ["Backend", "active_backend", "cache_dir", "has_cuda_kernel", "load_cuda_backend"]
 
@@ -52,14 +50,6 @@ class Backend(str, enum.Enum):
     JIT = "cuda-jit"  # compiled from csrc/ into the cache directory
     REFERENCE = "reference"  # the PyTorch reference, registered for CUDA
 
-
-_PACKAGE_DIR = Path(__file__).resolve().parents[1]
-_CSRC_DIR = _PACKAGE_DIR.parent / "csrc"
-_JIT_SOURCES = ("ops.cpp", "quant_int8.cu")
-_JIT_HEADERS = ("quant_int8.h",)
-_JIT_CFLAGS = ("-O3",)
-_JIT_CUDA_CFLAGS = ("-O3",)
-_EXT_NAME = "lightning_zeroq_C"
 
 _backend = Backend.UNRESOLVED
 _resolve_lock = threading.Lock()
@@ -92,15 +82,6 @@ def load_cuda_backend() -> Backend:
     return _backend
 
 
-def cache_dir() -> Path:
-    """Where JIT builds go: ``$ZEROQ_EXT_CACHE`` or ``~/.cache/lightning_zeroq/<versions>/``."""
-    override = os.environ.get("ZEROQ_EXT_CACHE")
-    if override:
-        return Path(override).expanduser()
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "lightning_zeroq" / f"{torch.__version__}-cuda{torch.version.cuda}"
-
-
 # ---- resolution -------------------------------------------------------------------------------
 
 
@@ -128,7 +109,7 @@ def _resolve() -> tuple[Backend, str]:
         try:
             return Backend.JIT, str(_jit_build_and_load())
         except Exception as err:  # a failed build must not stop training; say why below
-            failures.append(f"JIT compilation failed: {err}")
+            failures.append(_build.failed(CUDA_KERNELS, err))
     else:
         failures.append(f"cannot JIT-compile: {reason}")
 
@@ -143,7 +124,7 @@ def _resolve() -> tuple[Backend, str]:
 
 
 def _find_prebuilt() -> Path | None:
-    candidates = sorted(_PACKAGE_DIR.glob("_C*.so"))
+    candidates = sorted(_build.PACKAGE.glob("_C*.so"))
     return candidates[0] if candidates else None
 
 
@@ -154,24 +135,9 @@ def _load_library(path: Path) -> None:
 
 
 def _jit_unavailable_reason() -> str | None:
-    if torch.version.cuda is None:
-        return f"torch {torch.__version__} is not a CUDA build"
-    if not torch.cuda.is_available():
+    if torch.version.cuda is not None and not torch.cuda.is_available():
         return "CUDA is not available"
-    missing = [f for f in _JIT_SOURCES + _JIT_HEADERS if not (_CSRC_DIR / f).is_file()]
-    if missing:
-        return (
-            f"sources {missing} not found under {_CSRC_DIR} (installed packages carry no "
-            "csrc/; build the extension at install time instead)"
-        )
-    from torch.utils import cpp_extension
-
-    cuda_home = cpp_extension.CUDA_HOME
-    if cuda_home is None or not (Path(cuda_home) / "bin" / "nvcc").exists():
-        return "nvcc not found (set CUDA_HOME to a CUDA toolkit)"
-    if not cpp_extension.is_ninja_available():
-        return "ninja not found (pip install ninja)"
-    return None
+    return _build.missing(CUDA_KERNELS, jit=True)  # the toolchain, then the sources
 
 
 # ---- just-in-time build -----------------------------------------------------------------------
@@ -186,72 +152,32 @@ def _target_archs() -> str:
     return ";".join(f"{major}.{minor}" for major, minor in sorted(capabilities))
 
 
-def _build_key() -> str:
-    digest = hashlib.sha256()
-    for name in _JIT_SOURCES + _JIT_HEADERS:
-        digest.update(name.encode())
-        digest.update((_CSRC_DIR / name).read_bytes())
-    settings = (torch.__version__, str(torch.version.cuda), _target_archs())
-    for part in settings + _JIT_CFLAGS + _JIT_CUDA_CFLAGS:
-        digest.update(part.encode())
-    return digest.hexdigest()[:12]
-
-
-def _say(message: str) -> None:
-    rank = os.environ.get("RANK")
-    prefix = f"[rank {rank}] " if rank is not None else ""
-    print(f"{prefix}{message}", file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def _exclusive_lock(path: Path, waiting_message: str) -> Iterator[None]:
-    import fcntl
-
-    with open(path, "a+b") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            _say(waiting_message)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def _jit_build_and_load() -> Path:
     from torch.utils import cpp_extension
 
-    name = f"{_EXT_NAME}_{_build_key()}"
-    build_dir = cache_dir() / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    library = build_dir / f"{name}.so"
-    waiting = f"waiting for another process compiling lightning_zeroq CUDA kernels in {build_dir}"
-    with _exclusive_lock(build_dir / "zeroq.lock", waiting):
-        if library.is_file():
-            try:
-                _load_library(library)
-                return library
-            except OSError as err:  # e.g. a build killed while linking; build it again
-                logger.warning("lightning_zeroq: cached %s fails to load (%s); rebuilding", library, err)
-                library.unlink()
-        _say(f"compiling lightning_zeroq CUDA kernels once, ~60 s, cached in {build_dir}")
+    def make(folder: Path, library: Path) -> None:
         # torch's own lock file; a stale one from a killed build would make load() wait forever,
         # and while we hold our lock nobody else is building here.
-        (build_dir / "lock").unlink(missing_ok=True)
+        (folder / "lock").unlink(missing_ok=True)
+        csrc = _build.source_dir()
+        assert csrc is not None  # _jit_unavailable_reason() found the sources
         cpp_extension.load(
-            name=name,
-            sources=[str(_CSRC_DIR / f) for f in _JIT_SOURCES],
-            extra_cflags=list(_JIT_CFLAGS),
-            extra_cuda_cflags=list(_JIT_CUDA_CFLAGS),
-            extra_include_paths=[str(_CSRC_DIR)],
-            build_directory=str(build_dir),
+            name=library.stem,
+            sources=[str(csrc / f) for f in CUDA_KERNELS.sources],
+            extra_cflags=list(CUDA_KERNELS.cflags),
+            extra_cuda_cflags=list(CUDA_KERNELS.cuda_cflags),
+            extra_include_paths=[str(csrc)],
+            build_directory=str(folder),
             is_python_module=False,
             verbose=False,
         )
-        if not _library.cuda_key_has_kernels():
-            raise RuntimeError(f"{library} registered no CUDA kernels for every zeroq:: op")
-    return library
+
+    def load(library: Path) -> Path:
+        _load_library(library)
+        return library
+
+    key = _build.build_key(CUDA_KERNELS, torch.__version__, str(torch.version.cuda), _target_archs())
+    return _build.build(CUDA_KERNELS, key, make, load)
 
 
 def main() -> int:

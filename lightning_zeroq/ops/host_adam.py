@@ -1,15 +1,16 @@
 """The host Adam/AdamW kernel of optimizer offload (``csrc/host_adam.c``): built, checked, called.
 
 ``host_adam()`` returns the kernel, or ``None`` with the reason logged once. On first use it compiles
-the C source with the system C compiler (``$CC``, default ``cc``) into a cache directory keyed by the
-source, the compiler and this machine's CPU (the build targets it: ``-march=native``), loads it with
-``ctypes`` and checks it against torch. The kernel follows torch's fused CPU Adam/AdamW element for
-element; the details the source cannot know (where the compiler that built torch fused a product and
-a sum into one rounding, and torch's vector width, whose remainder takes torch's scalar path) are
-found by stepping random data with every variant of a probe build beside ``torch._fused_adam(w)_`` and
-keeping the one that matches bitwise in every case; the library is then built again with that
-variant fixed, and checked once more. If no variant matches, or no compiler is found, there is no
-kernel and offload steps with torch's kernel as before (only what the kernel adds is lost).
+the C source with the system C compiler (``$CC``, default ``cc``) into the cache directory of
+``ops/_build.py`` (which holds its flags, lock and messages), keyed by the source, the compiler and this
+machine's CPU (the build targets it: ``-march=native``), loads it with ``ctypes`` and checks it against
+torch. The kernel follows torch's fused CPU Adam/AdamW element for element; the details the source
+cannot know (where the compiler that built torch fused a product and a sum into one rounding, and
+torch's vector width, whose remainder takes torch's scalar path) are found by stepping random data with
+every variant of a probe build beside ``torch._fused_adam(w)_`` and keeping the one that matches
+bitwise in every case; the library is then built again with that variant fixed, and checked once more.
+If no variant matches, or no compiler is found, there is no kernel and offload steps with torch's
+kernel as before (only what the kernel adds is lost).
 
 What it adds over torch's kernel, in the same pass over memory: bf16 gradients read as they crossed
 PCIe, the gradient multiplier applied on the fly, the updated parameter also written in bf16, and the
@@ -21,15 +22,11 @@ Both builds take a few seconds, once per machine. ``ZEROQ_HOST_KERNEL=0`` disabl
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import itertools
 import logging
 import math
 import os
-import platform
-import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -37,11 +34,10 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
-log = logging.getLogger("lightning_zeroq")
+from lightning_zeroq.ops import _build
+from lightning_zeroq.ops._build import HOST_ADAM
 
-_SOURCE_NAMES = (Path(__file__).resolve().parents[2] / "csrc" / "host_adam.c",  # a checkout
-                 Path(__file__).resolve().parent / "host_adam.c")  # the copy an installed package carries
-_CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-pthread")
+log = logging.getLogger("lightning_zeroq")
 
 DECOUPLED, L2_FMA, V_FMA_A, V_FMA_B, TAIL_FMA, WEIGHT_DECAY, TAIL_V_FMA_A, TAIL_V_FMA_B = 1, 2, 4, 8, 16, 32, 64, 128
 _F = ctypes.POINTER(ctypes.c_float)
@@ -236,55 +232,28 @@ NO_MATCH = "no variant of it steps bitwise as torch's fused kernel does on this 
 def _load() -> tuple[Optional[HostAdam], str]:
     if os.environ.get("ZEROQ_HOST_KERNEL", "").strip().lower() in ("0", "false", "no", "off"):
         return None, "ZEROQ_HOST_KERNEL=0"
-    source = next((p for p in _SOURCE_NAMES if p.is_file()), None)
-    if source is None:
-        return None, "its source host_adam.c is not found"
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        return None, f"no C compiler ({os.environ.get('CC', 'cc')}) on the PATH"
+    reason = _build.missing(HOST_ADAM, jit=True)
+    if reason is not None:
+        return None, reason
+    compiler = _build.c_compiler()
+    assert compiler is not None  # missing() found it
     try:
-        probe_path = _build(source, compiler, ("-DZQ_PROBE",))
-        variant = _calibrate(HostAdam(ctypes.CDLL(str(probe_path)), probe_path))
+        probe = _build_and_load(compiler, ("-DZQ_PROBE",))
+        variant = _calibrate(probe)
         if variant is None:
             return None, NO_MATCH
         flags, width = variant
-        path = _build(source, compiler, (f"-DZQ_BODY={flags}",))
-        kernel = HostAdam(ctypes.CDLL(str(path)), path)
+        kernel = _build_and_load(compiler, (f"-DZQ_BODY={flags}",))
     except (OSError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", "") or ""
-        return None, f"building it failed: {error} {detail[-400:]}"
+        return None, _build.failed(HOST_ADAM, error)
     kernel.flags, kernel.width = flags, width
     if not _matches(kernel, (4096, width + width - 1, 3), torch.Generator().manual_seed(1)):
         return None, "its build with the variant fixed does not step as torch's fused kernel does"
     return kernel, ""
 
 
-def _cpu_key() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
-    except OSError:
-        lines = []
-    return platform.machine() + "".join(lines)
-
-
-def _build(source: Path, compiler: str, defines: tuple[str, ...]) -> Path:
+def _build_and_load(compiler: str, defines: tuple[str, ...]) -> HostAdam:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    digest = hashlib.sha256(source.read_bytes())
-    for part in (compiler, version, _cpu_key(), *_CFLAGS, *defines):
-        digest.update(part.encode())
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    folder = Path(os.environ.get("ZEROQ_EXT_CACHE") or base / "lightning_zeroq") / f"host-{digest.hexdigest()[:12]}"
-    library = folder / "libzeroq_host_adam.so"
-    if library.is_file():
-        return library
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=folder, suffix=".so", delete=False) as tmp:
-        partial = Path(tmp.name)
-    try:
-        subprocess.run([compiler, *_CFLAGS, *defines, "-o", str(partial), str(source), "-lm"], check=True,
-                       capture_output=True, text=True)
-        os.replace(partial, library)  # atomic: a concurrent build of the same key writes the same bytes
-    finally:
-        partial.unlink(missing_ok=True)
-    return library
+    key = _build.build_key(HOST_ADAM, compiler, version, _build.cpu_key(), *defines)
+    return _build.build(HOST_ADAM, key, _build.compile_c(HOST_ADAM, compiler, defines),
+                        lambda library: HostAdam(ctypes.CDLL(str(library)), library))

@@ -154,7 +154,7 @@ def device_alias(host: Tensor) -> Tensor:
     """A CUDA tensor over the pinned host tensor ``host``: under unified addressing a pinned buffer's
     device address is its host address, so a kernel writing the alias stores straight into host
     memory over PCIe, with no copy engine involved (a copy to the host would queue behind every
-    copy already issued, whatever its stream: ``benchmarks/d2h_readback.py``). The host reads
+    copy already issued, whatever its stream: ``benchmarks/kernels.py readback``). The host reads
     ``host`` once an event recorded after that kernel completed."""
     if not host.is_pinned() or not host.is_contiguous():
         raise ValueError("device_alias needs a contiguous pinned host tensor")

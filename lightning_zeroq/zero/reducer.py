@@ -349,7 +349,7 @@ class Reducer:
         stats = torch.cat([stats[: n_params + 2 * n_units], torch.remainder(ranks, 2.0), (ranks >= 2.0).float()])
         # One read-back of everything the step needs to know on the host (``used`` too). Through the copy
         # engine it would wait behind every copy to the host already queued, whatever its stream or
-        # priority (benchmarks/d2h_readback.py); mapped host memory (a kernel's stores) waits for none.
+        # priority (benchmarks/kernels.py readback); mapped host memory (a kernel's stores) waits for none.
         read = self._flags.positive(stats)
         flags = read[n_params:].tolist()
         self.gradients.gradients_done(self.units)  # after the read-back: ahead of it, the copies would delay it

@@ -1,4 +1,4 @@
-"""The largest-model search (``benchmarks/largest_model.py``): the bisection finds the deepest depth that
+"""The largest-model search (``benchmarks/fits.py largest``): the bisection finds the deepest depth that
 trains under every rule, with few trials; the parameter count is the step_time GPT's; a real trial on CPU
 trains, and a failing one reports why."""
 
@@ -14,7 +14,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
-import largest_model
+import fits
 
 
 @pytest.mark.parametrize("start", [1, 3, 16, 64])
@@ -27,7 +27,7 @@ def test_the_search_finds_the_deepest_depth_that_trains(start: int, most: int) -
             calls.append(layers)
             return {"trains": layers <= limit}
 
-        deepest, tried = largest_model.search(trains, start, most)
+        deepest, tried = fits.search(trains, start, most)
         expected = min(limit, most) or None
         assert deepest == expected, (start, most, limit, calls)
         assert len(calls) == len(set(calls)) and len(calls) <= 2 * most.bit_length() + 2  # each depth once, few
@@ -39,14 +39,14 @@ def test_the_parameter_count_is_the_models() -> None:
     import step_time
 
     model = step_time.GPT(vocab=100, dim=32, layers=3, heads=4, ffn=48)
-    assert largest_model.params_of(3, 32, 48, 100) == sum(p.numel() for p in model.parameters())
-    assert round(largest_model.params_of(32, 4096, 11008, 32000) / 1e9, 2) == 6.74  # Llama-7B-like
+    assert fits.params_of(3, 32, 48, 100) == sum(p.numel() for p in model.parameters())
+    assert round(fits.params_of(32, 4096, 11008, 32000) / 1e9, 2) == 6.74  # Llama-7B-like
 
 
 def _main(*args: str) -> list[dict]:
     out = io.StringIO()
     with redirect_stdout(out):
-        assert largest_model.main(list(args)) == 0
+        assert fits.main(["largest", *args]) == 0
     return [json.loads(line) for line in out.getvalue().splitlines()]
 
 

@@ -125,10 +125,9 @@ def test_every_launch_is_accepted_by_its_script(monkeypatch, tmp_path):
             step_time = step_time or modules.setdefault("benchmarks/step_time.py", _load("benchmarks/step_time.py"))
             for arm in args.arms.split(","):
                 step_time.parse_arm(arm)  # raises on an arm step_time does not know
-        if Path(script).stem == "checkpoint_time":
+        if Path(script).stem == "checkpoints" and args.command == "save-load":
             assert set(args.arms.split(",")) <= set(module.ARMS), f"{name}: {args.arms}"
-    assert {"benchmarks/step_time.py", "benchmarks/checkpoint_time.py", "benchmarks/quant_kernels.py",
-            "benchmarks/host_adam.py"} <= set(modules)
+    assert {"benchmarks/step_time.py", "benchmarks/checkpoints.py", "benchmarks/kernels.py"} <= set(modules)
 
 
 def _load(script: str):
@@ -183,13 +182,14 @@ def test_stored_results_follow_the_naming():
 
 def test_the_script_tables_name_every_script_and_its_suites():
     """``benchmarks/README.md`` and ``docs/benchmarks.md`` say in one table which script measures what and
-    which suites run it: every script in ``benchmarks/`` has a row there, with the suites that launch it."""
+    which suites run it: every script in ``benchmarks/`` has a row there, with the suites that launch it (not
+    the driver, its suites, and ``commands.py``, the command line of the scripts with several commands)."""
     runs: dict[str, set[str]] = {}
     for name, s in suites.SUITES.items():
         for launch in s.launches:
             script = launch.argv[1].split(".")[-1] + ".py" if launch.argv[0] == "-m" else Path(launch.argv[0]).name
             runs.setdefault(script, set()).add(name)
-    scripts = {p.name for p in (REPO / "benchmarks").glob("*.py")} - {"suite.py", "suites.py"}
+    scripts = {p.name for p in (REPO / "benchmarks").glob("*.py")} - {"suite.py", "suites.py", "commands.py"}
     for doc in (REPO / "benchmarks" / "README.md", REPO / "docs" / "benchmarks.md"):
         rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+\.py)` \|.*\| ([^|]*) \|[^|]*\|$",
                                                              doc.read_text(), re.M)}

@@ -21,7 +21,7 @@ on the device.
 
 When. The agreement on the window (a few bytes read back at finalize) must come first. Through the copy
 engine, on an H200, that read-back waits behind every copy to the host already queued, whatever the
-stream, its priority or the chunking (``benchmarks/d2h_readback.py``); where the reducer reads it back
+stream, its priority or the chunking (``benchmarks/kernels.py readback``); where the reducer reads it back
 through mapped host memory instead (``comm.mapped_readback``: a kernel stores the flags into pinned
 memory, no copy engine involved), it waits for nothing, so in a backward that ends the window (the caller
 said so: ``boundary=True``, which the Trainer passes with managed accumulation) every unit is copied as

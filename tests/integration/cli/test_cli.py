@@ -219,10 +219,13 @@ def test_recipe_is_complete_and_documented(name: str, tmp_path: Path) -> None:
     assert build_run_config(json.loads(json.dumps(dataclasses.asdict(run)))) == run
 
 
-def test_conf_and_recipes_are_found_inside_the_package() -> None:
-    package = Path(cli.__file__).parent  # lightning_zeroq/cli, beside zeroq-train's module
-    assert resource_dir("conf") == (package / "conf").resolve() == (REPO_ROOT / "conf").resolve()
-    assert resource_dir("recipes") == (package / "recipes").resolve() == (REPO_ROOT / "recipes").resolve()
+def test_conf_and_recipes_are_found_at_the_top_of_a_checkout() -> None:
+    # The wheel carries them inside the package (tests/integration/cli/test_wheel.py); a checkout has them once,
+    # at its top, and no link into the package.
+    package = Path(cli.__file__).parents[1]
+    assert resource_dir("conf") == (REPO_ROOT / "conf").resolve()
+    assert resource_dir("recipes") == (REPO_ROOT / "recipes").resolve()
+    assert [p for p in package.rglob("*") if p.is_symlink()] == []
 
 
 # ---------------------------------------------------------------------------- the command

@@ -1,4 +1,5 @@
-"""The built wheel carries ``conf/`` and ``recipes/`` and its ``zeroq-train`` works from any directory.
+"""The built wheel carries ``conf/``, ``recipes/`` and ``csrc/``, its ``zeroq-train`` works from any directory and
+its host Adam kernel builds from the sources it carries.
 
 Steps (about half a minute on 2 cores): copy the source tree to a temporary directory (so the build
 leaves nothing in the checkout), ``pip wheel --no-deps`` it (without build isolation when setuptools is
@@ -23,6 +24,8 @@ from pathlib import Path
 import pytest
 
 from lightning_zeroq.cli.train import CHILD_ENV, SUMMARY_PREFIX
+from lightning_zeroq.ops import _build
+from lightning_zeroq.ops import host_adam as H
 from tests.integration.cli.test_cli import run_command
 
 pytestmark = pytest.mark.launch  # starts processes of its own: outside the fast tier
@@ -66,15 +69,30 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return venv / "bin"
 
 
-def test_wheel_contains_conf_recipes_and_every_module(installed: Path) -> None:
+def test_wheel_contains_conf_recipes_sources_and_every_module(installed: Path) -> None:
     (wheel,) = installed.parent.parent.glob("dist/*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     expected = {f"lightning_zeroq/cli/conf/{p.relative_to(REPO_ROOT / 'conf').as_posix()}"
                 for p in (REPO_ROOT / "conf").rglob("*.yaml")}
     expected |= {f"lightning_zeroq/cli/recipes/{p.name}" for p in (REPO_ROOT / "recipes").iterdir() if p.is_file()}
+    expected |= {f"lightning_zeroq/csrc/{name}" for native in _build.NATIVE for name in native.files()}
     expected |= {p.relative_to(REPO_ROOT).as_posix() for p in (REPO_ROOT / "lightning_zeroq").rglob("*.py")
                  if "__pycache__" not in p.parts}
     assert expected - names == set(), f"missing from the wheel: {sorted(expected - names)}"
+
+
+def test_installed_package_builds_its_host_kernel_from_the_sources_it_carries(installed: Path, tmp_path: Path) -> None:
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler to build the host kernel")
+    code = ("from lightning_zeroq.ops import _build, host_adam as H; H.host_adam(); "
+            "print(_build.source_dir(), H.unavailable_reason() or 'loaded', sep=' | ')")
+    env = _clean_env() | {"ZEROQ_EXT_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([str(installed / "python"), "-c", code], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    where, _, said = proc.stdout.strip().splitlines()[-1].partition(" | ")
+    assert where.startswith(str(installed.parent)), f"sources from {where}, not the installed package"
+    assert said in ("loaded", H.NO_MATCH), said
 
 
 def test_installed_zeroq_train_trains_from_any_directory(installed: Path, tmp_path: Path) -> None:

@@ -47,8 +47,11 @@ remainder rounds (8 per block) during the run. tests/ops/test_kernels_gpu.py::
 test_every_16bit_pair_matches_reference runs the same pairs (both signs) through the compiled
 kernels on a GPU.
 
-    python benchmarks/quotient_exhaustive.py            # both dtypes, ~5 min on 2 cores
-    python benchmarks/quotient_exhaustive.py --dtype bfloat16 --workers 2
+    python tests/ops/quotient_exhaustive.py            # both dtypes, ~5 min on 2 cores
+    python tests/ops/quotient_exhaustive.py --dtype bfloat16 --workers 2
+
+A proof, not a benchmark: it times nothing. ``tests/ops/test_quotient.py`` runs its self-test, the scales of
+every absmax and a few blocks of pairs in the fast tier; this script runs every pair (minutes).
 """
 
 from __future__ import annotations

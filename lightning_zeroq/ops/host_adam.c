@@ -1,1 +1,0 @@
-../../csrc/host_adam.c
