@@ -52,12 +52,43 @@ read; param, exp_avg, exp_avg_sq written) are printed as JSON lines, with the
 largest difference of the updated parameters against the fused arm (0 for the zeroq kernel: it is
 checked bitwise against torch's at load).
 
+``--triad``: first the host's memory bandwidth, STREAM's triad (``a = b + s * c`` over three fp32 arrays of
+``--numel`` elements, ``--steps`` times after a warm-up, with the kernel's threads and binding, streaming
+stores and plain ones; counted as STREAM counts, 12 bytes per element), at ``--threads`` and at each count of
+``--triad-threads``; every arm's line then carries ``of_triad``, its bytes per second over the best triad
+at ``--threads``. The host step's roofline is that share: the step moves 28 bytes per element (7 fp32
+arrays; the engine's arms: 3 fp32 read and written, a bf16 gradient read and a bf16 copy written).
+
 ``--dma`` (CUDA): while each arm steps, a side stream copies a gradient-sized buffer from the GPU to
 pinned host memory and the masters back, again and again, as an offload step's PCIe traffic lands in
 host memory beside the host step; the copies' bandwidth is reported per arm.
 
     python benchmarks/kernels.py host-adam --threads 16 --numel 953223168 --dma
+    python benchmarks/kernels.py host-adam --threads 16 --numel 476000000 --triad --triad-threads 1,4,8,12,15
 """
+
+
+def _triad(numel: int, threads: int, steps: int) -> list[dict]:
+    """STREAM's triad with the host kernel's threads: one JSON line per store kind."""
+    from lightning_zeroq.ops.host_adam import host_adam as kernel_of_this_machine
+
+    kernel = kernel_of_this_machine()
+    if kernel is None:
+        return [{"arm": "triad", "error": "the host kernel is not available here (see the log)"}]
+    a, b, c = (torch.full((numel,), 1.0) for _ in range(3))  # every page written once before timing
+    lines = []
+    for streaming in (True, False):
+        times = []
+        for i in range(steps + 1):
+            start = time.perf_counter()
+            kernel.triad(a, b, c, 3.0, threads, streaming)
+            if i:
+                times.append(time.perf_counter() - start)
+        best, median = min(times), statistics.median(times)
+        lines.append({"arm": f"triad_{'streaming' if streaming else 'plain'}", "numel": numel, "threads": threads,
+                      "median_s": round(median, 4), "GB_per_s": round(12 * numel / median / 1e9, 2),
+                      "best_GB_per_s": round(12 * numel / best / 1e9, 2)})
+    return lines
 
 
 def _host_adam_arms(threads: int) -> dict:
@@ -196,6 +227,9 @@ def host_adam_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--busy", action="store_true", help="a process spins on a core meanwhile (as a caller "
                         "waiting for its GPU does)")
     parser.add_argument("--bind", action="store_true", help="pin the zeroq kernel's threads to cores 1..threads-1")
+    parser.add_argument("--triad", action="store_true", help="the host's memory bandwidth first (STREAM's triad), "
+                        "and each arm's share of it")
+    parser.add_argument("--triad-threads", default="", help="with --triad: also these thread counts, e.g. 1,4,8")
 
 
 def host_adam(args: argparse.Namespace) -> int:
@@ -213,6 +247,14 @@ def host_adam(args: argparse.Namespace) -> int:
             kernel.bind(list(range(args.threads)))
     if args.arms:
         arms = {k: v for k, v in arms.items() if k in args.arms.split(",")}
+    triad_gb = None
+    if args.triad:
+        counts = [args.threads] + [int(t) for t in args.triad_threads.split(",") if t and int(t) != args.threads]
+        for count in counts:
+            for line in _triad(args.numel, count, args.steps):
+                print(json.dumps(line), flush=True)
+                if count == args.threads and "best_GB_per_s" in line:
+                    triad_gb = max(triad_gb or 0.0, line["GB_per_s"])
     traffic = _Traffic(args.numel) if args.dma and torch.cuda.is_available() else None
     if args.busy:
         _spin()
@@ -247,6 +289,8 @@ def host_adam(args: argparse.Namespace) -> int:
         line = {"arm": name, "numel": args.numel, "threads": args.threads, "median_s": round(median, 4),
                 "all_s": [round(t, 4) for t in times], "GB_per_s": round(7 * 4 * args.numel / median / 1e9, 2),
                 "max_abs_diff_vs_fused": diff}
+        if triad_gb:
+            line["of_triad"] = round(line["GB_per_s"] / triad_gb, 3)
         if traffic is not None:
             line["dma_GB_per_s"] = round(statistics.median(dma[name]), 1)
         print(json.dumps(line), flush=True)

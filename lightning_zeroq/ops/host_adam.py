@@ -72,6 +72,8 @@ class HostAdam:
         lib.zq_set_chunk.restype = ctypes.c_int
         lib.zq_set_stream_half.argtypes = [ctypes.c_int]
         lib.zq_set_stream_half.restype = ctypes.c_int
+        lib.zq_triad.argtypes = [_F, _F, _F, ctypes.c_float, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+        lib.zq_triad.restype = ctypes.c_int
         self.flags, self.width = 0, 16
 
     def step(self, param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, threads: Optional[int] = None,
@@ -133,6 +135,18 @@ class HostAdam:
         array = (_Job * len(jobs))(*jobs)
         if self.lib.zq_adam_steps(array, len(jobs), threads or torch.get_num_threads()) != 0:
             raise RuntimeError("host_adam: a thread of the host step could not be started")
+
+    def triad(self, a: Tensor, b: Tensor, c: Tensor, scalar: float, threads: int, streaming: bool = True) -> None:
+        """STREAM's triad, ``a = b + scalar * c``, with ``threads`` threads bound as the step's are
+        (``bind``); ``streaming``: ``a``'s stores bypass the caches. The host's memory bandwidth, which
+        the step is measured against (``benchmarks/kernels.py host-adam --triad``)."""
+        n = a.numel()
+        if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or t.numel() != n
+               for t in (a, b, c)):
+            raise ValueError("host_adam.triad needs three contiguous float32 CPU tensors of one size")
+        _disjoint([a, b, c])
+        if self.lib.zq_triad(_pointer(a), _pointer(b), _pointer(c), scalar, n, threads, int(streaming)) != 0:
+            raise RuntimeError("host_adam.triad: a thread could not be started")
 
     def bind(self, cpus: Sequence[int]) -> None:
         """Pin part i of every later step to ``cpus[i]`` (empty: no binding)."""

@@ -194,3 +194,17 @@ def test_bad_chunks_are_refused(kernel: H.HostAdam) -> None:
     for bad in (-16, 17, 2.0, True):
         with pytest.raises(ValueError, match="set_chunk"):
             kernel.set_chunk(bad)
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_triad_is_streams_triad(kernel: H.HostAdam, streaming: bool, threads: int) -> None:
+    """The bandwidth probe computes a = b + s * c over every element (odd sizes and offsets too)."""
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 37, 100_003):
+        b, c = torch.randn(n + 1, generator=g)[1:], torch.randn(n, generator=g)  # b starts off its alignment
+        a = torch.full((n,), float("nan"))
+        kernel.triad(a, b, c, 3.0, threads, streaming)
+        assert torch.equal(a, b + 3.0 * c)
+    with pytest.raises(ValueError, match="three contiguous float32"):
+        kernel.triad(torch.empty(4), torch.empty(4, dtype=torch.float64), torch.empty(4), 1.0, 1)
