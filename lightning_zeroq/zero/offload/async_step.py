@@ -114,12 +114,12 @@ class AsyncHostStep(SyncHostStep):
         for unit in units:
             if unit.persistent:
                 for p in unit.params:
-                    p.__dict__["_zeroq_wait"] = WeakHook(self, "need", unit.index)
+                    p.__dict__["_zeroq_wait"] = WeakHook(self.need, unit.index)
         hooked = _hook_modules(module, units)
-        self._handles = [m.register_forward_pre_hook(EagerHook(self, "_before_forward", index)) for m, index in hooked]
+        self._handles = [m.register_forward_pre_hook(EagerHook(self._before_forward, index)) for m, index in hooked]
         # A module's state_dict() (the model's, or one of those modules') reads the weights: the step first.
         for m in {id(m): m for m in [module, *(m for m, _ in hooked)]}.values():
-            self._handles.append(m.register_state_dict_pre_hook(EagerHook(self, "_before_read")))
+            self._handles.append(m.register_state_dict_pre_hook(EagerHook(self._before_read)))
         host.settle_with(self.drain)
 
     # ------------------------------------------------------------------ the step
@@ -190,8 +190,8 @@ class AsyncHostStep(SyncHostStep):
         wait for the step first, as the engine's own readers do."""
         if id(optimizer) not in self._watched:
             self._watched[id(optimizer)] = [
-                optimizer.register_state_dict_pre_hook(EagerHook(self, "_before_read")),
-                optimizer.register_load_state_dict_pre_hook(EagerHook(self, "_before_read"))]
+                optimizer.register_state_dict_pre_hook(EagerHook(self._before_read)),
+                optimizer.register_load_state_dict_pre_hook(EagerHook(self._before_read))]
 
     def _before_read(self, *hook_args: Any) -> None:
         """A state_dict / load_state_dict pre-hook (a module's or an optimizer's): the step first."""
