@@ -196,14 +196,6 @@ class ZeroEngine:
         self._check_active()
         return self.stepper.step(optimizer)
 
-    def wait_for_step(self) -> None:
-        """Wait until the last step's work is done and every unit's weights are published (with
-        ``offload_async_step``; otherwise a no-op). Whatever reads or writes masters, state or host
-        gradients waits by itself (the host placement's ``settle``: state dicts, checkpoints, the next
-        backward, the next step), and a module's forward waits for its own parameters; code that reads
-        a parameter's tensor otherwise between a step and the next forward calls this first."""
-        self.parts.host_step.drain()
-
     def zero_grad(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         """Drop this window's gradients (of ``optimizer``'s parameters, when several are attached)."""
         self.stepper.zero_grad(optimizer)
@@ -281,7 +273,9 @@ class ZeroEngine:
         says the state is released (NVMe's masters were in the swap files): a save refuses it."""
         parts = self.parts
         parts.closed = True
-        parts.host_step.close()
+        if parts.async_step is not None:
+            parts.async_step.close()
         parts.reducer.close()
         parts.placement.close()
         parts.gatherer.close()
+        parts.worker.close()

@@ -207,7 +207,7 @@ class Stepper:
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """See ``ZeroEngine.attach_optimizer``."""
         parts = self.parts
-        parts.host_step.drain()  # the pending step's jobs belong to the binding replaced here
+        parts.worker.wait()  # an asynchronous step's jobs belong to the binding replaced here
         binding = bind_to_shards(optimizer, parts.module, parts.units)
         kept = [b for b in self.attached.bindings if not b.param_ids & binding.param_ids]
         self.attached = attached(kept + [binding], self.everything)
@@ -293,10 +293,11 @@ class Stepper:
         return not skip
 
     def _run(self, binding: Binding, used: Tensor) -> None:
-        parts, placement = self.parts, self.parts.placement
-        if parts.host_step.takes(binding, len(self.attached.bindings) > 1):  # device units first, in the step
+        parts, placement, async_step = self.parts, self.parts.placement, self.parts.async_step
+        if async_step is not None and async_step.takes(binding, len(self.attached.bindings) > 1):
             ids, on_device = used.tolist(), [u for u in parts.units if placement.master_on_device(u.index)]
-            parts.host_step.run(binding, ids, lambda one: step_in(one, binding, on_device, placement, parts.gatherer, ids))
+            # the device's units first, in the step
+            async_step.run(binding, ids, lambda one: step_in(one, binding, on_device, placement, parts.gatherer, ids))
         else:
             run(binding, parts.units, placement, parts.gatherer, used)
 

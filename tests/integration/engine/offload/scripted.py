@@ -3,15 +3,16 @@
 for bit. A script is a list of windows (``Window``: the backward passes between two steps and what the
 caller does around the step); ``WINDOWS`` names the ones the suites share.
 
-Two seams make the workers' order certain, so no test depends on thread timing: ``hold_async_steps``
-holds the asynchronous step's worker before each unit until the calling thread needs that unit (every
-step's units are then published by the next forward's hooks); ``finish_speculation`` lets speculation's
-``stop`` wait until every unit offered has been stepped (so reads and ``zero_grad`` before a step find
-speculated units to undo)."""
+Two seams make the worker's order certain, so no test depends on thread timing (``host_worker.py``):
+``hold_async_steps`` holds the worker before each unit of an asynchronous step until the calling thread
+waits for that unit (every step's units are then published by the next forward's waits);
+``finish_speculation`` lets ``undo_all`` wait until every unit offered has been stepped (so reads and
+``zero_grad`` before a step find speculated units to undo)."""
 
 from __future__ import annotations
 
 import copy
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -123,7 +124,7 @@ def train(engine: ZeroEngine, model: TwoHeads, script: Sequence[Window], *, nan_
 def snapshot(engine: ZeroEngine, model: TwoHeads) -> tuple:
     """Once the host's work is done: this rank's masters, the optimizer state (in the param groups' order: an
     asynchronous step makes it in another), the full state and (stages 1 and 2) the working weights."""
-    engine.wait_for_step()
+    engine.parts.worker.wait()
     opt = engine.optimizer
     state = [t.detach().cpu().clone() for g in opt.param_groups for v in g["params"] for t in opt.state[v].values()]
     working = [p.detach().clone() for p in model.parameters()] if engine.parts.stage3 is None else []
@@ -156,41 +157,52 @@ def same(a: Any, b: Any) -> bool:
 
 
 def hold_async_steps() -> None:
-    """Hold the asynchronous step's worker before each unit until the calling thread needs that unit (or a
-    later one)."""
+    """Hold the worker before each unit of an asynchronous step until the calling thread waits for that unit
+    (or a later one, or the whole step) after the step."""
     from lightning_zeroq.zero.offload.async_step import AsyncHostStep
+    from lightning_zeroq.zero.offload.host_worker import HostWorker
 
     if getattr(AsyncHostStep, "_held", False):
         return
-    run, need = AsyncHostStep.run, AsyncHostStep.need
+    run, wait = AsyncHostStep.run, HostWorker.wait
+    cv = threading.Condition()
+    asked: list[float] = []  # every unit a wait asked for, in order (a wait for everything: inf)
 
     def held_run(self, *args) -> None:
-        self._asked = -1  # nothing is pending: the worker starts inside run
-        run(self, *args)
+        self._asked_from = None  # the units of this step start once waited for after it
+        run(self, *args)  # (its own wait for the step before comes first)
+        with cv:
+            self._asked_from = len(asked)
+            cv.notify_all()
 
-    def held_need(self, index: int, early: bool = True) -> None:
-        with self._cv:
-            self._asked = max(getattr(self, "_asked", -1), index)
-            self._cv.notify_all()
-        need(self, index, early)
+    def held_wait(self, index: Optional[int] = None) -> None:
+        with cv:
+            asked.append(float("inf") if index is None else index)
+            cv.notify_all()
+        wait(self, index)
 
     def may_start(self, unit) -> None:
-        with self._cv:
-            while self._asked < unit.index:
-                self._cv.wait()
+        with cv:
+            while self._asked_from is None or max(asked[self._asked_from:], default=-1) < unit.index:
+                cv.wait()
 
-    AsyncHostStep.run, AsyncHostStep.need, AsyncHostStep._may_start = held_run, held_need, may_start  # type: ignore[method-assign]
+    AsyncHostStep.run, AsyncHostStep._may_start = held_run, may_start  # type: ignore[method-assign]
+    HostWorker.wait = held_wait  # type: ignore[method-assign]
     AsyncHostStep._held = True
 
 
 def finish_speculation() -> None:
-    """Let ``Speculation.stop`` wait until every unit offered so far has been stepped."""
+    """Let ``Speculation.undo_all`` wait until every unit offered so far has been stepped."""
     from lightning_zeroq.zero.offload.speculative_step import Speculation
 
-    def stop(self) -> None:
-        with self._cv:
-            while self._queue or self._busy is not None:
-                self._cv.wait()
-            self._accepting = False
+    if getattr(Speculation, "_finished", False):
+        return
+    undo_all = Speculation.undo_all
 
-    Speculation.stop = stop  # type: ignore[method-assign]
+    def finishing(self) -> None:
+        for job in list(self._jobs):
+            self.worker.wait(job.unit)
+        undo_all(self)
+
+    Speculation.undo_all = finishing  # type: ignore[method-assign]
+    Speculation._finished = True

@@ -6,7 +6,7 @@ an evaluation forward and the optimizer's load_state_dict right after a step). T
 the gathered state (persistence threshold 40 elements).
 
 On CPU a tiny model's host step is over before the next forward begins, so the tests hold the worker
-before each unit until something needs it (``scripted.hold_async_steps``): every step's units are
+before each unit until something waits for it (``scripted.hold_async_steps``): every step's units are
 then published by the next forward's hooks (or a stage-3 gather), which the tests check happened."""
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from lightning_zeroq import ZeroConfig, ZeroEngine
-from lightning_zeroq.zero.offload.async_step import AsyncHostStep
 from tests.integration.engine.offload.scripted import (
     WINDOWS, bitwise_runs, hold_async_steps, snapshot, train, two_heads_engine)
 from tests.integration.engine.offload.test_offload import TwoHeads, _loss
@@ -47,12 +46,12 @@ def _train(case: str, asynchronous: bool, nan_step: int = -1, action: str = "ski
     stage, options, dtype = CASES[case]
     model, engine = two_heads_engine(stage, {**options, "nonfinite_gradients": action, "offload_optimizer": True,
                                              "offload_async_step": asynchronous}, dtype)
-    assert isinstance(engine.parts.host_step, AsyncHostStep) == asynchronous
+    assert (engine.parts.async_step is not None) == asynchronous
     if stage == 3:
         assert sum(not u.persistent for u in engine.parts.units) >= 3, "stage 3 must have units that are freed"
     out, errors = train(engine, model, [WINDOWS[w] for w in SCRIPT], nan_step=nan_step)
     out.append(snapshot(engine, model))
-    early = getattr(engine.parts.host_step, "published_early", 0)
+    early = engine.parts.async_step.published_early if asynchronous else 0
     engine.close()
     return out, errors, early
 
@@ -85,7 +84,7 @@ def test_async_step_needs_what_it_says(dist_pool):
             warnings.simplefilter("always")
             engine = ZeroEngine(TwoHeads(), ZeroConfig(stage=2, offload_async_step=True, **options))
         assert any("offload_async_step=True has no effect" in str(w.message) for w in caught), options
-        assert not isinstance(engine.parts.host_step, AsyncHostStep)
+        assert engine.parts.async_step is None
         engine.close()
     with pytest.raises(ValueError, match="offload_async_step"):
         ZeroConfig(offload_async_step="yes")
@@ -101,7 +100,9 @@ def _sgd_runs_synchronously() -> bool:
     before = [u.master.clone() for u in engine.parts.units]
     with pytest.warns(UserWarning, match="runs synchronously: the host kernel does not take this optimizer"):
         engine.step()
-    stepped = not engine.parts.host_step._pending and all(not torch.equal(a, u.master) for a, u in zip(before, engine.parts.units))
+    assert engine.parts.async_step is not None
+    stepped = engine.parts.async_step.steps == 0 and all(not torch.equal(a, u.master)
+                                                         for a, u in zip(before, engine.parts.units))
     engine.close()
     return stepped
 
@@ -137,7 +138,7 @@ def _failed_async_step() -> bool:
     engine.backward(_loss(model, 0, 0, head=0))
     engine.step()
     engine.zero_grad()
-    engine.wait_for_step()  # that step done, with the kernel as it is
+    engine.parts.worker.wait()  # that step done, with the kernel as it is
     kernel = engine.parts.placement.kernel
 
     def broken(jobs, threads=None) -> None:
@@ -148,7 +149,7 @@ def _failed_async_step() -> bool:
     with pytest.raises(RuntimeError, match="asynchronous host step failed part way .* load the last checkpoint") \
             as info:
         engine.step()
-        engine.wait_for_step()
+        engine.parts.worker.wait()
     assert "the host kernel broke" in str(info.value.__cause__)
     plain = all(type(p) is torch.nn.Parameter for p in model.parameters())
     del kernel.kernel.run

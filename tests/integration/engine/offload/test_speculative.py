@@ -3,8 +3,8 @@ are kept or undone at the step, so training is bitwise the training without spec
 the window does: clipping in effect or not, accumulation, a parameter no rank used, a non-finite
 gradient on one rank, zero_grad or a state read between the backward and the step. Two gloo ranks.
 
-The worker races the backward; so that every case speculates for certain, the tests let the backward's
-end wait until each unit offered has been stepped (``scripted.finish_speculation``)."""
+The worker races the backward; so that every case speculates for certain, the tests let every undo wait
+until each unit offered has been stepped (``scripted.finish_speculation``)."""
 
 from __future__ import annotations
 
@@ -135,7 +135,7 @@ def _train_behind(speculative: bool, asynchronous: bool = False):
         engine.zero_grad()
         if step == 0 and speculative:
             offered_first = placement.spec.counts.offered  # the first step makes the state: not speculated
-    placement.settle()  # an asynchronous step's end
+    engine.parts.worker.wait()  # an asynchronous step's end
     counts = placement.spec.counts if speculative else None
     masters = [u.master.detach().clone() for u in engine.parts.units]
     state = [{k: t.detach().clone() for k, t in s.items()} for s in engine.optimizer.state.values()]
@@ -178,23 +178,6 @@ def test_an_asynchronous_step_takes_over_the_units_speculation_has_not_started(d
         # until then does not: at most one per speculated step (the second and third) is the worker's.
         assert first == 3 and counts.offered == 9, counts
         assert counts.kept + counts.undone <= 2 and counts.unstarted >= 4, counts
-
-
-def test_the_speculation_worker_steps_the_newest_landed_unit_first():
-    """Among the units offered, the newest whose gradient is on the host; the oldest when none is."""
-    from types import SimpleNamespace
-
-    from lightning_zeroq.zero.offload.speculative_step import Speculation
-
-    landed = {2, 1}
-    spec = Speculation(None, lambda unit: None, lambda index: None, lambda index: index in landed)  # type: ignore[arg-type]
-    units = {i: SimpleNamespace(index=i) for i in (3, 2, 1, 0)}
-    spec._queue.extend(units[i] for i in (3, 2, 1, 0))  # offered in reverse unit order, as reduced
-    assert spec._next() is units[1]
-    assert spec._next() is units[2]
-    assert spec._next() is units[3]  # none of the rest landed: the oldest lands first
-    landed.add(0)
-    assert spec._next() is units[0]
 
 
 def _failed_speculation() -> bool:
