@@ -8,8 +8,9 @@ One optimizer step:
 
 1. backward, any number of times: ``reducer.py`` reduce-scatters units into fp32 gradient shards.
 2. ``finalize_gradients`` (``Stepper.finalize``, inside the step or on the first clip): the reducer completes the shards
-   and every rank agrees on used parameters and fp16 overflow; unscaling and clipping become one
-   gradient multiplier, applied right before the step to the gradients the optimizer reads.
+   and every rank agrees on used parameters and fp16 overflow, once a window: the ``Stepper`` keeps that
+   verdict for the window's decisions and its step; unscaling and clipping become one gradient
+   multiplier, applied right before the step to the gradients the optimizer reads.
 3. ``step`` (``Stepper.step``): per batch of resident units (the placement decides), give the optimizer the gradient of
    every used segment (``None`` for unused ones, which torch.optim leaves alone, as with DDP), step,
    and publish the new masters (``gather.py``).
