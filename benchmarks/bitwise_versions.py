@@ -9,7 +9,8 @@ result" is checked against the commit before it, on the GPU where the CUDA paths
 
 Configurations: stages 1, 2 and 3 without offload (stage 3 also unmanaged), stage 2 with INT8 gradients,
 stage 2 and 3 with CPU optimizer offload, stage 3 with parameter offload too, stage 2 with half the
-optimizer offloaded; bf16 autocast, fused AdamW, steps of one and of two backward passes, gradient
+optimizer offloaded; the host step speculative (``offload_speculative_step``), asynchronous
+(``offload_async_step``) and both, with full and with partial offload; bf16 autocast, fused AdamW, steps of one and of two backward passes, gradient
 clipping in one step; any number of ranks (``--nproc-per-node``; rank 0 saves). Without CUDA it runs
 on gloo and the CPU.
 """
@@ -57,7 +58,15 @@ CONFIGS = {"s2_opt": dict(stage=2, offload_optimizer=True, reduce_bucket_size=3_
            "s1": dict(stage=1, reduce_bucket_size=3_000_000),
            "s2": dict(stage=2, reduce_bucket_size=3_000_000),
            "s2_qgrad": dict(stage=2, quantized_gradients=True, reduce_bucket_size=3_000_000),
-           "s3_unmanaged": dict(stage=3, stage3_param_persistence_threshold=0, managed_gradient_accumulation=False)}
+           "s3_unmanaged": dict(stage=3, stage3_param_persistence_threshold=0, managed_gradient_accumulation=False),
+           "s2_spec": dict(stage=2, offload_optimizer=True, offload_speculative_step=True, reduce_bucket_size=3_000_000),
+           "s2_async": dict(stage=2, offload_optimizer=True, offload_async_step=True, reduce_bucket_size=3_000_000),
+           "s3_params_spec_async": dict(stage=3, offload_optimizer=True, offload_parameters=True,
+                                        stage3_param_persistence_threshold=0, offload_speculative_step=True,
+                                        offload_async_step=True),
+           "s2_ratio_spec_async": dict(stage=2, offload_optimizer=True, offload_optimizer_ratio=0.5,
+                                       offload_speculative_step=True, offload_async_step=True,
+                                       reduce_bucket_size=3_000_000)}
 MICRO = 2  # backward passes per step: the accumulation window
 gpu = torch.cuda.is_available()
 dist.init_process_group("nccl" if gpu else "gloo")

@@ -35,7 +35,7 @@ excluded), measured on the first warm-up step. Rank 0 prints one JSON line per a
 
 ``--floor`` (arms with ``+offload_optimizer`` or ``+offload_params``): the host's floor measured beside the
 arm's own steps. The timed steps run in blocks of ``--floor-block`` (3), each timed from a quiet start
-to the end of its last step's host work (``ZeroEngine.wait_for_step``: an asynchronous step's work
+to the end of its last step's host work (``engine.parts.worker.wait()``: an asynchronous step's work
 counts in full, so a block gives up the overlap of its last step); after each block the same process
 takes one step of torch's fused AdamW (``fused=True``, fp32 gradients, the threads the host step has)
 over as many fp32 elements as the arm's model has, split into 8 tensors, as ``kernels.py host-adam`` does.
@@ -496,7 +496,7 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=dev, generator=g)
         if in_block == 0:
             if engine is not None and floor is not None:
-                engine.wait_for_step()  # --floor: a block starts quiet (its last step's host work counts in full)
+                engine.parts.worker.wait()  # --floor: a block starts quiet (its last step's host work counts in full)
             sync()
             t0 = time.perf_counter()
         with torch.autocast(dev.type, dtype=torch.bfloat16):
@@ -511,7 +511,7 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
             (times if i >= args.warmup else warmup_times).append(time.perf_counter() - t0)
         elif in_block == args.floor_block - 1 or i == args.warmup + args.steps - 1:
             if engine is not None:
-                engine.wait_for_step()  # the block's last host step counts in full
+                engine.parts.worker.wait()  # the block's last host step counts in full
             sync()
             times.append((time.perf_counter() - t0) / (in_block + 1))
             floor_times.append(floor.time_step())

@@ -472,8 +472,8 @@ PLACEMENT_BASE = "OptimizerHome"
 OFFLOAD_KINDS = {
     "device.py": "placement", "host.py": "placement", "split.py": "placement", "auto.py": "placement",
     "nvme.py": "placement", "stores.py": "store", "roles.py": "roles", "select.py": "factory",
-    "host_grads.py": "host part", "host_kernel.py": "host part", "speculative_step.py": "host part",
-    "async_step.py": "host part",
+    "host_grads.py": "host part", "host_kernel.py": "host part", "host_worker.py": "host part",
+    "speculative_step.py": "host part", "async_step.py": "host part",
 }
 """Every module of ``zero/offload/`` and what it is: a placement (defines one), the stage-3 shard stores, the
 roles a placement plays, the factories that pick them, or a part of the host placement (each imported by
@@ -536,6 +536,33 @@ def test_offload_holds_placements_only():
     files = {p.name: ast.parse(p.read_text(encoding="utf-8")) for p in sorted((PACKAGE / "zero" / "offload").glob("*.py"))}
     assert not _offload_violations(files), _offload_violations(files)
     assert set(files) - {"__init__.py"} == set(OFFLOAD_KINDS), "OFFLOAD_KINDS names a module that is gone"
+
+
+THREAD_MAKERS = ("Thread", "Condition")
+HOST_WORKER = "zero/offload/host_worker.py"
+"""The one module of the engine that starts a thread or waits on a condition: the host's worker. Speculative and
+asynchronous host steps are jobs on its one thread, and everything that waits for them calls its one ``wait``."""
+
+
+def _threads_made(tree: ast.Module) -> list[str]:
+    """The calls in ``tree`` that make a thread or a condition (``threading.Thread(...)``, ``Condition()``)."""
+    return sorted(ast.unparse(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)
+                  and ast.unparse(n.func).rsplit(".", 1)[-1] in THREAD_MAKERS)
+
+
+def test_the_thread_finder_finds_threads_and_conditions():
+    tree = ast.parse("import threading\nt = threading.Thread(target=f)\nc = Condition()\nl = threading.Lock()\n")
+    assert _threads_made(tree) == ["Condition", "threading.Thread"]
+
+
+def test_only_the_host_worker_starts_threads_in_the_engine():
+    # One worker thread runs what the host steps beside the calling thread (offload/host_worker.py); a part
+    # that needs work done there submits it as a job instead of keeping a thread, a queue and a wait of its own.
+    offenders = [f"{path.relative_to(PACKAGE)}: {made}" for path in sorted((PACKAGE / "zero").rglob("*.py"))
+                 if str(path.relative_to(PACKAGE)) != HOST_WORKER
+                 for made in _threads_made(ast.parse(path.read_text(encoding="utf-8")))]
+    assert not offenders, offenders
+    assert _threads_made(_tree(HOST_WORKER)), "the host's worker makes its thread"
 
 
 # ------------------------------------------------------------------ the maps: docs/layout.md, zero/README.md

@@ -5,7 +5,7 @@ its measured peaks and step time printed beside the plan's.
 One run: the package's GPT of the plan's shape built on the meta device and materialized by the engine
 unit by unit (as ``configure_model()`` does), the plan's ``ZeroConfig`` (with checkpointing: every
 ``Block`` through ``activation_checkpointing_policy``), AdamW, random tokens of the plan's micro-batch;
-``warmup`` steps, then ``steps`` timed ones (each to the end of its host work: ``wait_for_step`` and a
+``warmup`` steps, then ``steps`` timed ones (each to the end of its host work: the host worker's ``wait`` and a
 device synchronization). Measured: peak device memory allocated and reserved over the whole run
 (``torch.cuda.max_memory_*``), host memory as the process's peak resident size less its size before the
 model was built (``VmHWM`` less ``VmRSS``), and the median step. A run that fails (out of memory, a check
@@ -91,7 +91,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
             engine.backward(loss, boundary=True)
             engine.step()
             engine.zero_grad()
-            engine.wait_for_step()
+            engine.parts.worker.wait()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)

@@ -6,13 +6,18 @@ the engine. ``ZeroEngine`` holds the result, ``Parts``, and the ``Stepper`` made
 1. ``_agree_and_plan``: every rank the same settings and unit plan, or one error on all (``agreement.py``);
    activation checkpointing applied; the host memory read before any rank allocates.
 2. ``hybrid.topology``: the shard and replica groups.
-3. ``_placement``: where masters and optimizer state live (``offload/``), how shards travel
-   (``wire.py``) and, stage 3, where a transient unit's payload rests; checked against host memory.
+3. ``_placement``: the host's worker (``offload/host_worker.py``: a thread with speculative or
+   asynchronous host steps, else none), where masters and optimizer state live (``offload/``), how
+   shards travel (``wire.py``) and, stage 3, where a transient unit's payload rests; checked against
+   host memory.
 4. ``_units``: the module's parameters flattened into units, broadcast from rank 0, sharded, each
    published (stage 3: stored and freed) as it is built (``unit.py``, ``gather.py``); stage 3's frozen
    parameters with them, as each unit's frozen part (``frozen.py``).
 5. ``_hooks``: stage 3's module hooks (``stage3.py``), the asynchronous step (``offload/async_step.py``)
    and the gradient hooks (``reducer.py``).
+
+The worker is handed to each part that gives it work or waits for it when that part is made (the host
+placement, the gatherers, the asynchronous step); none of them is told about it later.
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ from lightning_zeroq.zero.materialize import sync_replicated_state, target_devic
 from lightning_zeroq.zero.offload.device import OptimizerHome
 from lightning_zeroq.zero.offload.select import host_part, optimizer_home, shard_store
 from lightning_zeroq.zero.offload.stores import MasterAlias, ShardStore
-from lightning_zeroq.zero.offload.async_step import SyncHostStep, AsyncHostStep
+from lightning_zeroq.zero.offload.async_step import AsyncHostStep
+from lightning_zeroq.zero.offload.host_worker import HostWorker
 from lightning_zeroq.zero.memory.host import HostBudget
 from lightning_zeroq.zero.unit_plan import UnitSpec, frozen_only_specs, unit_plan
 from lightning_zeroq.zero.policies import ModuleUnits, Nvme, OnDevice, Policies
@@ -64,8 +70,10 @@ class Parts:
     units: list[Unit]
     reducer: Reducer
     stage3: Optional[Stage3Coordinator]
-    host_step: SyncHostStep
-    """How the host step runs: in the step (``SyncHostStep``) or beside the next forward (``AsyncHostStep``)."""
+    worker: HostWorker
+    """The host's worker (``offload/host_worker.py``): what runs beside the calling thread, and ``wait()`` for it."""
+    async_step: Optional[AsyncHostStep]
+    """With ``offload_async_step``: the host step beside the next forward (else it runs in the step)."""
     loss_scaler: Optional[DynamicLossScaler]
     param_names: dict[int, str] = field(default_factory=dict)
     """Every parameter's name by ``id`` (after materialization): errors and logs name parameters."""
@@ -131,19 +139,22 @@ def build(module: nn.Module, pol: Policies, *, param_dtype: torch.dtype, group: 
     scaler = loss_scaler.from_policy(scaling) if scaling is not None else None
     # What can fail on one rank only (an NVMe path, its free space, the kernel build) fails on all ranks.
     sharded = frozenset(id(p) for spec in [*planned.specs, *planned.frozen_only] for p in spec.frozen)
+    worker = HostWorker(threaded=pol.offload.speculative or pol.offload.asynchronous)
     with comm.agreed(group, "building the ZeRO engine"):
         where = target_device(module, device)
         frozen = _frozen_parts(module, planned, pol, topo, where) if sharded else None
-        placed = _placement(planned, pol, topo, where, param_dtype, frozen.need if frozen else NO_FROZEN)
+        placed = _placement(planned, pol, topo, where, param_dtype, frozen.need if frozen else NO_FROZEN, worker)
     sync_replicated_state(module, where, group, sharded)
-    gatherer = Gatherer(placed.wire, placed.placement, placed.store, where, sync_persistent_on_build=topo.int8_weights)
+    gatherer = Gatherer(placed.wire, placed.placement, placed.store, where, worker,
+                        sync_persistent_on_build=topo.int8_weights)
     gatherer.frozen = frozen.gatherer if frozen is not None else None
     units = _units(module, planned, placed, gatherer, where, param_dtype, group, topo.rank, frozen)
-    stage3, host_step, reducer = _hooks(module, pol, topo, placed, gatherer, units, where, param_dtype, frozen)
+    stage3, async_step, reducer = _hooks(module, pol, topo, placed, gatherer, units, where, param_dtype, frozen,
+                                         worker)
     parts = Parts(module=module, policies=pol, param_dtype=param_dtype, topology=topo, device=where,
                   host_memory=planned.host_memory, placement=placed.placement, gatherer=gatherer, units=units,
-                  reducer=reducer, stage3=stage3, host_step=host_step, loss_scaler=scaler, param_names=_names(module, units, frozen),
-                  frozen=frozen)
+                  reducer=reducer, stage3=stage3, worker=worker, async_step=async_step, loss_scaler=scaler,
+                  param_names=_names(module, units, frozen), frozen=frozen)
     if where.type == "cuda":  # the module's own tensors left blocks the step's allocations rarely fit
         torch.cuda.empty_cache()
     return parts
@@ -168,10 +179,10 @@ def _agree_and_plan(module: nn.Module, pol: Policies, param_dtype: torch.dtype, 
 
 
 def _placement(planned: _Planned, pol: Policies, topo: Topology, device: torch.device,
-               param_dtype: torch.dtype, frozen: FrozenNeed) -> _Placed:
+               param_dtype: torch.dtype, frozen: FrozenNeed, worker: HostWorker) -> _Placed:
     layouts = plan_layouts(planned.specs, topo.world_size, topo.align(pol.quantization))
     placement = optimizer_home(pol.offload.optimizer, device, param_dtype, topo.rank, topo.world_size, layouts,
-                                    pol.offload.speculative)
+                               worker, pol.offload.speculative)
     wire = make_wire(layouts, pol, topo, device, param_dtype, topo.group)
     transient = {i: wire.payload_numel(i) for i, spec in enumerate(planned.specs) if not spec.persistent}
     planned.host_memory.built(layouts, topo.rank, param_dtype, wire.payload_dtype, transient, placement, frozen)
@@ -234,7 +245,9 @@ def _frozen_parts(module: nn.Module, planned: _Planned, pol: Policies, topo: Top
     if isinstance(pol.offload.parameters, Nvme) and topo.rank == 0 and comm.world(topo.world_group)[0] == 0:
         warnings.warn("ZeroQ stage 3: frozen parameters rest in host memory with offload_params_device='nvme' (the "
                       "trainable shards go to NVMe); count their bytes against the host's memory.", stacklevel=4)
-    gatherer = Gatherer(codec, None, MasterAlias(), device, sync_persistent_on_build=False)  # type: ignore[arg-type]
+    # Frozen parts are never stepped: their gatherer's worker never has work (and never shares unit numbers).
+    gatherer = Gatherer(codec, None, MasterAlias(), device, HostWorker(threaded=False),  # type: ignore[arg-type]
+                        sync_persistent_on_build=False)
     need = frozen_parts.need_of(planned.specs, codec, compute)
     return FrozenParts([], codec, gatherer, need)
 
@@ -255,12 +268,12 @@ def _names(module: nn.Module, units: list[Unit], frozen: Optional[FrozenParts]) 
 
 class _Hooks(NamedTuple):
     stage3: Optional[Stage3Coordinator]
-    host_step: SyncHostStep
+    async_step: Optional[AsyncHostStep]
     reducer: Reducer
 
 
 def _hooks(module: nn.Module, pol: Policies, topo: Topology, placed: _Placed, gatherer: Gatherer, units: list[Unit],
-           device: torch.device, param_dtype: torch.dtype, frozen: Optional[FrozenParts]) -> _Hooks:
+           device: torch.device, param_dtype: torch.dtype, frozen: Optional[FrozenParts], worker: HostWorker) -> _Hooks:
     """Stage 3's module hooks, the asynchronous host step and the gradient hooks, in that order."""
     stage3 = None
     own = [p for p in frozen.units if p.index not in frozen.owner] if frozen is not None else []
@@ -268,7 +281,7 @@ def _hooks(module: nn.Module, pol: Policies, topo: Topology, placed: _Placed, ga
         stage3 = Stage3Coordinator(gatherer, units, prefetch_depth=pol.sharding.units.prefetch_depth,
                                    reshard_after_forward=pol.sharding.units.reshard_after_forward,
                                    names=_unit_names(module, units), frozen_only=own)
-    host_step = _host_step(module, pol, topo, placed, gatherer, units, device, param_dtype)
+    async_step = _async_step(module, pol, topo, placed, gatherer, units, device, param_dtype, worker)
     reducer = Reducer(
         units,
         gradients=placed.placement,
@@ -279,7 +292,7 @@ def _hooks(module: nn.Module, pol: Policies, topo: Topology, placed: _Placed, ga
         wire=topo.gradient_wire(device, pol.quantization.group_size),
         listener=stage3,
     )
-    return _Hooks(stage3, host_step, reducer)
+    return _Hooks(stage3, async_step, reducer)
 
 
 def _unit_names(module: nn.Module, units: list[Unit]) -> dict[int, str]:
@@ -290,18 +303,18 @@ def _unit_names(module: nn.Module, units: list[Unit]) -> dict[int, str]:
     return {u.index: names.get(id(u.module), type(u.module).__name__) for u in units if u.module is not None}
 
 
-def _host_step(module: nn.Module, pol: Policies, topo: Topology, placed: _Placed, gatherer: Gatherer,
-               units: list[Unit], device: torch.device, param_dtype: torch.dtype) -> SyncHostStep:
-    """How the host step runs: in the step, or (``offload_async_step``) beside the next forward
-    (``offload/async_step.py``), publishing on a process group of its own."""
+def _async_step(module: nn.Module, pol: Policies, topo: Topology, placed: _Placed, gatherer: Gatherer,
+                units: list[Unit], device: torch.device, param_dtype: torch.dtype,
+                worker: HostWorker) -> Optional[AsyncHostStep]:
+    """With ``offload_async_step``, the host step beside the next forward (``offload/async_step.py``), on the
+    host's worker, publishing on a process group of its own; else None (the host step runs in the step)."""
     host = host_part(placed.placement)
     if not pol.offload.asynchronous or host is None:
-        return SyncHostStep()
+        return None
     own = comm.duplicate(topo.group, topo.world_group)  # the worker's collectives: a group of their own
     publisher = gatherer if own is topo.group else Gatherer(
         make_wire(placed.layouts, pol, topo, device, param_dtype, own), placed.placement, placed.store, device,
-        sync_persistent_on_build=False)
+        worker, sync_persistent_on_build=False)
     on_host = [u for u in units if not placed.placement.master_on_device(u.index)]
-    host_step = AsyncHostStep(host, module, on_host, publisher.publish, device, own_group=None if own is topo.group else own)
-    gatherer.wait_with(host_step.ready)
-    return host_step
+    return AsyncHostStep(host, worker, module, on_host, publisher.publish, device,
+                         own_group=None if own is topo.group else own)

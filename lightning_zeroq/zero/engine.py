@@ -8,8 +8,9 @@ One optimizer step:
 
 1. backward, any number of times: ``reducer.py`` reduce-scatters units into fp32 gradient shards.
 2. ``finalize_gradients`` (``Stepper.finalize``, inside the step or on the first clip): the reducer completes the shards
-   and every rank agrees on used parameters and fp16 overflow; unscaling and clipping become one
-   gradient multiplier, applied right before the step to the gradients the optimizer reads.
+   and every rank agrees on used parameters and fp16 overflow, once a window: the ``Stepper`` keeps that
+   verdict for the window's decisions and its step; unscaling and clipping become one gradient
+   multiplier, applied right before the step to the gradients the optimizer reads.
 3. ``step`` (``Stepper.step``): per batch of resident units (the placement decides), give the optimizer the gradient of
    every used segment (``None`` for unused ones, which torch.optim leaves alone, as with DDP), step,
    and publish the new masters (``gather.py``).
@@ -196,14 +197,6 @@ class ZeroEngine:
         self._check_active()
         return self.stepper.step(optimizer)
 
-    def wait_for_step(self) -> None:
-        """Wait until the last step's work is done and every unit's weights are published (with
-        ``offload_async_step``; otherwise a no-op). Whatever reads or writes masters, state or host
-        gradients waits by itself (the host placement's ``settle``: state dicts, checkpoints, the next
-        backward, the next step), and a module's forward waits for its own parameters; code that reads
-        a parameter's tensor otherwise between a step and the next forward calls this first."""
-        self.parts.host_step.drain()
-
     def zero_grad(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         """Drop this window's gradients (of ``optimizer``'s parameters, when several are attached)."""
         self.stepper.zero_grad(optimizer)
@@ -281,7 +274,9 @@ class ZeroEngine:
         says the state is released (NVMe's masters were in the swap files): a save refuses it."""
         parts = self.parts
         parts.closed = True
-        parts.host_step.close()
+        if parts.async_step is not None:
+            parts.async_step.close()
         parts.reducer.close()
         parts.placement.close()
         parts.gatherer.close()
+        parts.worker.close()

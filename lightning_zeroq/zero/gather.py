@@ -1,18 +1,20 @@
 """Unshard and reshard: the one place that writes a unit's working buffer.
 
-A ``Gatherer`` combines three objects chosen when the engine is built: the *wire* (how a shard
+A ``Gatherer`` combines four objects chosen when the engine is built: the *wire* (how a shard
 travels: full width or INT8, ``wire.py``), the placement's *masters* role (where the master shards are,
-``offload/roles.py``) and, for stage 3, the *shard store* (where a transient unit's payload rests between
-gathers: the device, pinned host memory or NVMe, ``offload/``).
+``offload/roles.py``), for stage 3 the *shard store* (where a transient unit's payload rests between
+gathers: the device, pinned host memory or NVMe, ``offload/``), and the host's *worker*
+(``offload/host_worker.py``), whose work on a unit (an asynchronous step's publication) a gather waits for.
 
 - ``publish(unit)`` after every step and checkpoint load: a persistent unit's working buffer is
   synced from the master shards (``wire.sync``) and its parameters' version counters are marked
   (``Unit.mark``: a write into them after this is one the masters have not seen, ``full_params.take_writes``); a transient unit's payload is re-encoded into the
   store (``wire.encode``), and the unit is freed if something had it gathered.
-- ``gather(unit, prefetch)``, stage 3 before every use: re-allocate the storage of ``flat`` and fill
-  it from every rank's payload. With ``prefetch`` on CUDA the copy from the store and the collective
-  run on the gather stream, which first waits for the compute stream; the first real use waits for
-  the recorded event. On CPU a "prefetch" is a synchronous gather done early.
+- ``gather(unit, prefetch)``, stage 3 before every use: wait for the worker's work on the unit (a
+  prefetch of a unit it is still working on is left to the unit's use), re-allocate the storage of
+  ``flat`` and fill it from every rank's payload. With ``prefetch`` on CUDA the copy from the store and
+  the collective run on the gather stream, which first waits for the compute stream; the first real use
+  waits for the recorded event. On CPU a "prefetch" is a synchronous gather done early.
 - ``free(unit)``: drop the storage of ``flat`` again (after waiting for a prefetch in flight).
 - Stage 3's frozen parts (``frozen.py``) have a ``Gatherer`` of their own (``frozen``): a unit's ``gather`` and
   ``free`` call it for the unit's frozen part first, so whatever gathers a unit gathers its frozen part.
@@ -37,12 +39,13 @@ Lifetimes: see ``unit.py``; when a unit is gathered and freed is decided by ``st
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from lightning_zeroq.zero import comm
+from lightning_zeroq.zero.offload.host_worker import HostWorker
 from lightning_zeroq.zero.offload.stores import ShardStore
 from lightning_zeroq.zero.offload.roles import Masters
 from lightning_zeroq.zero.unit import Unit, UnitState
@@ -106,13 +109,13 @@ class Gatherer:
         masters: Masters,
         store: Optional[ShardStore],
         device: torch.device,
+        worker: HostWorker,
         *,
         sync_persistent_on_build: bool,
     ) -> None:
-        self.wire, self.masters, self.store, self.device = wire, masters, store, device
+        self.wire, self.masters, self.store, self.device, self.worker = wire, masters, store, device, worker
         self.sync_persistent_on_build = sync_persistent_on_build
         self._stream = comm.side_stream(device) if store is not None else None
-        self._ready: Optional[Callable[[int, bool], bool]] = None
         self.names: dict[int, str] = {}
         """Stage 3: each transient unit's name (its module's), for messages."""
         self.checking = 0
@@ -122,11 +125,6 @@ class Gatherer:
         self.frozen: Optional["Gatherer"] = None
         """Stage 3: the gatherer of the units' frozen parts (``frozen.py``), called for a unit's frozen part
         whenever this one gathers or frees the unit."""
-
-    def wait_with(self, ready: Callable[[int, bool], bool]) -> None:
-        """An asynchronous step (``offload/async_step.py``) asks to be asked before a gather of unit i (prefetch
-        or not): ``ready`` publishes the unit first, or declines a prefetch of one not stepped yet."""
-        self._ready = ready
 
     def adopt(self, unit: Unit) -> None:
         """A unit was just built (its working buffer holds rank 0's values at full width)."""
@@ -151,8 +149,10 @@ class Gatherer:
     @torch.no_grad()
     def gather(self, unit: Unit, prefetch: bool = False) -> None:
         """Give a transient unit its full working buffer (a no-op if it has it)."""
-        if unit.state is UnitState.SHARDED and self._ready is not None and not self._ready(unit.index, prefetch):
-            return  # a prefetch of a unit an asynchronous step has not stepped yet: gathered when used
+        if unit.state is UnitState.SHARDED:
+            if prefetch and self.worker.busy(unit.index):
+                return  # a prefetch of a unit an asynchronous step has not published yet: gathered when used
+            self.worker.wait(unit.index)
         if unit.frozen is not None and self.frozen is not None:
             self.frozen.gather(unit.frozen, prefetch)  # (freed on its own in a backward: ``Stage3Coordinator``)
         if unit.state is UnitState.GATHERED:

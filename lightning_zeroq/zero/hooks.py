@@ -1,10 +1,11 @@
 """Hooks the engine installs on parameters, modules and tensors, as small objects.
 
-A ``WeakHook`` calls ``getattr(target, method)(*bound, *args)`` and holds ``target`` weakly: hooks
-stored on parameters are not seen by Python's garbage collector, so a strong reference would keep
-the engine and all its buffers alive after the last user reference is gone. It pickles as a hook
-that does nothing, so a model or Trainer that carries one can be pickled (``torch.save(trainer)``),
-as with DDP; what unpickles is a plain model, with no engine behind it.
+A ``WeakHook`` calls a bound method, ``method(*bound, *args)``, and holds it weakly
+(``weakref.WeakMethod``: the object it is bound to is not kept alive by the hook): hooks stored on
+parameters are not seen by Python's garbage collector, so a strong reference would keep the engine and
+all its buffers alive after the last user reference is gone. Once that object is gone the hook does
+nothing. It pickles as a hook that does nothing, so a model or Trainer that carries one can be pickled
+(``torch.save(trainer)``), as with DDP; what unpickles is a plain model, with no engine behind it.
 
 An ``EagerHook`` is a ``WeakHook`` that ``torch.compile`` never traces: dynamo breaks the graph around
 it and runs it as plain Python (as FSDP2 does with its module hooks), so what it does to parameters
@@ -27,24 +28,24 @@ guards again and recompiles.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
 
 class WeakHook:
-    __slots__ = ("_target", "_method", "_bound")
+    __slots__ = ("_method", "_bound")
 
-    def __init__(self, target: object, method: str, *bound: Any) -> None:
-        self._target = weakref.ref(target)
-        self._method, self._bound = method, bound
+    def __init__(self, method: Callable[..., Any], *bound: Any) -> None:
+        self._method = weakref.WeakMethod(method)  # a bound method: its object is held weakly
+        self._bound = bound
 
     def __call__(self, *args: Any) -> Any:
-        target = self._target()
-        if target is None:
+        method = self._method()
+        if method is None:
             return None
-        return getattr(target, self._method)(*self._bound, *args)
+        return method(*self._bound, *args)
 
     def __reduce__(self) -> tuple:
         return (_inert, ())

@@ -143,14 +143,13 @@ class Reducer:
         self.rank, self.world_size = comm.world(group)
         self.num_params = sum(len(u.params) for u in units)
         self.window = Window.EMPTY
-        self.agreement: Optional[WindowVerdict] = None
         self._where = {id(p): (u, i) for u in units for i, p in enumerate(u.params)}
         self._order = list(reversed(units))
         self._completed: list[int] = []
         """Unit indices in the order the backwards so far gave them all their gradients (the first time each)."""
         self._order_agreed = False
         self._stream = comm.SideStream(device, enabled=sharding.overlap_comm)
-        self._hooks = [p.register_post_accumulate_grad_hook(WeakHook(self, "_on_grad_ready")) for u in units
+        self._hooks = [p.register_post_accumulate_grad_hook(WeakHook(self._on_grad_ready)) for u in units
                        for p in u.params]
         self._used: set[int] = set()
         self._dirty: set[int] = set()
@@ -257,10 +256,9 @@ class Reducer:
         self._stream.join()
 
     def finalize(self) -> WindowVerdict:
-        """Complete this window's gradient shards and agree on them with every rank (idempotent)."""
-        if self.window is Window.FINALIZED:
-            assert self.agreement is not None
-            return self.agreement
+        """Complete this window's gradient shards and agree on them with every rank: once a window, whose
+        verdict the caller keeps (``step.Stepper``)."""
+        assert self.window is not Window.FINALIZED, "a window is finalized once"
         self.end_backward()
         if self.accumulation.pending:
             for unit in self._order:
@@ -276,11 +274,11 @@ class Reducer:
         ranks = [r for r in range(self.world_size) if nonfinite[len(self.units) + r]]
         units = [i for i in range(len(self.units)) if nonfinite[i]]
         writers = [r for r in range(self.world_size) if written[r]]
-        self.agreement = WindowVerdict(used, ranks, units, self._written_everywhere() if writers else [], writers)
+        verdict = WindowVerdict(used, ranks, units, self._written_everywhere() if writers else [], writers)
         self.window = Window.FINALIZED
         if not self._order_agreed:
             self._agree_order()
-        return self.agreement
+        return verdict
 
     def _agree_order(self) -> None:
         """From now on reduce in the order rank 0's backwards completed the units (every rank alike)."""
@@ -374,7 +372,6 @@ class Reducer:
         self._dirty.clear()
         self.written.clear()
         self._origin.zero_()
-        self.agreement = None
         self.window = Window.EMPTY
 
     def clear_params(self, param_ids: frozenset[int], optimized: dict[int, list]) -> None:
@@ -394,7 +391,7 @@ class Reducer:
                     self.accumulation.drop(unit, slot.span)
         self._used -= param_ids
         if self.window is Window.FINALIZED:
-            self.window, self.agreement = Window.ACCUMULATED, None
+            self.window = Window.ACCUMULATED
 
     def close(self) -> None:
         for handle in self._hooks:

@@ -108,14 +108,14 @@ class Stage3Coordinator:
             if unit.persistent:
                 continue
             assert unit.module is not None
-            self._handles.append(unit.module.register_forward_pre_hook(EagerHook(self, "_pre_forward", unit),
+            self._handles.append(unit.module.register_forward_pre_hook(EagerHook(self._pre_forward, unit),
                                                                        with_kwargs=True))
-            self._handles.append(unit.module.register_forward_hook(EagerHook(self, "_post_forward", unit)))
+            self._handles.append(unit.module.register_forward_hook(EagerHook(self._post_forward, unit)))
         for part in self.frozen_only:
             assert part.module is not None
-            self._handles.append(part.module.register_forward_pre_hook(EagerHook(self, "_frozen_pre_forward", part),
+            self._handles.append(part.module.register_forward_pre_hook(EagerHook(self._frozen_pre_forward, part),
                                                                        with_kwargs=True))
-            self._handles.append(part.module.register_forward_hook(EagerHook(self, "_frozen_post_forward", part)))
+            self._handles.append(part.module.register_forward_hook(EagerHook(self._frozen_post_forward, part)))
 
     def _use(self, unit: Unit, backward: bool) -> None:
         """Gather ``unit`` for use now; learn the order; prefetch the unit expected next."""
@@ -173,7 +173,7 @@ class Stage3Coordinator:
         if not keep and self._recomputed.get(unit.index, _current_task()) != _current_task():
             # A reentrant checkpoint's nested backward (the recomputation ran in the backward that started it): its
             # nodes may still read the frozen part, and its inputs were not seen; they have all run when it ends.
-            torch.autograd.Variable._execution_engine.queue_callback(EagerHook(self, "_nested_ended", unit))
+            torch.autograd.Variable._execution_engine.queue_callback(EagerHook(self._nested_ended, unit))
             keep = True
         self.gatherer.free(unit, frozen=not keep)
 
@@ -219,7 +219,7 @@ class Stage3Coordinator:
             for t in tree_flatten((args, kwargs))[0]:  # by keyword too: Hugging Face's hidden_states=...
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     self._inputs[unit.index] = self._inputs.get(unit.index, 0) + 1
-                    t.register_hook(EagerHook(self, "_input_grad", unit))
+                    t.register_hook(EagerHook(self._input_grad, unit))
 
     def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
         if _in_backward():
@@ -229,7 +229,7 @@ class Stage3Coordinator:
         if torch.is_grad_enabled():
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(EagerHook(self, "_pre_backward", unit))
+                    t.register_hook(EagerHook(self._pre_backward, unit))
 
     def _pre_backward(self, unit: Unit, grad: torch.Tensor) -> None:
         self._use(unit, backward=True)
@@ -248,7 +248,7 @@ class Stage3Coordinator:
             for t in tree_flatten((args, kwargs))[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     self._frozen_inputs[part.index] = self._frozen_inputs.get(part.index, 0) + 1
-                    t.register_hook(EagerHook(self, "_frozen_input_grad", part))
+                    t.register_hook(EagerHook(self._frozen_input_grad, part))
 
     def _frozen_post_forward(self, part: Unit, module: nn.Module, args: Any, output: Any) -> None:
         if _in_backward():
@@ -257,7 +257,7 @@ class Stage3Coordinator:
         if self.reshard_after_forward or not needs or not torch.is_grad_enabled():
             self._frozen().free(part)
         for t in needs if torch.is_grad_enabled() else ():
-            t.register_hook(EagerHook(self, "_frozen_pre_backward", part))
+            t.register_hook(EagerHook(self._frozen_pre_backward, part))
 
     def _frozen_pre_backward(self, part: Unit, grad: torch.Tensor) -> None:
         self._frozen().gather(part)

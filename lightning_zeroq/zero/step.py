@@ -195,6 +195,9 @@ class Stepper:
         """Optimizer steps attempted (skipped ones included)."""
         self.skipped_steps = 0
         """Steps skipped for fp16 overflow or (``nonfinite_gradients="skip"``) non-finite gradients."""
+        self.verdict: Optional[WindowVerdict] = None
+        """The window's verdict from its one finalize (``Reducer.finalize``); current while the window is
+        finalized."""
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -207,7 +210,7 @@ class Stepper:
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """See ``ZeroEngine.attach_optimizer``."""
         parts = self.parts
-        parts.host_step.drain()  # the pending step's jobs belong to the binding replaced here
+        parts.worker.wait()  # an asynchronous step's jobs belong to the binding replaced here
         binding = bind_to_shards(optimizer, parts.module, parts.units)
         kept = [b for b in self.attached.bindings if not b.param_ids & binding.param_ids]
         self.attached = attached(kept + [binding], self.everything)
@@ -218,26 +221,36 @@ class Stepper:
 
     def finalize(self, optimizer: Optional[torch.optim.Optimizer] = None) -> bool:
         """See ``ZeroEngine.finalize_gradients``: whether ``optimizer``'s step must be skipped."""
+        return self._skip(self._finalized(), self.binding(optimizer))
+
+    def _finalized(self) -> WindowVerdict:
+        """The window's verdict: the reducer finalizes the window once, here, and the verdict is kept
+        (``verdict``) for every decision and step of the window."""
         parts = self.parts
-        if parts.reducer.window is not Window.FINALIZED:
-            # Before anything reads the masters: a write into the weights since the last step becomes them
-            # (fp32), or is agreed on in the finalize below and refused on every rank.
-            parts.reducer.written.update(full_params.take_writes(parts))
-            with torch.profiler.record_function("zeroq.finalize"):
-                agreement = parts.reducer.finalize()
-            if agreement.written:
-                parts.reducer.clear()  # the masters are untouched and the engine usable (a caller may go on)
-                raise RuntimeError(full_params.refused_writes(parts, agreement.written, agreement.writing_ranks))
-            self.base = 1.0 / parts.loss_scaler.scale if parts.loss_scaler is not None else 1.0
-            for one in [*self.attached.bindings, self.everything]:
-                one.multiplier, one.skip = self.base, None
-        binding = self.binding(optimizer)
+        if parts.reducer.window is Window.FINALIZED:
+            assert self.verdict is not None  # finalized below, in this window
+            return self.verdict
+        # Before anything reads the masters: a write into the weights since the last step becomes them
+        # (fp32), or is agreed on in the finalize below and refused on every rank.
+        parts.reducer.written.update(full_params.take_writes(parts))
+        with torch.profiler.record_function("zeroq.finalize"):
+            verdict = self.verdict = parts.reducer.finalize()
+        if verdict.written:
+            parts.reducer.clear()  # the masters are untouched and the engine usable (a caller may go on)
+            raise RuntimeError(full_params.refused_writes(parts, verdict.written, verdict.writing_ranks))
+        self.base = 1.0 / parts.loss_scaler.scale if parts.loss_scaler is not None else 1.0
+        for one in [*self.attached.bindings, self.everything]:
+            one.multiplier, one.skip = self.base, None
+        return verdict
+
+    def _skip(self, verdict: WindowVerdict, binding: Binding) -> bool:
+        """Whether ``binding``'s step must be skipped, decided once a window from ``verdict``."""
         if binding.skip is None:
-            agreement = parts.reducer.finalize()  # finalized above: returns the window's agreement
-            bad = [u for u in agreement.nonfinite_units if u in binding.unit_ids]
+            parts = self.parts
+            bad = [u for u in verdict.nonfinite_units if u in binding.unit_ids]
             try:
                 binding.skip = bool(bad) and decide_nonfinite(
-                    agreement, bad, scaler=parts.loss_scaler, action=parts.policies.numerics.nonfinite_gradients,
+                    verdict, bad, scaler=parts.loss_scaler, action=parts.policies.numerics.nonfinite_gradients,
                     step=self.steps + 1, names=self.names_of(bad), rank=parts.rank)
             except RuntimeError:
                 parts.reducer.clear()  # the model is untouched and the engine usable (a caller may go on)
@@ -280,10 +293,11 @@ class Stepper:
         binding = self.binding(optimizer)
         if binding is self.everything:
             raise ValueError("Several optimizers are attached: name the one to step, engine.step(optimizer).")
-        skip = self.finalize(binding.optimizer)
+        verdict = self._finalized()
+        skip = self._skip(verdict, binding)
         if not skip:
             apply_multiplier(binding, parts.units, parts.placement, self.attached)
-            self._run(binding, parts.reducer.finalize().used)
+            self._run(binding, verdict.used)
         if parts.loss_scaler is not None:
             parts.loss_scaler.update(skip)
         self.steps += 1
@@ -293,10 +307,11 @@ class Stepper:
         return not skip
 
     def _run(self, binding: Binding, used: Tensor) -> None:
-        parts, placement = self.parts, self.parts.placement
-        if parts.host_step.takes(binding, len(self.attached.bindings) > 1):  # device units first, in the step
+        parts, placement, async_step = self.parts, self.parts.placement, self.parts.async_step
+        if async_step is not None and async_step.takes(binding, len(self.attached.bindings) > 1):
             ids, on_device = used.tolist(), [u for u in parts.units if placement.master_on_device(u.index)]
-            parts.host_step.run(binding, ids, lambda one: step_in(one, binding, on_device, placement, parts.gatherer, ids))
+            # the device's units first, in the step
+            async_step.run(binding, ids, lambda one: step_in(one, binding, on_device, placement, parts.gatherer, ids))
         else:
             run(binding, parts.units, placement, parts.gatherer, used)
 

@@ -526,7 +526,7 @@ def _accumulated_grad_batches(spec: str, root: str, offload: bool) -> None:
     trainer.fit(ModelParallelClassificationModel(), datamodule=h.classif_datamodule())
     assert verification_callback.on_train_batch_start_called
     if offload == "async":  # Adam through the host kernel: every step was asynchronous
-        assert trainer.strategy.engine.parts.host_step.steps == trainer.global_step > 0
+        assert trainer.strategy.engine.parts.async_step.steps == trainer.global_step > 0
 
 
 @pytest.mark.parametrize("offload", [False, True, "speculative", "async"])

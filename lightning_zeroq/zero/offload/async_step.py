@@ -9,32 +9,36 @@ long before that.
 
 How. At ``step()``, on the calling thread, each unit of the optimizer is prepared in forward order
 (unit 0 first, the one the forward needs first): a speculative step of it is kept (``speculative_step.py``;
-the units speculation has not started yet are taken over here), or its kernel jobs are built (state made, step counts advanced, the gradient multiplier taken; see
-``HostOptimizer.step_later``). A worker thread then runs the jobs unit by unit, the first unit in
-forward order whose gradient has landed on the host (so the host never waits while there is work; the
-gradients land in reverse order, unit 0's last), and publishes the units (the copy to the device, the
-gather of stages 1/2, the bf16 payload of a stage-3 store) strictly in unit order as they are stepped,
-on a stream of its own and, with several ranks, on a process group of its own. So every rank issues
-the publishing collectives in the same order whatever its calling thread does meanwhile: a module that
-only some ranks run, or a collective of the user's (``self.log(..., sync_dist=True)``), cannot
-interleave with them.
+the units speculation has not started yet are taken over here), or its kernel jobs are built (state
+made, step counts advanced, the gradient multiplier taken; see ``HostOptimizer.step_later``). Each unit
+then becomes two jobs of the host's worker (``host_worker.py``), queued in forward order: its step,
+ready once its gradient has landed on the host, and its publication (the copy to the device, the gather
+of stages 1/2, the bf16 payload of a stage-3 store), ready once it is stepped and the unit before it
+published. The worker takes the first ready job, so it steps the first unit in forward order whose
+gradient has landed (the host never waits while there is work; the gradients land in reverse order,
+unit 0's last) and publishes the units strictly in unit order as they are stepped, on a stream of its
+own and, with several ranks, on a process group of its own. So every rank issues the publishing
+collectives in the same order whatever its calling thread does meanwhile: a module that only some
+ranks run, or a collective of the user's (``self.log(..., sync_dist=True)``), cannot interleave with
+them.
 
 Nothing reads a unit before it is published:
 
 - A persistent unit's parameters are ``PendingParameter``s from ``step()`` until their unit is
   published: reading their values by any torch function (a module's forward, a callback averaging the
-  weights, ``.data``, a state dict) waits for that unit first (``need``), on the calling thread, and
-  turns them back into what they were; their metadata (shape, dtype, ``grad``) reads as usual. A
-  stage-3 unit is sharded at rest, and its gather waits the same way (``ready``).
+  weights, ``.data``, a state dict) waits for that unit first (the worker's ``wait(index)``), on the
+  calling thread, which turns them back into what they were (``_joined``); their metadata (shape,
+  dtype, ``grad``) reads as usual. A stage-3 unit is sharded at rest, and its gather waits the same
+  way (``gather.Gatherer``).
 - Forward pre-hooks publish ahead of the forward's first read, outside any compiled graph: on the
   topmost modules whose parameters all lie in one unit, below the module given to the engine (a
   LightningModule's own forward is never called by the Trainer), and on any module holding parameters
   of several units directly.
-- Whatever reads or writes masters, state or host gradients waits for all of it first (``drain``):
-  the host placement's ``settle`` (its walks over the masters, which state dicts, checkpoints, loads and
-  ``gathered_parameters`` take; its gradient copies and the next backward; the next step; attaching an
-  optimizer), and the optimizer's own ``state_dict`` and ``load_state_dict`` and the model's
-  ``state_dict`` (pre-hooks). ``zero_grad`` does not wait.
+- Whatever reads or writes masters, state or host gradients waits for all of it first (the worker's
+  ``wait()``): the host placement (its walks over the masters, which state dicts, checkpoints, loads and
+  ``gathered_parameters`` take; the next backward; the next step; attaching an optimizer; a gradient's
+  copy to the host waits for its unit), and the optimizer's own ``state_dict`` and ``load_state_dict``
+  and the model's ``state_dict`` (pre-hooks). ``zero_grad`` does not wait.
 
 So the numbers are those of the step run in one go: the same jobs on the same inputs; only when each
 is run and when each unit is published move.
@@ -43,7 +47,7 @@ is run and when each unit is published move.
 from __future__ import annotations
 
 import contextlib
-import threading
+import functools
 import warnings
 from collections import deque
 from typing import Any, Callable, Optional, Sequence
@@ -56,71 +60,51 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 
 from lightning_zeroq.zero.hooks import EagerHook, WeakHook
 from lightning_zeroq.zero.offload.host import HostOptimizer
+from lightning_zeroq.zero.offload.host_worker import HostWorker, Job
 from lightning_zeroq.zero.optim.binding import Binding, OneStep
 from lightning_zeroq.zero.unit import METADATA, Unit
 
 
-class SyncHostStep:
-    """Without ``offload_async_step``: every step is done when ``step()`` returns."""
-
-    steps = 0
-
-    def takes(self, binding: Binding, several: bool) -> bool:
-        return False
-
-    def run(self, binding: Binding, used: Sequence[Any],
-            device_step: Optional[Callable[[OneStep], Any]] = None) -> None:
-        raise AssertionError("takes() is False")
-
-    def drain(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class AsyncHostStep(SyncHostStep):
+class AsyncHostStep:
     """The asynchronous step of the units of one engine that step on the host (``units``: all of them
     with full offload; with ``offload_optimizer_ratio`` below 1 the others step on the device, in the
-    step itself, and are published before it returns, as without this)."""
+    step itself, and are published before it returns, as without this). Its work runs on the host's
+    worker (``host_worker.py``), two jobs per unit: the unit's step and its publication."""
 
-    def __init__(self, host: HostOptimizer, module: nn.Module, units: Sequence[Unit],
+    def __init__(self, host: HostOptimizer, worker: HostWorker, module: nn.Module, units: Sequence[Unit],
                  publish: Callable[[Unit], None], device: torch.device,
                  own_group: Optional[dist.ProcessGroup] = None) -> None:
-        """``publish``: a unit's publication, run on the worker thread (with several ranks, its
+        """``publish``: a unit's publication, run on the worker's thread (with several ranks, its
         collectives on ``own_group``, a process group no other thread uses, destroyed at ``close``)."""
-        self.host, self.units, self._publish, self._own_group = host, units, publish, own_group
-        self._mine = frozenset(unit.index for unit in units)
+        self.host, self.worker, self.units, self._publish, self._own_group = host, worker, units, publish, own_group
         self._device = device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         """The worker's stream: its copies and collectives; the calling thread waits per unit."""
-        self._after: Optional[torch.cuda.Event] = None
-        """The calling thread's work before ``step()`` (the backward reading the working buffers)."""
-        self._cv = threading.Condition()
-        self._pending: deque[Unit] = deque()
-        """Units of the step queued last, in order, that the calling thread has not waited for yet."""
+        self._last: list[Unit] = []
+        """The units of the last step (made readable again should it fail)."""
+        self._order: deque[Unit] = deque()
+        """On the worker's thread: the units of the step left to publish, in unit order."""
+        self._stepped: set[int] = set()
+        """On the worker's thread: the units of the step stepped so far."""
         self._published: dict[int, Optional[torch.cuda.Event]] = {}
-        """Units the worker has published, with the event after it on the worker's stream."""
-        self._error: Optional[BaseException] = None
-        self._thread: Optional[threading.Thread] = None
+        """Units the worker has published and no wait has joined yet, with the event after it on its stream."""
         self._warned = False
         self.steps = 0
         """Steps taken asynchronously."""
         self.published_early = 0
-        """Units waited for by a read (a forward, a gather, a parameter read), not by ``drain``, over all steps."""
-        self._held: list[torch.Tensor] = []
+        """Units joined by a wait for a unit (a forward, a gather, a parameter read), not for the whole step,
+        over all steps."""
         self._watched: dict[int, list] = {}
         """Per optimizer (by id): its state_dict / load_state_dict pre-hooks, which wait for the step."""
         for unit in units:
             if unit.persistent:
                 for p in unit.params:
-                    p.__dict__["_zeroq_wait"] = WeakHook(self, "need", unit.index)
+                    p.__dict__["_zeroq_wait"] = WeakHook(worker.wait, unit.index)
         hooked = _hook_modules(module, units)
-        self._handles = [m.register_forward_pre_hook(EagerHook(self, "_before_forward", index)) for m, index in hooked]
+        self._handles = [m.register_forward_pre_hook(EagerHook(self._before_forward, index)) for m, index in hooked]
         # A module's state_dict() (the model's, or one of those modules') reads the weights: the step first.
         for m in {id(m): m for m in [module, *(m for m, _ in hooked)]}.values():
-            self._handles.append(m.register_state_dict_pre_hook(EagerHook(self, "_before_read")))
-        host.settle_with(self.drain)
+            self._handles.append(m.register_state_dict_pre_hook(EagerHook(self._before_read)))
 
     # ------------------------------------------------------------------ the step
 
@@ -146,15 +130,15 @@ class AsyncHostStep(SyncHostStep):
             device_step: Optional[Callable[[OneStep], Any]] = None) -> None:
         """Prepare every unit of ``binding`` here, in forward order, and hand their jobs to the worker;
         ``device_step``: the step of the units on the device, run first, within the same optimizer step."""
-        self.drain()  # the step before (a step with no backward since is possible)
         kernel = self.host.kernel
         assert kernel is not None  # takes() said so
+        if self.host.spec is not None:
+            self.host.spec.hand_over()  # the units it has not started step here, in forward order
+        self.worker.wait()  # the step before (a step with no backward since is possible), a speculative step
         self._watch(binding.optimizer)
         mine = [u for u in self.units if u.index in binding.unit_ids]
         hypers = kernel.kernel_args(mine, binding)
         assert hypers is not None  # takes() said so
-        if self.host.spec is not None:
-            self.host.spec.hand_over()  # the units it has not started step here, in forward order
         work = []
         with OneStep(binding.optimizer) as one_step:  # no hooks (takes); the optimizer's own step() runs once
             ran = device_step is not None and device_step(one_step)
@@ -162,151 +146,107 @@ class AsyncHostStep(SyncHostStep):
                 work.append((unit, *self.host.step_later(unit, binding, used, hypers)))
             if not ran:
                 one_step.step()
-        # The jobs point into these tensors: held until the worker is done, whatever the optimizer's
-        # state dict is given meanwhile (a load_state_dict between the step and the next forward).
-        state = binding.optimizer.state
-        self._held = [t for unit in mine for view, _ in binding.optimized[unit.index]
-                      for t in (view, *state[view].values()) if isinstance(t, torch.Tensor)]
-        with self._cv:
-            self._pending.extend(mine)
-            self._published.clear()
-        for unit in mine:  # readable again once published (need)
+        self._last = mine
+        for unit in mine:  # readable again once published (the worker's wait joins the unit)
             if unit.persistent:
                 for p in unit.params:
                     p.__class__ = PendingParameter
-        if self._stream is not None:
-            self._after = torch.cuda.Event()
-            self._after.record(torch.cuda.current_stream(self._device))
+        if self._stream is not None:  # the worker's stream after the calling thread's work so far (the backward)
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(self._device))
+            self._stream.wait_event(after)
         # A core stays with the calling thread: it launches the next forward while the worker steps the
         # units that forward reaches last; on a full machine the launches would queue behind the kernel.
         threads = max(1, torch.get_num_threads() - 1)
-        self._thread = threading.Thread(target=self._work, args=(work, threads), name="zeroq-async-step",
-                                        daemon=True)
-        self._thread.start()
+        self._order, self._stepped, self._published = deque(mine), set(), {}
         self.steps += 1
+        state = binding.optimizer.state
+        for unit, copied, jobs in work:
+            # The jobs point into these tensors: held until the unit is stepped, whatever the optimizer's
+            # state dict is given meanwhile (a load_state_dict between the step and the next forward).
+            held = [t for view, _ in binding.optimized[unit.index] for t in (view, *state[view].values())
+                    if isinstance(t, torch.Tensor)]
+            self.worker.submit(Job(unit.index, functools.partial(self._step, unit, copied, jobs, threads, held),
+                                   self._failed, ready=functools.partial(_landed, copied, jobs)))
+            self.worker.submit(Job(unit.index, functools.partial(self._publish_one, unit), self._failed,
+                                   ready=functools.partial(self._publishable, unit), waits=False,
+                                   joined=functools.partial(self._joined, unit)))
 
     def _watch(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.state_dict()`` and ``load_state_dict()`` called directly (not through the engine)
         wait for the step first, as the engine's own readers do."""
         if id(optimizer) not in self._watched:
             self._watched[id(optimizer)] = [
-                optimizer.register_state_dict_pre_hook(EagerHook(self, "_before_read")),
-                optimizer.register_load_state_dict_pre_hook(EagerHook(self, "_before_read"))]
+                optimizer.register_state_dict_pre_hook(EagerHook(self._before_read)),
+                optimizer.register_load_state_dict_pre_hook(EagerHook(self._before_read))]
 
     def _before_read(self, *hook_args: Any) -> None:
         """A state_dict / load_state_dict pre-hook (a module's or an optimizer's): the step first."""
-        self.drain()
+        self.worker.wait()
 
-    def _work(self, work: list, threads: int) -> None:
+    def _before_forward(self, index: int, module: nn.Module, args: Any) -> None:
+        self.worker.wait(index)
+
+    # ------------------------------------------------------------------ on the worker
+
+    def _step(self, unit: Unit, copied: Optional["torch.cuda.Event"], jobs: list, threads: int, held: list) -> None:
         kernel = self.host.kernel
-        assert kernel is not None
-        try:
-            with self._on_stream():
-                order = deque(item[0] for item in work)  # forward order: the order of publication
-                stepped: set[int] = set()
-                left = list(work)
-                while left:
-                    item = _next(left)
-                    left.remove(item)
-                    unit, copied, jobs = item
-                    self._may_start(unit)
-                    if jobs:
-                        if copied is not None:
-                            copied.synchronize()  # the gradient's copy to the host
-                        with torch.profiler.record_function("zeroq.optimizer_step"):
-                            kernel.kernel.run(jobs, threads=threads)
-                    stepped.add(unit.index)
-                    while order and order[0].index in stepped:
-                        self._publish_one(order.popleft())
-        except BaseException as caught:  # reported by the next need() or drain(), on the calling thread
-            with self._cv:
-                self._error = caught
-                self._cv.notify_all()
+        assert kernel is not None  # run() had it
+        self._may_start(unit)
+        if jobs:
+            if copied is not None:
+                copied.synchronize()  # the gradient's copy to the host
+            with torch.profiler.record_function("zeroq.optimizer_step"):
+                kernel.kernel.run(jobs, threads=threads)
+        self._stepped.add(unit.index)
 
-    def _on_stream(self) -> contextlib.AbstractContextManager:
-        stack = contextlib.ExitStack()
-        if self._stream is not None:
-            assert self._after is not None  # run() recorded it
-            self._stream.wait_event(self._after)
-            stack.enter_context(torch.cuda.device(self._device))
-            stack.enter_context(torch.cuda.stream(self._stream))
-        return stack
+    def _publishable(self, unit: Unit) -> bool:
+        """The worker publishes in unit order: ``unit`` once it is stepped and every unit before it published."""
+        return self._order[0] is unit and unit.index in self._stepped
 
     def _publish_one(self, unit: Unit) -> None:
         kernel = self.host.kernel
         assert kernel is not None  # run() had it
+        self._order.popleft()
         kernel.stepped(unit.index)  # its bf16 copy is the new master's cast, whatever a zero_grad cleared
-        with torch.profiler.record_function("zeroq.publish"):
+        with self._on_stream(), torch.profiler.record_function("zeroq.publish"):
             self._publish(unit)
-        done = None
+            done = None
+            if self._stream is not None:
+                done = torch.cuda.Event()
+                done.record(self._stream)
+        self._published[unit.index] = done
+
+    def _on_stream(self) -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()
         if self._stream is not None:
-            done = torch.cuda.Event()
-            done.record(self._stream)
-        with self._cv:
-            self._published[unit.index] = done
-            self._cv.notify_all()
+            stack.enter_context(torch.cuda.device(self._device))
+            stack.enter_context(torch.cuda.stream(self._stream))
+        return stack
 
     def _may_start(self, unit: Unit) -> None:
-        """The worker is about to step ``unit`` (a seam: the tests hold it here until the unit is needed)."""
+        """The worker is about to step ``unit`` (a seam: the tests hold it here until the unit is waited for)."""
 
-    # ------------------------------------------------------------------ waiting
+    # ------------------------------------------------------------------ on the calling thread
 
-    def need(self, index: int, early: bool = True) -> None:
-        """On the calling thread: wait until every pending unit up to unit ``index`` is published (the
-        worker publishes in unit order), and make its parameters readable again."""
-        last = None
-        while self._pending and self._pending[0].index <= index:
-            unit = self._pending[0]
-            with self._cv:
-                while unit.index not in self._published and self._error is None:
-                    self._cv.wait()
-                error = self._error
-            if error is not None:
-                self._fail(error)
-            self._pending.popleft()
-            last = self._published[unit.index] or last
+    def _joined(self, unit: Unit, early: bool) -> None:
+        """A wait covered ``unit``'s publication: its parameters are readable again, and the calling
+        thread's stream comes after the worker's copies of it."""
+        done = self._published.pop(unit.index)
+        _readable(unit)
+        if done is not None:
+            torch.cuda.current_stream(self._device).wait_event(done)
+        self.published_early += early
+
+    def _failed(self, error: BaseException) -> BaseException:
+        for unit in self._last:
             _readable(unit)
-            self.published_early += early
-        if last is not None:
-            torch.cuda.current_stream(self._device).wait_event(last)
-
-    def drain(self) -> None:
-        """Publish every pending unit; the worker has then ended."""
-        if self._pending:
-            self.need(self._pending[-1].index, early=False)
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        self._held = []
-        if self._error is not None:
-            self._fail(self._error)
-
-    def _fail(self, error: BaseException) -> None:
-        self._error = None
-        for unit in self._pending:
-            _readable(unit)
-        self._pending.clear()
-        raise RuntimeError("ZeroQ: the asynchronous host step failed part way (offload_async_step); the "
-                           "model's weights and optimizer state are partly stepped: load the last "
-                           "checkpoint") from error
-
-    def ready(self, index: int, prefetch: bool) -> bool:
-        """Before a stage-3 gather of unit ``index``: publish it first; a prefetch of a unit the worker
-        has not published yet is left out instead (False), so the forward is not held up for it."""
-        if index not in self._mine:  # a unit stepped on the device: published by the step itself
-            return True
-        if prefetch and self._pending and self._pending[0].index <= index:
-            with self._cv:
-                if index not in self._published:
-                    return False
-        self.need(index)
-        return True
-
-    def _before_forward(self, index: int, module: nn.Module, args: Any) -> None:
-        self.need(index)
+        return RuntimeError("ZeroQ: the asynchronous host step failed part way (offload_async_step); the "
+                            "model's weights and optimizer state are partly stepped: load the last "
+                            "checkpoint")
 
     def close(self) -> None:
-        self.drain()
+        self.worker.wait()
         if self._own_group is not None:
             dist.destroy_process_group(self._own_group)
             self._own_group = None
@@ -318,7 +258,7 @@ class AsyncHostStep(SyncHostStep):
 class PendingParameter(nn.Parameter):
     """A persistent unit's parameter between an asynchronous step and its unit's publication. Its
     metadata (shape, dtype, device, ``grad``) reads as usual; any other torch function of it (its values
-    read or written, ``.data``) first waits for its unit (``AsyncHostStep.need``, which turns it back into
+    read or written, ``.data``) first waits for its unit (the host worker's ``wait``, which turns it back into
     what it was), so no path reads the weights from before the step."""
 
     @classmethod
@@ -353,15 +293,10 @@ def _readable(unit: Unit) -> None:
             p.__class__ = cls
 
 
-def _next(left: list) -> tuple:
-    """The unit to step next: the first in forward order whose gradient is on the host (a speculated
-    unit has nothing to wait for); if none has landed, the last (the gradients leave the device in
-    reverse order, so it lands first). The host never waits while a gradient it could step is there."""
-    for item in left:
-        copied, jobs = item[1], item[2]
-        if not jobs or copied is None or copied.query():
-            return item
-    return left[-1]
+def _landed(copied: Optional["torch.cuda.Event"], jobs: list) -> bool:
+    """Whether a unit's step can start without waiting: its gradient is on the host (a kept speculative
+    step has nothing to do)."""
+    return not jobs or copied is None or copied.query()
 
 
 def _hook_modules(root: nn.Module, units: Sequence[Unit]) -> list[tuple[nn.Module, int]]:

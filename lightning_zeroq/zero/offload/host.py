@@ -38,7 +38,7 @@ is what the CPU tests exercise. Host buffers are pinned only where a GPU copies 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -49,6 +49,7 @@ from lightning_zeroq.zero.offload.stores import ShardStore, copy_cast_to_device
 from lightning_zeroq.zero.offload.host_kernel import KernelSteps, set_host_step_threads
 from lightning_zeroq.zero.offload.stores import HostStore, host_copy
 from lightning_zeroq.zero.offload.host_grads import GradientLanding, wait_event
+from lightning_zeroq.zero.offload.host_worker import HostWorker
 from lightning_zeroq.zero.offload.speculative_step import Speculation
 from lightning_zeroq.zero.optim.binding import Binding, adam_kind, prefer_fast_host_step
 from lightning_zeroq.zero.unit import Unit
@@ -57,9 +58,12 @@ from lightning_zeroq.zero.unit import Unit
 class HostOptimizer(OptimizerHome):
     """Masters and optimizer state in host memory; the step runs on the CPU, unit by unit."""
 
-    def __init__(self, device: torch.device, param_dtype: torch.dtype, world_size: int,
+    def __init__(self, device: torch.device, param_dtype: torch.dtype, world_size: int, worker: HostWorker,
                  speculative: bool = False) -> None:
         super().__init__(device)
+        self.worker = worker
+        """The host's worker (``host_worker.py``): speculative and asynchronous steps run there, and whatever
+        reads or writes host gradients, masters or state outside them waits for it first."""
         self.speculative = speculative
         self.spec: Optional[Speculation] = None
         """Host steps taken during the backward (``speculative_step.py``), with ``speculative`` and the kernel."""
@@ -67,8 +71,7 @@ class HostOptimizer(OptimizerHome):
         self._stepping = False
         self.pin = device.type == "cuda"
         self.param_dtype, self.world_size = param_dtype, world_size
-        self._drain: Optional[Callable[[], None]] = None
-        self.landing = GradientLanding(device, self.pin, self.settle)
+        self.landing = GradientLanding(device, self.pin, worker)
         self.multiplier: dict[int, float] = {}
         """Units whose host gradient still owes this multiplier (the kernel applies it as it steps)."""
         self.device_reads: dict[int, "torch.cuda.Event"] = {}
@@ -78,16 +81,6 @@ class HostOptimizer(OptimizerHome):
         self.kernel: Optional[KernelSteps] = None
         """The host kernel's steps, when an attached optimizer is torch's Adam or AdamW (and it loaded)."""
         self._shared: dict[int, Tensor] = {}
-
-    def settle_with(self, drain: Callable[[], None]) -> None:
-        """An asynchronous step (``async_step.AsyncHostStep``) registers the wait for its work: ``settle`` calls it."""
-        self._drain = drain
-
-    def settle(self) -> None:
-        """Wait for an asynchronous step still running: called before anything here reads or writes host
-        gradients, masters or state outside it."""
-        if self._drain is not None:
-            self._drain()
 
     def adopt_master(self, index: int, shard: Tensor) -> Tensor:
         master = host_copy(shard, self.pin)
@@ -106,7 +99,7 @@ class HostOptimizer(OptimizerHome):
                 self.kernel.share(store.buffers)
 
     def attach(self, units: Sequence[Unit], optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        self.settle()
+        self.worker.wait()
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 prefer_fast_host_step(optimizer, group, self.also_on)
@@ -120,7 +113,8 @@ class HostOptimizer(OptimizerHome):
         self._optimizers = list(optimizers)
         if self.spec is not None:
             self.spec.close()
-        self.spec = (Speculation(self.kernel, self._kernel_grad, self.wait_device_reads, self.landing.landed, units)
+        self.spec = (Speculation(self.worker, self.kernel, self._kernel_grad, self.wait_device_reads,
+                                 self.landing.landed, units)
                      if self.speculative and self.kernel is not None else None)
         if self.speculative and self.kernel is None:
             warnings.warn("ZeroConfig: offload_speculative_step=True has no effect: it needs torch's Adam or AdamW "
@@ -129,7 +123,7 @@ class HostOptimizer(OptimizerHome):
                              else "the kernel did not load here (see the log)") + ".", stacklevel=3)
 
     def begin_backward(self, last: bool) -> None:
-        self.settle()
+        self.worker.wait()
         self.landing.begin(last)
         if last and self.spec is not None:
             self.spec.open(self._optimizers)
@@ -141,13 +135,16 @@ class HostOptimizer(OptimizerHome):
             self.spec.offer(unit)
 
     def resident(self, units: Sequence[Unit]) -> Iterator[Unit]:
-        """The units in order; each only once the device finished reading its master (whoever writes
-        the masters walks them through here: the step, checkpoint loads, ``gathered_parameters``). A
-        walker other than the step sees the masters as before any speculative step."""
-        self.settle()
+        """The units in order; each only once the host's worker is done with it and the device finished
+        reading its master (whoever writes the masters walks them through here: the step, checkpoint
+        loads, ``gathered_parameters``). A walker other than the step sees the masters as before any
+        speculative step, after all of the worker's work; the step's own walk waits unit by unit (a
+        speculative step of the unit is then kept or undone, ``step_batch``)."""
         if not self._stepping:
             self.abandon_speculation()
+            self.worker.wait()
         for unit in units:
+            self.worker.wait(unit.index)
             self.wait_device_reads(unit.index)
             if self.kernel is not None:
                 self.kernel.fresh.discard(unit.index)  # the walker may write the master
@@ -186,8 +183,8 @@ class HostOptimizer(OptimizerHome):
     def step_grad(self, unit: Unit) -> Tensor:
         """The unit's fp32 host gradient, with every multiplier owed applied (a reader other than the
         kernel: the optimizer's own step, value clipping)."""
-        self.settle()
         self.abandon_speculation()
+        self.worker.wait()
         grad = self.landing.fp32(unit)
         owed = self.multiplier.pop(unit.index, None)
         if owed is not None:
@@ -247,7 +244,7 @@ class HostOptimizer(OptimizerHome):
         return unit.master.to(device=self.device, dtype=dtype, non_blocking=True)
 
     def close(self) -> None:
-        self.settle()
+        self.worker.wait()
         if self.spec is not None:
             self.spec.close()
 

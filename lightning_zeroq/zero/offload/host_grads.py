@@ -47,6 +47,7 @@ from torch import Tensor
 
 from lightning_zeroq.zero import comm
 from lightning_zeroq.swap.buffers import pinned_empty
+from lightning_zeroq.zero.offload.host_worker import HostWorker
 from lightning_zeroq.zero.unit import Unit
 
 
@@ -61,10 +62,10 @@ copy anyway)."""
 class GradientLanding:
     """The host buffers the units' gradient shards land in, and the copies that fill them."""
 
-    def __init__(self, device: torch.device, pin: bool, settle: Callable[[], None]) -> None:
+    def __init__(self, device: torch.device, pin: bool, worker: HostWorker) -> None:
         self.device, self.pin = device, pin
-        self.settle = settle
-        """Waits for an asynchronous step still reading host gradients (see ``HostOptimizer.settle``)."""
+        self.worker = worker
+        """The host's worker, whose jobs (an asynchronous step's) may still read a unit's host gradient."""
         self.numels: dict[int, int] = {}
         """The host units, with their shard's elements."""
         self.host_grads: dict[int, Tensor] = {}
@@ -137,7 +138,7 @@ class GradientLanding:
         """Copy the unit's gradient shard to the host after what the current stream issued so far (its
         reduction), on the copy stream, and release it on the device. The window's single reduced part
         goes as it is where it is bf16 and ``half_ok`` (the host kernel reads it); otherwise in fp32."""
-        self.settle()  # an asynchronous step may still read the host gradient
+        self.worker.wait(unit.index)  # an asynchronous step may still read the host gradient
         if half_ok and unit.flat.dtype == torch.bfloat16 and not (unit.has_grad_storage or unit.pending is not None
                                                                    or unit.landed is not None):
             self._half_buffer(unit).zero_()  # no gradient this window: zeros, as a materialized shard holds

@@ -34,6 +34,7 @@ from torch import Tensor
 from lightning_zeroq.swap import NvmeSwapper, SwapHandle, aligned_empty
 from lightning_zeroq.zero.optim.matrix import is_matrix_optimizer
 from lightning_zeroq.zero.offload.host import HostOptimizer
+from lightning_zeroq.zero.offload.host_worker import HostWorker
 from lightning_zeroq.zero.unit import Unit
 
 
@@ -103,9 +104,9 @@ class NvmeOptimizer(HostOptimizer):
     units not in ``on_disk`` (default: every unit is) keep theirs in host memory, as with CPU offload
     (``offload_optimizer_nvme_ratio`` below 1: the state spills to disk only as far as the host needs)."""
 
-    def __init__(self, device: torch.device, param_dtype: torch.dtype, world_size: int, *, nvme_path: str,
-                 rank: int, on_disk: Optional[frozenset[int]] = None) -> None:
-        super().__init__(device, param_dtype, world_size)
+    def __init__(self, device: torch.device, param_dtype: torch.dtype, world_size: int, worker: HostWorker, *,
+                 nvme_path: str, rank: int, on_disk: Optional[frozenset[int]] = None) -> None:
+        super().__init__(device, param_dtype, world_size, worker)
         self.nvme_path, self.rank, self.on_disk = nvme_path, rank, on_disk
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.keys: list[str] = []

@@ -6,12 +6,21 @@ whether all of them are finite) and the step's gradient multiplier is known (uns
 with optimizer offload the host waits through the backward, and the backward and the host step add up.
 
 What is speculated. In a backward that ends the window (``boundary=True``), each unit whose gradient
-leaves for the host during it is handed to a worker thread, which steps the units newest landed first
-(``_next`` says why), each once its copy has landed, with the host kernel (``host_kernel.KernelSteps``) out of place: the updated master,
-``exp_avg`` and ``exp_avg_sq`` go to the unit's spare buffers (``_Spare``), the ones the step read stay
-as they were, and the bf16 copy of the master is written as usual. Only where the step is torch's Adam or AdamW through the kernel (one optimizer, no step
-pre-hooks), every segment's state was made by an earlier step, and no loss scaling (whose unscaling
-multiplier is not 1) is in use.
+leaves for the host during it is offered to the host's worker (``host_worker.py``) as a job, which
+steps it once its copy has landed, with the host kernel (``host_kernel.KernelSteps``) out of place: the
+updated master, ``exp_avg`` and ``exp_avg_sq`` go to the unit's spare buffers (``_Spare``), the ones
+the step read stay as they were, and the bf16 copy of the master is written as usual. Only where the
+step is torch's Adam or AdamW through the kernel (one optimizer, no step pre-hooks), every segment's
+state was made by an earlier step, and no loss scaling (whose unscaling multiplier is not 1) is in use.
+
+Which unit first: each unit offered goes to the front of the worker's queue, so the worker steps the
+unit offered last among those whose gradient is on the host, else the one offered first (its gradient
+lands first). Why newest first: the host steps more slowly than the backward hands it gradients, so
+some units are left for after the backward whatever the order, and the next forward needs the units in
+forward order, the reverse of the order they land in. Stepping the newest first leaves the units the
+forward reaches last for the end, where their steps overlap the forward (``async_step.py`` takes them
+over, in forward order, at ``step()``: ``hand_over``), instead of leaving unit 0, which the forward
+needs first, for the end.
 
 Kept or undone. At the step a speculated unit is kept (``keep``) if its step is the one the step
 would take: no multiplier owed (no clipping took effect: the clip factor of a norm under the bound is
@@ -33,10 +42,9 @@ windows do not speculate.
 
 from __future__ import annotations
 
-import threading
+import functools
 import time
 import warnings
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -47,6 +55,7 @@ from torch.optim.optimizer import _global_optimizer_pre_hooks
 from lightning_zeroq.swap.buffers import pinned_empty
 from lightning_zeroq.zero.layout import Segment
 from lightning_zeroq.zero.offload.host_kernel import KernelSteps
+from lightning_zeroq.zero.offload.host_worker import HostWorker, Job
 from lightning_zeroq.zero.optim.binding import adam_kind
 from lightning_zeroq.zero.unit import Unit
 
@@ -76,8 +85,9 @@ class _Done:
     hypers: dict[int, dict[str, Any]]
     steps: list[tuple[Tensor, float]]
     """Each segment's step count tensor and its value before the speculative step."""
-    stale: bool = False
-    """More gradients arrived for the unit after its copy."""
+    grown: int = 0
+    """How many times more gradients had reached the unit when it was offered (``Speculation.regrown``):
+    another count at the step means some arrived after its copy."""
 
 
 @dataclass
@@ -111,28 +121,26 @@ class _Counts:
 
 
 class Speculation:
-    """One per host placement; the worker thread starts with the first unit offered."""
+    """One per host placement; its steps are jobs of the host's worker (``host_worker.py``)."""
 
-    def __init__(self, steps: KernelSteps, grad_of: Callable[[Unit], Tensor],
+    def __init__(self, worker: HostWorker, steps: KernelSteps, grad_of: Callable[[Unit], Tensor],
                  wait_reads: Callable[[int], None], landed: Callable[[int], bool] = lambda index: True,
                  units: Sequence[Unit] = ()) -> None:
         """``grad_of``: a unit's host gradient once landed (waits for it); ``landed``: whether unit
         ``index``'s gradient is on the host now (does not wait)."""
-        self.steps, self._grad_of, self._wait_reads, self._landed = steps, grad_of, wait_reads, landed
+        self.worker, self.steps, self._grad_of, self._wait_reads, self._landed = worker, steps, grad_of, wait_reads, landed
         self.units = list(units)
         """The units it may step (their spare buffers are made at the first window that can use them)."""
-        self._cv = threading.Condition()
-        self._queue: deque[Unit] = deque()
-        self._busy: Optional[Unit] = None
-        self._busy_stale = False
+        self._jobs: list[Job] = []
+        """The jobs offered to the worker that no ``keep`` or ``undo_all`` has waited for yet."""
+        self._grown: dict[int, int] = {}
+        """Per unit: how many times more gradients reached it after a reduction (``regrown``)."""
         self._accepting = False
-        self._error: Optional[BaseException] = None
-        self._thread: Optional[threading.Thread] = None
         self._optimizer: Optional[torch.optim.Optimizer] = None
         self._pause = 0
-        self._closed = False
         self._warned = False
         self.done: dict[int, _Done] = {}
+        """The worker's finished steps, by unit (written on its thread, read once a wait covered them)."""
         self.spares: dict[int, _Spare] = {}
         self.counts = _Counts()
 
@@ -154,8 +162,7 @@ class Speculation:
                               "step does); the step runs as usual.", stacklevel=2)
             return
         self._make_spares(optimizer)
-        with self._cv:
-            self._optimizer, self._accepting = optimizer, True
+        self._optimizer, self._accepting = optimizer, True
         self.counts.windows += 1
 
     def _make_spares(self, optimizer: torch.optim.Optimizer) -> None:
@@ -171,75 +178,58 @@ class Speculation:
                     self.spares[unit.index] = self._spare(unit, optimizer, pairs)
 
     def offer(self, unit: Unit) -> None:
-        """``unit``'s gradient is on its way to the host: step it once it has landed."""
-        with self._cv:
-            if not self._accepting:
-                return
-            self._queue.append(unit)
-            self.counts.offered += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._work, name="zeroq-speculative-step", daemon=True)
-                self._thread.start()
-            self._cv.notify_all()
+        """``unit``'s gradient is on its way to the host: the worker steps it once it has landed, the units
+        offered last first (``Job.ready``; the module docstring of ``host_worker.py`` says why)."""
+        if not self._accepting:
+            return
+        index = unit.index
+        job = Job(index, functools.partial(self._work, unit, self._grown.get(index, 0)), self._failed,
+                  ready=functools.partial(self._landed, index))
+        self._jobs.append(job)
+        self.counts.offered += 1
+        self.worker.submit(job, first=True)
 
     def regrown(self, unit: Unit) -> None:
-        """More gradients reached ``unit``: a step taken from its earlier copy must not stay."""
-        with self._cv:
-            if unit in self._queue:
-                self._queue.remove(unit)
-            if self._busy is unit:
-                self._busy_stale = True
-            if unit.index in self.done:
-                self.done[unit.index].stale = True
+        """More gradients reached ``unit``: a step taken from its earlier copy must not stay (one not started
+        is taken back; one started or done is stale, ``keep``)."""
+        self._grown[unit.index] = self._grown.get(unit.index, 0) + 1
+        for job in [j for j in self._jobs if j.unit == unit.index]:
+            if self.worker.withdraw(job):
+                self._jobs.remove(job)
 
     def end_offers(self) -> None:
         """The backward ended on this thread: no more units. Those offered still step on the worker: on a
         GPU the device is still running the backward (the CPU only queued it), so their gradients are
         still landing, and the step waits for each in turn (``keep``) rather than stepping it itself."""
-        with self._cv:
-            self._accepting = False
-
-    def stop(self) -> None:
-        """No more units, and those not started step as usual (a reader comes before the step)."""
-        self.hand_over()
+        self._accepting = False
 
     def hand_over(self) -> None:
-        """No more units, and those not started are the caller's to step: an asynchronous step's
-        (``async_step.AsyncHostStep.run``, in forward order), or the usual step's (``stop``). The one being
-        stepped finishes here (``keep`` waits for it)."""
-        with self._cv:
-            self._accepting = False
-            self.counts.unstarted += len(self._queue)
-            self._queue.clear()
+        """No more units, and those the worker has not started are the caller's to step: an asynchronous
+        step's (``async_step.AsyncHostStep.run``, in forward order), or the usual step's (``undo_all``). The
+        one being stepped finishes on the worker (``keep`` waits for it)."""
+        self._accepting = False
+        for job in list(self._jobs):
+            if self.worker.withdraw(job):
+                self._jobs.remove(job)
+                self.counts.unstarted += 1
 
-    def settle(self) -> None:
-        """``stop``, and wait for the unit being stepped."""
-        with self._cv:  # a reentrant lock: ``stop`` takes it again
-            self.stop()
-            while self._busy is not None:
-                self._cv.wait()
-        self._raise_failure()
-
-    def _raise_failure(self) -> None:
-        """A step the worker failed is reported here, on the main thread, every speculated unit undone first."""
-        with self._cv:
-            error, self._error = self._error, None
-        if error is not None:
-            self.undo_all()
-            raise RuntimeError("ZeroQ: a speculative host step failed; the model is as before it") from error
+    def _failed(self, error: BaseException) -> BaseException:
+        """A step the worker failed, raised by the worker's next wait on the calling thread, every speculated
+        unit undone first."""
+        self.undo_all()
+        return RuntimeError("ZeroQ: a speculative host step failed; the model is as before it")
 
     def keep(self, unit: Unit, binding: Any, used: Sequence[Any], owed: bool) -> Optional[bool]:
         """At the step: None if ``unit`` was not speculated; True if its step stays; False if it was
         undone (the caller steps it as usual). ``owed``: a gradient multiplier is pending for it. Waits
         for the worker to finish ``unit`` if it was offered and is still queued or running."""
-        with self._cv:
-            while unit in self._queue or self._busy is unit:
-                self._cv.wait()
-        self._raise_failure()
+        if any(job.unit == unit.index for job in self._jobs):
+            self.worker.wait(unit.index)
+            self._jobs = [job for job in self._jobs if job.unit != unit.index]
         record = self.done.pop(unit.index, None)
         if record is None:
             return None
-        same = (not record.stale and not owed and binding.optimizer is self._optimizer
+        same = (record.grown == self._grown.get(unit.index, 0) and not owed and binding.optimizer is self._optimizer
                 and [id(v) for v, _ in binding.optimized[unit.index]] == [id(v) for v, _ in record.pairs]
                 and all(used[unit.param_id(seg.param)] for _, seg in record.pairs)
                 and self.steps.kernel_args([unit], binding) == record.hypers)
@@ -254,10 +244,14 @@ class Speculation:
         return False
 
     def undo_all(self) -> None:
-        """Restore every unit still speculated (the window ends, or someone reads before the step)."""
-        if self._busy is None and not self.done and not self._queue:
+        """Restore every unit still speculated (the window ends, or someone reads before the step): no more
+        units, those not started handed over, the one being stepped waited for."""
+        if not self._jobs and not self.done:
             return
-        self.settle()
+        self.hand_over()
+        for index in sorted({job.unit for job in self._jobs}):
+            self.worker.wait(index)
+        self._jobs.clear()
         for record in list(self.done.values()):
             self._undo(record)
         self.done.clear()
@@ -267,54 +261,18 @@ class Speculation:
         self.spares.pop(index, None)
 
     def close(self) -> None:
-        """Undo what is left and end the worker thread."""
+        """Undo what is left and drop the spare buffers."""
         self.undo_all()
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
         self.spares.clear()
 
-    # ------------------------------------------------------------------ the worker
+    # ------------------------------------------------------------------ on the worker
 
-    def _work(self) -> None:
-        while True:
-            with self._cv:
-                while not self._queue and not self._closed:
-                    self._cv.wait()
-                if self._closed:
-                    return
-                unit = self._busy = self._next()
-                self._busy_stale = False
-            record, error = None, None
-            try:
-                with torch.profiler.record_function("zeroq.speculative_step"):
-                    record = self._speculate(unit)
-            except BaseException as caught:  # reported by the next settle, on the main thread
-                error = caught
-            with self._cv:
-                if record is not None:
-                    record.stale = self._busy_stale
-                    self.done[unit.index] = record
-                if error is not None:
-                    self._error = error
-                self._busy = None
-                self._cv.notify_all()
-
-    def _next(self) -> Unit:
-        """The unit to step next (under the lock): the one offered last among those whose gradient is on
-        the host, else the one offered first (its gradient lands first).
-
-        Why newest first: the host steps more slowly than the backward hands it gradients, so some units
-        are left for after the backward whatever the order, and the next forward needs the units in
-        forward order, the reverse of the order they land in. Stepping the newest first leaves the units
-        the forward reaches last for the end, where their steps overlap the forward (``async_step.py`` takes
-        them over, in forward order, at ``step()``: ``hand_over``), instead of leaving unit 0, which the
-        forward needs first, for the end."""
-        for unit in reversed(self._queue):
-            if self._landed(unit.index):
-                self._queue.remove(unit)
-                return unit
-        return self._queue.popleft()
+    def _work(self, unit: Unit, grown: int) -> None:
+        with torch.profiler.record_function("zeroq.speculative_step"):
+            record = self._speculate(unit)
+        if record is not None:
+            record.grown = grown
+            self.done[unit.index] = record
 
     def _speculate(self, unit: Unit) -> Optional[_Done]:
         optimizer = self._optimizer

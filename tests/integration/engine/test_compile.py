@@ -177,7 +177,7 @@ def _async_body(mode: str) -> list[int]:
         before = _graphs()
         *got, engine = _zeroq_run(stage, mode, False, offload_async_step=True, **config)
         graphs.append(_graphs() - before)
-        assert engine.parts.host_step.steps > 0
+        assert engine.parts.async_step.steps > 0
         _assert_close(got, want, atol=1e-5)
     return graphs
 

@@ -409,7 +409,7 @@ def _nonfinite_in_one_group_body() -> tuple[bool, list[int]]:
     loss = model.loss(make_batch(0, 0, rank))
     engine.backward(loss * float("nan") if rank == 3 else loss)  # only the second group's last rank
     engine.finalize_gradients()
-    ranks = list(engine.parts.reducer.agreement.nonfinite_ranks)
+    ranks = list(engine.stepper.verdict.nonfinite_ranks)
     stepped = engine.step()
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     return stepped, ranks

@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_zeroq import ZeroConfig, ZeroEngine, gathered_parameters
+from tests.integration.engine.offload.scripted import finish_speculation
 
 STEPS, TOL = 4, 1e-6
 KERNEL = ("offload_speculative_step", "offload_async_step")  # these need the host kernel
@@ -65,20 +66,12 @@ def _write(model: nn.Module, step: int) -> None:
         p.mul_(0.5 if step % 2 == 0 else 0.9)
 
 
-def _drain_speculation() -> None:
-    """Make ``Speculation.stop`` wait until every unit offered so far has been stepped, so the window
-    speculates for certain (``tests/integration/engine/offload/test_speculative.py``)."""
-    from tests.integration.engine.offload.test_speculative import _drain
-
-    _drain()
-
-
 def _matches_ddp_body(case: str, backwards: int) -> dict:
     options = dict(CASES[case])
     if options.get("offload_optimizer_device") == "nvme":
         options["nvme_path"] = tempfile.mkdtemp()
-    if options.get("offload_speculative_step"):
-        _drain_speculation()
+    if options.get("offload_speculative_step"):  # every unit offered is stepped, so the window speculates for certain
+        finish_speculation()
     torch.manual_seed(0)
     model = _model()
     ref = copy.deepcopy(model)

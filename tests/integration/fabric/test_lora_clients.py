@@ -75,7 +75,7 @@ def _body(client: str, stage: int, arm: str, layers: str) -> float:
     for name, before in base.items():
         assert torch.equal(full[name], before), f"the frozen {name} changed"
     if arm == "async":  # every step was asynchronous
-        assert engine.parts.host_step.steps == STEPS, engine.parts.host_step.steps
+        assert engine.parts.async_step.steps == STEPS, engine.parts.async_step.steps
     if layers == "compiled":
         assert clients.graphs() > graphs  # the decoder layers really ran compiled
     return worst

@@ -107,7 +107,7 @@ def _parity_body(stage: int, managed: bool, arm: str = "plain", separate_setup: 
         assert all(u.master.device.type == "cpu" and engine.parts.placement.step_grad(u) is not u.grad for u in engine.parts.units)
     worst = _train_in_lockstep(zq, model, opt, ddp, ref_model, ref_opt, stage=stage, managed=managed)
     if arm == "async":  # every step was asynchronous (param groups of their own hyperparameters included)
-        assert engine.parts.host_step.steps == len(BACKWARDS_PER_STEP)
+        assert engine.parts.async_step.steps == len(BACKWARDS_PER_STEP)
     return worst
 
 

@@ -130,7 +130,7 @@ def _fit(kind: str, stage: int, units: str, mode: str):
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[reader], use_distributed_sampler=False)
     trainer.fit(module, data)
-    steps = trainer.strategy.engine.parts.host_step.steps if mode != "sync" else STEPS
+    steps = trainer.strategy.engine.parts.async_step.steps if mode != "sync" else STEPS
     return module.losses, reader.seen, {n: p.detach().clone() for n, p in module.named_parameters()}, steps
 
 

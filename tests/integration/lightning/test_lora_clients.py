@@ -89,7 +89,7 @@ def _fit(client: str, stage: int, arm: str, layers: str) -> dict:
     if zeroq:
         out["full"] = trainer.strategy.full_state_dict()  # the fit's engine, after fit
         if arm == "async":
-            out["async_steps"] = trainer.strategy.engine.parts.host_step.steps
+            out["async_steps"] = trainer.strategy.engine.parts.async_step.steps
     return out
 
 

@@ -198,7 +198,7 @@ def _async_body(stage: int, managed: bool) -> int:
                              offload_optimizer=True, offload_async_step=asynchronous, **extra)
 
     trainer, _, snaps = _fit(strategy(True), accumulate=3, clip=0.5, scheduler=True)
-    steps = trainer.strategy.engine.parts.host_step.steps
+    steps = trainer.strategy.engine.parts.async_step.steps
     _, _, sync = _fit(strategy(False), accumulate=3, clip=0.5, scheduler=True)
     _, _, ref = _fit("ddp_find_unused_parameters_true", accumulate=3, clip=0.5, scheduler=True)
     _assert_same(snaps, sync, 0.0)

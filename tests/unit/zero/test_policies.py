@@ -17,6 +17,7 @@ from lightning_zeroq.zero.offload import optimizer_home
 from lightning_zeroq.zero.offload.auto import AutoSplit
 from lightning_zeroq.zero.offload.device import OptimizerHome
 from lightning_zeroq.zero.offload.host import HostOptimizer
+from lightning_zeroq.zero.offload.host_worker import HostWorker
 from lightning_zeroq.zero.offload.split import SplitOptimizer
 from lightning_zeroq.zero.optim.binding import Binding
 from lightning_zeroq.zero.policies import Auto, Buckets, Host, ModuleUnits, Nvme, OnDevice
@@ -77,7 +78,7 @@ def test_offload_policy_chooses_the_placement(offload, placement):
     from lightning_zeroq.zero.unit_plan import UnitSpec
 
     specs = [UnitSpec([torch.nn.Parameter(torch.zeros(n))], None, True) for n in (64, 32)]
-    chosen = optimizer_home(offload, CPU, torch.bfloat16, 0, 1, plan_layouts(specs, 1, 8))
+    chosen = optimizer_home(offload, CPU, torch.bfloat16, 0, 1, plan_layouts(specs, 1, 8), HostWorker(threaded=False))
     assert type(chosen) is placement
 
 

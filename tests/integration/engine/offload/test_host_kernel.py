@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zeroq import ZeroConfig, ZeroEngine
+from tests.integration.engine.offload.scripted import Window, same, snapshot, train, two_heads_engine
 from tests.integration.engine.offload.test_offload import TwoHeads, _loss
 
 
@@ -67,31 +68,13 @@ def _train(case: str, window: str, kernel_on: bool, optimizer: str, device: str 
     else:
         host.host_adam = lambda: None  # type: ignore[assignment]
     try:
-        torch.manual_seed(0)
         dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-        model = TwoHeads().to(dtype).to(dev)
-        config = ZeroConfig(stage=stage, reduce_bucket_size=700, stage3_wrap_classes=["Linear"],
-                            stage3_param_persistence_threshold=40, **options)
-        engine = ZeroEngine(model, config, param_dtype=dtype)
-        make = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
-                "adam_l2": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.01, betas=(0.8, 0.95))}[optimizer]
-        engine.attach_optimizer(make(model.parameters()))
+        model, engine = two_heads_engine(stage, options, dtype, optimizer=optimizer, device=dev)
         placement = getattr(engine.parts.placement, "host", engine.parts.placement)
-        out = []
-        for step in range(4):
-            for micro in range(backwards):
-                loss = _loss(model, step, micro, head=step % 2, device=dev)  # the other head is unused
-                engine.backward(loss.float() / backwards, boundary=(micro == backwards - 1) if managed else None)
-            halves.append(len(placement.landing.half))
-            if clip is not None:
-                engine.clip_grad_norm_(clip)
-            engine.step()
-            engine.zero_grad()
-            engine.wait_for_step()  # offload_async_step: the masters and state below are read directly
-            state = [t.detach().clone() for s in engine.optimizer.state.values() for t in s.values()]
-            state = [t.cpu() for t in state]
-            out.append((loss.detach().float().cpu(), [u.master.detach().cpu().clone() for u in engine.parts.units], state,
-                        engine.full_state_dict()))
+        script = [Window(backwards=backwards, head=step % 2, managed=managed, clip=clip)  # the other head is unused
+                  for step in range(4)]
+        out, _ = train(engine, model, script, device=dev, before_step=lambda: halves.append(len(placement.landing.half)),
+                       after_step=lambda: snapshot(engine, model))  # offload_async_step: read once the step is done
         engine.close()
         return out, runs[0], halves, placement.landing.copy_all
     finally:
@@ -131,14 +114,8 @@ def _compare(pool, case, window, optimizer, device):
         stage, options, dtype = CASES[case]
         if dtype == torch.bfloat16 and WINDOWS[window][:2] == (1, True) and stage > 1:
             assert all(h > 0 for h in halves), "a single reduction's bf16 gradient went to the host as it is"
-        for step, (a, b) in enumerate(zip(ours, theirs)):
-            loss_a, masters_a, state_a, full_a = a
-            loss_b, masters_b, state_b, full_b = b
-            assert torch.equal(loss_a, loss_b), f"step {step}: the losses differ"
-            assert all(torch.equal(x, y) for x, y in zip(masters_a, masters_b)), f"step {step}: masters differ"
-            assert len(state_a) == len(state_b) and all(torch.equal(x, y) for x, y in zip(state_a, state_b)), \
-                f"step {step}: optimizer state differs"
-            assert full_a.keys() == full_b.keys() and all(torch.equal(full_a[k], full_b[k]) for k in full_a)
+        for a, b in zip(ours, theirs):
+            assert same(a, b), f"step {a[0]}: the losses, masters, optimizer state or working weights differ"
 
 
 def _working_body():

@@ -3,16 +3,17 @@ are kept or undone at the step, so training is bitwise the training without spec
 the window does: clipping in effect or not, accumulation, a parameter no rank used, a non-finite
 gradient on one rank, zero_grad or a state read between the backward and the step. Two gloo ranks.
 
-The worker races the backward; so that every case speculates for certain, the tests let the backward's
-end wait until each unit offered has been stepped (``_drain``)."""
+The worker races the backward; so that every case speculates for certain, the tests let every undo wait
+until each unit offered has been stepped (``scripted.finish_speculation``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from lightning_zeroq import ZeroConfig, ZeroEngine
+from tests.integration.engine.offload.scripted import (
+    WINDOWS, bitwise_runs, finish_speculation, same, snapshot, train, two_heads_engine)
 from tests.integration.engine.offload.test_offload import TwoHeads, _loss
 
 
@@ -28,84 +29,28 @@ CASES = {
 }
 # What each step does between its backward passes and its step. The first makes the optimizer's state
 # (never speculated); clipping in effect comes last, since the windows after it do not speculate.
-SCRIPT = ["plain", "plain", "clip_idle", "accumulate", "state_read", "zero_grad_then_plain", "other_head",
+SCRIPT = ["plain", "plain", "clip_idle", "accumulate", "read_before_step", "zero_grad_then_plain", "other_head",
           "clip_in_effect", "plain"]
 
 
-def _drain() -> None:
-    """Make ``Speculation.stop`` wait until every unit offered so far has been stepped."""
-    from lightning_zeroq.zero.offload.speculative_step import Speculation
-
-    def stop(self) -> None:
-        with self._cv:
-            while self._queue or self._busy is not None:
-                self._cv.wait(timeout=1.0)
-            self._accepting = False
-
-    Speculation.stop = stop  # type: ignore[method-assign]
-
-
 def _train(case: str, speculative: bool, nan_step: int = -1, action: str = "skip"):
-    _drain()
+    finish_speculation()
     stage, options, dtype = CASES[case]
-    torch.manual_seed(0)
-    model = TwoHeads().to(dtype)
-    engine = ZeroEngine(model, ZeroConfig(stage=stage, reduce_bucket_size=700, stage3_wrap_classes=["Linear"],
-                                          stage3_param_persistence_threshold=40, nonfinite_gradients=action,
-                                          offload_speculative_step=speculative, **options), param_dtype=dtype)
-    engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+    model, engine = two_heads_engine(stage, {**options, "nonfinite_gradients": action,
+                                             "offload_speculative_step": speculative}, dtype)
     placement = getattr(engine.parts.placement, "host", engine.parts.placement)
     assert (placement.spec is not None) == speculative
-    out, errors = [], []
-    for step, what in enumerate(SCRIPT):
-        head = 1 if what == "other_head" else 0  # the other head: parameters no rank used this window
-        backwards = 2 if what == "accumulate" else 1
-        for micro in range(backwards):
-            loss = _loss(model, step, micro, head=head).float()
-            if step == nan_step and dist.get_rank() == 1:
-                loss = loss * float("nan")
-            engine.backward(loss / backwards, boundary=micro == backwards - 1)
-        if what == "clip_in_effect":
-            engine.clip_grad_norm_(1e-3)
-        elif what == "clip_idle":
-            engine.clip_grad_norm_(1e6)
-        elif what == "state_read":
-            out.append(("read", engine.full_state_dict()))  # before the step: the masters as before it
-        elif what == "zero_grad_then_plain":
-            engine.zero_grad()
-            engine.backward(_loss(model, step, 7, head=1).float(), boundary=True)
-        try:
-            engine.step()
-        except RuntimeError as error:
-            errors.append(str(error))
-            engine.zero_grad()
-        engine.zero_grad()
-        state = [t.detach().clone() for s in engine.optimizer.state.values() for t in s.values()]
-        out.append((step, [u.master.detach().clone() for u in engine.parts.units], state, engine.full_state_dict(),
-                    [p.detach().clone() for p in model.parameters()] if stage < 3 else []))  # working weights
+    out, errors = train(engine, model, [WINDOWS[w] for w in SCRIPT], nan_step=nan_step,
+                        after_step=lambda: snapshot(engine, model))
     counts = placement.spec.counts if placement.spec is not None else None
     engine.close()
     return out, errors, counts
 
 
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_speculative_steps_are_bitwise_the_steps(dist_pool, case):
-    ours = dist_pool(2).run(_train, case, True)
-    theirs = dist_pool(2).run(_train, case, False)
-    for (a, errors_a, counts), (b, errors_b, _) in zip(ours, theirs):
+    for (_, errors_a, counts), (_, errors_b, _) in bitwise_runs(dist_pool(2), _train, case):
         assert not errors_a and not errors_b
-        for x, y in zip(a, b):
-            assert _same(x, y), f"{case}: step {x[0]} differs"
         # speculated from the second step on: kept in plain steps, with clipping idle and with
         # accumulation; undone by a state read, zero_grad, unused parameters and clipping in effect
         # (which pauses the windows after it)
@@ -120,15 +65,11 @@ def test_a_nonfinite_gradient_undoes_every_speculative_step_on_every_rank(dist_p
     """NaN on rank 1 in the first step that speculates: every rank restores what it stepped during the
     backward; the step is skipped (or fails) everywhere, and training goes on bitwise as without
     speculation."""
-    ours = dist_pool(2).run(_train, case, True, 1, action)
-    theirs = dist_pool(2).run(_train, case, False, 1, action)
-    for (a, errors_a, counts), (b, errors_b, _) in zip(ours, theirs):
+    for (out, errors_a, counts), (_, errors_b, _) in bitwise_runs(dist_pool(2), _train, case, 1, action):
         assert len(errors_a) == len(errors_b) == (action == "error")
-        for x, y in zip(a, b):
-            assert _same(x, y), f"{case}: step {x[0]} differs"
         assert counts.undone > 0, counts
-    before, after = ours[0][0][0], ours[0][0][1]
-    assert _same(before[3], after[3]), "the non-finite step left the model as it was"
+        before, after = out[0], out[1]  # steps 0 and 1: (step, losses, (masters, state, full state, working))
+        assert same(before[2][2], after[2][2]), "the non-finite step left the model as it was"
 
 
 def test_speculation_needs_what_it_says(dist_pool):
@@ -194,7 +135,7 @@ def _train_behind(speculative: bool, asynchronous: bool = False):
         engine.zero_grad()
         if step == 0 and speculative:
             offered_first = placement.spec.counts.offered  # the first step makes the state: not speculated
-    placement.settle()  # an asynchronous step's end
+    engine.parts.worker.wait()  # an asynchronous step's end
     counts = placement.spec.counts if speculative else None
     masters = [u.master.detach().clone() for u in engine.parts.units]
     state = [{k: t.detach().clone() for k, t in s.items()} for s in engine.optimizer.state.values()]
@@ -239,18 +180,34 @@ def test_an_asynchronous_step_takes_over_the_units_speculation_has_not_started(d
         assert counts.kept + counts.undone <= 2 and counts.unstarted >= 4, counts
 
 
-def test_the_speculation_worker_steps_the_newest_landed_unit_first():
-    """Among the units offered, the newest whose gradient is on the host; the oldest when none is."""
-    from types import SimpleNamespace
+def _failed_speculation() -> bool:
+    """A speculative step fails on the worker (after the backward, so the step is the wait that finds it): the
+    step raises, naming what happened, with the model as before it; the next window trains as usual."""
+    import threading
 
-    from lightning_zeroq.zero.offload.speculative_step import Speculation
+    model, engine = two_heads_engine(2, {"offload_optimizer": True, "offload_speculative_step": True}, torch.bfloat16)
+    train(engine, model, [WINDOWS["plain"]])  # the optimizer's state made
+    spec = engine.parts.placement.spec
+    grad_of, backward_done = spec._grad_of, threading.Event()
 
-    landed = {2, 1}
-    spec = Speculation(None, lambda unit: None, lambda index: None, lambda index: index in landed)  # type: ignore[arg-type]
-    units = {i: SimpleNamespace(index=i) for i in (3, 2, 1, 0)}
-    spec._queue.extend(units[i] for i in (3, 2, 1, 0))  # offered in reverse unit order, as reduced
-    assert spec._next() is units[1]
-    assert spec._next() is units[2]
-    assert spec._next() is units[3]  # none of the rest landed: the oldest lands first
-    landed.add(0)
-    assert spec._next() is units[0]
+    def broken(unit):
+        backward_done.wait()
+        raise OSError("the gradient never landed")
+
+    spec._grad_of = broken
+    before = engine.full_state_dict()
+    engine.backward(_loss(model, 1, 0, head=0).float(), boundary=True)
+    backward_done.set()
+    with pytest.raises(RuntimeError, match="a speculative host step failed; the model is as before it") as info:
+        engine.step()
+    assert "the gradient never landed" in str(info.value.__cause__)
+    engine.zero_grad()
+    untouched = same(engine.full_state_dict(), before)
+    spec._grad_of = grad_of
+    _, errors = train(engine, model, [WINDOWS["plain"]])
+    engine.close()
+    return untouched and not errors
+
+
+def test_a_failed_speculative_step_raises_on_the_calling_thread(dist_pool):
+    assert dist_pool(1).run(_failed_speculation) == [True]

@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_zeroq import ZeroConfig, ZeroEngine
+from lightning_zeroq.zero.reducer import Reducer
 from lightning_zeroq.zero.unit import UnitState
 from tests.models import DIM, SEQ, VOCAB, MostGathered
 
@@ -212,22 +213,29 @@ def _reduction_order_body(stage: int, offload: bool) -> list:
     model = Trunk(head_first=stage == 2)
     options = dict(stage3_wrap_classes=["Block"], stage3_param_persistence_threshold=0) if stage == 3 else \
         dict(reduce_bucket_size=VOCAB * DIM + VOCAB)  # stage 2: the head is one bucket, the embedding another
-    engine = ZeroEngine(model, ZeroConfig(stage=stage, offload_optimizer=offload, offload_parameters=offload and stage == 3,
-                                          **options))
-    engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    reducer, events, fired = engine.parts.reducer, [], [0]
-    reduce, ready = reducer._reduce, reducer._on_grad_ready
+    events, fired = [], [0]
+    ready = Reducer._on_grad_ready
 
-    def spy_ready(param):
+    def spy_ready(self, param):
         fired[0] += 1
-        ready(param)
+        ready(self, param)
+
+    Reducer._on_grad_ready = spy_ready  # type: ignore[method-assign]  # the gradient hooks bind it when installed
+    try:
+        engine = ZeroEngine(model, ZeroConfig(stage=stage, offload_optimizer=offload,
+                                              offload_parameters=offload and stage == 3, **options))
+    finally:
+        Reducer._on_grad_ready = ready  # type: ignore[method-assign]
+    engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    reducer = engine.parts.reducer
+    reduce = reducer._reduce
 
     def spy_reduce(unit):
         gathered = sum(u.state is UnitState.GATHERED for u in engine.parts.units if not u.persistent)
         events[-1].append((unit.index, fired[0], gathered))
         reduce(unit)
 
-    reducer._reduce, reducer._on_grad_ready = spy_reduce, spy_ready
+    reducer._reduce = spy_reduce
     out, rank = [], dist.get_rank()
     for step in range(3):
         events.append([])
