@@ -281,6 +281,8 @@ class ZeroEngine:
         says the state is released (NVMe's masters were in the swap files): a save refuses it."""
         parts = self.parts
         parts.closed = True
+        if parts.activations is not None:
+            parts.activations.close()  # each module's own forward again
         parts.host_step.close()
         parts.reducer.close()
         parts.placement.close()
