@@ -281,9 +281,11 @@ class ActivationOffload:
 
     def __init__(self, root: nn.Module, modules: Sequence[nn.Module], min_bytes: int, device: torch.device,
                  buffers: Callable[[], Iterable[Tensor]], reserve: Callable[[int], None]) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda and device.index is None:  # the saved tensors' device has its index: compared below
+            device = torch.device("cuda", torch.cuda.current_device())
         self.root, self.modules, self.min_bytes, self.device = root, list(modules), min_bytes, device
         self._buffers = buffers
-        self.cuda = device.type == "cuda"
         self.d2h = torch.cuda.Stream(device) if self.cuda else None
         self.h2d = torch.cuda.Stream(device) if self.cuda else None
         self.pool = HostPool(self.cuda, reserve)
@@ -411,8 +413,9 @@ class ActivationOffload:
         returned = {t.untyped_storage()._cdata for t in tree_flatten(output)[0] if isinstance(t, Tensor)}
         going = []
         for key, stored in group.by_storage.items():
-            if key in returned:
-                continue  # the call's output: on the device whatever happens (the handles read it there)
+            if key in returned or not stored.users:
+                continue  # the call's output (on the device whatever happens), or let go already (a graph
+                # freed inside the call)
             stored.host = self.pool.take(stored.nbytes)
             going.append(stored)
         group.by_storage = {}

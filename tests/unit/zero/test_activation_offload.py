@@ -168,3 +168,128 @@ def test_select_names_classes_and_qualified_names_outermost_first():
     with pytest.raises(ValueError, match=r"names 'blocks.1.up', inside 'blocks.1', which activation_checkpointing_policy "
                                          r"recomputes.*name 'blocks.1' in both"):
         select(model, ["blocks.1.up"])
+
+
+def _blocks_net(blocks: int) -> Net:
+    torch.manual_seed(0)
+    return Net(blocks)
+
+
+def test_each_group_comes_back_as_the_backward_of_the_block_after_it_begins():
+    """Blocks 0, 2 and 4 of 6 offloaded (the plan's spread): with one group in flight, group 4 is brought back
+    when block 5's backward begins, group 2 when block 4's does, group 0 when block 2's does; none waits for
+    its own backward to begin."""
+    model = _blocks_net(6)
+    offload = _offload(model, names=("blocks.0", "blocks.2", "blocks.4"))
+    log: list[tuple[str, int]] = []
+    bring, begin = offload._bring, offload._begin
+    index_of = {}
+
+    def logged_bring(group):
+        if group.state == group.ON_HOST:
+            log.append(("bring", index_of[id(group)]))
+        bring(group)
+
+    def logged_begin(entry):
+        log.append(("begin", entry.index))
+        begin(entry)
+
+    offload._bring, offload._begin = logged_bring, logged_begin
+    for step in range(2):
+        log.clear()
+        out = model(torch.randn(4, 8))
+        index_of.update({id(e.group): e.index for e in offload._sequence if e.group is not None})
+        out.sum().backward()
+        assert [i for kind, i in log if kind == "begin"] == [5, 4, 3, 2, 1, 0], log
+        assert log.index(("bring", 4)) == log.index(("begin", 5)) + 1
+        assert log.index(("bring", 2)) == log.index(("begin", 4)) + 1
+        assert log.index(("bring", 0)) == log.index(("begin", 2)) + 1
+    offload.close()
+
+
+class _Stream:
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def wait_stream(self, other) -> None:
+        self.log.append(("wait_stream", self.name, other.name))
+
+    def wait_event(self, event) -> None:
+        self.log.append(("wait_event", self.name, event.name))
+
+
+class _Event:
+    count = 0
+
+    def __init__(self) -> None:
+        _Event.count += 1
+        self.name, self.done = f"e{_Event.count}", False
+
+    def record(self, stream) -> None:
+        _LOG.append(("record", self.name, stream.name))
+
+    def query(self) -> bool:
+        return self.done
+
+
+_LOG: list = []
+
+
+def test_the_cuda_path_orders_its_copies_with_streams_and_events(monkeypatch):
+    """The CUDA path on the CPU, its streams and events emulated: every copy to the host waits for the compute
+    stream, each device storage is handed to the copy stream (``record_stream``); at most one group's copies
+    run behind the one computing (the compute stream waits for older ones); a copy back waits for the compute
+    stream and for the group's copy out, every unpack waits for it on the compute stream, and a host buffer is
+    written again only after the copy that read it back."""
+    import contextlib
+
+    _LOG.clear()
+    compute = _Stream("compute", _LOG)
+    current = [compute]
+
+    @contextlib.contextmanager
+    def stream(s):
+        current.append(s)
+        yield
+        current.pop()
+
+    copies: list = []
+    real_copy = torch.Tensor.copy_
+
+    def copy_(self, src, non_blocking=False):
+        copies.append(current[-1].name)
+        return real_copy(self, src)
+
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: _LOG.append(("record_stream", s.name)),
+                        raising=False)
+    model = _blocks_net(4)
+    offload = _offload(model)
+    offload.cuda, offload.d2h, offload.h2d = True, _Stream("d2h", _LOG), _Stream("h2d", _LOG)
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    for step in range(2):
+        _LOG.clear()
+        copies.clear()
+        out = model(torch.randn(4, 8))
+        groups = [e.group for e in offload._sequence]
+        outs = [i for i, entry in enumerate(_LOG) if entry == ("wait_stream", "d2h", "compute")]
+        assert len(outs) == 4  # one wait for the compute stream per group, before its copies
+        # the third group starts after the compute stream waited for the first's copies (one in flight)
+        assert ("wait_event", "compute", groups[0].copied.name) in _LOG
+        assert ("wait_event", "compute", groups[2].copied.name) not in _LOG
+        assert _LOG.count(("record_stream", "d2h")) == sum(len(g.stored) for g in groups)
+        if step == 1:  # the buffers step 0 read back are written only after those reads
+            assert any(e[0] == "wait_event" and e[1] == "d2h" for e in _LOG)
+        _LOG.clear()
+        out.sum().backward()
+        for g in groups:
+            ready = g.ready.name
+            brought = _LOG.index(("record", ready, "h2d"))
+            assert ("wait_stream", "h2d", "compute") in _LOG[:brought]
+            assert ("wait_event", "h2d", g.copied.name) in _LOG[:brought]
+            assert ("wait_event", "compute", ready) in _LOG[brought:]
+        assert set(copies) == {"d2h", "h2d"}
+    monkeypatch.setattr(torch.Tensor, "copy_", real_copy)
+    offload.close()
