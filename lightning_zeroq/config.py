@@ -165,7 +165,8 @@ class ZeroConfig:
 
     activation_checkpointing_policy: Any = None
     """The module classes (or their names) whose instances recompute their forward in the backward
-    instead of keeping its activations (Lightning's ``FSDPStrategy`` name and meaning; torch's
+    instead of keeping its activations, or modules' qualified names (``"blocks.0"``) to choose block by block
+    (Lightning's ``FSDPStrategy`` name and meaning, for classes; torch's
     non-reentrant ``checkpoint``, which restores the random state: the same results, bitwise). Applied
     to the model when the engine is built; with stage 3, a checkpointed unit is gathered again for its
     recomputation. None: nothing recomputed. Stored as the class names. ``"auto"``: the repeated blocks
@@ -255,8 +256,7 @@ class ZeroConfig:
         self.activation_checkpointing_policy = _class_names(self.activation_checkpointing_policy)
         self.activation_offloading_policy = _class_names(
             self.activation_offloading_policy, "activation_offloading_policy",
-            "module classes, their names or modules' qualified names, e.g. {Block}, ['Block'] or ['blocks.0', 'blocks.4']",
-            "None: nothing offloaded; 'auto': the plan chooses block by block")
+            otherwise="None: nothing offloaded; 'auto': the plan chooses block by block")
         self.activation_offloading_min_bytes = _check_int("activation_offloading_min_bytes",
                                                           self.activation_offloading_min_bytes, 0)
         if self.activation_offloading_policy == "auto" and self.activation_checkpointing_policy not in (None, "auto"):
@@ -390,7 +390,8 @@ def check_shard_group_size(value: Any, world_size: Optional[int] = None, given: 
 
 
 def _class_names(value: Any, field: str = "activation_checkpointing_policy",
-                 forms: str = "module classes or their names, e.g. {Block} or ['Block']",
+                 forms: str = "module classes, their names or modules' qualified names, e.g. {Block}, ['Block'] or "
+                              "['blocks.0', 'blocks.1']",
                  otherwise: str = "None: nothing recomputed; 'auto': as many blocks as the plan needs") -> Any:
     """A module policy (``activation_checkpointing_policy``, ``activation_offloading_policy``): None, ``"auto"``,
     or module classes / names as a sorted list of names; ``forms`` and ``otherwise`` word the error."""

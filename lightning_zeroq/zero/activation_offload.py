@@ -58,6 +58,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from lightning_zeroq.swap.buffers import PAGE, pinned_empty
+from lightning_zeroq.zero import activation_checkpoint
 from lightning_zeroq.zero.hooks import EagerHook
 from lightning_zeroq.zero.policies import ActivationOffloading
 from lightning_zeroq.zero.unit_plan import repeated_blocks
@@ -69,39 +70,26 @@ computing; in the backward, those brought back ahead of the one whose backward r
 
 def select(module: nn.Module, names: Sequence[str]) -> list[nn.Module]:
     """The modules of ``module`` that ``names`` (class names, or modules' qualified names) name, the outermost
-    where they nest, in module order. A ``ValueError`` naming what names no module; and one where a module is
-    inside another that recomputes without offloading (its activations are recomputed, not kept)."""
-    if not names:
-        return []
-    named = dict(module.named_modules())
-    classes = {type(m).__name__ for m in named.values()}
-    missing = sorted(n for n in names if n not in classes and n not in named)
-    if missing:
-        example = next((n for n in named if n.count(".") == 1), next(iter(named), ""))
-        raise ValueError(
-            f"ZeroConfig.activation_offloading_policy names {missing}, which no module of the model is (its "
-            f"classes: {', '.join(sorted(classes))}); name the classes of its repeated blocks, or modules by their "
-            f"qualified names, e.g. [{example!r}]."
-        )
-    wanted = set(names)
-    chosen: list[nn.Module] = []
+    where they nest, in module order (``activation_checkpoint.select``). A ``ValueError`` naming what names no
+    module; and one where a module is inside another that recomputes without offloading (its activations are
+    recomputed, not kept)."""
+    recomputing: dict[int, str] = {}
 
-    def visit(m: nn.Module, name: str, recomputed: Optional[str]) -> None:
-        if type(m).__name__ in wanted or name in wanted:
-            if recomputed is not None:
-                raise ValueError(
-                    f"ZeroConfig.activation_offloading_policy names {name!r}, inside {recomputed!r}, which "
-                    "activation_checkpointing_policy recomputes: its activations are recomputed, not kept, so there "
-                    f"is nothing to offload; name {recomputed!r} in both to keep its checkpoint inputs on the host."
-                )
-            chosen.append(m)
-            return
-        if getattr(m, "_zeroq_recomputed", False):
-            recomputed = name or type(m).__name__
-        for child_name, child in m.named_children():
-            visit(child, f"{name}.{child_name}" if name else child_name, recomputed)
+    def inside(m: nn.Module, name: str) -> None:  # what encloses the modules below: recomputed, not offloaded
+        outer = recomputing.get(id(m)) or ((name or type(m).__name__) if getattr(m, "_zeroq_recomputed", False)
+                                           else None)
+        if outer is not None:
+            recomputing.update((id(child), outer) for child in m.children())
 
-    visit(module, "", None)
+    chosen = activation_checkpoint.select(module, names, "activation_offloading_policy", inside)
+    names_of = {id(m): n for n, m in module.named_modules()}
+    for m in chosen:
+        if id(m) in recomputing:
+            raise ValueError(
+                f"ZeroConfig.activation_offloading_policy names {names_of[id(m)]!r}, inside {recomputing[id(m)]!r}, "
+                "which activation_checkpointing_policy recomputes: its activations are recomputed, not kept, so there "
+                f"is nothing to offload; name {recomputing[id(m)]!r} in both to keep its checkpoint inputs on the host."
+            )
     return chosen
 
 

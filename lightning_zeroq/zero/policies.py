@@ -275,6 +275,8 @@ def resolve(config: ZeroConfig, chosen: Chosen, blocks: Sequence[str], *, correc
         fields["activation_checkpointing_policy"] = list(blocks) if chosen.recompute_share == 1.0 and blocks else None
     if c.activation_offloading_policy == "auto":
         fields["activation_offloading_policy"] = list(offloaded) or None
+    if c.offload != "auto" and c.offload_optimizer_ratio != "auto":
+        fields["offload_memory_budget"] = None  # the plan fitted the blocks' choice under it; nothing reads it later
     return c.replace(**fields)
 
 

@@ -133,6 +133,12 @@ ACTIVATIONS = "offloaded activations"
 its blocks save, each in a buffer at most 1/8 larger (``HostPool``), counted as the pool grows and planned from
 the traced forward (``planning/estimate.py``)."""
 
+def activations_host_bytes(moved: int) -> int:
+    """The host memory planned for ``moved`` bytes of offloaded activations: 9/8 of them, each buffer's class
+    being at most 1/8 larger (``HostPool``)."""
+    return moved + moved // 8
+
+
 ADAM_STATE_BYTES = 8
 """Adam's two fp32 moments per parameter element."""
 
