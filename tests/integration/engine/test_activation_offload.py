@@ -2,7 +2,7 @@
 their backward in host memory, or, where they also recompute, their checkpoint inputs; training is bitwise
 the same as without (dropout included) in stages 1-3, with a mix of offloaded, recomputed and kept blocks,
 with optimizer and parameter offload, the asynchronous host step and compiled blocks; what waits on the host
-is what the blocks saved; bad values are refused. Two gloo ranks; losses and parameters compared with
+is what the blocks saved; bad values are refused; the Hydra override. Two gloo ranks; losses and parameters compared with
 ``torch.equal``."""
 
 from __future__ import annotations
@@ -195,3 +195,14 @@ def test_the_trainer_with_offloaded_checkpoint_inputs_trains_bitwise_as_without(
     plain, ours = pool.run(_trainer_body, False), pool.run(_trainer_body, True)
     for (losses, state), (ref_losses, ref_state) in zip(ours, plain):
         assert losses == ref_losses and all(torch.equal(state[k], ref_state[k]) for k in ref_state)
+
+
+def test_the_hydra_override_names_the_blocks_of_zeroq_trains_gpt():
+    from lightning_zeroq.cli.train import compose_config, to_run_config
+
+    config = to_run_config(compose_config(["zero.activation_offloading_policy=[Block]",
+                                           "zero.activation_checkpointing_policy=[blocks.0]",
+                                           "zero.activation_offloading_min_bytes=0"])).zero
+    assert config.activation_offloading_policy == ["Block"] and config.activation_checkpointing_policy == ["blocks.0"]
+    assert config.activation_offloading_min_bytes == 0
+    assert to_run_config(compose_config([])).zero.activation_offloading_policy is None
