@@ -19,6 +19,8 @@ from typing import Any, Callable, Optional, Sequence
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_zeroq.zero.unit_plan import repeated_blocks
+
 
 def apply(module: nn.Module, names: Sequence[str]) -> None:
     """Checkpoint every submodule of ``module`` that ``names`` names: its class, or its qualified name
@@ -39,7 +41,9 @@ def select(module: nn.Module, names: Sequence[str], field: str,
     classes = {type(m).__name__ for m in named.values()}
     missing = sorted(n for n in names if n not in classes and n not in named)
     if missing:
-        example = next((n for n in named if n.count(".") == 1), "")
+        blocks = repeated_blocks(module)
+        qualified = {id(m): n for n, m in named.items()}
+        example = qualified[id(blocks[0])] if blocks else next((n for n in named if n.count(".") == 1), "")
         raise ValueError(
             f"ZeroConfig.{field} names {missing}, which no module of the model is (its classes: "
             f"{', '.join(sorted(classes))}); name the classes of its repeated blocks, e.g. [{next(iter(sorted(classes)))!r}]"

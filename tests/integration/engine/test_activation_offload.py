@@ -2,8 +2,8 @@
 their backward in host memory, or, where they also recompute, their checkpoint inputs; training is bitwise
 the same as without (dropout included) in stages 1-3, with a mix of offloaded, recomputed and kept blocks,
 with optimizer and parameter offload, the asynchronous host step and compiled blocks; what waits on the host
-is what the blocks saved; bad values are refused; the Hydra override. Two gloo ranks; losses and parameters compared with
-``torch.equal``."""
+is what the blocks saved; bad values are refused; the Hydra override. Two gloo ranks; losses and parameters
+compared with ``torch.equal``."""
 
 from __future__ import annotations
 
