@@ -21,10 +21,11 @@ compute stream waits for the copies of older ones (the device never holds more t
 saved tensors beyond the one computing).
 
 Backward. The pack hook returns a small handle (``_Saved``); its unpack brings its storage back if it is
-not on the device yet. The order is learned from the forward: every call of a named module or of a repeated
-block (``unit_plan.repeated_blocks``) is an entry, and a gradient hook on each call's outputs says when that
-call's backward begins. Then the groups next in backward order (earlier in the forward) are brought back on a
-second side stream (``h2d``), up to ``BLOCKS_IN_FLIGHT`` of them ahead and not begun yet, each into memory
+not on the device yet. The order is learned from the forward: every call of a named module, and of the last
+repeated block (``unit_plan.repeated_blocks``) where that keeps its activations, is an entry, and a gradient
+hook on each call's outputs says when that call's backward begins. Then the groups next in backward order
+(earlier in the forward) are brought back on a second side stream (``h2d``), up to ``BLOCKS_IN_FLIGHT`` of them
+ahead and not begun yet, each into memory
 allocated on the compute stream (after ``h2d`` waited for it), so the copies overlap the backward of the
 blocks before them; an unpack waits for its storage's copy on the compute stream. When the last handle of a
 storage goes (autograd frees a node's saved tensors once it has run), the device memory goes with it and the
@@ -290,8 +291,12 @@ class ActivationOffload:
         ids = {id(m) for m in self.modules}
         for m in self.modules:
             m.forward = _Forward(self, m.forward)
-        tracked = [b for b in repeated_blocks(root) if id(b) not in ids]
-        for block in tracked:  # its backward's start moves the prefetch on too
+        # The last repeated block, where it keeps its activations: its backward's start (the first of the blocks')
+        # starts bringing back the last offloaded block, which then has the blocks between to arrive. (One hook,
+        # one graph break under torch.compile; the offloaded blocks' own hooks move the prefetch on.)
+        blocks = repeated_blocks(root)
+        tracked = [blocks[-1]] if blocks and id(blocks[-1]) not in ids else []
+        for block in tracked:
             self._handles.append(block.register_forward_hook(EagerHook(self, "_tracked")))
         self._sequence_modules = [*self.modules, *tracked]
 
@@ -302,8 +307,9 @@ class ActivationOffload:
     def offloads(self) -> bool:
         """Whether a call of a named module offloads: a forward with gradients, no other saved-tensor hooks
         outside (a checkpoint around the module: its own hooks keep nothing to offload)."""
-        if not self._forward_with_grad():
-            return False
+        hooks_allowed = torch._C._autograd._saved_tensors_hooks_is_enabled()  # type: ignore[attr-defined]
+        if not self._forward_with_grad() or not hooks_allowed:
+            return False  # (not allowed under torch.func's transforms: no hooks can be set)
         if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
             if not self._warned:
                 self._warned = True
@@ -380,8 +386,8 @@ class ActivationOffload:
             return t
         stored = group.by_storage.get(key)
         if stored is None:
-            stored = group.by_storage[key] = _Stored(torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage),
-                                                     group)
+            whole = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)  # the storage's bytes
+            stored = group.by_storage[key] = _Stored(whole, group)
             group.stored.append(stored)
         return _Saved(stored, t, self)
 
