@@ -134,7 +134,7 @@ class HostPool:
         self._using: dict[int, int] = {}
         self._most: dict[int, int] = {}
         """Per class, the most buffers in use at once since the last ``trim``."""
-        self._lock = threading.Lock()  # handles die on autograd's threads too
+        self._lock = threading.RLock()  # handles die on autograd's threads too, and in a collection inside ``take``
 
     def take(self, nbytes: int) -> _Buffer:
         size = _size_class(nbytes)
