@@ -1,6 +1,6 @@
 """Activation offload (``activation_offloading_policy``): the blocks named keep what autograd saves for
-their backward in host memory, or, where they also recompute, their checkpoint inputs; training is bitwise
-the same as without (dropout included) in stages 1-3, with a mix of offloaded, recomputed and kept blocks,
+their backward in host memory, or, where they also recompute, their checkpoint inputs; training a tiny GPT is
+bitwise the same as without (dropout included) in stages 1-3, with a mix of offloaded, recomputed and kept blocks,
 with optimizer and parameter offload, the asynchronous host step and compiled blocks; what waits on the host
 is what the blocks saved; bad values are refused; the Hydra override. Two gloo ranks; losses and parameters
 compared with ``torch.equal``."""
@@ -13,10 +13,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_zeroq import ZeroConfig, ZeroEngine
+from lightning_zeroq.cli.gpt import GPTConfig, GPTModel
 from tests.integration.engine.test_recompute import Block, Net
 from tests.models import SEQ, VOCAB
 
 FREED = dict(stage3_wrap_classes=["Block"], stage3_param_persistence_threshold=0)
+# The package's GPT, tiny: attention saves views of one projection (q, k, v, transposed), RMSNorm, SwiGLU,
+# dropout on attention and the residual branches, the head tied to the embedding.
+GPT = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=3, n_head=2, n_embd=16, ffn_hidden=40, dropout=0.1,
+                norm="rmsnorm", mlp="swiglu", bias=False, learned_positions=False)
 
 # Which blocks do what: none; every block offloaded; a mix of the three blocks (one offloaded, one recomputing
 # with its input on the host, one recomputing); the mix the plan writes (offloaded by name, the rest recomputing).
@@ -30,7 +35,7 @@ VARIANTS = {
 
 def _train_body(stage: int, variant: str, extra: dict, compiled: bool = False) -> tuple[list[float], dict, int]:
     torch.manual_seed(0)
-    model = Net()
+    model = Net() if compiled else GPTModel(GPT)  # (inductor compiles the tiny GPT for minutes on 2 cores)
     if compiled:
         for block in model.blocks:
             block.compile()
@@ -93,8 +98,8 @@ def test_with_optimizer_and_parameter_offload_and_the_asynchronous_step(dist_poo
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_compiled_blocks(dist_pool, stage):
-    """``block.compile()`` (inductor on CPU): the hooks sit outside the compiled forward, which saves its
-    tensors through them."""
+    """``block.compile()`` (inductor on CPU; ``test_recompute``'s blocks: linear layers, GELU, dropout): the hooks
+    sit outside the compiled forward, which saves its tensors through them."""
     pool = dist_pool(2)
     _same(pool.run(_train_body, stage, "mix", {}, True), pool.run(_train_body, stage, "none", {}, True))
 
