@@ -1,7 +1,8 @@
 """Activation offload (``activation_offloading_policy``): the blocks named keep what autograd saves for
 their backward in host memory, or, where they also recompute, their checkpoint inputs; training a tiny GPT is
 bitwise the same as without (dropout included) in stages 1-3, with a mix of offloaded, recomputed and kept blocks,
-with optimizer and parameter offload, the asynchronous host step and compiled blocks; what waits on the host
+with optimizer and parameter offload, the asynchronous host step, compiled blocks and stage 3's frozen parts
+(LoRA); what waits on the host
 is what the blocks saved; bad values are refused; the Hydra override. Two gloo ranks; losses and parameters
 compared with ``torch.equal``."""
 
@@ -211,3 +212,34 @@ def test_the_hydra_override_names_the_blocks_of_zeroq_trains_gpt():
     assert config.activation_offloading_policy == ["Block"] and config.activation_checkpointing_policy == ["blocks.0"]
     assert config.activation_offloading_min_bytes == 0
     assert to_run_config(compose_config([])).zero.activation_offloading_policy is None
+
+
+def _lora(**options) -> tuple[list[float], dict, int]:
+    from tests.models import LoraModel, make_batch
+
+    torch.manual_seed(0)
+    model = LoraModel()
+    engine = ZeroEngine(model, ZeroConfig(stage=3, stage3_param_persistence_threshold=0, **options))
+    engine.attach_optimizer(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2))
+    losses = []
+    for step in range(3):
+        loss = model.loss(make_batch(step, 0, 0))
+        engine.backward(loss, boundary=True)
+        engine.step()
+        engine.zero_grad()
+        losses.append(loss.item())
+    held = engine.parts.activations.pool.held if engine.parts.activations is not None else 0
+    state = engine.full_state_dict()
+    engine.close()
+    return losses, state, held
+
+
+@pytest.mark.parametrize("frozen_dtype, recompute", [(None, None), ("int8", ["LoraBlock"])])
+def test_stage3_frozen_parts_stay_and_a_lora_fine_tune_is_bitwise(frozen_dtype, recompute):
+    """A LoRA model's frozen base, sharded with each block (``frozen.py``), is gathered again for the backward like
+    the trainable weights: never copied to the host. One process."""
+    plain = _lora(frozen_dtype=frozen_dtype)
+    ours = _lora(frozen_dtype=frozen_dtype, activation_offloading_policy=["LoraBlock"],
+                 activation_checkpointing_policy=recompute, activation_offloading_min_bytes=0)
+    _same([ours], [plain])
+    assert ours[2] > 0
