@@ -264,6 +264,15 @@ class _Forward:
 
     __call__ = torch._dynamo.disable(_call, recursive=False)
 
+    def __reduce__(self) -> tuple:
+        """Pickled (or deep-copied) as the forward it wraps: what unpickles is a plain module, with no engine behind
+        it (as ``hooks.WeakHook``)."""
+        return (_unwrapped, (self.inner,))
+
+
+def _unwrapped(inner: Callable[..., Any]) -> Callable[..., Any]:
+    return inner
+
 
 class ActivationOffload:
     """The offload of one engine's named modules (see the module docstring)."""

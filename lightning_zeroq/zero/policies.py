@@ -17,6 +17,9 @@ from it by the part that owns it.
   ``quantize_cross_group_only``.
 - ``Numerics``: fp16 loss scaling and what non-finite gradients do; from ``loss_scale``,
   ``initial_scale_power``, ``loss_scale_window``, ``min_loss_scale``, ``nonfinite_gradients``.
+- ``recompute`` and ``ActivationOffloading``: the modules that recompute their forward, and those whose
+  activations wait in host memory; from ``activation_checkpointing_policy``, ``activation_offloading_policy``,
+  ``activation_offloading_min_bytes``.
 - ``settings``: every field as given, which all ranks must agree on (``agreement.py``), less the
   ones that may differ by rank (``RANK_LOCAL``).
 - ``ineffective``: one sentence per setting the policies leave out, written by the maker of the policy

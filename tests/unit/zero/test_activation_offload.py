@@ -291,3 +291,16 @@ def test_the_cuda_path_orders_its_copies_with_streams_and_events(monkeypatch):
         assert set(copies) == {"d2h", "h2d"}
     monkeypatch.setattr(torch.Tensor, "copy_", real_copy)
     offload.close()
+
+
+def test_a_model_pickles_and_copies_as_a_plain_one():
+    import copy
+    import pickle
+
+    model = Net(2)
+    offload = _offload(model)
+    for other in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
+        assert all(getattr(b.forward, "__self__", None) is b for b in other.blocks)  # its own forward, no wrapper
+        x = torch.randn(4, 8)
+        assert torch.equal(other(x), model(x))
+    offload.close()
