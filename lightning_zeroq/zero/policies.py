@@ -297,7 +297,8 @@ def from_config(config: ZeroConfig, *, loss_scaling: bool) -> Policies:
     is written where the setting is decided, never beside it."""
     c = config
     if auto_request(c) is not None:
-        raise ValueError("offload='auto' and activation_checkpointing_policy='auto' are decided from a plan of the "
+        raise ValueError("offload='auto', activation_checkpointing_policy='auto' and activation_offloading_policy='auto' "
+                         "are decided from a plan of the "
                          "model and a batch before the engine is built: the strategies do it; with the engine "
                          "directly, call lightning_zeroq.choose(model, config, forward) first and build with the "
                          "config it returns.")
