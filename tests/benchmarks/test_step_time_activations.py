@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--dim", "64", "--layers", "4", "--heads", "2", "--ffn", "128", "--vocab", "256", "--seq", "32", "--batch", "2"]
 
@@ -37,12 +39,24 @@ def test_the_activation_arms_run_alternating_and_train_alike(tmp_path):
     assert all(len(s["tokens_per_s"]) == 1 and "peak_reserved_GiB" in s and "host_rss_GiB" in s for s in summaries)
 
 
-def test_bad_activation_flags_are_one_line():
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "step_time.py"), *TINY, "--act-offload", "3",
-                           "--act-recompute", "3", "--arms", "zeroq2+actoff"], cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "add up to at most --layers (4)" in proc.stderr
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "step_time.py"), *TINY,
-                           "--arms", "zeroq2+actoff+recompute"], cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and "unknown arm 'zeroq2+actoff+recompute'" in proc.stderr
+def _step_time():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_step_time_activations", REPO / "benchmarks" / "step_time.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bad_activation_flags_are_one_line(monkeypatch, capsys):
+    step_time = _step_time()
+    for flags, says in ((["--act-offload", "3", "--act-recompute", "3", "--arms", "zeroq2+actoff"],
+                         "add up to at most --layers (4)"),
+                        (["--act-budget", "half", "--arms", "zeroq2+actauto"], "--act-budget half: give GiB"),
+                        (["--repeat", "1", "--drop-first-round"], "2 or more with --drop-first-round")):
+        monkeypatch.setattr(sys, "argv", ["step_time.py", *TINY, *flags])
+        with pytest.raises(SystemExit) as info:
+            step_time.main()
+        assert info.value.code == 2 and says in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=r"unknown arm 'zeroq2\+actoff\+recompute'"):
+        step_time.parse_arm("zeroq2+actoff+recompute")  # one activation option an arm
