@@ -51,8 +51,9 @@ to pinned host memory (spread evenly, ``policies.activation_mix``), recomputes `
 rest (the first ones), and with ``--act-inputs-cpu`` keeps those R blocks' checkpoint inputs on the host;
 ``+actauto`` lets the plan choose that mix (``lightning_zeroq.choose`` with both policies ``"auto"``,
 calibrated on the GPU) under ``--act-budget`` GiB of peak allocated memory, or (``--act-budget recompute``,
-the default) under the peak the same arm with ``+recompute`` measured earlier in the launch: the same
-memory as recomputing everything. An arm without any of them keeps every activation. Such an arm's line adds
+the default) under the peak the same arm with ``+recompute`` measured earlier in the launch (with the plan's
+5% margin: mixes planned at most at that peak): the same memory as recomputing everything; its line's
+``plan`` says what it chose and its planned peak. An arm without any of them keeps every activation. Such an arm's line adds
 ``activation_offloading_policy``, ``activation_checkpointing_policy`` (the blocks, by name), the plan's
 line (``+actauto``) and ``act_pinned_GiB`` (the host buffers it held). For the comparison the activation
 suite runs (``python benchmarks/suite.py activations``): the three arms alternating, ``--repeat 2`` (each
@@ -64,7 +65,8 @@ first round too), optimizer on the host::
 
 Each round prints its arms' lines (``round``); after the last, one ``summary`` line per arm: its step
 times, tokens/s and peaks per round counted. An arm that runs out of device memory (keeping every activation
-of a large step) prints a line with ``error`` instead, at world size 1, and the launch goes on.
+of a large step), or whose plan finds nothing that fits, prints a line with ``error`` instead, at world size 1,
+and the launch goes on.
 
 ``--loops fabric,trainer,fabric,trainer`` (arms ``zeroq1/2/3`` without options): the step time of ZeroQ
 through Fabric against the Trainer instead, each loop in turn in one launch (alternating, so that drift
@@ -490,13 +492,18 @@ def activation_config(model: nn.Module, config, options: set[str], args: argpars
         if ON_GPU and not peaks:
             raise SystemExit(f"arm {args.current_arm!r}: --act-budget recompute needs the arm {twin!r} earlier in "
                              "--arms (its measured peak is the budget), or give --act-budget GiB")
-        budget = max(peaks[-1]) if peaks and ON_GPU else None  # no device memory on the CPU: nothing to fit
+        # The plan fits a candidate's planned peak, with PLAN_MARGIN to spare, under the budget: the twin's measured
+        # peak with that margin lets every mix whose planned peak is at most that peak in.
+        from lightning_zeroq.planning.choose import PLAN_MARGIN
+
+        budget = max(peaks[-1]) * (1 + PLAN_MARGIN) if peaks and ON_GPU else None  # the CPU: no device to fit
     tokens = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
     auto = config.replace(activation_offloading_policy="auto", activation_checkpointing_policy="auto",
                           offload_memory_budget=budget)
     choice = choose(model, auto, lambda m: m(tokens), device=dev, param_dtype=torch.bfloat16,
                     world_size=dist.get_world_size())
-    return choice.config, choice.line
+    planned = f"; planned peak {choice.need.device_total / 2**30:.2f} GiB allocated" if choice.need is not None else ""
+    return choice.config, choice.line + planned
 
 
 MEASURED: list[dict] = []
@@ -1003,17 +1010,19 @@ def main() -> None:
 
 
 def run_or_report(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
-    """``run_arm``; at world size 1, an arm that runs out of device memory is a line with ``error`` instead."""
+    """``run_arm``; at world size 1, an arm that runs out of device memory, or whose plan (``+actauto``) finds
+    nothing that fits, is a line with ``error`` instead."""
     try:
         return run_arm(arm, args, dev)
-    except torch.OutOfMemoryError as error:
-        if dist.get_world_size() > 1:
-            raise  # the other ranks wait in a collective: end the launch
+    except (torch.OutOfMemoryError, ValueError) as error:
+        if dist.get_world_size() > 1 or (isinstance(error, ValueError) and "nothing fits" not in str(error)):
+            raise  # the other ranks wait in a collective (or a bug): end the launch
         first = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
+        what = "out of device memory" if isinstance(error, torch.OutOfMemoryError) else "the plan"
     gc.collect()
     if ON_GPU:
         torch.cuda.empty_cache()
-    return {"arm": arm, "error": f"out of device memory: {first[:200]}", "params_M": None}
+    return {"arm": arm, "error": f"{what}: {first[:300]}", "params_M": None}
 
 
 def summaries(arms: list[str], results: list[dict], first: int = 1) -> list[dict]:
