@@ -45,6 +45,29 @@ floor step right after it. The host's speed drifts from minute to minute (the sa
 0.16 and 0.25 s in one process); a ratio taken block by block, seconds apart, does not carry that
 drift, where a floor measured in another launch does.
 
+Activations (``ACTIVATION_ARMS``, one per arm): ``+recompute`` recomputes every block in the backward
+(``activation_checkpointing_policy=["Block"]``); ``+actoff`` offloads what ``--act-offload K`` blocks save
+to pinned host memory (spread evenly, ``policies.activation_mix``), recomputes ``--act-recompute R`` of the
+rest (the first ones), and with ``--act-inputs-cpu`` keeps those R blocks' checkpoint inputs on the host;
+``+actauto`` lets the plan choose that mix (``lightning_zeroq.choose`` with both policies ``"auto"``,
+calibrated on the GPU) under ``--act-budget`` GiB of peak allocated memory, or (``--act-budget recompute``,
+the default) under the peak the same arm with ``+recompute`` measured earlier in the launch (with the plan's
+5% margin: mixes planned at most at that peak): the same memory as recomputing everything; its line's
+``plan`` says what it chose and its planned peak. An arm without any of them keeps every activation. Such an arm's line adds
+``activation_offloading_policy``, ``activation_checkpointing_policy`` (the blocks, by name), the plan's
+line (``+actauto``) and ``act_pinned_GiB`` (the host buffers it held). For the comparison the activation
+suite runs (``python benchmarks/suite.py activations``): the three arms alternating, ``--repeat 2`` (each
+arm run twice in turn; each run's ``--warmup`` steps are dropped, and with ``--drop-first-round`` the whole
+first round too), optimizer on the host::
+
+    torchrun --nproc-per-node 1 benchmarks/step_time.py --batch 4 --seq 4096 --repeat 2 \
+        --arms zeroq2+offload_optimizer+recompute,zeroq2+offload_optimizer+actauto,zeroq2+offload_optimizer
+
+Each round prints its arms' lines (``round``); after the last, one ``summary`` line per arm: its step
+times, tokens/s and peaks per round counted. An arm that runs out of device memory (keeping every activation
+of a large step), or whose plan finds nothing that fits, prints a line with ``error`` instead, at world size 1,
+and the launch goes on.
+
 ``--loops fabric,trainer,fabric,trainer`` (arms ``zeroq1/2/3`` without options): the step time of ZeroQ
 through Fabric against the Trainer instead, each loop in turn in one launch (alternating, so that drift
 shows as a difference between repeats of the same loop)::
@@ -127,11 +150,14 @@ def memory_bound(engine) -> dict:
 ARM_STAGES = {"single": -1, "ddp": 0, "zeroq1": 1, "zeroq2": 2, "zeroq3": 3}
 ARM_OPTIONS = ("int8", "offload_optimizer", "offload_params", "qgrad", "keep", "prefetch2", "ratio25", "ratio50", "ratio60", "ratio70", "ratio75", "ratio85", "ratio90",
                "auto", "spec", "async", "parts", "plain", "clip", "compile", "compile_whole", "group1", "group2", "group4", "crossq",
-               "nvme", "spill25", "spill40", "spill50", "spill75", "muon")
+               "nvme", "spill25", "spill40", "spill50", "spill75", "muon", "recompute", "actoff", "actauto")
 # +nvme (with +offload_optimizer / +offload_params): to NVMe swap files under --nvme-path instead of host memory
 # +spillNN (with +offload_optimizer): the optimizer state of NN% of the parameters (largest units) to NVMe
 # swap files under --nvme-path, the rest in host memory (offload_optimizer_nvme_ratio); parameters stay on the host
 SPILLS = {"spill25": 0.25, "spill40": 0.4, "spill50": 0.5, "spill75": 0.75}
+# Activations (ACTIVATIONS below): +recompute every block recomputes (activation_checkpointing_policy=["Block"]);
+# +actoff the mix of --act-offload / --act-recompute / --act-inputs-cpu; +actauto the plan's mix under --act-budget
+ACTIVATION_ARMS = {"recompute", "actoff", "actauto"}
 SHARD_GROUPS = {"group1": 1, "group2": 2, "group4": 4}  # hybrid sharding: shard_group_size
 # +compile (ddp, fsdp2, zeroq): block.compile() on every block (torchtitan's recipe; FSDP2's and stage 3's
 # module hooks run outside the graphs); +compile_whole: torch.compile of the whole model (ddp: of the DDP
@@ -152,7 +178,8 @@ def parse_arm(arm: str) -> tuple[str, set[str]]:
     """``"zeroq3+int8"`` -> ``("zeroq3", {"int8"})``; raises ``SystemExit`` naming a bad arm."""
     base, *options = arm.split("+")
     allowed = PEERS.get(base, {"clip", *COMPILE} if base in ("ddp", "single") else set(ARM_OPTIONS) if base in ARM_STAGES else set())
-    if (base not in ARM_STAGES and base not in PEERS) or any(o not in allowed for o in options) or COMPILE <= set(options):
+    if ((base not in ARM_STAGES and base not in PEERS) or any(o not in allowed for o in options) or COMPILE <= set(options)
+            or len(ACTIVATION_ARMS & set(options)) > 1):
         raise SystemExit(f"unknown arm {arm!r}: use ddp or single (+clip, +compile or +compile_whole), zeroq1/2/3 with optional +{'/+'.join(ARM_OPTIONS)}, or a peer: "
                          + ", ".join(f"{b} (+{'/+'.join(sorted(o))})" for b, o in PEERS.items()))
     return base, set(options)
@@ -411,7 +438,9 @@ def build_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> Arm:
         config = ZeroConfig(stage=stage, reduce_bucket_size=int(args.bucket) if stage < 3 else ZeroConfig().reduce_bucket_size,
                             quantized_weights="int8" in options, offload_optimizer=offload,
                             offload_parameters="offload_params" in options, **extra)
+        config, plan_line = activation_config(model, config, options, args, dev)
         engine = ZeroEngine(model, config, param_dtype=torch.bfloat16, device=dev)
+        engine.plan_line = plan_line  # type: ignore[attr-defined]  # +actauto: the plan's choice, for the results
         if "muon" in options:  # Muon for the blocks' matrices, AdamW for the rest (the usual recipe)
             hidden = [p for n, p in model.named_parameters() if n.startswith("blocks") and p.dim() == 2]
             rest = [p for n, p in model.named_parameters() if not (n.startswith("blocks") and p.dim() == 2)]
@@ -435,6 +464,50 @@ def build_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> Arm:
                     engine.zero_grad(optimizer)
 
     return Arm(model, forward, finish, engine, opt, num_params)
+
+
+def activation_config(model: nn.Module, config, options: set[str], args: argparse.Namespace, dev: torch.device):
+    """``config`` with the arm's activation option (``ACTIVATION_ARMS``) written in, and the plan's line (``+actauto``)."""
+    from lightning_zeroq.zero.policies import activation_mix
+
+    names = [f"blocks.{i}" for i in range(len(model.blocks))]
+    if "recompute" in options:
+        return config.replace(activation_checkpointing_policy=["Block"]), ""
+    if "actoff" in options:
+        offloaded, recomputed = activation_mix(len(names), args.act_offload / len(names), args.act_recompute / len(names))
+        on_host = offloaded + (recomputed if args.act_inputs_cpu else [])
+        return config.replace(activation_offloading_policy=[names[i] for i in on_host] or None,
+                              activation_checkpointing_policy=[names[i] for i in recomputed] or None), ""
+    if "actauto" not in options:
+        return config, ""
+    from lightning_zeroq import choose
+
+    budget = args.act_budget
+    if budget == "recompute":  # the peak the +recompute twin measured earlier in this launch
+        base = parse_arm(args.current_arm)[0]
+        twin_options = (options - {"actauto"}) | {"recompute"}
+        twin = "+".join([base, *sorted(twin_options)])
+        peaks = [r["peak_alloc_GiB_per_rank"] for r in MEASURED if "error" not in r
+                 and parse_arm(r["arm"]) == (base, twin_options)]
+        if ON_GPU and not peaks:
+            raise SystemExit(f"arm {args.current_arm!r}: --act-budget recompute needs the arm {twin!r} earlier in "
+                             "--arms (its measured peak is the budget), or give --act-budget GiB")
+        # The plan fits a candidate's planned peak, with PLAN_MARGIN to spare, under the budget: the twin's measured
+        # peak with that margin lets every mix whose planned peak is at most that peak in.
+        from lightning_zeroq.planning.choose import PLAN_MARGIN
+
+        budget = max(peaks[-1]) * (1 + PLAN_MARGIN) if peaks and ON_GPU else None  # the CPU: no device to fit
+    tokens = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
+    auto = config.replace(activation_offloading_policy="auto", activation_checkpointing_policy="auto",
+                          offload_memory_budget=budget)
+    choice = choose(model, auto, lambda m: m(tokens), device=dev, param_dtype=torch.bfloat16,
+                    world_size=dist.get_world_size())
+    planned = f"; planned peak {choice.need.device_total / 2**30:.2f} GiB allocated" if choice.need is not None else ""
+    return choice.config, choice.line + planned
+
+
+MEASURED: list[dict] = []
+"""The results of this launch's arms so far (``+actauto``'s ``--act-budget recompute`` reads its twin's peak)."""
 
 
 class Floor:
@@ -500,7 +573,8 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
             sync()
             t0 = time.perf_counter()
         with torch.autocast(dev.type, dtype=torch.bfloat16):
-            if i == 0:
+            # (not around activation offload's own hooks: it leaves a block inside others' hooks alone)
+            if i == 0 and not parse_arm(arm)[1] & ACTIVATION_ARMS:
                 with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                     loss = forward(tokens)
             else:
@@ -555,6 +629,13 @@ def run_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
         result.update(floor_s_median=round(statistics.median(floor_times), 4),
                       over_floor_median=round(statistics.median(t / f for t, f in zip(times, floor_times)), 3),
                       steps_s=[round(t, 4) for t in times], floor_s=[round(f, 4) for f in floor_times])
+    if engine is not None and parse_arm(arm)[1] & ACTIVATION_ARMS:
+        activations = engine.parts.activations
+        offloaded, recomputed = engine.config.activation_offloading_policy, engine.config.activation_checkpointing_policy
+        result.update(activation_offloading_policy=offloaded, activation_checkpointing_policy=recomputed,
+                      act_pinned_GiB=round(activations.pool.held / 2**30, 2) if activations is not None else 0.0)
+        if getattr(engine, "plan_line", ""):
+            result["plan"] = engine.plan_line
     if engine is not None:
         result["host_counted_bytes_per_param"] = round(
             sum(float(s) for s in gathered_counts(engine, dev)) / num_params, 2)
@@ -874,7 +955,29 @@ def main() -> None:
     parser.add_argument("--profile", default="", help="a folder: profile two more steps of each arm (profile_steps)")
     parser.add_argument("--loops", default="",
                         help="e.g. fabric,trainer,fabric,trainer: step each zeroq arm through these front doors instead (run_loops)")
+    parser.add_argument("--repeat", type=int, default=1, help="run the arms this many times, in turn (rounds)")
+    parser.add_argument("--drop-first-round", action="store_true", help="leave the first round out of the summary")
+    parser.add_argument("--act-offload", type=int, default=None,
+                        help="+actoff: blocks whose saved tensors go to the host, spread evenly (default a quarter)")
+    parser.add_argument("--act-recompute", type=int, default=0, help="+actoff: blocks of the rest that recompute")
+    parser.add_argument("--act-inputs-cpu", action="store_true",
+                        help="+actoff: the recomputing blocks keep their checkpoint inputs on the host")
+    parser.add_argument("--act-budget", default="recompute",
+                        help="+actauto: GiB of peak allocated memory the plan fits the mix under, or 'recompute' "
+                             "(the peak the arm's +recompute twin measured earlier in the launch)")
     args = parser.parse_args()
+    if args.act_offload is None:
+        args.act_offload = args.layers // 4
+    if not 0 <= args.act_offload <= args.layers or not 0 <= args.act_recompute <= args.layers - args.act_offload:
+        parser.error(f"--act-offload {args.act_offload} --act-recompute {args.act_recompute}: give block counts "
+                     f"that add up to at most --layers ({args.layers})")
+    if args.act_budget != "recompute":
+        try:
+            args.act_budget = float(args.act_budget)
+        except ValueError:
+            parser.error(f"--act-budget {args.act_budget}: give GiB (a number) or 'recompute'")
+    if args.repeat < 1 or (args.drop_first_round and args.repeat < 2):
+        parser.error(f"--repeat {args.repeat}: give 1 or more rounds (2 or more with --drop-first-round)")
     if args.loops:
         run_loops(args.arms.split(","), args)
         return
@@ -891,11 +994,54 @@ def main() -> None:
     if ON_GPU:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dev = torch.device("cuda", torch.cuda.current_device()) if ON_GPU else torch.device("cpu")
-    for arm in arms:
-        result = run_arm(arm, args, dev)
-        if dist.get_rank() == 0:
-            print(json.dumps(result), flush=True)
+    for round_ in range(1, args.repeat + 1):
+        for arm in arms:
+            args.current_arm = arm
+            result = run_or_report(arm, args, dev)
+            if args.repeat > 1:
+                result["round"] = round_
+            MEASURED.append(result)
+            if dist.get_rank() == 0:
+                print(json.dumps(result), flush=True)
+    if args.repeat > 1 and dist.get_rank() == 0:
+        for summary in summaries(arms, MEASURED, first=2 if args.drop_first_round else 1):
+            print(json.dumps(summary), flush=True)
     dist.destroy_process_group()
+
+
+def run_or_report(arm: str, args: argparse.Namespace, dev: torch.device) -> dict:
+    """``run_arm``; at world size 1, an arm that runs out of device memory, or whose plan (``+actauto``) finds
+    nothing that fits, is a line with ``error`` instead."""
+    try:
+        return run_arm(arm, args, dev)
+    except (torch.OutOfMemoryError, ValueError) as error:
+        if dist.get_world_size() > 1 or (isinstance(error, ValueError) and "nothing fits" not in str(error)):
+            raise  # the other ranks wait in a collective (or a bug): end the launch
+        first = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
+        what = "out of device memory" if isinstance(error, torch.OutOfMemoryError) else "the plan"
+    gc.collect()
+    if ON_GPU:
+        torch.cuda.empty_cache()
+    return {"arm": arm, "error": f"{what}: {first[:300]}", "params_M": None}
+
+
+def summaries(arms: list[str], results: list[dict], first: int = 1) -> list[dict]:
+    """One line per arm over the rounds from ``first`` on: each round's step time, tokens/s and peaks, their mean."""
+    out = []
+    for arm in dict.fromkeys(arms):
+        rounds = [r for r in results if r["arm"] == arm and r.get("round", 1) >= first]
+        done = [r for r in rounds if "error" not in r]
+        line: dict[str, Any] = {"summary": arm, "rounds": [r.get("round", 1) for r in rounds]}
+        if done:
+            line.update(step_s=[r["step_s_median"] for r in done], tokens_per_s=[r["tokens_per_s"] for r in done],
+                        mean_tokens_per_s=round(statistics.mean(r["tokens_per_s"] for r in done)),
+                        peak_alloc_GiB=max(max(r["peak_alloc_GiB_per_rank"]) for r in done),
+                        peak_reserved_GiB=max(max(r["peak_reserved_GiB_per_rank"]) for r in done),
+                        host_rss_GiB=max(max(r["host_rss_GiB_per_rank"]) for r in done))
+        if len(done) < len(rounds):
+            line["errors"] = [r["error"] for r in rounds if "error" in r]
+        out.append(line)
+    return out
 
 
 if __name__ == "__main__":

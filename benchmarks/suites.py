@@ -24,6 +24,7 @@ MODELS: dict[str, tuple[str, ...]] = {
     "1b": ("--layers", "17"),  # 1.005B parameters
     "3800m": ("--dim", "3072", "--layers", "32", "--heads", "24", "--ffn", "8192"),  # 3.82B parameters
     "3370m": ("--dim", "3072", "--layers", "28", "--heads", "24", "--ffn", "8192"),  # 3.37B parameters
+    "7b": ("--dim", "4096", "--layers", "32", "--heads", "32", "--ffn", "11008"),  # 6.74B parameters (Llama-7B's shape)
     "tiny": ("--dim", "64", "--layers", "2", "--heads", "2", "--ffn", "128", "--vocab", "256", "--seq", "32",
              "--batch", "2"),  # CPU smoke runs
 }
@@ -43,6 +44,9 @@ TABLE_COLUMNS: dict[str, tuple[str, ...]] = {
     "checkpoint_time": ("arm", "world_size", "checkpoint_GiB", "save_s", "blocked_s", "load_s"),
     "step_time_offload_floor": ("arm", "step_s_median", "floor_s_median", "over_floor_median", "peak_alloc_GiB_per_rank"),
     "step_time_fabric": ("mode", "stage", "step_s_median", "fabric_over_trainer"),
+    "step_time_activations": ("arm", "round", "params_M", "tokens_per_step", "step_s_median", "tokens_per_s",
+                              "peak_alloc_GiB_per_rank", "peak_reserved_GiB_per_rank", "host_rss_GiB_per_rank",
+                              "act_pinned_GiB", "error"),
     "host_adam": ("arm", "numel", "threads", "median_s", "GB_per_s"),
     "largest_model": ("arm", "deepest_layers", "params_B", "tokens_per_s", "mfu", "peak_reserved_GiB", "host_rss_GiB",
                       "next_fails_because"),
@@ -161,7 +165,29 @@ def _memory_account(arm: str, timeout: int, requires=(), world_size: int = 2, be
                   world_size=world_size, timeout=timeout, output="text", requires=tuple(requires))
 
 
+# Activations with the optimizer on the host: every block recomputing, the plan's mix of kept, offloaded and
+# recomputed blocks under the peak of recomputing them all (+actauto, --act-budget recompute), every activation
+# kept; alternating, two rounds. 4 x 4,096 and 8 x 4,096 tokens per step for the 953M GPT, 8 x 4,096 for a
+# Llama-7B-shaped GPT (built on the meta device: its fp32 weights would not fit the host beside the optimizer).
+ACTIVATIONS = "{stage}+offload_optimizer+recompute,{stage}+offload_optimizer+actauto,{stage}+offload_optimizer"
+ACTIVATION_RUNS = {"953m_16k": ("953m", ("--batch", "4", "--seq", "4096"), 400),
+                   "953m_32k": ("953m", ("--batch", "8", "--seq", "4096"), 500),
+                   "7b_32k": ("7b", ("--batch", "8", "--seq", "4096", "--meta", "--steps", "3", "--warmup", "2"), 590)}
+
+
+def _activations(run: str, stage: str = "zeroq2") -> Launch:
+    model, extra, timeout = ACTIVATION_RUNS[run]
+    steps = () if "--steps" in extra else ("--steps", "6", "--warmup", "3")
+    return step_time(ACTIVATIONS.format(stage=stage), models=(model,), world_sizes=(1,), timeout=timeout,
+                     bench="step_time_activations", extra=(*extra, *steps, "--repeat", "2"))[0]
+
+
 SUITES: dict[str, Suite] = {
+    "activations": Suite(
+        "Activation offload on one GPU, optimizer on the host: every block recomputing, the plan's mix of kept, "
+        "offloaded and recomputed blocks at the same peak, every activation kept (953M GPT at 16K and 32K tokens, "
+        "a 7B GPT at 32K); tokens/s, peak allocated and reserved, host RSS; arms alternating, two rounds",
+        tuple(_activations(run) for run in ACTIVATION_RUNS), build=True),
     "scale": Suite(
         "Throughput at the batch offload exists for (953M GPT, one GPU): tokens/s and MFU of no offload, optimizer "
         "offload and parameter + optimizer offload at 4K, 16K and 32K tokens per step (micro-batches of 1,024-token "
@@ -358,6 +384,9 @@ SUITES: dict[str, Suite] = {
                 world_size=2, timeout=120),
          Launch("step_time_fabric", ("benchmarks/step_time.py", *MODELS["tiny"], "--steps", "2", "--warmup", "1",
                                      "--arms", "zeroq2", "--loops", "fabric,trainer"), world_size=2, timeout=120),
+         *step_time(ACTIVATIONS.format(stage="zeroq3") + ",zeroq2+actoff", models=("tiny",), world_sizes=(1,),
+                    timeout=120, bench="step_time_activations", env={"OMP_NUM_THREADS": "1"},
+                    extra=("--steps", "2", "--warmup", "1", "--repeat", "2", "--act-offload", "1")),
          Launch("eps_noise", ("benchmarks/accuracy.py", "eps-noise", "--world-size", "2", "--stage", "3", "--steps",
                               "2"), timeout=120),
          Launch("host_adam", ("benchmarks/kernels.py", "host-adam", "--numel", "100000", "--threads", "1", "--steps",

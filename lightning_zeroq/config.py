@@ -165,12 +165,31 @@ class ZeroConfig:
 
     activation_checkpointing_policy: Any = None
     """The module classes (or their names) whose instances recompute their forward in the backward
-    instead of keeping its activations (Lightning's ``FSDPStrategy`` name and meaning; torch's
+    instead of keeping its activations, or modules' qualified names (``"blocks.0"``) to choose block by block
+    (Lightning's ``FSDPStrategy`` name and meaning, for classes; torch's
     non-reentrant ``checkpoint``, which restores the random state: the same results, bitwise). Applied
     to the model when the engine is built; with stage 3, a checkpointed unit is gathered again for its
     recomputation. None: nothing recomputed. Stored as the class names. ``"auto"``: the repeated blocks
     (stage 3's units), as many of them as the plan needs to fit the memory budget (none when everything
     fits), decided before the first step (``offload="auto"`` says how)."""
+
+    activation_offloading_policy: Any = None
+    """The modules whose activations wait in pinned host memory between their forward and their backward
+    instead of on the device: module classes (or their names), whose instances are named, or modules'
+    qualified names (``"blocks.0"``), to choose block by block. A module that does not recompute copies what
+    autograd saves for its backward to the host on a side stream as its forward ends and gets it back on
+    another ahead of its backward (the next blocks of the backward prefetched as one starts), with no
+    recomputation; a module that ``activation_checkpointing_policy`` also names recomputes and keeps only its
+    checkpoint inputs on the host (DeepSpeed's ``cpu_checkpointing``). Parameters, the gathered weights of
+    stage 3, tensors smaller than ``activation_offloading_min_bytes`` and tensors off the device stay where
+    they are; results are bitwise the same. Stored as the names. ``"auto"``: the plan chooses, block by block,
+    which keep their activations, which offload them and (with ``activation_checkpointing_policy="auto"``)
+    which recompute, counting the copies' time against the compute they overlap (``offload="auto"`` says
+    how). None: nothing offloaded."""
+
+    activation_offloading_min_bytes: int = 1 << 20
+    """With ``activation_offloading_policy``: saved tensors whose storage holds fewer bytes stay on the device
+    (a copy's fixed cost outweighs what it frees). 0 offloads every one."""
 
     quantized_gradients: bool = False
     """Reduce gradients as INT8 groups with fp32 scales instead of the working dtype (ZeRO++'s qgZ
@@ -235,6 +254,18 @@ class ZeroConfig:
                 "names, e.g. ['Block']."
             )
         self.activation_checkpointing_policy = _class_names(self.activation_checkpointing_policy)
+        self.activation_offloading_policy = _class_names(
+            self.activation_offloading_policy, "activation_offloading_policy",
+            otherwise="None: nothing offloaded; 'auto': the plan chooses block by block")
+        self.activation_offloading_min_bytes = _check_int("activation_offloading_min_bytes",
+                                                          self.activation_offloading_min_bytes, 0)
+        if self.activation_offloading_policy == "auto" and self.activation_checkpointing_policy not in (None, "auto"):
+            raise ValueError(
+                "ZeroConfig.activation_offloading_policy='auto' chooses block by block beside "
+                f"activation_checkpointing_policy={self.activation_checkpointing_policy!r}, which names the blocks "
+                "to recompute itself; set activation_checkpointing_policy='auto' (the plan chooses the mix of kept, "
+                "offloaded and recomputed blocks) or None, or name the blocks to offload."
+            )
         if self.stage3_wrap_classes and self.stage3_unit_size:
             raise ValueError(
                 "ZeroConfig: set stage3_wrap_classes or stage3_unit_size, not both "
@@ -358,17 +389,18 @@ def check_shard_group_size(value: Any, world_size: Optional[int] = None, given: 
     return value
 
 
-def _class_names(value: Any) -> Any:
-    """``activation_checkpointing_policy``: None, ``"auto"``, or module classes / class names as a list of names."""
+def _class_names(value: Any, field: str = "activation_checkpointing_policy",
+                 forms: str = "module classes, their names or modules' qualified names, e.g. {Block}, ['Block'] or "
+                              "['blocks.0', 'blocks.1']",
+                 otherwise: str = "None: nothing recomputed; 'auto': as many blocks as the plan needs") -> Any:
+    """A module policy (``activation_checkpointing_policy``, ``activation_offloading_policy``): None, ``"auto"``,
+    or module classes / names as a sorted list of names; ``forms`` and ``otherwise`` word the error."""
     if value is None or value == "auto":
         return value
     items = list(value) if isinstance(value, (list, tuple, set, frozenset)) else None
     names = [c if isinstance(c, str) else c.__name__ if isinstance(c, type) else None for c in items or ()]
     if not items or any(not n for n in names):
-        raise ValueError(
-            f"ZeroConfig.activation_checkpointing_policy={value!r} must be a list of module classes or their "
-            "names, e.g. {Block} or ['Block'] (None: nothing recomputed; 'auto': as many blocks as the plan needs)."
-        )
+        raise ValueError(f"ZeroConfig.{field}={value!r} must be a list of {forms} ({otherwise}).")
     return sorted({n for n in names if n})
 
 

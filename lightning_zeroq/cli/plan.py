@@ -11,7 +11,9 @@ With ``--recipe``, the model, the micro-batch, the world size and the precision 
 beside the other candidates.
 
 Per configuration (stages 1-3; no offload, half or all of the optimizer on the host, parameters too,
-NVMe where ``--nvme-path`` is given; each without and with checkpointing of every block), per rank:
+NVMe where ``--nvme-path`` is given; each without and with checkpointing of every block and, where the
+device's memory is known, the fastest mix of blocks that keep, offload to the host and recompute their
+activations that fits and beats both), per rank:
 device memory (allocated: state, gathered units, activations), host and disk memory, a first-order
 step time from ``--tflops``, ``--host-elements-per-s``, ``--pcie-gbs`` and ``--nvme-gbs``, and
 whether it fits; the fitting ones first, fastest first. The machine's memory is read from this

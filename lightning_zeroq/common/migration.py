@@ -34,8 +34,12 @@ _GROUPS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("pin_memory",), "not needed: offloaded host buffers are pinned whenever the device is a GPU"),
     (("params_buffer_count", "params_buffer_size", "max_in_cpu", "optimizer_buffer_count", "block_size",
       "queue_depth", "single_submit", "overlap_events", "thread_count"), _AIO),
-    (("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
-      "synchronize_checkpoint_boundary"), _ACTIVATIONS),
+    (("cpu_checkpointing",), ('activation_offloading_policy naming the blocks activation_checkpointing_policy names '
+                             '(activation_checkpointing_policy=["Block"], activation_offloading_policy=["Block"]): each '
+                             "recomputes and keeps its checkpoint input in pinned host memory; a block named only in "
+                             "activation_offloading_policy keeps everything it saves there instead, with no "
+                             "recomputation (see Activation offload)")),
+    (("partition_activations", "contiguous_memory_optimization", "synchronize_checkpoint_boundary"), _ACTIVATIONS),
     (("logging_level", "logging_batch_size_per_gpu"), _LOGGING),
     # FSDPStrategy
     (("sharding_strategy",),

@@ -160,7 +160,8 @@ def build_engine(module: nn.Module, config: ZeroConfig, precision: ZeroQPrecisio
     """The engine for ``module``. It moves the module to ``device`` unit by unit (stage 3 never holds it
     whole), materializes meta-device parameters with ``reset_parameters()``, and starts every rank from
     rank 0's values, as DDP does. ``ranks_per_node`` (the strategy's ``num_processes``) resolves
-    ``shard_group_size="node"``. ``offload="auto"`` (or ``activation_checkpointing_policy="auto"``) is
+    ``shard_group_size="node"``. ``offload="auto"`` (or ``activation_checkpointing_policy="auto"``,
+    ``activation_offloading_policy="auto"``) is
     decided first, from the plan of ``plan_forward(module)`` (one micro-batch's loss; ``planning/choose.py``);
     otherwise, on a GPU, a configuration whose planned peak surely exceeds the device stops here, in one
     line, before anything is allocated (``choose.check_fits``). ``on_choice`` receives the automatic choice.
@@ -172,7 +173,8 @@ def build_engine(module: nn.Module, config: ZeroConfig, precision: ZeroQPrecisio
         config = resolve(config, Chosen(OnDevice(), OnDevice(), 0.0), ())
     if auto_request(config) is not None:
         if plan_forward is None:
-            raise ValueError("offload='auto' / activation_checkpointing_policy='auto' plan from one micro-batch's "
+            raise ValueError("offload='auto' / activation_checkpointing_policy='auto' / activation_offloading_policy="
+                             "'auto' plan from one micro-batch's "
                              "loss: pass plan_forward=lambda model: <the loss of a sample batch> to the strategy.")
         choice = choose(module, config, plan_forward, device=device, param_dtype=precision.param_dtype,
                         ranks_per_node=ranks_per_node or 1)

@@ -159,9 +159,10 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
             Fabric's ``DDPStrategy``.
         timeout: the longest a collective waits, a positive ``timedelta`` or number of seconds.
         checkpoint_io: refused (``fabric.save`` / ``fabric.load`` write ZeroQ's directories themselves).
-        plan_forward: needed with ``offload="auto"`` or ``activation_checkpointing_policy="auto"``: a
-            function of the model returning one micro-batch's loss (e.g. ``lambda m: loss_fn(m(x), y)``
-            with a sample batch), which the plan traces on the meta device before the model is sharded.
+        plan_forward: needed with ``offload="auto"``, ``activation_checkpointing_policy="auto"`` or
+            ``activation_offloading_policy="auto"``: a function of the model returning one micro-batch's loss
+            (e.g. ``lambda m: loss_fn(m(x), y)`` with a sample batch), which the plan traces on the meta device
+            before the model is sharded.
         exclude_frozen_parameters: ``fabric.save`` leaves out the frozen parameters (``requires_grad=False``),
             as Fabric's ``DeepSpeedStrategy`` does; ``fabric.load`` reads such a checkpoint into a model that
             holds the same frozen weights.

@@ -85,9 +85,10 @@ class ZeroQStrategy(DDPStrategy):
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, start_method: as in Lightning's ``DDPStrategy``.
         timeout: the longest a collective waits, a positive ``timedelta`` or number of seconds.
-        plan_forward: with ``offload="auto"`` or ``activation_checkpointing_policy="auto"``: a function of
-            the model returning one micro-batch's loss, which the plan traces on the meta device (default:
-            the module's ``training_step`` on the first batch of its training dataloader).
+        plan_forward: with ``offload="auto"``, ``activation_checkpointing_policy="auto"`` or
+            ``activation_offloading_policy="auto"``: a function of the model returning one micro-batch's loss,
+            which the plan traces on the meta device (default: the module's ``training_step`` on the first batch
+            of its training dataloader).
         async_checkpoint: save checkpoints with ``torch.distributed.checkpoint.async_save``: training
             waits only while the state is copied to host memory, the files are written in the
             background (the next save, a load or ``wait_for_checkpoint()`` waits for them).

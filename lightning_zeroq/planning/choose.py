@@ -41,11 +41,12 @@ from lightning_zeroq.planning import calibrate as calibration
 from lightning_zeroq.zero import comm
 from lightning_zeroq.zero import activation_checkpoint as recompute_blocks
 from lightning_zeroq.zero.offload.auto import MARGIN
-from lightning_zeroq.zero.memory.host import available, size
+from lightning_zeroq.zero.memory.host import ACTIVATIONS, available, size
 from lightning_zeroq.zero.unit_plan import repeated_blocks
-from lightning_zeroq.planning.estimate import Activations, ForwardError, Machine, Need, estimate_config, trace_activations
-from lightning_zeroq.zero.policies import (AutoRequest, Chosen, Host, Nvme, OnDevice, as_auto, auto_request,
-                                           from_config, resolve)
+from lightning_zeroq.planning.estimate import (Activations, ForwardError, Machine, Need, estimate_config, mix_names,
+                                               mixes, trace_activations)
+from lightning_zeroq.zero.policies import (AutoRequest, Chosen, Host, Nvme, OnDevice, activation_mix, as_auto,
+                                           auto_request, from_config, resolve)
 
 log = logging.getLogger("lightning_zeroq")
 
@@ -55,6 +56,7 @@ on one H200 (``docs/plan.md`` names the runs)."""
 
 SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)
 """The shares of the optimizer (on the host) and of the blocks (recomputing) a choice is made among."""
+
 
 
 @dataclass(frozen=True)
@@ -96,9 +98,9 @@ def on_meta(module: nn.Module, dtype: torch.dtype) -> Iterator[nn.Module]:
             store[name] = t
 
 
-def candidates(request: AutoRequest) -> list[tuple[str, Any, Any, float]]:
-    """``(name, optimizer, parameters, share of the blocks recomputing)`` in order of preference (less
-    offloaded, less recomputed first)."""
+def candidates(request: AutoRequest) -> list[tuple[str, Any, Any, tuple[float, float, bool]]]:
+    """``(name, optimizer, parameters, (share of the blocks offloading, share recomputing, inputs on the
+    host))`` in order of preference (less offloaded, less recomputed first; ``estimate.mixes``)."""
     # Without offload="auto" the offload stays as configured (``resolve`` leaves it): one kind, named so.
     optimizers: list[tuple[str, Any]] = [("optimizer on the device" if request.offload else "offload as configured",
                                           OnDevice())]
@@ -109,13 +111,15 @@ def candidates(request: AutoRequest) -> list[tuple[str, Any, Any, float]]:
             optimizers += [(f"{share:.0%} of the optimizer on NVMe", Nvme(request.nvme_path, share)) for share in (0.5, 1.0)]
         if request.stage == 3:
             parameters.append((", parameters on the host", Host()))
-    shares = SHARES if request.recompute else (1.0 if request.recompute_classes else 0.0,)
+    blocks = mixes(request.recompute, request.activations, 1.0 if request.recompute_classes else 0.0)
     out = []
     for pname, params in parameters:
         for oname, opt in optimizers:
-            for share in shares:
-                recompute = f", {share:.0%} of the blocks recomputing" if request.recompute else ""
-                out.append((oname + pname + recompute, opt, params, share))
+            for offload, share, inputs in blocks:
+                recompute = (f", {share:.0%} of the blocks recomputing{' (inputs on the host)' if inputs else ''}"
+                             if request.recompute or (request.activations and share) else "")
+                offloading = f", {offload:.0%} offloading their activations" if request.activations else ""
+                out.append((oname + pname + recompute + offloading, opt, params, (offload, share, inputs)))
     return out
 
 
@@ -196,10 +200,11 @@ def choose(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Module],
             timed = True
         rates = _agreed_machine(rates, device, group)
         planned = []
-        for name, opt, params, share in candidates(request):
-            chosen = Chosen(opt, params, share)
+        for name, opt, params, (offload, share, inputs) in candidates(request):
+            chosen = Chosen(opt, params, share, offload, inputs)
             need = estimate_config(meta, resolve(config, chosen, (), correct=False), activations, name=name, world_size=world,
-                               checkpointing=share, machine=rates, param_dtype=param_dtype, rank=comm.world(group)[0])
+                               checkpointing=share, machine=rates, param_dtype=param_dtype, rank=comm.world(group)[0],
+                               offloading=offload, inputs_on_host=inputs)
             planned.append((chosen, need))
     if size is None and request.device_budget is None:
         budget = None  # a CPU device: no device memory to fit (host and disk still count)
@@ -230,10 +235,12 @@ def choose(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Module],
     best = min(range(len(fitting)), key=lambda i: (fitting[i][1].step_s, i))
     chosen, need = fitting[best]
     names = [type(blocks[0]).__name__] if blocks else []
-    resolved = resolve(config, chosen, names, correct=device.type == "cuda")
+    on_host, _ = mix_names(module, blocks, chosen.offload_share, chosen.recompute_share, chosen.inputs_on_host)
+    resolved = resolve(config, chosen, names, correct=device.type == "cuda", offloaded=on_host)
     recompute: tuple[nn.Module, ...] = ()
     if request.recompute and 0 < chosen.recompute_share < 1:
-        recompute = tuple(blocks[: round(chosen.recompute_share * len(blocks))])
+        recompute = tuple(blocks[i] for i in activation_mix(len(blocks), chosen.offload_share,
+                                                             chosen.recompute_share)[1])
         if apply:
             recompute_blocks.apply_to(recompute)
     step = f"step ~{need.step_s:.3g} s" if timed else "step time not planned (no GPU to measure the rates on)"
@@ -263,6 +270,20 @@ def _traced(meta: nn.Module, forward: Callable[[nn.Module], Tensor], blocks: Any
                          f"run there ({what}); pass plan_forward=lambda model: <one micro-batch's loss, reading no "
                          "tensor's value> to the strategy, or choose the offload by hand (zeroq-plan shows what fits).")
     return activations
+
+
+def given_mix(module: nn.Module, blocks: list[nn.Module], recompute: tuple[str, ...],
+              offload: tuple[str, ...]) -> tuple[float, float, bool]:
+    """``(share offloading, share recomputing, inputs on the host)`` of the repeated ``blocks`` under the class
+    or qualified names a configuration gives (``activation_checkpointing_policy``, ``activation_offloading_policy``;
+    a block named in both recomputes with its inputs on the host)."""
+    if not blocks:
+        return 0.0, 0.0, False
+    qualified = {id(m): n for n, m in module.named_modules()}
+    rec = [type(b).__name__ in recompute or qualified.get(id(b)) in recompute for b in blocks]
+    off = [type(b).__name__ in offload or qualified.get(id(b)) in offload for b in blocks]
+    alone = sum(o and not r for o, r in zip(off, rec))
+    return alone / len(blocks), sum(rec) / len(blocks), any(o and r for o, r in zip(off, rec))
 
 
 def report_first_step(choice: Choice, device: torch.device) -> None:
@@ -298,21 +319,35 @@ def check_fits(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Modu
         return
     blocks = repeated_blocks(module)
     given = from_config(config, loss_scaling=False)
-    share = 1.0 if {type(b).__name__ for b in blocks} & set(given.recompute) else 0.0
+    offload, share, inputs = given_mix(module, blocks, given.recompute, given.activations.modules)
     need, failed = None, 0
     try:
         with on_meta(module, param_dtype) as meta:
             activations = trace_activations(meta, forward, blocks)
             need = estimate_config(meta, config, activations, name="the configuration as given",
                                world_size=comm.world(group)[1], checkpointing=share, param_dtype=param_dtype,
-                               rank=comm.world(group)[0], machine=_default_machine(device, ranks_per_node))
+                               rank=comm.world(group)[0], machine=_default_machine(device, ranks_per_node),
+                               offloading=offload, inputs_on_host=inputs)
     except Exception as error:  # a forward the meta device cannot run: no check, on every rank alike
         log.debug(f"the check before launch could not trace one micro-batch on the meta device ({error!r})")
         failed = 1
     free_here = device_bytes if device_bytes is not None else torch.cuda.mem_get_info(device)[0]
-    # the fullest rank's room, the largest rank's need, whether any rank could not trace
-    room_f, peak_f, ok = _smallest([free_here, -(need.device_total if need else 0), -failed], device, group)
+    found = available(config.host_memory_budget)
+    moved = need.host.get(ACTIVATIONS, 0) if need is not None else 0
+    host_room = found.bytes if found is not None and moved else 1 << 62  # checked here where activations go there
+    # the fullest rank's room, the largest rank's need, whether any rank could not trace; the host's alike
+    room_f, peak_f, ok, host_f, host_need_f = _smallest(
+        [free_here, -(need.device_total if need else 0), -failed, host_room,
+         -(need.host_total * ranks_per_node if need else 0)], device, group)
     room, peak, failed = int(room_f), -int(peak_f), int(-ok)
+    host_need, host_room = -int(host_need_f), int(host_f)
+    if not failed and need is not None and host_need > host_room:
+        raise ValueError(f"ZeroQ: this configuration needs about {_size(host_need)} of host memory on this node "
+                         f"({_size(moved * ranks_per_node)} of it offloaded activations) and {_size(host_room)} is "
+                         "available; offload the activations of fewer blocks (activation_offloading_policy naming "
+                         "fewer modules, or 'auto' with activation_checkpointing_policy='auto'), recompute them "
+                         "(activation_checkpointing_policy), or set host_memory_budget where the host's memory grows "
+                         "as it is used.")
     if failed or need is None or peak * (1 - PLAN_MARGIN) <= room:
         return
     auto = as_auto(config, room / 2**30)

@@ -52,10 +52,11 @@ from lightning_zeroq.zero import hybrid
 from lightning_zeroq.zero.layout import ALIGN, UnitLayout
 from lightning_zeroq.zero.offload import host_units
 from lightning_zeroq.zero.memory.device import device_kinds, units_off_device
-from lightning_zeroq.zero.memory.host import engine_need, optimizer_need
+from lightning_zeroq.zero.activation_offload import BLOCKS_IN_FLIGHT
+from lightning_zeroq.zero.memory.host import ACTIVATIONS, activations_host_bytes, engine_need, optimizer_need
 from lightning_zeroq.zero.unit_plan import UnitSpec, frozen_only_specs, repeated_blocks, unit_plan
 from lightning_zeroq.zero.frozen import FrozenNeed, frozen_need, shardable
-from lightning_zeroq.zero.policies import ModuleUnits, Nvme, OnDevice, Policies, from_config
+from lightning_zeroq.zero.policies import ModuleUnits, Nvme, OnDevice, Policies, activation_mix, from_config
 from lightning_zeroq.zero.unit import plan_layouts, trainable_parameters
 from lightning_zeroq.zero.wire import Int8
 
@@ -139,6 +140,21 @@ class Activations:
             return self.total
         return int(self.total - share * (self.in_blocks - self.block_inputs))
 
+    def mixed(self, recompute: float, offload: float = 0.0, inputs_on_host: bool = False) -> tuple[int, int, int]:
+        """``(kept on the device, moved to the host, in flight)`` bytes when the blocks ``policies.activation_mix``
+        picks for ``offload`` keep their saved tensors on the host, those it picks for ``recompute`` recompute
+        (with ``inputs_on_host`` their inputs on the host: DeepSpeed's ``cpu_checkpointing``) and the rest keep
+        theirs. Each block counts as the average block; in flight: ``BLOCKS_IN_FLIGHT`` blocks' moved bytes
+        (copied out behind the forward, or brought back ahead of the backward)."""
+        if (offload <= 0 and not inputs_on_host) or not self.blocks:
+            return self.with_checkpointing(recompute), 0, 0
+        offloaded, recomputed = activation_mix(self.blocks, offload, recompute)
+        block, first = self.in_blocks / self.blocks, self.block_inputs / self.blocks
+        moved = len(offloaded) * block + (len(recomputed) * first if inputs_on_host else 0)
+        kept = self.total - len(recomputed) * (block - first) - moved
+        flight = BLOCKS_IN_FLIGHT * (block if offloaded else first if moved else 0)
+        return int(kept), int(moved), int(flight)
+
 
 @dataclass(frozen=True)
 class Need:
@@ -165,6 +181,10 @@ class Need:
     """The tokens per micro-batch and rank the step time counts."""
     traced: Optional[Activations] = field(default=None, compare=False, repr=False)
     """What the forward saved, as traced (shared by every configuration of one plan)."""
+    offloading: float = 0.0
+    """The share of the repeated blocks whose saved tensors wait on the host (``activation_offloading_policy``)."""
+    inputs_on_host: bool = False
+    """The recomputing blocks keep their checkpoint inputs on the host."""
 
     @property
     def device_total(self) -> int:
@@ -185,7 +205,7 @@ def describe(machine: Machine) -> str:
 
 
 TRANSIENT = ("activations", "loss_gradients", "loss_input", "gathered_units", "unit_gradients", "recomputed_block",
-             "gradient_shards", "step_temporaries")
+             "gradient_shards", "step_temporaries", "offload_in_flight")
 """The kinds held only at some moments of the step (``phases``); the others are held throughout."""
 
 
@@ -200,12 +220,15 @@ def phases(device: dict[str, int]) -> dict[str, int]:
       gradients in the working dtype, the activations less the loss's input (freed by then), and with
       checkpointing the block being recomputed;
     - the step: the fp32 gradient shards and the optimizer's temporaries.
+
+    With activation offload, both backward moments also hold what is in flight (``Activations.mixed``).
     """
     held = sum(v for k, v in device.items() if k not in TRANSIENT)
+    flight = device.get("offload_in_flight", 0)  # activation offload: a block's copies on their way
     return {
-        "loss backward": held + device["activations"] + device["loss_gradients"],
+        "loss backward": held + device["activations"] + device["loss_gradients"] + flight,
         "block backward": held + device["gathered_units"] + device["unit_gradients"] + device["activations"]
-        - device["loss_input"] + device["recomputed_block"],
+        - device["loss_input"] + device["recomputed_block"] + flight,
         "step": held + device["gradient_shards"] + device.get("step_temporaries", 0),
     }
 
@@ -432,10 +455,12 @@ def candidates(nvme_path: Optional[str] = None, frozen: bool = False) -> list[tu
 def estimate_config(model: nn.Module, config: ZeroConfig, activations: Activations, *, name: str,
                 world_size: int = 1, tokens: int = 0, checkpointing: float = 0.0, machine: Machine = Machine(),
                 param_dtype: torch.dtype = torch.bfloat16, state_bytes: int = 8, rank: int = 0,
-                step_temporary_bytes: int = 4) -> Need:
+                step_temporary_bytes: int = 4, offloading: float = 0.0, inputs_on_host: bool = False) -> Need:
     """The plan of one configuration (``model`` on the meta device; ``tokens`` per step and rank;
-    ``checkpointing``: the share of the repeated blocks that recompute; ``step_temporary_bytes``: what
-    the optimizer allocates per element while it steps, 4 for torch's foreach AdamW, 0 for fused)."""
+    ``checkpointing``: the share of the repeated blocks that recompute; ``offloading``: the share whose saved
+    tensors wait on the host, ``inputs_on_host``: the recomputing ones' inputs too (``Activations.mixed``);
+    ``step_temporary_bytes``: what the optimizer allocates per element while it steps, 4 for torch's foreach
+    AdamW, 0 for fused)."""
     checkpointing = float(checkpointing)
     policies = from_config(config, loss_scaling=False)
     units = policies.sharding.units
@@ -450,7 +475,8 @@ def estimate_config(model: nn.Module, config: ZeroConfig, activations: Activatio
     device["frozen_whole"] = sum(p.numel() * p.element_size() for p in model.parameters()
                                  if not p.requires_grad and id(p) not in sharded)
     device["workspaces"] = machine.device_workspace_bytes
-    device["activations"] = activations.with_checkpointing(checkpointing)
+    device["activations"], moved, device["offload_in_flight"] = activations.mixed(checkpointing, offloading,
+                                                                                 inputs_on_host)
     device["loss_input"] = activations.largest
     device["loss_gradients"] = 2 * activations.largest
     device["recomputed_block"] = activations.largest_block if checkpointing > 0 else 0
@@ -461,12 +487,14 @@ def estimate_config(model: nn.Module, config: ZeroConfig, activations: Activatio
     device["step_temporaries"] = device["masters"] * step_temporary_bytes // 4
     host = engine_need(policies.offload, layouts, rank, param_dtype, payload, frozen.stored_bytes)
     host.parts.update(optimizer_need([], host.host_elements, False, host.swap_elements, state_bytes).parts)
+    if moved:
+        host.parts[ACTIVATIONS] = activations_host_bytes(moved)
     if machine.runtime_host_bytes:
         host.parts["CUDA runtime and libraries"] = machine.runtime_host_bytes
     nvme = _nvme_bytes(policies, layouts, specs, param_dtype, state_bytes, payload)
     step = _step_seconds(policies, layouts, specs, activations, device["masters"] // 4, host.host_elements, nvme, tokens,
                          checkpointing, machine, param_dtype, sum(p.numel() for p in model.parameters() if not p.requires_grad),
-                         frozen.stored_bytes)
+                         frozen.stored_bytes, moved)
     why = []
     peak = peak_allocated(device)
     reserved = int(peak * machine.reserved_per_allocated) + machine.reserved_overhead_bytes
@@ -477,7 +505,7 @@ def estimate_config(model: nn.Module, config: ZeroConfig, activations: Activatio
     if machine.nvme_bytes is not None and nvme * machine.ranks_per_node > machine.nvme_bytes:
         why.append(f"disk {nvme * machine.ranks_per_node / GIB:.1f} > {machine.nvme_bytes / GIB:.1f} GiB")
     return Need(name, config, checkpointing, device, dict(host.parts), nvme, step, not why, "; ".join(why), reserved,
-                machine.device_bytes is not None, tokens, activations)
+                machine.device_bytes is not None, tokens, activations, float(offloading), inputs_on_host and moved > 0)
 
 
 def _engine_passes(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequence[UnitSpec],
@@ -501,19 +529,29 @@ def _engine_passes(policies: Policies, layouts: Sequence[UnitLayout], specs: Seq
 def _step_seconds(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequence[UnitSpec], activations: Activations,
                   device_elements: int, host_elements: int,
                   nvme_bytes: int, tokens: int, checkpointing: float, machine: Machine, param_dtype: torch.dtype,
-                  frozen_numel: int = 0, frozen_stored: int = 0) -> float:
+                  frozen_numel: int = 0, frozen_stored: int = 0, moved: int = 0) -> float:
     """The larger of the compute (the model's, and the engine's own passes over device memory) and what
     crosses PCIe beside it (gradients landing, stage 3's parameters coming up), plus the optimizer step
     on the device (``device_elements``, memory bound) and on the host, the new weights going up as it
     goes (one unit's copy after it), and NVMe traffic (``nvme_bytes`` read and written). Frozen parameters
     (``frozen_numel``) cost 4 FLOPs per element and token (forward, and the gradient of their input), and with
-    parameter offload their stored shards (``frozen_stored`` bytes) cross PCIe twice a step."""
+    parameter offload their stored shards (``frozen_stored`` bytes) cross PCIe twice a step.
+
+    Activation offload (``moved`` bytes to the host in the forward and back in the backward) overlaps the
+    compute of the blocks around the offloaded ones: its copies cost only what they take beyond the forward's
+    compute (to the host) and beyond the backward's, recomputation included (back), each way on its own."""
     params = sum(layout.numel for layout in layouts)
-    compute = ((6 + 2 * checkpointing) * params + (4 + 2 * checkpointing) * frozen_numel) * tokens / machine.matmul_flops
+    rate = tokens / machine.matmul_flops
+    forward = (2 * params + 2 * frozen_numel) * rate
+    backward = ((4 + 2 * checkpointing) * params + (2 + 2 * checkpointing) * frozen_numel) * rate
     if machine.block_seconds is not None and activations.blocks:
-        forward, both = machine.block_seconds
+        block, both = machine.block_seconds
         outside = max(0, params + frozen_numel - activations.block_numel)
-        compute = activations.blocks * (both + checkpointing * forward) + 6 * outside * tokens / machine.matmul_flops
+        forward = activations.blocks * block + 2 * outside * rate
+        backward = activations.blocks * (both - block + checkpointing * block) + 4 * outside * rate
+    compute = forward + backward
+    copies = moved / machine.pcie_bytes_per_s
+    stalls = max(0.0, copies - forward) + max(0.0, copies - backward)
     host_step = host_elements / machine.host_step_elements_per_s
     host = host_step + device_elements * DEVICE_STEP_BYTES / machine.device_bytes_per_s  # the device's part too
     offload = policies.offload
@@ -534,7 +572,7 @@ def _step_seconds(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequ
         after += param_dtype.itemsize * sum(layouts[i].shard_numel for i in transient if i not in off)  # to the host
         beside += 2 * frozen_stored  # the frozen shards, forward and backward
     nvme = 2 * nvme_bytes / machine.nvme_bytes_per_s
-    return max(compute, beside / machine.pcie_bytes_per_s) + host + after / machine.pcie_bytes_per_s + nvme
+    return max(compute, beside / machine.pcie_bytes_per_s) + stalls + host + after / machine.pcie_bytes_per_s + nvme
 
 
 def estimate_training(model: nn.Module, forward: Callable[[nn.Module], Tensor], *, tokens: Optional[int] = None,
@@ -582,4 +620,71 @@ def estimate_training(model: nn.Module, forward: Callable[[nn.Module], Tensor], 
             needs.append(estimate_config(model, config, activations, name=name + ("+checkpointing" if checkpointing else ""),
                                      world_size=world_size, tokens=tokens, checkpointing=float(checkpointing),
                                      machine=machine, param_dtype=param_dtype, state_bytes=state_bytes))
+        if len(checkpoint) > 1 and machine.device_bytes is not None and not config.activation_offloading_policy:
+            rows = [n for n in needs[-2:] if n.fits]
+            mixed = best_mix(model, config, activations, name=name, world_size=world_size, tokens=tokens,
+                             machine=machine, param_dtype=param_dtype, state_bytes=state_bytes,
+                             beat=min((n.step_s for n in rows), default=float("inf")))
+            needs += [mixed] if mixed is not None else []
     return sorted(needs, key=lambda n: (not n.fits, n.step_s, n.device_total))
+
+
+RECOMPUTE_SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)
+"""The shares of the repeated blocks recomputing that a plan chooses among."""
+
+OFFLOAD_SHARES = (0.0, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)
+"""The shares of the blocks whose activations wait on the host that a plan chooses among (eighths: the copies of
+one block take several blocks' compute, so the share that fits beside the compute is often small)."""
+
+
+def mixes(recompute: bool, offload: bool, given: float = 0.0) -> list[tuple[float, float, bool]]:
+    """What the repeated blocks' activations may do, as ``(share offloading, share recomputing, the recomputing
+    ones' inputs on the host)`` (``policies.activation_mix`` picks the blocks), less offloaded and less
+    recomputed first: with ``recompute`` the shares of ``RECOMPUTE_SHARES`` recomputing, with ``offload`` those
+    of ``OFFLOAD_SHARES`` offloading, each with its inputs on the host or not where some recompute; the two
+    together, every pair whose shares add up to at most all of them. Neither: ``given`` (the configured
+    share) recomputing."""
+    offloads = OFFLOAD_SHARES if offload else (0.0,)
+    recomputes = RECOMPUTE_SHARES if recompute else (given,)
+    return [(o, r, inputs) for o in offloads for r in recomputes if o + r <= 1.0
+            for inputs in ((False, True) if offload and r > 0 else (False,))]
+
+
+def best_mix(model: nn.Module, config: ZeroConfig, activations: Activations, *, name: str, beat: float,
+             **plan: Any) -> Optional[Need]:
+    """``zeroq-plan``'s mixed row of ``config``: of every ``mixes`` of kept, offloaded and recomputed blocks,
+    the fastest that fits and is faster than ``beat`` (the step of its plain or ``+checkpointing`` row that fits;
+    ties go to the less offloaded), ``plan`` being ``estimate_config``'s other arguments, the machine's memory
+    given; with
+    the blocks named in its config (``activation_offloading_policy``, ``activation_checkpointing_policy``) and
+    in its name (``+offloadK``: K blocks offload their activations, ``+recomputeR``: R recompute,
+    ``+inputs_cpu``: those keep their inputs on the host). None where that is no offload at all (the plain
+    and ``+checkpointing`` rows), or nothing fits."""
+    blocks = repeated_blocks(model)
+    best: Optional[Need] = None
+    for offload, share, inputs in mixes(True, True):
+        if offload == 0 and not inputs:
+            continue  # the plain and +checkpointing rows, and shares of them auto's choice weighs
+        need = estimate_config(model, config, activations, name=name, checkpointing=share, offloading=offload,
+                               inputs_on_host=inputs, **plan)
+        if need.fits and need.step_s < (best.step_s if best is not None else beat):
+            best = need
+    if best is None:
+        return None
+    on_host, recomputed = mix_names(model, blocks, best.offloading, best.checkpointing, best.inputs_on_host)
+    offloaded = len(on_host) - (len(recomputed) if best.inputs_on_host else 0)
+    label = (f"+offload{offloaded}" if offloaded else "") + (f"+recompute{len(recomputed)}" if recomputed else "")
+    fields = {"activation_offloading_policy": on_host, "activation_checkpointing_policy": recomputed or None}
+    return dataclasses.replace(best, name=name + label + ("+inputs_cpu" if best.inputs_on_host else ""),
+                               config=config.replace(**fields))
+
+
+def mix_names(model: nn.Module, blocks: Sequence[nn.Module], offload: float, recompute: float,
+              inputs_on_host: bool) -> tuple[list[str], list[str]]:
+    """The qualified names of the ``blocks`` (repeated, forward order) a mix sends to the host (those offloaded,
+    and those recomputing where ``inputs_on_host``: ``activation_offloading_policy``) and of those recomputing
+    (``policies.activation_mix``), each sorted."""
+    offloaded, recomputed = activation_mix(len(blocks), offload, recompute)
+    qualified = {id(m): n for n, m in model.named_modules()}
+    on_host = [*offloaded, *(recomputed if inputs_on_host else ())]
+    return sorted(qualified[id(blocks[i])] for i in on_host), sorted(qualified[id(blocks[i])] for i in recomputed)

@@ -1,5 +1,6 @@
 """Activation checkpointing (``ZeroConfig.activation_checkpointing_policy``): the modules of the named
-classes recompute their forward in the backward instead of keeping its activations.
+classes (or of the qualified names given) recompute their forward in the backward instead of keeping its
+activations.
 
 Each such module's ``forward`` is replaced, on the instance, by torch's non-reentrant ``checkpoint`` of
 the original (which restores the random state for the recomputation, so dropout draws the same and the
@@ -13,34 +14,55 @@ backward, in which the recomputation runs (``stage3.py``).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_zeroq.zero.unit_plan import repeated_blocks
 
-def apply(module: nn.Module, class_names: Sequence[str]) -> None:
-    """Checkpoint every submodule of ``module`` whose class is named in ``class_names`` (the outermost
-    where they nest; a module checkpointed already is left as it is)."""
-    if not class_names:
-        return
-    wanted = set(class_names)
-    found = {type(m).__name__ for m in module.modules()}
-    missing = sorted(wanted - found)
+
+def apply(module: nn.Module, names: Sequence[str]) -> None:
+    """Checkpoint every submodule of ``module`` that ``names`` names: its class, or its qualified name
+    (``"blocks.0"``), the outermost where they nest (``select``); a module checkpointed already is left as
+    it is."""
+    apply_to(select(module, names, "activation_checkpointing_policy"))
+
+
+def select(module: nn.Module, names: Sequence[str], field: str,
+           inside: Optional[Callable[[nn.Module, str], None]] = None) -> list[nn.Module]:
+    """The submodules of ``module`` whose class or qualified name is in ``names``, the outermost where they
+    nest (nested ones go with them), in module order; a ``ValueError`` naming ``field`` where a name names
+    none. ``inside(m, name)``: called for each module passed on the way down (``activation_offload.py``'s
+    check of what encloses a module)."""
+    if not names:
+        return []
+    named = dict(module.named_modules())
+    classes = {type(m).__name__ for m in named.values()}
+    missing = sorted(n for n in names if n not in classes and n not in named)
     if missing:
+        blocks = repeated_blocks(module)
+        qualified = {id(m): n for n, m in named.items()}
+        example = qualified[id(blocks[0])] if blocks else next((n for n in named if n.count(".") == 1), "")
         raise ValueError(
-            f"ZeroConfig.activation_checkpointing_policy names {missing}, which no module of the model is "
-            f"(its classes: {', '.join(sorted(found))}); name the classes of its repeated blocks, e.g. "
-            f"[{next(iter(sorted(found)))!r}]."
+            f"ZeroConfig.{field} names {missing}, which no module of the model is (its classes: "
+            f"{', '.join(sorted(classes))}); name the classes of its repeated blocks, e.g. [{next(iter(sorted(classes)))!r}]"
+            f"{f', or modules by their qualified names, e.g. [{example!r}]' if example else ''}."
         )
-    def visit(m: nn.Module) -> None:
-        if type(m).__name__ not in wanted:
-            for child in m.children():
-                visit(child)
-        else:  # nested ones are recomputed with it
-            apply_to([m])
+    wanted = set(names)
+    chosen: list[nn.Module] = []
 
-    visit(module)
+    def visit(m: nn.Module, name: str) -> None:
+        if type(m).__name__ in wanted or name in wanted:
+            chosen.append(m)
+            return
+        if inside is not None:
+            inside(m, name)
+        for child_name, child in m.named_children():
+            visit(child, f"{name}.{child_name}" if name else child_name)
+
+    visit(module, "")
+    return chosen
 
 
 def apply_to(modules: Sequence[nn.Module]) -> None:

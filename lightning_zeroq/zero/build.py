@@ -4,7 +4,8 @@ the ``ZeroConfig`` (the policies are made from it first, ``policies.from_config`
 the engine. ``ZeroEngine`` holds the result, ``Parts``, and the ``Stepper`` made on it (``step.py``).
 
 1. ``_agree_and_plan``: every rank the same settings and unit plan, or one error on all (``agreement.py``);
-   activation checkpointing applied; the host memory read before any rank allocates.
+   activation checkpointing applied (and what activation offload names checked); the host memory read before
+   any rank allocates.
 2. ``hybrid.topology``: the shard and replica groups.
 3. ``_placement``: the host's worker (``offload/host_worker.py``: a thread with speculative or
    asynchronous host steps, else none), where masters and optimizer state live (``offload/``), how
@@ -14,7 +15,8 @@ the engine. ``ZeroEngine`` holds the result, ``Parts``, and the ``Stepper`` made
    published (stage 3: stored and freed) as it is built (``unit.py``, ``gather.py``); stage 3's frozen
    parameters with them, as each unit's frozen part (``frozen.py``).
 5. ``_hooks``: stage 3's module hooks (``stage3.py``), the asynchronous step (``offload/async_step.py``)
-   and the gradient hooks (``reducer.py``).
+   and the gradient hooks (``reducer.py``); then activation offload's (``activation_offload.py``), outside
+   every other wrapper of a module's forward.
 
 The worker is handed to each part that gives it work or waits for it when that part is made (the host
 placement, the gatherers, the asynchronous step); none of them is told about it later.
@@ -30,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_zeroq.zero import activation_checkpoint, comm, hybrid, loss_scaler
+from lightning_zeroq.zero import activation_checkpoint, activation_offload, comm, hybrid, loss_scaler
 from lightning_zeroq.zero import frozen as frozen_parts
 from lightning_zeroq.zero.agreement import BuildAgreement, describe_plan
 from lightning_zeroq.zero.frozen import FrozenCodec, FrozenNeed, FrozenParts
@@ -79,6 +81,8 @@ class Parts:
     """Every parameter's name by ``id`` (after materialization): errors and logs name parameters."""
     frozen: Optional[FrozenParts] = None
     """Stage 3: the units' frozen parts (``frozen.py``); None where no frozen parameter is sharded."""
+    activations: Optional[activation_offload.ActivationOffload] = None
+    """The offload of activations to the host (``activation_offloading_policy``); None where nothing offloads."""
     retired: bool = False
     closed: bool = False
 
@@ -155,6 +159,9 @@ def build(module: nn.Module, pol: Policies, *, param_dtype: torch.dtype, group: 
                   host_memory=planned.host_memory, placement=placed.placement, gatherer=gatherer, units=units,
                   reducer=reducer, stage3=stage3, worker=worker, async_step=async_step, loss_scaler=scaler,
                   param_names=_names(module, units, frozen), frozen=frozen)
+    held = [*units, *(frozen.units if frozen is not None else ())]  # their working buffers are never offloaded
+    parts.activations = activation_offload.install(module, pol.activations, where, lambda: [u.flat for u in held],
+                                                   planned.host_memory.activations)
     if where.type == "cuda":  # the module's own tensors left blocks the step's allocations rarely fit
         torch.cuda.empty_cache()
     return parts
@@ -168,6 +175,7 @@ def _agree_and_plan(module: nn.Module, pol: Policies, param_dtype: torch.dtype, 
                                param_dtype=str(param_dtype), loss_scaling=str(loss_scaling))
         shard_size = hybrid.shard_group_size(pol.sharding.group_size, comm.world(group)[1], ranks_per_node)
         activation_checkpoint.apply(module, pol.recompute)
+        activation_offload.select(module, pol.activations.modules)  # what it names exists, before any collective
         stage3 = isinstance(pol.sharding.units, ModuleUnits)
         frozen = frozen_parts.shardable(module) if stage3 else []
         specs = unit_plan(module, trainable_parameters(module), pol.sharding.units, frozen)

@@ -274,6 +274,8 @@ class ZeroEngine:
         says the state is released (NVMe's masters were in the swap files): a save refuses it."""
         parts = self.parts
         parts.closed = True
+        if parts.activations is not None:
+            parts.activations.close()  # each module's own forward again
         if parts.async_step is not None:
             parts.async_step.close()
         parts.reducer.close()

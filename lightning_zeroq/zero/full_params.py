@@ -206,6 +206,8 @@ def release_module(parts: Parts, dtype: Optional[torch.dtype] = None,
                    device: Optional[torch.device] = None) -> None:
     parts.reducer.clear()
     parts.reducer.close()  # the gradient hooks and (stage 3) the module hooks
+    if parts.activations is not None:
+        parts.activations.close()  # each module's own forward again
     target = device or parts.device
     rank = comm.world(parts.group)[0]
     for unit in parts.placement.resident(parts.units):

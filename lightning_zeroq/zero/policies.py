@@ -17,6 +17,9 @@ from it by the part that owns it.
   ``quantize_cross_group_only``.
 - ``Numerics``: fp16 loss scaling and what non-finite gradients do; from ``loss_scale``,
   ``initial_scale_power``, ``loss_scale_window``, ``min_loss_scale``, ``nonfinite_gradients``.
+- ``recompute`` and ``ActivationOffloading``: the modules that recompute their forward, and those whose
+  activations wait in host memory; from ``activation_checkpointing_policy``, ``activation_offloading_policy``,
+  ``activation_offloading_min_bytes``.
 - ``settings``: every field as given, which all ranks must agree on (``agreement.py``), less the
   ones that may differ by rank (``RANK_LOCAL``).
 - ``ineffective``: one sentence per setting the policies leave out, written by the maker of the policy
@@ -157,6 +160,17 @@ class Numerics:
 
 
 @dataclass(frozen=True)
+class ActivationOffloading:
+    """What waits in host memory between a module's forward and its backward (``activation_offload.py``)."""
+
+    modules: tuple[str, ...] = ()
+    """Class names or qualified module names: what autograd saves in their forward (for modules that also
+    recompute, their checkpoint inputs) goes to the host. Empty: nothing."""
+    min_bytes: int = 1 << 20
+    """Saved tensors whose storage holds fewer bytes stay on the device."""
+
+
+@dataclass(frozen=True)
 class Policies:
     sharding: Sharding
     offload: Offload
@@ -166,6 +180,8 @@ class Policies:
     """One sentence per setting that cannot take effect (the engine warns about each once)."""
     recompute: tuple[str, ...] = ()
     """Class names of the modules that recompute their forward in the backward (``activation_checkpoint.py``)."""
+    activations: ActivationOffloading = ActivationOffloading()
+    """The modules whose activations wait in host memory (``activation_offload.py``)."""
     settings: tuple[tuple[str, str], ...] = ()
     """``(field, repr of its value)`` of every field that must be the same on every rank."""
 
@@ -191,6 +207,8 @@ class AutoRequest:
     host_budget: Any
     recompute_classes: tuple[str, ...] = ()
     """With ``offload="auto"`` alone: the classes given to checkpoint (the plan counts them)."""
+    activations: bool = False
+    """Decide which of the repeated blocks keep their activations in host memory (``activation_offloading_policy``)."""
 
 
 @dataclass(frozen=True)
@@ -200,22 +218,42 @@ class Chosen:
     optimizer: Union[OnDevice, Host, Nvme]
     parameters: Union[OnDevice, Host]
     recompute_share: float
-    """Of the repeated blocks, the share that recomputes (the first ones in forward order)."""
+    """Of the repeated blocks, the share that recomputes (the first ones in forward order, of those not offloaded)."""
+    offload_share: float = 0.0
+    """Of the repeated blocks, the share whose saved tensors wait in host memory, spread evenly over them
+    (``activation_mix``)."""
+    inputs_on_host: bool = False
+    """The recomputing blocks keep their checkpoint inputs in host memory (DeepSpeed's ``cpu_checkpointing``)."""
 
 
 def auto_request(config: ZeroConfig) -> Optional[AutoRequest]:
     """What the plan must decide for ``config``; None when nothing is left to it."""
     c = config
     recompute = c.activation_checkpointing_policy == "auto"
-    if c.offload != "auto" and not recompute:
+    activations = c.activation_offloading_policy == "auto"
+    if c.offload != "auto" and not recompute and not activations:
         return None
     return AutoRequest(c.stage, c.offload == "auto", recompute, c.nvme_path, c.offload_memory_budget,
-                       c.host_memory_budget, () if recompute else tuple(c.activation_checkpointing_policy or ()))
+                       c.host_memory_budget, () if recompute else tuple(c.activation_checkpointing_policy or ()),
+                       activations)
 
 
-def resolve(config: ZeroConfig, chosen: Chosen, blocks: Sequence[str], *, correct: bool = True) -> ZeroConfig:
+def activation_mix(blocks: int, offload_share: float, recompute_share: float) -> tuple[list[int], list[int]]:
+    """Which of ``blocks`` repeated blocks (forward order) offload their saved tensors and which recompute:
+    ``round(offload_share * blocks)`` offloaded, spread evenly from the first (each one's copies overlap the
+    compute of the blocks up to the next, in the forward and in the backward); of the rest, the first
+    ``round(recompute_share * blocks)`` recompute."""
+    k = min(blocks, round(offload_share * blocks))
+    offloaded = sorted({i * blocks // k for i in range(k)}) if k else []
+    rest = [i for i in range(blocks) if i not in set(offloaded)]
+    return offloaded, rest[: min(len(rest), round(recompute_share * blocks))]
+
+
+def resolve(config: ZeroConfig, chosen: Chosen, blocks: Sequence[str], *, correct: bool = True,
+            offloaded: Sequence[str] = ()) -> ZeroConfig:
     """``config`` with the plan's choice written into it (``blocks``: the class name of the repeated
-    blocks, when all of them recompute). With ``correct`` the share of the optimizer on the host becomes
+    blocks, when all of them recompute; ``offloaded``: the qualified names of the blocks whose activations
+    go to the host, with ``activation_offloading_policy="auto"``). With ``correct`` the share of the optimizer on the host becomes
     ``offload_optimizer_ratio="auto"`` (corrected from the first step's measured memory) unless a fixed
     share is needed (``offload_async_step``); without it (no device memory to measure), the share planned."""
     c, fields = config, dict[str, Any]()
@@ -238,6 +276,10 @@ def resolve(config: ZeroConfig, chosen: Chosen, blocks: Sequence[str], *, correc
                       fields["offload_parameters"] else None)
     if c.activation_checkpointing_policy == "auto":
         fields["activation_checkpointing_policy"] = list(blocks) if chosen.recompute_share == 1.0 and blocks else None
+    if c.activation_offloading_policy == "auto":
+        fields["activation_offloading_policy"] = list(offloaded) or None
+    if c.offload != "auto" and c.offload_optimizer_ratio != "auto":
+        fields["offload_memory_budget"] = None  # the plan fitted the blocks' choice under it; nothing reads it later
     return c.replace(**fields)
 
 
@@ -255,7 +297,8 @@ def from_config(config: ZeroConfig, *, loss_scaling: bool) -> Policies:
     is written where the setting is decided, never beside it."""
     c = config
     if auto_request(c) is not None:
-        raise ValueError("offload='auto' and activation_checkpointing_policy='auto' are decided from a plan of the "
+        raise ValueError("offload='auto', activation_checkpointing_policy='auto' and activation_offloading_policy='auto' "
+                         "are decided from a plan of the "
                          "model and a batch before the engine is built: the strategies do it; with the engine "
                          "directly, call lightning_zeroq.choose(model, config, forward) first and build with the "
                          "config it returns.")
@@ -265,8 +308,11 @@ def from_config(config: ZeroConfig, *, loss_scaling: bool) -> Policies:
     offload = _offload(c, loss_scaling, notes)
     numerics = _numerics(c, loss_scaling, notes)
     settings = tuple((f.name, repr(getattr(c, f.name))) for f in dataclasses.fields(c) if f.name not in RANK_LOCAL)
+    if not c.activation_offloading_policy:
+        notes.unused(["activation_offloading_min_bytes"], "without activation_offloading_policy (nothing offloaded)")
+    activations = ActivationOffloading(tuple(c.activation_offloading_policy or ()), c.activation_offloading_min_bytes)
     return Policies(sharding, offload, quantization, numerics, tuple(notes), settings=settings,
-                    recompute=tuple(c.activation_checkpointing_policy or ()))
+                    recompute=tuple(c.activation_checkpointing_policy or ()), activations=activations)
 
 
 def ineffective(config: ZeroConfig, *, loss_scaling: bool) -> list[str]:
@@ -400,9 +446,10 @@ def _offload(c: ZeroConfig, loss_scaling: bool, notes: Notes) -> Offload:
         parameters = Host()
     else:
         notes.unused(["offload_params_device"], "without offload_parameters=True")
-    if isinstance(optimizer, OnDevice) and isinstance(parameters, OnDevice) and c.host_memory_budget is not None:
-        notes.append(f"host_memory_budget={c.host_memory_budget!r} has no effect without offload_optimizer or "
-                     "offload_parameters (nothing goes to the host).")
+    if (isinstance(optimizer, OnDevice) and isinstance(parameters, OnDevice) and c.host_memory_budget is not None
+            and not c.activation_offloading_policy):
+        notes.append(f"host_memory_budget={c.host_memory_budget!r} has no effect without offload_optimizer, "
+                     "offload_parameters or activation_offloading_policy (nothing goes to the host).")
     if c.nvme_path and not (isinstance(optimizer, Nvme) or isinstance(parameters, Nvme)):
         notes.append(f"nvme_path={c.nvme_path!r} has no effect: nothing is offloaded to NVMe.")
     return Offload(optimizer, parameters, speculative, asynchronous, c.host_memory_budget)

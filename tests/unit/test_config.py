@@ -190,6 +190,7 @@ FROZEN_OPTIONS = (
     "offload_parameters", "offload_params_device", "nvme_path", "quantized_weights", "quantized_weights_group_size",
     "quantized_weights_exact_numel", "stage3_wrap_classes", "stage3_unit_size", "stage3_param_persistence_threshold",
     "frozen_dtype", "stage3_prefetch", "stage3_prefetch_depth", "reshard_after_forward", "activation_checkpointing_policy",
+    "activation_offloading_policy", "activation_offloading_min_bytes",
     "quantized_gradients", "shard_group_size",
     "quantize_cross_group_only", "nonfinite_gradients", "loss_scale", "initial_scale_power", "loss_scale_window",
     "min_loss_scale",

@@ -128,6 +128,17 @@ def engine_need(offload: Offload, layouts: Sequence[UnitLayout], rank: int, para
     return need
 
 
+ACTIVATIONS = "offloaded activations"
+"""The host need's kind for activation offload's pinned buffers (``zero/activation_offload.py``): the storages
+its blocks save, each in a buffer at most 1/8 larger (``HostPool``), counted as the pool grows and planned from
+the traced forward (``planning/estimate.py``)."""
+
+def activations_host_bytes(moved: int) -> int:
+    """The host memory planned for ``moved`` bytes of offloaded activations: 9/8 of them, each buffer's class
+    being at most 1/8 larger (``HostPool``)."""
+    return moved + moved // 8
+
+
 ADAM_STATE_BYTES = 8
 """Adam's two fp32 moments per parameter element."""
 
@@ -208,10 +219,11 @@ def nearest_fit(offload: Offload, total: Callable[[Offload], int], room: int) ->
 
 
 def check(need: HostNeed, room: Optional[Available], ranks_on_node: int, what: str,
-          nearest: Optional[tuple[str, int]] = None, with_adam: bool = False) -> None:
+          nearest: Optional[tuple[str, int]] = None, with_adam: bool = False, fix: Optional[str] = None) -> None:
     """Raise ``HostMemoryError`` (one line) if ``ranks_on_node`` ranks needing ``need`` each do not fit;
     ``nearest``: the nearest configuration that fits (``nearest_fit``), named as the fix (``with_adam``:
-    found for Adam's state, no optimizer being attached yet)."""
+    found for Adam's state, no optimizer being attached yet); ``fix``: what to do instead, where no nearest is
+    named (``"offload fewer blocks, "``)."""
     if room is None or need.total == 0:
         return
     total = need.total * ranks_on_node
@@ -219,7 +231,7 @@ def check(need: HostNeed, room: Optional[Available], ranks_on_node: int, what: s
         return
     ranks = f"{ranks_on_node} ranks x {size(need.total)}" if ranks_on_node > 1 else "1 rank"
     fix = (f"the nearest that fits{' with Adam' if with_adam else ''} is {nearest[0]} ({size(nearest[1])} on this "
-           "node); or, " if nearest is not None
+           "node); or, " if nearest is not None else fix if fix is not None
            else "offload less (offload_optimizer_ratio below 1, or no offload_parameters), put the optimizer on "
                 "NVMe (offload_optimizer_device='nvme'), spread the model over more nodes, or, ")
     raise HostMemoryError(
@@ -359,9 +371,22 @@ class HostBudget:
         self._check_more(need, "summing several backward passes on the host (fp32 gradient buffers)")
         self.need.parts.update(need.parts)
 
-    def _check_more(self, need: HostNeed, what: str, state_bytes: Optional[int] = None) -> None:
+    def activations(self, nbytes: int) -> None:
+        """Activation offload's host buffers are about to hold ``nbytes`` (``activation_offload.HostPool``): it
+        must fit beside what the engine holds, or one line says so before they are made."""
+        held = self.need.parts.get(ACTIVATIONS, 0)
+        if nbytes <= held:
+            return
+        fix = ("offload the activations of fewer blocks (activation_offloading_policy naming fewer modules, or "
+               "activation_offloading_policy='auto' with activation_checkpointing_policy='auto', which plans the "
+               "host's room), recompute them (activation_checkpointing_policy), use a smaller micro-batch, or, ")
+        self._check_more(HostNeed({ACTIVATIONS: nbytes - held}), "offloading activations (host buffers)", fix=fix)
+        self.need.parts[ACTIVATIONS] = nbytes
+
+    def _check_more(self, need: HostNeed, what: str, state_bytes: Optional[int] = None,
+                    fix: Optional[str] = None) -> None:
         """``need`` beside what this engine holds already (``state_bytes``: the optimizer's per element,
-        for the nearest configuration that fits)."""
+        for the nearest configuration that fits; ``fix``: what to do where none is found)."""
         if self.offload.host_budget is not None:  # the budget, read at the build, less what the engine holds
             held = self.need.total * self.ranks
             room = None if self.room is None else Available(
@@ -372,7 +397,7 @@ class HostBudget:
         if state_bytes is not None and room is not None:  # the whole need against what the engine could have
             whole = Available(room.bytes + self.need.total * self.ranks, room.source)
             nearest = self._nearest(need, whole, state_bytes, with_held=True)
-        check(need, room, self.ranks, what, nearest)
+        check(need, room, self.ranks, what, nearest, fix=fix)
 
     def _nearest(self, need: HostNeed, room: Optional[Available], state_bytes: int,
                  with_held: bool = False) -> Optional[tuple[str, int]]:

@@ -104,3 +104,13 @@ def test_the_hydra_override_names_the_block_class_of_zeroq_trains_gpt():
     config = to_run_config(compose_config(["zero.activation_checkpointing_policy=[Block]"]))
     assert config.zero.activation_checkpointing_policy == [GPTBlock.__name__]
     assert to_run_config(compose_config([])).zero.activation_checkpointing_policy is None
+
+
+def test_blocks_are_named_one_by_one_by_their_qualified_names():
+    model = Net()
+    engine = ZeroEngine(model, ZeroConfig(activation_checkpointing_policy=["blocks.1"]))
+    assert [getattr(b, "_zeroq_recomputed", False) for b in model.blocks] == [False, True, False]
+    engine.close()
+    with pytest.raises(ValueError, match=r"names \['blocks.7'\], which no module .* or modules by their qualified "
+                                         r"names, e.g. \['blocks.0'\]"):
+        ZeroEngine(Net(), ZeroConfig(activation_checkpointing_policy=["blocks.7"]))
