@@ -306,7 +306,7 @@ class ActivationOffload:
         blocks = repeated_blocks(root)
         tracked = [blocks[-1]] if blocks and id(blocks[-1]) not in ids else []
         for block in tracked:
-            self._handles.append(block.register_forward_hook(EagerHook(self, "_tracked")))
+            self._handles.append(block.register_forward_hook(EagerHook(self._tracked)))
         self._sequence_modules = [*self.modules, *tracked]
 
     def _forward_with_grad(self) -> bool:
@@ -360,8 +360,8 @@ class ActivationOffload:
         group = _Group()
         self._entry(group)
         self._bound_copies()
-        torch._C._autograd._push_saved_tensors_default_hooks(EagerHook(self, "_pack", group),
-                                                             EagerHook(self, "_unpack"))
+        torch._C._autograd._push_saved_tensors_default_hooks(EagerHook(self._pack, group),
+                                                             EagerHook(self._unpack))
         return group
 
     def _leave(self, group: _Group, output: Any) -> Any:
@@ -383,7 +383,7 @@ class ActivationOffload:
     def _signal_on(self, output: Any, entry: _Entry) -> None:
         for t in tree_flatten(output)[0]:
             if isinstance(t, Tensor) and t.requires_grad:
-                t.register_hook(EagerHook(self, "_begun", entry))
+                t.register_hook(EagerHook(self._begun, entry))
 
     def _pack(self, group: _Group, t: Tensor) -> Any:
         if (type(t) is not Tensor or t.device != self.device or t.layout != torch.strided or t.is_quantized
