@@ -11,7 +11,7 @@
 | ``safe.py`` | reading without unpickling code: allow-list metadata, ``weights_only`` items, checked items, ``read_entries`` |
 | ``store.py`` | the directory: manifest, what a path is (``classify``), completeness (``validate``) |
 | ``atomic.py`` | temporary sibling (locked while its save lives), fsync, ``RENAME_EXCHANGE`` publish, crash recovery, fault points |
-| ``agree.py`` | the checkpoint gloo group; every rank raises the same ``CheckpointError`` |
+| ``agree.py`` | the checkpoint gloo group (``LOCAL`` without a process group); every rank raises the same ``CheckpointError`` (``lightning_zeroq.ranks.agree``) |
 | ``codec.py`` | the trainer state as JSON (tensors bit for bit) |
 | ``checkpointer.py`` | the save protocol (sync and async) and ``open_checkpoint`` |
 | ``engine_io.py`` | a ``ZeroEngine``'s save and load (``save_engine``, ``load_engine``), through the engine's sharded view (``zero/state_dict.py``), the only part of ``zero/`` this package uses |

@@ -50,6 +50,7 @@ from lightning_zeroq.checkpoint.convert import (ConvertError, check_input, left_
                                                 safetensors_save_file, tensor_keys)
 from lightning_zeroq.checkpoint.store import MODEL_KEY
 from lightning_zeroq.config import SIZE_UNITS
+from lightning_zeroq.ranks import LOCAL
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -395,7 +396,7 @@ def export_hf(checkpoint: Union[str, Path], out: Union[str, Path], *, lora: Opti
     _check_output(out)
     check_input(checkpoint)
     with advising("Convert an earlier checkpoint."):
-        opened = open_checkpoint(checkpoint, None)
+        opened = open_checkpoint(checkpoint, LOCAL)
         try:
             home = _Base(Path(base)) if base is not None else None
             settings = lora or LoraSettings()

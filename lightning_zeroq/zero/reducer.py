@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_zeroq.ranks import rank_and_size
 from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.accumulate import accumulation
 from lightning_zeroq.zero.grad_wire import GradientWire
@@ -140,7 +141,7 @@ class Reducer:
         self.accumulation = accumulation(sharding, units, param_dtype, device)
         self._managed = sharding.managed_accumulation
         """Where the gradients of a backward that does not reduce wait (stage 1), see ``accumulate.py``."""
-        self.rank, self.world_size = comm.world(group)
+        self.rank, self.world_size = rank_and_size(group)
         self.num_params = sum(len(u.params) for u in units)
         self.window = Window.EMPTY
         self._where = {id(p): (u, i) for u in units for i, p in enumerate(u.params)}
