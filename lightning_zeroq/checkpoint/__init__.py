@@ -2,7 +2,7 @@
 
 | file | its one job |
 |---|---|
-| ``api.py`` | the door both strategies save and load through: ``save``, ``load -> Loaded`` (single file, directory, errors, loss scaler), ``read_weights`` |
+| ``api.py`` | the door, the only file the Trainer's and Fabric's glue imports (its ``__all__``): ``save``, ``write_file``, ``load -> Loaded`` (single file, directory, errors, loss scaler), ``read_single_file``, ``read_weights``, ``remove_checkpoint``, and the names the glue needs of the files behind it |
 | ``boxes.py`` | a rank's contiguous flat range of a tensor as rectangular boxes of its full shape |
 | ``chunks.py`` | ``LocalChunks``: what a rank writes or reads of one tensor; ``BytesTarget`` |
 | ``writer.py`` | ``ChunkSavePlanner`` and ``ChunkWriter`` (ordered, headed, fsynced files), the pinned ``StagingRing`` sync saves copy device tensors through, staging for async |

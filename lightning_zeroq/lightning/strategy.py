@@ -39,10 +39,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_zeroq.checkpoint import atomic
 from lightning_zeroq.lightning import checkpoint as checkpoint_glue
 from lightning_zeroq.lightning.averaging import gather_around_averaging, refuse_meta_copies
-from lightning_zeroq.checkpoint.checkpointer import Checkpointer
+from lightning_zeroq.checkpoint import api as checkpoint_api
+from lightning_zeroq.checkpoint.api import Allowance, Checkpointer, NameMap
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.validation import check_bool, check_callable
 from lightning_zeroq.lightning.launcher import ZeroQLauncher, record_sigterm_without_collectives
@@ -61,8 +61,6 @@ from lightning_zeroq.common.strategy import (
     register_presets,
     stage3_meta_init,
 )
-from lightning_zeroq.checkpoint import engine_io
-from lightning_zeroq.checkpoint.pretrained import Allowance, NameMap
 from lightning_zeroq.zero import full_params, state_dict as zero_state
 from lightning_zeroq.common.watchdog import report_collective_failure
 from lightning_zeroq.zero.full_params import check_module
@@ -373,14 +371,14 @@ class ZeroQStrategy(DDPStrategy):
         and buffers as they are."""
         if self.engine is None:
             return super().lightning_module_state_dict()
-        return engine_io.sharded_model_state(self.engine, exclude_frozen=self.exclude_frozen_parameters)
+        return checkpoint_api.sharded_model_state(self.engine, exclude_frozen=self.exclude_frozen_parameters)
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Collective: this rank's part of the optimizer state, keyed by parameter name."""
         if self.engine is None or self.engine.optimizer is None:
             return super().optimizer_state(optimizer)
-        return engine_io.sharded_optimizer_state(self.engine)
+        return checkpoint_api.sharded_optimizer_state(self.engine)
 
     @override
     def save_checkpoint(
@@ -444,7 +442,7 @@ class ZeroQStrategy(DDPStrategy):
                                "to a place outside it (a path from an edited trainer state, or a linked directory); "
                                "remove it yourself if it is yours.")
                 return
-            atomic.remove(path)
+            checkpoint_api.remove_checkpoint(path)
 
     @classmethod
     @override
