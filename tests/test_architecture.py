@@ -12,8 +12,8 @@
 - The engine never imports Lightning or Hydra, so plain PyTorch, Fabric and tests can drive it.
 - The engine reads its settings from policies (``zero/policies.py``), never from ``ZeroConfig``: only
   that module reads the config's fields.
-- Layers (``LAYERS``): the library (``zero``, ``swap``, ``ops``, ``checkpoint``, ``config``, ``validation``, ``ranks``)
-  imports neither the integrations nor the CLI, nor Lightning or Hydra; the integrations (``lightning``,
+- Layers (``LAYERS``): the library (``zero``, ``swap``, ``ops``, ``checkpoint``, ``config``, ``validation``, ``ranks``,
+  ``nulls``) imports neither the integrations nor the CLI, nor Lightning or Hydra; the integrations (``lightning``,
   ``fabric`` and their ``common`` part) never import the CLI, and neither of the two imports the other.
   Every module of the package belongs to a layer; ``planning`` sits between the library and the integrations.
 - Rooms (``ROOMS``): ``zero/optim/``, ``zero/offload/``, ``zero/memory/``, ``planning/`` from the floor up; no
@@ -312,7 +312,7 @@ def test_only_the_policy_builder_reads_the_config():
     )
 # Each layer of the package: its top-level names under lightning_zeroq, and the layers it may import.
 LAYERS = {
-    "library": ({"zero", "swap", "ops", "checkpoint", "config", "validation", "ranks", "_version"}, {"library"}),
+    "library": ({"zero", "swap", "ops", "checkpoint", "config", "validation", "ranks", "nulls", "_version"}, {"library"}),
     "planning": ({"planning"}, {"library", "planning"}),
     "common": ({"common"}, {"library", "planning", "common"}),
     "lightning": ({"lightning"}, {"library", "planning", "common", "lightning"}),

@@ -44,6 +44,7 @@ from lightning_zeroq.lightning.averaging import gather_around_averaging, refuse_
 from lightning_zeroq.checkpoint import api as checkpoint_api
 from lightning_zeroq.checkpoint.api import Allowance, Checkpointer, NameMap
 from lightning_zeroq.config import ZeroConfig
+from lightning_zeroq.nulls import nothing
 from lightning_zeroq.validation import check_bool, check_callable
 from lightning_zeroq.lightning.launcher import ZeroQLauncher, record_sigterm_without_collectives
 from lightning_zeroq.lightning.plan_batch import planning_forward
@@ -148,7 +149,7 @@ class ZeroQStrategy(DDPStrategy):
             start_method=start_method,  # type: ignore[arg-type]
         )
         self.engine: Optional[ZeroEngine] = None
-        self._unwrap_averaging: Callable[[], None] = _nothing  # see averaging.py
+        self._unwrap_averaging: Callable[[], None] = nothing  # see averaging.py
         self.checkpointer = Checkpointer(async_save=check_bool("ZeroQStrategy", "async_checkpoint", async_checkpoint))
         self.exclude_frozen_parameters = check_bool("ZeroQStrategy", "exclude_frozen_parameters",
                                                     exclude_frozen_parameters)
@@ -338,7 +339,7 @@ class ZeroQStrategy(DDPStrategy):
         elif self.engine is not None and not self.engine.parts.retired:
             self.engine.hand_back_optimizers()  # no collective: a failed fit's optimizer can be used again
         self._unwrap_averaging()
-        self._unwrap_averaging = _nothing
+        self._unwrap_averaging = nothing
         self.precision_plugin.teardown()
         assert self.accelerator is not None
         self.accelerator.teardown()
@@ -349,7 +350,7 @@ class ZeroQStrategy(DDPStrategy):
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state["engine"] = None  # shards, streams and swap files do not travel; a new setup builds an engine
-        state["_unwrap_averaging"] = _nothing
+        state["_unwrap_averaging"] = nothing
         return state
 
     # ------------------------------------------------------------------ state
@@ -456,10 +457,6 @@ def _swap_roots(nvme_path: Optional[str]) -> list[str]:
     return [str(nvme_path)] if nvme_path else []
 
 
-def _nothing() -> None:
-    pass
-
-
 def _check_disjoint(optimizers: list) -> None:
     seen: dict[int, int] = {}
     for index, optimizer in enumerate(optimizers):
@@ -471,4 +468,3 @@ def _check_disjoint(optimizers: list) -> None:
                         f"shape {tuple(p.shape)}; ZeroQ shards each parameter's optimizer state once: give every "
                         "parameter to one optimizer."
                     )
-

@@ -51,7 +51,7 @@ from lightning_zeroq.zero.offload.host_worker import HostWorker
 from lightning_zeroq.zero.memory.host import HostBudget
 from lightning_zeroq.zero.unit_plan import UnitSpec, frozen_only_specs, unit_plan
 from lightning_zeroq.zero.policies import ModuleUnits, Nvme, OnDevice, Policies
-from lightning_zeroq.zero.reducer import Reducer
+from lightning_zeroq.zero.reducer import NoListener, Reducer
 from lightning_zeroq.zero.stage3 import Stage3Coordinator
 from lightning_zeroq.zero.unit import Unit, build_units, plan_layouts, trainable_parameters
 from lightning_zeroq.zero.wire import FullWidth, Int8, Wire
@@ -299,7 +299,7 @@ def _hooks(module: nn.Module, pol: Policies, topo: Topology, placed: _Placed, ga
         group=topo.world_group,  # the agreement on used parameters and non-finite gradients spans the world
         device=device,
         wire=topo.gradient_wire(device, pol.quantization.group_size),
-        listener=stage3,
+        listener=stage3 if stage3 is not None else NoListener(),
     )
     return _Hooks(stage3, async_step, reducer)
 
