@@ -49,6 +49,7 @@ from lightning_zeroq.checkpoint.safe import METADATA_FILE, SafeReader, read_meta
 from lightning_zeroq.checkpoint.checksum import hasher
 from lightning_zeroq.checkpoint.store import (MANIFEST_FILE, Files, Located, Manifest, check_files, classify,
                                               sha256, validate)
+from lightning_zeroq.nulls import nothing
 from lightning_zeroq.ranks import LOCAL, Group, rank_and_size
 from lightning_zeroq.checkpoint.writer import (HEADER_SIZE, SYNC_STAGING_BYTES, ChunkSavePlanner, ChunkWriter,
                                                StagingRing, stage_state, token_of)
@@ -73,8 +74,8 @@ class SaveJob:
     """What ``write`` writes: the caller's state, or (asynchronous) its copy in host memory."""
     optimizer: bool
     extra: dict
-    before_read: Optional[Callable[[int], None]]
-    after_read: Optional[Callable[[], None]]
+    before_read: Callable[[int], None]
+    after_read: Callable[[], None]
     pin: bool
     asynchronous: bool
     views_stable: bool
@@ -90,8 +91,7 @@ class SaveJob:
     lock: Optional[int] = None  # rank 0: ``tmp``'s lock, keeping other saves' cleanup away (``atomic.create_owned``)
 
     def end_reads(self) -> None:
-        if self.after_read is not None:
-            self.after_read()
+        self.after_read()
 
     def discard(self) -> None:
         """Rank 0 removes the temporary directory of a save that failed."""
@@ -131,7 +131,7 @@ class Checkpointer:
     # ------------------------------------------------------------------ save
 
     def save(self, path: Path, state: dict, trainer_state: Any, *, optimizer: bool,
-             before_read: Optional[Callable[[int], None]] = None, after_read: Optional[Callable[[], None]] = None,
+             before_read: Callable[[int], None] = nothing, after_read: Callable[[], None] = nothing,
              pin: bool = False, allow_async: bool = True, extra: Optional[dict] = None,
              views_stable: bool = False) -> None:
         """Collective: ``stage`` -> ``write`` -> ``publish``, each called once and returning once.
