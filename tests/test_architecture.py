@@ -7,12 +7,13 @@
 - Concepts, not lines: ``ZeroEngine`` is a facade of a few attributes that hands itself to no part;
   each part that calls the offload placement is typed with the one role it uses (``offload/roles.py``);
   the roles and the stores files hold one kind of thing each; only the checkpoint door and the store
-  name the checkpoint kinds.
+  name the checkpoint kinds; the integrations (``lightning``, ``fabric``) reach ``checkpoint/`` only through
+  its door (``checkpoint/api.py``, the names of its ``__all__``).
 - The engine never imports Lightning or Hydra, so plain PyTorch, Fabric and tests can drive it.
 - The engine reads its settings from policies (``zero/policies.py``), never from ``ZeroConfig``: only
   that module reads the config's fields.
-- Layers (``LAYERS``): the library (``zero``, ``swap``, ``ops``, ``checkpoint``, ``config``, ``validation``)
-  imports neither the integrations nor the CLI, nor Lightning or Hydra; the integrations (``lightning``,
+- Layers (``LAYERS``): the library (``zero``, ``swap``, ``ops``, ``checkpoint``, ``config``, ``validation``, ``ranks``,
+  ``nulls``) imports neither the integrations nor the CLI, nor Lightning or Hydra; the integrations (``lightning``,
   ``fabric`` and their ``common`` part) never import the CLI, and neither of the two imports the other.
   Every module of the package belongs to a layer; ``planning`` sits between the library and the integrations.
 - Rooms (``ROOMS``): ``zero/optim/``, ``zero/offload/``, ``zero/memory/``, ``planning/`` from the floor up; no
@@ -311,7 +312,7 @@ def test_only_the_policy_builder_reads_the_config():
     )
 # Each layer of the package: its top-level names under lightning_zeroq, and the layers it may import.
 LAYERS = {
-    "library": ({"zero", "swap", "ops", "checkpoint", "config", "validation", "_version"}, {"library"}),
+    "library": ({"zero", "swap", "ops", "checkpoint", "config", "validation", "ranks", "nulls", "_version"}, {"library"}),
     "planning": ({"planning"}, {"library", "planning"}),
     "common": ({"common"}, {"library", "planning", "common"}),
     "lightning": ({"lightning"}, {"library", "planning", "common", "lightning"}),
@@ -400,6 +401,71 @@ def test_checkpoints_see_the_engine_only_through_its_sharded_view():
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Attribute) and node.attr in ENGINE_INTERNALS:
                 offenders.append(f"{name}:{node.lineno} reads .{node.attr}")
+    assert not offenders, offenders
+
+
+CHECKPOINT_DOOR = "lightning_zeroq.checkpoint.api"
+DOOR_USERS = ("lightning_zeroq.lightning", "lightning_zeroq.fabric")
+"""The integrations whose checkpoint glue and strategies reach ``lightning_zeroq.checkpoint`` through its door only."""
+
+
+def _door_surface() -> set[str]:
+    """The names of the door's ``__all__``."""
+    for node in _tree("checkpoint/api.py").body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+def _door_violations(name: str, tree: ast.Module, surface: set[str]) -> list[str]:
+    """What module ``name`` (parsed: ``tree``) takes of ``lightning_zeroq.checkpoint`` other than through the door:
+    an import of another of its modules, or a name of the door that its ``__all__`` does not hold."""
+    found, doors = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == CHECKPOINT_DOOR and alias.asname:
+                    doors.add(alias.asname)
+                elif alias.name.startswith("lightning_zeroq.checkpoint"):
+                    found.append(f"{name} imports {alias.name}: go through the door, {CHECKPOINT_DOOR}")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lightning_zeroq.checkpoint"):
+            for alias in node.names:
+                if f"{node.module}.{alias.name}" == CHECKPOINT_DOOR:
+                    doors.add(alias.asname or alias.name)
+                elif node.module != CHECKPOINT_DOOR:
+                    found.append(f"{name} imports {alias.name} from {node.module}: go through the door, {CHECKPOINT_DOOR}")
+                elif alias.name not in surface:
+                    found.append(f"{name} imports {alias.name} from the door, whose __all__ does not name it")
+    found += [f"{name}:{node.lineno} reads {node.value.id}.{node.attr}, which the door's __all__ does not name"
+              for node in ast.walk(tree) if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+              and node.value.id in doors and node.attr not in surface]
+    return found
+
+
+def test_the_door_check_finds_a_side_door():
+    source = ("from lightning_zeroq.checkpoint import api, store\n"
+              "from lightning_zeroq.checkpoint.api import save, torch_load\n"
+              "import lightning_zeroq.checkpoint.agree as agree\n"
+              "import lightning_zeroq.checkpoint.api as door\n"
+              "api.load(door.save, api.atomic)\n")
+    assert _door_violations("lightning_zeroq.lightning.glue", ast.parse(source), {"save", "load"}) == [
+        ("lightning_zeroq.lightning.glue imports store from lightning_zeroq.checkpoint: go through the door, "
+         "lightning_zeroq.checkpoint.api"),
+        "lightning_zeroq.lightning.glue imports torch_load from the door, whose __all__ does not name it",
+        ("lightning_zeroq.lightning.glue imports lightning_zeroq.checkpoint.agree: go through the door, "
+         "lightning_zeroq.checkpoint.api"),
+        "lightning_zeroq.lightning.glue:5 reads api.atomic, which the door's __all__ does not name",
+    ]
+
+
+def test_the_integrations_reach_the_checkpoints_only_through_the_door():
+    # lightning/ and fabric/ (the checkpoint glue and the strategies) import of lightning_zeroq.checkpoint only
+    # checkpoint/api.py, and of it only what its __all__ names: the package's files can be rearranged behind it.
+    surface = _door_surface()
+    assert {"save", "load", "Checkpointer"} <= surface
+    offenders = [found for name, path in sorted(_modules().items())
+                 if any(name == user or name.startswith(user + ".") for user in DOOR_USERS)
+                 for found in _door_violations(name, ast.parse(path.read_text(encoding="utf-8")), surface)]
     assert not offenders, offenders
 
 

@@ -2,7 +2,7 @@
 
 | file | its one job |
 |---|---|
-| ``api.py`` | the door both strategies save and load through: ``save``, ``load -> Loaded`` (single file, directory, errors, loss scaler), ``read_weights`` |
+| ``api.py`` | the door, the only file the Trainer's and Fabric's glue imports (its ``__all__``): ``save``, ``write_file``, ``load -> Loaded`` (single file, directory, errors, loss scaler), ``read_single_file``, ``read_weights``, ``remove_checkpoint``, and the names the glue needs of the files behind it |
 | ``boxes.py`` | a rank's contiguous flat range of a tensor as rectangular boxes of its full shape |
 | ``chunks.py`` | ``LocalChunks``: what a rank writes or reads of one tensor; ``BytesTarget`` |
 | ``writer.py`` | ``ChunkSavePlanner`` and ``ChunkWriter`` (ordered, headed, fsynced files), the pinned ``StagingRing`` sync saves copy device tensors through, staging for async |
@@ -11,7 +11,7 @@
 | ``safe.py`` | reading without unpickling code: allow-list metadata, ``weights_only`` items, checked items, ``read_entries`` |
 | ``store.py`` | the directory: manifest, what a path is (``classify``), completeness (``validate``) |
 | ``atomic.py`` | temporary sibling (locked while its save lives), fsync, ``RENAME_EXCHANGE`` publish, crash recovery, fault points |
-| ``agree.py`` | the checkpoint gloo group; every rank raises the same ``CheckpointError`` |
+| ``agree.py`` | the checkpoint gloo group (``LOCAL`` without a process group); every rank raises the same ``CheckpointError`` (``lightning_zeroq.ranks.agree``) |
 | ``codec.py`` | the trainer state as JSON (tensors bit for bit) |
 | ``checkpointer.py`` | the save protocol (sync and async) and ``open_checkpoint`` |
 | ``engine_io.py`` | a ``ZeroEngine``'s save and load (``save_engine``, ``load_engine``), through the engine's sharded view (``zero/state_dict.py``), the only part of ``zero/`` this package uses |

@@ -8,9 +8,11 @@ said it is fine.
 
 The checkpoint group is a gloo group created once per default process group (``checkpoint_group``):
 gloo moves Python objects without a GPU, and a group of its own keeps an asynchronous save's
-collectives (on a background thread) apart from training's. ``group=None`` is this process alone
-(what ``checkpoint_group`` gives without a process group, and what offline readers such as
-``zeroq-convert`` pass): no collective, even when a default process group is up.
+collectives (on a background thread) apart from training's. Without a process group it is ``LOCAL``
+(``lightning_zeroq.ranks``: this process alone), which offline readers such as ``zeroq-convert``
+pass too: no collective, even when a default process group is up. ``None`` is the default group, as
+everywhere in the package. The exchange is ``lightning_zeroq.ranks.agree``'s, the package's one way to
+fail on every rank alike.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from datetime import timedelta
 from typing import Any, Iterator, Optional, Sequence
 
 import torch.distributed as dist
+
+from lightning_zeroq import ranks
+from lightning_zeroq.ranks import LOCAL, Group, is_distributed
 
 
 class CheckpointError(RuntimeError):
@@ -51,14 +56,11 @@ def advising(text: str) -> Iterator[None]:
 _groups: dict[int, tuple[Any, Any]] = {}
 
 
-def distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def checkpoint_group(timeout: Optional[timedelta] = None) -> Optional[dist.ProcessGroup]:
-    """Collective on first use (every rank must call it at the same point): the gloo group."""
-    if not distributed():
-        return None
+def checkpoint_group(timeout: Optional[timedelta] = None) -> Group:
+    """Collective on first use (every rank must call it at the same point): the gloo group; ``LOCAL``
+    without a process group."""
+    if not is_distributed():
+        return LOCAL
     default = dist.distributed_c10d._get_default_group()
     cached = _groups.get(id(default))
     if cached is None or cached[0] is not default:
@@ -67,56 +69,43 @@ def checkpoint_group(timeout: Optional[timedelta] = None) -> Optional[dist.Proce
     return cached[1]
 
 
-def rank_and_size(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
-    if group is None or not distributed():
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
 def describe(error: BaseException) -> str:
     if isinstance(error, (CheckpointError, FileNotFoundError, ValueError, RuntimeError, TypeError, OSError)):
         return str(error) or type(error).__name__
     return "".join(traceback.format_exception_only(type(error), error)).strip()
 
 
-def exchange(value: Any, group: Optional[dist.ProcessGroup]) -> list[Any]:
-    """Every rank's ``value`` (a picklable object), in rank order; ``group=None``: this process's alone."""
-    if group is None or not distributed():
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, value, group=group)
-    return out
-
-
-def agree(errors: Sequence[str], what: str, group: Optional[dist.ProcessGroup], payload: Any = None) -> list[Any]:
+def agree(errors: Sequence[str], what: str, group: Group, payload: Any = None) -> list[Any]:
     """Raise ``CheckpointError`` on every rank if any rank has ``errors``; else return every rank's
     ``payload``."""
-    replies = exchange((list(errors), payload), group)
-    failed = [(rank, errs) for rank, (errs, _) in enumerate(replies) if errs]
-    if failed:
-        lines = [f"{what} failed on {len(failed)} of {len(replies)} rank(s):"]
+
+    def failure(by_rank: list[list[str]]) -> CheckpointError:
+        failed = [(rank, errs) for rank, errs in enumerate(by_rank) if errs]
+        lines = [f"{what} failed on {len(failed)} of {len(by_rank)} rank(s):"]
         for rank, errs in failed:
             lines += [f"  rank {rank}: {e}" for e in errs[:5]]
             if len(errs) > 5:
                 lines.append(f"  rank {rank}: ... and {len(errs) - 5} more")
-        raise CheckpointError("\n".join(lines))
-    return [p for _, p in replies]
+        return CheckpointError("\n".join(lines))
+
+    return ranks.agree(errors, group, failure, payload=payload)
 
 
-def agree_once(errors: Sequence[str], what: str, group: Optional[dist.ProcessGroup], payload: Any = None) -> list[Any]:
+def agree_once(errors: Sequence[str], what: str, group: Group, payload: Any = None) -> list[Any]:
     """As ``agree``, for problems every rank finds alike (what a checkpoint holds against what the model
     needs): each distinct problem is one line, said once where every rank has it and after the ranks that
     have it otherwise, so one problem is a one-line ``CheckpointError`` on every rank."""
-    replies = exchange(([" ".join(str(e).split()) for e in errors], payload), group)
-    ranks: dict[str, list[int]] = {}
-    for rank, (errs, _) in enumerate(replies):
-        for error in dict.fromkeys(errs):
-            ranks.setdefault(error, []).append(rank)
-    if ranks:
-        lines = [error if len(where) == len(replies) else
-                 f"rank{'s' if len(where) > 1 else ''} {', '.join(map(str, where))}: {error}"
-                 for error, where in ranks.items()]
+
+    def failure(by_rank: list[list[str]]) -> CheckpointError:
+        where: dict[str, list[int]] = {}
+        for rank, errs in enumerate(by_rank):
+            for error in dict.fromkeys(errs):
+                where.setdefault(error, []).append(rank)
+        lines = [error if len(found) == len(by_rank) else
+                 f"rank{'s' if len(found) > 1 else ''} {', '.join(map(str, found))}: {error}"
+                 for error, found in where.items()]
         if len(lines) > 10:
             lines = lines[:9] + [f"... and {len(lines) - 9} more"]
-        raise CheckpointError(f"{what}: {lines[0]}" if len(lines) == 1 else "\n".join([f"{what}:", *lines]))
-    return [p for _, p in replies]
+        return CheckpointError(f"{what}: {lines[0]}" if len(lines) == 1 else "\n".join([f"{what}:", *lines]))
+
+    return ranks.agree([" ".join(str(e).split()) for e in errors], group, failure, payload=payload)

@@ -1,15 +1,22 @@
-"""The checkpoint door: what the Trainer's and Fabric's strategies call to save an engine's state and
-to load any checkpoint lightning_zeroq reads. The protocol is written once, here:
+"""The checkpoint door: everything the Trainer's and Fabric's strategies (``lightning_zeroq/lightning/``,
+``lightning_zeroq/fabric/``) use of this package, and nothing else they import of it (``__all__``;
+``tests/test_architecture.py`` keeps them to it). The protocol is written once, here:
 
-- ``save(engine, path, state, trainer_state)``: the engine's sharded state (``engine_io.engine_state``
-  or the Lightning dict's parts) and the JSON trainer state, the loss scaler's state added to it, to a
-  DCP directory (``checkpointer.Checkpointer``: atomic, checksummed, asynchronous if asked).
+- ``save(engine, path, state, trainer_state)``: the engine's sharded state (``engine_state``, or the Lightning
+  dict's parts: ``sharded_model_state``, ``sharded_optimizer_state``, ``holds_sharded_state``) and the JSON
+  trainer state (``register_type`` teaches it a type), the loss scaler's state added to it, to a DCP directory
+  (``Checkpointer``: atomic, checksummed, asynchronous if asked).
+- ``write_file(path, make)``: a weights-only checkpoint, one torch file written atomically by one rank.
 - ``load(engine, path, ...) -> Loaded``: wait for a save in flight; on the checkpoint group, say what
   the path is (``store.classify``); a single file (Lightning's, Fabric's) or a DeepSpeed directory goes to the
-  caller's ``read_file``, which knows its layout; a directory is validated on every rank and read into
+  caller's ``read_file``, which knows its layout (``read_single_file`` reads it, ``load_torch_optimizer_state``
+  puts its weights and optimizer state into the shards); a directory is validated on every rank and read into
   the engine (``engine_io.load_engine``); anything else is one agreed error naming the path and the fix.
   Then the loss scaler takes its state back. What the integration does with the trainer state (loops
-  and callbacks, Fabric's entries filled in place) stays in its glue.
+  and callbacks, Fabric's entries filled in place) stays in its glue; ``read_lightning_meta`` reads the one
+  Lightning's ``ModelParallelStrategy`` leaves beside a DCP directory (``LIGHTNING_META``).
+- ``agree``, ``CheckpointError``: a step of the glue that can fail on one rank fails on every rank alike.
+- ``remove_checkpoint``: a checkpoint directory or file, gone.
 
 What a path is, the store says (``store.classify``, ``Located``). ``read_weights`` serves
 ``LightningModule.load_from_checkpoint(directory)``, which reads without any engine.
@@ -17,16 +24,51 @@ What a path is, the store says (``store.classify``, ``Located``). ``read_weights
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from lightning_zeroq.checkpoint.agree import CheckpointError, agree, checkpoint_group
+import torch
+
+from lightning_zeroq.checkpoint import atomic, deepspeed
+from lightning_zeroq.checkpoint.agree import CheckpointError, agree, checkpoint_group, describe
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer
+from lightning_zeroq.checkpoint.codec import register_type
 from lightning_zeroq.checkpoint.convert import lightning_checkpoint
-from lightning_zeroq.checkpoint.engine_io import load_engine, save_state
-from lightning_zeroq.checkpoint.store import ENGINE_KEY, classify
+from lightning_zeroq.checkpoint.engine_io import (engine_state, holds_sharded_state, load_engine, save_state,
+                                                  sharded_model_state, sharded_optimizer_state)
+from lightning_zeroq.checkpoint.pretrained import Allowance, NameMap
+from lightning_zeroq.checkpoint.store import ENGINE_KEY, LIGHTNING_META, MODEL_KEY, OPTIMIZER_KEY, classify
+from lightning_zeroq.checkpoint.torch_file import load_torch_optimizer_state, torch_load
 from lightning_zeroq.zero.state_dict import ShardedParts
+
+__all__ = [
+    "LIGHTNING_META",
+    "MODEL_KEY",
+    "OPTIMIZER_KEY",
+    "Allowance",
+    "CheckpointError",
+    "Checkpointer",
+    "Loaded",
+    "NameMap",
+    "ReadFile",
+    "agree",
+    "engine_state",
+    "holds_sharded_state",
+    "load",
+    "load_torch_optimizer_state",
+    "read_lightning_meta",
+    "read_single_file",
+    "read_weights",
+    "register_type",
+    "remove_checkpoint",
+    "save",
+    "sharded_model_state",
+    "sharded_optimizer_state",
+    "with_engine_state",
+    "write_file",
+]
 
 ReadFile = Callable[[Path, Any], tuple[Any, bool]]
 """A single-file checkpoint's reader (the integration's: it knows the file's layout), given the path and
@@ -62,6 +104,33 @@ def save(engine: ShardedParts, path: Path, state: dict, trainer_state: dict, che
     save_state(engine, path, state, with_engine_state(engine, trainer_state), checkpointer, exclude_frozen)
 
 
+def write_file(path: Path, make: Optional[Callable[[], Any]]) -> None:
+    """Collective on the checkpoint group: the one rank that passes ``make`` writes what it returns to ``path``
+    as one torch file (the others pass None), atomically: a fresh sibling, fsynced, then renamed over ``path``
+    (a directory there is removed first). An error making or writing it ends every rank alike."""
+    group = checkpoint_group()
+    errors = []
+    if make is not None:
+        try:
+            out = make()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with atomic.new_file(path) as (fd, _):
+                with os.fdopen(fd, "wb") as f:  # written through the descriptor mkstemp opened
+                    torch.save(out, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                if path.is_dir() and not path.is_symlink():
+                    atomic.remove(path)
+        except Exception as error:
+            errors.append(f"could not write {path}: {describe(error)}")
+    agree(errors, f"Saving checkpoint {path}", group)
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Remove a checkpoint directory or file (a link: the link, never its target); nothing if absent."""
+    atomic.remove(path)
+
+
 def load(engine: Optional[ShardedParts], path: Any, *, optimizer: bool, strict: bool, checkpointer: Checkpointer,
          read_file: ReadFile, moved: bool = False) -> Loaded:
     """Collective: read ``path`` into ``engine`` (its optimizer state too with ``optimizer``; ``strict``:
@@ -94,6 +163,25 @@ def _restore_loss_scaler(engine: Optional[ShardedParts], trainer_state: Any) -> 
     scaler = saved.get("loss_scaler")
     if scaler is not None and engine is not None and engine.loss_scaler is not None:
         engine.loss_scaler.load_state_dict(scaler)
+
+
+def read_single_file(path: Path, group: Any, *, optimizer: bool, weights_only: bool,
+                     state_dict_only: bool = False) -> Any:
+    """Collective on ``group`` (the one ``load`` hands to ``read_file``): a single-file checkpoint read on every
+    rank, ``torch.load`` memory-mapped (``weights_only``: tensors and plain values only), or a DeepSpeed
+    directory as the single Lightning file ``zeroq-convert`` would make of it (its optimizer state with
+    ``optimizer``; ``state_dict_only``: its model's state dict alone, as a file of ``torch.save(state_dict)``
+    holds it). One that cannot be read is the same ``CheckpointError`` on every rank."""
+    if deepspeed.is_deepspeed(path):
+        checkpoint = deepspeed.load_agreed(path, optimizer, group)
+        return checkpoint["state_dict"] if state_dict_only else checkpoint
+    return torch_load(path, weights_only, group)
+
+
+def read_lightning_meta(path: Path) -> Any:
+    """Collective: the trainer state Lightning's ``ModelParallelStrategy`` writes beside the DCP files of the
+    directory ``path`` (``LIGHTNING_META``), read safely on every rank."""
+    return torch_load(path / LIGHTNING_META, True, checkpoint_group())
 
 
 def read_weights(path: Path, map_location: Any = None) -> Optional[dict]:

@@ -37,6 +37,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+from lightning_zeroq.nulls import nothing
+
 TMP_TAG = ".zeroq-tmp-"
 OLD_TAG = ".zeroq-old-"
 FAULT_ENV = "ZEROQ_CHECKPOINT_FAULT"
@@ -208,7 +210,7 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, f"renameat2(RENAME_EXCHANGE) of {a} and {b} failed: {os.strerror(err)}")
 
 
-def publish(tmp: Path, path: Path, token: str, placed: Callable[[], None] = lambda: None) -> None:
+def publish(tmp: Path, path: Path, token: str, placed: Callable[[], None] = nothing) -> None:
     """Put the complete directory ``tmp`` at ``path``, replacing whatever is there, atomically; ``placed()``
     runs as soon as it is there (the save releases its lock, ``create_owned``). Another save of ``path``
     may publish meanwhile: a path taken (or gone) since it was looked at is looked at again."""

@@ -44,11 +44,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from lightning_zeroq.checkpoint import atomic, codec
-from lightning_zeroq.checkpoint.agree import CheckpointError, agree, checkpoint_group, describe, earlier, rank_and_size
+from lightning_zeroq.checkpoint.agree import CheckpointError, agree, checkpoint_group, describe, earlier
 from lightning_zeroq.checkpoint.safe import METADATA_FILE, SafeReader, read_metadata, unwrap
 from lightning_zeroq.checkpoint.checksum import hasher
 from lightning_zeroq.checkpoint.store import (MANIFEST_FILE, Files, Located, Manifest, check_files, classify,
                                               sha256, validate)
+from lightning_zeroq.nulls import nothing
+from lightning_zeroq.ranks import LOCAL, Group, rank_and_size
 from lightning_zeroq.checkpoint.writer import (HEADER_SIZE, SYNC_STAGING_BYTES, ChunkSavePlanner, ChunkWriter,
                                                StagingRing, stage_state, token_of)
 
@@ -72,14 +74,14 @@ class SaveJob:
     """What ``write`` writes: the caller's state, or (asynchronous) its copy in host memory."""
     optimizer: bool
     extra: dict
-    before_read: Optional[Callable[[int], None]]
-    after_read: Optional[Callable[[], None]]
+    before_read: Callable[[int], None]
+    after_read: Callable[[], None]
     pin: bool
     asynchronous: bool
     views_stable: bool
     start: float = field(default_factory=time.perf_counter)
     timing: SaveTiming = field(default_factory=SaveTiming)
-    group: Any = None
+    group: Group = LOCAL
     token: str = ""
     tmp: Path = Path()
     manifest: Optional[Manifest] = None
@@ -89,8 +91,7 @@ class SaveJob:
     lock: Optional[int] = None  # rank 0: ``tmp``'s lock, keeping other saves' cleanup away (``atomic.create_owned``)
 
     def end_reads(self) -> None:
-        if self.after_read is not None:
-            self.after_read()
+        self.after_read()
 
     def discard(self) -> None:
         """Rank 0 removes the temporary directory of a save that failed."""
@@ -130,7 +131,7 @@ class Checkpointer:
     # ------------------------------------------------------------------ save
 
     def save(self, path: Path, state: dict, trainer_state: Any, *, optimizer: bool,
-             before_read: Optional[Callable[[int], None]] = None, after_read: Optional[Callable[[], None]] = None,
+             before_read: Callable[[int], None] = nothing, after_read: Callable[[], None] = nothing,
              pin: bool = False, allow_async: bool = True, extra: Optional[dict] = None,
              views_stable: bool = False) -> None:
         """Collective: ``stage`` -> ``write`` -> ``publish``, each called once and returning once.
@@ -191,7 +192,7 @@ class Checkpointer:
         if job.asynchronous:  # the staged buffers wait for the write: no copy of views
             job.writer = ChunkWriter(str(job.tmp), job.token, copy_views=False, checksums=self.checksums)
             future = dcp.async_save(job.state, storage_writer=job.writer, planner=ChunkSavePlanner(),
-                                    process_group=job.group)
+                                    process_group=_dcp_group(job.group))
             assert isinstance(future, Future)  # an AsyncSaveResponse comes only with a non-blocking stager
             job.written = future
         else:
@@ -199,7 +200,7 @@ class Checkpointer:
                                      copy_views=not job.views_stable, checksums=self.checksums)
             try:
                 dcp.save(job.state, storage_writer=job.writer, planner=ChunkSavePlanner(job.before_read),
-                         process_group=job.group)
+                         process_group=_dcp_group(job.group))
             except CheckpointException as error:
                 job.discard()
                 raise CheckpointError(f"Saving checkpoint {job.path} failed: {describe(unwrap(error))}") from None
@@ -323,7 +324,13 @@ class Opened:
             self.reader.files.close()
 
 
-def open_checkpoint(path: Path, group: Any) -> Opened:
+def _dcp_group(group: Group) -> Any:
+    """``torch.distributed.checkpoint``'s process group for a save on ``group``: a save is ``LOCAL`` only
+    without a process group (``checkpoint_group``), where DCP writes as one process (``None``)."""
+    return None if group is LOCAL else group
+
+
+def open_checkpoint(path: Path, group: Group) -> Opened:
     """Collective: locate and validate ``path`` on every rank, then ``agree``."""
     located = classify(Path(path))
     errors: list[str] = []

@@ -55,6 +55,8 @@ from lightning_zeroq.checkpoint.chunks import BytesTarget
 from lightning_zeroq.checkpoint.engine_io import FROZEN_EXCLUDED
 from lightning_zeroq.checkpoint.safe import read_entries
 from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY, classify, lightning_version, moved_entries
+from lightning_zeroq.nulls import nothing
+from lightning_zeroq.ranks import LOCAL
 
 SAFETENSORS_EXTRA = "pip install safetensors"  # what the extra installs; this package is on no index
 
@@ -383,7 +385,7 @@ def _check_optimizer(opened: Opened) -> None:
 
 
 def consolidate(checkpoint: Path, out: Path, *, optimizer: bool = False, lightning: bool = False,
-                adapters_only: bool = False, note: Callable[[str], None] = lambda line: None) -> Path:
+                adapters_only: bool = False, note: Callable[[str], None] = nothing) -> Path:
     """Write checkpoint directory ``checkpoint`` as one file ``out`` (``.pt``, ``.pth``, ``.ckpt`` or
     ``.safetensors``: another suffix is refused); see the module docstring. Returns ``out``. On any error
     nothing is left at ``out`` (an existing file there is kept as it was). ``adapters_only``: the trainable
@@ -404,7 +406,7 @@ def consolidate(checkpoint: Path, out: Path, *, optimizer: bool = False, lightni
         return out
     check_input(checkpoint)
     with advising("Convert an earlier checkpoint."):
-        opened = open_checkpoint(checkpoint, None)
+        opened = open_checkpoint(checkpoint, LOCAL)
         if optimizer:
             _check_optimizer(opened)
         only = trainable_names(opened) if adapters_only else None
@@ -444,7 +446,7 @@ def lightning_checkpoint(checkpoint: Path, map_location: Any = None) -> dict:
     """In memory (one process): the Lightning checkpoint dict of a checkpoint directory, weights only
     (what ``LightningModule.load_from_checkpoint`` needs)."""
     with advising("Load an earlier checkpoint."):
-        opened = open_checkpoint(Path(checkpoint), None)
+        opened = open_checkpoint(Path(checkpoint), LOCAL)
         out = dict(opened.trainer_state())
         out.pop("zeroq", None)
         out["state_dict"] = dict(iter_named_tensors(opened, optimizer=False))

@@ -50,6 +50,8 @@ from lightning_zeroq.checkpoint.convert import (ConvertError, check_input, left_
                                                 safetensors_save_file, tensor_keys)
 from lightning_zeroq.checkpoint.store import MODEL_KEY
 from lightning_zeroq.config import SIZE_UNITS
+from lightning_zeroq.nulls import nothing
+from lightning_zeroq.ranks import LOCAL
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -383,7 +385,7 @@ def _check_output(out: Path) -> None:
 
 def export_hf(checkpoint: Union[str, Path], out: Union[str, Path], *, lora: Optional[LoraSettings] = None,
               base: Union[str, Path, None] = None, max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
-              dtype: Optional[str] = None, progress: Callable[[str], None] = lambda line: None) -> Path:
+              dtype: Optional[str] = None, progress: Callable[[str], None] = nothing) -> Path:
     """Write checkpoint directory ``checkpoint`` as the Hugging Face model directory ``out`` (see the module
     docstring); returns ``out``. ``dtype``: ``"fp32"``, ``"bf16"`` or ``"fp16"`` for every floating tensor (None:
     each keeps its stored dtype, a merged weight its base's)."""
@@ -395,7 +397,7 @@ def export_hf(checkpoint: Union[str, Path], out: Union[str, Path], *, lora: Opti
     _check_output(out)
     check_input(checkpoint)
     with advising("Convert an earlier checkpoint."):
-        opened = open_checkpoint(checkpoint, None)
+        opened = open_checkpoint(checkpoint, LOCAL)
         try:
             home = _Base(Path(base)) if base is not None else None
             settings = lora or LoraSettings()

@@ -51,11 +51,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_zeroq.checkpoint.agree import CheckpointError, agree_once, checkpoint_group, describe
+from lightning_zeroq.ranks import rank_and_size
 from lightning_zeroq.checkpoint.checkpointer import Opened, open_checkpoint
 from lightning_zeroq.checkpoint.chunks import LocalChunks
 from lightning_zeroq.checkpoint.engine_io import MODEL_PREFIXES, load_sharded
@@ -812,7 +812,7 @@ def load_pretrained(engine: Optional[ShardedParts], module: nn.Module, path: Any
     except Exception:
         probe = []  # match() says what is wrong with the name map
     group = checkpoint_group()
-    rank = dist.get_rank(group) if group is not None else 0
+    rank = rank_and_size(group)[0]
     what = f"Loading pretrained weights from {path}"
     errors: list[str] = []
     kind, located = "", Path(os.fspath(path)).absolute()

@@ -1,7 +1,8 @@
 """A single-file torch checkpoint (``strategy="ddp"``'s, or one ``zeroq-convert`` wrote) into the engine:
 read safely on every rank with one agreement, its model checked as ``nn.Module.load_state_dict``
 would, and a torch-format optimizer state put into the shards unit by unit. Used by the Trainer's
-and Fabric's checkpoint glue alike."""
+and Fabric's checkpoint glue alike, through the door (``api.py``: ``read_single_file``,
+``load_torch_optimizer_state``)."""
 
 from __future__ import annotations
 

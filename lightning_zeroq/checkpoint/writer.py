@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from lightning_zeroq.checkpoint import atomic, checksum
 from lightning_zeroq.checkpoint.chunks import LocalChunks
+from lightning_zeroq.nulls import nothing
 
 HEADER_SIZE = 64
 MAGIC = b"ZEROQDCP1"
@@ -70,7 +71,7 @@ def token_of(raw: bytes) -> Optional[str]:
 
 
 class ChunkSavePlanner(DefaultSavePlanner):
-    def __init__(self, before_read: Optional[Callable[[int], None]] = None) -> None:
+    def __init__(self, before_read: Callable[[int], None] = nothing) -> None:
         super().__init__()
         self.before_read = before_read
         self._current: Optional[tuple[str, Tensor]] = None
@@ -103,8 +104,7 @@ class ChunkSavePlanner(DefaultSavePlanner):
             return super().resolve_data(write_item)
         assert chunks.read is not None and write_item.index.offset is not None  # saved chunks read; boxes have offsets
         if self._current is None or self._current[0] != write_item.index.fqn:
-            if self.before_read is not None:
-                self.before_read(chunks.order)
+            self.before_read(chunks.order)
             self._current = (write_item.index.fqn, chunks.read())
         return chunks.box_view(self._current[1], chunks.box_index(tuple(write_item.index.offset)))
 
@@ -386,7 +386,7 @@ def _cut(tensor: Tensor) -> Tensor:
     return _standalone(tensor)
 
 
-def stage_state(state: Any, before_read: Optional[Callable[[int], None]], pin: bool, cache: dict) -> Any:
+def stage_state(state: Any, before_read: Callable[[int], None], pin: bool, cache: dict) -> Any:
     """A copy of ``state`` that training cannot change: every ``LocalChunks`` read now (in ``order``)
     into a host buffer (pinned with CUDA, kept in ``cache`` by key and reused by the next save), every
     tensor cloned to the host. The copy's ``LocalChunks`` read their buffers."""
@@ -406,8 +406,7 @@ def stage_state(state: Any, before_read: Optional[Callable[[int], None]], pin: b
 
     staged = walk(state, ())
     for path, chunks in sorted(leaves, key=lambda pc: pc[1].order):
-        if before_read is not None:
-            before_read(chunks.order)
+        before_read(chunks.order)
         key = (path, chunks.start, chunks.numel, chunks.dtype)
         buffer = cache.get(key)
         if buffer is None:

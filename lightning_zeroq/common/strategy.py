@@ -38,6 +38,7 @@ from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.common.migration import unknown_options_message
 from lightning_zeroq.common.precision import ZeroQPrecision
 from lightning_zeroq.common.watchdog import JOIN_TIMEOUT, start_watchdog, stop_watchdog
+from lightning_zeroq.nulls import nothing
 from lightning_zeroq.planning.choose import Choice, check_fits, choose
 from lightning_zeroq.zero.engine import ZeroEngine, owning_engine
 from lightning_zeroq.zero.policies import Chosen, OnDevice, auto_request, resolve
@@ -156,7 +157,7 @@ def as_zeroq_precision(plugin: Optional[Any], plugin_cls: type[P]) -> Optional[P
 def build_engine(module: nn.Module, config: ZeroConfig, precision: ZeroQPrecision, device: torch.device,
                  ranks_per_node: Optional[int] = None,
                  plan_forward: Optional[Callable[[nn.Module], torch.Tensor]] = None,
-                 on_choice: Optional[Callable[[Choice], None]] = None, training: bool = True) -> ZeroEngine:
+                 on_choice: Callable[[Choice], None] = nothing, training: bool = True) -> ZeroEngine:
     """The engine for ``module``. It moves the module to ``device`` unit by unit (stage 3 never holds it
     whole), materializes meta-device parameters with ``reset_parameters()``, and starts every rank from
     rank 0's values, as DDP does. ``ranks_per_node`` (the strategy's ``num_processes``) resolves
@@ -179,8 +180,7 @@ def build_engine(module: nn.Module, config: ZeroConfig, precision: ZeroQPrecisio
         choice = choose(module, config, plan_forward, device=device, param_dtype=precision.param_dtype,
                         ranks_per_node=ranks_per_node or 1)
         config = choice.config
-        if on_choice is not None:
-            on_choice(choice)
+        on_choice(choice)
     elif plan_forward is not None:
         check_fits(module, config, plan_forward, device=device, param_dtype=precision.param_dtype,
                    ranks_per_node=ranks_per_node or 1)

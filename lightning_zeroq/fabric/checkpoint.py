@@ -25,12 +25,8 @@ from typing import Any, Optional
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_zeroq.checkpoint import api, deepspeed
-from lightning_zeroq.checkpoint.agree import CheckpointError, agree
-from lightning_zeroq.checkpoint.checkpointer import Checkpointer
-from lightning_zeroq.checkpoint.engine_io import engine_state
-from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY
-from lightning_zeroq.checkpoint.torch_file import load_torch_optimizer_state, torch_load
+from lightning_zeroq.checkpoint import api
+from lightning_zeroq.checkpoint.api import MODEL_KEY, OPTIMIZER_KEY, CheckpointError, Checkpointer
 from lightning_zeroq.zero import state_dict as zsd
 from lightning_zeroq.zero.state_dict import ShardedParts
 
@@ -76,7 +72,7 @@ def save(engine: Optional[ShardedParts], path: Path, state: dict, filter: Option
     stateful = [k for k, v in state.items() if k not in (module_key, optimizer_key) and _stateful(v)]
     items = {k: (v.state_dict() if k in stateful else v) for k, v in state.items() if k not in (module_key, optimizer_key)}
     trainer_state = {"items": items, FABRIC_KEY: {"model": module_key, "optimizer": optimizer_key, "stateful": stateful}}
-    api.save(engine, path, engine_state(engine, optimizer=optimizer_key is not None, exclude_frozen=exclude_frozen),
+    api.save(engine, path, api.engine_state(engine, optimizer=optimizer_key is not None, exclude_frozen=exclude_frozen),
              trainer_state, checkpointer, exclude_frozen=exclude_frozen)
 
 
@@ -154,25 +150,22 @@ def _load_single_file(engine: ShardedParts, path: Path, weights_only: Optional[b
     (``load_raw``) the file is the model's state dict itself."""
     requested = requested or []
     lost: list[str] = []
-    if deepspeed.is_deepspeed(path):  # in the Trainer's layout, as zeroq-convert writes it
-        checkpoint = deepspeed.load_agreed(path, optimizer_key is not None, group)
-        if module_key is None:
-            checkpoint = checkpoint["state_dict"]
-    else:
-        checkpoint = torch_load(path, weights_only is not False, group)
+    # A DeepSpeed directory comes in the Trainer's layout, as zeroq-convert writes it.
+    checkpoint = api.read_single_file(path, group, optimizer=optimizer_key is not None,
+                                      weights_only=weights_only is not False, state_dict_only=module_key is None)
     if module_key is not None and isinstance(checkpoint, dict) and module_key not in checkpoint:
         checkpoint, lost = _from_trainer_layout(path, checkpoint, module_key, optimizer_key, requested)
     errors = []
     if not isinstance(checkpoint, dict) or (module_key is not None and module_key not in checkpoint):
         errors.append(f"{path} holds no {module_key!r} entry with the model's state dict." if module_key is not None
                       else f"{path} holds no state dict (a {type(checkpoint).__name__}).")
-    agree(errors, f"Loading checkpoint {path}", group)
+    api.agree(errors, f"Loading checkpoint {path}", group)
     model = checkpoint.pop(module_key) if module_key is not None else checkpoint
     if module_key is None:
         checkpoint = {}
     optimizer = checkpoint.pop(optimizer_key, None) if optimizer_key is not None else None
     if optimizer is not None:  # the weights and the optimizer state in one pass, checked first
-        load_torch_optimizer_state(engine, model, optimizer, group, strict=strict)
+        api.load_torch_optimizer_state(engine, model, optimizer, group, strict=strict)
         return {"items": checkpoint, "lost": lost}
     missing, unexpected = zsd.load_module_state_dict(engine.parts, engine.parts.module, model)
     if strict and (missing or unexpected):

@@ -45,7 +45,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zeroq.fabric import checkpoint as fabric_checkpoint
-from lightning_zeroq.checkpoint.checkpointer import Checkpointer
+from lightning_zeroq.checkpoint.api import Allowance, Checkpointer, NameMap
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.common.precision import ZeroQPrecision
 from lightning_zeroq.validation import check_bool, check_callable
@@ -63,7 +63,6 @@ from lightning_zeroq.common.strategy import (
     register_presets,
     stage3_meta_init,
 )
-from lightning_zeroq.checkpoint.pretrained import Allowance, NameMap
 from lightning_zeroq.common.watchdog import report_uncaught_collective_failures
 from lightning_zeroq.zero.engine import ZeroEngine
 

@@ -29,14 +29,10 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
-import torch
 from torch import Tensor
 
-from lightning_zeroq.checkpoint import api, atomic, codec, deepspeed, engine_io
-from lightning_zeroq.checkpoint.agree import agree, checkpoint_group, describe
-from lightning_zeroq.checkpoint.checkpointer import Checkpointer
-from lightning_zeroq.checkpoint.store import LIGHTNING_META, MODEL_KEY, OPTIMIZER_KEY
-from lightning_zeroq.checkpoint.torch_file import load_torch_optimizer_state, torch_load
+from lightning_zeroq.checkpoint import api
+from lightning_zeroq.checkpoint.api import MODEL_KEY, OPTIMIZER_KEY, Checkpointer
 from lightning_zeroq.zero import state_dict as zsd
 from lightning_zeroq.zero.state_dict import ShardedParts
 
@@ -47,14 +43,14 @@ if TYPE_CHECKING:
 def _register_types() -> None:
     from lightning.fabric.utilities.data import AttributeDict
 
-    codec.register_type("AttributeDict", AttributeDict, dict, AttributeDict)
-    codec.register_type("Namespace", argparse.Namespace, vars, lambda d: argparse.Namespace(**d))
+    api.register_type("AttributeDict", AttributeDict, dict, AttributeDict)
+    api.register_type("Namespace", argparse.Namespace, vars, lambda d: argparse.Namespace(**d))
     try:
         from omegaconf import DictConfig, ListConfig
     except ImportError:
         return
-    codec.register_type("DictConfig", DictConfig, _config_to_plain, lambda plain: _config_from_plain(plain, dict))
-    codec.register_type("ListConfig", ListConfig, _config_to_plain, lambda plain: _config_from_plain(plain, list))
+    api.register_type("DictConfig", DictConfig, _config_to_plain, lambda plain: _config_from_plain(plain, dict))
+    api.register_type("ListConfig", ListConfig, _config_to_plain, lambda plain: _config_from_plain(plain, list))
 
 
 # OmegaConf containers resolve an interpolation ("${oc.env:VAR}", "${resolver:...}", "${other.key}") when it is
@@ -137,7 +133,7 @@ def save(strategy: Owner, checkpoint: dict, path: Path, checkpointer: Checkpoint
     # A callback may have moved the module's sharded state to another key and put a state dict of its own
     # (full tensors) under "state_dict" (Lightning's weight averaging); both are stored with the tensors.
     moved = [k for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states", OPTIMIZER_KEY)
-             and engine_io.holds_sharded_state(v)]
+             and api.holds_sharded_state(v)]
     state = {MODEL_KEY: checkpoint["state_dict"], **{k: checkpoint[k] for k in moved}}
     if optimizers:
         state[OPTIMIZER_KEY] = optimizers[0]
@@ -149,33 +145,22 @@ def save_single_file(strategy: Owner, checkpoint: dict, path: Path, checkpointer
     """Weights only: one Lightning file of full fp32 weights, built on rank 0 alone."""
     checkpointer.wait()
     engine = strategy.engine
-    group = checkpoint_group()
     weights = zsd.full_state_dict(engine.parts, rank0_only=True) if engine is not None else None
-    errors = []
-    if strategy.is_global_zero:
-        try:
-            out = {k: v for k, v in checkpoint.items() if k != "state_dict"}
-            model = {}
-            given = checkpoint["state_dict"]
-            module = strategy.lightning_module
-            live = module.state_dict(keep_vars=True) if module is not None else {}
-            for key, value in {**live, **given}.items():
-                if weights is not None and key in weights:
-                    model[key] = weights[key]
-                elif isinstance(given.get(key, value), Tensor):
-                    model[key] = given.get(key, value).detach().cpu()
-            out = api.with_engine_state(engine, {**out, "state_dict": model})
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with atomic.new_file(path) as (fd, _):
-                with os.fdopen(fd, "wb") as f:  # written through the descriptor mkstemp opened
-                    torch.save(out, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                if path.is_dir() and not path.is_symlink():
-                    atomic.remove(path)
-        except Exception as error:
-            errors.append(f"could not write {path}: {describe(error)}")
-    agree(errors, f"Saving checkpoint {path}", group)
+
+    def make() -> dict:
+        out = {k: v for k, v in checkpoint.items() if k != "state_dict"}
+        model = {}
+        given = checkpoint["state_dict"]
+        module = strategy.lightning_module
+        live = module.state_dict(keep_vars=True) if module is not None else {}
+        for key, value in {**live, **given}.items():
+            if weights is not None and key in weights:
+                model[key] = weights[key]
+            elif isinstance(given.get(key, value), Tensor):
+                model[key] = given.get(key, value).detach().cpu()
+        return api.with_engine_state(engine, {**out, "state_dict": model})
+
+    api.write_file(path, make if strategy.is_global_zero else None)
 
 
 def outside_checkpoint_dirs(strategy: object, path: Path) -> Optional[str]:
@@ -208,8 +193,8 @@ def load(strategy: Owner, checkpoint_path: Any, weights_only: Optional[bool],
                       checkpointer=checkpointer, moved=True,
                       read_file=lambda path, group: load_single_file(strategy, path, weights_only, fitting, group))
     state, path = loaded.trainer_state, Path(checkpoint_path)
-    if loaded.foreign and (path / LIGHTNING_META).is_file():  # Lightning's ModelParallelStrategy layout
-        state = torch_load(path / LIGHTNING_META, True, checkpoint_group())
+    if loaded.foreign and (path / api.LIGHTNING_META).is_file():  # Lightning's ModelParallelStrategy layout
+        state = api.read_lightning_meta(path)
     elif loaded.foreign:
         state = foreign_trainer_state(path, fitting, strategy.is_global_zero)
     if fitting:
@@ -245,19 +230,16 @@ def foreign_trainer_state(path: Path, fitting: bool, rank_zero: bool) -> dict:
 
 def load_single_file(strategy: Owner, path: Path, weights_only: Optional[bool], fitting: bool,
                      group: Any) -> tuple[dict, bool]:
-    if deepspeed.is_deepspeed(path):  # read as the single file zeroq-convert would write
-        checkpoint = deepspeed.load_agreed(path, fitting, group)
-    else:
-        checkpoint = torch_load(path, weights_only is not False, group)
+    checkpoint = api.read_single_file(path, group, optimizer=fitting, weights_only=weights_only is not False)
     errors = []
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         errors.append(f"{path} is not a Lightning checkpoint (no 'state_dict'): load it into the module yourself.")
-    agree(errors, f"Loading checkpoint {path}", group)
+    api.agree(errors, f"Loading checkpoint {path}", group)
     engine = strategy.engine
     optimizers = checkpoint.get("optimizer_states") or []
     if fitting and engine is not None and engine.optimizer is not None and optimizers:
         strict = getattr(strategy.lightning_module, "strict_loading", True)
-        load_torch_optimizer_state(engine, checkpoint["state_dict"], optimizers[0], group, strict=strict)
+        api.load_torch_optimizer_state(engine, checkpoint["state_dict"], optimizers[0], group, strict=strict)
         return checkpoint, True
     return checkpoint, False
 

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from lightning_zeroq.common.precision import ZeroQPrecision
 from lightning_zeroq.config import ZeroConfig
+from lightning_zeroq.nulls import nothing
 from lightning_zeroq.planning.estimate import ForwardError
 from lightning_zeroq.zero.policies import auto_request
 
@@ -68,7 +69,7 @@ def training_step_loss(batch: Any, error: str = "{}") -> Callable[[nn.Module], T
     (``error``: the message, with ``{}`` for what was wrong, where it returns no loss)."""
 
     def forward(model: nn.Module) -> Tensor:
-        quiet = {name: lambda *args, **kwargs: None for name in ("log", "log_dict")}
+        quiet = dict.fromkeys(("log", "log_dict"), nothing)
         model.__dict__.update(quiet)  # an instance attribute shadows the method during the trace
         try:
             out = model.training_step(batch, 0)  # type: ignore[operator]

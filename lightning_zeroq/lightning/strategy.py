@@ -39,11 +39,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_zeroq.checkpoint import atomic
 from lightning_zeroq.lightning import checkpoint as checkpoint_glue
 from lightning_zeroq.lightning.averaging import gather_around_averaging, refuse_meta_copies
-from lightning_zeroq.checkpoint.checkpointer import Checkpointer
+from lightning_zeroq.checkpoint import api as checkpoint_api
+from lightning_zeroq.checkpoint.api import Allowance, Checkpointer, NameMap
 from lightning_zeroq.config import ZeroConfig
+from lightning_zeroq.nulls import nothing
 from lightning_zeroq.validation import check_bool, check_callable
 from lightning_zeroq.lightning.launcher import ZeroQLauncher, record_sigterm_without_collectives
 from lightning_zeroq.lightning.plan_batch import planning_forward
@@ -61,8 +62,6 @@ from lightning_zeroq.common.strategy import (
     register_presets,
     stage3_meta_init,
 )
-from lightning_zeroq.checkpoint import engine_io
-from lightning_zeroq.checkpoint.pretrained import Allowance, NameMap
 from lightning_zeroq.zero import full_params, state_dict as zero_state
 from lightning_zeroq.common.watchdog import report_collective_failure
 from lightning_zeroq.zero.full_params import check_module
@@ -150,7 +149,7 @@ class ZeroQStrategy(DDPStrategy):
             start_method=start_method,  # type: ignore[arg-type]
         )
         self.engine: Optional[ZeroEngine] = None
-        self._unwrap_averaging: Callable[[], None] = _nothing  # see averaging.py
+        self._unwrap_averaging: Callable[[], None] = nothing  # see averaging.py
         self.checkpointer = Checkpointer(async_save=check_bool("ZeroQStrategy", "async_checkpoint", async_checkpoint))
         self.exclude_frozen_parameters = check_bool("ZeroQStrategy", "exclude_frozen_parameters",
                                                     exclude_frozen_parameters)
@@ -340,7 +339,7 @@ class ZeroQStrategy(DDPStrategy):
         elif self.engine is not None and not self.engine.parts.retired:
             self.engine.hand_back_optimizers()  # no collective: a failed fit's optimizer can be used again
         self._unwrap_averaging()
-        self._unwrap_averaging = _nothing
+        self._unwrap_averaging = nothing
         self.precision_plugin.teardown()
         assert self.accelerator is not None
         self.accelerator.teardown()
@@ -351,7 +350,7 @@ class ZeroQStrategy(DDPStrategy):
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state["engine"] = None  # shards, streams and swap files do not travel; a new setup builds an engine
-        state["_unwrap_averaging"] = _nothing
+        state["_unwrap_averaging"] = nothing
         return state
 
     # ------------------------------------------------------------------ state
@@ -373,14 +372,14 @@ class ZeroQStrategy(DDPStrategy):
         and buffers as they are."""
         if self.engine is None:
             return super().lightning_module_state_dict()
-        return engine_io.sharded_model_state(self.engine, exclude_frozen=self.exclude_frozen_parameters)
+        return checkpoint_api.sharded_model_state(self.engine, exclude_frozen=self.exclude_frozen_parameters)
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Collective: this rank's part of the optimizer state, keyed by parameter name."""
         if self.engine is None or self.engine.optimizer is None:
             return super().optimizer_state(optimizer)
-        return engine_io.sharded_optimizer_state(self.engine)
+        return checkpoint_api.sharded_optimizer_state(self.engine)
 
     @override
     def save_checkpoint(
@@ -444,7 +443,7 @@ class ZeroQStrategy(DDPStrategy):
                                "to a place outside it (a path from an edited trainer state, or a linked directory); "
                                "remove it yourself if it is yours.")
                 return
-            atomic.remove(path)
+            checkpoint_api.remove_checkpoint(path)
 
     @classmethod
     @override
@@ -458,10 +457,6 @@ def _swap_roots(nvme_path: Optional[str]) -> list[str]:
     return [str(nvme_path)] if nvme_path else []
 
 
-def _nothing() -> None:
-    pass
-
-
 def _check_disjoint(optimizers: list) -> None:
     seen: dict[int, int] = {}
     for index, optimizer in enumerate(optimizers):
@@ -473,4 +468,3 @@ def _check_disjoint(optimizers: list) -> None:
                         f"shape {tuple(p.shape)}; ZeroQ shards each parameter's optimizer state once: give every "
                         "parameter to one optimizer."
                     )
-

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
+from lightning_zeroq.nulls import nothing
 from lightning_zeroq.ops.host_adam import host_adam
 
 REPEATS = 5
@@ -42,7 +43,7 @@ def _typical(run: Callable[[], Any], sync: Callable[[], None], repeats: int = RE
 
 
 def _sync(device: torch.device) -> Callable[[], None]:
-    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else nothing
 
 
 def block_seconds(block: nn.Module, call: Any, device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
@@ -93,7 +94,7 @@ def host_step_rate(elements: int = 1 << 26) -> float:
             torch._fused_adamw_([p], [g], [m], [v], [], [torch.tensor(1.0)], amsgrad=False, beta1=0.9, beta2=0.999,
                                 lr=1e-4, weight_decay=0.01, eps=1e-8, maximize=False)
 
-    return elements / _typical(run, lambda: None)
+    return elements / _typical(run, nothing)
 
 
 def copy_rate(device: torch.device, nbytes: int = 1 << 28) -> Optional[float]:

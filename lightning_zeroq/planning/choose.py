@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_zeroq.ranks import rank_and_size
 from lightning_zeroq.config import ZeroConfig, memory_budget
 from lightning_zeroq.planning import calibrate as calibration
 from lightning_zeroq.zero import comm
@@ -143,7 +144,7 @@ def _budgets(request: AutoRequest, device: torch.device, group: Any) -> tuple[Op
 
 def _smallest(values: list[float], device: torch.device, group: Any) -> list[float]:
     """Each of ``values``' smallest over the ranks (negate for the largest), in one collective."""
-    if comm.world(group)[1] == 1:
+    if rank_and_size(group)[1] == 1:
         return values
     both = torch.tensor(values, dtype=torch.float64, device=device)
     comm.all_reduce(both, dist.ReduceOp.MIN, group)
@@ -158,7 +159,7 @@ def _agreed(flags: list[bool], steps: list[float], device: torch.device, group: 
 
 def _agreed_machine(machine: Machine, device: torch.device, group: Any) -> Machine:
     """The slowest rank's rates (every rank plans alike)."""
-    if comm.world(group)[1] == 1:
+    if rank_and_size(group)[1] == 1:
         return machine
     block = machine.block_seconds or (0.0, 0.0)
     r = _smallest([machine.matmul_flops, machine.host_step_elements_per_s, machine.pcie_bytes_per_s,
@@ -182,7 +183,7 @@ def choose(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Module],
         return Choice(config, (), None, "")
     device = device if device is not None else next((p.device for p in module.parameters() if p.device.type != "meta"),
                                                     torch.device("cpu"))
-    world = world_size if world_size is not None else comm.world(group)[1]
+    world = world_size if world_size is not None else rank_and_size(group)[1]
     blocks = repeated_blocks(module)
     if request.recompute and not blocks:
         raise ValueError("activation_checkpointing_policy='auto' recomputes repeated blocks, and this model has none "
@@ -203,7 +204,7 @@ def choose(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Module],
         for name, opt, params, (offload, share, inputs) in candidates(request):
             chosen = Chosen(opt, params, share, offload, inputs)
             need = estimate_config(meta, resolve(config, chosen, (), correct=False), activations, name=name, world_size=world,
-                               checkpointing=share, machine=rates, param_dtype=param_dtype, rank=comm.world(group)[0],
+                               checkpointing=share, machine=rates, param_dtype=param_dtype, rank=rank_and_size(group)[0],
                                offloading=offload, inputs_on_host=inputs)
             planned.append((chosen, need))
     if size is None and request.device_budget is None:
@@ -325,8 +326,8 @@ def check_fits(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Modu
         with on_meta(module, param_dtype) as meta:
             activations = trace_activations(meta, forward, blocks)
             need = estimate_config(meta, config, activations, name="the configuration as given",
-                               world_size=comm.world(group)[1], checkpointing=share, param_dtype=param_dtype,
-                               rank=comm.world(group)[0], machine=_default_machine(device, ranks_per_node),
+                               world_size=rank_and_size(group)[1], checkpointing=share, param_dtype=param_dtype,
+                               rank=rank_and_size(group)[0], machine=_default_machine(device, ranks_per_node),
                                offloading=offload, inputs_on_host=inputs)
     except Exception as error:  # a forward the meta device cannot run: no check, on every rank alike
         log.debug(f"the check before launch could not trace one micro-batch on the meta device ({error!r})")

@@ -14,11 +14,12 @@ backward, in which the recomputation runs (``stage3.py``).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_zeroq.nulls import nothing
 from lightning_zeroq.zero.unit_plan import repeated_blocks
 
 
@@ -30,7 +31,7 @@ def apply(module: nn.Module, names: Sequence[str]) -> None:
 
 
 def select(module: nn.Module, names: Sequence[str], field: str,
-           inside: Optional[Callable[[nn.Module, str], None]] = None) -> list[nn.Module]:
+           inside: Callable[[nn.Module, str], None] = nothing) -> list[nn.Module]:
     """The submodules of ``module`` whose class or qualified name is in ``names``, the outermost where they
     nest (nested ones go with them), in module order; a ``ValueError`` naming ``field`` where a name names
     none. ``inside(m, name)``: called for each module passed on the way down (``activation_offload.py``'s
@@ -56,8 +57,7 @@ def select(module: nn.Module, names: Sequence[str], field: str,
         if type(m).__name__ in wanted or name in wanted:
             chosen.append(m)
             return
-        if inside is not None:
-            inside(m, name)
+        inside(m, name)
         for child_name, child in m.named_children():
             visit(child, f"{name}.{child_name}" if name else child_name)
 

@@ -4,7 +4,7 @@ A configuration that differs on some ranks (a per-node config file, an override 
 or a model that differs would otherwise make the ranks issue different collectives (other group
 sizes, other unit sizes, other process groups) and wait until the process group's timeout. So,
 before any other collective of the engine (the process groups of ``shard_group_size`` included),
-``BuildAgreement`` exchanges one 64-bit digest per rank of
+``BuildAgreement`` compares one digest per rank of
 
 - the settings (``Policies.settings``: every ``ZeroConfig`` field but the rank-local ones, with
   ``shard_group_size="node"`` shown with what it resolved to on this node), the working dtype and
@@ -12,23 +12,22 @@ before any other collective of the engine (the process groups of ``shard_group_s
 - the unit plan: which parameters (name, shape, dtype) form which unit;
 - the error this rank met while building them, if any.
 
-Equal digests cost that one small all-gather. Otherwise every rank gathers the others' descriptions
+Equal digests cost one small all-reduce. Otherwise every rank gathers the others' descriptions
 and raises the same ``ValueError``: each setting that differs with the ranks and their values, else
-the first unit that differs, else (only some ranks failed) the failing ranks' error.
+the first unit that differs, else (only some ranks failed) the failing ranks' error. The exchange is
+``lightning_zeroq.ranks.agree``'s (``quick``), the package's one way to fail on every rank alike.
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 from types import TracebackType
 from typing import Literal, Optional, Sequence
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_zeroq.zero import comm
+from lightning_zeroq.ranks import agree
 from lightning_zeroq.zero.unit_plan import UnitSpec
 
 
@@ -83,11 +82,6 @@ def differences(settings: Sequence[dict[str, str]], plans: Sequence[list[str]]) 
     return None
 
 
-def _digest(settings: dict[str, str], plan: list[str], error: Optional[str]) -> int:
-    text = repr((sorted(settings.items()), plan, error)).encode("utf-8", "backslashreplace")
-    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
-
-
 class BuildAgreement:
     """``with BuildAgreement(group, settings) as agreement:`` build what the ranks must agree on, record it
     (``settings[...]``, ``plan``); leaving the block, the ranks compare (see the module docstring). An
@@ -103,24 +97,17 @@ class BuildAgreement:
     def __exit__(self, kind: Optional[type], error: Optional[BaseException], tb: Optional[TracebackType]) -> Literal[False]:
         if error is not None and not isinstance(error, Exception):
             return False  # KeyboardInterrupt, SystemExit: this process stops, as it would anyway
-        rank, world = comm.world(self.group)
-        if world == 1:
-            return False
-        said = None if error is None else f"{type(error).__name__}: {error}"
-        device = (torch.device("cuda", torch.cuda.current_device()) if str(dist.get_backend(self.group)) == "nccl"
-                  else torch.device("cpu"))
-        mine = torch.tensor([_digest(self.settings, self.plan, said)], dtype=torch.int64, device=device)
-        digests = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(digests, mine, group=self.group)
-        if len({int(d.item()) for d in digests}) == 1:
-            return False  # the same everywhere (an error too: each rank raises its own)
-        everyone: list = [None] * world
-        dist.all_gather_object(everyone, (self.settings, self.plan, said), group=self.group)
-        message = differences([e[0] for e in everyone], [e[1] for e in everyone])
-        if message is not None:
-            raise ValueError(message) from error
-        if error is not None:
-            return False
-        failed = [r for r, e in enumerate(everyone) if e[2] is not None]
-        raise RuntimeError(f"{ranks_text(failed)} failed while building the ZeRO engine; rank {failed[0]} said: "
-                           f"{everyone[failed[0]][2]}")
+        said = [] if error is None else [f"{type(error).__name__}: {error}"]
+        agree(said, self.group, _failed, payload=(self.settings, self.plan), own=error, compare=_differ, quick=True)
+        return False
+
+
+def _differ(everyone: list[tuple[dict[str, str], list[str]]]) -> Optional[ValueError]:
+    message = differences([settings for settings, _ in everyone], [plan for _, plan in everyone])
+    return ValueError(message) if message is not None else None
+
+
+def _failed(errors: list[list[str]]) -> RuntimeError:
+    failed = [r for r, errs in enumerate(errors) if errs]
+    return RuntimeError(f"{ranks_text(failed)} failed while building the ZeRO engine; rank {failed[0]} said: "
+                        f"{errors[failed[0]][0]}")

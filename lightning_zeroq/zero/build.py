@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_zeroq.ranks import rank_and_size
 from lightning_zeroq.zero import activation_checkpoint, activation_offload, comm, hybrid, loss_scaler
 from lightning_zeroq.zero import frozen as frozen_parts
 from lightning_zeroq.zero.agreement import BuildAgreement, describe_plan
@@ -50,7 +51,7 @@ from lightning_zeroq.zero.offload.host_worker import HostWorker
 from lightning_zeroq.zero.memory.host import HostBudget
 from lightning_zeroq.zero.unit_plan import UnitSpec, frozen_only_specs, unit_plan
 from lightning_zeroq.zero.policies import ModuleUnits, Nvme, OnDevice, Policies
-from lightning_zeroq.zero.reducer import Reducer
+from lightning_zeroq.zero.reducer import NoListener, Reducer
 from lightning_zeroq.zero.stage3 import Stage3Coordinator
 from lightning_zeroq.zero.unit import Unit, build_units, plan_layouts, trainable_parameters
 from lightning_zeroq.zero.wire import FullWidth, Int8, Wire
@@ -136,7 +137,7 @@ def build(module: nn.Module, pol: Policies, *, param_dtype: torch.dtype, group: 
     """The parts of an engine for ``module`` (see the module docstring for the steps)."""
     planned = _agree_and_plan(module, pol, param_dtype, group, ranks_per_node, loss_scaling)
     topo = hybrid.topology(planned.shard_size, pol.quantization, group)
-    if comm.world(group)[0] == 0:
+    if rank_and_size(group)[0] == 0:
         for message in pol.ineffective:
             warnings.warn(f"ZeroConfig: {message}", stacklevel=3)
     scaling = pol.numerics.loss_scaling
@@ -173,7 +174,7 @@ def _agree_and_plan(module: nn.Module, pol: Policies, param_dtype: torch.dtype, 
     with BuildAgreement(group, dict(pol.settings)) as agreed:
         agreed.settings.update(shard_group_size=hybrid.given(pol.sharding.group_size, ranks_per_node),
                                param_dtype=str(param_dtype), loss_scaling=str(loss_scaling))
-        shard_size = hybrid.shard_group_size(pol.sharding.group_size, comm.world(group)[1], ranks_per_node)
+        shard_size = hybrid.shard_group_size(pol.sharding.group_size, rank_and_size(group)[1], ranks_per_node)
         activation_checkpoint.apply(module, pol.recompute)
         activation_offload.select(module, pol.activations.modules)  # what it names exists, before any collective
         stage3 = isinstance(pol.sharding.units, ModuleUnits)
@@ -250,7 +251,7 @@ def _frozen_parts(module: nn.Module, planned: _Planned, pol: Policies, topo: Top
     codec = FrozenCodec(storage, compute, layouts, rank=topo.rank, group=topo.group, device=device,
                         on_host=not isinstance(pol.offload.parameters, OnDevice), group_size=q.group_size,
                         exact_numel=q.exact_numel, bucket_numel=q.gather_bucket_numel)
-    if isinstance(pol.offload.parameters, Nvme) and topo.rank == 0 and comm.world(topo.world_group)[0] == 0:
+    if isinstance(pol.offload.parameters, Nvme) and topo.rank == 0 and rank_and_size(topo.world_group)[0] == 0:
         warnings.warn("ZeroQ stage 3: frozen parameters rest in host memory with offload_params_device='nvme' (the "
                       "trainable shards go to NVMe); count their bytes against the host's memory.", stacklevel=4)
     # Frozen parts are never stepped: their gatherer's worker never has work (and never shares unit numbers).
@@ -298,7 +299,7 @@ def _hooks(module: nn.Module, pol: Policies, topo: Topology, placed: _Placed, ga
         group=topo.world_group,  # the agreement on used parameters and non-finite gradients spans the world
         device=device,
         wire=topo.gradient_wire(device, pol.quantization.group_size),
-        listener=stage3,
+        listener=stage3 if stage3 is not None else NoListener(),
     )
     return _Hooks(stage3, async_step, reducer)
 

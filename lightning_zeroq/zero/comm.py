@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_zeroq.ranks import agree, is_distributed, rank_and_size
+
 _reduce_scatter_impl = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_impl = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
@@ -35,7 +37,7 @@ def has_flat_collectives(backend: str, torch_version: tuple[int, ...] = _TORCH) 
 
 def alone(group: Optional[dist.ProcessGroup]) -> bool:
     """No other rank in ``group`` (or no process group): a collective on it is a copy at most."""
-    return not is_distributed() or dist.get_world_size(group) == 1
+    return rank_and_size(group)[1] == 1
 
 
 def reduce_scatter(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup]) -> None:
@@ -99,17 +101,6 @@ def all_reduce(tensor: Tensor, op: dist.ReduceOp.RedOpType, group: Optional[dist
 def broadcast(tensor: Tensor, src_rank: int, group: Optional[dist.ProcessGroup]) -> None:
     dist.broadcast(tensor, src=dist.get_global_rank(group, src_rank) if group is not None else src_rank,
                    group=group)
-
-
-def world(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
-    """(rank, world_size) in ``group``, or (0, 1) without a process group."""
-    if not dist.is_available() or not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 def duplicate(group: Optional[dist.ProcessGroup], world_group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
@@ -243,22 +234,16 @@ def agreed(group: Optional[dist.ProcessGroup], what: str) -> Iterator[None]:
     file, a path, a disk, a compiler) and comes before collectives: if the block raised on any rank,
     it raises on every rank (the failing rank re-raises its own error, the others a ``RuntimeError``
     naming it and its message), instead of one rank stopping while the others wait in a collective
-    until the timeout. Costs one small all-reduce."""
+    until the timeout (``lightning_zeroq.ranks.agree``, quick: one small all-reduce when all is well)."""
     error: Optional[BaseException] = None
     try:
         yield
     except Exception as caught:  # noqa: BLE001  (re-raised below, on every rank)
         error = caught
-    if is_distributed() and dist.get_world_size(group) > 1:
-        device = torch.device("cuda", torch.cuda.current_device()) if _backend(group) == "nccl" else torch.device("cpu")
-        flag = torch.tensor([0.0 if error is None else 1.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        if flag.item() > 0:
-            messages: list[Optional[str]] = [None] * dist.get_world_size(group)
-            dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}", group=group)
-            if error is not None:
-                raise error
-            failed = [r for r, m in enumerate(messages) if m is not None]
-            raise RuntimeError(f"rank(s) {failed} failed while {what}; rank {failed[0]} said: {messages[failed[0]]}")
-    if error is not None:
-        raise error
+    said = [] if error is None else [f"{type(error).__name__}: {error}"]
+
+    def failure(errors: list[list[str]]) -> RuntimeError:
+        failed = [r for r, errs in enumerate(errors) if errs]
+        return RuntimeError(f"rank(s) {failed} failed while {what}; rank {failed[0]} said: {errors[failed[0]][0]}")
+
+    agree(said, group, failure, own=error, quick=True)

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_zeroq.ranks import rank_and_size
 from lightning_zeroq import ops
 from lightning_zeroq.swap.buffers import pinned_empty
 from lightning_zeroq.zero import comm
@@ -213,7 +214,7 @@ def build_part(index: int, params: list[nn.Parameter], layout: UnitLayout, codec
     full = torch.zeros(layout.padded_numel, dtype=codec.compute, device=device)
     for p, slot in zip(params, layout.slots):
         full[slot.span].copy_(p.detach().reshape(-1))
-    if comm.world(group)[1] > 1:
+    if rank_and_size(group)[1] > 1:
         comm.broadcast(full, 0, group)
     unit = Unit(index=index, params=params, first_param_id=-1, layout=layout, segments=layout.segments(rank),
                 flat=full, master=torch.empty(0, device=device), segment_masters=[],

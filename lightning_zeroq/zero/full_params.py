@@ -39,6 +39,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from lightning_zeroq.ranks import rank_and_size
 from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.build import Parts
 from lightning_zeroq.zero.unit import Unit, UnitState
@@ -93,7 +94,7 @@ def gathered_parameters(parts: Parts, module: Optional[nn.Module] = None,
         ok = True
     finally:
         if ok and writeback:
-            rank = comm.world(parts.group)[0]
+            rank = rank_and_size(parts.group)[0]
             for part in held:
                 frozen_store(parts, part)
             for unit in parts.placement.resident(chosen):
@@ -129,7 +130,7 @@ def frozen_gather(parts: Parts, part: Unit) -> bool:
 def frozen_store(parts: Parts, part: Unit) -> None:
     """What the gathered frozen part holds now becomes its stored shard (each rank its own)."""
     assert parts.frozen is not None
-    parts.frozen.codec.store(part, part.flat[part.layout.shard_span(comm.world(parts.group)[0])])
+    parts.frozen.codec.store(part, part.flat[part.layout.shard_span(rank_and_size(parts.group)[0])])
     if not parts.frozen.codec.exact:
         parts.frozen.gatherer.free(part)  # what a gather makes of what rests
 
@@ -171,7 +172,7 @@ def take_writes(parts: Parts, units: Optional[Sequence[Unit]] = None) -> list[in
         return []
     if not takes_writes(parts):
         return [unit.param_id(i) for unit, found in written for i in found]
-    rank = comm.world(parts.group)[0]
+    rank = rank_and_size(parts.group)[0]
     for unit in parts.placement.resident([unit for unit, _ in written]):
         unit.master.copy_(unit.flat[unit.layout.shard_span(rank)])
         unit.mark()
@@ -209,7 +210,7 @@ def release_module(parts: Parts, dtype: Optional[torch.dtype] = None,
     if parts.activations is not None:
         parts.activations.close()  # each module's own forward again
     target = device or parts.device
-    rank = comm.world(parts.group)[0]
+    rank = rank_and_size(parts.group)[0]
     for unit in parts.placement.resident(parts.units):
         full = _full_masters(parts, unit)
         if unit.state is UnitState.GATHERED:

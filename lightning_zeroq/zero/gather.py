@@ -44,6 +44,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_zeroq.ranks import rank_and_size
 from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.offload.host_worker import HostWorker
 from lightning_zeroq.zero.offload.stores import ShardStore
@@ -199,7 +200,7 @@ class Gatherer:
         group = self.wire.group
         if comm.alone(group):
             return
-        _, world = comm.world(group)
+        _, world = rank_and_size(group)
         mine = torch.tensor([self._count, unit.index], dtype=torch.int64, device=self.device)
         rows = torch.empty(2 * world, dtype=torch.int64, device=self.device)
         comm.all_gather(rows, mine, group)

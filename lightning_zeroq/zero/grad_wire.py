@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_zeroq.ranks import rank_and_size
 from lightning_zeroq import ops
 from lightning_zeroq.zero import comm
 
@@ -44,7 +45,7 @@ class FullWidthReduce:
 
     def __init__(self, group: Optional[dist.ProcessGroup], divisor: Optional[int] = None) -> None:
         self.group = group
-        self.world_size = comm.world(group)[1]
+        self.world_size = rank_and_size(group)[1]
         self.divisor = divisor or self.world_size
 
     def reduce(self, flat: Tensor) -> Tensor:
@@ -60,7 +61,7 @@ class Int8Reduce:
     def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device, group_size: int,
                  divisor: Optional[int] = None) -> None:
         self.group, self.group_size = group, group_size
-        self.world_size = comm.world(group)[1]
+        self.world_size = rank_and_size(group)[1]
         self.divisor = divisor or self.world_size
         if device.type == "cuda":
             ops.load_cuda_backend()  # compile or load once now, never inside a collective
@@ -96,7 +97,7 @@ class AcrossGroups:
     def __init__(self, inner: GradientWire, replica_group: Optional[dist.ProcessGroup], device: torch.device,
                  quantized: bool, group_size: int) -> None:
         self.inner, self.group, self.group_size = inner, replica_group, group_size
-        self.groups = comm.world(replica_group)[1]
+        self.groups = rank_and_size(replica_group)[1]
         self.scatter = Int8Reduce(replica_group, device, group_size, divisor=1) if quantized else None
 
     def reduce(self, flat: Tensor) -> Tensor:

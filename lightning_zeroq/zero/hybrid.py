@@ -28,8 +28,8 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
+from lightning_zeroq.ranks import rank_and_size
 from lightning_zeroq.config import check_shard_group_size
-from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.grad_wire import AcrossGroups, FullWidthReduce, GradientWire, Int8Reduce
 from lightning_zeroq.zero.layout import ALIGN
 from lightning_zeroq.zero.policies import Quantization
@@ -76,10 +76,10 @@ def topology(shard_size: int, quantization: Quantization, group: Optional[dist.P
     """The groups of ``shard_size`` ranks (``shard_group_size``'s answer) on ``group`` (collective the
     first time, see ``groups``), and where INT8 travels on them."""
     q = quantization
-    world_rank, world_size = comm.world(group)
+    world_rank, world_size = rank_and_size(group)
     shard, replica = groups(group, shard_size)
-    rank, size = comm.world(shard)
-    replica_rank, num_groups = comm.world(replica) if replica is not None else (0, 1)
+    rank, size = rank_and_size(shard)
+    replica_rank, num_groups = rank_and_size(replica) if replica is not None else (0, 1)
     cross_only = replica is not None and q.cross_group_only
     if world_rank == 0 and q.cross_group_only and q.gradients and replica is None:
         warnings.warn(f"ZeroConfig: quantize_cross_group_only=True has no effect: one group holds all {world_size} "
@@ -124,7 +124,7 @@ def groups(group: Optional[dist.ProcessGroup],
     (ranks, size) is collective on the whole world, as ``dist.new_group`` is: every rank creates every
     group in the same order (the blocks, then each position's replica group). Later calls reuse them,
     until the default group is replaced."""
-    rank, size = comm.world(group)
+    rank, size = rank_and_size(group)
     if shard_size == size:
         return group, None
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))

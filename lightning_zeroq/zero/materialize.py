@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_zeroq.ranks import rank_and_size
 from lightning_zeroq.zero import comm
 
 
@@ -99,7 +100,7 @@ def sync_replicated_state(module: nn.Module, device: torch.device, group: Option
     moved to ``device``, and rank 0's values everywhere, as DDP does. ``sharded``: ids of the frozen
     parameters stage 3 shards instead (built unit by unit with their units, ``frozen.py``)."""
     materialize_meta_state(module, device, trainable=False, skip=sharded)
-    _, world_size = comm.world(group)
+    _, world_size = rank_and_size(group)
     with torch.no_grad():
         for t in [*(p for p in module.parameters() if not p.requires_grad and id(p) not in sharded),
                   *module.buffers()]:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_zeroq.ranks import rank_and_size
 from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.unit import Unit
 
@@ -23,7 +24,7 @@ def global_norm(units: Sequence[Unit], group: Optional[dist.ProcessGroup], devic
     local = torch.zeros((), device=device)
     for unit in units:
         local += unit.grad_squares()
-    if comm.world(group)[1] > 1:
+    if rank_and_size(group)[1] > 1:
         comm.all_reduce(local, dist.ReduceOp.SUM, group)
     return local.sqrt()
 
@@ -45,7 +46,7 @@ def grad_norms(units: Sequence[Unit], names: dict[int, str], norm_type: float, s
                 per_param[index] = torch.maximum(per_param[index], values.max())
             else:
                 per_param[index] += values.pow(norm_type).sum()
-    if comm.world(group)[1] > 1:
+    if rank_and_size(group)[1] > 1:
         comm.all_reduce(per_param, dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM, group)
     if infinite:
         norms, total = per_param * scale, per_param.max() * scale

@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_zeroq.ranks import rank_and_size
 from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.accumulate import accumulation
 from lightning_zeroq.zero.grad_wire import GradientWire
@@ -107,7 +108,9 @@ class ReduceListener(Protocol):
     def close(self) -> None: ...
 
 
-class _NoListener:
+class NoListener:
+    """The listener without stage 3: told everything, does nothing, expects no order."""
+
     def expected_order(self) -> list[int]:
         return []
 
@@ -132,15 +135,15 @@ class Reducer:
         group: Optional[dist.ProcessGroup],
         device: torch.device,
         wire: GradientWire,
-        listener: Optional[ReduceListener] = None,
+        listener: ReduceListener,
     ) -> None:
         self.units, self.gradients, self.wire = units, gradients, wire
-        self.listener: ReduceListener = listener if listener is not None else _NoListener()
+        self.listener = listener
         self.param_dtype, self.group, self.device = param_dtype, group, device
         self.accumulation = accumulation(sharding, units, param_dtype, device)
         self._managed = sharding.managed_accumulation
         """Where the gradients of a backward that does not reduce wait (stage 1), see ``accumulate.py``."""
-        self.rank, self.world_size = comm.world(group)
+        self.rank, self.world_size = rank_and_size(group)
         self.num_params = sum(len(u.params) for u in units)
         self.window = Window.EMPTY
         self._where = {id(p): (u, i) for u in units for i, p in enumerate(u.params)}

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_zeroq.ranks import is_distributed
 from lightning_zeroq.zero import full_params, comm
 from lightning_zeroq.zero.build import Parts
 from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
@@ -262,7 +263,7 @@ class ShardedView:
         in the module's order."""
         local = [[pv.name for pv in group] for group in self.groups()]
         everyone: list[Any] = [local]
-        if comm.is_distributed() and self.world_size > 1:
+        if is_distributed() and self.world_size > 1:
             everyone = [None] * self.world_size
             dist.all_gather_object(everyone, local, group=self._parts.group)
         order = {n: i for i, (n, _) in enumerate(self._parts.module.named_parameters())}
@@ -460,7 +461,7 @@ def full_optimizer_state(parts: Parts, optimizer: Optional[torch.optim.Optimizer
                 else:
                     entry[key] = value.detach().cpu().clone() if isinstance(value, Tensor) else value
     everyone: list[Any] = [local]
-    if comm.is_distributed() and parts.world_size > 1:
+    if is_distributed() and parts.world_size > 1:
         everyone = [None] * parts.world_size
         dist.all_gather_object(everyone, local, group=parts.group)
     shapes = {names[id(p)][0]: p.shape for u in parts.units for p in u.params}

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_zeroq.ranks import rank_and_size
 from lightning_zeroq.zero import full_params, comm, norms
 from lightning_zeroq.zero.build import Parts
 from lightning_zeroq.zero.gather import Gatherer
@@ -105,7 +106,7 @@ class SeveralOptimizers(OneOptimizer):
                 grad = unit.fp32_grad()
                 for span in spans:
                     squared += grad[span].pow(2).sum()
-        if comm.world(group)[1] > 1:
+        if rank_and_size(group)[1] > 1:
             comm.all_reduce(squared, dist.ReduceOp.SUM, group)
         return squared.sqrt()
 

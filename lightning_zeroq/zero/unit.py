@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_zeroq.ranks import rank_and_size
 from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.layout import Segment, UnitLayout, make_layout
 from lightning_zeroq.zero.materialize import materialize_meta_params
@@ -283,7 +284,7 @@ def build_units(
     broadcast spans all of ``group``). ``frozen_part`` builds a unit's frozen part (``frozen.py``) from the
     spec's frozen parameters, materialized with the unit's, and the parts of their own (``frozen_only``) last.
     """
-    rank, world_size = comm.world(group)
+    rank, world_size = rank_and_size(group)
     rank = rank if shard_rank is None else shard_rank
     units: list[Unit] = []
     next_id = 0

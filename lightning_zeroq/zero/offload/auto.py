@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_zeroq.ranks import rank_and_size
 from lightning_zeroq.config import memory_budget
 from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.offload.stores import ShardStore, freed_by_moving, master_moved
@@ -119,7 +120,7 @@ class AutoSplit(SplitOptimizer):
         # One MAX all-reduce: the worst shortfall (peak - budget) and the largest cost of each unit.
         stats = torch.tensor([float(peak - budget)] + [float(c) for c in costs], dtype=torch.float64,
                              device=self.device)
-        if comm.world(group)[1] > 1:
+        if rank_and_size(group)[1] > 1:
             comm.all_reduce(stats, dist.ReduceOp.MAX, group)
         headroom, costs = -int(stats[0].item()), [int(c) for c in stats[1:].tolist()]
         keep = choose(costs, [unit.layout.numel for unit in units], headroom)

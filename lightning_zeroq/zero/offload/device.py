@@ -27,7 +27,9 @@ if TYPE_CHECKING:
 
 
 class OptimizerHome:
-    """Masters and optimizer state on the compute device; the optimizer steps all units at once."""
+    """Masters and optimizer state on the compute device; the optimizer steps all units at once. Its empty
+    methods are the device's own answers (nothing to copy, wait for or move), not a null placement
+    (``docs/DESIGN.md``, "No feature, one way"): each placement derives from it and overrides what it changes."""
 
     masters_may_move = False
     """Masters come to the device after the engine is built (``auto.AutoSplit``)."""

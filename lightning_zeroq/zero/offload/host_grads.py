@@ -45,6 +45,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
+from lightning_zeroq.nulls import nothing
 from lightning_zeroq.zero import comm
 from lightning_zeroq.swap.buffers import pinned_empty
 from lightning_zeroq.zero.offload.host_worker import HostWorker
@@ -73,7 +74,7 @@ class GradientLanding:
         (``_fp32_buffer``): a window of one bf16 reduction stepped by the host kernel never needs them."""
         self.half_grads: dict[int, Tensor] = {}
         """bf16 host gradient buffers (made at a unit's first bf16 copy)."""
-        self.before_fp32: Callable[[int], None] = _nothing
+        self.before_fp32: Callable[[int], None] = nothing
         """Called with the bytes the fp32 buffers take, before they are made (``memory.host.HostBudget``)."""
         self.copies = comm.side_stream(device)
         """CUDA only: the stream the gradient shards leave the device on."""
@@ -245,7 +246,3 @@ def wait_event(events: dict[int, "torch.cuda.Event"], index: int) -> None:
     done = events.pop(index, None)
     if done is not None:
         done.synchronize()
-
-
-def _nothing(nbytes: int) -> None:
-    return None

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_zeroq.ranks import rank_and_size
 from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.layout import UnitLayout
 from lightning_zeroq.zero.unit import Unit
@@ -208,7 +209,7 @@ def step_matrices(binding: Any, units: Sequence[Unit], used: Sequence[Any], grou
             matrices.append(_Matrix(param, view, seg, hyper, counts[i], update))
     if not matrices:
         return
-    rank, world = comm.world(group)
+    rank, world = rank_and_size(group)
     owner = owners([tuple(m.param.shape) for m in matrices], world, first=min(u.index for u in units))
     wholes = _to_owners(matrices, owner, rank, world, group, device)
     results: dict[int, torch.Tensor] = {}

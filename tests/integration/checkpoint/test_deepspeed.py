@@ -19,6 +19,7 @@ from torch import nn
 
 from lightning_zeroq.checkpoint import deepspeed
 from lightning_zeroq.cli.convert import main
+from lightning_zeroq.ranks import LOCAL
 
 FIXTURES = Path(__file__).resolve().parents[2] / "data" / "deepspeed"
 NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "reference.pt").is_file())
@@ -252,7 +253,7 @@ def test_nothing_outside_the_checkpoint_directory_is_read(tmp_path, capsys, plan
     err = _error(capsys)
     assert says in err and str(ckpt) in err, err
     with pytest.raises(deepspeed.CheckpointError, match=says):
-        deepspeed.load_agreed(ckpt, True, None)
+        deepspeed.load_agreed(ckpt, True, LOCAL)
 
 
 def test_a_zeroq_directory_with_a_planted_latest_is_read_as_zeroqs(tmp_path, capsys):

@@ -23,6 +23,7 @@ from lightning_zeroq.checkpoint.agree import CheckpointError
 from lightning_zeroq.checkpoint.checkpointer import open_checkpoint
 from lightning_zeroq.checkpoint.engine_io import FROZEN_EXCLUDED
 from lightning_zeroq.checkpoint.store import MANIFEST_FILE, MODEL_KEY, OPTIMIZER_KEY
+from lightning_zeroq.ranks import LOCAL
 from tests.models import LoraModel, TokenDataset, make_batch
 
 pytestmark = pytest.mark.launch
@@ -101,7 +102,7 @@ def _resume(kind: dict, tmp: str) -> dict:
 
 def _stored(ckpt: str) -> tuple[set[str], dict]:
     """The checkpoint's model and optimizer keys, and its manifest's ``extra``."""
-    opened = open_checkpoint(Path(ckpt), None)
+    opened = open_checkpoint(Path(ckpt), LOCAL)
     try:
         keys = set(opened.keys())
     finally:

@@ -254,8 +254,8 @@ def test_a_torch_format_optimizer_state_is_loaded_only_with_a_matching_model(fau
     # The DDP single-file path (Trainer and Fabric) loads weights and optimizer state in one pass:
     # a wrong shape (5x larger, or transposed: both hold enough elements to be misread) or a missing
     # key under strict is refused on every rank before anything changes, as nn.Module would.
-    from lightning_zeroq.checkpoint.agree import CheckpointError
-    from lightning_zeroq.lightning.checkpoint import load_torch_optimizer_state
+    from lightning_zeroq.checkpoint.api import CheckpointError, load_torch_optimizer_state
+    from lightning_zeroq.ranks import LOCAL
 
     engine, model, optimizer = _torch_format_state()
     name = "block.0.weight"
@@ -268,11 +268,11 @@ def test_a_torch_format_optimizer_state_is_loaded_only_with_a_matching_model(fau
     before = engine.full_state_dict()
     with pytest.raises(CheckpointError, match="size mismatch for block.0.weight" if fault != "missing"
                        else r"missing keys \['block.0.weight'\]"):
-        load_torch_optimizer_state(engine, model, optimizer, None)
+        load_torch_optimizer_state(engine, model, optimizer, LOCAL)
     assert all(torch.equal(v, before[k]) for k, v in engine.full_state_dict().items())
     assert not engine.optimizer.state
     if fault == "missing":  # lenient: the rest loads
-        load_torch_optimizer_state(engine, model, optimizer, None, strict=False)
+        load_torch_optimizer_state(engine, model, optimizer, LOCAL, strict=False)
         full = engine.full_state_dict()
         assert torch.equal(full["embed.weight"], model["embed.weight"])
         assert torch.equal(full[name], before[name])  # absent from the checkpoint: kept

@@ -20,6 +20,7 @@ from lightning_zeroq.checkpoint.checkpointer import open_checkpoint
 from lightning_zeroq.checkpoint.convert import iter_named_tensors, lightning_checkpoint
 from lightning_zeroq.checkpoint.engine_io import save_engine
 from lightning_zeroq.checkpoint.store import SELF_CHECKSUM, _self_checksum
+from lightning_zeroq.ranks import LOCAL
 from tests.models import make_batch
 from tests.integration.checkpoint.test_faults import _engine
 
@@ -139,7 +140,7 @@ def test_a_reader_keeps_the_checkpoint_it_opened_while_a_save_replaces_it(saved,
     root, first = saved
     path = tmp_path / "last.ckpt"
     shutil.copytree(root / "good", path)
-    opened = open_checkpoint(path, None)  # an evaluation job opens last.ckpt ...
+    opened = open_checkpoint(path, LOCAL)  # an evaluation job opens last.ckpt ...
     second = _trained(5, steps=2)
     save_engine(second, path, trainer_state={"steps": 2})  # ... while training saves the next one over it
     read = dict(iter_named_tensors(opened, optimizer=False))
@@ -232,7 +233,7 @@ def test_an_interpolation_in_a_resigned_manifest_never_resolves(saved, tmp_path,
             manifest.pop(SELF_CHECKSUM)
             manifest[SELF_CHECKSUM] = _self_checksum(manifest)  # re-signed: only the interpolation is the attack
             (ckpt / "zeroq.json").write_text(json.dumps(manifest))
-            for load in (lambda: lightning_checkpoint(ckpt), lambda: open_checkpoint(ckpt, None).trainer_state()):
+            for load in (lambda: lightning_checkpoint(ckpt), lambda: open_checkpoint(ckpt, LOCAL).trainer_state()):
                 try:
                     outcome = str(OmegaConf.to_container(load()["hyper_parameters"], resolve=True))
                 except CheckpointError as error:

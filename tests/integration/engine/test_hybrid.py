@@ -199,6 +199,7 @@ def _hop_bytes_body(options: dict) -> dict:
     sends in it, counted as a ring sends them (``n`` ranks, ``B`` bytes handed to the collective):
     reduce-scatter and all-to-all ``(n-1)/n B``, all-gather ``(n-1) B`` (B: this rank's input),
     all-reduce ``2 (n-1)/n B``."""
+    from lightning_zeroq.ranks import rank_and_size
     from lightning_zeroq.zero import comm
 
     torch.manual_seed(0)
@@ -216,7 +217,7 @@ def _hop_bytes_body(options: dict) -> dict:
         entry["calls"] += 1
         entry["int8_calls"] += dtype == torch.uint8
 
-    size = lambda group: comm.world(group)[1]  # noqa: E731
+    size = lambda group: rank_and_size(group)[1]  # noqa: E731
     original = {name: getattr(comm, name) for name in ("reduce_scatter", "all_gather", "all_to_all", "all_reduce")}
 
     def reduce_scatter(output, input, group):

@@ -93,3 +93,30 @@ def test_a_failing_collective_raises_instead_of_switching_paths(dist_pool):
     assert not has_flat_collectives("gloo", (2, 7))
     messages = dist_pool(2).run(_timeout_body)
     assert messages[1] == "skipped" and messages[0] != "no error", messages
+
+
+def _agree_body() -> dict:
+    """``ranks.agree`` on the default group (``None``) and ``LOCAL`` while a process group is up."""
+    from lightning_zeroq.ranks import LOCAL, agree, exchange, rank_and_size
+
+    rank = dist.get_rank()
+    out: dict = {"size": rank_and_size(None), "local": (rank_and_size(LOCAL), exchange(rank, LOCAL))}
+    out["payloads"] = agree([], None, RuntimeError, payload=rank)
+    for quick in (False, True):
+        own = OSError(f"rank {rank}: disk full") if rank == 1 else None
+        try:
+            agree([str(own)] if own else [], None, lambda errors: RuntimeError(f"failed: {errors}"), own=own,
+                  quick=quick)
+        except Exception as error:
+            out[f"quick={quick}"] = f"{type(error).__name__}: {error}"
+    return out
+
+
+def test_ranks_agree_fails_every_rank_alike_and_local_is_this_process_alone(dist_pool):
+    said = dist_pool(2).run(_agree_body)
+    assert [s["size"] for s in said] == [(0, 2), (1, 2)]
+    assert [s["local"] for s in said] == [((0, 1), [0]), ((0, 1), [1])]  # no collective: each its own
+    assert [s["payloads"] for s in said] == [[0, 1], [0, 1]]
+    for quick in (False, True):
+        assert said[0][f"quick={quick}"] == "RuntimeError: failed: [[], ['rank 1: disk full']]", said
+        assert said[1][f"quick={quick}"] == "OSError: rank 1: disk full", said

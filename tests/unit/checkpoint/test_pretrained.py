@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from lightning_zeroq.checkpoint.agree import CheckpointError, agree_once
+from lightning_zeroq.ranks import LOCAL
 from lightning_zeroq.checkpoint.pretrained import (Stored, Wanted, adapter_names, allowance, check_path, locate, match,
                                                    name_mapper, peft_name_map)
 
@@ -165,12 +166,12 @@ def test_tied_names_read_whichever_is_in_the_checkpoint():
 
 def test_agree_once_says_one_problem_in_one_line():
     with pytest.raises(CheckpointError) as info:
-        agree_once(["a is\nmissing; fix it"], "Loading x", None)
+        agree_once(["a is\nmissing; fix it"], "Loading x", LOCAL)
     assert str(info.value) == "Loading x: a is missing; fix it"
     with pytest.raises(CheckpointError) as info:
-        agree_once(["one", "two"], "Loading x", None)
+        agree_once(["one", "two"], "Loading x", LOCAL)
     assert str(info.value) == "Loading x:\none\ntwo"
-    assert agree_once([], "Loading x", None, payload=3) == [3]
+    assert agree_once([], "Loading x", LOCAL, payload=3) == [3]
 
 
 # ------------------------------------------------------------------ the readers, in one process
