@@ -12,18 +12,17 @@ from typing import Optional
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_zeroq.checkpoint.pretrained import PretrainedReport, peft_name_map
+from lightning_zeroq.common.precision import ZeroQPrecision
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.fabric.strategy import ZeroQFabricPrecision, ZeroQFabricStrategy
-from lightning_zeroq.common.precision import ZeroQPrecision
 from lightning_zeroq.lightning.strategy import ZeroQStrategy
-
-from lightning_zeroq.zero.engine import ZeroEngine, owning_engine
-from lightning_zeroq.checkpoint.pretrained import PretrainedReport, peft_name_map
 from lightning_zeroq.planning.choose import choose
-from lightning_zeroq.zero.optim.matrix import MatrixRule, register_matrix_optimizer
-from lightning_zeroq.zero.optim.binding import register_elementwise_optimizer
 from lightning_zeroq.planning.estimate import Machine
 from lightning_zeroq.planning.estimate import estimate_training as plan
+from lightning_zeroq.zero.engine import ZeroEngine, owning_engine
+from lightning_zeroq.zero.optim.binding import register_elementwise_optimizer
+from lightning_zeroq.zero.optim.matrix import MatrixRule, register_matrix_optimizer
 
 ZeroQStrategy.register_strategies(StrategyRegistry)
 ZeroQFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
@@ -35,7 +34,6 @@ if not logging.getLogger().hasHandlers():
     _logger.setLevel(logging.INFO)
     _logger.addHandler(logging.StreamHandler())
     _logger.propagate = False
-
 
 
 def gathered_parameters(module, writeback: bool = False):
@@ -52,8 +50,9 @@ def gathered_parameters(module, writeback: bool = False):
     return engine.gathered_parameters(module, writeback) if engine is not None else contextlib.nullcontext()
 
 
-def load_pretrained(model, path, *, name_map=None, allow_missing=None, allow_unexpected=None,
-                    progress_bytes: int = 1 << 30):
+def load_pretrained(
+    model, path, *, name_map=None, allow_missing=None, allow_unexpected=None, progress_bytes: int = 1 << 30
+):
     """Collective (every rank calls it): load pretrained weights into ``model`` (a module, or a ``ZeroEngine``)
     without the whole model anywhere. Where an engine shards the module (stages 1-3: after ``fabric.setup``, or
     in the Trainer from ``on_fit_start`` on), each rank reads only its own ranges of the checkpoint, memory-mapped,
@@ -75,8 +74,9 @@ def load_pretrained(model, path, *, name_map=None, allow_missing=None, allow_une
     engine: Optional[ZeroEngine] = None
     if isinstance(model, ZeroEngine):
         if model.parts.retired:
-            raise ValueError("load_pretrained: this engine handed its module back (the fit ended); load into the "
-                             "module instead.")
+            raise ValueError(
+                "load_pretrained: this engine handed its module back (the fit ended); load into the module instead."
+            )
         engine, module = model, model.parts.module
     else:
         import torch
@@ -84,8 +84,15 @@ def load_pretrained(model, path, *, name_map=None, allow_missing=None, allow_une
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"load_pretrained takes an nn.Module or a ZeroEngine, got {type(model).__name__}.")
         engine, module = owning_engine(model), model
-    return pretrained.load_pretrained(engine, module, path, name_map=name_map, allow_missing=allow_missing,
-                                      allow_unexpected=allow_unexpected, progress_bytes=progress_bytes)
+    return pretrained.load_pretrained(
+        engine,
+        module,
+        path,
+        name_map=name_map,
+        allow_missing=allow_missing,
+        allow_unexpected=allow_unexpected,
+        progress_bytes=progress_bytes,
+    )
 
 
 __all__ = [

@@ -255,10 +255,13 @@ class ZeroConfig:
             )
         self.activation_checkpointing_policy = _class_names(self.activation_checkpointing_policy)
         self.activation_offloading_policy = _class_names(
-            self.activation_offloading_policy, "activation_offloading_policy",
-            otherwise="None: nothing offloaded; 'auto': the plan chooses block by block")
-        self.activation_offloading_min_bytes = _check_int("activation_offloading_min_bytes",
-                                                          self.activation_offloading_min_bytes, 0)
+            self.activation_offloading_policy,
+            "activation_offloading_policy",
+            otherwise="None: nothing offloaded; 'auto': the plan chooses block by block",
+        )
+        self.activation_offloading_min_bytes = _check_int(
+            "activation_offloading_min_bytes", self.activation_offloading_min_bytes, 0
+        )
         if self.activation_offloading_policy == "auto" and self.activation_checkpointing_policy not in (None, "auto"):
             raise ValueError(
                 "ZeroConfig.activation_offloading_policy='auto' chooses block by block beside "
@@ -296,26 +299,37 @@ class ZeroConfig:
 
     def _check_offload(self) -> None:
         if self.offload not in (None, "auto"):
-            raise ValueError(f"ZeroConfig.offload={self.offload!r}: use 'auto' (the plan decides what goes where) or "
-                             "None (the offload options as given).")
+            raise ValueError(
+                f"ZeroConfig.offload={self.offload!r}: use 'auto' (the plan decides what goes where) or "
+                "None (the offload options as given)."
+            )
         if self.offload == "auto":
-            given = [f"{name}={getattr(self, name)!r}" for name in ("offload_optimizer", "offload_parameters",
-                                                                     "offload_optimizer_ratio", "offload_optimizer_device",
-                                                                     "offload_params_device")
-                     if getattr(self, name) != type(self).__dataclass_fields__[name].default]
+            given = [
+                f"{name}={getattr(self, name)!r}"
+                for name in (
+                    "offload_optimizer",
+                    "offload_parameters",
+                    "offload_optimizer_ratio",
+                    "offload_optimizer_device",
+                    "offload_params_device",
+                )
+                if getattr(self, name) != type(self).__dataclass_fields__[name].default
+            ]
             if given:
-                raise ValueError(f"ZeroConfig.offload='auto' decides what {', '.join(given)} sets; drop "
-                                 f"{'it' if len(given) == 1 else 'them'}, or offload='auto' to choose by hand.")
+                raise ValueError(
+                    f"ZeroConfig.offload='auto' decides what {', '.join(given)} sets; drop "
+                    f"{'it' if len(given) == 1 else 'them'}, or offload='auto' to choose by hand."
+                )
         for name in ("offload_optimizer", "offload_speculative_step", "offload_async_step", "offload_parameters"):
             check_bool("ZeroConfig", name, getattr(self, name))
         for name in ("offload_optimizer_device", "offload_params_device"):
             value = getattr(self, name)
             if value not in OFFLOAD_DEVICES:
-                raise ValueError(
-                    f"ZeroConfig.{name}={value!r} is not an offload device; use one of {OFFLOAD_DEVICES}."
-                )
+                raise ValueError(f"ZeroConfig.{name}={value!r} is not an offload device; use one of {OFFLOAD_DEVICES}.")
         ratio = self.offload_optimizer_ratio
-        if ratio != "auto" and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0):
+        if ratio != "auto" and (
+            isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0
+        ):
             raise ValueError(
                 f"ZeroConfig.offload_optimizer_ratio={ratio!r} must be a number from 0 to 1: the fraction of the "
                 "parameters whose optimizer state is offloaded (e.g. 0.5; 1 offloads all of it), or 'auto'."
@@ -363,8 +377,10 @@ class ZeroConfig:
     @property
     def uses_nvme(self) -> bool:
         """Whether anything (optimizer state or stage-3 parameters) is offloaded to ``nvme_path``."""
-        return bool((self.offload_optimizer and self.offload_optimizer_device == "nvme")
-                    or (self.offload_parameters and self.offload_params_device == "nvme"))
+        return bool(
+            (self.offload_optimizer and self.offload_optimizer_device == "nvme")
+            or (self.offload_parameters and self.offload_params_device == "nvme")
+        )
 
     def replace(self, **changes: Any) -> "ZeroConfig":
         """A copy with ``changes`` applied (and validated)."""
@@ -384,15 +400,20 @@ def check_shard_group_size(value: Any, world_size: Optional[int] = None, given: 
     if world_size is not None and (value > world_size or world_size % value):
         problem = "is larger than" if value > world_size else "does not divide"
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ValueError(f"ZeroConfig.shard_group_size={given or value} {problem} the world size {world_size}; {fix}: "
-                         f"one of {divisors}.")
+        raise ValueError(
+            f"ZeroConfig.shard_group_size={given or value} {problem} the world size {world_size}; {fix}: "
+            f"one of {divisors}."
+        )
     return value
 
 
-def _class_names(value: Any, field: str = "activation_checkpointing_policy",
-                 forms: str = "module classes, their names or modules' qualified names, e.g. {Block}, ['Block'] or "
-                              "['blocks.0', 'blocks.1']",
-                 otherwise: str = "None: nothing recomputed; 'auto': as many blocks as the plan needs") -> Any:
+def _class_names(
+    value: Any,
+    field: str = "activation_checkpointing_policy",
+    forms: str = "module classes, their names or modules' qualified names, e.g. {Block}, ['Block'] or "
+    "['blocks.0', 'blocks.1']",
+    otherwise: str = "None: nothing recomputed; 'auto': as many blocks as the plan needs",
+) -> Any:
     """A module policy (``activation_checkpointing_policy``, ``activation_offloading_policy``): None, ``"auto"``,
     or module classes / names as a sorted list of names; ``forms`` and ``otherwise`` word the error."""
     if value is None or value == "auto":
@@ -446,8 +467,16 @@ def host_budget(value: Any) -> Optional[tuple[float, bool]]:
 BUDGET_FORMS = "GiB as a number (e.g. 60 or '60'), a size with its unit (e.g. '60GiB', '500MB'), or a share"
 """The forms of a memory budget (``offload_memory_budget``, ``host_memory_budget``), as their errors name them."""
 
-SIZE_UNITS = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9,
-              "tb": 10**12}
+SIZE_UNITS = {
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
 """The units a budget's size may be given in (any case), in bytes."""
 
 

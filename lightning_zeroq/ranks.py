@@ -70,8 +70,16 @@ Compare = Callable[[list[Any]], Optional[BaseException]]
 """Every rank's payload, in rank order -> the exception every rank raises where they disagree, or None."""
 
 
-def agree(errors: Sequence[str], group: Group, failure: Failure, *, payload: Any = None,
-          own: Optional[BaseException] = None, compare: Optional[Compare] = None, quick: bool = False) -> list[Any]:
+def agree(
+    errors: Sequence[str],
+    group: Group,
+    failure: Failure,
+    *,
+    payload: Any = None,
+    own: Optional[BaseException] = None,
+    compare: Optional[Compare] = None,
+    quick: bool = False,
+) -> list[Any]:
     """Collective: fail on every rank alike. Every rank of ``group`` calls it at the same point with the
     ``errors`` it met (none: all is well here) and a ``payload`` (picklable) for the others; every rank then
     knows every rank's errors and payloads, and
@@ -108,8 +116,11 @@ def _same_digest(report: Any, group: Group) -> bool:
     """Collective: every rank's ``report`` has the same digest (one all-reduce of the digest and its negation: the
     largest digest is the smallest)."""
     assert not isinstance(group, Local)
-    device = (torch.device("cuda", torch.cuda.current_device()) if str(dist.get_backend(group)) == "nccl"
-              else torch.device("cpu"))
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if str(dist.get_backend(group)) == "nccl"
+        else torch.device("cpu")
+    )
     text = repr(report).encode("utf-8", "backslashreplace")
     digest = int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "little", signed=True)  # |digest| < 2**55
     extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=device)

@@ -45,6 +45,8 @@ def check_local_path(owner: str, name: str, value: Any) -> str:
         raise ValueError(f"{owner}.{name}={value!r} must be a path to a local directory (a non-empty string).")
     text = os.fspath(value)
     if isinstance(text, str) and re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", text):
-        raise ValueError(f"{owner}.{name}={text!r} names a remote file system; use a local directory (for NVMe "
-                         "swap, a fast local disk such as /local_nvme).")
+        raise ValueError(
+            f"{owner}.{name}={text!r} names a remote file system; use a local directory (for NVMe "
+            "swap, a fast local disk such as /local_nvme)."
+        )
     return str(text)

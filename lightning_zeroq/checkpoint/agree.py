@@ -101,9 +101,12 @@ def agree_once(errors: Sequence[str], what: str, group: Group, payload: Any = No
         for rank, errs in enumerate(by_rank):
             for error in dict.fromkeys(errs):
                 where.setdefault(error, []).append(rank)
-        lines = [error if len(found) == len(by_rank) else
-                 f"rank{'s' if len(found) > 1 else ''} {', '.join(map(str, found))}: {error}"
-                 for error, found in where.items()]
+        lines = [
+            error
+            if len(found) == len(by_rank)
+            else f"rank{'s' if len(found) > 1 else ''} {', '.join(map(str, found))}: {error}"
+            for error, found in where.items()
+        ]
         if len(lines) > 10:
             lines = lines[:9] + [f"... and {len(lines) - 9} more"]
         return CheckpointError(f"{what}: {lines[0]}" if len(lines) == 1 else "\n".join([f"{what}:", *lines]))

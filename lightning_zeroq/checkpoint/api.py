@@ -36,8 +36,14 @@ from lightning_zeroq.checkpoint.agree import CheckpointError, agree, checkpoint_
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer
 from lightning_zeroq.checkpoint.codec import register_type
 from lightning_zeroq.checkpoint.convert import lightning_checkpoint
-from lightning_zeroq.checkpoint.engine_io import (engine_state, holds_sharded_state, load_engine, save_state,
-                                                  sharded_model_state, sharded_optimizer_state)
+from lightning_zeroq.checkpoint.engine_io import (
+    engine_state,
+    holds_sharded_state,
+    load_engine,
+    save_state,
+    sharded_model_state,
+    sharded_optimizer_state,
+)
 from lightning_zeroq.checkpoint.pretrained import Allowance, NameMap
 from lightning_zeroq.checkpoint.store import ENGINE_KEY, LIGHTNING_META, MODEL_KEY, OPTIMIZER_KEY, classify
 from lightning_zeroq.checkpoint.torch_file import load_torch_optimizer_state, torch_load
@@ -97,8 +103,14 @@ def with_engine_state(engine: Optional[ShardedParts], trainer_state: dict) -> di
     return {**trainer_state, ENGINE_KEY: {"loss_scaler": engine.loss_scaler.state_dict()}}
 
 
-def save(engine: ShardedParts, path: Path, state: dict, trainer_state: dict, checkpointer: Checkpointer,
-         exclude_frozen: bool = False) -> None:
+def save(
+    engine: ShardedParts,
+    path: Path,
+    state: dict,
+    trainer_state: dict,
+    checkpointer: Checkpointer,
+    exclude_frozen: bool = False,
+) -> None:
     """Collective: ``state`` (the engine's sharded entries) and ``trainer_state`` (JSON) to ``path``;
     ``exclude_frozen``: ``state`` holds no frozen parameter, and the manifest says which it lacks."""
     save_state(engine, path, state, with_engine_state(engine, trainer_state), checkpointer, exclude_frozen)
@@ -131,8 +143,16 @@ def remove_checkpoint(path: Path) -> None:
     atomic.remove(path)
 
 
-def load(engine: Optional[ShardedParts], path: Any, *, optimizer: bool, strict: bool, checkpointer: Checkpointer,
-         read_file: ReadFile, moved: bool = False) -> Loaded:
+def load(
+    engine: Optional[ShardedParts],
+    path: Any,
+    *,
+    optimizer: bool,
+    strict: bool,
+    checkpointer: Checkpointer,
+    read_file: ReadFile,
+    moved: bool = False,
+) -> Loaded:
     """Collective: read ``path`` into ``engine`` (its optimizer state too with ``optimizer``; ``strict``:
     every entry the engine expects must be there; ``moved``: a directory's entries a callback moved the
     module's state to come back in the trainer state, whole, with ``state_dict``: ``engine_io.load_engine``).
@@ -165,8 +185,9 @@ def _restore_loss_scaler(engine: Optional[ShardedParts], trainer_state: Any) -> 
         engine.loss_scaler.load_state_dict(scaler)
 
 
-def read_single_file(path: Path, group: Any, *, optimizer: bool, weights_only: bool,
-                     state_dict_only: bool = False) -> Any:
+def read_single_file(
+    path: Path, group: Any, *, optimizer: bool, weights_only: bool, state_dict_only: bool = False
+) -> Any:
     """Collective on ``group`` (the one ``load`` hands to ``read_file``): a single-file checkpoint read on every
     rank, ``torch.load`` memory-mapped (``weights_only``: tensors and plain values only), or a DeepSpeed
     directory as the single Lightning file ``zeroq-convert`` would make of it (its optimizer state with

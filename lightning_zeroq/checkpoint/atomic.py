@@ -31,8 +31,8 @@ import os
 import shutil
 import signal
 import sys
-import time
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -219,8 +219,11 @@ def publish(tmp: Path, path: Path, token: str, placed: Callable[[], None] = noth
         if _publish_once(tmp, path, token, placed):
             fsync_dir(path.parent)
             return
-    raise OSError(errno.EAGAIN, f"{path} kept changing while {tmp} was put in its place (other saves of the same "
-                                f"path, {PUBLISH_ATTEMPTS} attempts); save again")
+    raise OSError(
+        errno.EAGAIN,
+        f"{path} kept changing while {tmp} was put in its place (other saves of the same "
+        f"path, {PUBLISH_ATTEMPTS} attempts); save again",
+    )
 
 
 def _publish_once(tmp: Path, path: Path, token: str, placed: Callable[[], None]) -> bool:

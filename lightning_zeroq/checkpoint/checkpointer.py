@@ -45,14 +45,29 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from lightning_zeroq.checkpoint import atomic, codec
 from lightning_zeroq.checkpoint.agree import CheckpointError, agree, checkpoint_group, describe, earlier
-from lightning_zeroq.checkpoint.safe import METADATA_FILE, SafeReader, read_metadata, unwrap
 from lightning_zeroq.checkpoint.checksum import hasher
-from lightning_zeroq.checkpoint.store import (MANIFEST_FILE, Files, Located, Manifest, check_files, classify,
-                                              sha256, validate)
+from lightning_zeroq.checkpoint.safe import METADATA_FILE, SafeReader, read_metadata, unwrap
+from lightning_zeroq.checkpoint.store import (
+    MANIFEST_FILE,
+    Files,
+    Located,
+    Manifest,
+    check_files,
+    classify,
+    sha256,
+    validate,
+)
+from lightning_zeroq.checkpoint.writer import (
+    HEADER_SIZE,
+    SYNC_STAGING_BYTES,
+    ChunkSavePlanner,
+    ChunkWriter,
+    StagingRing,
+    stage_state,
+    token_of,
+)
 from lightning_zeroq.nulls import nothing
 from lightning_zeroq.ranks import LOCAL, Group, rank_and_size
-from lightning_zeroq.checkpoint.writer import (HEADER_SIZE, SYNC_STAGING_BYTES, ChunkSavePlanner, ChunkWriter,
-                                               StagingRing, stage_state, token_of)
 
 log = logging.getLogger("lightning_zeroq")
 
@@ -110,40 +125,64 @@ class Checkpointer:
     through (``staging``: ``staging_bytes`` of pinned memory, allocated at the first synchronous save
     of a CUDA tensor and kept; 0: none, each device tensor is copied to a new pageable host tensor)."""
 
-    def __init__(self, async_save: bool = False, staging_bytes: int = SYNC_STAGING_BYTES,
-                 checksums: bool = True) -> None:
+    def __init__(
+        self, async_save: bool = False, staging_bytes: int = SYNC_STAGING_BYTES, checksums: bool = True
+    ) -> None:
         if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < 0:
-            raise ValueError(f"Checkpointer(staging_bytes={staging_bytes!r}): give the bytes of pinned host memory "
-                             f"synchronous saves copy through, an int >= 0 (0: none; default {SYNC_STAGING_BYTES}).")
+            raise ValueError(
+                f"Checkpointer(staging_bytes={staging_bytes!r}): give the bytes of pinned host memory "
+                f"synchronous saves copy through, an int >= 0 (0: none; default {SYNC_STAGING_BYTES})."
+            )
         if not isinstance(checksums, bool):
-            raise ValueError(f"Checkpointer(checksums={checksums!r}): pass True (record a checksum of every stored "
-                             "item, checked on load; the default) or False (benchmarks: saves without them).")
+            raise ValueError(
+                f"Checkpointer(checksums={checksums!r}): pass True (record a checksum of every stored "
+                "item, checked on load; the default) or False (benchmarks: saves without them)."
+            )
         self.checksums = checksums
         self.async_save = async_save
         self._pending: Optional[Future] = None
         self._pending_path: Optional[Path] = None
         self._executor: Optional[ThreadPoolExecutor] = None
         self._staging: dict = {}
-        self.staging: Optional[StagingRing] = (StagingRing(staging_bytes, pin=None)
-                                               if staging_bytes > 0 else None)
+        self.staging: Optional[StagingRing] = StagingRing(staging_bytes, pin=None) if staging_bytes > 0 else None
         self.last = SaveTiming()
 
     # ------------------------------------------------------------------ save
 
-    def save(self, path: Path, state: dict, trainer_state: Any, *, optimizer: bool,
-             before_read: Callable[[int], None] = nothing, after_read: Callable[[], None] = nothing,
-             pin: bool = False, allow_async: bool = True, extra: Optional[dict] = None,
-             views_stable: bool = False) -> None:
+    def save(
+        self,
+        path: Path,
+        state: dict,
+        trainer_state: Any,
+        *,
+        optimizer: bool,
+        before_read: Callable[[int], None] = nothing,
+        after_read: Callable[[], None] = nothing,
+        pin: bool = False,
+        allow_async: bool = True,
+        extra: Optional[dict] = None,
+        views_stable: bool = False,
+    ) -> None:
         """Collective: ``stage`` -> ``write`` -> ``publish``, each called once and returning once.
         ``before_read(order)`` makes data resident before a ``LocalChunks`` of that order is read,
         ``after_read()`` ends that walk; ``pin``: stage into pinned memory (CUDA); ``allow_async``: the
         state may be copied to host memory for an asynchronous save; ``views_stable``: the host memory of
         what was read keeps its contents while ``before_read`` walks on (not so with NVMe offload, whose
         buffers are reused), so a synchronous save writes CPU views without copying them first."""
-        job = self.stage(SaveJob(Path(path).absolute(), state, optimizer=optimizer, extra=extra or {},
-                                 before_read=before_read, after_read=after_read, pin=pin,
-                                 asynchronous=self.async_save and allow_async, views_stable=views_stable),
-                         trainer_state)
+        job = self.stage(
+            SaveJob(
+                Path(path).absolute(),
+                state,
+                optimizer=optimizer,
+                extra=extra or {},
+                before_read=before_read,
+                after_read=after_read,
+                pin=pin,
+                asynchronous=self.async_save and allow_async,
+                views_stable=views_stable,
+            ),
+            trainer_state,
+        )
         self.write(job)
         self.publish(job)
 
@@ -169,8 +208,15 @@ class Checkpointer:
             except OSError as error:
                 errors.append(f"cannot create {job.tmp}: {error}")
         agree(errors, f"Saving checkpoint {job.path}", job.group)
-        job.manifest = Manifest(token=token, world_size=world_size, files={}, metadata_sha256="",
-                                trainer_state=encoded, optimizer=job.optimizer, extra=job.extra)
+        job.manifest = Manifest(
+            token=token,
+            world_size=world_size,
+            files={},
+            metadata_sha256="",
+            trainer_state=encoded,
+            optimizer=job.optimizer,
+            extra=job.extra,
+        )
         if job.asynchronous:
             errors = []
             try:
@@ -191,16 +237,22 @@ class Checkpointer:
         (through the pinned ring), or, for an asynchronous save, in the background from the host copy."""
         if job.asynchronous:  # the staged buffers wait for the write: no copy of views
             job.writer = ChunkWriter(str(job.tmp), job.token, copy_views=False, checksums=self.checksums)
-            future = dcp.async_save(job.state, storage_writer=job.writer, planner=ChunkSavePlanner(),
-                                    process_group=_dcp_group(job.group))
+            future = dcp.async_save(
+                job.state, storage_writer=job.writer, planner=ChunkSavePlanner(), process_group=_dcp_group(job.group)
+            )
             assert isinstance(future, Future)  # an AsyncSaveResponse comes only with a non-blocking stager
             job.written = future
         else:
-            job.writer = ChunkWriter(str(job.tmp), job.token, staging=self.staging,
-                                     copy_views=not job.views_stable, checksums=self.checksums)
+            job.writer = ChunkWriter(
+                str(job.tmp), job.token, staging=self.staging, copy_views=not job.views_stable, checksums=self.checksums
+            )
             try:
-                dcp.save(job.state, storage_writer=job.writer, planner=ChunkSavePlanner(job.before_read),
-                         process_group=_dcp_group(job.group))
+                dcp.save(
+                    job.state,
+                    storage_writer=job.writer,
+                    planner=ChunkSavePlanner(job.before_read),
+                    process_group=_dcp_group(job.group),
+                )
             except CheckpointException as error:
                 job.discard()
                 raise CheckpointError(f"Saving checkpoint {job.path} failed: {describe(unwrap(error))}") from None
@@ -271,8 +323,10 @@ def put_in_place(job: SaveJob) -> None:
         try:
             manifest.files = {name: size for written in files for name, size, _ in written}
             if writer.algorithm is not None:
-                manifest.checksums = {"algorithm": writer.algorithm,
-                                      "items": {name: sums for written in files for name, _, sums in written}}
+                manifest.checksums = {
+                    "algorithm": writer.algorithm,
+                    "items": {name: sums for written in files for name, _, sums in written},
+                }
             manifest.metadata_sha256 = sha256(job.tmp / METADATA_FILE)
             manifest.write(job.tmp)
             atomic.fault("after_manifest")
@@ -288,12 +342,16 @@ def put_in_place(job: SaveJob) -> None:
     _log_saved(job.path, nbytes, world_size, rank, job.timing, asynchronous=job.written is not None)
 
 
-def _log_saved(path: Path, nbytes: int, world_size: int, rank: int, timing: SaveTiming,
-               asynchronous: bool = False) -> None:
+def _log_saved(
+    path: Path, nbytes: int, world_size: int, rank: int, timing: SaveTiming, asynchronous: bool = False
+) -> None:
     """Rank 0 says what a save wrote and how long training waited for it (INFO)."""
     if rank == 0:
-        waited = f"training waited {timing.blocked_s:.2f} s of {timing.total_s:.2f} s" if asynchronous \
+        waited = (
+            f"training waited {timing.blocked_s:.2f} s of {timing.total_s:.2f} s"
+            if asynchronous
             else f"in {timing.total_s:.2f} s"
+        )
         log.info("Saved checkpoint %s: %.2f GiB from %d rank(s), %s", path, nbytes / 2**30, world_size, waited)
 
 
@@ -335,8 +393,11 @@ def open_checkpoint(path: Path, group: Group) -> Opened:
     located = classify(Path(path))
     errors: list[str] = []
     if located.displaced is not None:
-        warnings.warn(f"{located.path} is missing but {located.displaced} holds the checkpoint an interrupted save "
-                      "displaced; loading that one.", stacklevel=3)
+        warnings.warn(
+            f"{located.path} is missing but {located.displaced} holds the checkpoint an interrupted save "
+            "displaced; loading that one.",
+            stacklevel=3,
+        )
         located = classify(located.displaced)
     problem = located.error()
     if problem is None and not located.is_directory_checkpoint:
@@ -356,10 +417,14 @@ def open_checkpoint(path: Path, group: Group) -> Opened:
             raw = files.read(METADATA_FILE)
             metadata = read_metadata(located.path, raw)
             errors = check_files(files, metadata, None)
-            if not errors and any(token_of(files.read(name, 0, HEADER_SIZE)) is not None
-                                  for name in {i.relative_path for i in metadata.storage_data.values()}):
-                errors.append(f"{located.path} was written by ZeroQ but has no {MANIFEST_FILE}, which a save writes "
-                              f"last: the checkpoint is incomplete. {earlier()}")
+            if not errors and any(
+                token_of(files.read(name, 0, HEADER_SIZE)) is not None
+                for name in {i.relative_path for i in metadata.storage_data.values()}
+            ):
+                errors.append(
+                    f"{located.path} was written by ZeroQ but has no {MANIFEST_FILE}, which a save writes "
+                    f"last: the checkpoint is incomplete. {earlier()}"
+                )
         except Exception as error:
             errors = [describe(error)]
     decoded = None
@@ -384,36 +449,45 @@ def open_checkpoint(path: Path, group: Group) -> Opened:
     if len(set(tokens)) > 1:
         if files is not None:
             files.close()
-        raise CheckpointError(f"Loading checkpoint {located.path} failed: the ranks opened different saves "
-                              f"({sorted(set(map(str, tokens)))}); it was replaced while being opened. Load it again.")
+        raise CheckpointError(
+            f"Loading checkpoint {located.path} failed: the ranks opened different saves "
+            f"({sorted(set(map(str, tokens)))}); it was replaced while being opened. Load it again."
+        )
     assert metadata is not None
     if manifest is not None and manifest.checksums is None:
-        warnings.warn(f"{located.path} was saved without checksums (format version 1: by an earlier lightning_zeroq, "
-                      "or with Checkpointer(checksums=False)): damage to its data cannot be detected. Save it again "
-                      "to add them.",
-                      stacklevel=3)
+        warnings.warn(
+            f"{located.path} was saved without checksums (format version 1: by an earlier lightning_zeroq, "
+            "or with Checkpointer(checksums=False)): damage to its data cannot be detected. Save it again "
+            "to add them.",
+            stacklevel=3,
+        )
     reader = SafeReader(located.path, metadata, files, manifest.checksums if manifest is not None else None)
     opened = Opened(located.path, located, metadata, manifest, reader)
     opened.decoded = decoded
     return opened
 
 
-def check_entries(opened: Opened, expected: dict[str, tuple[torch.Size, torch.dtype]], *, strict: bool,
-                  prefix: str, what: str) -> list[str]:
+def check_entries(
+    opened: Opened, expected: dict[str, tuple[torch.Size, torch.dtype]], *, strict: bool, prefix: str, what: str
+) -> list[str]:
     """Names, shapes and dtypes of ``expected`` (key without ``prefix``) against the checkpoint."""
     errors: list[str] = []
-    stored = {k[len(prefix):]: v for k, v in opened.keys().items() if k.startswith(prefix)}
+    stored = {k[len(prefix) :]: v for k, v in opened.keys().items() if k.startswith(prefix)}
     missing = [k for k in expected if k not in stored]
     if missing:
-        errors.append(f"{what}: {len(missing)} entr{'y' if len(missing) == 1 else 'ies'} of the model are not in "
-                      f"{opened.path}: {missing[:6]}{' ...' if len(missing) > 6 else ''} (is it a checkpoint of "
-                      "another model?)")
+        errors.append(
+            f"{what}: {len(missing)} entr{'y' if len(missing) == 1 else 'ies'} of the model are not in "
+            f"{opened.path}: {missing[:6]}{' ...' if len(missing) > 6 else ''} (is it a checkpoint of "
+            "another model?)"
+        )
     if strict:
         unexpected = [k for k in stored if k not in expected]
         if unexpected:
-            errors.append(f"{what}: {opened.path} has {len(unexpected)} entr{'y' if len(unexpected) == 1 else 'ies'} "
-                          f"the model lacks: {unexpected[:6]}{' ...' if len(unexpected) > 6 else ''} (pass "
-                          "strict_loading=False to ignore them)")
+            errors.append(
+                f"{what}: {opened.path} has {len(unexpected)} entr{'y' if len(unexpected) == 1 else 'ies'} "
+                f"the model lacks: {unexpected[:6]}{' ...' if len(unexpected) > 6 else ''} (pass "
+                "strict_loading=False to ignore them)"
+            )
     for key, (shape, dtype) in expected.items():
         md = stored.get(key)
         if md is None:
@@ -422,10 +496,12 @@ def check_entries(opened: Opened, expected: dict[str, tuple[torch.Size, torch.dt
             errors.append(f"{what}: {key!r} is not a tensor in {opened.path}.")
             continue
         if tuple(md.size) != tuple(shape):
-            errors.append(f"{what}: {key!r} has shape {tuple(md.size)} in {opened.path}, the model's is "
-                          f"{tuple(shape)}.")
+            errors.append(
+                f"{what}: {key!r} has shape {tuple(md.size)} in {opened.path}, the model's is {tuple(shape)}."
+            )
         elif md.properties.dtype.is_floating_point != dtype.is_floating_point or (
-                not dtype.is_floating_point and md.properties.dtype != dtype):
+            not dtype.is_floating_point and md.properties.dtype != dtype
+        ):
             errors.append(f"{what}: {key!r} is {md.properties.dtype} in {opened.path}, the model's is {dtype}.")
     return errors
 

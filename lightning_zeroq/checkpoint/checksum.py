@@ -72,13 +72,16 @@ def hasher(algorithm: str = ALGORITHM) -> Any:
     """A fresh hash object (``update(bytes-like)``, ``hexdigest()``)."""
     if algorithm == "xxh3_64":
         if xxhash is None:
-            raise RuntimeError("this checkpoint's checksums are xxh3_64, which needs the xxhash package: "
-                               "pip install xxhash")
+            raise RuntimeError(
+                "this checkpoint's checksums are xxh3_64, which needs the xxhash package: pip install xxhash"
+            )
         return xxhash.xxh3_64()
     if algorithm == "crc32":
         return _Crc32()
-    raise RuntimeError(f"unknown checksum algorithm {algorithm!r} (this lightning_zeroq knows xxh3_64 and crc32): "
-                       "upgrade lightning_zeroq to load this checkpoint.")
+    raise RuntimeError(
+        f"unknown checksum algorithm {algorithm!r} (this lightning_zeroq knows xxh3_64 and crc32): "
+        "upgrade lightning_zeroq to load this checkpoint."
+    )
 
 
 class HashingWriter:
@@ -110,8 +113,7 @@ class HashingWriter:
         return None if self.hash is None else self.hash.hexdigest()
 
 
-def read_hashed(read_into: Callable[[int, memoryview], int], buffer: memoryview,
-                algorithm: str) -> tuple[int, str]:
+def read_hashed(read_into: Callable[[int, memoryview], int], buffer: memoryview, algorithm: str) -> tuple[int, str]:
     """Fill ``buffer`` through ``read_into(position, view) -> bytes read`` in chunks, hashing each
     chunk while the next is read; returns the bytes read (short at the end of a file) and the
     checksum of those bytes."""
@@ -120,7 +122,7 @@ def read_hashed(read_into: Callable[[int, memoryview], int], buffer: memoryview,
     hashing: Optional[Future] = None
     try:
         while done < len(buffer):
-            part = buffer[done:done + READ_CHUNK]
+            part = buffer[done : done + READ_CHUNK]
             got = read_into(done, part)
             if hashing is not None:
                 _timed(hashing.result)

@@ -72,8 +72,10 @@ Chunk = tuple[tuple[int, ...], tuple[int, ...]]
 
 
 def _edited(where: str, fqn: str, shape: tuple[int, ...], problem: str) -> str:
-    return (f"{where}: the chunks it lists for {fqn!r} (shape {shape}) {problem}; the metadata was edited or damaged "
-            f"after the save. {earlier()}")
+    return (
+        f"{where}: the chunks it lists for {fqn!r} (shape {shape}) {problem}; the metadata was edited or damaged "
+        f"after the save. {earlier()}"
+    )
 
 
 def check_chunks(metadata: Metadata, where: str) -> list[str]:
@@ -91,8 +93,9 @@ def check_chunks(metadata: Metadata, where: str) -> list[str]:
             continue
         try:
             shape = tuple(int(s) for s in md.size)
-            chunks = list(dict.fromkeys((tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes))
-                                        for c in md.chunks))  # a replicated tensor's chunk may be listed twice
+            chunks = list(
+                dict.fromkeys((tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes)) for c in md.chunks)
+            )  # a replicated tensor's chunk may be listed twice
             itemsize = md.properties.dtype.itemsize
         except (AttributeError, TypeError, ValueError) as error:
             errors.append(_edited(where, fqn, (), f"are malformed ({error})"))
@@ -122,8 +125,10 @@ def _chunk_problem(shape: tuple[int, ...], chunks: list[Chunk], fqn: str, items:
         if info is None:
             return f"include one {where} that has no stored item"
         if not getattr(info, "transform_descriptors", None) and info.length < numel * itemsize:
-            return (f"include one {where}, whose {numel * itemsize} bytes of elements do not fit its stored item "
-                    f"of {info.length} bytes")
+            return (
+                f"include one {where}, whose {numel * itemsize} bytes of elements do not fit its stored item "
+                f"of {info.length} bytes"
+            )
         filled.append((offsets, sizes))
     pair = _overlapping(filled)
     if pair is not None:
@@ -154,12 +159,14 @@ def _overlapping(chunks: list[Chunk]) -> Optional[tuple[Chunk, Chunk]]:
     return None
 
 
-def chunk_mismatch(where: str, fqn: str, shape: tuple[int, ...], chunk: tuple[int, ...],
-                   stored: tuple[int, ...]) -> Optional[str]:
+def chunk_mismatch(
+    where: str, fqn: str, shape: tuple[int, ...], chunk: tuple[int, ...], stored: tuple[int, ...]
+) -> Optional[str]:
     """Why an item read for a chunk of sizes ``chunk`` cannot be used, if it holds another shape
     (``stored``). The message names the tensor, not the item: every rank (each reads its own items)
     and every reader says the same."""
     if tuple(chunk) == tuple(stored):
         return None
-    return _edited(where, fqn, tuple(shape), "do not match the items stored for them (an item holds another shape "
-                   "than its chunk)")
+    return _edited(
+        where, fqn, tuple(shape), "do not match the items stored for them (an item holds another shape than its chunk)"
+    )

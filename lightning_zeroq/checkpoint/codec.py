@@ -53,8 +53,12 @@ def encode(value: Any, path: str = "checkpoint") -> Any:
     if isinstance(value, torch.Tensor):
         t = value.detach().cpu().contiguous()
         raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-        return {TAG: "tensor", "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                "data": base64.b64encode(raw.numpy().tobytes()).decode("ascii")}
+        return {
+            TAG: "tensor",
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "shape": list(t.shape),
+            "data": base64.b64encode(raw.numpy().tobytes()).decode("ascii"),
+        }
     if isinstance(value, torch.Size):
         return {TAG: "size", "items": list(value)}
     if isinstance(value, torch.dtype):
@@ -67,8 +71,10 @@ def encode(value: Any, path: str = "checkpoint") -> Any:
                 plain = to_plain(value)
             except Exception as error:
                 first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-                raise UnsupportedValue(f"{path} is a {name} that cannot be stored ({type(error).__name__}: {first}); "
-                                       "fix the value or keep it out of the checkpoint.") from None
+                raise UnsupportedValue(
+                    f"{path} is a {name} that cannot be stored ({type(error).__name__}: {first}); "
+                    "fix the value or keep it out of the checkpoint."
+                ) from None
             return {TAG: "type", "name": name, "value": encode(plain, path)}
         if value is cls:  # the class itself (Lightning saves ``hparams_type`` for OmegaConf hyperparameters)
             return {TAG: "class", "name": name}
@@ -79,7 +85,10 @@ def encode(value: Any, path: str = "checkpoint") -> Any:
     if isinstance(value, dict):
         if all(isinstance(k, str) for k in value) and TAG not in value:
             return {k: encode(v, f"{path}[{k!r}]") for k, v in value.items()}
-        return {TAG: "dict", "items": [[encode(k, f"{path} key"), encode(v, f"{path}[{k!r}]")] for k, v in value.items()]}
+        return {
+            TAG: "dict",
+            "items": [[encode(k, f"{path} key"), encode(v, f"{path}[{k!r}]")] for k, v in value.items()],
+        }
     if isinstance(value, numbers.Integral):  # numpy integers
         return int(value)
     if isinstance(value, numbers.Real):

@@ -98,7 +98,7 @@ def _param_groups(opened: Opened) -> list[dict]:
     _read(opened, targets)
     groups: dict[int, dict] = {}
     for key, target in targets.items():
-        index, name = key[len(prefix):].split(".", 1)
+        index, name = key[len(prefix) :].split(".", 1)
         groups.setdefault(int(index), {})[name] = target.value
     return [groups[i] for i in sorted(groups)]
 
@@ -110,7 +110,7 @@ def optimizer_layout(opened: Opened) -> tuple[list[dict], dict[str, dict[str, st
     per_name: dict[str, dict[str, str]] = {}
     for key in opened.keys():
         if key.startswith(base):
-            name, _, state_key = key[len(base):].rpartition(".")
+            name, _, state_key = key[len(base) :].rpartition(".")
             per_name.setdefault(name, {})[state_key] = key
     out_groups, index = [], 0
     ids: dict[str, int] = {}
@@ -130,7 +130,7 @@ def skeleton(opened: Opened, *, optimizer: bool, lightning: bool) -> tuple[dict,
     model = {}
     nested = lightning or optimizer
     for key in tensor_keys(opened, MODEL_KEY + "."):
-        name = key[len(MODEL_KEY) + 1:]
+        name = key[len(MODEL_KEY) + 1 :]
         model[name] = _empty(opened, key)
         sources.append((model[name], key))
     if not nested:
@@ -142,7 +142,7 @@ def skeleton(opened: Opened, *, optimizer: bool, lightning: bool) -> tuple[dict,
     for entry in moved_entries(opened.keys()) if opened.manifest is not None else ():
         out[entry] = {}  # where a callback moved the module's state (Lightning's weight averaging)
         for key in tensor_keys(opened, entry + "."):
-            tensor = out[entry][key[len(entry) + 1:]] = _empty(opened, key)
+            tensor = out[entry][key[len(entry) + 1 :]] = _empty(opened, key)
             sources.append((tensor, key))
     if optimizer:
         groups, layout = optimizer_layout(opened)
@@ -157,18 +157,20 @@ def skeleton(opened: Opened, *, optimizer: bool, lightning: bool) -> tuple[dict,
     return out, sources
 
 
-def write_torch(opened: Opened, out: Path, *, optimizer: bool, lightning: bool,
-                only: Optional[set[str]] = None) -> None:
+def write_torch(
+    opened: Opened, out: Path, *, optimizer: bool, lightning: bool, only: Optional[set[str]] = None
+) -> None:
     """``only``: the names of the parameters to write (a bare state dict of them; ``trainable_names``)."""
     structure, sources = skeleton(opened, optimizer=optimizer, lightning=lightning)
     if only is not None:
         structure = {name: value for name, value in structure.items() if name in only}
-        sources = [(tensor, key) for tensor, key in sources if key[len(MODEL_KEY) + 1:] in only]
+        sources = [(tensor, key) for tensor, key in sources if key[len(MODEL_KEY) + 1 :] in only]
     _write_filled(opened, out, structure, sources)
 
 
-def _write_filled(opened: Opened, out: Path, structure: Any, sources: list[tuple[Tensor, str]], *,
-                  fsync: bool = True) -> None:
+def _write_filled(
+    opened: Opened, out: Path, structure: Any, sources: list[tuple[Tensor, str]], *, fsync: bool = True
+) -> None:
     """``torch.save(structure, out)`` with each tensor of ``sources`` read from its checkpoint key into
     its place in the file, one tensor in memory at a time (``sparse_save``); ``fsync=False`` for a file
     that is read back and removed. A full disk or a file-size limit is one line with the sizes."""
@@ -209,12 +211,12 @@ def iter_named_tensors(opened: Opened, *, optimizer: bool) -> Iterator[tuple[str
     for key in tensor_keys(opened, MODEL_KEY + "."):
         tensor = _empty(opened, key)
         _read(opened, {key: tensor})
-        yield key[len(MODEL_KEY) + 1:], tensor
+        yield key[len(MODEL_KEY) + 1 :], tensor
     if optimizer:
         for key in tensor_keys(opened, f"{OPTIMIZER_KEY}.state."):
             tensor = _empty(opened, key)
             _read(opened, {key: tensor})
-            yield "optimizer." + key[len(OPTIMIZER_KEY) + 1:], tensor
+            yield "optimizer." + key[len(OPTIMIZER_KEY) + 1 :], tensor
 
 
 def safetensors_save_file() -> Any:
@@ -222,18 +224,24 @@ def safetensors_save_file() -> Any:
     try:
         from safetensors.torch import save_file
     except ImportError as error:
-        raise ConvertError(f"writing .safetensors needs the safetensors package: {SAFETENSORS_EXTRA} "
-                           "(or write a .pt file).") from error
+        raise ConvertError(
+            f"writing .safetensors needs the safetensors package: {SAFETENSORS_EXTRA} (or write a .pt file)."
+        ) from error
     return save_file
 
 
 def write_safetensors(opened: Opened, out: Path, *, optimizer: bool, only: Optional[set[str]] = None) -> None:
     """``only``: the names of the parameters to write (``trainable_names``)."""
     save_file = safetensors_save_file()
-    keys = [(k[len(MODEL_KEY) + 1:], k) for k in tensor_keys(opened, MODEL_KEY + ".")
-            if only is None or k[len(MODEL_KEY) + 1:] in only]
+    keys = [
+        (k[len(MODEL_KEY) + 1 :], k)
+        for k in tensor_keys(opened, MODEL_KEY + ".")
+        if only is None or k[len(MODEL_KEY) + 1 :] in only
+    ]
     if optimizer:
-        keys += [("optimizer." + k[len(OPTIMIZER_KEY) + 1:], k) for k in tensor_keys(opened, f"{OPTIMIZER_KEY}.state.")]
+        keys += [
+            ("optimizer." + k[len(OPTIMIZER_KEY) + 1 :], k) for k in tensor_keys(opened, f"{OPTIMIZER_KEY}.state.")
+        ]
     meta = {"format": "pt", "source": "lightning_zeroq"}
     if optimizer:
         meta["optimizer_param_groups"] = json.dumps(_param_groups(opened))
@@ -281,39 +289,51 @@ class ConvertError(CheckpointError, ValueError):
     ``CheckpointError`` too: ``load_from_checkpoint(dir)`` reads through the same code and raises it."""
 
 
-DEEPSPEED_EXPORT = ("{checkpoint} is a DeepSpeed checkpoint: --adapters-only and --hf read checkpoint directories "
-                    "ZeroQ (or torch.distributed.checkpoint) wrote; resume it with strategy='zeroq' "
-                    "(fit(ckpt_path=...)) and save again, or convert all its weights to one file (zeroq-convert "
-                    "{checkpoint} OUT.pt).")
+DEEPSPEED_EXPORT = (
+    "{checkpoint} is a DeepSpeed checkpoint: --adapters-only and --hf read checkpoint directories "
+    "ZeroQ (or torch.distributed.checkpoint) wrote; resume it with strategy='zeroq' "
+    "(fit(ckpt_path=...)) and save again, or convert all its weights to one file (zeroq-convert "
+    "{checkpoint} OUT.pt)."
+)
 
 
 def check_input(checkpoint: Path) -> None:
     """Our own words for an input that is no checkpoint directory (the loader's speak of the Trainer)."""
     located = classify(checkpoint)
     if located.is_missing:
-        raise ConvertError(f"{checkpoint} does not exist: pass the checkpoint directory trainer.save_checkpoint() "
-                           "or ModelCheckpoint wrote.")
+        raise ConvertError(
+            f"{checkpoint} does not exist: pass the checkpoint directory trainer.save_checkpoint() "
+            "or ModelCheckpoint wrote."
+        )
     if located.is_inside:
-        raise ConvertError(f"{checkpoint} is a file inside the checkpoint directory {located.directory}: pass "
-                           "the directory.")
+        raise ConvertError(
+            f"{checkpoint} is a file inside the checkpoint directory {located.directory}: pass the directory."
+        )
     if located.is_single_file:
         kind = _file_kind(checkpoint)
         if kind == "safetensors":
-            raise ConvertError(f"{checkpoint} is a safetensors file, which is one file already: read it with "
-                               f"safetensors.torch.load_file({str(checkpoint)!r}).")
+            raise ConvertError(
+                f"{checkpoint} is a safetensors file, which is one file already: read it with "
+                f"safetensors.torch.load_file({str(checkpoint)!r})."
+            )
         if kind is None:
-            raise ConvertError(f"{checkpoint} is neither a checkpoint directory (ZeroQ's, DeepSpeed's, FSDP's or another "
-                               "torch.distributed.checkpoint's) nor a torch or safetensors file: pass the directory "
-                               "trainer.save_checkpoint() wrote.")
+            raise ConvertError(
+                f"{checkpoint} is neither a checkpoint directory (ZeroQ's, DeepSpeed's, FSDP's or another "
+                "torch.distributed.checkpoint's) nor a torch or safetensors file: pass the directory "
+                "trainer.save_checkpoint() wrote."
+            )
         raise ConvertError(
             f"{checkpoint} is a single-file checkpoint (e.g. from strategy='ddp'), which is one file already: read "
             f"its weights with torch.load({str(checkpoint)!r}, weights_only=True)['state_dict'], or resume it with "
-            "Trainer(strategy='zeroq').fit(ckpt_path=...), which reads single files too.")
+            "Trainer(strategy='zeroq').fit(ckpt_path=...), which reads single files too."
+        )
     if located.is_deepspeed:
         raise ConvertError(DEEPSPEED_EXPORT.format(checkpoint=checkpoint))
     if not located.is_directory_checkpoint:
-        raise ConvertError(f"{checkpoint} is a directory but no checkpoint (no zeroq.json, no .metadata): pass "
-                           "the directory trainer.save_checkpoint() wrote.")
+        raise ConvertError(
+            f"{checkpoint} is a directory but no checkpoint (no zeroq.json, no .metadata): pass "
+            "the directory trainer.save_checkpoint() wrote."
+        )
 
 
 TORCH_LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
@@ -344,8 +364,10 @@ def _output_format(out: Path, lightning: bool) -> str:
         raise ConvertError(f"{out} is a directory: name the file to write ({OUTPUTS}).")
     if out.suffix == ".safetensors":
         if lightning:
-            raise ConvertError("--lightning needs a torch output, .pt, .pth or .ckpt (a Lightning checkpoint is a "
-                               "torch file), not .safetensors.")
+            raise ConvertError(
+                "--lightning needs a torch output, .pt, .pth or .ckpt (a Lightning checkpoint is a "
+                "torch file), not .safetensors."
+            )
         safetensors_save_file()  # missing: said before any work
         return "safetensors"
     if out.suffix in TORCH_SUFFIXES:
@@ -364,28 +386,41 @@ def trainable_names(opened: Opened) -> set[str]:
     """The trainable parameters' names: those the optimizer's param groups hold (a frozen parameter is in none).
     A checkpoint without optimizer state cannot tell them: refused, with what to do."""
     if not any(key.startswith(f"{OPTIMIZER_KEY}.param_groups.") for key in opened.keys()):
-        raise ConvertError(f"{opened.path} holds no optimizer state, whose param groups name the trainable parameters "
-                           "(it was saved without the optimizer): --adapters-only cannot tell them from the frozen "
-                           "ones; drop it to convert every weight.")
+        raise ConvertError(
+            f"{opened.path} holds no optimizer state, whose param groups name the trainable parameters "
+            "(it was saved without the optimizer): --adapters-only cannot tell them from the frozen "
+            "ones; drop it to convert every weight."
+        )
     names = {name for group in _param_groups(opened) for name in group.get("params", [])}
-    stored = {key[len(MODEL_KEY) + 1:] for key in tensor_keys(opened, MODEL_KEY + ".")}
+    stored = {key[len(MODEL_KEY) + 1 :] for key in tensor_keys(opened, MODEL_KEY + ".")}
     missing = sorted(names - stored)
     if missing:
-        raise ConvertError(f"{opened.path}: the optimizer's param groups name {missing[:4]}, which its model state "
-                           "lacks: the checkpoint was edited or saved by another tool.")
+        raise ConvertError(
+            f"{opened.path}: the optimizer's param groups name {missing[:4]}, which its model state "
+            "lacks: the checkpoint was edited or saved by another tool."
+        )
     return names
 
 
 def _check_optimizer(opened: Opened) -> None:
     """``--optimizer`` of a checkpoint without optimizer state would write an empty one: refused."""
     if not any(key.startswith(f"{OPTIMIZER_KEY}.") for key in opened.keys()):
-        raise ConvertError(f"{opened.path} holds no optimizer state zeroq-convert reads (no {OPTIMIZER_KEY}.* entries: "
-                           "it was saved without the optimizer, or in another layout), so --optimizer cannot keep "
-                           "it: drop --optimizer to convert the weights.")
+        raise ConvertError(
+            f"{opened.path} holds no optimizer state zeroq-convert reads (no {OPTIMIZER_KEY}.* entries: "
+            "it was saved without the optimizer, or in another layout), so --optimizer cannot keep "
+            "it: drop --optimizer to convert the weights."
+        )
 
 
-def consolidate(checkpoint: Path, out: Path, *, optimizer: bool = False, lightning: bool = False,
-                adapters_only: bool = False, note: Callable[[str], None] = nothing) -> Path:
+def consolidate(
+    checkpoint: Path,
+    out: Path,
+    *,
+    optimizer: bool = False,
+    lightning: bool = False,
+    adapters_only: bool = False,
+    note: Callable[[str], None] = nothing,
+) -> Path:
     """Write checkpoint directory ``checkpoint`` as one file ``out`` (``.pt``, ``.pth``, ``.ckpt`` or
     ``.safetensors``: another suffix is refused); see the module docstring. Returns ``out``. On any error
     nothing is left at ``out`` (an existing file there is kept as it was). ``adapters_only``: the trainable
@@ -393,16 +428,19 @@ def consolidate(checkpoint: Path, out: Path, *, optimizer: bool = False, lightni
     checkpoint saved without its frozen parameters)."""
     checkpoint, out = Path(checkpoint), Path(out)
     if adapters_only and (optimizer or lightning):
-        raise ConvertError("--adapters-only writes the trainable parameters alone, as a bare state dict: drop "
-                           f"{' and '.join(f for f, on in (('--optimizer', optimizer), ('--lightning', lightning)) if on)}.")
+        raise ConvertError(
+            "--adapters-only writes the trainable parameters alone, as a bare state dict: drop "
+            f"{' and '.join(f for f, on in (('--optimizer', optimizer), ('--lightning', lightning)) if on)}."
+        )
     kind = _output_format(out, lightning)
     if deepspeed.is_deepspeed(checkpoint) and adapters_only:
         raise ConvertError(DEEPSPEED_EXPORT.format(checkpoint=checkpoint))
     if deepspeed.is_deepspeed(checkpoint):
         with atomic.new_file(out) as (fd, tmp):
             os.close(fd)
-            write_deepspeed(deepspeed.read(checkpoint, optimizer=optimizer), tmp, kind, optimizer=optimizer,
-                            lightning=lightning)
+            write_deepspeed(
+                deepspeed.read(checkpoint, optimizer=optimizer), tmp, kind, optimizer=optimizer, lightning=lightning
+            )
         return out
     check_input(checkpoint)
     with advising("Convert an earlier checkpoint."):
@@ -412,8 +450,10 @@ def consolidate(checkpoint: Path, out: Path, *, optimizer: bool = False, lightni
         only = trainable_names(opened) if adapters_only else None
         left_out = left_out_frozen(opened)
         if left_out and not adapters_only:
-            note(f"{checkpoint} was saved with exclude_frozen_parameters=True: {out.name} lacks its {len(left_out)} "
-                 f"frozen parameters (e.g. {left_out[:2]}); load it with strict=False into a model that holds them.")
+            note(
+                f"{checkpoint} was saved with exclude_frozen_parameters=True: {out.name} lacks its {len(left_out)} "
+                f"frozen parameters (e.g. {left_out[:2]}); load it with strict=False into a model that holds them."
+            )
         with atomic.new_file(out) as (fd, tmp):
             os.close(fd)  # the writers open it by name
             if kind == "safetensors":
@@ -435,8 +475,11 @@ def write_deepspeed(state: deepspeed.DeepSpeedState, out: Path, kind: str, *, op
         if optimizer:
             tensors.update({f"optimizer.state.{n}.{k}": v for n, st in state.state.items() for k, v in st.items()})
             meta["optimizer_param_groups"] = json.dumps(
-                [{**{k: v for k, v in h.items() if isinstance(v, (int, float, str, bool, list, tuple))}, "params": g}
-                 for h, g in zip(state.hyperparameters, state.groups)])
+                [
+                    {**{k: v for k, v in h.items() if isinstance(v, (int, float, str, bool, list, tuple))}, "params": g}
+                    for h, g in zip(state.hyperparameters, state.groups)
+                ]
+            )
         _save_safetensors(safetensors_save_file(), tensors, out, meta)
         return
     torch.save(deepspeed.as_lightning_checkpoint(state, optimizer) if optimizer or lightning else state.params, out)
@@ -451,6 +494,7 @@ def lightning_checkpoint(checkpoint: Path, map_location: Any = None) -> dict:
         out.pop("zeroq", None)
         out["state_dict"] = dict(iter_named_tensors(opened, optimizer=False))
     if map_location is not None and not callable(map_location):
-        out["state_dict"] = {k: v.to(map_location if not isinstance(map_location, dict) else "cpu")
-                             for k, v in out["state_dict"].items()}
+        out["state_dict"] = {
+            k: v.to(map_location if not isinstance(map_location, dict) else "cpu") for k, v in out["state_dict"].items()
+        }
     return out

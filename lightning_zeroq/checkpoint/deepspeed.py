@@ -56,8 +56,13 @@ from torch import Tensor
 
 from lightning_zeroq.checkpoint.agree import CheckpointError, agree
 from lightning_zeroq.checkpoint.files import Files
-from lightning_zeroq.checkpoint.store import (DEEPSPEED_LATEST, DEEPSPEED_OPTIMIZER_FILE, ENGINE_KEY, classify,
-                                              lightning_version)
+from lightning_zeroq.checkpoint.store import (
+    DEEPSPEED_LATEST,
+    DEEPSPEED_OPTIMIZER_FILE,
+    ENGINE_KEY,
+    classify,
+    lightning_version,
+)
 
 
 class DeepSpeedCheckpointError(CheckpointError, ValueError):
@@ -128,8 +133,10 @@ def is_deepspeed(path: Path) -> bool:
     return classify(Path(path)).is_deepspeed
 
 
-_LINK = ("is a symbolic link: not opened, a DeepSpeed checkpoint's tag directory and files are read only from "
-         "inside its directory, never through a link")
+_LINK = (
+    "is a symbolic link: not opened, a DeepSpeed checkpoint's tag directory and files are read only from "
+    "inside its directory, never through a link"
+)
 
 
 def _open_tag(path: Path) -> Files:
@@ -138,16 +145,19 @@ def _open_tag(path: Path) -> Files:
     try:
         top = Files(path)
     except OSError as error:
-        raise DeepSpeedCheckpointError(f"{path}: cannot be opened as a DeepSpeed checkpoint directory "
-                                       f"({error.strerror or error})") from None
+        raise DeepSpeedCheckpointError(
+            f"{path}: cannot be opened as a DeepSpeed checkpoint directory ({error.strerror or error})"
+        ) from None
     names = top.names()
     if any(re.fullmatch(DEEPSPEED_OPTIMIZER_FILE, n) for n in names):
         return top
     latest = path / DEEPSPEED_LATEST
     if DEEPSPEED_LATEST not in names:
         top.close()
-        raise DeepSpeedCheckpointError(f"{path}: no DeepSpeed checkpoint (no 'latest' file naming a tag directory "
-                                       "with *zero_pp_rank_*_optim_states.pt files)")
+        raise DeepSpeedCheckpointError(
+            f"{path}: no DeepSpeed checkpoint (no 'latest' file naming a tag directory "
+            "with *zero_pp_rank_*_optim_states.pt files)"
+        )
     problem = None
     try:
         raw = top.read(DEEPSPEED_LATEST, 0, 4096) if top.is_file(DEEPSPEED_LATEST) else None
@@ -166,18 +176,23 @@ def _open_tag(path: Path) -> Files:
         raise DeepSpeedCheckpointError(f"{latest}: {problem}")
     if not tag or tag in (".", "..") or "/" in tag or "\\" in tag or "\0" in tag or os.path.isabs(tag):
         top.close()
-        raise DeepSpeedCheckpointError(f"{latest}: names the tag {tag!r}, which is not a directory inside {path}; it "
-                                       "was not opened (a DeepSpeed tag is one directory name beside 'latest')")
+        raise DeepSpeedCheckpointError(
+            f"{latest}: names the tag {tag!r}, which is not a directory inside {path}; it "
+            "was not opened (a DeepSpeed tag is one directory name beside 'latest')"
+        )
     try:
         return top.subdirectory(tag)
     except ValueError:  # a link
         raise DeepSpeedCheckpointError(f"{path / tag}: the tag directory 'latest' names, {_LINK}") from None
     except FileNotFoundError:
-        raise DeepSpeedCheckpointError(f"{latest}: names the DeepSpeed tag {tag!r}, but {path / tag} does not exist "
-                                       "(the checkpoint is incomplete, or 'latest' is from another save)") from None
+        raise DeepSpeedCheckpointError(
+            f"{latest}: names the DeepSpeed tag {tag!r}, but {path / tag} does not exist "
+            "(the checkpoint is incomplete, or 'latest' is from another save)"
+        ) from None
     except OSError as error:
-        raise DeepSpeedCheckpointError(f"{path / tag}: the DeepSpeed tag directory {latest} names cannot be opened "
-                                       f"({error.strerror or error})") from None
+        raise DeepSpeedCheckpointError(
+            f"{path / tag}: the DeepSpeed tag directory {latest} names cannot be opened ({error.strerror or error})"
+        ) from None
     finally:
         top.close()
 
@@ -222,9 +237,12 @@ def _load(files: Files, name: str) -> tuple[dict, Optional[int]]:
             raise DeepSpeedCheckpointError(
                 f"{path}: cannot be read as a DeepSpeed checkpoint file: it refers to {refused}, which a DeepSpeed "
                 "checkpoint never holds; it was not loaded, because unpickling it could run code, and cannot be "
-                "loaded safely (the file is damaged or was made to run code)") from None
-        raise DeepSpeedCheckpointError(f"{path}: cannot be read as a DeepSpeed checkpoint file "
-                                       f"({type(error).__name__}: {str(error).splitlines()[0][:200]})") from None
+                "loaded safely (the file is damaged or was made to run code)"
+            ) from None
+        raise DeepSpeedCheckpointError(
+            f"{path}: cannot be read as a DeepSpeed checkpoint file "
+            f"({type(error).__name__}: {str(error).splitlines()[0][:200]})"
+        ) from None
     finally:
         if not isinstance(source, str):
             source.close()
@@ -235,22 +253,25 @@ def _load(files: Files, name: str) -> tuple[dict, Optional[int]]:
 
 def _field(d: dict, key: str, path: Path, where: str = "") -> Any:
     if key not in d:
-        raise DeepSpeedCheckpointError(f"{path}: no field {where}{key!r}: not a DeepSpeed ZeRO checkpoint of the "
-                                       "layout this reader knows (DeepSpeed 0.19's; tests/data/deepspeed)")
+        raise DeepSpeedCheckpointError(
+            f"{path}: no field {where}{key!r}: not a DeepSpeed ZeRO checkpoint of the "
+            "layout this reader knows (DeepSpeed 0.19's; tests/data/deepspeed)"
+        )
     return d[key]
 
 
 def _rank_files(tag: Files, pattern: str, what: str) -> list[str]:
     found: dict[int, str] = {}
     for name in tag.names():
-        if (m := re.fullmatch(pattern, name)):
+        if m := re.fullmatch(pattern, name):
             found[int(m.group(1))] = name
     if not found:
         raise DeepSpeedCheckpointError(f"{tag.directory}: no {what} files")
     missing = [r for r in range(max(found) + 1) if r not in found]
     if missing:
-        raise DeepSpeedCheckpointError(f"{tag.directory}: the {what} file of rank {missing[0]} is missing "
-                                       f"(found ranks {sorted(found)})")
+        raise DeepSpeedCheckpointError(
+            f"{tag.directory}: the {what} file of rank {missing[0]} is missing (found ranks {sorted(found)})"
+        )
     return [found[r] for r in sorted(found)]
 
 
@@ -267,11 +288,13 @@ def _check_world(tag: Files, names: list[str], recorded: list[tuple[str, int, st
         if count > world:
             raise DeepSpeedCheckpointError(
                 f"{tag.directory / _rank_name(names, world)}: missing: {name} records {count} ranks ({key}), the "
-                f"tag directory holds the {what} files of ranks 0-{world - 1} (the checkpoint is incomplete)")
+                f"tag directory holds the {what} files of ranks 0-{world - 1} (the checkpoint is incomplete)"
+            )
         if count < world:
             raise DeepSpeedCheckpointError(
                 f"{tag.directory / names[count]}: one {what} file too many: {name} records {count} ranks ({key}), the "
-                f"tag directory holds {world} such files (a file left over from another save?)")
+                f"tag directory holds {world} such files (a file left over from another save?)"
+            )
 
 
 def _check_saved_as(tag: Files, names: list[str], saved: list[Optional[int]]) -> None:
@@ -279,7 +302,8 @@ def _check_saved_as(tag: Files, names: list[str], saved: list[Optional[int]]) ->
         if was is not None and was != rank:
             raise DeepSpeedCheckpointError(
                 f"{tag.directory / name}: was saved as rank {was}'s file (the name recorded inside it), but its name "
-                f"says rank {rank}: rank files renamed or mixed up")
+                f"says rank {rank}: rank files renamed or mixed up"
+            )
 
 
 Layout = list[tuple[str, int, tuple[int, ...]]]
@@ -345,16 +369,20 @@ def _read(tag: Files, optimizer: bool) -> DeepSpeedState:
     else:
         model_names = ["mp_rank_00_model_states.pt"]
         if model_names[0] not in tag.names():
-            raise DeepSpeedCheckpointError(f"{tag.directory / model_names[0]}: missing (stage {stage} keeps its "
-                                           "parameter shapes there)")
+            raise DeepSpeedCheckpointError(
+                f"{tag.directory / model_names[0]}: missing (stage {stage} keeps its parameter shapes there)"
+            )
     models, model_saved = [], []
     for name in model_names:
         loaded, saved_as = _load(tag, name)
         models.append(loaded)
         model_saved.append(saved_as)
     if stage == 3:  # one model states file per rank: as many as optimizer state files, each of their world
-        recorded = [(n, int(m["dp_world_size"]), "dp_world_size") for n, m in zip(model_names, models)
-                    if isinstance(m.get("dp_world_size"), int)]
+        recorded = [
+            (n, int(m["dp_world_size"]), "dp_world_size")
+            for n, m in zip(model_names, models)
+            if isinstance(m.get("dp_world_size"), int)
+        ]
         _check_world(tag, model_names, [(optim_names[0], world, "partition_count"), *recorded], "model state")
     model_file = tag.directory / model_names[0]
     model = models[0]
@@ -372,20 +400,30 @@ def _read(tag: Files, optimizer: bool) -> DeepSpeedState:
     else:
         subgroups = [[g] for g in range(len(shapes))]
         if len(shapes) != len(param_groups):
-            raise DeepSpeedCheckpointError(f"{model_file}: param_shapes holds {len(shapes)} parameter group(s), the "
-                                           f"optimizer {len(param_groups)} ({first_file.name}): files of two saves?")
+            raise DeepSpeedCheckpointError(
+                f"{model_file}: param_shapes holds {len(shapes)} parameter group(s), the "
+                f"optimizer {len(param_groups)} ({first_file.name}): files of two saves?"
+            )
         partitions = [_field(o, "single_partition_of_fp32_groups", f, "optimizer_state_dict.") for f, o in optims]
         paddings = first.get("param_alignment_paddings")
-        layouts = [_group_layout(g, paddings[i] if paddings is not None else [0] * len(g)) for i, g in enumerate(shapes)]
+        layouts = [
+            _group_layout(g, paddings[i] if paddings is not None else [0] * len(g)) for i, g in enumerate(shapes)
+        ]
         _check_stage12(tag, optim_names, optims, partitions, layouts, world)
         _check_saved_as(tag, optim_names, optim_saved)
     groups = [[name for s in subs for name in shapes[s]] for subs in subgroups]
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
     hyper = [_torch_adam_group(h, model.get("ds_config") or {}, first_file) for h in hyper]
-    out = DeepSpeedState(stage, world, {}, groups, hyperparameters=hyper,
-                         global_steps=int(model.get("global_steps", 0) or 0),
-                         lightning={k: model[k] for k in LIGHTNING_KEYS if k in model},
-                         loss_scale=_loss_scale(first))
+    out = DeepSpeedState(
+        stage,
+        world,
+        {},
+        groups,
+        hyperparameters=hyper,
+        global_steps=int(model.get("global_steps", 0) or 0),
+        lightning={k: model[k] for k in LIGHTNING_KEYS if k in model},
+        loss_scale=_loss_scale(first),
+    )
     if stage == 3:
         order = [n for g in shapes for n in g]
         _unzip_stage3(out, flats, sizes, order, None, first_file)
@@ -425,7 +463,8 @@ def _subgroups(param_groups: list, shapes: int, flats: int, file: Path) -> list[
     if shapes != flats or [i for g in subs for i in g] != list(range(shapes)):
         raise DeepSpeedCheckpointError(
             f"{file}: its {len(param_groups)} parameter group(s) list the sub-groups {subs}, but param_shapes holds "
-            f"{shapes} sub-group(s) and fp32_flat_groups {flats}: not the layout this reader knows (DeepSpeed 0.19's)")
+            f"{shapes} sub-group(s) and fp32_flat_groups {flats}: not the layout this reader knows (DeepSpeed 0.19's)"
+        )
     return subs
 
 
@@ -438,7 +477,8 @@ def _check_stage3(tag: Files, names: list[str], flats: list[list[Tensor]], shape
             s = next(i for i, (a, b) in enumerate(zip(held, needed)) if a != b) if len(held) == len(needed) else 0
             raise DeepSpeedCheckpointError(
                 f"{tag.directory / name}: its fp32_flat_groups hold {held} elements per sub-group, but param_shapes "
-                f"needs {needed} at {world} ranks (sub-group {s}): param_shapes and the partitions disagree")
+                f"needs {needed} at {world} ranks (sub-group {s}): param_shapes and the partitions disagree"
+            )
 
 
 def _check_stage12(tag: Files, names: list[str], optims: list, partitions: list, layouts: list, world: int) -> None:
@@ -458,7 +498,8 @@ def _check_stage12(tag: Files, names: list[str], optims: list, partitions: list,
                 raise DeepSpeedCheckpointError(
                     f"{tag.directory / name}: its part of parameter group {g} holds {n} elements and {pad} of padding, "
                     f"rank 0's {part} in all; the group needs {need} at {world} ranks: param_shapes and the partitions "
-                    "disagree")
+                    "disagree"
+                )
         for rank, (name, (_, outer)) in enumerate(zip(names, optims)):
             mappings = outer.get("param_slice_mappings")
             if not isinstance(mappings, (list, tuple)) or len(mappings) <= g:
@@ -470,11 +511,13 @@ def _check_stage12(tag: Files, names: list[str], optims: list, partitions: list,
             what = f"rank {holds[0]}'s part" if holds else "no rank's part"
             raise DeepSpeedCheckpointError(
                 f"{tag.directory / name}: its param_slice_mappings describe {what} of parameter group {g}, but its "
-                f"name says rank {rank}: rank files renamed or mixed up")
+                f"name says rank {rank}: rank files renamed or mixed up"
+            )
 
 
-def _frozen(out: DeepSpeedState, tag: Files, model_names: list[str], models: list[dict], stage: int,
-            world: int) -> None:
+def _frozen(
+    out: DeepSpeedState, tag: Files, model_names: list[str], models: list[dict], stage: int, world: int
+) -> None:
     """The frozen parameters: stage 3's from every rank's ``frozen_param_fragments`` (its part of each),
     stage 2's whole from them; stage 1 records none apart, so its ``module`` (the full state dict) holds
     them: every entry there that is no trained, tied or buffer name."""
@@ -492,7 +535,8 @@ def _frozen(out: DeepSpeedState, tag: Files, model_names: list[str], models: lis
                     got = "none" if not isinstance(fragment, Tensor) else f"{fragment.numel()} elements"
                     raise DeepSpeedCheckpointError(
                         f"{tag.directory / file}: its frozen_param_fragments hold {got} of frozen parameter {name!r} "
-                        f"(shape {shape}), {expected} expected at {world} ranks")
+                        f"(shape {shape}), {expected} expected at {world} ranks"
+                    )
                 parts.append(fragment.reshape(-1))
             out.params[str(name)] = torch.cat(parts)[:n].clone().float().view(shape)
             out.frozen.append(str(name))
@@ -501,7 +545,7 @@ def _frozen(out: DeepSpeedState, tag: Files, model_names: list[str], models: lis
         return  # saved without them (exclude_frozen_parameters): nothing to read
     module = model.get("module")
     skip = set(out.params) | set(model.get("buffer_names") or ()) | set((model.get("shared_params") or {}).keys())
-    for name, value in (module.items() if isinstance(module, dict) else ()):
+    for name, value in module.items() if isinstance(module, dict) else ():
         if name not in skip and isinstance(value, Tensor) and value.is_floating_point():
             out.params[str(name)] = value.clone().float()
             out.frozen.append(str(name))
@@ -514,10 +558,14 @@ def _torch_adam_group(group: dict[str, Any], ds_config: dict, file: Path) -> dic
     if "bias_correction" not in group:
         return group
     if not group["bias_correction"]:
-        raise DeepSpeedCheckpointError(f"{file}: its Adam ran with bias_correction=False, which torch's Adam and "
-                                       "AdamW do not offer: load the weights only (zeroq-convert without --optimizer)")
+        raise DeepSpeedCheckpointError(
+            f"{file}: its Adam ran with bias_correction=False, which torch's Adam and "
+            "AdamW do not offer: load the weights only (zeroq-convert without --optimizer)"
+        )
     params = (ds_config.get("optimizer") or {}).get("params") or {}
-    decoupled = (ds_config.get("optimizer") or {}).get("type", "AdamW").lower() == "adamw" or params.get("adam_w_mode", True)
+    decoupled = (ds_config.get("optimizer") or {}).get("type", "AdamW").lower() == "adamw" or params.get(
+        "adam_w_mode", True
+    )
     torch_class = torch.optim.AdamW if decoupled else torch.optim.Adam
     out = {k: v for k, v in torch_class([torch.zeros(1, requires_grad=True)]).param_groups[0].items() if k != "params"}
     out.update({k: group[k] for k in ("lr", "eps", "weight_decay", "amsgrad") if k in group})
@@ -529,8 +577,10 @@ def _torch_adam_group(group: dict[str, Any], ds_config: dict, file: Path) -> dic
 def _moment(base: dict, group: int, key: str, file: Path) -> Tensor:
     state = base.get("state", {}).get(group)
     if state is None or key not in state:
-        raise DeepSpeedCheckpointError(f"{file}: no optimizer state {key!r} for parameter group {group} (only Adam's "
-                                       "moments are read: pass --optimizer only for Adam/AdamW checkpoints)")
+        raise DeepSpeedCheckpointError(
+            f"{file}: no optimizer state {key!r} for parameter group {group} (only Adam's "
+            "moments are read: pass --optimizer only for Adam/AdamW checkpoints)"
+        )
     return state[key]
 
 
@@ -546,13 +596,21 @@ def _split_stage12(out: DeepSpeedState, whole: Tensor, layout: Layout, key: Opti
     for name, offset, shape in layout:
         n = math.prod(shape)
         if offset + n > whole.numel():
-            raise DeepSpeedCheckpointError(f"{file}: the group holding {name!r} has {whole.numel()} elements, fewer "
-                                           f"than its parameters' shapes need (param_shapes and the partitions disagree)")
-        _put(out, name, whole[offset:offset + n].clone().float().view(shape), key)
+            raise DeepSpeedCheckpointError(
+                f"{file}: the group holding {name!r} has {whole.numel()} elements, fewer "
+                f"than its parameters' shapes need (param_shapes and the partitions disagree)"
+            )
+        _put(out, name, whole[offset : offset + n].clone().float().view(shape), key)
 
 
-def _unzip_stage3(out: DeepSpeedState, flats: list[list[Tensor]], sizes: dict[str, tuple[int, ...]], names: list[str],
-                  key: Optional[str], file: Path) -> None:
+def _unzip_stage3(
+    out: DeepSpeedState,
+    flats: list[list[Tensor]],
+    sizes: dict[str, tuple[int, ...]],
+    names: list[str],
+    key: Optional[str],
+    file: Path,
+) -> None:
     """Stage 3: each rank's concatenated groups hold its part of every parameter in turn; a parameter
     is its parts in rank order, less the padding of the last."""
     world = len(flats)
@@ -562,9 +620,11 @@ def _unzip_stage3(out: DeepSpeedState, flats: list[list[Tensor]], sizes: dict[st
         n = math.prod(sizes[name])
         part = -(-n // world)
         if offset + part > per_rank[0].numel():
-            raise DeepSpeedCheckpointError(f"{file}: the flat partitions end before parameter {name!r} "
-                                           "(param_shapes and fp32_flat_groups disagree)")
-        whole = torch.cat([flat[offset:offset + part] for flat in per_rank])[:n]
+            raise DeepSpeedCheckpointError(
+                f"{file}: the flat partitions end before parameter {name!r} "
+                "(param_shapes and fp32_flat_groups disagree)"
+            )
+        whole = torch.cat([flat[offset : offset + part] for flat in per_rank])[:n]
         _put(out, name, whole.clone().float().view(sizes[name]), key)
         offset += part
 
@@ -584,8 +644,12 @@ def as_lightning_checkpoint(state: DeepSpeedState, optimizer: bool) -> dict:
     """The checkpoint as the single-file Lightning checkpoint ``strategy="ddp"`` writes: the fp32 weights
     by name, with ``optimizer`` torch's optimizer state (parameter ids in DeepSpeed's group order, the order
     the same ``configure_optimizers`` gives them), and the step count."""
-    out: dict[str, Any] = {"state_dict": state.params, "global_step": state.global_steps, "epoch": 0,
-                           "pytorch-lightning_version": lightning_version()}
+    out: dict[str, Any] = {
+        "state_dict": state.params,
+        "global_step": state.global_steps,
+        "epoch": 0,
+        "pytorch-lightning_version": lightning_version(),
+    }
     if state.loss_scale is not None:  # ZeroQ's scaler picks it up where the run uses one (16-mixed)
         out[ENGINE_KEY] = {"loss_scaler": state.loss_scale}
     if state.lightning:  # written by Lightning's DeepSpeedStrategy: its Trainer state resumes too
@@ -593,11 +657,15 @@ def as_lightning_checkpoint(state: DeepSpeedState, optimizer: bool) -> dict:
     if optimizer:
         names = [name for group in state.groups for name in group]
         ids = {name: i for i, name in enumerate(names)}
-        out["optimizer_states"] = [{
-            "state": {ids[n]: state.state[n] for n in names if n in state.state},
-            "param_groups": [{**hyper, "params": [ids[n] for n in group]}
-                             for hyper, group in zip(state.hyperparameters, state.groups)],
-        }]
+        out["optimizer_states"] = [
+            {
+                "state": {ids[n]: state.state[n] for n in names if n in state.state},
+                "param_groups": [
+                    {**hyper, "params": [ids[n] for n in group]}
+                    for hyper, group in zip(state.hyperparameters, state.groups)
+                ],
+            }
+        ]
         out.setdefault("lr_schedulers", [])
     return out
 

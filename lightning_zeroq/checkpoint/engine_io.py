@@ -76,8 +76,11 @@ def sharded_model_state(engine: ShardedParts, exclude_frozen: bool = False) -> d
         for name in pv.names:
             chunks[name] = value
     unmanaged = view.unmanaged()
-    return {key: chunks[key] if key in chunks else unmanaged[key] for key in view.state_dict_keys()
-            if (key in chunks or key in unmanaged) and key not in left_out}
+    return {
+        key: chunks[key] if key in chunks else unmanaged[key]
+        for key in view.state_dict_keys()
+        if (key in chunks or key in unmanaged) and key not in left_out
+    }
 
 
 def holds_sharded_state(value: Any) -> bool:
@@ -101,8 +104,10 @@ def sharded_optimizer_state(engine: ShardedParts) -> dict[str, Any]:
             entry = {k: _chunks(v) if isinstance(v, Part) else v for k, v in pv.state().items()}
             if entry:
                 state[pv.name] = entry
-    groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": members}
-              for group, members in zip(optimizer.param_groups, view.group_names())]
+    groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": members}
+        for group, members in zip(optimizer.param_groups, view.group_names())
+    ]
     return {"state": state, "param_groups": groups}
 
 
@@ -111,8 +116,11 @@ def model_entries(engine: ShardedParts) -> dict[str, tuple[torch.Size, torch.dty
     view = ShardedView(engine.parts, engine.optimizer)
     managed = {n: pv.shape for pv in view.params for n in pv.names}
     unmanaged = view.unmanaged()
-    return {key: (managed[key], torch.float32) if key in managed else (unmanaged[key].shape, unmanaged[key].dtype)
-            for key in view.state_dict_keys() if key in managed or isinstance(unmanaged.get(key), Tensor)}
+    return {
+        key: (managed[key], torch.float32) if key in managed else (unmanaged[key].shape, unmanaged[key].dtype)
+        for key in view.state_dict_keys()
+        if key in managed or isinstance(unmanaged.get(key), Tensor)
+    }
 
 
 def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
@@ -121,25 +129,35 @@ def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def optimizer_kind_errors(optimizer: torch.optim.Optimizer, saved_kind: Optional[str],
-                          saved_groups: list[dict]) -> list[str]:
+def optimizer_kind_errors(
+    optimizer: torch.optim.Optimizer, saved_kind: Optional[str], saved_groups: list[dict]
+) -> list[str]:
     """Why a checkpoint's optimizer state cannot go into ``optimizer``: another class (``saved_kind``, as
     the save recorded it); where the checkpoint does not record it (saved by lightning_zeroq before it
     did, by FSDP2 or DDP), param groups that both hold hyperparameters this optimizer does not have and
     lack ones it has (a missing one alone is kept from this optimizer, as a newer torch may add one)."""
     mine = optimizer_kind(optimizer)
-    fix = ("resume with the same optimizer (configure_optimizers, or the optimizer passed to fabric.load), or "
-           "load the weights only (fabric.load without the optimizer, or LightningModule.load_from_checkpoint "
-           "before fit)")
+    fix = (
+        "resume with the same optimizer (configure_optimizers, or the optimizer passed to fabric.load), or "
+        "load the weights only (fabric.load without the optimizer, or LightningModule.load_from_checkpoint "
+        "before fit)"
+    )
     if saved_kind is not None:
-        return [] if saved_kind == mine else [
-            f"the checkpoint holds the state of a {saved_kind} optimizer, this one is a {mine}: {fix}."]
+        return (
+            []
+            if saved_kind == mine
+            else [f"the checkpoint holds the state of a {saved_kind} optimizer, this one is a {mine}: {fix}."]
+        )
     saved = set().union(*(g.keys() for g in saved_groups)) - ANY_GROUP_KEYS
     own = set(optimizer.defaults).union(*(g.keys() for g in optimizer.param_groups)) - ANY_GROUP_KEYS
     foreign, lacking = sorted(saved - own), sorted(set(optimizer.defaults) - ANY_GROUP_KEYS - saved)
     if foreign and lacking:
-        return [(f"the checkpoint's optimizer param groups hold {foreign} and lack {lacking}, which this {mine} "
-                 f"has: its state is another kind of optimizer's (the checkpoint does not record which): {fix}.")]
+        return [
+            (
+                f"the checkpoint's optimizer param groups hold {foreign} and lack {lacking}, which this {mine} "
+                f"has: its state is another kind of optimizer's (the checkpoint does not record which): {fix}."
+            )
+        ]
     return []
 
 
@@ -152,8 +170,14 @@ def engine_state(engine: ShardedParts, optimizer: bool, exclude_frozen: bool = F
     return state
 
 
-def save_state(engine: ShardedParts, path: Path, state: dict, trainer_state: Any, checkpointer: Checkpointer,
-               exclude_frozen: bool = False) -> None:
+def save_state(
+    engine: ShardedParts,
+    path: Path,
+    state: dict,
+    trainer_state: Any,
+    checkpointer: Checkpointer,
+    exclude_frozen: bool = False,
+) -> None:
     """Collective: write ``state`` (``engine_state`` or the like) and ``trainer_state`` to ``path``.
     ``exclude_frozen``: ``state`` was made without the frozen parameters; the manifest names those it lacks."""
     view = ShardedView(engine.parts, engine.optimizer)
@@ -163,14 +187,20 @@ def save_state(engine: ShardedParts, path: Path, state: dict, trainer_state: Any
         raise CheckpointError(
             f"Saving checkpoint {path}: the engine that held its state was closed (a new fit replaced it), so its "
             "master shards and optimizer state are gone (with NVMe offload, their swap files); save during fit "
-            "(ModelCheckpoint) or before the next fit starts.")
+            "(ModelCheckpoint) or before the next fit starts."
+        )
     if not view.stable and checkpointer.async_save and not getattr(checkpointer, "_warned_nvme", False):
         checkpointer._warned_nvme = True  # type: ignore[attr-defined]
-        warnings.warn("async_checkpoint with NVMe optimizer offload: saves stay synchronous (an asynchronous save "
-                      "would need the whole optimizer state in host memory, which NVMe offload exists to avoid).",
-                      stacklevel=3)
-    extra: dict[str, Any] = {"world_size": view.job_world_size, "shard_group_size": view.world_size,
-                             "stage": view.stage}
+        warnings.warn(
+            "async_checkpoint with NVMe optimizer offload: saves stay synchronous (an asynchronous save "
+            "would need the whole optimizer state in host memory, which NVMe offload exists to avoid).",
+            stacklevel=3,
+        )
+    extra: dict[str, Any] = {
+        "world_size": view.job_world_size,
+        "shard_group_size": view.world_size,
+        "stage": view.stage,
+    }
     if OPTIMIZER_KEY in state and view.optimizer is not None:
         extra[OPTIMIZER_CLASS] = optimizer_kind(view.optimizer)
     if exclude_frozen:
@@ -179,17 +209,39 @@ def save_state(engine: ShardedParts, path: Path, state: dict, trainer_state: Any
         if left_out:
             extra[FROZEN_EXCLUDED] = left_out
     walk = view.walk()
-    checkpointer.save(Path(path), state, trainer_state, optimizer=OPTIMIZER_KEY in state,
-                      before_read=walk.ensure, after_read=walk.close, pin=view.pin, allow_async=view.stable,
-                      extra=extra, views_stable=view.stable)
+    checkpointer.save(
+        Path(path),
+        state,
+        trainer_state,
+        optimizer=OPTIMIZER_KEY in state,
+        before_read=walk.ensure,
+        after_read=walk.close,
+        pin=view.pin,
+        allow_async=view.stable,
+        extra=extra,
+        views_stable=view.stable,
+    )
 
 
-def save_engine(engine: ShardedParts, path: Path, *, trainer_state: Any = None, optimizer: bool = True,
-                checkpointer: Optional[Checkpointer] = None, exclude_frozen: bool = False) -> None:
+def save_engine(
+    engine: ShardedParts,
+    path: Path,
+    *,
+    trainer_state: Any = None,
+    optimizer: bool = True,
+    checkpointer: Optional[Checkpointer] = None,
+    exclude_frozen: bool = False,
+) -> None:
     """Collective: write ``engine``'s model (and optimizer) state and ``trainer_state`` (JSON) to ``path``;
     ``exclude_frozen``: without the frozen parameters (``requires_grad=False``), which a load then expects absent."""
-    save_state(engine, path, engine_state(engine, optimizer, exclude_frozen), trainer_state or {},
-               checkpointer or Checkpointer(), exclude_frozen)
+    save_state(
+        engine,
+        path,
+        engine_state(engine, optimizer, exclude_frozen),
+        trainer_state or {},
+        checkpointer or Checkpointer(),
+        exclude_frozen,
+    )
 
 
 # ---------------------------------------------------------------------- load
@@ -214,13 +266,19 @@ def _value(target: Any) -> Any:
 
 
 @torch.no_grad()
-def load_sharded(engine: ShardedParts, read: Callable[[dict], None], *, model_prefix: str,
-                 stored: set[str], optimizer_prefix: Optional[str] = None,
-                 optimizer_keys: Optional[dict[str, list[str]]] = None,
-                 param_groups: Optional[list[dict]] = None,
-                 scalar_target: Callable[[str], Any] = lambda key: BytesTarget(),
-                 settle: Optional[Callable[[list[str]], object]] = None,
-                 left_out: frozenset[str] = frozenset()) -> None:
+def load_sharded(
+    engine: ShardedParts,
+    read: Callable[[dict], None],
+    *,
+    model_prefix: str,
+    stored: set[str],
+    optimizer_prefix: Optional[str] = None,
+    optimizer_keys: Optional[dict[str, list[str]]] = None,
+    param_groups: Optional[list[dict]] = None,
+    scalar_target: Callable[[str], Any] = lambda key: BytesTarget(),
+    settle: Optional[Callable[[list[str]], object]] = None,
+    left_out: frozenset[str] = frozenset(),
+) -> None:
     """Read this rank's part of every entry, batch by batch of resident units (``read(targets)`` fills
     a dict of checkpoint key -> ``LocalChunks``/tensor/``BytesTarget``). ``stored``: the checkpoint's
     keys without the model prefix (a tied parameter is read under whichever of its names is there).
@@ -245,8 +303,9 @@ def load_sharded(engine: ShardedParts, read: Callable[[dict], None], *, model_pr
                 continue
             name = next((n for n in pv.names if n in stored), pv.name)
             buffer = pv.part.buffer()
-            targets[model_prefix + name] = LocalChunks(pv.shape, pv.part.dtype, pv.part.offset, pv.part.numel,
-                                                       target=buffer)
+            targets[model_prefix + name] = LocalChunks(
+                pv.shape, pv.part.dtype, pv.part.offset, pv.part.numel, target=buffer
+            )
             writes.append((pv.part.write, buffer))
             keys = optimizer_keys.get(pv.name) if optimizer_keys is not None and pv.group is not None else None
             for key in keys or ():
@@ -254,8 +313,9 @@ def load_sharded(engine: ShardedParts, read: Callable[[dict], None], *, model_pr
                 if key in per_element:
                     part = pv.state_part(key)
                     state_buffer = part.buffer()
-                    targets[ckpt_key] = LocalChunks(pv.shape, torch.float32, part.offset, part.numel,
-                                                    target=state_buffer)
+                    targets[ckpt_key] = LocalChunks(
+                        pv.shape, torch.float32, part.offset, part.numel, target=state_buffer
+                    )
                     writes.append((part.write, state_buffer))
                 else:
                     targets[ckpt_key] = target = scalar_target(ckpt_key)
@@ -291,7 +351,7 @@ def _read_param_groups(opened: Opened, prefix: str) -> list[dict]:
     read_entries(opened.reader, targets)
     groups: dict[int, dict] = {}
     for key, target in targets.items():
-        index, name = key[len(prefix + "param_groups."):].split(".", 1)
+        index, name = key[len(prefix + "param_groups.") :].split(".", 1)
         groups.setdefault(int(index), {})[name] = target.value
     return [groups[i] for i in sorted(groups)]
 
@@ -303,8 +363,10 @@ def _optimizer_plan(engine: ShardedParts, opened: Opened, prefix: str, groups: l
     assert optimizer is not None
     errors: list[str] = []
     if len(groups) != len(optimizer.param_groups):
-        errors.append(f"the checkpoint's optimizer has {len(groups)} param group(s), this one "
-                      f"{len(optimizer.param_groups)}: configure_optimizers must build the same groups.")
+        errors.append(
+            f"the checkpoint's optimizer has {len(groups)} param group(s), this one "
+            f"{len(optimizer.param_groups)}: configure_optimizers must build the same groups."
+        )
         return {}, errors
     shapes = {pv.name: pv.shape for pv in view.params}
     per_element = view.per_element_keys()
@@ -314,7 +376,7 @@ def _optimizer_plan(engine: ShardedParts, opened: Opened, prefix: str, groups: l
     by_name: dict[str, list[str]] = {}
     for key in stored:
         if key.startswith(base):
-            head, _, last = key[len(base):].rpartition(".")
+            head, _, last = key[len(base) :].rpartition(".")
             by_name.setdefault(head, []).append(last)
     for name, shape in shapes.items():
         found = by_name.get(name)
@@ -322,25 +384,38 @@ def _optimizer_plan(engine: ShardedParts, opened: Opened, prefix: str, groups: l
             continue
         keys[name] = sorted(found)
         if per_element and not per_element <= set(found):
-            errors.append(f"the checkpoint's optimizer state of {name!r} has {sorted(found)}, this "
-                          f"{type(optimizer).__name__} keeps {sorted(per_element)}: it was saved with another "
-                          "optimizer.")
+            errors.append(
+                f"the checkpoint's optimizer state of {name!r} has {sorted(found)}, this "
+                f"{type(optimizer).__name__} keeps {sorted(per_element)}: it was saved with another "
+                "optimizer."
+            )
         for k in per_element & set(found):
             md = stored[base + name + "." + k]
             if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != tuple(shape):
-                errors.append(f"the checkpoint's optimizer state {name}.{k} has shape "
-                              f"{tuple(getattr(md, 'size', ()))}, the parameter's is {tuple(shape)}.")
+                errors.append(
+                    f"the checkpoint's optimizer state {name}.{k} has shape "
+                    f"{tuple(getattr(md, 'size', ()))}, the parameter's is {tuple(shape)}."
+                )
     for g, (mine, saved) in enumerate(zip(view.groups(), groups)):
         members = set(saved.get("params", []))
         outside = sorted({pv.name for pv in mine} - members)
         if members and outside:
-            errors.append(f"param group {g} of this optimizer holds {outside[:4]}, which the checkpoint's group {g} "
-                          "does not: configure_optimizers must put the same parameters in the same groups.")
+            errors.append(
+                f"param group {g} of this optimizer holds {outside[:4]}, which the checkpoint's group {g} "
+                "does not: configure_optimizers must put the same parameters in the same groups."
+            )
     return keys, errors
 
 
-def load_engine(engine: ShardedParts, path: Path, *, load_optimizer: bool = True, strict: bool = True,
-                opened: Optional[Opened] = None, moved: bool = False) -> Any:
+def load_engine(
+    engine: ShardedParts,
+    path: Path,
+    *,
+    load_optimizer: bool = True,
+    strict: bool = True,
+    opened: Optional[Opened] = None,
+    moved: bool = False,
+) -> Any:
     """Collective: validate ``path`` against ``engine`` on every rank, then load this rank's part of the
     model (and, if ``load_optimizer`` and the engine has an optimizer, its state). Returns the trainer
     state the checkpoint holds (``{}`` for a foreign DCP checkpoint). ``moved``: where a callback had moved
@@ -365,8 +440,11 @@ def _read_whole(opened: Opened, entries: list[str], group: Any) -> dict[str, dic
         entry, _, name = key.partition(".")
         if entry in out and isinstance(md, TensorStorageMetadata):
             out[entry][name] = targets[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-    _read_settled(lambda t: read_entries(opened.reader, t), targets,
-                  lambda errs: agree(errs, f"Loading checkpoint {opened.path}", group))
+    _read_settled(
+        lambda t: read_entries(opened.reader, t),
+        targets,
+        lambda errs: agree(errs, f"Loading checkpoint {opened.path}", group),
+    )
     return out
 
 
@@ -378,7 +456,9 @@ def frozen_left_out(engine: ShardedParts, opened: Opened, expected: dict[str, An
     if not isinstance(record, list):
         return frozenset(), []
     stored = opened.keys()  # a checkpoint with a manifest is ZeroQ's: its model is under MODEL_KEY
-    absent = {name for name in record if isinstance(name, str) and name in expected and f"{MODEL_KEY}.{name}" not in stored}
+    absent = {
+        name for name in record if isinstance(name, str) and name in expected and f"{MODEL_KEY}.{name}" not in stored
+    }
     frozen = set(ShardedView(engine.parts, engine.optimizer).frozen_names())
     return frozenset(absent & frozen), sorted(absent - frozen)
 
@@ -386,14 +466,19 @@ def frozen_left_out(engine: ShardedParts, opened: Opened, expected: dict[str, An
 def _trainable_left_out(path: Path, names: list[str]) -> list[str]:
     if not names:
         return []
-    return [(f"the model: {path} was saved with exclude_frozen_parameters=True, so it lacks {len(names)} parameter(s) "
-             f"that were frozen then and are trainable in this model: {names[:6]}{' ...' if len(names) > 6 else ''}. "
-             "Freeze them again (requires_grad=False) before the load, or resume from a checkpoint saved with "
-             "exclude_frozen_parameters=False.")]
+    return [
+        (
+            f"the model: {path} was saved with exclude_frozen_parameters=True, so it lacks {len(names)} parameter(s) "
+            f"that were frozen then and are trainable in this model: {names[:6]}{' ...' if len(names) > 6 else ''}. "
+            "Freeze them again (requires_grad=False) before the load, or resume from a checkpoint saved with "
+            "exclude_frozen_parameters=False."
+        )
+    ]
 
 
-def _load_opened(engine: ShardedParts, opened: Opened, group: Any, load_optimizer: bool, strict: bool,
-                 moved: bool = False) -> Any:
+def _load_opened(
+    engine: ShardedParts, opened: Opened, group: Any, load_optimizer: bool, strict: bool, moved: bool = False
+) -> Any:
     expected = model_entries(engine)
     left_out, trainable = frozen_left_out(engine, opened, expected)
     errors = _trainable_left_out(opened.path, trainable)
@@ -404,21 +489,24 @@ def _load_opened(engine: ShardedParts, opened: Opened, group: Any, load_optimize
     if load_optimizer and engine.optimizer is not None:
         optimizer_prefix = _optimizer_prefix(opened)
         if optimizer_prefix is None:
-            errors.append(f"{opened.path} has no optimizer state (it holds weights only); resume from a checkpoint "
-                          "saved with the optimizer, or load these weights into the module before fit().")
+            errors.append(
+                f"{opened.path} has no optimizer state (it holds weights only); resume from a checkpoint "
+                "saved with the optimizer, or load these weights into the module before fit()."
+            )
         else:
             try:
                 groups = _read_param_groups(opened, optimizer_prefix)
                 saved_kind = opened.manifest.extra.get(OPTIMIZER_CLASS) if opened.manifest is not None else None
-                more = optimizer_kind_errors(engine.optimizer, saved_kind if isinstance(saved_kind, str) else None,
-                                             groups)
+                more = optimizer_kind_errors(
+                    engine.optimizer, saved_kind if isinstance(saved_kind, str) else None, groups
+                )
                 if not more:
                     optimizer_keys, more = _optimizer_plan(engine, opened, optimizer_prefix, groups)
                 errors += more
             except Exception as error:
                 errors.append(describe(error))
     agree(errors, f"Loading checkpoint {opened.path}", group)
-    stored = {k[len(model_prefix):] for k in opened.keys() if k.startswith(model_prefix)}
+    stored = {k[len(model_prefix) :] for k in opened.keys() if k.startswith(model_prefix)}
 
     def scalar_target(key: str) -> Any:
         md = opened.keys()[key]
@@ -428,10 +516,18 @@ def _load_opened(engine: ShardedParts, opened: Opened, group: Any, load_optimize
 
     errors = []
     try:
-        load_sharded(engine, lambda targets: read_entries(opened.reader, targets), model_prefix=model_prefix,
-                     stored=stored, optimizer_prefix=optimizer_prefix, optimizer_keys=optimizer_keys,
-                     param_groups=groups, scalar_target=scalar_target,
-                     settle=lambda errs: agree(errs, f"Loading checkpoint {opened.path}", group), left_out=left_out)
+        load_sharded(
+            engine,
+            lambda targets: read_entries(opened.reader, targets),
+            model_prefix=model_prefix,
+            stored=stored,
+            optimizer_prefix=optimizer_prefix,
+            optimizer_keys=optimizer_keys,
+            param_groups=groups,
+            scalar_target=scalar_target,
+            settle=lambda errs: agree(errs, f"Loading checkpoint {opened.path}", group),
+            left_out=left_out,
+        )
     except CheckpointError:  # agreed: every rank raises it
         raise
     except Exception as error:

@@ -12,10 +12,18 @@ from typing import Any, Optional
 
 def check_name(name: Any, directory: Path) -> None:
     """A file name a checkpoint's metadata may refer to: one plain name inside ``directory``."""
-    if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\0" in name
-            or os.path.isabs(name)):
-        raise ValueError(f"{directory / '.metadata'} refers to the data file {name!r}, which is not a file inside "
-                         f"{directory}; it was not opened (the metadata is damaged or was made to read other files).")
+    if (
+        not isinstance(name, str)
+        or not name
+        or name in (".", "..")
+        or "/" in name
+        or "\0" in name
+        or os.path.isabs(name)
+    ):
+        raise ValueError(
+            f"{directory / '.metadata'} refers to the data file {name!r}, which is not a file inside "
+            f"{directory}; it was not opened (the metadata is damaged or was made to read other files)."
+        )
 
 
 class Files:
@@ -27,8 +35,11 @@ class Files:
     def __init__(self, directory: Path, dir_fd: Optional[int] = None) -> None:
         """``dir_fd``: the directory already opened (``subdirectory``), owned from here on."""
         self.directory = Path(directory)
-        self._dir = dir_fd if dir_fd is not None else os.open(
-            self.directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC)
+        self._dir = (
+            dir_fd
+            if dir_fd is not None
+            else os.open(self.directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC)
+        )
         self._fds: dict[str, int] = {}
 
     def names(self) -> list[str]:
@@ -47,8 +58,10 @@ class Files:
         a symbolic link: a link is a ``ValueError``; nothing there, ``FileNotFoundError``; a file,
         ``NotADirectoryError``."""
         if self.is_link(name):
-            raise ValueError(f"{self.directory / name} is a symbolic link; a checkpoint's directories are read only "
-                             "from inside it, never through a link.")
+            raise ValueError(
+                f"{self.directory / name} is a symbolic link; a checkpoint's directories are read only "
+                "from inside it, never through a link."
+            )
         flags = os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
         return Files(self.directory / name, os.open(name, flags, dir_fd=self._dir))
 
@@ -60,8 +73,10 @@ class Files:
                 fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), dir_fd=self._dir)
             except OSError as error:
                 if error.errno == errno.ELOOP:
-                    raise ValueError(f"{self.directory / name} is a symbolic link; a checkpoint's files are read "
-                                     "only from inside its directory, never through a link.") from None
+                    raise ValueError(
+                        f"{self.directory / name} is a symbolic link; a checkpoint's files are read "
+                        "only from inside its directory, never through a link."
+                    ) from None
                 raise
             self._fds[name] = fd
         return fd
@@ -93,7 +108,7 @@ class Files:
         """Fill ``buffer`` from ``offset``; the bytes read (fewer only at the end of the file)."""
         fd, got = self.fd(name), 0
         while got < len(buffer):
-            n = os.preadv(fd, [buffer[got:got + (1 << 30)]], offset + got)
+            n = os.preadv(fd, [buffer[got : got + (1 << 30)]], offset + got)
             if n <= 0:
                 break
             got += n

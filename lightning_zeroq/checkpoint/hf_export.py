@@ -46,8 +46,14 @@ from torch import Tensor
 from lightning_zeroq.checkpoint import atomic
 from lightning_zeroq.checkpoint.agree import advising
 from lightning_zeroq.checkpoint.checkpointer import Opened, open_checkpoint
-from lightning_zeroq.checkpoint.convert import (ConvertError, check_input, left_out_frozen, read_tensor,
-                                                safetensors_save_file, tensor_keys)
+from lightning_zeroq.checkpoint.convert import (
+    ConvertError,
+    check_input,
+    left_out_frozen,
+    read_tensor,
+    safetensors_save_file,
+    tensor_keys,
+)
 from lightning_zeroq.checkpoint.store import MODEL_KEY
 from lightning_zeroq.config import SIZE_UNITS
 from lightning_zeroq.nulls import nothing
@@ -57,8 +63,18 @@ SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = "50GB"
 """``save_pretrained``'s default (transformers 5)."""
-BASE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
-              "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja")
+BASE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
 """What is copied from the base model's directory beside the weights."""
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ADAPTER_CONFIG = "adapter_config.json"
@@ -67,8 +83,13 @@ _PEFT_PREFIX = re.compile(r"^(?:.*\.)?base_model\.model\.")
 _LORA = re.compile(r"^(?P<module>.+)\.(?P<factor>lora_A|lora_B)\.(?P<adapter>[^.]+)\.(?P<leaf>weight|bias)$")
 _LORA_EMBEDDING = re.compile(r"^(?P<module>.+)\.(?P<factor>lora_embedding_A|lora_embedding_B)\.(?P<adapter>[^.]+)$")
 _TO_SAVE = re.compile(r"\.modules_to_save\.[^.]+\.")
-_UNSUPPORTED = {"lora_magnitude_vector": "DoRA (use_dora=True), whose magnitude vector is not merged",
-                "lora_E": "AdaLoRA", "hada_w1": "LoHa", "lokr_w1": "LoKr", "ia3_l": "IA3"}
+_UNSUPPORTED = {
+    "lora_magnitude_vector": "DoRA (use_dora=True), whose magnitude vector is not merged",
+    "lora_E": "AdaLoRA",
+    "hada_w1": "LoHa",
+    "lokr_w1": "LoKr",
+    "ia3_l": "IA3",
+}
 
 
 @dataclass(frozen=True)
@@ -92,25 +113,33 @@ class LoraSettings:
         try:
             config = json.loads(file.read_text())
         except (OSError, ValueError) as error:
-            raise ConvertError(f"{file} could not be read as a PEFT adapter_config.json ({error}): pass the file "
-                               "peft_model.save_pretrained() wrote, or --lora-alpha (and --lora-r) instead.") from None
+            raise ConvertError(
+                f"{file} could not be read as a PEFT adapter_config.json ({error}): pass the file "
+                "peft_model.save_pretrained() wrote, or --lora-alpha (and --lora-r) instead."
+            ) from None
         if not isinstance(config, dict):
             raise ConvertError(f"{file} holds no JSON object: pass a PEFT adapter_config.json.")
         kind = config.get("peft_type", "LORA")
         if kind != "LORA":
             raise ConvertError(f"{file} is the config of a {kind} adapter; --hf merges LoRA adapters only.")
         if config.get("use_dora"):
-            raise ConvertError(f"{file} has use_dora=true: DoRA's magnitude vector is not merged by --hf; merge "
-                               "with peft's merge_and_unload() instead.")
+            raise ConvertError(
+                f"{file} has use_dora=true: DoRA's magnitude vector is not merged by --hf; merge "
+                "with peft's merge_and_unload() instead."
+            )
         for name in ("r", "lora_alpha"):
             value = config.get(name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ConvertError(f"{file}: {name}={value!r} must be a positive number.")
-        return cls(r=int(config["r"]), lora_alpha=float(config["lora_alpha"]),
-                   use_rslora=bool(config.get("use_rslora", False)),
-                   fan_in_fan_out=bool(config.get("fan_in_fan_out", False)),
-                   rank_pattern=dict(config.get("rank_pattern") or {}),
-                   alpha_pattern=dict(config.get("alpha_pattern") or {}), source=str(file))
+        return cls(
+            r=int(config["r"]),
+            lora_alpha=float(config["lora_alpha"]),
+            use_rslora=bool(config.get("use_rslora", False)),
+            fan_in_fan_out=bool(config.get("fan_in_fan_out", False)),
+            rank_pattern=dict(config.get("rank_pattern") or {}),
+            alpha_pattern=dict(config.get("alpha_pattern") or {}),
+            source=str(file),
+        )
 
     def replace(self, **changes: Any) -> "LoraSettings":
         """With the flags' values (None: keep)."""
@@ -124,12 +153,16 @@ class LoraSettings:
     def scale(self, module: str, rank: int) -> float:
         """The scale of ``module``'s factors (of rank ``rank``), as PEFT's ``LoraLayer.update_layer`` sets it."""
         if self.lora_alpha is None:
-            raise ConvertError(f"the checkpoint holds LoRA factors (e.g. of {module}), whose merge needs lora_alpha: "
-                               "pass --peft-config adapter_config.json, or --lora-alpha (and --lora-r).")
+            raise ConvertError(
+                f"the checkpoint holds LoRA factors (e.g. of {module}), whose merge needs lora_alpha: "
+                "pass --peft-config adapter_config.json, or --lora-alpha (and --lora-r)."
+            )
         r = self.rank_pattern.get(_pattern_key(self.rank_pattern, module), self.r) if self.r is not None else rank
         if r != rank:
-            raise ConvertError(f"{module}'s LoRA factors have rank {rank}, but {self.source} say{'s' if self.source != 'the flags' else ''} "
-                               f"r={r}: pass the adapter_config.json of the adapter that was trained.")
+            raise ConvertError(
+                f"{module}'s LoRA factors have rank {rank}, but {self.source} say{'s' if self.source != 'the flags' else ''} "
+                f"r={r}: pass the adapter_config.json of the adapter that was trained."
+            )
         alpha = float(self.alpha_pattern.get(_pattern_key(self.alpha_pattern, module), self.lora_alpha))
         return alpha / math.sqrt(r) if self.use_rslora else alpha / r
 
@@ -185,8 +218,10 @@ class _Base:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         if not directory.is_dir():
-            raise ConvertError(f"--base {directory} is not a directory: pass the base model's Hugging Face directory "
-                               "(what save_pretrained wrote: config.json and model*.safetensors).")
+            raise ConvertError(
+                f"--base {directory} is not a directory: pass the base model's Hugging Face directory "
+                "(what save_pretrained wrote: config.json and model*.safetensors)."
+            )
         index = directory / SAFE_WEIGHTS_INDEX_NAME
         if index.is_file():
             weight_map = json.loads(index.read_text()).get("weight_map", {})
@@ -194,8 +229,10 @@ class _Base:
         elif (directory / SAFE_WEIGHTS_NAME).is_file():
             self.files = dict.fromkeys(self._names(directory / SAFE_WEIGHTS_NAME), directory / SAFE_WEIGHTS_NAME)
         else:
-            raise ConvertError(f"--base {directory} holds neither {SAFE_WEIGHTS_NAME} nor {SAFE_WEIGHTS_INDEX_NAME}: "
-                               "pass the directory save_pretrained wrote (safetensors weights).")
+            raise ConvertError(
+                f"--base {directory} holds neither {SAFE_WEIGHTS_NAME} nor {SAFE_WEIGHTS_INDEX_NAME}: "
+                "pass the directory save_pretrained wrote (safetensors weights)."
+            )
         self.meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         for file in sorted(set(self.files.values())):
             with _safe_open(file) as f:
@@ -213,9 +250,18 @@ class _Base:
             return f.get_tensor(name)
 
 
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                       "BOOL": torch.bool}
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 def _safe_open(file: Path) -> Any:
@@ -236,8 +282,9 @@ def parse_size(size: Union[int, str]) -> int:
     except ValueError:
         number = -1.0
     if not 0 < number < float("inf"):
-        raise ConvertError(f"--max-shard-size {size!r} is not a size: use bytes or a number with a unit, e.g. 5GB, "
-                           "500MB or 2GiB.")
+        raise ConvertError(
+            f"--max-shard-size {size!r} is not a size: use bytes or a number with a unit, e.g. 5GB, 500MB or 2GiB."
+        )
     return int(number)
 
 
@@ -248,7 +295,7 @@ def _plan(opened: Opened, base: Optional[_Base], lora: LoraSettings, dtype: Opti
     plain: dict[str, str] = {}  # output name -> checkpoint key
     adapters: set[str] = set()
     for key in keys:
-        name = key[len(MODEL_KEY) + 1:]
+        name = key[len(MODEL_KEY) + 1 :]
         unsupported = next((kind for marker, kind in _UNSUPPORTED.items() if f".{marker}." in f".{name}."), None)
         if unsupported is not None:
             raise ConvertError(f"{name} belongs to {unsupported}: --hf merges LoRA factors (lora_A, lora_B) only.")
@@ -272,17 +319,23 @@ def _plan(opened: Opened, base: Optional[_Base], lora: LoraSettings, dtype: Opti
         else:
             entry.b = key
     if len(adapters) > 1:
-        raise ConvertError(f"{opened.path} holds the factors of {len(adapters)} LoRA adapters ({sorted(adapters)}): "
-                           "--hf merges one; train (or save) one adapter per checkpoint.")
+        raise ConvertError(
+            f"{opened.path} holds the factors of {len(adapters)} LoRA adapters ({sorted(adapters)}): "
+            "--hf merges one; train (or save) one adapter per checkpoint."
+        )
     lacking = [n for n in (hf_name(n) for n in left_out_frozen(opened)) if n is not None and n not in plain]
     if lacking and base is None:
-        raise ConvertError(f"{opened.path} was saved with exclude_frozen_parameters=True: it lacks the frozen base "
-                           f"({len(lacking)} tensors, e.g. {lacking[:3]}); pass --base DIR, the base model's Hugging "
-                           "Face directory, to read them from.")
+        raise ConvertError(
+            f"{opened.path} was saved with exclude_frozen_parameters=True: it lacks the frozen base "
+            f"({len(lacking)} tensors, e.g. {lacking[:3]}); pass --base DIR, the base model's Hugging "
+            "Face directory, to read them from."
+        )
     missing = [n for n in lacking if n not in base.meta] if base is not None else []
     if base is not None and missing:
-        raise ConvertError(f"{opened.path} lacks its frozen base, and --base {base.directory} lacks {len(missing)} of "
-                           f"those tensors too, e.g. {missing[:3]}: pass the base model the adapter was trained on.")
+        raise ConvertError(
+            f"{opened.path} lacks its frozen base, and --base {base.directory} lacks {len(missing)} of "
+            f"those tensors too, e.g. {missing[:3]}: pass the base model the adapter was trained on."
+        )
     # The checkpoint's order (the module's), then what it left out (the module's order too), then the base's rest.
     names = list(dict.fromkeys([*plain, *lacking, *(base.meta if base is not None else {})]))
     outputs = []
@@ -294,34 +347,48 @@ def _plan(opened: Opened, base: Optional[_Base], lora: LoraSettings, dtype: Opti
         else:
             assert base is not None
             shape, stored = base.meta[name]
-        outputs.append(_Output(name, shape, dtype if dtype is not None and stored.is_floating_point else stored, source))
+        outputs.append(
+            _Output(name, shape, dtype if dtype is not None and stored.is_floating_point else stored, source)
+        )
     by_name = {o.name: o for o in outputs}
     for module, entry in merges.items():
         if not (entry.a and entry.b):
-            raise ConvertError(f"{opened.path} holds only one of {module}'s LoRA factors (A: {entry.a or 'none'}, B: "
-                               f"{entry.b or 'none'}): the checkpoint is incomplete.")
+            raise ConvertError(
+                f"{opened.path} holds only one of {module}'s LoRA factors (A: {entry.a or 'none'}, B: "
+                f"{entry.b or 'none'}): the checkpoint is incomplete."
+            )
         target = by_name.get(f"{module}.weight")
         if target is None:
-            fix = ("pass --base DIR, the base model's directory" if base is None else
-                   f"is --base {base.directory} the model the adapter was trained on?")
-            raise ConvertError(f"{module} has LoRA factors but no base weight {module}.weight to merge them into: {fix}")
+            fix = (
+                "pass --base DIR, the base model's directory"
+                if base is None
+                else f"is --base {base.directory} the model the adapter was trained on?"
+            )
+            raise ConvertError(
+                f"{module} has LoRA factors but no base weight {module}.weight to merge them into: {fix}"
+            )
         a_shape, b_shape = tuple(opened.keys()[entry.a].size), tuple(opened.keys()[entry.b].size)
         if len(a_shape) != 2 or len(b_shape) != 2:
-            raise ConvertError(f"{module}'s LoRA factors have shapes {a_shape} and {b_shape}: --hf merges the factors of "
-                               "linear and embedding layers only.")
+            raise ConvertError(
+                f"{module}'s LoRA factors have shapes {a_shape} and {b_shape}: --hf merges the factors of "
+                "linear and embedding layers only."
+            )
         rank = a_shape[0]  # lora_A (and lora_embedding_A) is (r, in)
         product = (b_shape[0], a_shape[1])
         want = product[::-1] if entry.embedding or lora.fan_in_fan_out else product
         if want != target.shape:
-            raise ConvertError(f"{module}'s LoRA factors make a {want} update, its base weight is {target.shape}"
-                               f"{' (fan_in_fan_out: ' + str(lora.fan_in_fan_out) + ')' if not entry.embedding else ''}.")
+            raise ConvertError(
+                f"{module}'s LoRA factors make a {want} update, its base weight is {target.shape}"
+                f"{' (fan_in_fan_out: ' + str(lora.fan_in_fan_out) + ')' if not entry.embedding else ''}."
+            )
         lora.scale(module, rank)  # checked here, before anything is written
         target.lora = entry
         if entry.b_bias:
             bias = by_name.get(f"{module}.bias")
             if bias is None:
-                raise ConvertError(f"{module} has a LoRA bias (lora_bias=True) but no base bias {module}.bias to merge "
-                                   "it into.")
+                raise ConvertError(
+                    f"{module} has a LoRA bias (lora_bias=True) but no base bias {module}.bias to merge it into."
+                )
             bias.bias_of = entry
     return outputs
 
@@ -379,13 +446,22 @@ def _check_output(out: Path) -> None:
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise ConvertError(f"{out} exists and is no directory: --hf writes a directory; name a new one.")
     if out.is_dir() and any(out.iterdir()):
-        raise ConvertError(f"{out} is a directory that is not empty: --hf writes a whole model directory; name a new "
-                           "(or empty) one, so nothing of another model is mixed in or removed.")
+        raise ConvertError(
+            f"{out} is a directory that is not empty: --hf writes a whole model directory; name a new "
+            "(or empty) one, so nothing of another model is mixed in or removed."
+        )
 
 
-def export_hf(checkpoint: Union[str, Path], out: Union[str, Path], *, lora: Optional[LoraSettings] = None,
-              base: Union[str, Path, None] = None, max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
-              dtype: Optional[str] = None, progress: Callable[[str], None] = nothing) -> Path:
+def export_hf(
+    checkpoint: Union[str, Path],
+    out: Union[str, Path],
+    *,
+    lora: Optional[LoraSettings] = None,
+    base: Union[str, Path, None] = None,
+    max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
+    dtype: Optional[str] = None,
+    progress: Callable[[str], None] = nothing,
+) -> Path:
     """Write checkpoint directory ``checkpoint`` as the Hugging Face model directory ``out`` (see the module
     docstring); returns ``out``. ``dtype``: ``"fp32"``, ``"bf16"`` or ``"fp16"`` for every floating tensor (None:
     each keeps its stored dtype, a merged weight its base's)."""
@@ -408,15 +484,26 @@ def export_hf(checkpoint: Union[str, Path], out: Union[str, Path], *, lora: Opti
     return out
 
 
-def _write_directory(opened: Opened, base: Optional[_Base], lora: LoraSettings, outputs: list[_Output], out: Path,
-                     max_bytes: int, cast: Optional[torch.dtype], progress: Callable[[str], None]) -> None:
+def _write_directory(
+    opened: Opened,
+    base: Optional[_Base],
+    lora: LoraSettings,
+    outputs: list[_Output],
+    out: Path,
+    max_bytes: int,
+    cast: Optional[torch.dtype],
+    progress: Callable[[str], None],
+) -> None:
     save_file = safetensors_save_file()
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".zeroq-tmp", dir=out.parent))
     try:
         shards = _shards(outputs, max_bytes)
         count = len(shards)
-        names = [SAFE_WEIGHTS_NAME] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors"
-                                                       for i in range(count)]
+        names = (
+            [SAFE_WEIGHTS_NAME]
+            if count == 1
+            else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        )
         for i, (file, shard) in enumerate(zip(names, shards)):
             tensors = {o.name: _value(opened, base, o, lora) for o in shard}
             save_file(tensors, str(tmp / file), metadata={"format": "pt"})
@@ -425,10 +512,16 @@ def _write_directory(opened: Opened, base: Optional[_Base], lora: LoraSettings, 
             del tensors
             progress(f"wrote {file} ({len(shard)} tensors, {size / 2**20:.1f} MiB) [{i + 1}/{count}]")
         if count > 1:
-            _write_json(tmp / SAFE_WEIGHTS_INDEX_NAME, {
-                "metadata": {"total_size": sum(o.nbytes for o in outputs),
-                             "total_parameters": sum(math.prod(o.shape) for o in outputs)},
-                "weight_map": {o.name: file for file, shard in zip(names, shards) for o in shard}})
+            _write_json(
+                tmp / SAFE_WEIGHTS_INDEX_NAME,
+                {
+                    "metadata": {
+                        "total_size": sum(o.nbytes for o in outputs),
+                        "total_parameters": sum(math.prod(o.shape) for o in outputs),
+                    },
+                    "weight_map": {o.name: file for file, shard in zip(names, shards) for o in shard},
+                },
+            )
         for name in BASE_FILES if base is not None else ():
             source = base.directory / name  # type: ignore[union-attr]
             if source.is_file():
@@ -454,4 +547,3 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-

@@ -55,11 +55,11 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_zeroq.checkpoint.agree import CheckpointError, agree_once, checkpoint_group, describe
-from lightning_zeroq.ranks import rank_and_size
 from lightning_zeroq.checkpoint.checkpointer import Opened, open_checkpoint
 from lightning_zeroq.checkpoint.chunks import LocalChunks
 from lightning_zeroq.checkpoint.engine_io import MODEL_PREFIXES, load_sharded
 from lightning_zeroq.checkpoint.safe import METADATA_FILE, read_entries
+from lightning_zeroq.ranks import rank_and_size
 from lightning_zeroq.zero.state_dict import ShardedParts, ShardedView
 
 log = logging.getLogger("lightning_zeroq")
@@ -73,17 +73,35 @@ ADAPTERS = "adapters"
 PEFT = "peft"
 PROGRESS_BYTES = 1 << 30
 SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, **{name: getattr(torch, attr) for name, attr in (
-        ("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("F8_E4M3", "float8_e4m3fn"),
-        ("F8_E5M2", "float8_e5m2")) if hasattr(torch, attr)},
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    **{
+        name: getattr(torch, attr)
+        for name, attr in (
+            ("U16", "uint16"),
+            ("U32", "uint32"),
+            ("U64", "uint64"),
+            ("F8_E4M3", "float8_e4m3fn"),
+            ("F8_E5M2", "float8_e5m2"),
+        )
+        if hasattr(torch, attr)
+    },
 }
 TORCH_FILES = ("lit_model.pth", "pytorch_model.bin", "model.pth", "model.pt")
 """Torch state dict files a directory may hold, in the order they are looked for."""
-WHAT_IT_READS = ("a Hugging Face checkpoint (model.safetensors, or model.safetensors.index.json and its shards, "
-                 "or a directory holding them), a torch.save state dict (lit_model.pth, pytorch_model.bin) or a "
-                 "torch.distributed.checkpoint directory")
+WHAT_IT_READS = (
+    "a Hugging Face checkpoint (model.safetensors, or model.safetensors.index.json and its shards, "
+    "or a directory holding them), a torch.save state dict (lit_model.pth, pytorch_model.bin) or a "
+    "torch.distributed.checkpoint directory"
+)
 
 _PEFT_ROOT = re.compile(r"^(?:.*?\.)?base_model\.model\.")
 _PEFT_WRAPPERS = re.compile(r"\.(?:base_layer|original_module|modules_to_save\.[^.]+)(?=\.)")
@@ -109,25 +127,32 @@ def name_mapper(name_map: NameMap, where: str) -> Callable[[str], str]:
     if isinstance(name_map, str):
         if name_map == PEFT:
             return peft_name_map
-        raise ValueError(f"{where}: {name_map!r} is no name map; pass {PEFT!r} (PEFT's names), a dict of prefixes "
-                         "such as {'base_model.model.': ''}, or a function from the model's name to the checkpoint's.")
+        raise ValueError(
+            f"{where}: {name_map!r} is no name map; pass {PEFT!r} (PEFT's names), a dict of prefixes "
+            "such as {'base_model.model.': ''}, or a function from the model's name to the checkpoint's."
+        )
     if isinstance(name_map, Mapping):
         bad = [(k, v) for k, v in name_map.items() if not isinstance(k, str) or not isinstance(v, str)]
         if bad:
-            raise ValueError(f"{where}: {bad[0][0]!r}: {bad[0][1]!r} is not a pair of strings; a dict maps prefixes of "
-                             "the model's names to prefixes of the checkpoint's, e.g. {'base_model.model.': ''}.")
+            raise ValueError(
+                f"{where}: {bad[0][0]!r}: {bad[0][1]!r} is not a pair of strings; a dict maps prefixes of "
+                "the model's names to prefixes of the checkpoint's, e.g. {'base_model.model.': ''}."
+            )
         prefixes = sorted(name_map.items(), key=lambda kv: -len(kv[0]))
 
         def by_prefix(name: str) -> str:
             for prefix, replacement in prefixes:
                 if name.startswith(prefix):
-                    return replacement + name[len(prefix):]
+                    return replacement + name[len(prefix) :]
             return name
+
         return by_prefix
     if callable(name_map):
         return name_map
-    raise ValueError(f"{where}: a {type(name_map).__name__} is no name map; pass {PEFT!r}, a dict of prefixes such "
-                     "as {'base_model.model.': ''}, or a function from the model's name to the checkpoint's.")
+    raise ValueError(
+        f"{where}: a {type(name_map).__name__} is no name map; pass {PEFT!r}, a dict of prefixes such "
+        "as {'base_model.model.': ''}, or a function from the model's name to the checkpoint's."
+    )
 
 
 def check_allowance(value: Allowance, where: str, adapters: bool) -> None:
@@ -137,11 +162,15 @@ def check_allowance(value: Allowance, where: str, adapters: bool) -> None:
     items = [value] if isinstance(value, str) else value
     if isinstance(items, (list, tuple, set, frozenset)) and all(isinstance(i, str) for i in items):
         if ADAPTERS in items and not adapters:
-            raise ValueError(f"{where}: {ADAPTERS!r} names the model's adapter parameters, which are never "
-                             "unexpected; pass glob patterns of checkpoint keys, e.g. ['*.rotary_emb.inv_freq'].")
+            raise ValueError(
+                f"{where}: {ADAPTERS!r} names the model's adapter parameters, which are never "
+                "unexpected; pass glob patterns of checkpoint keys, e.g. ['*.rotary_emb.inv_freq']."
+            )
         return
-    raise ValueError(f"{where}: {value!r} is neither glob patterns (a string or a list of them) nor a function of "
-                     "the name; pass e.g. ['*.lora_A.*', '*.lora_B.*']" + (f" or {ADAPTERS!r}." if adapters else "."))
+    raise ValueError(
+        f"{where}: {value!r} is neither glob patterns (a string or a list of them) nor a function of "
+        "the name; pass e.g. ['*.lora_A.*', '*.lora_B.*']" + (f" or {ADAPTERS!r}." if adapters else ".")
+    )
 
 
 def allowance(value: Allowance, where: str, module: Optional[nn.Module]) -> Callable[[str], bool]:
@@ -180,8 +209,10 @@ def check_path(path: Any, where: str) -> Path:
     if isinstance(text, bytes):
         text = os.fsdecode(text)
     if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", text) and not text.startswith("file://"):
-        raise ValueError(f"{where}: {text!r} names a remote file system; download the checkpoint to a local or "
-                         "mounted path (every rank reads its own part of the files there).")
+        raise ValueError(
+            f"{where}: {text!r} names a remote file system; download the checkpoint to a local or "
+            "mounted path (every rank reads its own part of the files there)."
+        )
     local = Path(text.removeprefix("file://")).expanduser()
     if not local.exists():
         raise ValueError(f"{where}: {text} does not exist; pass the path of {WHAT_IT_READS}.")
@@ -219,8 +250,13 @@ class Tally:
         self.largest = max(self.largest, nbytes)
         if self.rank == 0 and self.read >= self._next:
             if self._next:
-                log.info("%s: rank 0 has read %s (its part of the weights: %s) in %.0f s", self.what,
-                         size(self.read), size(self.share), time.perf_counter() - self.start)
+                log.info(
+                    "%s: rank 0 has read %s (its part of the weights: %s) in %.0f s",
+                    self.what,
+                    size(self.read),
+                    size(self.share),
+                    time.perf_counter() - self.start,
+                )
             self._next = (self.read // self.every + 1) * self.every
 
 
@@ -288,8 +324,10 @@ class SafetensorsSource(Source):
         try:
             from safetensors import safe_open
         except ImportError:
-            self.problems.append(f"{path} is a safetensors checkpoint, and the safetensors package is not installed: "
-                                 "pip install safetensors.")
+            self.problems.append(
+                f"{path} is a safetensors checkpoint, and the safetensors package is not installed: "
+                "pip install safetensors."
+            )
             return
         placed: Optional[dict[str, str]] = None  # key -> file, as the index says
         if index:
@@ -304,7 +342,8 @@ class SafetensorsSource(Source):
             self.problems.append(
                 f"{path.name} names {len(absent)} file(s) that are not in {self.directory}: {', '.join(absent[:4])}"
                 f"{' ...' if len(absent) > 4 else ''}; the checkpoint is incomplete: download "
-                f"{'it' if len(absent) == 1 else 'them'} again.")
+                f"{'it' if len(absent) == 1 else 'them'} again."
+            )
             return
         self.files = len(names)
         held: dict[str, set[str]] = {}
@@ -318,8 +357,10 @@ class SafetensorsSource(Source):
                 start, begins = _data_offsets(file)
                 self.fds[name] = os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             except Exception as error:
-                self.problems.append(f"{file} cannot be read ({_first_line(error)}): the file is truncated or damaged; "
-                                     "download it again.")
+                self.problems.append(
+                    f"{file} cannot be read ({_first_line(error)}): the file is truncated or damaged; "
+                    "download it again."
+                )
                 continue
             held[name] = set(described)
             for key, (kind, shape) in described.items():
@@ -327,34 +368,45 @@ class SafetensorsSource(Source):
                     continue  # the index places it elsewhere (or nowhere): the index decides, as transformers' loader
                 dtype = SAFETENSORS_DTYPES.get(kind)
                 if dtype is None:
-                    self.problems.append(f"{file}: {key!r} has dtype {kind}, which this torch cannot hold; convert the "
-                                         "checkpoint to a dtype it has.")
+                    self.problems.append(
+                        f"{file}: {key!r} has dtype {kind}, which this torch cannot hold; convert the "
+                        "checkpoint to a dtype it has."
+                    )
                     continue
                 self.entries[key] = Stored(shape, dtype, name)
                 self.offsets[key] = start + begins[key]
         if placed is not None and not self.problems:
             lost = [(k, f) for k, f in placed.items() if k not in held.get(f, ())]
             if lost:
-                self.problems.append(f"{path.name} places {len(lost)} tensor(s) in files that do not hold them: "
-                                     f"{lost[0][0]!r} in {lost[0][1]}{' ...' if len(lost) > 1 else ''}; the "
-                                     "checkpoint is incomplete or mixed from two: download it again.")
+                self.problems.append(
+                    f"{path.name} places {len(lost)} tensor(s) in files that do not hold them: "
+                    f"{lost[0][0]!r} in {lost[0][1]}{' ...' if len(lost) > 1 else ''}; the "
+                    "checkpoint is incomplete or mixed from two: download it again."
+                )
 
     def _read_index(self, path: Path) -> Optional[dict[str, str]]:
         try:
             index = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as error:
-            self.problems.append(f"{path} cannot be read ({_first_line(error)}): the file is truncated or damaged; "
-                                 "download it again.")
+            self.problems.append(
+                f"{path} cannot be read ({_first_line(error)}): the file is truncated or damaged; download it again."
+            )
             return None
         placed = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(placed, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in placed.items()):
-            self.problems.append(f"{path} has no weight_map of tensor names to files: it is no safetensors index; "
-                                 "pass the checkpoint's directory or its model.safetensors.index.json.")
+        if not isinstance(placed, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in placed.items()
+        ):
+            self.problems.append(
+                f"{path} has no weight_map of tensor names to files: it is no safetensors index; "
+                "pass the checkpoint's directory or its model.safetensors.index.json."
+            )
             return None
         outside = sorted({f for f in placed.values() if not f or "/" in f or "\\" in f or f in (".", "..")})
         if outside:
-            self.problems.append(f"{path} names the file {outside[0]!r}, which is not a file beside it; the index is "
-                                 "damaged: download it again.")
+            self.problems.append(
+                f"{path} names the file {outside[0]!r}, which is not a file beside it; the index is "
+                "damaged: download it again."
+            )
             return None
         return placed
 
@@ -370,8 +422,10 @@ class SafetensorsSource(Source):
         while got < nbytes:
             n = os.preadv(self.fds[stored.file], [view[got:]], offset + got)
             if n <= 0:
-                raise OSError(f"{self.directory / stored.file} ends inside {key!r}: it was truncated during the load; "
-                              "download it again")
+                raise OSError(
+                    f"{self.directory / stored.file} ends inside {key!r}: it was truncated during the load; "
+                    "download it again"
+                )
             got += n
         tally.add(nbytes)
         return self._buffer[:nbytes].view(stored.dtype)
@@ -382,8 +436,9 @@ class SafetensorsSource(Source):
                 if isinstance(target, LocalChunks):
                     assert target.target is not None  # a loading target
                     for i, box in enumerate(target.boxes):  # contiguous in the file: one read each
-                        target.box_view(target.target, i).copy_(self._pread(key, box.flat_start, box.numel, tally)
-                                                                 .view(box.sizes))
+                        target.box_view(target.target, i).copy_(
+                            self._pread(key, box.flat_start, box.numel, tally).view(box.sizes)
+                        )
                 else:
                     target.copy_(self._pread(key, 0, target.numel(), tally).view(target.shape))
         finally:  # freed before the engine publishes what was read (stage 3 gathers a unit at a time then)
@@ -463,27 +518,37 @@ class TorchFileSource(Source):
                 head = f.read(4)
             found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
             if "mmap" in text and head[:1] == b"\x80":  # a pickle, not a zip: torch.save's format before 1.6
-                self.problems.append(f"{path} was saved in torch's legacy format, which cannot be memory-mapped; "
-                                     "load it once and save it again with torch.save (or convert it to safetensors).")
+                self.problems.append(
+                    f"{path} was saved in torch's legacy format, which cannot be memory-mapped; "
+                    "load it once and save it again with torch.save (or convert it to safetensors)."
+                )
             elif head[:2] != b"PK":
-                self.problems.append(f"{path} is no torch.save file (it starts with neither a zip nor a pickle "
-                                     f"header); pass {WHAT_IT_READS}.")
+                self.problems.append(
+                    f"{path} is no torch.save file (it starts with neither a zip nor a pickle "
+                    f"header); pass {WHAT_IT_READS}."
+                )
             elif found or "Weights only load failed" in text:
                 held = f" ({found.group(1)})" if found else ""
-                self.problems.append(f"{path} holds objects other than tensors and plain values{held}, which are not "
-                                     "loaded (that could run code); save its state dict alone "
-                                     "(torch.save(model.state_dict(), path)).")
+                self.problems.append(
+                    f"{path} holds objects other than tensors and plain values{held}, which are not "
+                    "loaded (that could run code); save its state dict alone "
+                    "(torch.save(model.state_dict(), path))."
+                )
             else:
-                self.problems.append(f"{path} cannot be read ({_first_line(error)}): the file is truncated or damaged, "
-                                     "or no torch.save file; save or download it again.")
+                self.problems.append(
+                    f"{path} cannot be read ({_first_line(error)}): the file is truncated or damaged, "
+                    "or no torch.save file; save or download it again."
+                )
             return
         for key in ("model", "state_dict"):  # LitGPT's and Lightning's training checkpoints nest the weights
             if isinstance(loaded, dict) and isinstance(loaded.get(key), dict):
                 loaded = loaded[key]
                 break
         if not isinstance(loaded, dict):
-            self.problems.append(f"{path} holds a {type(loaded).__name__}, not a state dict (names to tensors); save "
-                                 "model.state_dict() with torch.save.")
+            self.problems.append(
+                f"{path} holds a {type(loaded).__name__}, not a state dict (names to tensors); save "
+                "model.state_dict() with torch.save."
+            )
             return
         self.state = {k: v for k, v in loaded.items() if isinstance(k, str) and isinstance(v, Tensor)}
         self.entries = {k: Stored(tuple(v.shape), v.dtype, path.name) for k, v in self.state.items()}
@@ -505,6 +570,8 @@ class TorchFileSource(Source):
 
     def close(self) -> None:
         self.state = {}
+
+
 class _CountedFiles:
     """A checkpoint's ``Files`` whose reads are counted (the bytes a DCP load takes from the disk)."""
 
@@ -534,8 +601,11 @@ class DcpSource(Source):
         probe = list(probe)
         hits = [sum(p + k in keys for k in probe) for p in MODEL_PREFIXES]
         self.prefix = MODEL_PREFIXES[max(range(len(hits)), key=lambda i: (hits[i], -i))]
-        self.entries = {k[len(self.prefix):]: Stored(tuple(int(s) for s in md.size), md.properties.dtype)
-                        for k, md in keys.items() if k.startswith(self.prefix) and isinstance(md, TensorStorageMetadata)}
+        self.entries = {
+            k[len(self.prefix) :]: Stored(tuple(int(s) for s in md.size), md.properties.dtype)
+            for k, md in keys.items()
+            if k.startswith(self.prefix) and isinstance(md, TensorStorageMetadata)
+        }
         self.files = len({info.relative_path for info in opened.metadata.storage_data.values()})
         self._tally: Optional[Tally] = None
         opened.reader.files = _CountedFiles(opened.reader.files, self._count)
@@ -571,15 +641,18 @@ def locate(path: Path) -> tuple[str, Path]:
             if len(found) == 1:
                 return "safetensors_index" if pattern.endswith(".json") else "safetensors", found[0]
             if len(found) > 1 and pattern.endswith(".json"):
-                raise ValueError(f"{path} holds {len(found)} safetensors indexes ({', '.join(p.name for p in found[:3])}); "
-                                 "pass the one to load.")
+                raise ValueError(
+                    f"{path} holds {len(found)} safetensors indexes ({', '.join(p.name for p in found[:3])}); "
+                    "pass the one to load."
+                )
         for name in TORCH_FILES:
             if (path / name).is_file():
                 return "torch", path / name
         raise ValueError(f"{path} holds no checkpoint this reads; pass {WHAT_IT_READS}.")
     if path.name == METADATA_FILE:
-        raise ValueError(f"{path} is a file inside a torch.distributed.checkpoint directory; pass the directory "
-                         f"{path.parent}.")
+        raise ValueError(
+            f"{path} is a file inside a torch.distributed.checkpoint directory; pass the directory {path.parent}."
+        )
     if path.name.endswith(".safetensors.index.json"):
         return "safetensors_index", path
     if path.name.endswith(".safetensors"):
@@ -605,8 +678,14 @@ class Wanted:
 def _storage_key(tensor: Tensor) -> Any:
     if tensor.numel() == 0 or tensor.device.type == "meta":
         return id(tensor)
-    return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
-            tuple(tensor.stride()), tensor.dtype)
+    return (
+        tensor.device,
+        tensor.untyped_storage().data_ptr(),
+        tensor.storage_offset(),
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+        tensor.dtype,
+    )
 
 
 def _whole(state: dict[str, Any]) -> list[tuple[list[str], Tensor]]:
@@ -624,13 +703,15 @@ def _scope(root: nn.Module, module: nn.Module) -> str:
     for name, child in root.named_modules(remove_duplicate=False):
         if child is module:
             return name + "."
-    raise ValueError(f"the module ({type(module).__name__}) is not a submodule of the module its engine shards "
-                     f"({type(root).__name__}); pass that module, or the engine.")
+    raise ValueError(
+        f"the module ({type(module).__name__}) is not a submodule of the module its engine shards "
+        f"({type(root).__name__}); pass that module, or the engine."
+    )
 
 
 def _in_scope(names: Sequence[str], prefix: str) -> tuple[list[str], list[str]]:
     kept = [n for n in names if n.startswith(prefix)]
-    return kept, [n[len(prefix):] for n in kept]
+    return kept, [n[len(prefix) :] for n in kept]
 
 
 def model_tensors(view: Optional[ShardedView], module: nn.Module) -> tuple[list[Wanted], dict[str, Tensor]]:
@@ -682,14 +763,21 @@ def _missing_hint(name: str, key: str, entries: Mapping[str, Stored]) -> str:
         return 'adapters are not in a base checkpoint: leave them as they are with allow_missing="adapters"'
     for stored in entries:
         if key.endswith("." + stored):
-            return f"the checkpoint has {stored!r}: name_map={{{key[:len(key) - len(stored)]!r}: ''}} may be the map"
+            return f"the checkpoint has {stored!r}: name_map={{{key[: len(key) - len(stored)]!r}: ''}} may be the map"
         if stored.endswith("." + key):
-            return f"the checkpoint has {stored!r}: name_map={{'': {stored[:len(stored) - len(key)]!r}}} may be the map"
+            return (
+                f"the checkpoint has {stored!r}: name_map={{'': {stored[: len(stored) - len(key)]!r}}} may be the map"
+            )
     return "map the model's names to the checkpoint's with name_map=..., or leave them as they are with allow_missing=[...]"
 
 
-def match(wanted: list[Wanted], entries: Mapping[str, Stored], mapper: Callable[[str], str],
-          missing_ok: Callable[[str], bool], unexpected_ok: Callable[[str], bool]) -> Plan:
+def match(
+    wanted: list[Wanted],
+    entries: Mapping[str, Stored],
+    mapper: Callable[[str], str],
+    missing_ok: Callable[[str], bool],
+    unexpected_ok: Callable[[str], bool],
+) -> Plan:
     """Every tensor of the model against the checkpoint: which key each reads, and what is wrong (one line each)."""
     plan = Plan()
     mapped: set[str] = set()
@@ -700,7 +788,9 @@ def match(wanted: list[Wanted], entries: Mapping[str, Stored], mapper: Callable[
         for rel in w.relative:
             key = mapper(rel)
             if not isinstance(key, str):
-                plan.errors.append(f"name_map returned {key!r} for {rel!r}; it must return the checkpoint's key (a str).")
+                plan.errors.append(
+                    f"name_map returned {key!r} for {rel!r}; it must return the checkpoint's key (a str)."
+                )
                 return plan
             keys.append(key)
         mapped.update(keys)
@@ -714,14 +804,19 @@ def match(wanted: list[Wanted], entries: Mapping[str, Stored], mapper: Callable[
         key = present[0][1]
         stored = entries[key]
         if stored.shape != w.shape:
-            shapes.append(f"{w.relative[0]!r} has shape {w.shape} in the model but {stored.shape} in the checkpoint"
-                          + (f" (as {key!r})" if key != w.relative[0] else "")
-                          + ": the checkpoint is another configuration's; build the model from the checkpoint's config.")
+            shapes.append(
+                f"{w.relative[0]!r} has shape {w.shape} in the model but {stored.shape} in the checkpoint"
+                + (f" (as {key!r})" if key != w.relative[0] else "")
+                + ": the checkpoint is another configuration's; build the model from the checkpoint's config."
+            )
             continue
         if stored.dtype.is_floating_point != w.dtype.is_floating_point or (
-                not w.dtype.is_floating_point and stored.dtype != w.dtype):
-            plan.errors.append(f"{key!r} is {stored.dtype} in the checkpoint, the model's {w.relative[0]!r} is "
-                               f"{w.dtype}: it cannot hold those values; check name_map (is it another tensor?).")
+            not w.dtype.is_floating_point and stored.dtype != w.dtype
+        ):
+            plan.errors.append(
+                f"{key!r} is {stored.dtype} in the checkpoint, the model's {w.relative[0]!r} is "
+                f"{w.dtype}: it cannot hold those values; check name_map (is it another tensor?)."
+            )
             continue
         for name, k in present:
             plan.keys[name] = k
@@ -729,16 +824,21 @@ def match(wanted: list[Wanted], entries: Mapping[str, Stored], mapper: Callable[
     if missing:
         first, key = missing[0]
         named = [f"{m!r}" + (f" (as {k!r})" if k != m else "") for m, k in missing]
-        plan.errors.insert(0, f"{len(missing)} tensor(s) of the model are not in the checkpoint: {_listed(named)}; "
-                              f"{_missing_hint(first, key, entries)}.")
+        plan.errors.insert(
+            0,
+            f"{len(missing)} tensor(s) of the model are not in the checkpoint: {_listed(named)}; "
+            f"{_missing_hint(first, key, entries)}.",
+        )
     plan.errors += shapes[:5] + ([f"... and {len(shapes) - 5} more of another shape"] if len(shapes) > 5 else [])
     extra = [k for k in entries if k not in mapped]
     plan.unexpected = [k for k in extra if unexpected_ok(k)]
     refused = [k for k in extra if not unexpected_ok(k)]
     if refused:
-        plan.errors.append(f"the checkpoint holds {len(refused)} tensor(s) the model lacks: "
-                           f"{_listed([repr(k) for k in refused])}; check name_map, or ignore them with "
-                           "allow_unexpected=[...] (glob patterns).")
+        plan.errors.append(
+            f"the checkpoint holds {len(refused)} tensor(s) the model lacks: "
+            f"{_listed([repr(k) for k in refused])}; check name_map, or ignore them with "
+            "allow_unexpected=[...] (glob patterns)."
+        )
     return plan
 
 
@@ -782,9 +882,17 @@ def _open(kind: str, path: Path, group: Any, probe: Iterable[str]) -> Source:
         return source
 
 
-def load_pretrained(engine: Optional[ShardedParts], module: nn.Module, path: Any, *, name_map: NameMap = None,
-                    allow_missing: Allowance = None, allow_unexpected: Allowance = None,
-                    progress_bytes: int = PROGRESS_BYTES, where: str = "load_pretrained") -> PretrainedReport:
+def load_pretrained(
+    engine: Optional[ShardedParts],
+    module: nn.Module,
+    path: Any,
+    *,
+    name_map: NameMap = None,
+    allow_missing: Allowance = None,
+    allow_unexpected: Allowance = None,
+    progress_bytes: int = PROGRESS_BYTES,
+    where: str = "load_pretrained",
+) -> PretrainedReport:
     """Collective (every rank calls it; a lone process need not be distributed): the weights at ``path`` into
     ``module``, through ``engine``'s sharded view (each rank reads only its part), or, without an engine, into
     the module's own tensors (every rank reads them all). See the module docstring."""
@@ -798,14 +906,18 @@ def load_pretrained(engine: Optional[ShardedParts], module: nn.Module, path: Any
         raise ValueError(f"{where}(progress_bytes={progress_bytes!r}) must be a positive number of bytes.")
     view = ShardedView(engine.parts, None) if engine is not None else None
     if view is not None and view.closed:
-        raise ValueError(f"{where}: the engine was closed (a new fit replaced it); load into the module it hands back, "
-                         "or into the new engine.")
+        raise ValueError(
+            f"{where}: the engine was closed (a new fit replaced it); load into the module it hands back, "
+            "or into the new engine."
+        )
     if view is None:
         on_meta = [n for n, t in module.state_dict(keep_vars=True).items() if isinstance(t, Tensor) and t.is_meta]
         if on_meta:
-            raise ValueError(f"{where}: the module's {on_meta[0]!r} is on the meta device (stage 3 builds models there); "
-                             "weights load once the engine has made them: pass pretrained=<path> to the strategy, or "
-                             "call load_pretrained after fabric.setup(model) or in on_fit_start.")
+            raise ValueError(
+                f"{where}: the module's {on_meta[0]!r} is on the meta device (stage 3 builds models there); "
+                "weights load once the engine has made them: pass pretrained=<path> to the strategy, or "
+                "call load_pretrained after fabric.setup(model) or in on_fit_start."
+            )
     wanted, whole = model_tensors(view, module)  # the same on every rank: no collective yet
     try:
         probe = [mapper(rel) for w in wanted for rel in w.relative[:1]]
@@ -843,8 +955,9 @@ def load_pretrained(engine: Optional[ShardedParts], module: nn.Module, path: Any
             except CheckpointError:
                 raise
             except Exception as error:
-                raise RuntimeError(f"{describe(error)} (the weights are partly loaded: load them again before "
-                                   "training)") from error
+                raise RuntimeError(
+                    f"{describe(error)} (the weights are partly loaded: load them again before training)"
+                ) from error
 
         settle = lambda errs: agree_once(errs, what, group)  # noqa: E731
         if engine is not None:
@@ -861,11 +974,29 @@ def load_pretrained(engine: Optional[ShardedParts], module: nn.Module, path: Any
         source.close()
     seconds = time.perf_counter() - start
     if rank == 0:
-        log.info("Loaded pretrained weights from %s in %.1f s: rank 0 read %s%s", path, seconds,
-                 size(tally.read), "".join(
-                     f"; {len(items)} {label}" for items, label in ((plan.missing, "left as they were (allow_missing)"),
-                                                                    (plan.unexpected, "ignored (allow_unexpected)"))
-                     if items))
+        log.info(
+            "Loaded pretrained weights from %s in %.1f s: rank 0 read %s%s",
+            path,
+            seconds,
+            size(tally.read),
+            "".join(
+                f"; {len(items)} {label}"
+                for items, label in (
+                    (plan.missing, "left as they were (allow_missing)"),
+                    (plan.unexpected, "ignored (allow_unexpected)"),
+                )
+                if items
+            ),
+        )
     loaded = sum(1 for w in wanted if any(n in plan.keys for n in w.names))
-    return PretrainedReport(located, source.kind, loaded, sorted(plan.missing), sorted(plan.unexpected), plan.share,
-                            tally.read, tally.largest, seconds)
+    return PretrainedReport(
+        located,
+        source.kind,
+        loaded,
+        sorted(plan.missing),
+        sorted(plan.unexpected),
+        plan.share,
+        tally.read,
+        tally.largest,
+        seconds,
+    )

@@ -50,8 +50,14 @@ class UnsafeCheckpointError(RuntimeError):
 
 _ALLOWED = {
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
@@ -69,7 +75,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if name in _ALLOWED.get(module, ()):
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             return getattr(torch, name)
         raise UnsafeCheckpointError(
             f"{self.source} refers to {module}.{name}, which a checkpoint's metadata never needs; it was not "
@@ -85,14 +93,15 @@ def read_metadata(path: Path, data: Optional[bytes] = None) -> Metadata:
     """The DCP metadata of checkpoint directory ``path`` (or its bytes ``data``, read by the caller),
     read with an allow-list unpickler."""
     file = Path(path) / METADATA_FILE
-    with (open(file, "rb") if data is None else io.BytesIO(data)) as f:
+    with open(file, "rb") if data is None else io.BytesIO(data) as f:
         try:
             metadata = _MetadataUnpickler(f, str(file)).load()
         except UnsafeCheckpointError:
             raise
         except Exception as error:
-            raise RuntimeError(f"{file} could not be read ({type(error).__name__}: {error}); the checkpoint is "
-                               "damaged or incomplete.") from error
+            raise RuntimeError(
+                f"{file} could not be read ({type(error).__name__}: {error}); the checkpoint is damaged or incomplete."
+            ) from error
     if not isinstance(metadata, Metadata):
         raise RuntimeError(f"{file} holds a {type(metadata).__name__}, not DCP metadata.")
     return metadata
@@ -108,8 +117,9 @@ class SafeReader(FileSystemReader):
     bytes are read once, checked against ``checksums`` (``{"algorithm": ..., "items": {file: {offset:
     checksum}}}``; None: not checked) and only then decoded."""
 
-    def __init__(self, path: Path, metadata: Optional[Metadata] = None, files: Any = None,
-                 checksums: Optional[dict] = None) -> None:
+    def __init__(
+        self, path: Path, metadata: Optional[Metadata] = None, files: Any = None, checksums: Optional[dict] = None
+    ) -> None:
         super().__init__(str(path))
         self._metadata = metadata
         self.files = files
@@ -132,9 +142,12 @@ class SafeReader(FileSystemReader):
     def _chunk_sizes(self, fqn: str, offsets: Any) -> Optional[tuple[int, ...]]:
         """The sizes the metadata gives the chunk of ``fqn`` at ``offsets`` (None: no such chunk)."""
         if self._chunks is None:
-            self._chunks = {(name, tuple(c.offsets)): tuple(c.sizes)
-                            for name, md in self.read_metadata().state_dict_metadata.items()
-                            if isinstance(md, TensorStorageMetadata) for c in md.chunks}
+            self._chunks = {
+                (name, tuple(c.offsets)): tuple(c.sizes)
+                for name, md in self.read_metadata().state_dict_metadata.items()
+                if isinstance(md, TensorStorageMetadata)
+                for c in md.chunks
+            }
         return self._chunks.get((fqn, tuple(offsets or ())))
 
     def _files(self) -> Any:
@@ -148,25 +161,31 @@ class SafeReader(FileSystemReader):
         info = self.storage_data[read_item.storage_index]
         if self._buffer is None or len(self._buffer) < info.length:
             self._buffer = bytearray(info.length)
-        data = memoryview(self._buffer)[:info.length]
+        data = memoryview(self._buffer)[: info.length]
         files = self._files()
         got: Optional[str] = None
         if self.checksums is None:
-            data = data[:files.read_into(info.relative_path, info.offset, data)]
+            data = data[: files.read_into(info.relative_path, info.offset, data)]
         else:  # hashed chunk by chunk while the next chunk is read
-            n, got = read_hashed(lambda at, view: files.read_into(info.relative_path, info.offset + at, view),
-                                 data, self.checksums["algorithm"])
+            n, got = read_hashed(
+                lambda at, view: files.read_into(info.relative_path, info.offset + at, view),
+                data,
+                self.checksums["algorithm"],
+            )
             data = data[:n]
         where = f"{Path(self.path) / info.relative_path}: item {read_item.storage_index.fqn!r}"
         if len(data) != info.length:
-            raise ItemError(f"{where} ends after {len(data)} of its {info.length} bytes: the file is truncated. "
-                            f"{earlier()}")
+            raise ItemError(
+                f"{where} ends after {len(data)} of its {info.length} bytes: the file is truncated. {earlier()}"
+            )
         if self.checksums is not None:
             expected = self.checksums["items"].get(info.relative_path, {}).get(str(info.offset))
             if got != expected:
-                raise ItemError(f"{where} (bytes {info.offset}-{info.offset + info.length}) fails its checksum "
-                                f"({self.checksums['algorithm']} {got}, saved {expected}): the file is damaged. "
-                                f"{earlier()}")
+                raise ItemError(
+                    f"{where} (bytes {info.offset}-{info.offset + info.length}) fails its checksum "
+                    f"({self.checksums['algorithm']} {got}, saved {expected}): the file is damaged. "
+                    f"{earlier()}"
+                )
         return data
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
@@ -182,8 +201,10 @@ class SafeReader(FileSystemReader):
 
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         """As ``FileSystemReader.read_data``, each item read once, in file order, checked, then decoded."""
-        order = sorted(plan.items, key=lambda r: (self.storage_data[r.storage_index].relative_path,
-                                                  self.storage_data[r.storage_index].offset))
+        order = sorted(
+            plan.items,
+            key=lambda r: (self.storage_data[r.storage_index].relative_path, self.storage_data[r.storage_index].offset),
+        )
         cached: tuple[Any, Any] = (None, None)
         for req in order:
             info = self.storage_data[req.storage_index]
@@ -192,8 +213,9 @@ class SafeReader(FileSystemReader):
             if cached[0] != (info.relative_path, info.offset):
                 data = self._item(req)
                 if info.transform_descriptors:
-                    data = self.transforms.transform_load_stream(req, info.transform_descriptors,
-                                                                 io.BytesIO(data)).read(-1)
+                    data = self.transforms.transform_load_stream(
+                        req, info.transform_descriptors, io.BytesIO(data)
+                    ).read(-1)
                 cached = ((info.relative_path, info.offset), data)
             data = cached[1]
             if req.type == LoadItemType.BYTE_IO:
@@ -201,27 +223,39 @@ class SafeReader(FileSystemReader):
                 continue
             if not isinstance(data, Tensor):
                 try:
-                    data = torch.load(_MemoryFile(data), map_location="cpu",  # type: ignore[arg-type]  # any readable object does
-                                      weights_only=True)
+                    data = torch.load(
+                        _MemoryFile(data),  # type: ignore[arg-type]  # any readable object does
+                        map_location="cpu",
+                        weights_only=True,
+                    )
                     if not isinstance(data, Tensor):
                         raise TypeError(f"it holds a {type(data).__name__}, not a tensor")
                 except Exception as error:
                     first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-                    raise ItemError(f"{where} could not be decoded ({type(error).__name__}: {first}): the file is "
-                                    f"damaged. {earlier()}") from None
+                    raise ItemError(
+                        f"{where} could not be decoded ({type(error).__name__}: {first}): the file is "
+                        f"damaged. {earlier()}"
+                    ) from None
                 cached = (cached[0], data)
             fqn = req.storage_index.fqn
             sizes = self._chunk_sizes(fqn, req.storage_index.offset)
             md = self.read_metadata().state_dict_metadata[fqn]
-            mismatch = chunk_mismatch(str(Path(self.path) / METADATA_FILE), fqn, tuple(getattr(md, "size", ())),
-                                      sizes if sizes is not None else (), tuple(data.size()))
+            mismatch = chunk_mismatch(
+                str(Path(self.path) / METADATA_FILE),
+                fqn,
+                tuple(getattr(md, "size", ())),
+                sizes if sizes is not None else (),
+                tuple(data.size()),
+            )
             if mismatch is not None:
                 raise ItemError(mismatch)
             tensor = _narrow(data, req.storage_offsets, req.lengths)
             target = planner.resolve_tensor(req).detach()
             if target.size() != tensor.size():
-                raise ItemError(f"{where} holds a chunk of shape {tuple(tensor.size())} where the metadata says "
-                                f"{tuple(target.size())}: the checkpoint is damaged.")
+                raise ItemError(
+                    f"{where} holds a chunk of shape {tuple(tensor.size())} where the metadata says "
+                    f"{tuple(target.size())}: the checkpoint is damaged."
+                )
             target.copy_(tensor)
             planner.commit_tensor(req, target)
 
@@ -243,13 +277,13 @@ class _MemoryFile:
     def readinto(self, buffer: Any) -> int:
         out = memoryview(buffer).cast("B")
         n = max(min(len(out), len(self.data) - self.pos), 0)
-        out[:n] = self.data[self.pos:self.pos + n]
+        out[:n] = self.data[self.pos : self.pos + n]
         self.pos += n
         return n
 
     def read(self, size: int = -1) -> bytes:
         end = len(self.data) if size is None or size < 0 else min(self.pos + size, len(self.data))
-        out = bytes(self.data[self.pos:end])
+        out = bytes(self.data[self.pos : end])
         self.pos = max(end, self.pos)
         return out
 
@@ -270,7 +304,9 @@ def _narrow(tensor: Tensor, offsets: torch.Size, lengths: torch.Size) -> Tensor:
 class SafeLoadPlanner(LoadPlanner):
     """Reads each target's own chunks; non-tensor items with ``torch.load(weights_only=True)``."""
 
-    def set_up_planner(self, state_dict: dict, metadata: Optional[Metadata] = None, is_coordinator: bool = False) -> None:
+    def set_up_planner(
+        self, state_dict: dict, metadata: Optional[Metadata] = None, is_coordinator: bool = False
+    ) -> None:
         self.state_dict, self.metadata = state_dict, metadata
 
     def create_local_plan(self) -> LoadPlan:
@@ -280,8 +316,16 @@ class SafeLoadPlanner(LoadPlanner):
             md = self.metadata.state_dict_metadata[fqn]
             if isinstance(obj, BytesTarget):
                 index = MetadataIndex(fqn)
-                items.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=index, dest_offsets=torch.Size((0,)),
-                                      storage_index=index, storage_offsets=torch.Size((0,)), lengths=torch.Size((0,))))
+                items.append(
+                    ReadItem(
+                        type=LoadItemType.BYTE_IO,
+                        dest_index=index,
+                        dest_offsets=torch.Size((0,)),
+                        storage_index=index,
+                        storage_offsets=torch.Size((0,)),
+                        lengths=torch.Size((0,)),
+                    )
+                )
             elif isinstance(obj, LocalChunks):
                 assert isinstance(md, TensorStorageMetadata)  # check_entries rejected non-tensors before the load
                 chunks = [ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes)) for b in obj.boxes]
@@ -331,7 +375,9 @@ def unwrap(error: BaseException) -> BaseException:
     failures = getattr(error, "failures", None)
     if not isinstance(failures, dict) or not failures:
         return error
-    inner: object = failures[min(failures)] if all(isinstance(k, int) for k in failures) else next(iter(failures.values()))
+    inner: object = (
+        failures[min(failures)] if all(isinstance(k, int) for k in failures) else next(iter(failures.values()))
+    )
     if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
         inner = inner[0]
     inner = getattr(inner, "exception", inner)

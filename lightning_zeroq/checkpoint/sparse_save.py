@@ -49,8 +49,9 @@ class Skeleton:
         return len(piece)
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:  # skip_data skips a record's data
-        self._pos = offset if whence == io.SEEK_SET else self._pos + offset if whence == io.SEEK_CUR \
-            else self.size + offset
+        self._pos = (
+            offset if whence == io.SEEK_SET else self._pos + offset if whence == io.SEEK_CUR else self.size + offset
+        )
         self.size = max(self.size, self._pos)
         return self._pos
 
@@ -120,12 +121,16 @@ def write_skeleton(skeleton: Skeleton, f: BinaryIO, path: Path) -> dict[str, int
             fields = _LOCAL_HEADER.unpack(f.read(_LOCAL_HEADER.size))
             offsets[key] = info.header_offset + _LOCAL_HEADER.size + fields[-2] + fields[-1]
             if info.file_size != skeleton.storages[key].nbytes():
-                raise RuntimeError(f"{path}: torch.save wrote record {info.filename} with {info.file_size} bytes "
-                                   f"where its storage has {skeleton.storages[key].nbytes()}.")
+                raise RuntimeError(
+                    f"{path}: torch.save wrote record {info.filename} with {info.file_size} bytes "
+                    f"where its storage has {skeleton.storages[key].nbytes()}."
+                )
     missing = sorted(set(skeleton.storages) - set(offsets))
     if missing:
-        raise RuntimeError(f"{path}: torch.save wrote no record for storage(s) {missing[:3]}; this torch's file "
-                           "format is not the one zeroq-convert knows.")
+        raise RuntimeError(
+            f"{path}: torch.save wrote no record for storage(s) {missing[:3]}; this torch's file "
+            "format is not the one zeroq-convert knows."
+        )
     return offsets
 
 
@@ -138,7 +143,7 @@ def as_bytes(storage: torch.UntypedStorage) -> memoryview:
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     done = 0
     while done < len(data):
-        done += os.pwrite(fd, data[done:done + (1 << 30)], offset + done)
+        done += os.pwrite(fd, data[done : done + (1 << 30)], offset + done)
 
 
 def no_room(error: OSError, path: Path, needed: int, *, at_least: bool = False) -> BaseException:
@@ -155,7 +160,8 @@ def no_room(error: OSError, path: Path, needed: int, *, at_least: bool = False) 
         return RuntimeError(
             f"the output could not be written in {path.parent} ({reason}): it needs {size} "
             f"({needed / 2**20:.1f} MiB) and that file system has {free} bytes ({free / 2**20:.1f} MiB) free "
-            "for it; free space there or write the output to another file system.")
+            "for it; free space there or write the output to another file system."
+        )
     if error.errno == errno.EFBIG:
         return RuntimeError(f"the output file in {path.parent} could not grow to {size} ({reason}): {_size_limit()}.")
     return error
@@ -172,5 +178,7 @@ def _size_limit() -> str:
         unlimited = True
     if unlimited:
         return "the file system's largest file is smaller; write the output to another file system"
-    return (f"this process may write files of at most {limit} bytes (ulimit -f); raise the limit "
-            "(ulimit -f unlimited) and run it again")
+    return (
+        f"this process may write files of at most {limit} bytes (ulimit -f); raise the limit "
+        "(ulimit -f unlimited) and run it again"
+    )

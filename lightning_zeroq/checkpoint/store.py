@@ -137,11 +137,15 @@ class Located:
         if self.kind is Kind.MISSING:
             return f"checkpoint path {self.path} does not exist (check the path, or pass ckpt_path='last')."
         if self.kind is Kind.INSIDE:
-            return (f"{self.path} is a file inside the checkpoint directory {self.directory}; the directory is "
-                    f"the checkpoint: pass ckpt_path={str(self.directory)!r}.")
+            return (
+                f"{self.path} is a file inside the checkpoint directory {self.directory}; the directory is "
+                f"the checkpoint: pass ckpt_path={str(self.directory)!r}."
+            )
         if self.kind is Kind.OTHER:
-            return (f"{self.path} is a directory but no checkpoint (no zeroq.json, no .metadata): pass the "
-                    "directory trainer.save_checkpoint() wrote.")
+            return (
+                f"{self.path} is a directory but no checkpoint (no zeroq.json, no .metadata): pass the "
+                "directory trainer.save_checkpoint() wrote."
+            )
         return None
 
 
@@ -207,9 +211,17 @@ class Manifest:
 
     def to_json(self) -> str:
         version = VERSION if self.checksums is not None else CHECKSUMS_SINCE - 1
-        data = {"format": FORMAT, "version": version, "token": self.token, "world_size": self.world_size,
-                "files": self.files, "metadata_sha256": self.metadata_sha256, "optimizer": self.optimizer,
-                "extra": self.extra, "trainer_state": self.trainer_state}
+        data = {
+            "format": FORMAT,
+            "version": version,
+            "token": self.token,
+            "world_size": self.world_size,
+            "files": self.files,
+            "metadata_sha256": self.metadata_sha256,
+            "optimizer": self.optimizer,
+            "extra": self.extra,
+            "trainer_state": self.trainer_state,
+        }
         if self.checksums is not None:
             data["checksums"] = self.checksums
         data[SELF_CHECKSUM] = _self_checksum(data)
@@ -224,36 +236,56 @@ class Manifest:
         except (OSError, ValueError) as error:
             raise ValueError(f"{file} could not be read ({error}); the checkpoint is damaged or incomplete.") from None
         if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise ValueError(f"{file} is not a ZeroQ checkpoint manifest (format "
-                             f"{data.get('format') if isinstance(data, dict) else type(data).__name__!r}).")
+            raise ValueError(
+                f"{file} is not a ZeroQ checkpoint manifest (format "
+                f"{data.get('format') if isinstance(data, dict) else type(data).__name__!r})."
+            )
         stored = data.pop(SELF_CHECKSUM, None)
         if stored is not None and stored != _self_checksum(data):
-            raise ValueError(f"{file} does not match its own checksum: it was edited or damaged after the save. "
-                             f"{earlier()}")
+            raise ValueError(
+                f"{file} does not match its own checksum: it was edited or damaged after the save. {earlier()}"
+            )
         version = data.get("version")
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-            raise ValueError(f"{file} has no format version ({version!r}), which every save writes: it was edited "
-                             f"or damaged after the save. {earlier()}")
+            raise ValueError(
+                f"{file} has no format version ({version!r}), which every save writes: it was edited "
+                f"or damaged after the save. {earlier()}"
+            )
         if version > VERSION:
-            raise ValueError(f"{file} has format version {version}; this lightning_zeroq reads up to "
-                             f"{VERSION}: upgrade lightning_zeroq to load it.")
-        missing = [key for key, value in ((SELF_CHECKSUM, stored), ("checksums", data.get("checksums")))
-                   if version >= CHECKSUMS_SINCE and value is None]
+            raise ValueError(
+                f"{file} has format version {version}; this lightning_zeroq reads up to "
+                f"{VERSION}: upgrade lightning_zeroq to load it."
+            )
+        missing = [
+            key
+            for key, value in ((SELF_CHECKSUM, stored), ("checksums", data.get("checksums")))
+            if version >= CHECKSUMS_SINCE and value is None
+        ]
         if missing:
-            raise ValueError(f"{file} has format version {version}, which is always saved with checksums, but its "
-                             f"checksums are missing ({' and '.join(missing)}): it was edited or damaged after the "
-                             f"save, so damage to its data could not be detected. {earlier()}")
+            raise ValueError(
+                f"{file} has format version {version}, which is always saved with checksums, but its "
+                f"checksums are missing ({' and '.join(missing)}): it was edited or damaged after the "
+                f"save, so damage to its data could not be detected. {earlier()}"
+            )
         try:
             checksums = data.get("checksums")
             if checksums is not None:
-                checksums = {"algorithm": str(checksums["algorithm"]),
-                             "items": {str(f): {str(o): str(c) for o, c in items.items()}
-                                       for f, items in checksums["items"].items()}}
-            return cls(token=str(data["token"]), world_size=int(data["world_size"]),
-                       files={str(k): int(v) for k, v in data["files"].items()},
-                       metadata_sha256=str(data["metadata_sha256"]), trainer_state=data.get("trainer_state"),
-                       optimizer=bool(data.get("optimizer")), extra=dict(data.get("extra") or {}),
-                       checksums=checksums)
+                checksums = {
+                    "algorithm": str(checksums["algorithm"]),
+                    "items": {
+                        str(f): {str(o): str(c) for o, c in items.items()} for f, items in checksums["items"].items()
+                    },
+                }
+            return cls(
+                token=str(data["token"]),
+                world_size=int(data["world_size"]),
+                files={str(k): int(v) for k, v in data["files"].items()},
+                metadata_sha256=str(data["metadata_sha256"]),
+                trainer_state=data.get("trainer_state"),
+                optimizer=bool(data.get("optimizer")),
+                extra=dict(data.get("extra") or {}),
+                checksums=checksums,
+            )
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise ValueError(f"{file} lacks or garbles {error}; the checkpoint is damaged.") from None
 
@@ -283,12 +315,22 @@ def validate(files: Files) -> tuple[Optional[Manifest], Optional[Metadata], list
     try:
         raw = files.read(METADATA_FILE)
     except (ValueError, OSError) as error:
-        return manifest, None, [(f"{directory / METADATA_FILE} could not be read ({error}); the checkpoint is damaged "
-                                "or incomplete.")]
+        return (
+            manifest,
+            None,
+            [(f"{directory / METADATA_FILE} could not be read ({error}); the checkpoint is damaged or incomplete.")],
+        )
     if hashlib.sha256(raw).hexdigest() != manifest.metadata_sha256:  # checked before anything is unpickled
-        return manifest, None, [
-            (f"{directory / METADATA_FILE} is not the one this checkpoint was saved with (its sha256 differs from "
-            f"{MANIFEST_FILE}'s); it was replaced or damaged. {earlier()}")]
+        return (
+            manifest,
+            None,
+            [
+                (
+                    f"{directory / METADATA_FILE} is not the one this checkpoint was saved with (its sha256 differs from "
+                    f"{MANIFEST_FILE}'s); it was replaced or damaged. {earlier()}"
+                )
+            ],
+        )
     try:
         metadata = read_metadata(directory, raw)
     except (UnsafeCheckpointError, RuntimeError, OSError) as error:
@@ -308,8 +350,11 @@ def check_files(files: Files, metadata: Metadata, manifest: Optional[Manifest]) 
             check_name(info.relative_path, directory)
             needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
     except (ValueError, AttributeError, TypeError) as error:
-        return [str(error) if isinstance(error, ValueError) else
-                f"{directory / METADATA_FILE} holds a malformed storage entry ({error}); the checkpoint is damaged."]
+        return [
+            str(error)
+            if isinstance(error, ValueError)
+            else f"{directory / METADATA_FILE} holds a malformed storage entry ({error}); the checkpoint is damaged."
+        ]
     expected = manifest.files if manifest is not None else {}
     for name in sorted(set(needed) | set(expected)):
         file = directory / name
@@ -319,30 +364,42 @@ def check_files(files: Files, metadata: Metadata, manifest: Optional[Manifest]) 
             errors.append(str(error))
             continue
         if not exists:
-            errors.append(f"{file} is missing (rank {_rank_of(name)}'s data); the checkpoint is incomplete. "
-                          f"{earlier()}")
+            errors.append(
+                f"{file} is missing (rank {_rank_of(name)}'s data); the checkpoint is incomplete. {earlier()}"
+            )
             continue
         size = files.size(name)
         if name in expected and size != expected[name] or size < needed.get(name, 0):
-            errors.append(f"{file} has {size} bytes, the checkpoint recorded {expected.get(name, needed.get(name))}: "
-                          f"it is truncated or was replaced. {earlier()}")
+            errors.append(
+                f"{file} has {size} bytes, the checkpoint recorded {expected.get(name, needed.get(name))}: "
+                f"it is truncated or was replaced. {earlier()}"
+            )
             continue
         if manifest is not None:
             token = token_of(files.read(name, 0, HEADER_SIZE))
             if token != manifest.token:
-                errors.append(f"{file} belongs to another save (its header names save {token!r}, this "
-                              f"checkpoint is save {manifest.token!r}); it was copied in from elsewhere. "
-                              f"{earlier()}")
+                errors.append(
+                    f"{file} belongs to another save (its header names save {token!r}, this "
+                    f"checkpoint is save {manifest.token!r}); it was copied in from elsewhere. "
+                    f"{earlier()}"
+                )
     if manifest is not None and manifest.checksums is not None and not errors:
         items = manifest.checksums["items"]
-        unlisted = [(i.relative_path, i.offset) for i in metadata.storage_data.values()
-                    if str(i.offset) not in items.get(i.relative_path, {})]
+        unlisted = [
+            (i.relative_path, i.offset)
+            for i in metadata.storage_data.values()
+            if str(i.offset) not in items.get(i.relative_path, {})
+        ]
         if unlisted:
-            errors.append(f"{directory / MANIFEST_FILE} has no checksum for {len(unlisted)} stored item(s) (first: "
-                          f"{unlisted[0][0]} at byte {unlisted[0][1]}); the manifest or the metadata was replaced.")
+            errors.append(
+                f"{directory / MANIFEST_FILE} has no checksum for {len(unlisted)} stored item(s) (first: "
+                f"{unlisted[0][0]} at byte {unlisted[0][1]}); the manifest or the metadata was replaced."
+            )
     if errors and files.replaced():
-        errors.insert(0, f"{directory} was replaced or removed while it was being opened (a save to the same path?); "
-                         "load it again.")
+        errors.insert(
+            0,
+            f"{directory} was replaced or removed while it was being opened (a save to the same path?); load it again.",
+        )
     return errors
 
 

@@ -13,8 +13,12 @@ import torch
 from torch import Tensor
 
 from lightning_zeroq.checkpoint.agree import agree
-from lightning_zeroq.checkpoint.engine_io import (load_sharded, model_entries, optimizer_kind_errors,
-                                                  sharded_optimizer_state)
+from lightning_zeroq.checkpoint.engine_io import (
+    load_sharded,
+    model_entries,
+    optimizer_kind_errors,
+    sharded_optimizer_state,
+)
 from lightning_zeroq.checkpoint.store import MODEL_KEY, OPTIMIZER_KEY
 from lightning_zeroq.zero.state_dict import ShardedParts
 
@@ -25,10 +29,14 @@ def torch_load(path: Path, weights_only: bool, group: Any) -> Any:
         value = torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
     except Exception as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        hint = (" It holds objects other than tensors and plain values; if you trust this file, allow the "
-                "classes it names with torch.serialization.add_safe_globals([...]) before fit() (the Trainer "
-                "does not pass fit(weights_only=False) on to this strategy), or pass weights_only=False to "
-                "fabric.load()." if weights_only else "")
+        hint = (
+            " It holds objects other than tensors and plain values; if you trust this file, allow the "
+            "classes it names with torch.serialization.add_safe_globals([...]) before fit() (the Trainer "
+            "does not pass fit(weights_only=False) on to this strategy), or pass weights_only=False to "
+            "fabric.load()."
+            if weights_only
+            else ""
+        )
         errors.append(f"{path} could not be loaded safely ({first}).{hint}")
     agree(errors, f"Loading checkpoint {path}", group)
     return value
@@ -38,8 +46,11 @@ def model_errors(engine: ShardedParts, model: dict, strict: bool) -> list[str]:
     """What is wrong with a full ``state_dict`` for this engine's module, as ``nn.Module.load_state_dict``
     judges it: a shape mismatch always, missing and unexpected keys under ``strict``."""
     expected = model_entries(engine)
-    errors = [f"size mismatch for {k}: checkpoint {tuple(v.shape)}, model {tuple(expected[k][0])}"
-              for k, v in model.items() if k in expected and isinstance(v, Tensor) and v.shape != expected[k][0]]
+    errors = [
+        f"size mismatch for {k}: checkpoint {tuple(v.shape)}, model {tuple(expected[k][0])}"
+        for k, v in model.items()
+        if k in expected and isinstance(v, Tensor) and v.shape != expected[k][0]
+    ]
     if strict:
         missing, unexpected = sorted(expected.keys() - model.keys()), sorted(model.keys() - expected.keys())
         if missing or unexpected:
@@ -53,15 +64,18 @@ def _param_id(key: Any) -> Any:
     return int(key) if isinstance(key, int) or (isinstance(key, str) and key.isdigit()) else key
 
 
-def load_torch_optimizer_state(engine: ShardedParts, model: dict, optimizer_state: dict, group: Any,
-                               strict: bool = True) -> None:
+def load_torch_optimizer_state(
+    engine: ShardedParts, model: dict, optimizer_state: dict, group: Any, strict: bool = True
+) -> None:
     """A torch-format optimizer state (integer ids in param-group order, as ``strategy="ddp"`` saves
     it, or keyed by parameter name, as Lightning's consolidation of a ZeroQ directory gives it) into
     the shards, with the model's weights, unit by unit; ``model`` is checked first (``model_errors``),
     on every rank, before any state changes."""
     if engine.optimizer is None:
-        raise ValueError("A checkpoint's optimizer state needs an optimizer to load into; attach one first "
-                         "(fabric.setup(model, optimizer)), or load the model's weights only.")
+        raise ValueError(
+            "A checkpoint's optimizer state needs an optimizer to load into; attach one first "
+            "(fabric.setup(model, optimizer)), or load the model's weights only."
+        )
     groups = sharded_optimizer_state(engine)["param_groups"]  # every parameter's name, by group
     saved = optimizer_state.get("param_groups", [])
     errors = model_errors(engine, model, strict)
@@ -71,13 +85,17 @@ def load_torch_optimizer_state(engine: ShardedParts, model: dict, optimizer_stat
     names: dict[Any, str] = {}
     for g, (mine, theirs) in enumerate(zip(groups, saved)):
         if len(mine["params"]) != len(theirs["params"]):
-            errors.append(f"param group {g} holds {len(theirs['params'])} parameters in the checkpoint, "
-                          f"{len(mine['params'])} here: configure_optimizers must build the same groups.")
+            errors.append(
+                f"param group {g} holds {len(theirs['params'])} parameters in the checkpoint, "
+                f"{len(mine['params'])} here: configure_optimizers must build the same groups."
+            )
         names.update(zip(map(_param_id, theirs["params"]), mine["params"]))
         renamed = [(t, m) for t, m in zip(theirs["params"], mine["params"]) if isinstance(t, str) and t != m]
         if renamed:  # a name-keyed state (a consolidated ZeroQ or FSDP checkpoint): the names must agree
-            errors.append(f"param group {g} of the checkpoint's optimizer names {renamed[0][0]!r} where this "
-                          f"model has {renamed[0][1]!r}: the optimizer state belongs to another model.")
+            errors.append(
+                f"param group {g} of the checkpoint's optimizer names {renamed[0][0]!r} where this "
+                f"model has {renamed[0][1]!r}: the optimizer state belongs to another model."
+            )
     shapes = {k: v.shape for k, v in model.items() if isinstance(v, Tensor)}
     for index, entry in optimizer_state.get("state", {}).items():
         name = names.get(_param_id(index))
@@ -86,7 +104,8 @@ def load_torch_optimizer_state(engine: ShardedParts, model: dict, optimizer_stat
                 errors.append(
                     f"the checkpoint's optimizer state {key} of parameter #{index} has shape {tuple(value.shape)}, "
                     f"but #{index} is {name} here, of shape {tuple(shapes[name])}: ZeroQ numbers each param "
-                    "group's parameters in the module's order; build the groups in that order.")
+                    "group's parameters in the module's order; build the groups in that order."
+                )
                 break
     agree(errors, "Loading the optimizer state", group)
     flat: dict[str, Any] = {f"{MODEL_KEY}.{k}": v for k, v in model.items()}
@@ -105,12 +124,19 @@ def load_torch_optimizer_state(engine: ShardedParts, model: dict, optimizer_stat
             if value is None:  # not in the checkpoint (strict=False): the target keeps what it has
                 continue
             if hasattr(target, "boxes"):  # LocalChunks
-                target.target.copy_(value.reshape(-1)[target.start:target.start + target.numel])
+                target.target.copy_(value.reshape(-1)[target.start : target.start + target.numel])
             elif isinstance(target, Tensor):
                 target.copy_(value)
             else:
                 target.value, target.loaded = value, True
 
-    load_sharded(engine, read, model_prefix=f"{MODEL_KEY}.", stored=set(model), optimizer_prefix=f"{OPTIMIZER_KEY}.",
-                 optimizer_keys=keys, param_groups=saved,
-                 settle=lambda errs: agree(errs, "Loading the optimizer state", group))
+    load_sharded(
+        engine,
+        read,
+        model_prefix=f"{MODEL_KEY}.",
+        stored=set(model),
+        optimizer_prefix=f"{OPTIMIZER_KEY}.",
+        optimizer_keys=keys,
+        param_groups=saved,
+        settle=lambda errs: agree(errs, "Loading the optimizer state", group),
+    )

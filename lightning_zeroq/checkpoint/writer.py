@@ -31,7 +31,6 @@ import os
 import queue
 import threading
 import warnings
-from torch.futures import Future
 from typing import IO, Any, Callable, Optional, Union, cast
 
 import torch
@@ -42,6 +41,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from lightning_zeroq.checkpoint import atomic, checksum
 from lightning_zeroq.checkpoint.chunks import LocalChunks
@@ -67,7 +67,7 @@ def token_of(raw: bytes) -> Optional[str]:
     """The save token in a data file's first ``HEADER_SIZE`` bytes, or None if it has no header."""
     if not raw.startswith(MAGIC):
         return None
-    return raw[len(MAGIC):HEADER_SIZE].rstrip(b"\0").decode("ascii", "replace")
+    return raw[len(MAGIC) : HEADER_SIZE].rstrip(b"\0").decode("ascii", "replace")
 
 
 class ChunkSavePlanner(DefaultSavePlanner):
@@ -88,10 +88,17 @@ class ChunkSavePlanner(DefaultSavePlanner):
             properties = TensorProperties(dtype=chunks.dtype)
             for box in chunks.boxes:
                 offsets = torch.Size(box.offsets)
-                items.append(WriteItem(
-                    index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets, torch.Size(box.sizes)),
-                                                properties=properties, size=chunks.shape)))
+                items.append(
+                    WriteItem(
+                        index=MetadataIndex(fqn, offsets),
+                        type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(
+                            chunk=ChunkStorageMetadata(offsets, torch.Size(box.sizes)),
+                            properties=properties,
+                            size=chunks.shape,
+                        ),
+                    )
+                )
         plan = dataclasses.replace(plan, items=items)
         if self.flatten_state_dict:
             plan = dataclasses.replace(plan, planner_data=self.mappings)
@@ -171,8 +178,14 @@ class StagingRing:
         self.__init__(**state)  # type: ignore[misc]
 
     def takes(self, tensor: Tensor) -> bool:
-        if self._failed or tensor.layout != torch.strided or tensor.is_quantized or tensor.is_conj() \
-                or tensor.is_neg() or not tensor.is_contiguous():
+        if (
+            self._failed
+            or tensor.layout != torch.strided
+            or tensor.is_quantized
+            or tensor.is_conj()
+            or tensor.is_neg()
+            or not tensor.is_contiguous()
+        ):
             return False
         if tensor.device.type != "cuda" and not (self.cpu_sources and tensor.device.type == "cpu"):
             return False
@@ -190,8 +203,9 @@ class StagingRing:
             start = region[0]
             # The source's strides, as tensor.to("cpu") keeps them (a contiguous tensor's size-1
             # dimensions may have any stride, and torch.save writes the strides).
-            destination = self.buffer[start:start + nbytes].view(tensor.dtype).as_strided(tensor.shape,
-                                                                                           tensor.stride())
+            destination = (
+                self.buffer[start : start + nbytes].view(tensor.dtype).as_strided(tensor.shape, tensor.stride())
+            )
             asynchronous = bool(self.pin) and tensor.device.type == "cuda"
             destination.copy_(tensor, non_blocking=asynchronous)
             event = None
@@ -199,7 +213,8 @@ class StagingRing:
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(tensor.device))  # the stream the copy ran on
             owned = torch.empty(0, dtype=tensor.dtype).set_(
-                self.buffer.untyped_storage()[start:start + nbytes], 0, tensor.shape, tensor.stride())
+                self.buffer.untyped_storage()[start : start + nbytes], 0, tensor.shape, tensor.stride()
+            )
         except BaseException:
             self._release(region)
             raise
@@ -219,9 +234,12 @@ class StagingRing:
                 self.buffer = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=self.pin)
             except RuntimeError as error:  # no pinned memory left: the saves copy as before
                 self._failed = True
-                warnings.warn(f"checkpoint staging: cannot allocate {self.capacity / 2**20:.0f} MiB of "
-                              f"{'pinned ' if self.pin else ''}host memory ({error}); synchronous saves copy "
-                              "device tensors to new host tensors instead.", stacklevel=4)
+                warnings.warn(
+                    f"checkpoint staging: cannot allocate {self.capacity / 2**20:.0f} MiB of "
+                    f"{'pinned ' if self.pin else ''}host memory ({error}); synchronous saves copy "
+                    "device tensors to new host tensors instead.",
+                    stacklevel=4,
+                )
                 return False
         return True
 
@@ -267,8 +285,15 @@ def _aligned(nbytes: int) -> int:
 
 
 class ChunkWriter(FileSystemWriter):
-    def __init__(self, path: str, token: str, sync_files: bool = True,
-                 staging: Optional[StagingRing] = None, copy_views: bool = True, checksums: bool = True) -> None:
+    def __init__(
+        self,
+        path: str,
+        token: str,
+        sync_files: bool = True,
+        staging: Optional[StagingRing] = None,
+        copy_views: bool = True,
+        checksums: bool = True,
+    ) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=sync_files, thread_count=1, overwrite=True)
         self.token = token
         self.staging = staging
@@ -313,8 +338,11 @@ class ChunkWriter(FileSystemWriter):
                     digest = out.hexdigest()
                     if digest is not None:  # checksums on
                         sums[str(offset)] = digest
-                    results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                               storage_data=_StorageInfo(name, offset, length)))
+                    results.append(
+                        WriteResult(
+                            index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length)
+                        )
+                    )
                     if len(results) == 1:
                         f.flush()
                         atomic.fault("mid_data")  # crash tests: a data file cut after its first item
@@ -350,7 +378,6 @@ class ChunkWriter(FileSystemWriter):
         future.set_result(results)
         return future
 
-
     def _to_host(self, tensor: Tensor) -> Union[Tensor, Staged]:
         tensor = tensor.detach()
         if self.staging is not None and self.staging.takes(tensor):
@@ -373,14 +400,20 @@ def _standalone(tensor: Tensor) -> Tensor:
 def _cut(tensor: Tensor) -> Tensor:
     """``_standalone`` without the copy for a contiguous CPU view: its bytes cut out of its storage
     (the result keeps that storage alive; torch.save writes the same as for the clone)."""
-    if (tensor.numel() and tensor.layout == torch.strided and tensor.is_contiguous() and not tensor.is_quantized
-            and not tensor.is_conj() and not tensor.is_neg()):
+    if (
+        tensor.numel()
+        and tensor.layout == torch.strided
+        and tensor.is_contiguous()
+        and not tensor.is_quantized
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+    ):
         nbytes = tensor.numel() * tensor.element_size()
         storage = tensor.untyped_storage()
         if tensor.storage_offset() == 0 and storage.nbytes() == nbytes:
             return tensor
         start = tensor.storage_offset() * tensor.element_size()
-        region = storage[start:start + nbytes]
+        region = storage[start : start + nbytes]
         # torch's stubs lack set_(source, offset, size), whose stride defaults to the contiguous one
         return torch.empty(0, dtype=tensor.dtype).set_(region, 0, tensor.shape)  # type: ignore[call-overload]
     return _standalone(tensor)
@@ -414,8 +447,9 @@ def stage_state(state: Any, before_read: Callable[[int], None], pin: bool, cache
             cache[key] = buffer
         assert chunks.read is not None  # a state to save holds readable chunks
         buffer.copy_(chunks.read().reshape(-1), non_blocking=pin)
-        copy = LocalChunks(chunks.shape, chunks.dtype, chunks.start, chunks.numel, read=lambda b=buffer: b,
-                           order=chunks.order)
+        copy = LocalChunks(
+            chunks.shape, chunks.dtype, chunks.start, chunks.numel, read=lambda b=buffer: b, order=chunks.order
+        )
         _set(staged, path, copy)
     if pin:
         torch.cuda.synchronize()

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
 
-from lightning_zeroq.config import ZeroConfig, check_shard_group_size, check_swap_directory
 from lightning_zeroq.cli.data import DataConfig, check_one_batch_per_rank
 from lightning_zeroq.cli.gpt import GPTConfig, OptimConfig
 from lightning_zeroq.common.precision import PARAM_DTYPES
+from lightning_zeroq.config import ZeroConfig, check_shard_group_size, check_swap_directory
 from lightning_zeroq.validation import check_int
 
 
@@ -56,8 +56,12 @@ class TrainerConfig:
     """Write the logged loss to ``csv/metrics.csv`` in the run directory."""
 
     def __post_init__(self) -> None:
-        for name, minimum in (("num_nodes", 1), ("max_steps", 1), ("accumulate_grad_batches", 1),
-                              ("log_every_n_steps", 1)):
+        for name, minimum in (
+            ("num_nodes", 1),
+            ("max_steps", 1),
+            ("accumulate_grad_batches", 1),
+            ("log_every_n_steps", 1),
+        ):
             check_int("TrainerConfig", name, getattr(self, name), minimum)
         check_devices(self.devices, self.accelerator)
         if self.precision not in PARAM_DTYPES:
@@ -120,7 +124,11 @@ class RunConfig:
 
 
 SECTIONS: dict[str, type] = {
-    "zero": ZeroConfig, "model": GPTConfig, "optim": OptimConfig, "data": DataConfig, "trainer": TrainerConfig,
+    "zero": ZeroConfig,
+    "model": GPTConfig,
+    "optim": OptimConfig,
+    "data": DataConfig,
+    "trainer": TrainerConfig,
     "finetune": FinetuneConfig,
 }
 # ValueError messages name "<Class>.<field>=<value>"; in the Hydra config that field is "<section>.<field>".
@@ -144,8 +152,9 @@ def _build(cls: type, values: dict[str, Any]) -> Any:
     known = {f.name for f in dataclasses.fields(cls)}
     for key, value in values.items():  # "+zero.stagee=2" appends past the schema; reject it here
         if key not in known:
-            raise ValueError(f"{cls.__name__}.{key}={value!r} is not a {cls.__name__} field; "
-                             f"the fields are {sorted(known)}.")
+            raise ValueError(
+                f"{cls.__name__}.{key}={value!r} is not a {cls.__name__} field; the fields are {sorted(known)}."
+            )
     return cls(**values)
 
 
@@ -154,8 +163,11 @@ def check_devices(devices: Any, accelerator: str = "auto") -> None:
     processes on the CPU), ``auto`` or a non-empty list of distinct device indices (Hydra gives a list as a
     ``ListConfig``)."""
     on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
-    fix = ("use a positive number of processes per node (e.g. 2) or auto" if on_cpu else
-           "use a positive number of processes per node, -1 for all devices, auto, or a list of device indices")
+    fix = (
+        "use a positive number of processes per node (e.g. 2) or auto"
+        if on_cpu
+        else "use a positive number of processes per node, -1 for all devices, auto, or a list of device indices"
+    )
     if isinstance(devices, str) and devices.lstrip("-").isdigit():
         devices = int(devices)
     if isinstance(devices, bool):
@@ -164,16 +176,21 @@ def check_devices(devices: Any, accelerator: str = "auto") -> None:
         if devices >= 1 or (devices == -1 and not on_cpu):
             return
         if devices == -1:
-            raise ValueError(f"TrainerConfig.devices=-1 means every GPU, and the accelerator is the CPU "
-                             f"(accelerator={accelerator!r}); {fix}.")
+            raise ValueError(
+                f"TrainerConfig.devices=-1 means every GPU, and the accelerator is the CPU "
+                f"(accelerator={accelerator!r}); {fix}."
+            )
     elif devices == "auto":
         return
     elif not isinstance(devices, str) and isinstance(devices, Sequence):
         items = list(devices)
         if on_cpu:
             pass
-        elif items and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items) \
-                and len(set(items)) == len(items):
+        elif (
+            items
+            and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items)
+            and len(set(items)) == len(items)
+        ):
             return
     raise ValueError(f"TrainerConfig.devices={devices!r} is not a device count Lightning can run; {fix}.")
 
@@ -215,10 +232,13 @@ def preflight(run: RunConfig) -> None:
         raise ValueError(
             f"FinetuneConfig.lora_rank={tune.lora_rank} needs finetune.base, the checkpoint to fine-tune: pretrain "
             "with `zeroq-train trainer.enable_checkpointing=true` and pass its checkpoint "
-            "(finetune.base=<run dir>/checkpoints/<name>.ckpt).")
+            "(finetune.base=<run dir>/checkpoints/<name>.ckpt)."
+        )
     if tune.base is not None and not Path(tune.base).exists():
-        raise ValueError(f"FinetuneConfig.base={tune.base!r} does not exist; pass the checkpoint to start from "
-                         "(a zeroq-train run's <run dir>/checkpoints/<name>.ckpt).")
+        raise ValueError(
+            f"FinetuneConfig.base={tune.base!r} does not exist; pass the checkpoint to start from "
+            "(a zeroq-train run's <run dir>/checkpoints/<name>.ckpt)."
+        )
 
 
 def world_size_of(cfg: TrainerConfig) -> Optional[int]:

@@ -29,8 +29,8 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 import torch.nn.functional as F
+from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import Tensor, nn
 
 from lightning_zeroq.validation import check_bool, check_choice, check_int
@@ -165,9 +165,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(width, dim=2)
         # (batch, seq, width) -> (batch, head, seq, head_dim)
         q, k, v = (t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(batch, seq, width)
         return self.resid_dropout(self.proj(y))
 

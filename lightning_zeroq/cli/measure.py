@@ -45,11 +45,11 @@ def _status_kib(key: str) -> int:
 def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     """Train the configuration of ``spec`` (``gpt``: ``GPTConfig`` fields; ``config``: ``ZeroConfig``
     fields; ``checkpointing``, ``batch``, ``seq``, ``warmup``, ``steps``, ``dtype``) in this process."""
+    import torch.distributed as dist
+
     from lightning_zeroq import ZeroConfig, ZeroEngine
     from lightning_zeroq.planning.choose import choose
     from lightning_zeroq.zero.policies import auto_request
-
-    import torch.distributed as dist
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))  # the ranks of this node (shard_group_size='node')
@@ -57,7 +57,9 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if world > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None
+        )
     dtype = torch.bfloat16 if spec.get("dtype", "bf16") == "bf16" else torch.float32
     rss_before = _status_kib("VmRSS")
     cfg = GPTConfig(**spec["gpt"])
@@ -97,11 +99,18 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
             times.append(time.perf_counter() - start)
     finally:
         engine.close()
-    out: dict[str, Any] = {"step_s": statistics.median(times[spec["warmup"]:]),
-           "host_bytes": max(0, _status_kib("VmHWM") - rss_before) * 1024, "loss": float(loss)}
+    out: dict[str, Any] = {
+        "step_s": statistics.median(times[spec["warmup"] :]),
+        "host_bytes": max(0, _status_kib("VmHWM") - rss_before) * 1024,
+        "loss": float(loss),
+    }
     if chosen is not None and chosen.need is not None:
-        out.update(chosen=chosen.need.name, chosen_line=chosen.line, predicted_allocated_bytes=chosen.need.device_total,
-                   predicted_step_s=chosen.need.step_s)
+        out.update(
+            chosen=chosen.need.name,
+            chosen_line=chosen.line,
+            predicted_allocated_bytes=chosen.need.device_total,
+            predicted_step_s=chosen.need.step_s,
+        )
     if device.type == "cuda":
         out["allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         out["reserved_bytes"] = torch.cuda.max_memory_reserved(device)
@@ -121,8 +130,14 @@ def measure(spec: dict[str, Any], timeout: Optional[float] = None, world_size: i
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, "-m", "lightning_zeroq.cli.measure", json.dumps(spec)]
     if world_size > 1:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
-                   *command[1:]]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={world_size}",
+            *command[1:],
+        ]
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
     try:
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)

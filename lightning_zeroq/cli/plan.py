@@ -52,10 +52,9 @@ import torch
 import torch.nn.functional as F
 
 from lightning_zeroq.cli.gpt import GPTConfig, GPTModel, add_lora
+from lightning_zeroq.planning.estimate import GIB, Machine, Need, estimate_training
 from lightning_zeroq.zero.memory.host import available
 from lightning_zeroq.zero.unit_plan import repeated_blocks
-from lightning_zeroq.planning.estimate import GIB, Machine, Need, estimate_training
-
 
 RUNTIME_HOST_GIB = 0.6
 """A process's CUDA runtime and libraries in host memory, GiB (measured: ``docs/plan.md``, the host column)."""
@@ -80,8 +79,10 @@ def machine_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> M
         host = room.bytes if room is not None else None
     nvme = _gib(args.nvme_gib, "--nvme-gib", parser)
     if args.nvme_path and not os.path.isdir(args.nvme_path):
-        parser.error(f"--nvme-path {args.nvme_path}: no such directory; give an existing directory on the disk to "
-                     "plan NVMe offload to (or leave --nvme-path out)")
+        parser.error(
+            f"--nvme-path {args.nvme_path}: no such directory; give an existing directory on the disk to "
+            "plan NVMe offload to (or leave --nvme-path out)"
+        )
     if nvme is None and args.nvme_path:
         nvme = shutil.disk_usage(args.nvme_path).free
     for name in ("tflops", "host_elements_per_s", "pcie_gbs", "nvme_gbs", "reserved_per_allocated", "device_tbs"):
@@ -101,16 +102,26 @@ def machine_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> M
         if not 0 < forward <= both < float("inf"):
             parser.error(f"--block-ms {args.block_ms}: the forward must be above 0 and at most forward+backward")
         block = (forward, both)
-    return Machine(device, host, nvme, args.ranks_per_node, args.tflops * 1e12, args.host_elements_per_s,
-                   args.pcie_gbs * 1e9, args.nvme_gbs * 1e9, args.reserved_per_allocated,
-                   runtime_host_bytes=int(runtime * GIB), device_bytes_per_s=args.device_tbs * 1e12,
-                   block_seconds=block)
+    return Machine(
+        device,
+        host,
+        nvme,
+        args.ranks_per_node,
+        args.tflops * 1e12,
+        args.host_elements_per_s,
+        args.pcie_gbs * 1e9,
+        args.nvme_gbs * 1e9,
+        args.reserved_per_allocated,
+        runtime_host_bytes=int(runtime * GIB),
+        device_bytes_per_s=args.device_tbs * 1e12,
+        block_seconds=block,
+    )
 
 
 def _recipe(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[GPTConfig, list, torch.dtype]:
     """The recipe's model, micro-batch, world size and precision (into ``args``), and the configurations to
     plan: the recipe's own first, then the other candidates."""
-    from lightning_zeroq.cli.config import world_size_of, config_error_line
+    from lightning_zeroq.cli.config import config_error_line, world_size_of
     from lightning_zeroq.cli.train import compose_config, recipe_names, to_run_config
     from lightning_zeroq.planning.estimate import candidates
 
@@ -131,13 +142,14 @@ def _recipe(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[
     return run.model, [(f"recipe {args.recipe}", own), *candidates(args.nvme_path, bool(args.lora))], dtype
 
 
-def _with_common_fields(args: argparse.Namespace, parser: argparse.ArgumentParser,
-                        configs: Optional[list]) -> Optional[list]:
+def _with_common_fields(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, configs: Optional[list]
+) -> Optional[list]:
     """Every candidate with ``--shard-group-size`` and ``--quantized-weights`` (checked as ``ZeroConfig`` and
     the hybrid groups check them)."""
     from lightning_zeroq.config import ZeroConfig
-    from lightning_zeroq.zero import hybrid
     from lightning_zeroq.planning.estimate import candidates
+    from lightning_zeroq.zero import hybrid
 
     common: dict = {}
     if args.shard_group_size is not None:
@@ -148,8 +160,9 @@ def _with_common_fields(args: argparse.Namespace, parser: argparse.ArgumentParse
             except ValueError:
                 parser.error(f"--shard-group-size {args.shard_group_size}: give a number of ranks or 'node'")
         try:
-            hybrid.shard_group_size(ZeroConfig(shard_group_size=size).shard_group_size, args.world_size,
-                                    args.ranks_per_node)
+            hybrid.shard_group_size(
+                ZeroConfig(shard_group_size=size).shard_group_size, args.world_size, args.ranks_per_node
+            )
         except ValueError as error:
             parser.error(f"--shard-group-size {args.shard_group_size}: {error}")
         common["shard_group_size"] = size
@@ -157,7 +170,9 @@ def _with_common_fields(args: argparse.Namespace, parser: argparse.ArgumentParse
         common["quantized_weights"] = True
     if not common:
         return configs
-    return [(name, {**fields, **common}) for name, fields in (configs or candidates(args.nvme_path, args.model is not None))]
+    return [
+        (name, {**fields, **common}) for name, fields in (configs or candidates(args.nvme_path, args.model is not None))
+    ]
 
 
 def gpt_on_meta(cfg: GPTConfig, batch: int, seq: int, dtype: torch.dtype) -> tuple[GPTModel, Any]:
@@ -182,8 +197,10 @@ def _load(spec: str, flag: str, parser: argparse.ArgumentParser) -> Any:
     if not module_name or not name:
         parser.error(f"{flag} {spec}: give MODULE:NAME, e.g. mypackage.models:make_model")
     if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", module_name) or not name.isidentifier():
-        parser.error(f"{flag} {spec}: give MODULE:NAME, a module importable from here by its dotted name (not a "
-                     "path) and a name in it, e.g. mypackage.models:make_model")
+        parser.error(
+            f"{flag} {spec}: give MODULE:NAME, a module importable from here by its dotted name (not a "
+            "path) and a name in it, e.g. mypackage.models:make_model"
+        )
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     with _as_error(parser, f"{flag} {spec}: importing {module_name}"):
@@ -206,8 +223,9 @@ def _as_error(parser: argparse.ArgumentParser, what: str, fix: str = "") -> Iter
         parser.error(f"{what} failed: {type(error).__name__}: {text[0] if text else ''}{fix}")
 
 
-def _own_model(args: argparse.Namespace, parser: argparse.ArgumentParser,
-               dtype: torch.dtype) -> tuple[torch.nn.Module, Any, int]:
+def _own_model(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, dtype: torch.dtype
+) -> tuple[torch.nn.Module, Any, int]:
     """``--model`` built on the meta device (a LightningModule's ``configure_model`` too), the function that
     gives one micro-batch's loss, and the tokens it holds."""
     import lightning as L
@@ -223,15 +241,19 @@ def _own_model(args: argparse.Namespace, parser: argparse.ArgumentParser,
     if not isinstance(model, torch.nn.Module):
         parser.error(f"--model {args.model}: returned {type(model).__name__}, not an nn.Module")
     if next(model.parameters(), None) is None:
-        parser.error(f"--model {args.model}: the model has no parameters, so there is nothing to plan; return the "
-                     "module that holds them (a LightningModule's configure_model builds them too)")
+        parser.error(
+            f"--model {args.model}: the model has no parameters, so there is nothing to plan; return the "
+            "module that holds them (a LightningModule's configure_model builds them too)"
+        )
     model = model.to(dtype)
     count = args.tokens
     if args.forward is not None:
         return model, _load(args.forward, "--forward", parser), count
     if not isinstance(model, L.LightningModule):
-        parser.error(f"--sample {args.sample}: a plain nn.Module has no training_step; give --forward (a function "
-                     "of the model returning the loss)")
+        parser.error(
+            f"--sample {args.sample}: a plain nn.Module has no training_step; give --forward (a function "
+            "of the model returning the loss)"
+        )
     sample = _load(args.sample, "--sample", parser)
     with _as_error(parser, f"--sample {args.sample}"):
         batch = apply_to_collection(sample(), torch.Tensor, lambda t: t.to("meta"))
@@ -239,13 +261,17 @@ def _own_model(args: argparse.Namespace, parser: argparse.ArgumentParser,
 
 
 def table(needs: list[Need], tokens: int) -> str:
-    header = ("| configuration | device GiB allocated | reserved | of it activations | host GiB | disk GiB | step s "
-              "| tokens/s | fits |")
+    header = (
+        "| configuration | device GiB allocated | reserved | of it activations | host GiB | disk GiB | step s "
+        "| tokens/s | fits |"
+    )
     rows = [header, "|---|---|---|---|---|---|---|---|---|"]
     for n in needs:
         rate = f"{tokens / n.step_s:,.0f}" if n.step_s > 0 else "-"
-        rows.append(f"| {n.name} | {n.device_total / GIB:.2f} | {n.reserved / GIB:.2f} | {n.device['activations'] / GIB:.2f} | "
-                    f"{n.host_total / GIB:.2f} | {n.nvme / GIB:.2f} | {seconds(n.step_s)} | {rate} | {fits(n)} |")
+        rows.append(
+            f"| {n.name} | {n.device_total / GIB:.2f} | {n.reserved / GIB:.2f} | {n.device['activations'] / GIB:.2f} | "
+            f"{n.host_total / GIB:.2f} | {n.nvme / GIB:.2f} | {seconds(n.step_s)} | {rate} | {fits(n)} |"
+        )
     return "\n".join(rows)
 
 
@@ -261,8 +287,12 @@ def seconds(value: float) -> str:
     return f"{value:.3f}" if value >= 0.001 or value == 0 else f"{value:.3g}"
 
 
-PRECISIONS = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16,
-              "32-true": torch.float32}
+PRECISIONS = {
+    "bf16-mixed": torch.bfloat16,
+    "bf16-true": torch.bfloat16,
+    "16-mixed": torch.float16,
+    "32-true": torch.float32,
+}
 """``--precision``: Lightning's names, as the strategies take them, and the working weights' dtype each plans."""
 SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -275,12 +305,18 @@ def strategy_args(need: Need, block: Optional[str], precision: str) -> str:
 
     default = ZeroConfig()
     given: dict[str, Any] = {"stage": need.config.stage}
-    given.update({f.name: getattr(need.config, f.name) for f in dataclasses.fields(ZeroConfig)
-                  if f.init and f.name != "stage" and getattr(need.config, f.name) != getattr(default, f.name)})
+    given.update(
+        {
+            f.name: getattr(need.config, f.name)
+            for f in dataclasses.fields(ZeroConfig)
+            if f.init and f.name != "stage" and getattr(need.config, f.name) != getattr(default, f.name)
+        }
+    )
     if need.checkpointing >= 1 and block:
         given["activation_checkpointing_policy"] = [block]
-    return (f"Trainer(strategy=ZeroQStrategy({', '.join(f'{k}={v!r}' for k, v in given.items())}), "
-            f"precision={precision!r})")
+    return (
+        f"Trainer(strategy=ZeroQStrategy({', '.join(f'{k}={v!r}' for k, v in given.items())}), precision={precision!r})"
+    )
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -296,13 +332,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     shape.add_argument("--batch", type=int, default=4, help="sequences per micro-batch and rank")
     shape.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
     shape.add_argument("--world-size", type=int, default=1)
-    shape.add_argument("--precision", choices=tuple(PRECISIONS), default=None,
-                       help="Lightning's precision to plan (default bf16-mixed: bf16 working weights, fp32 masters; "
-                            "32-true: fp32 weights; 16-mixed: fp16); a recipe's is its own")
-    shape.add_argument("--shard-group-size", default=None,
-                       help="hybrid sharding for every candidate: shard within groups of this many ranks (or 'node')")
-    shape.add_argument("--quantized-weights", action="store_true",
-                       help="INT8 weights for every candidate (stage 3's stored payloads are INT8 groups)")
+    shape.add_argument(
+        "--precision",
+        choices=tuple(PRECISIONS),
+        default=None,
+        help="Lightning's precision to plan (default bf16-mixed: bf16 working weights, fp32 masters; "
+        "32-true: fp32 weights; 16-mixed: fp16); a recipe's is its own",
+    )
+    shape.add_argument(
+        "--shard-group-size",
+        default=None,
+        help="hybrid sharding for every candidate: shard within groups of this many ranks (or 'node')",
+    )
+    shape.add_argument(
+        "--quantized-weights",
+        action="store_true",
+        help="INT8 weights for every candidate (stage 3's stored payloads are INT8 groups)",
+    )
     where = parser.add_argument_group("the machine (read from this one where not given)")
     where.add_argument("--device-gib", type=float, default=None)
     where.add_argument("--host-gib", type=float, default=None, help="host memory of one node")
@@ -310,52 +356,98 @@ def main(argv: Optional[list[str]] = None) -> int:
     where.add_argument("--nvme-path", default=None, help="plan NVMe offload to this directory too")
     where.add_argument("--nvme-gib", type=float, default=None, help="free disk space (default: at --nvme-path)")
     where.add_argument("--tflops", type=float, default=400.0, help="achieved bf16 matmul TFLOP/s per GPU")
-    where.add_argument("--host-elements-per-s", type=float, default=5.0e9,
-                       help="optimizer elements the host steps per second (AdamW)")
+    where.add_argument(
+        "--host-elements-per-s", type=float, default=5.0e9, help="optimizer elements the host steps per second (AdamW)"
+    )
     where.add_argument("--pcie-gbs", type=float, default=40.0, help="host-device copy GB/s each way")
     where.add_argument("--nvme-gbs", type=float, default=3.0, help="disk read/write GB/s")
-    where.add_argument("--reserved-per-allocated", type=float, default=Machine.reserved_per_allocated,
-                       help="the device memory the allocator reserves per byte allocated at the peak")
+    where.add_argument(
+        "--reserved-per-allocated",
+        type=float,
+        default=Machine.reserved_per_allocated,
+        help="the device memory the allocator reserves per byte allocated at the peak",
+    )
     shape.add_argument("--recipe", default=None, help="plan a zeroq-train recipe (conf/ and recipes/) instead")
-    shape.add_argument("--model", default=None, metavar="MODULE:NAME",
-                       help="plan your own model instead: a class or factory of no arguments returning an nn.Module "
-                            "or LightningModule (built on the meta device)")
-    shape.add_argument("--sample", default=None, metavar="MODULE:NAME",
-                       help="with a LightningModule --model: a function returning one micro-batch for training_step")
-    shape.add_argument("--forward", default=None, metavar="MODULE:NAME",
-                       help="with --model: a function of the model returning one micro-batch's loss (any module); "
-                            "it runs with the model on the meta device, and inputs it builds elsewhere are moved "
-                            "there (build them with device='meta' to allocate nothing)")
-    shape.add_argument("--tokens", type=int, default=None,
-                       help="with --model: tokens per micro-batch and rank (default: the elements of the first "
-                            "integer tensor, the token ids, that the forward or training_step calls a module with; "
-                            "required where it calls none)")
+    shape.add_argument(
+        "--model",
+        default=None,
+        metavar="MODULE:NAME",
+        help="plan your own model instead: a class or factory of no arguments returning an nn.Module "
+        "or LightningModule (built on the meta device)",
+    )
+    shape.add_argument(
+        "--sample",
+        default=None,
+        metavar="MODULE:NAME",
+        help="with a LightningModule --model: a function returning one micro-batch for training_step",
+    )
+    shape.add_argument(
+        "--forward",
+        default=None,
+        metavar="MODULE:NAME",
+        help="with --model: a function of the model returning one micro-batch's loss (any module); "
+        "it runs with the model on the meta device, and inputs it builds elsewhere are moved "
+        "there (build them with device='meta' to allocate nothing)",
+    )
+    shape.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        help="with --model: tokens per micro-batch and rank (default: the elements of the first "
+        "integer tensor, the token ids, that the forward or training_step calls a module with; "
+        "required where it calls none)",
+    )
     shape.add_argument("overrides", nargs="*", help="with --recipe: Hydra overrides, as zeroq-train takes them")
     where.add_argument("--device-tbs", type=float, default=3.0, help="device memory TB/s (its optimizer step)")
-    where.add_argument("--block-ms", default=None, metavar="F,FB",
-                       help="one block's forward and forward+backward in ms at this micro-batch (as --calibrate "
-                            "prints them), for the blocks' compute instead of --tflops")
-    where.add_argument("--runtime-host-gib", type=float, default=None,
-                       help=f"host memory of each process's CUDA runtime (default: measured with --calibrate on a GPU, "
-                            f"else {RUNTIME_HOST_GIB} where a GPU is given or found, else 0)")
-    where.add_argument("--calibrate", action="store_true",
-                       help="measure the rates on this machine (one block at the micro-batch, the host step, "
-                            "copies, the disk at --nvme-path; on a GPU the CUDA runtime's host memory too) instead "
-                            "of the flags above")
+    where.add_argument(
+        "--block-ms",
+        default=None,
+        metavar="F,FB",
+        help="one block's forward and forward+backward in ms at this micro-batch (as --calibrate "
+        "prints them), for the blocks' compute instead of --tflops",
+    )
+    where.add_argument(
+        "--runtime-host-gib",
+        type=float,
+        default=None,
+        help=f"host memory of each process's CUDA runtime (default: measured with --calibrate on a GPU, "
+        f"else {RUNTIME_HOST_GIB} where a GPU is given or found, else 0)",
+    )
+    where.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure the rates on this machine (one block at the micro-batch, the host step, "
+        "copies, the disk at --nvme-path; on a GPU the CUDA runtime's host memory too) instead "
+        "of the flags above",
+    )
     check = parser.add_argument_group("measuring the plan on this machine")
-    check.add_argument("--measure", nargs="?", type=int, const=0, default=None, metavar="N",
-                       help="train the N fastest fitting configurations (default: all) a few steps each and "
-                            "print measured beside predicted")
+    check.add_argument(
+        "--measure",
+        nargs="?",
+        type=int,
+        const=0,
+        default=None,
+        metavar="N",
+        help="train the N fastest fitting configurations (default: all) a few steps each and "
+        "print measured beside predicted",
+    )
     check.add_argument("--only", default=None, help="with --measure: comma-separated configuration names to run")
     check.add_argument("--steps", type=int, default=3, help="with --measure: timed steps per configuration")
     check.add_argument("--warmup", type=int, default=2, help="with --measure: untimed steps first")
     check.add_argument("--timeout", type=float, default=600.0, help="with --measure: seconds per configuration")
-    check.add_argument("--show-args", action="store_true",
-                       help="print every row's Trainer and ZeroQStrategy arguments (the fastest that fits: always)")
+    check.add_argument(
+        "--show-args",
+        action="store_true",
+        help="print every row's Trainer and ZeroQStrategy arguments (the fastest that fits: always)",
+    )
     check.add_argument("--json", default=None, help="write the planned (and measured) rows to this file")
-    check.add_argument("--against", default=None, metavar="FILE",
-                       help="print this plan beside the measured rows of an earlier --measure --json FILE (same "
-                            "shape and rates given as flags), without running anything")
+    check.add_argument(
+        "--against",
+        default=None,
+        metavar="FILE",
+        help="print this plan beside the measured rows of an earlier --measure --json FILE (same "
+        "shape and rates given as flags), without running anything",
+    )
     args = parser.parse_args(argv)
     if args.measure is not None and args.measure < 0:
         parser.error(f"--measure {args.measure}: give how many configurations to run (0 or none: all that fit)")
@@ -367,8 +459,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.model is not None and args.recipe:
         parser.error("--model and --recipe: give one of them")
     if args.model is not None and (args.sample is None) == (args.forward is None):
-        parser.error(f"--model {args.model}: give --sample (a LightningModule's micro-batch) or --forward (a function "
-                     "of the model returning the loss), one of them")
+        parser.error(
+            f"--model {args.model}: give --sample (a LightningModule's micro-batch) or --forward (a function "
+            "of the model returning the loss), one of them"
+        )
     if args.tokens is not None and args.tokens < 1:
         parser.error(f"--tokens={args.tokens}: give the tokens per micro-batch and rank, 1 or more")
     if args.model is None and (args.sample or args.forward or args.tokens):
@@ -379,8 +473,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)}: give a whole number, 1 or more")
     if args.recipe and args.precision:
-        parser.error(f"--precision {args.precision}: a recipe plans its own precision; override it as "
-                     f"trainer.precision={args.precision}")
+        parser.error(
+            f"--precision {args.precision}: a recipe plans its own precision; override it as "
+            f"trainer.precision={args.precision}"
+        )
     precision = args.precision or "bf16-mixed"
     configs, dtype = None, PRECISIONS[precision]
     if args.recipe:
@@ -388,14 +484,27 @@ def main(argv: Optional[list[str]] = None) -> int:
         precision = {torch.bfloat16: "bf16-mixed", torch.float32: "32-true"}.get(dtype, precision)
     else:
         try:
-            cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
-                            n_embd=args.dim, ffn_hidden=args.ffn, norm=args.norm, mlp=args.mlp, bias=False,
-                            learned_positions=False, tie_embeddings=False, init="torch")
+            cfg = GPTConfig(
+                vocab_size=args.vocab,
+                block_size=args.seq,
+                n_layer=args.layers,
+                n_head=args.heads,
+                n_embd=args.dim,
+                ffn_hidden=args.ffn,
+                norm=args.norm,
+                mlp=args.mlp,
+                bias=False,
+                learned_positions=False,
+                tie_embeddings=False,
+                init="torch",
+            )
         except ValueError as error:
             parser.error(str(error))
     if args.ranks_per_node > args.world_size:
-        parser.error(f"--ranks-per-node {args.ranks_per_node} is more than --world-size {args.world_size}: give "
-                     f"the ranks of one node, at most {args.world_size} (host memory is counted for that many)")
+        parser.error(
+            f"--ranks-per-node {args.ranks_per_node} is more than --world-size {args.world_size}: give "
+            f"the ranks of one node, at most {args.world_size} (host memory is counted for that many)"
+        )
     configs = _with_common_fields(args, parser, configs)
     machine = machine_from(args, parser)
     count: Optional[int]
@@ -403,8 +512,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         model, forward, count = _own_model(args, parser, dtype)
         what = f"--forward {args.forward}" if args.forward else f"--sample {args.sample}"
     else:
-        flags = (f"--dim {args.dim} --layers {args.layers} --heads {args.heads} --ffn {args.ffn} --vocab {args.vocab} "
-                 f"--batch {args.batch} --seq {args.seq}")
+        flags = (
+            f"--dim {args.dim} --layers {args.layers} --heads {args.heads} --ffn {args.ffn} --vocab {args.vocab} "
+            f"--batch {args.batch} --seq {args.seq}"
+        )
         with _as_error(parser, f"{flags}: building the model on the meta device", "; give smaller sizes"):
             model, forward = gpt_on_meta(cfg, args.batch, args.seq, dtype)
         if getattr(args, "lora", None):  # a fine-tuning recipe: its LoRA factors train, the rest is frozen
@@ -418,51 +529,82 @@ def main(argv: Optional[list[str]] = None) -> int:
             runtime = runtime_host_bytes(args.timeout)
             if runtime is not None:
                 machine = dataclasses.replace(machine, runtime_host_bytes=runtime)
-                print(f"calibrated here: a process's CUDA runtime and libraries hold {runtime / GIB:.2f} GiB of host "
-                      "memory", flush=True)
+                print(
+                    f"calibrated here: a process's CUDA runtime and libraries hold {runtime / GIB:.2f} GiB of host "
+                    "memory",
+                    flush=True,
+                )
     try:
-        needs = estimate_training(model, forward, tokens=count, world_size=args.world_size, machine=machine,
-                              configs=configs, nvme_path=args.nvme_path, param_dtype=dtype, calibrate_on=device)
+        needs = estimate_training(
+            model,
+            forward,
+            tokens=count,
+            world_size=args.world_size,
+            machine=machine,
+            configs=configs,
+            nvme_path=args.nvme_path,
+            param_dtype=dtype,
+            calibrate_on=device,
+        )
     except SystemExit as stop:
         parser.error(f"{what}: the forward called sys.exit({stop.code!r}); the plan needs it to return the loss")
     except Exception as error:  # noqa: BLE001 - the user's forward, traced on the meta device: one line
         text = str(error).strip().splitlines()
         line = f"{type(error).__name__}: {text[0] if text else ''}"
         if "no integer tensor" in line:
-            parser.error(f"{what}: the forward calls no module with an integer tensor (token ids) to count the "
-                         "tokens from; give --tokens (tokens per micro-batch and rank)")
-        parser.error(f"{what}: planning failed on the meta device ({line}); the forward runs with the model on "
-                     "the meta device, so it can read no tensor's value (an integer count, a condition)")
+            parser.error(
+                f"{what}: the forward calls no module with an integer tensor (token ids) to count the "
+                "tokens from; give --tokens (tokens per micro-batch and rank)"
+            )
+        parser.error(
+            f"{what}: planning failed on the meta device ({line}); the forward runs with the model on "
+            "the meta device, so it can read no tensor's value (an integer count, a condition)"
+        )
     traced = needs[0].traced
     if count is None:
         count = needs[0].tokens
     elif args.model is not None and traced is not None and traced.tokens and traced.tokens != count:
-        print(f"note: --tokens {count:,} counts the step time, and the forward feeds {traced.tokens:,} token ids, "
-              "which the memory is traced from", flush=True)
+        print(
+            f"note: --tokens {count:,} counts the step time, and the forward feeds {traced.tokens:,} token ids, "
+            "which the memory is traced from",
+            flush=True,
+        )
     params = sum(p.numel() for p in model.parameters())
-    known = ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in (("device", machine.device_bytes), ("host", machine.host_bytes),
-                                                           ("disk", machine.nvme_bytes)) if v is not None)
+    known = ", ".join(
+        f"{k} {v / GIB:.1f} GiB"
+        for k, v in (("device", machine.device_bytes), ("host", machine.host_bytes), ("disk", machine.nvme_bytes))
+        if v is not None
+    )
     size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.2f}M"
     shown = f"{count:,}" if args.model is not None else f"{args.batch} x {args.seq}"
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     if frozen:
         size += f" ({frozen / params:.1%} frozen: stage 3 shards them, in their own dtype or frozen_int8's INT8)"
-    print(f"{size} parameters, {shown} tokens per micro-batch and rank, world size "
-          f"{args.world_size}; machine: {known or 'memory unknown (nothing checked)'}; per rank, "
-          f"{precision} ({SHORT[dtype]} weights), AdamW:\n")
+    print(
+        f"{size} parameters, {shown} tokens per micro-batch and rank, world size "
+        f"{args.world_size}; machine: {known or 'memory unknown (nothing checked)'}; per rank, "
+        f"{precision} ({SHORT[dtype]} weights), AdamW:\n"
+    )
     print(table(needs, count))
     blocks = repeated_blocks(model)
     block = type(blocks[0]).__name__ if blocks else None
     if traced is not None and traced.self_checkpointed:
-        print(f"\nthe model recomputes its {block} blocks itself (each saves only its input): no +checkpointing "
-              "rows, and what a block holds while it recomputes is not counted")
+        print(
+            f"\nthe model recomputes its {block} blocks itself (each saves only its input): no +checkpointing "
+            "rows, and what a block holds while it recomputes is not counted"
+        )
     if machine.device_bytes is None:
-        print("\nthe device's memory was not checked (no GPU here and no --device-gib): \"unchecked\" rows fit "
-              "the host and the disk; pass --device-gib to check the device too")
+        print(
+            '\nthe device\'s memory was not checked (no GPU here and no --device-gib): "unchecked" rows fit '
+            "the host and the disk; pass --device-gib to check the device too"
+        )
     best = next((n for n in needs if n.fits), None)
     fitting = "fastest that fits" if machine.device_bytes is not None else "fastest, the device unchecked"
-    print(f"\n{fitting}: {best.name} ({seconds(best.step_s)} s a step)\n  as {strategy_args(best, block, precision)}"
-          if best else "\nnothing fits: more ranks, a smaller micro-batch, or NVMe offload (--nvme-path)")
+    print(
+        f"\n{fitting}: {best.name} ({seconds(best.step_s)} s a step)\n  as {strategy_args(best, block, precision)}"
+        if best
+        else "\nnothing fits: more ranks, a smaller micro-batch, or NVMe offload (--nvme-path)"
+    )
     if args.show_args:
         print("\nthe arguments of each row:")
         for need in needs:
@@ -470,11 +612,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows = [planned_row(n, count) for n in needs]
     if args.measure is not None:
         if args.recipe or args.model:
-            parser.error("--measure runs the package's GPT of the given shape (one process per configuration and "
-                         "rank); plan a recipe or your own model without it")
+            parser.error(
+                "--measure runs the package's GPT of the given shape (one process per configuration and "
+                "rank); plan a recipe or your own model without it"
+            )
         if args.world_size != args.ranks_per_node:
-            parser.error(f"--measure runs the ranks on this machine: give --ranks-per-node {args.world_size} with "
-                         f"--world-size {args.world_size} (a plan across nodes is measured by launching it there)")
+            parser.error(
+                f"--measure runs the ranks on this machine: give --ranks-per-node {args.world_size} with "
+                f"--world-size {args.world_size} (a plan across nodes is measured by launching it there)"
+            )
         chosen = [n for n in needs if n.fits]
         if args.only:
             names = args.only.split(",")
@@ -498,19 +644,46 @@ def runtime_host_bytes(timeout: Optional[float] = None) -> Optional[int]:
     None where that run fails."""
     from lightning_zeroq.cli.measure import measure
 
-    tiny = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64, norm="rmsnorm", mlp="swiglu",
-                     bias=False, learned_positions=False, tie_embeddings=False, init="torch")
-    got = measure({"gpt": dataclasses.asdict(tiny), "config": {"stage": 2}, "checkpointing": 0.0, "batch": 2,
-                   "seq": 32, "warmup": 1, "steps": 1}, timeout=timeout)
+    tiny = GPTConfig(
+        vocab_size=256,
+        block_size=32,
+        n_layer=2,
+        n_head=2,
+        n_embd=64,
+        norm="rmsnorm",
+        mlp="swiglu",
+        bias=False,
+        learned_positions=False,
+        tie_embeddings=False,
+        init="torch",
+    )
+    got = measure(
+        {
+            "gpt": dataclasses.asdict(tiny),
+            "config": {"stage": 2},
+            "checkpointing": 0.0,
+            "batch": 2,
+            "seq": 32,
+            "warmup": 1,
+            "steps": 1,
+        },
+        timeout=timeout,
+    )
     return got.get("host_bytes")
 
 
 def planned_row(need: Need, tokens: int) -> dict:
-    return {"configuration": need.name, "fits": need.fits, "device_checked": need.device_checked,
-            "predicted_allocated_GiB": round(need.device_total / GIB, 2),
-            "predicted_reserved_GiB": round(need.reserved / GIB, 2), "predicted_host_GiB": round(need.host_total / GIB, 2),
-            "predicted_disk_GiB": round(need.nvme / GIB, 2), "predicted_step_s": round(need.step_s, 4),
-            "tokens_per_step": tokens}
+    return {
+        "configuration": need.name,
+        "fits": need.fits,
+        "device_checked": need.device_checked,
+        "predicted_allocated_GiB": round(need.device_total / GIB, 2),
+        "predicted_reserved_GiB": round(need.reserved / GIB, 2),
+        "predicted_host_GiB": round(need.host_total / GIB, 2),
+        "predicted_disk_GiB": round(need.nvme / GIB, 2),
+        "predicted_step_s": round(need.step_s, 4),
+        "tokens_per_step": tokens,
+    }
 
 
 def measure_all(chosen: list[Need], rows: list[dict], cfg: GPTConfig, args: argparse.Namespace) -> list[dict]:
@@ -525,21 +698,34 @@ def measure_all(chosen: list[Need], rows: list[dict], cfg: GPTConfig, args: argp
     for i, need in enumerate(chosen):
         print(f"[{i + 1}/{len(chosen)}] {need.name} ...", file=sys.stderr, flush=True)
         fields = {f.name: getattr(need.config, f.name) for f in dataclasses.fields(need.config) if f.init}
-        spec = {"gpt": dataclasses.asdict(cfg), "config": fields, "checkpointing": need.checkpointing,
-                "batch": args.batch, "seq": args.seq, "warmup": args.warmup, "steps": args.steps}
+        spec = {
+            "gpt": dataclasses.asdict(cfg),
+            "config": fields,
+            "checkpointing": need.checkpointing,
+            "batch": args.batch,
+            "seq": args.seq,
+            "warmup": args.warmup,
+            "steps": args.steps,
+        }
         got = measure(spec, timeout=args.timeout, world_size=args.world_size)
         row = by_name[need.name]
         if "error" in got:
             row["error"] = got["error"]
             print(f"| {need.name} | failed: {got['error']} | | | | |", flush=True)
             continue
-        row.update(measured_allocated_GiB=round(got.get("allocated_bytes", 0) / GIB, 2),
-                   measured_reserved_GiB=round(got.get("reserved_bytes", 0) / GIB, 2),
-                   measured_host_GiB=round(got["host_bytes"] / GIB, 2), measured_step_s=round(got["step_s"], 4))
+        row.update(
+            measured_allocated_GiB=round(got.get("allocated_bytes", 0) / GIB, 2),
+            measured_reserved_GiB=round(got.get("reserved_bytes", 0) / GIB, 2),
+            measured_host_GiB=round(got["host_bytes"] / GIB, 2),
+            measured_step_s=round(got["step_s"], 4),
+        )
         tokens = args.batch * args.seq
         rate = "/".join(f"{tokens / s:,.0f}" if s else "-" for s in (need.step_s, got["step_s"]))
-        print(f"| {need.name} | {_pair(row, 'allocated_GiB')} | {_pair(row, 'reserved_GiB')} | "
-              f"{_pair(row, 'host_GiB')} | {_pair(row, 'step_s')} | {rate} |", flush=True)
+        print(
+            f"| {need.name} | {_pair(row, 'allocated_GiB')} | {_pair(row, 'reserved_GiB')} | "
+            f"{_pair(row, 'host_GiB')} | {_pair(row, 'step_s')} | {rate} |",
+            flush=True,
+        )
     return rows
 
 
@@ -572,8 +758,12 @@ def against(rows: list[dict], path: str, parser: argparse.ArgumentParser) -> lis
         for kind, aim in KINDS:
             planned, value = row[f"predicted_{kind}"], row[f"measured_{kind}"]
             within[kind] += bool(value) and abs(planned - value) <= aim * value
-    print("\nwithin the aim, of " + str(len(measured)) + ": " + ", ".join(
-        f"{kind.split('_')[0]} (+-{aim:.0%}) {within[kind]}" for kind, aim in KINDS))
+    print(
+        "\nwithin the aim, of "
+        + str(len(measured))
+        + ": "
+        + ", ".join(f"{kind.split('_')[0]} (+-{aim:.0%}) {within[kind]}" for kind, aim in KINDS)
+    )
     return rows
 
 

@@ -139,15 +139,21 @@ def register_configs() -> None:
             raise ValueError(
                 f"recipe {path} must start with the line '{RECIPE_HEADER}' (recipes set keys of the whole config)."
             )
-        store.store(group="recipe", name=path.stem, node=OmegaConf.create(text), package="_global_",
-                    provider="lightning_zeroq recipes")
+        store.store(
+            group="recipe",
+            name=path.stem,
+            node=OmegaConf.create(text),
+            package="_global_",
+            provider="lightning_zeroq recipes",
+        )
 
 
 def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
     """Compose the config like ``zeroq-train <overrides>`` does, without running anything."""
     register_configs()
-    with initialize_config_dir(config_dir=str(resource_dir("conf")), version_base=HYDRA_VERSION_BASE,
-                               job_name="zeroq-train"):
+    with initialize_config_dir(
+        config_dir=str(resource_dir("conf")), version_base=HYDRA_VERSION_BASE, job_name="zeroq-train"
+    ):
         return compose(config_name="config", overrides=list(overrides))
 
 
@@ -181,8 +187,9 @@ class RunRecorder(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.losses, self.tokens, self.started = [], 0, time.perf_counter()
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
-                           batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.losses.append(float(outputs["loss"]))
         self.tokens += batch[:, 1:].numel()
 
@@ -198,15 +205,22 @@ class RunRecorder(L.Callback):
             peak, kind = torch.cuda.max_memory_allocated(device), "CUDA max allocated"
         else:  # Linux reports ru_maxrss in KiB
             peak, kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "max RSS"
-        local = torch.tensor([float(self.tokens), self.elapsed, float(peak), *self.losses],
-                             dtype=torch.float64, device=device)
+        local = torch.tensor(
+            [float(self.tokens), self.elapsed, float(peak), *self.losses], dtype=torch.float64, device=device
+        )
         gathered = _all_gather_rows(local)
         losses = gathered[:, 3:].mean(dim=0).tolist()
         tokens_per_s = gathered[:, 0].sum().item() / max(gathered[:, 1].max().item(), 1e-9)
-        return TrainResult(label=label, world_size=trainer.world_size, num_parameters=num_parameters,
-                           losses=losses, tokens_per_s=tokens_per_s,
-                           peak_memory_bytes=[int(b) for b in gathered[:, 2].tolist()], memory_kind=kind,
-                           skipped_steps=self.skipped_steps)
+        return TrainResult(
+            label=label,
+            world_size=trainer.world_size,
+            num_parameters=num_parameters,
+            losses=losses,
+            tokens_per_s=tokens_per_s,
+            peak_memory_bytes=[int(b) for b in gathered[:, 2].tolist()],
+            memory_kind=kind,
+            skipped_steps=self.skipped_steps,
+        )
 
 
 def _all_gather_rows(local: torch.Tensor) -> torch.Tensor:
@@ -233,8 +247,11 @@ def train(run: RunConfig, run_dir: Path, label: str) -> TrainResult:
     if tune.base is not None:
         # The base's names, less the LoRA wrapper's ``.base`` (``blocks.0.attn.qkv.base.weight`` was
         # ``blocks.0.attn.qkv.weight``); the factors are not in it.
-        pretrained = {"pretrained": tune.base, "pretrained_name_map": _base_name,
-                      "pretrained_allow_missing": ["*.lora_a", "*.lora_b"] if tune.lora_rank else None}
+        pretrained = {
+            "pretrained": tune.base,
+            "pretrained_name_map": _base_name,
+            "pretrained_allow_missing": ["*.lora_a", "*.lora_b"] if tune.lora_rank else None,
+        }
     data = TextDataModule(run.data)
     recorder = RunRecorder()
     owns_process_group = not dist.is_initialized()
@@ -256,9 +273,17 @@ def train(run: RunConfig, run_dir: Path, label: str) -> TrainResult:
         callbacks=[recorder],
     )
     if trainer.is_global_zero:
-        log.info("zeroq-train: %s: GPT with %s parameters, ZeRO stage %d, data %s, %s x %s, %s; run dir %s",
-                 label, f"{model.num_parameters():,}", run.zero.stage, data.source, cfg.accelerator, cfg.devices,
-                 cfg.precision, run_dir)
+        log.info(
+            "zeroq-train: %s: GPT with %s parameters, ZeRO stage %d, data %s, %s x %s, %s; run dir %s",
+            label,
+            f"{model.num_parameters():,}",
+            run.zero.stage,
+            data.source,
+            cfg.accelerator,
+            cfg.devices,
+            cfg.precision,
+            run_dir,
+        )
     trainer.fit(model, datamodule=data)
     result = recorder.gather(trainer, label, model.num_parameters())
     if owns_process_group and dist.is_initialized():
@@ -283,8 +308,9 @@ def _join_children(trainer: L.Trainer, timeout_s: float = 120.0) -> None:
             code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             proc.kill()
-            raise RuntimeError(f"a rank process (pid {proc.pid}) did not exit {timeout_s:.0f} s after training; "
-                               "killed it") from None
+            raise RuntimeError(
+                f"a rank process (pid {proc.pid}) did not exit {timeout_s:.0f} s after training; killed it"
+            ) from None
         if code != 0:
             raise RuntimeError(f"a rank process (pid {proc.pid}) exited with code {code}")
 
@@ -309,8 +335,13 @@ def _start_time(pid: int) -> Optional[int]:
 def _children_inherit(run: RunConfig, run_dir: Path, label: str) -> Iterator[None]:
     """Hand the validated config to the children the launcher starts; restore the environment after."""
     saved = dict(os.environ)
-    payload = {"parent_pid": os.getpid(), "parent_start": _start_time(os.getpid()),
-               "run": dataclasses.asdict(run), "run_dir": str(run_dir), "label": label}
+    payload = {
+        "parent_pid": os.getpid(),
+        "parent_start": _start_time(os.getpid()),
+        "run": dataclasses.asdict(run),
+        "run_dir": str(run_dir),
+        "label": label,
+    }
     os.environ[CHILD_ENV] = json.dumps(payload)
     try:
         yield
@@ -342,8 +373,12 @@ def inherited_payload() -> Optional[dict[str, Any]]:
         else:
             return payload
     del os.environ[CHILD_ENV]
-    print(f"zeroq-train: warning: ignoring {CHILD_ENV}: {reason} (a leftover of another run?); "
-          "composing the config from the command line.", file=sys.stderr, flush=True)
+    print(
+        f"zeroq-train: warning: ignoring {CHILD_ENV}: {reason} (a leftover of another run?); "
+        "composing the config from the command line.",
+        file=sys.stderr,
+        flush=True,
+    )
     return None
 
 
@@ -382,8 +417,9 @@ def main() -> None:
         register_configs()
     except ValueError as err:
         _fail(err)
-    task = hydra.main(version_base=HYDRA_VERSION_BASE, config_path=str(resource_dir("conf")),
-                      config_name="config")(_hydra_task)
+    task = hydra.main(version_base=HYDRA_VERSION_BASE, config_path=str(resource_dir("conf")), config_name="config")(
+        _hydra_task
+    )
     task()
 
 

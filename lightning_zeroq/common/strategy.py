@@ -23,9 +23,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import re
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar
 
 import torch
@@ -34,23 +34,26 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from torch import nn
 
 from lightning_zeroq.checkpoint import pretrained
-from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.common.migration import unknown_options_message
 from lightning_zeroq.common.precision import ZeroQPrecision
 from lightning_zeroq.common.watchdog import JOIN_TIMEOUT, start_watchdog, stop_watchdog
+from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.nulls import nothing
 from lightning_zeroq.planning.choose import Choice, check_fits, choose
 from lightning_zeroq.zero.engine import ZeroEngine, owning_engine
-from lightning_zeroq.zero.policies import Chosen, OnDevice, auto_request, resolve
 from lightning_zeroq.zero.materialize import parameters_on_meta
+from lightning_zeroq.zero.policies import Chosen, OnDevice, auto_request, resolve
+
 
 def local_checkpoint_path(path: Any) -> Path:
     """``path`` as an absolute local path. A URL of a remote (fsspec) file system is refused: every rank
     writes its own files with local I/O, so ``memory://x`` would become a local directory ``memory:``."""
     text = str(path)
     if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", text) and not text.startswith("file://"):
-        raise ValueError(f"ZeroQ checkpoints are local directories written by every rank; {text!r} names a remote "
-                         "file system. Save to a local or mounted path and copy the directory afterwards.")
+        raise ValueError(
+            f"ZeroQ checkpoints are local directories written by every rank; {text!r} names a remote "
+            "file system. Save to a local or mounted path and copy the directory afterwards."
+        )
     return Path(text.removeprefix("file://")).absolute()
 
 
@@ -65,16 +68,26 @@ class PretrainedOption:
     allow_unexpected: pretrained.Allowance
 
 
-def pretrained_option(owner: str, path: Any, name_map: pretrained.NameMap, allow_missing: pretrained.Allowance,
-                      allow_unexpected: pretrained.Allowance) -> Optional[PretrainedOption]:
+def pretrained_option(
+    owner: str,
+    path: Any,
+    name_map: pretrained.NameMap,
+    allow_missing: pretrained.Allowance,
+    allow_unexpected: pretrained.Allowance,
+) -> Optional[PretrainedOption]:
     """The ``pretrained`` options validated (a path that does not exist, a value of the wrong kind: one line
     naming it); None without ``pretrained``, where the others have nothing to apply to."""
     if path is None:
-        for name, value in (("pretrained_name_map", name_map), ("pretrained_allow_missing", allow_missing),
-                            ("pretrained_allow_unexpected", allow_unexpected)):
+        for name, value in (
+            ("pretrained_name_map", name_map),
+            ("pretrained_allow_missing", allow_missing),
+            ("pretrained_allow_unexpected", allow_unexpected),
+        ):
             if value is not None:
-                raise ValueError(f"{owner}({name}=...) has nothing to {'map' if name.endswith('map') else 'allow'} "
-                                 "without pretrained; pass pretrained=<path of the checkpoint> too, or leave it out.")
+                raise ValueError(
+                    f"{owner}({name}=...) has nothing to {'map' if name.endswith('map') else 'allow'} "
+                    "without pretrained; pass pretrained=<path of the checkpoint> too, or leave it out."
+                )
         return None
     local = pretrained.check_path(path, f"{owner}(pretrained=...)")
     pretrained.name_mapper(name_map, f"{owner}(pretrained_name_map=...)")
@@ -85,9 +98,15 @@ def pretrained_option(owner: str, path: Any, name_map: pretrained.NameMap, allow
 
 def load_pretrained_option(option: PretrainedOption, engine: ZeroEngine, module: nn.Module) -> None:
     """Collective: the option's weights into ``module`` through the engine just built (each rank its part)."""
-    pretrained.load_pretrained(engine, module, option.path, name_map=option.name_map,
-                               allow_missing=option.allow_missing, allow_unexpected=option.allow_unexpected,
-                               where=f"{option.owner}(pretrained=...)")
+    pretrained.load_pretrained(
+        engine,
+        module,
+        option.path,
+        name_map=option.name_map,
+        allow_missing=option.allow_missing,
+        allow_unexpected=option.allow_unexpected,
+        where=f"{option.owner}(pretrained=...)",
+    )
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -101,7 +120,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 P = TypeVar("P", bound=ZeroQPrecision)
 
-PLAN_FORWARD_FIX = "pass a function of the model returning one micro-batch's loss, e.g. lambda model: loss_fn(model(x), y)"
+PLAN_FORWARD_FIX = (
+    "pass a function of the model returning one micro-batch's loss, e.g. lambda model: loss_fn(model(x), y)"
+)
 
 
 def register_presets(registry: _StrategyRegistry, strategy_cls: type) -> None:
@@ -138,11 +159,15 @@ def check_timeout(owner: str, timeout: Any) -> Optional[timedelta]:
     elif timeout is None:
         return None
     else:
-        raise ValueError(f"{owner}(timeout={timeout!r}) is not a duration; pass a datetime.timedelta (e.g. "
-                         "timedelta(minutes=30)) or a number of seconds.")
+        raise ValueError(
+            f"{owner}(timeout={timeout!r}) is not a duration; pass a datetime.timedelta (e.g. "
+            "timedelta(minutes=30)) or a number of seconds."
+        )
     if not 0 < seconds < float("inf"):
-        raise ValueError(f"{owner}(timeout={timeout!r}) must be positive (it bounds every collective); pass e.g. "
-                         "timedelta(minutes=30), or leave it out for the default.")
+        raise ValueError(
+            f"{owner}(timeout={timeout!r}) must be positive (it bounds every collective); pass e.g. "
+            "timedelta(minutes=30), or leave it out for the default."
+        )
     return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
 
 
@@ -154,10 +179,16 @@ def as_zeroq_precision(plugin: Optional[Any], plugin_cls: type[P]) -> Optional[P
     return plugin
 
 
-def build_engine(module: nn.Module, config: ZeroConfig, precision: ZeroQPrecision, device: torch.device,
-                 ranks_per_node: Optional[int] = None,
-                 plan_forward: Optional[Callable[[nn.Module], torch.Tensor]] = None,
-                 on_choice: Callable[[Choice], None] = nothing, training: bool = True) -> ZeroEngine:
+def build_engine(
+    module: nn.Module,
+    config: ZeroConfig,
+    precision: ZeroQPrecision,
+    device: torch.device,
+    ranks_per_node: Optional[int] = None,
+    plan_forward: Optional[Callable[[nn.Module], torch.Tensor]] = None,
+    on_choice: Callable[[Choice], None] = nothing,
+    training: bool = True,
+) -> ZeroEngine:
     """The engine for ``module``. It moves the module to ``device`` unit by unit (stage 3 never holds it
     whole), materializes meta-device parameters with ``reset_parameters()``, and starts every rank from
     rank 0's values, as DDP does. ``ranks_per_node`` (the strategy's ``num_processes``) resolves
@@ -174,16 +205,30 @@ def build_engine(module: nn.Module, config: ZeroConfig, precision: ZeroQPrecisio
         config = resolve(config, Chosen(OnDevice(), OnDevice(), 0.0), ())
     if auto_request(config) is not None:
         if plan_forward is None:
-            raise ValueError("offload='auto' / activation_checkpointing_policy='auto' / activation_offloading_policy="
-                             "'auto' plan from one micro-batch's "
-                             "loss: pass plan_forward=lambda model: <the loss of a sample batch> to the strategy.")
-        choice = choose(module, config, plan_forward, device=device, param_dtype=precision.param_dtype,
-                        ranks_per_node=ranks_per_node or 1)
+            raise ValueError(
+                "offload='auto' / activation_checkpointing_policy='auto' / activation_offloading_policy="
+                "'auto' plan from one micro-batch's "
+                "loss: pass plan_forward=lambda model: <the loss of a sample batch> to the strategy."
+            )
+        choice = choose(
+            module,
+            config,
+            plan_forward,
+            device=device,
+            param_dtype=precision.param_dtype,
+            ranks_per_node=ranks_per_node or 1,
+        )
         config = choice.config
         on_choice(choice)
     elif plan_forward is not None:
-        check_fits(module, config, plan_forward, device=device, param_dtype=precision.param_dtype,
-                   ranks_per_node=ranks_per_node or 1)
+        check_fits(
+            module,
+            config,
+            plan_forward,
+            device=device,
+            param_dtype=precision.param_dtype,
+            ranks_per_node=ranks_per_node or 1,
+        )
     return ZeroEngine(
         module,
         config,
@@ -220,8 +265,12 @@ def create_process_group(strategy: Any, setup: Callable[[], None]) -> None:
         setup()
         return
     timeout = strategy._timeout
-    if (timeout is not None and timeout < JOIN_TIMEOUT
-            and strategy.cluster_environment is not None and strategy.cluster_environment.world_size() > 1):
+    if (
+        timeout is not None
+        and timeout < JOIN_TIMEOUT
+        and strategy.cluster_environment is not None
+        and strategy.cluster_environment.world_size() > 1
+    ):
         strategy._timeout = JOIN_TIMEOUT
         try:
             setup()

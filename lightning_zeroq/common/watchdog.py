@@ -61,16 +61,23 @@ JOIN_TIMEOUT = timedelta(minutes=5)
 """How long ranks wait for each other to join the process group, whatever the collectives' timeout."""
 PREFIX = "zeroq/watchdog/"
 ABORT_KEY = PREFIX + "abort"
-_WAITING_FILES = (os.sep + os.path.join("torch", "distributed") + os.sep,  # a collective, or ZeroQ waiting on one
-                  os.sep + os.path.join("lightning_zeroq", "zero") + os.sep,
-                  os.sep + os.path.join("lightning_zeroq", "checkpoint") + os.sep)
+_WAITING_FILES = (
+    os.sep + os.path.join("torch", "distributed") + os.sep,  # a collective, or ZeroQ waiting on one
+    os.sep + os.path.join("lightning_zeroq", "zero") + os.sep,
+    os.sep + os.path.join("lightning_zeroq", "checkpoint") + os.sep,
+)
 _COLLECTIVE_FILES = (os.sep + os.path.join("torch", "distributed") + os.sep,)  # inside a collective's C call
 STILL_S = 3.0
 """How long a main thread must stand still in a collective (all ranks', for a stage-3 mismatch) or after a
 signal before the watchdog acts; longer than any wait between two ranks' entries into one collective."""
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-_OWN_FILES = (os.sep + "torch" + os.sep, os.sep + "lightning_zeroq" + os.sep, os.sep + "lightning" + os.sep,
-              os.sep + "threading.py", os.sep + "contextlib.py")
+_OWN_FILES = (
+    os.sep + "torch" + os.sep,
+    os.sep + "lightning_zeroq" + os.sep,
+    os.sep + "lightning" + os.sep,
+    os.sep + "threading.py",
+    os.sep + "contextlib.py",
+)
 
 _cleanups: list[Callable[[], None]] = []
 _active: Optional["Watchdog"] = None
@@ -95,8 +102,17 @@ def is_collective_failure(error: BaseException) -> bool:
         return True
     text = str(error)
     return isinstance(error, RuntimeError) and any(
-        s in text for s in ("Timed out", "timed out", "Connection closed by peer", "Connection reset by peer",
-                            "ProcessGroupGloo", "NCCL communicator was aborted", "Broken pipe"))
+        s in text
+        for s in (
+            "Timed out",
+            "timed out",
+            "Connection closed by peer",
+            "Connection reset by peer",
+            "ProcessGroupGloo",
+            "NCCL communicator was aborted",
+            "Broken pipe",
+        )
+    )
 
 
 def where(frame: Any) -> tuple[bool, str]:
@@ -131,8 +147,15 @@ class Watchdog:
     """See the module docstring. ``store``: the process group's store (``dist.distributed_c10d.
     _get_default_store()``); ``timeout_s``: the process group's timeout, named in messages."""
 
-    def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float, interval_s: float = 0.5,
-                 exit_fn: Callable[[int], None] = os._exit) -> None:
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        interval_s: float = 0.5,
+        exit_fn: Callable[[int], None] = os._exit,
+    ) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
         self.timeout_s, self.interval_s = timeout_s, interval_s
         self._exit_fn = exit_fn
@@ -249,8 +272,13 @@ class Watchdog:
                     assert self._signalled is not None
                     self._end_on_signal(self._signalled)
                     return
-                if (self._inside and self._still() >= STILL_S and self.rank == 0 and self.world_size > 1
-                        and self.aborted is None):
+                if (
+                    self._inside
+                    and self._still() >= STILL_S
+                    and self.rank == 0
+                    and self.world_size > 1
+                    and self.aborted is None
+                ):
                     found = self._different_gathers()
                     if found is not None:
                         self._abort(f"ZeroQ: the job ends: {found}.")
@@ -259,8 +287,10 @@ class Watchdog:
             except Exception as error:  # the store is gone: rank 0's process (which hosts it) has ended
                 if self._stop.is_set() or self._closing() or self.aborted is not None:
                     return
-                self._end(f"rank {self.rank}: the job's store cannot be reached ({type(error).__name__}): rank 0's "
-                          "process has ended; ending this rank too.")
+                self._end(
+                    f"rank {self.rank}: the job's store cannot be reached ({type(error).__name__}): rank 0's "
+                    "process has ended; ending this rank too."
+                )
                 return
             if record is not None and self.aborted is None and not self._stop.is_set():
                 self._end(record)
@@ -296,8 +326,16 @@ class Watchdog:
         if key != self._still_key:  # the main thread moved
             self._still_key, self._still_since = key, time.monotonic()
         self._inside = inside
-        beat = {"t": time.time(), "pid": os.getpid(), "host": socket.gethostname(), "waiting": waiting, "at": at,
-                "inside": inside, "still": self._still() if inside else 0.0, "gathers": gathers}
+        beat = {
+            "t": time.time(),
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "waiting": waiting,
+            "at": at,
+            "inside": inside,
+            "still": self._still() if inside else 0.0,
+            "gathers": gathers,
+        }
         self.store.set(f"{PREFIX}beat/{self.rank}", json.dumps(beat))
 
     def _still(self) -> float:
@@ -308,8 +346,15 @@ class Watchdog:
         """Rank 0, its main thread still in a collective: the ranks' different stage-3 gathers, if every rank
         has stood still in a collective as long (twice in a row: what it read last time holds)."""
         beats, _ = self._beats()
-        stills = {r: (b["gathers"], b["at"]) if b is not None and b.get("inside") and b.get("still", 0) >= STILL_S
-                  and time.time() - b["t"] < 4 * self.interval_s + 1 else None for r, b in beats.items()}
+        stills = {
+            r: (b["gathers"], b["at"])
+            if b is not None
+            and b.get("inside")
+            and b.get("still", 0) >= STILL_S
+            and time.time() - b["t"] < 4 * self.interval_s + 1
+            else None
+            for r, b in beats.items()
+        }
         held = all(v is not None and self._seen.get(r) == v for r, v in stills.items())
         self._seen = stills
         return different_gathers(beats) if held else None
@@ -336,8 +381,11 @@ class Watchdog:
         _, at = where(frame)
         inside = frame is not None and any(s in frame.f_code.co_filename for s in _COLLECTIVE_FILES)
         name = signal.Signals(number).name
-        message = (f"ZeroQ: the job ends: rank {self.rank} received {name} while its main thread was blocked "
-                   + ("in a collective" if inside else "in a call that does not return") + f", at {at}")
+        message = (
+            f"ZeroQ: the job ends: rank {self.rank} received {name} while its main thread was blocked "
+            + ("in a collective" if inside else "in a call that does not return")
+            + f", at {at}"
+        )
         try:
             if not self.store.check([ABORT_KEY]):
                 self.store.set(ABORT_KEY, message)
@@ -372,12 +420,19 @@ class Watchdog:
         now = time.time()
         beats, reached = self._beats()
         if not reached:
-            return ("rank 0 ended (the job's store, which its process hosts with Lightning's launcher and "
-                    "zeroq-train, cannot be reached)")
+            return (
+                "rank 0 ended (the job's store, which its process hosts with Lightning's launcher and "
+                "zeroq-train, cannot be reached)"
+            )
         gathers = different_gathers(beats)
         beats.pop(self.rank, None)
-        silent = {r: b for r, b in beats.items() if b is None or now - b["t"] > 4 * self.interval_s + 1
-                  or (b["host"] == socket.gethostname() and not _alive(b["pid"]))}
+        silent = {
+            r: b
+            for r, b in beats.items()
+            if b is None
+            or now - b["t"] > 4 * self.interval_s + 1
+            or (b["host"] == socket.gethostname() and not _alive(b["pid"]))
+        }
         outside = {r: b for r, b in beats.items() if b is not None and r not in silent and not b["waiting"]}
         parts = []
         for r, b in sorted(silent.items()):
@@ -385,15 +440,18 @@ class Watchdog:
                 parts.append(f"rank {r} died (its process {b['pid']} is gone; it was last at {b['at']})")
                 continue
             age = "never" if b is None else f"{now - b['t']:.0f} s ago"
-            parts.append(f"rank {r} stopped (last sign of life {age}: killed or wedged"
-                         + (f", last at {b['at']})" if b else ")"))
+            parts.append(
+                f"rank {r} stopped (last sign of life {age}: killed or wedged" + (f", last at {b['at']})" if b else ")")
+            )
         for r, b in sorted(outside.items()):
             parts.append(f"rank {r} stalled outside any collective, at {b['at']}")
         if gathers is not None:
             parts.append(gathers)
         if not parts:
-            parts.append("no rank is outside a collective: the ranks wait in different collectives (code that "
-                         "runs a collective on some ranks only)")
+            parts.append(
+                "no rank is outside a collective: the ranks wait in different collectives (code that "
+                "runs a collective on some ranks only)"
+            )
         return "; ".join(parts)
 
     def report(self, error: BaseException) -> str:
@@ -407,9 +465,11 @@ class Watchdog:
             diagnosis = "the other ranks cannot be asked (the job's store is gone)"
         first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         timed_out = "timed out" in first.lower()
-        message = (f"ZeroQ: the job ends: {diagnosis}. Rank {self.rank}'s collective failed"
-                   + (f" after the process group's timeout ({self.timeout_s:.0f} s)" if timed_out else "")
-                   + f": {first}")
+        message = (
+            f"ZeroQ: the job ends: {diagnosis}. Rank {self.rank}'s collective failed"
+            + (f" after the process group's timeout ({self.timeout_s:.0f} s)" if timed_out else "")
+            + f": {first}"
+        )
         self.aborted = message
         log.error("%s", message)
         if error.args and isinstance(error.args[0], str):  # the traceback's last line names the rank too

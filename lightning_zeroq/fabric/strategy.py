@@ -44,17 +44,14 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zeroq.fabric import checkpoint as fabric_checkpoint
 from lightning_zeroq.checkpoint.api import Allowance, Checkpointer, NameMap
-from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.common.precision import ZeroQPrecision
-from lightning_zeroq.validation import check_bool, check_callable
 from lightning_zeroq.common.strategy import (
     PLAN_FORWARD_FIX,
     as_zeroq_precision,
     build_engine,
-    check_timeout,
     check_one_optimizer,
+    check_timeout,
     config_from_options,
     create_process_group,
     load_pretrained_option,
@@ -64,10 +61,14 @@ from lightning_zeroq.common.strategy import (
     stage3_meta_init,
 )
 from lightning_zeroq.common.watchdog import report_uncaught_collective_failures
+from lightning_zeroq.config import ZeroConfig
+from lightning_zeroq.fabric import checkpoint as fabric_checkpoint
+from lightning_zeroq.validation import check_bool, check_callable
 from lightning_zeroq.zero.engine import ZeroEngine
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import _LRScheduler
+
 
 def _refuse_checkpoint_io(io: Any) -> None:
     if io is not None:
@@ -192,10 +193,16 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
     ) -> None:
         self.config = config_from_options("ZeroQFabricStrategy", config, options)
         self.plan_forward = check_callable("ZeroQFabricStrategy", "plan_forward", plan_forward, PLAN_FORWARD_FIX)
-        self.exclude_frozen_parameters = check_bool("ZeroQFabricStrategy", "exclude_frozen_parameters",
-                                                    exclude_frozen_parameters)
-        self._pretrained = pretrained_option("ZeroQFabricStrategy", pretrained, pretrained_name_map,
-                                             pretrained_allow_missing, pretrained_allow_unexpected)
+        self.exclude_frozen_parameters = check_bool(
+            "ZeroQFabricStrategy", "exclude_frozen_parameters", exclude_frozen_parameters
+        )
+        self._pretrained = pretrained_option(
+            "ZeroQFabricStrategy",
+            pretrained,
+            pretrained_name_map,
+            pretrained_allow_missing,
+            pretrained_allow_unexpected,
+        )
         _refuse_checkpoint_io(checkpoint_io)
         super().__init__(
             accelerator=accelerator,
@@ -277,9 +284,15 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
                 "ZeroQFabricStrategy shards one model, and one is set up already; put the parts in one "
                 "nn.Module, or use a second Fabric for a second model."
             )
-        self.engine = build_engine(module, self.config, self.precision, self.root_device,
-                                   ranks_per_node=self.num_processes, plan_forward=self.plan_forward,
-                                   on_choice=self.precision.planned.append)
+        self.engine = build_engine(
+            module,
+            self.config,
+            self.precision,
+            self.root_device,
+            ranks_per_node=self.num_processes,
+            plan_forward=self.plan_forward,
+            on_choice=self.precision.planned.append,
+        )
         if self._pretrained is not None:
             load_pretrained_option(self._pretrained, self.engine, module)
         self.precision.attach_engine(self.engine, self.root_device.type)
@@ -366,11 +379,14 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
         objects with ``state_dict()``; ``filter`` is not supported (the model is saved whole, but for its frozen
         parameters with ``exclude_frozen_parameters``)."""
         if storage_options is not None:
-            raise TypeError(f"ZeroQFabricStrategy.save_checkpoint does not take storage_options (got "
-                            f"{storage_options!r}); it writes a torch.distributed.checkpoint directory.")
+            raise TypeError(
+                f"ZeroQFabricStrategy.save_checkpoint does not take storage_options (got "
+                f"{storage_options!r}); it writes a torch.distributed.checkpoint directory."
+            )
         path = local_checkpoint_path(self.broadcast(str(path)))
-        fabric_checkpoint.save(self.engine, path, state, filter, self.checkpointer,
-                               exclude_frozen=self.exclude_frozen_parameters)
+        fabric_checkpoint.save(
+            self.engine, path, state, filter, self.checkpointer, exclude_frozen=self.exclude_frozen_parameters
+        )
 
     @override
     def load_checkpoint(
@@ -382,8 +398,9 @@ class ZeroQFabricStrategy(DDPStrategy, _Sharded):
     ) -> dict[str, Any]:
         """Collective: validate on every rank, read this rank's part into the engine, fill ``state``'s
         other entries in place and return the rest of the checkpoint's entries."""
-        return fabric_checkpoint.load(self.engine, local_checkpoint_path(path), state, strict, weights_only,
-                                     self.checkpointer)
+        return fabric_checkpoint.load(
+            self.engine, local_checkpoint_path(path), state, strict, weights_only, self.checkpointer
+        )
 
     @override
     def teardown(self) -> None:

@@ -32,17 +32,24 @@ import functools
 from typing import Any, Callable, ContextManager, Iterable
 
 from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging
-from torch import nn
 from lightning.pytorch.callbacks.weight_averaging import WeightAveraging
+from torch import nn
 
 AVERAGING = (WeightAveraging, StochasticWeightAveraging)
 LOAD_HOOK = "on_load_checkpoint"
-HOOKS = ("on_train_batch_end", "on_train_epoch_start", "on_train_epoch_end", "on_train_end",
-         "on_validation_epoch_start", "on_validation_epoch_end")
+HOOKS = (
+    "on_train_batch_end",
+    "on_train_epoch_start",
+    "on_train_epoch_end",
+    "on_train_end",
+    "on_validation_epoch_start",
+    "on_validation_epoch_end",
+)
 
 
-def gather_around_averaging(callbacks: Iterable[Callback], gathered: Callable[[Any], ContextManager],
-                            loop_hooks: bool = True) -> Callable[[], None]:
+def gather_around_averaging(
+    callbacks: Iterable[Callback], gathered: Callable[[Any], ContextManager], loop_hooks: bool = True
+) -> Callable[[], None]:
     """Run the hooks the averaging callbacks among ``callbacks`` implement inside ``gathered(pl_module)``:
     the loop hooks (``HOOKS``) where ``loop_hooks`` (the module does not hold the masters between steps),
     ``on_load_checkpoint`` always; returns what undoes it (the strategy's teardown calls it)."""
@@ -64,14 +71,22 @@ def gather_around_averaging(callbacks: Iterable[Callback], gathered: Callable[[A
     return undo
 
 
-def _gathered_hook(hook: Callable, gathered: Callable[[Any], ContextManager], trainer: Any, pl_module: Any,
-                   *args: Any, **kwargs: Any) -> Any:
+def _gathered_hook(
+    hook: Callable, gathered: Callable[[Any], ContextManager], trainer: Any, pl_module: Any, *args: Any, **kwargs: Any
+) -> Any:
     with gathered(pl_module):
         return hook(trainer, pl_module, *args, **kwargs)
 
 
-def _loading_hook(hook: Callable, gathered: Callable[[Any], ContextManager], trainer: Any, pl_module: Any,
-                  checkpoint: dict, *args: Any, **kwargs: Any) -> Any:
+def _loading_hook(
+    hook: Callable,
+    gathered: Callable[[Any], ContextManager],
+    trainer: Any,
+    pl_module: Any,
+    checkpoint: dict,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
     with gathered(pl_module):
         if "state_dict" in checkpoint:
             return hook(trainer, pl_module, checkpoint, *args, **kwargs)

@@ -77,12 +77,16 @@ def _interpolation(value: Any, where: str = "") -> Optional[tuple[str, str]]:
     """The first string in ``value`` (a plain container) that OmegaConf would resolve, and where it is: a
     "${" not escaped by an odd number of backslashes."""
     if isinstance(value, str):
-        return (value, where or "the top") if any(len(m.group(1)) % 2 == 0 for m in
-                                                 _INTERPOLATION_START.finditer(value)) else None
+        return (
+            (value, where or "the top")
+            if any(len(m.group(1)) % 2 == 0 for m in _INTERPOLATION_START.finditer(value))
+            else None
+        )
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
-        found = _interpolation(item, f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else
-                               str(key))
+        found = _interpolation(
+            item, f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else str(key)
+        )
         if found is not None:
             return found
     return None
@@ -93,15 +97,19 @@ def _config_from_plain(plain: Any, kind: type) -> Any:
 
     name, value = ("DictConfig" if kind is dict else "ListConfig"), plain
     if not isinstance(plain, kind):  # OmegaConf.create would parse a string as YAML
-        raise ValueError(f"holds a {name} made of a {type(plain).__name__}, not a {kind.__name__}: the trainer "
-                         "state was edited or damaged.")
+        raise ValueError(
+            f"holds a {name} made of a {type(plain).__name__}, not a {kind.__name__}: the trainer "
+            "state was edited or damaged."
+        )
     found = _interpolation(plain)
     if found is not None:
-        raise ValueError(f"holds the OmegaConf interpolation {found[0]!r} at {found[1]}, which loading never "
-                         "resolves (it could read environment variables or run a registered resolver); a save "
-                         "stores OmegaConf values resolved, so the checkpoint was edited or saved by an earlier "
-                         "lightning_zeroq: load its weights only (zeroq-convert CKPT OUT.pt) and set the "
-                         "hyperparameters yourself.")
+        raise ValueError(
+            f"holds the OmegaConf interpolation {found[0]!r} at {found[1]}, which loading never "
+            "resolves (it could read environment variables or run a registered resolver); a save "
+            "stores OmegaConf values resolved, so the checkpoint was edited or saved by an earlier "
+            "lightning_zeroq: load its weights only (zeroq-convert CKPT OUT.pt) and set the "
+            "hyperparameters yourself."
+        )
     return OmegaConf.create(value)
 
 
@@ -132,8 +140,11 @@ def save(strategy: Owner, checkpoint: dict, path: Path, checkpointer: Checkpoint
     optimizers = checkpoint["optimizer_states"]
     # A callback may have moved the module's sharded state to another key and put a state dict of its own
     # (full tensors) under "state_dict" (Lightning's weight averaging); both are stored with the tensors.
-    moved = [k for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states", OPTIMIZER_KEY)
-             and api.holds_sharded_state(v)]
+    moved = [
+        k
+        for k, v in checkpoint.items()
+        if k not in ("state_dict", "optimizer_states", OPTIMIZER_KEY) and api.holds_sharded_state(v)
+    ]
     state = {MODEL_KEY: checkpoint["state_dict"], **{k: checkpoint[k] for k in moved}}
     if optimizers:
         state[OPTIMIZER_KEY] = optimizers[0]
@@ -180,8 +191,9 @@ def outside_checkpoint_dirs(strategy: object, path: Path) -> Optional[str]:
     return None
 
 
-def load(strategy: Owner, checkpoint_path: Any, weights_only: Optional[bool],
-         checkpointer: Checkpointer) -> tuple[dict, bool]:
+def load(
+    strategy: Owner, checkpoint_path: Any, weights_only: Optional[bool], checkpointer: Checkpointer
+) -> tuple[dict, bool]:
     """The trainer state to hand to Lightning, and whether the model's weights are already loaded."""
     from lightning.pytorch.trainer.states import TrainerFn
 
@@ -189,9 +201,15 @@ def load(strategy: Owner, checkpoint_path: Any, weights_only: Optional[bool],
     trainer = module.trainer if module is not None else None
     fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
     engine = strategy.engine
-    loaded = api.load(engine, checkpoint_path, optimizer=fitting, strict=getattr(module, "strict_loading", True),
-                      checkpointer=checkpointer, moved=True,
-                      read_file=lambda path, group: load_single_file(strategy, path, weights_only, fitting, group))
+    loaded = api.load(
+        engine,
+        checkpoint_path,
+        optimizer=fitting,
+        strict=getattr(module, "strict_loading", True),
+        checkpointer=checkpointer,
+        moved=True,
+        read_file=lambda path, group: load_single_file(strategy, path, weights_only, fitting, group),
+    )
     state, path = loaded.trainer_state, Path(checkpoint_path)
     if loaded.foreign and (path / api.LIGHTNING_META).is_file():  # Lightning's ModelParallelStrategy layout
         state = api.read_lightning_meta(path)
@@ -216,20 +234,30 @@ def foreign_trainer_state(path: Path, fitting: bool, rank_zero: bool) -> dict:
     """What Lightning needs to go on from a DCP directory that holds no trainer state (no zeroq.json,
     no meta.pt: e.g. saved by FSDP2 with ``dcp.save``): its weights (and, when fitting, its optimizer
     state) are loaded; loops, schedulers and callbacks start afresh."""
-    import lightning
     import warnings
+
+    import lightning
 
     if rank_zero:
         what = "weights and optimizer state were" if fitting else "weights were"
-        warnings.warn(f"{path} is a torch.distributed.checkpoint directory without ZeroQ's trainer state (no zeroq.json, e.g. saved by "
-                      f"FSDP2): its {what} loaded; the loops, learning-rate schedulers and callbacks start afresh "
-                      "at step 0.", stacklevel=2)
-    return {"pytorch-lightning_version": lightning.__version__, "global_step": 0, "epoch": 0, "lr_schedulers": [],
-            "optimizer_states": []}
+        warnings.warn(
+            f"{path} is a torch.distributed.checkpoint directory without ZeroQ's trainer state (no zeroq.json, e.g. saved by "
+            f"FSDP2): its {what} loaded; the loops, learning-rate schedulers and callbacks start afresh "
+            "at step 0.",
+            stacklevel=2,
+        )
+    return {
+        "pytorch-lightning_version": lightning.__version__,
+        "global_step": 0,
+        "epoch": 0,
+        "lr_schedulers": [],
+        "optimizer_states": [],
+    }
 
 
-def load_single_file(strategy: Owner, path: Path, weights_only: Optional[bool], fitting: bool,
-                     group: Any) -> tuple[dict, bool]:
+def load_single_file(
+    strategy: Owner, path: Path, weights_only: Optional[bool], fitting: bool, group: Any
+) -> tuple[dict, bool]:
     checkpoint = api.read_single_file(path, group, optimizer=fitting, weights_only=weights_only is not False)
     errors = []
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:

@@ -61,8 +61,9 @@ class _Observer(_ChildProcessObserver):
 class ZeroQLauncher(_SubprocessScriptLauncher):
     """``_SubprocessScriptLauncher`` that removes the swap directories of the ranks it kills."""
 
-    def __init__(self, cluster_environment: Any, num_processes: int, num_nodes: int,
-                 swap_roots: Callable[[], list[str]]) -> None:
+    def __init__(
+        self, cluster_environment: Any, num_processes: int, num_nodes: int, swap_roots: Callable[[], list[str]]
+    ) -> None:
         super().__init__(cluster_environment, num_processes, num_nodes)
         self._swap_roots = swap_roots
         self._observer: Optional[_Observer] = None

@@ -25,8 +25,9 @@ from lightning_zeroq.zero.policies import auto_request
 FIX = "or pass plan_forward=lambda model: <one micro-batch's loss> to ZeroQStrategy"
 
 
-def planning_forward(trainer: Any, module: Any, precision: ZeroQPrecision, config: ZeroConfig,
-                     device: torch.device) -> Optional[Callable[[nn.Module], Tensor]]:
+def planning_forward(
+    trainer: Any, module: Any, precision: ZeroQPrecision, config: ZeroConfig, device: torch.device
+) -> Optional[Callable[[nn.Module], Tensor]]:
     """What a fit plans from: the first batch's ``training_step`` for ``offload="auto"`` (required), and
     on a GPU for the check before launch of a configuration given by hand (where it can be read)."""
     if trainer.state.fn != TrainerFn.FITTING:
@@ -36,30 +37,42 @@ def planning_forward(trainer: Any, module: Any, precision: ZeroQPrecision, confi
     return first_batch_forward(trainer, module, precision, required=False) if device.type == "cuda" else None
 
 
-def first_batch_forward(trainer: Any, module: Any, precision: ZeroQPrecision,
-                        required: bool = True) -> Optional[Callable[[nn.Module], Tensor]]:
+def first_batch_forward(
+    trainer: Any, module: Any, precision: ZeroQPrecision, required: bool = True
+) -> Optional[Callable[[nn.Module], Tensor]]:
     """``forward(model)``: ``model.training_step`` on the first training batch (meta tensors) and its loss.
     Not ``required`` (the check before launch of a configuration given by hand): None where reading a
     batch could cost the run something (manual optimization, a stream: an ``IterableDataset``) or fails."""
     if not required:
         try:
             loader = trainer.fit_loop._data_source.dataloader()
-            loaders = loader.values() if isinstance(loader, Mapping) else loader if isinstance(loader, (list, tuple)) else [loader]
+            loaders = (
+                loader.values()
+                if isinstance(loader, Mapping)
+                else loader
+                if isinstance(loader, (list, tuple))
+                else [loader]
+            )
             if not module.automatic_optimization or any(
-                    isinstance(getattr(dl, "dataset", None), torch.utils.data.IterableDataset) for dl in loaders):
+                isinstance(getattr(dl, "dataset", None), torch.utils.data.IterableDataset) for dl in loaders
+            ):
                 return None
             return first_batch_forward(trainer, module, precision)
         except Exception:
             return None
     if not module.automatic_optimization:
-        raise ValueError("offload='auto' plans from training_step, which under manual optimization steps the "
-                         f"optimizers itself; choose the offload by hand (zeroq-plan shows what fits) {FIX}.")
+        raise ValueError(
+            "offload='auto' plans from training_step, which under manual optimization steps the "
+            f"optimizers itself; choose the offload by hand (zeroq-plan shows what fits) {FIX}."
+        )
     loader = trainer.fit_loop._data_source.dataloader()  # as Lightning's DeepSpeedStrategy reads it at setup
     try:
         batch, _, _ = next(iter(CombinedLoader(loader, "max_size_cycle")))
     except StopIteration:
-        raise ValueError(f"offload='auto' plans from the first training batch, and the training dataloader is "
-                         f"empty; give it data {FIX}.") from None
+        raise ValueError(
+            f"offload='auto' plans from the first training batch, and the training dataloader is "
+            f"empty; give it data {FIX}."
+        ) from None
     batch = apply_to_collection(batch, Tensor, lambda t: t.to("meta"))
     return training_step_loss(precision.convert_input(batch), f"offload='auto': {{}}; {FIX}.")
 

@@ -39,15 +39,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_zeroq.lightning import checkpoint as checkpoint_glue
-from lightning_zeroq.lightning.averaging import gather_around_averaging, refuse_meta_copies
 from lightning_zeroq.checkpoint import api as checkpoint_api
 from lightning_zeroq.checkpoint.api import Allowance, Checkpointer, NameMap
-from lightning_zeroq.config import ZeroConfig
-from lightning_zeroq.nulls import nothing
-from lightning_zeroq.validation import check_bool, check_callable
-from lightning_zeroq.lightning.launcher import ZeroQLauncher, record_sigterm_without_collectives
-from lightning_zeroq.lightning.plan_batch import planning_forward
 from lightning_zeroq.common.precision import ZeroQPrecision
 from lightning_zeroq.common.strategy import (
     PLAN_FORWARD_FIX,
@@ -62,10 +55,18 @@ from lightning_zeroq.common.strategy import (
     register_presets,
     stage3_meta_init,
 )
-from lightning_zeroq.zero import full_params, state_dict as zero_state
 from lightning_zeroq.common.watchdog import report_collective_failure
-from lightning_zeroq.zero.full_params import check_module
+from lightning_zeroq.config import ZeroConfig
+from lightning_zeroq.lightning import checkpoint as checkpoint_glue
+from lightning_zeroq.lightning.averaging import gather_around_averaging, refuse_meta_copies
+from lightning_zeroq.lightning.launcher import ZeroQLauncher, record_sigterm_without_collectives
+from lightning_zeroq.lightning.plan_batch import planning_forward
+from lightning_zeroq.nulls import nothing
+from lightning_zeroq.validation import check_bool, check_callable
+from lightning_zeroq.zero import full_params
+from lightning_zeroq.zero import state_dict as zero_state
 from lightning_zeroq.zero.engine import ZeroEngine
+from lightning_zeroq.zero.full_params import check_module
 
 checkpoint_glue.install_load_from_checkpoint()
 
@@ -130,8 +131,9 @@ class ZeroQStrategy(DDPStrategy):
     ) -> None:
         self.config = config_from_options("ZeroQStrategy", config, options)
         self.plan_forward = check_callable("ZeroQStrategy", "plan_forward", plan_forward, PLAN_FORWARD_FIX)
-        self._pretrained = pretrained_option("ZeroQStrategy", pretrained, pretrained_name_map,
-                                             pretrained_allow_missing, pretrained_allow_unexpected)
+        self._pretrained = pretrained_option(
+            "ZeroQStrategy", pretrained, pretrained_name_map, pretrained_allow_missing, pretrained_allow_unexpected
+        )
         if start_method != "popen" and self.config.stage == 3:
             raise ValueError(
                 f"ZeroQStrategy(stage=3, start_method={start_method!r}): the {start_method} launcher sends rank "
@@ -151,8 +153,9 @@ class ZeroQStrategy(DDPStrategy):
         self.engine: Optional[ZeroEngine] = None
         self._unwrap_averaging: Callable[[], None] = nothing  # see averaging.py
         self.checkpointer = Checkpointer(async_save=check_bool("ZeroQStrategy", "async_checkpoint", async_checkpoint))
-        self.exclude_frozen_parameters = check_bool("ZeroQStrategy", "exclude_frozen_parameters",
-                                                    exclude_frozen_parameters)
+        self.exclude_frozen_parameters = check_bool(
+            "ZeroQStrategy", "exclude_frozen_parameters", exclude_frozen_parameters
+        )
         self._weights_loaded = False
 
     # ------------------------------------------------------------------ Lightning contract
@@ -188,8 +191,12 @@ class ZeroQStrategy(DDPStrategy):
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         if type(self._launcher) is _SubprocessScriptLauncher:  # the ranks it kills leave no swap directory
-            self._launcher = ZeroQLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
-                                           functools.partial(_swap_roots, self.config.nvme_path))
+            self._launcher = ZeroQLauncher(
+                self.cluster_environment,
+                self.num_processes,
+                self.num_nodes,
+                functools.partial(_swap_roots, self.config.nvme_path),
+            )
 
     @override
     def setup_environment(self) -> None:
@@ -220,9 +227,16 @@ class ZeroQStrategy(DDPStrategy):
                 self.model = self._layer_sync.apply(self.model)
             plugin.convert_module(module)  # frozen parameters in the run's dtype before stage 3 shards them
             forward = self.plan_forward or planning_forward(trainer, module, plugin, self.config, self.root_device)
-            self.engine = build_engine(module, self.config, plugin, self.root_device,
-                                       ranks_per_node=self.num_processes, plan_forward=forward,
-                                       on_choice=plugin.planned.append, training=fitting)
+            self.engine = build_engine(
+                module,
+                self.config,
+                plugin,
+                self.root_device,
+                ranks_per_node=self.num_processes,
+                plan_forward=forward,
+                on_choice=plugin.planned.append,
+                training=fitting,
+            )
             if self._pretrained is not None:  # once: a later engine is built from the weights the module took
                 load_pretrained_option(self._pretrained, self.engine, module)
                 self._pretrained = None
@@ -237,7 +251,9 @@ class ZeroQStrategy(DDPStrategy):
             # configure_optimizers returned None: Lightning's stand-in steps nothing (it warns), as with DDP
             optimizers = [o for o in self.optimizers if not isinstance(o, _MockOptimizer)]
             _check_disjoint(optimizers)
-            self.engine.parts.host_memory.accumulates = trainer.accumulate_grad_batches > 1 or not module.automatic_optimization
+            self.engine.parts.host_memory.accumulates = (
+                trainer.accumulate_grad_batches > 1 or not module.automatic_optimization
+            )
             for optimizer in optimizers:  # several (manual optimization) must hold disjoint parameters
                 self.engine.attach_optimizer(optimizer)
             self.optimizers = self.optimizers  # wrap again: the wrappers subclass the optimizers' (new) classes
@@ -245,8 +261,10 @@ class ZeroQStrategy(DDPStrategy):
             # not hold them); what their checkpoint load writes into the module the masters take, in every stage.
             self._unwrap_averaging()
             self._unwrap_averaging = gather_around_averaging(
-                trainer.callbacks, functools.partial(self.gathered_parameters, writeback=True),
-                loop_hooks=not full_params.module_holds_masters(self.engine.parts))
+                trainer.callbacks,
+                functools.partial(self.gathered_parameters, writeback=True),
+                loop_hooks=not full_params.module_holds_masters(self.engine.parts),
+            )
         plugin.attach_engine(self.engine, self.root_device.type)
         plugin.convert_module(module)
         self.setup_precision_plugin()
@@ -299,8 +317,9 @@ class ZeroQStrategy(DDPStrategy):
             with super().tensor_init_context(empty_init):
                 yield
 
-    def gathered_parameters(self, module: Optional[torch.nn.Module] = None,
-                            writeback: bool = False) -> contextlib.AbstractContextManager:
+    def gathered_parameters(
+        self, module: Optional[torch.nn.Module] = None, writeback: bool = False
+    ) -> contextlib.AbstractContextManager:
         """Collective context manager (every rank enters it): inside, the parameters of ``module``
         (default: the LightningModule) are plain tensors with their full fp32 values, also in stage 3;
         ``writeback=True`` keeps what the block changed. Like FSDP's ``summon_full_params`` and
@@ -320,7 +339,9 @@ class ZeroQStrategy(DDPStrategy):
         ``grad_norm`` utility keys them, for ``on_before_optimizer_step`` (where ``.grad`` is empty:
         gradients live in shards). Before clipping, after fp16 unscaling, as DDP's ``.grad`` there."""
         if self.engine is None or self.engine.parts.retired:
-            raise RuntimeError("grad_norms() is for the training step (on_before_optimizer_step): no engine is training.")
+            raise RuntimeError(
+                "grad_norms() is for the training step (on_before_optimizer_step): no engine is training."
+            )
         return self.engine.grad_norms(norm_type)
 
     @override
@@ -363,7 +384,10 @@ class ZeroQStrategy(DDPStrategy):
         if rank0_only and not self.is_global_zero:
             return {}
         assert self.lightning_module is not None
-        return {n: p.detach().float().cpu().clone() for n, p in self.lightning_module.named_parameters(remove_duplicate=False)}
+        return {
+            n: p.detach().float().cpu().clone()
+            for n, p in self.lightning_module.named_parameters(remove_duplicate=False)
+        }
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -404,8 +428,9 @@ class ZeroQStrategy(DDPStrategy):
         """Validates the checkpoint on every rank, then reads this rank's part (any world size, stage or
         layout; a directory from FSDP2; a single Lightning file, e.g. from ``strategy="ddp"``).
         ``weights_only=False`` is honored only for single files you trust; directories never need it."""
-        state, self._weights_loaded = checkpoint_glue.load(self, local_checkpoint_path(checkpoint_path), weights_only,
-                                                           self.checkpointer)
+        state, self._weights_loaded = checkpoint_glue.load(
+            self, local_checkpoint_path(checkpoint_path), weights_only, self.checkpointer
+        )
         return state
 
     @override
@@ -439,9 +464,11 @@ class ZeroQStrategy(DDPStrategy):
         if self.is_global_zero:
             outside = checkpoint_glue.outside_checkpoint_dirs(self, path)
             if outside is not None:
-                rank_zero_warn(f"Not removing {filepath}: it names the checkpoint directory {outside} but resolves "
-                               "to a place outside it (a path from an edited trainer state, or a linked directory); "
-                               "remove it yourself if it is yours.")
+                rank_zero_warn(
+                    f"Not removing {filepath}: it names the checkpoint directory {outside} but resolves "
+                    "to a place outside it (a path from an edited trainer state, or a linked directory); "
+                    "remove it yourself if it is yours."
+                )
                 return
             checkpoint_api.remove_checkpoint(path)
 

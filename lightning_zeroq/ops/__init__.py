@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import torch
 
-from lightning_zeroq.ops import _library  # noqa: F401  (importing it defines torch.ops.zeroq.*)
-from lightning_zeroq.ops import _load, reference
+from lightning_zeroq.ops import (
+    _library,  # noqa: F401  (importing it defines torch.ops.zeroq.*)
+    _load,
+    reference,
+)
 from lightning_zeroq.ops._load import Backend, active_backend, has_cuda_kernel, load_cuda_backend
 from lightning_zeroq.ops.reference import DEFAULT_GROUP_SIZE, numel_from_packed, packed_nbytes
 

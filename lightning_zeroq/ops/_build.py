@@ -58,11 +58,24 @@ class Native:
         return self.sources + self.headers
 
 
-CUDA_KERNELS = Native("lightning_zeroq_C", "CUDA kernels", ("ops.cpp", "quant_int8.cu"), ("quant_int8.h",),
-                      ("-O3",), ("-O3",), takes="about a minute")
-HOST_ADAM = Native("zeroq_host_adam", "host Adam kernel", ("host_adam.c",), (),
-                   ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-pthread"),
-                   ldflags=("-lm",), takes="a few seconds")
+CUDA_KERNELS = Native(
+    "lightning_zeroq_C",
+    "CUDA kernels",
+    ("ops.cpp", "quant_int8.cu"),
+    ("quant_int8.h",),
+    ("-O3",),
+    ("-O3",),
+    takes="about a minute",
+)
+HOST_ADAM = Native(
+    "zeroq_host_adam",
+    "host Adam kernel",
+    ("host_adam.c",),
+    (),
+    ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-pthread"),
+    ldflags=("-lm",),
+    takes="a few seconds",
+)
 NATIVE = (CUDA_KERNELS, HOST_ADAM)
 
 DATA = {  # package -> (the checkout's top-level folder, the files of it the wheel carries)
@@ -79,9 +92,11 @@ def data_dir(package: str) -> Path:
     for candidate in (inside, CHECKOUT / folder):
         if candidate.is_dir():
             return candidate.resolve()
-    raise RuntimeError(f"lightning_zeroq cannot find its '{folder}' directory (looked in {inside.parent} and "
-                       f"{CHECKOUT}); reinstall the package from a complete source checkout (pip install .) or run "
-                       "from one.")
+    raise RuntimeError(
+        f"lightning_zeroq cannot find its '{folder}' directory (looked in {inside.parent} and "
+        f"{CHECKOUT}); reinstall the package from a complete source checkout (pip install .) or run "
+        "from one."
+    )
 
 
 def source_dir() -> Path | None:
@@ -160,8 +175,10 @@ def cuda_extension() -> Any:
         name="lightning_zeroq._C",
         sources=[f"{csrc}/{name}" for name in CUDA_KERNELS.sources],
         include_dirs=[str(CHECKOUT / csrc)],
-        extra_compile_args={"cxx": [*CUDA_KERNELS.cflags, "-DPy_LIMITED_API=0x030A0000"],
-                            "nvcc": list(CUDA_KERNELS.cuda_cflags)},
+        extra_compile_args={
+            "cxx": [*CUDA_KERNELS.cflags, "-DPy_LIMITED_API=0x030A0000"],
+            "nvcc": list(CUDA_KERNELS.cuda_cflags),
+        },
         py_limited_api=True,
     )
 
@@ -256,9 +273,20 @@ def compile_c(native: Native, compiler: str, defines: tuple[str, ...]) -> Callab
         with tempfile.NamedTemporaryFile(dir=folder, suffix=".so", delete=False) as tmp:
             partial = Path(tmp.name)
         try:
-            subprocess.run([compiler, *native.cflags, *defines, "-o", str(partial),
-                            *(str(csrc / name) for name in native.sources), *native.ldflags],
-                           check=True, capture_output=True, text=True)
+            subprocess.run(
+                [
+                    compiler,
+                    *native.cflags,
+                    *defines,
+                    "-o",
+                    str(partial),
+                    *(str(csrc / name) for name in native.sources),
+                    *native.ldflags,
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
             os.replace(partial, library)  # whole or absent, whatever happens to this process
         finally:
             partial.unlink(missing_ok=True)

@@ -38,9 +38,7 @@ NAMESPACE = "zeroq"
 
 SCHEMAS: dict[str, str] = {
     "quantize_pack_int8": "quantize_pack_int8(Tensor x, int group_size, Tensor(a!) out) -> ()",
-    "unpack_dequantize_int8": (
-        "unpack_dequantize_int8(Tensor packed, int group_size, Tensor(a!) out) -> ()"
-    ),
+    "unpack_dequantize_int8": ("unpack_dequantize_int8(Tensor packed, int group_size, Tensor(a!) out) -> ()"),
 }
 OP_NAMES = tuple(SCHEMAS)
 
@@ -78,10 +76,7 @@ def _unpack_dequantize_int8_fake(packed: torch.Tensor, group_size: int, out: tor
 
 def cuda_key_has_kernels() -> bool:
     """True when every ``zeroq::`` op has a CUDA kernel (compiled or the registered fallback)."""
-    return all(
-        torch._C._dispatch_has_kernel_for_dispatch_key(f"{NAMESPACE}::{name}", "CUDA")
-        for name in OP_NAMES
-    )
+    return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"{NAMESPACE}::{name}", "CUDA") for name in OP_NAMES)
 
 
 def register_reference_for_cuda() -> None:

@@ -47,12 +47,31 @@ _H = ctypes.POINTER(ctypes.c_uint16)
 
 
 class _Job(ctypes.Structure):
-    _fields_ = [("p", _F), ("m", _F), ("v", _F), ("g", _F), ("gh", _H), ("wh", _H), ("op", _F), ("om", _F), ("ov", _F),
-                ("n", ctypes.c_int64), ("vec_end", ctypes.c_int64),
-                ("gmul", ctypes.c_float), ("gsign", ctypes.c_float), ("decay", ctypes.c_float),
-                ("wd", ctypes.c_float), ("w", ctypes.c_float), ("beta2", ctypes.c_float), ("c2", ctypes.c_float),
-                ("bc2s", ctypes.c_float), ("eps", ctypes.c_float), ("neg_step", ctypes.c_float),
-                ("step", ctypes.c_float), ("flags", ctypes.c_int)]
+    _fields_ = [
+        ("p", _F),
+        ("m", _F),
+        ("v", _F),
+        ("g", _F),
+        ("gh", _H),
+        ("wh", _H),
+        ("op", _F),
+        ("om", _F),
+        ("ov", _F),
+        ("n", ctypes.c_int64),
+        ("vec_end", ctypes.c_int64),
+        ("gmul", ctypes.c_float),
+        ("gsign", ctypes.c_float),
+        ("decay", ctypes.c_float),
+        ("wd", ctypes.c_float),
+        ("w", ctypes.c_float),
+        ("beta2", ctypes.c_float),
+        ("c2", ctypes.c_float),
+        ("bc2s", ctypes.c_float),
+        ("eps", ctypes.c_float),
+        ("neg_step", ctypes.c_float),
+        ("step", ctypes.c_float),
+        ("flags", ctypes.c_int),
+    ]
 
 
 def _pointer(t: Optional[Tensor], kind=_F):
@@ -76,14 +95,38 @@ class HostAdam:
         lib.zq_triad.restype = ctypes.c_int
         self.flags, self.width = 0, 16
 
-    def step(self, param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, threads: Optional[int] = None,
-             **hyper: Any) -> None:
+    def step(
+        self,
+        param: Tensor,
+        grad: Tensor,
+        exp_avg: Tensor,
+        exp_avg_sq: Tensor,
+        *,
+        threads: Optional[int] = None,
+        **hyper: Any,
+    ) -> None:
         """One Adam (``decoupled``: AdamW) step of ``param`` in place; see ``job`` for the arguments."""
         self.run([self.job(param, grad, exp_avg, exp_avg_sq, **hyper)], threads)
 
-    def job(self, param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, step: float, lr: float,
-            beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool, maximize: bool = False,
-            gmul: float = 1.0, working: Optional[Tensor] = None, out: Optional[Sequence[Tensor]] = None) -> _Job:
+    def job(
+        self,
+        param: Tensor,
+        grad: Tensor,
+        exp_avg: Tensor,
+        exp_avg_sq: Tensor,
+        *,
+        step: float,
+        lr: float,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        weight_decay: float,
+        decoupled: bool,
+        maximize: bool = False,
+        gmul: float = 1.0,
+        working: Optional[Tensor] = None,
+        out: Optional[Sequence[Tensor]] = None,
+    ) -> _Job:
         """The step of one tensor, for ``run``: as ``torch._fused_adam(w)_`` with state step ``step`` (already
         advanced) would take it after ``grad.float().mul_(gmul)``; ``grad`` (float32 or bfloat16) is not
         written. ``working``: a bfloat16 tensor that receives the updated parameter rounded to nearest
@@ -91,12 +134,19 @@ class HostAdam:
         param, exp_avg, exp_avg_sq instead (those three are then only read). No two of the tensors may
         overlap, and they must outlive ``run``."""
         n = param.numel()
-        for t, dtypes in [(param, (torch.float32,)), (grad, (torch.float32, torch.bfloat16)), (exp_avg, (torch.float32,)),
-                          (exp_avg_sq, (torch.float32,)), *((t, (torch.float32,)) for t in out or ()),
-                          *([(working, (torch.bfloat16,))] if working is not None else [])]:
+        for t, dtypes in [
+            (param, (torch.float32,)),
+            (grad, (torch.float32, torch.bfloat16)),
+            (exp_avg, (torch.float32,)),
+            (exp_avg_sq, (torch.float32,)),
+            *((t, (torch.float32,)) for t in out or ()),
+            *([(working, (torch.bfloat16,))] if working is not None else []),
+        ]:
             if t.dtype not in dtypes or t.device.type != "cpu" or not t.is_contiguous() or t.numel() != n:
-                raise ValueError("host_adam.step needs contiguous CPU tensors of one size (float32; the gradient "
-                                 "float32 or bfloat16, the working copy bfloat16)")
+                raise ValueError(
+                    "host_adam.step needs contiguous CPU tensors of one size (float32; the gradient "
+                    "float32 or bfloat16, the working copy bfloat16)"
+                )
         if out is not None and len(out) != 3:
             raise ValueError(f"host_adam.step: out= takes (param, exp_avg, exp_avg_sq), got {len(out)} tensors")
         _disjoint([param, grad, exp_avg, exp_avg_sq, *(out or ()), *([working] if working is not None else [])])
@@ -106,18 +156,41 @@ class HostAdam:
         flags = self.flags | (DECOUPLED if decoupled else 0) | (WEIGHT_DECAY if weight_decay != 0 else 0)
         half = grad.dtype == torch.bfloat16
         op, om, ov = (_pointer(t) for t in out) if out is not None else (None, None, None)
-        return _Job(_pointer(param), _pointer(exp_avg), _pointer(exp_avg_sq), None if half else _pointer(grad),
-                    _pointer(grad, _H) if half else None, _pointer(working, _H), op, om, ov,
-                    n, n - n % self.width, gmul, -1.0 if maximize else 1.0, 1 - lr * weight_decay, weight_decay,
-                    1 - beta1, beta2, 1 - beta2, math.sqrt(bias_correction2), eps, -step_size, step_size, flags)
+        return _Job(
+            _pointer(param),
+            _pointer(exp_avg),
+            _pointer(exp_avg_sq),
+            None if half else _pointer(grad),
+            _pointer(grad, _H) if half else None,
+            _pointer(working, _H),
+            op,
+            om,
+            ov,
+            n,
+            n - n % self.width,
+            gmul,
+            -1.0 if maximize else 1.0,
+            1 - lr * weight_decay,
+            weight_decay,
+            1 - beta1,
+            beta2,
+            1 - beta2,
+            math.sqrt(bias_correction2),
+            eps,
+            -step_size,
+            step_size,
+            flags,
+        )
 
     def set_chunk(self, elements: int) -> None:
         """How the threads share a call's elements: chunks of ``elements`` (a positive multiple of 16)
         taken one after another (the default, 262144), or ``0``: one fixed part per thread. Results
         are the same either way."""
         if not isinstance(elements, int) or isinstance(elements, bool) or self.lib.zq_set_chunk(elements) != 0:
-            raise ValueError(f"host_adam.set_chunk({elements!r}): use 0 (one part per thread) or a positive "
-                             "multiple of 16, e.g. 262144")
+            raise ValueError(
+                f"host_adam.set_chunk({elements!r}): use 0 (one part per thread) or a positive "
+                "multiple of 16, e.g. 262144"
+            )
 
     def set_stream_half(self, on: bool) -> None:
         """Whether a step in place writes its bf16 copy with streaming stores, past the caches (the
@@ -141,8 +214,10 @@ class HostAdam:
         (``bind``); ``streaming``: ``a``'s stores bypass the caches. The host's memory bandwidth, which
         the step is measured against (``benchmarks/kernels.py host-adam --triad``)."""
         n = a.numel()
-        if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or t.numel() != n
-               for t in (a, b, c)):
+        if any(
+            t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or t.numel() != n
+            for t in (a, b, c)
+        ):
             raise ValueError("host_adam.triad needs three contiguous float32 CPU tensors of one size")
         _disjoint([a, b, c])
         if self.lib.zq_triad(_pointer(a), _pointer(b), _pointer(c), scalar, n, threads, int(streaming)) != 0:
@@ -159,27 +234,58 @@ def _disjoint(tensors: Sequence[Tensor]) -> None:
     """The kernel's loops assume that no two arrays of a job overlap (``ZQ_NO_ALIAS``)."""
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors if t.numel())
     if any(start < end for (_, end), (start, _) in zip(spans, spans[1:])):
-        raise ValueError("host_adam.step: the parameter, gradient, moments, working copy and outputs must not "
-                         "overlap in memory")
+        raise ValueError(
+            "host_adam.step: the parameter, gradient, moments, working copy and outputs must not overlap in memory"
+        )
 
 
 def _fused(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, decoupled, maximize):
     fn = torch._fused_adamw_ if decoupled else torch._fused_adam_
-    fn([param], [grad], [exp_avg], [exp_avg_sq], [], [torch.tensor(float(step))], amsgrad=False, lr=lr, beta1=beta1,
-       beta2=beta2, weight_decay=weight_decay, eps=eps, maximize=maximize, grad_scale=None, found_inf=None)
+    fn(
+        [param],
+        [grad],
+        [exp_avg],
+        [exp_avg_sq],
+        [],
+        [torch.tensor(float(step))],
+        amsgrad=False,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=weight_decay,
+        eps=eps,
+        maximize=maximize,
+        grad_scale=None,
+        found_inf=None,
+    )
 
 
 _HYPER: list[dict[str, Any]] = [
-    {"lr": lr, "beta1": b1, "beta2": 0.999, "eps": 1e-8, "weight_decay": wd, "decoupled": dec, "maximize": mx,
-     "step": s}
-    for (dec, wd, b1, mx), (lr, s) in zip(itertools.product([True, False], [0.0, 0.1], [0.9, 0.3], [False, True]),
-                                                itertools.cycle([(1e-3, 1.0), (3e-4, 7.0), (1.0, 2.0)]))]
+    {
+        "lr": lr,
+        "beta1": b1,
+        "beta2": 0.999,
+        "eps": 1e-8,
+        "weight_decay": wd,
+        "decoupled": dec,
+        "maximize": mx,
+        "step": s,
+    }
+    for (dec, wd, b1, mx), (lr, s) in zip(
+        itertools.product([True, False], [0.0, 0.1], [0.9, 0.3], [False, True]),
+        itertools.cycle([(1e-3, 1.0), (3e-4, 7.0), (1.0, 2.0)]),
+    )
+]
 
 
 def _sample(n: int, gen: torch.Generator) -> list[Tensor]:
     scale = 10.0 ** torch.randint(-8, 3, (n,), generator=gen)
-    return [torch.randn(n, generator=gen), torch.randn(n, generator=gen) * scale,
-            torch.randn(n, generator=gen) * 1e-2, torch.rand(n, generator=gen) * scale * 1e-3]
+    return [
+        torch.randn(n, generator=gen),
+        torch.randn(n, generator=gen) * scale,
+        torch.randn(n, generator=gen) * 1e-2,
+        torch.rand(n, generator=gen) * scale * 1e-3,
+    ]
 
 
 def _matches(kernel: HostAdam, sizes: Sequence[int], gen: torch.Generator) -> bool:
@@ -230,8 +336,10 @@ def host_adam() -> Optional[HostAdam]:
             _kernel, reason = _load()
             _reason = reason
             if _kernel is None:
-                log.info(f"lightning_zeroq: the host Adam kernel is not used ({reason}); optimizer offload steps "
-                         "with torch's fused CPU kernel")
+                log.info(
+                    f"lightning_zeroq: the host Adam kernel is not used ({reason}); optimizer offload steps "
+                    "with torch's fused CPU kernel"
+                )
         return _kernel
 
 
@@ -269,5 +377,9 @@ def _load() -> tuple[Optional[HostAdam], str]:
 def _build_and_load(compiler: str, defines: tuple[str, ...]) -> HostAdam:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     key = _build.build_key(HOST_ADAM, compiler, version, _build.cpu_key(), *defines)
-    return _build.build(HOST_ADAM, key, _build.compile_c(HOST_ADAM, compiler, defines),
-                        lambda library: HostAdam(ctypes.CDLL(str(library)), library))
+    return _build.build(
+        HOST_ADAM,
+        key,
+        _build.compile_c(HOST_ADAM, compiler, defines),
+        lambda library: HostAdam(ctypes.CDLL(str(library)), library),
+    )

@@ -134,9 +134,7 @@ def check_quantize_args(x: torch.Tensor, group_size: int) -> None:
     check_numel(x.numel(), group_size)
 
 
-def check_dequantize_args(
-    codes: torch.Tensor, scales: torch.Tensor, group_size: int, dtype: torch.dtype
-) -> None:
+def check_dequantize_args(codes: torch.Tensor, scales: torch.Tensor, group_size: int, dtype: torch.dtype) -> None:
     check_group_size(group_size)
     check_vector(codes, "codes", (torch.int8,))
     check_vector(scales, "scales", (torch.float32,))
@@ -170,8 +168,7 @@ def check_unpack_args(packed: torch.Tensor, group_size: int, out: torch.Tensor) 
     numel = numel_from_packed(packed.numel(), group_size)
     if out.numel() != numel:
         raise ValueError(
-            f"a packed buffer of {packed.numel()} bytes decodes to {numel} elements, "
-            f"but out has {out.numel()}"
+            f"a packed buffer of {packed.numel()} bytes decodes to {numel} elements, but out has {out.numel()}"
         )
 
 
@@ -198,9 +195,7 @@ def quantize_int8(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     return codes.view(-1), scales
 
 
-def dequantize_int8(
-    codes: torch.Tensor, scales: torch.Tensor, group_size: int, dtype: torch.dtype
-) -> torch.Tensor:
+def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
     """Returns ``float32(codes) * scale`` per group, cast to ``dtype``, shape ``[n]``."""
     check_dequantize_args(codes, scales, group_size, dtype)
     values = codes.view(-1, group_size).to(torch.float32) * scales[:, None]

@@ -86,13 +86,28 @@ def host_step_rate(elements: int = 1 << 26) -> float:
     the kernel is not available)."""
     p, g, m, v = (torch.rand(elements) for _ in range(4))
     kernel = host_adam()
+
     def run() -> None:
         if kernel is not None:
-            kernel.step(p, g, m, v, step=1.0, decoupled=True, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
-                        weight_decay=0.01)
+            kernel.step(
+                p, g, m, v, step=1.0, decoupled=True, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01
+            )
         else:
-            torch._fused_adamw_([p], [g], [m], [v], [], [torch.tensor(1.0)], amsgrad=False, beta1=0.9, beta2=0.999,
-                                lr=1e-4, weight_decay=0.01, eps=1e-8, maximize=False)
+            torch._fused_adamw_(
+                [p],
+                [g],
+                [m],
+                [v],
+                [],
+                [torch.tensor(1.0)],
+                amsgrad=False,
+                beta1=0.9,
+                beta2=0.999,
+                lr=1e-4,
+                weight_decay=0.01,
+                eps=1e-8,
+                maximize=False,
+            )
 
     return elements / _typical(run, nothing)
 
@@ -142,8 +157,14 @@ def matmul_rate(device: torch.device, dtype: torch.dtype, n: int = 4096) -> floa
     return 2 * n**3 / _typical(lambda: a @ b, _sync(device))
 
 
-def rates(device: torch.device, dtype: torch.dtype, *, block: Optional[nn.Module] = None, call: Any = None,
-          nvme_path: Optional[str] = None) -> dict[str, Any]:
+def rates(
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    block: Optional[nn.Module] = None,
+    call: Any = None,
+    nvme_path: Optional[str] = None,
+) -> dict[str, Any]:
     """The rates measured here, as ``estimate.Machine`` fields: the device's (on a GPU), the host step's,
     the disk's under ``nvme_path``, and ``block`` timed at ``call`` where given."""
     measured: dict[str, Any] = {"host_step_elements_per_s": host_step_rate()}

@@ -36,18 +36,36 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_zeroq.ranks import rank_and_size
 from lightning_zeroq.config import ZeroConfig, memory_budget
 from lightning_zeroq.planning import calibrate as calibration
-from lightning_zeroq.zero import comm
+from lightning_zeroq.planning.estimate import (
+    Activations,
+    ForwardError,
+    Machine,
+    Need,
+    estimate_config,
+    mix_names,
+    mixes,
+    trace_activations,
+)
+from lightning_zeroq.ranks import rank_and_size
 from lightning_zeroq.zero import activation_checkpoint as recompute_blocks
-from lightning_zeroq.zero.offload.auto import MARGIN
+from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.memory.host import ACTIVATIONS, available, size
+from lightning_zeroq.zero.offload.auto import MARGIN
+from lightning_zeroq.zero.policies import (
+    AutoRequest,
+    Chosen,
+    Host,
+    Nvme,
+    OnDevice,
+    activation_mix,
+    as_auto,
+    auto_request,
+    from_config,
+    resolve,
+)
 from lightning_zeroq.zero.unit_plan import repeated_blocks
-from lightning_zeroq.planning.estimate import (Activations, ForwardError, Machine, Need, estimate_config, mix_names,
-                                               mixes, trace_activations)
-from lightning_zeroq.zero.policies import (AutoRequest, Chosen, Host, Nvme, OnDevice, activation_mix, as_auto,
-                                           auto_request, from_config, resolve)
 
 log = logging.getLogger("lightning_zeroq")
 
@@ -57,7 +75,6 @@ on one H200 (``docs/plan.md`` names the runs)."""
 
 SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)
 """The shares of the optimizer (on the host) and of the blocks (recomputing) a choice is made among."""
-
 
 
 @dataclass(frozen=True)
@@ -103,13 +120,16 @@ def candidates(request: AutoRequest) -> list[tuple[str, Any, Any, tuple[float, f
     """``(name, optimizer, parameters, (share of the blocks offloading, share recomputing, inputs on the
     host))`` in order of preference (less offloaded, less recomputed first; ``estimate.mixes``)."""
     # Without offload="auto" the offload stays as configured (``resolve`` leaves it): one kind, named so.
-    optimizers: list[tuple[str, Any]] = [("optimizer on the device" if request.offload else "offload as configured",
-                                          OnDevice())]
+    optimizers: list[tuple[str, Any]] = [
+        ("optimizer on the device" if request.offload else "offload as configured", OnDevice())
+    ]
     parameters: list[tuple[str, Any]] = [("", OnDevice())]
     if request.offload:
         optimizers += [(f"{share:.0%} of the optimizer on the host", Host(share)) for share in SHARES[1:]]
         if request.nvme_path:
-            optimizers += [(f"{share:.0%} of the optimizer on NVMe", Nvme(request.nvme_path, share)) for share in (0.5, 1.0)]
+            optimizers += [
+                (f"{share:.0%} of the optimizer on NVMe", Nvme(request.nvme_path, share)) for share in (0.5, 1.0)
+            ]
         if request.stage == 3:
             parameters.append((", parameters on the host", Host()))
     blocks = mixes(request.recompute, request.activations, 1.0 if request.recompute_classes else 0.0)
@@ -117,14 +137,19 @@ def candidates(request: AutoRequest) -> list[tuple[str, Any, Any, tuple[float, f
     for pname, params in parameters:
         for oname, opt in optimizers:
             for offload, share, inputs in blocks:
-                recompute = (f", {share:.0%} of the blocks recomputing{' (inputs on the host)' if inputs else ''}"
-                             if request.recompute or (request.activations and share) else "")
+                recompute = (
+                    f", {share:.0%} of the blocks recomputing{' (inputs on the host)' if inputs else ''}"
+                    if request.recompute or (request.activations and share)
+                    else ""
+                )
                 offloading = f", {offload:.0%} offloading their activations" if request.activations else ""
                 out.append((oname + pname + recompute + offloading, opt, params, (offload, share, inputs)))
     return out
 
 
-def _budgets(request: AutoRequest, device: torch.device, group: Any) -> tuple[Optional[int], Optional[int], int, Optional[int]]:
+def _budgets(
+    request: AutoRequest, device: torch.device, group: Any
+) -> tuple[Optional[int], Optional[int], int, Optional[int]]:
     """(device budget, device size, host budget, disk free), the smallest over the ranks."""
     size = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     budget = memory_budget(request.device_budget, size if size is not None else 1 << 60)
@@ -137,8 +162,10 @@ def _budgets(request: AutoRequest, device: torch.device, group: Any) -> tuple[Op
     if request.nvme_path:
         disk = shutil.disk_usage(request.nvme_path).free
     unknown = float(1 << 62)
-    out = [int(v) if v != unknown else None
-           for v in _smallest([v if v is not None else unknown for v in (budget, size, room, disk)], device, group)]
+    out = [
+        int(v) if v != unknown else None
+        for v in _smallest([v if v is not None else unknown for v in (budget, size, room, disk)], device, group)
+    ]
     return out[0], out[1], out[2] if out[2] is not None else int(unknown), out[3]
 
 
@@ -154,7 +181,7 @@ def _smallest(values: list[float], device: torch.device, group: Any) -> list[flo
 def _agreed(flags: list[bool], steps: list[float], device: torch.device, group: Any) -> tuple[list[bool], list[float]]:
     """Every rank's ``flags`` and ``steps`` per candidate: true where true on every rank, the longest step."""
     values = _smallest([float(f) for f in flags] + [-s for s in steps], device, group)
-    return [v == 1.0 for v in values[: len(flags)]], [-v for v in values[len(flags):]]
+    return [v == 1.0 for v in values[: len(flags)]], [-v for v in values[len(flags) :]]
 
 
 def _agreed_machine(machine: Machine, device: torch.device, group: Any) -> Machine:
@@ -162,17 +189,44 @@ def _agreed_machine(machine: Machine, device: torch.device, group: Any) -> Machi
     if rank_and_size(group)[1] == 1:
         return machine
     block = machine.block_seconds or (0.0, 0.0)
-    r = _smallest([machine.matmul_flops, machine.host_step_elements_per_s, machine.pcie_bytes_per_s,
-                   machine.nvme_bytes_per_s, -block[0], -block[1], machine.device_bytes_per_s], device, group)
-    return dataclasses.replace(machine, matmul_flops=r[0], host_step_elements_per_s=r[1], pcie_bytes_per_s=r[2],
-                               nvme_bytes_per_s=r[3], block_seconds=(-r[4], -r[5]) if machine.block_seconds else None,
-                               device_bytes_per_s=r[6])
+    r = _smallest(
+        [
+            machine.matmul_flops,
+            machine.host_step_elements_per_s,
+            machine.pcie_bytes_per_s,
+            machine.nvme_bytes_per_s,
+            -block[0],
+            -block[1],
+            machine.device_bytes_per_s,
+        ],
+        device,
+        group,
+    )
+    return dataclasses.replace(
+        machine,
+        matmul_flops=r[0],
+        host_step_elements_per_s=r[1],
+        pcie_bytes_per_s=r[2],
+        nvme_bytes_per_s=r[3],
+        block_seconds=(-r[4], -r[5]) if machine.block_seconds else None,
+        device_bytes_per_s=r[6],
+    )
 
 
-def choose(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Module], Tensor], *,
-           device: Optional[torch.device] = None, param_dtype: torch.dtype = torch.float32, group: Any = None,
-           world_size: Optional[int] = None, ranks_per_node: int = 1, machine: Optional[Machine] = None,
-           calibrate: bool = True, apply: bool = True) -> Choice:
+def choose(
+    module: nn.Module,
+    config: ZeroConfig,
+    forward: Callable[[nn.Module], Tensor],
+    *,
+    device: Optional[torch.device] = None,
+    param_dtype: torch.dtype = torch.float32,
+    group: Any = None,
+    world_size: Optional[int] = None,
+    ranks_per_node: int = 1,
+    machine: Optional[Machine] = None,
+    calibrate: bool = True,
+    apply: bool = True,
+) -> Choice:
     """What ``config``'s ``"auto"`` settings come to for ``module`` (anywhere, even partly on the meta
     device) and one micro-batch (``forward(model)`` returns its loss): build the engine with the returned
     ``Choice.config``. With ``apply`` the blocks chosen to recompute (when some, not all, do) are set to
@@ -181,31 +235,56 @@ def choose(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Module],
     request = auto_request(config)
     if request is None:
         return Choice(config, (), None, "")
-    device = device if device is not None else next((p.device for p in module.parameters() if p.device.type != "meta"),
-                                                    torch.device("cpu"))
+    device = (
+        device
+        if device is not None
+        else next((p.device for p in module.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    )
     world = world_size if world_size is not None else rank_and_size(group)[1]
     blocks = repeated_blocks(module)
     if request.recompute and not blocks:
-        raise ValueError("activation_checkpointing_policy='auto' recomputes repeated blocks, and this model has none "
-                         "(no class repeated in an nn.ModuleList or nn.Sequential); name the classes instead.")
+        raise ValueError(
+            "activation_checkpointing_policy='auto' recomputes repeated blocks, and this model has none "
+            "(no class repeated in an nn.ModuleList or nn.Sequential); name the classes instead."
+        )
     with on_meta(module, param_dtype) as meta:
         activations = _traced(meta, forward, blocks, device, group)
         budget, size, host_room, disk = _budgets(request, device, group)
-        rates = (dataclasses.replace(machine, ranks_per_node=ranks_per_node) if machine is not None
-                 else _default_machine(device, ranks_per_node))
+        rates = (
+            dataclasses.replace(machine, ranks_per_node=ranks_per_node)
+            if machine is not None
+            else _default_machine(device, ranks_per_node)
+        )
         timed = machine is not None
         if calibrate and machine is None and device.type == "cuda":  # a CPU "device" (tests) plans with the defaults
-            rates = dataclasses.replace(rates, **calibration.rates(
-                device, param_dtype, block=blocks[0] if blocks else None, call=activations.block_call,
-                nvme_path=request.nvme_path if request.offload else None))
+            rates = dataclasses.replace(
+                rates,
+                **calibration.rates(
+                    device,
+                    param_dtype,
+                    block=blocks[0] if blocks else None,
+                    call=activations.block_call,
+                    nvme_path=request.nvme_path if request.offload else None,
+                ),
+            )
             timed = True
         rates = _agreed_machine(rates, device, group)
         planned = []
         for name, opt, params, (offload, share, inputs) in candidates(request):
             chosen = Chosen(opt, params, share, offload, inputs)
-            need = estimate_config(meta, resolve(config, chosen, (), correct=False), activations, name=name, world_size=world,
-                               checkpointing=share, machine=rates, param_dtype=param_dtype, rank=rank_and_size(group)[0],
-                               offloading=offload, inputs_on_host=inputs)
+            need = estimate_config(
+                meta,
+                resolve(config, chosen, (), correct=False),
+                activations,
+                name=name,
+                world_size=world,
+                checkpointing=share,
+                machine=rates,
+                param_dtype=param_dtype,
+                rank=rank_and_size(group)[0],
+                offloading=offload,
+                inputs_on_host=inputs,
+            )
             planned.append((chosen, need))
     if size is None and request.device_budget is None:
         budget = None  # a CPU device: no device memory to fit (host and disk still count)
@@ -217,8 +296,12 @@ def choose(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Module],
         of = "no device budget (a CPU device: device memory not checked)"
 
     def fits(need: Need) -> bool:
-        return ((budget is None or need.device_total * (1 + PLAN_MARGIN) <= budget) and (size is None or need.reserved <= size)
-                and need.host_total * ranks_per_node <= host_room and (disk is None or need.nvme * ranks_per_node <= disk))
+        return (
+            (budget is None or need.device_total * (1 + PLAN_MARGIN) <= budget)
+            and (size is None or need.reserved <= size)
+            and need.host_total * ranks_per_node <= host_room
+            and (disk is None or need.nvme * ranks_per_node <= disk)
+        )
 
     # A rank's shards differ by padding: a candidate fits where it fits every rank, at the slowest rank's step.
     fit_flags, steps = _agreed([fits(n) for _, n in planned], [n.step_s for _, n in planned], device, group)
@@ -232,7 +315,8 @@ def choose(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Module],
         raise ValueError(
             f"offload='auto': nothing fits: the least device memory any configuration needs is {_size(least.device_total)} "
             f"allocated ({least.name}; budget: {of}), with {_size(least.host_total * ranks_per_node)} of host "
-            f"memory (budget {_size(host_room)}); use {', '.join(fixes)} or a larger budget.")
+            f"memory (budget {_size(host_room)}); use {', '.join(fixes)} or a larger budget."
+        )
     best = min(range(len(fitting)), key=lambda i: (fitting[i][1].step_s, i))
     chosen, need = fitting[best]
     names = [type(blocks[0]).__name__] if blocks else []
@@ -240,20 +324,24 @@ def choose(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Module],
     resolved = resolve(config, chosen, names, correct=device.type == "cuda", offloaded=on_host)
     recompute: tuple[nn.Module, ...] = ()
     if request.recompute and 0 < chosen.recompute_share < 1:
-        recompute = tuple(blocks[i] for i in activation_mix(len(blocks), chosen.offload_share,
-                                                             chosen.recompute_share)[1])
+        recompute = tuple(
+            blocks[i] for i in activation_mix(len(blocks), chosen.offload_share, chosen.recompute_share)[1]
+        )
         if apply:
             recompute_blocks.apply_to(recompute)
     step = f"step ~{need.step_s:.3g} s" if timed else "step time not planned (no GPU to measure the rates on)"
-    line = (f"offload='auto' chose {need.name}: planned peak {_size(need.device_total)} allocated "
-            f"({_size(need.reserved)} reserved) of {of}, host {_size(need.host_total)} "
-            f"of {_size(host_room)}, {step} ({len(fitting)} of {len(planned)} planned fit)")
+    line = (
+        f"offload='auto' chose {need.name}: planned peak {_size(need.device_total)} allocated "
+        f"({_size(need.reserved)} reserved) of {of}, host {_size(need.host_total)} "
+        f"of {_size(host_room)}, {step} ({len(fitting)} of {len(planned)} planned fit)"
+    )
     log.info(line)
     return Choice(resolved, recompute, need, line, tuple(planned))
 
 
-def _traced(meta: nn.Module, forward: Callable[[nn.Module], Tensor], blocks: Any, device: torch.device,
-            group: Any) -> Activations:
+def _traced(
+    meta: nn.Module, forward: Callable[[nn.Module], Tensor], blocks: Any, device: torch.device, group: Any
+) -> Activations:
     """``trace_activations``, or one error on every rank where some rank's forward cannot run on the meta
     device (a value it reads, such as an integer count, that the meta device does not hold)."""
     failed: Optional[BaseException] = None
@@ -265,16 +353,22 @@ def _traced(meta: nn.Module, forward: Callable[[nn.Module], Tensor], blocks: Any
     except Exception as error:  # noqa: BLE001 - whatever the user's forward raises on meta tensors
         failed = error
     if _smallest([-float(failed is not None)], device, group)[0] < 0 or activations is None:
-        what = (f"{type(failed).__name__}: {str(failed).strip().splitlines()[0] if str(failed).strip() else ''}"
-                if failed is not None else "it failed on another rank")
-        raise ValueError(f"offload='auto' plans from one micro-batch traced on the meta device, and this one cannot "
-                         f"run there ({what}); pass plan_forward=lambda model: <one micro-batch's loss, reading no "
-                         "tensor's value> to the strategy, or choose the offload by hand (zeroq-plan shows what fits).")
+        what = (
+            f"{type(failed).__name__}: {str(failed).strip().splitlines()[0] if str(failed).strip() else ''}"
+            if failed is not None
+            else "it failed on another rank"
+        )
+        raise ValueError(
+            f"offload='auto' plans from one micro-batch traced on the meta device, and this one cannot "
+            f"run there ({what}); pass plan_forward=lambda model: <one micro-batch's loss, reading no "
+            "tensor's value> to the strategy, or choose the offload by hand (zeroq-plan shows what fits)."
+        )
     return activations
 
 
-def given_mix(module: nn.Module, blocks: list[nn.Module], recompute: tuple[str, ...],
-              offload: tuple[str, ...]) -> tuple[float, float, bool]:
+def given_mix(
+    module: nn.Module, blocks: list[nn.Module], recompute: tuple[str, ...], offload: tuple[str, ...]
+) -> tuple[float, float, bool]:
     """``(share offloading, share recomputing, inputs on the host)`` of the repeated ``blocks`` under the class
     or qualified names a configuration gives (``activation_checkpointing_policy``, ``activation_offloading_policy``;
     a block named in both recomputes with its inputs on the host)."""
@@ -292,9 +386,11 @@ def report_first_step(choice: Choice, device: torch.device) -> None:
     optimizer step; on a GPU)."""
     if choice.need is None or device.type != "cuda":
         return
-    log.info(f"offload='auto' ({choice.need.name}): peak after the first step {_size(torch.cuda.max_memory_allocated(device))} "
-             f"allocated, {_size(torch.cuda.max_memory_reserved(device))} reserved; planned "
-             f"{_size(choice.need.device_total)} and {_size(choice.need.reserved)}")
+    log.info(
+        f"offload='auto' ({choice.need.name}): peak after the first step {_size(torch.cuda.max_memory_allocated(device))} "
+        f"allocated, {_size(torch.cuda.max_memory_reserved(device))} reserved; planned "
+        f"{_size(choice.need.device_total)} and {_size(choice.need.reserved)}"
+    )
 
 
 def _size(value: Optional[int]) -> str:
@@ -307,9 +403,17 @@ def _default_machine(device: torch.device, ranks_per_node: int) -> Machine:
     return Machine(ranks_per_node=ranks_per_node, device_workspace_bytes=workspaces)
 
 
-def check_fits(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Module], Tensor], *,
-               device: torch.device, param_dtype: torch.dtype, group: Any = None, ranks_per_node: int = 1,
-               device_bytes: Optional[int] = None) -> None:
+def check_fits(
+    module: nn.Module,
+    config: ZeroConfig,
+    forward: Callable[[nn.Module], Tensor],
+    *,
+    device: torch.device,
+    param_dtype: torch.dtype,
+    group: Any = None,
+    ranks_per_node: int = 1,
+    device_bytes: Optional[int] = None,
+) -> None:
     """Before the engine is built on a GPU: the plan of ``config`` as given (``forward``: one micro-batch's
     loss, traced on the meta device). Where its peak surely exceeds what the device has free (the planned
     peak allocated, less ``PLAN_MARGIN``, above the free memory of the fullest rank), a ``ValueError`` of one
@@ -325,10 +429,19 @@ def check_fits(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Modu
     try:
         with on_meta(module, param_dtype) as meta:
             activations = trace_activations(meta, forward, blocks)
-            need = estimate_config(meta, config, activations, name="the configuration as given",
-                               world_size=rank_and_size(group)[1], checkpointing=share, param_dtype=param_dtype,
-                               rank=rank_and_size(group)[0], machine=_default_machine(device, ranks_per_node),
-                               offloading=offload, inputs_on_host=inputs)
+            need = estimate_config(
+                meta,
+                config,
+                activations,
+                name="the configuration as given",
+                world_size=rank_and_size(group)[1],
+                checkpointing=share,
+                param_dtype=param_dtype,
+                rank=rank_and_size(group)[0],
+                machine=_default_machine(device, ranks_per_node),
+                offloading=offload,
+                inputs_on_host=inputs,
+            )
     except Exception as error:  # a forward the meta device cannot run: no check, on every rank alike
         log.debug(f"the check before launch could not trace one micro-batch on the meta device ({error!r})")
         failed = 1
@@ -338,26 +451,48 @@ def check_fits(module: nn.Module, config: ZeroConfig, forward: Callable[[nn.Modu
     host_room = found.bytes if found is not None and moved else 1 << 62  # checked here where activations go there
     # the fullest rank's room, the largest rank's need, whether any rank could not trace; the host's alike
     room_f, peak_f, ok, host_f, host_need_f = _smallest(
-        [free_here, -(need.device_total if need else 0), -failed, host_room,
-         -(need.host_total * ranks_per_node if need else 0)], device, group)
+        [
+            free_here,
+            -(need.device_total if need else 0),
+            -failed,
+            host_room,
+            -(need.host_total * ranks_per_node if need else 0),
+        ],
+        device,
+        group,
+    )
     room, peak, failed = int(room_f), -int(peak_f), int(-ok)
     host_need, host_room = -int(host_need_f), int(host_f)
     if not failed and need is not None and host_need > host_room:
-        raise ValueError(f"ZeroQ: this configuration needs about {_size(host_need)} of host memory on this node "
-                         f"({_size(moved * ranks_per_node)} of it offloaded activations) and {_size(host_room)} is "
-                         "available; offload the activations of fewer blocks (activation_offloading_policy naming "
-                         "fewer modules, or 'auto' with activation_checkpointing_policy='auto'), recompute them "
-                         "(activation_checkpointing_policy), or set host_memory_budget where the host's memory grows "
-                         "as it is used.")
+        raise ValueError(
+            f"ZeroQ: this configuration needs about {_size(host_need)} of host memory on this node "
+            f"({_size(moved * ranks_per_node)} of it offloaded activations) and {_size(host_room)} is "
+            "available; offload the activations of fewer blocks (activation_offloading_policy naming "
+            "fewer modules, or 'auto' with activation_checkpointing_policy='auto'), recompute them "
+            "(activation_checkpointing_policy), or set host_memory_budget where the host's memory grows "
+            "as it is used."
+        )
     if failed or need is None or peak * (1 - PLAN_MARGIN) <= room:
         return
     auto = as_auto(config, room / 2**30)
     try:
-        nearest = "the fastest that fits: " + choose(module, auto, forward, device=device, param_dtype=param_dtype,
-                                                      group=group, ranks_per_node=ranks_per_node,
-                                                      apply=False).need.name  # type: ignore[union-attr]
+        nearest = (
+            "the fastest that fits: "
+            + choose(
+                module,
+                auto,
+                forward,
+                device=device,
+                param_dtype=param_dtype,
+                group=group,
+                ranks_per_node=ranks_per_node,
+                apply=False,
+            ).need.name  # type: ignore[union-attr]
+        )
         nearest += " (offload='auto', activation_checkpointing_policy='auto' choose it)"
     except ValueError:
         nearest = f"no offload or checkpointing setting of stage {given.sharding.stage} fits: use more GPUs or a smaller micro-batch"
-    raise ValueError(f"ZeroQ: this configuration needs about {_size(peak)} of device memory at its peak "
-                     f"({_size(need.device['activations'])} of it activations), and the GPU has {_size(room)} free; {nearest}.")
+    raise ValueError(
+        f"ZeroQ: this configuration needs about {_size(peak)} of device memory at its peak "
+        f"({_size(need.device['activations'])} of it activations), and the GPU has {_size(room)} free; {nearest}."
+    )

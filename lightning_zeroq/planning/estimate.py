@@ -49,15 +49,15 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lightning_zeroq.config import ZeroConfig
 from lightning_zeroq.planning import calibrate
 from lightning_zeroq.zero import hybrid
-from lightning_zeroq.zero.layout import ALIGN, UnitLayout
-from lightning_zeroq.zero.offload import host_units
-from lightning_zeroq.zero.memory.device import device_kinds, units_off_device
 from lightning_zeroq.zero.activation_offload import BLOCKS_IN_FLIGHT
-from lightning_zeroq.zero.memory.host import ACTIVATIONS, activations_host_bytes, engine_need, optimizer_need
-from lightning_zeroq.zero.unit_plan import UnitSpec, frozen_only_specs, repeated_blocks, unit_plan
 from lightning_zeroq.zero.frozen import FrozenNeed, frozen_need, shardable
+from lightning_zeroq.zero.layout import ALIGN, UnitLayout
+from lightning_zeroq.zero.memory.device import device_kinds, units_off_device
+from lightning_zeroq.zero.memory.host import ACTIVATIONS, activations_host_bytes, engine_need, optimizer_need
+from lightning_zeroq.zero.offload import host_units
 from lightning_zeroq.zero.policies import ModuleUnits, Nvme, OnDevice, Policies, activation_mix, from_config
 from lightning_zeroq.zero.unit import plan_layouts, trainable_parameters
+from lightning_zeroq.zero.unit_plan import UnitSpec, frozen_only_specs, repeated_blocks, unit_plan
 from lightning_zeroq.zero.wire import Int8
 
 GIB = 2**30
@@ -197,15 +197,30 @@ class Need:
 
 def describe(machine: Machine) -> str:
     """The rates in one line."""
-    block = (f"one block {machine.block_seconds[0] * 1e3:.2f} ms forward, {machine.block_seconds[1] * 1e3:.2f} ms "
-             "forward+backward, " if machine.block_seconds else "")
-    return (f"{block}matmul {machine.matmul_flops / 1e12:.0f} TFLOP/s, device memory "
-            f"{machine.device_bytes_per_s / 1e12:.2f} TB/s, host step {machine.host_step_elements_per_s / 1e9:.2f}e9 "
-            f"elements/s, PCIe {machine.pcie_bytes_per_s / 1e9:.1f} GB/s, disk {machine.nvme_bytes_per_s / 1e9:.2f} GB/s")
+    block = (
+        f"one block {machine.block_seconds[0] * 1e3:.2f} ms forward, {machine.block_seconds[1] * 1e3:.2f} ms "
+        "forward+backward, "
+        if machine.block_seconds
+        else ""
+    )
+    return (
+        f"{block}matmul {machine.matmul_flops / 1e12:.0f} TFLOP/s, device memory "
+        f"{machine.device_bytes_per_s / 1e12:.2f} TB/s, host step {machine.host_step_elements_per_s / 1e9:.2f}e9 "
+        f"elements/s, PCIe {machine.pcie_bytes_per_s / 1e9:.1f} GB/s, disk {machine.nvme_bytes_per_s / 1e9:.2f} GB/s"
+    )
 
 
-TRANSIENT = ("activations", "loss_gradients", "loss_input", "gathered_units", "unit_gradients", "recomputed_block",
-             "gradient_shards", "step_temporaries", "offload_in_flight")
+TRANSIENT = (
+    "activations",
+    "loss_gradients",
+    "loss_input",
+    "gathered_units",
+    "unit_gradients",
+    "recomputed_block",
+    "gradient_shards",
+    "step_temporaries",
+    "offload_in_flight",
+)
 """The kinds held only at some moments of the step (``phases``); the others are held throughout."""
 
 
@@ -227,8 +242,13 @@ def phases(device: dict[str, int]) -> dict[str, int]:
     flight = device.get("offload_in_flight", 0)  # activation offload: a block's copies on their way
     return {
         "loss backward": held + device["activations"] + device["loss_gradients"] + flight,
-        "block backward": held + device["gathered_units"] + device["unit_gradients"] + device["activations"]
-        - device["loss_input"] + device["recomputed_block"] + flight,
+        "block backward": held
+        + device["gathered_units"]
+        + device["unit_gradients"]
+        + device["activations"]
+        - device["loss_input"]
+        + device["recomputed_block"]
+        + flight,
         "step": held + device["gradient_shards"] + device.get("step_temporaries", 0),
     }
 
@@ -238,8 +258,16 @@ def peak_allocated(device: dict[str, int]) -> int:
     return max(phases(device).values())
 
 
-def _flash_like(q: Tensor, k: Tensor, v: Tensor, attn_mask: Any = None, dropout_p: float = 0.0,
-                is_causal: bool = False, scale: Any = None, enable_gqa: bool = False) -> Tensor:
+def _flash_like(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Any = None,
+    enable_gqa: bool = False,
+) -> Tensor:
     """Attention's memory as a flash kernel has it: saves q, k, v, the output and an fp32 row statistic."""
     stat = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     return _Saves.apply(q, k, v, stat)
@@ -317,18 +345,28 @@ class _MetaTrace(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func in self.READS and args and isinstance(args[0], Tensor) and args[0].is_meta \
-                and args[0].is_floating_point() and args[0].dim() == 0 and args[0].grad_fn is not None:
+        if (
+            func in self.READS
+            and args
+            and isinstance(args[0], Tensor)
+            and args[0].is_meta
+            and args[0].is_floating_point()
+            and args[0].dim() == 0
+            and args[0].grad_fn is not None
+        ):
             raise _LossRead
         flat, spec = tree_flatten((args, kwargs))
         tensors = [t for t in flat if isinstance(t, Tensor)]
         if any(t.is_meta for t in tensors) and not all(t.is_meta for t in tensors):
-            args, kwargs = tree_unflatten([self._meta(t) if isinstance(t, Tensor) and not t.is_meta else t
-                                           for t in flat], spec)
+            args, kwargs = tree_unflatten(
+                [self._meta(t) if isinstance(t, Tensor) and not t.is_meta else t for t in flat], spec
+            )
         return func(*args, **kwargs)
 
 
-def trace_activations(model: nn.Module, forward: Callable[[nn.Module], Tensor], blocks: Sequence[nn.Module]) -> Activations:
+def trace_activations(
+    model: nn.Module, forward: Callable[[nn.Module], Tensor], blocks: Sequence[nn.Module]
+) -> Activations:
     """Run ``forward(model)`` (the model on the meta device; the loss or the output) once and count what
     autograd saves, in total and per block of ``blocks`` (the repeated blocks), and the token ids it feeds:
     the elements of the first integer tensor a module with parameters is called with (``_MetaTrace``: inputs
@@ -348,6 +386,7 @@ def trace_activations(model: nn.Module, forward: Callable[[nn.Module], Tensor], 
     tokens: list[int] = []
     hooks = []
     for i, block in enumerate(blocks):
+
         def enter(module: nn.Module, args: Any, kwargs: Any, i: int = i) -> None:
             current[0] = i
             first = next((a for a in args if isinstance(a, Tensor)), None)
@@ -363,8 +402,14 @@ def trace_activations(model: nn.Module, forward: Callable[[nn.Module], Tensor], 
     def token_ids(module: nn.Module, args: Any) -> None:
         if tokens or next(module.parameters(), None) is None:
             return
-        ids = next((a for a in args if isinstance(a, Tensor) and not a.is_floating_point() and not a.is_complex()
-                    and a.dtype != torch.bool), None)
+        ids = next(
+            (
+                a
+                for a in args
+                if isinstance(a, Tensor) and not a.is_floating_point() and not a.is_complex() and a.dtype != torch.bool
+            ),
+            None,
+        )
         if ids is not None:
             tokens.append(ids.numel())
 
@@ -386,13 +431,28 @@ def trace_activations(model: nn.Module, forward: Callable[[nn.Module], Tensor], 
     largest = max((nbytes for _, nbytes, _ in saved.values()), default=0)
     # A block that saves no more than its input recomputes its forward already (the model checkpoints it)
     self_checkpointed = bool(inputs) and all(0 < nbytes and per_block[i] <= nbytes for i, nbytes in inputs.items())
-    return Activations(total, sum(per_block), sum(inputs.values()), max(per_block, default=0), largest,
-                       calls[0] if calls else None, len(blocks), sum(p.numel() for b in blocks for p in b.parameters()),
-                       tokens[0] if tokens else 0, self_checkpointed)
+    return Activations(
+        total,
+        sum(per_block),
+        sum(inputs.values()),
+        max(per_block, default=0),
+        largest,
+        calls[0] if calls else None,
+        len(blocks),
+        sum(p.numel() for b in blocks for p in b.parameters()),
+        tokens[0] if tokens else 0,
+        self_checkpointed,
+    )
 
 
-def _nvme_bytes(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequence[UnitSpec],
-                param_dtype: torch.dtype, state_bytes: int, payload: dict[int, tuple[int, torch.dtype]]) -> int:
+def _nvme_bytes(
+    policies: Policies,
+    layouts: Sequence[UnitLayout],
+    specs: Sequence[UnitSpec],
+    param_dtype: torch.dtype,
+    state_bytes: int,
+    payload: dict[int, tuple[int, torch.dtype]],
+) -> int:
     offload, total = policies.offload, 0
     if isinstance(offload.optimizer, Nvme):
         swapped = host_units(layouts, offload.optimizer.ratio)
@@ -402,8 +462,15 @@ def _nvme_bytes(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequen
     return total
 
 
-def _shards(policies: Policies, specs: Sequence[UnitSpec], own: Sequence[UnitSpec], world_size: int,
-            ranks_per_node: int, rank: int, param_dtype: torch.dtype) -> tuple[list[UnitLayout], int, dict[int, tuple[int, torch.dtype]], FrozenNeed]:
+def _shards(
+    policies: Policies,
+    specs: Sequence[UnitSpec],
+    own: Sequence[UnitSpec],
+    world_size: int,
+    ranks_per_node: int,
+    rank: int,
+    param_dtype: torch.dtype,
+) -> tuple[list[UnitLayout], int, dict[int, tuple[int, torch.dtype]], FrozenNeed]:
     """The unit layouts the engine makes (sharded within a shard group: ``shard_group_size``, hybrid
     sharding), ``rank``'s position in its shard group, and each transient unit's stored payload (elements,
     dtype): its shard in ``param_dtype``, or INT8 groups and their scales where the weights travel as INT8
@@ -419,12 +486,29 @@ def _shards(policies: Policies, specs: Sequence[UnitSpec], own: Sequence[UnitSpe
     rank %= shard
     transient = [i for i in range(len(specs)) if not specs[i].persistent]
     units = policies.sharding.units
-    frozen = frozen_need(specs, own, units.frozen_dtype if isinstance(units, ModuleUnits) else None, shard, rank,
-                         align, group_size=q.group_size, exact_numel=q.exact_numel, bucket_numel=q.gather_bucket_numel,
-                         on_host=not isinstance(policies.offload.parameters, OnDevice))
+    frozen = frozen_need(
+        specs,
+        own,
+        units.frozen_dtype if isinstance(units, ModuleUnits) else None,
+        shard,
+        rank,
+        align,
+        group_size=q.group_size,
+        exact_numel=q.exact_numel,
+        bucket_numel=q.gather_bucket_numel,
+        on_host=not isinstance(policies.offload.parameters, OnDevice),
+    )
     if q.weights and not (groups > 1 and q.cross_group_only) and transient:
-        wire = Int8(layouts, param_dtype=param_dtype, rank=rank, group=None, device=torch.device("cpu"),
-                    group_size=q.group_size, exact_numel=q.exact_numel, bucket_numel=q.gather_bucket_numel)
+        wire = Int8(
+            layouts,
+            param_dtype=param_dtype,
+            rank=rank,
+            group=None,
+            device=torch.device("cpu"),
+            group_size=q.group_size,
+            exact_numel=q.exact_numel,
+            bucket_numel=q.gather_bucket_numel,
+        )
         return layouts, rank, {i: (wire.payload_numel(i), wire.payload_dtype) for i in transient}, frozen
     return layouts, rank, {i: (layouts[i].shard_numel, param_dtype) for i in transient}, frozen
 
@@ -436,26 +520,49 @@ def candidates(nvme_path: Optional[str] = None, frozen: bool = False) -> list[tu
     (``frozen_dtype="int8"``), on the device and on the host."""
     out: list[tuple[str, dict[str, Any]]] = [(f"zeroq{s}", {"stage": s}) for s in (1, 2, 3)]
     for s in (1, 2, 3):
-        out.append((f"zeroq{s}+optimizer_half_cpu", {"stage": s, "offload_optimizer": True, "offload_optimizer_ratio": 0.5}))
+        out.append(
+            (f"zeroq{s}+optimizer_half_cpu", {"stage": s, "offload_optimizer": True, "offload_optimizer_ratio": 0.5})
+        )
         out.append((f"zeroq{s}+optimizer_cpu", {"stage": s, "offload_optimizer": True}))
     out.append(("zeroq3+params_optimizer_cpu", {"stage": 3, "offload_optimizer": True, "offload_parameters": True}))
     if nvme_path:
         nvme: dict[str, Any] = {"offload_optimizer": True, "offload_optimizer_device": "nvme", "nvme_path": nvme_path}
         out.append(("zeroq3+optimizer_nvme_half", {"stage": 3, **nvme, "offload_optimizer_nvme_ratio": 0.5}))
-        out.append(("zeroq3+params_cpu_optimizer_nvme_half", {"stage": 3, **nvme, "offload_parameters": True,
-                                                               "offload_optimizer_nvme_ratio": 0.5}))
+        out.append(
+            (
+                "zeroq3+params_cpu_optimizer_nvme_half",
+                {"stage": 3, **nvme, "offload_parameters": True, "offload_optimizer_nvme_ratio": 0.5},
+            )
+        )
         out.append(("zeroq3+params_cpu_optimizer_nvme", {"stage": 3, **nvme, "offload_parameters": True}))
     if frozen:
         out.append(("zeroq3+frozen_int8", {"stage": 3, "frozen_dtype": "int8"}))
-        out.append(("zeroq3+params_optimizer_cpu+frozen_int8", {"stage": 3, "offload_optimizer": True,
-                                                                 "offload_parameters": True, "frozen_dtype": "int8"}))
+        out.append(
+            (
+                "zeroq3+params_optimizer_cpu+frozen_int8",
+                {"stage": 3, "offload_optimizer": True, "offload_parameters": True, "frozen_dtype": "int8"},
+            )
+        )
     return out
 
 
-def estimate_config(model: nn.Module, config: ZeroConfig, activations: Activations, *, name: str,
-                world_size: int = 1, tokens: int = 0, checkpointing: float = 0.0, machine: Machine = Machine(),
-                param_dtype: torch.dtype = torch.bfloat16, state_bytes: int = 8, rank: int = 0,
-                step_temporary_bytes: int = 4, offloading: float = 0.0, inputs_on_host: bool = False) -> Need:
+def estimate_config(
+    model: nn.Module,
+    config: ZeroConfig,
+    activations: Activations,
+    *,
+    name: str,
+    world_size: int = 1,
+    tokens: int = 0,
+    checkpointing: float = 0.0,
+    machine: Machine = Machine(),
+    param_dtype: torch.dtype = torch.bfloat16,
+    state_bytes: int = 8,
+    rank: int = 0,
+    step_temporary_bytes: int = 4,
+    offloading: float = 0.0,
+    inputs_on_host: bool = False,
+) -> Need:
     """The plan of one configuration (``model`` on the meta device; ``tokens`` per step and rank;
     ``checkpointing``: the share of the repeated blocks that recompute; ``offloading``: the share whose saved
     tensors wait on the host, ``inputs_on_host``: the recomputing ones' inputs too (``Activations.mixed``);
@@ -467,21 +574,26 @@ def estimate_config(model: nn.Module, config: ZeroConfig, activations: Activatio
     held = shardable(model) if isinstance(units, ModuleUnits) else []  # stage 3 shards frozen parameters
     specs = unit_plan(model, trainable_parameters(model), units, held)
     own = frozen_only_specs(model, specs, held, units) if isinstance(units, ModuleUnits) else []
-    layouts, rank, payload, frozen = _shards(policies, specs, own, world_size, machine.ranks_per_node, rank,
-                                             param_dtype)
-    device = device_kinds(layouts, [s.persistent for s in specs], policies.offload, param_dtype, state_bytes, rank,
-                          payload, frozen)
+    layouts, rank, payload, frozen = _shards(
+        policies, specs, own, world_size, machine.ranks_per_node, rank, param_dtype
+    )
+    device = device_kinds(
+        layouts, [s.persistent for s in specs], policies.offload, param_dtype, state_bytes, rank, payload, frozen
+    )
     sharded = {id(p) for spec in [*specs, *own] for p in spec.frozen}
-    device["frozen_whole"] = sum(p.numel() * p.element_size() for p in model.parameters()
-                                 if not p.requires_grad and id(p) not in sharded)
+    device["frozen_whole"] = sum(
+        p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad and id(p) not in sharded
+    )
     device["workspaces"] = machine.device_workspace_bytes
-    device["activations"], moved, device["offload_in_flight"] = activations.mixed(checkpointing, offloading,
-                                                                                 inputs_on_host)
+    device["activations"], moved, device["offload_in_flight"] = activations.mixed(
+        checkpointing, offloading, inputs_on_host
+    )
     device["loss_input"] = activations.largest
     device["loss_gradients"] = 2 * activations.largest
     device["recomputed_block"] = activations.largest_block if checkpointing > 0 else 0
-    device["unit_gradients"] = max((layouts[i].padded_numel * param_dtype.itemsize for i, s in enumerate(specs)
-                                    if not s.persistent), default=0)  # a unit's gradients (none of its frozen part)
+    device["unit_gradients"] = max(
+        (layouts[i].padded_numel * param_dtype.itemsize for i, s in enumerate(specs) if not s.persistent), default=0
+    )  # a unit's gradients (none of its frozen part)
     # torch's multi-tensor (foreach) Adam/AdamW, its default on a GPU, makes the square root of every
     # second moment it steps at once: 4 bytes per element stepped on the device (fused: none).
     device["step_temporaries"] = device["masters"] * step_temporary_bytes // 4
@@ -492,9 +604,22 @@ def estimate_config(model: nn.Module, config: ZeroConfig, activations: Activatio
     if machine.runtime_host_bytes:
         host.parts["CUDA runtime and libraries"] = machine.runtime_host_bytes
     nvme = _nvme_bytes(policies, layouts, specs, param_dtype, state_bytes, payload)
-    step = _step_seconds(policies, layouts, specs, activations, device["masters"] // 4, host.host_elements, nvme, tokens,
-                         checkpointing, machine, param_dtype, sum(p.numel() for p in model.parameters() if not p.requires_grad),
-                         frozen.stored_bytes, moved)
+    step = _step_seconds(
+        policies,
+        layouts,
+        specs,
+        activations,
+        device["masters"] // 4,
+        host.host_elements,
+        nvme,
+        tokens,
+        checkpointing,
+        machine,
+        param_dtype,
+        sum(p.numel() for p in model.parameters() if not p.requires_grad),
+        frozen.stored_bytes,
+        moved,
+    )
     why = []
     peak = peak_allocated(device)
     reserved = int(peak * machine.reserved_per_allocated) + machine.reserved_overhead_bytes
@@ -504,20 +629,41 @@ def estimate_config(model: nn.Module, config: ZeroConfig, activations: Activatio
         why.append(f"host {host.total * machine.ranks_per_node / GIB:.1f} > {machine.host_bytes / GIB:.1f} GiB")
     if machine.nvme_bytes is not None and nvme * machine.ranks_per_node > machine.nvme_bytes:
         why.append(f"disk {nvme * machine.ranks_per_node / GIB:.1f} > {machine.nvme_bytes / GIB:.1f} GiB")
-    return Need(name, config, checkpointing, device, dict(host.parts), nvme, step, not why, "; ".join(why), reserved,
-                machine.device_bytes is not None, tokens, activations, float(offloading), inputs_on_host and moved > 0)
+    return Need(
+        name,
+        config,
+        checkpointing,
+        device,
+        dict(host.parts),
+        nvme,
+        step,
+        not why,
+        "; ".join(why),
+        reserved,
+        machine.device_bytes is not None,
+        tokens,
+        activations,
+        float(offloading),
+        inputs_on_host and moved > 0,
+    )
 
 
-def _engine_passes(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequence[UnitSpec],
-                   param_dtype: torch.dtype, off: frozenset[int]) -> int:
+def _engine_passes(
+    policies: Policies,
+    layouts: Sequence[UnitLayout],
+    specs: Sequence[UnitSpec],
+    param_dtype: torch.dtype,
+    off: frozenset[int],
+) -> int:
     """Device memory traffic of the engine's own passes in a step, beside the model's: each gradient read
     in the working dtype and reduced into its fp32 shard (the units stepped on the device), and in stage
     3 each transient unit gathered twice (the forward's, the backward's): written in the working dtype,
     from its fp32 master where that is on the device, else from its stored shard (parameters on the
     device) or from the host (read over PCIe, not here). ``off``: the units stepped off the device."""
     offload, itemsize = policies.offload, param_dtype.itemsize
-    total = sum(itemsize * layouts[i].padded_numel + 4 * layouts[i].shard_numel
-                for i in range(len(layouts)) if i not in off)
+    total = sum(
+        itemsize * layouts[i].padded_numel + 4 * layouts[i].shard_numel for i in range(len(layouts)) if i not in off
+    )
     params_here = isinstance(offload.parameters, OnDevice)
     for i in range(len(layouts)):
         if not specs[i].persistent:
@@ -526,10 +672,22 @@ def _engine_passes(policies: Policies, layouts: Sequence[UnitLayout], specs: Seq
     return total
 
 
-def _step_seconds(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequence[UnitSpec], activations: Activations,
-                  device_elements: int, host_elements: int,
-                  nvme_bytes: int, tokens: int, checkpointing: float, machine: Machine, param_dtype: torch.dtype,
-                  frozen_numel: int = 0, frozen_stored: int = 0, moved: int = 0) -> float:
+def _step_seconds(
+    policies: Policies,
+    layouts: Sequence[UnitLayout],
+    specs: Sequence[UnitSpec],
+    activations: Activations,
+    device_elements: int,
+    host_elements: int,
+    nvme_bytes: int,
+    tokens: int,
+    checkpointing: float,
+    machine: Machine,
+    param_dtype: torch.dtype,
+    frozen_numel: int = 0,
+    frozen_stored: int = 0,
+    moved: int = 0,
+) -> float:
     """The larger of the compute (the model's, and the engine's own passes over device memory) and what
     crosses PCIe beside it (gradients landing, stage 3's parameters coming up), plus the optimizer step
     on the device (``device_elements``, memory bound) and on the host, the new weights going up as it
@@ -564,8 +722,9 @@ def _step_seconds(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequ
         # the new weights go up unit by unit as the host steps the next (``offload/host.py``): one unit's
         # copy waits for the host step's end, the rest ride beside it
         largest = max(layouts[i].shard_numel for i in off)
-        after += param_dtype.itemsize * largest + max(0.0, param_dtype.itemsize * (moved - largest)
-                                                      - host_step * machine.pcie_bytes_per_s)
+        after += param_dtype.itemsize * largest + max(
+            0.0, param_dtype.itemsize * (moved - largest) - host_step * machine.pcie_bytes_per_s
+        )
     if not isinstance(offload.parameters, OnDevice):
         transient = [i for i in range(len(layouts)) if not specs[i].persistent]
         beside += 2 * param_dtype.itemsize * sum(layouts[i].shard_numel for i in transient)  # forward and backward
@@ -575,11 +734,19 @@ def _step_seconds(policies: Policies, layouts: Sequence[UnitLayout], specs: Sequ
     return max(compute, beside / machine.pcie_bytes_per_s) + stalls + host + after / machine.pcie_bytes_per_s + nvme
 
 
-def estimate_training(model: nn.Module, forward: Callable[[nn.Module], Tensor], *, tokens: Optional[int] = None,
-                  world_size: int = 1, machine: Machine = Machine(),
-                  configs: Optional[Sequence[tuple[str, dict]]] = None, nvme_path: Optional[str] = None,
-                  param_dtype: torch.dtype = torch.bfloat16, state_bytes: int = 8,
-                  calibrate_on: Optional[torch.device] = None) -> list[Need]:
+def estimate_training(
+    model: nn.Module,
+    forward: Callable[[nn.Module], Tensor],
+    *,
+    tokens: Optional[int] = None,
+    world_size: int = 1,
+    machine: Machine = Machine(),
+    configs: Optional[Sequence[tuple[str, dict]]] = None,
+    nvme_path: Optional[str] = None,
+    param_dtype: torch.dtype = torch.bfloat16,
+    state_bytes: int = 8,
+    calibrate_on: Optional[torch.device] = None,
+) -> list[Need]:
     """Every candidate configuration (``configs``: ``(name, ZeroConfig fields)``, default
     ``candidates``), each without and with checkpointing of the repeated blocks (without only, where the
     model recomputes its blocks itself), planned for ``model`` (on the meta device) and ``forward(model)``
@@ -588,8 +755,10 @@ def estimate_training(model: nn.Module, forward: Callable[[nn.Module], Tensor], 
     first (``calibrate.py``: one block timed at the micro-batch, the host step, copies, the disk under
     ``nvme_path``; on a CPU the host step and the disk only) instead of ``machine``'s."""
     if any(p.device.type != "meta" for p in model.parameters()):
-        raise ValueError("plan: build the model on the meta device (with torch.device('meta'): ...), so that "
-                         "planning allocates nothing; it needs only the shapes.")
+        raise ValueError(
+            "plan: build the model on the meta device (with torch.device('meta'): ...), so that "
+            "planning allocates nothing; it needs only the shapes."
+        )
     if next(model.parameters(), None) is None:
         raise ValueError("plan: the model has no parameters: there is nothing to shard or offload.")
     blocks = repeated_blocks(model)
@@ -597,34 +766,63 @@ def estimate_training(model: nn.Module, forward: Callable[[nn.Module], Tensor], 
     if tokens is None:
         tokens = activations.tokens
         if not tokens:
-            raise ValueError("plan: the forward feeds the model no integer tensor (token ids) to count the tokens "
-                             "from; give tokens=<tokens per micro-batch and rank>.")
+            raise ValueError(
+                "plan: the forward feeds the model no integer tensor (token ids) to count the tokens "
+                "from; give tokens=<tokens per micro-batch and rank>."
+            )
     if calibrate_on is not None:
-        measured = calibrate.rates(calibrate_on, param_dtype, block=blocks[0] if blocks else None,
-                                   call=activations.block_call, nvme_path=nvme_path)
+        measured = calibrate.rates(
+            calibrate_on,
+            param_dtype,
+            block=blocks[0] if blocks else None,
+            call=activations.block_call,
+            nvme_path=nvme_path,
+        )
         machine = dataclasses.replace(machine, **measured)
         if calibrate_on.type == "cuda":
             log.info("calibrated here: " + describe(machine))
         else:  # no GPU: the host (and the disk) measured, the device's rates as given
-            disk = (f", disk {machine.nvme_bytes_per_s / 1e9:.2f} GB/s" if "nvme_bytes_per_s" in measured else "")
-            log.info(f"calibrated here (no GPU, so the host only): host step "
-                     f"{machine.host_step_elements_per_s / 1e9:.2f}e9 elements/s{disk}; the device's rates are the "
-                     f"given ones, not measured (matmul {machine.matmul_flops / 1e12:.0f} TFLOP/s, device memory "
-                     f"{machine.device_bytes_per_s / 1e12:.2f} TB/s, PCIe {machine.pcie_bytes_per_s / 1e9:.1f} GB/s)")
+            disk = f", disk {machine.nvme_bytes_per_s / 1e9:.2f} GB/s" if "nvme_bytes_per_s" in measured else ""
+            log.info(
+                f"calibrated here (no GPU, so the host only): host step "
+                f"{machine.host_step_elements_per_s / 1e9:.2f}e9 elements/s{disk}; the device's rates are the "
+                f"given ones, not measured (matmul {machine.matmul_flops / 1e12:.0f} TFLOP/s, device memory "
+                f"{machine.device_bytes_per_s / 1e12:.2f} TB/s, PCIe {machine.pcie_bytes_per_s / 1e9:.1f} GB/s)"
+            )
     needs = []
     checkpoint = (False, True) if blocks and not activations.self_checkpointed else (False,)
     has_frozen = any(not p.requires_grad for p in model.parameters())
-    for name, fields in (configs if configs is not None else candidates(nvme_path, has_frozen)):
+    for name, fields in configs if configs is not None else candidates(nvme_path, has_frozen):
         config = ZeroConfig(**fields)
         for checkpointing in checkpoint:
-            needs.append(estimate_config(model, config, activations, name=name + ("+checkpointing" if checkpointing else ""),
-                                     world_size=world_size, tokens=tokens, checkpointing=float(checkpointing),
-                                     machine=machine, param_dtype=param_dtype, state_bytes=state_bytes))
+            needs.append(
+                estimate_config(
+                    model,
+                    config,
+                    activations,
+                    name=name + ("+checkpointing" if checkpointing else ""),
+                    world_size=world_size,
+                    tokens=tokens,
+                    checkpointing=float(checkpointing),
+                    machine=machine,
+                    param_dtype=param_dtype,
+                    state_bytes=state_bytes,
+                )
+            )
         if len(checkpoint) > 1 and machine.device_bytes is not None and not config.activation_offloading_policy:
             rows = [n for n in needs[-2:] if n.fits]
-            mixed = best_mix(model, config, activations, name=name, world_size=world_size, tokens=tokens,
-                             machine=machine, param_dtype=param_dtype, state_bytes=state_bytes,
-                             beat=min((n.step_s for n in rows), default=float("inf")))
+            mixed = best_mix(
+                model,
+                config,
+                activations,
+                name=name,
+                world_size=world_size,
+                tokens=tokens,
+                machine=machine,
+                param_dtype=param_dtype,
+                state_bytes=state_bytes,
+                beat=min((n.step_s for n in rows), default=float("inf")),
+            )
             needs += [mixed] if mixed is not None else []
     return sorted(needs, key=lambda n: (not n.fits, n.step_s, n.device_total))
 
@@ -646,12 +844,18 @@ def mixes(recompute: bool, offload: bool, given: float = 0.0) -> list[tuple[floa
     share) recomputing."""
     offloads = OFFLOAD_SHARES if offload else (0.0,)
     recomputes = RECOMPUTE_SHARES if recompute else (given,)
-    return [(o, r, inputs) for o in offloads for r in recomputes if o + r <= 1.0
-            for inputs in ((False, True) if offload and r > 0 else (False,))]
+    return [
+        (o, r, inputs)
+        for o in offloads
+        for r in recomputes
+        if o + r <= 1.0
+        for inputs in ((False, True) if offload and r > 0 else (False,))
+    ]
 
 
-def best_mix(model: nn.Module, config: ZeroConfig, activations: Activations, *, name: str, beat: float,
-             **plan: Any) -> Optional[Need]:
+def best_mix(
+    model: nn.Module, config: ZeroConfig, activations: Activations, *, name: str, beat: float, **plan: Any
+) -> Optional[Need]:
     """``zeroq-plan``'s mixed row of ``config``: of every ``mixes`` of kept, offloaded and recomputed blocks,
     the fastest that fits and is faster than ``beat`` (the step of its plain or ``+checkpointing`` row that fits;
     ties go to the less offloaded), ``plan`` being ``estimate_config``'s other arguments, the machine's memory
@@ -665,8 +869,16 @@ def best_mix(model: nn.Module, config: ZeroConfig, activations: Activations, *, 
     for offload, share, inputs in mixes(True, True):
         if offload == 0 and not inputs:
             continue  # the plain and +checkpointing rows, and shares of them auto's choice weighs
-        need = estimate_config(model, config, activations, name=name, checkpointing=share, offloading=offload,
-                               inputs_on_host=inputs, **plan)
+        need = estimate_config(
+            model,
+            config,
+            activations,
+            name=name,
+            checkpointing=share,
+            offloading=offload,
+            inputs_on_host=inputs,
+            **plan,
+        )
         if need.fits and need.step_s < (best.step_s if best is not None else beat):
             best = need
     if best is None:
@@ -675,12 +887,14 @@ def best_mix(model: nn.Module, config: ZeroConfig, activations: Activations, *, 
     offloaded = len(on_host) - (len(recomputed) if best.inputs_on_host else 0)
     label = (f"+offload{offloaded}" if offloaded else "") + (f"+recompute{len(recomputed)}" if recomputed else "")
     fields = {"activation_offloading_policy": on_host, "activation_checkpointing_policy": recomputed or None}
-    return dataclasses.replace(best, name=name + label + ("+inputs_cpu" if best.inputs_on_host else ""),
-                               config=config.replace(**fields))
+    return dataclasses.replace(
+        best, name=name + label + ("+inputs_cpu" if best.inputs_on_host else ""), config=config.replace(**fields)
+    )
 
 
-def mix_names(model: nn.Module, blocks: Sequence[nn.Module], offload: float, recompute: float,
-              inputs_on_host: bool) -> tuple[list[str], list[str]]:
+def mix_names(
+    model: nn.Module, blocks: Sequence[nn.Module], offload: float, recompute: float, inputs_on_host: bool
+) -> tuple[list[str], list[str]]:
     """The qualified names of the ``blocks`` (repeated, forward order) a mix sends to the host (those offloaded,
     and those recomputing where ``inputs_on_host``: ``activation_offloading_policy``) and of those recomputing
     (``policies.activation_mix``), each sorted."""

@@ -68,8 +68,10 @@ def pinned_empty(numel: int, dtype: torch.dtype, pin: bool = True) -> torch.Tens
     pointer = host.data_ptr()
     error = int(torch.cuda.cudart().cudaHostRegister(pointer, host.numel(), 0))
     if error != 0:  # CUDA keeps it as its last error: the next CUDA call would report it anyway
-        raise RuntimeError(f"CUDA could not page-lock {nbytes / 2**30:.2f} GiB of host memory for an offloaded "
-                           f"buffer (cudaHostRegister error {error}): free host memory, or offload less")
+        raise RuntimeError(
+            f"CUDA could not page-lock {nbytes / 2**30:.2f} GiB of host memory for an offloaded "
+            f"buffer (cudaHostRegister error {error}): free host memory, or offload less"
+        )
     _REGISTERED[0] += len(mapping)
     release = weakref.finalize(host.untyped_storage(), _unregister, pointer, mapping)
     release.atexit = False  # at exit the process's pages go anyway, and CUDA may be gone first
@@ -173,4 +175,3 @@ class StagingCache:
                 self._idle_count -= 1
                 if not bucket:
                     del self._idle[size]
-

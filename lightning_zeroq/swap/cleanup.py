@@ -134,7 +134,8 @@ def track_live(resources: Removable) -> None:
         log.warning(
             "NvmeSwapper created outside the main thread cannot install its SIGTERM handler, so a SIGTERM "
             "would leave %s behind (close() and a normal exit still remove it); create the first swapper "
-            "from the main thread", resources.directory
+            "from the main thread",
+            resources.directory,
         )
 
 
@@ -176,4 +177,3 @@ def _remove_all(wait_s: float = 2.0) -> None:
     deadline = time.monotonic() + wait_s
     while any(r.removed and not r.removal_done for r in live) and time.monotonic() < deadline:
         time.sleep(0.01)
-

@@ -265,9 +265,18 @@ def report_leftovers(resources: Resources, stem: str, everyone: bool = False) ->
     rank, so that rank 0 names every leftover of a killed job) that a dead process on this host left
     behind."""
     try:
-        names = sorted(n for n in os.listdir(resources.root_fd) if n != resources.name and (
-            n.startswith(stem) or n.startswith("." + stem) and _CLAIMED.match(n)
-            or everyone and (_SWAP_DIRECTORY.match(n) or _CLAIMED.match(n))))
+        names = sorted(
+            n
+            for n in os.listdir(resources.root_fd)
+            if n != resources.name
+            and (
+                n.startswith(stem)
+                or n.startswith("." + stem)
+                and _CLAIMED.match(n)
+                or everyone
+                and (_SWAP_DIRECTORY.match(n) or _CLAIMED.match(n))
+            )
+        )
     except OSError:
         return
     for name in names:
@@ -279,7 +288,9 @@ def report_leftovers(resources: Resources, stem: str, everyone: bool = False) ->
             _reported_leftovers.add(str(path))
             log.warning(
                 "NvmeSwapper: %s was left behind by pid %d on this host, which is gone (killed?); it is not "
-                "removed automatically: delete it once you are sure no job uses it", path, pid
+                "removed automatically: delete it once you are sure no job uses it",
+                path,
+                pid,
             )
 
 
@@ -377,8 +388,10 @@ def directory_problem(root: Path) -> Optional[str]:
         os.close(fd)
         os.unlink(probe)
     except OSError as err:
-        return (f"is not writable by this process ({err.strerror}); fix its permissions or set nvme_path to a "
-                "writable directory")
+        return (
+            f"is not writable by this process ({err.strerror}); fix its permissions or set nvme_path to a "
+            "writable directory"
+        )
     return None
 
 

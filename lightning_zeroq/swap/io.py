@@ -80,8 +80,7 @@ def _pwrite_all(fd: int, mem: memoryview, offset: int, path: Path) -> None:
             n = os.pwrite(fd, mem[done:], offset + done)
         except OSError as e:
             raise RuntimeError(
-                f"I/O error writing swap file {path} at offset {offset + done} "
-                f"({len(mem) - done} bytes): {e}"
+                f"I/O error writing swap file {path} at offset {offset + done} ({len(mem) - done} bytes): {e}"
             ) from e
         if n <= 0:
             raise RuntimeError(
@@ -98,8 +97,7 @@ def _pread_all(fd: int, mem: memoryview, offset: int, path: Path, direct: bool) 
             n = os.preadv(fd, [mem[done:]], offset + done)
         except OSError as e:
             raise RuntimeError(
-                f"I/O error reading swap file {path} at offset {offset + done} "
-                f"({len(mem) - done} bytes): {e}"
+                f"I/O error reading swap file {path} at offset {offset + done} ({len(mem) - done} bytes): {e}"
             ) from e
         done += n
         # A short O_DIRECT read only happens at end of file, and retrying at an unaligned offset
@@ -188,7 +186,12 @@ class RegionIO:
     """
 
     def __init__(
-        self, dir_fd: int, io: ThreadPoolExecutor, bounce: BouncePool, alignment: int, buffer_bytes: int,
+        self,
+        dir_fd: int,
+        io: ThreadPoolExecutor,
+        bounce: BouncePool,
+        alignment: int,
+        buffer_bytes: int,
         num_threads: int,
     ) -> None:
         self.dir_fd, self.io, self.bounce = dir_fd, io, bounce
@@ -330,8 +333,9 @@ def direct_io_works(dir_fd: int, directory: Path, alignment: int) -> bool:
                 pass
 
 
-def choose_direct_io(requested: Optional[bool], dir_fd: int, files: set[str], root: Path, directory: Path,
-                     alignment: int) -> bool:
+def choose_direct_io(
+    requested: Optional[bool], dir_fd: int, files: set[str], root: Path, directory: Path, alignment: int
+) -> bool:
     """Whether a swapper uses ``O_DIRECT`` in ``directory`` (open as ``dir_fd``; ``files`` are the names it
     created there), as ``direct_io=requested`` asks (see "Direct I/O")."""
     if requested is False:

@@ -348,8 +348,7 @@ class NvmeSwapper:
     def _check_written(self, region: Region) -> None:
         if region.key not in self._written:
             raise ValueError(
-                f"NvmeSwapper: key={region.key!r} has never been written, so there is nothing to read; "
-                "write() it first"
+                f"NvmeSwapper: key={region.key!r} has never been written, so there is nothing to read; write() it first"
             )
 
     def _check_open(self) -> None:

@@ -116,8 +116,9 @@ class Fp32Sum(InGrad):
             local[span].zero_()
 
 
-def accumulation(sharding: Sharding, units: Sequence[Unit], param_dtype: torch.dtype,
-                 device: torch.device) -> EveryBackward:
+def accumulation(
+    sharding: Sharding, units: Sequence[Unit], param_dtype: torch.dtype, device: torch.device
+) -> EveryBackward:
     """The accumulation ``sharding`` and the working dtype call for."""
     if sharding.stage >= 2:
         return EveryBackward(param_dtype, device)

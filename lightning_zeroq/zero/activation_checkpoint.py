@@ -30,8 +30,9 @@ def apply(module: nn.Module, names: Sequence[str]) -> None:
     apply_to(select(module, names, "activation_checkpointing_policy"))
 
 
-def select(module: nn.Module, names: Sequence[str], field: str,
-           inside: Callable[[nn.Module, str], None] = nothing) -> list[nn.Module]:
+def select(
+    module: nn.Module, names: Sequence[str], field: str, inside: Callable[[nn.Module, str], None] = nothing
+) -> list[nn.Module]:
     """The submodules of ``module`` whose class or qualified name is in ``names``, the outermost where they
     nest (nested ones go with them), in module order; a ``ValueError`` naming ``field`` where a name names
     none. ``inside(m, name)``: called for each module passed on the way down (``activation_offload.py``'s

@@ -77,8 +77,9 @@ def select(module: nn.Module, names: Sequence[str]) -> list[nn.Module]:
     recomputing: dict[int, str] = {}
 
     def inside(m: nn.Module, name: str) -> None:  # what encloses the modules below: recomputed, not offloaded
-        outer = recomputing.get(id(m)) or ((name or type(m).__name__) if getattr(m, "_zeroq_recomputed", False)
-                                           else None)
+        outer = recomputing.get(id(m)) or (
+            (name or type(m).__name__) if getattr(m, "_zeroq_recomputed", False) else None
+        )
         if outer is not None:
             recomputing.update((id(child), outer) for child in m.children())
 
@@ -94,8 +95,13 @@ def select(module: nn.Module, names: Sequence[str]) -> list[nn.Module]:
     return chosen
 
 
-def install(module: nn.Module, policy: ActivationOffloading, device: torch.device,
-            buffers: Callable[[], Iterable[Tensor]], reserve: Callable[[int], None]) -> Optional["ActivationOffload"]:
+def install(
+    module: nn.Module,
+    policy: ActivationOffloading,
+    device: torch.device,
+    buffers: Callable[[], Iterable[Tensor]],
+    reserve: Callable[[int], None],
+) -> Optional["ActivationOffload"]:
     """Offload the activations of the modules ``policy`` names (``select``); None where it names none.
     ``buffers()``: the units' working buffers, never offloaded (beside the module's parameters and buffers);
     ``reserve(nbytes)``: called before the host pool grows to ``nbytes`` (``HostBudget.activations``)."""
@@ -277,8 +283,15 @@ def _unwrapped(inner: Callable[..., Any]) -> Callable[..., Any]:
 class ActivationOffload:
     """The offload of one engine's named modules (see the module docstring)."""
 
-    def __init__(self, root: nn.Module, modules: Sequence[nn.Module], min_bytes: int, device: torch.device,
-                 buffers: Callable[[], Iterable[Tensor]], reserve: Callable[[int], None]) -> None:
+    def __init__(
+        self,
+        root: nn.Module,
+        modules: Sequence[nn.Module],
+        min_bytes: int,
+        device: torch.device,
+        buffers: Callable[[], Iterable[Tensor]],
+        reserve: Callable[[int], None],
+    ) -> None:
         self.cuda = device.type == "cuda"
         if self.cuda and device.index is None:  # the saved tensors' device has its index: compared below
             device = torch.device("cuda", torch.cuda.current_device())
@@ -322,9 +335,12 @@ class ActivationOffload:
         if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
             if not self._warned:
                 self._warned = True
-                warnings.warn("ZeroQ activation offload: a module of activation_offloading_policy ran inside "
-                              "saved-tensor hooks set outside it (torch.utils.checkpoint around it): its "
-                              "activations are left to them, not offloaded.", stacklevel=4)
+                warnings.warn(
+                    "ZeroQ activation offload: a module of activation_offloading_policy ran inside "
+                    "saved-tensor hooks set outside it (torch.utils.checkpoint around it): its "
+                    "activations are left to them, not offloaded.",
+                    stacklevel=4,
+                )
             return False
         return True
 
@@ -333,8 +349,10 @@ class ActivationOffload:
     def _entry(self, group: Optional[_Group]) -> _Entry:
         # A new forward after a backward; or, after many forwards without one (evaluation with gradients on),
         # once none of their storages is held any more.
-        if self._backward_seen or (len(self._sequence) >= 4 * len(self._sequence_modules) and not any(
-                s.users for e in self._sequence if e.group is not None for s in e.group.stored)):
+        if self._backward_seen or (
+            len(self._sequence) >= 4 * len(self._sequence_modules)
+            and not any(s.users for e in self._sequence if e.group is not None for s in e.group.stored)
+        ):
             self._backward_seen = False
             self._number += 1
             self._sequence = []
@@ -360,8 +378,7 @@ class ActivationOffload:
         group = _Group()
         self._entry(group)
         self._bound_copies()
-        torch._C._autograd._push_saved_tensors_default_hooks(EagerHook(self._pack, group),
-                                                             EagerHook(self._unpack))
+        torch._C._autograd._push_saved_tensors_default_hooks(EagerHook(self._pack, group), EagerHook(self._unpack))
         return group
 
     def _leave(self, group: _Group, output: Any) -> Any:
@@ -386,8 +403,14 @@ class ActivationOffload:
                 t.register_hook(EagerHook(self._begun, entry))
 
     def _pack(self, group: _Group, t: Tensor) -> Any:
-        if (type(t) is not Tensor or t.device != self.device or t.layout != torch.strided or t.is_quantized
-                or t.is_conj() or t.is_neg()):
+        if (
+            type(t) is not Tensor
+            or t.device != self.device
+            or t.layout != torch.strided
+            or t.is_quantized
+            or t.is_conj()
+            or t.is_neg()
+        ):
             return t  # a parameter (or a subclass), off the device, or not plain strided memory
         storage = t.untyped_storage()
         key = storage._cdata

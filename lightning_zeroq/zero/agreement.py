@@ -34,11 +34,16 @@ from lightning_zeroq.zero.unit_plan import UnitSpec
 def describe_plan(module: nn.Module, specs: Sequence[UnitSpec]) -> list[str]:
     """One line per parameter of each unit, in order: the unit, its kind, the parameter's name, shape, dtype."""
     names = {id(p): name for name, p in module.named_parameters()}
-    return [f"unit {i} ({'persistent' if spec.persistent else 'transient'}) holds {names.get(id(p), '?')} "
-            f"{tuple(p.shape)} {str(p.dtype).removeprefix('torch.')}"
-            for i, spec in enumerate(specs) for p in spec.params] + [
+    return [
+        f"unit {i} ({'persistent' if spec.persistent else 'transient'}) holds {names.get(id(p), '?')} "
+        f"{tuple(p.shape)} {str(p.dtype).removeprefix('torch.')}"
+        for i, spec in enumerate(specs)
+        for p in spec.params
+    ] + [
         f"unit {i} (frozen part) holds {names.get(id(p), '?')} {tuple(p.shape)} {str(p.dtype).removeprefix('torch.')}"
-        for i, spec in enumerate(specs) for p in spec.frozen]
+        for i, spec in enumerate(specs)
+        for p in spec.frozen
+    ]
 
 
 def ranks_text(ranks: Sequence[int]) -> str:
@@ -68,17 +73,23 @@ def differences(settings: Sequence[dict[str, str]], plans: Sequence[list[str]]) 
     fields = [name for name in settings[0] if len({s.get(name) for s in settings}) > 1]
     fields += [name for s in settings for name in s if name not in settings[0] and name not in fields]
     if fields:
-        parts = [f"{name} differs across ranks: {_by_value([str(s.get(name, '(unset)')) for s in settings])}"
-                 for name in fields]
+        parts = [
+            f"{name} differs across ranks: {_by_value([str(s.get(name, '(unset)')) for s in settings])}"
+            for name in fields
+        ]
         hint = ""
         if "shard_group_size" in fields and all(s.get("shard_group_size", "").startswith("'node'") for s in settings):
-            hint = (f" (the nodes run different numbers of ranks: pass shard_group_size as a number that divides the "
-                    f"world size {world} instead of 'node')")
+            hint = (
+                f" (the nodes run different numbers of ranks: pass shard_group_size as a number that divides the "
+                f"world size {world} instead of 'node')"
+            )
         return "; ".join(parts) + f"; give every rank the same configuration{hint}."
     for lines in itertools.zip_longest(*plans, fillvalue="no more parameters"):
         if len(set(lines)) > 1:
-            return (f"the model differs across ranks: {_by_value([repr(line) for line in lines])}; every rank must "
-                    "build the same model with the same parameters and settings.")
+            return (
+                f"the model differs across ranks: {_by_value([repr(line) for line in lines])}; every rank must "
+                "build the same model with the same parameters and settings."
+            )
     return None
 
 
@@ -94,7 +105,9 @@ class BuildAgreement:
     def __enter__(self) -> "BuildAgreement":
         return self
 
-    def __exit__(self, kind: Optional[type], error: Optional[BaseException], tb: Optional[TracebackType]) -> Literal[False]:
+    def __exit__(
+        self, kind: Optional[type], error: Optional[BaseException], tb: Optional[TracebackType]
+    ) -> Literal[False]:
         if error is not None and not isinstance(error, Exception):
             return False  # KeyboardInterrupt, SystemExit: this process stops, as it would anyway
         said = [] if error is None else [f"{type(error).__name__}: {error}"]
@@ -109,5 +122,6 @@ def _differ(everyone: list[tuple[dict[str, str], list[str]]]) -> Optional[ValueE
 
 def _failed(errors: list[list[str]]) -> RuntimeError:
     failed = [r for r, errs in enumerate(errors) if errs]
-    return RuntimeError(f"{ranks_text(failed)} failed while building the ZeRO engine; rank {failed[0]} said: "
-                        f"{errors[failed[0]][0]}")
+    return RuntimeError(
+        f"{ranks_text(failed)} failed while building the ZeRO engine; rank {failed[0]} said: {errors[failed[0]][0]}"
+    )

@@ -37,23 +37,23 @@ from lightning_zeroq.zero import activation_checkpoint, activation_offload, comm
 from lightning_zeroq.zero import frozen as frozen_parts
 from lightning_zeroq.zero.agreement import BuildAgreement, describe_plan
 from lightning_zeroq.zero.frozen import FrozenCodec, FrozenNeed, FrozenParts
-from lightning_zeroq.zero.memory.device import NO_FROZEN
 from lightning_zeroq.zero.gather import Gatherer
 from lightning_zeroq.zero.hybrid import Topology
 from lightning_zeroq.zero.layout import UnitLayout
 from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
 from lightning_zeroq.zero.materialize import sync_replicated_state, target_device
+from lightning_zeroq.zero.memory.device import NO_FROZEN
+from lightning_zeroq.zero.memory.host import HostBudget
+from lightning_zeroq.zero.offload.async_step import AsyncHostStep
 from lightning_zeroq.zero.offload.device import OptimizerHome
+from lightning_zeroq.zero.offload.host_worker import HostWorker
 from lightning_zeroq.zero.offload.select import host_part, optimizer_home, shard_store
 from lightning_zeroq.zero.offload.stores import MasterAlias, ShardStore
-from lightning_zeroq.zero.offload.async_step import AsyncHostStep
-from lightning_zeroq.zero.offload.host_worker import HostWorker
-from lightning_zeroq.zero.memory.host import HostBudget
-from lightning_zeroq.zero.unit_plan import UnitSpec, frozen_only_specs, unit_plan
 from lightning_zeroq.zero.policies import ModuleUnits, Nvme, OnDevice, Policies
 from lightning_zeroq.zero.reducer import NoListener, Reducer
 from lightning_zeroq.zero.stage3 import Stage3Coordinator
 from lightning_zeroq.zero.unit import Unit, build_units, plan_layouts, trainable_parameters
+from lightning_zeroq.zero.unit_plan import UnitSpec, frozen_only_specs, unit_plan
 from lightning_zeroq.zero.wire import FullWidth, Int8, Wire
 
 
@@ -132,8 +132,16 @@ class _Placed(NamedTuple):
     transient: dict[int, int]
 
 
-def build(module: nn.Module, pol: Policies, *, param_dtype: torch.dtype, group: Optional[dist.ProcessGroup],
-          device: Optional[torch.device], ranks_per_node: Optional[int], loss_scaling: bool) -> Parts:
+def build(
+    module: nn.Module,
+    pol: Policies,
+    *,
+    param_dtype: torch.dtype,
+    group: Optional[dist.ProcessGroup],
+    device: Optional[torch.device],
+    ranks_per_node: Optional[int],
+    loss_scaling: bool,
+) -> Parts:
     """The parts of an engine for ``module`` (see the module docstring for the steps)."""
     planned = _agree_and_plan(module, pol, param_dtype, group, ranks_per_node, loss_scaling)
     topo = hybrid.topology(planned.shard_size, pol.quantization, group)
@@ -150,74 +158,139 @@ def build(module: nn.Module, pol: Policies, *, param_dtype: torch.dtype, group: 
         frozen = _frozen_parts(module, planned, pol, topo, where) if sharded else None
         placed = _placement(planned, pol, topo, where, param_dtype, frozen.need if frozen else NO_FROZEN, worker)
     sync_replicated_state(module, where, group, sharded)
-    gatherer = Gatherer(placed.wire, placed.placement, placed.store, where, worker,
-                        sync_persistent_on_build=topo.int8_weights)
+    gatherer = Gatherer(
+        placed.wire, placed.placement, placed.store, where, worker, sync_persistent_on_build=topo.int8_weights
+    )
     gatherer.frozen = frozen.gatherer if frozen is not None else None
     units = _units(module, planned, placed, gatherer, where, param_dtype, group, topo.rank, frozen)
-    stage3, async_step, reducer = _hooks(module, pol, topo, placed, gatherer, units, where, param_dtype, frozen,
-                                         worker)
-    parts = Parts(module=module, policies=pol, param_dtype=param_dtype, topology=topo, device=where,
-                  host_memory=planned.host_memory, placement=placed.placement, gatherer=gatherer, units=units,
-                  reducer=reducer, stage3=stage3, worker=worker, async_step=async_step, loss_scaler=scaler,
-                  param_names=_names(module, units, frozen), frozen=frozen)
+    stage3, async_step, reducer = _hooks(module, pol, topo, placed, gatherer, units, where, param_dtype, frozen, worker)
+    parts = Parts(
+        module=module,
+        policies=pol,
+        param_dtype=param_dtype,
+        topology=topo,
+        device=where,
+        host_memory=planned.host_memory,
+        placement=placed.placement,
+        gatherer=gatherer,
+        units=units,
+        reducer=reducer,
+        stage3=stage3,
+        worker=worker,
+        async_step=async_step,
+        loss_scaler=scaler,
+        param_names=_names(module, units, frozen),
+        frozen=frozen,
+    )
     held = [*units, *(frozen.units if frozen is not None else ())]  # their working buffers are never offloaded
-    parts.activations = activation_offload.install(module, pol.activations, where, lambda: [u.flat for u in held],
-                                                   planned.host_memory.activations)
+    parts.activations = activation_offload.install(
+        module, pol.activations, where, lambda: [u.flat for u in held], planned.host_memory.activations
+    )
     if where.type == "cuda":  # the module's own tensors left blocks the step's allocations rarely fit
         torch.cuda.empty_cache()
     return parts
 
 
-def _agree_and_plan(module: nn.Module, pol: Policies, param_dtype: torch.dtype, group: Optional[dist.ProcessGroup],
-                    ranks_per_node: Optional[int], loss_scaling: bool) -> _Planned:
+def _agree_and_plan(
+    module: nn.Module,
+    pol: Policies,
+    param_dtype: torch.dtype,
+    group: Optional[dist.ProcessGroup],
+    ranks_per_node: Optional[int],
+    loss_scaling: bool,
+) -> _Planned:
     """Every rank builds the same engine or raises the same error, before any collective (agreement.py)."""
     with BuildAgreement(group, dict(pol.settings)) as agreed:
-        agreed.settings.update(shard_group_size=hybrid.given(pol.sharding.group_size, ranks_per_node),
-                               param_dtype=str(param_dtype), loss_scaling=str(loss_scaling))
+        agreed.settings.update(
+            shard_group_size=hybrid.given(pol.sharding.group_size, ranks_per_node),
+            param_dtype=str(param_dtype),
+            loss_scaling=str(loss_scaling),
+        )
         shard_size = hybrid.shard_group_size(pol.sharding.group_size, rank_and_size(group)[1], ranks_per_node)
         activation_checkpoint.apply(module, pol.recompute)
         activation_offload.select(module, pol.activations.modules)  # what it names exists, before any collective
         stage3 = isinstance(pol.sharding.units, ModuleUnits)
         frozen = frozen_parts.shardable(module) if stage3 else []
         specs = unit_plan(module, trainable_parameters(module), pol.sharding.units, frozen)
-        own = frozen_only_specs(module, specs, frozen, pol.sharding.units) if isinstance(pol.sharding.units,
-                                                                                         ModuleUnits) else []
+        own = (
+            frozen_only_specs(module, specs, frozen, pol.sharding.units)
+            if isinstance(pol.sharding.units, ModuleUnits)
+            else []
+        )
         agreed.plan = describe_plan(module, [*specs, *own])
         host_memory = HostBudget(pol.offload, ranks_per_node)  # read before any rank allocates
     return _Planned(specs, shard_size, host_memory, own)
 
 
-def _placement(planned: _Planned, pol: Policies, topo: Topology, device: torch.device,
-               param_dtype: torch.dtype, frozen: FrozenNeed, worker: HostWorker) -> _Placed:
+def _placement(
+    planned: _Planned,
+    pol: Policies,
+    topo: Topology,
+    device: torch.device,
+    param_dtype: torch.dtype,
+    frozen: FrozenNeed,
+    worker: HostWorker,
+) -> _Placed:
     layouts = plan_layouts(planned.specs, topo.world_size, topo.align(pol.quantization))
-    placement = optimizer_home(pol.offload.optimizer, device, param_dtype, topo.rank, topo.world_size, layouts,
-                               worker, pol.offload.speculative)
+    placement = optimizer_home(
+        pol.offload.optimizer, device, param_dtype, topo.rank, topo.world_size, layouts, worker, pol.offload.speculative
+    )
     wire = make_wire(layouts, pol, topo, device, param_dtype, topo.group)
     transient = {i: wire.payload_numel(i) for i, spec in enumerate(planned.specs) if not spec.persistent}
     planned.host_memory.built(layouts, topo.rank, param_dtype, wire.payload_dtype, transient, placement, frozen)
     store = None
     if transient:
-        store = shard_store(pol.offload.parameters, device, payload_dtype=wire.payload_dtype, payload_numels=transient,
-                            param_dtype=param_dtype, rank=topo.rank, quantized=pol.quantization.weights,
-                            master_on_device=placement.master_on_device, masters_may_move=placement.masters_may_move,
-                            alone=topo.world_size == 1)
+        store = shard_store(
+            pol.offload.parameters,
+            device,
+            payload_dtype=wire.payload_dtype,
+            payload_numels=transient,
+            param_dtype=param_dtype,
+            rank=topo.rank,
+            quantized=pol.quantization.weights,
+            master_on_device=placement.master_on_device,
+            masters_may_move=placement.masters_may_move,
+            alone=topo.world_size == 1,
+        )
         placement.store_built(store)
     return _Placed(placement, wire, store, layouts, transient)
 
 
-def make_wire(layouts: list[UnitLayout], pol: Policies, topo: Topology, device: torch.device,
-              param_dtype: torch.dtype, group: Optional[dist.ProcessGroup]) -> Wire:
+def make_wire(
+    layouts: list[UnitLayout],
+    pol: Policies,
+    topo: Topology,
+    device: torch.device,
+    param_dtype: torch.dtype,
+    group: Optional[dist.ProcessGroup],
+) -> Wire:
     """How shards travel on ``group``: full width, or INT8 (``quantize_weights``)."""
     if not topo.int8_weights:
         return FullWidth(layouts, param_dtype, group)
     q = pol.quantization
-    return Int8(layouts, param_dtype=param_dtype, rank=topo.rank, group=group, device=device,
-                group_size=q.group_size, exact_numel=q.exact_numel, bucket_numel=q.gather_bucket_numel)
+    return Int8(
+        layouts,
+        param_dtype=param_dtype,
+        rank=topo.rank,
+        group=group,
+        device=device,
+        group_size=q.group_size,
+        exact_numel=q.exact_numel,
+        bucket_numel=q.gather_bucket_numel,
+    )
 
 
-def _units(module: nn.Module, planned: _Planned, placed: _Placed, gatherer: Gatherer, device: torch.device,
-           param_dtype: torch.dtype, group: Optional[dist.ProcessGroup], rank: int,
-           frozen: Optional[FrozenParts]) -> list[Unit]:
+def _units(
+    module: nn.Module,
+    planned: _Planned,
+    placed: _Placed,
+    gatherer: Gatherer,
+    device: torch.device,
+    param_dtype: torch.dtype,
+    group: Optional[dist.ProcessGroup],
+    rank: int,
+    frozen: Optional[FrozenParts],
+) -> list[Unit]:
     part = None
     if frozen is not None:
         index = {id(spec): k for k, spec in enumerate(s for s in [*planned.specs, *planned.frozen_only] if s.frozen)}
@@ -225,22 +298,35 @@ def _units(module: nn.Module, planned: _Planned, placed: _Placed, gatherer: Gath
 
         def part(spec: UnitSpec, held: list[nn.Parameter]) -> Unit:
             k = index[id(spec)]
-            built = frozen_parts.build_part(k, held, codec.layouts[k], codec, module=spec.module, group=group,
-                                            rank=rank)
+            built = frozen_parts.build_part(
+                k, held, codec.layouts[k], codec, module=spec.module, group=group, rank=rank
+            )
             frozen.units.append(built)
             if not spec.params:  # a part of its own: stored and freed now (its unit's is freed with the unit)
                 frozen.gatherer.free(built)
             return built
-    units = build_units(module, planned.specs, placed.layouts, device=device, param_dtype=param_dtype, group=group,
-                        adopt_master=placed.placement.adopt_master, on_built=gatherer.adopt, shard_rank=rank,
-                        frozen_part=part, frozen_only=planned.frozen_only)
+
+    units = build_units(
+        module,
+        planned.specs,
+        placed.layouts,
+        device=device,
+        param_dtype=param_dtype,
+        group=group,
+        adopt_master=placed.placement.adopt_master,
+        on_built=gatherer.adopt,
+        shard_rank=rank,
+        frozen_part=part,
+        frozen_only=planned.frozen_only,
+    )
     if frozen is not None:
         frozen.owner = {u.frozen.index: u for u in units if u.frozen is not None}
     return units
 
 
-def _frozen_parts(module: nn.Module, planned: _Planned, pol: Policies, topo: Topology,
-                  device: torch.device) -> FrozenParts:
+def _frozen_parts(
+    module: nn.Module, planned: _Planned, pol: Policies, topo: Topology, device: torch.device
+) -> FrozenParts:
     """The codec and gatherer of stage 3's frozen parts (built with their units, ``_units``)."""
     q = pol.quantization
     specs = [*planned.specs, *planned.frozen_only]
@@ -248,15 +334,33 @@ def _frozen_parts(module: nn.Module, planned: _Planned, pol: Policies, topo: Top
     compute = held[0].dtype
     storage = pol.sharding.units.frozen_dtype if isinstance(pol.sharding.units, ModuleUnits) else None
     layouts = frozen_parts.frozen_layouts(specs, topo.world_size, topo.align(q), storage, q.group_size)
-    codec = FrozenCodec(storage, compute, layouts, rank=topo.rank, group=topo.group, device=device,
-                        on_host=not isinstance(pol.offload.parameters, OnDevice), group_size=q.group_size,
-                        exact_numel=q.exact_numel, bucket_numel=q.gather_bucket_numel)
+    codec = FrozenCodec(
+        storage,
+        compute,
+        layouts,
+        rank=topo.rank,
+        group=topo.group,
+        device=device,
+        on_host=not isinstance(pol.offload.parameters, OnDevice),
+        group_size=q.group_size,
+        exact_numel=q.exact_numel,
+        bucket_numel=q.gather_bucket_numel,
+    )
     if isinstance(pol.offload.parameters, Nvme) and topo.rank == 0 and rank_and_size(topo.world_group)[0] == 0:
-        warnings.warn("ZeroQ stage 3: frozen parameters rest in host memory with offload_params_device='nvme' (the "
-                      "trainable shards go to NVMe); count their bytes against the host's memory.", stacklevel=4)
+        warnings.warn(
+            "ZeroQ stage 3: frozen parameters rest in host memory with offload_params_device='nvme' (the "
+            "trainable shards go to NVMe); count their bytes against the host's memory.",
+            stacklevel=4,
+        )
     # Frozen parts are never stepped: their gatherer's worker never has work (and never shares unit numbers).
-    gatherer = Gatherer(codec, None, MasterAlias(), device, HostWorker(threaded=False),  # type: ignore[arg-type]
-                        sync_persistent_on_build=False)
+    gatherer = Gatherer(
+        codec,  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        MasterAlias(),
+        device,
+        HostWorker(threaded=False),
+        sync_persistent_on_build=False,
+    )
     need = frozen_parts.need_of(planned.specs, codec, compute)
     return FrozenParts([], codec, gatherer, need)
 
@@ -271,7 +375,8 @@ def _names(module: nn.Module, units: list[Unit], frozen: Optional[FrozenParts]) 
         for p in part.params:
             p.__dict__["_zeroq_name"] = (
                 f"{names.get(id(p), '?')} (frozen, sharded on its own; a model that reads it outside its module's "
-                f"forward keeps it whole with stage3_param_persistence_threshold={p.numel()})")
+                f"forward keeps it whole with stage3_param_persistence_threshold={p.numel()})"
+            )
     return names
 
 
@@ -281,15 +386,30 @@ class _Hooks(NamedTuple):
     reducer: Reducer
 
 
-def _hooks(module: nn.Module, pol: Policies, topo: Topology, placed: _Placed, gatherer: Gatherer, units: list[Unit],
-           device: torch.device, param_dtype: torch.dtype, frozen: Optional[FrozenParts], worker: HostWorker) -> _Hooks:
+def _hooks(
+    module: nn.Module,
+    pol: Policies,
+    topo: Topology,
+    placed: _Placed,
+    gatherer: Gatherer,
+    units: list[Unit],
+    device: torch.device,
+    param_dtype: torch.dtype,
+    frozen: Optional[FrozenParts],
+    worker: HostWorker,
+) -> _Hooks:
     """Stage 3's module hooks, the asynchronous host step and the gradient hooks, in that order."""
     stage3 = None
     own = [p for p in frozen.units if p.index not in frozen.owner] if frozen is not None else []
     if (placed.transient or own) and isinstance(pol.sharding.units, ModuleUnits):  # stage 3's module units
-        stage3 = Stage3Coordinator(gatherer, units, prefetch_depth=pol.sharding.units.prefetch_depth,
-                                   reshard_after_forward=pol.sharding.units.reshard_after_forward,
-                                   names=_unit_names(module, units), frozen_only=own)
+        stage3 = Stage3Coordinator(
+            gatherer,
+            units,
+            prefetch_depth=pol.sharding.units.prefetch_depth,
+            reshard_after_forward=pol.sharding.units.reshard_after_forward,
+            names=_unit_names(module, units),
+            frozen_only=own,
+        )
     async_step = _async_step(module, pol, topo, placed, gatherer, units, device, param_dtype, worker)
     reducer = Reducer(
         units,
@@ -312,18 +432,36 @@ def _unit_names(module: nn.Module, units: list[Unit]) -> dict[int, str]:
     return {u.index: names.get(id(u.module), type(u.module).__name__) for u in units if u.module is not None}
 
 
-def _async_step(module: nn.Module, pol: Policies, topo: Topology, placed: _Placed, gatherer: Gatherer,
-                units: list[Unit], device: torch.device, param_dtype: torch.dtype,
-                worker: HostWorker) -> Optional[AsyncHostStep]:
+def _async_step(
+    module: nn.Module,
+    pol: Policies,
+    topo: Topology,
+    placed: _Placed,
+    gatherer: Gatherer,
+    units: list[Unit],
+    device: torch.device,
+    param_dtype: torch.dtype,
+    worker: HostWorker,
+) -> Optional[AsyncHostStep]:
     """With ``offload_async_step``, the host step beside the next forward (``offload/async_step.py``), on the
     host's worker, publishing on a process group of its own; else None (the host step runs in the step)."""
     host = host_part(placed.placement)
     if not pol.offload.asynchronous or host is None:
         return None
     own = comm.duplicate(topo.group, topo.world_group)  # the worker's collectives: a group of their own
-    publisher = gatherer if own is topo.group else Gatherer(
-        make_wire(placed.layouts, pol, topo, device, param_dtype, own), placed.placement, placed.store, device,
-        worker, sync_persistent_on_build=False)
+    publisher = (
+        gatherer
+        if own is topo.group
+        else Gatherer(
+            make_wire(placed.layouts, pol, topo, device, param_dtype, own),
+            placed.placement,
+            placed.store,
+            device,
+            worker,
+            sync_persistent_on_build=False,
+        )
+    )
     on_host = [u for u in units if not placed.placement.master_on_device(u.index)]
-    return AsyncHostStep(host, worker, module, on_host, publisher.publish, device,
-                         own_group=None if own is topo.group else own)
+    return AsyncHostStep(
+        host, worker, module, on_host, publisher.publish, device, own_group=None if own is topo.group else own
+    )

@@ -74,19 +74,26 @@ def all_gather_uneven(output: Tensor, input: Tensor, counts: list[int], group: O
     if world == 1 or not is_distributed():
         output.copy_(input)
         return
-    dist.all_to_all_single(output, input.repeat(world), output_split_sizes=list(counts),
-                           input_split_sizes=[input.numel()] * world, group=group)
+    dist.all_to_all_single(
+        output,
+        input.repeat(world),
+        output_split_sizes=list(counts),
+        input_split_sizes=[input.numel()] * world,
+        group=group,
+    )
 
 
-def all_to_all_uneven(output: Tensor, input: Tensor, output_splits: list[int], input_splits: list[int],
-                      group: Optional[dist.ProcessGroup]) -> None:
+def all_to_all_uneven(
+    output: Tensor, input: Tensor, output_splits: list[int], input_splits: list[int], group: Optional[dist.ProcessGroup]
+) -> None:
     """Split sizes of one's own: ``input_splits[r]`` elements of ``input`` go to rank ``r``, and
     ``output_splits[r]`` of ``output`` come from it (one rank: a copy)."""
     if len(input_splits) == 1 or not is_distributed():
         output.copy_(input)
         return
-    dist.all_to_all_single(output, input, output_split_sizes=list(output_splits),
-                           input_split_sizes=list(input_splits), group=group)
+    dist.all_to_all_single(
+        output, input, output_split_sizes=list(output_splits), input_split_sizes=list(input_splits), group=group
+    )
 
 
 def all_to_all(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup]) -> None:
@@ -99,11 +106,12 @@ def all_reduce(tensor: Tensor, op: dist.ReduceOp.RedOpType, group: Optional[dist
 
 
 def broadcast(tensor: Tensor, src_rank: int, group: Optional[dist.ProcessGroup]) -> None:
-    dist.broadcast(tensor, src=dist.get_global_rank(group, src_rank) if group is not None else src_rank,
-                   group=group)
+    dist.broadcast(tensor, src=dist.get_global_rank(group, src_rank) if group is not None else src_rank, group=group)
 
 
-def duplicate(group: Optional[dist.ProcessGroup], world_group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+def duplicate(
+    group: Optional[dist.ProcessGroup], world_group: Optional[dist.ProcessGroup]
+) -> Optional[dist.ProcessGroup]:
     """A new group of the same ranks as ``group`` (one of the consecutive, equal groups ``world_group``
     is cut into), for collectives issued from another thread: their order then never interleaves with
     the calling thread's, as each group keeps its own. Every rank of the default group calls it: the
@@ -118,7 +126,7 @@ def duplicate(group: Optional[dist.ProcessGroup], world_group: Optional[dist.Pro
         return dist.new_group(ranks=mine, use_local_synchronization=True)
     made = None
     for start in range(0, len(world), len(mine)):
-        ranks = world[start:start + len(mine)]
+        ranks = world[start : start + len(mine)]
         copy = dist.new_group(ranks=ranks)
         if ranks == mine:
             made = copy
@@ -136,9 +144,14 @@ class _ArrayInterface:
     def __init__(self, host: Tensor) -> None:
         self.host = host  # kept alive as long as the alias
         typestr = {torch.bool: "|b1", torch.float32: "<f4", torch.uint8: "|u1", torch.int32: "<i4"}[host.dtype]
-        self.__cuda_array_interface__ = {"shape": tuple(host.shape), "typestr": typestr,
-                                         "data": (host.data_ptr(), False), "version": 3, "strides": None,
-                                         "stream": None}
+        self.__cuda_array_interface__ = {
+            "shape": tuple(host.shape),
+            "typestr": typestr,
+            "data": (host.data_ptr(), False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+        }
 
 
 def device_alias(host: Tensor) -> Tensor:

@@ -76,9 +76,15 @@ class ZeroEngine:
         ranks_per_node: Optional[int] = None,
     ) -> None:
         self.config = config  # kept for the caller; below, only the policies made from it are read
-        self.parts: Parts = build(module, policies.from_config(config, loss_scaling=loss_scaling),
-                                  param_dtype=param_dtype, group=group, device=device, ranks_per_node=ranks_per_node,
-                                  loss_scaling=loss_scaling)
+        self.parts: Parts = build(
+            module,
+            policies.from_config(config, loss_scaling=loss_scaling),
+            param_dtype=param_dtype,
+            group=group,
+            device=device,
+            ranks_per_node=ranks_per_node,
+            loss_scaling=loss_scaling,
+        )
         self.stepper = Stepper(self.parts)
         _ENGINES.add(self)
 
@@ -226,17 +232,26 @@ class ZeroEngine:
         parts = self.parts
 
         def on_device(tensors) -> int:
-            return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, Tensor) and t.device == parts.device)
+            return sum(
+                t.numel() * t.element_size() for t in tensors if isinstance(t, Tensor) and t.device == parts.device
+            )
 
         state = [v for s in (self.optimizer.state.values() if self.optimizer else ()) for v in s.values()]
         frozen = parts.frozen.units if parts.frozen is not None else []
         owned = parts.frozen.owner if parts.frozen is not None else {}
-        transient = [u.flat.numel() * u.flat.element_size()
-                     + (u.frozen.flat.numel() * u.frozen.flat.element_size()
-                        if u.frozen is not None and not u.frozen.persistent else 0)
-                     for u in parts.units if not u.persistent]
-        transient += [u.flat.numel() * u.flat.element_size() for u in frozen
-                      if u.index not in owned and not u.persistent]
+        transient = [
+            u.flat.numel() * u.flat.element_size()
+            + (
+                u.frozen.flat.numel() * u.frozen.flat.element_size()
+                if u.frozen is not None and not u.frozen.persistent
+                else 0
+            )
+            for u in parts.units
+            if not u.persistent
+        ]
+        transient += [
+            u.flat.numel() * u.flat.element_size() for u in frozen if u.index not in owned and not u.persistent
+        ]
         store = parts.gatherer.store
         sharded = {id(p) for u in frozen for p in u.params}
         return {
@@ -247,11 +262,14 @@ class ZeroEngine:
             "stored_shards": on_device(store.device_tensors()) if store is not None else 0,
             "largest_transient_unit": max(transient, default=0),
             "frozen_shards": on_device(u.master for u in frozen),
-            "frozen_whole": on_device(p for p in parts.module.parameters() if not p.requires_grad and id(p) not in sharded),
+            "frozen_whole": on_device(
+                p for p in parts.module.parameters() if not p.requires_grad and id(p) not in sharded
+            ),
         }
 
-    def gathered_parameters(self, module: Optional[nn.Module] = None,
-                            writeback: bool = False) -> contextlib.AbstractContextManager:
+    def gathered_parameters(
+        self, module: Optional[nn.Module] = None, writeback: bool = False
+    ) -> contextlib.AbstractContextManager:
         """Collective context manager: the full fp32 parameters of ``module`` (default: all) as plain
         tensors inside; ``writeback=True`` keeps what was changed. See ``full_params.py``."""
         full_params.check_module("ZeroEngine.gathered_parameters", module, optional=True)

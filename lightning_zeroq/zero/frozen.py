@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_zeroq.ranks import rank_and_size
 from lightning_zeroq import ops
+from lightning_zeroq.ranks import rank_and_size
 from lightning_zeroq.swap.buffers import pinned_empty
 from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.gather import Gatherer
@@ -54,8 +54,12 @@ from lightning_zeroq.zero.wire import FullWidth, Int8, on_device
 if TYPE_CHECKING:
     from lightning_zeroq.zero.unit_plan import UnitSpec
 
-FROZEN_DTYPES: dict[Optional[str], Optional[torch.dtype]] = {None: None, "bf16": torch.bfloat16,
-                                                             "fp16": torch.float16, "int8": None}
+FROZEN_DTYPES: dict[Optional[str], Optional[torch.dtype]] = {
+    None: None,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "int8": None,
+}
 """``ZeroConfig.frozen_dtype``'s values: how a frozen shard is stored (None: in the parameter's own dtype)."""
 
 
@@ -105,16 +109,35 @@ class FrozenCodec:
     """What a frozen shard rests as (``encode``), what it holds (``decode``), and how the stored shards of all
     ranks become a unit's ``flat`` (``wire.gather``)."""
 
-    def __init__(self, storage: Optional[str], compute: torch.dtype, layouts: Sequence[UnitLayout], *, rank: int,
-                 group: Optional[dist.ProcessGroup], device: torch.device, on_host: bool, group_size: int,
-                 exact_numel: int, bucket_numel: int) -> None:
+    def __init__(
+        self,
+        storage: Optional[str],
+        compute: torch.dtype,
+        layouts: Sequence[UnitLayout],
+        *,
+        rank: int,
+        group: Optional[dist.ProcessGroup],
+        device: torch.device,
+        on_host: bool,
+        group_size: int,
+        exact_numel: int,
+        bucket_numel: int,
+    ) -> None:
         self.compute, self.device, self.on_host, self.group = compute, device, on_host, group
         self.layouts = list(layouts)
         self.stored: torch.dtype = FROZEN_DTYPES.get(storage) or compute
         if storage == "int8":
             self.stored = torch.uint8
-            self.wire: object = Int8(layouts, param_dtype=compute, rank=rank, group=group, device=device,
-                                     group_size=group_size, exact_numel=exact_numel, bucket_numel=bucket_numel)
+            self.wire: object = Int8(
+                layouts,
+                param_dtype=compute,
+                rank=rank,
+                group=group,
+                device=device,
+                group_size=group_size,
+                exact_numel=exact_numel,
+                bucket_numel=bucket_numel,
+            )
         elif self.stored != compute:
             self.wire = _CastGather(self.stored, group)
         else:
@@ -164,10 +187,11 @@ class FrozenCodec:
         plan = self.wire.plans[unit.index]
         out = torch.empty(unit.layout.shard_numel, dtype=self.compute, device=self.device)
         for c, (start, n) in enumerate(plan.chunks):
-            ops.unpack_dequantize_int8(stored[plan.offsets[c]: plan.offsets[c + 1]], out[start: start + n],
-                                       group_size=self.wire.group_size)
+            ops.unpack_dequantize_int8(
+                stored[plan.offsets[c] : plan.offsets[c + 1]], out[start : start + n], group_size=self.wire.group_size
+            )
         if plan.side is not None:
-            out[plan.side.local] = stored[plan.offsets[-1]:].view(self.compute)
+            out[plan.side.local] = stored[plan.offsets[-1] :].view(self.compute)
         return out
 
     def gather(self, unit: Unit, payload: Tensor) -> None:
@@ -175,16 +199,27 @@ class FrozenCodec:
         self.wire.gather(unit, payload)  # type: ignore[attr-defined]
 
 
-def frozen_layouts(specs: Sequence["UnitSpec"], world_size: int, align: int, storage: Optional[str],
-                   group_size: int) -> list[UnitLayout]:
+def frozen_layouts(
+    specs: Sequence["UnitSpec"], world_size: int, align: int, storage: Optional[str], group_size: int
+) -> list[UnitLayout]:
     """The frozen parts' layouts, in the order of their units (INT8: whole groups per shard)."""
     align = math.lcm(align, group_size) if storage == "int8" else align
     return [make_layout([p.numel() for p in spec.frozen], world_size, align) for spec in specs if spec.frozen]
 
 
-def frozen_need(specs: Sequence["UnitSpec"], own: Sequence["UnitSpec"], storage: Optional[str], world_size: int,
-                rank: int, align: int, *, group_size: int, exact_numel: int, bucket_numel: int,
-                on_host: bool) -> FrozenNeed:
+def frozen_need(
+    specs: Sequence["UnitSpec"],
+    own: Sequence["UnitSpec"],
+    storage: Optional[str],
+    world_size: int,
+    rank: int,
+    align: int,
+    *,
+    group_size: int,
+    exact_numel: int,
+    bucket_numel: int,
+    on_host: bool,
+) -> FrozenNeed:
     """``FrozenNeed`` of the frozen parts the engine builds from the units' ``specs`` and the parts of their own
     (``own``), without making a tensor (meta models too)."""
     held = [p for spec in [*specs, *own] for p in spec.frozen]
@@ -192,8 +227,18 @@ def frozen_need(specs: Sequence["UnitSpec"], own: Sequence["UnitSpec"], storage:
         return FrozenNeed(0, {})
     compute = held[0].dtype
     layouts = frozen_layouts([*specs, *own], world_size, align, storage, group_size)
-    codec = FrozenCodec(storage, compute, layouts, rank=rank, group=None, device=torch.device("cpu"), on_host=on_host,
-                        group_size=group_size, exact_numel=exact_numel, bucket_numel=bucket_numel)
+    codec = FrozenCodec(
+        storage,
+        compute,
+        layouts,
+        rank=rank,
+        group=None,
+        device=torch.device("cpu"),
+        on_host=on_host,
+        group_size=group_size,
+        exact_numel=exact_numel,
+        bucket_numel=bucket_numel,
+    )
     return need_of(specs, codec, compute)
 
 
@@ -202,12 +247,20 @@ def need_of(specs: Sequence["UnitSpec"], codec: FrozenCodec, compute: torch.dtyp
     parameters, in order; the rest are parts of their own."""
     owners = [i for i, spec in enumerate(specs) if spec.frozen]
     sizes = [0 if codec.resident else layout.padded_numel * compute.itemsize for layout in codec.layouts]
-    return FrozenNeed(codec.stored_bytes(), dict(zip(owners, sizes)), max(sizes[len(owners):], default=0))
+    return FrozenNeed(codec.stored_bytes(), dict(zip(owners, sizes)), max(sizes[len(owners) :], default=0))
 
 
 @torch.no_grad()
-def build_part(index: int, params: list[nn.Parameter], layout: UnitLayout, codec: FrozenCodec, *,
-               module: Optional[nn.Module], group: Optional[dist.ProcessGroup], rank: int) -> Unit:
+def build_part(
+    index: int,
+    params: list[nn.Parameter],
+    layout: UnitLayout,
+    codec: FrozenCodec,
+    *,
+    module: Optional[nn.Module],
+    group: Optional[dist.ProcessGroup],
+    rank: int,
+) -> Unit:
     """One frozen part, built as ``unit.build_units`` builds a unit: flattened, rank 0's values broadcast,
     this rank's shard stored; the parameters point at ``flat`` (GATHERED) until the caller frees it."""
     device = codec.device
@@ -216,10 +269,22 @@ def build_part(index: int, params: list[nn.Parameter], layout: UnitLayout, codec
         full[slot.span].copy_(p.detach().reshape(-1))
     if rank_and_size(group)[1] > 1:
         comm.broadcast(full, 0, group)
-    unit = Unit(index=index, params=params, first_param_id=-1, layout=layout, segments=layout.segments(rank),
-                flat=full, master=torch.empty(0, device=device), segment_masters=[],
-                grad=torch.empty(0, device=device), module=module, persistent=codec.resident,
-                state=UnitState.GATHERED, param_classes=[type(p) for p in params], param_dtypes=[p.dtype for p in params])
+    unit = Unit(
+        index=index,
+        params=params,
+        first_param_id=-1,
+        layout=layout,
+        segments=layout.segments(rank),
+        flat=full,
+        master=torch.empty(0, device=device),
+        segment_masters=[],
+        grad=torch.empty(0, device=device),
+        module=module,
+        persistent=codec.resident,
+        state=UnitState.GATHERED,
+        param_classes=[type(p) for p in params],
+        param_dtypes=[p.dtype for p in params],
+    )
     shard = full[layout.shard_span(rank)]
     unit.master = shard if codec.resident else codec.encode(unit, shard)
     for p, slot in zip(params, layout.slots):

@@ -65,14 +65,15 @@ def publish_loaded(parts: Parts, unit: Unit) -> None:
 def check_module(call: str, module: Any, optional: bool = False) -> None:
     """``TypeError`` naming ``call`` unless ``module`` is an ``nn.Module`` (or, ``optional``, None)."""
     if not isinstance(module, nn.Module) and not (optional and module is None):
-        raise TypeError(f"{call}(module) takes the nn.Module whose parameters to gather (e.g. the model or one of "
-                        f"its submodules), got {type(module).__name__} {module!r}.")
+        raise TypeError(
+            f"{call}(module) takes the nn.Module whose parameters to gather (e.g. the model or one of "
+            f"its submodules), got {type(module).__name__} {module!r}."
+        )
 
 
 @contextlib.contextmanager
 @torch.no_grad()
-def gathered_parameters(parts: Parts, module: Optional[nn.Module] = None,
-                        writeback: bool = False) -> Iterator[None]:
+def gathered_parameters(parts: Parts, module: Optional[nn.Module] = None, writeback: bool = False) -> Iterator[None]:
     ids = {id(p) for p in (module or parts.module).parameters()}
     chosen = [u for u in parts.units if any(id(p) in ids for p in u.params)]
     held = [part for part in frozen_parts(parts) if any(id(p) in ids for p in part.params)]
@@ -166,8 +167,11 @@ def take_writes(parts: Parts, units: Optional[Sequence[Unit]] = None) -> list[in
     them). Costs a look at each parameter's version counter; a walk over the written units' masters only."""
     if parts.retired:
         return []
-    written = [(unit, found) for unit in (parts.units if units is None else units)
-               if unit.persistent and (found := unit.written())]
+    written = [
+        (unit, found)
+        for unit in (parts.units if units is None else units)
+        if unit.persistent and (found := unit.written())
+    ]
     if not written:
         return []
     if not takes_writes(parts):
@@ -182,15 +186,18 @@ def take_writes(parts: Parts, units: Optional[Sequence[Unit]] = None) -> list[in
 def refused_writes(parts: Parts, param_ids: Sequence[int], ranks: Sequence[int]) -> str:
     """The one-line error for writes ``take_writes`` could not take (``ranks``: where they were made)."""
     ids = set(param_ids)
-    names = [parts.param_names.get(id(p), "?") for u in parts.units for i, p in enumerate(u.params)
-             if u.param_id(i) in ids]
+    names = [
+        parts.param_names.get(id(p), "?") for u in parts.units for i, p in enumerate(u.params) if u.param_id(i) in ids
+    ]
     listed = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
     held = "INT8-gathered" if not isinstance(parts.gatherer.wire, FullWidth) else str(parts.param_dtype).split(".")[-1]
-    return (f"ZeroQ: {listed} {'was' if len(names) == 1 else 'were'} written in place between optimizer steps "
-            f"(on rank(s) {list(ranks)}: a callback or hook?), but the working weights are {held} copies of the "
-            "fp32 masters the step reads: the step would undo the write, and taking it would drop the masters' low "
-            "bits. Write them inside `with lightning_zeroq.gathered_parameters(module, writeback=True):` (every "
-            "rank enters it), which writes the fp32 masters.")
+    return (
+        f"ZeroQ: {listed} {'was' if len(names) == 1 else 'were'} written in place between optimizer steps "
+        f"(on rank(s) {list(ranks)}: a callback or hook?), but the working weights are {held} copies of the "
+        "fp32 masters the step reads: the step would undo the write, and taking it would drop the masters' low "
+        "bits. Write them inside `with lightning_zeroq.gathered_parameters(module, writeback=True):` (every "
+        "rank enters it), which writes the fp32 masters."
+    )
 
 
 def module_holds_masters(parts: Parts) -> bool:
@@ -199,12 +206,12 @@ def module_holds_masters(parts: Parts) -> bool:
     freed (stages 1 and 2; stage 3 where every unit is persistent). Otherwise code that reads or writes
     the weights outside forward and backward needs ``gathered_parameters``."""
     return isinstance(parts.gatherer.wire, FullWidth) and all(
-        u.persistent and u.flat.dtype == torch.float32 for u in parts.units)
+        u.persistent and u.flat.dtype == torch.float32 for u in parts.units
+    )
 
 
 @torch.no_grad()
-def release_module(parts: Parts, dtype: Optional[torch.dtype] = None,
-                   device: Optional[torch.device] = None) -> None:
+def release_module(parts: Parts, dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None) -> None:
     parts.reducer.clear()
     parts.reducer.close()  # the gradient hooks and (stage 3) the module hooks
     if parts.activations is not None:

@@ -47,8 +47,8 @@ import torch.distributed as dist
 from lightning_zeroq.ranks import rank_and_size
 from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.offload.host_worker import HostWorker
-from lightning_zeroq.zero.offload.stores import ShardStore
 from lightning_zeroq.zero.offload.roles import Masters
+from lightning_zeroq.zero.offload.stores import ShardStore
 from lightning_zeroq.zero.unit import Unit, UnitState
 from lightning_zeroq.zero.wire import Wire
 
@@ -69,7 +69,7 @@ class GatherTrace:
 
     def begin(self, name: str) -> None:
         n, last, _ = self.state
-        self.state = (n + 1, (*last[len(last) - self.KEEP + 1:], name), name)
+        self.state = (n + 1, (*last[len(last) - self.KEEP + 1 :], name), name)
 
     def end(self) -> None:
         n, last, _ = self.state
@@ -95,12 +95,16 @@ def different_units(number: int, by_rank: Mapping[int, Optional[str]]) -> str:
     groups: dict[Optional[str], list[int]] = {}
     for rank in sorted(by_rank):
         groups.setdefault(by_rank[rank], []).append(rank)
-    what = "; ".join(f"{_ranks(ranks)} {'gathered ' + repr(name) if name is not None else 'did not gather any unit'}"
-                     for name, ranks in groups.items())
-    return (f"ZeroQ stage 3: the ranks ran different modules: at their stage-3 gather #{number}, {what}. Every rank must "
-            "run the same stage-3 units in each forward (each gather is a collective): a module that only some ranks "
-            "run (a branch on the rank or on the data) must not be a unit; leave its class out of stage3_wrap_classes "
-            "(its parameters then stay gathered in the root unit), or run it on every rank")
+    what = "; ".join(
+        f"{_ranks(ranks)} {'gathered ' + repr(name) if name is not None else 'did not gather any unit'}"
+        for name, ranks in groups.items()
+    )
+    return (
+        f"ZeroQ stage 3: the ranks ran different modules: at their stage-3 gather #{number}, {what}. Every rank must "
+        "run the same stage-3 units in each forward (each gather is a collective): a module that only some ranks "
+        "run (a branch on the rank or on the data) must not be a unit; leave its class out of stage3_wrap_classes "
+        "(its parameters then stay gathered in the root unit), or run it on every rank"
+    )
 
 
 class Gatherer:
@@ -231,5 +235,3 @@ class Gatherer:
             unit.ready = None
         unit.release_storage()
         unit.state = UnitState.SHARDED
-
-

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_zeroq.ranks import rank_and_size
 from lightning_zeroq import ops
+from lightning_zeroq.ranks import rank_and_size
 from lightning_zeroq.zero import comm
 
 
@@ -58,8 +58,9 @@ class FullWidthReduce:
 
 
 class Int8Reduce:
-    def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device, group_size: int,
-                 divisor: Optional[int] = None) -> None:
+    def __init__(
+        self, group: Optional[dist.ProcessGroup], device: torch.device, group_size: int, divisor: Optional[int] = None
+    ) -> None:
         self.group, self.group_size = group, group_size
         self.world_size = rank_and_size(group)[1]
         self.divisor = divisor or self.world_size
@@ -79,8 +80,9 @@ class Int8Reduce:
         total = torch.zeros(n, dtype=torch.float32, device=flat.device)
         decoded = torch.empty(n, dtype=torch.float32, device=flat.device)
         for r in range(self.world_size):  # in rank order: the same sum on every machine
-            ops.unpack_dequantize_int8(recv[r * packed_bytes : (r + 1) * packed_bytes], decoded,
-                                       group_size=self.group_size)
+            ops.unpack_dequantize_int8(
+                recv[r * packed_bytes : (r + 1) * packed_bytes], decoded, group_size=self.group_size
+            )
             total.add_(decoded)
         return total.div_(self.divisor) if self.divisor != 1 else total
 
@@ -94,8 +96,14 @@ class AcrossGroups:
     its owner, which every rank (the owner too) decodes, so every group holds bitwise the same
     gradient shard and the groups' copies never drift apart."""
 
-    def __init__(self, inner: GradientWire, replica_group: Optional[dist.ProcessGroup], device: torch.device,
-                 quantized: bool, group_size: int) -> None:
+    def __init__(
+        self,
+        inner: GradientWire,
+        replica_group: Optional[dist.ProcessGroup],
+        device: torch.device,
+        quantized: bool,
+        group_size: int,
+    ) -> None:
         self.inner, self.group, self.group_size = inner, replica_group, group_size
         self.groups = rank_and_size(replica_group)[1]
         self.scatter = Int8Reduce(replica_group, device, group_size, divisor=1) if quantized else None

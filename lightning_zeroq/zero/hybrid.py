@@ -28,8 +28,8 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from lightning_zeroq.ranks import rank_and_size
 from lightning_zeroq.config import check_shard_group_size
+from lightning_zeroq.ranks import rank_and_size
 from lightning_zeroq.zero.grad_wire import AcrossGroups, FullWidthReduce, GradientWire, Int8Reduce
 from lightning_zeroq.zero.layout import ALIGN
 from lightning_zeroq.zero.policies import Quantization
@@ -65,8 +65,11 @@ class Topology:
 
     def gradient_wire(self, device: torch.device, group_size: int) -> GradientWire:
         divisor = self.world_size * self.num_groups  # the whole world's average, in the first hop
-        inner = (Int8Reduce(self.group, device, group_size, divisor) if self.int8_gradients_in_group
-                 else FullWidthReduce(self.group, divisor))
+        inner = (
+            Int8Reduce(self.group, device, group_size, divisor)
+            if self.int8_gradients_in_group
+            else FullWidthReduce(self.group, divisor)
+        )
         if not self.hybrid:
             return inner
         return AcrossGroups(inner, self.replica_group, device, self.int8_gradients_across, group_size)
@@ -82,13 +85,23 @@ def topology(shard_size: int, quantization: Quantization, group: Optional[dist.P
     replica_rank, num_groups = rank_and_size(replica) if replica is not None else (0, 1)
     cross_only = replica is not None and q.cross_group_only
     if world_rank == 0 and q.cross_group_only and q.gradients and replica is None:
-        warnings.warn(f"ZeroConfig: quantize_cross_group_only=True has no effect: one group holds all {world_size} "
-                      "ranks and nothing crosses groups; set shard_group_size to a divisor of the world size.",
-                      stacklevel=3)
-    return Topology(group, shard, replica, rank, size, replica_rank, num_groups,
-                    int8_weights=q.weights and not cross_only,
-                    int8_gradients_in_group=q.gradients and not cross_only,
-                    int8_gradients_across=q.gradients)
+        warnings.warn(
+            f"ZeroConfig: quantize_cross_group_only=True has no effect: one group holds all {world_size} "
+            "ranks and nothing crosses groups; set shard_group_size to a divisor of the world size.",
+            stacklevel=3,
+        )
+    return Topology(
+        group,
+        shard,
+        replica,
+        rank,
+        size,
+        replica_rank,
+        num_groups,
+        int8_weights=q.weights and not cross_only,
+        int8_gradients_in_group=q.gradients and not cross_only,
+        int8_gradients_across=q.gradients,
+    )
 
 
 def given(size: Union[None, int, str], ranks_per_node: Optional[int]) -> str:
@@ -117,8 +130,9 @@ def shard_group_size(size: Union[None, int, str], world_size: int, ranks_per_nod
 _MADE: dict[tuple, tuple] = {}
 
 
-def groups(group: Optional[dist.ProcessGroup],
-           shard_size: int) -> tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
+def groups(
+    group: Optional[dist.ProcessGroup], shard_size: int
+) -> tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
     """``(shard group, replica group)`` of this rank when ``group``'s ranks (default: all) are cut into
     consecutive blocks of ``shard_size``; ``(group, None)`` for one block. The first call for a
     (ranks, size) is collective on the whole world, as ``dist.new_group`` is: every rank creates every

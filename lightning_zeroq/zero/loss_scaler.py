@@ -58,5 +58,6 @@ def from_policy(policy: LossScaling) -> DynamicLossScaler:
     """The scaler ``policy`` asks for (DeepSpeed's ``loss_scale``/``initial_scale_power``/...)."""
     if policy.fixed_scale is not None:
         return DynamicLossScaler(scale=policy.fixed_scale, dynamic=False)
-    return DynamicLossScaler(scale=policy.initial_scale, growth_interval=policy.growth_interval,
-                             min_scale=policy.min_scale)
+    return DynamicLossScaler(
+        scale=policy.initial_scale, growth_interval=policy.growth_interval, min_scale=policy.min_scale
+    )

@@ -38,14 +38,14 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
-def materialize_meta_state(module: nn.Module, device: torch.device, trainable: bool,
-                           skip: frozenset[int] = frozenset()) -> None:
+def materialize_meta_state(
+    module: nn.Module, device: torch.device, trainable: bool, skip: frozenset[int] = frozenset()
+) -> None:
     """Materialize the meta-device frozen parameters and buffers (``trainable=False``) with each
     owning module's ``reset_parameters()``; ``skip``: ids of parameters materialized later (frozen parts)."""
     for m in module.modules():
         own = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
-        if any(t.is_meta and id(t) not in skip and (trainable or not getattr(t, "requires_grad", False))
-               for t in own):
+        if any(t.is_meta and id(t) not in skip and (trainable or not getattr(t, "requires_grad", False)) for t in own):
             reset_on(module, m, device)
 
 
@@ -84,8 +84,9 @@ def reset_on(root: nn.Module, m: nn.Module, device: torch.device) -> dict[int, n
             m._buffers[name] = torch.empty_like(b, device=device)
     with torch.no_grad():
         reset()
-    renamed = {id(old): new for name, old in before.items()
-               if (new := m._parameters[name]) is not old and new is not None}
+    renamed = {
+        id(old): new for name, old in before.items() if (new := m._parameters[name]) is not old and new is not None
+    }
     if renamed:
         for other in root.modules():
             for name, shared in list(other._parameters.items()):
@@ -94,16 +95,16 @@ def reset_on(root: nn.Module, m: nn.Module, device: torch.device) -> dict[int, n
     return renamed
 
 
-def sync_replicated_state(module: nn.Module, device: torch.device, group: Optional[dist.ProcessGroup],
-                          sharded: frozenset[int] = frozenset()) -> None:
+def sync_replicated_state(
+    module: nn.Module, device: torch.device, group: Optional[dist.ProcessGroup], sharded: frozenset[int] = frozenset()
+) -> None:
     """Frozen parameters and buffers (the state the engine does not shard): materialized if on meta,
     moved to ``device``, and rank 0's values everywhere, as DDP does. ``sharded``: ids of the frozen
     parameters stage 3 shards instead (built unit by unit with their units, ``frozen.py``)."""
     materialize_meta_state(module, device, trainable=False, skip=sharded)
     _, world_size = rank_and_size(group)
     with torch.no_grad():
-        for t in [*(p for p in module.parameters() if not p.requires_grad and id(p) not in sharded),
-                  *module.buffers()]:
+        for t in [*(p for p in module.parameters() if not p.requires_grad and id(p) not in sharded), *module.buffers()]:
             t.data = t.data.to(device)
             if world_size > 1:
                 comm.broadcast(t.data, 0, group)

@@ -30,8 +30,14 @@ def global_norm(units: Sequence[Unit], group: Optional[dist.ProcessGroup], devic
 
 
 @torch.no_grad()
-def grad_norms(units: Sequence[Unit], names: dict[int, str], norm_type: float, scale: float,
-               group: Optional[dist.ProcessGroup], device: torch.device) -> dict[str, Tensor]:
+def grad_norms(
+    units: Sequence[Unit],
+    names: dict[int, str],
+    norm_type: float,
+    scale: float,
+    group: Optional[dist.ProcessGroup],
+    device: torch.device,
+) -> dict[str, Tensor]:
     """``{"grad_<p>_norm/<name>": ..., "grad_<p>_norm_total": ...}`` as Lightning's ``grad_norm``
     utility returns them, with the shards multiplied by ``scale`` (fp16 unscaling). A parameter's
     segments on all ranks add up to its norm (``inf``: their maximum)."""
@@ -52,7 +58,10 @@ def grad_norms(units: Sequence[Unit], names: dict[int, str], norm_type: float, s
         norms, total = per_param * scale, per_param.max() * scale
     else:
         norms, total = per_param.pow(1.0 / norm_type) * scale, per_param.sum().pow(1.0 / norm_type) * scale
-    out = {f"grad_{norm_type}_norm/{names.get(id(p), '?')}": norms[unit.param_id(i)]
-           for unit in units for i, p in enumerate(unit.params)}
+    out = {
+        f"grad_{norm_type}_norm/{names.get(id(p), '?')}": norms[unit.param_id(i)]
+        for unit in units
+        for i, p in enumerate(unit.params)
+    }
     out[f"grad_{norm_type}_norm_total"] = total
     return out

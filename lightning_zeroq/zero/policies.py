@@ -233,9 +233,16 @@ def auto_request(config: ZeroConfig) -> Optional[AutoRequest]:
     activations = c.activation_offloading_policy == "auto"
     if c.offload != "auto" and not recompute and not activations:
         return None
-    return AutoRequest(c.stage, c.offload == "auto", recompute, c.nvme_path, c.offload_memory_budget,
-                       c.host_memory_budget, () if recompute else tuple(c.activation_checkpointing_policy or ()),
-                       activations)
+    return AutoRequest(
+        c.stage,
+        c.offload == "auto",
+        recompute,
+        c.nvme_path,
+        c.offload_memory_budget,
+        c.host_memory_budget,
+        () if recompute else tuple(c.activation_checkpointing_policy or ()),
+        activations,
+    )
 
 
 def activation_mix(blocks: int, offload_share: float, recompute_share: float) -> tuple[list[int], list[int]]:
@@ -249,8 +256,9 @@ def activation_mix(blocks: int, offload_share: float, recompute_share: float) ->
     return offloaded, rest[: min(len(rest), round(recompute_share * blocks))]
 
 
-def resolve(config: ZeroConfig, chosen: Chosen, blocks: Sequence[str], *, correct: bool = True,
-            offloaded: Sequence[str] = ()) -> ZeroConfig:
+def resolve(
+    config: ZeroConfig, chosen: Chosen, blocks: Sequence[str], *, correct: bool = True, offloaded: Sequence[str] = ()
+) -> ZeroConfig:
     """``config`` with the plan's choice written into it (``blocks``: the class name of the repeated
     blocks, when all of them recompute; ``offloaded``: the qualified names of the blocks whose activations
     go to the host, with ``activation_offloading_policy="auto"``). With ``correct`` the share of the optimizer on the host becomes
@@ -260,8 +268,11 @@ def resolve(config: ZeroConfig, chosen: Chosen, blocks: Sequence[str], *, correc
     fixed = c.offload_async_step or not correct
     if c.offload == "auto":
         opt, budget = chosen.optimizer, c.offload_memory_budget
-        fields.update(offload=None, offload_parameters=not isinstance(chosen.parameters, OnDevice),
-                      offload_optimizer=not isinstance(opt, OnDevice))
+        fields.update(
+            offload=None,
+            offload_parameters=not isinstance(chosen.parameters, OnDevice),
+            offload_optimizer=not isinstance(opt, OnDevice),
+        )
         if isinstance(opt, Host):
             fields["offload_optimizer_ratio"] = opt.ratio if fixed else "auto"
         elif isinstance(opt, Nvme):
@@ -271,9 +282,13 @@ def resolve(config: ZeroConfig, chosen: Chosen, blocks: Sequence[str], *, correc
         if not isinstance(opt, Host):  # asked for in case the optimizer went to the host; it did not
             fields.update(offload_speculative_step=False, offload_async_step=False)
         nvme = isinstance(opt, Nvme)
-        fields.update(offload_memory_budget=budget, nvme_path=c.nvme_path if nvme else None,
-                      host_memory_budget=c.host_memory_budget if fields["offload_optimizer"] or
-                      fields["offload_parameters"] else None)
+        fields.update(
+            offload_memory_budget=budget,
+            nvme_path=c.nvme_path if nvme else None,
+            host_memory_budget=c.host_memory_budget
+            if fields["offload_optimizer"] or fields["offload_parameters"]
+            else None,
+        )
     if c.activation_checkpointing_policy == "auto":
         fields["activation_checkpointing_policy"] = list(blocks) if chosen.recompute_share == 1.0 and blocks else None
     if c.activation_offloading_policy == "auto":
@@ -286,9 +301,17 @@ def resolve(config: ZeroConfig, chosen: Chosen, blocks: Sequence[str], *, correc
 def as_auto(config: ZeroConfig, budget_gib: float) -> ZeroConfig:
     """``config`` with its offload and checkpointing left to the plan under ``budget_gib`` of device
     memory (what the check before launch offers as the nearest configuration that fits)."""
-    return config.replace(offload="auto", activation_checkpointing_policy="auto", offload_optimizer=False,
-                          offload_parameters=False, offload_optimizer_ratio=1.0, offload_optimizer_device="cpu",
-                          offload_params_device="cpu", offload_async_step=False, offload_memory_budget=budget_gib)
+    return config.replace(
+        offload="auto",
+        activation_checkpointing_policy="auto",
+        offload_optimizer=False,
+        offload_parameters=False,
+        offload_optimizer_ratio=1.0,
+        offload_optimizer_device="cpu",
+        offload_params_device="cpu",
+        offload_async_step=False,
+        offload_memory_budget=budget_gib,
+    )
 
 
 def from_config(config: ZeroConfig, *, loss_scaling: bool) -> Policies:
@@ -297,11 +320,13 @@ def from_config(config: ZeroConfig, *, loss_scaling: bool) -> Policies:
     is written where the setting is decided, never beside it."""
     c = config
     if auto_request(c) is not None:
-        raise ValueError("offload='auto', activation_checkpointing_policy='auto' and activation_offloading_policy='auto' "
-                         "are decided from a plan of the "
-                         "model and a batch before the engine is built: the strategies do it; with the engine "
-                         "directly, call lightning_zeroq.choose(model, config, forward) first and build with the "
-                         "config it returns.")
+        raise ValueError(
+            "offload='auto', activation_checkpointing_policy='auto' and activation_offloading_policy='auto' "
+            "are decided from a plan of the "
+            "model and a batch before the engine is built: the strategies do it; with the engine "
+            "directly, call lightning_zeroq.choose(model, config, forward) first and build with the "
+            "config it returns."
+        )
     notes = Notes(c)
     sharding = _sharding(c, notes)
     quantization = _quantization(c, notes)
@@ -311,8 +336,16 @@ def from_config(config: ZeroConfig, *, loss_scaling: bool) -> Policies:
     if not c.activation_offloading_policy:
         notes.unused(["activation_offloading_min_bytes"], "without activation_offloading_policy (nothing offloaded)")
     activations = ActivationOffloading(tuple(c.activation_offloading_policy or ()), c.activation_offloading_min_bytes)
-    return Policies(sharding, offload, quantization, numerics, tuple(notes), settings=settings,
-                    recompute=tuple(c.activation_checkpointing_policy or ()), activations=activations)
+    return Policies(
+        sharding,
+        offload,
+        quantization,
+        numerics,
+        tuple(notes),
+        settings=settings,
+        recompute=tuple(c.activation_checkpointing_policy or ()),
+        activations=activations,
+    )
 
 
 def ineffective(config: ZeroConfig, *, loss_scaling: bool) -> list[str]:
@@ -349,45 +382,73 @@ def _sharding(c: ZeroConfig, notes: Notes) -> Sharding:
         )
         if not c.stage3_prefetch:
             notes.unused(["stage3_prefetch_depth"], "with stage3_prefetch=False")
-        notes.unused(["reduce_bucket_size"], "in stage 3: its units follow modules (stage3_wrap_classes / "
-                                             "stage3_unit_size); it sizes stage 1/2 units")
+        notes.unused(
+            ["reduce_bucket_size"],
+            "in stage 3: its units follow modules (stage3_wrap_classes / stage3_unit_size); it sizes stage 1/2 units",
+        )
     else:
-        notes.unused(["stage3_wrap_classes", "stage3_unit_size", "stage3_param_persistence_threshold",
-                      "stage3_prefetch", "stage3_prefetch_depth", "reshard_after_forward"],
-                     f"in stage {c.stage} (stage 3 only)")
-        notes.unused(["frozen_dtype"], f"in stage {c.stage}: frozen parameters stay whole on every rank there, as "
-                                       "in DDP (stage 3 shards them)")
+        notes.unused(
+            [
+                "stage3_wrap_classes",
+                "stage3_unit_size",
+                "stage3_param_persistence_threshold",
+                "stage3_prefetch",
+                "stage3_prefetch_depth",
+                "reshard_after_forward",
+            ],
+            f"in stage {c.stage} (stage 3 only)",
+        )
+        notes.unused(
+            ["frozen_dtype"],
+            f"in stage {c.stage}: frozen parameters stay whole on every rank there, as in DDP (stage 3 shards them)",
+        )
     return Sharding(c.stage, units, c.shard_group_size, c.overlap_comm, c.managed_gradient_accumulation)
 
 
 def _quantization(c: ZeroConfig, notes: Notes) -> Quantization:
     weights = c.quantized_weights
     if weights and c.quantize_cross_group_only:
-        notes.append("quantized_weights=True has no effect with quantize_cross_group_only=True: weights are "
-                     "gathered inside a group only (every group steps its own copy), at full width.")
+        notes.append(
+            "quantized_weights=True has no effect with quantize_cross_group_only=True: weights are "
+            "gathered inside a group only (every group steps its own copy), at full width."
+        )
     if not c.quantized_weights:
         int8_frozen = c.frozen_dtype == "int8" and c.stage == 3
         unused = [] if int8_frozen else ["allgather_bucket_size", "quantized_weights_exact_numel"]
         if not c.quantized_gradients and not int8_frozen:
             unused.append("quantized_weights_group_size")  # every INT8 path uses it
-        notes.unused(unused, "without quantized_weights=True (the full-width gather writes into the working "
-                             "buffers in place)")
+        notes.unused(
+            unused, "without quantized_weights=True (the full-width gather writes into the working buffers in place)"
+        )
     if c.quantize_cross_group_only and not c.quantized_gradients:
-        notes.append("quantize_cross_group_only=True has no effect without quantized_gradients=True (the "
-                     "gradients' all-reduce across groups is the only traffic between groups).")
-    return Quantization(weights, c.quantized_gradients, c.quantize_cross_group_only, c.quantized_weights_group_size,
-                        c.quantized_weights_exact_numel, c.allgather_bucket_size)
+        notes.append(
+            "quantize_cross_group_only=True has no effect without quantized_gradients=True (the "
+            "gradients' all-reduce across groups is the only traffic between groups)."
+        )
+    return Quantization(
+        weights,
+        c.quantized_gradients,
+        c.quantize_cross_group_only,
+        c.quantized_weights_group_size,
+        c.quantized_weights_exact_numel,
+        c.allgather_bucket_size,
+    )
 
 
 def _numerics(c: ZeroConfig, loss_scaling: bool, notes: Notes) -> Numerics:
     scaling = None
     if loss_scaling:
-        scaling = LossScaling(float(c.loss_scale) if c.loss_scale > 0 else None, 2.0 ** c.initial_scale_power,
-                              c.loss_scale_window, float(c.min_loss_scale))
+        scaling = LossScaling(
+            float(c.loss_scale) if c.loss_scale > 0 else None,
+            2.0**c.initial_scale_power,
+            c.loss_scale_window,
+            float(c.min_loss_scale),
+        )
     else:
         for name in notes.changed("loss_scale", "initial_scale_power", "loss_scale_window", "min_loss_scale"):
-            notes.append(f"{name}={getattr(c, name)!r} only applies to precision='16-mixed' (fp16 loss scaling); it "
-                         "is ignored.")
+            notes.append(
+                f"{name}={getattr(c, name)!r} only applies to precision='16-mixed' (fp16 loss scaling); it is ignored."
+            )
     return Numerics(scaling, c.nonfinite_gradients)
 
 
@@ -404,13 +465,16 @@ def _offload(c: ZeroConfig, loss_scaling: bool, notes: Notes) -> Offload:
         notes.unused(["offload_optimizer_device"], "without offload_optimizer=True")
         notes.unused(["offload_optimizer_ratio"], "without offload_optimizer=True (nothing is offloaded)")
     if kind is not Nvme:
-        notes.unused(["offload_optimizer_nvme_ratio"], "without offload_optimizer=True and "
-                                                       "offload_optimizer_device='nvme'")
+        notes.unused(
+            ["offload_optimizer_nvme_ratio"], "without offload_optimizer=True and offload_optimizer_device='nvme'"
+        )
     if kind is not Auto and c.offload_memory_budget is not None:
-        notes.append(f"offload_memory_budget={c.offload_memory_budget!r} has no effect without "
-                     "offload_optimizer_ratio='auto'.")
-    speculative = c.offload_speculative_step and kind in (Host, Auto) and not loss_scaling \
-        and c.managed_gradient_accumulation
+        notes.append(
+            f"offload_memory_budget={c.offload_memory_budget!r} has no effect without offload_optimizer_ratio='auto'."
+        )
+    speculative = (
+        c.offload_speculative_step and kind in (Host, Auto) and not loss_scaling and c.managed_gradient_accumulation
+    )
     if c.offload_speculative_step and not speculative:
         if kind not in (Host, Auto):
             why = "without CPU optimizer offload (offload_optimizer=True, offload_optimizer_device='cpu')"
@@ -427,8 +491,7 @@ def _offload(c: ZeroConfig, loss_scaling: bool, notes: Notes) -> Offload:
             fix = f"set offload_optimizer_device='cpu' (it is {c.offload_optimizer_device!r})"
         else:
             fix = f"set offload_optimizer_ratio above 0 and not 'auto' (it is {c.offload_optimizer_ratio!r})"
-        notes.append("offload_async_step=True has no effect without CPU optimizer offload of a fixed share: "
-                     f"{fix}.")
+        notes.append(f"offload_async_step=True has no effect without CPU optimizer offload of a fixed share: {fix}.")
     optimizer: Union[OnDevice, Host, Nvme, Auto] = OnDevice()
     if kind is Nvme:
         assert c.nvme_path is not None  # ZeroConfig checks it (and that the ratio is 1)
@@ -446,10 +509,16 @@ def _offload(c: ZeroConfig, loss_scaling: bool, notes: Notes) -> Offload:
         parameters = Host()
     else:
         notes.unused(["offload_params_device"], "without offload_parameters=True")
-    if (isinstance(optimizer, OnDevice) and isinstance(parameters, OnDevice) and c.host_memory_budget is not None
-            and not c.activation_offloading_policy):
-        notes.append(f"host_memory_budget={c.host_memory_budget!r} has no effect without offload_optimizer, "
-                     "offload_parameters or activation_offloading_policy (nothing goes to the host).")
+    if (
+        isinstance(optimizer, OnDevice)
+        and isinstance(parameters, OnDevice)
+        and c.host_memory_budget is not None
+        and not c.activation_offloading_policy
+    ):
+        notes.append(
+            f"host_memory_budget={c.host_memory_budget!r} has no effect without offload_optimizer, "
+            "offload_parameters or activation_offloading_policy (nothing goes to the host)."
+        )
     if c.nvme_path and not (isinstance(optimizer, Nvme) or isinstance(parameters, Nvme)):
         notes.append(f"nvme_path={c.nvme_path!r} has no effect: nothing is offloaded to NVMe.")
     return Offload(optimizer, parameters, speculative, asynchronous, c.host_memory_budget)

@@ -152,8 +152,9 @@ class Reducer:
         """Unit indices in the order the backwards so far gave them all their gradients (the first time each)."""
         self._order_agreed = False
         self._stream = comm.SideStream(device, enabled=sharding.overlap_comm)
-        self._hooks = [p.register_post_accumulate_grad_hook(WeakHook(self._on_grad_ready)) for u in units
-                       for p in u.params]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(WeakHook(self._on_grad_ready)) for u in units for p in u.params
+        ]
         self._used: set[int] = set()
         self._dirty: set[int] = set()
         """Units that got gradients after their reduction in the same backward (see the docstring)."""

@@ -75,9 +75,16 @@ class Stage3Coordinator:
     forward, one for backward). At most ``depth`` prefetched, not yet used units are held at a time.
     """
 
-    def __init__(self, gatherer: Gatherer, units: Sequence[Unit], *, prefetch_depth: int,
-                 reshard_after_forward: bool, names: Optional[dict[int, str]] = None,
-                 frozen_only: Sequence[Unit] = ()) -> None:
+    def __init__(
+        self,
+        gatherer: Gatherer,
+        units: Sequence[Unit],
+        *,
+        prefetch_depth: int,
+        reshard_after_forward: bool,
+        names: Optional[dict[int, str]] = None,
+        frozen_only: Sequence[Unit] = (),
+    ) -> None:
         self.gatherer = gatherer
         gatherer.names = dict(names or {})
         # The first step's gathers (forward and backward, a block used twice) are checked across ranks; the
@@ -102,19 +109,22 @@ class Stage3Coordinator:
         self.frozen_only = list(frozen_only)
         self._frozen_inputs: dict[int, int] = {}
         """Frozen parts of their own: the gradients for their modules' inputs still to come in this backward."""
-        check_guards_in_full(m for unit in [*units, *frozen_only] if unit.module is not None
-                             for m in unit.module.modules())
+        check_guards_in_full(
+            m for unit in [*units, *frozen_only] if unit.module is not None for m in unit.module.modules()
+        )
         for unit in units:
             if unit.persistent:
                 continue
             assert unit.module is not None
-            self._handles.append(unit.module.register_forward_pre_hook(EagerHook(self._pre_forward, unit),
-                                                                       with_kwargs=True))
+            self._handles.append(
+                unit.module.register_forward_pre_hook(EagerHook(self._pre_forward, unit), with_kwargs=True)
+            )
             self._handles.append(unit.module.register_forward_hook(EagerHook(self._post_forward, unit)))
         for part in self.frozen_only:
             assert part.module is not None
-            self._handles.append(part.module.register_forward_pre_hook(EagerHook(self._frozen_pre_forward, part),
-                                                                       with_kwargs=True))
+            self._handles.append(
+                part.module.register_forward_pre_hook(EagerHook(self._frozen_pre_forward, part), with_kwargs=True)
+            )
             self._handles.append(part.module.register_forward_hook(EagerHook(self._frozen_post_forward, part)))
 
     def _use(self, unit: Unit, backward: bool) -> None:

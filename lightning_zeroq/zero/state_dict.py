@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_zeroq.ranks import is_distributed
-from lightning_zeroq.zero import full_params, comm
+from lightning_zeroq.zero import comm, full_params
 from lightning_zeroq.zero.build import Parts
 from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
 from lightning_zeroq.zero.offload.device import OptimizerHome
@@ -127,10 +127,16 @@ class ParamView:
         """Per-element state ``key`` of this parameter on this rank (``load``: written with its batch)."""
         assert self.part is not None and self._view is not None and self._optimizer is not None
         optimizer, view = self._optimizer, self._view
-        return Part(self.shape, dtype, self.part.offset, self.part.numel, self.part.order,
-                    read=lambda: optimizer.state[view][key],
-                    buffer=lambda: torch.empty(view.numel(), dtype=torch.float32, device=view.device),
-                    write=lambda value: self._loaded.__setitem__(key, value))
+        return Part(
+            self.shape,
+            dtype,
+            self.part.offset,
+            self.part.numel,
+            self.part.order,
+            read=lambda: optimizer.state[view][key],
+            buffer=lambda: torch.empty(view.numel(), dtype=torch.float32, device=view.device),
+            write=lambda value: self._loaded.__setitem__(key, value),
+        )
 
     def write_scalar(self, key: str, value: Any) -> None:
         """Scalar state ``key`` (``load``: written with its batch; floating tensors where the step reads them)."""
@@ -165,7 +171,11 @@ class ShardedView:
         self._parts = parts
         self.module = parts.module
         """The module whose state this is: every name here is relative to it."""
-        self.rank, self.world_size, self.job_world_size = parts.rank, parts.world_size, parts.world_size * parts.num_groups
+        self.rank, self.world_size, self.job_world_size = (
+            parts.rank,
+            parts.world_size,
+            parts.world_size * parts.num_groups,
+        )
         self.optimizer = optimizer
         self.closed = parts.closed
         """The engine released its shards (a new fit replaced it): there is nothing to save."""
@@ -186,10 +196,16 @@ class ShardedView:
                 pv = ParamView(names[id(p)], p.shape, None, None)
                 if i in views:
                     seg, view = views[i]
-                    pv.part = Part(p.shape, torch.float32, seg.param_start, seg.numel, unit.index,
-                                   read=lambda u=unit, s=seg: u.master[s.shard_span],
-                                   buffer=lambda u=unit, s=seg: u.master[s.shard_span],
-                                   write=lambda value, u=unit, s=seg: _copy_into(u.master[s.shard_span], value))
+                    pv.part = Part(
+                        p.shape,
+                        torch.float32,
+                        seg.param_start,
+                        seg.numel,
+                        unit.index,
+                        read=lambda u=unit, s=seg: u.master[s.shard_span],
+                        buffer=lambda u=unit, s=seg: u.master[s.shard_span],
+                        write=lambda value, u=unit, s=seg: _copy_into(u.master[s.shard_span], value),
+                    )
                     pv.group, pv._view, pv._optimizer = groups.get(id(view)), view, self.optimizer
                     if pv.group is not None:
                         assert self.optimizer is not None
@@ -207,11 +223,16 @@ class ShardedView:
                 pv = ParamView(names[id(p)], p.shape, None, None)
                 here = mine.get(i)
                 if here is not None:
-                    pv.part = Part(p.shape, part.flat.dtype, here.param_start, here.numel, -1,
-                                   read=lambda u=part, s=here: self._frozen_shard(u)[s.shard_span],
-                                   buffer=lambda u=part, s=here: self._frozen_shard(u)[s.shard_span],
-                                   write=lambda value, u=part, s=here: _copy_into(self._frozen_shard(u)[s.shard_span],
-                                                                                 value))
+                    pv.part = Part(
+                        p.shape,
+                        part.flat.dtype,
+                        here.param_start,
+                        here.numel,
+                        -1,
+                        read=lambda u=part, s=here: self._frozen_shard(u)[s.shard_span],
+                        buffer=lambda u=part, s=here: self._frozen_shard(u)[s.shard_span],
+                        write=lambda value, u=part, s=here: _copy_into(self._frozen_shard(u)[s.shard_span], value),
+                    )
                 self.frozen.append(pv)
         self.params[:0] = self.frozen  # first: a walk's order (their ``Part.order`` is -1)
         self._by_view = {id(pv._view): pv for pv in self.params if pv._view is not None}
@@ -241,8 +262,11 @@ class ShardedView:
 
     def unmanaged(self) -> dict[str, Any]:
         """The module's ``state_dict()`` entries the engine does not shard (buffers, frozen parameters)."""
-        return {k: v.detach() if isinstance(v, Tensor) else v
-                for k, v in self._parts.module.state_dict(keep_vars=True).items() if k not in self.managed}
+        return {
+            k: v.detach() if isinstance(v, Tensor) else v
+            for k, v in self._parts.module.state_dict(keep_vars=True).items()
+            if k not in self.managed
+        }
 
     def state_dict_keys(self) -> list[str]:
         return list(self._parts.module.state_dict(keep_vars=True))
@@ -267,8 +291,10 @@ class ShardedView:
             everyone = [None] * self.world_size
             dist.all_gather_object(everyone, local, group=self._parts.group)
         order = {n: i for i, (n, _) in enumerate(self._parts.module.named_parameters())}
-        return [sorted({n for ranks in everyone for n in ranks[g]}, key=lambda n: order.get(n, len(order)))
-                for g in range(len(local))]
+        return [
+            sorted({n for ranks in everyone for n in ranks[g]}, key=lambda n: order.get(n, len(order)))
+            for g in range(len(local))
+        ]
 
     def per_element_keys(self) -> set[str]:
         return per_element_keys(self.optimizer) if self.optimizer is not None else set()
@@ -299,8 +325,9 @@ class ShardedView:
         if batch:
             yield from self._publish_after(batch, target)
 
-    def _publish_after(self, units: list[Unit],
-                       optimizer: Optional[torch.optim.Optimizer]) -> Iterator[list[ParamView]]:
+    def _publish_after(
+        self, units: list[Unit], optimizer: Optional[torch.optim.Optimizer]
+    ) -> Iterator[list[ParamView]]:
         params = [pv for unit in units for pv in self._unit_params[unit.index]]
         yield params
         for unit in units:
@@ -345,8 +372,10 @@ def unit_parameter_names(parts: Parts) -> dict[int, list[str]]:
     names = parameter_names(parts.module)
     lost = [(u.index, i) for u in parts.units for i, p in enumerate(u.params) if id(p) not in names]
     if lost:
-        raise RuntimeError(f"{len(lost)} parameter(s) of the engine's units (unit, index: {lost[:4]}) are no longer "
-                           "parameters of the module (were they replaced?); their checkpoint names are unknown.")
+        raise RuntimeError(
+            f"{len(lost)} parameter(s) of the engine's units (unit, index: {lost[:4]}) are no longer "
+            "parameters of the module (were they replaced?); their checkpoint names are unknown."
+        )
     return names
 
 
@@ -405,11 +434,17 @@ def load_full_state_dict(parts: Parts, state: dict[str, Tensor]) -> set[str]:
     for p in [*(p for u in parts.units for p in u.params), *frozen]:
         names = every_name.get(id(p), [])
         managed.update(names)
-        mismatched += [f"{n}: checkpoint {tuple(state[n].shape)}, parameter {tuple(p.shape)}"
-                       for n in names if n in state and tuple(state[n].shape) != tuple(p.shape)]
+        mismatched += [
+            f"{n}: checkpoint {tuple(state[n].shape)}, parameter {tuple(p.shape)}"
+            for n in names
+            if n in state and tuple(state[n].shape) != tuple(p.shape)
+        ]
     if mismatched:
-        raise RuntimeError("Error loading the state_dict: size mismatch for " + "; ".join(mismatched)
-                           + ". The checkpoint belongs to a model of another shape; build the model it was saved from.")
+        raise RuntimeError(
+            "Error loading the state_dict: size mismatch for "
+            + "; ".join(mismatched)
+            + ". The checkpoint belongs to a model of another shape; build the model it was saved from."
+        )
 
     def found(p: Tensor) -> Optional[str]:
         return next((n for n in every_name.get(id(p), []) if n in state), None)
@@ -430,7 +465,7 @@ def load_full_state_dict(parts: Parts, state: dict[str, Tensor]) -> set[str]:
         for pv in view.frozen:
             name = next((n for n in pv.names if n in state), None)
             if name is not None and pv.part is not None:
-                pv.part.write(state[name].reshape(-1)[pv.part.offset: pv.part.offset + pv.part.numel])
+                pv.part.write(state[name].reshape(-1)[pv.part.offset : pv.part.offset + pv.part.numel])
         view.frozen_written()
     return managed
 
@@ -473,7 +508,7 @@ def full_optimizer_state(parts: Parts, optimizer: Optional[torch.optim.Optimizer
                 if key in per_element:
                     full = merged.setdefault(key, torch.zeros(shapes[name]))
                     for start, part in value:
-                        full.view(-1)[start:start + part.numel()] = part
+                        full.view(-1)[start : start + part.numel()] = part
                 else:
                     merged[key] = value
     return out

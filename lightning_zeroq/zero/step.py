@@ -21,27 +21,37 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_zeroq.ranks import rank_and_size
-from lightning_zeroq.zero import full_params, comm, norms
+from lightning_zeroq.zero import comm, full_params, norms
 from lightning_zeroq.zero.build import Parts
 from lightning_zeroq.zero.gather import Gatherer
 from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
-from lightning_zeroq.zero.optim.matrix import is_matrix_optimizer, step_matrices
 from lightning_zeroq.zero.offload.roles import Updater
 from lightning_zeroq.zero.optim.binding import Binding, OneStep, bind_to_shards, hand_back, route_zero_grad
+from lightning_zeroq.zero.optim.matrix import is_matrix_optimizer, step_matrices
 from lightning_zeroq.zero.reducer import Reducer, Window, WindowVerdict
 from lightning_zeroq.zero.unit import Unit
 
 log = logging.getLogger("lightning_zeroq")
 
 
-def decide_nonfinite(agreement: WindowVerdict, bad_units: list[int], *, scaler: Optional[DynamicLossScaler],
-                     action: str, step: int, names: str, rank: int) -> bool:
+def decide_nonfinite(
+    agreement: WindowVerdict,
+    bad_units: list[int],
+    *,
+    scaler: Optional[DynamicLossScaler],
+    action: str,
+    step: int,
+    names: str,
+    rank: int,
+) -> bool:
     """True: skip this step (fp16 overflow, or ``action == "skip"``); raises for ``"error"``."""
     where = f"on rank(s) {agreement.nonfinite_ranks}, in the gradients of {names}"
     if scaler is not None and (not scaler.dynamic or scaler.scale > scaler.min_scale):
         if rank == 0:
-            log.info(f"fp16 overflow in step {step} {where}: step skipped, loss scale {scaler.scale:g} -> "
-                     f"{scaler.next_scale(overflow=True):g}")
+            log.info(
+                f"fp16 overflow in step {step} {where}: step skipped, loss scale {scaler.scale:g} -> "
+                f"{scaler.next_scale(overflow=True):g}"
+            )
         return True
     if action == "skip":
         if rank == 0:
@@ -76,8 +86,9 @@ class OneOptimizer:
         """The parts of ``unit``'s gradient shard that ``binding``'s optimizer reads."""
         return [slice(None)]
 
-    def norm(self, binding: Binding, units: Sequence[Unit], group: Optional[dist.ProcessGroup],
-             device: torch.device) -> Tensor:
+    def norm(
+        self, binding: Binding, units: Sequence[Unit], group: Optional[dist.ProcessGroup], device: torch.device
+    ) -> Tensor:
         """Collective: the 2-norm of ``binding``'s gradients over all ranks."""
         return norms.global_norm(units, group, device)
 
@@ -97,8 +108,9 @@ class SeveralOptimizers(OneOptimizer):
         return [seg.shard_span for _, seg in binding.optimized.get(unit.index, ())]
 
     @torch.no_grad()
-    def norm(self, binding: Binding, units: Sequence[Unit], group: Optional[dist.ProcessGroup],
-             device: torch.device) -> Tensor:
+    def norm(
+        self, binding: Binding, units: Sequence[Unit], group: Optional[dist.ProcessGroup], device: torch.device
+    ) -> Tensor:
         squared = torch.zeros((), device=device)
         for unit in units:
             spans = self.spans(binding, unit)
@@ -123,8 +135,7 @@ def attached(bindings: list[Binding], everything: Binding) -> OneOptimizer:
 
 
 @torch.no_grad()
-def apply_multiplier(binding: Binding, units: Sequence[Unit], placement: Updater,
-                     optimizers: OneOptimizer) -> None:
+def apply_multiplier(binding: Binding, units: Sequence[Unit], placement: Updater, optimizers: OneOptimizer) -> None:
     """Scale this optimizer's gradients (where the optimizer reads them) by its pending multiplier."""
     if binding.multiplier == 1.0:
         return
@@ -133,8 +144,7 @@ def apply_multiplier(binding: Binding, units: Sequence[Unit], placement: Updater
     binding.multiplier = 1.0
 
 
-def run(binding: Binding, units: Sequence[Unit], placement: Updater, gatherer: Gatherer,
-        used: Tensor) -> None:
+def run(binding: Binding, units: Sequence[Unit], placement: Updater, gatherer: Gatherer, used: Tensor) -> None:
     """Give the optimizer the gradient of every used segment (unused segments get ``None``, so the
     optimizer leaves value and state alone, as ``torch.optim`` does with DDP), step it once per batch
     of resident units (or let the placement step the batch, ``step_batch``: the host kernel), and
@@ -146,8 +156,14 @@ def run(binding: Binding, units: Sequence[Unit], placement: Updater, gatherer: G
             one_step.step()
 
 
-def step_in(one_step: OneStep, binding: Binding, units: Sequence[Unit], placement: Updater,
-            gatherer: Gatherer, used_ids: Sequence[Any]) -> bool:
+def step_in(
+    one_step: OneStep,
+    binding: Binding,
+    units: Sequence[Unit],
+    placement: Updater,
+    gatherer: Gatherer,
+    used_ids: Sequence[Any],
+) -> bool:
     """``run``'s batches of ``units`` within a step the caller holds (an asynchronous step steps its
     device units here before handing the host units to its worker); whether the optimizer's own
     ``step()`` ran."""
@@ -185,8 +201,13 @@ class Stepper:
 
     def __init__(self, parts: Parts) -> None:
         self.parts = parts
-        self.everything = Binding(None, {}, frozenset(range(parts.reducer.num_params)),  # type: ignore[arg-type]
-                                  frozenset(u.index for u in parts.units), [])
+        self.everything = Binding(
+            None,  # type: ignore[arg-type]
+            {},
+            frozenset(range(parts.reducer.num_params)),
+            frozenset(u.index for u in parts.units),
+            [],
+        )
         """The binding of every unit: what a call without an optimizer means when several are attached."""
         self.attached = attached([], self.everything)
         """The optimizers attached: one (or none) or several, chosen again at each ``attach``."""
@@ -251,8 +272,14 @@ class Stepper:
             bad = [u for u in verdict.nonfinite_units if u in binding.unit_ids]
             try:
                 binding.skip = bool(bad) and decide_nonfinite(
-                    verdict, bad, scaler=parts.loss_scaler, action=parts.policies.numerics.nonfinite_gradients,
-                    step=self.steps + 1, names=self.names_of(bad), rank=parts.rank)
+                    verdict,
+                    bad,
+                    scaler=parts.loss_scaler,
+                    action=parts.policies.numerics.nonfinite_gradients,
+                    step=self.steps + 1,
+                    names=self.names_of(bad),
+                    rank=parts.rank,
+                )
             except RuntimeError:
                 parts.reducer.clear()  # the model is untouched and the engine usable (a caller may go on)
                 raise

@@ -39,18 +39,36 @@ from lightning_zeroq.zero.layout import Segment, UnitLayout, make_layout
 from lightning_zeroq.zero.materialize import materialize_meta_params
 from lightning_zeroq.zero.unit_plan import UnitSpec
 
-
 FREED_HINT = (
     "it is gathered only inside its module's forward and backward. Read or change it inside "
     "`with lightning_zeroq.gathered_parameters(module):` (a collective: every rank enters it), or after "
     "fit, when the strategy has handed the module back."
 )
-METADATA = frozenset({"size", "dim", "numel", "nelement", "element_size", "is_floating_point", "is_complex",
-                       "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "__hash__",
-                       "__format__", "__repr__", "__reduce_ex__",
-                       "grad", "backward",  # autograd.grad/backward with parameters as inputs: hooks gather
-                       # new tensors shaped like it (an optimizer's constructor, e.g. Adagrad's sum): no values read
-                       "empty_like", "zeros_like", "ones_like", "full_like"})
+METADATA = frozenset(
+    {
+        "size",
+        "dim",
+        "numel",
+        "nelement",
+        "element_size",
+        "is_floating_point",
+        "is_complex",
+        "requires_grad_",
+        "register_hook",
+        "register_post_accumulate_grad_hook",
+        "__hash__",
+        "__format__",
+        "__repr__",
+        "__reduce_ex__",
+        "grad",
+        "backward",  # autograd.grad/backward with parameters as inputs: hooks gather
+        # new tensors shaped like it (an optimizer's constructor, e.g. Adagrad's sum): no values read
+        "empty_like",
+        "zeros_like",
+        "ones_like",
+        "full_like",
+    }
+)
 
 
 class FreedParameter(nn.Parameter):
@@ -71,12 +89,16 @@ class FreedParameter(nn.Parameter):
                 return func(*args, **(kwargs or {}))
         freed = next((a for a in args if isinstance(a, FreedParameter)), None)
         label = getattr(freed, "_zeroq_name", "a parameter") if freed is not None else "a parameter"
-        raise RuntimeError(f"ZeroQ stage 3: {label} is sharded right now ({func.__name__ if name else func}); {FREED_HINT}")
+        raise RuntimeError(
+            f"ZeroQ stage 3: {label} is sharded right now ({func.__name__ if name else func}); {FREED_HINT}"
+        )
 
     # mypy 2.4 rejects any annotated override of Tensor.__repr__, even one with its exact signature
     def __repr__(self) -> str:  # type: ignore[override]
-        return (f"FreedParameter({getattr(self, '_zeroq_name', '?')}, shape={tuple(self.shape)}, dtype={self.dtype}): "
-                f"sharded; {FREED_HINT}")
+        return (
+            f"FreedParameter({getattr(self, '_zeroq_name', '?')}, shape={tuple(self.shape)}, dtype={self.dtype}): "
+            f"sharded; {FREED_HINT}"
+        )
 
 
 class UnitState(enum.Enum):
@@ -293,7 +315,7 @@ def build_units(
         params, held = list(spec.params), list(spec.frozen)
         both = params + held
         materialize_meta_params(module, both, device, renamed)
-        params, held = both[:len(params)], both[len(params):]
+        params, held = both[: len(params)], both[len(params) :]
         classes, dtypes = [type(p) for p in params], [p.dtype for p in params]
         full = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
         with torch.no_grad():

@@ -106,7 +106,9 @@ def plan_module_units(
         for m in _post_order(module):
             if m is module:
                 continue
-            pending = [p for p in m.parameters() if id(p) in is_trainable and id(p) not in taken and id(p) not in is_small]
+            pending = [
+                p for p in m.parameters() if id(p) in is_trainable and id(p) not in taken and id(p) not in is_small
+            ]
             if unit_size and pending and sum(p.numel() for p in pending) >= unit_size:
                 spec = take(m)
                 if spec is not None:
@@ -120,8 +122,9 @@ def plan_module_units(
     return specs
 
 
-def frozen_only_specs(module: nn.Module, specs: Sequence[UnitSpec], frozen: Sequence[nn.Parameter],
-                      units: ModuleUnits) -> list[UnitSpec]:
+def frozen_only_specs(
+    module: nn.Module, specs: Sequence[UnitSpec], frozen: Sequence[nn.Parameter], units: ModuleUnits
+) -> list[UnitSpec]:
     """Stage 3: the frozen parameters no unit took, in parts of their own (``frozen.py``): each repeated block
     (or instance of ``stage3_wrap_classes``) with nothing to train, whole; then each other module whose own
     frozen parameters hold more than ``stage3_param_persistence_threshold`` elements (a frozen embedding or
@@ -194,8 +197,12 @@ def _post_order(module: nn.Module) -> list[nn.Module]:
     return out
 
 
-def unit_plan(module: nn.Module, trainable: Sequence[nn.Parameter], units: Union[Buckets, ModuleUnits],
-              frozen: Sequence[nn.Parameter] = ()) -> list[UnitSpec]:
+def unit_plan(
+    module: nn.Module,
+    trainable: Sequence[nn.Parameter],
+    units: Union[Buckets, ModuleUnits],
+    frozen: Sequence[nn.Parameter] = (),
+) -> list[UnitSpec]:
     """The units of ``module``: stage 3's module units (with ``frozen`` parameters in their frozen parts), or
     stage 1/2's buckets (frozen parameters stay whole there)."""
     if isinstance(units, ModuleUnits):

@@ -79,8 +79,9 @@ def on_device(payload: Tensor, device: torch.device) -> Tensor:
 class FullWidth:
     """Shards travel in the working dtype: one ``all_gather_into_tensor`` straight into ``flat``."""
 
-    def __init__(self, layouts: Sequence[UnitLayout], param_dtype: torch.dtype,
-                 group: Optional[dist.ProcessGroup]) -> None:
+    def __init__(
+        self, layouts: Sequence[UnitLayout], param_dtype: torch.dtype, group: Optional[dist.ProcessGroup]
+    ) -> None:
         self.layouts, self.payload_dtype, self.group = layouts, param_dtype, group
         self.alone = comm.alone(group)
         """One rank in the group: a gather or a sync is a copy, not a collective."""
@@ -152,16 +153,20 @@ def side_rounds(counts: Sequence[int], per_round: int) -> list[list[int]]:
     return [[max(0, min(per_round, c - k * per_round)) for c in counts] for k in range(rounds)]
 
 
-def _side_plan(layout: UnitLayout, exact_numel: int, rank: int, bucket_numel: int,
-               device: torch.device) -> Optional[_SidePlan]:
+def _side_plan(
+    layout: UnitLayout, exact_numel: int, rank: int, bucket_numel: int, device: torch.device
+) -> Optional[_SidePlan]:
     per_rank = [side_positions(layout, exact_numel, r) for r in range(layout.world_size)]
     if not any(per_rank):
         return None
     per_round = max(1, bucket_numel // layout.world_size)
     rounds = []
     for k, counts in enumerate(side_rounds([len(p) for p in per_rank], per_round)):
-        flat = [r * layout.shard_numel + p for r, (positions, n) in enumerate(zip(per_rank, counts))
-                for p in positions[k * per_round : k * per_round + n]]
+        flat = [
+            r * layout.shard_numel + p
+            for r, (positions, n) in enumerate(zip(per_rank, counts))
+            for p in positions[k * per_round : k * per_round + n]
+        ]
         rounds.append((counts, torch.tensor(flat, dtype=torch.int64, device=device)))
     local = torch.tensor(per_rank[rank], dtype=torch.int64, device=device)
     return _SidePlan(local, rounds, per_round)

@@ -36,9 +36,16 @@ def units_off_device(policy: Any, layouts: Sequence[UnitLayout]) -> frozenset[in
     return frozenset(range(len(layouts)))  # Nvme, and Auto as it starts
 
 
-def device_kinds(layouts: Sequence[UnitLayout], persistent: Sequence[bool], offload: Offload,
-                 param_dtype: torch.dtype, state_bytes: int, rank: int = 0,
-                 payload: Optional[dict[int, tuple[int, torch.dtype]]] = None, frozen: FrozenNeed = NO_FROZEN) -> dict[str, int]:
+def device_kinds(
+    layouts: Sequence[UnitLayout],
+    persistent: Sequence[bool],
+    offload: Offload,
+    param_dtype: torch.dtype,
+    state_bytes: int,
+    rank: int = 0,
+    payload: Optional[dict[int, tuple[int, torch.dtype]]] = None,
+    frozen: FrozenNeed = NO_FROZEN,
+) -> dict[str, int]:
     """Device bytes by ``memory_report``'s kinds for ``rank`` (``largest_transient_unit`` counted twice
     as ``gathered_units``; ``state_bytes``: optimizer state per parameter element, none for padding;
     ``payload``: a transient unit's stored payload (elements, dtype), default its shard in ``param_dtype``;
@@ -61,8 +68,13 @@ def device_kinds(layouts: Sequence[UnitLayout], persistent: Sequence[bool], offl
         "optimizer_state": state_bytes * sum(seg.numel for i in device_units for seg in layouts[i].segments(rank)),
         "persistent_units": sum(layouts[i].padded_numel * itemsize for i in range(n) if persistent[i]),
         "stored_shards": stored,
-        "gathered_units": 2 * max([frozen.own_gathered, *(layouts[i].padded_numel * itemsize
-                                                          + frozen.gathered_bytes.get(i, 0) for i in transient)]),
+        "gathered_units": 2
+        * max(
+            [
+                frozen.own_gathered,
+                *(layouts[i].padded_numel * itemsize + frozen.gathered_bytes.get(i, 0) for i in transient),
+            ]
+        ),
         "frozen_shards": frozen.stored_bytes if isinstance(offload.parameters, OnDevice) else 0,
     }
 
@@ -78,16 +90,23 @@ RATIO_STEP = 0.05
 """The steps of ``offload_optimizer_ratio`` the nearest fitting configuration is looked for in."""
 
 
-def nearest_fit(layouts: Sequence[UnitLayout], persistent: Sequence[bool], offload: Offload,
-                param_dtype: torch.dtype, state_bytes: int, rank: int,
-                payload: Optional[dict[int, tuple[int, torch.dtype]]], room: int,
-                frozen: FrozenNeed = NO_FROZEN) -> Optional[tuple[str, int]]:
+def nearest_fit(
+    layouts: Sequence[UnitLayout],
+    persistent: Sequence[bool],
+    offload: Offload,
+    param_dtype: torch.dtype,
+    state_bytes: int,
+    rank: int,
+    payload: Optional[dict[int, tuple[int, torch.dtype]]],
+    room: int,
+    frozen: FrozenNeed = NO_FROZEN,
+) -> Optional[tuple[str, int]]:
     """The least offload beyond ``offload`` whose state fits ``room`` (the options to set, and its bytes):
     a larger share of the optimizer on the host (``offload_optimizer_ratio`` in steps of ``RATIO_STEP``),
     then, with stage 3's transient units, the parameters too; None if none does."""
+
     def state(option: Offload) -> int:
-        return sum(device_kinds(layouts, persistent, option, param_dtype, state_bytes, rank, payload,
-                                frozen).values())
+        return sum(device_kinds(layouts, persistent, option, param_dtype, state_bytes, rank, payload, frozen).values())
 
     start = offload.optimizer.ratio if isinstance(offload.optimizer, Host) else 0.0
     if isinstance(offload.optimizer, (OnDevice, Host)):
@@ -106,8 +125,13 @@ def nearest_fit(layouts: Sequence[UnitLayout], persistent: Sequence[bool], offlo
     return None
 
 
-def check(kinds: dict[str, int], room: Optional[int], what: str,
-          nearest: Optional[tuple[str, int]] = None, with_adam: bool = False) -> None:
+def check(
+    kinds: dict[str, int],
+    room: Optional[int],
+    what: str,
+    nearest: Optional[tuple[str, int]] = None,
+    with_adam: bool = False,
+) -> None:
     """Raise ``DeviceMemoryError`` (one line) if ``kinds`` exceed ``room``; ``nearest``: the least offload
     that fits (``nearest_fit``), named as the fix (``with_adam``: found for Adam's state, the optimizer
     not being attached yet)."""
@@ -116,11 +140,15 @@ def check(kinds: dict[str, int], room: Optional[int], what: str,
         return
     parts = ", ".join(f"{k.replace('_', ' ')} {v / GIB:.2f} GiB" for k, v in kinds.items() if v)
     if nearest is not None:
-        fix = (f"the nearest that fits{' with Adam' if with_adam else ''} is {nearest[0]} ({nearest[1] / GIB:.2f} "
-               "GiB of state; the activations come on top: zeroq-plan shows what fits with them)")
+        fix = (
+            f"the nearest that fits{' with Adam' if with_adam else ''} is {nearest[0]} ({nearest[1] / GIB:.2f} "
+            "GiB of state; the activations come on top: zeroq-plan shows what fits with them)"
+        )
     else:
-        fix = ("no offload setting makes the state fit: shard it over more GPUs (zeroq-plan shows what fits, "
-               "activations included)")
+        fix = (
+            "no offload setting makes the state fit: shard it over more GPUs (zeroq-plan shows what fits, "
+            "activations included)"
+        )
     raise DeviceMemoryError(
         f"ZeroConfig: {what} needs {total / GIB:.2f} GiB of device memory per rank before any activation "
         f"({parts}) and the device has {room / GIB:.2f} GiB; {fix}."

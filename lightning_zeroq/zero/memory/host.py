@@ -44,10 +44,10 @@ import torch
 from lightning_zeroq.config import host_budget
 from lightning_zeroq.zero.frozen import FrozenNeed
 from lightning_zeroq.zero.layout import UnitLayout
+from lightning_zeroq.zero.memory import device as device_memory
 from lightning_zeroq.zero.offload.nvme import step_buffer_elements
 from lightning_zeroq.zero.offload.split import host_units
 from lightning_zeroq.zero.optim.binding import adam_kind
-from lightning_zeroq.zero.memory import device as device_memory
 from lightning_zeroq.zero.policies import Auto, Host, Nvme, Offload, OnDevice
 
 GiB = 2**30
@@ -92,8 +92,14 @@ class Available:
     """Where the figure comes from (``MemAvailable``, a cgroup's limit, ``host_memory_budget``)."""
 
 
-def engine_need(offload: Offload, layouts: Sequence[UnitLayout], rank: int, param_dtype: torch.dtype,
-                payload: dict[int, tuple[int, torch.dtype]], frozen_bytes: int = 0) -> HostNeed:
+def engine_need(
+    offload: Offload,
+    layouts: Sequence[UnitLayout],
+    rank: int,
+    param_dtype: torch.dtype,
+    payload: dict[int, tuple[int, torch.dtype]],
+    frozen_bytes: int = 0,
+) -> HostNeed:
     """The host memory the engine allocates for shard ``rank`` (``payload``: stage 3's transient units,
     index -> (payload elements, dtype), rested on the host with ``offload.parameters`` Host; ``frozen_bytes``:
     this rank's stored frozen shards, ``zero/frozen.py``, on the host with any parameter offload)."""
@@ -133,6 +139,7 @@ ACTIVATIONS = "offloaded activations"
 its blocks save, each in a buffer at most 1/8 larger (``HostPool``), counted as the pool grows and planned from
 the traced forward (``planning/estimate.py``)."""
 
+
 def activations_host_bytes(moved: int) -> int:
     """The host memory planned for ``moved`` bytes of offloaded activations: 9/8 of them, each buffer's class
     being at most 1/8 larger (``HostPool``)."""
@@ -154,8 +161,13 @@ def state_bytes_per_element(optimizers: Sequence[torch.optim.Optimizer]) -> int:
     return per_element
 
 
-def optimizer_need(optimizers: Sequence[torch.optim.Optimizer], host_elements: int, speculative: bool,
-                   swap_elements: int = 0, state_bytes: Optional[int] = None) -> HostNeed:
+def optimizer_need(
+    optimizers: Sequence[torch.optim.Optimizer],
+    host_elements: int,
+    speculative: bool,
+    swap_elements: int = 0,
+    state_bytes: Optional[int] = None,
+) -> HostNeed:
     """The host memory the attached optimizers' state (and speculative spare buffers) will take
     (``state_bytes``: per element, else ``optim/binding.py``'s; ``swap_elements``: ``HostNeed.swap_elements``)."""
     need = HostNeed(host_elements=host_elements, swap_elements=swap_elements)
@@ -218,8 +230,15 @@ def nearest_fit(offload: Offload, total: Callable[[Offload], int], room: int) ->
     return None
 
 
-def check(need: HostNeed, room: Optional[Available], ranks_on_node: int, what: str,
-          nearest: Optional[tuple[str, int]] = None, with_adam: bool = False, fix: Optional[str] = None) -> None:
+def check(
+    need: HostNeed,
+    room: Optional[Available],
+    ranks_on_node: int,
+    what: str,
+    nearest: Optional[tuple[str, int]] = None,
+    with_adam: bool = False,
+    fix: Optional[str] = None,
+) -> None:
     """Raise ``HostMemoryError`` (one line) if ``ranks_on_node`` ranks needing ``need`` each do not fit;
     ``nearest``: the nearest configuration that fits (``nearest_fit``), named as the fix (``with_adam``:
     found for Adam's state, no optimizer being attached yet); ``fix``: what to do instead, where no nearest is
@@ -230,10 +249,15 @@ def check(need: HostNeed, room: Optional[Available], ranks_on_node: int, what: s
     if total <= room.bytes:
         return
     ranks = f"{ranks_on_node} ranks x {size(need.total)}" if ranks_on_node > 1 else "1 rank"
-    fix = (f"the nearest that fits{' with Adam' if with_adam else ''} is {nearest[0]} ({size(nearest[1])} on this "
-           "node); or, " if nearest is not None else fix if fix is not None
-           else "offload less (offload_optimizer_ratio below 1, or no offload_parameters), put the optimizer on "
-                "NVMe (offload_optimizer_device='nvme'), spread the model over more nodes, or, ")
+    fix = (
+        f"the nearest that fits{' with Adam' if with_adam else ''} is {nearest[0]} ({size(nearest[1])} on this "
+        "node); or, "
+        if nearest is not None
+        else fix
+        if fix is not None
+        else "offload less (offload_optimizer_ratio below 1, or no offload_parameters), put the optimizer on "
+        "NVMe (offload_optimizer_device='nvme'), spread the model over more nodes, or, "
+    )
     raise HostMemoryError(
         f"ZeroConfig: {what} needs {size(total)} of host memory on this node ({ranks}: {need.text()}) "
         f"and {size(room.bytes)} is available ({room.source}); {fix}where this host's memory grows as it is "
@@ -323,15 +347,29 @@ class HostBudget:
         self._room: Optional[int] = None
         """The device's memory (None off CUDA: nothing to check)."""
 
-    def built(self, layouts: Sequence[UnitLayout], rank: int, param_dtype: torch.dtype, payload_dtype: torch.dtype,
-              transient: dict[int, int], placement: Any, frozen: FrozenNeed = device_memory.NO_FROZEN) -> None:
+    def built(
+        self,
+        layouts: Sequence[UnitLayout],
+        rank: int,
+        param_dtype: torch.dtype,
+        payload_dtype: torch.dtype,
+        transient: dict[int, int],
+        placement: Any,
+        frozen: FrozenNeed = device_memory.NO_FROZEN,
+    ) -> None:
         """Check the build's need (``transient``: stage 3's units with their payload's elements; ``frozen``:
         stage 3's frozen parts) and watch the placement's fp32 gradient buffers."""
         payload = {i: (n, payload_dtype) for i, n in transient.items()}
         self.need = engine_need(self.offload, layouts, rank, param_dtype, payload, frozen.stored_bytes)
         self._build = _Build(layouts, rank, param_dtype, payload, frozen)
-        check(self.need, self.room, self.ranks, "this offload configuration",
-              self._nearest(self.need, self.room, ADAM_STATE_BYTES), with_adam=True)
+        check(
+            self.need,
+            self.room,
+            self.ranks,
+            "this offload configuration",
+            self._nearest(self.need, self.room, ADAM_STATE_BYTES),
+            with_adam=True,
+        )
         self._room = device_memory.capacity(placement.device)
         self._check_device(0, "this configuration's state")
         landing = getattr(getattr(placement, "host", placement), "landing", None)
@@ -345,7 +383,11 @@ class HostBudget:
         half = self.need.parts.get("bf16 gradient buffers", 0)  # bf16 weights: fp32 buffers only where read
         if half and (self.accumulates or not kernel_reads_all):
             need.parts["fp32 gradient buffers"] = 2 * half
-        for name in ("optimizer state", "speculative spare buffers", "NVMe step buffers (optimizer state)"):  # another optimizer's
+        for name in (
+            "optimizer state",
+            "speculative spare buffers",
+            "NVMe step buffers (optimizer state)",
+        ):  # another optimizer's
             self.need.parts.pop(name, None)
         self._check_more(need, "the optimizer's state on the host", state_bytes_per_element(optimizers))
         self.need.parts.update(need.parts)
@@ -359,8 +401,9 @@ class HostBudget:
         kinds = device_memory.device_kinds(*shape, state_bytes, build.rank, build.payload, build.frozen)
         nearest = None
         if sum(kinds.values()) > room:  # at the build no optimizer is attached yet: the fix allows for Adam's state
-            nearest = device_memory.nearest_fit(*shape, state_bytes or ADAM_STATE_BYTES, build.rank,
-                                              build.payload, room, build.frozen)
+            nearest = device_memory.nearest_fit(
+                *shape, state_bytes or ADAM_STATE_BYTES, build.rank, build.payload, room, build.frozen
+            )
         device_memory.check(kinds, room, what, nearest, with_adam=state_bytes == 0)
 
     def _fp32_buffers(self, nbytes: int) -> None:
@@ -377,20 +420,26 @@ class HostBudget:
         held = self.need.parts.get(ACTIVATIONS, 0)
         if nbytes <= held:
             return
-        fix = ("offload the activations of fewer blocks (activation_offloading_policy naming fewer modules, or "
-               "activation_offloading_policy='auto' with activation_checkpointing_policy='auto', which plans the "
-               "host's room), recompute them (activation_checkpointing_policy), use a smaller micro-batch, or, ")
+        fix = (
+            "offload the activations of fewer blocks (activation_offloading_policy naming fewer modules, or "
+            "activation_offloading_policy='auto' with activation_checkpointing_policy='auto', which plans the "
+            "host's room), recompute them (activation_checkpointing_policy), use a smaller micro-batch, or, "
+        )
         self._check_more(HostNeed({ACTIVATIONS: nbytes - held}), "offloading activations (host buffers)", fix=fix)
         self.need.parts[ACTIVATIONS] = nbytes
 
-    def _check_more(self, need: HostNeed, what: str, state_bytes: Optional[int] = None,
-                    fix: Optional[str] = None) -> None:
+    def _check_more(
+        self, need: HostNeed, what: str, state_bytes: Optional[int] = None, fix: Optional[str] = None
+    ) -> None:
         """``need`` beside what this engine holds already (``state_bytes``: the optimizer's per element,
         for the nearest configuration that fits; ``fix``: what to do where none is found)."""
         if self.offload.host_budget is not None:  # the budget, read at the build, less what the engine holds
             held = self.need.total * self.ranks
-            room = None if self.room is None else Available(
-                self.room.bytes - held, f"{self.room.source} less the {size(held)} the engine holds")
+            room = (
+                None
+                if self.room is None
+                else Available(self.room.bytes - held, f"{self.room.source} less the {size(held)} the engine holds")
+            )
         else:
             room = available(None)  # what this engine allocated is in use already
         nearest = None
@@ -399,8 +448,9 @@ class HostBudget:
             nearest = self._nearest(need, whole, state_bytes, with_held=True)
         check(need, room, self.ranks, what, nearest, fix=fix)
 
-    def _nearest(self, need: HostNeed, room: Optional[Available], state_bytes: int,
-                 with_held: bool = False) -> Optional[tuple[str, int]]:
+    def _nearest(
+        self, need: HostNeed, room: Optional[Available], state_bytes: int, with_held: bool = False
+    ) -> Optional[tuple[str, int]]:
         """The nearest configuration whose need, with ``state_bytes`` of optimizer state per host element,
         fits ``room`` (only asked when ``need``, with what the engine holds if ``with_held``, does not)."""
         if room is None or self._build is None:

@@ -55,8 +55,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils import _pytree as pytree
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+from torch.utils import _pytree as pytree
 
 from lightning_zeroq.zero.hooks import EagerHook, WeakHook
 from lightning_zeroq.zero.offload.host import HostOptimizer
@@ -71,9 +71,16 @@ class AsyncHostStep:
     step itself, and are published before it returns, as without this). Its work runs on the host's
     worker (``host_worker.py``), two jobs per unit: the unit's step and its publication."""
 
-    def __init__(self, host: HostOptimizer, worker: HostWorker, module: nn.Module, units: Sequence[Unit],
-                 publish: Callable[[Unit], None], device: torch.device,
-                 own_group: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(
+        self,
+        host: HostOptimizer,
+        worker: HostWorker,
+        module: nn.Module,
+        units: Sequence[Unit],
+        publish: Callable[[Unit], None],
+        device: torch.device,
+        own_group: Optional[dist.ProcessGroup] = None,
+    ) -> None:
         """``publish``: a unit's publication, run on the worker's thread (with several ranks, its
         collectives on ``own_group``, a process group no other thread uses, destroyed at ``close``)."""
         self.host, self.worker, self.units, self._publish, self._own_group = host, worker, units, publish, own_group
@@ -116,18 +123,26 @@ class AsyncHostStep:
         why = None
         if several:
             why = "several optimizers are attached"
-        elif kernel is None or kernel.kernel_args([u for u in self.units if u.index in binding.unit_ids], binding) is None:
+        elif (
+            kernel is None
+            or kernel.kernel_args([u for u in self.units if u.index in binding.unit_ids], binding) is None
+        ):
             why = "the host kernel does not take this optimizer (it needs torch's Adam or AdamW, see the log)"
-        elif (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
-              or _global_optimizer_pre_hooks or _global_optimizer_post_hooks):
+        elif (
+            optimizer._optimizer_step_pre_hooks
+            or optimizer._optimizer_step_post_hooks
+            or _global_optimizer_pre_hooks
+            or _global_optimizer_post_hooks
+        ):
             why = "the optimizer has step hooks, which would run before the step's work is done"
         if why is not None and not self._warned:
             self._warned = True
             warnings.warn(f"offload_async_step=True: this step runs synchronously: {why}.", stacklevel=3)
         return why is None
 
-    def run(self, binding: Binding, used: Sequence[Any],
-            device_step: Optional[Callable[[OneStep], Any]] = None) -> None:
+    def run(
+        self, binding: Binding, used: Sequence[Any], device_step: Optional[Callable[[OneStep], Any]] = None
+    ) -> None:
         """Prepare every unit of ``binding`` here, in forward order, and hand their jobs to the worker;
         ``device_step``: the step of the units on the device, run first, within the same optimizer step."""
         kernel = self.host.kernel
@@ -164,13 +179,30 @@ class AsyncHostStep:
         for unit, copied, jobs in work:
             # The jobs point into these tensors: held until the unit is stepped, whatever the optimizer's
             # state dict is given meanwhile (a load_state_dict between the step and the next forward).
-            held = [t for view, _ in binding.optimized[unit.index] for t in (view, *state[view].values())
-                    if isinstance(t, torch.Tensor)]
-            self.worker.submit(Job(unit.index, functools.partial(self._step, unit, copied, jobs, threads, held),
-                                   self._failed, ready=functools.partial(_landed, copied, jobs)))
-            self.worker.submit(Job(unit.index, functools.partial(self._publish_one, unit), self._failed,
-                                   ready=functools.partial(self._publishable, unit), waits=False,
-                                   joined=functools.partial(self._joined, unit)))
+            held = [
+                t
+                for view, _ in binding.optimized[unit.index]
+                for t in (view, *state[view].values())
+                if isinstance(t, torch.Tensor)
+            ]
+            self.worker.submit(
+                Job(
+                    unit.index,
+                    functools.partial(self._step, unit, copied, jobs, threads, held),
+                    self._failed,
+                    ready=functools.partial(_landed, copied, jobs),
+                )
+            )
+            self.worker.submit(
+                Job(
+                    unit.index,
+                    functools.partial(self._publish_one, unit),
+                    self._failed,
+                    ready=functools.partial(self._publishable, unit),
+                    waits=False,
+                    joined=functools.partial(self._joined, unit),
+                )
+            )
 
     def _watch(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.state_dict()`` and ``load_state_dict()`` called directly (not through the engine)
@@ -178,7 +210,8 @@ class AsyncHostStep:
         if id(optimizer) not in self._watched:
             self._watched[id(optimizer)] = [
                 optimizer.register_state_dict_pre_hook(EagerHook(self._before_read)),
-                optimizer.register_load_state_dict_pre_hook(EagerHook(self._before_read))]
+                optimizer.register_load_state_dict_pre_hook(EagerHook(self._before_read)),
+            ]
 
     def _before_read(self, *hook_args: Any) -> None:
         """A state_dict / load_state_dict pre-hook (a module's or an optimizer's): the step first."""
@@ -241,9 +274,11 @@ class AsyncHostStep:
     def _failed(self, error: BaseException) -> BaseException:
         for unit in self._last:
             _readable(unit)
-        return RuntimeError("ZeroQ: the asynchronous host step failed part way (offload_async_step); the "
-                            "model's weights and optimizer state are partly stepped: load the last "
-                            "checkpoint")
+        return RuntimeError(
+            "ZeroQ: the asynchronous host step failed part way (offload_async_step); the "
+            "model's weights and optimizer state are partly stepped: load the last "
+            "checkpoint"
+        )
 
     def close(self) -> None:
         self.worker.wait()
@@ -267,7 +302,8 @@ class PendingParameter(nn.Parameter):
         name = getattr(func, "__name__", "")
         descriptor = getattr(func, "__self__", None)
         metadata = name in _METADATA or (
-            name in ("__get__", "__set__", "__delete__") and getattr(descriptor, "__name__", "") != "data")
+            name in ("__get__", "__set__", "__delete__") and getattr(descriptor, "__name__", "") != "data"
+        )
         if not metadata:
             for leaf in pytree.tree_leaves((args, kwargs)):
                 if isinstance(leaf, PendingParameter):

@@ -33,12 +33,12 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_zeroq.ranks import rank_and_size
 from lightning_zeroq.config import memory_budget
+from lightning_zeroq.ranks import rank_and_size
 from lightning_zeroq.zero import comm
-from lightning_zeroq.zero.offload.stores import ShardStore, freed_by_moving, master_moved
 from lightning_zeroq.zero.offload.host import HostOptimizer
 from lightning_zeroq.zero.offload.split import SplitOptimizer
+from lightning_zeroq.zero.offload.stores import ShardStore, freed_by_moving, master_moved
 from lightning_zeroq.zero.unit import Unit
 
 log = logging.getLogger("lightning_zeroq")
@@ -102,15 +102,23 @@ class AutoSplit(SplitOptimizer):
         super().store_built(store)
         self.store = store
 
-    def step_done(self, units: Sequence[Unit], optimizers: Sequence[torch.optim.Optimizer], stepped: bool,
-                  group: Optional[dist.ProcessGroup]) -> None:
+    def step_done(
+        self,
+        units: Sequence[Unit],
+        optimizers: Sequence[torch.optim.Optimizer],
+        stepped: bool,
+        group: Optional[dist.ProcessGroup],
+    ) -> None:
         if self.decided or not stepped:
             return
         self.decided = True
         measured = self.measure()
         if measured is None:
-            warnings.warn("offload_optimizer_ratio='auto' on a CPU device: there is no device memory to fill, so "
-                          "every unit's optimizer state stays offloaded (as offload_optimizer_ratio=1).", stacklevel=3)
+            warnings.warn(
+                "offload_optimizer_ratio='auto' on a CPU device: there is no device memory to fill, so "
+                "every unit's optimizer state stays offloaded (as offload_optimizer_ratio=1).",
+                stacklevel=3,
+            )
             return
         peak, free, total = measured
         budget = memory_budget(self.budget, total)
@@ -118,8 +126,9 @@ class AutoSplit(SplitOptimizer):
             budget = peak + free - int(MARGIN * total)
         costs = [_device_cost(unit, optimizers) - freed_by_moving(self.store, unit.index) for unit in units]
         # One MAX all-reduce: the worst shortfall (peak - budget) and the largest cost of each unit.
-        stats = torch.tensor([float(peak - budget)] + [float(c) for c in costs], dtype=torch.float64,
-                             device=self.device)
+        stats = torch.tensor(
+            [float(peak - budget)] + [float(c) for c in costs], dtype=torch.float64, device=self.device
+        )
         if rank_and_size(group)[1] > 1:
             comm.all_reduce(stats, dist.ReduceOp.MAX, group)
         headroom, costs = -int(stats[0].item()), [int(c) for c in stats[1:].tolist()]
@@ -128,9 +137,14 @@ class AutoSplit(SplitOptimizer):
             self._bring_back(units[index], optimizers)
         self.host_units = frozenset(i for i in range(len(units)) if i not in keep)
         gib = 2**30
-        self.decision = {"device_units": sorted(keep), "host_units": sorted(self.host_units),
-                         "device_bytes": sum(costs[i] for i in keep),
-                         "host_bytes": sum(costs[i] for i in self.host_units), "peak_bytes": peak, "budget_bytes": budget}
+        self.decision = {
+            "device_units": sorted(keep),
+            "host_units": sorted(self.host_units),
+            "device_bytes": sum(costs[i] for i in keep),
+            "host_bytes": sum(costs[i] for i in self.host_units),
+            "peak_bytes": peak,
+            "budget_bytes": budget,
+        }
         if self.rank == 0:
             log.info(
                 f"offload_optimizer_ratio='auto': {len(keep)} of {len(units)} units keep master and optimizer state on "
@@ -167,9 +181,14 @@ def _device_cost(unit: Unit, optimizers: Sequence[torch.optim.Optimizer]) -> int
     """Device bytes the unit's master and optimizer state take once moved there, as the caching
     allocator counts them (each tensor rounded up to its 512-byte blocks)."""
     views = {id(v) for v in unit.segment_masters}
-    state = sum(_allocated(value)
-                for optimizer in optimizers for view, values in optimizer.state.items() if id(view) in views
-                for value in values.values() if isinstance(value, torch.Tensor))
+    state = sum(
+        _allocated(value)
+        for optimizer in optimizers
+        for view, values in optimizer.state.items()
+        if id(view) in views
+        for value in values.values()
+        if isinstance(value, torch.Tensor)
+    )
     return _allocated(unit.master) + state
 
 

@@ -53,8 +53,13 @@ class OptimizerHome:
     def optimizer_replaced(self, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
         """``new`` holds ``old``'s state from now on (``release_module`` handed ``old`` back to the user)."""
 
-    def step_done(self, units: Sequence[Unit], optimizers: Sequence[torch.optim.Optimizer], stepped: bool,
-                  group: Optional["dist.ProcessGroup"]) -> None:
+    def step_done(
+        self,
+        units: Sequence[Unit],
+        optimizers: Sequence[torch.optim.Optimizer],
+        stepped: bool,
+        group: Optional["dist.ProcessGroup"],
+    ) -> None:
         """After a step and the window's end (``stepped``: the optimizer ran). ``auto.AutoSplit`` decides here."""
 
     def resident(self, units: Sequence[Unit]) -> Iterator[Unit]:

@@ -45,12 +45,11 @@ from torch import Tensor
 
 from lightning_zeroq.ops.host_adam import host_adam
 from lightning_zeroq.zero.offload.device import OptimizerHome
-from lightning_zeroq.zero.offload.stores import ShardStore, copy_cast_to_device
-from lightning_zeroq.zero.offload.host_kernel import KernelSteps, set_host_step_threads
-from lightning_zeroq.zero.offload.stores import HostStore, host_copy
 from lightning_zeroq.zero.offload.host_grads import GradientLanding, wait_event
+from lightning_zeroq.zero.offload.host_kernel import KernelSteps, set_host_step_threads
 from lightning_zeroq.zero.offload.host_worker import HostWorker
 from lightning_zeroq.zero.offload.speculative_step import Speculation
+from lightning_zeroq.zero.offload.stores import HostStore, ShardStore, copy_cast_to_device, host_copy
 from lightning_zeroq.zero.optim.binding import Binding, adam_kind, prefer_fast_host_step
 from lightning_zeroq.zero.unit import Unit
 
@@ -58,8 +57,14 @@ from lightning_zeroq.zero.unit import Unit
 class HostOptimizer(OptimizerHome):
     """Masters and optimizer state in host memory; the step runs on the CPU, unit by unit."""
 
-    def __init__(self, device: torch.device, param_dtype: torch.dtype, world_size: int, worker: HostWorker,
-                 speculative: bool = False) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        param_dtype: torch.dtype,
+        world_size: int,
+        worker: HostWorker,
+        speculative: bool = False,
+    ) -> None:
         super().__init__(device)
         self.worker = worker
         """The host's worker (``host_worker.py``): speculative and asynchronous steps run there, and whatever
@@ -113,14 +118,23 @@ class HostOptimizer(OptimizerHome):
         self._optimizers = list(optimizers)
         if self.spec is not None:
             self.spec.close()
-        self.spec = (Speculation(self.worker, self.kernel, self._kernel_grad, self.wait_device_reads,
-                                 self.landing.landed, units)
-                     if self.speculative and self.kernel is not None else None)
+        self.spec = (
+            Speculation(self.worker, self.kernel, self._kernel_grad, self.wait_device_reads, self.landing.landed, units)
+            if self.speculative and self.kernel is not None
+            else None
+        )
         if self.speculative and self.kernel is None:
-            warnings.warn("ZeroConfig: offload_speculative_step=True has no effect: it needs torch's Adam or AdamW "
-                          "stepped by the host kernel, and "
-                          + ("the optimizer is neither" if not any(adam_kind(o) is not None for o in optimizers)
-                             else "the kernel did not load here (see the log)") + ".", stacklevel=3)
+            warnings.warn(
+                "ZeroConfig: offload_speculative_step=True has no effect: it needs torch's Adam or AdamW "
+                "stepped by the host kernel, and "
+                + (
+                    "the optimizer is neither"
+                    if not any(adam_kind(o) is not None for o in optimizers)
+                    else "the kernel did not load here (see the log)"
+                )
+                + ".",
+                stacklevel=3,
+            )
 
     def begin_backward(self, last: bool) -> None:
         self.worker.wait()
@@ -202,14 +216,17 @@ class HostOptimizer(OptimizerHome):
         ``optimizer.step()`` steps it."""
         spec = self.spec  # step_batches yields one unit at a time
         rest = [u for u in batch if spec is None or not spec.keep(u, binding, used, u.index in self.multiplier)]
-        if rest and (self.kernel is None or not self.kernel.step(rest, binding, used, self._kernel_grad,
-                                                                  lambda u: self.multiplier.pop(u.index, 1.0))):
+        if rest and (
+            self.kernel is None
+            or not self.kernel.step(rest, binding, used, self._kernel_grad, lambda u: self.multiplier.pop(u.index, 1.0))
+        ):
             return False
         self.landing.half.difference_update(u.index for u in batch)
         return True  # the kernel stepped them, or their step during the backward stands
 
-    def step_later(self, unit: Unit, binding: Binding, used: Sequence[Any],
-                   hypers: dict[int, dict[str, Any]]) -> tuple[Optional["torch.cuda.Event"], list]:
+    def step_later(
+        self, unit: Unit, binding: Binding, used: Sequence[Any], hypers: dict[int, dict[str, Any]]
+    ) -> tuple[Optional["torch.cuda.Event"], list]:
         """For an asynchronous step (``async_step.py``), on the calling thread: the host kernel's jobs for
         ``unit`` (its state made, its step counts advanced, the multiplier it owes taken, as
         ``step_batch`` would) and the event of its gradient's copy to the host, which the worker waits

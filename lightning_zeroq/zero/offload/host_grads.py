@@ -46,11 +46,10 @@ import torch
 from torch import Tensor
 
 from lightning_zeroq.nulls import nothing
-from lightning_zeroq.zero import comm
 from lightning_zeroq.swap.buffers import pinned_empty
+from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.offload.host_worker import HostWorker
 from lightning_zeroq.zero.unit import Unit
-
 
 IN_FLIGHT = 3
 """Copies to the host a backward may have running at once. A device gradient a copy still reads is kept
@@ -140,8 +139,11 @@ class GradientLanding:
         reduction), on the copy stream, and release it on the device. The window's single reduced part
         goes as it is where it is bf16 and ``half_ok`` (the host kernel reads it); otherwise in fp32."""
         self.worker.wait(unit.index)  # an asynchronous step may still read the host gradient
-        if half_ok and unit.flat.dtype == torch.bfloat16 and not (unit.has_grad_storage or unit.pending is not None
-                                                                   or unit.landed is not None):
+        if (
+            half_ok
+            and unit.flat.dtype == torch.bfloat16
+            and not (unit.has_grad_storage or unit.pending is not None or unit.landed is not None)
+        ):
             self._half_buffer(unit).zero_()  # no gradient this window: zeros, as a materialized shard holds
             self.fresh.add(unit.index)
             self.half.add(unit.index)

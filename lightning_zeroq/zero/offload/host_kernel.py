@@ -33,7 +33,6 @@ from lightning_zeroq.zero.offload.stores import host_copy
 from lightning_zeroq.zero.optim.binding import Binding, adam_kind, kernel_group
 from lightning_zeroq.zero.unit import Unit
 
-
 _THREADS_SET: list[int] = []
 
 
@@ -100,11 +99,16 @@ class KernelSteps:
                 state = optimizer.state.get(view)
                 if view.device.type != "cpu" or (state and not adam_state(state)):
                     return None
-        return {id(view): hypers[id(group_of[id(view)])] for unit in batch
-                for view, _ in binding.optimized[unit.index]}
+        return {id(view): hypers[id(group_of[id(view)])] for unit in batch for view, _ in binding.optimized[unit.index]}
 
-    def step(self, batch: Sequence[Unit], binding: Binding, used: Sequence[Any], grad_of: Callable[[Unit], Tensor],
-             multiplier_of: Callable[[Unit], float]) -> bool:
+    def step(
+        self,
+        batch: Sequence[Unit],
+        binding: Binding,
+        used: Sequence[Any],
+        grad_of: Callable[[Unit], Tensor],
+        multiplier_of: Callable[[Unit], float],
+    ) -> bool:
         """Step ``batch`` (True), or leave it (False: ``kernel_args`` says the kernel does not take it). ``used``:
         per parameter id, whether any rank gave it a gradient; ``grad_of``: a unit's host gradient (fp32
         or bf16) once it has landed; ``multiplier_of``: the multiplier it still owes."""
@@ -125,9 +129,16 @@ class KernelSteps:
         if self.param_dtype == torch.bfloat16:
             self.fresh.add(index)
 
-    def jobs(self, unit: Unit, binding: Any, used: Any, grad: Tensor, gmul: float,
-             hypers: dict[int, dict[str, Any]],
-             out: Optional[Callable[[Tensor, slice], Sequence[Tensor]]] = None) -> list:
+    def jobs(
+        self,
+        unit: Unit,
+        binding: Any,
+        used: Any,
+        grad: Tensor,
+        gmul: float,
+        hypers: dict[int, dict[str, Any]],
+        out: Optional[Callable[[Tensor, slice], Sequence[Tensor]]] = None,
+    ) -> list:
         """The kernel's jobs for one unit (its state made and its step counts advanced as torch would);
         ``used``: indexed by parameter id, whether it is stepped; ``out``: given a segment's view and
         span, the three tensors its updated master, exp_avg and exp_avg_sq go to (the step out of
@@ -145,11 +156,19 @@ class KernelSteps:
                 state["exp_avg"] = torch.zeros_like(view, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(view, memory_format=torch.preserve_format)
             state["step"].add_(1)
-            jobs.append(self.kernel.job(view.detach(), grad[span], state["exp_avg"], state["exp_avg_sq"],
-                                        step=float(state["step"].item()), gmul=gmul,
-                                        working=working[span] if working is not None else None,
-                                        out=out(view, span) if out is not None else None,
-                                        **hypers[id(view)]))
+            jobs.append(
+                self.kernel.job(
+                    view.detach(),
+                    grad[span],
+                    state["exp_avg"],
+                    state["exp_avg_sq"],
+                    step=float(state["step"].item()),
+                    gmul=gmul,
+                    working=working[span] if working is not None else None,
+                    out=out(view, span) if out is not None else None,
+                    **hypers[id(view)],
+                )
+            )
         return jobs
 
     def _working(self, unit: Unit) -> Optional[Tensor]:
@@ -175,6 +194,11 @@ def adam_state(state: dict) -> bool:
     """``state`` is what torch's Adam keeps for a parameter stepped with a fused step (a float32 CPU step
     count, the two moments), as the kernel reads and writes it."""
     step = state.get("step")
-    return (set(state) == {"step", "exp_avg", "exp_avg_sq"} and isinstance(step, Tensor) and step.device.type == "cpu"
-            and step.dtype == torch.float32 and step.numel() == 1
-            and all(state[k].dtype == torch.float32 and state[k].is_contiguous() for k in ("exp_avg", "exp_avg_sq")))
+    return (
+        set(state) == {"step", "exp_avg", "exp_avg_sq"}
+        and isinstance(step, Tensor)
+        and step.device.type == "cpu"
+        and step.dtype == torch.float32
+        and step.numel() == 1
+        and all(state[k].dtype == torch.float32 and state[k].is_contiguous() for k in ("exp_avg", "exp_avg_sq"))
+    )

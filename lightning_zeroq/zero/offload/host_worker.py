@@ -119,8 +119,9 @@ class HostWorker:
             return
         assert threading.current_thread() is not self._thread, "a job waits for the worker it runs on"
         with self._cv:
-            while self._failure is None and (self._open[index] > 0 if index is not None
-                                              else self._queue or self._running is not None):
+            while self._failure is None and (
+                self._open[index] > 0 if index is not None else self._queue or self._running is not None
+            ):
                 self._cv.wait()
             failure, self._failure = self._failure, None
             if failure is not None:  # the failed job's owner puts back what its jobs left (``failed``)
@@ -153,8 +154,9 @@ class HostWorker:
         if index is None:
             covered = len(self._finished)
         else:
-            covered = next((n + 1 for n in range(len(self._finished) - 1, -1, -1)
-                            if self._finished[n].unit == index), 0)
+            covered = next(
+                (n + 1 for n in range(len(self._finished) - 1, -1, -1) if self._finished[n].unit == index), 0
+            )
         return [self._finished.popleft() for _ in range(covered)]
 
     def _release(self, job: Job) -> None:

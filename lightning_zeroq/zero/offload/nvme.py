@@ -32,11 +32,10 @@ import torch
 from torch import Tensor
 
 from lightning_zeroq.swap import NvmeSwapper, SwapHandle, aligned_empty
-from lightning_zeroq.zero.optim.matrix import is_matrix_optimizer
 from lightning_zeroq.zero.offload.host import HostOptimizer
 from lightning_zeroq.zero.offload.host_worker import HostWorker
+from lightning_zeroq.zero.optim.matrix import is_matrix_optimizer
 from lightning_zeroq.zero.unit import Unit
-
 
 WRITES_IN_FLIGHT = 2
 """Units whose write-back may still be running while the walk goes on. Past it the oldest is waited for
@@ -104,8 +103,17 @@ class NvmeOptimizer(HostOptimizer):
     units not in ``on_disk`` (default: every unit is) keep theirs in host memory, as with CPU offload
     (``offload_optimizer_nvme_ratio`` below 1: the state spills to disk only as far as the host needs)."""
 
-    def __init__(self, device: torch.device, param_dtype: torch.dtype, world_size: int, worker: HostWorker, *,
-                 nvme_path: str, rank: int, on_disk: Optional[frozenset[int]] = None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        param_dtype: torch.dtype,
+        world_size: int,
+        worker: HostWorker,
+        *,
+        nvme_path: str,
+        rank: int,
+        on_disk: Optional[frozenset[int]] = None,
+    ) -> None:
         super().__init__(device, param_dtype, world_size, worker)
         self.nvme_path, self.rank, self.on_disk = nvme_path, rank, on_disk
         self.optimizer: Optional[torch.optim.Optimizer] = None
@@ -266,8 +274,9 @@ class NvmeOptimizer(HostOptimizer):
 class NvmeStore:
     """Stage 3 parameter offload to NVMe: each transient unit's payload in a swap region."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, numels: dict[int, int], *, nvme_path: str,
-                 rank: int) -> None:
+    def __init__(
+        self, device: torch.device, dtype: torch.dtype, numels: dict[int, int], *, nvme_path: str, rank: int
+    ) -> None:
         self.device, self.dtype, self.pin = device, dtype, device.type == "cuda"
         self.numels = numels
         self._pool = BufferPool(dtype, self.pin)

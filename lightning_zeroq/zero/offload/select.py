@@ -10,17 +10,23 @@ import torch
 from lightning_zeroq.zero.layout import UnitLayout
 from lightning_zeroq.zero.offload.auto import AutoSplit
 from lightning_zeroq.zero.offload.device import OptimizerHome
-from lightning_zeroq.zero.offload.stores import CastMaster, DeviceStore, HostStore, MasterAlias, ShardStore, SplitStore
 from lightning_zeroq.zero.offload.host import HostOptimizer
 from lightning_zeroq.zero.offload.host_worker import HostWorker
 from lightning_zeroq.zero.offload.nvme import NvmeOptimizer, NvmeStore
 from lightning_zeroq.zero.offload.split import SplitOptimizer, host_units
+from lightning_zeroq.zero.offload.stores import CastMaster, DeviceStore, HostStore, MasterAlias, ShardStore, SplitStore
 from lightning_zeroq.zero.policies import Auto, Host, Nvme, OnDevice
 
 
 def optimizer_home(
-    policy: Union[OnDevice, Host, Nvme, Auto], device: torch.device, param_dtype: torch.dtype, rank: int,
-    world_size: int, layouts: Sequence[UnitLayout], worker: HostWorker, speculative: bool = False,
+    policy: Union[OnDevice, Host, Nvme, Auto],
+    device: torch.device,
+    param_dtype: torch.dtype,
+    rank: int,
+    world_size: int,
+    layouts: Sequence[UnitLayout],
+    worker: HostWorker,
+    speculative: bool = False,
 ) -> OptimizerHome:
     """Where masters and optimizer state live (``Offload.optimizer``; ``worker``: the host's worker, which the
     host placements take; ``speculative``: ``Offload.speculative``)."""
@@ -28,8 +34,7 @@ def optimizer_home(
         return OptimizerHome(device)
     if isinstance(policy, Nvme):
         on_disk = None if policy.ratio == 1.0 else host_units(layouts, policy.ratio)
-        return NvmeOptimizer(device, param_dtype, world_size, worker, nvme_path=policy.path, rank=rank,
-                             on_disk=on_disk)
+        return NvmeOptimizer(device, param_dtype, world_size, worker, nvme_path=policy.path, rank=rank, on_disk=on_disk)
     host = HostOptimizer(device, param_dtype, world_size, worker, speculative=speculative)
     if isinstance(policy, Auto):
         return AutoSplit(device, host, len(layouts), policy.budget, rank)

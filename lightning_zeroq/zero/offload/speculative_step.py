@@ -123,12 +123,24 @@ class _Counts:
 class Speculation:
     """One per host placement; its steps are jobs of the host's worker (``host_worker.py``)."""
 
-    def __init__(self, worker: HostWorker, steps: KernelSteps, grad_of: Callable[[Unit], Tensor],
-                 wait_reads: Callable[[int], None], landed: Callable[[int], bool] = lambda index: True,
-                 units: Sequence[Unit] = ()) -> None:
+    def __init__(
+        self,
+        worker: HostWorker,
+        steps: KernelSteps,
+        grad_of: Callable[[Unit], Tensor],
+        wait_reads: Callable[[int], None],
+        landed: Callable[[int], bool] = lambda index: True,
+        units: Sequence[Unit] = (),
+    ) -> None:
         """``grad_of``: a unit's host gradient once landed (waits for it); ``landed``: whether unit
         ``index``'s gradient is on the host now (does not wait)."""
-        self.worker, self.steps, self._grad_of, self._wait_reads, self._landed = worker, steps, grad_of, wait_reads, landed
+        self.worker, self.steps, self._grad_of, self._wait_reads, self._landed = (
+            worker,
+            steps,
+            grad_of,
+            wait_reads,
+            landed,
+        )
         self.units = list(units)
         """The units it may step (their spare buffers are made at the first window that can use them)."""
         self._jobs: list[Job] = []
@@ -153,13 +165,20 @@ class Speculation:
             self._pause -= 1
             return
         optimizer = optimizers[0] if len(optimizers) == 1 else None
-        if (optimizer is None or adam_kind(optimizer) is None or optimizer._optimizer_step_pre_hooks
-                or _global_optimizer_pre_hooks):
+        if (
+            optimizer is None
+            or adam_kind(optimizer) is None
+            or optimizer._optimizer_step_pre_hooks
+            or _global_optimizer_pre_hooks
+        ):
             if not self._warned:
                 self._warned = True
-                warnings.warn("offload_speculative_step=True does not speculate in this window: it needs one "
-                              "optimizer, torch's Adam or AdamW, without step pre-hooks (they may change what the "
-                              "step does); the step runs as usual.", stacklevel=2)
+                warnings.warn(
+                    "offload_speculative_step=True does not speculate in this window: it needs one "
+                    "optimizer, torch's Adam or AdamW, without step pre-hooks (they may change what the "
+                    "step does); the step runs as usual.",
+                    stacklevel=2,
+                )
             return
         self._make_spares(optimizer)
         self._optimizer, self._accepting = optimizer, True
@@ -183,8 +202,12 @@ class Speculation:
         if not self._accepting:
             return
         index = unit.index
-        job = Job(index, functools.partial(self._work, unit, self._grown.get(index, 0)), self._failed,
-                  ready=functools.partial(self._landed, index))
+        job = Job(
+            index,
+            functools.partial(self._work, unit, self._grown.get(index, 0)),
+            self._failed,
+            ready=functools.partial(self._landed, index),
+        )
         self._jobs.append(job)
         self.counts.offered += 1
         self.worker.submit(job, first=True)
@@ -229,10 +252,14 @@ class Speculation:
         record = self.done.pop(unit.index, None)
         if record is None:
             return None
-        same = (record.grown == self._grown.get(unit.index, 0) and not owed and binding.optimizer is self._optimizer
-                and [id(v) for v, _ in binding.optimized[unit.index]] == [id(v) for v, _ in record.pairs]
-                and all(used[unit.param_id(seg.param)] for _, seg in record.pairs)
-                and self.steps.kernel_args([unit], binding) == record.hypers)
+        same = (
+            record.grown == self._grown.get(unit.index, 0)
+            and not owed
+            and binding.optimizer is self._optimizer
+            and [id(v) for v, _ in binding.optimized[unit.index]] == [id(v) for v, _ in record.pairs]
+            and all(used[unit.param_id(seg.param)] for _, seg in record.pairs)
+            and self.steps.kernel_args([unit], binding) == record.hypers
+        )
         if same:
             self._swap_in(record)
             self.steps.stepped(unit.index)
@@ -298,8 +325,13 @@ class Speculation:
 
     def _spare(self, unit: Unit, optimizer: torch.optim.Optimizer, pairs: list[tuple[Tensor, Segment]]) -> _Spare:
         master = pinned_empty(unit.master.numel(), unit.master.dtype, self.steps.pin).zero_().view(unit.master.shape)
-        moments = {id(view): (torch.zeros_like(optimizer.state[view]["exp_avg"]),
-                              torch.zeros_like(optimizer.state[view]["exp_avg_sq"])) for view, _ in pairs}
+        moments = {
+            id(view): (
+                torch.zeros_like(optimizer.state[view]["exp_avg"]),
+                torch.zeros_like(optimizer.state[view]["exp_avg_sq"]),
+            )
+            for view, _ in pairs
+        }
         return _Spare(master, moments)
 
     def _swap_in(self, record: _Done) -> None:

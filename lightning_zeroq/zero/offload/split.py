@@ -23,8 +23,8 @@ from torch import Tensor
 
 from lightning_zeroq.zero.layout import UnitLayout
 from lightning_zeroq.zero.offload.device import OptimizerHome
-from lightning_zeroq.zero.offload.stores import ShardStore
 from lightning_zeroq.zero.offload.host import HostOptimizer
+from lightning_zeroq.zero.offload.stores import ShardStore
 from lightning_zeroq.zero.optim.binding import Binding
 from lightning_zeroq.zero.unit import Unit
 
@@ -43,8 +43,11 @@ def host_units(layouts: Sequence[UnitLayout], ratio: float, last_first: bool = F
     unpadded sizes make it the same at every world size too.
     """
     total = sum(layout.numel for layout in layouts)
-    order = (list(reversed(range(len(layouts)))) if last_first
-             else sorted(range(len(layouts)), key=lambda i: (-layouts[i].numel, i)))
+    order = (
+        list(reversed(range(len(layouts))))
+        if last_first
+        else sorted(range(len(layouts)), key=lambda i: (-layouts[i].numel, i))
+    )
     chosen: list[int] = []
     offloaded = 0
     for index in order:
@@ -126,7 +129,11 @@ class SplitOptimizer(OptimizerHome):
 
     def step_batch(self, batch: Sequence[Unit], binding: Binding, used: Sequence[Any]) -> bool:
         # step_batches yields device units and host units in batches of their own
-        return bool(batch) and all(u.index in self.host_units for u in batch) and self.host.step_batch(batch, binding, used)
+        return (
+            bool(batch)
+            and all(u.index in self.host_units for u in batch)
+            and self.host.step_batch(batch, binding, used)
+        )
 
     def host_working(self, unit: Unit, dtype: torch.dtype) -> Optional[Tensor]:
         return self._of(unit).host_working(unit, dtype)

@@ -24,7 +24,6 @@ from torch import Tensor
 from lightning_zeroq.swap.buffers import pinned_empty
 from lightning_zeroq.zero.unit import Unit
 
-
 CAST_CHUNK_NUMEL = 1 << 24
 """fp32 elements per host-to-device copy in ``copy_cast_to_device`` (64 MiB of device scratch)."""
 

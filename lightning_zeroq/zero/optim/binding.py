@@ -20,7 +20,6 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 from lightning_zeroq.zero.layout import Segment
 from lightning_zeroq.zero.unit import Unit
 
-
 ELEMENTWISE_OPTIMIZERS: list[type] = [
     torch.optim.SGD,
     torch.optim.Adam,
@@ -76,15 +75,17 @@ FUSED_ON_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.opti
 FUSED_ON_CUDA = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
-def prefer_fast_host_step(optimizer: torch.optim.Optimizer, group: dict,
-                          also_on: Optional[torch.device] = None) -> None:
+def prefer_fast_host_step(
+    optimizer: torch.optim.Optimizer, group: dict, also_on: Optional[torch.device] = None
+) -> None:
     """Optimizer offload steps on the CPU: use torch's fused CPU kernel where torch has one (Adam,
     AdamW, SGD, Adagrad; 3.3x plain AdamW on 100M parameters, benchmarks/results/cpu_optimizer_cpu_2026-11-30.txt),
     foreach for the other optimizers that have it. The update is the same; only the kernel differs.
     ``also_on``: the group also holds segments on this device (partial offload), so the fused kernel
     is taken only if torch has it there as well."""
-    fused_there = also_on is None or also_on.type == "cpu" or (
-        also_on.type == "cuda" and isinstance(optimizer, FUSED_ON_CUDA))
+    fused_there = (
+        also_on is None or also_on.type == "cpu" or (also_on.type == "cuda" and isinstance(optimizer, FUSED_ON_CUDA))
+    )
     if isinstance(optimizer, FUSED_ON_CPU) and fused_there:
         group["fused"], group["foreach"] = True, False
     elif "foreach" in optimizer.defaults:
@@ -117,17 +118,29 @@ def kernel_group(group: dict, decoupled: bool) -> Optional[dict]:
     lr, (beta1, beta2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
     if any(isinstance(x, Tensor) for x in (lr, beta1, beta2, eps, weight_decay)):
         return None
-    return {"lr": float(lr), "beta1": float(beta1), "beta2": float(beta2), "eps": float(eps),
-            "weight_decay": float(weight_decay), "decoupled": bool(group.get("decoupled_weight_decay", decoupled)),
-            "maximize": bool(group.get("maximize", False))}
+    return {
+        "lr": float(lr),
+        "beta1": float(beta1),
+        "beta2": float(beta2),
+        "eps": float(eps),
+        "weight_decay": float(weight_decay),
+        "decoupled": bool(group.get("decoupled_weight_decay", decoupled)),
+        "maximize": bool(group.get("maximize", False)),
+    }
 
 
 class Binding:
     """One optimizer bound to the master segments of its parameters (several optimizers may share an
     engine if their parameters are disjoint, e.g. a GAN's generator and discriminator)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, optimized: dict[int, list[tuple[Tensor, Segment]]],
-                 param_ids: frozenset[int], unit_ids: frozenset[int], given: list[list[Tensor]]) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        optimized: dict[int, list[tuple[Tensor, Segment]]],
+        param_ids: frozenset[int],
+        unit_ids: frozenset[int],
+        given: list[list[Tensor]],
+    ) -> None:
         self.optimizer = optimizer
         self.given = given
         """Per param group: the module's parameters it held before binding (``hand_back`` restores them)."""
@@ -168,8 +181,10 @@ def bind_to_shards(optimizer: torch.optim.Optimizer, module: nn.Module, units: S
             f"The optimizer holds {len(foreign)} tensor(s) that are not parameters of the module; "
             "build the optimizer from self.parameters() in configure_optimizers."
         )
-    given: list[list[Tensor]] = [list({id(q): q for q in (owner_of_view.get(id(p), p) for p in group["params"])}.values())
-                                 for group in optimizer.param_groups]
+    given: list[list[Tensor]] = [
+        list({id(q): q for q in (owner_of_view.get(id(p), p) for p in group["params"])}.values())
+        for group in optimizer.param_groups
+    ]
     new_params: list[list[Tensor]] = [[] for _ in optimizer.param_groups]
     optimized: dict[int, list[tuple[Tensor, Segment]]] = {u.index: [] for u in units}
     param_ids: set[int] = set()
@@ -301,8 +316,17 @@ def _routed_class(cls: type[torch.optim.Optimizer]) -> type:
     def __reduce_ex__(self, protocol: int) -> tuple:
         return (_plain_optimizer, (cls, self.__getstate__()))
 
-    return type(cls.__name__, (cls,), {"zero_grad": zero_grad, "__reduce_ex__": __reduce_ex__,
-                                       "_zeroq_routed": True, "_zeroq_base": cls, "__module__": cls.__module__})
+    return type(
+        cls.__name__,
+        (cls,),
+        {
+            "zero_grad": zero_grad,
+            "__reduce_ex__": __reduce_ex__,
+            "_zeroq_routed": True,
+            "_zeroq_base": cls,
+            "__module__": cls.__module__,
+        },
+    )
 
 
 def _plain_optimizer(cls: type[torch.optim.Optimizer], state: dict) -> torch.optim.Optimizer:

@@ -95,11 +95,15 @@ def register_matrix_optimizer(cls: type, rule: MatrixRule) -> type:
     parameters. Returns ``cls``."""
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         what = f"the class {cls.__name__}" if isinstance(cls, type) else f"an object of type {type(cls).__name__}"
-        raise TypeError(f"register_matrix_optimizer() takes an optimizer class (a subclass of torch.optim.Optimizer) "
-                        f"and its MatrixRule, e.g. register_matrix_optimizer(MyMuon, MyMuonRule()); got {what}.")
+        raise TypeError(
+            f"register_matrix_optimizer() takes an optimizer class (a subclass of torch.optim.Optimizer) "
+            f"and its MatrixRule, e.g. register_matrix_optimizer(MyMuon, MyMuonRule()); got {what}."
+        )
     if not isinstance(rule, MatrixRule):
-        raise TypeError(f"register_matrix_optimizer({cls.__name__}, ...): the rule must be a "
-                        f"lightning_zeroq.MatrixRule (blend, whole, apply); got {type(rule).__name__}.")
+        raise TypeError(
+            f"register_matrix_optimizer({cls.__name__}, ...): the rule must be a "
+            f"lightning_zeroq.MatrixRule (blend, whole, apply); got {type(rule).__name__}."
+        )
     _RULES[cls] = rule
     return cls
 
@@ -132,11 +136,15 @@ def check_whole(rule: MatrixRule, result: Any, param: torch.Tensor, optimizer: t
         return
     name = getattr(param, "_zeroq_name", "a parameter")
     rule_name = type(rule).__name__
-    fix = (f"whole() must return the matrix it is given, transformed, at its shape (the MatrixRule "
-           f"{type(optimizer).__name__} was registered with; lightning_zeroq.register_matrix_optimizer)")
+    fix = (
+        f"whole() must return the matrix it is given, transformed, at its shape (the MatrixRule "
+        f"{type(optimizer).__name__} was registered with; lightning_zeroq.register_matrix_optimizer)"
+    )
     if not isinstance(result, torch.Tensor):
-        raise TypeError(f"{rule_name}.whole() returned a {type(result).__name__} for {name} of shape {expected}, "
-                        f"not a tensor: {fix}")
+        raise TypeError(
+            f"{rule_name}.whole() returned a {type(result).__name__} for {name} of shape {expected}, "
+            f"not a tensor: {fix}"
+        )
     raise ValueError(f"{rule_name}.whole() returned shape {tuple(result.shape)} for {name} of shape {expected}: {fix}")
 
 
@@ -175,8 +183,9 @@ class _Matrix(NamedTuple):
     update: Optional[torch.Tensor]
 
 
-def step_matrices(binding: Any, units: Sequence[Unit], used: Sequence[Any], group: Optional[dist.ProcessGroup],
-                  device: torch.device) -> None:
+def step_matrices(
+    binding: Any, units: Sequence[Unit], used: Sequence[Any], group: Optional[dist.ProcessGroup], device: torch.device
+) -> None:
     """A matrix optimizer's step of ``units`` (the same units, in the same order, on every rank of
     ``group``; ``rule_of`` the optimizer: Muon's or a registered one), from the gradients the caller set
     on the segment views (``view.grad``) of ``binding`` (``binding.Binding``); the views' gradients
@@ -198,9 +207,11 @@ def step_matrices(binding: Any, units: Sequence[Unit], used: Sequence[Any], grou
             if unit.param_id(i) not in binding.param_ids or not used[unit.param_id(i)]:
                 continue  # another optimizer's, or no rank used it: left as torch.optim leaves it
             if param.dim() != 2:
-                raise ValueError(f"{type(optimizer).__name__} steps 2-D parameters only; "
-                                 f"{getattr(param, '_zeroq_name', 'a parameter')} has shape {tuple(param.shape)}: "
-                                 "give it to another optimizer (e.g. AdamW)")
+                raise ValueError(
+                    f"{type(optimizer).__name__} steps 2-D parameters only; "
+                    f"{getattr(param, '_zeroq_name', 'a parameter')} has shape {tuple(param.shape)}: "
+                    "give it to another optimizer (e.g. AdamW)"
+                )
             view, seg = mine.get(i, (None, None))
             hyper = groups[id(param)]
             if view is None or view.grad is None:
@@ -256,13 +267,23 @@ def _cost(shape: tuple[int, ...]) -> int:
     return rows * cols * min(rows, cols)
 
 
-def _to_owners(matrices: list[_Matrix], owner: list[int], rank: int, world: int,
-               group: Optional[dist.ProcessGroup], device: torch.device) -> dict[int, torch.Tensor]:
+def _to_owners(
+    matrices: list[_Matrix],
+    owner: list[int],
+    rank: int,
+    world: int,
+    group: Optional[dist.ProcessGroup],
+    device: torch.device,
+) -> dict[int, torch.Tensor]:
     """Every rank's segments of the blended updates, sent to their owners: this rank's own matrices
     whole (fp32, flat, on ``device``), by position in ``matrices``."""
     by_dest = [[k for k, m in enumerate(matrices) if owner[k] == d and m.update is not None] for d in range(world)]
-    pieces = [update.reshape(-1).to(device, torch.float32) for d in range(world) for k in by_dest[d]
-              if (update := matrices[k].update) is not None]
+    pieces = [
+        update.reshape(-1).to(device, torch.float32)
+        for d in range(world)
+        for k in by_dest[d]
+        if (update := matrices[k].update) is not None
+    ]
     flat_send = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.float32, device=device)
     in_splits = [sum(matrices[k].counts[rank] for k in by_dest[d]) for d in range(world)]
     mine = [k for k in range(len(matrices)) if owner[k] == rank]
@@ -281,8 +302,15 @@ def _to_owners(matrices: list[_Matrix], owner: list[int], rank: int, world: int,
     return wholes
 
 
-def _from_owners(matrices: list[_Matrix], results: dict[int, torch.Tensor], owner: list[int], rank: int,
-                 world: int, group: Optional[dist.ProcessGroup], device: torch.device) -> list[Optional[torch.Tensor]]:
+def _from_owners(
+    matrices: list[_Matrix],
+    results: dict[int, torch.Tensor],
+    owner: list[int],
+    rank: int,
+    world: int,
+    group: Optional[dist.ProcessGroup],
+    device: torch.device,
+) -> list[Optional[torch.Tensor]]:
     """Each owner's results, sent back: this rank's segment of each matrix it holds one of (None where
     it holds none), by position in ``matrices``."""
     pieces = []
