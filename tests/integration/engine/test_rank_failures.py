@@ -27,12 +27,9 @@ def _one_bad_path_body(tmp: str) -> str:
 
 def test_a_failure_on_one_rank_before_a_collective_ends_every_rank(dist_pool, tmp_path):
     # Before: rank 1 raised and rank 0 walked into the first broadcast and waited for the collective
-    # timeout (30 minutes by default).
-    import time
-
-    start = time.monotonic()
+    # timeout (30 minutes by default; the pool's is 60 s, after which rank 0 would raise gloo's timeout,
+    # not the agreed message below). No wall-clock bound: the verdict must not depend on the machine's load.
     messages = dist_pool(2).run(_one_bad_path_body, str(tmp_path))
-    assert time.monotonic() - start < 30
     assert "missing" in messages[1]  # rank 1: its own error, naming its path
     assert "rank(s) [1] failed while building the ZeRO engine" in messages[0] and "missing" in messages[0]
 
