@@ -295,6 +295,9 @@ class Speculation:
     # ------------------------------------------------------------------ on the worker
 
     def _work(self, unit: Unit, grown: int) -> None:
+        earlier = self.done.pop(unit.index, None)
+        if earlier is not None:  # offered again: its earlier step (and the step count it advanced) is dropped first
+            self._undo(earlier)
         with torch.profiler.record_function("zeroq.speculative_step"):
             record = self._speculate(unit)
         if record is not None:

@@ -211,3 +211,29 @@ def _failed_speculation() -> bool:
 
 def test_a_failed_speculative_step_raises_on_the_calling_thread(dist_pool):
     assert dist_pool(1).run(_failed_speculation) == [True]
+
+
+def _train_offered_twice(case: str, speculative: bool):
+    """``_train`` with every unit offered twice in each backward that speculates (as a unit whose gradient grew
+    after its first offer would be): the second speculative step of a unit replaces the first."""
+    from lightning_zeroq.zero.offload.speculative_step import Speculation
+
+    offer = Speculation.offer
+
+    def twice(self, unit) -> None:
+        offer(self, unit)
+        offer(self, unit)
+
+    Speculation.offer = twice  # type: ignore[method-assign]
+    try:
+        return _train(case, speculative)
+    finally:
+        Speculation.offer = offer  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("case", ["s2_bf16", "s3_params_bf16"])
+def test_a_unit_speculated_twice_steps_once(dist_pool, case):
+    """The second speculative step of a unit drops the first (its step count too): what is kept is one step."""
+    for (_, errors_a, counts), (_, errors_b, _) in bitwise_runs(dist_pool(2), _train_offered_twice, case):
+        assert not errors_a and not errors_b
+        assert counts.kept > 0, counts
