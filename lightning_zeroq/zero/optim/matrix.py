@@ -27,7 +27,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_zeroq.ranks import rank_and_size
+from lightning_zeroq.ranks import agree, rank_and_size
 from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.layout import UnitLayout
 from lightning_zeroq.zero.unit import Unit
@@ -235,7 +235,7 @@ def step_matrices(
         results[k] = result.reshape(-1).to(torch.float32)  # exact from bf16 (Muon's) or fp32
     shapes = {tuple(m.param.shape) for m in matrices}
     if not shapes <= checked:  # a shape not seen before: every rank learns whether an owner's result was wrong
-        _agree_on_shapes(failed, group, world)
+        agree([] if failed is None else [f"{type(failed).__name__}: {failed}"], group, _raised_alike, quick=True)
         checked.update(shapes)
     elif failed is not None:
         raise failed
@@ -340,18 +340,10 @@ def _from_owners(
     return updates
 
 
-def _agree_on_shapes(failed: Optional[Exception], group: Optional[dist.ProcessGroup], world: int) -> None:
-    """Every rank raises the first error an owner's check found (the same type and message), or none does."""
-    errors: list[Any] = [None] * world
-    mine = None if failed is None else (type(failed).__name__, str(failed))
-    if world > 1:
-        dist.all_gather_object(errors, mine, group=group)
-    else:
-        errors = [mine]
-    first = next((e for e in errors if e is not None), None)
-    if first is not None:
-        kind = {"TypeError": TypeError, "ValueError": ValueError}[first[0]]
-        raise kind(first[1])
+def _raised_alike(by_rank: list[list[str]]) -> Exception:
+    """The first rank's wrong shape, as the owner's check raised it (``check_whole``: a TypeError or a ValueError)."""
+    kind, _, message = next(error for errors in by_rank for error in errors).partition(": ")
+    return TypeError(message) if kind == "TypeError" else ValueError(message)
 
 
 @functools.lru_cache(maxsize=None)
