@@ -54,6 +54,7 @@ from lightning_zeroq.checkpoint.convert import (
     safetensors_save_file,
     tensor_keys,
 )
+from lightning_zeroq.checkpoint.pretrained import SAFETENSORS_DTYPES
 from lightning_zeroq.checkpoint.store import MODEL_KEY
 from lightning_zeroq.config import SIZE_UNITS
 from lightning_zeroq.nulls import nothing
@@ -238,7 +239,7 @@ class _Base:
             with _safe_open(file) as f:
                 for name in f.keys():
                     piece = f.get_slice(name)
-                    self.meta[name] = (tuple(piece.get_shape()), _SAFETENSORS_DTYPES[piece.get_dtype()])
+                    self.meta[name] = (tuple(piece.get_shape()), SAFETENSORS_DTYPES[piece.get_dtype()])
 
     @staticmethod
     def _names(file: Path) -> list[str]:
@@ -248,20 +249,6 @@ class _Base:
     def read(self, name: str) -> Tensor:
         with _safe_open(self.files[name]) as f:
             return f.get_tensor(name)
-
-
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 
 
 def _safe_open(file: Path) -> Any:
