@@ -247,10 +247,12 @@ def save_engine(
 # ---------------------------------------------------------------------- load
 
 
-def _read_settled(read: Callable[[dict], None], targets: dict, settle: Optional[Callable[[list[str]], object]]) -> None:
-    """``read(targets)``, then ``settle`` (every rank, whatever happened): a read that fails on one rank
+def _read_agreed(
+    read: Callable[[dict], None], targets: dict, agree_errors: Optional[Callable[[list[str]], object]]
+) -> None:
+    """``read(targets)``, then ``agree_errors`` (every rank, whatever happened): a read that fails on one rank
     becomes the error every rank raises, before any rank enters a collective of the engine."""
-    if settle is None:
+    if agree_errors is None:
         read(targets)
         return
     errors = []
@@ -258,7 +260,7 @@ def _read_settled(read: Callable[[dict], None], targets: dict, settle: Optional[
         read(targets)
     except Exception as error:
         errors.append(describe(error))
-    settle(errors)
+    agree_errors(errors)
 
 
 def _value(target: Any) -> Any:
@@ -276,7 +278,7 @@ def load_sharded(
     optimizer_keys: Optional[dict[str, list[str]]] = None,
     param_groups: Optional[list[dict]] = None,
     scalar_target: Callable[[str], Any] = lambda key: BytesTarget(),
-    settle: Optional[Callable[[list[str]], object]] = None,
+    agree_errors: Optional[Callable[[list[str]], object]] = None,
     left_out: frozenset[str] = frozenset(),
 ) -> None:
     """Read this rank's part of every entry, batch by batch of resident units (``read(targets)`` fills
@@ -284,14 +286,14 @@ def load_sharded(
     keys without the model prefix (a tied parameter is read under whichever of its names is there).
     ``optimizer_keys``: name -> state keys in the checkpoint, if the optimizer state is to be loaded;
     ``scalar_target(key)``: what to read a non-per-element state entry into (a 0-d tensor or a
-    ``BytesTarget``, as the checkpoint stores it). ``settle(errors)``: collective, called by every rank
+    ``BytesTarget``, as the checkpoint stores it). ``agree_errors(errors)``: collective, called by every rank
     after each read with what failed there (raises the agreed error on every rank, e.g. ``agree``):
-    every read is settled before the units it filled are published (the engine's collectives), so a
+    every read is agreed on before the units it filled are published (the engine's collectives), so a
     rank whose read fails never leaves the others in a gather. ``left_out``: frozen parameters' names the
     checkpoint lacks on purpose (``frozen_left_out``): not read, they keep the values they have."""
     view = ShardedView(engine.parts, engine.optimizer)
     rest = {model_prefix + k: v for k, v in view.unmanaged().items() if isinstance(v, Tensor) and k not in left_out}
-    _read_settled(read, rest, settle)
+    _read_agreed(read, rest, agree_errors)
     optimizer = view.optimizer if optimizer_keys is not None else None
     per_element = view.per_element_keys()
     for batch in view.load(optimizer=optimizer is not None):
@@ -320,7 +322,7 @@ def load_sharded(
                 else:
                     targets[ckpt_key] = target = scalar_target(ckpt_key)
                     writes.append((lambda value, pv=pv, key=key: pv.write_scalar(key, _value(value)), target))
-        _read_settled(read, targets, settle)
+        _read_agreed(read, targets, agree_errors)
         for write, value in writes:
             write(value)
     if optimizer is not None and param_groups is not None:
@@ -440,7 +442,7 @@ def _read_whole(opened: Opened, entries: list[str], group: Any) -> dict[str, dic
         entry, _, name = key.partition(".")
         if entry in out and isinstance(md, TensorStorageMetadata):
             out[entry][name] = targets[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-    _read_settled(
+    _read_agreed(
         lambda t: read_entries(opened.reader, t),
         targets,
         lambda errs: agree(errs, f"Loading checkpoint {opened.path}", group),
@@ -525,7 +527,7 @@ def _load_opened(
             optimizer_keys=optimizer_keys,
             param_groups=groups,
             scalar_target=scalar_target,
-            settle=lambda errs: agree(errs, f"Loading checkpoint {opened.path}", group),
+            agree_errors=lambda errs: agree(errs, f"Loading checkpoint {opened.path}", group),
             left_out=left_out,
         )
     except CheckpointError:  # agreed: every rank raises it

@@ -959,9 +959,9 @@ def load_pretrained(
                     f"{describe(error)} (the weights are partly loaded: load them again before training)"
                 ) from error
 
-        settle = lambda errs: agree_once(errs, what, group)  # noqa: E731
+        agree_errors = lambda errs: agree_once(errs, what, group)  # noqa: E731
         if engine is not None:
-            load_sharded(engine, read, model_prefix="", stored=set(plan.keys), settle=settle)
+            load_sharded(engine, read, model_prefix="", stored=set(plan.keys), agree_errors=agree_errors)
         else:
             failed = []
             with torch.no_grad():
@@ -969,7 +969,7 @@ def load_pretrained(
                     read(whole)
                 except Exception as error:
                     failed.append(describe(error))
-            settle(failed)
+            agree_errors(failed)
     finally:
         source.close()
     seconds = time.perf_counter() - start

@@ -138,5 +138,5 @@ def load_torch_optimizer_state(
         optimizer_prefix=f"{OPTIMIZER_KEY}.",
         optimizer_keys=keys,
         param_groups=saved,
-        settle=lambda errs: agree(errs, "Loading the optimizer state", group),
+        agree_errors=lambda errs: agree(errs, "Loading the optimizer state", group),
     )
