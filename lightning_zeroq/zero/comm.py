@@ -71,16 +71,7 @@ def all_gather_uneven(output: Tensor, input: Tensor, counts: list[int], group: O
     ``counts[r]`` elements (no padding to the largest): an all-to-all with split sizes, in which each
     rank sends its values to every rank (the same bytes on the wire as a ring all-gather of them)."""
     world = len(counts)
-    if world == 1 or not is_distributed():
-        output.copy_(input)
-        return
-    dist.all_to_all_single(
-        output,
-        input.repeat(world),
-        output_split_sizes=list(counts),
-        input_split_sizes=[input.numel()] * world,
-        group=group,
-    )
+    all_to_all_uneven(output, input.repeat(world) if world > 1 else input, counts, [input.numel()] * world, group)
 
 
 def all_to_all_uneven(

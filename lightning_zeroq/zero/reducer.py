@@ -406,20 +406,15 @@ class Reducer:
 
 def _flat_grads(unit: Unit, dtype: torch.dtype, device: torch.device) -> Tensor:
     """The unit's gradients (``p.grad``) copied into one flat buffer of ``dtype``, zero where a parameter
-    has none, between slots and in the padding: one write of each element, where zeros and then a sum
-    into them write the buffer twice and read it once. A gradient's -0 stays -0 here, where 0 + (-0) made +0; the fp32 gradient shard
-    is made by adding 0 (``Unit.materialize_grad``), and torch.equal and every optimizer step treat the two
-    alike."""
+    has none and in the padding (the slots lie back to back from 0, ``make_layout``): one write of each
+    element, where zeros and then a sum into them write the buffer twice and read it once. A gradient's -0
+    stays -0 here, where 0 + (-0) made +0; the fp32 gradient shard is made by adding 0
+    (``Unit.materialize_grad``), and torch.equal and every optimizer step treat the two alike."""
     flat = torch.empty(unit.layout.padded_numel, dtype=dtype, device=device)
-    end = 0
-    for p, slot in sorted(zip(unit.params, unit.layout.slots), key=lambda pair: pair[1].offset):
-        if slot.offset > end:
-            flat[end : slot.offset].zero_()
+    for p, slot in zip(unit.params, unit.layout.slots):
         if p.grad is None:
             flat[slot.span].zero_()
         else:
             flat[slot.span].copy_(p.grad.reshape(-1))
-        end = max(end, slot.offset + slot.numel)
-    if end < flat.numel():
-        flat[end:].zero_()
+    flat[unit.layout.numel :].zero_()
     return flat

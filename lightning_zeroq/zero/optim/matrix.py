@@ -171,13 +171,12 @@ def is_matrix_optimizer(optimizer: torch.optim.Optimizer) -> bool:
 
 
 class _Matrix(NamedTuple):
-    """One matrix of a step: its parameter, this rank's segment of it (``view``, ``seg``; None where
-    this rank holds none or has no gradient for it), its param group, each rank's element count, and
+    """One matrix of a step: its parameter, this rank's segment of it (``view``; None where this rank
+    holds none or has no gradient for it), its param group, each rank's element count, and
     this rank's blended update of its segment (None: none)."""
 
     param: torch.Tensor
     view: Optional[torch.Tensor]
-    seg: Any
     hyper: dict
     counts: list[int]
     update: Optional[torch.Tensor]
@@ -201,7 +200,7 @@ def step_matrices(
     groups = {id(p): optimizer.param_groups[gi] for gi, given in enumerate(binding.given) for p in given}
     matrices: list[_Matrix] = []
     for unit in sorted(units, key=lambda u: u.index):
-        mine: dict[int, tuple[Any, Any]] = {seg.param: (view, seg) for view, seg in binding.optimized[unit.index]}
+        mine: dict[int, Any] = {seg.param: view for view, seg in binding.optimized[unit.index]}
         counts = _segment_numels(unit.layout)
         for i, param in enumerate(unit.params):
             if unit.param_id(i) not in binding.param_ids or not used[unit.param_id(i)]:
@@ -212,12 +211,12 @@ def step_matrices(
                     f"{getattr(param, '_zeroq_name', 'a parameter')} has shape {tuple(param.shape)}: "
                     "give it to another optimizer (e.g. AdamW)"
                 )
-            view, seg = mine.get(i, (None, None))
+            view = mine.get(i)
             hyper = groups[id(param)]
             if view is None or view.grad is None:
-                view = seg = None
+                view = None
             update = rule.blend(view, view.grad, optimizer.state[view], hyper) if view is not None else None
-            matrices.append(_Matrix(param, view, seg, hyper, counts[i], update))
+            matrices.append(_Matrix(param, view, hyper, counts[i], update))
     if not matrices:
         return
     rank, world = rank_and_size(group)
@@ -242,7 +241,7 @@ def step_matrices(
     updates = _from_owners(matrices, results, owner, rank, world, group, device)
     for m, update in zip(matrices, updates):
         if m.view is not None:
-            assert update is not None and m.seg is not None
+            assert update is not None
             rule.apply(m.view, update.to(m.view.device), m.hyper, m.param.shape)
             m.view.grad = None
 
