@@ -21,6 +21,12 @@
      leaving the inputs as they were, so a step taken before the step's global checks are known is
      undone by dropping its outputs, at no more memory traffic than a step in place.
 
+   Muon's elementwise parts (``zq_muon_blends``, ``zq_muon_applies``) run on the same pool: the momentum
+   blend (torch's ``lerp``, whose vector and scalar forms are one fused multiply-add each, as CUDA's)
+   with the blended update written rounded to bf16 for the device, and the apply (decay, then one fused
+   multiply-add, as torch's ``mul_`` and ``add_(alpha=)``) with the updated parameter also written in
+   bf16. lightning_zeroq/ops/host_adam.py checks both against torch before using them.
+
    Threads: a small pool of its own (pthreads), one call at a time; the caller's thread works too.
    They take the call's elements in chunks of 256Ki (1 MiB of each fp32 array), one after another, so
    a thread that runs late does not hold the others up (``zq_set_chunk``).
@@ -282,7 +288,115 @@ static void run_range(const zq_adam *a, int64_t lo, int64_t hi) {
 }
 #endif
 
+static void adam_range(const void *job, int64_t lo, int64_t hi) { run_range((const zq_adam *)job, lo, hi); }
+
+/* ---- Muon's elementwise parts ---------------------------------------------------------------- */
+
+typedef struct {
+    float *buf;         /* the momentum buffer, updated in place */
+    const float *g;     /* fp32 gradient, or NULL when gh is given */
+    const uint16_t *gh; /* bf16 gradient, or NULL */
+    float *out;         /* the blended update (fp32), or NULL when out_h is given */
+    uint16_t *out_h;    /* the blended update rounded to bf16, or NULL */
+    int64_t n;
+    float gmul;     /* gradient multiplier (1: none), applied first as grad.mul_(gmul) */
+    float w;        /* float(1 - momentum): buf.lerp_(g, w) */
+    float momentum; /* float(momentum): the update g.lerp(buf, momentum) with nesterov, else buf */
+    int nesterov;
+} zq_muon_blend;
+
+typedef struct {
+    float *p;           /* the fp32 master, updated in place */
+    const float *u;     /* the orthogonalized update (fp32), or NULL when uh is given */
+    const uint16_t *uh; /* the same in bf16, or NULL */
+    uint16_t *wh;       /* the updated parameter rounded to bf16, or NULL */
+    int64_t n;
+    float decay;  /* float(1 - lr * weight_decay), applied when ``decays`` */
+    float neg_lr; /* float(-(the learning rate adjusted to the matrix's shape)) */
+    int decays;
+} zq_muon_apply;
+
+/* torch's lerp(start, end, w) with a scalar weight: one rounding of a fused multiply-add, from start
+   for a small weight and from end for a large one (its vector form; its scalar form contracts alike). */
+static inline __attribute__((always_inline)) float lerp_fma(float start, float end, float c, int small) {
+    return fmaf(c, end - start, small ? start : end);
+}
+
+static inline __attribute__((always_inline)) void blend_body(const zq_muon_blend *a, int64_t lo, int64_t hi,
+                                                             int half_in, int nesterov, int half_out) {
+    const float gmul = a->gmul, w = a->w, mom = a->momentum;
+    const int small_w = fabsf(w) < 0.5f, small_m = fabsf(mom) < 0.5f;
+    const float cw = small_w ? w : w - 1.0f, cm = small_m ? mom : mom - 1.0f;
+    float *restrict buf = a->buf;
+    const float *restrict g = a->g;
+    const uint16_t *restrict gh = a->gh;
+    float *restrict out = a->out;
+    uint16_t *restrict out_h = a->out_h;
+    ZQ_NO_ALIAS
+    for (int64_t i = lo; i < hi; i++) {
+        const float gi = (half_in ? from_bf16(gh[i]) : g[i]) * gmul;
+        const float b = lerp_fma(buf[i], gi, cw, small_w);
+        buf[i] = b;
+        const float u = nesterov ? lerp_fma(gi, b, cm, small_m) : b;
+        if (half_out)
+            out_h[i] = to_bf16(u);
+        else
+            out[i] = u;
+    }
+}
+
+static void muon_blend_range(const void *job, int64_t lo, int64_t hi) {
+    const zq_muon_blend *a = (const zq_muon_blend *)job;
+    switch ((a->gh != NULL) * 4 + (a->nesterov != 0) * 2 + (a->out_h != NULL)) {
+    case 0: blend_body(a, lo, hi, 0, 0, 0); return;
+    case 1: blend_body(a, lo, hi, 0, 0, 1); return;
+    case 2: blend_body(a, lo, hi, 0, 1, 0); return;
+    case 3: blend_body(a, lo, hi, 0, 1, 1); return;
+    case 4: blend_body(a, lo, hi, 1, 0, 0); return;
+    case 5: blend_body(a, lo, hi, 1, 0, 1); return;
+    case 6: blend_body(a, lo, hi, 1, 1, 0); return;
+    default: blend_body(a, lo, hi, 1, 1, 1); return;
+    }
+}
+
+static inline __attribute__((always_inline)) void apply_body(const zq_muon_apply *a, int64_t lo, int64_t hi,
+                                                             int half_in, int decays, int half_out) {
+    const float decay = a->decay, neg_lr = a->neg_lr;
+    float *restrict p = a->p;
+    const float *restrict u = a->u;
+    const uint16_t *restrict uh = a->uh;
+    uint16_t *restrict wh = a->wh;
+    ZQ_NO_ALIAS
+    for (int64_t i = lo; i < hi; i++) {
+        float pi = decays ? p[i] * decay : p[i];
+        pi = fmaf(half_in ? from_bf16(uh[i]) : u[i], neg_lr, pi);
+        p[i] = pi;
+        if (half_out) wh[i] = to_bf16(pi);
+    }
+}
+
+static void muon_apply_range(const void *job, int64_t lo, int64_t hi) {
+    const zq_muon_apply *a = (const zq_muon_apply *)job;
+    switch ((a->uh != NULL) * 4 + (a->decays != 0) * 2 + (a->wh != NULL)) {
+    case 0: apply_body(a, lo, hi, 0, 0, 0); return;
+    case 1: apply_body(a, lo, hi, 0, 0, 1); return;
+    case 2: apply_body(a, lo, hi, 0, 1, 0); return;
+    case 3: apply_body(a, lo, hi, 0, 1, 1); return;
+    case 4: apply_body(a, lo, hi, 1, 0, 0); return;
+    case 5: apply_body(a, lo, hi, 1, 0, 1); return;
+    case 6: apply_body(a, lo, hi, 1, 1, 0); return;
+    default: apply_body(a, lo, hi, 1, 1, 1); return;
+    }
+}
+
 /* ---- the pool ------------------------------------------------------------------------------ */
+
+/* One array set of a call: the elements [0, len) of ``job``, in ranges, by ``run``. */
+typedef struct {
+    void (*run)(const void *job, int64_t lo, int64_t hi);
+    const void *job;
+    int64_t len;
+} zq_task;
 
 #define ZQ_MAX_THREADS 256
 
@@ -293,7 +407,7 @@ static pthread_cond_t pool_done = PTHREAD_COND_INITIALIZER;
 static int pool_workers = 0; /* threads started (the caller is one more) */
 static uint64_t pool_generation = 0;
 static int pool_remaining = 0;
-static const zq_adam *pool_jobs = NULL;
+static const zq_task *pool_jobs = NULL;
 static int pool_count = 0;
 static int pool_parts = 1;
 static int64_t pool_call_chunk = 0;
@@ -305,23 +419,23 @@ static int64_t pool_next = 0;        /* the next chunk of this call to take (ato
 
 /* Fixed parts (pool_chunk 0): each array set cut into ``parts`` cache-line (16 float) aligned pieces,
    one per thread. A thread that is descheduled holds the whole call up. */
-static void part_range(const zq_adam *a, int part, int parts, int64_t *lo, int64_t *hi) {
-    const int64_t lines = (a->vec_end + 15) / 16;
+static void part_range(const zq_task *a, int part, int parts, int64_t *lo, int64_t *hi) {
+    const int64_t lines = (a->len + 15) / 16;
     const int64_t per = (lines + parts - 1) / parts;
     int64_t start = (int64_t)part * per * 16, end = start + per * 16;
-    if (start > a->vec_end) start = a->vec_end;
-    if (end > a->vec_end) end = a->vec_end;
+    if (start > a->len) start = a->len;
+    if (end > a->len) end = a->len;
     *lo = start;
     *hi = end;
 }
 
-static int64_t chunks_of(const zq_adam *a, int64_t chunk) { return (a->vec_end + chunk - 1) / chunk; }
+static int64_t chunks_of(const zq_task *a, int64_t chunk) { return (a->len + chunk - 1) / chunk; }
 
 /* Chunks (pool_chunk > 0): every thread takes the next chunk of ``pool_chunk`` elements of the call's
    bodies until none is left, so a thread that runs late (another process, the caller's own thread
    busy elsewhere, an interrupt) leaves its share to the others. The numbers are the same whatever
    the split: each element's update reads and writes that element only. */
-static void run_chunks(const zq_adam *jobs, int count, int64_t chunk) {
+static void run_chunks(const zq_task *jobs, int count, int64_t chunk) {
     int j = 0;
     int64_t before = 0; /* chunks of the jobs before job j */
     for (;;) {
@@ -329,13 +443,13 @@ static void run_chunks(const zq_adam *jobs, int count, int64_t chunk) {
         while (j < count && c >= before + chunks_of(&jobs[j], chunk)) before += chunks_of(&jobs[j++], chunk);
         if (j >= count) return;
         const int64_t lo = (c - before) * chunk;
-        const int64_t hi = lo + chunk < jobs[j].vec_end ? lo + chunk : jobs[j].vec_end;
-        run_range(&jobs[j], lo, hi);
+        const int64_t hi = lo + chunk < jobs[j].len ? lo + chunk : jobs[j].len;
+        jobs[j].run(jobs[j].job, lo, hi);
     }
 }
 
 /* Thread ``part``'s share of every job. */
-static void run_part(const zq_adam *jobs, int count, int part, int parts, int64_t chunk) {
+static void run_part(const zq_task *jobs, int count, int part, int parts, int64_t chunk) {
     if (chunk > 0) {
         run_chunks(jobs, count, chunk);
         return;
@@ -343,7 +457,7 @@ static void run_part(const zq_adam *jobs, int count, int part, int parts, int64_
     for (int j = 0; j < count; j++) {
         int64_t lo, hi;
         part_range(&jobs[j], part, parts, &lo, &hi);
-        if (lo < hi) run_range(&jobs[j], lo, hi);
+        if (lo < hi) jobs[j].run(jobs[j].job, lo, hi);
     }
 }
 
@@ -363,7 +477,7 @@ static void *worker(void *arg) {
         pthread_mutex_lock(&pool_lock);
         while (pool_generation == seen) pthread_cond_wait(&pool_wake, &pool_lock);
         seen = pool_generation;
-        const zq_adam *jobs = pool_jobs;
+        const zq_task *jobs = pool_jobs;
         const int count = pool_count, parts = pool_parts;
         const int64_t chunk = pool_call_chunk;
         pthread_mutex_unlock(&pool_lock);
@@ -422,24 +536,23 @@ int zq_set_stream_half(int on) {
     return 0;
 }
 
-/* One step over ``count`` array sets with ``threads`` threads (the caller's included): one wake-up of
-   the pool for all of them. Returns 0, or -1 when a thread could not be started (nothing was written). */
-int zq_adam_steps(const zq_adam *jobs, int count, int threads) {
+/* ``count`` tasks with ``threads`` threads (the caller's included): one wake-up of the pool for all
+   of them. Called with call_lock held. Returns 0, or -1 when a thread could not be started (nothing
+   was written). */
+static int run_tasks(const zq_task *tasks, int count, int threads) {
     int64_t total = 0;
-    for (int j = 0; j < count; j++) total += jobs[j].vec_end;
+    for (int j = 0; j < count; j++) total += tasks[j].len;
     if (threads < 1) threads = 1;
     if (threads > ZQ_MAX_THREADS) threads = ZQ_MAX_THREADS;
     /* Small work: the pool's wake-up would cost more than it saves. */
     if (total < (int64_t)threads * 16384) threads = (int)(total / 16384) + 1;
-    pthread_mutex_lock(&call_lock);
     if (threads > 1) {
         pthread_mutex_lock(&pool_lock);
         if (grow_pool(threads - 1) != 0) {
             pthread_mutex_unlock(&pool_lock);
-            pthread_mutex_unlock(&call_lock);
             return -1;
         }
-        pool_jobs = jobs;
+        pool_jobs = tasks;
         pool_count = count;
         pool_parts = threads;
         pool_call_chunk = pool_chunk;
@@ -449,15 +562,61 @@ int zq_adam_steps(const zq_adam *jobs, int count, int threads) {
         pthread_cond_broadcast(&pool_wake);
         pthread_mutex_unlock(&pool_lock);
     }
-    run_part(jobs, count, 0, threads, threads > 1 ? pool_call_chunk : 0);
+    run_part(tasks, count, 0, threads, threads > 1 ? pool_call_chunk : 0);
     if (threads > 1) {
         pthread_mutex_lock(&pool_lock);
         while (pool_remaining > 0) pthread_cond_wait(&pool_done, &pool_lock);
         pthread_mutex_unlock(&pool_lock);
     }
-    for (int j = 0; j < count; j++) tail(&jobs[j]);
-    pthread_mutex_unlock(&call_lock);
     return 0;
+}
+
+/* The tasks of ``count`` jobs of ``size`` bytes each, run by ``run`` over ``len(job)`` elements. */
+static int run_jobs(const void *jobs, size_t size, int count, int threads,
+                    void (*run)(const void *, int64_t, int64_t), int64_t (*len)(const void *)) {
+    if (count <= 0) return 0;
+    zq_task stack[64] = {{0}};
+    zq_task *tasks = count <= 64 ? stack : (zq_task *)malloc(sizeof(zq_task) * (size_t)count);
+    if (tasks == NULL) return -1;
+    for (int j = 0; j < count; j++) {
+        const void *job = (const char *)jobs + (size_t)j * size;
+        tasks[j] = (zq_task){run, job, len(job)};
+    }
+    const int done = run_tasks(tasks, count, threads);
+    if (tasks != stack) free(tasks);
+    return done;
+}
+
+static int64_t adam_len(const void *job) { return ((const zq_adam *)job)->vec_end; }
+static int64_t blend_len(const void *job) { return ((const zq_muon_blend *)job)->n; }
+static int64_t apply_len(const void *job) { return ((const zq_muon_apply *)job)->n; }
+
+/* One step over ``count`` array sets with ``threads`` threads (the caller's included): one wake-up of
+   the pool for all of them. Returns 0, or -1 when a thread could not be started (nothing was written). */
+int zq_adam_steps(const zq_adam *jobs, int count, int threads) {
+    pthread_mutex_lock(&call_lock);
+    const int done = run_jobs(jobs, sizeof(zq_adam), count, threads, adam_range, adam_len);
+    if (done == 0)
+        for (int j = 0; j < count; j++) tail(&jobs[j]);
+    pthread_mutex_unlock(&call_lock);
+    return done;
+}
+
+/* Muon's momentum blend over ``count`` array sets (every element in the fused form: no tail). Returns
+   0, or -1 when a thread could not be started (nothing was written). */
+int zq_muon_blends(const zq_muon_blend *jobs, int count, int threads) {
+    pthread_mutex_lock(&call_lock);
+    const int done = run_jobs(jobs, sizeof(zq_muon_blend), count, threads, muon_blend_range, blend_len);
+    pthread_mutex_unlock(&call_lock);
+    return done;
+}
+
+/* Muon's apply of the orthogonalized updates over ``count`` array sets. Returns as zq_muon_blends. */
+int zq_muon_applies(const zq_muon_apply *jobs, int count, int threads) {
+    pthread_mutex_lock(&call_lock);
+    const int done = run_jobs(jobs, sizeof(zq_muon_apply), count, threads, muon_apply_range, apply_len);
+    pthread_mutex_unlock(&call_lock);
+    return done;
 }
 
 /* ---- the host's memory bandwidth ------------------------------------------------------------- */

@@ -74,6 +74,34 @@ class _Job(ctypes.Structure):
     ]
 
 
+class _MuonBlend(ctypes.Structure):
+    _fields_ = [
+        ("buf", _F),
+        ("g", _F),
+        ("gh", _H),
+        ("out", _F),
+        ("out_h", _H),
+        ("n", ctypes.c_int64),
+        ("gmul", ctypes.c_float),
+        ("w", ctypes.c_float),
+        ("momentum", ctypes.c_float),
+        ("nesterov", ctypes.c_int),
+    ]
+
+
+class _MuonApply(ctypes.Structure):
+    _fields_ = [
+        ("p", _F),
+        ("u", _F),
+        ("uh", _H),
+        ("wh", _H),
+        ("n", ctypes.c_int64),
+        ("decay", ctypes.c_float),
+        ("neg_lr", ctypes.c_float),
+        ("decays", ctypes.c_int),
+    ]
+
+
 def _pointer(t: Optional[Tensor], kind=_F):
     return None if t is None else ctypes.cast(t.data_ptr(), kind)
 
@@ -93,7 +121,13 @@ class HostAdam:
         lib.zq_set_stream_half.restype = ctypes.c_int
         lib.zq_triad.argtypes = [_F, _F, _F, ctypes.c_float, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
         lib.zq_triad.restype = ctypes.c_int
+        lib.zq_muon_blends.argtypes = [ctypes.POINTER(_MuonBlend), ctypes.c_int, ctypes.c_int]
+        lib.zq_muon_blends.restype = ctypes.c_int
+        lib.zq_muon_applies.argtypes = [ctypes.POINTER(_MuonApply), ctypes.c_int, ctypes.c_int]
+        lib.zq_muon_applies.restype = ctypes.c_int
         self.flags, self.width = 0, 16
+        self.muon = False
+        """Whether Muon's parts step bitwise as torch's ops do here (checked at load: ``_load``)."""
 
     def step(
         self,
@@ -182,6 +216,86 @@ class HostAdam:
             flags,
         )
 
+    def muon_blend(
+        self,
+        buf: Tensor,
+        grad: Tensor,
+        out: Tensor,
+        *,
+        momentum: float,
+        nesterov: bool,
+        gmul: float = 1.0,
+    ) -> _MuonBlend:
+        """Muon's momentum blend of one tensor, for ``run_muon``: as ``g = grad.float().mul_(gmul)``,
+        ``buf.lerp_(g, 1 - momentum)``, then ``out.copy_(g.lerp(buf, momentum) if nesterov else buf)``
+        (``out``: float32, or bfloat16 to receive the update rounded as a cast rounds). ``grad`` (float32
+        or bfloat16) is not written. Contiguous CPU tensors of one size, not overlapping, kept until the run."""
+        n = buf.numel()
+        _check_job(
+            "muon_blend",
+            [(buf, (torch.float32,)), (grad, (torch.float32, torch.bfloat16)), (out, (torch.float32, torch.bfloat16))],
+            n,
+        )
+        half_in, half_out = grad.dtype == torch.bfloat16, out.dtype == torch.bfloat16
+        return _MuonBlend(
+            _pointer(buf),
+            None if half_in else _pointer(grad),
+            _pointer(grad, _H) if half_in else None,
+            None if half_out else _pointer(out),
+            _pointer(out, _H) if half_out else None,
+            n,
+            gmul,
+            1 - momentum,
+            momentum,
+            int(nesterov),
+        )
+
+    def muon_apply(
+        self,
+        param: Tensor,
+        update: Tensor,
+        *,
+        lr: float,
+        weight_decay: float,
+        adjusted_lr: float,
+        working: Optional[Tensor] = None,
+    ) -> _MuonApply:
+        """Muon's apply of one tensor's orthogonalized ``update`` (float32 or bfloat16), for ``run_muon``:
+        as ``param.mul_(1 - lr * weight_decay)`` then ``param.add_(update, alpha=-adjusted_lr)``;
+        ``working`` (bfloat16) receives the updated parameter rounded as a cast rounds."""
+        n = param.numel()
+        _check_job(
+            "muon_apply",
+            [
+                (param, (torch.float32,)),
+                (update, (torch.float32, torch.bfloat16)),
+                *([(working, (torch.bfloat16,))] if working is not None else []),
+            ],
+            n,
+        )
+        half = update.dtype == torch.bfloat16
+        return _MuonApply(
+            _pointer(param),
+            None if half else _pointer(update),
+            _pointer(update, _H) if half else None,
+            _pointer(working, _H),
+            n,
+            1 - lr * weight_decay,
+            -adjusted_lr,
+            int(weight_decay != 0),
+        )
+
+    def run_muon(self, jobs: Sequence[Any], threads: Optional[int] = None) -> None:
+        """Run Muon blend or apply ``jobs`` (all of one kind) as ``run`` runs Adam's."""
+        if not jobs:
+            return
+        kind = type(jobs[0])
+        if any(type(job) is not kind for job in jobs):
+            raise ValueError("host_adam.run_muon: blends and applies go in separate calls")
+        call = self.lib.zq_muon_blends if kind is _MuonBlend else self.lib.zq_muon_applies
+        if call((kind * len(jobs))(*jobs), len(jobs), threads or torch.get_num_threads()) != 0:
+            raise RuntimeError("host_adam: a thread of the host step could not be started")
+
     def set_chunk(self, elements: int) -> None:
         """How the threads share a call's elements: chunks of ``elements`` (a positive multiple of 16)
         taken one after another (the default, 262144), or ``0``: one fixed part per thread. Results
@@ -228,6 +342,22 @@ class HostAdam:
         array = (ctypes.c_int * max(1, len(cpus)))(*cpus)
         if self.lib.zq_bind(array, len(cpus)) != 0:
             raise ValueError(f"host_adam.bind: {len(cpus)} cpus, at most 256")
+
+
+def _check_job(what: str, tensors: Sequence[tuple[Tensor, tuple[torch.dtype, ...]]], n: int) -> None:
+    for tensor, dtypes in tensors:
+        if (
+            tensor.dtype not in dtypes
+            or tensor.device.type != "cpu"
+            or not tensor.is_contiguous()
+            or tensor.numel() != n
+        ):
+            raise ValueError(
+                f"host_adam.{what} needs contiguous CPU tensors of one size ({n} elements); got one of "
+                f"{tensor.dtype} with {tensor.numel()} elements on {tensor.device} (dtypes here: "
+                f"{', '.join(str(d) for d in dtypes)})"
+            )
+    _disjoint([t for t, _ in tensors])
 
 
 def _disjoint(tensors: Sequence[Tensor]) -> None:
@@ -302,6 +432,35 @@ def _matches(kernel: HostAdam, sizes: Sequence[int], gen: torch.Generator) -> bo
     return True
 
 
+def _muon_matches(kernel: HostAdam, gen: torch.Generator) -> bool:
+    """Whether the kernel's Muon parts give torch's ops' bits here (every input and output dtype, both
+    weights of the lerp, with and without Nesterov, decay and a multiplier; sizes with torch's tails)."""
+    for n, (momentum, nesterov, gmul, wd, half_in, half_out) in itertools.product(
+        (4096, 4096 + 37, 5),
+        [(0.95, True, 1.0, 0.1, True, True), (0.3, False, 0.5, 0.0, False, False), (0.6, True, 3.0, 0.2, True, False)],
+    ):
+        buf, grad, param = torch.randn(n, generator=gen), torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+        grad = grad.bfloat16() if half_in else grad
+        out = torch.empty(n, dtype=torch.bfloat16 if half_out else torch.float32)
+        ours = buf.clone()
+        kernel.run_muon([kernel.muon_blend(ours, grad, out, momentum=momentum, nesterov=nesterov, gmul=gmul)], 1)
+        g = grad.float().mul_(gmul)
+        buf.lerp_(g, 1 - momentum)
+        expected = (g.lerp(buf, momentum) if nesterov else buf).to(out.dtype)
+        if not (torch.equal(ours, buf) and torch.equal(out, expected)):
+            return False
+        lr, adjusted = 0.02, 0.02 * 1.7
+        working = torch.empty(n, dtype=torch.bfloat16)
+        mine = param.clone()
+        kernel.run_muon(
+            [kernel.muon_apply(mine, out, lr=lr, weight_decay=wd, adjusted_lr=adjusted, working=working)], 1
+        )
+        param.mul_(1 - lr * wd).add_(out, alpha=-adjusted)
+        if not (torch.equal(mine, param) and torch.equal(working, param.bfloat16())):
+            return False
+    return True
+
+
 def _calibrate(kernel: HostAdam) -> Optional[tuple[int, int]]:
     """The variant (flags, torch's vector width) that steps bitwise as torch does here (``kernel``: the
     probe build), or None."""
@@ -371,6 +530,11 @@ def _load() -> tuple[Optional[HostAdam], str]:
     kernel.flags, kernel.width = flags, width
     if not _matches(kernel, (4096, width + width - 1, 3), torch.Generator().manual_seed(1)):
         return None, "its build with the variant fixed does not step as torch's fused kernel does"
+    kernel.muon = _muon_matches(kernel, torch.Generator().manual_seed(2))
+    if not kernel.muon:
+        log.info(
+            "lightning_zeroq: the host kernel's Muon parts do not match torch's ops here; offloaded Muon steps with torch's ops"
+        )
     return kernel, ""
 
 

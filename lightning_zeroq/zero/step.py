@@ -170,6 +170,15 @@ def step_in(
     mine = [u for u in units if u.index in binding.unit_ids]
     optimizer_ran = False
     for batch in placement.step_batches(mine):
+        if is_matrix_optimizer(binding.optimizer):  # Muon: each matrix whole (``optim/matrix.py``)
+            optimizer_ran = True
+            with torch.profiler.record_function("zeroq.optimizer_step"):
+                step_matrices(binding, batch, used_ids, placement, gatherer.wire.group, gatherer.device)
+                one_step.step()
+            with torch.profiler.record_function("zeroq.publish"):
+                for unit in batch:
+                    gatherer.publish(unit)
+            continue
         with torch.profiler.record_function("zeroq.optimizer_step"):
             stepped_here = placement.step_batch(batch, binding, used_ids)
         if stepped_here:
@@ -184,8 +193,6 @@ def step_in(
                 if used_ids[unit.param_id(seg.param)]:
                     view.grad = grad[seg.shard_span]
         with torch.profiler.record_function("zeroq.optimizer_step"):
-            if is_matrix_optimizer(binding.optimizer):  # Muon: each matrix whole (``optim/matrix.py``)
-                step_matrices(binding, batch, used_ids, gatherer.wire.group, gatherer.device)
             one_step.step()
         for unit in batch:
             for view, _ in binding.optimized[unit.index]:

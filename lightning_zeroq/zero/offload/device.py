@@ -22,6 +22,7 @@ from lightning_zeroq.zero.unit import Unit
 if TYPE_CHECKING:
     import torch.distributed as dist
 
+    from lightning_zeroq.ops.host_adam import HostAdam
     from lightning_zeroq.zero.offload.stores import ShardStore
     from lightning_zeroq.zero.optim.binding import Binding
 
@@ -82,6 +83,12 @@ class OptimizerHome:
 
     def step_grad(self, unit: Unit) -> Tensor:
         return unit.grad
+
+    def matrix_grad(self, unit: Unit) -> tuple[Tensor, float]:
+        return self.step_grad(unit), 1.0
+
+    def host_kernel(self, unit: Unit) -> Optional["HostAdam"]:
+        return None
 
     def scale_grads(self, unit: Unit, spans: Sequence[slice], multiplier: float) -> None:
         grad = self.step_grad(unit)

@@ -43,7 +43,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_zeroq.ops.host_adam import host_adam
+from lightning_zeroq.ops.host_adam import HostAdam, host_adam
 from lightning_zeroq.zero.offload.device import OptimizerHome
 from lightning_zeroq.zero.offload.host_grads import GradientLanding, wait_event
 from lightning_zeroq.zero.offload.host_kernel import KernelSteps, set_host_step_threads
@@ -51,6 +51,7 @@ from lightning_zeroq.zero.offload.host_worker import HostWorker
 from lightning_zeroq.zero.offload.speculative_step import Speculation
 from lightning_zeroq.zero.offload.stores import HostStore, ShardStore, copy_cast_to_device, host_copy
 from lightning_zeroq.zero.optim.binding import Binding, adam_kind, prefer_fast_host_step
+from lightning_zeroq.zero.optim.matrix import is_matrix_optimizer
 from lightning_zeroq.zero.unit import Unit
 
 
@@ -109,7 +110,7 @@ class HostOptimizer(OptimizerHome):
             for group in optimizer.param_groups:
                 prefer_fast_host_step(optimizer, group, self.also_on)
         set_host_step_threads(self.world_size)
-        kernel = host_adam() if any(adam_kind(o) is not None for o in optimizers) else None
+        kernel = host_adam() if any(adam_kind(o) is not None or is_matrix_optimizer(o) for o in optimizers) else None
         if kernel is None:
             self.kernel = None
         elif self.kernel is None:
@@ -204,6 +205,20 @@ class HostOptimizer(OptimizerHome):
         if owed is not None:
             grad.mul_(owed)
         return grad
+
+    def matrix_grad(self, unit: Unit) -> tuple[Tensor, float]:
+        """With the kernel's Muon parts, the gradient as it landed (bf16 where it crossed so) and the
+        multiplier it owes, which the kernel applies as it reads; else ``step_grad``'s."""
+        if self.kernel is None or not self.kernel.kernel.muon:
+            return self.step_grad(unit), 1.0
+        self.abandon_speculation()
+        self.worker.wait()
+        grad = self._kernel_grad(unit)
+        self.landing.half.discard(unit.index)  # read here, as the Adam kernel's step reads it
+        return grad, self.multiplier.pop(unit.index, 1.0)
+
+    def host_kernel(self, unit: Unit) -> Optional[HostAdam]:
+        return self.kernel.kernel if self.kernel is not None else None
 
     def scale_grads(self, unit: Unit, spans: Sequence[slice], multiplier: float) -> None:
         if self.kernel is not None and list(spans) == [slice(None)] and unit.index not in self.multiplier:

@@ -28,6 +28,7 @@ from torch import Tensor
 from lightning_zeroq.zero.unit import Unit
 
 if TYPE_CHECKING:
+    from lightning_zeroq.ops.host_adam import HostAdam
     from lightning_zeroq.zero.optim.binding import Binding
 
 
@@ -93,3 +94,10 @@ class Updater(Protocol):
         """Step ``batch`` here (True), or leave it to the optimizer's own ``step()`` (False)."""
 
     def step_grad(self, unit: Unit) -> Tensor: ...
+
+    def matrix_grad(self, unit: Unit) -> tuple[Tensor, float]:
+        """A matrix optimizer's read of the unit's gradient: as it is kept (bf16 as it landed, where the
+        host kernel reads it) and the multiplier it still owes (``optim.matrix.MatrixSource``)."""
+
+    def host_kernel(self, unit: Unit) -> Optional["HostAdam"]:
+        """The host kernel that steps the unit's segments on the host, if any."""

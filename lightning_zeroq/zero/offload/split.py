@@ -21,6 +21,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
+from lightning_zeroq.ops.host_adam import HostAdam
 from lightning_zeroq.zero.layout import UnitLayout
 from lightning_zeroq.zero.offload.device import OptimizerHome
 from lightning_zeroq.zero.offload.host import HostOptimizer
@@ -123,6 +124,12 @@ class SplitOptimizer(OptimizerHome):
 
     def step_grad(self, unit: Unit) -> Tensor:
         return self._of(unit).step_grad(unit)
+
+    def matrix_grad(self, unit: Unit) -> tuple[Tensor, float]:
+        return self._of(unit).matrix_grad(unit)
+
+    def host_kernel(self, unit: Unit) -> Optional[HostAdam]:
+        return self._of(unit).host_kernel(unit)
 
     def scale_grads(self, unit: Unit, spans: Sequence[slice], multiplier: float) -> None:
         self._of(unit).scale_grads(unit, spans, multiplier)

@@ -22,11 +22,12 @@ elementwise blend, its whole-matrix transform, its elementwise apply); Muon is o
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
+from lightning_zeroq.ops.host_adam import HostAdam
 from lightning_zeroq.ranks import agree, rank_and_size
 from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.layout import UnitLayout
@@ -59,6 +60,12 @@ class MatrixRule:
     def apply(self, view: torch.Tensor, update: torch.Tensor, group: dict, shape: torch.Size) -> None:
         raise NotImplementedError
 
+    def wire(self) -> torch.dtype:
+        """The dtype the blended segments travel in to the matrix's owner and the results travel back in:
+        float32, unless ``whole()`` rounds its input to a narrower dtype first and returns that dtype, so
+        that rounding before the journey gives the same bits in half the bytes (Muon's)."""
+        return torch.float32
+
 
 class MuonRule(MatrixRule):
     """``torch.optim.Muon``: the momentum (and Nesterov's blend) elementwise, torch's own Newton-Schulz
@@ -76,6 +83,13 @@ class MuonRule(MatrixRule):
         parts = _muon_parts()  # looked up at each call: the tests replace torch's iteration
         assert parts is not None  # matrix_optimizers() offers Muon only with them
         return parts[0](matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
+
+    def wire(self) -> torch.dtype:
+        """bfloat16 with torch's own iteration, which rounds its input to bfloat16 first and returns
+        bfloat16 (``test_torchs_iteration_reads_and_returns_bfloat16`` holds torch to it); float32
+        where the iteration was replaced (the parity tests run it in fp32)."""
+        parts = _muon_parts()
+        return torch.bfloat16 if parts is not None and parts[0] is _TORCH_ITERATION else torch.float32
 
     def apply(self, view: torch.Tensor, update: torch.Tensor, group: dict, shape: torch.Size) -> None:
         parts = _muon_parts()
@@ -157,6 +171,14 @@ def _muon_parts_available() -> bool:
     return True
 
 
+_TORCH_ITERATION: Any = None
+"""torch's own Newton-Schulz function, as imported here (the tests may replace the module's later)."""
+try:
+    from torch.optim._muon import _zeropower_via_newtonschulz as _TORCH_ITERATION
+except ImportError:
+    pass
+
+
 def _muon_parts() -> Optional[tuple[Any, Any]]:
     """torch's own Newton-Schulz iteration and learning-rate adjustment (None where this torch lacks them)."""
     if not _muon_parts_available():
@@ -172,36 +194,60 @@ def is_matrix_optimizer(optimizer: torch.optim.Optimizer) -> bool:
 
 class _Matrix(NamedTuple):
     """One matrix of a step: its parameter, this rank's segment of it (``view``; None where this rank
-    holds none or has no gradient for it), its param group, each rank's element count, and
-    this rank's blended update of its segment (None: none)."""
+    holds none or has no gradient for it) with its gradient and the multiplier that gradient still owes,
+    its param group, and each rank's element count."""
 
     param: torch.Tensor
     view: Optional[torch.Tensor]
+    grad: Optional[torch.Tensor]
+    gmul: float
     hyper: dict
     counts: list[int]
-    update: Optional[torch.Tensor]
+
+
+class MatrixSource(Protocol):
+    """Where a matrix step reads a unit's gradient (the placement's ``Updater`` role)."""
+
+    def matrix_grad(self, unit: Unit) -> tuple[torch.Tensor, float]:
+        """The unit's gradient shard as the optimizer reads it (fp32, or bf16 for the host kernel) and the
+        multiplier it still owes (unscaling and clipping: 1.0 when none)."""
+
+    def host_kernel(self, unit: Unit) -> Optional[HostAdam]:
+        """The host kernel that steps the unit's segments where they live on the host, if any."""
 
 
 def step_matrices(
-    binding: Any, units: Sequence[Unit], used: Sequence[Any], group: Optional[dist.ProcessGroup], device: torch.device
+    binding: Any,
+    units: Sequence[Unit],
+    used: Sequence[Any],
+    source: MatrixSource,
+    group: Optional[dist.ProcessGroup],
+    device: torch.device,
 ) -> None:
     """A matrix optimizer's step of ``units`` (the same units, in the same order, on every rank of
-    ``group``; ``rule_of`` the optimizer: Muon's or a registered one), from the gradients the caller set
-    on the segment views (``view.grad``) of ``binding`` (``binding.Binding``); the views' gradients
-    are cleared.
+    ``group``; ``rule_of`` the optimizer: Muon's or a registered one), from the gradients ``source``
+    gives (``matrix_grad``).
 
     Each matrix is made whole and transformed once, by its owner (``owners``): every rank sends its
     segments of the blended update to their matrices' owners in one all-to-all, each owner transforms
     its matrices, and sends each rank its segments of the results in a second. A matrix's whole is
-    the same input wherever it is transformed, so the result is the one every rank would compute."""
+    the same input wherever it is transformed, so the result is the one every rank would compute.
+
+    Segments on the host (optimizer offload) blend into one buffer (pinned where a GPU copies it) that
+    crosses to ``device`` in one copy, in the dtype ``whole()`` reads (``MatrixRule.wire``: bf16 for
+    torch's Muon iteration), and the results come back in one copy. Muon's elementwise parts there run
+    in the host kernel (``ops.host_adam``: torch's ops' bits, in one pass each, reading the gradient as it
+    landed), else with torch's ops."""
     optimizer = binding.optimizer
     rule = rule_of(optimizer)
     checked = _SHAPES_CHECKED.setdefault(id(rule), (rule, set()))[1]
     groups = {id(p): optimizer.param_groups[gi] for gi, given in enumerate(binding.given) for p in given}
     matrices: list[_Matrix] = []
+    kernel: Optional[HostAdam] = None
     for unit in sorted(units, key=lambda u: u.index):
-        mine: dict[int, Any] = {seg.param: view for view, seg in binding.optimized[unit.index]}
+        mine: dict[int, Any] = {seg.param: (view, seg) for view, seg in binding.optimized[unit.index]}
         counts = _segment_numels(unit.layout)
+        grad, gmul = None, 1.0
         for i, param in enumerate(unit.params):
             if unit.param_id(i) not in binding.param_ids or not used[unit.param_id(i)]:
                 continue  # another optimizer's, or no rank used it: left as torch.optim leaves it
@@ -211,17 +257,21 @@ def step_matrices(
                     f"{getattr(param, '_zeroq_name', 'a parameter')} has shape {tuple(param.shape)}: "
                     "give it to another optimizer (e.g. AdamW)"
                 )
-            view = mine.get(i)
-            hyper = groups[id(param)]
-            if view is None or view.grad is None:
-                view = None
-            update = rule.blend(view, view.grad, optimizer.state[view], hyper) if view is not None else None
-            matrices.append(_Matrix(param, view, hyper, counts[i], update))
+            view, seg = mine.get(i, (None, None))
+            if view is not None and grad is None:
+                grad, gmul = source.matrix_grad(unit)
+                kernel = kernel or source.host_kernel(unit)
+            g = grad[seg.shard_span] if view is not None and grad is not None else None
+            matrices.append(_Matrix(param, view, g, gmul, groups[id(param)], counts[i]))
     if not matrices:
         return
     rank, world = rank_and_size(group)
     owner = owners([tuple(m.param.shape) for m in matrices], world, first=min(u.index for u in units))
-    wholes = _to_owners(matrices, owner, rank, world, group, device)
+    wire = rule.wire()
+    home = next((m.view.device for m in matrices if m.view is not None), device)
+    fused = kernel is not None and kernel.muon and type(rule) is MuonRule and home.type == "cpu"
+    send = _blend(rule, matrices, owner, rank, world, wire, home, device, optimizer, kernel if fused else None)
+    wholes = _to_owners(send.to(device, non_blocking=True), matrices, owner, rank, world, group, device, wire)
     results: dict[int, torch.Tensor] = {}
     failed: Optional[Exception] = None
     for k, whole in wholes.items():
@@ -231,19 +281,86 @@ def step_matrices(
         except (TypeError, ValueError) as error:
             failed = failed or error
             continue
-        results[k] = result.reshape(-1).to(torch.float32)  # exact from bf16 (Muon's) or fp32
+        results[k] = result.reshape(-1).to(wire)  # exact: Muon's result is bf16, a registered rule's fp32
     shapes = {tuple(m.param.shape) for m in matrices}
     if not shapes <= checked:  # a shape not seen before: every rank learns whether an owner's result was wrong
         agree([] if failed is None else [f"{type(failed).__name__}: {failed}"], group, _raised_alike, quick=True)
         checked.update(shapes)
     elif failed is not None:
         raise failed
-    updates = _from_owners(matrices, results, owner, rank, world, group, device)
-    for m, update in zip(matrices, updates):
-        if m.view is not None:
-            assert update is not None
+    received, at = _from_owners(matrices, results, owner, rank, world, group, device, wire)
+    back = received
+    if home != device:  # the results cross back in one copy, then the host waits for it
+        back = _buffer(received.numel(), wire, home, pin=device.type == "cuda")
+        back.copy_(received, non_blocking=True)
+        torch.cuda.current_stream(device).synchronize()
+    applies = []
+    for k, m in enumerate(matrices):
+        if m.view is None:
+            continue
+        update = back[at[k] : at[k] + m.view.numel()]
+        if fused:
+            assert kernel is not None
+            lr, wd = float(m.hyper["lr"]), float(m.hyper["weight_decay"])
+            adjusted = _muon_parts()[1](lr, m.hyper["adjust_lr_fn"], m.param.shape)  # type: ignore[index]
+            applies.append(kernel.muon_apply(m.view, update, lr=lr, weight_decay=wd, adjusted_lr=adjusted))
+        else:
             rule.apply(m.view, update.to(m.view.device), m.hyper, m.param.shape)
-            m.view.grad = None
+    if applies:
+        assert kernel is not None
+        kernel.run_muon(applies)  # back and the views outlive the call
+
+
+def _buffer(n: int, dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
+    """A buffer of ``n`` elements on ``device``, pinned where asked (a GPU copies to or from it)."""
+    return torch.empty(n, dtype=dtype, device=device, pin_memory=pin and device.type == "cpu")
+
+
+def _blend(
+    rule: MatrixRule,
+    matrices: list[_Matrix],
+    owner: list[int],
+    rank: int,
+    world: int,
+    wire: torch.dtype,
+    home: torch.device,
+    device: torch.device,
+    optimizer: torch.optim.Optimizer,
+    kernel: Optional[HostAdam],
+) -> torch.Tensor:
+    """This rank's blended segments, in ``wire`` dtype, in one buffer on the segments' side (``home``),
+    ordered by their matrices' owners (rank 0's first), as ``_to_owners`` sends them. ``kernel``: Muon's
+    blend in the host kernel, one call for all segments; else the rule's ``blend`` with torch's ops."""
+    order = [k for d in range(world) for k, m in enumerate(matrices) if owner[k] == d and m.view is not None]
+    send = _buffer(sum(matrices[k].counts[rank] for k in order), wire, home, pin=device.type == "cuda")
+    jobs, at = [], 0
+    for k in order:
+        m = matrices[k]
+        assert m.view is not None and m.grad is not None
+        n = m.view.numel()
+        state = optimizer.state[m.view]
+        if kernel is not None:
+            if "momentum_buffer" not in state:  # as MuonRule.blend makes it
+                state["momentum_buffer"] = torch.zeros_like(m.view)
+            momentum, nesterov = float(m.hyper["momentum"]), bool(m.hyper["nesterov"])
+            jobs.append(
+                kernel.muon_blend(
+                    state["momentum_buffer"],
+                    m.grad,
+                    send[at : at + n],
+                    momentum=momentum,
+                    nesterov=nesterov,
+                    gmul=m.gmul,
+                )
+            )
+        else:
+            grad = m.grad.float() if m.gmul == 1.0 else m.grad.float() * m.gmul
+            send[at : at + n].copy_(rule.blend(m.view, grad, state, m.hyper))
+        at += n
+    if jobs:
+        assert kernel is not None
+        kernel.run_muon(jobs)
+    return send
 
 
 def owners(shapes: Sequence[tuple[int, ...]], world: int, first: int = 0) -> list[int]:
@@ -267,29 +384,25 @@ def _cost(shape: tuple[int, ...]) -> int:
 
 
 def _to_owners(
+    flat_send: torch.Tensor,
     matrices: list[_Matrix],
     owner: list[int],
     rank: int,
     world: int,
     group: Optional[dist.ProcessGroup],
     device: torch.device,
+    wire: torch.dtype,
 ) -> dict[int, torch.Tensor]:
-    """Every rank's segments of the blended updates, sent to their owners: this rank's own matrices
-    whole (fp32, flat, on ``device``), by position in ``matrices``."""
-    by_dest = [[k for k, m in enumerate(matrices) if owner[k] == d and m.update is not None] for d in range(world)]
-    pieces = [
-        update.reshape(-1).to(device, torch.float32)
-        for d in range(world)
-        for k in by_dest[d]
-        if (update := matrices[k].update) is not None
-    ]
-    flat_send = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.float32, device=device)
+    """Every rank's segments of the blended updates (``flat_send``: this rank's, on ``device``, by
+    owner), sent to their owners: this rank's own matrices whole (flat, ``wire`` dtype, on ``device``),
+    by position in ``matrices``."""
+    by_dest = [[k for k, m in enumerate(matrices) if owner[k] == d and m.view is not None] for d in range(world)]
     in_splits = [sum(matrices[k].counts[rank] for k in by_dest[d]) for d in range(world)]
     mine = [k for k in range(len(matrices)) if owner[k] == rank]
     out_splits = [sum(matrices[k].counts[s] for k in mine) for s in range(world)]
-    received = torch.empty(sum(out_splits), dtype=torch.float32, device=device)
+    received = torch.empty(sum(out_splits), dtype=wire, device=device)
     comm.all_to_all_uneven(received, flat_send, out_splits, in_splits, group)
-    wholes = {k: torch.empty(matrices[k].param.numel(), dtype=torch.float32, device=device) for k in mine}
+    wholes = {k: torch.empty(matrices[k].param.numel(), dtype=wire, device=device) for k in mine}
     at = 0
     for s in range(world):  # from rank s: its segment of each of my matrices, in order
         for k in mine:
@@ -309,9 +422,10 @@ def _from_owners(
     world: int,
     group: Optional[dist.ProcessGroup],
     device: torch.device,
-) -> list[Optional[torch.Tensor]]:
-    """Each owner's results, sent back: this rank's segment of each matrix it holds one of (None where
-    it holds none), by position in ``matrices``."""
+    wire: torch.dtype,
+) -> tuple[torch.Tensor, dict[int, int]]:
+    """Each owner's results, sent back: one buffer on ``device`` holding this rank's segment of each
+    matrix it holds one of, and where each begins in it (by position in ``matrices``)."""
     pieces = []
     in_splits = []
     for d in range(world):  # to rank d: its segment of each of my matrices
@@ -323,20 +437,19 @@ def _from_owners(
                 pieces.append(results[k][start : start + n])
                 n_to_d += n
         in_splits.append(n_to_d)
-    flat_send = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.float32, device=device)
+    flat_send = torch.cat(pieces) if pieces else torch.empty(0, dtype=wire, device=device)
     holding = [k for k, m in enumerate(matrices) if m.counts[rank]]
     out_splits = [sum(matrices[k].counts[rank] for k in holding if owner[k] == s) for s in range(world)]
-    received = torch.empty(sum(out_splits), dtype=torch.float32, device=device)
+    received = torch.empty(sum(out_splits), dtype=wire, device=device)
     comm.all_to_all_uneven(received, flat_send, out_splits, in_splits, group)
-    updates: list[Optional[torch.Tensor]] = [None] * len(matrices)
+    starts: dict[int, int] = {}
     at = 0
     for s in range(world):
         for k in holding:
             if owner[k] == s:
-                n = matrices[k].counts[rank]
-                updates[k] = received[at : at + n]
-                at += n
-    return updates
+                starts[k] = at
+                at += matrices[k].counts[rank]
+    return received, starts
 
 
 def _raised_alike(by_rank: list[list[str]]) -> Exception:

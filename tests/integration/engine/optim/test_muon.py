@@ -242,3 +242,56 @@ def _patched(body, *args):
         return body(*args)
     finally:
         muon_module._zeropower_via_newtonschulz = real
+
+
+def test_torchs_iteration_reads_and_returns_bfloat16() -> None:
+    """Why Muon's blended updates travel in bf16 (``MuonRule.wire``): torch's iteration rounds its input
+    to bf16 first and returns bf16, so rounding before the journey gives the same bits."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    from lightning_zeroq.zero.optim.matrix import _MUON
+
+    matrix = torch.randn(24, 40, generator=torch.Generator().manual_seed(0))
+    for shape in ((24, 40), (40, 24)):
+        x = matrix.reshape(shape)
+        direct = _zeropower_via_newtonschulz(x, (3.4445, -4.775, 2.0315), 5, 1e-7)
+        assert direct.dtype == torch.bfloat16
+        assert torch.equal(direct, _zeropower_via_newtonschulz(x.bfloat16(), (3.4445, -4.775, 2.0315), 5, 1e-7))
+    assert _MUON.wire() == torch.bfloat16
+
+
+def _offload_pair(stage: int, param_dtype: torch.dtype) -> int:
+    """The same run with the optimizer on the device and on the host (the host kernel's Muon parts,
+    bf16 journeys), torch's own bf16 iteration, each optimizer's gradients clipped: bitwise alike."""
+    torch.manual_seed(0)
+    model = Net().to(param_dtype)
+    other = copy.deepcopy(model)
+    engines, optimizers = [], []
+    for net, offload in ((model, False), (other, True)):
+        engine = ZeroEngine(net, ZeroConfig(**CONFIGS[stage], offload_optimizer=offload), param_dtype=param_dtype)
+        hidden, rest = _split(net)  # AdamW fused in both: the host steps torch's fused CPU kernel
+        pair = (torch.optim.Muon(hidden, lr=0.02, momentum=0.95, weight_decay=0.1),
+                torch.optim.AdamW(rest, lr=3e-3, weight_decay=0.01, eps=1e-3, fused=True))
+        for optimizer in pair:
+            engine.attach_optimizer(optimizer)
+        engines.append(engine)
+        optimizers.append(pair)
+    for step in range(6):
+        for engine, net, pair in zip(engines, (model, other), optimizers):
+            for micro in range(2):
+                engine.backward(_loss(net, step, micro) / 2, boundary=micro == 1)
+            for optimizer, bound in zip(pair, (0.05, 1.0)):
+                engine.clip_grad_norm_(bound, optimizer=optimizer)
+                engine.step(optimizer)
+                engine.zero_grad(optimizer)
+        on_device, on_host = (engine.full_state_dict() for engine in engines)
+        for name in on_device:
+            assert torch.equal(on_device[name], on_host[name]), f"step {step}: {name} differs"
+    for engine in engines:
+        engine.close()
+    return step
+
+
+@pytest.mark.parametrize("stage,param_dtype", [(1, torch.float32), (2, torch.bfloat16), (3, torch.bfloat16)])
+def test_muon_offloaded_is_bitwise_the_device_path(dist_pool, stage, param_dtype):
+    assert dist_pool(2).run(_offload_pair, stage, param_dtype) == [5, 5]
