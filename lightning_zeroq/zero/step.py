@@ -14,7 +14,7 @@ the others' gradients in place, as ``optimizer.step()`` does with DDP).
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,7 @@ from lightning_zeroq.zero.gather import Gatherer
 from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
 from lightning_zeroq.zero.offload.roles import Updater
 from lightning_zeroq.zero.optim.binding import Binding, OneStep, bind_to_shards, hand_back, route_zero_grad
-from lightning_zeroq.zero.optim.matrix import is_matrix_optimizer, step_matrices
+from lightning_zeroq.zero.optim.matrix import is_matrix_optimizer, start_matrices
 from lightning_zeroq.zero.reducer import Reducer, Window, WindowVerdict
 from lightning_zeroq.zero.unit import Unit
 
@@ -168,17 +168,10 @@ def step_in(
     device units here before handing the host units to its worker); whether the optimizer's own
     ``step()`` ran."""
     mine = [u for u in units if u.index in binding.unit_ids]
+    if is_matrix_optimizer(binding.optimizer):  # Muon: each matrix whole (``optim/matrix.py``)
+        return step_matrix_batches(one_step, binding, mine, placement, gatherer, used_ids)
     optimizer_ran = False
     for batch in placement.step_batches(mine):
-        if is_matrix_optimizer(binding.optimizer):  # Muon: each matrix whole (``optim/matrix.py``)
-            optimizer_ran = True
-            with torch.profiler.record_function("zeroq.optimizer_step"):
-                step_matrices(binding, batch, used_ids, placement, gatherer.wire.group, gatherer.device)
-                one_step.step()
-            with torch.profiler.record_function("zeroq.publish"):
-                for unit in batch:
-                    gatherer.publish(unit)
-            continue
         with torch.profiler.record_function("zeroq.optimizer_step"):
             stepped_here = placement.step_batch(batch, binding, used_ids)
         if stepped_here:
@@ -201,6 +194,44 @@ def step_in(
             for unit in batch:
                 gatherer.publish(unit)
     return optimizer_ran
+
+
+def step_matrix_batches(
+    one_step: OneStep,
+    binding: Binding,
+    units: Sequence[Unit],
+    placement: Updater,
+    gatherer: Gatherer,
+    used_ids: Sequence[Any],
+) -> bool:
+    """``step_in`` for a matrix optimizer (whether the optimizer's own ``step()`` ran): each batch's step is started (``start_matrices``) before the
+    previous batch's is finished and published, so with host units (one a batch) the host blends the
+    next unit while the device transforms this one. A batch that fails to start finishes the one before
+    it first: no unit is left half stepped."""
+    pending: Optional[tuple[list[Unit], Callable[[], None]]] = None
+    ran = False
+
+    def finish(batch: list[Unit], apply: Callable[[], None]) -> None:
+        with torch.profiler.record_function("zeroq.optimizer_step"):
+            apply()
+            one_step.step()
+        with torch.profiler.record_function("zeroq.publish"):
+            for unit in batch:
+                gatherer.publish(unit)
+
+    for batch in placement.step_batches(units):
+        try:
+            with torch.profiler.record_function("zeroq.optimizer_step"):
+                started = start_matrices(binding, batch, used_ids, placement, gatherer.wire.group, gatherer.device)
+        finally:
+            if pending is not None:
+                finish(*pending)
+                pending = None
+        pending = (batch, started)
+        ran = True
+    if pending is not None:
+        finish(*pending)
+    return ran
 
 
 class Stepper:

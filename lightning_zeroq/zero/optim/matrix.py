@@ -22,7 +22,7 @@ elementwise blend, its whole-matrix transform, its elementwise apply); Muon is o
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Optional, Protocol, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -224,6 +224,18 @@ def step_matrices(
     group: Optional[dist.ProcessGroup],
     device: torch.device,
 ) -> None:
+    """``start_matrices``, then its finish."""
+    start_matrices(binding, units, used, source, group, device)()
+
+
+def start_matrices(
+    binding: Any,
+    units: Sequence[Unit],
+    used: Sequence[Any],
+    source: MatrixSource,
+    group: Optional[dist.ProcessGroup],
+    device: torch.device,
+) -> Callable[[], None]:
     """A matrix optimizer's step of ``units`` (the same units, in the same order, on every rank of
     ``group``; ``rule_of`` the optimizer: Muon's or a registered one), from the gradients ``source``
     gives (``matrix_grad``).
@@ -232,6 +244,10 @@ def step_matrices(
     segments of the blended update to their matrices' owners in one all-to-all, each owner transforms
     its matrices, and sends each rank its segments of the results in a second. A matrix's whole is
     the same input wherever it is transformed, so the result is the one every rank would compute.
+
+    Returns the step's finish, which applies the results: everything before it is issued here (on a
+    GPU the transforms and the copies run on while the caller goes on), so a step of host units one
+    at a time blends the next unit on the host while the device works on this one (``step.step_in``).
 
     Segments on the host (optimizer offload) blend into one buffer (pinned where a GPU copies it) that
     crosses to ``device`` in one copy, in the dtype ``whole()`` reads (``MatrixRule.wire``: bf16 for
@@ -264,7 +280,7 @@ def step_matrices(
             g = grad[seg.shard_span] if view is not None and grad is not None else None
             matrices.append(_Matrix(param, view, g, gmul, groups[id(param)], counts[i]))
     if not matrices:
-        return
+        return _done
     rank, world = rank_and_size(group)
     owner = owners([tuple(m.param.shape) for m in matrices], world, first=min(u.index for u in units))
     wire = rule.wire()
@@ -289,26 +305,38 @@ def step_matrices(
     elif failed is not None:
         raise failed
     received, at = _from_owners(matrices, results, owner, rank, world, group, device, wire)
-    back = received
-    if home != device:  # the results cross back in one copy, then the host waits for it
+    back, arrived = received, None
+    if home != device:  # the results cross back in one copy, which the finish waits for
         back = _buffer(received.numel(), wire, home, pin=device.type == "cuda")
         back.copy_(received, non_blocking=True)
-        torch.cuda.current_stream(device).synchronize()
-    applies = []
-    for k, m in enumerate(matrices):
-        if m.view is None:
-            continue
-        update = back[at[k] : at[k] + m.view.numel()]
-        if fused:
+        if device.type == "cuda":
+            arrived = torch.cuda.Event()
+            arrived.record(torch.cuda.current_stream(device))
+
+    def finish() -> None:
+        if arrived is not None:
+            arrived.synchronize()
+        applies = []
+        for k, m in enumerate(matrices):
+            if m.view is None:
+                continue
+            update = back[at[k] : at[k] + m.view.numel()]
+            if fused:
+                assert kernel is not None
+                lr, wd = float(m.hyper["lr"]), float(m.hyper["weight_decay"])
+                adjusted = _muon_parts()[1](lr, m.hyper["adjust_lr_fn"], m.param.shape)  # type: ignore[index]
+                applies.append(kernel.muon_apply(m.view, update, lr=lr, weight_decay=wd, adjusted_lr=adjusted))
+            else:
+                rule.apply(m.view, update.to(m.view.device), m.hyper, m.param.shape)
+        if applies:
             assert kernel is not None
-            lr, wd = float(m.hyper["lr"]), float(m.hyper["weight_decay"])
-            adjusted = _muon_parts()[1](lr, m.hyper["adjust_lr_fn"], m.param.shape)  # type: ignore[index]
-            applies.append(kernel.muon_apply(m.view, update, lr=lr, weight_decay=wd, adjusted_lr=adjusted))
-        else:
-            rule.apply(m.view, update.to(m.view.device), m.hyper, m.param.shape)
-    if applies:
-        assert kernel is not None
-        kernel.run_muon(applies)  # back and the views outlive the call
+            kernel.run_muon(applies)  # back and the views outlive the call
+
+    return finish
+
+
+def _done() -> None:
+    """The finish of a matrix step with no matrices."""
 
 
 def _buffer(n: int, dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
