@@ -9,10 +9,13 @@ sends its segments of the blended updates to their owners (one all-to-all), each
 matrices whole and orthogonalizes each once with torch's own function, and sends every rank its
 segments of the results (a second all-to-all), which each rank applies. The same input gives the same
 bits wherever it is orthogonalized, so the result is bitwise the unsharded optimizer's. With the
-optimizer on the host the momentum stays there and the matrix is orthogonalized on the device.
+optimizer on the host the momentum stays there and the matrix is orthogonalized on the device: the
+host kernel blends a unit's segments into one pinned buffer that crosses in one copy, the results come
+back in one, and the next unit blends while the device works (``start_matrices``).
 
 Communication per step and rank: its shard of the matrices' updates sent once and its owned matrices
-received (fp32, 4 bytes per element), then the results the other way, on top of the weights' gather;
+received (``MatrixRule.wire``: 2 bytes per element with torch's bf16 iteration, else 4), then the results
+the other way, on top of the weights' gather;
 AdamW's step adds none. The orthogonalization of each matrix runs once in the group.
 
 Other optimizers of this kind: ``register_matrix_optimizer(cls, rule)`` with a ``MatrixRule`` (its
