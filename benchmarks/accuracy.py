@@ -319,6 +319,11 @@ def eps_noise_rank(rank: int, world_size: int, args: argparse.Namespace, port: i
                                   "ddp_reversed_vs_ddp": reversed_diff, "zeroq_vs_ddp": diffs[worst],
                                   "zeroq_worst_param": worst}), flush=True)
         engine.close()
+        # DDP's reducers hold the process group: dropped here, its last reference goes with
+        # destroy_process_group(), which joins gloo's threads without the GIL. Dropped at exit, the
+        # reducer's destructor joined them holding it while a thread finishing the comm hook's
+        # all-gather waited for it, and the rank never exited.
+        del ddps, refs, opts
     dist.destroy_process_group()
 
 
