@@ -405,7 +405,7 @@ def test_checkpoints_see_the_engine_only_through_its_sharded_view():
 
 
 CHECKPOINT_DOOR = "lightning_zeroq.checkpoint.api"
-DOOR_USERS = ("lightning_zeroq.lightning", "lightning_zeroq.fabric")
+DOOR_USERS = ("lightning_zeroq.lightning", "lightning_zeroq.fabric", "lightning_zeroq.common")
 """The integrations whose checkpoint glue and strategies reach ``lightning_zeroq.checkpoint`` through its door only."""
 
 
@@ -459,7 +459,7 @@ def test_the_door_check_finds_a_side_door():
 
 
 def test_the_integrations_reach_the_checkpoints_only_through_the_door():
-    # lightning/ and fabric/ (the checkpoint glue and the strategies) import of lightning_zeroq.checkpoint only
+    # lightning/, fabric/ and common/ (the checkpoint glue and the strategies) import of lightning_zeroq.checkpoint only
     # checkpoint/api.py, and of it only what its __all__ names: the package's files can be rearranged behind it.
     surface = _door_surface()
     assert {"save", "load", "Checkpointer"} <= surface

@@ -17,6 +17,8 @@
   Lightning's ``ModelParallelStrategy`` leaves beside a DCP directory (``LIGHTNING_META``).
 - ``agree``, ``CheckpointError``: a step of the glue that can fail on one rank fails on every rank alike.
 - ``remove_checkpoint``: a checkpoint directory or file, gone.
+- ``check_pretrained``, ``load_pretrained``: a strategy's ``pretrained=`` options checked before any work, and
+  the weights loaded into the engine just built (``pretrained.py``).
 
 What a path is, the store says (``store.classify``, ``Located``). ``read_weights`` serves
 ``LightningModule.load_from_checkpoint(directory)``, which reads without any engine.
@@ -31,7 +33,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from lightning_zeroq.checkpoint import atomic, deepspeed
+from lightning_zeroq.checkpoint import atomic, deepspeed, pretrained
 from lightning_zeroq.checkpoint.agree import CheckpointError, agree, checkpoint_group, describe
 from lightning_zeroq.checkpoint.checkpointer import Checkpointer
 from lightning_zeroq.checkpoint.codec import register_type
@@ -44,7 +46,7 @@ from lightning_zeroq.checkpoint.engine_io import (
     sharded_model_state,
     sharded_optimizer_state,
 )
-from lightning_zeroq.checkpoint.pretrained import Allowance, NameMap
+from lightning_zeroq.checkpoint.pretrained import Allowance, NameMap, load_pretrained
 from lightning_zeroq.checkpoint.store import ENGINE_KEY, LIGHTNING_META, MODEL_KEY, OPTIMIZER_KEY, classify
 from lightning_zeroq.checkpoint.torch_file import load_torch_optimizer_state, torch_load
 from lightning_zeroq.zero.state_dict import ShardedParts
@@ -60,9 +62,11 @@ __all__ = [
     "NameMap",
     "ReadFile",
     "agree",
+    "check_pretrained",
     "engine_state",
     "holds_sharded_state",
     "load",
+    "load_pretrained",
     "load_torch_optimizer_state",
     "read_lightning_meta",
     "read_single_file",
@@ -93,6 +97,18 @@ class Loaded:
     foreign: bool = False
     """A DCP directory without ZeroQ's manifest (FSDP2's ``dcp.save``, Lightning's ModelParallelStrategy):
     its weights (and optimizer state) are loaded, its trainer state is the caller's to make."""
+
+
+def check_pretrained(
+    owner: str, path: Any, name_map: NameMap, allow_missing: Allowance, allow_unexpected: Allowance
+) -> Path:
+    """A strategy's ``pretrained*`` options checked before any work (a path that does not exist, a value of
+    the wrong kind: one line naming ``owner``'s option and the fix); the local path of the checkpoint."""
+    local = pretrained.check_path(path, f"{owner}(pretrained=...)")
+    pretrained.name_mapper(name_map, f"{owner}(pretrained_name_map=...)")
+    pretrained.check_allowance(allow_missing, f"{owner}(pretrained_allow_missing=...)", adapters=True)
+    pretrained.check_allowance(allow_unexpected, f"{owner}(pretrained_allow_unexpected=...)", adapters=False)
+    return local
 
 
 def with_engine_state(engine: Optional[ShardedParts], trainer_state: dict) -> dict:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from torch import nn
 
-from lightning_zeroq.checkpoint import pretrained
+from lightning_zeroq.checkpoint import api as checkpoint_api
 from lightning_zeroq.common.migration import unknown_options_message
 from lightning_zeroq.common.precision import ZeroQPrecision
 from lightning_zeroq.common.watchdog import JOIN_TIMEOUT, start_watchdog, stop_watchdog
@@ -63,17 +63,17 @@ class PretrainedOption:
 
     owner: str
     path: Path
-    name_map: pretrained.NameMap
-    allow_missing: pretrained.Allowance
-    allow_unexpected: pretrained.Allowance
+    name_map: checkpoint_api.NameMap
+    allow_missing: checkpoint_api.Allowance
+    allow_unexpected: checkpoint_api.Allowance
 
 
 def pretrained_option(
     owner: str,
     path: Any,
-    name_map: pretrained.NameMap,
-    allow_missing: pretrained.Allowance,
-    allow_unexpected: pretrained.Allowance,
+    name_map: checkpoint_api.NameMap,
+    allow_missing: checkpoint_api.Allowance,
+    allow_unexpected: checkpoint_api.Allowance,
 ) -> Optional[PretrainedOption]:
     """The ``pretrained`` options validated (a path that does not exist, a value of the wrong kind: one line
     naming it); None without ``pretrained``, where the others have nothing to apply to."""
@@ -89,16 +89,13 @@ def pretrained_option(
                     "without pretrained; pass pretrained=<path of the checkpoint> too, or leave it out."
                 )
         return None
-    local = pretrained.check_path(path, f"{owner}(pretrained=...)")
-    pretrained.name_mapper(name_map, f"{owner}(pretrained_name_map=...)")
-    pretrained.check_allowance(allow_missing, f"{owner}(pretrained_allow_missing=...)", adapters=True)
-    pretrained.check_allowance(allow_unexpected, f"{owner}(pretrained_allow_unexpected=...)", adapters=False)
+    local = checkpoint_api.check_pretrained(owner, path, name_map, allow_missing, allow_unexpected)
     return PretrainedOption(owner, local, name_map, allow_missing, allow_unexpected)
 
 
 def load_pretrained_option(option: PretrainedOption, engine: ZeroEngine, module: nn.Module) -> None:
     """Collective: the option's weights into ``module`` through the engine just built (each rank its part)."""
-    pretrained.load_pretrained(
+    checkpoint_api.load_pretrained(
         engine,
         module,
         option.path,
