@@ -102,6 +102,29 @@ class TokenDataset(torch.utils.data.Dataset):
         return self.tokens[i], self.targets[i]
 
 
+def make_token_lit(net: nn.Module, lr: float = 1e-2):
+    """A LightningModule training ``net`` (tokens to logits over ``VOCAB``) with cross-entropy and AdamW at
+    ``lr``, keeping every training loss (``losses``)."""
+    L = _lightning()
+
+    class TokenLit(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = net
+            self.losses: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            tokens, targets = batch
+            loss = F.cross_entropy(self.model(tokens).reshape(-1, VOCAB), targets.reshape(-1))
+            self.losses.append(float(loss.detach()))
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=lr)
+
+    return TokenLit()
+
+
 def make_lit_module(optim: str = "adamw", scheduler: bool = False, manual_backwards: tuple[int, ...] = ()):
     """A LightningModule around ``RichModel``. ``manual_backwards``: manual optimization with that many
     backward passes per step, cycling (each on a slice of the batch)."""

@@ -165,27 +165,12 @@ def _trainer_body(offloaded: bool) -> tuple[list[float], dict]:
     import lightning as L
 
     from lightning_zeroq import ZeroQStrategy
-    from tests.models import TokenDataset
-
-    class Lit(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.model = Net()
-            self.losses: list[float] = []
-
-        def training_step(self, batch, batch_idx):
-            tokens, targets = batch
-            loss = F.cross_entropy(self.model(tokens).reshape(-1, VOCAB), targets.reshape(-1))
-            self.losses.append(float(loss.detach()))
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+    from tests.models import TokenDataset, make_token_lit
 
     extra = dict(activation_offloading_policy=["Block"], activation_checkpointing_policy=["Block"],
                  activation_offloading_min_bytes=0) if offloaded else {}
-    lit = Lit()
+    torch.manual_seed(0)
+    lit = make_token_lit(Net())
     torch.manual_seed(1 + dist.get_rank())
     trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=4, accumulate_grad_batches=2, gradient_clip_val=0.5,
                         strategy=ZeroQStrategy(stage=3, **FREED, **extra), logger=False, enable_checkpointing=False,

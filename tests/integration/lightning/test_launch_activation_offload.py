@@ -17,30 +17,14 @@ pytestmark = pytest.mark.launch  # starts processes of its own: outside the fast
 
 SCRIPT = textwrap.dedent("""
     import torch
-    import torch.nn.functional as F
     import lightning as L
     from lightning_zeroq import ZeroQStrategy
     from tests.integration.engine.test_recompute import Net
-    from tests.models import VOCAB, TokenDataset
-
-    class M(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.model = Net()
-            self.losses = []
-
-        def training_step(self, batch, batch_idx):
-            tokens, targets = batch
-            loss = F.cross_entropy(self.model(tokens).reshape(-1, VOCAB), targets.reshape(-1))
-            self.losses.append(float(loss.detach()))
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+    from tests.models import TokenDataset, make_token_lit
 
     def fit(**extra):
-        module = M()
+        torch.manual_seed(0)
+        module = make_token_lit(Net())
         torch.manual_seed(1)  # dropout's draws
         strategy = ZeroQStrategy(stage=3, stage3_wrap_classes=["Block"], stage3_param_persistence_threshold=0, **extra)
         trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=4, logger=False,
