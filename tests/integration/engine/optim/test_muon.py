@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -260,7 +261,7 @@ def test_torchs_iteration_reads_and_returns_bfloat16() -> None:
     assert _MUON.wire() == torch.bfloat16
 
 
-def _offload_pair(stage: int, param_dtype: torch.dtype) -> int:
+def _offload_pair(stage: int, param_dtype: torch.dtype, extra: Optional[dict] = None) -> int:
     """The same run with the optimizer on the device and on the host (the host kernel's Muon parts,
     bf16 journeys), torch's own bf16 iteration, each optimizer's gradients clipped: bitwise alike."""
     torch.manual_seed(0)
@@ -268,7 +269,8 @@ def _offload_pair(stage: int, param_dtype: torch.dtype) -> int:
     other = copy.deepcopy(model)
     engines, optimizers = [], []
     for net, offload in ((model, False), (other, True)):
-        engine = ZeroEngine(net, ZeroConfig(**CONFIGS[stage], offload_optimizer=offload), param_dtype=param_dtype)
+        options = dict(offload_optimizer=True, **(extra or {})) if offload else {}
+        engine = ZeroEngine(net, ZeroConfig(**CONFIGS[stage], **options), param_dtype=param_dtype)
         hidden, rest = _split(net)  # AdamW fused in both: the host steps torch's fused CPU kernel
         pair = (torch.optim.Muon(hidden, lr=0.02, momentum=0.95, weight_decay=0.1),
                 torch.optim.AdamW(rest, lr=3e-3, weight_decay=0.01, eps=1e-3, fused=True))
@@ -292,6 +294,19 @@ def _offload_pair(stage: int, param_dtype: torch.dtype) -> int:
     return step
 
 
-@pytest.mark.parametrize("stage,param_dtype", [(1, torch.float32), (2, torch.bfloat16), (3, torch.bfloat16)])
-def test_muon_offloaded_is_bitwise_the_device_path(dist_pool, stage, param_dtype):
-    assert dist_pool(2).run(_offload_pair, stage, param_dtype) == [5, 5]
+@pytest.mark.parametrize("stage,param_dtype,extra", [
+    (1, torch.float32, None),
+    (2, torch.bfloat16, None),
+    (3, torch.bfloat16, None),
+    (3, torch.bfloat16, {"offload_parameters": True}),
+    (2, torch.float32, {"offload_optimizer_ratio": 0.5}),
+    (2, torch.bfloat16, {"offload_async_step": True}),
+    (2, torch.bfloat16, {"offload_speculative_step": True}),
+], ids=["stage1", "stage2-bf16", "stage3-bf16", "stage3-parameters", "half-offloaded", "async", "speculative"])
+def test_muon_offloaded_is_bitwise_the_device_path(dist_pool, stage, param_dtype, extra):
+    assert dist_pool(2).run(_offload_pair, stage, param_dtype, extra) == [5, 5]
+
+
+def test_muon_offloaded_is_bitwise_the_device_path_at_three_ranks(dist_pool):
+    """3 ranks: uneven segments, and owners that are not the segments' ranks."""
+    assert dist_pool(3).run(_offload_pair, 2, torch.bfloat16) == [5, 5, 5]
