@@ -154,6 +154,10 @@ COMPILE_2GPU = ",".join(2 * ["zeroq3+compile", "fsdp2+compile+bf16reduce", "zero
                              "zeroq2+compile"])
 MUON = "zeroq2,zeroq2+muon,zeroq3,zeroq3+muon,zeroq2+muon,zeroq2"  # AdamW beside Muon, alternating
 DS_MUON = "ds2,ds2+muon,ds3+muon,ds2+muon"  # DeepSpeed's own Muon (reduce_scatter off, as it requires)
+# Muon against AdamW with the optimizer on the host (stage 2; stage 3 with the parameters there too), twice each,
+# alternating, so that neither is only a launch's first arm.
+MUON_OFFLOAD = ",".join(2 * ["zeroq2+offload_optimizer", "zeroq2+offload_optimizer+muon", "zeroq3+offload_params",
+                             "zeroq3+offload_params+muon"])
 
 
 GPU_TESTS = ("-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rf", "-s", "tests")
@@ -275,6 +279,11 @@ SUITES: dict[str, Suite] = {
         (*step_time(MUON, timeout=400, bench="step_time_muon", extra=("--steps", "6", "--warmup", "3")),
          *step_time(DS_MUON, timeout=400, bench="step_time_muon", requires=("deepspeed",),
                     extra=("--steps", "6", "--warmup", "3")))),
+    "muon-offload": Suite(
+        "Muon against AdamW with the optimizer on the host on one GPU (953M GPT, 4 x 1,024 tokens; stage 3 with the "
+        "parameters on the host too), every arm twice, alternating; host RSS and pinned bytes in every line",
+        tuple(step_time(MUON_OFFLOAD, world_sizes=(1,), timeout=500, bench="step_time_muon",
+                        extra=("--steps", "5", "--warmup", "2"))), build=True),
     "scale-3800m-2gpu": Suite(
         "The 3.82B GPT with parameters and optimizer on the host at 2 GPUs (each rank's host step over half the "
         "elements with half the threads), beside FSDP2's CPUOffloadPolicy, 4K tokens per rank",
