@@ -162,11 +162,11 @@ class Matrices(nn.Module):
         return self.layers(x)
 
 
-def _matrices_engine(stage: int, seed: int) -> tuple[nn.Module, ZeroEngine]:
+def _matrices_engine(stage: int, seed: int, offload: bool = False) -> tuple[nn.Module, ZeroEngine]:
     torch.manual_seed(seed)
     model = Matrices()
-    engine = ZeroEngine(model, ZeroConfig(**{**CONFIGS[stage], "stage3_wrap_classes": ["Linear"]}
-                                          if stage == 3 else CONFIGS[stage]))
+    config = {**CONFIGS[stage], "stage3_wrap_classes": ["Linear"]} if stage == 3 else CONFIGS[stage]
+    engine = ZeroEngine(model, ZeroConfig(**config, offload_optimizer=offload))
     engine.attach_optimizer(torch.optim.Muon(model.parameters(), lr=0.02, momentum=0.9, weight_decay=0.05))
     return model, engine
 
@@ -180,10 +180,10 @@ def _matrices_steps(model: nn.Module, engine: ZeroEngine, steps) -> None:
         engine.zero_grad()
 
 
-def _save_body(path: str) -> None:
+def _save_body(path: str, offload: bool = False) -> None:
     from lightning_zeroq.checkpoint.engine_io import save_engine
 
-    model, engine = _matrices_engine(2, seed=0)
+    model, engine = _matrices_engine(2, seed=0, offload=offload)
     _matrices_steps(model, engine, range(3))
     save_engine(engine, Path(path))
     optimizer = engine.full_optimizer_state()  # collective
@@ -194,10 +194,10 @@ def _save_body(path: str) -> None:
     engine.close()
 
 
-def _load_body(path: str) -> float:
+def _load_body(path: str, offload: bool = False) -> float:
     from lightning_zeroq.checkpoint.engine_io import load_engine
 
-    model, engine = _matrices_engine(3, seed=1)
+    model, engine = _matrices_engine(3, seed=1, offload=offload)
     load_engine(engine, Path(path))
     _matrices_steps(model, engine, range(3, 6))
     expected = torch.load(Path(path) / "after_rank0.pt")
@@ -206,13 +206,18 @@ def _load_body(path: str) -> float:
     return max((got[k] - expected[k]).abs().max().item() for k in expected)
 
 
-def test_muon_state_saves_and_resumes_at_another_world_size_and_stage(dist_pool, tmp_path):
-    """Saved by stage 2 on 2 ranks, loaded by stage 3 on 3: the momentum buffers reshard with the
-    weights, and 3 more steps match the run that went on (fp32 iteration: the world sizes sum alike)."""
+@pytest.mark.parametrize("saved_offloaded,loaded_offloaded", [(False, False), (True, False), (False, True)],
+                         ids=["device", "saved-from-the-host", "loaded-to-the-host"])
+def test_muon_state_saves_and_resumes_at_another_world_size_and_stage(dist_pool, tmp_path, saved_offloaded,
+                                                                       loaded_offloaded):
+    """Saved by stage 2 on 2 ranks, loaded by stage 3 on 3, the optimizer on the device or the host on
+    either side: the momentum buffers reshard with the weights, and 3 more steps match the run that went
+    on (fp32 iteration: the world sizes sum alike)."""
     import torch.optim._muon as muon_module
 
-    for pool, body in ((dist_pool(2), _save_body), (dist_pool(3), _load_body)):
-        worst = pool.run(_patched, body, str(tmp_path / "ckpt"))
+    for pool, body, offload in ((dist_pool(2), _save_body, saved_offloaded),
+                                (dist_pool(3), _load_body, loaded_offloaded)):
+        worst = pool.run(_patched, body, str(tmp_path / "ckpt"), offload)
     assert max(worst) <= 1e-6, worst
     assert muon_module._zeropower_via_newtonschulz is not _newton_schulz_fp32
 
