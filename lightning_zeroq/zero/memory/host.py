@@ -48,6 +48,7 @@ from lightning_zeroq.zero.memory import device as device_memory
 from lightning_zeroq.zero.offload.nvme import step_buffer_elements
 from lightning_zeroq.zero.offload.split import host_units
 from lightning_zeroq.zero.optim.binding import adam_kind
+from lightning_zeroq.zero.optim.matrix import is_matrix_optimizer
 from lightning_zeroq.zero.policies import Auto, Host, Nvme, Offload, OnDevice
 
 GiB = 2**30
@@ -379,7 +380,14 @@ class HostBudget:
     def attached(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Before the optimizers' state is made: it must fit beside what the build allocated."""
         need = optimizer_need(optimizers, self.need.host_elements, self.offload.speculative, self.need.swap_elements)
+        matrix = [o for o in optimizers if is_matrix_optimizer(o)]
         kernel_reads_all = all(adam_kind(o) is not None for o in optimizers) and _kernel_loads()
+        if matrix and self.need.host_elements and self._build is not None:
+            # A matrix step of host units: each unit's blended segments and results in pinned buffers, two units
+            # in flight (``optim.matrix.start_matrices``), each buffer at most the largest shard in fp32, and
+            # pinned memory comes in powers of two.
+            largest = max((layout.shard_numel for layout in self._build.layouts), default=0)
+            need.parts["matrix optimizer staging buffers"] = 4 * _power_of_two(4 * largest)
         half = self.need.parts.get("bf16 gradient buffers", 0)  # bf16 weights: fp32 buffers only where read
         if half and (self.accumulates or not kernel_reads_all):
             need.parts["fp32 gradient buffers"] = 2 * half
@@ -472,3 +480,8 @@ def _kernel_loads() -> bool:
     from lightning_zeroq.ops.host_adam import host_adam
 
     return host_adam() is not None
+
+
+def _power_of_two(nbytes: int) -> int:
+    """What torch's pinned allocator takes for ``nbytes`` (the next power of two)."""
+    return 1 << max(0, nbytes - 1).bit_length() if nbytes else 0

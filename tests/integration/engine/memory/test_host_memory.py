@@ -460,3 +460,22 @@ def test_the_nvme_step_holds_the_counted_units_of_one_size_at_once(tmp_path) -> 
     assert parts["NVMe step buffers (optimizer state)"] == 8 * expected
     assert _pool_bytes(engine) == 12 * expected
     engine.close()
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="this torch has no torch.optim.Muon")
+def test_muon_on_the_host_counts_its_staging_buffers() -> None:
+    model, engine = _engine(CONFIGS["optimizer_cpu"])
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    rest = [p for p in model.parameters() if p.dim() != 2]
+    engine.attach_optimizer(torch.optim.Muon(matrices, lr=0.02))
+    engine.attach_optimizer(torch.optim.AdamW(rest, lr=1e-3))
+    parts = engine.parts.host_memory.need.parts
+    largest = max(u.layout.shard_numel for u in engine.parts.units)
+    assert parts["matrix optimizer staging buffers"] == 4 * host_memory._power_of_two(4 * largest)
+    assert "fp32 gradient buffers" in parts  # AdamW's share of a unit Muon shares steps with torch's kernel
+    engine.close()
+
+
+def test_pinned_sizes_are_powers_of_two() -> None:
+    assert [host_memory._power_of_two(n) for n in (0, 1, 2, 3, 4, 5, 1000, 1024, 1025)] == [
+        0, 1, 2, 4, 4, 8, 1024, 1024, 2048]
