@@ -213,9 +213,8 @@ class HostOptimizer(OptimizerHome):
             return self.step_grad(unit), 1.0
         self.abandon_speculation()
         self.worker.wait()
-        grad = self._kernel_grad(unit)
-        self.landing.half.discard(unit.index)  # read here, as the Adam kernel's step reads it
-        return grad, self.multiplier.pop(unit.index, 1.0)
+        # As it landed, and still so for a later reader (another optimizer's share of the unit widens it).
+        return self._kernel_grad(unit), self.multiplier.get(unit.index, 1.0)
 
     def host_kernel(self, unit: Unit) -> Optional[HostAdam]:
         return self.kernel.kernel if self.kernel is not None else None

@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_zeroq import ZeroConfig, ZeroEngine
+from lightning_zeroq.zero.optim.matrix import _TORCH_ITERATION
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="this torch has no torch.optim.Muon")
 
@@ -266,7 +267,8 @@ def test_torchs_iteration_reads_and_returns_bfloat16() -> None:
     assert _MUON.wire() == torch.bfloat16
 
 
-def _offload_pair(stage: int, param_dtype: torch.dtype, extra: Optional[dict] = None) -> int:
+def _offload_pair(stage: int, param_dtype: torch.dtype, extra: Optional[dict] = None, clip: bool = True,
+                  micro_batches: int = 2) -> int:
     """The same run with the optimizer on the device and on the host (the host kernel's Muon parts,
     bf16 journeys), torch's own bf16 iteration, each optimizer's gradients clipped: bitwise alike."""
     torch.manual_seed(0)
@@ -285,10 +287,11 @@ def _offload_pair(stage: int, param_dtype: torch.dtype, extra: Optional[dict] = 
         optimizers.append(pair)
     for step in range(6):
         for engine, net, pair in zip(engines, (model, other), optimizers):
-            for micro in range(2):
-                engine.backward(_loss(net, step, micro) / 2, boundary=micro == 1)
+            for micro in range(micro_batches):
+                engine.backward(_loss(net, step, micro) / micro_batches, boundary=micro == micro_batches - 1)
             for optimizer, bound in zip(pair, (0.05, 1.0)):
-                engine.clip_grad_norm_(bound, optimizer=optimizer)
+                if clip:
+                    engine.clip_grad_norm_(bound, optimizer=optimizer)
                 engine.step(optimizer)
                 engine.zero_grad(optimizer)
         on_device, on_host = (engine.full_state_dict() for engine in engines)
@@ -312,6 +315,46 @@ def test_muon_offloaded_is_bitwise_the_device_path(dist_pool, stage, param_dtype
     assert dist_pool(2).run(_offload_pair, stage, param_dtype, extra) == [5, 5]
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("clip", [False, True])
+def test_muon_offloaded_reads_the_bf16_gradients_as_they_landed(dist_pool, stage, clip):
+    """One backward per step (or stage 1's local sum): each unit's gradient crosses to the host in bf16 and
+    stays so until a reader widens it. Muon reads its part of a unit as it landed, and AdamW, stepping the
+    rest of the same unit afterwards, still reads all of it; clipping reads it first."""
+    assert dist_pool(2).run(_offload_pair, stage, torch.bfloat16, None, clip, 1) == [5, 5]
+
+
 def test_muon_offloaded_is_bitwise_the_device_path_at_three_ranks(dist_pool):
     """3 ranks: uneven segments, and owners that are not the segments' ranks."""
     assert dist_pool(3).run(_offload_pair, 2, torch.bfloat16) == [5, 5, 5]
+
+
+def _matrices_pair(stage: int) -> int:
+    """A model of matrices only, one Muon over all of it, bf16 weights, one backward per step, clipped: the
+    host kernel reads each unit's bf16 gradient as it landed and applies the clipping as it reads."""
+    import torch.optim._muon as muon_module
+
+    assert muon_module._zeropower_via_newtonschulz is _TORCH_ITERATION
+    results = []
+    for offload in (False, True):
+        torch.manual_seed(0)
+        model = Matrices().to(torch.bfloat16)
+        config = {**CONFIGS[stage], "stage3_wrap_classes": ["Linear"]} if stage == 3 else CONFIGS[stage]
+        engine = ZeroEngine(model, ZeroConfig(**config, offload_optimizer=offload), param_dtype=torch.bfloat16)
+        engine.attach_optimizer(torch.optim.Muon(model.parameters(), lr=0.02, momentum=0.9, weight_decay=0.05))
+        for step in range(4):
+            x = torch.randn(8, DIM, generator=torch.Generator().manual_seed(step + 10 * dist.get_rank()))
+            engine.backward(model(x.bfloat16()).float().pow(2).mean(), boundary=True)
+            engine.clip_grad_norm_(0.01)
+            engine.step()
+            engine.zero_grad()
+        results.append(engine.full_state_dict())
+        engine.close()
+    on_device, on_host = results
+    assert all(torch.equal(on_device[k], on_host[k]) for k in on_device)
+    return len(on_device)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_muon_alone_on_the_host_applies_the_clipping_as_it_reads(dist_pool, stage):
+    assert dist_pool(2).run(_matrices_pair, stage) == [3, 3]
