@@ -315,13 +315,21 @@ def test_muon_offloaded_is_bitwise_the_device_path(dist_pool, stage, param_dtype
     assert dist_pool(2).run(_offload_pair, stage, param_dtype, extra) == [5, 5]
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage,extra", [
+    (1, None),
+    (2, None),
+    (3, None),
+    (3, {"offload_parameters": True}),
+    (2, {"offload_optimizer_ratio": 0.5}),
+    (2, {"offload_async_step": True}),
+    (2, {"offload_speculative_step": True}),
+], ids=["stage1", "stage2", "stage3", "stage3-parameters", "half-offloaded", "async", "speculative"])
 @pytest.mark.parametrize("clip", [False, True])
-def test_muon_offloaded_reads_the_bf16_gradients_as_they_landed(dist_pool, stage, clip):
+def test_muon_offloaded_reads_the_bf16_gradients_as_they_landed(dist_pool, stage, extra, clip):
     """One backward per step (or stage 1's local sum): each unit's gradient crosses to the host in bf16 and
     stays so until a reader widens it. Muon reads its part of a unit as it landed, and AdamW, stepping the
     rest of the same unit afterwards, still reads all of it; clipping reads it first."""
-    assert dist_pool(2).run(_offload_pair, stage, torch.bfloat16, None, clip, 1) == [5, 5]
+    assert dist_pool(2).run(_offload_pair, stage, torch.bfloat16, extra, clip, 1) == [5, 5]
 
 
 def test_muon_offloaded_is_bitwise_the_device_path_at_three_ranks(dist_pool):
