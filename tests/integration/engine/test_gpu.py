@@ -164,3 +164,12 @@ def test_fp32_gradient_shards_are_not_made_in_the_reduction_streams_pool(gpu_poo
     pool, working, fp32 = gpu_pool(1).run(_reduction_pool_body, stage)[0]
     # the parts' blocks (rounded up by the allocator), not the shards' too (working + fp32 before)
     assert pool < working + fp32 // 2, (pool, working, fp32)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_muon_on_the_host_is_the_gpus_step_nccl(gpu_pool, stage):
+    """Offloaded Muon (the host kernel's parts, pinned bf16 journeys, the next unit blended while the GPU
+    orthogonalizes this one) against Muon stepping on the GPU: bitwise."""
+    from tests.integration.engine.optim import test_muon
+
+    assert gpu_pool(WORLD).run(test_muon._matrices_pair, stage, "cuda") == [3] * WORLD

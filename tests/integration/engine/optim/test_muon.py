@@ -337,26 +337,27 @@ def test_muon_offloaded_is_bitwise_the_device_path_at_three_ranks(dist_pool):
     assert dist_pool(3).run(_offload_pair, 2, torch.bfloat16) == [5, 5, 5]
 
 
-def _matrices_pair(stage: int) -> int:
+def _matrices_pair(stage: int, device: str = "cpu") -> int:
     """A model of matrices only, one Muon over all of it, bf16 weights, one backward per step, clipped: the
-    host kernel reads each unit's bf16 gradient as it landed and applies the clipping as it reads."""
+    host kernel reads each unit's bf16 gradient as it landed and applies the clipping as it reads (on
+    ``"cuda"``: against the optimizer stepping on the GPU)."""
     import torch.optim._muon as muon_module
 
     assert muon_module._zeropower_via_newtonschulz is _TORCH_ITERATION
     results = []
     for offload in (False, True):
         torch.manual_seed(0)
-        model = Matrices().to(torch.bfloat16)
+        model = Matrices().to(device=device, dtype=torch.bfloat16)
         config = {**CONFIGS[stage], "stage3_wrap_classes": ["Linear"]} if stage == 3 else CONFIGS[stage]
         engine = ZeroEngine(model, ZeroConfig(**config, offload_optimizer=offload), param_dtype=torch.bfloat16)
         engine.attach_optimizer(torch.optim.Muon(model.parameters(), lr=0.02, momentum=0.9, weight_decay=0.05))
         for step in range(4):
             x = torch.randn(8, DIM, generator=torch.Generator().manual_seed(step + 10 * dist.get_rank()))
-            engine.backward(model(x.bfloat16()).float().pow(2).mean(), boundary=True)
+            engine.backward(model(x.to(device, torch.bfloat16)).float().pow(2).mean(), boundary=True)
             engine.clip_grad_norm_(0.01)
             engine.step()
             engine.zero_grad()
-        results.append(engine.full_state_dict())
+        results.append({k: v.cpu() for k, v in engine.full_state_dict().items()})
         engine.close()
     on_device, on_host = results
     assert all(torch.equal(on_device[k], on_host[k]) for k in on_device)
