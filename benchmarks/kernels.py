@@ -1,8 +1,9 @@
 """The parts a step is built from, each alone and without a model: the host AdamW step of optimizer offload,
-torch's CPU optimizers, the INT8 kernels of the quantized gathers, and the flags an offload step reads back
-while its gradients cross to the host. One command each (``--help`` after it says what it measures and how)::
+offloaded Muon's host parts, torch's CPU optimizers, the INT8 kernels of the quantized gathers, and the flags an
+offload step reads back while its gradients cross to the host. One command each (``--help`` after it says what it measures and how)::
 
     python benchmarks/kernels.py host-adam --threads 16 --numel 953223168 --dma
+    python benchmarks/kernels.py host-muon --threads 16 --numel 953223168 --triad
     python benchmarks/kernels.py cpu-optimizers --params 10e6 30e6 --threads 1
     python benchmarks/kernels.py int8 --numel 268435456          # on a CUDA machine
     python benchmarks/kernels.py readback --gib 3.5 --units 8    # on a CUDA machine
@@ -14,6 +15,7 @@ while its gradients cross to the host. One command each (``--help`` after it say
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -295,6 +297,100 @@ def host_adam(args: argparse.Namespace) -> int:
             line["dma_GB_per_s"] = round(statistics.median(dma[name]), 1)
         print(json.dumps(line), flush=True)
     return 0
+
+
+# ---------------------------------------------------------------------------------------------- host-muon
+
+HOST_MUON = """Muon's elementwise parts on the host, as offloaded Muon runs them each step: the momentum blend (the bf16
+gradient as it landed, times the clipping multiplier; ``buf.lerp_(g, 1 - momentum)``; Nesterov's
+``g.lerp(buf, momentum)`` written rounded to bf16 for the device) and the apply of the orthogonalized bf16
+update (``p.mul_(1 - lr * wd).add_(u, alpha=-lr)``), with torch's ops (``torch_ops``: what steps where the
+kernel does not load) and with lightning_zeroq's host kernel (``zeroq_kernel``: ``csrc/host_adam.c``'s
+``zq_muon_blends`` and ``zq_muon_applies``, one pass each), on the same tensors, in one process, alternating.
+
+``--numel`` fp32 elements split into ``--tensors`` tensors, ``--threads`` threads; each arm takes ``--steps``
+steps after a warm-up over copies of the same values. A line per arm: the median step time, its bytes per
+second counted as the kernel moves them (22 bytes per element: the blend reads the buffer and the bf16
+gradient and writes the buffer and the bf16 update, 12; the apply reads the parameter and the bf16 update
+and writes the parameter, 10), ``of_triad`` with ``--triad`` (as ``host-adam``'s), and whether the two arms'
+parameters, buffers and updates are equal bit for bit.
+
+    python benchmarks/kernels.py host-muon --threads 16 --numel 953223168 --triad
+"""
+
+
+def host_muon_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--numel", type=int, default=476_000_000)
+    parser.add_argument("--tensors", type=int, default=8, help="split the elements into this many tensors")
+    parser.add_argument("--threads", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2, help="alternate the arms this many times")
+    parser.add_argument("--triad", action="store_true", help="the host's memory bandwidth first (STREAM's triad)")
+
+
+MUON_BYTES_PER_ELEMENT = 22
+MUON_HYPER = {"momentum": 0.95, "lr": 0.02, "weight_decay": 0.1, "gmul": 0.5}
+
+
+def _muon_torch_step(params, bufs, grads, updates, outs) -> None:
+    h = MUON_HYPER
+    for p, buf, g, u, out in zip(params, bufs, grads, updates, outs):
+        grad = g.float().mul_(h["gmul"])
+        buf.lerp_(grad, 1 - h["momentum"])
+        out.copy_(grad.lerp(buf, h["momentum"]))
+        p.mul_(1 - h["lr"] * h["weight_decay"]).add_(u, alpha=-h["lr"])
+
+
+def _muon_kernel_step(kernel, params, bufs, grads, updates, outs) -> None:
+    h = MUON_HYPER
+    kernel.run_muon([kernel.muon_blend(buf, g, out, momentum=h["momentum"], nesterov=True, gmul=h["gmul"])
+                     for buf, g, out in zip(bufs, grads, outs)])
+    kernel.run_muon([kernel.muon_apply(p, u, lr=h["lr"], weight_decay=h["weight_decay"], adjusted_lr=h["lr"])
+                     for p, u in zip(params, updates)])
+
+
+def host_muon(args: argparse.Namespace) -> int:
+    from lightning_zeroq.ops.host_adam import host_adam as kernel_of_this_machine
+
+    kernel = kernel_of_this_machine()
+    if kernel is None or not kernel.muon:
+        raise SystemExit("host-muon: the host kernel's Muon parts do not load here (see the log); nothing to compare")
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    sizes = [args.numel // args.tensors] * args.tensors
+    base = {"params": [torch.randn(n, generator=gen) for n in sizes],
+            "bufs": [torch.randn(n, generator=gen) * 1e-3 for n in sizes],
+            "grads": [(torch.randn(n, generator=gen) * 1e-3).bfloat16() for n in sizes],
+            "updates": [(torch.randn(n, generator=gen) * 1e-2).bfloat16() for n in sizes]}
+    triad_gb = None
+    if args.triad:
+        for line in _triad(args.numel, args.threads, args.steps):
+            print(json.dumps(line), flush=True)
+            if "best_GB_per_s" in line:
+                triad_gb = max(triad_gb or 0.0, line["GB_per_s"])
+    arms = {"torch_ops": _muon_torch_step, "zeroq_kernel": functools.partial(_muon_kernel_step, kernel)}
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    finals: dict[str, list[torch.Tensor]] = {}
+    for _ in range(args.rounds):
+        for name, step in arms.items():
+            params, bufs = [t.clone() for t in base["params"]], [t.clone() for t in base["bufs"]]
+            outs = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
+            step(params, bufs, base["grads"], base["updates"], outs)  # warm-up (the pool's threads start)
+            for _ in range(args.steps):
+                start = time.perf_counter()
+                step(params, bufs, base["grads"], base["updates"], outs)
+                times[name].append(time.perf_counter() - start)
+            finals[name] = params + bufs + outs
+    same = all(torch.equal(a, b) for a, b in zip(finals["torch_ops"], finals["zeroq_kernel"]))
+    for name, measured in times.items():
+        median = statistics.median(measured)
+        line = {"arm": name, "numel": args.numel, "threads": args.threads, "median_s": round(median, 4),
+                "all_s": [round(s, 4) for s in measured],
+                "GB_per_s": round(MUON_BYTES_PER_ELEMENT * args.numel / median / 1e9, 2), "bitwise_equal": same}
+        if triad_gb:
+            line["of_triad"] = round(line["GB_per_s"] / triad_gb, 3)
+        print(json.dumps(line), flush=True)
+    return 0 if same else 1
 
 
 # ---------------------------------------------------------------------------------------------- cpu-optimizers
@@ -616,6 +712,7 @@ def readback(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------- the commands
 
 COMMANDS: dict[str, Command] = {"host-adam": (HOST_ADAM, host_adam_arguments, host_adam),
+                                "host-muon": (HOST_MUON, host_muon_arguments, host_muon),
                                 "cpu-optimizers": (CPU_OPTIMIZERS, cpu_optimizers_arguments, cpu_optimizers),
                                 "int8": (INT8, int8_arguments, int8),
                                 "readback": (READBACK, readback_arguments, readback)}

@@ -48,6 +48,7 @@ TABLE_COLUMNS: dict[str, tuple[str, ...]] = {
                               "peak_alloc_GiB_per_rank", "peak_reserved_GiB_per_rank", "host_rss_GiB_per_rank",
                               "act_pinned_GiB", "error"),
     "host_adam": ("arm", "numel", "threads", "median_s", "GB_per_s"),
+    "host_muon": ("arm", "numel", "threads", "median_s", "GB_per_s", "of_triad", "bitwise_equal"),
     "largest_model": ("arm", "deepest_layers", "params_B", "tokens_per_s", "mfu", "peak_reserved_GiB", "host_rss_GiB",
                       "next_fails_because"),
     "quant_accuracy": ("stage", "steps", "final_loss_plain", "final_loss_int8", "final_loss_rel_diff"),
@@ -281,9 +282,12 @@ SUITES: dict[str, Suite] = {
                     extra=("--steps", "6", "--warmup", "3")))),
     "muon-offload": Suite(
         "Muon against AdamW with the optimizer on the host on one GPU (953M GPT, 4 x 1,024 tokens; stage 3 with the "
-        "parameters on the host too), every arm twice, alternating; host RSS and pinned bytes in every line",
-        tuple(step_time(MUON_OFFLOAD, world_sizes=(1,), timeout=500, bench="step_time_muon",
-                        extra=("--steps", "5", "--warmup", "2"))), build=True),
+        "parameters on the host too), every arm twice, alternating; host RSS and pinned bytes in every line; first "
+        "Muon's host parts alone at that size beside the host's triad",
+        (Launch("host_muon", ("benchmarks/kernels.py", "host-muon", "--numel", "953223168", "--threads", "{cores}",
+                              "--steps", "3", "--rounds", "2", "--triad"), timeout=240),
+         *step_time(MUON_OFFLOAD, world_sizes=(1,), timeout=500, bench="step_time_muon",
+                    extra=("--steps", "5", "--warmup", "2"))), build=True),
     "scale-3800m-2gpu": Suite(
         "The 3.82B GPT with parameters and optimizer on the host at 2 GPUs (each rank's host step over half the "
         "elements with half the threads), beside FSDP2's CPUOffloadPolicy, 4K tokens per rank",
