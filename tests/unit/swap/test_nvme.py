@@ -575,7 +575,14 @@ def test_swapper_outside_the_main_thread_warns_once(
 # A fresh interpreter that holds a swapper with data in it, reports its directory on stdout, then
 # runs ``scenario``. The swap package is loaded without the package above it (and Lightning), to start fast.
 _CHILD = """
-import sys, types
+import signal, sys, types
+# The dispositions a process starts with, which the swapper is written for: under nohup (SIGHUP ignored) or a
+# shell that ignores SIGINT the child would inherit ignored signals, and the swapper leaves those alone.
+for _signum in (signal.SIGTERM, signal.SIGHUP):
+    if signal.getsignal(_signum) == signal.SIG_IGN:
+        signal.signal(_signum, signal.SIG_DFL)
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 package = types.ModuleType("lightning_zeroq")
 package.__path__ = [{package!r}]
 sys.modules["lightning_zeroq"] = package
