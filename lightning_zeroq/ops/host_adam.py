@@ -16,6 +16,11 @@ What it adds over torch's kernel, in the same pass over memory: bf16 gradients r
 PCIe, the gradient multiplier applied on the fly, the updated parameter also written in bf16, and the
 updated values written to other arrays than the inputs, which stay as they were (see the C file).
 
+Muon's elementwise parts run there too (``muon_blend``, ``muon_apply``, ``run_muon``): one fused
+multiply-add per element, as torch's lerp and ``add_(alpha=)`` compute on the CPU and on CUDA; checked
+against torch's ops once the kernel loads (``HostAdam.muon``: where they differ, offloaded Muon steps with
+torch's ops).
+
 Both builds take a few seconds, once per machine. ``ZEROQ_HOST_KERNEL=0`` disables the kernel.
 """
 
