@@ -325,14 +325,14 @@ raise SystemExit(main(sys.argv[1:]))
 def test_a_signal_during_the_read_is_an_interruption_with_status_130(saved, tmp_path, how):
     import subprocess
 
-    from tests.children import signal_and_wait
     from tests.dist_pool import REPO_ROOT
 
     out = tmp_path / "out.ckpt"
     with subprocess.Popen([sys.executable, "-c", _HELD_READ, str(saved), str(out), "--optimizer"], cwd=REPO_ROOT,
                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         assert proc.stdout.readline() == "reading\n"  # inside DCP's read of the first item
-        stdout, stderr = signal_and_wait(proc, getattr(signal, how), timeout=120)
+        proc.send_signal(getattr(signal, how))
+        stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr
     assert stderr == f"zeroq-convert: interrupted ({how}); {out} was not written.\n", stderr
     assert _entries(tmp_path) == []

@@ -24,7 +24,6 @@ from lightning_zeroq.swap import cleanup as swap_cleanup
 from lightning_zeroq.swap import directory as swap_directory
 from lightning_zeroq.swap import io as swap_io
 from lightning_zeroq.swap import swapper as swap_swapper
-from tests.children import signal_and_wait
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.uint8]  # uint8: stage 3's INT8 payloads
 SWAP_LOGGER = "lightning_zeroq.swap"  # its modules log under it
@@ -610,7 +609,8 @@ def _start_child(tmp_path: Path, scenario: str) -> tuple["subprocess.Popen[str]"
 
 def test_sigterm_removes_the_files_and_still_kills(tmp_path: Path) -> None:
     child, directory = _start_child(tmp_path, "sys.stdin.readline()")
-    _, err = signal_and_wait(child, signal.SIGTERM)
+    child.send_signal(signal.SIGTERM)
+    _, err = child.communicate(timeout=60)
     assert child.returncode == -signal.SIGTERM, err
     assert not directory.exists() and list(tmp_path.iterdir()) == []
 
@@ -656,7 +656,8 @@ def test_sigint_raises_keyboard_interrupt_then_the_files_go_at_exit(tmp_path: Pa
     )
     child, directory = _start_child(tmp_path, scenario)
     assert child.stdout is not None and child.stdout.readline() == "ready\n"  # inside the try
-    out, err = signal_and_wait(child, signal.SIGINT)
+    child.send_signal(signal.SIGINT)
+    out, err = child.communicate(timeout=60)
     # Whoever catches the KeyboardInterrupt (an on-exception checkpoint, a notebook) still has the
     # files; the uncaught exception ends the interpreter, which removes them, then dies by SIGINT.
     assert out == "KeyboardInterrupt; files still there: True\n", err
@@ -715,7 +716,8 @@ def test_a_second_signal_during_the_clean_up_does_not_cut_it_short(tmp_path: Pat
     ).format(path=str(tmp_path), signum=int(signum))
     child, directory = _start_child(tmp_path, scenario)
     assert child.stdout is not None and child.stdout.readline() == "ready\n"
-    _, err = signal_and_wait(child, signum)
+    child.send_signal(signum)
+    _, err = child.communicate(timeout=60)
     assert child.returncode == -signum, err
     assert list(tmp_path.iterdir()) == [], list(tmp_path.rglob("*"))
 
@@ -809,7 +811,8 @@ def test_a_rank_killed_half_way_through_its_clean_up_leaves_a_directory_its_laun
     ).format(killed_at=killed_at)
     child, directory = _start_child(tmp_path, scenario)
     assert child.stdout is not None and child.stdout.readline() == "ready\n"
-    _, err = signal_and_wait(child, signal.SIGINT)
+    child.send_signal(signal.SIGINT)
+    _, err = child.communicate(timeout=60)
     assert child.returncode == -signal.SIGKILL, err
     (left,) = list(tmp_path.iterdir())
     assert left.name == swap_directory.claimed_name(directory.name, child.pid)
