@@ -305,7 +305,13 @@ def test_dictconfig_hyperparameters_are_converted_as_saved(dist_pool, tmp_path_f
 # ---------------------------------------------------------------------- a signal in the middle of the read
 
 _HELD_READ = """
-import sys
+import signal, sys
+# The dispositions a process starts with: a suite started in the background by a shell hands its children
+# SIGINT ignored (and under nohup SIGHUP), and an ignored signal is rightly left alone.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+if signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 from lightning_zeroq.checkpoint.files import Files
 from lightning_zeroq.cli.convert import main
 
