@@ -333,19 +333,19 @@ MUON_HYPER = {"momentum": 0.95, "lr": 0.02, "weight_decay": 0.1, "gmul": 0.5}
 
 
 def _muon_torch_step(params, bufs, grads, updates, outs) -> None:
+    from lightning_zeroq.ops.host_adam import muon_apply_reference, muon_blend_reference
+
     h = MUON_HYPER
     for p, buf, g, u, out in zip(params, bufs, grads, updates, outs):
-        grad = g.float().mul_(h["gmul"])
-        buf.lerp_(grad, 1 - h["momentum"])
-        out.copy_(grad.lerp(buf, h["momentum"]))
-        p.mul_(1 - h["lr"] * h["weight_decay"]).add_(u, alpha=-h["lr"])
+        out.copy_(muon_blend_reference(buf, g.float().mul_(h["gmul"]), h["momentum"], True))
+        muon_apply_reference(p, u, 1 - h["lr"] * h["weight_decay"], h["lr"])
 
 
 def _muon_kernel_step(kernel, params, bufs, grads, updates, outs) -> None:
     h = MUON_HYPER
     kernel.run_muon([kernel.muon_blend(buf, g, out, momentum=h["momentum"], nesterov=True, gmul=h["gmul"])
                      for buf, g, out in zip(bufs, grads, outs)])
-    kernel.run_muon([kernel.muon_apply(p, u, lr=h["lr"], weight_decay=h["weight_decay"], adjusted_lr=h["lr"])
+    kernel.run_muon([kernel.muon_apply(p, u, decay=1 - h["lr"] * h["weight_decay"], lr=h["lr"])
                      for p, u in zip(params, updates)])
 
 

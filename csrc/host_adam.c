@@ -311,9 +311,8 @@ typedef struct {
     const uint16_t *uh; /* the same in bf16, or NULL */
     uint16_t *wh;       /* the updated parameter rounded to bf16, or NULL */
     int64_t n;
-    float decay;  /* float(1 - lr * weight_decay), applied when ``decays`` */
+    float decay;  /* float(1 - lr * weight_decay): 1 without weight decay, which multiplies exactly */
     float neg_lr; /* float(-(the learning rate adjusted to the matrix's shape)) */
-    int decays;
 } zq_muon_apply;
 
 /* torch's lerp(start, end, w) with a scalar weight: one rounding of a fused multiply-add, from start
@@ -345,22 +344,26 @@ static inline __attribute__((always_inline)) void blend_body(const zq_muon_blend
     }
 }
 
+/* One loop per combination of three flags, each vectorized without branches: ``BODY(a, lo, hi, x, y, z)``. */
+#define ZQ_SWITCH3(BODY, a, lo, hi, x, y, z)                     \
+    switch ((x) * 4 + (y) * 2 + (z)) {                           \
+    case 0: BODY(a, lo, hi, 0, 0, 0); return;                    \
+    case 1: BODY(a, lo, hi, 0, 0, 1); return;                    \
+    case 2: BODY(a, lo, hi, 0, 1, 0); return;                    \
+    case 3: BODY(a, lo, hi, 0, 1, 1); return;                    \
+    case 4: BODY(a, lo, hi, 1, 0, 0); return;                    \
+    case 5: BODY(a, lo, hi, 1, 0, 1); return;                    \
+    case 6: BODY(a, lo, hi, 1, 1, 0); return;                    \
+    default: BODY(a, lo, hi, 1, 1, 1); return;                   \
+    }
+
 static void muon_blend_range(const void *job, int64_t lo, int64_t hi) {
     const zq_muon_blend *a = (const zq_muon_blend *)job;
-    switch ((a->gh != NULL) * 4 + (a->nesterov != 0) * 2 + (a->out_h != NULL)) {
-    case 0: blend_body(a, lo, hi, 0, 0, 0); return;
-    case 1: blend_body(a, lo, hi, 0, 0, 1); return;
-    case 2: blend_body(a, lo, hi, 0, 1, 0); return;
-    case 3: blend_body(a, lo, hi, 0, 1, 1); return;
-    case 4: blend_body(a, lo, hi, 1, 0, 0); return;
-    case 5: blend_body(a, lo, hi, 1, 0, 1); return;
-    case 6: blend_body(a, lo, hi, 1, 1, 0); return;
-    default: blend_body(a, lo, hi, 1, 1, 1); return;
-    }
+    ZQ_SWITCH3(blend_body, a, lo, hi, a->gh != NULL, a->nesterov != 0, a->out_h != NULL);
 }
 
 static inline __attribute__((always_inline)) void apply_body(const zq_muon_apply *a, int64_t lo, int64_t hi,
-                                                             int half_in, int decays, int half_out) {
+                                                             int half_in, int half_out) {
     const float decay = a->decay, neg_lr = a->neg_lr;
     float *restrict p = a->p;
     const float *restrict u = a->u;
@@ -368,8 +371,7 @@ static inline __attribute__((always_inline)) void apply_body(const zq_muon_apply
     uint16_t *restrict wh = a->wh;
     ZQ_NO_ALIAS
     for (int64_t i = lo; i < hi; i++) {
-        float pi = decays ? p[i] * decay : p[i];
-        pi = fmaf(half_in ? from_bf16(uh[i]) : u[i], neg_lr, pi);
+        const float pi = fmaf(half_in ? from_bf16(uh[i]) : u[i], neg_lr, p[i] * decay);
         p[i] = pi;
         if (half_out) wh[i] = to_bf16(pi);
     }
@@ -377,15 +379,10 @@ static inline __attribute__((always_inline)) void apply_body(const zq_muon_apply
 
 static void muon_apply_range(const void *job, int64_t lo, int64_t hi) {
     const zq_muon_apply *a = (const zq_muon_apply *)job;
-    switch ((a->uh != NULL) * 4 + (a->decays != 0) * 2 + (a->wh != NULL)) {
-    case 0: apply_body(a, lo, hi, 0, 0, 0); return;
-    case 1: apply_body(a, lo, hi, 0, 0, 1); return;
-    case 2: apply_body(a, lo, hi, 0, 1, 0); return;
-    case 3: apply_body(a, lo, hi, 0, 1, 1); return;
-    case 4: apply_body(a, lo, hi, 1, 0, 0); return;
-    case 5: apply_body(a, lo, hi, 1, 0, 1); return;
-    case 6: apply_body(a, lo, hi, 1, 1, 0); return;
-    default: apply_body(a, lo, hi, 1, 1, 1); return;
+    if (a->uh != NULL) {
+        if (a->wh != NULL) apply_body(a, lo, hi, 1, 1); else apply_body(a, lo, hi, 1, 0);
+    } else {
+        if (a->wh != NULL) apply_body(a, lo, hi, 0, 1); else apply_body(a, lo, hi, 0, 0);
     }
 }
 

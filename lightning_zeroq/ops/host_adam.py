@@ -103,7 +103,6 @@ class _MuonApply(ctypes.Structure):
         ("n", ctypes.c_int64),
         ("decay", ctypes.c_float),
         ("neg_lr", ctypes.c_float),
-        ("decays", ctypes.c_int),
     ]
 
 
@@ -231,9 +230,9 @@ class HostAdam:
         nesterov: bool,
         gmul: float = 1.0,
     ) -> _MuonBlend:
-        """Muon's momentum blend of one tensor, for ``run_muon``: as ``g = grad.float().mul_(gmul)``,
-        ``buf.lerp_(g, 1 - momentum)``, then ``out.copy_(g.lerp(buf, momentum) if nesterov else buf)``
-        (``out``: float32, or bfloat16 to receive the update rounded as a cast rounds). ``grad`` (float32
+        """Muon's momentum blend of one tensor, for ``run_muon``: as
+        ``out.copy_(muon_blend_reference(buf, grad.float().mul_(gmul), momentum, nesterov))`` (``out``:
+        float32, or bfloat16 to receive the update rounded as a cast rounds). ``grad`` (float32
         or bfloat16) is not written. Contiguous CPU tensors of one size, not overlapping, kept until the run."""
         n = buf.numel()
         _check_job(
@@ -256,18 +255,11 @@ class HostAdam:
         )
 
     def muon_apply(
-        self,
-        param: Tensor,
-        update: Tensor,
-        *,
-        lr: float,
-        weight_decay: float,
-        adjusted_lr: float,
-        working: Optional[Tensor] = None,
+        self, param: Tensor, update: Tensor, *, decay: float, lr: float, working: Optional[Tensor] = None
     ) -> _MuonApply:
         """Muon's apply of one tensor's orthogonalized ``update`` (float32 or bfloat16), for ``run_muon``:
-        as ``param.mul_(1 - lr * weight_decay)`` then ``param.add_(update, alpha=-adjusted_lr)``;
-        ``working`` (bfloat16) receives the updated parameter rounded as a cast rounds."""
+        as ``muon_apply_reference(param, update, decay, lr)``; ``working`` (bfloat16) receives the updated
+        parameter rounded as a cast rounds."""
         n = param.numel()
         _check_job(
             "muon_apply",
@@ -285,9 +277,8 @@ class HostAdam:
             _pointer(update, _H) if half else None,
             _pointer(working, _H),
             n,
-            1 - lr * weight_decay,
-            -adjusted_lr,
-            int(weight_decay != 0),
+            decay,
+            -lr,
         )
 
     def run_muon(self, jobs: Sequence[Any], threads: Optional[int] = None) -> None:
@@ -347,6 +338,19 @@ class HostAdam:
         array = (ctypes.c_int * max(1, len(cpus)))(*cpus)
         if self.lib.zq_bind(array, len(cpus)) != 0:
             raise ValueError(f"host_adam.bind: {len(cpus)} cpus, at most 256")
+
+
+def muon_blend_reference(buf: Tensor, grad: Tensor, momentum: float, nesterov: bool) -> Tensor:
+    """Muon's momentum blend with torch's ops, as ``torch.optim.Muon`` takes it: ``buf`` updated in place,
+    the update returned (a new tensor); what ``muon_blend`` computes."""
+    buf.lerp_(grad, 1 - momentum)
+    return grad.lerp(buf, momentum) if nesterov else buf.clone()
+
+
+def muon_apply_reference(param: Tensor, update: Tensor, decay: float, lr: float) -> None:
+    """Muon's apply with torch's ops: the decoupled weight decay's factor, then the update at the learning
+    rate adjusted to the matrix; what ``muon_apply`` computes."""
+    param.mul_(decay).add_(update, alpha=-lr)
 
 
 def _check_job(what: str, tensors: Sequence[tuple[Tensor, tuple[torch.dtype, ...]]], n: int) -> None:
@@ -449,18 +453,14 @@ def _muon_matches(kernel: HostAdam, gen: torch.Generator) -> bool:
         out = torch.empty(n, dtype=torch.bfloat16 if half_out else torch.float32)
         ours = buf.clone()
         kernel.run_muon([kernel.muon_blend(ours, grad, out, momentum=momentum, nesterov=nesterov, gmul=gmul)], 1)
-        g = grad.float().mul_(gmul)
-        buf.lerp_(g, 1 - momentum)
-        expected = (g.lerp(buf, momentum) if nesterov else buf).to(out.dtype)
+        expected = muon_blend_reference(buf, grad.float().mul_(gmul), momentum, nesterov).to(out.dtype)
         if not (torch.equal(ours, buf) and torch.equal(out, expected)):
             return False
-        lr, adjusted = 0.02, 0.02 * 1.7
+        decay, lr = 1 - 0.02 * wd, 0.02 * 1.7
         working = torch.empty(n, dtype=torch.bfloat16)
         mine = param.clone()
-        kernel.run_muon(
-            [kernel.muon_apply(mine, out, lr=lr, weight_decay=wd, adjusted_lr=adjusted, working=working)], 1
-        )
-        param.mul_(1 - lr * wd).add_(out, alpha=-adjusted)
+        kernel.run_muon([kernel.muon_apply(mine, out, decay=decay, lr=lr, working=working)], 1)
+        muon_apply_reference(param, out, decay, lr)
         if not (torch.equal(mine, param) and torch.equal(working, param.bfloat16())):
             return False
     return True

@@ -54,7 +54,7 @@ def test_apply_is_torchs_mul_and_add(kernel, n, weight_decay, update_dtype, work
     param, update = torch.randn(n, generator=gen), torch.randn(n, generator=gen).to(update_dtype)
     lr, adjusted = 0.02, 0.02 * 1.4142135
     ours, copy = param.clone(), torch.empty(n, dtype=torch.bfloat16) if working else None
-    job = kernel.muon_apply(ours, update, lr=lr, weight_decay=weight_decay, adjusted_lr=adjusted, working=copy)
+    job = kernel.muon_apply(ours, update, decay=1 - lr * weight_decay, lr=adjusted, working=copy)
     kernel.run_muon([job], threads=3)
     param.mul_(1 - lr * weight_decay).add_(update, alpha=-adjusted)
     assert torch.equal(ours, param)
@@ -81,12 +81,12 @@ def test_bad_tensors_are_refused(kernel) -> None:
     with pytest.raises(ValueError, match=r"muon_blend needs contiguous CPU tensors of one size \(8 elements\)"):
         kernel.muon_blend(buf, torch.zeros(9), torch.zeros(8), momentum=0.9, nesterov=False)
     with pytest.raises(ValueError, match="torch.float16"):
-        kernel.muon_apply(buf, torch.zeros(8, dtype=torch.float16), lr=0.1, weight_decay=0.0, adjusted_lr=0.1)
+        kernel.muon_apply(buf, torch.zeros(8, dtype=torch.float16), decay=1.0, lr=0.1)
     with pytest.raises(ValueError, match="must not overlap"):
         kernel.muon_blend(buf, buf, torch.zeros(8), momentum=0.9, nesterov=False)
     with pytest.raises(ValueError, match="separate calls"):
         kernel.run_muon([kernel.muon_blend(buf, torch.zeros(8), torch.zeros(8), momentum=0.9, nesterov=False),
-                         kernel.muon_apply(torch.zeros(8), torch.zeros(8), lr=0.1, weight_decay=0.0, adjusted_lr=0.1)])
+                         kernel.muon_apply(torch.zeros(8), torch.zeros(8), decay=1.0, lr=0.1)])
 
 
 @pytest.mark.gpu
@@ -103,5 +103,5 @@ def test_the_host_parts_are_the_device_paths_bits(kernel) -> None:
     assert torch.equal(ours, on_device.cpu()) and torch.equal(out, expected.cpu())
     param = torch.randn(n, generator=gen)
     mine = param.clone()
-    kernel.run_muon([kernel.muon_apply(mine, out, lr=0.02, weight_decay=0.1, adjusted_lr=0.04)])
+    kernel.run_muon([kernel.muon_apply(mine, out, decay=1 - 0.02 * 0.1, lr=0.04)])
     assert torch.equal(mine, param.cuda().mul_(1 - 0.02 * 0.1).add_(out.cuda(), alpha=-0.04).cpu())

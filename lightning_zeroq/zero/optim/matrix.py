@@ -30,7 +30,7 @@ from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_zeroq.ops.host_adam import HostAdam
+from lightning_zeroq.ops.host_adam import HostAdam, muon_apply_reference, muon_blend_reference
 from lightning_zeroq.ranks import agree, rank_and_size
 from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.layout import UnitLayout
@@ -47,7 +47,7 @@ class MatrixRule:
       to make whole (fp32, ``view``'s shape);
     - ``whole(matrix, group)``: on the whole matrix (2-D, fp32, on the device), the same on every rank
       (the same input must give the same bits: the ranks then agree without another collective); it
-      returns a tensor of ``matrix``'s shape (checked on every rank: see ``step_matrices``);
+      returns a tensor of ``matrix``'s shape (checked on every rank: see ``start_matrices``);
     - ``apply(view, update, group, shape)``: elementwise, in place, on this rank's segment of the
       parameter, from its segment of ``whole``'s result (``shape``: the parameter's).
 
@@ -76,11 +76,15 @@ class MuonRule(MatrixRule):
     matrix's shape, as torch's ``Muon.step`` does."""
 
     def blend(self, view: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
+        return muon_blend_reference(self.momentum_buffer(view, state), grad, group["momentum"], group["nesterov"])
+
+    @staticmethod
+    def momentum_buffer(view: torch.Tensor, state: dict) -> torch.Tensor:
+        """The segment's momentum buffer, made as torch's Muon makes it at its first step."""
         buf = state.get("momentum_buffer")
         if buf is None:
             buf = state["momentum_buffer"] = torch.zeros_like(view)
-        buf.lerp_(grad, 1 - group["momentum"])
-        return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf.clone()
+        return buf
 
     def whole(self, matrix: torch.Tensor, group: dict) -> torch.Tensor:
         parts = _muon_parts()  # looked up at each call: the tests replace torch's iteration
@@ -95,11 +99,15 @@ class MuonRule(MatrixRule):
         return torch.bfloat16 if parts is not None and parts[0] is _TORCH_ITERATION else torch.float32
 
     def apply(self, view: torch.Tensor, update: torch.Tensor, group: dict, shape: torch.Size) -> None:
+        muon_apply_reference(view, update, *self.scales(group, shape))
+
+    @staticmethod
+    def scales(group: dict, shape: torch.Size) -> tuple[float, float]:
+        """The decoupled weight decay's factor and the learning rate adjusted to the matrix's shape."""
         parts = _muon_parts()
         assert parts is not None
         lr = float(group["lr"])
-        view.mul_(1 - lr * group["weight_decay"])
-        view.add_(update, alpha=-parts[1](lr, group["adjust_lr_fn"], shape))
+        return 1 - lr * group["weight_decay"], parts[1](lr, group["adjust_lr_fn"], shape)
 
 
 _RULES: dict[type, MatrixRule] = {}
@@ -219,18 +227,6 @@ class MatrixSource(Protocol):
         """The host kernel that steps the unit's segments where they live on the host, if any."""
 
 
-def step_matrices(
-    binding: Any,
-    units: Sequence[Unit],
-    used: Sequence[Any],
-    source: MatrixSource,
-    group: Optional[dist.ProcessGroup],
-    device: torch.device,
-) -> None:
-    """``start_matrices``, then its finish."""
-    start_matrices(binding, units, used, source, group, device)()
-
-
 def start_matrices(
     binding: Any,
     units: Sequence[Unit],
@@ -326,9 +322,8 @@ def start_matrices(
             update = back[at[k] : at[k] + m.view.numel()]
             if fused:
                 assert kernel is not None
-                lr, wd = float(m.hyper["lr"]), float(m.hyper["weight_decay"])
-                adjusted = _muon_parts()[1](lr, m.hyper["adjust_lr_fn"], m.param.shape)  # type: ignore[index]
-                applies.append(kernel.muon_apply(m.view, update, lr=lr, weight_decay=wd, adjusted_lr=adjusted))
+                decay, lr = MuonRule.scales(m.hyper, m.param.shape)
+                applies.append(kernel.muon_apply(m.view, update, decay=decay, lr=lr))
             else:
                 rule.apply(m.view, update.to(m.view.device), m.hyper, m.param.shape)
         if applies:
@@ -371,12 +366,10 @@ def _blend(
         n = m.view.numel()
         state = optimizer.state[m.view]
         if kernel is not None:
-            if "momentum_buffer" not in state:  # as MuonRule.blend makes it
-                state["momentum_buffer"] = torch.zeros_like(m.view)
             momentum, nesterov = float(m.hyper["momentum"]), bool(m.hyper["nesterov"])
             jobs.append(
                 kernel.muon_blend(
-                    state["momentum_buffer"],
+                    MuonRule.momentum_buffer(m.view, state),
                     m.grad,
                     send[at : at + n],
                     momentum=momentum,
