@@ -200,6 +200,11 @@ def build_engine(
         previous.release_module()  # collective: every rank is here, setting up the new fit
     if auto_request(config) is not None and not training:
         config = resolve(config, Chosen(OnDevice(), OnDevice(), 0.0), ())
+    machine: dict[str, Any] = {
+        "device": device,
+        "param_dtype": precision.param_dtype,
+        "ranks_per_node": ranks_per_node or 1,
+    }
     if auto_request(config) is not None:
         if plan_forward is None:
             raise ValueError(
@@ -207,25 +212,11 @@ def build_engine(
                 "'auto' plan from one micro-batch's "
                 "loss: pass plan_forward=lambda model: <the loss of a sample batch> to the strategy."
             )
-        choice = choose(
-            module,
-            config,
-            plan_forward,
-            device=device,
-            param_dtype=precision.param_dtype,
-            ranks_per_node=ranks_per_node or 1,
-        )
+        choice = choose(module, config, plan_forward, **machine)
         config = choice.config
         on_choice(choice)
     elif plan_forward is not None:
-        check_fits(
-            module,
-            config,
-            plan_forward,
-            device=device,
-            param_dtype=precision.param_dtype,
-            ranks_per_node=ranks_per_node or 1,
-        )
+        check_fits(module, config, plan_forward, **machine)
     return ZeroEngine(
         module,
         config,
