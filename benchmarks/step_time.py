@@ -93,6 +93,7 @@ import statistics
 import sys
 import time
 from typing import Any, Callable, NamedTuple
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -150,7 +151,7 @@ def memory_bound(engine) -> dict:
 ARM_STAGES = {"single": -1, "ddp": 0, "zeroq1": 1, "zeroq2": 2, "zeroq3": 3}
 ARM_OPTIONS = ("int8", "offload_optimizer", "offload_params", "qgrad", "keep", "prefetch2", "ratio25", "ratio50", "ratio60", "ratio70", "ratio75", "ratio85", "ratio90",
                "auto", "spec", "async", "parts", "plain", "clip", "compile", "compile_whole", "group1", "group2", "group4", "crossq",
-               "nvme", "spill25", "spill40", "spill50", "spill75", "muon", "recompute", "actoff", "actauto")
+               "nvme", "spill25", "spill40", "spill50", "spill75", "muon", "recompute", "actoff", "actauto", "torchhost")
 # +nvme (with +offload_optimizer / +offload_params): to NVMe swap files under --nvme-path instead of host memory
 # +spillNN (with +offload_optimizer): the optimizer state of NN% of the parameters (largest units) to NVMe
 # swap files under --nvme-path, the rest in host memory (offload_optimizer_nvme_ratio); parameters stay on the host
@@ -158,6 +159,7 @@ SPILLS = {"spill25": 0.25, "spill40": 0.4, "spill50": 0.5, "spill75": 0.75}
 # Activations (ACTIVATIONS below): +recompute every block recomputes (activation_checkpointing_policy=["Block"]);
 # +actoff the mix of --act-offload / --act-recompute / --act-inputs-cpu; +actauto the plan's mix under --act-budget
 ACTIVATION_ARMS = {"recompute", "actoff", "actauto"}
+# +torchhost (with offload): the host step with torch's fused CPU AdamW instead of lightning_zeroq's host kernel
 SHARD_GROUPS = {"group1": 1, "group2": 2, "group4": 4}  # hybrid sharding: shard_group_size
 # +compile (ddp, fsdp2, zeroq): block.compile() on every block (torchtitan's recipe; FSDP2's and stage 3's
 # module hooks run outside the graphs); +compile_whole: torch.compile of the whole model (ddp: of the DDP
@@ -439,7 +441,10 @@ def build_arm(arm: str, args: argparse.Namespace, dev: torch.device) -> Arm:
                             quantized_weights="int8" in options, offload_optimizer=offload,
                             offload_parameters="offload_params" in options, **extra)
         config, plan_line = activation_config(model, config, options, args, dev)
-        engine = ZeroEngine(model, config, param_dtype=torch.bfloat16, device=dev)
+        if "torchhost" in options and not offload:
+            raise SystemExit(f"arm {arm!r}: +torchhost chooses the host step's kernel; add +offload_optimizer or +offload_params")
+        with mock.patch("lightning_zeroq.zero.offload.host.host_adam", lambda: None) if "torchhost" in options else contextlib.nullcontext():
+            engine = ZeroEngine(model, config, param_dtype=torch.bfloat16, device=dev)
         engine.plan_line = plan_line  # type: ignore[attr-defined]  # +actauto: the plan's choice, for the results
         if "muon" in options:  # Muon for the blocks' matrices, AdamW for the rest (the usual recipe)
             hidden = [p for n, p in model.named_parameters() if n.startswith("blocks") and p.dim() == 2]

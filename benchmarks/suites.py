@@ -288,6 +288,16 @@ SUITES: dict[str, Suite] = {
                               "--steps", "3", "--rounds", "2", "--triad"), timeout=240),
          *step_time(MUON_OFFLOAD, world_sizes=(1,), timeout=500, bench="step_time_muon",
                     extra=("--steps", "5", "--warmup", "2"))), build=True),
+    "host-step-3800m": Suite(
+        "The host step against the host's memory bandwidth, and what it makes of a full-offload step: the STREAM "
+        "triad and the host kernel's AdamW over 953M elements, then the 3.82B GPT with parameters and optimizer on "
+        "the host (one GPU, 4K tokens), its host step by torch's fused CPU AdamW (+torchhost, as before the kernel) "
+        "and by the host kernel, twice each, alternating",
+        (Launch("host_adam", ("benchmarks/kernels.py", "host-adam", "--numel", "953223168", "--threads", "{cores}",
+                              "--steps", "3", "--rounds", "2", "--triad"), timeout=150),
+         *step_time(",".join(2 * ["zeroq3+offload_params+torchhost", "zeroq3+offload_params"]), models=("3800m",),
+                    world_sizes=(1,), timeout=420, bench="step_time_host_step",
+                    extra=("--steps", "4", "--warmup", "2", *SCALE_TOKENS["4k"]))), build=True),
     "scale-3800m-2gpu": Suite(
         "The 3.82B GPT with parameters and optimizer on the host at 2 GPUs (each rank's host step over half the "
         "elements with half the threads), beside FSDP2's CPUOffloadPolicy, 4K tokens per rank",
