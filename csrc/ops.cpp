@@ -1,4 +1,4 @@
-// CUDA implementations of the zeroq:: INT8 quantization ops (torch glue only).
+// CUDA implementations of the zeroq:: ops: INT8 quantization, the checked gradient widening (torch glue only).
 //
 // The schemas are defined in Python (lightning_zeroq/ops/_library.py), which must run before
 // this library is loaded; this file only registers CUDA kernels for them. The arithmetic lives
@@ -18,6 +18,7 @@
 #include <string>
 
 #include "quant_int8.h"
+#include "widen.h"
 
 namespace zeroq {
 namespace {
@@ -126,11 +127,27 @@ void unpack_dequantize_int8_cuda(const at::Tensor& packed, int64_t group_size, a
                                       c10::cuda::getCurrentCUDAStream()));
 }
 
+void widen_checked_cuda(const at::Tensor& x, at::Tensor& out, at::Tensor& flag) {
+  check_vector(x, "x", x);
+  check_vector(out, "out", x);
+  check_vector(flag, "flag", x);
+  const FloatKind kind = float_kind(x.scalar_type(), "x");
+  check_dtype(out, at::kFloat, "out");
+  check_dtype(flag, at::kFloat, "flag");
+  TORCH_CHECK_VALUE(out.numel() == x.numel(), "zeroq: out has " + num(out.numel()) + " elements, x has " +
+                                                  num(x.numel()) + "; they must be equal");
+  TORCH_CHECK_VALUE(flag.numel() == 1, "zeroq: flag must hold one element, got " + num(flag.numel()));
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_launch(launch_widen_checked(x.data_ptr(), kind, x.numel(), out.data_ptr<float>(),
+                                    flag.data_ptr<float>(), c10::cuda::getCurrentCUDAStream()));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(zeroq, CUDA, m) {
   m.impl("quantize_pack_int8", &quantize_pack_int8_cuda);
   m.impl("unpack_dequantize_int8", &unpack_dequantize_int8_cuda);
+  m.impl("widen_checked", &widen_checked_cuda);
 }
 
 }  // namespace zeroq

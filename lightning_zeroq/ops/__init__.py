@@ -1,4 +1,5 @@
-"""INT8 group quantization for the quantized weight gather: the only names ``zero/`` imports.
+"""INT8 group quantization for the quantized weight gather, and the gradient's widening checked for non-finite
+values in the same read: the only names ``zero/`` imports.
 
 Shards are quantized in groups of ``group_size`` (default 64) consecutive elements, symmetric INT8
 with one float32 scale per group; :mod:`lightning_zeroq.ops.reference` is the specification. The
@@ -40,6 +41,7 @@ __all__ = [
     "packed_nbytes",
     "quantize_pack_int8",
     "unpack_dequantize_int8",
+    "widen_checked",
 ]
 
 
@@ -99,3 +101,13 @@ def unpack_dequantize_int8(
     _prepare(packed)
     torch.ops.zeroq.unpack_dequantize_int8.default(packed, group_size, out)
     return out
+
+
+def widen_checked(x: torch.Tensor, out: torch.Tensor, flag: torch.Tensor) -> None:
+    """``out = float32(x) + 0`` (-0 becomes +0, every other value passes exactly) and ``flag`` (one float32
+    element) set to 1 where any value is NaN or infinite, in one read of ``x``: a gradient widened for the
+    optimizer and checked for the step's verdict. 1-D contiguous tensors on one device; ``x`` float32,
+    bfloat16 or float16."""
+    reference.check_widen_args(x, out, flag)
+    _prepare(x)
+    torch.ops.zeroq.widen_checked.default(x, out, flag)

@@ -61,8 +61,8 @@ class Native:
 CUDA_KERNELS = Native(
     "lightning_zeroq_C",
     "CUDA kernels",
-    ("ops.cpp", "quant_int8.cu"),
-    ("quant_int8.h",),
+    ("ops.cpp", "quant_int8.cu", "widen.cu"),
+    ("quant_int8.h", "widen.h"),
     ("-O3",),
     ("-O3",),
     takes="about a minute",

@@ -19,6 +19,10 @@ Schemas (``Tensor(a!)`` marks the buffer an op writes in place; such ops return 
     unpack_dequantize_int8(Tensor packed, int group_size, Tensor(a!) out) -> ()
         packed: 1-D uint8 of (n / group_size) * (group_size + 4) bytes; out: 1-D
         float32/bfloat16/float16 of n elements (its dtype is the output dtype).
+    widen_checked(Tensor x, Tensor(a!) out, Tensor(b!) flag) -> ()
+        x: 1-D float32/bfloat16/float16; out: 1-D float32 of as many elements, made float32(x) + 0;
+        flag: one float32 element, set to 1 where any value is NaN or infinite (the gradient's
+        widening for the optimizer and its non-finite check in one read).
 
 The quantized gather needs nothing else: codes and scales travel in one buffer. (Ops returning
 codes and scales as two tensors existed and were dropped, having no user but their own tests; the
@@ -39,12 +43,14 @@ NAMESPACE = "zeroq"
 SCHEMAS: dict[str, str] = {
     "quantize_pack_int8": "quantize_pack_int8(Tensor x, int group_size, Tensor(a!) out) -> ()",
     "unpack_dequantize_int8": ("unpack_dequantize_int8(Tensor packed, int group_size, Tensor(a!) out) -> ()"),
+    "widen_checked": "widen_checked(Tensor x, Tensor(a!) out, Tensor(b!) flag) -> ()",
 }
 OP_NAMES = tuple(SCHEMAS)
 
 _REFERENCE_IMPLS = {
     "quantize_pack_int8": reference.quantize_pack_int8,
     "unpack_dequantize_int8": reference.unpack_dequantize_int8,
+    "widen_checked": reference.widen_checked,
 }
 
 # FRAGMENT rather than DEF: the C++ extension adds to the namespace (IMPL only), and other
@@ -69,6 +75,11 @@ def _quantize_pack_int8_fake(x: torch.Tensor, group_size: int, out: torch.Tensor
 @register_fake(f"{NAMESPACE}::unpack_dequantize_int8", lib=_lib)
 def _unpack_dequantize_int8_fake(packed: torch.Tensor, group_size: int, out: torch.Tensor) -> None:
     reference.check_unpack_args(packed, group_size, out)
+
+
+@register_fake(f"{NAMESPACE}::widen_checked", lib=_lib)
+def _widen_checked_fake(x: torch.Tensor, out: torch.Tensor, flag: torch.Tensor) -> None:
+    reference.check_widen_args(x, out, flag)
 
 
 # ---- the CUDA key ------------------------------------------------------------------------------

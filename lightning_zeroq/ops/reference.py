@@ -59,6 +59,7 @@ __all__ = [
     "quantize_int8",
     "quantize_pack_int8",
     "unpack_dequantize_int8",
+    "widen_checked",
 ]
 
 DEFAULT_GROUP_SIZE = 64
@@ -220,3 +221,27 @@ def unpack_dequantize_int8(packed: torch.Tensor, group_size: int, out: torch.Ten
     # 4-byte aligned offset, so the (small) scale bytes are copied first.
     scales = packed[n:].clone().view(torch.float32)
     out.copy_(dequantize_int8(codes, scales, group_size, out.dtype))
+
+
+# ---- the gradient widening (not part of the INT8 format) -------------------------------------
+
+
+def check_widen_args(x: torch.Tensor, out: torch.Tensor, flag: torch.Tensor) -> None:
+    check_vector(x, "x", SUPPORTED_DTYPES)
+    check_vector(out, "out", (torch.float32,))
+    check_vector(flag, "flag", (torch.float32,))
+    check_same_device(out, "out", x)
+    check_same_device(flag, "flag", x)
+    if out.numel() != x.numel():
+        raise ValueError(f"out has {out.numel()} elements, x has {x.numel()}; they must be equal")
+    if flag.numel() != 1:
+        raise ValueError(f"flag must hold one element, got {flag.numel()}")
+
+
+def widen_checked(x: torch.Tensor, out: torch.Tensor, flag: torch.Tensor) -> None:
+    """``out = float32(x) + 0`` (exact but for -0, which becomes +0: the values a zeroed fp32 buffer gets
+    when ``x`` is added to it), and ``flag`` set to 1 where any value is NaN or infinite (left as it is
+    otherwise): a gradient widened for the optimizer and checked for the step's verdict in one read."""
+    check_widen_args(x, out, flag)
+    torch.add(x, 0.0, out=out)
+    torch.maximum(flag, (~torch.isfinite(out).all()).to(flag.dtype).reshape(flag.shape), out=flag)

@@ -326,7 +326,7 @@ def test_wrong_dtypes_and_shapes_raise():
 def test_ops_are_registered_and_run_on_cpu():
     from lightning_zeroq.ops import _library
 
-    assert _library.OP_NAMES == ("quantize_pack_int8", "unpack_dequantize_int8")
+    assert _library.OP_NAMES == ("quantize_pack_int8", "unpack_dequantize_int8", "widen_checked")
     for name in _library.OP_NAMES:
         assert hasattr(torch.ops.zeroq, name)
     x = _random(192, torch.bfloat16)
