@@ -40,6 +40,10 @@ class EveryBackward:
     def add(self, unit: Unit, i: int, param: Tensor) -> None:
         """``param`` (the ``i``-th of ``unit``) got its gradient in a backward that does not reduce."""
 
+    def local(self, unit: Unit) -> bool:
+        """``start(unit)`` would return a buffer (a reduction of ``unit`` must start from it)."""
+        return False
+
     def start(self, unit: Unit) -> Optional[Tensor]:
         """The flat buffer a reduction of ``unit`` starts from (the gradients in ``p.grad`` are added to it),
         or None where nothing is local: the reduction then starts from the gradients themselves."""
@@ -93,6 +97,9 @@ class Fp32Sum(InGrad):
             return
         self.sums[unit.index][unit.layout.slots[i].span].add_(param.grad.reshape(-1))
         param.grad = None
+
+    def local(self, unit: Unit) -> bool:
+        return unit.index in self.sums
 
     def start(self, unit: Unit) -> Optional[Tensor]:
         # An fp32 local sum is reduced in fp32 (once per window, so twice the bytes of one bf16

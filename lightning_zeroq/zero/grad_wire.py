@@ -34,6 +34,10 @@ from lightning_zeroq.zero import comm
 
 
 class GradientWire(Protocol):
+    identity: bool
+    """``reduce`` returns ``flat`` unchanged (one rank, nothing to divide by): the caller may skip the
+    flat buffer and keep the gradients as they are (``unit.ParamGrads``)."""
+
     def reduce(self, flat: Tensor) -> Tensor:
         """``(sum over ranks of their ``flat``)[this rank's part] / world_size``, a tensor of its own
         (``flat`` itself at world size 1: the caller gives it up)."""
@@ -47,6 +51,7 @@ class FullWidthReduce:
         self.group = group
         self.world_size = rank_and_size(group)[1]
         self.divisor = divisor or self.world_size
+        self.identity = self.world_size == 1 and self.divisor == 1
 
     def reduce(self, flat: Tensor) -> Tensor:
         if self.world_size == 1:
@@ -64,6 +69,7 @@ class Int8Reduce:
         self.group, self.group_size = group, group_size
         self.world_size = rank_and_size(group)[1]
         self.divisor = divisor or self.world_size
+        self.identity = self.world_size == 1 and self.divisor == 1
         if device.type == "cuda":
             ops.load_cuda_backend()  # compile or load once now, never inside a collective
 
@@ -105,6 +111,7 @@ class AcrossGroups:
         group_size: int,
     ) -> None:
         self.inner, self.group, self.group_size = inner, replica_group, group_size
+        self.identity = False
         self.groups = rank_and_size(replica_group)[1]
         self.scatter = Int8Reduce(replica_group, device, group_size, divisor=1) if quantized else None
 

@@ -63,7 +63,7 @@ from lightning_zeroq.zero.grad_wire import GradientWire
 from lightning_zeroq.zero.hooks import WeakHook
 from lightning_zeroq.zero.offload.roles import Gradients
 from lightning_zeroq.zero.policies import Sharding
-from lightning_zeroq.zero.unit import Unit
+from lightning_zeroq.zero.unit import ParamGrads, Unit
 
 
 class Window(enum.Enum):
@@ -237,6 +237,18 @@ class Reducer:
     def _reduce(self, unit: Unit) -> None:
         """Reduce-scatter the unit's local gradients into its fp32 gradient shard."""
         layout = unit.layout
+        if self.wire.identity and self.gradients.master_on_device(unit.index) and not self.accumulation.local(unit):
+            # Nothing to reduce: the gradients stay as autograd left them until the shard is made
+            # (``ParamGrads``), on the compute stream, after anything the side stream made for this unit.
+            if unit.pending is not None or unit.has_grad_storage:
+                self.wait()
+            unit.add_grad(ParamGrads([None if p.grad is None else p.grad.reshape(-1) for p in unit.params], layout))
+            for p in unit.params:
+                p.grad = None
+            self.gradients.grad_reduced(unit)
+            self._reduced[unit.index] = True
+            self.listener.unit_reduced(unit)
+            return
         with self._stream.context():
             local = self.accumulation.start(unit)  # stage 1's fp32 local sum, or None: nothing local
             flat_grad = _flat_grads(unit, self.param_dtype, self.device) if local is None else local
@@ -295,7 +307,7 @@ class Reducer:
         self._order = [self.units[i] for i in order]
         self._order_agreed, self._completed = True, []
 
-    def _materialize(self, all_units: bool = False) -> None:
+    def _materialize(self, all_units: bool = False, flags: Optional[Tensor] = None) -> set[int]:
         """The fp32 gradient shard of every unit the optimizer steps on the device (``all_units``: of
         every unit) exists and holds the window's gradient. A unit stepped on the host has its gradient
         copied there instead (``offload/host_grads.py``), never widened here.
@@ -306,14 +318,21 @@ class Reducer:
         the reduction stream, beside those parts, neither set of blocks could serve the other, and the
         reduction stream kept both cached (stage 3 compiled, 953M GPT, one H200: 5.72 GiB there and 22.33
         GiB reserved in all; made here, 1.78 GiB there and 20.44 in all, against FSDP2's 21.12;
-        ``docs/compile.md``)."""
+        ``docs/compile.md``).
+
+        ``flags`` (one fp32 element per unit): where a shard is made now, its slot is set to 1 if the
+        shard holds a NaN or an inf, in the same pass. Returns the indices of the units so checked."""
         self.wait()
         current = torch.cuda.current_stream(self.device) if self._stream.stream is not None else None
+        checked = set()
         for unit in self.units:
             if all_units or self.gradients.master_on_device(unit.index):
-                if current is not None and unit.pending is not None and unit.pending.is_cuda:
+                if current is not None and isinstance(unit.pending, Tensor) and unit.pending.is_cuda:
                     unit.pending.record_stream(current)  # made on the reduction stream, read here
-                unit.materialize_grad()
+                flag = None if flags is None else flags[unit.index : unit.index + 1]
+                if unit.materialize_grad(flag):
+                    checked.add(unit.index)
+        return checked
 
     def _written_everywhere(self) -> list[int]:
         """The parameters any rank wrote (the step refuses them; every rank is here alike, the writers agreed)."""
@@ -329,19 +348,21 @@ class Reducer:
         as used, dirty, non-finite per unit and rank, wrote per rank."""
         self.wait()
         self.gradients.gradients_ready(self.units)  # offload with a mapped read-back: the last copies now
-        self._materialize()
         n_params, n_units, world = self.num_params, len(self.units), self.world_size
         stats = torch.zeros(n_params + 2 * n_units + world, device=self.device)
+        bad = stats[n_params + n_units : n_params + 2 * n_units]  # per unit: 1 where its shard is not finite
+        checked = self._materialize(flags=bad)  # the shards made now are checked as they are made
         if self._used:
             stats[list(self._used)] = 1.0
         if with_dirty and self._dirty:
             stats[[n_params + i for i in self._dirty]] = 1.0
         wrote = 2.0 if with_dirty and self.written else 0.0  # a rank's own slot: 1 non-finite + 2 wrote
-        if self.units:  # a NaN or inf anywhere in a shard makes its sum non-finite
-            bad = (~torch.isfinite(torch.stack([u.grad_sum() for u in self.units]))).float()
-            stats[n_params + n_units : n_params + 2 * n_units] = bad
-            if self.world_size == 1:  # one rank: any non-finite shard came from it
-                stats[n_params + 2 * n_units] = bad.max()
+        others = [u for u in self.units if u.index not in checked]
+        if others:  # a NaN or inf anywhere in a shard makes its sum non-finite
+            sums = torch.stack([u.grad_sum() for u in others])
+            bad[[u.index for u in others]] = (~torch.isfinite(sums)).float()
+        if self.units and self.world_size == 1:  # one rank: any non-finite shard came from it
+            stats[n_params + 2 * n_units] = bad.max()
         if self.world_size > 1:
             stats[n_params + 2 * n_units + self.rank] = self._origin.float()
         stats[n_params + 2 * n_units + self.rank] += wrote

@@ -16,6 +16,9 @@ Per unit and rank (see ``layout.py`` for the words):
   window's first reduction is kept as it arrives (``pending``: the working-dtype part the
   reduce-scatter returned, half the bytes of fp32 in bf16) and becomes the fp32 shard only at a second
   reduction or when the window is finalized, in the same arithmetic as adding it to a zeroed shard.
+  Where the reduction is the identity (one rank, full width) and the master is on the device, the part
+  is the parameters' gradients as autograd left them (``ParamGrads``): no flat copy between them and
+  the fp32 shard. The widening checks the values for NaN and inf in the same read (``ops.widen_checked``).
 
 ``build_units`` runs once: it materializes meta-device parameters unit by unit, flattens each unit,
 broadcasts it from rank 0 (every rank starts from rank 0's values, as with DDP), hands this rank's
@@ -33,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_zeroq import ops
 from lightning_zeroq.ranks import rank_and_size
 from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.layout import Segment, UnitLayout, make_layout
@@ -101,6 +105,38 @@ class FreedParameter(nn.Parameter):
         )
 
 
+@dataclass(eq=False)
+class ParamGrads:
+    """A unit's reduced part where the reduction is the identity: each parameter's gradient as autograd
+    left it, flattened (None: the parameter got none), at its slot of the unit's flat layout (the slots lie
+    back to back from 0; zeros in the padding). The fp32 shard is made from them in one pass, where a
+    flat copy first would write and read every element once more."""
+
+    grads: list[Optional[Tensor]]
+    layout: UnitLayout
+
+    def widen_into(self, out: Tensor, flag: Optional[Tensor]) -> None:
+        """``out`` (the fp32 shard) = these gradients + 0, zeros elsewhere; ``flag``: set where any is non-finite."""
+        for g, slot in zip(self.grads, self.layout.slots):
+            if g is None:
+                out[slot.span].zero_()
+            elif flag is None:
+                torch.add(g, 0.0, out=out[slot.span])
+            else:
+                ops.widen_checked(g, out[slot.span], flag)
+        out[self.layout.numel :].zero_()
+
+    def add_into(self, out: Tensor) -> None:
+        for g, slot in zip(self.grads, self.layout.slots):
+            if g is not None:
+                out[slot.span].add_(g)
+
+    def record_stream(self, stream: "torch.cuda.Stream") -> None:
+        for g in self.grads:
+            if g is not None and g.is_cuda:
+                g.record_stream(stream)
+
+
 class UnitState(enum.Enum):
     """Where a unit's working buffer stands (persistent units are always GATHERED)."""
 
@@ -134,7 +170,7 @@ class Unit:
     """Each parameter's dtype when the engine took it (what ``release_module`` hands back)."""
     ready: Optional["torch.cuda.Event"] = None
     """Set while the unit is PREFETCHING."""
-    pending: Optional[Tensor] = None
+    pending: Optional[Tensor | ParamGrads] = None
     """The window's first reduced part, while ``grad`` holds no storage (see the module docstring)."""
     landed: Optional[Callable[[], Tensor]] = None
     """Set while the window's gradient so far lives on the host only (``land``): brings it back."""
@@ -186,7 +222,7 @@ class Unit:
     def has_grad_storage(self) -> bool:
         return self.grad.untyped_storage().nbytes() > 0
 
-    def add_grad(self, part: Tensor) -> None:
+    def add_grad(self, part: Tensor | ParamGrads) -> None:
         """Add a reduced part (this rank's share, any float dtype) to the window's gradient. The first
         one is kept as it is (the caller hands it over); a second makes the fp32 shard."""
         self.recall()
@@ -194,27 +230,38 @@ class Unit:
             self.pending = part
             return
         self.materialize_grad()
-        self.grad.add_(part)
+        if isinstance(part, ParamGrads):
+            part.add_into(self.grad)
+        else:
+            self.grad.add_(part)
 
-    def materialize_grad(self) -> None:
+    def materialize_grad(self, flag: Optional[Tensor] = None) -> bool:
         """Give ``grad`` its storage, holding the window's gradient so far (zeros if none): the pending
         part plus zero, in one pass -- the values a zeroed shard gets when the part is added to it
-        (every x + 0 is x, and -0 becomes +0 as it does there)."""
+        (every x + 0 is x, and -0 becomes +0 as it does there). ``flag`` (one fp32 element): set to 1
+        where a value is NaN or infinite, in the same pass. True when it was made now (and so checked);
+        False when it existed already (``flag`` untouched)."""
         if self.has_grad_storage:
-            return
+            return False
         self.recall()
         self.grad.untyped_storage().resize_(self.grad.numel() * self.grad.element_size())
         if self.pending is None:
             self.grad.zero_()
-        else:
+        elif isinstance(self.pending, ParamGrads):
+            self.pending.widen_into(self.grad, flag)
+        elif flag is None:
             torch.add(self.pending, 0.0, out=self.grad)
-            self.pending = None
+        else:
+            ops.widen_checked(self.pending, self.grad, flag)
+        self.pending = None
+        return True
 
     def land(self, recall: Callable[[], Tensor], stream: Optional["torch.cuda.Stream"]) -> None:
         """The window's gradient was copied to the host (on ``stream``, still running): measure what the
         agreement and clipping read of it, then release it here. ``recall`` brings it back."""
         grad = self.grad if self.has_grad_storage else self.pending
         assert grad is not None, "land() needs a gradient"
+        assert isinstance(grad, Tensor), "a unit stepped on the host gets its reduced part as one tensor"
         squares = grad.to(torch.float32, copy=True).pow_(2).sum() if self.squares_asked else None
         sums = (grad.sum(dtype=torch.float32), squares)
         self.drop_grad(stream)
@@ -230,6 +277,10 @@ class Unit:
         if self.has_grad_storage:
             return self.grad
         part = self.pending if self.pending is not None else self.landed() if self.landed is not None else None
+        if isinstance(part, ParamGrads):
+            widened = torch.empty(self.grad.numel(), device=self.grad.device)
+            part.widen_into(widened, None)
+            return widened
         return torch.zeros(self.grad.numel(), device=self.grad.device) if part is None else part.float()
 
     def grad_sum(self) -> Tensor:
@@ -246,7 +297,9 @@ class Unit:
     def drop_grad(self, stream: Optional["torch.cuda.Stream"] = None) -> None:
         """Release the gradient (the window is over). ``stream``: the last stream that used it, so the
         allocator reuses the memory only after that stream's work (CUDA)."""
-        if self.pending is not None and stream is not None and self.pending.is_cuda:
+        if isinstance(self.pending, ParamGrads) and stream is not None:
+            self.pending.record_stream(stream)
+        elif self.pending is not None and stream is not None and self.pending.is_cuda:
             self.pending.record_stream(stream)
         self.pending = self.landed = self.sums = None
         if self.has_grad_storage:
