@@ -142,10 +142,12 @@ def _scale(arms: str, model: str, tokens: str, timeout: int) -> list[Launch]:
                        requires=("deepspeed",), extra=extra)]
 
 
-# Compiled stage 3 against the compiled floor (one GPU: no communication, the engine's own cost per unit),
-# eager and compiled, FSDP2 reducing in bf16 as zeroq does (``+bf16reduce``) and, labelled, in fp32 as
-# torchtitan does; every arm twice, alternating, so no arm is only a launch's first.
-COMPILE_FLOOR = ",".join(2 * ["ddp+compile", "zeroq2+compile", "zeroq3+compile", "fsdp2+compile+bf16reduce", "zeroq3",
+# Stages 2 and 3 against the floor (one GPU: the same model and optimizer with no data parallelism at all,
+# ``single``), compiled per block and eager, every arm twice, alternating, so no arm is only a launch's first.
+COMPILE_FLOOR = ",".join(2 * ["single+compile", "zeroq2+compile", "zeroq3+compile", "single", "zeroq2", "zeroq3"])
+# The peers beside it: DDP with compiled blocks, FSDP2 reducing in bf16 as zeroq does (``+bf16reduce``) and,
+# labelled, in fp32 as torchtitan does, the whole model compiled; every arm twice, alternating.
+COMPILE_PEERS = ",".join(2 * ["ddp+compile", "zeroq3+compile", "fsdp2+compile+bf16reduce", "zeroq3",
                                "fsdp2+bf16reduce", "zeroq3+compile_whole", "fsdp2+compile_whole+bf16reduce",
                                "fsdp2+compile"])
 
@@ -249,17 +251,22 @@ SUITES: dict[str, Suite] = {
         (Launch("auto_offload_953m", ("benchmarks/fits.py", "auto-offload", "--batch", "16", "--seq", "1024",
                                       "--stage", "3", "--steps", "3", "--warmup", "2"), timeout=3600),)),
     "compile-floor": Suite(
-        "Compiled stage 3 at the compiled floor (953M GPT, one GPU, 4 x 1,024 tokens): DDP with compiled blocks "
-        "(the floor: one rank communicates nothing), zeroq2 and zeroq3 with compiled blocks, zeroq3 eager and with "
-        "the whole model compiled, FSDP2 likewise with bf16 gradient reduction (as zeroq) and, compiled blocks, "
-        "fp32 reduction (torchtitan's); every arm twice, alternating; peak allocated and reserved",
-        tuple(step_time(COMPILE_FLOOR, world_sizes=(1,), timeout=560, bench="step_time_compile_floor",
+        "Stages 2 and 3 at the floor (953M GPT, one GPU, 4 x 1,024 tokens): the same model and optimizer with no "
+        "data parallelism at all, zeroq2 and zeroq3, each with compiled blocks and eager; every arm twice, "
+        "alternating; peak allocated and reserved",
+        tuple(step_time(COMPILE_FLOOR, world_sizes=(1,), timeout=500, bench="step_time_compile_floor",
+                        extra=("--steps", "10", "--warmup", "5")))),
+    "compile-peers": Suite(
+        "Compiled stage 3 beside its peers at one GPU (953M GPT, 4 x 1,024 tokens): DDP with compiled blocks, "
+        "zeroq3 eager, compiled per block and whole, FSDP2 alike with bf16 gradient reduction (as zeroq) and, "
+        "compiled blocks, fp32 reduction (torchtitan's); every arm twice, alternating; peak allocated and reserved",
+        tuple(step_time(COMPILE_PEERS, world_sizes=(1,), timeout=560, bench="step_time_compile_peers",
                         extra=("--steps", "10", "--warmup", "5")))),
     "compile-floor-profile": Suite(
-        "Where the compiled arms' step goes on one GPU: two profiled steps each of the floor (DDP with compiled "
-        "blocks), zeroq2, zeroq3 and FSDP2 with compiled blocks, the whole model compiled with TORCH_LOGS for "
+        "Where the compiled arms' step goes on one GPU: two profiled steps each of the floor (no data "
+        "parallelism, compiled blocks), zeroq2, zeroq3 and FSDP2 with compiled blocks, the whole model compiled with TORCH_LOGS for "
         "recompiles and graph breaks; the device's busy time and its largest kernels per arm in the .log",
-        tuple(step_time("ddp+compile,zeroq3+compile,zeroq2+compile,fsdp2+compile+bf16reduce,zeroq3+compile_whole",
+        tuple(step_time("single+compile,zeroq3+compile,zeroq2+compile,fsdp2+compile+bf16reduce,zeroq3+compile_whole",
                         world_sizes=(1,), timeout=500, bench="step_time_compile_floor_profile",
                         env={**SHARE_CORES, "TORCH_LOGS": "recompiles,graph_breaks"},
                         extra=("--steps", "4", "--warmup", "3", "--profile", "{out}/compile_floor_traces")))),
