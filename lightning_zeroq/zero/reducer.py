@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_zeroq import ops
 from lightning_zeroq.ranks import rank_and_size
 from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.accumulate import accumulation
@@ -139,6 +140,8 @@ class Reducer:
     ) -> None:
         self.units, self.gradients, self.wire = units, gradients, wire
         self.listener = listener
+        if device.type == "cuda":
+            ops.load_cuda_backend()  # the gradients' checked widening: compile or load once now, never in a step
         self.param_dtype, self.group, self.device = param_dtype, group, device
         self.accumulation = accumulation(sharding, units, param_dtype, device)
         self._managed = sharding.managed_accumulation
