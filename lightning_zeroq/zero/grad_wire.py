@@ -37,8 +37,11 @@ class GradientWire(Protocol):
     identity: bool
     """``reduce`` returns ``flat`` unchanged (one rank, nothing to divide by): the caller may skip the
     flat buffer and keep the gradients as they are (``unit.ParamGrads``)."""
+    divides_first: int
+    """What ``reduce`` divides ``flat`` by before anything else (1: nothing). A caller that divides as it
+    fills ``flat`` (the same operation on the same values, so the same bits) passes ``divided=True``."""
 
-    def reduce(self, flat: Tensor) -> Tensor:
+    def reduce(self, flat: Tensor, divided: bool = False) -> Tensor:
         """``(sum over ranks of their ``flat``)[this rank's part] / world_size``, a tensor of its own
         (``flat`` itself at world size 1: the caller gives it up)."""
 
@@ -52,11 +55,13 @@ class FullWidthReduce:
         self.world_size = rank_and_size(group)[1]
         self.divisor = divisor or self.world_size
         self.identity = self.world_size == 1 and self.divisor == 1
+        self.divides_first = self.divisor
 
-    def reduce(self, flat: Tensor) -> Tensor:
+    def reduce(self, flat: Tensor, divided: bool = False) -> Tensor:
+        if self.divisor != 1 and not divided:
+            flat.div_(self.divisor)
         if self.world_size == 1:
-            return flat.div_(self.divisor) if self.divisor != 1 else flat
-        flat.div_(self.divisor)
+            return flat
         part = torch.empty(flat.numel() // self.world_size, dtype=flat.dtype, device=flat.device)
         comm.reduce_scatter(part, flat, self.group)
         return part
@@ -70,12 +75,13 @@ class Int8Reduce:
         self.world_size = rank_and_size(group)[1]
         self.divisor = divisor or self.world_size
         self.identity = self.world_size == 1 and self.divisor == 1
+        self.divides_first = self.divisor if self.world_size == 1 else 1  # else after the sum, in fp32
         if device.type == "cuda":
             ops.load_cuda_backend()  # compile or load once now, never inside a collective
 
-    def reduce(self, flat: Tensor) -> Tensor:
+    def reduce(self, flat: Tensor, divided: bool = False) -> Tensor:
         if self.world_size == 1:
-            return flat.div_(self.divisor) if self.divisor != 1 else flat
+            return flat.div_(self.divisor) if self.divisor != 1 and not divided else flat
         n = flat.numel() // self.world_size
         packed_bytes = ops.packed_nbytes(n, self.group_size)
         send = torch.empty(self.world_size * packed_bytes, dtype=torch.uint8, device=flat.device)
@@ -112,11 +118,12 @@ class AcrossGroups:
     ) -> None:
         self.inner, self.group, self.group_size = inner, replica_group, group_size
         self.identity = False
+        self.divides_first = inner.divides_first
         self.groups = rank_and_size(replica_group)[1]
         self.scatter = Int8Reduce(replica_group, device, group_size, divisor=1) if quantized else None
 
-    def reduce(self, flat: Tensor) -> Tensor:
-        part = self.inner.reduce(flat)
+    def reduce(self, flat: Tensor, divided: bool = False) -> Tensor:
+        part = self.inner.reduce(flat, divided)
         if self.scatter is None:
             comm.all_reduce(part, dist.ReduceOp.SUM, self.group)
             return part

@@ -254,7 +254,8 @@ class Reducer:
             return
         with self._stream.context():
             local = self.accumulation.start(unit)  # stage 1's fp32 local sum, or None: nothing local
-            flat_grad = _flat_grads(unit, self.param_dtype, self.device) if local is None else local
+            divisor = self.wire.divides_first if local is None else 1  # divided as it is copied
+            flat_grad = _flat_grads(unit, self.param_dtype, self.device, divisor) if local is None else local
             for p, slot in zip(unit.params, layout.slots):
                 if p.grad is not None:
                     if local is not None:
@@ -263,7 +264,7 @@ class Reducer:
                     p.grad = None
             if self.world_size > 1:  # where a non-finite value came from is only visible before the sum spreads it
                 self._origin.logical_or_(~torch.isfinite(flat_grad.sum()))
-            unit.add_grad(self.wire.reduce(flat_grad))
+            unit.add_grad(self.wire.reduce(flat_grad, divided=divisor != 1))
             self.gradients.grad_reduced(unit)
         self._reduced[unit.index] = True
         self.listener.unit_reduced(unit)
@@ -428,17 +429,23 @@ class Reducer:
         self.listener.close()
 
 
-def _flat_grads(unit: Unit, dtype: torch.dtype, device: torch.device) -> Tensor:
+def _flat_grads(unit: Unit, dtype: torch.dtype, device: torch.device, divisor: int = 1) -> Tensor:
     """The unit's gradients (``p.grad``) copied into one flat buffer of ``dtype``, zero where a parameter
     has none and in the padding (the slots lie back to back from 0, ``make_layout``): one write of each
     element, where zeros and then a sum into them write the buffer twice and read it once. A gradient's -0
     stays -0 here, where 0 + (-0) made +0; the fp32 gradient shard is made by adding 0
-    (``Unit.materialize_grad``), and torch.equal and every optimizer step treat the two alike."""
+    (``Unit.materialize_grad``), and torch.equal and every optimizer step treat the two alike.
+    ``divisor`` other than 1: each gradient divided by it as it is copied, the division the wire would
+    make in place afterwards (``GradientWire.divides_first``), in the same dtype, without a second pass."""
     flat = torch.empty(unit.layout.padded_numel, dtype=dtype, device=device)
     for p, slot in zip(unit.params, unit.layout.slots):
         if p.grad is None:
             flat[slot.span].zero_()
-        else:
+        elif divisor == 1:
             flat[slot.span].copy_(p.grad.reshape(-1))
+        elif p.grad.dtype == dtype:
+            torch.div(p.grad.reshape(-1), divisor, out=flat[slot.span])
+        else:  # the copy rounds to ``dtype`` first, as the division in place would read it
+            flat[slot.span].copy_(p.grad.reshape(-1)).div_(divisor)
     flat[unit.layout.numel :].zero_()
     return flat

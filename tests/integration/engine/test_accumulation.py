@@ -143,7 +143,7 @@ def _nested_body(stage: int) -> float:
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, eps=1e-3)
     reducer, reduced = engine.parts.reducer, []
     wire_reduce = reducer.wire.reduce
-    reducer.wire.reduce = lambda flat: (reduced.append(1), wire_reduce(flat))[1]
+    reducer.wire.reduce = lambda flat, divided=False: (reduced.append(1), wire_reduce(flat, divided))[1]
     units = sum(1 for u in engine.parts.units if u.params)
     assert units == 3, units
     worst = 0.0
