@@ -119,9 +119,10 @@ def test_one_optimizer_step_per_step_nccl(gpu_pool, offload):
     assert all(c == (3, 3) for c in gpu_pool(WORLD).run(test_accumulation._one_step_body, offload, "cuda"))
 
 
-def _reduction_pool_body(stage: int) -> tuple[int, int, int]:
+def _reduction_pool_body(stage: int, identity: bool = False) -> tuple[int, int, int]:
     """Bytes of the segments the reduction stream's pool holds after three steps, beside the working-dtype
-    and the fp32 bytes of the units' gradients."""
+    and the fp32 bytes of the units' gradients. One rank: ``identity`` False makes the reduction copy the
+    gradients into flat parts as it does where they travel; True leaves them as autograd made them."""
     import torch
     import torch.nn.functional as F
 
@@ -138,6 +139,7 @@ def _reduction_pool_body(stage: int) -> tuple[int, int, int]:
     engine = ZeroEngine(model, ZeroConfig(stage=stage, **units),
                         param_dtype=torch.bfloat16, device=device)
     engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
+    engine.parts.reducer.wire.identity = identity
     tokens = torch.randint(0, 1024, (4, 128), device=device)
     for _ in range(3):
         logits = model(tokens)
@@ -164,7 +166,8 @@ def test_fp32_gradient_shards_are_not_made_in_the_reduction_streams_pool(gpu_poo
     pool, working, fp32 = gpu_pool(1).run(_reduction_pool_body, stage)[0]
     # the parts' blocks (rounded up by the allocator), not the shards' too (working + fp32 before)
     assert pool < working + fp32 // 2, (pool, working, fp32)
-
+    # at one rank nothing is reduced: the gradients wait where autograd made them, the side pool holds nothing
+    assert gpu_pool(1).run(_reduction_pool_body, stage, True)[0][0] == 0
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_muon_on_the_host_is_the_gpus_step_nccl(gpu_pool, stage):
