@@ -299,7 +299,7 @@ class Unit:
         allocator reuses the memory only after that stream's work (CUDA)."""
         if isinstance(self.pending, ParamGrads) and stream is not None:
             self.pending.record_stream(stream)
-        elif self.pending is not None and stream is not None and self.pending.is_cuda:
+        elif isinstance(self.pending, Tensor) and stream is not None and self.pending.is_cuda:
             self.pending.record_stream(stream)
         self.pending = self.landed = self.sums = None
         if self.has_grad_storage:

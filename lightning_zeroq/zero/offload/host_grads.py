@@ -49,7 +49,7 @@ from lightning_zeroq.nulls import nothing
 from lightning_zeroq.swap.buffers import pinned_empty
 from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.offload.host_worker import HostWorker
-from lightning_zeroq.zero.unit import Unit
+from lightning_zeroq.zero.unit import ParamGrads, Unit
 
 IN_FLIGHT = 3
 """Copies to the host a backward may have running at once. A device gradient a copy still reads is kept
@@ -149,6 +149,7 @@ class GradientLanding:
             self.half.add(unit.index)
             return
         pending = unit.pending
+        assert not isinstance(pending, ParamGrads), "a unit stepped on the host gets its reduced part as one tensor"
         half = half_ok and pending is not None and not unit.has_grad_storage and pending.dtype == torch.bfloat16
         if half:
             assert pending is not None  # half says so
