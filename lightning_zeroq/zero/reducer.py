@@ -409,11 +409,10 @@ class Reducer:
         self.end_backward()
         self._materialize(all_units=True)
         for unit in self.units:
-            host = self.gradients.step_grad(unit)
-            for _, seg in optimized.get(unit.index, ()):
-                unit.grad[seg.shard_span].zero_()
-                if host is not unit.grad:
-                    host[seg.shard_span].zero_()
+            spans = [seg.shard_span for _, seg in optimized.get(unit.index, ())]
+            for span in spans:
+                unit.grad[span].zero_()
+            self.gradients.clear_spans(unit, spans)
             for i, (p, slot) in enumerate(zip(unit.params, unit.layout.slots)):
                 if unit.param_id(i) in param_ids:
                     p.grad = None

@@ -84,6 +84,9 @@ class OptimizerHome:
     def step_grad(self, unit: Unit) -> Tensor:
         return unit.grad
 
+    def clear_spans(self, unit: Unit, spans: Sequence[slice]) -> None:
+        pass  # the device's shard is the one the optimizer reads
+
     def matrix_grad(self, unit: Unit) -> tuple[Tensor, float]:
         return self.step_grad(unit), 1.0
 

@@ -38,7 +38,7 @@ is what the CPU tests exercise. Host buffers are pinned only where a GPU copies 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -46,7 +46,7 @@ from torch import Tensor
 from lightning_zeroq.ops.host_adam import HostAdam, host_adam
 from lightning_zeroq.zero.offload.device import OptimizerHome
 from lightning_zeroq.zero.offload.host_grads import GradientLanding, wait_event
-from lightning_zeroq.zero.offload.host_kernel import KernelSteps, set_host_step_threads
+from lightning_zeroq.zero.offload.host_kernel import KernelSteps, set_host_step_threads, whole
 from lightning_zeroq.zero.offload.host_worker import HostWorker
 from lightning_zeroq.zero.offload.speculative_step import Speculation
 from lightning_zeroq.zero.offload.stores import HostStore, ShardStore, copy_cast_to_device, host_copy
@@ -206,6 +206,11 @@ class HostOptimizer(OptimizerHome):
             grad.mul_(owed)
         return grad
 
+    def clear_spans(self, unit: Unit, spans: Sequence[slice]) -> None:
+        self.abandon_speculation()
+        self.worker.wait()
+        self.landing.clear(unit, spans)
+
     def matrix_grad(self, unit: Unit) -> tuple[Tensor, float]:
         """With the kernel's Muon parts, the gradient as it landed (bf16 where it crossed so) and the
         multiplier it owes, which the kernel applies as it reads; else ``step_grad``'s."""
@@ -231,12 +236,17 @@ class HostOptimizer(OptimizerHome):
         spec = self.spec  # step_batches yields one unit at a time
         rest = [u for u in batch if spec is None or not spec.keep(u, binding, used, u.index in self.multiplier)]
         if rest and (
-            self.kernel is None
-            or not self.kernel.step(rest, binding, used, self._kernel_grad, lambda u: self.multiplier.pop(u.index, 1.0))
+            self.kernel is None or not self.kernel.step(rest, binding, used, self._kernel_grad, self._owed(binding))
         ):
             return False
-        self.landing.half.difference_update(u.index for u in batch)
+        # A unit another optimizer shares keeps its gradient as it landed, and what it owes, for that one.
+        self.landing.half.difference_update(u.index for u in batch if whole(u, binding))
         return True  # the kernel stepped them, or their step during the backward stands
+
+    def _owed(self, binding: Binding) -> Callable[[Unit], float]:
+        """The multiplier a unit still owes, for the kernel that steps ``binding``'s segments of it: taken
+        where they are all of the unit's, else read (the unit's other optimizer reads it too)."""
+        return lambda u: self.multiplier.pop(u.index, 1.0) if whole(u, binding) else self.multiplier.get(u.index, 1.0)
 
     def step_later(
         self, unit: Unit, binding: Binding, used: Sequence[Any], hypers: dict[int, dict[str, Any]]

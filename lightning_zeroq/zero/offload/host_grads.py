@@ -218,6 +218,16 @@ class GradientLanding:
         self.wait(unit.index)
         return self.buffer(unit.index)
 
+    def clear(self, unit: Unit, spans: Sequence[slice]) -> None:
+        """Zero parts of the unit's host gradient where it is kept: the bf16 copy as it landed (not widened:
+        another reader may still read the rest so), else the fp32 buffer where there is one (where there is
+        none yet, it is made zeroed)."""
+        self.wait(unit.index)
+        grad = self.half_grads[unit.index] if unit.index in self.half else self.host_grads.get(unit.index)
+        if grad is not None:
+            for span in spans:
+                grad[span].zero_()
+
     def buffer(self, index: int) -> Tensor:
         """The buffer unit ``index``'s gradient lands in this window (its copy may still be running)."""
         return self.half_grads[index] if index in self.half else self.host_grads[index]

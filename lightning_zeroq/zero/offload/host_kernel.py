@@ -64,6 +64,11 @@ def set_host_step_threads(world_size: int) -> None:
     )
 
 
+def whole(unit: Unit, binding: Any) -> bool:
+    """``binding``'s optimizer steps every segment of ``unit`` (no other optimizer shares it)."""
+    return len(binding.optimized[unit.index]) == len(unit.segments)
+
+
 class KernelSteps:
     def __init__(self, kernel: HostAdam, param_dtype: torch.dtype, pin: bool) -> None:
         self.kernel, self.param_dtype, self.pin = kernel, param_dtype, pin
@@ -77,9 +82,13 @@ class KernelSteps:
         if self.param_dtype == torch.bfloat16:
             self.working.update({i: b for i, b in buffers.items() if b.dtype == torch.bfloat16})
 
-    def kernel_args(self, batch: Sequence[Unit], binding: Any) -> Optional[dict[int, dict[str, Any]]]:
+    def kernel_args(
+        self, batch: Sequence[Unit], binding: Any, shared: bool = False
+    ) -> Optional[dict[int, dict[str, Any]]]:
         """Each segment view's kernel arguments (by the view's id) if the kernel steps ``batch``, else
-        None. ``binding``: a ``Binding``, or anything with its ``optimizer`` and ``optimized``."""
+        None. ``binding``: a ``Binding``, or anything with its ``optimizer`` and ``optimized``. ``shared``:
+        a unit may have segments the optimizer does not step (another optimizer's, the usual Muon recipe's
+        matrices beside AdamW's norms); else such a unit is refused."""
         optimizer = binding.optimizer
         decoupled = adam_kind(optimizer)
         if decoupled is None:
@@ -87,7 +96,7 @@ class KernelSteps:
         group_of = {id(view): group for group in optimizer.param_groups for view in group["params"]}
         hypers: dict[int, dict[str, Any]] = {}
         for unit in batch:
-            if len(binding.optimized[unit.index]) != len(unit.segments):
+            if not shared and len(binding.optimized[unit.index]) != len(unit.segments):
                 return None  # several optimizers share the unit
             for view, _ in binding.optimized[unit.index]:
                 group = group_of[id(view)]
@@ -111,8 +120,10 @@ class KernelSteps:
     ) -> bool:
         """Step ``batch`` (True), or leave it (False: ``kernel_args`` says the kernel does not take it). ``used``:
         per parameter id, whether any rank gave it a gradient; ``grad_of``: a unit's host gradient (fp32
-        or bf16) once it has landed; ``multiplier_of``: the multiplier it still owes."""
-        hypers = self.kernel_args(batch, binding)
+        or bf16) once it has landed; ``multiplier_of``: the multiplier it still owes. A unit whose segments
+        are not all this optimizer's gets only its own stepped; its bf16 copy is then not the master's cast
+        (the other segments' copies are not written here)."""
+        hypers = self.kernel_args(batch, binding, shared=True)
         if hypers is None:
             return False
         jobs = []
@@ -120,7 +131,8 @@ class KernelSteps:
             jobs.extend(self.jobs(unit, binding, used, grad_of(unit), multiplier_of(unit), hypers))
         self.kernel.run(jobs)  # the tensors' storages outlive it: masters, gradients, state, copies are kept
         for unit in batch:
-            self.stepped(unit.index)
+            if whole(unit, binding):
+                self.stepped(unit.index)
         return True
 
     def stepped(self, index: int) -> None:

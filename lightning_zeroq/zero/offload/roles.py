@@ -77,6 +77,11 @@ class Gradients(Protocol):
     def step_grad(self, unit: Unit) -> Tensor:
         """The gradient shard the optimizer reads (offload: its host copy, after its copy finished)."""
 
+    def clear_spans(self, unit: Unit, spans: Sequence[slice]) -> None:
+        """Zero parts of the unit's gradient where the optimizer reads it, beside the device's shard (which
+        the caller zeroes): offload, its host copy, in the dtype it landed in (another optimizer still reads
+        the rest as it is)."""
+
     def end_window(self) -> None:
         """Before the device's gradient shards are released: the copies still reading them finish."""
 

@@ -125,6 +125,9 @@ class SplitOptimizer(OptimizerHome):
     def step_grad(self, unit: Unit) -> Tensor:
         return self._of(unit).step_grad(unit)
 
+    def clear_spans(self, unit: Unit, spans: Sequence[slice]) -> None:
+        self._of(unit).clear_spans(unit, spans)
+
     def matrix_grad(self, unit: Unit) -> tuple[Tensor, float]:
         return self._of(unit).matrix_grad(unit)
 

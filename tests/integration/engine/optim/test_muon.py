@@ -268,9 +268,11 @@ def test_torchs_iteration_reads_and_returns_bfloat16() -> None:
 
 
 def _offload_pair(stage: int, param_dtype: torch.dtype, extra: Optional[dict] = None, clip: bool = True,
-                  micro_batches: int = 2) -> int:
+                  micro_batches: int = 2, adamw_first: bool = False) -> int:
     """The same run with the optimizer on the device and on the host (the host kernel's Muon parts,
-    bf16 journeys), torch's own bf16 iteration, each optimizer's gradients clipped: bitwise alike."""
+    bf16 journeys), torch's own bf16 iteration, each optimizer's gradients clipped: bitwise alike.
+    ``adamw_first``: AdamW steps (and clips) before Muon. Returns the last step, and with ``clip`` off
+    checks that no host gradient was widened to fp32 (each optimizer's kernel read its share as it landed)."""
     torch.manual_seed(0)
     model = Net().to(param_dtype)
     other = copy.deepcopy(model)
@@ -285,11 +287,17 @@ def _offload_pair(stage: int, param_dtype: torch.dtype, extra: Optional[dict] = 
             engine.attach_optimizer(optimizer)
         engines.append(engine)
         optimizers.append(pair)
+    widened = []
+    landing = getattr(engines[1].parts.placement, "landing", None)  # the host placement's (a split's: None)
+    if landing is not None:
+        fp32 = landing.fp32
+        landing.fp32 = lambda unit: (widened.append(unit.index), fp32(unit))[1]
+    order = (1, 0) if adamw_first else (0, 1)
     for step in range(6):
         for engine, net, pair in zip(engines, (model, other), optimizers):
             for micro in range(micro_batches):
                 engine.backward(_loss(net, step, micro) / micro_batches, boundary=micro == micro_batches - 1)
-            for optimizer, bound in zip(pair, (0.05, 1.0)):
+            for optimizer, bound in ((pair[i], (0.05, 1.0)[i]) for i in order):
                 if clip:
                     engine.clip_grad_norm_(bound, optimizer=optimizer)
                 engine.step(optimizer)
@@ -297,6 +305,8 @@ def _offload_pair(stage: int, param_dtype: torch.dtype, extra: Optional[dict] = 
         on_device, on_host = (engine.full_state_dict() for engine in engines)
         for name in on_device:
             assert torch.equal(on_device[name], on_host[name]), f"step {step}: {name} differs"
+    if landing is not None and not clip and micro_batches == 1 and param_dtype == torch.bfloat16 and stage > 1:
+        assert widened == [], f"units widened on the host: {sorted(set(widened))}"
     for engine in engines:
         engine.close()
     return step
@@ -330,6 +340,14 @@ def test_muon_offloaded_reads_the_bf16_gradients_as_they_landed(dist_pool, stage
     stays so until a reader widens it. Muon reads its part of a unit as it landed, and AdamW, stepping the
     rest of the same unit afterwards, still reads all of it; clipping reads it first."""
     assert dist_pool(2).run(_offload_pair, stage, torch.bfloat16, extra, clip, 1) == [5, 5]
+
+
+@pytest.mark.parametrize("clip", [False, True])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_adamw_stepping_first_leaves_the_shared_units_gradient_for_muon(dist_pool, stage, clip):
+    """AdamW steps its share of each block's unit (the norms) with the host kernel before Muon steps the
+    matrices: the unit's gradient stays as it landed, and what it owes stays owed, for Muon."""
+    assert dist_pool(2).run(_offload_pair, stage, torch.bfloat16, None, clip, 1, True) == [5, 5]
 
 
 def test_muon_offloaded_is_bitwise_the_device_path_at_three_ranks(dist_pool):
