@@ -15,13 +15,19 @@ from tests.integration.engine.test_accumulation import _stage_options
 from tests.models import RichModel, make_batch, param_groups
 
 
-def _train(stage: int, dtype: torch.dtype, identity: bool) -> tuple[dict, list, list]:
+def _train(stage: int, dtype: torch.dtype, identity: bool, two_optimizers: bool = False) -> tuple[dict, list, list]:
     torch.manual_seed(0)
     model = RichModel()
     next(model.parameters()).requires_grad_(False)  # a frozen parameter: no gradient in its slot
     engine = ZeroEngine(model, ZeroConfig(stage=stage, nonfinite_gradients="skip", **_stage_options(stage)),
                         param_dtype=dtype)
-    engine.attach_optimizer(torch.optim.AdamW(param_groups(model), lr=1e-2))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    if two_optimizers:  # every other parameter each: units shared by both, each stepped and zeroed on its own
+        optimizers = [torch.optim.AdamW(trained[0::2], lr=1e-2), torch.optim.SGD(trained[1::2], lr=0.1, momentum=0.9)]
+    else:
+        optimizers = [torch.optim.AdamW(param_groups(model), lr=1e-2)]
+    for optimizer in optimizers:
+        engine.attach_optimizer(optimizer)
     engine.parts.reducer.wire.identity = identity and engine.parts.reducer.wire.identity
     kinds, stepped = [], []
     for step in range(4):
@@ -30,9 +36,16 @@ def _train(stage: int, dtype: torch.dtype, identity: bool) -> tuple[dict, list, 
                 loss = model.loss(make_batch(step, micro, 0, uniform=True))
             engine.backward(loss * float("nan") if step == 2 and micro == 1 else loss, boundary=micro == 1)
             kinds.append(sorted({type(u.pending).__name__ for u in engine.parts.units if u.pending is not None}))
-        if step == 1:
-            engine.clip_grad_norm_(0.05)
-        stepped.append(engine.step())
+        if not two_optimizers:
+            if step == 1:
+                engine.clip_grad_norm_(0.05)
+            stepped.append(engine.step())
+            continue
+        for optimizer in optimizers:
+            if step == 1:
+                engine.clip_grad_norm_(0.05, optimizer=optimizer)
+            stepped.append(engine.step(optimizer))
+            engine.zero_grad(optimizer)
     return engine.full_state_dict(), kinds, stepped
 
 
@@ -49,6 +62,15 @@ def test_the_identity_reduction_trains_as_the_flat_copy_bitwise(stage, dtype):
         assert ["ParamGrads"] in kinds
     else:
         assert all(kind in ([], ["Tensor"]) for kind in kinds)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_optimizers_sharing_units_train_as_the_flat_copy_bitwise(stage):
+    state, kinds, stepped = _train(stage, torch.bfloat16, identity=True, two_optimizers=True)
+    flat_state, _, flat_stepped = _train(stage, torch.bfloat16, identity=False, two_optimizers=True)
+    assert stepped == flat_stepped == [True, True, True, True, False, False, True, True]
+    assert all(torch.equal(state[k], flat_state[k]) for k in state)
+    assert ["ParamGrads"] in kinds
 
 
 def test_the_parts_are_the_gradients_autograd_made():
