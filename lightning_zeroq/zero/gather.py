@@ -50,7 +50,7 @@ from lightning_zeroq.zero.offload.host_worker import HostWorker
 from lightning_zeroq.zero.offload.roles import Masters
 from lightning_zeroq.zero.offload.stores import ShardStore
 from lightning_zeroq.zero.unit import Unit, UnitState
-from lightning_zeroq.zero.wire import Wire
+from lightning_zeroq.zero.wire import FullWidth, Wire
 
 
 class GatherTrace:
@@ -141,9 +141,14 @@ class Gatherer:
         unit.mark()
 
     @torch.no_grad()
-    def publish(self, unit: Unit) -> None:
+    def publish(self, unit: Unit, spans: Optional[Sequence[slice]] = None) -> None:
+        """Bring the working weights up to the masters after a step. ``spans``: only these parts of this
+        rank's shard changed (``binding.stepped_spans``); a full-width persistent unit then sends only them."""
         if unit.persistent:
-            self.wire.sync(unit, self.masters)
+            if spans is not None and isinstance(self.wire, FullWidth):
+                self.wire.sync_spans(unit, self.masters, spans)
+            else:
+                self.wire.sync(unit, self.masters)
             unit.mark()  # a write into the parameters from here on is one the masters have not seen
         else:
             assert self.store is not None

@@ -26,7 +26,14 @@ from lightning_zeroq.zero.build import Parts
 from lightning_zeroq.zero.gather import Gatherer
 from lightning_zeroq.zero.loss_scaler import DynamicLossScaler
 from lightning_zeroq.zero.offload.roles import Updater
-from lightning_zeroq.zero.optim.binding import Binding, OneStep, bind_to_shards, hand_back, route_zero_grad
+from lightning_zeroq.zero.optim.binding import (
+    Binding,
+    OneStep,
+    bind_to_shards,
+    hand_back,
+    route_zero_grad,
+    stepped_spans,
+)
 from lightning_zeroq.zero.optim.matrix import is_matrix_optimizer, start_matrices
 from lightning_zeroq.zero.reducer import Reducer, Window, WindowVerdict
 from lightning_zeroq.zero.unit import Unit
@@ -177,7 +184,7 @@ def step_in(
         if stepped_here:
             with torch.profiler.record_function("zeroq.publish"):
                 for unit in batch:
-                    gatherer.publish(unit)
+                    gatherer.publish(unit, stepped_spans(unit, binding))
             continue
         optimizer_ran = True
         for unit in batch:
@@ -192,7 +199,7 @@ def step_in(
                 view.grad = None
         with torch.profiler.record_function("zeroq.publish"):  # one range per batch: a range costs microseconds
             for unit in batch:
-                gatherer.publish(unit)
+                gatherer.publish(unit, stepped_spans(unit, binding))
     return optimizer_ran
 
 
@@ -216,8 +223,8 @@ def step_matrix_batches(
             apply()
             one_step.step()
         with torch.profiler.record_function("zeroq.publish"):
-            for unit in batch:
-                gatherer.publish(unit)
+            for unit in batch:  # the spans it stepped (on the host, Muon's kernel wrote their bf16 copies)
+                gatherer.publish(unit, [seg.shard_span for _, seg in binding.optimized[unit.index]])
 
     for batch in placement.step_batches(units):
         try:

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_zeroq import ops
+from lightning_zeroq.ranks import rank_and_size
 from lightning_zeroq.zero import comm
 from lightning_zeroq.zero.layout import UnitLayout
 from lightning_zeroq.zero.offload.roles import Masters
@@ -85,6 +86,7 @@ class FullWidth:
         self.layouts, self.payload_dtype, self.group = layouts, param_dtype, group
         self.alone = comm.alone(group)
         """One rank in the group: a gather or a sync is a copy, not a collective."""
+        self.rank = rank_and_size(group)[0]
 
     def payload_numel(self, index: int) -> int:
         return self.layouts[index].shard_numel
@@ -94,6 +96,16 @@ class FullWidth:
             unit.flat.copy_(unit.master)
         else:
             comm.all_gather(unit.flat, placement.device_working(unit, self.payload_dtype), self.group)
+
+    def sync_spans(self, unit: Unit, placement: Masters, spans: Sequence[slice]) -> None:
+        """``sync`` where only ``spans`` of this rank's shard changed (one of several optimizers stepped; the
+        rest is as the last sync left it): they are written into this rank's part of ``flat``, which the
+        ranks then gather in place (every rank calls it, each with its own spans, maybe none)."""
+        n = unit.layout.shard_numel
+        mine = unit.flat.narrow(0, self.rank * n, n)
+        placement.write_working(unit, mine, spans)
+        if not self.alone:
+            comm.all_gather(unit.flat, mine, self.group)
 
     def encode(self, unit: Unit, placement: Masters) -> Tensor:
         # The step's own working-dtype copy of a host master (the host kernel's), else the master,

@@ -93,6 +93,16 @@ class OptimizerHome:
     def host_kernel(self, unit: Unit) -> Optional["HostAdam"]:
         return None
 
+    def kernel_copy(self, unit: Unit) -> Optional[Tensor]:
+        return None
+
+    def copied(self, unit: Unit, spans: Sequence[slice]) -> None:
+        pass
+
+    def write_working(self, unit: Unit, out: Tensor, spans: Sequence[slice]) -> None:
+        for span in spans:
+            out[span].copy_(unit.master[span])  # one copy that casts
+
     def scale_grads(self, unit: Unit, spans: Sequence[slice], multiplier: float) -> None:
         grad = self.step_grad(unit)
         for span in spans:

@@ -46,11 +46,11 @@ from torch import Tensor
 from lightning_zeroq.ops.host_adam import HostAdam, host_adam
 from lightning_zeroq.zero.offload.device import OptimizerHome
 from lightning_zeroq.zero.offload.host_grads import GradientLanding, wait_event
-from lightning_zeroq.zero.offload.host_kernel import KernelSteps, set_host_step_threads, whole
+from lightning_zeroq.zero.offload.host_kernel import KernelSteps, set_host_step_threads
 from lightning_zeroq.zero.offload.host_worker import HostWorker
 from lightning_zeroq.zero.offload.speculative_step import Speculation
 from lightning_zeroq.zero.offload.stores import HostStore, ShardStore, copy_cast_to_device, host_copy
-from lightning_zeroq.zero.optim.binding import Binding, adam_kind, prefer_fast_host_step
+from lightning_zeroq.zero.optim.binding import Binding, adam_kind, prefer_fast_host_step, whole
 from lightning_zeroq.zero.optim.matrix import is_matrix_optimizer
 from lightning_zeroq.zero.unit import Unit
 
@@ -162,7 +162,7 @@ class HostOptimizer(OptimizerHome):
             self.worker.wait(unit.index)
             self.wait_device_reads(unit.index)
             if self.kernel is not None:
-                self.kernel.fresh.discard(unit.index)  # the walker may write the master
+                self.kernel.discard(unit.index)  # the walker may write the master
             yield unit
 
     def abandon_speculation(self) -> None:
@@ -238,6 +238,9 @@ class HostOptimizer(OptimizerHome):
         if rest and (
             self.kernel is None or not self.kernel.step(rest, binding, used, self._kernel_grad, self._owed(binding))
         ):
+            if self.kernel is not None:
+                for unit in rest:
+                    self.kernel.discard(unit.index)  # the optimizer's own step writes these masters: no copy
             return False
         # A unit another optimizer shares keeps its gradient as it landed, and what it owes, for that one.
         self.landing.half.difference_update(u.index for u in batch if whole(u, binding))
@@ -258,7 +261,7 @@ class HostOptimizer(OptimizerHome):
         assert self.kernel is not None  # AsyncHostStep.takes checked it
         index = unit.index
         self.wait_device_reads(index)
-        self.kernel.fresh.discard(index)  # until the worker has run the jobs (``KernelSteps.stepped``)
+        self.kernel.discard(index)  # until the worker has run the jobs (``KernelSteps.stepped``)
         if self.spec is not None and self.spec.keep(unit, binding, used, index in self.multiplier):
             self.landing.half.discard(index)
             return None, []
@@ -275,6 +278,27 @@ class HostOptimizer(OptimizerHome):
 
     def device_master(self, unit: Unit) -> Tensor:
         return unit.master.to(self.device, non_blocking=True)
+
+    def write_working(self, unit: Unit, out: Tensor, spans: Sequence[slice]) -> None:
+        for span in spans:
+            copy = (
+                self.kernel.take_fresh_copy(unit, span)
+                if self.kernel is not None and out.dtype == torch.bfloat16
+                else None
+            )
+            if copy is not None:  # the step's own bf16 copy: half the bytes of the master
+                out[span].copy_(copy, non_blocking=True)
+            elif self.pin and out.dtype != unit.master.dtype:
+                copy_cast_to_device(out[span], unit.master[span])
+            else:
+                out[span].copy_(unit.master[span], non_blocking=True)
+
+    def kernel_copy(self, unit: Unit) -> Optional[Tensor]:
+        return self.kernel.copy_buffer(unit) if self.kernel is not None else None
+
+    def copied(self, unit: Unit, spans: Sequence[slice]) -> None:
+        if self.kernel is not None:
+            self.kernel.copied(unit, spans)
 
     def device_working(self, unit: Unit, dtype: torch.dtype) -> Tensor:
         working = self.host_working(unit, dtype)
@@ -296,4 +320,4 @@ class HostOptimizer(OptimizerHome):
         self.landing.end_window()
         self.multiplier.clear()
         if self.kernel is not None:
-            self.kernel.fresh.clear()
+            self.kernel.clear()

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from lightning_zeroq.ops.host_adam import HostAdam
 from lightning_zeroq.zero.offload.stores import host_copy
-from lightning_zeroq.zero.optim.binding import Binding, adam_kind, kernel_group
+from lightning_zeroq.zero.optim.binding import Binding, adam_kind, kernel_group, whole
 from lightning_zeroq.zero.unit import Unit
 
 _THREADS_SET: list[int] = []
@@ -64,11 +64,6 @@ def set_host_step_threads(world_size: int) -> None:
     )
 
 
-def whole(unit: Unit, binding: Any) -> bool:
-    """``binding``'s optimizer steps every segment of ``unit`` (no other optimizer shares it)."""
-    return len(binding.optimized[unit.index]) == len(unit.segments)
-
-
 class KernelSteps:
     def __init__(self, kernel: HostAdam, param_dtype: torch.dtype, pin: bool) -> None:
         self.kernel, self.param_dtype, self.pin = kernel, param_dtype, pin
@@ -76,6 +71,9 @@ class KernelSteps:
         """bf16 host copies of the masters (own buffers, or a stage-3 store's)."""
         self.fresh: set[int] = set()
         """Units whose ``working`` copy is the cast of the master this step wrote."""
+        self.fresh_spans: dict[int, set[tuple[int, int]]] = {}
+        """Per unit: spans of ``working`` a step wrote with their masters (a unit another optimizer shares, or
+        a matrix optimizer's), until the publish that follows takes them (``take_fresh_copy``)."""
 
     def share(self, buffers: dict[int, Tensor]) -> None:
         """Write these units' bf16 copies into ``buffers`` (a stage-3 store's)."""
@@ -133,7 +131,33 @@ class KernelSteps:
         for unit in batch:
             if whole(unit, binding):
                 self.stepped(unit.index)
+            else:
+                self.copied(unit, [seg.shard_span for _, seg in binding.optimized[unit.index]])
         return True
+
+    def copied(self, unit: Unit, spans: Sequence[slice]) -> None:
+        """These spans of the unit's ``working`` copy were just written with their masters (bf16 only)."""
+        if self.param_dtype == torch.bfloat16:
+            self.fresh_spans.setdefault(unit.index, set()).update((s.start, s.stop) for s in spans)
+
+    def take_fresh_copy(self, unit: Unit, span: slice) -> Optional[Tensor]:
+        """``span`` of the unit's bf16 copy where a step wrote it with its master since it was last taken
+        (a publish takes it once), or the whole copy is the master's cast (``fresh``); else None."""
+        spans = self.fresh_spans.get(unit.index, set())
+        if (span.start, span.stop) in spans:
+            spans.discard((span.start, span.stop))
+        elif unit.index not in self.fresh:
+            return None
+        return self.working[unit.index][span]
+
+    def discard(self, index: int) -> None:
+        """Unit ``index``'s master may be written by others: its copy is no longer known to be its cast."""
+        self.fresh.discard(index)
+        self.fresh_spans.pop(index, None)
+
+    def clear(self) -> None:
+        self.fresh.clear()
+        self.fresh_spans.clear()
 
     def stepped(self, index: int) -> None:
         """Unit ``index``'s master was just stepped through this kernel (its jobs ran, or a speculative
@@ -192,12 +216,17 @@ class KernelSteps:
             buffer = self.working[unit.index] = host_copy(unit.master, self.pin, torch.bfloat16)
         return buffer
 
+    def copy_buffer(self, unit: Unit) -> Optional[Tensor]:
+        """Where a step writes the unit's bf16 master copy (None: the working weights are not bf16)."""
+        return self._working(unit)
+
     def copy(self, unit: Unit, dtype: torch.dtype) -> Optional[Tensor]:
         """The unit's bf16 copy of its master, if the step just wrote it (and ``dtype`` is bf16)."""
         return self.working[unit.index] if unit.index in self.fresh and dtype == torch.bfloat16 else None
 
     def forget(self, index: int) -> None:
         """Unit ``index`` no longer steps on the host (``auto`` brought it back)."""
+        self.fresh_spans.pop(index, None)
         self.working.pop(index, None)
         self.fresh.discard(index)
 

@@ -51,6 +51,10 @@ class Masters(Protocol):
     def host_working(self, unit: Unit, dtype: torch.dtype) -> Optional[Tensor]:
         """The working-dtype copy of a host master the host step wrote, if fresh (stage 3's payload)."""
 
+    def write_working(self, unit: Unit, out: Tensor, spans: Sequence[slice]) -> None:
+        """``out[span]`` (this rank's part of the working buffer, on the device) = the master's ``span`` in
+        ``out``'s dtype, for each of ``spans`` (a publish of what one of several optimizers stepped)."""
+
     def published(self, unit: Unit) -> None:
         """The copies that read the unit's master were just issued: a host master is not written, nor
         its buffer reused, before they ran."""
@@ -106,3 +110,9 @@ class Updater(Protocol):
 
     def host_kernel(self, unit: Unit) -> Optional["HostAdam"]:
         """The host kernel that steps the unit's segments on the host, if any."""
+
+    def kernel_copy(self, unit: Unit) -> Optional[Tensor]:
+        """Where the host kernel writes the unit's bf16 master copy as it steps (None: no such copy)."""
+
+    def copied(self, unit: Unit, spans: Sequence[slice]) -> None:
+        """These spans of ``kernel_copy(unit)`` were just written with their masters."""

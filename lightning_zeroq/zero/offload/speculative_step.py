@@ -363,5 +363,5 @@ class Speculation:
             if working is not None:  # the bf16 copy (a stage-3 store's payload, too) follows the master
                 for _, seg in record.pairs:
                     working[seg.shard_span].copy_(unit.master[seg.shard_span])
-        self.steps.fresh.discard(unit.index)
+        self.steps.discard(unit.index)
         self.counts.undone += 1

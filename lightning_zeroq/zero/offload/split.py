@@ -134,6 +134,15 @@ class SplitOptimizer(OptimizerHome):
     def host_kernel(self, unit: Unit) -> Optional[HostAdam]:
         return self._of(unit).host_kernel(unit)
 
+    def kernel_copy(self, unit: Unit) -> Optional[Tensor]:
+        return self._of(unit).kernel_copy(unit)
+
+    def copied(self, unit: Unit, spans: Sequence[slice]) -> None:
+        self._of(unit).copied(unit, spans)
+
+    def write_working(self, unit: Unit, out: Tensor, spans: Sequence[slice]) -> None:
+        self._of(unit).write_working(unit, out, spans)
+
     def scale_grads(self, unit: Unit, spans: Sequence[slice], multiplier: float) -> None:
         self._of(unit).scale_grads(unit, spans, multiplier)
 

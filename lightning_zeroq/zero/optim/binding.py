@@ -11,7 +11,7 @@ import copy
 import functools
 import weakref
 from collections import OrderedDict, defaultdict
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -154,6 +154,18 @@ class Binding:
         """Unscaling and clipping still to apply to this optimizer's gradients (see ``ZeroEngine``)."""
         self.skip: Optional[bool] = None
         """This window's decision for this optimizer's step (None: not decided yet)."""
+
+
+def whole(unit: Any, binding: Any) -> bool:
+    """``binding``'s optimizer steps every segment of ``unit`` on this rank (no other optimizer shares it
+    here). ``binding``: a ``Binding``, or anything with its ``optimized``."""
+    return len(binding.optimized[unit.index]) == len(unit.segments)
+
+
+def stepped_spans(unit: Any, binding: Any) -> Optional[list[slice]]:
+    """What a step of ``binding`` changed of ``unit``'s shard on this rank: None where it is all of it,
+    else its segments' spans (the rest is another optimizer's, unchanged)."""
+    return None if whole(unit, binding) else [seg.shard_span for _, seg in binding.optimized[unit.index]]
 
 
 def bind_to_shards(optimizer: torch.optim.Optimizer, module: nn.Module, units: Sequence[Unit]) -> Binding:

@@ -214,6 +214,9 @@ class _Matrix(NamedTuple):
     gmul: float
     hyper: dict
     counts: list[int]
+    unit: Unit
+    span: Optional[slice]
+    """``view``'s span in the unit's shard (None with ``view``)."""
 
 
 class MatrixSource(Protocol):
@@ -225,6 +228,12 @@ class MatrixSource(Protocol):
 
     def host_kernel(self, unit: Unit) -> Optional[HostAdam]:
         """The host kernel that steps the unit's segments where they live on the host, if any."""
+
+    def kernel_copy(self, unit: Unit) -> Optional[torch.Tensor]:
+        """Where the host kernel writes the unit's bf16 master copy as it steps (None: no such copy)."""
+
+    def copied(self, unit: Unit, spans: Sequence[slice]) -> None:
+        """These spans of ``kernel_copy(unit)`` were just written with their masters."""
 
 
 def start_matrices(
@@ -277,7 +286,8 @@ def start_matrices(
                 grad, gmul = source.matrix_grad(unit)
                 kernel = kernel or source.host_kernel(unit)
             g = grad[seg.shard_span] if view is not None and grad is not None else None
-            matrices.append(_Matrix(param, view, g, gmul, groups[id(param)], counts[i]))
+            span = seg.shard_span if seg is not None else None
+            matrices.append(_Matrix(param, view, g, gmul, groups[id(param)], counts[i], unit, span))
     if not matrices:
         return _done
     rank, world = rank_and_size(group)
@@ -315,20 +325,27 @@ def start_matrices(
     def finish() -> None:
         if arrived is not None:
             arrived.synchronize()
-        applies = []
+        applies, copied = [], []
         for k, m in enumerate(matrices):
             if m.view is None:
                 continue
             update = back[at[k] : at[k] + m.view.numel()]
             if fused:
-                assert kernel is not None
+                assert kernel is not None and m.span is not None
                 decay, lr = MuonRule.scales(m.hyper, m.param.shape)
-                applies.append(kernel.muon_apply(m.view, update, decay=decay, lr=lr))
+                copy = source.kernel_copy(m.unit)  # the updated master rounded to bf16 there too: its publish
+                working = copy[m.span] if copy is not None else None
+                applies.append(kernel.muon_apply(m.view, update, decay=decay, lr=lr, working=working))
+                if working is not None:
+                    copied.append(m)
             else:
                 rule.apply(m.view, update.to(m.view.device), m.hyper, m.param.shape)
         if applies:
             assert kernel is not None
             kernel.run_muon(applies)  # back and the views outlive the call
+        for m in copied:
+            assert m.span is not None
+            source.copied(m.unit, [m.span])
 
     return finish
 

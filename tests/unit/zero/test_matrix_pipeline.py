@@ -11,6 +11,14 @@ import pytest
 from lightning_zeroq.zero import step as step_module
 
 
+class _Unit(int):
+    """A unit as the pipeline sees it: its index (and itself in the events)."""
+
+    @property
+    def index(self) -> int:
+        return int(self)
+
+
 class Recorder:
     def __init__(self, fail_at: int | None = None) -> None:
         self.events: list[str] = []
@@ -29,10 +37,12 @@ def _run(monkeypatch: pytest.MonkeyPatch, recorder: Recorder, units: list[int]) 
     monkeypatch.setattr(step_module, "start_matrices", recorder.start)
     placement = SimpleNamespace(step_batches=lambda units: ([u] for u in units))
     gatherer = SimpleNamespace(
-        wire=SimpleNamespace(group=None), device="cpu", publish=lambda unit: recorder.events.append(f"publish {unit}")
+        wire=SimpleNamespace(group=None), device="cpu",
+        publish=lambda unit, spans: recorder.events.append(f"publish {unit}"),
     )
     one_step = SimpleNamespace(step=lambda: recorder.events.append("optimizer.step"))
-    return step_module.step_matrix_batches(one_step, None, units, placement, gatherer, [])
+    binding = SimpleNamespace(optimized={u: [] for u in units})
+    return step_module.step_matrix_batches(one_step, binding, [_Unit(u) for u in units], placement, gatherer, [])
 
 
 def test_the_next_batch_starts_before_this_one_finishes(monkeypatch) -> None:

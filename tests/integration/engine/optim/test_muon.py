@@ -287,11 +287,16 @@ def _offload_pair(stage: int, param_dtype: torch.dtype, extra: Optional[dict] = 
             engine.attach_optimizer(optimizer)
         engines.append(engine)
         optimizers.append(pair)
-    widened = []
+    widened, published = [], []
     landing = getattr(engines[1].parts.placement, "landing", None)  # the host placement's (a split's: None)
     if landing is not None:
         fp32 = landing.fp32
         landing.fp32 = lambda unit: (widened.append(unit.index), fp32(unit))[1]
+    kernel = getattr(engines[1].parts.placement, "kernel", None)
+    if kernel is not None:  # a publish of what one optimizer stepped: from the copy its kernel wrote, or the master
+        take = kernel.take_fresh_copy
+        kernel.take_fresh_copy = lambda unit, span: (lambda copy: (published.append(copy is not None), copy)[1])(
+            take(unit, span))
     order = (1, 0) if adamw_first else (0, 1)
     for step in range(6):
         for engine, net, pair in zip(engines, (model, other), optimizers):
@@ -307,6 +312,8 @@ def _offload_pair(stage: int, param_dtype: torch.dtype, extra: Optional[dict] = 
             assert torch.equal(on_device[name], on_host[name]), f"step {step}: {name} differs"
     if landing is not None and not clip and micro_batches == 1 and param_dtype == torch.bfloat16 and stage > 1:
         assert widened == [], f"units widened on the host: {sorted(set(widened))}"
+    if kernel is not None and kernel.kernel.muon and param_dtype == torch.bfloat16 and stage == 2:
+        assert published and all(published), published.count(False)  # never the fp32 master across
     for engine in engines:
         engine.close()
     return step
