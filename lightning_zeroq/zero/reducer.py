@@ -239,19 +239,24 @@ class Reducer:
     @torch.no_grad()
     def _reduce(self, unit: Unit) -> None:
         """Reduce-scatter the unit's local gradients into its fp32 gradient shard."""
-        layout = unit.layout
         if self.wire.identity and self.gradients.master_on_device(unit.index) and not self.accumulation.local(unit):
             # Nothing to reduce: the gradients stay as autograd left them until the shard is made
             # (``ParamGrads``), on the compute stream, after anything the side stream made for this unit.
             if unit.pending is not None or unit.has_grad_storage:
                 self.wait()
-            unit.add_grad(ParamGrads([None if p.grad is None else p.grad.reshape(-1) for p in unit.params], layout))
+            grads = [None if p.grad is None else p.grad.reshape(-1) for p in unit.params]
+            unit.add_grad(ParamGrads(grads, unit.layout))
             for p in unit.params:
                 p.grad = None
             self.gradients.grad_reduced(unit)
-            self._reduced[unit.index] = True
-            self.listener.unit_reduced(unit)
-            return
+        else:
+            self._reduce_flat(unit)
+        self._reduced[unit.index] = True
+        self.listener.unit_reduced(unit)
+
+    def _reduce_flat(self, unit: Unit) -> None:
+        """The unit's gradients into one flat buffer, reduced by the wire on the reduction stream."""
+        layout = unit.layout
         with self._stream.context():
             local = self.accumulation.start(unit)  # stage 1's fp32 local sum, or None: nothing local
             divisor = self.wire.divides_first if local is None else 1  # divided as it is copied
@@ -266,8 +271,6 @@ class Reducer:
                 self._origin.logical_or_(~torch.isfinite(flat_grad.sum()))
             unit.add_grad(self.wire.reduce(flat_grad, divided=divisor != 1))
             self.gradients.grad_reduced(unit)
-        self._reduced[unit.index] = True
-        self.listener.unit_reduced(unit)
 
     # ------------------------------------------------------------------ the window
 

@@ -32,6 +32,7 @@ from lightning_zeroq.zero.optim.binding import (
     bind_to_shards,
     hand_back,
     route_zero_grad,
+    segment_spans,
     stepped_spans,
 )
 from lightning_zeroq.zero.optim.matrix import is_matrix_optimizer, start_matrices
@@ -112,7 +113,7 @@ class SeveralOptimizers(OneOptimizer):
         self.default = everything
 
     def spans(self, binding: Binding, unit: Unit) -> list[slice]:
-        return [seg.shard_span for _, seg in binding.optimized.get(unit.index, ())]
+        return segment_spans(unit, binding)
 
     @torch.no_grad()
     def norm(
@@ -224,7 +225,7 @@ def step_matrix_batches(
             one_step.step()
         with torch.profiler.record_function("zeroq.publish"):
             for unit in batch:  # the spans it stepped (on the host, Muon's kernel wrote their bf16 copies)
-                gatherer.publish(unit, [seg.shard_span for _, seg in binding.optimized[unit.index]])
+                gatherer.publish(unit, segment_spans(unit, binding))
 
     for batch in placement.step_batches(units):
         try:

@@ -105,6 +105,15 @@ class FreedParameter(nn.Parameter):
         )
 
 
+def _widen(part: Tensor, out: Tensor, flag: Optional[Tensor]) -> None:
+    """``out`` (fp32) = ``part`` + 0 (the values a zeroed buffer gets when ``part`` is added to it); ``flag``:
+    set to 1 where a value is NaN or infinite, in the same read."""
+    if flag is None:
+        torch.add(part, 0.0, out=out)
+    else:
+        ops.widen_checked(part, out, flag)
+
+
 @dataclass(eq=False)
 class ParamGrads:
     """A unit's reduced part where the reduction is the identity: each parameter's gradient as autograd
@@ -120,10 +129,8 @@ class ParamGrads:
         for g, slot in zip(self.grads, self.layout.slots):
             if g is None:
                 out[slot.span].zero_()
-            elif flag is None:
-                torch.add(g, 0.0, out=out[slot.span])
             else:
-                ops.widen_checked(g, out[slot.span], flag)
+                _widen(g, out[slot.span], flag)
         out[self.layout.numel :].zero_()
 
     def add_into(self, out: Tensor) -> None:
@@ -249,10 +256,8 @@ class Unit:
             self.grad.zero_()
         elif isinstance(self.pending, ParamGrads):
             self.pending.widen_into(self.grad, flag)
-        elif flag is None:
-            torch.add(self.pending, 0.0, out=self.grad)
         else:
-            ops.widen_checked(self.pending, self.grad, flag)
+            _widen(self.pending, self.grad, flag)
         self.pending = None
         return True
 

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from lightning_zeroq.ops.host_adam import HostAdam
 from lightning_zeroq.zero.offload.stores import host_copy
-from lightning_zeroq.zero.optim.binding import Binding, adam_kind, kernel_group, whole
+from lightning_zeroq.zero.optim.binding import Binding, adam_kind, kernel_group, stepped_spans
 from lightning_zeroq.zero.unit import Unit
 
 _THREADS_SET: list[int] = []
@@ -129,10 +129,11 @@ class KernelSteps:
             jobs.extend(self.jobs(unit, binding, used, grad_of(unit), multiplier_of(unit), hypers))
         self.kernel.run(jobs)  # the tensors' storages outlive it: masters, gradients, state, copies are kept
         for unit in batch:
-            if whole(unit, binding):
+            spans = stepped_spans(unit, binding)
+            if spans is None:
                 self.stepped(unit.index)
             else:
-                self.copied(unit, [seg.shard_span for _, seg in binding.optimized[unit.index]])
+                self.copied(unit, spans)
         return True
 
     def copied(self, unit: Unit, spans: Sequence[slice]) -> None:
@@ -179,7 +180,7 @@ class KernelSteps:
         ``used``: indexed by parameter id, whether it is stepped; ``out``: given a segment's view and
         span, the three tensors its updated master, exp_avg and exp_avg_sq go to (the step out of
         place: those it reads stay as they were)."""
-        optimizer, working, jobs = binding.optimizer, self._working(unit), []
+        optimizer, working, jobs = binding.optimizer, self.copy_buffer(unit), []
         for view, seg in binding.optimized[unit.index]:
             span = seg.shard_span
             if not used[unit.param_id(seg.param)]:
@@ -207,7 +208,7 @@ class KernelSteps:
             )
         return jobs
 
-    def _working(self, unit: Unit) -> Optional[Tensor]:
+    def copy_buffer(self, unit: Unit) -> Optional[Tensor]:
         """Where the kernel writes the unit's bf16 master copy (bf16 working weights only)."""
         if self.param_dtype != torch.bfloat16:
             return None
@@ -216,19 +217,14 @@ class KernelSteps:
             buffer = self.working[unit.index] = host_copy(unit.master, self.pin, torch.bfloat16)
         return buffer
 
-    def copy_buffer(self, unit: Unit) -> Optional[Tensor]:
-        """Where a step writes the unit's bf16 master copy (None: the working weights are not bf16)."""
-        return self._working(unit)
-
     def copy(self, unit: Unit, dtype: torch.dtype) -> Optional[Tensor]:
         """The unit's bf16 copy of its master, if the step just wrote it (and ``dtype`` is bf16)."""
         return self.working[unit.index] if unit.index in self.fresh and dtype == torch.bfloat16 else None
 
     def forget(self, index: int) -> None:
         """Unit ``index`` no longer steps on the host (``auto`` brought it back)."""
-        self.fresh_spans.pop(index, None)
+        self.discard(index)
         self.working.pop(index, None)
-        self.fresh.discard(index)
 
 
 def adam_state(state: dict) -> bool:

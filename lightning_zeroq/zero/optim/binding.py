@@ -162,10 +162,15 @@ def whole(unit: Any, binding: Any) -> bool:
     return len(binding.optimized[unit.index]) == len(unit.segments)
 
 
+def segment_spans(unit: Any, binding: Any) -> list[slice]:
+    """The spans of ``unit``'s shard on this rank that ``binding``'s optimizer steps."""
+    return [seg.shard_span for _, seg in binding.optimized.get(unit.index, ())]
+
+
 def stepped_spans(unit: Any, binding: Any) -> Optional[list[slice]]:
     """What a step of ``binding`` changed of ``unit``'s shard on this rank: None where it is all of it,
     else its segments' spans (the rest is another optimizer's, unchanged)."""
-    return None if whole(unit, binding) else [seg.shard_span for _, seg in binding.optimized[unit.index]]
+    return None if whole(unit, binding) else segment_spans(unit, binding)
 
 
 def bind_to_shards(optimizer: torch.optim.Optimizer, module: nn.Module, units: Sequence[Unit]) -> Binding:

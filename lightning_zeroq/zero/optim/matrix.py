@@ -337,15 +337,14 @@ def start_matrices(
                 working = copy[m.span] if copy is not None else None
                 applies.append(kernel.muon_apply(m.view, update, decay=decay, lr=lr, working=working))
                 if working is not None:
-                    copied.append(m)
+                    copied.append((m.unit, m.span))
             else:
                 rule.apply(m.view, update.to(m.view.device), m.hyper, m.param.shape)
         if applies:
             assert kernel is not None
             kernel.run_muon(applies)  # back and the views outlive the call
-        for m in copied:
-            assert m.span is not None
-            source.copied(m.unit, [m.span])
+        for unit, span in copied:  # once the run wrote them
+            source.copied(unit, [span])
 
     return finish
 
